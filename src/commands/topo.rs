@@ -1,0 +1,44 @@
+//! `infer topo`: probe this host or import a recorded topology, print it as text or JSON.
+
+use std::io::Read;
+
+use anyhow::{Context, Result};
+
+use crate::ExitStatus;
+use crate::cli::TopoArgs;
+use crate::topology::probe::{ProbeOptions, probe_host};
+use crate::topology::{Topology, render};
+use crate::ui::Printer;
+
+/// Runs `infer topo`. Errors: unreadable or malformed `--from` input, a failed probe.
+pub fn run(args: &TopoArgs, printer: &Printer) -> Result<ExitStatus> {
+    let topology = match &args.from {
+        Some(path) if path.as_os_str() == "-" => {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("failed to read standard input")?;
+            Topology::import(&text, "stdin")?
+        }
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("failed to read `{}`", path.display()))?;
+            let origin = path.file_name().map_or_else(
+                || path.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+            Topology::import(&text, &origin)?
+        }
+        None => Topology {
+            hosts: vec![probe_host(&ProbeOptions {
+                sysfs_root: args.sysfs_root.clone(),
+            })?],
+        },
+    };
+    if args.json {
+        printer.json(&topology)?;
+    } else {
+        printer.data(&render::render(&topology));
+    }
+    Ok(ExitStatus::Success)
+}

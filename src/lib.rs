@@ -1,0 +1,26 @@
+//! `infer`: plan, launch and diagnose distributed LLM inference on bare-metal GPU clusters.
+//!
+//! The library behind the binary. [`run`] dispatches a parsed command line to a command in
+//! [`commands`]; each command is a thin wrapper over a domain module ([`topology`], …).
+//! See ARCHITECTURE.md for the code map and the invariants.
+
+pub mod cli;
+pub mod commands;
+pub mod topology;
+pub mod ui;
+
+/// How a command that ran to completion answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// Exit code 0.
+    Success,
+    /// Exit code 1: the command worked and the answer is "no" (infeasible plan, doctor errors).
+    No,
+}
+
+/// Runs one command. Errors are bad input or unexpected failures (exit code 2).
+pub fn run(cli: cli::Cli, printer: &ui::Printer) -> anyhow::Result<ExitStatus> {
+    match cli.command {
+        cli::Command::Topo(args) => commands::topo::run(&args, printer),
+    }
+}

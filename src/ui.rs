@@ -1,0 +1,83 @@
+//! All terminal output: data to stdout, notes, warnings and errors to stderr. The only module
+//! (with `main.rs`) allowed to print, so `--json` stdout stays clean.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::io::{IsTerminal, Write};
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+/// Writes to the terminal. Output reads correctly without colour; `NO_COLOR` is respected.
+#[derive(Clone, Debug)]
+pub struct Printer {
+    /// Whether stderr may carry ANSI colour: a terminal and `NO_COLOR` unset.
+    color: bool,
+}
+
+impl Printer {
+    /// A printer configured from the environment (`NO_COLOR`, whether stderr is a terminal).
+    pub fn from_env() -> Printer {
+        let color = std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+            && std::io::stderr().is_terminal();
+        Printer { color }
+    }
+
+    /// Writes data (a table, a plan) to stdout, ending with a newline.
+    pub fn data(&self, text: &str) {
+        let mut stdout = std::io::stdout().lock();
+        // A closed pipe (`infer topo | head`) is not an error worth reporting.
+        let _ = write!(stdout, "{text}");
+        if !text.ends_with('\n') {
+            let _ = writeln!(stdout);
+        }
+    }
+
+    /// Writes `value` as pretty JSON to stdout. Errors: `value` cannot be serialized.
+    pub fn json<T: Serialize>(&self, value: &T) -> Result<()> {
+        let text =
+            serde_json::to_string_pretty(value).context("failed to serialize JSON output")?;
+        self.data(&text);
+        Ok(())
+    }
+
+    /// A progress or informational line on stderr.
+    pub fn note(&self, text: &str) {
+        eprintln!("{}: {text}", self.paint("note", "36"));
+    }
+
+    /// A warning on stderr.
+    pub fn warn(&self, text: &str) {
+        eprintln!("{}: {text}", self.paint("warning", "33"));
+    }
+
+    /// An error and its causes on stderr, in the layout
+    /// `error: …` / `  caused by: …`, with any `hint: …` lines at the end.
+    pub fn error(&self, error: &anyhow::Error) {
+        let mut hints = Vec::new();
+        let mut lines = Vec::new();
+        for (depth, cause) in error.chain().enumerate() {
+            let text = cause.to_string();
+            let mut parts = text.split("\nhint: ");
+            let message = parts.next().unwrap_or_default();
+            hints.extend(parts.map(str::to_string));
+            if depth == 0 {
+                lines.push(format!("{}: {message}", self.paint("error", "31")));
+            } else {
+                lines.push(format!("  caused by: {message}"));
+            }
+        }
+        for hint in hints {
+            lines.push(String::new());
+            lines.push(format!("{}: {hint}", self.paint("hint", "32")));
+        }
+        eprintln!("{}", lines.join("\n"));
+    }
+
+    fn paint(&self, word: &str, ansi: &str) -> String {
+        if self.color {
+            format!("\x1b[1;{ansi}m{word}\x1b[0m")
+        } else {
+            word.to_string()
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! Tidy checks over the source tree (after rust-analyzer's `tidy.rs`): every Rust file
+//! opens with a `//!` module doc saying what it owns, and `src/` holds no `todo!()` stubs.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+fn rust_files(dir: &Path, files: &mut Vec<PathBuf>) {
+    for entry in
+        fs::read_dir(dir).unwrap_or_else(|e| panic!("cannot list `{}`: {e}", dir.display()))
+    {
+        let path = entry.expect("directory entry").path();
+        if path.is_dir() {
+            rust_files(&path, files);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+}
+
+fn all_files() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["src", "tests", "benches"] {
+        if root.join(dir).exists() {
+            rust_files(&root.join(dir), &mut files);
+        }
+    }
+    assert!(files.len() > 5, "found too few Rust files: {files:?}");
+    files
+}
+
+#[test]
+fn every_rust_file_starts_with_a_module_doc() {
+    let missing: Vec<String> = all_files()
+        .into_iter()
+        .filter(|path| {
+            let text = fs::read_to_string(path).expect("readable source");
+            !text.trim_start().starts_with("//!")
+        })
+        .map(|path| path.display().to_string())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "files without a `//!` module doc: {missing:?}"
+    );
+}
+
+#[test]
+fn no_stubs_in_src() {
+    let stub_markers = [concat!("todo", "!("), concat!("unimplemented", "!(")];
+    let stubs: Vec<String> = all_files()
+        .into_iter()
+        .filter(|path| path.components().any(|c| c.as_os_str() == "src"))
+        .filter(|path| {
+            let text = fs::read_to_string(path).expect("readable source");
+            stub_markers.iter().any(|m| text.contains(m))
+        })
+        .map(|path| path.display().to_string())
+        .collect();
+    assert!(stubs.is_empty(), "stubs in: {stubs:?}");
+}
