@@ -19,6 +19,9 @@ pub enum Command {
     /// Probe this host's GPUs, NVLink, NICs and HCAs (or import a recorded topology) and
     /// print the matrix like `nvidia-smi topo -m`.
     Topo(TopoArgs),
+    /// Choose TP × PP × EP × DP for a model on a cluster, place every rank, and print the
+    /// memory per GPU, the NCCL env per host and the reasons.
+    Plan(PlanArgs),
 }
 
 /// `infer topo`.
@@ -36,4 +39,70 @@ pub struct TopoArgs {
     /// Read NICs and HCAs from this sysfs mount point instead of `/sys`.
     #[arg(long, value_name = "DIR", default_value = "/sys")]
     pub sysfs_root: PathBuf,
+}
+
+/// `infer plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// A `.gguf` file, a Hugging Face model directory (or its `config.json`), or a profile
+    /// name from `profiles/models/` (`llama-3.1-70b`, `deepseek-v3`, …).
+    #[arg(long, value_name = "M")]
+    pub model: String,
+
+    /// `local` (probe this host), a cluster inventory TOML, or a shorthand
+    /// `NODESxGPUSxHARDWARE` such as `2x8xh100-sxm`.
+    #[arg(long, value_name = "C", default_value = "local")]
+    pub cluster: String,
+
+    /// What to optimise: `latency` (TPOT of one sequence) or `throughput` (tokens/s).
+    #[arg(long, value_enum, default_value_t = ObjectiveArg::Throughput)]
+    pub objective: ObjectiveArg,
+
+    /// Weight dtype: bf16, fp16, fp8, int8, int4 (awq), mxfp4. Default: the checkpoint's own.
+    #[arg(long, value_name = "D")]
+    pub dtype: Option<String>,
+
+    /// KV-cache dtype: bf16, fp16 or fp8. Default: the activation dtype.
+    #[arg(long, value_name = "D")]
+    pub kv_dtype: Option<String>,
+
+    /// Longest sequence to serve, in tokens. Default: the model's context length.
+    #[arg(long, value_name = "N")]
+    pub max_model_len: Option<u64>,
+
+    /// Fraction of each GPU's memory the engine may use (as vLLM).
+    #[arg(long, value_name = "F", default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
+
+    /// Pin the tensor-parallel degree (the plan checks it).
+    #[arg(long, value_name = "N")]
+    pub tp: Option<u64>,
+    /// Pin the pipeline-parallel degree.
+    #[arg(long, value_name = "N")]
+    pub pp: Option<u64>,
+    /// Pin the expert-parallel degree (MoE models; divides tp × dp).
+    #[arg(long, value_name = "N")]
+    pub ep: Option<u64>,
+    /// Pin the data-parallel degree (replicas).
+    #[arg(long, value_name = "N")]
+    pub dp: Option<u64>,
+
+    /// Print the plan as JSON to stdout.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Also list every layout considered and why it lost.
+    #[arg(long)]
+    pub explain: bool,
+
+    /// sysfs mount point used when `--cluster local` probes this host.
+    #[arg(long, value_name = "DIR", default_value = "/sys", hide = true)]
+    pub sysfs_root: PathBuf,
+}
+
+/// `--objective`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ObjectiveArg {
+    Latency,
+    Throughput,
 }

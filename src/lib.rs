@@ -5,7 +5,10 @@
 //! See ARCHITECTURE.md for the code map and the invariants.
 
 pub mod cli;
+pub mod cluster;
 pub mod commands;
+pub mod model;
+pub mod plan;
 pub mod topology;
 pub mod ui;
 
@@ -22,5 +25,6 @@ pub enum ExitStatus {
 pub fn run(cli: cli::Cli, printer: &ui::Printer) -> anyhow::Result<ExitStatus> {
     match cli.command {
         cli::Command::Topo(args) => commands::topo::run(&args, printer),
+        cli::Command::Plan(args) => commands::plan::run(&args, printer),
     }
 }

@@ -1,4 +1,5 @@
 //! One module per subcommand: each turns clap arguments into a call of a domain module and
 //! hands the result to [`crate::ui::Printer`]. No domain logic lives here.
 
+pub mod plan;
 pub mod topo;

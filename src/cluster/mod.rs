@@ -1,0 +1,298 @@
+//! Building a [`Cluster`] from what `--cluster` names: `local` (probe this host), a TOML
+//! inventory of hosts, or a shorthand `NODESxGPUSxHW` such as `2x8xh100-sxm`. Hardware
+//! figures come from `profiles/hardware/` (embedded). This is the I/O edge of the planner.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+
+use crate::plan::cluster::{Cluster, ClusterHost, HardwareSpec};
+use crate::topology::probe::{ProbeOptions, probe_host};
+use crate::topology::{Gpu, Host, LinkCode, Topology, nvlink_domains};
+
+/// Hardware profiles shipped in `profiles/hardware/`, by id.
+pub const HARDWARE_PROFILES: &[(&str, &str)] = &[
+    (
+        "h100-sxm",
+        include_str!("../../profiles/hardware/h100-sxm.toml"),
+    ),
+    (
+        "h100-pcie",
+        include_str!("../../profiles/hardware/h100-pcie.toml"),
+    ),
+    (
+        "h200-sxm",
+        include_str!("../../profiles/hardware/h200-sxm.toml"),
+    ),
+    (
+        "a100-sxm-80g",
+        include_str!("../../profiles/hardware/a100-sxm-80g.toml"),
+    ),
+    (
+        "a100-pcie-80g",
+        include_str!("../../profiles/hardware/a100-pcie-80g.toml"),
+    ),
+    ("l40s", include_str!("../../profiles/hardware/l40s.toml")),
+    ("l4", include_str!("../../profiles/hardware/l4.toml")),
+    (
+        "rtx-pro-6000",
+        include_str!("../../profiles/hardware/rtx-pro-6000.toml"),
+    ),
+    ("b200", include_str!("../../profiles/hardware/b200.toml")),
+];
+
+/// The hardware profile `id`. Errors: unknown id (listing the known ones), malformed profile.
+pub fn hardware(id: &str) -> Result<HardwareSpec> {
+    let Some((_, text)) = HARDWARE_PROFILES.iter().find(|(n, _)| *n == id) else {
+        let known: Vec<&str> = HARDWARE_PROFILES.iter().map(|(n, _)| *n).collect();
+        bail!(
+            "unknown hardware profile `{id}`; known: {}",
+            known.join(", ")
+        );
+    };
+    toml::from_str(text).with_context(|| format!("hardware profile `{id}` is malformed"))
+}
+
+/// Resolves `--cluster`.
+///
+/// Errors: a shorthand with an unknown profile or zero counts, an unreadable or malformed
+/// inventory, `local` on a host without GPUs (with a hint to plan for a shorthand).
+pub fn load(cluster: &str, sysfs_root: &Path) -> Result<Cluster> {
+    if cluster == "local" {
+        return local(sysfs_root);
+    }
+    let path = Path::new(cluster);
+    if path.is_file() {
+        return inventory(path);
+    }
+    if let Some(parsed) = shorthand(cluster)? {
+        return Ok(parsed);
+    }
+    bail!(
+        "`{cluster}` is not `local`, an inventory file, or a shorthand like `2x8xh100-sxm`\n\
+         hint: shorthands are NODESxGPUSxHARDWARE with HARDWARE one of: {}",
+        HARDWARE_PROFILES
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+/// `2x8xh100-sxm` → 2 synthetic hosts of 8 GPUs. `None` when `text` is not of that shape.
+fn shorthand(text: &str) -> Result<Option<Cluster>> {
+    let mut parts = text.splitn(3, 'x');
+    let (Some(nodes), Some(gpus), Some(hw)) = (parts.next(), parts.next(), parts.next()) else {
+        return Ok(None);
+    };
+    let (Ok(n_nodes), Ok(n_gpus)) = (nodes.parse::<usize>(), gpus.parse::<usize>()) else {
+        return Ok(None);
+    };
+    if n_nodes == 0 || n_gpus == 0 {
+        bail!("`{text}`: node and GPU counts must be at least 1");
+    }
+    let spec = hardware(hw).with_context(|| format!("in cluster shorthand `{text}`"))?;
+    let hosts = (0..n_nodes)
+        .map(|i| {
+            let name = format!("node{i}");
+            ClusterHost {
+                topology: synthetic_topology(&name, n_gpus, &spec),
+                name,
+                address: None,
+                hardware_id: hw.to_string(),
+                hardware: spec.clone(),
+            }
+        })
+        .collect();
+    Ok(Some(Cluster {
+        description: text.to_string(),
+        hosts,
+    }))
+}
+
+/// The standard server of a hardware profile: NVSwitch boards are one NVLink domain
+/// (`NV<links>`, 18 links on Hopper/Blackwell, 12 on A100); PCIe servers put half the GPUs
+/// on each socket (`NODE` within, `SYS` across).
+pub fn synthetic_topology(hostname: &str, n_gpus: usize, spec: &HardwareSpec) -> Host {
+    let domain = (spec.nvlink_domain_size as usize).max(1);
+    let links = ((spec.nvlink_gb_per_sec / 50.0) as u32).clamp(1, 18);
+    let half = n_gpus.div_ceil(2).max(1);
+    let gpu_links: Vec<Vec<LinkCode>> = (0..n_gpus)
+        .map(|i| {
+            (0..n_gpus)
+                .map(|j| {
+                    if i == j {
+                        LinkCode::SelfLink
+                    } else if domain > 1 && i / domain == j / domain {
+                        LinkCode::NvLink(links)
+                    } else if i / half == j / half {
+                        LinkCode::Node
+                    } else {
+                        LinkCode::Sys
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let gpus = (0..n_gpus)
+        .map(|index| Gpu {
+            index,
+            name: Some(spec.name.clone()),
+            uuid: None,
+            memory_bytes: Some(spec.memory_bytes),
+            pci_bus_id: None,
+            numa_node: Some((index / half) as u32),
+            cpu_affinity: None,
+        })
+        .collect();
+    Host {
+        hostname: hostname.to_string(),
+        source: "hardware profile".to_string(),
+        driver_version: None,
+        cuda_driver_version: None,
+        gpus,
+        nvlink_domains: nvlink_domains(&gpu_links),
+        gpu_links,
+        p2p: None,
+        nics: Vec::new(),
+        notes: Vec::new(),
+    }
+}
+
+/// This host, probed. The hardware profile is matched from the GPU name.
+fn local(sysfs_root: &Path) -> Result<Cluster> {
+    let host = probe_host(&ProbeOptions {
+        sysfs_root: sysfs_root.to_path_buf(),
+    })?;
+    let Some(gpu_name) = host.gpus.first().and_then(|g| g.name.clone()) else {
+        bail!(
+            "this host has no NVIDIA GPUs to plan for ({})\nhint: plan for hardware you do not have here with a shorthand, e.g. `--cluster 1x8xh100-sxm`",
+            host.notes.join("; ")
+        );
+    };
+    let hardware_id = hardware_for_gpu_name(&gpu_name)
+        .with_context(|| format!("no hardware profile matches GPU `{gpu_name}`; use a cluster inventory that names `hardware`"))?;
+    let mut hardware = hardware(hardware_id)?;
+    if let Some(memory_bytes) = host.gpus.iter().filter_map(|g| g.memory_bytes).min() {
+        hardware.memory_bytes = memory_bytes;
+    }
+    Ok(Cluster {
+        description: "local".to_string(),
+        hosts: vec![ClusterHost {
+            name: host.hostname.clone(),
+            address: None,
+            hardware_id: hardware_id.to_string(),
+            hardware,
+            topology: host,
+        }],
+    })
+}
+
+/// Maps an NVML GPU name to a hardware profile id.
+pub fn hardware_for_gpu_name(name: &str) -> Option<&'static str> {
+    let name = name.to_ascii_uppercase();
+    let table: &[(&[&str], &str)] = &[
+        (&["H200"], "h200-sxm"),
+        (&["H100", "PCIE"], "h100-pcie"),
+        (&["H100"], "h100-sxm"),
+        (&["A100", "PCIE"], "a100-pcie-80g"),
+        (&["A100"], "a100-sxm-80g"),
+        (&["L40S"], "l40s"),
+        (&["L4"], "l4"),
+        (&["RTX PRO 6000"], "rtx-pro-6000"),
+        (&["B200"], "b200"),
+    ];
+    table
+        .iter()
+        .find(|(words, _)| words.iter().all(|w| name.contains(w)))
+        .map(|(_, id)| *id)
+}
+
+/// A cluster inventory file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct Inventory {
+    hosts: Vec<InventoryHost>,
+}
+
+/// One `[[hosts]]` entry.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct InventoryHost {
+    /// Name used in rank tables and env (defaults to `address`).
+    name: Option<String>,
+    /// Address to reach it over SSH.
+    address: String,
+    #[serde(default)]
+    #[allow(dead_code)]
+    ssh_user: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    ssh_port: Option<u16>,
+    /// GPUs to use on it.
+    gpus: usize,
+    /// Hardware profile id.
+    hardware: String,
+    /// `infer topo --json` output or `nvidia-smi topo -m` text, relative to the inventory.
+    topology: Option<String>,
+}
+
+/// Reads a TOML inventory:
+///
+/// ```toml
+/// [[hosts]]
+/// name = "gpu-node-1"
+/// address = "10.0.0.11"
+/// ssh-user = "ubuntu"
+/// gpus = 8
+/// hardware = "h100-sxm"
+/// topology = "gpu-node-1.json"   # optional
+/// ```
+fn inventory(path: &Path) -> Result<Cluster> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("failed to read `{}`", path.display()))?;
+    let inventory: Inventory = toml::from_str(&text)
+        .with_context(|| format!("`{}` is not a valid cluster inventory", path.display()))?;
+    if inventory.hosts.is_empty() {
+        bail!("`{}` lists no `[[hosts]]`", path.display());
+    }
+    let base = path.parent().unwrap_or(Path::new("."));
+    let mut hosts = Vec::new();
+    for entry in inventory.hosts {
+        let name = entry.name.clone().unwrap_or_else(|| entry.address.clone());
+        let hardware = hardware(&entry.hardware)
+            .with_context(|| format!("host `{name}` in `{}`", path.display()))?;
+        let topology = match &entry.topology {
+            Some(file) => {
+                let file = base.join(file);
+                let text = std::fs::read_to_string(&file)
+                    .with_context(|| format!("failed to read `{}`", file.display()))?;
+                let mut imported = Topology::import(&text, &name)?;
+                let mut host = imported.hosts.remove(0);
+                if host.gpus.len() != entry.gpus {
+                    bail!(
+                        "host `{name}`: inventory says {} GPUs but `{}` has {}",
+                        entry.gpus,
+                        file.display(),
+                        host.gpus.len()
+                    );
+                }
+                host.hostname = name.clone();
+                host
+            }
+            None => synthetic_topology(&name, entry.gpus, &hardware),
+        };
+        hosts.push(ClusterHost {
+            name,
+            address: Some(entry.address),
+            hardware_id: entry.hardware,
+            hardware,
+            topology,
+        });
+    }
+    Ok(Cluster {
+        description: path.display().to_string(),
+        hosts,
+    })
+}

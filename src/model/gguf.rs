@@ -1,0 +1,448 @@
+//! GGUF v2/v3 header reader: every metadata value type, tensor infos, alignment, and the
+//! byte size of each tensor type (block layouts of llama.cpp's `ggml-common.h`). Reads the
+//! header only; tensor data is left where it is.
+
+use std::collections::BTreeMap;
+use std::io::{BufReader, Read};
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+
+use crate::plan::model::{Architecture, Dtype, ModelSpec, MoeSpec};
+
+/// `GGUF` little-endian.
+const MAGIC: u32 = 0x4655_4747;
+
+/// Largest string or array the reader accepts: guards against reading garbage lengths.
+const MAX_LENGTH: u64 = 1 << 28;
+
+/// One metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+    Bool(bool),
+    String(String),
+    Array(Vec<Value>),
+    U64(u64),
+    I64(i64),
+    F64(f64),
+}
+
+impl Value {
+    /// The value as an unsigned integer when it is an integer type ≥ 0.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Value::U8(v) => Some(v.into()),
+            Value::U16(v) => Some(v.into()),
+            Value::U32(v) => Some(v.into()),
+            Value::U64(v) => Some(v),
+            Value::I8(v) => u64::try_from(v).ok(),
+            Value::I16(v) => u64::try_from(v).ok(),
+            Value::I32(v) => u64::try_from(v).ok(),
+            Value::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    /// The value as a string slice when it is a string.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::String(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// One tensor's header entry.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    /// Dimensions, innermost first (GGUF order: `ne[0]` is the row length).
+    pub dims: Vec<u64>,
+    /// ggml type id (`GGML_TYPE_*`).
+    pub type_id: u32,
+    /// Offset of the data from the start of the data section, in bytes.
+    pub offset_bytes: u64,
+}
+
+impl TensorInfo {
+    /// Number of elements.
+    pub fn n_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+
+    /// Bytes of the data. Errors: an unsupported type id, or a row not a whole number of blocks.
+    pub fn n_bytes(&self) -> Result<u64> {
+        let (block_elements, block_bytes, type_name) =
+            ggml_type(self.type_id).with_context(|| {
+                format!(
+                    "tensor `{}` has unsupported ggml type id {}",
+                    self.name, self.type_id
+                )
+            })?;
+        let n = self.n_elements();
+        if n % block_elements != 0 {
+            bail!(
+                "tensor `{}` ({type_name}) has {n} elements, not a multiple of its block size {block_elements}",
+                self.name
+            );
+        }
+        Ok(n / block_elements * block_bytes)
+    }
+
+    /// The type's name (`Q4_1`), or `type <id>` when unknown.
+    pub fn type_name(&self) -> String {
+        ggml_type(self.type_id).map_or(format!("type {}", self.type_id), |(_, _, name)| {
+            name.to_string()
+        })
+    }
+}
+
+/// `(elements per block, bytes per block, name)` of a ggml type, from `ggml-common.h`.
+pub fn ggml_type(type_id: u32) -> Option<(u64, u64, &'static str)> {
+    Some(match type_id {
+        0 => (1, 4, "F32"),
+        1 => (1, 2, "F16"),
+        2 => (32, 18, "Q4_0"),
+        3 => (32, 20, "Q4_1"),
+        6 => (32, 22, "Q5_0"),
+        7 => (32, 24, "Q5_1"),
+        8 => (32, 34, "Q8_0"),
+        9 => (32, 36, "Q8_1"),
+        10 => (256, 84, "Q2_K"),
+        11 => (256, 110, "Q3_K"),
+        12 => (256, 144, "Q4_K"),
+        13 => (256, 176, "Q5_K"),
+        14 => (256, 210, "Q6_K"),
+        15 => (256, 292, "Q8_K"),
+        30 => (1, 2, "BF16"),
+        _ => return None,
+    })
+}
+
+/// A parsed GGUF header.
+#[derive(Clone, Debug)]
+pub struct Header {
+    pub version: u32,
+    pub metadata: BTreeMap<String, Value>,
+    pub tensors: Vec<TensorInfo>,
+    /// `general.alignment`, default 32.
+    pub alignment_bytes: u64,
+}
+
+impl Header {
+    /// Reads the header of the file at `path`. Errors: not GGUF, an unsupported version, or a
+    /// truncated or corrupt header (each naming the file).
+    pub fn read_file(path: &Path) -> Result<Header> {
+        let file = std::fs::File::open(path)
+            .with_context(|| format!("failed to open `{}`", path.display()))?;
+        Header::read(&mut BufReader::new(file))
+            .with_context(|| format!("failed to read the GGUF header of `{}`", path.display()))
+    }
+
+    /// Reads a header from `reader`, positioned at the start of the file.
+    pub fn read(reader: &mut impl Read) -> Result<Header> {
+        let mut r = Reader { inner: reader };
+        let magic = r
+            .u32()
+            .context("file is empty or shorter than a GGUF magic")?;
+        if magic != MAGIC {
+            bail!("not a GGUF file (magic {magic:#010x}, expected `GGUF`)");
+        }
+        let version = r.u32()?;
+        if !(2..=3).contains(&version) {
+            bail!("GGUF version {version} is not supported (2 and 3 are)");
+        }
+        let n_tensors = r.u64()?;
+        let n_metadata = r.u64()?;
+        if n_tensors > MAX_LENGTH || n_metadata > MAX_LENGTH {
+            bail!("corrupt GGUF header: {n_tensors} tensors, {n_metadata} metadata entries");
+        }
+        let mut metadata = BTreeMap::new();
+        for _ in 0..n_metadata {
+            let key = r.string()?;
+            let type_id = r.u32()?;
+            let value = r
+                .value(type_id)
+                .with_context(|| format!("bad metadata value for `{key}`"))?;
+            metadata.insert(key, value);
+        }
+        let mut tensors = Vec::with_capacity(n_tensors as usize);
+        for _ in 0..n_tensors {
+            let name = r.string()?;
+            let n_dims = r.u32()?;
+            if n_dims > 8 {
+                bail!("tensor `{name}` claims {n_dims} dimensions");
+            }
+            let dims = (0..n_dims).map(|_| r.u64()).collect::<Result<Vec<_>>>()?;
+            let type_id = r.u32()?;
+            let offset_bytes = r.u64()?;
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                type_id,
+                offset_bytes,
+            });
+        }
+        let alignment_bytes = metadata
+            .get("general.alignment")
+            .and_then(Value::as_u64)
+            .unwrap_or(32);
+        Ok(Header {
+            version,
+            metadata,
+            tensors,
+            alignment_bytes,
+        })
+    }
+
+    /// A metadata integer. Errors name the key.
+    pub fn u64(&self, key: &str) -> Result<u64> {
+        self.metadata
+            .get(key)
+            .and_then(Value::as_u64)
+            .with_context(|| format!("GGUF metadata key `{key}` is missing or not an integer"))
+    }
+
+    /// A metadata string. Errors name the key.
+    pub fn str(&self, key: &str) -> Result<&str> {
+        self.metadata
+            .get(key)
+            .and_then(Value::as_str)
+            .with_context(|| format!("GGUF metadata key `{key}` is missing or not a string"))
+    }
+}
+
+struct Reader<'a, R: Read> {
+    inner: &'a mut R,
+}
+
+impl<R: Read> Reader<'_, R> {
+    fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut buffer = [0u8; N];
+        self.inner
+            .read_exact(&mut buffer)
+            .context("file is truncated")?;
+        Ok(buffer)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.bytes()?))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.bytes()?))
+    }
+    fn string(&mut self) -> Result<String> {
+        let length = self.u64()?;
+        if length > MAX_LENGTH {
+            bail!("corrupt GGUF header: a string of {length} bytes");
+        }
+        let mut buffer = vec![0u8; length as usize];
+        self.inner
+            .read_exact(&mut buffer)
+            .context("file is truncated")?;
+        String::from_utf8(buffer).context("a GGUF string is not UTF-8")
+    }
+    fn value(&mut self, type_id: u32) -> Result<Value> {
+        Ok(match type_id {
+            0 => Value::U8(u8::from_le_bytes(self.bytes()?)),
+            1 => Value::I8(i8::from_le_bytes(self.bytes()?)),
+            2 => Value::U16(u16::from_le_bytes(self.bytes()?)),
+            3 => Value::I16(i16::from_le_bytes(self.bytes()?)),
+            4 => Value::U32(self.u32()?),
+            5 => Value::I32(i32::from_le_bytes(self.bytes()?)),
+            6 => Value::F32(f32::from_le_bytes(self.bytes()?)),
+            7 => Value::Bool(u8::from_le_bytes(self.bytes()?) != 0),
+            8 => Value::String(self.string()?),
+            9 => {
+                let item_type = self.u32()?;
+                let length = self.u64()?;
+                if length > MAX_LENGTH {
+                    bail!("corrupt GGUF header: an array of {length} items");
+                }
+                Value::Array(
+                    (0..length)
+                        .map(|_| self.value(item_type))
+                        .collect::<Result<_>>()?,
+                )
+            }
+            10 => Value::U64(self.u64()?),
+            11 => Value::I64(i64::from_le_bytes(self.bytes()?)),
+            12 => Value::F64(f64::from_le_bytes(self.bytes()?)),
+            other => bail!("unknown GGUF metadata value type {other}"),
+        })
+    }
+}
+
+/// Builds a planning spec from a GGUF file's header: shape from `<arch>.*` metadata, exact
+/// weight bytes from the tensor infos.
+///
+/// Errors: an architecture other than `llama`, `mistral`, `qwen2`, `qwen3` (named), missing
+/// keys, or an unsupported tensor type (naming the tensor).
+pub fn spec_from_header(header: &Header, path: &Path) -> Result<ModelSpec> {
+    let arch = header.str("general.architecture")?;
+    let architecture = match arch {
+        "llama" => Architecture::Llama,
+        "mistral" => Architecture::Mistral,
+        "qwen2" => Architecture::Qwen2,
+        "qwen3" => Architecture::Qwen3,
+        other => bail!(
+            "unsupported GGUF architecture `{other}`; supported: llama, mistral, qwen2, qwen3"
+        ),
+    };
+    let key = |name: &str| format!("{arch}.{name}");
+    let hidden_size = header.u64(&key("embedding_length"))?;
+    let n_heads = header.u64(&key("attention.head_count"))?;
+    let n_kv_heads = header
+        .u64(&key("attention.head_count_kv"))
+        .unwrap_or(n_heads);
+    let head_dim = header
+        .u64(&key("attention.key_length"))
+        .unwrap_or(hidden_size / n_heads.max(1));
+    let vocab_size = match header.metadata.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(tokens)) => tokens.len() as u64,
+        _ => header.u64(&key("vocab_size"))?,
+    };
+    let n_experts = header.u64(&key("expert_count")).unwrap_or(0);
+    let moe = (n_experts > 0)
+        .then(|| -> Result<MoeSpec> {
+            Ok(MoeSpec {
+                n_experts,
+                n_experts_per_token: header.u64(&key("expert_used_count"))?,
+                expert_intermediate_size: header.u64(&key("feed_forward_length"))?,
+                n_shared_experts: 0,
+                n_dense_layers: 0,
+                expert_bias: false,
+            })
+        })
+        .transpose()?;
+    let mut weight_bytes = 0u64;
+    for tensor in &header.tensors {
+        weight_bytes += tensor.n_bytes()?;
+    }
+    let name = header
+        .metadata
+        .get("general.name")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .unwrap_or_else(|| {
+            path.file_stem()
+                .map_or("model".into(), |s| s.to_string_lossy().into_owned())
+        });
+    Ok(ModelSpec {
+        name,
+        serve_id: path.display().to_string(),
+        architecture,
+        hidden_size,
+        intermediate_size: header.u64(&key("feed_forward_length"))?,
+        n_layers: header.u64(&key("block_count"))?,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        vocab_size,
+        tie_word_embeddings: !header.tensors.iter().any(|t| t.name == "output.weight"),
+        qkv_bias: header
+            .tensors
+            .iter()
+            .any(|t| t.name.ends_with("attn_q.bias")),
+        o_bias: false,
+        qk_norm: header
+            .tensors
+            .iter()
+            .any(|t| t.name.ends_with("attn_q_norm.weight")),
+        max_position_embeddings: header.u64(&key("context_length")).unwrap_or(4096),
+        moe,
+        mla: None,
+        native_dtype: Dtype::Gguf,
+        expert_dtype: None,
+        file_weight_bytes: Some(weight_bytes),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Writes a tiny GGUF v3 header with the given metadata and tensors.
+    fn gguf(metadata: &[(&str, u32, Vec<u8>)], tensors: &[(&str, &[u64], u32)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend(MAGIC.to_le_bytes());
+        out.extend(3u32.to_le_bytes());
+        out.extend((tensors.len() as u64).to_le_bytes());
+        out.extend((metadata.len() as u64).to_le_bytes());
+        let string = |out: &mut Vec<u8>, s: &str| {
+            out.extend((s.len() as u64).to_le_bytes());
+            out.extend(s.as_bytes());
+        };
+        for (key, type_id, value) in metadata {
+            string(&mut out, key);
+            out.extend(type_id.to_le_bytes());
+            out.extend(value);
+        }
+        for (name, dims, type_id) in tensors {
+            string(&mut out, name);
+            out.extend((dims.len() as u32).to_le_bytes());
+            for d in *dims {
+                out.extend(d.to_le_bytes());
+            }
+            out.extend(type_id.to_le_bytes());
+            out.extend(0u64.to_le_bytes());
+        }
+        out
+    }
+
+    fn str_value(s: &str) -> Vec<u8> {
+        let mut v = (s.len() as u64).to_le_bytes().to_vec();
+        v.extend(s.as_bytes());
+        v
+    }
+
+    #[test]
+    fn reads_metadata_and_tensor_sizes() {
+        let bytes = gguf(
+            &[
+                ("general.architecture", 8, str_value("llama")),
+                ("llama.block_count", 4, 2u32.to_le_bytes().to_vec()),
+                ("general.alignment", 4, 64u32.to_le_bytes().to_vec()),
+            ],
+            &[
+                ("token_embd.weight", &[64, 100], 3),
+                ("output_norm.weight", &[64], 0),
+            ],
+        );
+        let header = Header::read(&mut bytes.as_slice()).expect("valid header");
+        assert_eq!(header.version, 3);
+        assert_eq!(header.u64("llama.block_count").expect("present"), 2);
+        assert_eq!(header.alignment_bytes, 64);
+        // Q4_1: 6400 elements = 200 blocks of 20 bytes.
+        assert_eq!(header.tensors[0].n_bytes().expect("known type"), 4000);
+        assert_eq!(header.tensors[1].n_bytes().expect("known type"), 256);
+        assert_eq!(header.tensors[0].type_name(), "Q4_1");
+    }
+
+    #[test]
+    fn rejects_non_gguf_and_truncated_files() {
+        let error = Header::read(&mut &b"PK\x03\x04 not gguf at all"[..]).expect_err("not GGUF");
+        assert!(error.to_string().contains("not a GGUF file"), "{error}");
+        let bytes = gguf(&[("general.architecture", 8, str_value("llama"))], &[]);
+        let error = Header::read(&mut &bytes[..bytes.len() - 3]).expect_err("truncated");
+        assert!(format!("{error:#}").contains("truncated"), "{error:#}");
+    }
+
+    #[test]
+    fn unsupported_tensor_types_are_named() {
+        let info = TensorInfo {
+            name: "blk.0.ffn_up.weight".into(),
+            dims: vec![256],
+            type_id: 99,
+            offset_bytes: 0,
+        };
+        let error = info.n_bytes().expect_err("unknown type");
+        assert!(error.to_string().contains("blk.0.ffn_up.weight"), "{error}");
+    }
+}

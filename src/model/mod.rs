@@ -1,0 +1,116 @@
+//! Loading a [`ModelSpec`] from what `--model` names: a `.gguf` file, a Hugging Face
+//! directory or `config.json`, or a profile in `profiles/models/` (embedded in the binary).
+//! This is the I/O edge in front of the pure planner.
+
+pub mod gguf;
+pub mod hf;
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+
+use crate::plan::model::ModelSpec;
+
+/// The model profiles shipped in `profiles/models/`, by name.
+pub const MODEL_PROFILES: &[(&str, &str)] = &[
+    (
+        "smollm2-135m",
+        include_str!("../../profiles/models/smollm2-135m.toml"),
+    ),
+    (
+        "llama-3.1-8b",
+        include_str!("../../profiles/models/llama-3.1-8b.toml"),
+    ),
+    (
+        "llama-3.1-70b",
+        include_str!("../../profiles/models/llama-3.1-70b.toml"),
+    ),
+    (
+        "llama-3.1-405b",
+        include_str!("../../profiles/models/llama-3.1-405b.toml"),
+    ),
+    (
+        "qwen2.5-7b",
+        include_str!("../../profiles/models/qwen2.5-7b.toml"),
+    ),
+    (
+        "qwen3-8b",
+        include_str!("../../profiles/models/qwen3-8b.toml"),
+    ),
+    (
+        "qwen3-235b-a22b",
+        include_str!("../../profiles/models/qwen3-235b-a22b.toml"),
+    ),
+    (
+        "mixtral-8x7b",
+        include_str!("../../profiles/models/mixtral-8x7b.toml"),
+    ),
+    (
+        "deepseek-v3",
+        include_str!("../../profiles/models/deepseek-v3.toml"),
+    ),
+    (
+        "gpt-oss-120b",
+        include_str!("../../profiles/models/gpt-oss-120b.toml"),
+    ),
+];
+
+/// A model profile file: a real `config.json` under `[config]`, and where it came from.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ModelProfile {
+    /// Hugging Face repository id, used in the equivalent `vllm serve` command.
+    pub hf_id: String,
+    /// Where `config` was copied from.
+    pub source: String,
+    /// Parameter count the model's authors publish, checked against our formulas in tests.
+    pub published_params: u64,
+    /// The model's `config.json`, keys verbatim.
+    pub config: toml::Table,
+}
+
+/// Parses the embedded profile `name`. Errors: unknown name (listing the known ones) or a
+/// malformed profile.
+pub fn profile(name: &str) -> Result<(ModelProfile, ModelSpec)> {
+    let Some((_, text)) = MODEL_PROFILES.iter().find(|(n, _)| *n == name) else {
+        let known: Vec<&str> = MODEL_PROFILES.iter().map(|(n, _)| *n).collect();
+        bail!(
+            "`{name}` is not a model file, a directory with `config.json`, or a model profile\n\
+             hint: pass a `.gguf` file, a Hugging Face model directory, or one of: {}",
+            known.join(", ")
+        );
+    };
+    let profile: ModelProfile =
+        toml::from_str(text).with_context(|| format!("model profile `{name}` is malformed"))?;
+    let config = serde_json::to_value(&profile.config)
+        .context("model profile config is not JSON-compatible")?;
+    let spec = hf::spec_from_config(&config, name, &profile.hf_id)
+        .with_context(|| format!("model profile `{name}`"))?;
+    Ok((profile, spec))
+}
+
+/// Resolves `--model`: an existing `.gguf` file, an existing directory or `config.json`,
+/// else a profile name.
+pub fn load(model: &str) -> Result<ModelSpec> {
+    let path = Path::new(model);
+    if path.is_file()
+        && path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        let header = gguf::Header::read_file(path)?;
+        return gguf::spec_from_header(&header, path)
+            .with_context(|| format!("failed to plan for `{}`", path.display()));
+    }
+    if path.is_dir() || (path.is_file() && path.file_name().is_some_and(|n| n == "config.json")) {
+        return hf::load_dir(path);
+    }
+    if path.is_file() {
+        bail!(
+            "`{}` is neither a `.gguf` file nor a `config.json`\nhint: pass a GGUF file, a Hugging Face model directory, or a profile name",
+            path.display()
+        );
+    }
+    Ok(profile(model)?.1)
+}

@@ -1,0 +1,98 @@
+//! The cluster the planner places ranks on: hosts, their GPU hardware figures and their
+//! topology. Pure data; `crate::cluster` builds it from `local`, an inventory or a shorthand.
+
+use serde::{Deserialize, Serialize};
+
+use crate::topology::Host;
+
+/// Per-GPU hardware figures from `profiles/hardware/<id>.toml`. Bandwidths are dense
+/// datasheet figures; each profile file names its sources.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct HardwareSpec {
+    /// Marketing name.
+    pub name: String,
+    /// Device memory in bytes, as `nvidia-smi` reports `memory.total`.
+    pub memory_bytes: u64,
+    /// Peak HBM (or GDDR) bandwidth, GB/s (10⁹ bytes per second).
+    pub hbm_gb_per_sec: f64,
+    /// Dense bf16 tensor throughput, TFLOP/s.
+    pub bf16_tflops: f64,
+    /// Dense fp8 tensor throughput, TFLOP/s (the bf16 figure on GPUs without fp8 units).
+    pub fp8_tflops: f64,
+    /// NVLink bandwidth per GPU, GB/s, both directions together; 0 when there is none.
+    pub nvlink_gb_per_sec: f64,
+    /// GPUs that share one NVLink domain in the standard server (8 on NVSwitch boards, 1 without NVLink).
+    pub nvlink_domain_size: u64,
+    /// PCIe bandwidth per GPU, one direction, GB/s.
+    pub pcie_gb_per_sec: f64,
+    /// Inter-node network bandwidth per GPU, one direction, GB/s (a 400 Gb/s NIC is 50).
+    pub nic_gb_per_sec: f64,
+    /// Where these figures come from.
+    pub sources: Vec<String>,
+}
+
+/// One host of a cluster.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterHost {
+    /// Host name as ranks and the NCCL env are keyed (`gpu-node-1`, `node0`).
+    pub name: String,
+    /// Address to reach it (SSH, `MASTER_ADDR`); `None` for synthetic shorthand hosts.
+    pub address: Option<String>,
+    /// Hardware profile id (`h100-sxm`).
+    pub hardware_id: String,
+    /// Figures of its GPUs.
+    pub hardware: HardwareSpec,
+    /// Its GPUs, link matrix, NVLink domains and NICs (probed, imported or synthesized).
+    pub topology: Host,
+}
+
+/// Every host the plan may use, in rank order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cluster {
+    /// How the user named it (`2x8xh100-sxm`, `local`, a file path).
+    pub description: String,
+    pub hosts: Vec<ClusterHost>,
+}
+
+impl Cluster {
+    /// GPUs across all hosts.
+    pub fn n_gpus(&self) -> u64 {
+        self.hosts
+            .iter()
+            .map(|h| h.topology.gpus.len() as u64)
+            .sum()
+    }
+
+    /// GPUs of the smallest host (the most a TP group can use without crossing hosts).
+    pub fn min_gpus_per_host(&self) -> u64 {
+        self.hosts
+            .iter()
+            .map(|h| h.topology.gpus.len() as u64)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The smallest GPU memory in the cluster, bytes: every rank must fit in it.
+    pub fn min_memory_bytes(&self) -> u64 {
+        self.hosts
+            .iter()
+            .map(|h| h.hardware.memory_bytes)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The slowest hardware in the cluster (by HBM bandwidth): the cost model's pace.
+    pub fn slowest_hardware(&self) -> &HardwareSpec {
+        &self
+            .hosts
+            .iter()
+            .min_by(|a, b| {
+                a.hardware
+                    .hbm_gb_per_sec
+                    .total_cmp(&b.hardware.hbm_gb_per_sec)
+            })
+            .expect("a cluster has at least one host")
+            .hardware
+    }
+}

@@ -1,0 +1,180 @@
+//! Roofline cost model of a decode step for one parallel layout: HBM time of the bytes each
+//! GPU reads (weights, touched experts, KV cache) against tensor-core time, plus TP
+//! all-reduces, EP all-to-alls and PP hops over the links the groups actually use.
+
+use serde::Serialize;
+
+use super::Parallel;
+use super::cluster::HardwareSpec;
+use super::memory::StageMemory;
+use super::model::{Dtype, ModelSpec};
+
+/// Small-message latency of one collective over NVLink, seconds (nccl-tests
+/// `all_reduce_perf` at 8 B–64 KiB on 8×H100 NVSwitch: ≈ 8–12 µs).
+pub const NVLINK_LATENCY_SECS: f64 = 8e-6;
+/// Same over PCIe/SHM inside a host, seconds.
+pub const PCIE_LATENCY_SECS: f64 = 15e-6;
+/// Same across hosts over InfiniBand/RoCE, seconds.
+pub const NETWORK_LATENCY_SECS: f64 = 25e-6;
+
+/// Average context per sequence the throughput estimate assumes, tokens (capped at `--max-model-len`).
+pub const TYPICAL_CONTEXT_TOKENS: u64 = 2048;
+
+/// The links a layout's groups use, one-direction bandwidth in bytes/s and latency in seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    pub bytes_per_sec: f64,
+    pub latency_secs: f64,
+}
+
+/// Links of each group kind for a placed layout.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Links {
+    pub tp: Link,
+    pub ep: Link,
+    pub pp: Link,
+}
+
+/// What the cost model predicts for one layout. Part of `--json` (`estimate`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Estimate {
+    /// Time per output token of one sequence alone (batch 1), seconds.
+    pub tpot_secs: f64,
+    /// Sequences per replica in the throughput estimate (KV capacity and `max_num_seqs` bound it).
+    pub batch_per_replica: u64,
+    /// Time per output token at that batch, seconds.
+    pub tpot_at_batch_secs: f64,
+    /// Decode tokens per second of the whole cluster at that batch (all DP replicas).
+    pub tokens_per_sec: f64,
+    /// Fraction of a pipeline round a stage idles, `(pp−1)/(m+pp−1)` for `m` micro-batches
+    /// (GPipe, Huang et al. 2019); 0 without PP.
+    pub pp_bubble_fraction: f64,
+    /// Sequences of `--max-model-len` tokens the KV cache holds at once, per replica.
+    pub max_concurrency: u64,
+}
+
+/// Estimates decode performance of `parallel` with memory `stages` on `hardware` over `links`.
+pub fn estimate(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    stages: &[StageMemory],
+    dtype: Dtype,
+    hardware: &HardwareSpec,
+    links: &Links,
+    max_model_len_tokens: u64,
+) -> Estimate {
+    let context = TYPICAL_CONTEXT_TOKENS.min(max_model_len_tokens);
+    let kv_tokens = stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
+    let batch = (kv_tokens / context.max(1)).clamp(1, super::memory::MAX_NUM_SEQS);
+    let pp = parallel.pp;
+    let tpot = |b: u64| -> f64 {
+        stages
+            .iter()
+            .map(|s| stage_secs(spec, parallel, s, dtype, hardware, links, b, context))
+            .sum::<f64>()
+            + (pp - 1) as f64 * hop_secs(spec, links, b)
+    };
+    let tpot_secs = tpot(1);
+    let tpot_at_batch_secs = tpot(batch);
+    // With PP, `m = pp` micro-batches keep the stages busy (vLLM runs one virtual engine per
+    // stage); a round is bounded by the slowest stage per micro-batch and by one traversal.
+    let (round_secs, micro_batches) = if pp > 1 && batch >= pp {
+        let micro = batch.div_ceil(pp);
+        let slowest = stages
+            .iter()
+            .map(|s| stage_secs(spec, parallel, s, dtype, hardware, links, micro, context))
+            .fold(0.0, f64::max)
+            + hop_secs(spec, links, micro);
+        ((pp as f64 * slowest).max(tpot(micro)), pp)
+    } else {
+        (tpot_at_batch_secs, 1)
+    };
+    let replica_tokens_per_sec = batch as f64 / round_secs;
+    Estimate {
+        tpot_secs,
+        batch_per_replica: batch,
+        tpot_at_batch_secs,
+        tokens_per_sec: replica_tokens_per_sec * parallel.dp as f64,
+        pp_bubble_fraction: if pp > 1 {
+            (pp - 1) as f64 / (micro_batches + pp - 1) as f64
+        } else {
+            0.0
+        },
+        max_concurrency: kv_tokens / max_model_len_tokens.max(1),
+    }
+}
+
+/// One PP stage's time for a decode step of `batch` sequences with `context` tokens each.
+#[allow(clippy::too_many_arguments)]
+fn stage_secs(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    stage: &StageMemory,
+    dtype: Dtype,
+    hardware: &HardwareSpec,
+    links: &Links,
+    batch: u64,
+    context: u64,
+) -> f64 {
+    let Parallel { tp, ep, .. } = *parallel;
+    let layers = stage.n_layers as f64;
+    let n_moe_layers_here = match &spec.moe {
+        Some(moe) => (stage.first_layer..stage.first_layer + stage.n_layers)
+            .filter(|&l| l >= moe.n_dense_layers)
+            .count() as f64,
+        None => 0.0,
+    };
+    // Weights read: everything but the experts no token of this step touches.
+    let mut weight_bytes = stage.weights_bytes as f64;
+    if let Some(moe) = &spec.moe
+        && n_moe_layers_here > 0.0
+    {
+        let routed_per_layer_gpu = spec.weight_bytes_by_part(dtype).routed_experts as f64
+            / spec.n_moe_layers() as f64
+            / if ep > 1 { ep } else { tp } as f64;
+        // Expected fraction of experts hit by `batch × top_k` routings, uniformly routed.
+        let hit =
+            1.0 - (1.0 - moe.n_experts_per_token as f64 / moe.n_experts as f64).powf(batch as f64);
+        weight_bytes -= n_moe_layers_here * routed_per_layer_gpu * (1.0 - hit);
+    }
+    let kv_bytes = (batch * context * stage.kv_bytes_per_token) as f64;
+    let memory_secs = (weight_bytes + kv_bytes) / (hardware.hbm_gb_per_sec * 1e9);
+    let tflops = if matches!(dtype, Dtype::Fp8 | Dtype::Mxfp4) {
+        hardware.fp8_tflops
+    } else {
+        hardware.bf16_tflops
+    };
+    let active_params_here =
+        spec.active_params() as f64 * layers / spec.n_layers as f64 / tp as f64;
+    let attention_flops =
+        4.0 * (batch * context) as f64 * (spec.n_heads * spec.head_dim) as f64 / tp as f64 * layers;
+    let compute_secs =
+        (2.0 * active_params_here * batch as f64 + attention_flops) / (tflops * 1e12);
+    // Two all-reduces per layer (after attention and after the MLP), ring algorithm:
+    // 2(n−1)/n of the message crosses each link (nccl-tests' bus-bandwidth factor).
+    let allreduce_secs = if tp > 1 {
+        let message = (batch * spec.hidden_size * 2) as f64;
+        2.0 * layers
+            * (2.0 * (tp - 1) as f64 / tp as f64 * message / links.tp.bytes_per_sec
+                + links.tp.latency_secs)
+    } else {
+        0.0
+    };
+    // Dispatch and combine all-to-alls per MoE layer: each token's hidden state goes to its
+    // top-k experts, (ep−1)/ep of them on other ranks.
+    let all_to_all_secs = match &spec.moe {
+        Some(moe) if ep > 1 => {
+            let message = (batch * moe.n_experts_per_token * spec.hidden_size * 2) as f64
+                * (ep - 1) as f64
+                / ep as f64;
+            2.0 * n_moe_layers_here * (message / links.ep.bytes_per_sec + links.ep.latency_secs)
+        }
+        _ => 0.0,
+    };
+    memory_secs.max(compute_secs) + allreduce_secs + all_to_all_secs
+}
+
+/// Sending one micro-batch's activations to the next stage.
+fn hop_secs(spec: &ModelSpec, links: &Links, batch: u64) -> f64 {
+    (batch * spec.hidden_size * 2) as f64 / links.pp.bytes_per_sec + links.pp.latency_secs
+}

@@ -1,0 +1,206 @@
+//! Rank layout in vLLM order — `ranks = arange(world).reshape(DP, PP, TP)`, TP fastest —
+//! its process groups, and the placement of every rank on a host and GPU that keeps TP
+//! groups inside NVLink domains.
+
+use serde::Serialize;
+
+use super::Parallel;
+use super::cluster::Cluster;
+use super::cost::{Link, Links, NETWORK_LATENCY_SECS, NVLINK_LATENCY_SECS, PCIE_LATENCY_SECS};
+use crate::topology::LinkCode;
+
+/// One rank: where it runs and its coordinates in every group. `--json` `ranks[]`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RankPlacement {
+    /// Global rank, `RANK`.
+    pub rank: u64,
+    /// Host name from the cluster.
+    pub host: String,
+    /// GPU index on that host (NVML order), also its `CUDA_VISIBLE_DEVICES`.
+    pub gpu: usize,
+    /// Rank among the ranks of its host, `LOCAL_RANK`.
+    pub local_rank: u64,
+    pub tp_rank: u64,
+    pub pp_rank: u64,
+    pub dp_rank: u64,
+    pub ep_rank: u64,
+}
+
+/// Process groups as lists of global ranks. `--json` `groups`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Groups {
+    pub tp: Vec<Vec<u64>>,
+    pub pp: Vec<Vec<u64>>,
+    pub dp: Vec<Vec<u64>>,
+    pub ep: Vec<Vec<u64>>,
+}
+
+/// A placed layout: ranks, groups, and how the TP groups are connected.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Layout {
+    pub ranks: Vec<RankPlacement>,
+    pub groups: Groups,
+    /// Worst link inside any TP group (`X` when TP is 1); `None` when a group spans hosts.
+    pub tp_worst_link: Option<LinkCode>,
+    /// Whether some EP group spans hosts.
+    pub ep_crosses_hosts: bool,
+    /// Whether consecutive PP stages sit on different hosts.
+    pub pp_crosses_hosts: bool,
+    pub links: Links,
+}
+
+/// The global rank of coordinates `(dp, pp, tp)`.
+fn rank_of(parallel: &Parallel, dp_rank: u64, pp_rank: u64, tp_rank: u64) -> u64 {
+    (dp_rank * parallel.pp + pp_rank) * parallel.tp + tp_rank
+}
+
+/// GPU slots in placement order: hosts in cluster order; inside a host, NVLink domains
+/// (largest first) and the GPUs of each in index order, so consecutive ranks share a domain.
+fn gpu_slots(cluster: &Cluster) -> Vec<(usize, usize)> {
+    let mut slots = Vec::new();
+    for (host_idx, host) in cluster.hosts.iter().enumerate() {
+        let mut domains = host.topology.nvlink_domains.clone();
+        domains.sort_by_key(|d| (std::cmp::Reverse(d.len()), d.first().copied()));
+        if domains.iter().all(|d| d.len() == 1) {
+            // No NVLink: keep GPUs in index order (NUMA neighbours are adjacent in NVML order).
+            domains.sort();
+        }
+        slots.extend(domains.into_iter().flatten().map(|gpu| (host_idx, gpu)));
+    }
+    slots
+}
+
+/// Places `parallel` on the first `world_size` GPU slots of `cluster` and builds its groups.
+pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
+    let slots = gpu_slots(cluster);
+    let world = parallel.world_size();
+    let mut ranks = Vec::with_capacity(world as usize);
+    let mut per_host = vec![0u64; cluster.hosts.len()];
+    for rank in 0..world {
+        let (host_idx, gpu) = slots[rank as usize];
+        let tp_rank = rank % parallel.tp;
+        let pp_rank = rank / parallel.tp % parallel.pp;
+        let dp_rank = rank / (parallel.tp * parallel.pp);
+        // EP groups cut the stage's ranks, ordered (dp, tp), into chunks of `ep`.
+        let index_in_stage = dp_rank * parallel.tp + tp_rank;
+        ranks.push(RankPlacement {
+            rank,
+            host: cluster.hosts[host_idx].name.clone(),
+            gpu,
+            local_rank: per_host[host_idx],
+            tp_rank,
+            pp_rank,
+            dp_rank,
+            ep_rank: index_in_stage % parallel.ep,
+        });
+        per_host[host_idx] += 1;
+    }
+    let p = parallel;
+    let tp_groups: Vec<Vec<u64>> = (0..p.dp)
+        .flat_map(|d| (0..p.pp).map(move |s| (0..p.tp).map(|t| rank_of(p, d, s, t)).collect()))
+        .collect();
+    let pp_groups: Vec<Vec<u64>> = (0..p.dp)
+        .flat_map(|d| (0..p.tp).map(move |t| (0..p.pp).map(|s| rank_of(p, d, s, t)).collect()))
+        .collect();
+    let dp_groups: Vec<Vec<u64>> = (0..p.pp)
+        .flat_map(|s| (0..p.tp).map(move |t| (0..p.dp).map(|d| rank_of(p, d, s, t)).collect()))
+        .collect();
+    let ep_groups: Vec<Vec<u64>> = (0..p.pp)
+        .flat_map(|s| {
+            let stage: Vec<u64> = (0..p.dp)
+                .flat_map(|d| (0..p.tp).map(move |t| rank_of(p, d, s, t)))
+                .collect();
+            stage
+                .chunks(p.ep as usize)
+                .map(<[u64]>::to_vec)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+
+    let host_of = |rank: u64| &ranks[rank as usize].host;
+    let worst = |group: &[u64]| -> Option<LinkCode> {
+        let first_host = host_of(group[0]);
+        if group.iter().any(|&r| host_of(r) != first_host) {
+            return None;
+        }
+        let host = cluster
+            .hosts
+            .iter()
+            .find(|h| &h.name == first_host)
+            .expect("rank hosts come from the cluster");
+        let mut worst = LinkCode::SelfLink;
+        for &a in group {
+            for &b in group {
+                worst = worst
+                    .max(host.topology.gpu_links[ranks[a as usize].gpu][ranks[b as usize].gpu]);
+            }
+        }
+        Some(worst)
+    };
+    let tp_worst_link = tp_groups
+        .iter()
+        .map(|g| worst(g))
+        .try_fold(LinkCode::SelfLink, |acc, w| w.map(|w| acc.max(w)));
+    let ep_crosses_hosts = ep_groups.iter().any(|g| worst(g).is_none());
+    let pp_crosses_hosts = pp_groups_cross(&pp_groups, &ranks);
+
+    let hardware = &cluster.slowest_hardware();
+    let nvlink = Link {
+        bytes_per_sec: hardware.nvlink_gb_per_sec / 2.0 * 1e9,
+        latency_secs: NVLINK_LATENCY_SECS,
+    };
+    let pcie = Link {
+        bytes_per_sec: hardware.pcie_gb_per_sec * 1e9,
+        latency_secs: PCIE_LATENCY_SECS,
+    };
+    let sys = Link {
+        bytes_per_sec: hardware.pcie_gb_per_sec / 2.0 * 1e9,
+        latency_secs: PCIE_LATENCY_SECS,
+    };
+    let network = Link {
+        bytes_per_sec: hardware.nic_gb_per_sec * 1e9,
+        latency_secs: NETWORK_LATENCY_SECS,
+    };
+    let link_for = |code: Option<LinkCode>| match code {
+        None => network,
+        Some(LinkCode::SelfLink | LinkCode::NvLink(_)) if hardware.nvlink_gb_per_sec > 0.0 => {
+            nvlink
+        }
+        Some(LinkCode::Sys) => sys,
+        Some(_) => pcie,
+    };
+    let ep_link = if ep_crosses_hosts {
+        network
+    } else {
+        link_for(ep_groups.iter().filter_map(|g| worst(g)).max())
+    };
+    let links = Links {
+        tp: link_for(tp_worst_link),
+        ep: ep_link,
+        pp: if pp_crosses_hosts {
+            network
+        } else {
+            link_for(tp_worst_link)
+        },
+    };
+    Layout {
+        ranks,
+        groups: Groups {
+            tp: tp_groups,
+            pp: pp_groups,
+            dp: dp_groups,
+            ep: ep_groups,
+        },
+        tp_worst_link,
+        ep_crosses_hosts,
+        pp_crosses_hosts,
+        links,
+    }
+}
+
+fn pp_groups_cross(pp_groups: &[Vec<u64>], ranks: &[RankPlacement]) -> bool {
+    pp_groups.iter().any(|g| {
+        g.windows(2)
+            .any(|w| ranks[w[0] as usize].host != ranks[w[1] as usize].host)
+    })
+}

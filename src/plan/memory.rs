@@ -1,0 +1,195 @@
+//! Memory per GPU for one parallel layout: weights of its PP stage and TP/EP shard, the
+//! reserve (CUDA context, NCCL buffers, activations), and what is left for the KV cache.
+
+use serde::Serialize;
+
+use super::Parallel;
+use super::model::{Dtype, ModelSpec};
+
+/// CUDA context, cuBLAS workspaces and allocator slack per process, bytes. vLLM reports this
+/// "non-torch memory" at about 0.5 GiB per GPU on CUDA 12.
+pub const CUDA_CONTEXT_BYTES: u64 = 512 << 20;
+
+/// NCCL buffers per communicator a rank belongs to, bytes: `NCCL_BUFFSIZE` (4 MiB) per
+/// channel and peer over up to 32 channels, rounded to 256 MiB.
+pub const NCCL_COMMUNICATOR_BYTES: u64 = 256 << 20;
+
+/// Tokens of one forward pass in vLLM's memory profiling run (`max_num_batched_tokens`,
+/// 8192 by default for chunked prefill on datacenter GPUs).
+pub const PROFILE_BATCH_TOKENS: u64 = 8192;
+
+/// Sequences vLLM schedules at most per step (`max_num_seqs`, default 256): logits are
+/// kept in fp32 for each.
+pub const MAX_NUM_SEQS: u64 = 256;
+
+/// Memory of every GPU of one PP stage. The `--json` `memory[]` entries.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StageMemory {
+    /// Which stage (GPUs of other stages hold other layers).
+    pub pp_rank: u64,
+    /// Decoder layers of this stage: `first_layer..first_layer + n_layers`.
+    pub first_layer: u64,
+    pub n_layers: u64,
+    /// Device memory of the GPU, bytes.
+    pub gpu_memory_bytes: u64,
+    /// `gpu_memory_bytes × gpu_memory_utilization`, bytes.
+    pub usable_bytes: u64,
+    /// Weights resident on each GPU of this stage, bytes.
+    pub weights_bytes: u64,
+    /// CUDA context + NCCL buffers + peak activations, bytes.
+    pub reserve_bytes: u64,
+    /// What remains for the KV cache, bytes (0 when weights and reserve do not fit).
+    pub kv_cache_bytes: u64,
+    /// KV-cache bytes one token takes on this GPU.
+    pub kv_bytes_per_token: u64,
+    /// Tokens the KV cache holds: `kv_cache_bytes / kv_bytes_per_token`.
+    pub kv_tokens: u64,
+}
+
+/// Contiguous layer ranges of `pp` stages over `n_layers`: an even split, the first
+/// `n_layers % pp` stages one layer longer. Returns `(first_layer, n_layers)` per stage.
+pub fn stage_layers(n_layers: u64, pp: u64) -> Vec<(u64, u64)> {
+    let base = n_layers / pp;
+    let extra = n_layers % pp;
+    let mut first = 0;
+    (0..pp)
+        .map(|stage| {
+            let count = base + u64::from(stage < extra);
+            let range = (first, count);
+            first += count;
+            range
+        })
+        .collect()
+}
+
+/// Memory of each PP stage's GPUs for `parallel` on GPUs of `gpu_memory_bytes`.
+pub fn stage_memory(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    dtype: Dtype,
+    kv_dtype: Dtype,
+    gpu_memory_bytes: u64,
+    gpu_memory_utilization: f64,
+) -> Vec<StageMemory> {
+    let Parallel { tp, pp, ep, .. } = *parallel;
+    let params = spec.param_counts();
+    let bytes = spec.weight_bytes_by_part(dtype);
+    // Bytes per parameter of each part (exact for GGUF, where bytes are spread by share).
+    let factor = |part_bytes: u64, part_params: u64| {
+        if part_params == 0 {
+            0.0
+        } else {
+            part_bytes as f64 / part_params as f64
+        }
+    };
+    let n_layers = spec.n_layers.max(1);
+    let n_dense_layers = spec.n_layers - spec.n_moe_layers();
+    let dense_layer_params = 3 * spec.hidden_size * spec.intermediate_size;
+    let shared_params_per_moe_layer = if spec.n_moe_layers() > 0 {
+        (params.dense_mlp - n_dense_layers * dense_layer_params) / spec.n_moe_layers()
+    } else {
+        0
+    };
+    let f_dense = factor(bytes.dense_mlp, params.dense_mlp);
+    let attention_layer_bytes = bytes.attention as f64 / n_layers as f64;
+    let replicated_layer_bytes = bytes.replicated as f64 / n_layers as f64;
+    let routed_layer_bytes = if spec.n_moe_layers() > 0 {
+        bytes.routed_experts as f64 / spec.n_moe_layers() as f64
+    } else {
+        0.0
+    };
+    // Experts are split over the EP group when EP is on, else each expert is TP-sliced.
+    let expert_split = if ep > 1 { ep } else { tp } as f64;
+    let usable_bytes = (gpu_memory_bytes as f64 * gpu_memory_utilization) as u64;
+
+    stage_layers(spec.n_layers, pp)
+        .into_iter()
+        .enumerate()
+        .map(|(stage, (first_layer, count))| {
+            let pp_rank = stage as u64;
+            let mut weights = 0.0;
+            for layer in first_layer..first_layer + count {
+                weights += attention_layer_bytes / tp as f64 + replicated_layer_bytes;
+                if layer < n_dense_layers {
+                    weights += dense_layer_params as f64 * f_dense / tp as f64;
+                } else {
+                    weights += shared_params_per_moe_layer as f64 * f_dense / tp as f64
+                        + routed_layer_bytes / expert_split;
+                }
+            }
+            // Embedding (vocab-parallel) on the first stage; LM head on the last. A tied head
+            // on another stage than the embedding needs its own copy there.
+            if pp_rank == 0 {
+                weights += bytes.embedding as f64 / tp as f64;
+            }
+            if pp_rank == pp - 1 {
+                let head = if spec.tie_word_embeddings {
+                    if pp > 1 { bytes.embedding } else { 0 }
+                } else {
+                    bytes.lm_head
+                };
+                weights += head as f64 / tp as f64;
+            }
+            let weights_bytes = weights as u64;
+            let reserve_bytes = reserve_bytes(spec, parallel, pp_rank == pp - 1);
+            let kv_cache_bytes = usable_bytes.saturating_sub(weights_bytes + reserve_bytes);
+            let kv_bytes_per_token = spec.kv_bytes_per_token(count, tp, kv_dtype).max(1);
+            StageMemory {
+                pp_rank,
+                first_layer,
+                n_layers: count,
+                gpu_memory_bytes,
+                usable_bytes,
+                weights_bytes,
+                reserve_bytes,
+                kv_cache_bytes,
+                kv_bytes_per_token,
+                kv_tokens: kv_cache_bytes / kv_bytes_per_token,
+            }
+        })
+        .collect()
+}
+
+/// Reserve per GPU, bytes: CUDA context, one NCCL communicator per group of size > 1, and
+/// peak activations of a [`PROFILE_BATCH_TOKENS`] forward pass —
+/// `tokens · (4·hidden + 2·mlp_width/tp) · 2 bytes` (residual, normed input, attention
+/// output and the gate/up pair, bf16) — plus fp32 logits for [`MAX_NUM_SEQS`] on the last stage.
+pub fn reserve_bytes(spec: &ModelSpec, parallel: &Parallel, last_stage: bool) -> u64 {
+    let n_groups = [parallel.tp, parallel.pp, parallel.ep, parallel.dp]
+        .iter()
+        .filter(|&&d| d > 1)
+        .count() as u64;
+    let mlp_width = match &spec.moe {
+        Some(moe) => {
+            (moe.n_experts_per_token + moe.n_shared_experts) * moe.expert_intermediate_size
+        }
+        None => spec.intermediate_size,
+    };
+    let activations =
+        PROFILE_BATCH_TOKENS * (4 * spec.hidden_size + 2 * mlp_width / parallel.tp) * 2;
+    let logits = if last_stage {
+        MAX_NUM_SEQS * spec.vocab_size / parallel.tp * 4
+    } else {
+        0
+    };
+    CUDA_CONTEXT_BYTES + n_groups * NCCL_COMMUNICATOR_BYTES + activations + logits
+}
+
+/// Bytes in GiB (2³⁰ bytes), for messages.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_split_layers_evenly_first_stages_longer() {
+        assert_eq!(stage_layers(30, 1), vec![(0, 30)]);
+        assert_eq!(stage_layers(126, 2), vec![(0, 63), (63, 63)]);
+        assert_eq!(stage_layers(30, 4), vec![(0, 8), (8, 8), (16, 7), (23, 7)]);
+        let total: u64 = stage_layers(61, 7).iter().map(|(_, n)| n).sum();
+        assert_eq!(total, 61);
+    }
+}

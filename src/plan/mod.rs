@@ -1,0 +1,703 @@
+//! The planner: chooses TP × PP × EP × DP for a model on a cluster, places every rank, and
+//! explains why. Pure: no I/O, no clock, no environment; the same inputs give the same plan.
+//!
+//! [`plan`] enumerates every (tp, pp, dp, ep) that uses the cluster's GPUs, rejects the
+//! invalid ones (head divisibility, expert divisibility, TP across hosts or a `SYS` path,
+//! memory), applies the decision tree of DESIGN.md §3 (PP only when TP inside a node cannot
+//! hold the model), scores the rest with the roofline model of [`cost`] and picks by
+//! objective.
+
+pub mod cluster;
+pub mod cost;
+pub mod env;
+pub mod layout;
+pub mod memory;
+pub mod model;
+pub mod render;
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use cluster::Cluster;
+use cost::Estimate;
+use layout::{Groups, RankPlacement};
+use memory::{StageMemory, gib};
+use model::{Dtype, ModelSpec};
+
+use crate::topology::LinkCode;
+
+/// What to optimise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Objective {
+    /// Lowest time per output token of one sequence (TPOT at batch 1).
+    Latency,
+    /// Most decode tokens per second over the cluster at full KV capacity.
+    Throughput,
+}
+
+/// The planner's inputs besides model and cluster (flags merged and validated).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settings {
+    pub objective: Objective,
+    /// Weight dtype; `None` keeps the checkpoint's own.
+    pub dtype: Option<Dtype>,
+    /// KV-cache dtype; `None` is the activation dtype (bf16, or fp16 with `--dtype fp16`).
+    pub kv_dtype: Option<Dtype>,
+    /// Longest sequence to serve, tokens; `None` is the model's `max_position_embeddings`.
+    pub max_model_len_tokens: Option<u64>,
+    /// Fraction of GPU memory the engine may use (vLLM's default 0.9).
+    pub gpu_memory_utilization: f64,
+    /// Pinned degrees: the plan uses exactly these and checks them.
+    pub tp: Option<u64>,
+    pub pp: Option<u64>,
+    pub ep: Option<u64>,
+    pub dp: Option<u64>,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            objective: Objective::Throughput,
+            dtype: None,
+            kv_dtype: None,
+            max_model_len_tokens: None,
+            gpu_memory_utilization: 0.9,
+            tp: None,
+            pp: None,
+            ep: None,
+            dp: None,
+        }
+    }
+}
+
+/// Parallel degrees. `world_size = tp · pp · dp`; `ep` divides `tp · dp` and re-shards the
+/// experts of one PP stage (vLLM: EP = TP × DP with expert parallelism on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Parallel {
+    pub tp: u64,
+    pub pp: u64,
+    pub ep: u64,
+    pub dp: u64,
+}
+
+impl Parallel {
+    /// Ranks (GPUs) the layout uses.
+    pub fn world_size(&self) -> u64 {
+        self.tp * self.pp * self.dp
+    }
+}
+
+impl std::fmt::Display for Parallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TP{} × PP{} × DP{}", self.tp, self.pp, self.dp)?;
+        if self.ep > 1 {
+            write!(f, " (EP{})", self.ep)?;
+        }
+        Ok(())
+    }
+}
+
+/// A layout that was considered, and how it fared. `--json` `alternatives[]`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Alternative {
+    pub parallel: Parallel,
+    pub feasible: bool,
+    /// Why it was rejected, or how it compares with the chosen plan.
+    pub reason: String,
+    pub tpot_secs: Option<f64>,
+    pub tokens_per_sec: Option<f64>,
+}
+
+/// A placement of one model onto a cluster, with the reasons. The `--json` output of `infer plan`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    pub model: String,
+    /// What `vllm serve` would load (a Hugging Face id or a path).
+    pub serve_id: String,
+    pub cluster: String,
+    pub objective: Objective,
+    pub dtype: Dtype,
+    pub kv_dtype: Dtype,
+    pub max_model_len: u64,
+    pub gpu_memory_utilization: f64,
+    /// Parameters of the model, and those active per token (MoE).
+    pub params: u64,
+    pub active_params: u64,
+    /// Whole-model weight bytes in `dtype`.
+    pub weights_bytes: u64,
+    pub parallel: Parallel,
+    pub world_size: u64,
+    pub ranks: Vec<RankPlacement>,
+    pub groups: Groups,
+    /// Per PP stage, the memory of each of its GPUs.
+    pub memory: Vec<StageMemory>,
+    pub estimate: Estimate,
+    /// Environment per host name.
+    pub env: BTreeMap<String, BTreeMap<String, String>>,
+    /// The decision path, the choice and why the runners-up lost.
+    pub explain: Vec<String>,
+    pub warnings: Vec<String>,
+    pub alternatives: Vec<Alternative>,
+    /// The equivalent `vllm serve` command line.
+    pub vllm_command: String,
+}
+
+/// No layout works. `message` says why with the numbers, `hint` what to change.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Infeasible {
+    pub model: String,
+    pub cluster: String,
+    pub message: String,
+    pub hint: String,
+    /// GPUs of the cluster's kind the model needs at least (0 when GPUs are not the problem).
+    pub min_gpus_needed: u64,
+    pub alternatives: Vec<Alternative>,
+}
+
+/// The planner's answer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    Feasible(Box<Plan>),
+    Infeasible(Box<Infeasible>),
+}
+
+/// One evaluated candidate.
+struct Candidate {
+    parallel: Parallel,
+    verdict: Result<(Estimate, Vec<StageMemory>, layout::Layout), String>,
+    warnings: Vec<String>,
+}
+
+/// Plans `spec` on `cluster`.
+pub fn plan(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome {
+    let dtype = if spec.native_dtype == Dtype::Gguf {
+        Dtype::Gguf
+    } else {
+        settings.dtype.unwrap_or(spec.native_dtype)
+    };
+    let kv_dtype = settings.kv_dtype.unwrap_or(if dtype == Dtype::Fp16 {
+        Dtype::Fp16
+    } else {
+        Dtype::Bf16
+    });
+    let max_model_len = settings
+        .max_model_len_tokens
+        .unwrap_or(spec.max_position_embeddings);
+    let n_gpus = cluster.n_gpus();
+    let mut warnings = Vec::new();
+    if spec.native_dtype == Dtype::Gguf && settings.dtype.is_some() {
+        warnings.push(
+            "`--dtype` is ignored for GGUF files: their tensors keep their own types".to_string(),
+        );
+    }
+    if max_model_len > spec.max_position_embeddings {
+        warnings.push(format!(
+            "--max-model-len {max_model_len} exceeds the model's max_position_embeddings {}",
+            spec.max_position_embeddings
+        ));
+    }
+
+    let candidates: Vec<Candidate> = enumerate(spec, n_gpus, settings)
+        .into_iter()
+        .map(|parallel| {
+            evaluate(
+                spec,
+                cluster,
+                settings,
+                parallel,
+                dtype,
+                kv_dtype,
+                max_model_len,
+            )
+        })
+        .collect();
+    let pinned_pp = settings.pp.is_some();
+    let fits_without_pp = candidates
+        .iter()
+        .any(|c| c.parallel.pp == 1 && c.verdict.is_ok());
+    let mut ranked: Vec<&Candidate> = candidates
+        .iter()
+        .filter(|c| c.verdict.is_ok() && (c.parallel.pp == 1 || !fits_without_pp || pinned_pp))
+        .collect();
+    ranked.sort_by(|a, b| compare(a, b, settings.objective));
+
+    let alternatives = |chosen: Option<&Candidate>| -> Vec<Alternative> {
+        candidates
+            .iter()
+            .filter(|c| chosen.is_none_or(|chosen| chosen.parallel != c.parallel))
+            .map(|c| describe(c, chosen, fits_without_pp && !pinned_pp, settings.objective))
+            .collect()
+    };
+
+    let Some(best) = ranked.first() else {
+        return Outcome::Infeasible(Box::new(infeasible(
+            spec,
+            cluster,
+            settings,
+            dtype,
+            kv_dtype,
+            max_model_len,
+            &candidates,
+            alternatives(None),
+        )));
+    };
+    let (estimate, stages, layout) = best
+        .verdict
+        .as_ref()
+        .expect("ranked candidates are feasible");
+    warnings.extend(best.warnings.iter().cloned());
+    let multi_host = layout.ranks.iter().any(|r| r.host != layout.ranks[0].host);
+    let env = cluster
+        .hosts
+        .iter()
+        .filter(|h| layout.ranks.iter().any(|r| r.host == h.name))
+        .map(|h| {
+            (
+                h.name.clone(),
+                env::host_env(h, &layout.ranks, multi_host, &mut warnings),
+            )
+        })
+        .collect();
+    if stages.iter().any(|s| s.n_layers != stages[0].n_layers) {
+        let sizes: Vec<String> = stages.iter().map(|s| s.n_layers.to_string()).collect();
+        warnings.push(format!(
+            "uneven pipeline stages: {} layers ({} not divisible by PP{})",
+            sizes.join("/"),
+            spec.n_layers,
+            best.parallel.pp
+        ));
+    }
+    let explain = explain(
+        spec,
+        cluster,
+        settings,
+        dtype,
+        max_model_len,
+        &candidates,
+        &ranked,
+        fits_without_pp,
+    );
+    let alternatives = alternatives(Some(best));
+    let parallel = best.parallel;
+    Outcome::Feasible(Box::new(Plan {
+        model: spec.name.clone(),
+        serve_id: spec.serve_id.clone(),
+        cluster: cluster.description.clone(),
+        objective: settings.objective,
+        dtype,
+        kv_dtype,
+        max_model_len,
+        gpu_memory_utilization: settings.gpu_memory_utilization,
+        params: spec.param_counts().total(),
+        active_params: spec.active_params(),
+        weights_bytes: spec.weight_bytes(dtype),
+        parallel,
+        world_size: parallel.world_size(),
+        ranks: layout.ranks.clone(),
+        groups: layout.groups.clone(),
+        memory: stages.clone(),
+        estimate: estimate.clone(),
+        env,
+        explain,
+        warnings,
+        alternatives,
+        vllm_command: render::vllm_command(
+            spec,
+            &parallel,
+            dtype,
+            kv_dtype,
+            max_model_len,
+            settings.gpu_memory_utilization,
+        ),
+    }))
+}
+
+/// Every (tp, pp, dp, ep) that uses all GPUs (or exactly the pinned degrees).
+fn enumerate(spec: &ModelSpec, n_gpus: u64, settings: &Settings) -> Vec<Parallel> {
+    let divisors = |n: u64| (1..=n).filter(move |d| n % d == 0);
+    let mut out = Vec::new();
+    let tps: Vec<u64> = match settings.tp {
+        Some(tp) => vec![tp],
+        None => divisors(n_gpus).collect(),
+    };
+    for tp in tps {
+        let pps: Vec<u64> = match settings.pp {
+            Some(pp) => vec![pp],
+            None => divisors(n_gpus / tp.max(1))
+                .filter(|&pp| pp <= spec.n_layers)
+                .collect(),
+        };
+        for pp in pps {
+            let dp = match settings.dp {
+                Some(dp) => dp,
+                None if tp * pp == 0 || n_gpus % (tp * pp) != 0 => continue,
+                None => n_gpus / (tp * pp),
+            };
+            let eps: Vec<u64> = match (settings.ep, &spec.moe) {
+                (Some(ep), _) => vec![ep],
+                (None, Some(_)) if tp * dp > 1 => vec![1, tp * dp],
+                _ => vec![1],
+            };
+            for ep in eps {
+                out.push(Parallel { tp, pp, ep, dp });
+            }
+        }
+    }
+    out
+}
+
+/// Checks one layout and, when it is valid and fits, estimates it.
+fn evaluate(
+    spec: &ModelSpec,
+    cluster: &Cluster,
+    settings: &Settings,
+    parallel: Parallel,
+    dtype: Dtype,
+    kv_dtype: Dtype,
+    max_model_len: u64,
+) -> Candidate {
+    let mut warnings = Vec::new();
+    let verdict = (|| {
+        let Parallel { tp, pp, ep, dp } = parallel;
+        if tp == 0 || pp == 0 || ep == 0 || dp == 0 {
+            return Err("degrees must be at least 1".to_string());
+        }
+        if spec.n_heads % tp != 0 {
+            let valid: Vec<String> = (1..=spec.n_heads)
+                .filter(|d| spec.n_heads % d == 0)
+                .map(|d| d.to_string())
+                .collect();
+            return Err(format!(
+                "tp={tp} does not divide {} attention heads (valid tp: {})",
+                spec.n_heads,
+                valid.join(", ")
+            ));
+        }
+        if spec.mla.is_none() && spec.n_kv_heads % tp != 0 && tp % spec.n_kv_heads != 0 {
+            return Err(format!(
+                "tp={tp} neither divides nor is a multiple of {} KV heads",
+                spec.n_kv_heads
+            ));
+        }
+        match &spec.moe {
+            None if ep > 1 => {
+                return Err(format!(
+                    "ep={ep} needs a mixture-of-experts model; `{}` is dense",
+                    spec.name
+                ));
+            }
+            Some(moe) if moe.n_experts % ep != 0 => {
+                return Err(format!("ep={ep} does not divide {} experts", moe.n_experts));
+            }
+            _ => {}
+        }
+        if (tp * dp) % ep != 0 {
+            return Err(format!("ep={ep} does not divide tp·dp = {}", tp * dp));
+        }
+        if pp > spec.n_layers {
+            return Err(format!("pp={pp} exceeds {} layers", spec.n_layers));
+        }
+        if parallel.world_size() > cluster.n_gpus() {
+            return Err(format!(
+                "needs {} GPUs; the cluster has {}",
+                parallel.world_size(),
+                cluster.n_gpus()
+            ));
+        }
+        let layout = layout::place(&parallel, cluster);
+        match layout.tp_worst_link {
+            None if settings.tp.is_some() => warnings.push(format!(
+                "TP{tp} groups span hosts: every layer's all-reduce crosses the network (keep TP inside a node, PP across)"
+            )),
+            None => return Err(format!("TP{tp} would span hosts ({} GPUs per host): TP stays inside a node", cluster.min_gpus_per_host())),
+            Some(LinkCode::Sys) if settings.tp.is_some() => warnings.push(format!(
+                "TP{tp} groups cross the CPU interconnect (SYS): all-reduces run at a fraction of PCIe speed"
+            )),
+            Some(LinkCode::Sys) => return Err(format!("TP{tp} groups would cross the CPU interconnect (SYS path between GPUs)")),
+            Some(code) if tp > 1 && !code.is_nvlink() => {
+                warnings.push(format!("TP{tp} groups are not all NVLinked (worst pair {code}): all-reduces run over PCIe"));
+            }
+            _ => {}
+        }
+        if layout.ep_crosses_hosts {
+            warnings.push(format!(
+                "EP{ep} groups span hosts: every MoE layer's all-to-all crosses the network"
+            ));
+        }
+        let stages = memory::stage_memory(
+            spec,
+            &parallel,
+            dtype,
+            kv_dtype,
+            cluster.min_memory_bytes(),
+            settings.gpu_memory_utilization,
+        );
+        if let Some(full) = stages
+            .iter()
+            .find(|s| s.weights_bytes + s.reserve_bytes > s.usable_bytes)
+        {
+            return Err(format!(
+                "weights {:.1} GiB + reserve {:.1} GiB per GPU exceed the {:.1} GiB usable (stage {})",
+                gib(full.weights_bytes),
+                gib(full.reserve_bytes),
+                gib(full.usable_bytes),
+                full.pp_rank
+            ));
+        }
+        let kv_tokens = stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
+        if kv_tokens < max_model_len {
+            return Err(format!(
+                "no room for KV cache: {:.1} GiB left per GPU holds {kv_tokens} tokens < --max-model-len {max_model_len}",
+                gib(stages.iter().map(|s| s.kv_cache_bytes).min().unwrap_or(0))
+            ));
+        }
+        let estimate = cost::estimate(
+            spec,
+            &parallel,
+            &stages,
+            dtype,
+            cluster.slowest_hardware(),
+            &layout.links,
+            max_model_len,
+        );
+        Ok((estimate, stages, layout))
+    })();
+    Candidate {
+        parallel,
+        verdict,
+        warnings,
+    }
+}
+
+/// Better first: by objective, then fewer GPUs per replica (less communication), then less PP.
+fn compare(a: &Candidate, b: &Candidate, objective: Objective) -> std::cmp::Ordering {
+    let (ea, eb) = match (&a.verdict, &b.verdict) {
+        (Ok((ea, ..)), Ok((eb, ..))) => (ea, eb),
+        _ => return std::cmp::Ordering::Equal,
+    };
+    let primary = match objective {
+        Objective::Latency => ea.tpot_secs.total_cmp(&eb.tpot_secs),
+        Objective::Throughput => eb.tokens_per_sec.total_cmp(&ea.tokens_per_sec),
+    };
+    primary
+        .then((a.parallel.tp * a.parallel.pp).cmp(&(b.parallel.tp * b.parallel.pp)))
+        .then(a.parallel.pp.cmp(&b.parallel.pp))
+        .then(a.parallel.ep.cmp(&b.parallel.ep))
+}
+
+fn describe(
+    candidate: &Candidate,
+    chosen: Option<&Candidate>,
+    pp_not_needed: bool,
+    objective: Objective,
+) -> Alternative {
+    let parallel = candidate.parallel;
+    match &candidate.verdict {
+        Err(reason) => Alternative {
+            parallel,
+            feasible: false,
+            reason: reason.clone(),
+            tpot_secs: None,
+            tokens_per_sec: None,
+        },
+        Ok((estimate, ..)) => {
+            let reason = if pp_not_needed && parallel.pp > 1 {
+                "PP is not needed: the model fits with TP inside a node (PP adds stage hops and a bubble)".to_string()
+            } else if let Some(Ok((best, ..))) = chosen.map(|c| &c.verdict) {
+                match objective {
+                    Objective::Latency => format!(
+                        "TPOT {:.2} ms vs {:.2} ms ({:.2}× slower)",
+                        estimate.tpot_secs * 1e3,
+                        best.tpot_secs * 1e3,
+                        estimate.tpot_secs / best.tpot_secs
+                    ),
+                    Objective::Throughput => format!(
+                        "{:.0} tokens/s vs {:.0} ({:.0}% less)",
+                        estimate.tokens_per_sec,
+                        best.tokens_per_sec,
+                        100.0 * (1.0 - estimate.tokens_per_sec / best.tokens_per_sec)
+                    ),
+                }
+            } else {
+                String::new()
+            };
+            Alternative {
+                parallel,
+                feasible: true,
+                reason,
+                tpot_secs: Some(estimate.tpot_secs),
+                tokens_per_sec: Some(estimate.tokens_per_sec),
+            }
+        }
+    }
+}
+
+/// The decision path of DESIGN.md §3 in words, the choice, and the runners-up.
+#[allow(clippy::too_many_arguments)]
+fn explain(
+    spec: &ModelSpec,
+    cluster: &Cluster,
+    settings: &Settings,
+    dtype: Dtype,
+    max_model_len: u64,
+    candidates: &[Candidate],
+    ranked: &[&Candidate],
+    fits_without_pp: bool,
+) -> Vec<String> {
+    let hardware = cluster.slowest_hardware();
+    let usable = cluster.min_memory_bytes() as f64 * settings.gpu_memory_utilization;
+    let weights = spec.weight_bytes(dtype);
+    let mut lines = vec![
+        format!(
+            "{}: {:.2} B parameters ({:.2} B active per token), {:.1} GiB of weights in {dtype}",
+            spec.name,
+            spec.param_counts().total() as f64 / 1e9,
+            spec.active_params() as f64 / 1e9,
+            gib(weights)
+        ),
+        format!(
+            "one {} holds {:.1} GiB at gpu_memory_utilization {}; the cluster has {} GPUs, {} per host",
+            hardware.name,
+            usable / (1u64 << 30) as f64,
+            settings.gpu_memory_utilization,
+            cluster.n_gpus(),
+            cluster.min_gpus_per_host()
+        ),
+    ];
+    let fits = |pred: &dyn Fn(&Parallel) -> bool| {
+        candidates
+            .iter()
+            .any(|c| pred(&c.parallel) && c.verdict.is_ok())
+    };
+    let one_gpu = fits(&|p| p.tp == 1 && p.pp == 1);
+    let one_node = fits(&|p| p.pp == 1);
+    lines.push(if one_gpu {
+        "fits one GPU with room for the KV cache → replicate: DP over the GPUs (TP only if it wins on the objective)".to_string()
+    } else if one_node {
+        format!("does not fit one GPU; fits with TP inside a node → TP ≤ {} (× DP for the remaining GPUs)", cluster.min_gpus_per_host())
+    } else {
+        "does not fit TP inside one node → TP inside the node × PP across nodes".to_string()
+    });
+    if !fits_without_pp && ranked.iter().all(|c| c.parallel.pp > 1) && !ranked.is_empty() {
+        lines.push(format!(
+            "KV cache must hold --max-model-len {max_model_len} tokens on every stage"
+        ));
+    }
+    if let Some(best) = ranked.first()
+        && let Ok((estimate, ..)) = &best.verdict
+    {
+        lines.push(format!(
+            "chosen: {} for {}: TPOT {:.2} ms at batch 1; {:.0} tokens/s at {} sequences per replica",
+            best.parallel,
+            match settings.objective {
+                Objective::Latency => "latency",
+                Objective::Throughput => "throughput",
+            },
+            estimate.tpot_secs * 1e3,
+            estimate.tokens_per_sec,
+            estimate.batch_per_replica
+        ));
+        for runner_up in ranked.iter().skip(1).take(3) {
+            let alternative = describe(runner_up, Some(best), false, settings.objective);
+            lines.push(format!(
+                "  not {}: {}",
+                runner_up.parallel, alternative.reason
+            ));
+        }
+    }
+    lines
+}
+
+/// Why nothing works, with the numbers and the fix.
+#[allow(clippy::too_many_arguments)]
+fn infeasible(
+    spec: &ModelSpec,
+    cluster: &Cluster,
+    settings: &Settings,
+    dtype: Dtype,
+    kv_dtype: Dtype,
+    max_model_len: u64,
+    candidates: &[Candidate],
+    alternatives: Vec<Alternative>,
+) -> Infeasible {
+    let n_gpus = cluster.n_gpus();
+    let per_host = cluster.min_gpus_per_host().max(1);
+    let memory_bytes = cluster.min_memory_bytes();
+    let usable = (memory_bytes as f64 * settings.gpu_memory_utilization) as u64;
+    let weights = spec.weight_bytes(dtype);
+    // Smallest GPU count whose share of weights, base reserve and one full-length sequence of
+    // KV cache fits the usable memory of each GPU.
+    let one = Parallel {
+        tp: 1,
+        pp: 1,
+        ep: 1,
+        dp: 1,
+    };
+    let base_reserve =
+        memory::reserve_bytes(spec, &one, true) + 2 * memory::NCCL_COMMUNICATOR_BYTES;
+    let kv_full_sequence = spec.kv_bytes_per_token(spec.n_layers, 1, kv_dtype) * max_model_len;
+    let min_gpus_needed = (1..=1_000_000u64)
+        .find(|&n| weights / n + base_reserve + kv_full_sequence / n <= usable)
+        .unwrap_or(u64::MAX);
+    let gpu_name = &cluster.slowest_hardware().name;
+    if min_gpus_needed > n_gpus {
+        let nodes = min_gpus_needed.div_ceil(per_host);
+        return Infeasible {
+            model: spec.name.clone(),
+            cluster: cluster.description.clone(),
+            message: format!(
+                "`{}` ({dtype}) needs ≥ {:.1} GiB of weights plus KV cache for {max_model_len} tokens; {n_gpus} × {:.1} GiB × {} = {:.1} GiB on `{}`: \
+                 it needs at least {min_gpus_needed} × {gpu_name} ({nodes} nodes of {per_host})",
+                spec.name,
+                gib(weights),
+                gib(memory_bytes),
+                settings.gpu_memory_utilization,
+                gib(usable * n_gpus),
+                cluster.description
+            ),
+            hint: {
+                let smaller: Vec<&str> = [(Dtype::Fp8, "fp8"), (Dtype::Int4, "int4")]
+                    .iter()
+                    .filter(|(d, _)| d.bytes_per_param() < dtype.bytes_per_param())
+                    .map(|(_, name)| *name)
+                    .collect();
+                let mut hint = format!(
+                    "add nodes (`--cluster {nodes}x{per_host}x{}`) or lower `--max-model-len`",
+                    cluster.hosts[0].hardware_id
+                );
+                if !smaller.is_empty() {
+                    hint.push_str(&format!(
+                        ", or quantize (`--dtype {}`)",
+                        smaller.join("`/`")
+                    ));
+                }
+                hint
+            },
+            min_gpus_needed,
+            alternatives,
+        };
+    }
+    let mut reasons: Vec<String> = candidates
+        .iter()
+        .filter_map(|c| {
+            c.verdict
+                .as_ref()
+                .err()
+                .map(|reason| format!("{}: {reason}", c.parallel))
+        })
+        .collect();
+    reasons.dedup();
+    if reasons.is_empty() {
+        reasons.push("no layout uses the cluster's GPUs".to_string());
+    }
+    Infeasible {
+        model: spec.name.clone(),
+        cluster: cluster.description.clone(),
+        message: format!("no valid plan for `{}` on `{}`: {}", spec.name, cluster.description, reasons.join("; ")),
+        hint: "change the pinned degrees (`--tp/--pp/--ep/--dp`), or drop them to let the planner search".to_string(),
+        min_gpus_needed: 0,
+        alternatives,
+    }
+}

@@ -1,0 +1,201 @@
+//! Human output of `infer plan` (summary, memory per stage, rank table, NCCL env, the
+//! equivalent `vllm serve` command) and of an infeasible answer. Returns text.
+
+use comfy_table::Table;
+use comfy_table::presets::UTF8_FULL_CONDENSED;
+
+use super::memory::gib;
+use super::model::{Dtype, ModelSpec};
+use super::{Infeasible, Parallel, Plan};
+
+/// Rank rows shown in text before "… N more"; `--json` always has all of them.
+const MAX_RANK_ROWS: usize = 32;
+
+/// The `vllm serve` command line for the same placement.
+pub fn vllm_command(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    dtype: Dtype,
+    kv_dtype: Dtype,
+    max_model_len: u64,
+    utilization: f64,
+) -> String {
+    let mut parts = vec![format!("vllm serve {}", spec.serve_id)];
+    parts.push(format!("--tensor-parallel-size {}", parallel.tp));
+    if parallel.pp > 1 {
+        parts.push(format!("--pipeline-parallel-size {}", parallel.pp));
+    }
+    if parallel.dp > 1 {
+        parts.push(format!("--data-parallel-size {}", parallel.dp));
+    }
+    if parallel.ep > 1 {
+        parts.push("--enable-expert-parallel".to_string());
+    }
+    if dtype != spec.native_dtype
+        && let Some(method) = dtype.vllm_quantization()
+    {
+        parts.push(format!("--quantization {method}"));
+    }
+    if dtype == Dtype::Fp16 {
+        parts.push("--dtype float16".to_string());
+    }
+    if kv_dtype == Dtype::Fp8 {
+        parts.push("--kv-cache-dtype fp8".to_string());
+    }
+    parts.push(format!("--max-model-len {max_model_len}"));
+    parts.push(format!("--gpu-memory-utilization {utilization}"));
+    parts.join(" ")
+}
+
+/// The text report of a plan; `explain_all` adds every alternative considered.
+pub fn render(plan: &Plan, explain_all: bool) -> String {
+    let mut out = String::new();
+    let mut summary = Table::new();
+    summary.load_style(UTF8_FULL_CONDENSED);
+    summary.set_header([
+        "model",
+        "cluster",
+        "parallel",
+        "world",
+        "dtype / kv",
+        "max-model-len",
+        "TPOT (batch 1)",
+        "tokens/s",
+    ]);
+    summary.add_row([
+        plan.model.clone(),
+        plan.cluster.clone(),
+        plan.parallel.to_string(),
+        plan.world_size.to_string(),
+        format!("{} / {}", plan.dtype, plan.kv_dtype),
+        plan.max_model_len.to_string(),
+        format!("{:.2} ms", plan.estimate.tpot_secs * 1e3),
+        format!(
+            "{:.0} @ {} seq/replica",
+            plan.estimate.tokens_per_sec, plan.estimate.batch_per_replica
+        ),
+    ]);
+    out.push_str(&summary.to_string());
+    out.push_str("\n\nmemory per GPU\n");
+    let mut memory = Table::new();
+    memory.load_style(UTF8_FULL_CONDENSED);
+    memory.set_header([
+        "stage",
+        "layers",
+        "weights",
+        "reserve",
+        "KV cache",
+        "KV tokens",
+        "max concurrency",
+        "of usable",
+    ]);
+    for stage in &plan.memory {
+        memory.add_row([
+            stage.pp_rank.to_string(),
+            format!(
+                "{}-{}",
+                stage.first_layer,
+                stage.first_layer + stage.n_layers.max(1) - 1
+            ),
+            format!("{:.2} GiB", gib(stage.weights_bytes)),
+            format!("{:.2} GiB", gib(stage.reserve_bytes)),
+            format!("{:.2} GiB", gib(stage.kv_cache_bytes)),
+            stage.kv_tokens.to_string(),
+            (stage.kv_tokens / plan.max_model_len.max(1)).to_string(),
+            format!("{:.1} GiB", gib(stage.usable_bytes)),
+        ]);
+    }
+    out.push_str(&memory.to_string());
+    out.push_str("\n\nranks\n");
+    let mut ranks = Table::new();
+    ranks.load_style(UTF8_FULL_CONDENSED);
+    ranks.set_header([
+        "rank",
+        "host",
+        "gpu",
+        "local_rank",
+        "tp",
+        "pp",
+        "dp",
+        "ep",
+        "CUDA_VISIBLE_DEVICES",
+    ]);
+    for rank in plan.ranks.iter().take(MAX_RANK_ROWS) {
+        ranks.add_row([
+            rank.rank.to_string(),
+            rank.host.clone(),
+            rank.gpu.to_string(),
+            rank.local_rank.to_string(),
+            rank.tp_rank.to_string(),
+            rank.pp_rank.to_string(),
+            rank.dp_rank.to_string(),
+            rank.ep_rank.to_string(),
+            rank.gpu.to_string(),
+        ]);
+    }
+    out.push_str(&ranks.to_string());
+    if plan.ranks.len() > MAX_RANK_ROWS {
+        out.push_str(&format!(
+            "\n… {} more ranks (see `--json`)",
+            plan.ranks.len() - MAX_RANK_ROWS
+        ));
+    }
+    let groups = |name: &str, groups: &[Vec<u64>]| {
+        let shown: Vec<String> = groups.iter().take(8).map(|g| format!("{g:?}")).collect();
+        let more = if groups.len() > 8 {
+            format!(" … {} more", groups.len() - 8)
+        } else {
+            String::new()
+        };
+        format!("\n  {name}: {}{more}", shown.join(" "))
+    };
+    out.push_str("\n\ngroups");
+    out.push_str(&groups("tp", &plan.groups.tp));
+    out.push_str(&groups("pp", &plan.groups.pp));
+    out.push_str(&groups("dp", &plan.groups.dp));
+    if plan.parallel.ep > 1 {
+        out.push_str(&groups("ep", &plan.groups.ep));
+    }
+    out.push_str("\n\nenvironment per host");
+    for (host, env) in &plan.env {
+        let vars: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        out.push_str(&format!("\n  {host}: {}", vars.join(" ")));
+    }
+    out.push_str("\n\nwhy");
+    for line in &plan.explain {
+        out.push_str(&format!("\n  {line}"));
+    }
+    if explain_all {
+        out.push_str("\n\nevery layout considered");
+        for alternative in &plan.alternatives {
+            let verdict = if alternative.feasible { "ok " } else { "no " };
+            out.push_str(&format!(
+                "\n  {verdict} {}: {}",
+                alternative.parallel, alternative.reason
+            ));
+        }
+    }
+    for warning in &plan.warnings {
+        out.push_str(&format!("\nwarning: {warning}"));
+    }
+    out.push_str(&format!("\n\nvllm equivalent:\n  {}\n", plan.vllm_command));
+    out
+}
+
+/// The text of an infeasible answer (for stdout; the exit code says "no").
+pub fn render_infeasible(infeasible: &Infeasible, explain_all: bool) -> String {
+    let mut out = format!(
+        "infeasible: {}\nhint: {}\n",
+        infeasible.message, infeasible.hint
+    );
+    if explain_all {
+        out.push_str("\nevery layout considered\n");
+        for alternative in &infeasible.alternatives {
+            out.push_str(&format!(
+                "  no  {}: {}\n",
+                alternative.parallel, alternative.reason
+            ));
+        }
+    }
+    out
+}
