@@ -318,7 +318,7 @@ impl ModelSpec {
     }
 
     /// Whole-model weight bytes in `dtype` (linear layers; embeddings, LM head and norms stay
-    /// 16-bit as vLLM keeps them), or the file's exact bytes for GGUF.
+    /// 16-bit as vLLM keeps them), or the file's exact bytes when `dtype` is the checkpoint's own.
     pub fn weight_bytes(&self, dtype: Dtype) -> u64 {
         let parts = self.weight_bytes_by_part(dtype);
         parts.total()
@@ -327,11 +327,12 @@ impl ModelSpec {
     /// Weight bytes split like [`ParamCounts`]; each field is bytes instead of parameters.
     pub fn weight_bytes_by_part(&self, dtype: Dtype) -> ParamCounts {
         let counts = self.param_counts();
-        if let (Dtype::Gguf, Some(file_bytes)) = (dtype, self.file_weight_bytes) {
-            // Spread the file's exact bytes over the parts in proportion to their parameters.
+        if let (true, Some(file_bytes)) = (dtype == self.native_dtype, self.file_weight_bytes) {
+            // The checkpoint's exact bytes, spread over the parts in proportion to their
+            // parameters; the rounding remainder goes to the attention part so the sum is exact.
             let total = counts.total().max(1) as f64;
             let share = |params: u64| (file_bytes as f64 * params as f64 / total) as u64;
-            return ParamCounts {
+            let mut parts = ParamCounts {
                 embedding: share(counts.embedding),
                 lm_head: share(counts.lm_head),
                 attention: share(counts.attention),
@@ -339,6 +340,8 @@ impl ModelSpec {
                 routed_experts: share(counts.routed_experts),
                 replicated: share(counts.replicated),
             };
+            parts.attention += file_bytes - parts.total();
+            return parts;
         }
         let linear = |params: u64, dtype: Dtype| (params as f64 * dtype.bytes_per_param()) as u64;
         let expert_dtype = match (self.expert_dtype, dtype == self.native_dtype) {

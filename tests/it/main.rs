@@ -3,6 +3,7 @@
 //! `../shared/fixtures/`, fake sysfs trees built in temp dirs, this machine.
 
 mod fake_sysfs;
+mod plan;
 mod topo;
 
 use std::path::PathBuf;

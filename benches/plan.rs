@@ -1,0 +1,32 @@
+//! Planning speed: `deepseek-v3` on `128x8xh100-sxm` (1024 GPUs) with the full search.
+//! Prints figures; the target (under 100 ms) is checked by reading them, not by a test.
+#![allow(clippy::print_stdout)]
+
+use std::path::Path;
+use std::time::Instant;
+
+fn main() {
+    let spec = infer::model::profile("deepseek-v3")
+        .expect("profile `deepseek-v3` ships with infer")
+        .1;
+    let settings = infer::plan::Settings::default();
+    for cluster_name in ["16x8xh100-sxm", "128x8xh100-sxm"] {
+        let cluster =
+            infer::cluster::load(cluster_name, Path::new("/sys")).expect("shorthand parses");
+        // One warm-up, then timed runs.
+        let outcome = infer::plan::plan(&spec, &cluster, &settings);
+        let iterations = 10;
+        let start = Instant::now();
+        for _ in 0..iterations {
+            std::hint::black_box(infer::plan::plan(&spec, &cluster, &settings));
+        }
+        let per_plan_ms = start.elapsed().as_secs_f64() * 1e3 / iterations as f64;
+        let chosen = match &outcome {
+            infer::plan::Outcome::Feasible(plan) => plan.parallel.to_string(),
+            infer::plan::Outcome::Infeasible(_) => "infeasible".to_string(),
+        };
+        println!(
+            "plan deepseek-v3 on {cluster_name:>15}: {per_plan_ms:8.2} ms per plan (mean of {iterations}), chose {chosen}"
+        );
+    }
+}

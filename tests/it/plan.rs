@@ -1,0 +1,662 @@
+//! `infer plan`: the published recipes, the formulas, placement on real topologies, the NCCL
+//! env of multi-host plans, the GGUF and Hugging Face loaders, and bad input.
+
+use std::path::Path;
+
+use infer::model::MODEL_PROFILES;
+use infer::plan::model::Dtype;
+use infer::topology::{LinkCode, Nic, NicKind, Topology};
+use serde_json::Value;
+
+use crate::{run, shared_fixture, stdout_ok};
+
+/// Runs `infer plan --json` with `args`; returns the exit code and the JSON.
+fn plan_json(args: &[&str]) -> (i32, Value) {
+    let mut full = vec!["plan", "--json"];
+    full.extend_from_slice(args);
+    let output = run(&full);
+    let code = output.status.code().expect("exited");
+    assert!(
+        code == 0 || code == 1,
+        "exit {code}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (
+        code,
+        serde_json::from_slice(&output.stdout).expect("stdout is JSON"),
+    )
+}
+
+fn degrees(plan: &Value) -> (u64, u64, u64, u64) {
+    let p = &plan["parallel"];
+    let get = |k: &str| p[k].as_u64().expect("degree");
+    (get("tp"), get("pp"), get("dp"), get("ep"))
+}
+
+#[test]
+fn smollm2_on_8_h100_is_eight_replicas() {
+    let (code, plan) = plan_json(&[
+        "--model",
+        "smollm2-135m",
+        "--cluster",
+        "1x8xh100-sxm",
+        "--dtype",
+        "bf16",
+    ]);
+    assert_eq!(code, 0);
+    assert_eq!(degrees(&plan), (1, 1, 8, 1));
+    // TP 2/4/8 are invalid with 9 heads.
+    for alternative in plan["alternatives"].as_array().expect("list") {
+        let tp = alternative["parallel"]["tp"].as_u64().expect("tp");
+        if [2, 4, 8].contains(&tp) {
+            assert_eq!(alternative["feasible"], false);
+            assert!(
+                alternative["reason"]
+                    .as_str()
+                    .expect("reason")
+                    .contains("9 attention heads"),
+                "{alternative}"
+            );
+        }
+    }
+}
+
+#[test]
+fn llama70b_fp8_on_two_h100_needs_tp2() {
+    let (code, plan) = plan_json(&[
+        "--model",
+        "llama-3.1-70b",
+        "--dtype",
+        "fp8",
+        "--cluster",
+        "1x2xh100-sxm",
+    ]);
+    assert_eq!(code, 0);
+    assert_eq!(degrees(&plan), (2, 1, 1, 1));
+    let tp1 = plan["alternatives"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .find(|a| a["parallel"]["tp"] == 1 && a["parallel"]["pp"] == 1)
+        .expect("TP1 × DP2 was considered");
+    assert_eq!(tp1["feasible"], false);
+    assert!(
+        tp1["reason"]
+            .as_str()
+            .expect("reason")
+            .contains("no room for KV cache"),
+        "{tp1}"
+    );
+    assert!(
+        plan["vllm_command"]
+            .as_str()
+            .expect("command")
+            .contains("--tensor-parallel-size 2 --quantization fp8")
+    );
+}
+
+#[test]
+fn llama405b_on_two_nodes_is_tp8_pp2_for_latency() {
+    let (code, plan) = plan_json(&[
+        "--model",
+        "llama-3.1-405b",
+        "--cluster",
+        "2x8xh100-sxm",
+        "--objective",
+        "latency",
+    ]);
+    assert_eq!(code, 0);
+    assert_eq!(degrees(&plan), (8, 2, 1, 1));
+    // TP groups stay inside a node; the PP group crosses them.
+    let ranks = plan["ranks"].as_array().expect("ranks");
+    for group in plan["groups"]["tp"].as_array().expect("tp groups") {
+        let hosts: Vec<&str> = group
+            .as_array()
+            .expect("group")
+            .iter()
+            .map(|r| {
+                ranks[r.as_u64().expect("rank") as usize]["host"]
+                    .as_str()
+                    .expect("host")
+            })
+            .collect();
+        assert!(hosts.iter().all(|h| *h == hosts[0]), "{hosts:?}");
+    }
+    assert_eq!(plan["groups"]["pp"][0], serde_json::json!([0, 8]));
+    let tp16 = plan["alternatives"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .find(|a| a["parallel"]["tp"] == 16)
+        .expect("TP16 considered");
+    assert!(
+        tp16["reason"]
+            .as_str()
+            .expect("reason")
+            .contains("span hosts"),
+        "{tp16}"
+    );
+}
+
+#[test]
+fn deepseek_v3_on_one_node_is_infeasible_and_says_how_many_gpus() {
+    let output = run(&[
+        "plan",
+        "--model",
+        "deepseek-v3",
+        "--cluster",
+        "1x8xh100-sxm",
+    ]);
+    assert_eq!(output.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("needs at least"), "{text}");
+    assert!(text.contains("2x8xh100-sxm"), "{text}");
+    assert!(!text.contains("--dtype fp8"), "already fp8: {text}");
+    let (code, json) = plan_json(&["--model", "deepseek-v3", "--cluster", "1x8xh100-sxm"]);
+    assert_eq!(code, 1);
+    let needed = json["min_gpus_needed"].as_u64().expect("count");
+    assert!((9..=16).contains(&needed), "{needed}");
+}
+
+#[test]
+fn qwen25_7b_is_replicated_and_tp8_is_refused() {
+    let (code, plan) = plan_json(&["--model", "qwen2.5-7b", "--cluster", "1x8xh100-sxm"]);
+    assert_eq!(code, 0);
+    assert_eq!(degrees(&plan), (1, 1, 8, 1));
+    let output = run(&[
+        "plan",
+        "--model",
+        "qwen2.5-7b",
+        "--cluster",
+        "1x8xh100-sxm",
+        "--tp",
+        "8",
+    ]);
+    assert_eq!(output.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        text.contains("tp=8 does not divide 28 attention heads"),
+        "{text}"
+    );
+}
+
+#[test]
+fn parameter_counts_match_published_figures() {
+    for (name, _) in MODEL_PROFILES {
+        let (profile, spec) = infer::model::profile(name).expect("profile parses");
+        let computed = spec.param_counts().total() as f64;
+        let published = profile.published_params as f64;
+        let error = (computed - published).abs() / published;
+        assert!(
+            error < 0.01,
+            "{name}: computed {computed}, published {published} ({:.2}% off)",
+            error * 100.0
+        );
+    }
+    for (name, exact) in [
+        ("llama-3.1-8b", 8_030_261_248u64),
+        ("llama-3.1-70b", 70_553_706_496),
+        ("smollm2-135m", 134_515_008),
+    ] {
+        assert_eq!(
+            infer::model::profile(name)
+                .expect("profile")
+                .1
+                .param_counts()
+                .total(),
+            exact,
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn kv_bytes_per_token() {
+    let llama = infer::model::profile("llama-3.1-8b").expect("profile").1;
+    assert_eq!(llama.kv_bytes_per_token(32, 1, Dtype::Bf16), 131_072);
+    // KV heads split over TP, replicated past 8.
+    assert_eq!(llama.kv_bytes_per_token(32, 2, Dtype::Bf16), 65_536);
+    assert_eq!(llama.kv_bytes_per_token(32, 16, Dtype::Bf16), 16_384);
+    assert_eq!(llama.kv_bytes_per_token(32, 1, Dtype::Fp8), 65_536);
+    let deepseek = infer::model::profile("deepseek-v3").expect("profile").1;
+    assert_eq!(deepseek.kv_bytes_per_token(61, 1, Dtype::Bf16), 70_272);
+    // MLA's latent is not divided by TP.
+    assert_eq!(deepseek.kv_bytes_per_token(61, 8, Dtype::Bf16), 70_272);
+}
+
+fn write_inventory(dir: &Path, hosts: &[(&str, &str, usize, &str, Option<&Path>)]) -> String {
+    let mut text = String::new();
+    for (name, address, gpus, hardware, topology) in hosts {
+        text.push_str(&format!("[[hosts]]\nname = \"{name}\"\naddress = \"{address}\"\ngpus = {gpus}\nhardware = \"{hardware}\"\n"));
+        if let Some(topology) = topology {
+            text.push_str(&format!("topology = \"{}\"\n", topology.display()));
+        }
+        text.push('\n');
+    }
+    let path = dir.join("cluster.toml");
+    std::fs::write(&path, text).expect("write inventory");
+    path.to_str().expect("UTF-8").to_string()
+}
+
+#[test]
+fn dgx1_tp_groups_follow_the_nvlink_quads() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let topology = shared_fixture("topo/v100_dgx1_nv1nv2_mlx5x4_pytorch_ddp_benchmark_readme.txt");
+    let inventory = write_inventory(
+        dir.path(),
+        &[("dgx1", "127.0.0.1", 8, "a100-sxm-80g", Some(&topology))],
+    );
+    let (code, plan) = plan_json(&[
+        "--model",
+        "llama-3.1-70b",
+        "--cluster",
+        &inventory,
+        "--objective",
+        "latency",
+    ]);
+    assert_eq!(code, 0);
+    // TP8 would put SYS pairs in a TP group: refused, so TP4 inside each quad.
+    assert_eq!(degrees(&plan).0, 4);
+    let gpus = |group: &Value| -> Vec<u64> {
+        let ranks = plan["ranks"].as_array().expect("ranks");
+        let mut gpus: Vec<u64> = group
+            .as_array()
+            .expect("group")
+            .iter()
+            .map(|r| {
+                ranks[r.as_u64().expect("rank") as usize]["gpu"]
+                    .as_u64()
+                    .expect("gpu")
+            })
+            .collect();
+        gpus.sort();
+        gpus
+    };
+    let groups = plan["groups"]["tp"].as_array().expect("groups");
+    assert_eq!(gpus(&groups[0]), [0, 1, 2, 3]);
+    assert_eq!(gpus(&groups[1]), [4, 5, 6, 7]);
+    let tp8 = plan["alternatives"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .find(|a| a["parallel"]["tp"] == 8)
+        .expect("TP8 considered");
+    assert!(
+        tp8["reason"].as_str().expect("reason").contains("SYS"),
+        "{tp8}"
+    );
+    // Pinned, TP8 is allowed with a warning.
+    let (code, pinned) = plan_json(&[
+        "--model",
+        "llama-3.1-70b",
+        "--cluster",
+        &inventory,
+        "--tp",
+        "8",
+    ]);
+    assert_eq!(code, 0);
+    let warnings = pinned["warnings"].to_string();
+    assert!(warnings.contains("SYS"), "{warnings}");
+}
+
+#[test]
+fn tp_pairs_follow_nvlink_bridges_not_gpu_numbers() {
+    // Two NVLink bridges joining GPU0–GPU2 and GPU1–GPU3: TP2 must pair them that way.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let topology = dir.path().join("bridged.txt");
+    std::fs::write(&topology, "\tGPU0\tGPU1\tGPU2\tGPU3\nGPU0\t X \tPHB\tNV4\tPHB\nGPU1\tPHB\t X \tPHB\tNV4\nGPU2\tNV4\tPHB\t X \tPHB\nGPU3\tPHB\tNV4\tPHB\t X \n")
+        .expect("write");
+    let inventory = write_inventory(
+        dir.path(),
+        &[("ws", "127.0.0.1", 4, "a100-pcie-80g", Some(&topology))],
+    );
+    let (code, plan) = plan_json(&[
+        "--model",
+        "llama-3.1-8b",
+        "--cluster",
+        &inventory,
+        "--tp",
+        "2",
+    ]);
+    assert_eq!(code, 0);
+    let ranks = plan["ranks"].as_array().expect("ranks");
+    let gpu = |rank: usize| ranks[rank]["gpu"].as_u64().expect("gpu");
+    let mut first = [gpu(0), gpu(1)];
+    first.sort();
+    assert_eq!(first, [0, 2]);
+    assert_eq!(ranks[0]["tp_rank"], 0);
+    assert_eq!(ranks[1]["tp_rank"], 1);
+}
+
+#[test]
+fn l40s_tp4_crosses_sockets_and_is_refused_unless_pinned() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let topology = shared_fixture("topo/l40s_x4_node_sys_mlx5x2_missalignment_106.txt");
+    let inventory = write_inventory(
+        dir.path(),
+        &[("l40s", "127.0.0.1", 4, "l40s", Some(&topology))],
+    );
+    let (code, plan) = plan_json(&[
+        "--model",
+        "llama-3.1-70b",
+        "--dtype",
+        "fp8",
+        "--cluster",
+        &inventory,
+        "--max-model-len",
+        "8192",
+    ]);
+    let tp4 = plan["alternatives"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .find(|a| a["parallel"]["tp"] == 4)
+        .expect("TP4 considered");
+    assert!(
+        tp4["reason"].as_str().expect("reason").contains("SYS"),
+        "{tp4}"
+    );
+    if code == 0 {
+        assert_ne!(degrees(&plan).0, 4);
+    }
+}
+
+#[test]
+fn multi_host_env_names_interfaces_and_hcas() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let h20 = shared_fixture("topo/h20_sxm8_nv18_mlx5x8_sglang_9696.txt");
+    let mut topology =
+        Topology::import(&std::fs::read_to_string(h20).expect("fixture"), "h20").expect("import");
+    let host = &mut topology.hosts[0];
+    for (i, nic) in host.nics.iter_mut().enumerate() {
+        nic.kind = NicKind::Ib;
+        nic.state = Some(if i == 7 { "DOWN" } else { "ACTIVE" }.to_string());
+    }
+    let ethernet = |name: &str, address: &str, is_virtual: bool| Nic {
+        name: name.to_string(),
+        kind: NicKind::Eth,
+        state: Some("up".to_string()),
+        rate_gbps: Some(100.0),
+        netdev: Some(name.to_string()),
+        is_virtual,
+        mtu_bytes: Some(9000),
+        mac: None,
+        addresses: vec![address.to_string()],
+        pci_bus_id: None,
+        numa_node: None,
+        ports: Vec::new(),
+        gpu_links: vec![LinkCode::Sys; 8],
+    };
+    host.nics.push(ethernet("docker0", "172.17.0.1", true));
+    host.nics.push(ethernet("bond0", "10.1.0.7", false));
+    let path = dir.path().join("h20.json");
+    std::fs::write(&path, serde_json::to_string(&topology).expect("JSON")).expect("write");
+    let inventory = write_inventory(
+        dir.path(),
+        &[
+            ("a", "10.1.0.7", 8, "h100-sxm", Some(&path)),
+            ("b", "10.1.0.8", 8, "h100-sxm", Some(&path)),
+        ],
+    );
+    let (code, plan) = plan_json(&[
+        "--model",
+        "llama-3.1-405b",
+        "--cluster",
+        &inventory,
+        "--objective",
+        "latency",
+    ]);
+    assert_eq!(code, 0);
+    let env = &plan["env"]["a"];
+    assert_eq!(env["CUDA_DEVICE_ORDER"], "PCI_BUS_ID");
+    assert_eq!(env["NCCL_SOCKET_IFNAME"], "=bond0");
+    // Each GPU's PIX rail, exact-matched; the DOWN port's HCA is left out.
+    assert_eq!(
+        env["NCCL_IB_HCA"],
+        "=mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7"
+    );
+}
+
+#[test]
+fn single_host_plans_need_no_network_env() {
+    let (_, plan) = plan_json(&["--model", "llama-3.1-8b", "--cluster", "1x8xh100-sxm"]);
+    let env = plan["env"]["node0"].as_object().expect("env");
+    assert_eq!(env.len(), 1);
+    assert_eq!(env["CUDA_DEVICE_ORDER"], "PCI_BUS_ID");
+}
+
+#[test]
+fn plan_json_has_the_contract_fields() {
+    let (_, plan) = plan_json(&[
+        "--model",
+        "mixtral-8x7b",
+        "--cluster",
+        "1x8xh100-sxm",
+        "--tp",
+        "2",
+        "--ep",
+        "8",
+    ]);
+    assert_eq!(plan["world_size"], 8);
+    for field in [
+        "rank",
+        "host",
+        "gpu",
+        "local_rank",
+        "tp_rank",
+        "pp_rank",
+        "dp_rank",
+        "ep_rank",
+    ] {
+        assert!(plan["ranks"][3].get(field).is_some(), "ranks[].{field}");
+    }
+    for field in [
+        "weights_bytes",
+        "kv_cache_bytes",
+        "reserve_bytes",
+        "kv_tokens",
+    ] {
+        assert!(
+            plan["memory"][0][field].as_u64().is_some(),
+            "memory[].{field}"
+        );
+    }
+    for field in ["tp", "pp", "dp", "ep"] {
+        assert!(plan["groups"][field].is_array(), "groups.{field}");
+    }
+    // EP8 = TP2 × DP4: one EP group of every rank of the stage.
+    assert_eq!(
+        plan["groups"]["ep"],
+        serde_json::json!([[0, 1, 2, 3, 4, 5, 6, 7]])
+    );
+    assert_eq!(plan["groups"]["tp"][1], serde_json::json!([2, 3]));
+    assert!(plan["explain"].as_array().expect("explain").len() >= 3);
+    assert!(
+        plan["vllm_command"]
+            .as_str()
+            .expect("cmd")
+            .contains("--enable-expert-parallel")
+    );
+}
+
+#[test]
+fn plan_text_for_405b_on_two_nodes() {
+    let stdout = stdout_ok(&run(&[
+        "plan",
+        "--model",
+        "llama-3.1-405b",
+        "--cluster",
+        "2x8xh100-sxm",
+        "--objective",
+        "latency",
+    ]));
+    insta::assert_snapshot!(stdout);
+}
+
+#[test]
+fn hugging_face_directory_with_safetensors() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = serde_json::json!({
+        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+        "tie_word_embeddings": true, "torch_dtype": "bfloat16"
+    });
+    std::fs::write(dir.path().join("config.json"), config.to_string()).expect("write");
+    let data = vec![0u8; 256 * 64 * 2];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![256, 64], &data)
+        .expect("view");
+    let bytes =
+        safetensors::serialize([("model.embed_tokens.weight", view)], None).expect("serialize");
+    std::fs::write(dir.path().join("model.safetensors"), bytes).expect("write");
+    let (code, plan) = plan_json(&[
+        "--model",
+        dir.path().to_str().expect("UTF-8"),
+        "--cluster",
+        "1x2xl4",
+    ]);
+    assert_eq!(code, 0);
+    // The exact bytes of the file's tensors (one 256×64 bf16 matrix), not the formula's.
+    assert_eq!(plan["weights_bytes"], 256 * 64 * 2);
+    assert!(
+        plan["vllm_command"]
+            .as_str()
+            .expect("cmd")
+            .starts_with(&format!("vllm serve {}", dir.path().display()))
+    );
+}
+
+#[test]
+fn gguf_file_is_planned_from_its_header() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("tiny.gguf");
+    std::fs::write(&path, tiny_gguf()).expect("write");
+    let (code, plan) = plan_json(&[
+        "--model",
+        path.to_str().expect("UTF-8"),
+        "--cluster",
+        "1x1xl4",
+    ]);
+    assert_eq!(code, 0);
+    assert_eq!(plan["model"], "tiny");
+    assert_eq!(plan["dtype"], "gguf");
+    // token_embd Q4_1 32×64 = 64 blocks × 20 bytes, output_norm F32 32 × 4 bytes.
+    assert_eq!(plan["weights_bytes"], 64 * 20 + 32 * 4);
+}
+
+/// A GGUF v3 header for a 1-layer, 32-wide llama with two tensors.
+fn tiny_gguf() -> Vec<u8> {
+    fn string(out: &mut Vec<u8>, s: &str) {
+        out.extend((s.len() as u64).to_le_bytes());
+        out.extend(s.as_bytes());
+    }
+    let metadata: Vec<(&str, u32, Vec<u8>)> = vec![
+        ("general.architecture", 8, {
+            let mut v = Vec::new();
+            string(&mut v, "llama");
+            v
+        }),
+        ("general.name", 8, {
+            let mut v = Vec::new();
+            string(&mut v, "tiny");
+            v
+        }),
+        ("llama.embedding_length", 4, 32u32.to_le_bytes().to_vec()),
+        ("llama.feed_forward_length", 4, 64u32.to_le_bytes().to_vec()),
+        ("llama.block_count", 4, 1u32.to_le_bytes().to_vec()),
+        ("llama.attention.head_count", 4, 4u32.to_le_bytes().to_vec()),
+        (
+            "llama.attention.head_count_kv",
+            4,
+            2u32.to_le_bytes().to_vec(),
+        ),
+        ("llama.context_length", 4, 256u32.to_le_bytes().to_vec()),
+        ("llama.vocab_size", 4, 64u32.to_le_bytes().to_vec()),
+    ];
+    let tensors: [(&str, &[u64], u32); 2] = [
+        ("token_embd.weight", &[32, 64], 3),
+        ("output_norm.weight", &[32], 0),
+    ];
+    let mut out = Vec::new();
+    out.extend(b"GGUF");
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((metadata.len() as u64).to_le_bytes());
+    for (key, type_id, value) in &metadata {
+        string(&mut out, key);
+        out.extend(type_id.to_le_bytes());
+        out.extend(value);
+    }
+    for (name, dims, type_id) in tensors {
+        string(&mut out, name);
+        out.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            out.extend(d.to_le_bytes());
+        }
+        out.extend(type_id.to_le_bytes());
+        out.extend(0u64.to_le_bytes());
+    }
+    out
+}
+
+#[test]
+fn bad_plan_input_exits_2_with_a_clear_error() {
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["plan", "--model", "llama-9000", "--cluster", "1x8xh100-sxm"],
+            "one of: smollm2-135m",
+        ),
+        (
+            &["plan", "--model", "llama-3.1-8b", "--cluster", "2x8xh900"],
+            "unknown hardware profile `h900`",
+        ),
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--cluster",
+                "1x8xh100-sxm",
+                "--gpu-memory-utilization",
+                "1.5",
+            ],
+            "(0, 1]",
+        ),
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--cluster",
+                "1x8xh100-sxm",
+                "--dtype",
+                "fp4x",
+            ],
+            "unknown dtype `fp4x`",
+        ),
+        (
+            &["plan", "--model", "llama-3.1-8b", "--cluster", "banana"],
+            "not `local`, an inventory file, or a shorthand",
+        ),
+    ];
+    for (args, expected) in cases {
+        let output = run(args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(output.stdout.is_empty());
+    }
+}
+
+#[test]
+fn local_cluster_without_gpus_points_to_a_shorthand() {
+    if Path::new("/proc/driver/nvidia/version").exists() {
+        return;
+    }
+    let output = run(&["plan", "--model", "llama-3.1-8b"]);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("no NVIDIA GPUs") && stderr.contains("--cluster 1x8xh100-sxm"),
+        "{stderr}"
+    );
+}
