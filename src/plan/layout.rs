@@ -24,6 +24,9 @@ pub struct RankPlacement {
     pub pp_rank: u64,
     pub dp_rank: u64,
     pub ep_rank: u64,
+    /// `CUDA_VISIBLE_DEVICES` of the rank's process: its one GPU, by NVML index (with
+    /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`, CUDA numbers GPUs the same way).
+    pub cuda_visible_devices: String,
 }
 
 /// Process groups as lists of global ranks. `--json` `groups`.
@@ -92,6 +95,7 @@ pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
             pp_rank,
             dp_rank,
             ep_rank: index_in_stage % parallel.ep,
+            cuda_visible_devices: gpu.to_string(),
         });
         per_host[host_idx] += 1;
     }

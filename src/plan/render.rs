@@ -130,7 +130,7 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
             rank.pp_rank.to_string(),
             rank.dp_rank.to_string(),
             rank.ep_rank.to_string(),
-            rank.gpu.to_string(),
+            rank.cuda_visible_devices.clone(),
         ]);
     }
     out.push_str(&ranks.to_string());

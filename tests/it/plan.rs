@@ -325,6 +325,7 @@ fn tp_pairs_follow_nvlink_bridges_not_gpu_numbers() {
     first.sort();
     assert_eq!(first, [0, 2]);
     assert_eq!(ranks[0]["tp_rank"], 0);
+    assert_eq!(ranks[1]["cuda_visible_devices"], gpu(1).to_string());
     assert_eq!(ranks[1]["tp_rank"], 1);
 }
 
