@@ -279,6 +279,76 @@ impl<R: Read> Reader<'_, R> {
     }
 }
 
+/// Encodes a GGUF v3 header (metadata then tensor infos; no alignment padding or tensor
+/// data), the inverse of [`Header::read`]. Used to write synthetic models and test files.
+pub fn encode_header(metadata: &[(&str, Value)], tensors: &[TensorInfo]) -> Vec<u8> {
+    fn string(out: &mut Vec<u8>, text: &str) {
+        out.extend((text.len() as u64).to_le_bytes());
+        out.extend(text.as_bytes());
+    }
+    fn type_id(value: &Value) -> u32 {
+        match value {
+            Value::U8(_) => 0,
+            Value::I8(_) => 1,
+            Value::U16(_) => 2,
+            Value::I16(_) => 3,
+            Value::U32(_) => 4,
+            Value::I32(_) => 5,
+            Value::F32(_) => 6,
+            Value::Bool(_) => 7,
+            Value::String(_) => 8,
+            Value::Array(_) => 9,
+            Value::U64(_) => 10,
+            Value::I64(_) => 11,
+            Value::F64(_) => 12,
+        }
+    }
+    fn encode_value(out: &mut Vec<u8>, value: &Value) {
+        match value {
+            Value::U8(v) => out.extend(v.to_le_bytes()),
+            Value::I8(v) => out.extend(v.to_le_bytes()),
+            Value::U16(v) => out.extend(v.to_le_bytes()),
+            Value::I16(v) => out.extend(v.to_le_bytes()),
+            Value::U32(v) => out.extend(v.to_le_bytes()),
+            Value::I32(v) => out.extend(v.to_le_bytes()),
+            Value::F32(v) => out.extend(v.to_le_bytes()),
+            Value::Bool(v) => out.push(u8::from(*v)),
+            Value::String(v) => string(out, v),
+            Value::Array(items) => {
+                // An empty array is written as an array of u8.
+                out.extend(items.first().map_or(0, type_id).to_le_bytes());
+                out.extend((items.len() as u64).to_le_bytes());
+                for item in items {
+                    encode_value(out, item);
+                }
+            }
+            Value::U64(v) => out.extend(v.to_le_bytes()),
+            Value::I64(v) => out.extend(v.to_le_bytes()),
+            Value::F64(v) => out.extend(v.to_le_bytes()),
+        }
+    }
+    let mut out = Vec::new();
+    out.extend(MAGIC.to_le_bytes());
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((metadata.len() as u64).to_le_bytes());
+    for (key, item) in metadata {
+        string(&mut out, key);
+        out.extend(type_id(item).to_le_bytes());
+        encode_value(&mut out, item);
+    }
+    for tensor in tensors {
+        string(&mut out, &tensor.name);
+        out.extend((tensor.dims.len() as u32).to_le_bytes());
+        for dim in &tensor.dims {
+            out.extend(dim.to_le_bytes());
+        }
+        out.extend(tensor.type_id.to_le_bytes());
+        out.extend(tensor.offset_bytes.to_le_bytes());
+    }
+    out
+}
+
 /// Builds a planning spec from a GGUF file's header: shape from `<arch>.*` metadata, exact
 /// weight bytes from the tensor infos.
 ///
@@ -368,53 +438,31 @@ pub fn spec_from_header(header: &Header, path: &Path) -> Result<ModelSpec> {
 mod tests {
     use super::*;
 
-    /// Writes a tiny GGUF v3 header with the given metadata and tensors.
-    fn gguf(metadata: &[(&str, u32, Vec<u8>)], tensors: &[(&str, &[u64], u32)]) -> Vec<u8> {
-        let mut out = Vec::new();
-        out.extend(MAGIC.to_le_bytes());
-        out.extend(3u32.to_le_bytes());
-        out.extend((tensors.len() as u64).to_le_bytes());
-        out.extend((metadata.len() as u64).to_le_bytes());
-        let string = |out: &mut Vec<u8>, s: &str| {
-            out.extend((s.len() as u64).to_le_bytes());
-            out.extend(s.as_bytes());
-        };
-        for (key, type_id, value) in metadata {
-            string(&mut out, key);
-            out.extend(type_id.to_le_bytes());
-            out.extend(value);
+    fn tensor(name: &str, dims: &[u64], type_id: u32) -> TensorInfo {
+        TensorInfo {
+            name: name.to_string(),
+            dims: dims.to_vec(),
+            type_id,
+            offset_bytes: 0,
         }
-        for (name, dims, type_id) in tensors {
-            string(&mut out, name);
-            out.extend((dims.len() as u32).to_le_bytes());
-            for d in *dims {
-                out.extend(d.to_le_bytes());
-            }
-            out.extend(type_id.to_le_bytes());
-            out.extend(0u64.to_le_bytes());
-        }
-        out
-    }
-
-    fn str_value(s: &str) -> Vec<u8> {
-        let mut v = (s.len() as u64).to_le_bytes().to_vec();
-        v.extend(s.as_bytes());
-        v
     }
 
     #[test]
     fn reads_metadata_and_tensor_sizes() {
-        let bytes = gguf(
-            &[
-                ("general.architecture", 8, str_value("llama")),
-                ("llama.block_count", 4, 2u32.to_le_bytes().to_vec()),
-                ("general.alignment", 4, 64u32.to_le_bytes().to_vec()),
-            ],
-            &[
-                ("token_embd.weight", &[64, 100], 3),
-                ("output_norm.weight", &[64], 0),
-            ],
-        );
+        let metadata = [
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.block_count", Value::U32(2)),
+            ("general.alignment", Value::U32(64)),
+            (
+                "tokenizer.ggml.scores",
+                Value::Array(vec![Value::F32(-1.5), Value::F32(0.0)]),
+            ),
+        ];
+        let tensors = [
+            tensor("token_embd.weight", &[64, 100], 3),
+            tensor("output_norm.weight", &[64], 0),
+        ];
+        let bytes = encode_header(&metadata, &tensors);
         let header = Header::read(&mut bytes.as_slice()).expect("valid header");
         assert_eq!(header.version, 3);
         assert_eq!(header.u64("llama.block_count").expect("present"), 2);
@@ -423,13 +471,20 @@ mod tests {
         assert_eq!(header.tensors[0].n_bytes().expect("known type"), 4000);
         assert_eq!(header.tensors[1].n_bytes().expect("known type"), 256);
         assert_eq!(header.tensors[0].type_name(), "Q4_1");
+        // Every value reads back as written.
+        for (key, value) in metadata {
+            assert_eq!(header.metadata[key], value, "{key}");
+        }
     }
 
     #[test]
     fn rejects_non_gguf_and_truncated_files() {
         let error = Header::read(&mut &b"PK\x03\x04 not gguf at all"[..]).expect_err("not GGUF");
         assert!(error.to_string().contains("not a GGUF file"), "{error}");
-        let bytes = gguf(&[("general.architecture", 8, str_value("llama"))], &[]);
+        let bytes = encode_header(
+            &[("general.architecture", Value::String("llama".into()))],
+            &[],
+        );
         let error = Header::read(&mut &bytes[..bytes.len() - 3]).expect_err("truncated");
         assert!(format!("{error:#}").contains("truncated"), "{error:#}");
     }

@@ -546,57 +546,31 @@ fn gguf_file_is_planned_from_its_header() {
 
 /// A GGUF v3 header for a 1-layer, 32-wide llama with two tensors.
 fn tiny_gguf() -> Vec<u8> {
-    fn string(out: &mut Vec<u8>, s: &str) {
-        out.extend((s.len() as u64).to_le_bytes());
-        out.extend(s.as_bytes());
-    }
-    let metadata: Vec<(&str, u32, Vec<u8>)> = vec![
-        ("general.architecture", 8, {
-            let mut v = Vec::new();
-            string(&mut v, "llama");
-            v
-        }),
-        ("general.name", 8, {
-            let mut v = Vec::new();
-            string(&mut v, "tiny");
-            v
-        }),
-        ("llama.embedding_length", 4, 32u32.to_le_bytes().to_vec()),
-        ("llama.feed_forward_length", 4, 64u32.to_le_bytes().to_vec()),
-        ("llama.block_count", 4, 1u32.to_le_bytes().to_vec()),
-        ("llama.attention.head_count", 4, 4u32.to_le_bytes().to_vec()),
-        (
-            "llama.attention.head_count_kv",
-            4,
-            2u32.to_le_bytes().to_vec(),
-        ),
-        ("llama.context_length", 4, 256u32.to_le_bytes().to_vec()),
-        ("llama.vocab_size", 4, 64u32.to_le_bytes().to_vec()),
+    use infer::model::gguf::{TensorInfo, Value, encode_header};
+    let metadata = [
+        ("general.architecture", Value::String("llama".into())),
+        ("general.name", Value::String("tiny".into())),
+        ("llama.embedding_length", Value::U32(32)),
+        ("llama.feed_forward_length", Value::U32(64)),
+        ("llama.block_count", Value::U32(1)),
+        ("llama.attention.head_count", Value::U32(4)),
+        ("llama.attention.head_count_kv", Value::U32(2)),
+        ("llama.context_length", Value::U32(256)),
+        ("llama.vocab_size", Value::U32(64)),
     ];
-    let tensors: [(&str, &[u64], u32); 2] = [
-        ("token_embd.weight", &[32, 64], 3),
-        ("output_norm.weight", &[32], 0),
-    ];
-    let mut out = Vec::new();
-    out.extend(b"GGUF");
-    out.extend(3u32.to_le_bytes());
-    out.extend((tensors.len() as u64).to_le_bytes());
-    out.extend((metadata.len() as u64).to_le_bytes());
-    for (key, type_id, value) in &metadata {
-        string(&mut out, key);
-        out.extend(type_id.to_le_bytes());
-        out.extend(value);
-    }
-    for (name, dims, type_id) in tensors {
-        string(&mut out, name);
-        out.extend((dims.len() as u32).to_le_bytes());
-        for d in dims {
-            out.extend(d.to_le_bytes());
-        }
-        out.extend(type_id.to_le_bytes());
-        out.extend(0u64.to_le_bytes());
-    }
-    out
+    let tensor = |name: &str, dims: &[u64], type_id| TensorInfo {
+        name: name.into(),
+        dims: dims.to_vec(),
+        type_id,
+        offset_bytes: 0,
+    };
+    encode_header(
+        &metadata,
+        &[
+            tensor("token_embd.weight", &[32, 64], 3),
+            tensor("output_norm.weight", &[32], 0),
+        ],
+    )
 }
 
 #[test]
