@@ -22,6 +22,9 @@ pub enum Command {
     /// Choose TP × PP × EP × DP for a model on a cluster, place every rank, and print the
     /// memory per GPU, the NCCL env per host and the reasons.
     Plan(PlanArgs),
+    /// Diagnose what breaks distributed inference: NCCL falling back to TCP, wrong
+    /// interfaces, NCCL errors and version mismatches, from logs, topologies and this host.
+    Doctor(DoctorArgs),
 }
 
 /// `infer topo`.
@@ -105,4 +108,24 @@ pub struct PlanArgs {
 pub enum ObjectiveArg {
     Latency,
     Throughput,
+}
+
+/// `infer doctor`.
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// An `NCCL_DEBUG=INFO` log (one per node or rank); repeatable.
+    #[arg(long = "nccl-log", value_name = "FILE")]
+    pub nccl_logs: Vec<PathBuf>,
+
+    /// The hosts' topology: `nvidia-smi topo -m` text or `infer topo --json` output.
+    #[arg(long, value_name = "FILE")]
+    pub topology: Option<PathBuf>,
+
+    /// Print the findings as JSON to stdout.
+    #[arg(long)]
+    pub json: bool,
+
+    /// sysfs mount point for the live checks of this host.
+    #[arg(long, value_name = "DIR", default_value = "/sys", hide = true)]
+    pub sysfs_root: PathBuf,
 }

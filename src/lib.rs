@@ -7,6 +7,7 @@
 pub mod cli;
 pub mod cluster;
 pub mod commands;
+pub mod doctor;
 pub mod model;
 pub mod plan;
 pub mod topology;
@@ -26,5 +27,6 @@ pub fn run(cli: cli::Cli, printer: &ui::Printer) -> anyhow::Result<ExitStatus> {
     match cli.command {
         cli::Command::Topo(args) => commands::topo::run(&args, printer),
         cli::Command::Plan(args) => commands::plan::run(&args, printer),
+        cli::Command::Doctor(args) => commands::doctor::run(&args, printer),
     }
 }

@@ -1,0 +1,50 @@
+//! `infer doctor`: read the evidence (NCCL logs, a topology), run the checks, print the
+//! findings; exit 1 when any is an error.
+
+use anyhow::{Context, Result};
+
+use crate::ExitStatus;
+use crate::cli::DoctorArgs;
+use crate::doctor::{Report, checks, nccl_log, render};
+use crate::topology::Topology;
+use crate::ui::Printer;
+
+/// Runs `infer doctor`. Errors: an unreadable log or topology, a malformed topology.
+pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
+    let mut logs = Vec::new();
+    for path in &args.nccl_logs {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("failed to read NCCL log `{}`", path.display()))?;
+        logs.push(nccl_log::parse(&text, &path.display().to_string()));
+    }
+    let topology = match &args.topology {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("failed to read topology `{}`", path.display()))?;
+            let origin = path.file_name().map_or_else(
+                || path.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+            Some(Topology::import(&text, &origin)?)
+        }
+        None => None,
+    };
+    let mut findings = checks::nccl_logs(&logs, topology.as_ref());
+    if let Some(topology) = &topology {
+        findings.extend(checks::topology(topology));
+    }
+    if args.nccl_logs.is_empty() && args.topology.is_none() {
+        findings.extend(checks::live(&args.sysfs_root)?);
+    }
+    let report = Report::new(findings);
+    if args.json {
+        printer.json(&report)?;
+    } else {
+        printer.data(&render(&report));
+    }
+    Ok(if report.errors > 0 {
+        ExitStatus::No
+    } else {
+        ExitStatus::Success
+    })
+}

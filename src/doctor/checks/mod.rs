@@ -1,0 +1,100 @@
+//! Every check of `infer doctor`, one file each, named after its stable id.
+
+pub mod gpu_nic_affinity;
+pub mod ib_port;
+pub mod limits;
+pub mod nccl_env;
+pub mod nccl_error;
+pub mod nccl_interface;
+pub mod nccl_tcp_fallback;
+pub mod nccl_transport;
+pub mod nccl_version;
+pub mod p2p;
+pub mod tp_not_nvlink;
+
+use super::Finding;
+use super::nccl_log::NcclLog;
+use crate::topology::Topology;
+
+/// Runs every NCCL-log check over `logs` (one per node or rank). `topology`, when given, is
+/// the hosts' recorded topology: it adds evidence (HCAs present, interface names).
+pub fn nccl_logs(logs: &[NcclLog], topology: Option<&Topology>) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    for log in logs {
+        findings.extend(nccl_transport::check(log));
+        findings.extend(nccl_tcp_fallback::check(log, topology));
+        findings.extend(nccl_interface::check(log, topology));
+        findings.extend(nccl_error::check(log));
+    }
+    findings.extend(nccl_version::check(logs));
+    findings
+}
+
+/// Checks of recorded topologies: TP over non-NVLink pairs, missing P2P, GPUs far from NICs.
+pub fn topology(topology: &Topology) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    for host in &topology.hosts {
+        findings.extend(tp_not_nvlink::check(host));
+        findings.extend(p2p::check(host));
+        findings.extend(gpu_nic_affinity::check(host));
+    }
+    findings
+}
+
+/// Checks of this host: driver, HCA ports, NCCL variables, limits, the rendezvous port.
+///
+/// Errors: the probe of this host failed (NVML loaded but broke, sysfs unreadable).
+pub fn live(sysfs_root: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
+    use super::Severity;
+    let host = crate::topology::probe::probe_host(&crate::topology::probe::ProbeOptions {
+        sysfs_root: sysfs_root.to_path_buf(),
+    })?;
+    let mut findings = vec![Finding {
+        check: "nvml",
+        severity: Severity::Ok,
+        host: Some(host.hostname.clone()),
+        message: if host.gpus.is_empty() {
+            format!("no NVIDIA GPUs: {}; CPU ranks only", host.notes.join("; "))
+        } else {
+            format!(
+                "{} × {}, driver {}",
+                host.gpus.len(),
+                host.gpus[0].name.as_deref().unwrap_or("GPU"),
+                host.driver_version.as_deref().unwrap_or("unknown")
+            )
+        },
+        evidence: Vec::new(),
+        hint: String::new(),
+    }];
+    findings.extend(tp_not_nvlink::check(&host));
+    findings.extend(p2p::check(&host));
+    findings.extend(ib_port::check(&host));
+    let env: std::collections::BTreeMap<String, String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("NCCL_"))
+        .collect();
+    findings.extend(nccl_env::check(&host, &env));
+    let has_rdma = host.nics.iter().any(|n| {
+        matches!(
+            n.kind,
+            crate::topology::NicKind::Ib | crate::topology::NicKind::Roce
+        )
+    });
+    if let Ok(limits) = std::fs::read_to_string("/proc/self/limits") {
+        findings.extend(limits::check(&limits, has_rdma));
+    }
+    let port: u16 = std::env::var("MASTER_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(29500);
+    if std::net::TcpListener::bind(("0.0.0.0", port)).is_err() {
+        findings.push(Finding {
+            check: "master-port",
+            severity: Severity::Warn,
+            host: Some(host.hostname.clone()),
+            message: format!("port {port} (`MASTER_PORT`) is already in use: a rendezvous store cannot listen on it"),
+            evidence: Vec::new(),
+            hint: format!("stop the process on port {port} (`ss -ltnp 'sport = :{port}'`) or choose another `MASTER_PORT`"),
+        });
+    }
+    Ok(findings)
+}

@@ -1,0 +1,117 @@
+//! `nccl-tcp-fallback`: NCCL carrying inter-node traffic over TCP sockets.
+//!
+//! What it checks: connections `via NET/Socket`, or `Using network Socket`.
+//! Why it matters: NET/Socket moves every byte through the kernel TCP stack: on a cluster
+//! with InfiniBand/RoCE it is 5–20× slower than NET/IB and dominates a TP/PP step.
+//! How to fix: make the verbs library and devices visible to NCCL: install `libibverbs1`
+//! (rdma-core), pass `/dev/infiniband` into the container (`--device /dev/infiniband`,
+//! `--cap-add IPC_LOCK`), and unset `NCCL_IB_DISABLE`. On cloud VMs without RDMA, use the
+//! provider's plugin (AWS EFA, GCP gIB/TCPXO) or accept TCP.
+
+use crate::doctor::nccl_log::{NcclLog, Transport};
+use crate::doctor::{Finding, Severity, cite};
+use crate::topology::{NicKind, Topology};
+
+/// Id of this check.
+pub const ID: &str = "nccl-tcp-fallback";
+
+/// Error when sockets carry traffic and nothing shows the hosts lack RDMA (or something
+/// shows they have it); warn when NCCL reported no IB device and nothing contradicts it.
+pub fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
+    let socket_channel = log
+        .connections
+        .iter()
+        .find(|c| c.transport == Transport::Socket);
+    let socket_network = log.network.as_ref().filter(|(name, _)| name == "Socket");
+    if socket_channel.is_none() && socket_network.is_none() {
+        return Vec::new();
+    }
+    let mut evidence: Vec<String> = socket_channel
+        .map(|c| &c.evidence)
+        .into_iter()
+        .chain(socket_network.map(|(_, e)| e))
+        .map(|e| cite(&log.origin, e))
+        .collect();
+    // Evidence that the hosts have RDMA hardware or software.
+    let mut rdma = Vec::new();
+    rdma.extend(log.ib_hints.iter().map(|e| cite(&log.origin, e)));
+    rdma.extend(
+        log.socket_interfaces
+            .iter()
+            .filter(|(name, _)| name.starts_with("ib"))
+            .map(|(_, e)| cite(&log.origin, e)),
+    );
+    if let Some(topology) = topology {
+        for host in &topology.hosts {
+            for nic in host
+                .nics
+                .iter()
+                .filter(|n| matches!(n.kind, NicKind::Ib | NicKind::Roce))
+            {
+                rdma.push(format!(
+                    "topology: host `{}` has HCA `{}` ({:?}, {})",
+                    host.hostname,
+                    nic.name,
+                    nic.kind,
+                    nic.state.as_deref().unwrap_or("state unknown")
+                ));
+            }
+        }
+    }
+    let no_device = log.ib_not_found.as_ref();
+    let cause = if log
+        .env
+        .iter()
+        .any(|(name, value, _)| name == "NCCL_IB_DISABLE" && value == "1")
+    {
+        "`NCCL_IB_DISABLE=1` is set: unset it"
+    } else if log
+        .ib_hints
+        .iter()
+        .any(|e| e.text.to_ascii_lowercase().contains("libibverbs"))
+    {
+        "NCCL could not load libibverbs: install `rdma-core`/`libibverbs1` in the image"
+    } else if no_device.is_some() {
+        "NCCL found no IB device: pass `/dev/infiniband` into the container (`--device /dev/infiniband --cap-add IPC_LOCK`) \
+         or install the HCA driver (MLNX_OFED / rdma-core)"
+    } else {
+        "NCCL did not use IB: check that `/dev/infiniband` exists in the container, libibverbs is installed, and \
+         `NCCL_IB_DISABLE` is unset; `NCCL_DEBUG_SUBSYS=INIT,NET` shows why"
+    };
+    let (severity, message) = if !rdma.is_empty() {
+        (
+            Severity::Error,
+            "NCCL uses TCP sockets (NET/Socket) although the hosts have InfiniBand/RoCE",
+        )
+    } else if let (Some(_), Some(no_device)) = (socket_channel, no_device) {
+        evidence.push(cite(&log.origin, no_device));
+        (
+            Severity::Warn,
+            "NCCL carries inter-node traffic over TCP sockets: it found no RDMA device",
+        )
+    } else if socket_channel.is_some() {
+        (
+            Severity::Error,
+            "NCCL carries inter-node traffic over TCP sockets (NET/Socket), not InfiniBand/RoCE",
+        )
+    } else {
+        if let Some(no_device) = no_device {
+            evidence.push(cite(&log.origin, no_device));
+        }
+        (
+            Severity::Warn,
+            "NCCL selected TCP sockets as its network transport: if the job spans hosts, inter-node collectives run over TCP",
+        )
+    };
+    evidence.extend(rdma);
+    vec![Finding {
+        check: ID,
+        severity,
+        host: socket_channel
+            .and_then(|c| c.evidence.host.clone())
+            .or_else(|| socket_network.and_then(|(_, e)| e.host.clone())),
+        message: message.to_string(),
+        evidence,
+        hint: cause.to_string(),
+    }]
+}

@@ -1,0 +1,105 @@
+//! `infer doctor`: finds what breaks distributed inference, from offline evidence (NCCL
+//! logs, recorded topologies) and this host. Each check lives in `checks/<id>.rs` with a
+//! stable id; checks collect [`Finding`]s rather than failing on the first problem.
+
+pub mod checks;
+pub mod nccl_log;
+
+use comfy_table::Table;
+use comfy_table::presets::NOTHING;
+use serde::Serialize;
+
+/// How bad a finding is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// Checked and healthy, or a fact worth knowing.
+    Ok,
+    /// Works, but slower or more fragile than it should be.
+    Warn,
+    /// Broken, or far slower than the hardware allows: `infer doctor` exits 1.
+    Error,
+}
+
+/// One diagnosis. `--json` `findings[]`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    /// Stable check id (`nccl-tcp-fallback`).
+    pub check: &'static str,
+    pub severity: Severity,
+    /// Host the evidence came from, when known.
+    pub host: Option<String>,
+    /// What is wrong (or right), stating what was expected.
+    pub message: String,
+    /// The log line or matrix cell seen, with where it was (`file:line: text`).
+    pub evidence: Vec<String>,
+    /// The exact fix: an env var, a command, a plan change. Empty for `ok`.
+    pub hint: String,
+}
+
+/// The `--json` output of `infer doctor`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Report {
+    pub findings: Vec<Finding>,
+    pub errors: usize,
+    pub warnings: usize,
+}
+
+impl Report {
+    /// Counts severities of `findings`.
+    pub fn new(findings: Vec<Finding>) -> Report {
+        let errors = findings
+            .iter()
+            .filter(|f| f.severity == Severity::Error)
+            .count();
+        let warnings = findings
+            .iter()
+            .filter(|f| f.severity == Severity::Warn)
+            .count();
+        Report {
+            findings,
+            errors,
+            warnings,
+        }
+    }
+}
+
+/// The human table: `severity check [host] message`, then evidence and hint lines.
+pub fn render(report: &Report) -> String {
+    let mut table = Table::new();
+    table.load_style(NOTHING);
+    for finding in &report.findings {
+        let severity = match finding.severity {
+            Severity::Ok => "ok",
+            Severity::Warn => "warn",
+            Severity::Error => "fail",
+        };
+        let mut detail = finding.message.clone();
+        if let Some(host) = &finding.host {
+            detail = format!("[{host}] {detail}");
+        }
+        for evidence in &finding.evidence {
+            detail.push_str(&format!("\n  seen: {evidence}"));
+        }
+        if !finding.hint.is_empty() {
+            detail.push_str(&format!("\n  hint: {}", finding.hint));
+        }
+        table.add_row([severity.to_string(), finding.check.to_string(), detail]);
+    }
+    let body: Vec<String> = table
+        .to_string()
+        .lines()
+        .map(|l| l.trim_end().to_string())
+        .collect();
+    format!(
+        "{}\n\n{} error(s), {} warning(s)\n",
+        body.join("\n"),
+        report.errors,
+        report.warnings
+    )
+}
+
+/// `origin:line: text` for a finding's evidence.
+pub fn cite(origin: &str, evidence: &nccl_log::Evidence) -> String {
+    format!("{origin}:{}: {}", evidence.line_no, evidence.text)
+}

@@ -1,0 +1,380 @@
+//! `infer doctor`: every NCCL log and topology fixture gets the diagnosis written for it in
+//! `../shared/fixtures/INDEX.md`; live checks run against fake sysfs trees and environments.
+
+use serde_json::Value;
+
+use crate::fake_sysfs::{FakePort, FakeSysfs};
+use crate::{infer, run, shared_fixture};
+
+/// Runs `infer doctor --json` with `args`; returns the exit code and the findings.
+fn doctor(args: &[&str]) -> (i32, Vec<Value>) {
+    let mut full = vec!["doctor", "--json"];
+    full.extend_from_slice(args);
+    let output = run(&full);
+    parse(output)
+}
+
+fn parse(output: std::process::Output) -> (i32, Vec<Value>) {
+    let code = output.status.code().expect("exited");
+    assert!(
+        code == 0 || code == 1,
+        "exit {code}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    (
+        code,
+        report["findings"].as_array().expect("findings").clone(),
+    )
+}
+
+fn log(name: &str) -> String {
+    shared_fixture(&format!("nccl_logs/{name}"))
+        .to_str()
+        .expect("UTF-8")
+        .to_string()
+}
+
+fn topo(name: &str) -> String {
+    shared_fixture(&format!("topo/{name}"))
+        .to_str()
+        .expect("UTF-8")
+        .to_string()
+}
+
+/// The findings of `check` with `severity`.
+fn with<'a>(findings: &'a [Value], check: &str, severity: &str) -> Vec<&'a Value> {
+    findings
+        .iter()
+        .filter(|f| f["check"] == check && f["severity"] == severity)
+        .collect()
+}
+
+fn text(finding: &Value) -> String {
+    finding.to_string()
+}
+
+#[test]
+fn socket_fallback_on_an_ib_cluster_is_an_error() {
+    let (code, findings) = doctor(&[
+        "--nccl-log",
+        &log("socket_fallback_ib_present_nccl_952_channels.txt"),
+    ]);
+    assert_eq!(code, 1);
+    let fallback = with(&findings, "nccl-tcp-fallback", "error");
+    assert_eq!(fallback.len(), 1);
+    assert!(
+        text(fallback[0]).contains("[send] via NET/Socket/3"),
+        "{}",
+        fallback[0]
+    );
+    let transport = with(&findings, "nccl-transport", "ok");
+    assert!(text(transport[0]).contains("P2P/IPC"), "{}", transport[0]);
+}
+
+#[test]
+fn gcp_socket_fallback_without_rdma_is_a_warning_with_version_note() {
+    let (code, findings) = doctor(&["--nccl-log", &log("socket_fallback_gcp_ens7_nccl_1267.txt")]);
+    assert_eq!(code, 0);
+    let fallback = with(&findings, "nccl-tcp-fallback", "warn");
+    assert!(
+        text(fallback[0]).contains("NET/IB : No device found"),
+        "{}",
+        fallback[0]
+    );
+    let version = with(&findings, "nccl-version", "ok");
+    assert!(
+        text(version[0]).contains("NCCL 2.19.3 built for CUDA 12.3, driver supports CUDA 12.0"),
+        "{}",
+        version[0]
+    );
+    assert!(text(version[0]).contains("minor-version compatibility"));
+}
+
+#[test]
+fn bridge_and_vpn_interfaces_are_flagged_with_the_physical_one() {
+    let (code, findings) = doctor(&[
+        "--nccl-log",
+        &log("socket_multi_iface_tailscale_lxcbr_vllm_6370.txt"),
+    ]);
+    assert_eq!(
+        code, 0,
+        "a single-node job with odd interfaces is not an error"
+    );
+    let interface = with(&findings, "nccl-interface", "warn");
+    assert_eq!(interface.len(), 1);
+    let finding = text(interface[0]);
+    assert!(
+        finding.contains("lxcbr0") && finding.contains("tailscale0"),
+        "{finding}"
+    );
+    assert!(
+        !finding.contains("`eno3`, "),
+        "eno3 is not flagged: {finding}"
+    );
+    assert!(
+        interface[0]["hint"]
+            .as_str()
+            .expect("hint")
+            .contains("NCCL_SOCKET_IFNAME==eno3")
+    );
+    let version = with(&findings, "nccl-version", "ok");
+    assert!(text(version[0]).contains("2.20.5"));
+}
+
+#[test]
+fn roce_init_is_healthy_and_names_the_hcas() {
+    let (code, findings) = doctor(&[
+        "--nccl-log",
+        &log("ib_roce_init_dgxh100_nccl_tests_185.txt"),
+    ]);
+    assert_eq!(code, 0);
+    assert!(
+        findings.iter().all(|f| f["severity"] == "ok"),
+        "{findings:?}"
+    );
+    let transport = with(&findings, "nccl-transport", "ok");
+    let message = transport[0]["message"].as_str().expect("message");
+    assert!(
+        message.contains("IB")
+            && message.contains("mlx5_10:1/RoCE")
+            && message.contains("mlx5_11:1/RoCE"),
+        "{message}"
+    );
+    assert!(message.contains("relaxed ordering"), "{message}");
+}
+
+#[test]
+fn gdrdma_and_cumem_are_healthy() {
+    let (code, findings) = doctor(&[
+        "--nccl-log",
+        &log("ib_gdrdma_and_p2p_cumem_h20_nccl_1189.txt"),
+    ]);
+    assert_eq!(code, 0);
+    assert!(
+        findings.iter().all(|f| f["severity"] == "ok"),
+        "{findings:?}"
+    );
+    let message = with(&findings, "nccl-transport", "ok")[0]["message"]
+        .as_str()
+        .expect("message")
+        .to_string();
+    assert!(
+        message.contains("NET/IB/GDRDMA") && message.contains("P2P/CUMEM"),
+        "{message}"
+    );
+}
+
+#[test]
+fn container_shm_and_socket_are_flagged() {
+    let (code, findings) = doctor(&[
+        "--nccl-log",
+        &log("shm_direct_and_socket_container_eth0_nccl_367.txt"),
+    ]);
+    assert_eq!(code, 1);
+    let shm = with(&findings, "nccl-transport", "warn");
+    assert!(
+        text(shm[0]).contains("direct shared memory") && text(shm[0]).contains("CUDA Dev 0["),
+        "{}",
+        shm[0]
+    );
+    assert_eq!(with(&findings, "nccl-tcp-fallback", "error").len(), 1);
+    let virtual_nic = with(&findings, "nccl-interface", "warn");
+    assert!(text(virtual_nic[0]).contains("eth0"), "{}", virtual_nic[0]);
+}
+
+#[test]
+fn nonexistent_socket_ifname_is_an_error() {
+    let (code, findings) = doctor(&[
+        "--nccl-log",
+        &log("fail_socket_ifname_nonexistent_nccl_1837.txt"),
+    ]);
+    assert_eq!(code, 1);
+    let interface = with(&findings, "nccl-interface", "error");
+    assert!(
+        text(interface[0]).contains("NCCL_SOCKET_IFNAME=eth2")
+            && text(interface[0]).contains("family 59936"),
+        "{}",
+        interface[0]
+    );
+    assert!(!with(&findings, "nccl-error", "error").is_empty());
+}
+
+#[test]
+fn different_nccl_versions_across_logs_are_an_error() {
+    let (code, findings) = doctor(&[
+        "--nccl-log",
+        &log("socket_fallback_gcp_ens7_nccl_1267.txt"),
+        "--nccl-log",
+        &log("socket_multi_iface_tailscale_lxcbr_vllm_6370.txt"),
+    ]);
+    assert_eq!(code, 1);
+    let mismatch = with(&findings, "nccl-version", "error");
+    assert!(
+        text(mismatch[0]).contains("2.19.3") && text(mismatch[0]).contains("2.20.5"),
+        "{}",
+        mismatch[0]
+    );
+}
+
+#[test]
+fn nccl_errors_are_classified() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("node1.log");
+    std::fs::write(
+        &path,
+        "some launcher line\n\
+         node1:100:200 [0] NCCL INFO NCCL version 2.21.5+cuda12.4\n\
+         node1:100:200 [0] NCCL WARN Call to connect returned Connection refused, retrying\n\
+         node1:100:201 [1] NCCL WARN NET/IB : mlx5_0:1 ibv_modify_qp failed with 101 Network is unreachable\n\
+         node1:100:202 [2] NCCL WARN Duplicate GPU detected : rank 2 and rank 3 both on CUDA device 41000\n",
+    )
+    .expect("write");
+    let (code, findings) = doctor(&["--nccl-log", path.to_str().expect("UTF-8")]);
+    assert_eq!(code, 1);
+    let errors = with(&findings, "nccl-error", "error");
+    let all: String = errors.iter().map(|f| text(f)).collect();
+    assert_eq!(errors.len(), 3, "{all}");
+    assert!(
+        all.contains("refused the connection")
+            && all.contains("GID index")
+            && all.contains("same GPU or rank"),
+        "{all}"
+    );
+    assert!(errors.iter().all(|f| f["host"] == "node1"));
+}
+
+#[test]
+fn topology_diagnoses() {
+    let (_, dgx1) = doctor(&[
+        "--topology",
+        &topo("v100_dgx1_nv1nv2_mlx5x4_pytorch_ddp_benchmark_readme.txt"),
+    ]);
+    let tp = with(&dgx1, "tp-not-nvlink", "warn");
+    assert!(
+        text(tp[0]).contains("TP=4 inside the NVLink domains {0-3} {4-7}"),
+        "{}",
+        tp[0]
+    );
+    assert_eq!(with(&dgx1, "gpu-nic-affinity", "ok").len(), 1);
+
+    let (_, l40s) = doctor(&[
+        "--topology",
+        &topo("l40s_x4_node_sys_mlx5x2_missalignment_106.txt"),
+    ]);
+    let tp = with(&l40s, "tp-not-nvlink", "warn");
+    assert!(
+        text(tp[0]).contains("SYS") && text(tp[0]).contains("{0,1} {2,3}"),
+        "{}",
+        tp[0]
+    );
+    assert_eq!(with(&l40s, "gpu-nic-affinity", "warn").len(), 1);
+
+    let (_, a5000) = doctor(&[
+        "--topology",
+        &topo("a5000_pcie8_pxb_pix_sys_mlx5x2_tin6150_psg.txt"),
+    ]);
+    let tp = text(with(&a5000, "tp-not-nvlink", "warn")[0]);
+    assert!(
+        tp.contains("{2,3} {6,7} (PIX)") && tp.contains("TP=4 within {0-3} {4-7}"),
+        "{tp}"
+    );
+    assert!(text(with(&a5000, "gpu-nic-affinity", "warn")[0]).contains("GPU 0-7"));
+
+    let (_, rtx) = doctor(&[
+        "--topology",
+        &topo("rtx5090_x2_phb_p2p_gns_club3090_1229.txt"),
+    ]);
+    assert!(text(with(&rtx, "p2p", "warn")[0]).contains("GNS"));
+
+    let (code, h20) = doctor(&["--topology", &topo("h20_sxm8_nv18_mlx5x8_sglang_9696.txt")]);
+    assert_eq!(code, 0);
+    assert!(h20.iter().all(|f| f["severity"] == "ok"), "{h20:?}");
+}
+
+#[test]
+fn live_checks_on_a_fake_host() {
+    let sysfs = FakeSysfs::new();
+    sysfs.pci_device("pci0000:3a/0000:3a:02.0/0000:40:00.0", 0);
+    sysfs.pci_device("pci0000:3a/0000:3a:03.0/0000:41:00.0", 0);
+    sysfs.hca(
+        "mlx5_0",
+        "pci0000:3a/0000:3a:02.0/0000:40:00.0",
+        &[FakePort {
+            state: "1: DOWN",
+            phys_state: "3: Disabled",
+            rate: "400 Gb/sec (4X NDR)",
+            link_layer: "InfiniBand",
+            gids: &[],
+        }],
+    );
+    sysfs.hca(
+        "mlx5_1",
+        "pci0000:3a/0000:3a:03.0/0000:41:00.0",
+        &[FakePort {
+            state: "4: ACTIVE",
+            phys_state: "5: LinkUp",
+            rate: "400 Gb/sec (4X NDR)",
+            link_layer: "InfiniBand",
+            gids: &[],
+        }],
+    );
+    sysfs.netdev(
+        "eno1",
+        Some("pci0000:3a/0000:3a:03.0/0000:41:00.0"),
+        "up",
+        25000,
+        1,
+    );
+    let root = sysfs.root().to_str().expect("UTF-8").to_string();
+    let output = infer()
+        .args(["doctor", "--json", "--sysfs-root", &root])
+        .env("NCCL_SOCKET_IFNAME", "eth9")
+        .env("NCCL_IB_HCA", "=mlx5_7")
+        .env("NCCL_IB_DISABLE", "1")
+        .env("MASTER_PORT", "0")
+        .output()
+        .expect("run");
+    let (code, findings) = parse(output);
+    assert_eq!(code, 1);
+    let port = with(&findings, "ib-port", "error");
+    assert_eq!(port.len(), 1);
+    assert!(
+        text(port[0]).contains("mlx5_0") && text(port[0]).contains("DOWN"),
+        "{}",
+        port[0]
+    );
+    let env: String = with(&findings, "nccl-env", "error")
+        .iter()
+        .map(|f| text(f))
+        .collect();
+    assert!(
+        env.contains("NCCL_SOCKET_IFNAME=eth9") && env.contains("NCCL_IB_HCA==mlx5_7"),
+        "{env}"
+    );
+    assert!(text(with(&findings, "nccl-env", "warn")[0]).contains("NCCL_IB_DISABLE=1"));
+    assert!(!with(&findings, "nvml", "ok").is_empty());
+}
+
+#[test]
+fn this_machine_is_reported_honestly() {
+    let output = run(&["doctor"]);
+    let code = output.status.code().expect("exited");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(code == 0 || code == 1, "{stdout}");
+    assert!(stdout.contains("nvml"), "{stdout}");
+    if !std::path::Path::new("/proc/driver/nvidia/version").exists() {
+        assert!(stdout.contains("no NVIDIA GPUs"), "{stdout}");
+    }
+    assert!(stdout.contains("error(s)"), "{stdout}");
+}
+
+#[test]
+fn unreadable_log_exits_2() {
+    let output = run(&["doctor", "--nccl-log", "/nonexistent/nccl.log"]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&output.stderr)
+            .contains("failed to read NCCL log `/nonexistent/nccl.log`")
+    );
+}
