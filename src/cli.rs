@@ -121,6 +121,10 @@ pub struct DoctorArgs {
     #[arg(long, value_name = "FILE")]
     pub topology: Option<PathBuf>,
 
+    /// A plan to check: `infer plan --json` output.
+    #[arg(long, value_name = "FILE")]
+    pub plan: Option<PathBuf>,
+
     /// Print the findings as JSON to stdout.
     #[arg(long)]
     pub json: bool,

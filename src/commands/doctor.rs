@@ -29,11 +29,24 @@ pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
         }
         None => None,
     };
+    let plan: Option<crate::plan::Plan> = match &args.plan {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("failed to read plan `{}`", path.display()))?;
+            Some(serde_json::from_str(&text).with_context(|| {
+                format!("`{}` is not `infer plan --json` output", path.display())
+            })?)
+        }
+        None => None,
+    };
     let mut findings = checks::nccl_logs(&logs, topology.as_ref());
+    if let Some(plan) = &plan {
+        findings.extend(checks::plan(plan, topology.as_ref()));
+    }
     if let Some(topology) = &topology {
         findings.extend(checks::topology(topology));
     }
-    if args.nccl_logs.is_empty() && args.topology.is_none() {
+    if args.nccl_logs.is_empty() && args.topology.is_none() && args.plan.is_none() {
         findings.extend(checks::live(&args.sysfs_root)?);
     }
     let report = Report::new(findings);

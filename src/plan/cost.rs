@@ -2,7 +2,7 @@
 //! GPU reads (weights, touched experts, KV cache) against tensor-core time, plus TP
 //! all-reduces, EP all-to-alls and PP hops over the links the groups actually use.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::Parallel;
 use super::cluster::HardwareSpec;
@@ -36,7 +36,7 @@ pub struct Links {
 }
 
 /// What the cost model predicts for one layout. Part of `--json` (`estimate`).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Estimate {
     /// Time per output token of one sequence alone (batch 1), seconds.
     pub tpot_secs: f64,
@@ -46,8 +46,10 @@ pub struct Estimate {
     pub tpot_at_batch_secs: f64,
     /// Decode tokens per second of the whole cluster at that batch (all DP replicas).
     pub tokens_per_sec: f64,
-    /// Fraction of a pipeline round a stage idles, `(pp−1)/(m+pp−1)` for `m` micro-batches
-    /// (GPipe, Huang et al. 2019); 0 without PP.
+    /// Fraction of a pipeline round the average stage idles at `batch_per_replica`:
+    /// `1 − Σ_s m·t_s / (pp · round)` for `m` micro-batches of stage time `t_s`. With
+    /// `m = pp` balanced micro-batches it is near 0 (steady-state decode keeps every stage
+    /// busy); with one micro-batch it is GPipe's `(pp−1)/pp` (Huang et al. 2019). 0 without PP.
     pub pp_bubble_fraction: f64,
     /// Sequences of `--max-model-len` tokens the KV cache holds at once, per replica.
     pub max_concurrency: u64,
@@ -78,17 +80,23 @@ pub fn estimate(
     let tpot_at_batch_secs = tpot(batch);
     // With PP, `m = pp` micro-batches keep the stages busy (vLLM runs one virtual engine per
     // stage); a round is bounded by the slowest stage per micro-batch and by one traversal.
-    let (round_secs, micro_batches) = if pp > 1 && batch >= pp {
-        let micro = batch.div_ceil(pp);
-        let slowest = stages
-            .iter()
-            .map(|s| stage_secs(spec, parallel, s, dtype, hardware, links, micro, context))
-            .fold(0.0, f64::max)
-            + hop_secs(spec, links, micro);
-        ((pp as f64 * slowest).max(tpot(micro)), pp)
+    let (micro_batches, micro) = if pp > 1 && batch >= pp {
+        (pp, batch.div_ceil(pp))
     } else {
-        (tpot_at_batch_secs, 1)
+        (1, batch)
     };
+    let stage_times: Vec<f64> = stages
+        .iter()
+        .map(|s| stage_secs(spec, parallel, s, dtype, hardware, links, micro, context))
+        .collect();
+    let round_secs = if micro_batches > 1 {
+        let slowest =
+            stage_times.iter().copied().fold(0.0, f64::max) + hop_secs(spec, links, micro);
+        (micro_batches as f64 * slowest).max(tpot(micro))
+    } else {
+        tpot_at_batch_secs
+    };
+    let busy_secs: f64 = stage_times.iter().map(|t| micro_batches as f64 * t).sum();
     let replica_tokens_per_sec = batch as f64 / round_secs;
     Estimate {
         tpot_secs,
@@ -96,7 +104,7 @@ pub fn estimate(
         tpot_at_batch_secs,
         tokens_per_sec: replica_tokens_per_sec * parallel.dp as f64,
         pp_bubble_fraction: if pp > 1 {
-            (pp - 1) as f64 / (micro_batches + pp - 1) as f64
+            (1.0 - busy_secs / (pp as f64 * round_secs)).max(0.0)
         } else {
             0.0
         },

@@ -2,7 +2,7 @@
 //! its process groups, and the placement of every rank on a host and GPU that keeps TP
 //! groups inside NVLink domains.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::Parallel;
 use super::cluster::Cluster;
@@ -10,7 +10,7 @@ use super::cost::{Link, Links, NETWORK_LATENCY_SECS, NVLINK_LATENCY_SECS, PCIE_L
 use crate::topology::LinkCode;
 
 /// One rank: where it runs and its coordinates in every group. `--json` `ranks[]`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RankPlacement {
     /// Global rank, `RANK`.
     pub rank: u64,
@@ -30,7 +30,7 @@ pub struct RankPlacement {
 }
 
 /// Process groups as lists of global ranks. `--json` `groups`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Groups {
     pub tp: Vec<Vec<u64>>,
     pub pp: Vec<Vec<u64>>,

@@ -1,7 +1,7 @@
 //! Memory per GPU for one parallel layout: weights of its PP stage and TP/EP shard, the
 //! reserve (CUDA context, NCCL buffers, activations), and what is left for the KV cache.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::Parallel;
 use super::model::{Dtype, ModelSpec};
@@ -23,7 +23,7 @@ pub const PROFILE_BATCH_TOKENS: u64 = 8192;
 pub const MAX_NUM_SEQS: u64 = 256;
 
 /// Memory of every GPU of one PP stage. The `--json` `memory[]` entries.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StageMemory {
     /// Which stage (GPUs of other stages hold other layers).
     pub pp_rank: u64,

@@ -17,7 +17,7 @@ pub mod render;
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use cluster::Cluster;
 use cost::Estimate;
@@ -28,7 +28,7 @@ use model::{Dtype, ModelSpec};
 use crate::topology::LinkCode;
 
 /// What to optimise.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Objective {
     /// Lowest time per output token of one sequence (TPOT at batch 1).
@@ -74,7 +74,7 @@ impl Default for Settings {
 
 /// Parallel degrees. `world_size = tp · pp · dp`; `ep` divides `tp · dp` and re-shards the
 /// experts of one PP stage (vLLM: EP = TP × DP with expert parallelism on).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Parallel {
     pub tp: u64,
     pub pp: u64,
@@ -100,7 +100,7 @@ impl std::fmt::Display for Parallel {
 }
 
 /// A layout that was considered, and how it fared. `--json` `alternatives[]`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Alternative {
     pub parallel: Parallel,
     pub feasible: bool,
@@ -111,7 +111,7 @@ pub struct Alternative {
 }
 
 /// A placement of one model onto a cluster, with the reasons. The `--json` output of `infer plan`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub model: String,
     /// What `vllm serve` would load (a Hugging Face id or a path).
@@ -145,7 +145,7 @@ pub struct Plan {
 }
 
 /// No layout works. `message` says why with the numbers, `hint` what to change.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Infeasible {
     pub model: String,
     pub cluster: String,

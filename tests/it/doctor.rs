@@ -378,3 +378,150 @@ fn unreadable_log_exits_2() {
             .contains("failed to read NCCL log `/nonexistent/nccl.log`")
     );
 }
+
+/// Writes `infer plan --json` output for `args` to a temp file.
+fn saved_plan(dir: &std::path::Path, name: &str, args: &[&str]) -> String {
+    let mut full = vec!["plan", "--json"];
+    full.extend_from_slice(args);
+    let output = run(&full);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let path = dir.join(name);
+    std::fs::write(&path, &output.stdout).expect("write plan");
+    path.to_str().expect("UTF-8").to_string()
+}
+
+#[test]
+fn plan_checks_cross_node_tp_and_ep() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let good = saved_plan(
+        dir.path(),
+        "good.json",
+        &[
+            "--model",
+            "llama-3.1-405b",
+            "--cluster",
+            "2x8xh100-sxm",
+            "--objective",
+            "latency",
+        ],
+    );
+    let (code, findings) = doctor(&["--plan", &good]);
+    assert_eq!(code, 0);
+    assert_eq!(with(&findings, "cross-node-tp", "ok").len(), 1);
+    assert_eq!(
+        with(&findings, "pp-bubble", "ok").len(),
+        1,
+        "steady-state decode with PP2 keeps stages busy"
+    );
+
+    let stretched = saved_plan(
+        dir.path(),
+        "tp16.json",
+        &[
+            "--model",
+            "llama-3.1-405b",
+            "--cluster",
+            "2x8xh100-sxm",
+            "--tp",
+            "16",
+        ],
+    );
+    let (code, findings) = doctor(&["--plan", &stretched]);
+    assert_eq!(code, 1);
+    let error = with(&findings, "cross-node-tp", "error");
+    assert!(
+        error[0]["hint"]
+            .as_str()
+            .expect("hint")
+            .contains("--tp 8 --pp 2"),
+        "{}",
+        error[0]
+    );
+
+    let moe = saved_plan(
+        dir.path(),
+        "ep.json",
+        &[
+            "--model",
+            "qwen3-235b-a22b",
+            "--cluster",
+            "2x8xh100-sxm",
+            "--tp",
+            "2",
+            "--ep",
+            "16",
+            "--max-model-len",
+            "8192",
+        ],
+    );
+    let (_, findings) = doctor(&["--plan", &moe]);
+    assert_eq!(with(&findings, "ep-cross-node", "warn").len(), 1);
+}
+
+#[test]
+fn pp_bubble_warns_above_thirty_percent() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = saved_plan(
+        dir.path(),
+        "pp.json",
+        &[
+            "--model",
+            "llama-3.1-405b",
+            "--cluster",
+            "2x8xh100-sxm",
+            "--objective",
+            "latency",
+        ],
+    );
+    // The same plan with one sequence in flight: GPipe's (pp−1)/pp = 50% idle.
+    let mut plan: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("JSON");
+    plan["estimate"]["pp_bubble_fraction"] = serde_json::json!(0.5);
+    std::fs::write(&path, plan.to_string()).expect("write");
+    let (code, findings) = doctor(&["--plan", &path]);
+    assert_eq!(code, 0, "a bubble is a warning, not an error");
+    assert!(text(with(&findings, "pp-bubble", "warn")[0]).contains("50%"));
+}
+
+#[test]
+fn plan_tp_groups_checked_against_the_topology() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let dgx1 = topo("v100_dgx1_nv1nv2_mlx5x4_pytorch_ddp_benchmark_readme.txt");
+    // A plan made without the topology (a shorthand assumes NVSwitch) puts TP8 on a DGX-1.
+    let plan = saved_plan(
+        dir.path(),
+        "tp8.json",
+        &[
+            "--model",
+            "llama-3.1-70b",
+            "--cluster",
+            "1x8xa100-sxm-80g",
+            "--tp",
+            "8",
+        ],
+    );
+    let (_, findings) = doctor(&["--plan", &plan, "--topology", &dgx1]);
+    let warnings: Vec<&Value> = with(&findings, "tp-not-nvlink", "warn");
+    assert!(
+        warnings
+            .iter()
+            .any(|f| text(f).contains("TP group [0, 1, 2, 3, 4, 5, 6, 7]")
+                && text(f).contains("SYS")),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn malformed_plan_exits_2() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("plan.json");
+    std::fs::write(&path, "{\"parallel\": 3}").expect("write");
+    let output = run(&["doctor", "--plan", path.to_str().expect("UTF-8")]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("is not `infer plan --json` output"));
+}

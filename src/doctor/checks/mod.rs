@@ -1,5 +1,7 @@
 //! Every check of `infer doctor`, one file each, named after its stable id.
 
+pub mod cross_node_tp;
+pub mod ep_cross_node;
 pub mod gpu_nic_affinity;
 pub mod ib_port;
 pub mod limits;
@@ -10,6 +12,7 @@ pub mod nccl_tcp_fallback;
 pub mod nccl_transport;
 pub mod nccl_version;
 pub mod p2p;
+pub mod pp_bubble;
 pub mod tp_not_nvlink;
 
 use super::Finding;
@@ -97,4 +100,16 @@ pub fn live(sysfs_root: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
         });
     }
     Ok(findings)
+}
+
+/// Checks of a plan: TP or EP groups across hosts, the PP bubble, and (with the hosts'
+/// topology) TP groups over non-NVLink pairs.
+pub fn plan(plan: &crate::plan::Plan, topology: Option<&Topology>) -> Vec<Finding> {
+    let mut findings = cross_node_tp::check(plan);
+    findings.extend(ep_cross_node::check(plan));
+    findings.extend(pp_bubble::check(plan));
+    if let Some(topology) = topology {
+        findings.extend(tp_not_nvlink::check_plan(plan, topology));
+    }
+    findings
 }

@@ -10,8 +10,9 @@
 //! rest: `infer plan --cluster <inventory>` places the groups.
 
 use crate::doctor::{Finding, Severity};
+use crate::plan::Plan;
 use crate::topology::render::gpu_set;
-use crate::topology::{Host, LinkCode};
+use crate::topology::{Host, LinkCode, Topology};
 
 /// Id of this check.
 pub const ID: &str = "tp-not-nvlink";
@@ -69,6 +70,57 @@ pub fn check(host: &Host) -> Option<Finding> {
         evidence: vec![format!("GPU{}–GPU{}: {worst_code}", worst.0, worst.1)],
         hint: advice,
     })
+}
+
+/// The plan's TP groups on the hosts of `topology` (matched by host name; a topology of
+/// one host applies to every host): a warning per group with a non-NVLink pair.
+pub fn check_plan(plan: &Plan, topology: &Topology) -> Vec<Finding> {
+    let host_of = |name: &str| -> Option<&Host> {
+        topology
+            .hosts
+            .iter()
+            .find(|h| h.hostname == name)
+            .or(if topology.hosts.len() == 1 {
+                topology.hosts.first()
+            } else {
+                None
+            })
+    };
+    let mut findings = Vec::new();
+    for group in &plan.groups.tp {
+        let ranks: Vec<_> = group
+            .iter()
+            .filter_map(|&r| plan.ranks.get(r as usize))
+            .collect();
+        let Some(first) = ranks.first() else { continue };
+        if ranks.iter().any(|r| r.host != first.host) {
+            continue; // cross-node-tp reports these.
+        }
+        let Some(host) = host_of(&first.host) else {
+            continue;
+        };
+        let worst = ranks
+            .iter()
+            .flat_map(|a| ranks.iter().map(move |b| (a.gpu, b.gpu)))
+            .filter(|&(a, b)| a != b && a < host.gpus.len() && b < host.gpus.len())
+            .max_by(|&a, &b| {
+                host.gpu_links[a.0][a.1]
+                    .cmp(&host.gpu_links[b.0][b.1])
+                    .then(b.cmp(&a))
+            });
+        if let Some((a, b)) = worst.filter(|&(a, b)| !host.gpu_links[a][b].is_nvlink()) {
+            let gpus: Vec<usize> = ranks.iter().map(|r| r.gpu).collect();
+            findings.push(Finding {
+                check: ID,
+                severity: Severity::Warn,
+                host: Some(first.host.clone()),
+                message: format!("TP group {group:?} on GPUs {gpus:?} is not all NVLinked: its all-reduce crosses {}", host.gpu_links[a][b]),
+                evidence: vec![format!("GPU{a}–GPU{b}: {}", host.gpu_links[a][b])],
+                hint: "re-plan with the host's topology (`infer plan --cluster <inventory with topology>`) to keep TP inside NVLink domains".to_string(),
+            });
+        }
+    }
+    findings
 }
 
 /// Without NVLink: the closest pairs, and the largest TP whose index-contiguous groups avoid `SYS`.
