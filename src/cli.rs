@@ -52,6 +52,25 @@ pub struct PlanArgs {
     #[arg(long, value_name = "M")]
     pub model: String,
 
+    #[command(flatten)]
+    pub settings: PlanSettingsArgs,
+
+    /// Print the plan as JSON to stdout.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Also list every layout considered and why it lost.
+    #[arg(long)]
+    pub explain: bool,
+
+    /// sysfs mount point used when `--cluster local` probes this host.
+    #[arg(long, value_name = "DIR", default_value = "/sys", hide = true)]
+    pub sysfs_root: PathBuf,
+}
+
+/// The planner's flags besides the model, shared by `infer plan` and `infer doctor`.
+#[derive(Debug, Args)]
+pub struct PlanSettingsArgs {
     /// `local` (probe this host), a cluster inventory TOML, or a shorthand
     /// `NODESxGPUSxHARDWARE` such as `2x8xh100-sxm`.
     #[arg(long, value_name = "C", default_value = "local")]
@@ -89,18 +108,6 @@ pub struct PlanArgs {
     /// Pin the data-parallel degree (replicas).
     #[arg(long, value_name = "N")]
     pub dp: Option<u64>,
-
-    /// Print the plan as JSON to stdout.
-    #[arg(long)]
-    pub json: bool,
-
-    /// Also list every layout considered and why it lost.
-    #[arg(long)]
-    pub explain: bool,
-
-    /// sysfs mount point used when `--cluster local` probes this host.
-    #[arg(long, value_name = "DIR", default_value = "/sys", hide = true)]
-    pub sysfs_root: PathBuf,
 }
 
 /// `--objective`.
@@ -122,8 +129,15 @@ pub struct DoctorArgs {
     pub topology: Option<PathBuf>,
 
     /// A plan to check: `infer plan --json` output.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "model")]
     pub plan: Option<PathBuf>,
+
+    /// Plan this model (with the planner flags below) and check that plan.
+    #[arg(long, value_name = "M")]
+    pub model: Option<String>,
+
+    #[command(flatten)]
+    pub settings: PlanSettingsArgs,
 
     /// Print the findings as JSON to stdout.
     #[arg(long)]

@@ -144,6 +144,8 @@ pub fn synthetic_topology(hostname: &str, n_gpus: usize, spec: &HardwareSpec) ->
             pci_bus_id: None,
             numa_node: Some((index / half) as u32),
             cpu_affinity: None,
+            nvlinks_active: None,
+            nvlinks_inactive: None,
         })
         .collect();
     Host {

@@ -43,10 +43,17 @@ pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     if let Some(plan) = &plan {
         findings.extend(checks::plan(plan, topology.as_ref()));
     }
+    if let Some(model) = &args.model {
+        findings.extend(plan_from_flags(model, args)?);
+    }
     if let Some(topology) = &topology {
         findings.extend(checks::topology(topology));
     }
-    if args.nccl_logs.is_empty() && args.topology.is_none() && args.plan.is_none() {
+    if args.nccl_logs.is_empty()
+        && args.topology.is_none()
+        && args.plan.is_none()
+        && args.model.is_none()
+    {
         findings.extend(checks::live(&args.sysfs_root)?);
     }
     let report = Report::new(findings);
@@ -59,5 +66,41 @@ pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
         ExitStatus::No
     } else {
         ExitStatus::Success
+    })
+}
+
+/// Plans `model` with the planner flags and checks the plan against the cluster's own
+/// topology (or `--topology` when given). An infeasible plan is an error finding.
+fn plan_from_flags(model: &str, args: &DoctorArgs) -> Result<Vec<crate::doctor::Finding>> {
+    let settings = crate::commands::plan::settings(&args.settings)?;
+    let spec = crate::model::load(model)?;
+    let cluster = crate::cluster::load(&args.settings.cluster, &args.sysfs_root)?;
+    Ok(match crate::plan::plan(&spec, &cluster, &settings) {
+        crate::plan::Outcome::Feasible(plan) => {
+            let cluster_topology = Topology {
+                hosts: cluster.hosts.iter().map(|h| h.topology.clone()).collect(),
+            };
+            let mut findings = checks::plan(&plan, Some(&cluster_topology));
+            findings.extend(plan.warnings.iter().map(|warning| crate::doctor::Finding {
+                check: "plan",
+                severity: crate::doctor::Severity::Warn,
+                host: None,
+                message: warning.clone(),
+                evidence: vec![format!(
+                    "infer plan --model {model} --cluster {}: {}",
+                    args.settings.cluster, plan.parallel
+                )],
+                hint: String::new(),
+            }));
+            findings
+        }
+        crate::plan::Outcome::Infeasible(infeasible) => vec![crate::doctor::Finding {
+            check: "plan",
+            severity: crate::doctor::Severity::Error,
+            host: None,
+            message: infeasible.message.clone(),
+            evidence: Vec::new(),
+            hint: infeasible.hint.clone(),
+        }],
     })
 }

@@ -3,7 +3,7 @@
 
 use anyhow::{Result, anyhow, bail};
 
-use crate::cli::{ObjectiveArg, PlanArgs};
+use crate::cli::{ObjectiveArg, PlanArgs, PlanSettingsArgs};
 use crate::plan::model::Dtype;
 use crate::plan::{Objective, Outcome, Settings, plan, render};
 use crate::ui::Printer;
@@ -12,9 +12,9 @@ use crate::{ExitStatus, cluster, model};
 /// Runs `infer plan`. Exit status `No` when no layout is feasible. Errors: bad flags, an
 /// unreadable model or cluster.
 pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
-    let settings = settings(args)?;
+    let settings = settings(&args.settings)?;
     let spec = model::load(&args.model)?;
-    let cluster = cluster::load(&args.cluster, &args.sysfs_root)?;
+    let cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
     match plan(&spec, &cluster, &settings) {
         Outcome::Feasible(plan) => {
             if args.json {
@@ -35,8 +35,9 @@ pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     }
 }
 
-/// Flags → validated settings.
-fn settings(args: &PlanArgs) -> Result<Settings> {
+/// Flags → validated settings. Errors: an unknown dtype, a utilization outside (0, 1], a
+/// degree or length of 0.
+pub fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
     let parse_dtype = |flag: &str, value: &Option<String>| -> Result<Option<Dtype>> {
         value
             .as_deref()

@@ -339,6 +339,36 @@ mod tests {
     }
 
     #[test]
+    fn nccl_2_26_formats() {
+        // NCCL ≥ 2.26 prints the version behind the INFO header and `Bootstrap:` without a space.
+        let log = parse(
+            "gpu-a:4242:4242 [0] NCCL INFO NCCL version 2.26.2+cuda12.8\n\
+             gpu-a:4242:4242 [0] NCCL INFO Bootstrap: Using bond0:10.1.0.7<0>\n\
+             gpu-a:4242:4300 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_3:1/IB [RO]; OOB bond0:10.1.0.7<0>\n\
+             gpu-a:4242:4300 [0] NCCL INFO Channel 00/0 : 0[0] -> 8[0] [send] via NET/IBext_v9/0/GDRDMA\n",
+            "a.log",
+        );
+        let (version, cuda, evidence) = log.version.expect("version parsed");
+        assert_eq!(
+            (version.as_str(), cuda.as_deref()),
+            ("2.26.2", Some("12.8"))
+        );
+        assert_eq!(evidence.host.as_deref(), Some("gpu-a"));
+        assert_eq!(log.socket_interfaces[0].0, "bond0");
+        assert_eq!(
+            log.ib_devices
+                .iter()
+                .map(|(d, _)| d.as_str())
+                .collect::<Vec<_>>(),
+            ["mlx5_0:1/IB", "mlx5_3:1/IB"]
+        );
+        assert_eq!(
+            log.connections[0].transport,
+            Transport::Plugin("IBext_v9".into())
+        );
+    }
+
+    #[test]
     fn bracketed_interface_lists() {
         assert_eq!(
             bracketed_items(

@@ -84,6 +84,13 @@ pub struct Gpu {
     /// CPUs with affinity to this GPU as a list (`0-47,96-143`); `None` when unknown.
     #[serde(default)]
     pub cpu_affinity: Option<String>,
+    /// NVLinks NVML reports as active; `None` when not probed (imports).
+    #[serde(default)]
+    pub nvlinks_active: Option<u32>,
+    /// NVLinks that exist on the GPU but are not active (down, or no bridge fitted);
+    /// `None` when not probed.
+    #[serde(default)]
+    pub nvlinks_inactive: Option<u32>,
 }
 
 /// Kind of network adapter, by link layer.

@@ -73,6 +73,8 @@ pub fn probe_gpus() -> Result<GpuProbe> {
                 .cpu_affinity(AFFINITY_WORDS)
                 .ok()
                 .map(|mask| cpu_list(&mask)),
+            nvlinks_active: None,
+            nvlinks_inactive: None,
         });
     }
 
@@ -81,10 +83,17 @@ pub fn probe_gpus() -> Result<GpuProbe> {
     let mut switch_links = vec![0u32; n_gpus];
     for (index, row) in nvlinks.iter_mut().enumerate() {
         let device = nvml.device_by_index(index as u32)?;
+        let (mut active, mut inactive) = (0u32, 0u32);
         for link in 0..MAX_NVLINKS {
             let wrapper = device.link_wrapper_for(link);
-            if !wrapper.is_active().unwrap_or(false) {
-                continue;
+            // `Ok(false)`: the link exists but is down; an error: the link does not exist.
+            match wrapper.is_active() {
+                Ok(true) => active += 1,
+                Ok(false) => {
+                    inactive += 1;
+                    continue;
+                }
+                Err(_) => continue,
             }
             match wrapper.remote_device_type(link) {
                 Ok(IntDeviceType::Switch) => switch_links[index] += 1,
@@ -102,6 +111,8 @@ pub fn probe_gpus() -> Result<GpuProbe> {
                 }
             }
         }
+        gpus[index].nvlinks_active = Some(active);
+        gpus[index].nvlinks_inactive = Some(inactive);
     }
 
     let mut gpu_links = vec![vec![LinkCode::SelfLink; n_gpus]; n_gpus];

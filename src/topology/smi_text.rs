@@ -329,6 +329,8 @@ fn build_host(block: &Block, lines: &[&str], origin: &str) -> Result<Host> {
                 .get("CPU Affinity")
                 .filter(|v| *v != "N/A")
                 .cloned(),
+            nvlinks_active: None,
+            nvlinks_inactive: None,
         })
         .collect();
     let nvlink_domains = nvlink_domains(&gpu_links);

@@ -354,6 +354,10 @@ fn live_checks_on_a_fake_host() {
     );
     assert!(text(with(&findings, "nccl-env", "warn")[0]).contains("NCCL_IB_DISABLE=1"));
     assert!(!with(&findings, "nvml", "ok").is_empty());
+    assert!(
+        findings.iter().any(|f| f["check"] == "shm"),
+        "the /dev/shm check runs"
+    );
 }
 
 #[test]
@@ -524,4 +528,83 @@ fn malformed_plan_exits_2() {
     let output = run(&["doctor", "--plan", path.to_str().expect("UTF-8")]);
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("is not `infer plan --json` output"));
+}
+
+#[test]
+fn l40s_plan_checked_against_its_topology() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let l40s = topo("l40s_x4_node_sys_mlx5x2_missalignment_106.txt");
+    let plan = saved_plan(
+        dir.path(),
+        "l40s.json",
+        &[
+            "--model",
+            "llama-3.1-8b",
+            "--cluster",
+            "1x4xl40s",
+            "--tp",
+            "4",
+            "--max-model-len",
+            "8192",
+        ],
+    );
+    let (_, findings) = doctor(&["--plan", &plan, "--topology", &l40s]);
+    let warnings = with(&findings, "tp-not-nvlink", "warn");
+    assert!(
+        warnings
+            .iter()
+            .any(|f| text(f).contains("TP group [0, 1, 2, 3]") && text(f).contains("SYS")),
+        "{warnings:?}"
+    );
+    assert_eq!(with(&findings, "cross-node-tp", "ok").len(), 1);
+}
+
+#[test]
+fn plan_flags_build_and_check_a_plan() {
+    let (code, findings) = doctor(&[
+        "--model",
+        "llama-3.1-405b",
+        "--cluster",
+        "2x8xh100-sxm",
+        "--tp",
+        "16",
+    ]);
+    assert_eq!(code, 1);
+    assert_eq!(with(&findings, "cross-node-tp", "error").len(), 1);
+    let (code, findings) = doctor(&["--model", "deepseek-v3", "--cluster", "1x8xh100-sxm"]);
+    assert_eq!(code, 1);
+    assert!(text(with(&findings, "plan", "error")[0]).contains("needs at least"));
+    let (code, findings) = doctor(&[
+        "--model",
+        "llama-3.1-405b",
+        "--cluster",
+        "2x8xh100-sxm",
+        "--objective",
+        "latency",
+    ]);
+    assert_eq!(code, 0);
+    assert_eq!(with(&findings, "cross-node-tp", "ok").len(), 1);
+}
+
+#[test]
+fn nvlinks_down_in_a_probed_topology() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let h20 =
+        std::fs::read_to_string(topo("h20_sxm8_nv18_mlx5x8_sglang_9696.txt")).expect("fixture");
+    let mut topology = infer::topology::Topology::import(&h20, "h20").expect("import");
+    for gpu in &mut topology.hosts[0].gpus {
+        gpu.nvlinks_active = Some(if gpu.index == 5 { 12 } else { 18 });
+        gpu.nvlinks_inactive = Some(if gpu.index == 5 { 6 } else { 0 });
+    }
+    let path = dir.path().join("h20.json");
+    std::fs::write(&path, serde_json::to_string(&topology).expect("JSON")).expect("write");
+    let (code, findings) = doctor(&["--topology", path.to_str().expect("UTF-8")]);
+    assert_eq!(code, 1);
+    let down = with(&findings, "nvlink-down", "error");
+    assert_eq!(down.len(), 1);
+    assert!(
+        text(down[0]).contains("GPU5 has 12 active NVLinks, its peers have 18"),
+        "{}",
+        down[0]
+    );
 }

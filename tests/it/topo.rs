@@ -448,6 +448,8 @@ fn fake_sysfs_nic_to_gpu_distances() {
         pci_bus_id: Some(bus_id.to_string()),
         numa_node: Some(numa_node),
         cpu_affinity: None,
+        nvlinks_active: None,
+        nvlinks_inactive: None,
     };
     let gpus = [gpu(0, "0000:3d:00.0", 0), gpu(1, "0000:81:00.0", 1)];
     let addresses = HashMap::from([("eno1".to_string(), vec!["10.0.0.5".to_string()])]);

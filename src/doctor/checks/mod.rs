@@ -11,8 +11,10 @@ pub mod nccl_interface;
 pub mod nccl_tcp_fallback;
 pub mod nccl_transport;
 pub mod nccl_version;
+pub mod nvlink_down;
 pub mod p2p;
 pub mod pp_bubble;
+pub mod shm;
 pub mod tp_not_nvlink;
 
 use super::Finding;
@@ -33,18 +35,20 @@ pub fn nccl_logs(logs: &[NcclLog], topology: Option<&Topology>) -> Vec<Finding> 
     findings
 }
 
-/// Checks of recorded topologies: TP over non-NVLink pairs, missing P2P, GPUs far from NICs.
+/// Checks of recorded topologies: TP over non-NVLink pairs, NVLinks down (probed JSON),
+/// missing P2P, GPUs far from NICs.
 pub fn topology(topology: &Topology) -> Vec<Finding> {
     let mut findings = Vec::new();
     for host in &topology.hosts {
         findings.extend(tp_not_nvlink::check(host));
+        findings.extend(nvlink_down::check(host));
         findings.extend(p2p::check(host));
         findings.extend(gpu_nic_affinity::check(host));
     }
     findings
 }
 
-/// Checks of this host: driver, HCA ports, NCCL variables, limits, the rendezvous port.
+/// Checks of this host: driver, NVLink links, HCA ports, NCCL variables, limits, `/dev/shm`, the rendezvous port.
 ///
 /// Errors: the probe of this host failed (NVML loaded but broke, sysfs unreadable).
 pub fn live(sysfs_root: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
@@ -70,6 +74,7 @@ pub fn live(sysfs_root: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
         hint: String::new(),
     }];
     findings.extend(tp_not_nvlink::check(&host));
+    findings.extend(nvlink_down::check(&host));
     findings.extend(p2p::check(&host));
     findings.extend(ib_port::check(&host));
     let env: std::collections::BTreeMap<String, String> = std::env::vars()
@@ -85,6 +90,7 @@ pub fn live(sysfs_root: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
     if let Ok(limits) = std::fs::read_to_string("/proc/self/limits") {
         findings.extend(limits::check(&limits, has_rdma));
     }
+    findings.push(shm::check(shm::shm_capacity_bytes()));
     let port: u16 = std::env::var("MASTER_PORT")
         .ok()
         .and_then(|p| p.parse().ok())
