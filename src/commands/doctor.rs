@@ -41,7 +41,11 @@ pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     };
     let mut findings = checks::nccl_logs(&logs, topology.as_ref());
     if let Some(plan) = &plan {
-        findings.extend(checks::plan(plan, topology.as_ref()));
+        let this_host =
+            crate::topology::probe::probe_host(&crate::topology::probe::ProbeOptions {
+                sysfs_root: args.sysfs_root.clone(),
+            })?;
+        findings.extend(checks::plan(plan, topology.as_ref(), Some(&this_host)));
     }
     if let Some(model) = &args.model {
         findings.extend(plan_from_flags(model, args)?);
@@ -80,7 +84,7 @@ fn plan_from_flags(model: &str, args: &DoctorArgs) -> Result<Vec<crate::doctor::
             let cluster_topology = Topology {
                 hosts: cluster.hosts.iter().map(|h| h.topology.clone()).collect(),
             };
-            let mut findings = checks::plan(&plan, Some(&cluster_topology));
+            let mut findings = checks::plan(&plan, Some(&cluster_topology), None);
             findings.extend(plan.warnings.iter().map(|warning| crate::doctor::Finding {
                 check: "plan",
                 severity: crate::doctor::Severity::Warn,

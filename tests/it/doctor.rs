@@ -608,3 +608,36 @@ fn nvlinks_down_in_a_probed_topology() {
         down[0]
     );
 }
+
+#[test]
+fn plan_for_this_host_needs_its_gpus() {
+    if std::path::Path::new("/proc/driver/nvidia/version").exists() {
+        return;
+    }
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .expect("hostname")
+        .trim()
+        .to_string();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let inventory = dir.path().join("cluster.toml");
+    std::fs::write(&inventory, format!("[[hosts]]\nname = \"{hostname}\"\naddress = \"127.0.0.1\"\ngpus = 8\nhardware = \"h100-sxm\"\n"))
+        .expect("write");
+    let plan = saved_plan(
+        dir.path(),
+        "here.json",
+        &[
+            "--model",
+            "llama-3.1-8b",
+            "--cluster",
+            inventory.to_str().expect("UTF-8"),
+        ],
+    );
+    let (code, findings) = doctor(&["--plan", &plan]);
+    assert_eq!(code, 1);
+    let nvml = with(&findings, "nvml", "error");
+    assert!(
+        text(nvml[0]).contains("places 8 GPU rank(s) on this host but NVML finds 0"),
+        "{}",
+        nvml[0]
+    );
+}

@@ -12,6 +12,7 @@ pub mod nccl_tcp_fallback;
 pub mod nccl_transport;
 pub mod nccl_version;
 pub mod nvlink_down;
+pub mod nvml;
 pub mod p2p;
 pub mod pp_bubble;
 pub mod shm;
@@ -56,23 +57,7 @@ pub fn live(sysfs_root: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
     let host = crate::topology::probe::probe_host(&crate::topology::probe::ProbeOptions {
         sysfs_root: sysfs_root.to_path_buf(),
     })?;
-    let mut findings = vec![Finding {
-        check: "nvml",
-        severity: Severity::Ok,
-        host: Some(host.hostname.clone()),
-        message: if host.gpus.is_empty() {
-            format!("no NVIDIA GPUs: {}; CPU ranks only", host.notes.join("; "))
-        } else {
-            format!(
-                "{} × {}, driver {}",
-                host.gpus.len(),
-                host.gpus[0].name.as_deref().unwrap_or("GPU"),
-                host.driver_version.as_deref().unwrap_or("unknown")
-            )
-        },
-        evidence: Vec::new(),
-        hint: String::new(),
-    }];
+    let mut findings = vec![nvml::check(&host, None)];
     findings.extend(tp_not_nvlink::check(&host));
     findings.extend(nvlink_down::check(&host));
     findings.extend(p2p::check(&host));
@@ -109,9 +94,17 @@ pub fn live(sysfs_root: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
 }
 
 /// Checks of a plan: TP or EP groups across hosts, the PP bubble, and (with the hosts'
-/// topology) TP groups over non-NVLink pairs.
-pub fn plan(plan: &crate::plan::Plan, topology: Option<&Topology>) -> Vec<Finding> {
+/// topology) TP groups over non-NVLink pairs. `this_host`, when given, is checked for the
+/// GPUs the plan places on it.
+pub fn plan(
+    plan: &crate::plan::Plan,
+    topology: Option<&Topology>,
+    this_host: Option<&crate::topology::Host>,
+) -> Vec<Finding> {
     let mut findings = cross_node_tp::check(plan);
+    if let Some(host) = this_host.filter(|h| plan.ranks.iter().any(|r| r.host == h.hostname)) {
+        findings.push(nvml::check(host, Some(plan)));
+    }
     findings.extend(ep_cross_node::check(plan));
     findings.extend(pp_bubble::check(plan));
     if let Some(topology) = topology {
