@@ -48,9 +48,10 @@ pub struct TopoArgs {
 #[derive(Debug, Args)]
 pub struct PlanArgs {
     /// A `.gguf` file, a Hugging Face model directory (or its `config.json`), or a profile
-    /// name from `profiles/models/` (`llama-3.1-70b`, `deepseek-v3`, …).
+    /// name from `profiles/models/` (`llama-3.1-70b`, `deepseek-v3`, …). Default: the
+    /// embedded SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
     #[arg(long, value_name = "M")]
-    pub model: String,
+    pub model: Option<String>,
 
     #[command(flatten)]
     pub settings: PlanSettingsArgs,

@@ -13,7 +13,13 @@ use crate::{ExitStatus, cluster, model};
 /// unreadable model or cluster.
 pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let settings = settings(&args.settings)?;
-    let spec = model::load(&args.model)?;
+    let spec = match &args.model {
+        Some(name) => model::load(name)?,
+        None => {
+            let path = model::default::ensure(&mut |line| printer.note(line))?;
+            model::load(&path.display().to_string())?
+        }
+    };
     let cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
     match plan(&spec, &cluster, &settings) {
         Outcome::Feasible(plan) => {

@@ -2,6 +2,7 @@
 //! directory or `config.json`, or a profile in `profiles/models/` (embedded in the binary).
 //! This is the I/O edge in front of the pure planner.
 
+pub mod default;
 pub mod gguf;
 pub mod hf;
 
