@@ -4,6 +4,7 @@
 
 mod doctor;
 mod fake_sysfs;
+mod kernels;
 mod model;
 mod plan;
 mod topo;

@@ -1,0 +1,8 @@
+//! The engine core that rank processes run: model formats, quantized CPU kernels, the
+//! Llama-family forward pass, tokenizer, chat template and sampling.
+//!
+//! It knows nothing of clap, TOML or SSH: it receives a model path, its settings and (later)
+//! its rank, shard and peers.
+
+pub mod gguf;
+pub mod quant;

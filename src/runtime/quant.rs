@@ -1,0 +1,510 @@
+//! Quantized weights and their kernels: dequantization of every supported ggml type (block
+//! layouts of llama.cpp's `ggml-common.h` / `ggml-quants.c`), quantization of activation rows
+//! to 8-bit blocks, and dot products of a weight row with a quantized activation row.
+//!
+//! Weights stay in their file encoding. `Q4_0`, `Q4_1` and `Q8_0` rows are dotted in integer
+//! arithmetic against 8-bit activations (AVX2 + FMA + F16C when the CPU has them, detected at
+//! run time; a portable loop otherwise). Other types are dequantized a row at a time.
+
+use anyhow::{Result, bail};
+use half::{bf16, f16};
+
+/// Elements per block of the 32-element types, and of the K-quant super-blocks.
+pub const QK: usize = 32;
+/// Elements per K-quant super-block.
+pub const QK_K: usize = 256;
+
+/// The ggml tensor types the engine reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Bf16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl GgmlType {
+    /// The type of ggml type id `id`, or an error naming `tensor` and the type.
+    pub fn from_id(id: u32, tensor: &str) -> Result<GgmlType> {
+        Ok(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            30 => GgmlType::Bf16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4K,
+            13 => GgmlType::Q5K,
+            14 => GgmlType::Q6K,
+            other => {
+                let name = crate::runtime::gguf::ggml_type(other)
+                    .map_or(format!("type id {other}"), |(_, _, n)| n.to_string());
+                bail!(
+                    "tensor `{tensor}` has type {name}, which the engine does not support (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)"
+                )
+            }
+        })
+    }
+
+    /// `(elements per block, bytes per block)`.
+    pub fn block(self) -> (usize, usize) {
+        match self {
+            GgmlType::F32 => (1, 4),
+            GgmlType::F16 | GgmlType::Bf16 => (1, 2),
+            GgmlType::Q4_0 => (QK, 18),
+            GgmlType::Q4_1 => (QK, 20),
+            GgmlType::Q8_0 => (QK, 34),
+            GgmlType::Q4K => (QK_K, 144),
+            GgmlType::Q5K => (QK_K, 176),
+            GgmlType::Q6K => (QK_K, 210),
+        }
+    }
+
+    /// Bytes of a row of `n_cols` elements. Errors: `n_cols` not a whole number of blocks.
+    pub fn row_bytes(self, n_cols: usize) -> Result<usize> {
+        let (elements, bytes) = self.block();
+        if n_cols % elements != 0 {
+            bail!(
+                "a {self:?} row of {n_cols} elements is not a whole number of {elements}-element blocks"
+            );
+        }
+        Ok(n_cols / elements * bytes)
+    }
+}
+
+/// One block of 32 activations quantized to 8 bits: `x ≈ d · qs`, with `sum = d · Σ qs` kept
+/// for the offset terms of `Q4_0`/`Q4_1` (llama.cpp's `block_q8_1`, with f32 scales).
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(32))]
+pub struct BlockQ8 {
+    pub qs: [i8; QK],
+    pub d: f32,
+    pub sum: f32,
+}
+
+/// Quantizes `x` (length a multiple of 32) to 8-bit blocks, symmetric, `d = max|x| / 127`.
+pub fn quantize_row_q8(x: &[f32], out: &mut Vec<BlockQ8>) {
+    out.clear();
+    for chunk in x.chunks_exact(QK) {
+        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut qs = [0i8; QK];
+        let mut total = 0i32;
+        for (q, v) in qs.iter_mut().zip(chunk) {
+            *q = (v * inverse).round() as i8;
+            total += *q as i32;
+        }
+        out.push(BlockQ8 {
+            qs,
+            d,
+            sum: d * total as f32,
+        });
+    }
+}
+
+fn f16_at(bytes: &[u8], offset: usize) -> f32 {
+    f16::from_le_bytes([bytes[offset], bytes[offset + 1]]).to_f32()
+}
+
+/// Dequantizes one row (`row.len()` = `row_bytes(out.len())`) into `out`.
+pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
+    match ty {
+        GgmlType::F32 => {
+            for (o, b) in out.iter_mut().zip(row.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        GgmlType::Bf16 => {
+            for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (y, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(18)) {
+                let d = f16_at(b, 0);
+                for j in 0..16 {
+                    y[j] = ((b[2 + j] & 0x0F) as i32 - 8) as f32 * d;
+                    y[j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * d;
+                }
+            }
+        }
+        GgmlType::Q4_1 => {
+            for (y, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(20)) {
+                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+                for j in 0..16 {
+                    y[j] = (b[4 + j] & 0x0F) as f32 * d + m;
+                    y[j + 16] = (b[4 + j] >> 4) as f32 * d + m;
+                }
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (y, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(34)) {
+                let d = f16_at(b, 0);
+                for j in 0..QK {
+                    y[j] = b[2 + j] as i8 as f32 * d;
+                }
+            }
+        }
+        GgmlType::Q4K => {
+            for (y, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(144)) {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = &b[4..16];
+                let qs = &b[16..144];
+                for (group, chunk) in y.chunks_exact_mut(64).enumerate() {
+                    let (sc1, m1) = scale_min_k4(2 * group, scales);
+                    let (sc2, m2) = scale_min_k4(2 * group + 1, scales);
+                    let q = &qs[32 * group..32 * group + 32];
+                    for l in 0..32 {
+                        chunk[l] = d * sc1 as f32 * (q[l] & 0x0F) as f32 - dmin * m1 as f32;
+                        chunk[l + 32] = d * sc2 as f32 * (q[l] >> 4) as f32 - dmin * m2 as f32;
+                    }
+                }
+            }
+        }
+        GgmlType::Q5K => {
+            for (y, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(176)) {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = &b[4..16];
+                let qh = &b[16..48];
+                let ql = &b[48..176];
+                for (group, chunk) in y.chunks_exact_mut(64).enumerate() {
+                    let (sc1, m1) = scale_min_k4(2 * group, scales);
+                    let (sc2, m2) = scale_min_k4(2 * group + 1, scales);
+                    let (u1, u2) = (1u8 << (2 * group), 2u8 << (2 * group));
+                    let q = &ql[32 * group..32 * group + 32];
+                    for l in 0..32 {
+                        let high1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+                        let high2 = if qh[l] & u2 != 0 { 16 } else { 0 };
+                        chunk[l] =
+                            d * sc1 as f32 * ((q[l] & 0x0F) + high1) as f32 - dmin * m1 as f32;
+                        chunk[l + 32] =
+                            d * sc2 as f32 * ((q[l] >> 4) + high2) as f32 - dmin * m2 as f32;
+                    }
+                }
+            }
+        }
+        GgmlType::Q6K => {
+            for (y, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(210)) {
+                let d = f16_at(b, 208);
+                for half_block in 0..2 {
+                    let ql = &b[64 * half_block..64 * half_block + 64];
+                    let qh = &b[128 + 32 * half_block..128 + 32 * half_block + 32];
+                    let sc = &b[192 + 8 * half_block..192 + 8 * half_block + 8];
+                    let y = &mut y[128 * half_block..128 * half_block + 128];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) as i32 - 32;
+                        let q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                        y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                        y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                        y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                        y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// 6-bit scale and min of sub-block `j` of a `Q4_K`/`Q5_K` super-block (`get_scale_min_k4`).
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Whether the integer kernels may use AVX2/FMA/F16C on this CPU (detected once).
+pub fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static DETECTED: OnceLock<bool> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            std::env::var_os("INFER_NO_SIMD").is_none()
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether `ty` has an integer kernel against [`BlockQ8`] activations.
+pub fn has_q8_kernel(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+}
+
+/// Dot product of a weight row (`Q4_0`, `Q4_1` or `Q8_0`) with quantized activations; the
+/// row has `x.len()` blocks.
+pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked above); slices are in bounds
+        // by construction (`row` holds `x.len()` blocks of `ty`).
+        unsafe {
+            return match ty {
+                GgmlType::Q4_1 => avx2::dot_q4_1(row, x),
+                GgmlType::Q4_0 => avx2::dot_q4_0(row, x),
+                _ => avx2::dot_q8_0(row, x),
+            };
+        }
+    }
+    dot_q8_portable(ty, row, x)
+}
+
+/// The portable reference of [`dot_q8`].
+pub fn dot_q8_portable(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
+    let mut total = 0f32;
+    match ty {
+        GgmlType::Q4_1 => {
+            for (b, a) in row.chunks_exact(20).zip(x) {
+                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+                let mut isum = 0i32;
+                for j in 0..16 {
+                    isum += (b[4 + j] & 0x0F) as i32 * a.qs[j] as i32
+                        + (b[4 + j] >> 4) as i32 * a.qs[j + 16] as i32;
+                }
+                total += d * a.d * isum as f32 + m * a.sum;
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (b, a) in row.chunks_exact(18).zip(x) {
+                let d = f16_at(b, 0);
+                let mut isum = 0i32;
+                for j in 0..16 {
+                    isum += ((b[2 + j] & 0x0F) as i32 - 8) * a.qs[j] as i32
+                        + ((b[2 + j] >> 4) as i32 - 8) * a.qs[j + 16] as i32;
+                }
+                total += d * a.d * isum as f32;
+            }
+        }
+        _ => {
+            for (b, a) in row.chunks_exact(34).zip(x) {
+                let d = f16_at(b, 0);
+                let isum: i32 = (0..QK)
+                    .map(|j| b[2 + j] as i8 as i32 * a.qs[j] as i32)
+                    .sum();
+                total += d * a.d * isum as f32;
+            }
+        }
+    }
+    total
+}
+
+/// f32 dot product (auto-vectorized).
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        for l in 0..8 {
+            lanes[l] += a[8 * i + l] * b[8 * i + l];
+        }
+    }
+    let mut total: f32 = lanes.iter().sum();
+    for i in chunks * 8..a.len() {
+        total += a[i] * b[i];
+    }
+    total
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::BlockQ8;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let low = _mm256_castps256_ps128(v);
+        let high = _mm256_extractf128_ps(v, 1);
+        let sum = _mm_add_ps(low, high);
+        let sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+        let sum = _mm_add_ss(sum, _mm_shuffle_ps(sum, sum, 1));
+        _mm_cvtss_f32(sum)
+    }
+
+    /// Two f16 at `ptr` as f32 (F16C).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn two_f16(ptr: *const u8) -> (f32, f32) {
+        let packed = unsafe { std::ptr::read_unaligned(ptr as *const i32) };
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(packed));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)))
+    }
+
+    /// The 32 nibbles of a 16-byte block as bytes: low nibbles (elements 0..15) in the lower
+    /// lane, high nibbles (16..31) in the upper lane.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nibbles(ptr: *const u8) -> __m256i {
+        let packed = unsafe { _mm_loadu_si128(ptr as *const __m128i) };
+        let mask = _mm_set1_epi8(0x0F);
+        let low = _mm_and_si128(packed, mask);
+        let high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+        _mm256_set_m128i(high, low)
+    }
+
+    /// Σ u8 × i8 over 32 lanes as 8 f32 partial sums.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(u, s);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut offsets = 0f32;
+        for (i, a) in x.iter().enumerate() {
+            let block = unsafe { row.as_ptr().add(20 * i) };
+            let (d, m) = unsafe { two_f16(block) };
+            offsets += m * a.sum;
+            let w = unsafe { nibbles(block.add(4)) };
+            let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), unsafe { dot_u8_i8(w, v) }, acc);
+        }
+        unsafe { hsum(acc) + offsets }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let eight = _mm256_set1_epi8(8);
+        for (i, a) in x.iter().enumerate() {
+            let block = unsafe { row.as_ptr().add(18 * i) };
+            let d = unsafe { two_f16(block).0 };
+            // (q − 8) as i8, then the sign trick for maddubs (unsigned × signed).
+            let w = _mm256_sub_epi8(unsafe { nibbles(block.add(2)) }, eight);
+            let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
+            let product = unsafe { dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w)) };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, acc);
+        }
+        unsafe { hsum(acc) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (i, a) in x.iter().enumerate() {
+            let block = unsafe { row.as_ptr().add(34 * i) };
+            let packed = unsafe { std::ptr::read_unaligned(block as *const u16) };
+            let d = half::f16::from_bits(packed).to_f32();
+            let w = unsafe { _mm256_loadu_si256(block.add(2) as *const __m256i) };
+            let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
+            let product = unsafe { dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w)) };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, acc);
+        }
+        unsafe { hsum(acc) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic pseudo-random bytes (xorshift), for blocks.
+    fn bytes(n: usize, seed: u64) -> Vec<u8> {
+        let mut state = seed | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect()
+    }
+
+    /// A row of `n_blocks` blocks of `ty` with sane f16 scales.
+    fn row(ty: GgmlType, n_blocks: usize, seed: u64) -> Vec<u8> {
+        let (_, block_bytes) = ty.block();
+        let mut row = bytes(n_blocks * block_bytes, seed);
+        for block in row.chunks_exact_mut(block_bytes) {
+            let scale = f16::from_f32(0.0123).to_le_bytes();
+            let min = f16::from_f32(-0.25).to_le_bytes();
+            block[..2].copy_from_slice(&scale);
+            if ty == GgmlType::Q4_1 {
+                block[2..4].copy_from_slice(&min);
+            }
+        }
+        row
+    }
+
+    #[test]
+    fn integer_kernels_match_dequantized_dot_products() {
+        let n = 18 * QK;
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
+        let mut xq = Vec::new();
+        quantize_row_q8(&x, &mut xq);
+        // What the quantized activations represent, for the float reference.
+        let x_dequantized: Vec<f32> = xq
+            .iter()
+            .flat_map(|b| b.qs.iter().map(move |q| *q as f32 * b.d))
+            .collect();
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let w = row(ty, 18, 7);
+            let mut w_f32 = vec![0f32; n];
+            dequantize_row(ty, &w, &mut w_f32);
+            let reference: f32 = w_f32.iter().zip(&x_dequantized).map(|(a, b)| a * b).sum();
+            let portable = dot_q8_portable(ty, &w, &xq);
+            let fast = dot_q8(ty, &w, &xq);
+            let tolerance = 1e-3 * reference.abs().max(1.0);
+            assert!(
+                (portable - reference).abs() < tolerance,
+                "{ty:?}: portable {portable} vs {reference}"
+            );
+            assert!(
+                (fast - reference).abs() < tolerance,
+                "{ty:?}: simd {fast} vs {reference}"
+            );
+        }
+    }
+
+    #[test]
+    fn q8_quantization_round_trips_within_half_a_step() {
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 - 31.5) * 0.1).collect();
+        let mut xq = Vec::new();
+        quantize_row_q8(&x, &mut xq);
+        for (block, chunk) in xq.iter().zip(x.chunks(QK)) {
+            let sum: i32 = block.qs.iter().map(|&q| q as i32).sum();
+            assert!((block.sum - block.d * sum as f32).abs() < 1e-6);
+            for (q, v) in block.qs.iter().zip(chunk) {
+                assert!((*q as f32 * block.d - v).abs() <= block.d / 2.0 + 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn unsupported_types_are_named() {
+        let error = GgmlType::from_id(10, "blk.3.ffn_up.weight").expect_err("Q2_K is unsupported");
+        assert!(
+            error.to_string().contains("blk.3.ffn_up.weight") && error.to_string().contains("Q2_K"),
+            "{error}"
+        );
+    }
+}

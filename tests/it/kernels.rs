@@ -1,0 +1,93 @@
+//! Kernels against llama.cpp's Python reference (`gguf` 0.19.0 on PyPI): every supported
+//! type dequantizes to the reference values (`tests/fixtures/quant_reference.json`, made by
+//! `scripts/gen_quant_fixtures.py`), and the integer dot kernels agree with them.
+
+use infer::runtime::quant::{GgmlType, dequantize_row, dot_q8, dot_q8_portable, quantize_row_q8};
+use serde_json::Value;
+
+fn reference() -> Vec<(GgmlType, Vec<u8>, Vec<f32>)> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/quant_reference.json"
+    );
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("fixture")).expect("JSON");
+    json["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|case| {
+            let ty = match case["type"].as_str().expect("type") {
+                "F32" => GgmlType::F32,
+                "F16" => GgmlType::F16,
+                "BF16" => GgmlType::Bf16,
+                "Q4_0" => GgmlType::Q4_0,
+                "Q4_1" => GgmlType::Q4_1,
+                "Q8_0" => GgmlType::Q8_0,
+                "Q4_K" => GgmlType::Q4K,
+                "Q5_K" => GgmlType::Q5K,
+                "Q6_K" => GgmlType::Q6K,
+                other => panic!("unexpected type {other}"),
+            };
+            let hex = case["bytes_hex"].as_str().expect("hex");
+            let bytes = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+                .collect();
+            let values = case["values"]
+                .as_array()
+                .expect("values")
+                .iter()
+                .map(|v| v.as_f64().expect("number") as f32)
+                .collect();
+            (ty, bytes, values)
+        })
+        .collect()
+}
+
+#[test]
+fn every_type_dequantizes_like_llama_cpp() {
+    let cases = reference();
+    assert_eq!(cases.len(), 9, "F32 F16 BF16 Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K");
+    for (ty, bytes, expected) in cases {
+        assert_eq!(
+            ty.row_bytes(expected.len()).expect("whole blocks"),
+            bytes.len(),
+            "{ty:?}"
+        );
+        let mut out = vec![0f32; expected.len()];
+        dequantize_row(ty, &bytes, &mut out);
+        for (i, (got, want)) in out.iter().zip(&expected).enumerate() {
+            assert!(
+                (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{ty:?}[{i}]: {got} vs {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn integer_dots_agree_with_the_reference_values() {
+    for (ty, bytes, weights) in reference()
+        .into_iter()
+        .filter(|(ty, _, _)| matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0))
+    {
+        let x: Vec<f32> = (0..weights.len())
+            .map(|i| ((i * 7919 % 257) as f32 - 128.0) / 64.0)
+            .collect();
+        let mut xq = Vec::new();
+        quantize_row_q8(&x, &mut xq);
+        let exact: f32 = weights.iter().zip(&x).map(|(w, v)| w * v).sum();
+        let norm: f32 = weights.iter().zip(&x).map(|(w, v)| (w * v).abs()).sum();
+        for (name, got) in [
+            ("simd", dot_q8(ty, &bytes, &xq)),
+            ("portable", dot_q8_portable(ty, &bytes, &xq)),
+        ] {
+            // Activation quantization costs at most half a step per element.
+            assert!(
+                (got - exact).abs() <= 0.01 * norm,
+                "{ty:?} {name}: {got} vs {exact} (scale {norm})"
+            );
+        }
+    }
+}
