@@ -25,6 +25,87 @@ pub enum Command {
     /// Diagnose what breaks distributed inference: NCCL falling back to TCP, wrong
     /// interfaces, NCCL errors and version mismatches, from logs, topologies and this host.
     Doctor(DoctorArgs),
+    /// One-shot generation with the built-in engine (CPU), for scripts and tests.
+    Generate(GenerateArgs),
+    /// Measurements that print figures (decode tokens/s, …).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// `infer generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// A `.gguf` file or a Hugging Face model directory. Default: the embedded
+    /// SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
+    #[arg(long, value_name = "M")]
+    pub model: Option<String>,
+
+    /// The prompt text.
+    #[arg(long, value_name = "P")]
+    pub prompt: String,
+
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+
+    /// Most tokens to generate.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_tokens: usize,
+
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temperature: f32,
+
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub top_p: f32,
+
+    /// Keep only the K most likely tokens (0: all).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub top_k: usize,
+
+    /// Seed of the sampler: the same seed gives the same tokens.
+    #[arg(long, value_name = "S")]
+    pub seed: Option<u64>,
+
+    /// Stop when the output contains this string (repeatable).
+    #[arg(long, value_name = "S")]
+    pub stop: Vec<String>,
+
+    /// Worker threads (0: one per core).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub threads: usize,
+
+    /// Print JSON (prompt and generated token ids, text, timings) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `infer bench`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Decode tokens/s at batch 1, prefill tokens/s and peak RSS of the built-in engine.
+    Decode(BenchDecodeArgs),
+}
+
+/// `infer bench decode`.
+#[derive(Debug, Args)]
+pub struct BenchDecodeArgs {
+    /// A `.gguf` file or model directory. Default: the embedded SmolLM2 model.
+    #[arg(long, value_name = "M")]
+    pub model: Option<String>,
+    /// Worker threads (0: one per core).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub threads: usize,
+    /// Prompt length for the prefill measurement, tokens.
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Tokens to decode for the decode measurement.
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub decode_tokens: usize,
+    /// Timed repetitions (the best is reported, after one warm-up).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub runs: usize,
 }
 
 /// `infer topo`.

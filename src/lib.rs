@@ -29,5 +29,7 @@ pub fn run(cli: cli::Cli, printer: &ui::Printer) -> anyhow::Result<ExitStatus> {
         cli::Command::Topo(args) => commands::topo::run(&args, printer),
         cli::Command::Plan(args) => commands::plan::run(&args, printer),
         cli::Command::Doctor(args) => commands::doctor::run(&args, printer),
+        cli::Command::Generate(args) => commands::generate::run(&args, printer),
+        cli::Command::Bench(command) => commands::bench::run(&command, printer),
     }
 }

@@ -32,6 +32,13 @@ impl Printer {
         }
     }
 
+    /// Writes a piece of streamed text to stdout as it comes (no newline added).
+    pub fn stream(&self, text: &str) {
+        let mut stdout = std::io::stdout().lock();
+        let _ = write!(stdout, "{text}");
+        let _ = stdout.flush();
+    }
+
     /// Writes `value` as pretty JSON to stdout. Errors: `value` cannot be serialized.
     pub fn json<T: Serialize>(&self, value: &T) -> Result<()> {
         let text =

@@ -115,3 +115,27 @@ pub fn load(model: &str) -> Result<ModelSpec> {
     }
     Ok(profile(model)?.1)
 }
+
+/// The weights `--model` names for the engine: an existing `.gguf` file or model directory,
+/// or (with no `--model`) the embedded default, fetched on first use. Errors: a profile
+/// name (profiles have no weights) or a path that does not exist.
+pub fn weights_path(
+    model: Option<&str>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<std::path::PathBuf> {
+    let Some(model) = model else {
+        return default::ensure(progress);
+    };
+    let path = Path::new(model);
+    if path.is_file() || path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    if MODEL_PROFILES.iter().any(|(name, _)| *name == model) {
+        bail!(
+            "`{model}` is a planning profile without weights\nhint: pass a `.gguf` file or a model directory, or omit `--model` for the embedded SmolLM2"
+        );
+    }
+    bail!(
+        "`{model}` does not exist\nhint: pass a `.gguf` file or a Hugging Face model directory, or omit `--model` for the embedded SmolLM2"
+    )
+}

@@ -259,8 +259,9 @@ impl GgufFile {
         Ok(GgufFile { header, map })
     }
 
-    /// The tensor info and data of `name`. Errors: no such tensor.
-    pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, &[u8])> {
+    /// The tensor info of `name` and the byte range of its data in [`GgufFile::data`].
+    /// Errors: no such tensor.
+    pub fn tensor_range(&self, name: &str) -> Result<(&TensorInfo, std::ops::Range<usize>)> {
         let info = self
             .header
             .tensors
@@ -268,8 +269,18 @@ impl GgufFile {
             .find(|t| t.name == name)
             .with_context(|| format!("the GGUF file has no tensor `{name}`"))?;
         let start = (self.header.data_offset_bytes + info.offset_bytes) as usize;
-        let end = start + info.n_bytes()? as usize;
-        Ok((info, &self.map[start..end]))
+        Ok((info, start..start + info.n_bytes()? as usize))
+    }
+
+    /// The tensor info and data of `name`. Errors: no such tensor.
+    pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, &[u8])> {
+        let (info, range) = self.tensor_range(name)?;
+        Ok((info, &self.map[range]))
+    }
+
+    /// The whole mapped file.
+    pub fn data(&self) -> &[u8] {
+        &self.map
     }
 
     /// Whether the file has a tensor `name`.
@@ -290,6 +301,7 @@ impl<R: Read> Reader<'_, R> {
         self.inner
             .read_exact(&mut buffer)
             .context("file is truncated")?;
+        self.position += N as u64;
         Ok(buffer)
     }
     fn u32(&mut self) -> Result<u32> {
@@ -452,6 +464,23 @@ mod tests {
         for (key, value) in metadata {
             assert_eq!(header.metadata[key], value, "{key}");
         }
+    }
+
+    #[test]
+    fn data_section_starts_after_the_aligned_header() {
+        let metadata = [
+            ("general.architecture", Value::String("llama".into())),
+            (
+                "tokenizer.ggml.tokens",
+                Value::Array(vec![Value::String("a".into()), Value::String("bcd".into())]),
+            ),
+        ];
+        let bytes = encode_header(&metadata, &[tensor("t", &[32], 0)]);
+        let header = Header::read(&mut bytes.as_slice()).expect("valid header");
+        assert_eq!(
+            header.data_offset_bytes,
+            (bytes.len() as u64).div_ceil(32) * 32
+        );
     }
 
     #[test]

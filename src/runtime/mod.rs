@@ -4,5 +4,12 @@
 //! It knows nothing of clap, TOML or SSH: it receives a model path, its settings and (later)
 //! its rank, shard and peers.
 
+pub mod chat;
+pub mod engine;
 pub mod gguf;
+pub mod llama;
 pub mod quant;
+pub mod safetensors;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;

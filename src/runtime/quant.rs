@@ -87,23 +87,26 @@ pub struct BlockQ8 {
     pub sum: f32,
 }
 
-/// Quantizes `x` (length a multiple of 32) to 8-bit blocks, symmetric, `d = max|x| / 127`.
+/// Quantizes `x` (length a multiple of 32) to 8-bit blocks, symmetric, `d = max|x| / 127`,
+/// exactly as llama.cpp's `quantize_row_q8_1` (AVX2 path): values rounded to nearest-even
+/// with the f32 scale, then `d` and `sum` stored rounded to f16 (`block_q8_1` holds halves).
 pub fn quantize_row_q8(x: &[f32], out: &mut Vec<BlockQ8>) {
     out.clear();
     for chunk in x.chunks_exact(QK) {
         let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let inverse = if d > 0.0 { 127.0 / amax } else { 0.0 };
         let mut qs = [0i8; QK];
         let mut total = 0i32;
         for (q, v) in qs.iter_mut().zip(chunk) {
-            *q = (v * inverse).round() as i8;
+            *q = (v * inverse).round_ties_even() as i8;
             total += *q as i32;
         }
+        let round_f16 = |v: f32| f16::from_f32(v).to_f32();
         out.push(BlockQ8 {
             qs,
-            d,
-            sum: d * total as f32,
+            d: round_f16(d),
+            sum: round_f16(d * total as f32),
         });
     }
 }
@@ -312,6 +315,29 @@ pub fn dot_q8_portable(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     total
 }
 
+/// `Σ a[i]·b[i]` for f16 `a` and f32 `b` (attention scores over an f16 KV cache).
+pub fn dot_f16_f32(a: &[f16], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && a.len() % 8 == 0 {
+        // SAFETY: AVX2/FMA/F16C present; lengths are equal multiples of 8.
+        return unsafe { avx2::dot_f16_f32(a, b) };
+    }
+    a.iter().zip(b).map(|(x, y)| x.to_f32() * y).sum()
+}
+
+/// `out[i] += w · v[i]` for f16 `v` (attention's weighted sum of values).
+pub fn axpy_f16(out: &mut [f32], w: f32, v: &[f16]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && v.len() % 8 == 0 {
+        // SAFETY: AVX2/FMA/F16C present; lengths are equal multiples of 8.
+        unsafe { avx2::axpy_f16(out, w, v) };
+        return;
+    }
+    for (o, x) in out.iter_mut().zip(v) {
+        *o += w * x.to_f32();
+    }
+}
+
 /// f32 dot product (auto-vectorized).
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
@@ -372,6 +398,29 @@ mod avx2 {
     unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256 {
         let pairs = _mm256_maddubs_epi16(u, s);
         _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f16_f32(a: &[half::f16], b: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for i in (0..a.len()).step_by(8) {
+            let halves = unsafe { _mm_loadu_si128(a.as_ptr().add(i) as *const __m128i) };
+            let x = _mm256_cvtph_ps(halves);
+            let y = unsafe { _mm256_loadu_ps(b.as_ptr().add(i)) };
+            acc = _mm256_fmadd_ps(x, y, acc);
+        }
+        unsafe { hsum(acc) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_f16(out: &mut [f32], w: f32, v: &[half::f16]) {
+        let weight = _mm256_set1_ps(w);
+        for i in (0..v.len()).step_by(8) {
+            let halves = unsafe { _mm_loadu_si128(v.as_ptr().add(i) as *const __m128i) };
+            let x = _mm256_cvtph_ps(halves);
+            let o = unsafe { _mm256_loadu_ps(out.as_ptr().add(i)) };
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_fmadd_ps(weight, x, o)) };
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -492,10 +541,26 @@ mod tests {
         quantize_row_q8(&x, &mut xq);
         for (block, chunk) in xq.iter().zip(x.chunks(QK)) {
             let sum: i32 = block.qs.iter().map(|&q| q as i32).sum();
-            assert!((block.sum - block.d * sum as f32).abs() < 1e-6);
+            // `d` and `sum` are stored as f16, as in llama.cpp's `block_q8_1`.
+            assert!((block.sum - block.d * sum as f32).abs() <= 2e-3 * block.sum.abs().max(1.0));
             for (q, v) in block.qs.iter().zip(chunk) {
-                assert!((*q as f32 * block.d - v).abs() <= block.d / 2.0 + 1e-6);
+                assert!((*q as f32 * block.d - v).abs() <= block.d / 2.0 + 2e-3 * v.abs() + 1e-6);
             }
+        }
+    }
+
+    #[test]
+    fn f16_kernels_match_scalar() {
+        let a: Vec<f16> = (0..64)
+            .map(|i| f16::from_f32((i as f32 - 30.0) / 7.0))
+            .collect();
+        let b: Vec<f32> = (0..64).map(|i| (i as f32 * 0.3).cos()).collect();
+        let scalar: f32 = a.iter().zip(&b).map(|(x, y)| x.to_f32() * y).sum();
+        assert!((dot_f16_f32(&a, &b) - scalar).abs() < 1e-4);
+        let mut out = b.clone();
+        axpy_f16(&mut out, 0.5, &a);
+        for ((o, x), y) in out.iter().zip(&a).zip(&b) {
+            assert!((o - (y + 0.5 * x.to_f32())).abs() < 1e-6);
         }
     }
 

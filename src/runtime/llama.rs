@@ -1,0 +1,550 @@
+//! The Llama-family decoder (Llama, Mistral, Qwen2 with QKV bias, Qwen3 with QK norm):
+//! token embedding, RMSNorm, RoPE, grouped-query attention over a per-sequence KV cache,
+//! SwiGLU MLP, tied or untied LM head.
+//!
+//! [`Llama::forward`] takes a batch of sequences, each with its own new tokens, starting
+//! position and cache, so a scheduler can mix prefill and decode in one step.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use half::f16;
+use rayon::prelude::*;
+
+use super::gguf::{GgufFile, Value};
+use super::quant::{axpy_f16, dot_f16_f32};
+use super::weights::Weight;
+
+/// How rotary embeddings pair the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(x[2i], x[2i+1])`: GGUF Llama, whose Q/K weights llama.cpp's converter
+    /// permuted (llama.cpp's `LLAMA_ROPE_TYPE_NORM`).
+    Interleaved,
+    /// Halves `(x[i], x[i + d/2])`: Hugging Face checkpoints (`rotate_half`, NeoX style).
+    Neox,
+}
+
+/// Llama 3 RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Llama3Scaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: f32,
+}
+
+/// Shape and constants of a Llama-family model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_style: RopeStyle,
+    pub rope_scaling: Option<Llama3Scaling>,
+    /// Longest context the model supports, tokens.
+    pub max_context_tokens: usize,
+}
+
+impl LlamaConfig {
+    /// Inverse frequency of each rotary pair (`head_dim / 2` of them), with Llama 3 scaling
+    /// applied (Meta's `apply_scaling` in `llama/model.py`) or, for GGUF, `rope_freqs` factors.
+    pub fn inv_freqs(&self, freq_factors: Option<&[f32]>) -> Vec<f32> {
+        let d = self.head_dim as f32;
+        (0..self.head_dim / 2)
+            .map(|i| {
+                let mut inv = 1.0 / self.rope_theta.powf(2.0 * i as f32 / d);
+                if let Some(factors) = freq_factors {
+                    inv /= factors[i];
+                } else if let Some(s) = self.rope_scaling {
+                    let wavelen = 2.0 * std::f32::consts::PI / inv;
+                    let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+                    let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+                    if wavelen > low_wavelen {
+                        inv /= s.factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (s.original_max_position_embeddings / wavelen
+                            - s.low_freq_factor)
+                            / (s.high_freq_factor - s.low_freq_factor);
+                        inv = (1.0 - smooth) * inv / s.factor + smooth * inv;
+                    }
+                }
+                inv
+            })
+            .collect()
+    }
+}
+
+/// One decoder layer's weights.
+#[derive(Clone, Debug)]
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub wq: Weight,
+    pub wk: Weight,
+    pub wv: Weight,
+    pub wo: Weight,
+    /// Q/K/V biases (Qwen2).
+    pub bias_q: Option<Vec<f32>>,
+    pub bias_k: Option<Vec<f32>>,
+    pub bias_v: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of Q and K, length `head_dim` (Qwen3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: Weight,
+    pub w_up: Weight,
+    pub w_down: Weight,
+}
+
+/// A whole model (or, later, one rank's shard of it).
+#[derive(Clone, Debug)]
+pub struct Llama {
+    pub config: LlamaConfig,
+    pub token_embedding: Weight,
+    pub layers: Vec<Layer>,
+    pub output_norm: Vec<f32>,
+    /// LM head `(vocab_size, hidden_size)`; the token embedding when tied.
+    pub output: Weight,
+    inv_freqs: Vec<f32>,
+    /// `rope_theta^(−2/head_dim)`: the ratio between consecutive pairs' frequencies.
+    theta_scale: f32,
+    /// Whether `inv_freqs` carries per-pair factors (then angles are not a geometric series).
+    has_freq_factors: bool,
+}
+
+/// KV cache of one sequence: per layer, `(n_positions, n_kv_heads · head_dim)` keys and
+/// values in f16 (llama.cpp's default cache type). Grows as tokens are added.
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    keys: Vec<Vec<f16>>,
+    values: Vec<Vec<f16>>,
+    /// Positions stored.
+    pub n_tokens: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `n_layers` layers.
+    pub fn new(n_layers: usize) -> KvCache {
+        KvCache {
+            keys: vec![Vec::new(); n_layers],
+            values: vec![Vec::new(); n_layers],
+            n_tokens: 0,
+        }
+    }
+
+    /// Forgets positions `n..` (to re-run them, or after a rejected speculation).
+    pub fn truncate(&mut self, n: usize, kv_dim: usize) {
+        for layer in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            layer.truncate(n * kv_dim);
+        }
+        self.n_tokens = self.n_tokens.min(n);
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.keys
+            .iter()
+            .chain(&self.values)
+            .map(|l| l.len() * 2)
+            .sum()
+    }
+}
+
+/// One sequence of a forward batch: new tokens appended after `cache.n_tokens` positions.
+pub struct SequenceInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+    /// Return logits for every new token instead of only the last.
+    pub all_logits: bool,
+}
+
+impl Llama {
+    /// Loads a Llama-family GGUF file.
+    ///
+    /// Errors: an architecture other than llama/mistral/qwen2/qwen3 (named), a missing
+    /// tensor or metadata key, an unsupported tensor type (naming the tensor), or a tensor
+    /// whose shape disagrees with the metadata (naming both).
+    pub fn from_gguf(file: &Arc<GgufFile>) -> Result<Llama> {
+        let header = &file.header;
+        let arch = header.str("general.architecture")?;
+        if !matches!(arch, "llama" | "mistral" | "qwen2" | "qwen3") {
+            bail!(
+                "unsupported architecture `{arch}`: the engine runs llama, mistral, qwen2 and qwen3 GGUF files"
+            );
+        }
+        let key = |name: &str| format!("{arch}.{name}");
+        let int = |name: &str| header.u64(&key(name)).map(|v| v as usize);
+        let float = |name: &str, default: f32| match header.metadata.get(&key(name)) {
+            Some(Value::F32(v)) => *v,
+            Some(Value::F64(v)) => *v as f32,
+            _ => default,
+        };
+        let hidden_size = int("embedding_length")?;
+        let n_heads = int("attention.head_count")?;
+        let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);
+        let head_dim = int("attention.key_length").unwrap_or(hidden_size / n_heads.max(1));
+        let (embedding_info, _) = file.tensor("token_embd.weight")?;
+        let config = LlamaConfig {
+            hidden_size,
+            intermediate_size: int("feed_forward_length")?,
+            n_layers: int("block_count")?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab_size: embedding_info.dims.get(1).copied().unwrap_or(0) as usize,
+            rms_norm_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta: float("rope.freq_base", 10_000.0),
+            // llama.cpp's converter permutes Llama/Mistral Q/K for adjacent-pair RoPE; Qwen
+            // checkpoints are converted unpermuted and use NeoX-style RoPE.
+            rope_style: if matches!(arch, "qwen2" | "qwen3") {
+                RopeStyle::Neox
+            } else {
+                RopeStyle::Interleaved
+            },
+            rope_scaling: None,
+            max_context_tokens: int("context_length").unwrap_or(4096),
+        };
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Weight> {
+            let weight = Weight::from_gguf(file, name)?;
+            if (weight.n_rows, weight.n_cols) != (rows, cols) {
+                bail!(
+                    "tensor `{name}` is {}×{} but the metadata implies {rows}×{cols}",
+                    weight.n_rows,
+                    weight.n_cols
+                );
+            }
+            Ok(weight)
+        };
+        let vector =
+            |name: &str, len: usize| -> Result<Vec<f32>> { Ok(matrix(name, 1, len)?.to_f32()) };
+        let optional = |name: &str, len: usize| -> Result<Option<Vec<f32>>> {
+            if file.has_tensor(name) {
+                vector(name, len).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let c = &config;
+        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let token_embedding = matrix("token_embd.weight", c.vocab_size, c.hidden_size)?;
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let name = |suffix: &str| format!("blk.{i}.{suffix}");
+            layers.push(Layer {
+                attn_norm: vector(&name("attn_norm.weight"), c.hidden_size)?,
+                wq: matrix(&name("attn_q.weight"), q_dim, c.hidden_size)?,
+                wk: matrix(&name("attn_k.weight"), kv_dim, c.hidden_size)?,
+                wv: matrix(&name("attn_v.weight"), kv_dim, c.hidden_size)?,
+                wo: matrix(&name("attn_output.weight"), c.hidden_size, q_dim)?,
+                bias_q: optional(&name("attn_q.bias"), q_dim)?,
+                bias_k: optional(&name("attn_k.bias"), kv_dim)?,
+                bias_v: optional(&name("attn_v.bias"), kv_dim)?,
+                q_norm: optional(&name("attn_q_norm.weight"), c.head_dim)?,
+                k_norm: optional(&name("attn_k_norm.weight"), c.head_dim)?,
+                ffn_norm: vector(&name("ffn_norm.weight"), c.hidden_size)?,
+                w_gate: matrix(&name("ffn_gate.weight"), c.intermediate_size, c.hidden_size)?,
+                w_up: matrix(&name("ffn_up.weight"), c.intermediate_size, c.hidden_size)?,
+                w_down: matrix(&name("ffn_down.weight"), c.hidden_size, c.intermediate_size)?,
+            });
+        }
+        let output = if file.has_tensor("output.weight") {
+            matrix("output.weight", c.vocab_size, c.hidden_size)?
+        } else {
+            token_embedding.clone()
+        };
+        let freq_factors = if file.has_tensor("rope_freqs.weight") {
+            Some(vector("rope_freqs.weight", c.head_dim / 2)?)
+        } else {
+            None
+        };
+        let output_norm = vector("output_norm.weight", c.hidden_size)?;
+        Ok(Llama::new(
+            config,
+            token_embedding,
+            layers,
+            output_norm,
+            output,
+            freq_factors.as_deref(),
+        ))
+    }
+
+    /// Opens a GGUF file and loads it. Errors: see [`GgufFile::open`] and [`Llama::from_gguf`].
+    pub fn open_gguf(path: &Path) -> Result<Llama> {
+        let file = Arc::new(GgufFile::open(path)?);
+        Llama::from_gguf(&file).with_context(|| format!("failed to load `{}`", path.display()))
+    }
+
+    /// Assembles a model from its parts; `freq_factors` are GGUF's `rope_freqs` (Llama 3).
+    pub fn new(
+        config: LlamaConfig,
+        token_embedding: Weight,
+        layers: Vec<Layer>,
+        output_norm: Vec<f32>,
+        output: Weight,
+        freq_factors: Option<&[f32]>,
+    ) -> Llama {
+        let inv_freqs = config.inv_freqs(freq_factors);
+        let theta_scale = config.rope_theta.powf(-2.0 / config.head_dim as f32);
+        Llama {
+            config,
+            token_embedding,
+            layers,
+            output_norm,
+            output,
+            inv_freqs,
+            theta_scale,
+            has_freq_factors: freq_factors.is_some(),
+        }
+    }
+
+    /// A fresh cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.n_layers)
+    }
+
+    /// Runs the new tokens of every sequence through the model, appending their keys and
+    /// values to each sequence's cache, and returns logits `(vocab_size)` for the last new
+    /// token of each sequence (or for all of them when `all_logits`), in batch order.
+    ///
+    /// Errors: an empty sequence, a token id outside the vocabulary, or a sequence that
+    /// would exceed `max_context_tokens`.
+    pub fn forward(&self, batch: &mut [SequenceInput<'_>]) -> Result<Vec<Vec<f32>>> {
+        let c = &self.config;
+        let (hidden, head_dim) = (c.hidden_size, c.head_dim);
+        let (q_dim, kv_dim) = (c.n_heads * head_dim, c.n_kv_heads * head_dim);
+        let mut positions = Vec::new();
+        for (index, sequence) in batch.iter().enumerate() {
+            if sequence.tokens.is_empty() {
+                bail!("sequence {index} of the batch has no new tokens");
+            }
+            if sequence.cache.n_tokens + sequence.tokens.len() > c.max_context_tokens {
+                bail!(
+                    "sequence {index} would reach {} tokens; the model's context is {}",
+                    sequence.cache.n_tokens + sequence.tokens.len(),
+                    c.max_context_tokens
+                );
+            }
+            positions.extend((0..sequence.tokens.len()).map(|i| sequence.cache.n_tokens + i));
+        }
+        let tokens: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let n = tokens.len();
+        let mut x = vec![0f32; n * hidden];
+        for (row, &token) in x.chunks_exact_mut(hidden).zip(&tokens) {
+            if token as usize >= c.vocab_size {
+                bail!(
+                    "token id {token} is outside the vocabulary of {}",
+                    c.vocab_size
+                );
+            }
+            self.token_embedding.dequantize_row(token as usize, row);
+        }
+
+        let mut normed = vec![0f32; n * hidden];
+        let mut q = vec![0f32; n * q_dim];
+        let mut k = vec![0f32; n * kv_dim];
+        let mut v = vec![0f32; n * kv_dim];
+        let mut attention = vec![0f32; n * q_dim];
+        let mut projected = vec![0f32; n * hidden];
+        let mut gate = vec![0f32; n * c.intermediate_size];
+        let mut up = vec![0f32; n * c.intermediate_size];
+        for (layer_idx, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
+            layer.wq.matmul(&normed, n, &mut q);
+            layer.wk.matmul(&normed, n, &mut k);
+            layer.wv.matmul(&normed, n, &mut v);
+            add_bias(&mut q, layer.bias_q.as_deref());
+            add_bias(&mut k, layer.bias_k.as_deref());
+            add_bias(&mut v, layer.bias_v.as_deref());
+            if let Some(weight) = &layer.q_norm {
+                rms_norm(&q.clone(), weight, c.rms_norm_eps, &mut q);
+            }
+            if let Some(weight) = &layer.k_norm {
+                rms_norm(&k.clone(), weight, c.rms_norm_eps, &mut k);
+            }
+            for (t, &position) in positions.iter().enumerate() {
+                self.rope(&mut q[t * q_dim..(t + 1) * q_dim], position);
+                self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], position);
+            }
+            // Append this layer's keys and values, then attend per sequence.
+            let mut offset = 0;
+            for sequence in batch.iter_mut() {
+                let count = sequence.tokens.len();
+                let cache = &mut *sequence.cache;
+                cache.keys[layer_idx].extend(
+                    k[offset * kv_dim..(offset + count) * kv_dim]
+                        .iter()
+                        .map(|&v| f16::from_f32(v)),
+                );
+                cache.values[layer_idx].extend(
+                    v[offset * kv_dim..(offset + count) * kv_dim]
+                        .iter()
+                        .map(|&v| f16::from_f32(v)),
+                );
+                let start = cache.keys[layer_idx].len() / kv_dim - count;
+                self.attend(
+                    &q[offset * q_dim..(offset + count) * q_dim],
+                    &cache.keys[layer_idx],
+                    &cache.values[layer_idx],
+                    start,
+                    &mut attention[offset * q_dim..(offset + count) * q_dim],
+                );
+                offset += count;
+            }
+            layer.wo.matmul(&attention, n, &mut projected);
+            for (a, b) in x.iter_mut().zip(&projected) {
+                *a += b;
+            }
+            rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
+            layer.w_gate.matmul(&normed, n, &mut gate);
+            layer.w_up.matmul(&normed, n, &mut up);
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+            layer.w_down.matmul(&gate, n, &mut projected);
+            for (a, b) in x.iter_mut().zip(&projected) {
+                *a += b;
+            }
+        }
+        for sequence in batch.iter_mut() {
+            sequence.cache.n_tokens += sequence.tokens.len();
+        }
+
+        // Logits for the requested rows only: the LM head is the largest matrix.
+        let mut rows = Vec::new();
+        let mut offset = 0;
+        for sequence in batch.iter() {
+            let count = sequence.tokens.len();
+            if sequence.all_logits {
+                rows.extend(offset..offset + count);
+            } else {
+                rows.push(offset + count - 1);
+            }
+            offset += count;
+        }
+        let mut selected = vec![0f32; rows.len() * hidden];
+        for (out, &row) in selected.chunks_exact_mut(hidden).zip(&rows) {
+            out.copy_from_slice(&x[row * hidden..(row + 1) * hidden]);
+        }
+        let mut final_normed = vec![0f32; selected.len()];
+        rms_norm(
+            &selected,
+            &self.output_norm,
+            c.rms_norm_eps,
+            &mut final_normed,
+        );
+        let mut logits = vec![0f32; rows.len() * c.vocab_size];
+        self.output.matmul(&final_normed, rows.len(), &mut logits);
+        Ok(logits
+            .chunks_exact(c.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+
+    /// Rotates every head of `x` (`(n_heads_in_x, head_dim)`) for `position`. Angles are
+    /// `position · θ^i` built by repeated multiplication in f32, as ggml's rope cache does.
+    fn rope(&self, x: &mut [f32], position: usize) {
+        let head_dim = self.config.head_dim;
+        let half = head_dim / 2;
+        let mut angles = Vec::with_capacity(half);
+        let mut theta = position as f32;
+        for (i, inv) in self.inv_freqs.iter().enumerate() {
+            if i == 0 || self.config.rope_scaling.is_some() || self.has_freq_factors {
+                theta = position as f32 * inv;
+            }
+            angles.push(theta.sin_cos());
+            theta *= self.theta_scale;
+        }
+        for head in x.chunks_exact_mut(head_dim) {
+            for (i, (sin, cos)) in angles.iter().enumerate() {
+                let (a, b) = match self.config.rope_style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos - x1 * sin;
+                head[b] = x0 * sin + x1 * cos;
+            }
+        }
+    }
+
+    /// Causal attention of `q` (`(count, n_heads · head_dim)`, the sequence's new tokens at
+    /// positions `start..start + count`) over the cache (`(start + count, kv_dim)`).
+    fn attend(&self, q: &[f32], keys: &[f16], values: &[f16], start: usize, out: &mut [f32]) {
+        let c = &self.config;
+        let (head_dim, q_dim, kv_dim) = (
+            c.head_dim,
+            c.n_heads * c.head_dim,
+            c.n_kv_heads * c.head_dim,
+        );
+        let group = c.n_heads / c.n_kv_heads;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        out.par_chunks_mut(head_dim)
+            .enumerate()
+            .for_each(|(index, out_head)| {
+                let (t, head) = (index / c.n_heads, index % c.n_heads);
+                let kv_head = head / group;
+                let query: Vec<f32> = q
+                    [t * q_dim + head * head_dim..t * q_dim + (head + 1) * head_dim]
+                    .iter()
+                    .map(|&v| f16::from_f32(v).to_f32())
+                    .collect();
+                let n_positions = start + t + 1;
+                let mut scores: Vec<f32> = (0..n_positions)
+                    .map(|p| {
+                        let key = &keys[p * kv_dim + kv_head * head_dim
+                            ..p * kv_dim + (kv_head + 1) * head_dim];
+                        dot_f16_f32(key, &query) * scale
+                    })
+                    .collect();
+                // Softmax as ggml's: max-subtracted, the sum in f64; probabilities enter the
+                // value product as f16 (the cache's type), as ggml's `kqv` matmul converts them.
+                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                let mut total = 0f64;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    total += *s as f64;
+                }
+                let inverse = (1.0 / total) as f32;
+                out_head.fill(0.0);
+                for (p, s) in scores.iter().enumerate() {
+                    let weight = f16::from_f32(s * inverse).to_f32();
+                    let value = &values
+                        [p * kv_dim + kv_head * head_dim..p * kv_dim + (kv_head + 1) * head_dim];
+                    axpy_f16(out_head, weight, value);
+                }
+            });
+    }
+}
+
+/// RMSNorm of each `weight.len()`-wide row of `x` into `out`: `x / √(mean(x²) + eps) · weight`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let width = weight.len();
+    for (row, out_row) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        // ggml sums the squares in f64 (`ggml_float`).
+        let mean_square = (row.iter().map(|&v| (v * v) as f64).sum::<f64>() / width as f64) as f32;
+        let scale = 1.0 / (mean_square + eps).sqrt();
+        for ((o, v), w) in out_row.iter_mut().zip(row).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(bias) = bias {
+        for row in x.chunks_exact_mut(bias.len()) {
+            for (v, b) in row.iter_mut().zip(bias) {
+                *v += b;
+            }
+        }
+    }
+}

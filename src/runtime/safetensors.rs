@@ -1,0 +1,229 @@
+//! Hugging Face checkpoints: `config.json` plus `*.safetensors` (f32, f16, bf16) for
+//! Llama, Mistral, Qwen2 and Qwen3, loaded into the same [`Llama`] as GGUF files. Hugging
+//! Face Q/K weights are unpermuted, so these models use NeoX-style (rotate-half) RoPE.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use safetensors::{Dtype as StDtype, SafeTensors};
+use serde_json::Value;
+
+use super::llama::{Layer, Llama, Llama3Scaling, LlamaConfig, RopeStyle};
+use super::quant::GgmlType;
+use super::weights::Weight;
+
+/// Loads the Llama-family checkpoint in `dir`.
+///
+/// Errors: missing or malformed `config.json`, an unsupported `model_type` (named), a
+/// missing tensor, an unsupported dtype (naming the tensor), a shape that disagrees with
+/// the config (naming both).
+pub fn load_llama(dir: &Path) -> Result<Llama> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("failed to read `{}`", config_path.display()))?;
+    let json: Value = serde_json::from_str(&text)
+        .with_context(|| format!("`{}` is not valid JSON", config_path.display()))?;
+    let config = config_from_json(&json)?;
+
+    let mut maps = Vec::new();
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .with_context(|| format!("failed to list `{}`", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        bail!("`{}` has no `*.safetensors` files", dir.display());
+    }
+    for file in &files {
+        let handle = std::fs::File::open(file)
+            .with_context(|| format!("failed to open `{}`", file.display()))?;
+        // SAFETY: read-only map of a file we only read.
+        maps.push((
+            file.clone(),
+            unsafe { memmap2::Mmap::map(&handle) }
+                .with_context(|| format!("failed to map `{}`", file.display()))?,
+        ));
+    }
+    let mut tensors: HashMap<String, (GgmlType, Vec<usize>, Vec<u8>)> = HashMap::new();
+    for (file, map) in &maps {
+        let parsed = SafeTensors::deserialize(map).map_err(|e| {
+            anyhow!(
+                "`{}` is not a valid safetensors file: {e:?}",
+                file.display()
+            )
+        })?;
+        for (name, view) in parsed.tensors() {
+            let ty = match view.dtype() {
+                StDtype::F32 => GgmlType::F32,
+                StDtype::F16 => GgmlType::F16,
+                StDtype::BF16 => GgmlType::Bf16,
+                other => bail!("tensor `{name}` has dtype {other:?}; supported: F32, F16, BF16"),
+            };
+            tensors.insert(
+                name.clone(),
+                (ty, view.shape().to_vec(), view.data().to_vec()),
+            );
+        }
+    }
+    fn take(
+        tensors: &mut HashMap<String, (GgmlType, Vec<usize>, Vec<u8>)>,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Weight> {
+        let (ty, shape, bytes) = tensors
+            .remove(name)
+            .with_context(|| format!("the checkpoint has no tensor `{name}`"))?;
+        let (r, c) = match shape.as_slice() {
+            [r, c] => (*r, *c),
+            [c] => (1, *c),
+            other => bail!("tensor `{name}` has shape {other:?}; a matrix was expected"),
+        };
+        if (r, c) != (rows, cols) {
+            bail!("tensor `{name}` is {r}×{c} but `config.json` implies {rows}×{cols}");
+        }
+        Weight::from_bytes(ty, rows, cols, bytes)
+    }
+    let mut take_matrix =
+        |name: &str, rows: usize, cols: usize| take(&mut tensors, name, rows, cols);
+    let c = config.clone();
+    let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+    let token_embedding = take_matrix("model.embed_tokens.weight", c.vocab_size, c.hidden_size)?;
+    let mut layers = Vec::with_capacity(c.n_layers);
+    for i in 0..c.n_layers {
+        let p = format!("model.layers.{i}");
+        let mut vector = |name: String, len: usize| -> Result<Vec<f32>> {
+            Ok(take_matrix(&name, 1, len)?.to_f32())
+        };
+        let attn_norm = vector(format!("{p}.input_layernorm.weight"), c.hidden_size)?;
+        let ffn_norm = vector(
+            format!("{p}.post_attention_layernorm.weight"),
+            c.hidden_size,
+        )?;
+        let mut optional = |name: String, len: usize| -> Result<Option<Vec<f32>>> {
+            match take_matrix(&name, 1, len) {
+                Ok(weight) => Ok(Some(weight.to_f32())),
+                Err(error) if error.to_string().contains("has no tensor") => Ok(None),
+                Err(error) => Err(error),
+            }
+        };
+        let bias_q = optional(format!("{p}.self_attn.q_proj.bias"), q_dim)?;
+        let bias_k = optional(format!("{p}.self_attn.k_proj.bias"), kv_dim)?;
+        let bias_v = optional(format!("{p}.self_attn.v_proj.bias"), kv_dim)?;
+        let q_norm = optional(format!("{p}.self_attn.q_norm.weight"), c.head_dim)?;
+        let k_norm = optional(format!("{p}.self_attn.k_norm.weight"), c.head_dim)?;
+        layers.push(Layer {
+            attn_norm,
+            wq: take_matrix(
+                &format!("{p}.self_attn.q_proj.weight"),
+                q_dim,
+                c.hidden_size,
+            )?,
+            wk: take_matrix(
+                &format!("{p}.self_attn.k_proj.weight"),
+                kv_dim,
+                c.hidden_size,
+            )?,
+            wv: take_matrix(
+                &format!("{p}.self_attn.v_proj.weight"),
+                kv_dim,
+                c.hidden_size,
+            )?,
+            wo: take_matrix(
+                &format!("{p}.self_attn.o_proj.weight"),
+                c.hidden_size,
+                q_dim,
+            )?,
+            bias_q,
+            bias_k,
+            bias_v,
+            q_norm,
+            k_norm,
+            ffn_norm,
+            w_gate: take_matrix(
+                &format!("{p}.mlp.gate_proj.weight"),
+                c.intermediate_size,
+                c.hidden_size,
+            )?,
+            w_up: take_matrix(
+                &format!("{p}.mlp.up_proj.weight"),
+                c.intermediate_size,
+                c.hidden_size,
+            )?,
+            w_down: take_matrix(
+                &format!("{p}.mlp.down_proj.weight"),
+                c.hidden_size,
+                c.intermediate_size,
+            )?,
+        });
+    }
+    let output_norm = take_matrix("model.norm.weight", 1, c.hidden_size)?.to_f32();
+    let output = match take_matrix("lm_head.weight", c.vocab_size, c.hidden_size) {
+        Ok(head) if !json["tie_word_embeddings"].as_bool().unwrap_or(false) => head,
+        Ok(_) => token_embedding.clone(),
+        Err(error) if error.to_string().contains("has no tensor") => token_embedding.clone(),
+        Err(error) => return Err(error),
+    };
+    Ok(Llama::new(
+        config,
+        token_embedding,
+        layers,
+        output_norm,
+        output,
+        None,
+    ))
+}
+
+/// `config.json` → [`LlamaConfig`] (NeoX RoPE; Llama 3 `rope_scaling` when present).
+pub fn config_from_json(json: &Value) -> Result<LlamaConfig> {
+    let model_type = json["model_type"].as_str().unwrap_or("");
+    if !matches!(model_type, "llama" | "mistral" | "qwen2" | "qwen3") {
+        bail!(
+            "unsupported architecture `{model_type}`: the engine runs llama, mistral, qwen2 and qwen3 checkpoints"
+        );
+    }
+    let int = |key: &str| -> Result<usize> {
+        json[key]
+            .as_u64()
+            .map(|v| v as usize)
+            .with_context(|| format!("`config.json` key `{key}` is missing or not an integer"))
+    };
+    let hidden_size = int("hidden_size")?;
+    let n_heads = int("num_attention_heads")?;
+    let rope_scaling = match &json["rope_scaling"] {
+        Value::Object(s) if s.get("rope_type").and_then(Value::as_str) == Some("llama3") => {
+            Some(Llama3Scaling {
+                factor: s.get("factor").and_then(Value::as_f64).unwrap_or(8.0) as f32,
+                low_freq_factor: s
+                    .get("low_freq_factor")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(1.0) as f32,
+                high_freq_factor: s
+                    .get("high_freq_factor")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(4.0) as f32,
+                original_max_position_embeddings: s
+                    .get("original_max_position_embeddings")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(8192.0) as f32,
+            })
+        }
+        _ => None,
+    };
+    Ok(LlamaConfig {
+        hidden_size,
+        intermediate_size: int("intermediate_size")?,
+        n_layers: int("num_hidden_layers")?,
+        n_heads,
+        n_kv_heads: int("num_key_value_heads").unwrap_or(n_heads),
+        head_dim: int("head_dim").unwrap_or(hidden_size / n_heads.max(1)),
+        vocab_size: int("vocab_size")?,
+        rms_norm_eps: json["rms_norm_eps"].as_f64().unwrap_or(1e-5) as f32,
+        rope_theta: json["rope_theta"].as_f64().unwrap_or(10_000.0) as f32,
+        rope_style: RopeStyle::Neox,
+        rope_scaling,
+        max_context_tokens: int("max_position_embeddings").unwrap_or(4096),
+    })
+}

@@ -1,0 +1,279 @@
+//! Tokenizers from GGUF metadata (`tokenizer.ggml.*`, byte-level BPE with the model's
+//! pre-tokenizer) or from a Hugging Face `tokenizer.json`, both as a `tokenizers::Tokenizer`,
+//! plus the model's special tokens and chat template.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+use super::gguf::{Header, Value};
+
+/// Llama 3's pre-tokenizer regex (`llama-bpe` in llama.cpp; `tokenizer.json` of Llama 3).
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's pre-tokenizer regex (`qwen2` in llama.cpp).
+const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A tokenizer with the model's special tokens and chat template.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Beginning-of-sequence token, when the model has one.
+    pub bos_id: Option<u32>,
+    /// Tokens that end generation (`eos`, and `<|im_end|>`/`<|eot_id|>` style end-of-turn).
+    pub eos_ids: Vec<u32>,
+    /// Whether prompts start with BOS (`tokenizer.ggml.add_bos_token`).
+    pub add_bos: bool,
+    /// The Jinja chat template, when the model ships one.
+    pub chat_template: Option<String>,
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer a GGUF file describes.
+    ///
+    /// Errors: a tokenizer model other than `gpt2` (byte-level BPE), an unknown pre-tokenizer
+    /// (named), or missing `tokens`/`merges`.
+    pub fn from_gguf(header: &Header) -> Result<Tokenizer> {
+        let model = header.str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            bail!(
+                "tokenizer model `{model}` is not supported yet: the engine reads byte-level BPE (`gpt2`) GGUF tokenizers"
+            );
+        }
+        let strings = |key: &str| -> Result<Vec<String>> {
+            match header.metadata.get(key) {
+                Some(Value::Array(items)) => items
+                    .iter()
+                    .map(|v| {
+                        v.as_str()
+                            .map(str::to_string)
+                            .ok_or_else(|| anyhow!("`{key}` holds a non-string"))
+                    })
+                    .collect(),
+                _ => bail!("GGUF metadata `{key}` is missing or not an array"),
+            }
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| anyhow!("malformed merge `{m}`"))
+            })
+            .collect::<Result<_>>()?;
+        let token_types: Vec<i64> = match header.metadata.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| if let Value::I32(t) = v { *t as i64 } else { 1 })
+                .collect(),
+            _ => vec![1; tokens.len()],
+        };
+        let vocab: ahash::AHashMap<String, u32> = tokens
+            .iter()
+            .enumerate()
+            .map(|(id, t)| (t.clone(), id as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| anyhow!("failed to build the BPE tokenizer: {e}"))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let pre = header
+            .metadata
+            .get("tokenizer.ggml.pre")
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let byte_level = |use_regex: bool| {
+            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex))
+        };
+        let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
+            Ok(PreTokenizerWrapper::Split(
+                Split::new(
+                    SplitPattern::Regex(pattern.to_string()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(|e| anyhow!("bad pre-tokenizer regex: {e}"))?,
+            ))
+        };
+        let pre_tokenizer = match pre {
+            // SmolLM: digits one by one, then GPT-2's byte-level regex (its tokenizer.json).
+            "smollm" => Sequence::new(vec![
+                PreTokenizerWrapper::Digits(Digits::new(true)),
+                byte_level(true),
+            ]),
+            "gpt2" | "default" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
+            "llama-bpe" | "llama3" | "llama-v3" => {
+                Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)])
+            }
+            "qwen2" => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
+            other => bail!(
+                "pre-tokenizer `{other}` is not supported; supported: smollm, gpt2, llama-bpe, qwen2"
+            ),
+        };
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        // Control (3) and user-defined (4) tokens match as whole strings before BPE.
+        let specials: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&token_types)
+            .filter(|(_, t)| **t == 3 || **t == 4)
+            .map(|(token, t)| AddedToken::from(token.clone(), *t == 3))
+            .collect();
+        inner.add_special_tokens(&specials);
+
+        let id = |key: &str| {
+            header
+                .metadata
+                .get(key)
+                .and_then(Value::as_u64)
+                .map(|v| v as u32)
+        };
+        let mut eos_ids: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+        if let Some(eot) = id("tokenizer.ggml.eot_token_id") {
+            eos_ids.push(eot);
+        }
+        for end_of_turn in ["<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"] {
+            if let Some(position) = tokens.iter().position(|t| t == end_of_turn) {
+                eos_ids.push(position as u32);
+            }
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        Ok(Tokenizer {
+            inner,
+            bos_id: id("tokenizer.ggml.bos_token_id"),
+            eos_ids,
+            add_bos: matches!(
+                header.metadata.get("tokenizer.ggml.add_bos_token"),
+                Some(Value::Bool(true))
+            ),
+            chat_template: header
+                .metadata
+                .get("tokenizer.chat_template")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+        })
+    }
+
+    /// Loads `tokenizer.json` (and `tokenizer_config.json` for the chat template and BOS) from
+    /// a Hugging Face model directory. Errors: missing or malformed files.
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| anyhow!("failed to load `{}`: {e}", path.display()))?;
+        let config: serde_json::Value =
+            match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
+                Ok(text) => serde_json::from_str(&text)
+                    .context("`tokenizer_config.json` is not valid JSON")?,
+                Err(_) => serde_json::Value::Null,
+            };
+        let token_text = |key: &str| -> Option<String> {
+            match &config[key] {
+                serde_json::Value::String(s) => Some(s.clone()),
+                serde_json::Value::Object(o) => o
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .map(str::to_string),
+                _ => None,
+            }
+        };
+        let mut eos_ids: Vec<u32> = token_text("eos_token")
+            .and_then(|t| inner.token_to_id(&t))
+            .into_iter()
+            .collect();
+        for end_of_turn in ["<|im_end|>", "<|eot_id|>", "<|end|>"] {
+            eos_ids.extend(inner.token_to_id(end_of_turn));
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        Ok(Tokenizer {
+            bos_id: token_text("bos_token").and_then(|t| inner.token_to_id(&t)),
+            eos_ids,
+            add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
+            chat_template: config["chat_template"].as_str().map(str::to_string),
+            inner,
+        })
+    }
+
+    /// Token ids of `text`; special-token strings (`<|im_start|>`) map to their ids. Adds
+    /// BOS when the model asks for it and `add_bos` is set.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow!("tokenization failed: {e}"))?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        if add_bos
+            && self.add_bos
+            && let Some(bos) = self.bos_id
+        {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// Text of `ids`, special tokens included unless `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| anyhow!("detokenization failed: {e}"))
+    }
+
+    /// The string of one token id, as the vocabulary spells it.
+    pub fn token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The id of a vocabulary string.
+    pub fn id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Vocabulary size, special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// A streaming decoder that never splits a UTF-8 character: each step yields the new text,
+    /// or nothing while a character is incomplete.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream {
+            tokenizer: self,
+            ids: Vec::new(),
+            emitted_bytes: 0,
+        }
+    }
+}
+
+/// Incremental detokenization (see [`Tokenizer::stream`]).
+pub struct TextStream<'a> {
+    tokenizer: &'a Tokenizer,
+    ids: Vec<u32>,
+    emitted_bytes: usize,
+}
+
+impl TextStream<'_> {
+    /// Adds `id` and returns the text that became complete (possibly empty). A trailing
+    /// U+FFFD means a character is still incomplete, so it is held back.
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = self.tokenizer.decode(&self.ids, true)?;
+        if text.ends_with('\u{FFFD}')
+            || text.len() < self.emitted_bytes
+            || !text.is_char_boundary(self.emitted_bytes)
+        {
+            return Ok(String::new());
+        }
+        let new = text[self.emitted_bytes..].to_string();
+        self.emitted_bytes = text.len();
+        Ok(new)
+    }
+}

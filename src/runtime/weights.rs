@@ -1,0 +1,207 @@
+//! Weight matrices in their file encoding and the matrix product the forward pass is made
+//! of: `out = x · Wᵀ` for a batch of activation rows, split over threads by output rows.
+
+use std::sync::Arc;
+
+use anyhow::{Result, bail};
+use rayon::prelude::*;
+
+use super::gguf::GgufFile;
+use super::quant::{
+    BlockQ8, GgmlType, dequantize_row, dot_f32, dot_q8, has_q8_kernel, quantize_row_q8,
+};
+
+/// Where a matrix's bytes live.
+#[derive(Clone)]
+enum Storage {
+    /// A slice of a memory-mapped GGUF file (`offset..offset + len`).
+    Mapped {
+        file: Arc<GgufFile>,
+        offset: usize,
+        len: usize,
+    },
+    /// Bytes owned by the process (converted or re-sharded weights).
+    Owned(Arc<Vec<u8>>),
+}
+
+/// A row-major matrix `(n_rows, n_cols)` in a ggml encoding: row `r` holds output feature
+/// `r`'s weights over the `n_cols` inputs (GGUF's `ne0 = n_cols`, `ne1 = n_rows`).
+#[derive(Clone)]
+pub struct Weight {
+    pub ty: GgmlType,
+    pub n_rows: usize,
+    pub n_cols: usize,
+    row_bytes: usize,
+    storage: Storage,
+}
+
+impl std::fmt::Debug for Weight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Weight({:?}, {}×{})", self.ty, self.n_rows, self.n_cols)
+    }
+}
+
+impl Weight {
+    /// The 2-D tensor `name` of `file`. Errors: missing tensor, unsupported type (named), not 2-D.
+    pub fn from_gguf(file: &Arc<GgufFile>, name: &str) -> Result<Weight> {
+        let (info, range) = file.tensor_range(name)?;
+        let ty = GgmlType::from_id(info.type_id, name)?;
+        let (n_cols, n_rows) = match info.dims.as_slice() {
+            [cols, rows] => (*cols as usize, *rows as usize),
+            [cols] => (*cols as usize, 1),
+            other => bail!("tensor `{name}` has shape {other:?}; a matrix was expected"),
+        };
+        let row_bytes = ty.row_bytes(n_cols)?;
+        if range.len() != row_bytes * n_rows {
+            bail!(
+                "tensor `{name}`: {} bytes for {n_rows}×{n_cols} {ty:?}",
+                range.len()
+            );
+        }
+        Ok(Weight {
+            ty,
+            n_rows,
+            n_cols,
+            row_bytes,
+            storage: Storage::Mapped {
+                file: Arc::clone(file),
+                offset: range.start,
+                len: range.len(),
+            },
+        })
+    }
+
+    /// A matrix from owned bytes. Errors: a length that does not match the shape.
+    pub fn from_bytes(
+        ty: GgmlType,
+        n_rows: usize,
+        n_cols: usize,
+        bytes: Vec<u8>,
+    ) -> Result<Weight> {
+        let row_bytes = ty.row_bytes(n_cols)?;
+        if bytes.len() != row_bytes * n_rows {
+            bail!(
+                "a {ty:?} matrix of {n_rows}×{n_cols} needs {} bytes, got {}",
+                row_bytes * n_rows,
+                bytes.len()
+            );
+        }
+        Ok(Weight {
+            ty,
+            n_rows,
+            n_cols,
+            row_bytes,
+            storage: Storage::Owned(Arc::new(bytes)),
+        })
+    }
+
+    /// An f32 matrix from values (`n_rows × n_cols`, row-major).
+    pub fn from_f32(n_rows: usize, n_cols: usize, values: &[f32]) -> Result<Weight> {
+        Weight::from_bytes(
+            GgmlType::F32,
+            n_rows,
+            n_cols,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        )
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.storage {
+            Storage::Mapped { file, offset, len } => &file.data()[*offset..*offset + *len],
+            Storage::Owned(bytes) => bytes,
+        }
+    }
+
+    /// The encoded bytes of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        &self.bytes()[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// Row `r` as f32 values into `out` (length `n_cols`).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        dequantize_row(self.ty, self.row(r), out);
+    }
+
+    /// Every value as f32, row-major (small matrices: norms, biases, tests).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.n_rows * self.n_cols];
+        for (r, chunk) in out.chunks_exact_mut(self.n_cols).enumerate() {
+            self.dequantize_row(r, chunk);
+        }
+        out
+    }
+
+    /// Rows `first..first + n` as a new matrix (column-parallel sharding: whole rows).
+    pub fn rows(&self, first: usize, n: usize) -> Result<Weight> {
+        Weight::from_bytes(
+            self.ty,
+            n,
+            self.n_cols,
+            self.bytes()[first * self.row_bytes..(first + n) * self.row_bytes].to_vec(),
+        )
+    }
+
+    /// `out = x · Wᵀ`.
+    /// * `x`: `(n_tokens, n_cols)` row-major; `out`: `(n_tokens, n_rows)` row-major.
+    ///
+    /// Runs on the current rayon pool, each task taking a contiguous range of output rows.
+    pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+        debug_assert_eq!(x.len(), n_tokens * self.n_cols);
+        debug_assert_eq!(out.len(), n_tokens * self.n_rows);
+        if n_tokens == 1 {
+            self.matmul_rows_major(x, 1, out);
+            return;
+        }
+        // Computed as `(n_rows, n_tokens)` so each task writes a contiguous range, then transposed.
+        let mut transposed = vec![0f32; self.n_rows * n_tokens];
+        self.matmul_rows_major(x, n_tokens, &mut transposed);
+        for (r, per_token) in transposed.chunks_exact(n_tokens).enumerate() {
+            for (t, value) in per_token.iter().enumerate() {
+                out[t * self.n_rows + r] = *value;
+            }
+        }
+    }
+
+    /// `target[r * n_tokens + t] = W[r] · x[t]`.
+    fn matmul_rows_major(&self, x: &[f32], n_tokens: usize, target: &mut [f32]) {
+        let chunk_rows = (self.n_rows / (rayon::current_num_threads() * 4)).clamp(16, 512);
+        if has_q8_kernel(self.ty) {
+            let quantized: Vec<Vec<BlockQ8>> = x
+                .chunks_exact(self.n_cols)
+                .map(|token| {
+                    let mut blocks = Vec::new();
+                    quantize_row_q8(token, &mut blocks);
+                    blocks
+                })
+                .collect();
+            target
+                .par_chunks_mut(chunk_rows * n_tokens)
+                .enumerate()
+                .for_each(|(chunk, values)| {
+                    for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
+                        let row = self.row(chunk * chunk_rows + i);
+                        for (value, xq) in per_token.iter_mut().zip(&quantized) {
+                            *value = dot_q8(self.ty, row, xq);
+                        }
+                    }
+                });
+        } else {
+            target
+                .par_chunks_mut(chunk_rows * n_tokens)
+                .enumerate()
+                .for_each_init(
+                    || vec![0f32; self.n_cols],
+                    |row_f32, (chunk, values)| {
+                        for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
+                            self.dequantize_row(chunk * chunk_rows + i, row_f32);
+                            for (value, token) in
+                                per_token.iter_mut().zip(x.chunks_exact(self.n_cols))
+                            {
+                                *value = dot_f32(row_f32, token);
+                            }
+                        }
+                    },
+                );
+        }
+    }
+}
