@@ -3,10 +3,12 @@
 //! `../shared/fixtures/`, fake sysfs trees built in temp dirs, this machine.
 
 mod doctor;
+mod engine;
 mod fake_sysfs;
 mod kernels;
 mod model;
 mod plan;
+mod synthetic;
 mod topo;
 
 use std::path::PathBuf;
