@@ -13,7 +13,8 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::gguf::{GgufFile, Value};
-use super::quant::{axpy_f16, dot_f16_f32};
+use super::mathfn::{silu, softmax};
+use super::quant::{dot_f16_f32, weighted_sum_f16};
 use super::weights::Weight;
 
 /// How rotary embeddings pair the dimensions of a head.
@@ -408,7 +409,7 @@ impl Llama {
             layer.w_gate.matmul(&normed, n, &mut gate);
             layer.w_up.matmul(&normed, n, &mut up);
             for (g, u) in gate.iter_mut().zip(&up) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
+                *g = silu(*g) * u;
             }
             layer.w_down.matmul(&gate, n, &mut projected);
             for (a, b) in x.iter_mut().zip(&projected) {
@@ -471,8 +472,9 @@ impl Llama {
                     RopeStyle::Neox => (i, i + half),
                 };
                 let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * cos - x1 * sin;
-                head[b] = x0 * sin + x1 * cos;
+                // GCC contracts ggml's `x0*cos - x1*sin` into an FMA (`-ffp-contract=fast`).
+                head[a] = x0.mul_add(*cos, -(x1 * sin));
+                head[b] = x0.mul_add(*sin, x1 * cos);
             }
         }
     }
@@ -493,6 +495,7 @@ impl Llama {
             .for_each(|(index, out_head)| {
                 let (t, head) = (index / c.n_heads, index % c.n_heads);
                 let kv_head = head / group;
+                // `kq`: Q rounded to f16 (the cache's type), dotted with each cached key.
                 let query: Vec<f32> = q
                     [t * q_dim + head * head_dim..t * q_dim + (head + 1) * head_dim]
                     .iter()
@@ -501,27 +504,19 @@ impl Llama {
                 let n_positions = start + t + 1;
                 let mut scores: Vec<f32> = (0..n_positions)
                     .map(|p| {
-                        let key = &keys[p * kv_dim + kv_head * head_dim
-                            ..p * kv_dim + (kv_head + 1) * head_dim];
-                        dot_f16_f32(key, &query) * scale
+                        dot_f16_f32(
+                            &keys[p * kv_dim + kv_head * head_dim
+                                ..p * kv_dim + (kv_head + 1) * head_dim],
+                            &query,
+                        ) * scale
                     })
                     .collect();
-                // Softmax as ggml's: max-subtracted, the sum in f64; probabilities enter the
-                // value product as f16 (the cache's type), as ggml's `kqv` matmul converts them.
-                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                let mut total = 0f64;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    total += *s as f64;
-                }
-                let inverse = (1.0 / total) as f32;
-                out_head.fill(0.0);
-                for (p, s) in scores.iter().enumerate() {
-                    let weight = f16::from_f32(s * inverse).to_f32();
-                    let value = &values
-                        [p * kv_dim + kv_head * head_dim..p * kv_dim + (kv_head + 1) * head_dim];
-                    axpy_f16(out_head, weight, value);
-                }
+                softmax(&mut scores);
+                // `kqv`: probabilities rounded to f16, weighted sum of the cached values.
+                let value_rows = (0..n_positions).map(|p| {
+                    &values[p * kv_dim + kv_head * head_dim..p * kv_dim + (kv_head + 1) * head_dim]
+                });
+                weighted_sum_f16(&scores, value_rows, out_head);
             });
     }
 }

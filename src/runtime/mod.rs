@@ -8,6 +8,7 @@ pub mod chat;
 pub mod engine;
 pub mod gguf;
 pub mod llama;
+pub mod mathfn;
 pub mod quant;
 pub mod safetensors;
 pub mod sampling;

@@ -276,65 +276,109 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     dot_q8_portable(ty, row, x)
 }
 
-/// The portable reference of [`dot_q8`].
+/// The portable twin of [`dot_q8`], bit-identical to the AVX2 kernels: per block, lane `j`
+/// holds the exact integer sum of elements `4j..4j+3` (what `maddubs` + `madd` produce),
+/// fused-multiply-added into an 8-lane accumulator with the block's scale; `Q4_1` adds
+/// `m · sum` with an FMA as GCC compiles ggml's `summs += m*s`.
 pub fn dot_q8_portable(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
-    let mut total = 0f32;
-    match ty {
-        GgmlType::Q4_1 => {
-            for (b, a) in row.chunks_exact(20).zip(x) {
+    let mut acc = [0f32; 8];
+    let mut offsets = 0f32;
+    for (i, a) in x.iter().enumerate() {
+        let (weights, scale): ([i32; QK], f32) = match ty {
+            GgmlType::Q4_1 => {
+                let b = &row[20 * i..20 * i + 20];
                 let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-                let mut isum = 0i32;
-                for j in 0..16 {
-                    isum += (b[4 + j] & 0x0F) as i32 * a.qs[j] as i32
-                        + (b[4 + j] >> 4) as i32 * a.qs[j + 16] as i32;
-                }
-                total += d * a.d * isum as f32 + m * a.sum;
+                offsets = m.mul_add(a.sum, offsets);
+                (
+                    std::array::from_fn(|e| {
+                        if e < 16 {
+                            (b[4 + e] & 0x0F) as i32
+                        } else {
+                            (b[4 + e - 16] >> 4) as i32
+                        }
+                    }),
+                    d,
+                )
             }
-        }
-        GgmlType::Q4_0 => {
-            for (b, a) in row.chunks_exact(18).zip(x) {
-                let d = f16_at(b, 0);
-                let mut isum = 0i32;
-                for j in 0..16 {
-                    isum += ((b[2 + j] & 0x0F) as i32 - 8) * a.qs[j] as i32
-                        + ((b[2 + j] >> 4) as i32 - 8) * a.qs[j + 16] as i32;
-                }
-                total += d * a.d * isum as f32;
+            GgmlType::Q4_0 => {
+                let b = &row[18 * i..18 * i + 18];
+                (
+                    std::array::from_fn(|e| {
+                        if e < 16 {
+                            (b[2 + e] & 0x0F) as i32 - 8
+                        } else {
+                            (b[2 + e - 16] >> 4) as i32 - 8
+                        }
+                    }),
+                    f16_at(b, 0),
+                )
             }
-        }
-        _ => {
-            for (b, a) in row.chunks_exact(34).zip(x) {
-                let d = f16_at(b, 0);
-                let isum: i32 = (0..QK)
-                    .map(|j| b[2 + j] as i8 as i32 * a.qs[j] as i32)
-                    .sum();
-                total += d * a.d * isum as f32;
+            _ => {
+                let b = &row[34 * i..34 * i + 34];
+                (std::array::from_fn(|e| b[2 + e] as i8 as i32), f16_at(b, 0))
             }
+        };
+        let d = scale * a.d;
+        for (lane, value) in acc.iter_mut().enumerate() {
+            let sum: i32 = (4 * lane..4 * lane + 4)
+                .map(|e| weights[e] * a.qs[e] as i32)
+                .sum();
+            *value = d.mul_add(sum as f32, *value);
         }
     }
-    total
+    hsum8(&acc) + offsets
 }
 
-/// `Σ a[i]·b[i]` for f16 `a` and f32 `b` (attention scores over an f16 KV cache).
+/// The horizontal sum of 8 lanes in the order of the AVX2 kernels (and of llamafile's
+/// tinyBLAS): low half + high half, then lanes 0+2 and 1+3, then those two.
+fn hsum8(l: &[f32; 8]) -> f32 {
+    let half = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    (half[0] + half[2]) + (half[1] + half[3])
+}
+
+/// `Σ a[i]·b[i]` for f16 `a` and f32 `b` (attention scores over an f16 KV cache), as
+/// tinyBLAS computes a row of llama.cpp's `kq` product: element `i` is fused-multiply-added
+/// into lane `i mod 8`, the lanes summed by [`hsum8`]. The AVX2 and portable paths give
+/// identical results.
 pub fn dot_f16_f32(a: &[f16], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && a.len() % 8 == 0 {
         // SAFETY: AVX2/FMA/F16C present; lengths are equal multiples of 8.
         return unsafe { avx2::dot_f16_f32(a, b) };
     }
-    a.iter().zip(b).map(|(x, y)| x.to_f32() * y).sum()
+    let mut lanes = [0f32; 8];
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        lanes[i % 8] = x.to_f32().mul_add(*y, lanes[i % 8]);
+    }
+    hsum8(&lanes)
 }
 
-/// `out[i] += w · v[i]` for f16 `v` (attention's weighted sum of values).
-pub fn axpy_f16(out: &mut [f32], w: f32, v: &[f16]) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() && v.len() % 8 == 0 {
-        // SAFETY: AVX2/FMA/F16C present; lengths are equal multiples of 8.
-        unsafe { avx2::axpy_f16(out, w, v) };
-        return;
+/// `out[d] = Σ_p f16(weights[p]) · values[p][d]`: attention's weighted sum of cached values,
+/// as tinyBLAS computes llama.cpp's `kqv` product over the transposed V cache: position `p`
+/// goes to lane `p mod 8` of each output's accumulator, lanes summed by [`hsum8`].
+pub fn weighted_sum_f16<'a>(
+    weights: &[f32],
+    values: impl Iterator<Item = &'a [f16]>,
+    out: &mut [f32],
+) {
+    let width = out.len();
+    let mut lanes = vec![0f32; 8 * width];
+    for (p, (w, row)) in weights.iter().zip(values).enumerate() {
+        let w = f16::from_f32(*w).to_f32();
+        let accumulator = &mut lanes[(p % 8) * width..(p % 8 + 1) * width];
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() && width % 8 == 0 {
+            // SAFETY: AVX2/FMA/F16C present; `row` and `accumulator` have `width` elements.
+            unsafe { avx2::fma_f16_row(accumulator, w, row) };
+            continue;
+        }
+        for (acc, v) in accumulator.iter_mut().zip(row) {
+            *acc = v.to_f32().mul_add(w, *acc);
+        }
     }
-    for (o, x) in out.iter_mut().zip(v) {
-        *o += w * x.to_f32();
+    for (d, o) in out.iter_mut().enumerate() {
+        let l: [f32; 8] = std::array::from_fn(|lane| lanes[lane * width + d]);
+        *o = hsum8(&l);
     }
 }
 
@@ -413,13 +457,18 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy_f16(out: &mut [f32], w: f32, v: &[half::f16]) {
+    pub unsafe fn fma_f16_row(accumulator: &mut [f32], w: f32, v: &[half::f16]) {
         let weight = _mm256_set1_ps(w);
         for i in (0..v.len()).step_by(8) {
             let halves = unsafe { _mm_loadu_si128(v.as_ptr().add(i) as *const __m128i) };
             let x = _mm256_cvtph_ps(halves);
-            let o = unsafe { _mm256_loadu_ps(out.as_ptr().add(i)) };
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_fmadd_ps(weight, x, o)) };
+            let acc = unsafe { _mm256_loadu_ps(accumulator.as_ptr().add(i)) };
+            unsafe {
+                _mm256_storeu_ps(
+                    accumulator.as_mut_ptr().add(i),
+                    _mm256_fmadd_ps(x, weight, acc),
+                )
+            };
         }
     }
 
@@ -430,7 +479,8 @@ mod avx2 {
         for (i, a) in x.iter().enumerate() {
             let block = unsafe { row.as_ptr().add(20 * i) };
             let (d, m) = unsafe { two_f16(block) };
-            offsets += m * a.sum;
+            // `summs += m * s` in ggml, contracted to an FMA by GCC (`-ffp-contract=fast`).
+            offsets = m.mul_add(a.sum, offsets);
             let w = unsafe { nibbles(block.add(4)) };
             let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), unsafe { dot_u8_i8(w, v) }, acc);
@@ -550,17 +600,34 @@ mod tests {
     }
 
     #[test]
-    fn f16_kernels_match_scalar() {
+    fn f16_kernels_are_bit_identical_to_their_lane_emulation() {
         let a: Vec<f16> = (0..64)
             .map(|i| f16::from_f32((i as f32 - 30.0) / 7.0))
             .collect();
         let b: Vec<f32> = (0..64).map(|i| (i as f32 * 0.3).cos()).collect();
-        let scalar: f32 = a.iter().zip(&b).map(|(x, y)| x.to_f32() * y).sum();
-        assert!((dot_f16_f32(&a, &b) - scalar).abs() < 1e-4);
-        let mut out = b.clone();
-        axpy_f16(&mut out, 0.5, &a);
-        for ((o, x), y) in out.iter().zip(&a).zip(&b) {
-            assert!((o - (y + 0.5 * x.to_f32())).abs() < 1e-6);
+        let mut lanes = [0f32; 8];
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            lanes[i % 8] = x.to_f32().mul_add(*y, lanes[i % 8]);
+        }
+        assert_eq!(dot_f16_f32(&a, &b).to_bits(), hsum8(&lanes).to_bits());
+
+        let rows: Vec<Vec<f16>> = (0..11)
+            .map(|p| {
+                (0..16)
+                    .map(|d| f16::from_f32(((p * 16 + d) as f32 * 0.77).sin()))
+                    .collect()
+            })
+            .collect();
+        let weights: Vec<f32> = (0..11).map(|p| 1.0 / (p as f32 + 2.0)).collect();
+        let mut out = vec![0f32; 16];
+        weighted_sum_f16(&weights, rows.iter().map(Vec::as_slice), &mut out);
+        for (d, value) in out.iter().enumerate() {
+            let mut lanes = [0f32; 8];
+            for (p, row) in rows.iter().enumerate() {
+                let w = f16::from_f32(weights[p]).to_f32();
+                lanes[p % 8] = row[d].to_f32().mul_add(w, lanes[p % 8]);
+            }
+            assert_eq!(value.to_bits(), hsum8(&lanes).to_bits(), "d={d}");
         }
     }
 

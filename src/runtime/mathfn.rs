@@ -1,0 +1,89 @@
+//! Elementwise math with the rounding behaviour of ggml's CPU backend, so logits track
+//! llama.cpp's closely: the vectorised `expf` that ggml uses in SiLU (adapted there from
+//! Arm's optimized-routines: maximum error 1.45 + 0.5 ulp), evaluated lane by lane with fused
+//! multiply-adds (each SIMD lane computes exactly this scalar sequence), and the softmax of
+//! attention scores.
+
+/// `2^23 · 1.5`: adding it rounds a float to an integer held in the low mantissa bits.
+const SHIFT: f32 = 12_582_912.0;
+/// The constants, as exact f32 bit patterns (hex-float values in comments).
+/// 1 / ln 2 (0x1.715476p+0).
+const INV_LN2: f32 = f32::from_bits(0x3fb8aa3b);
+/// ln 2 split in a high part (0x1.62e4p-1) and a low correction (0x1.7f7d1cp-20).
+const LN2_HI: f32 = f32::from_bits(0x3f317200);
+const LN2_LO: f32 = f32::from_bits(0x35bfbe8e);
+/// Polynomial for `exp(b) − 1` on `|b| ≤ ln2/2`, highest degree first
+/// (0x1.0e4020p-7, 0x1.573e2ep-5, 0x1.555e66p-3, 0x1.fffdb6p-2, 0x1.ffffecp-1).
+const C5: f32 = f32::from_bits(0x3c072010);
+const C4: f32 = f32::from_bits(0x3d2b9f17);
+const C3: f32 = f32::from_bits(0x3e2aaf33);
+const C2: f32 = f32::from_bits(0x3efffedb);
+const C1: f32 = f32::from_bits(0x3f7ffff6);
+
+/// e^x as ggml computes it on AVX2/NEON (see the module docs). Outside about ±87 it returns
+/// the limits (0 or ∞) through `f32::exp`, as the reference does.
+pub fn expf(x: f32) -> f32 {
+    let z = x.mul_add(INV_LN2, SHIFT);
+    let n = z - SHIFT;
+    if n.abs() > 126.0 {
+        return x.exp();
+    }
+    let b = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let k = f32::from_bits((z.to_bits() << 23).wrapping_add(1f32.to_bits()));
+    let u = b * b;
+    let j = C5
+        .mul_add(b, C4)
+        .mul_add(u, C3.mul_add(b, C2))
+        .mul_add(u, C1 * b);
+    j.mul_add(k, k)
+}
+
+/// `x · sigmoid(x)` as ggml's vectorised SiLU: `x / (1 + e^−x)`.
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + expf(-x))
+}
+
+/// Softmax of `scores` in place as the reference llama.cpp build computes attention
+/// probabilities: `expf(score − max)` with libm's `expf` (measured: the vectorised
+/// [`expf`] here breaks exact agreement with the reference), the sum in f64, then every
+/// value scaled by `(f32)(1 / sum)`.
+pub fn softmax(scores: &mut [f32]) {
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut total = 0f64;
+    for v in scores.iter_mut() {
+        *v = (*v - max).exp();
+        total += *v as f64;
+    }
+    let inverse = (1.0 / total) as f32;
+    for v in scores.iter_mut() {
+        *v *= inverse;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expf_is_within_two_ulp_of_libm() {
+        for i in -2000..2000 {
+            let x = i as f32 * 0.0437;
+            let (ours, libm) = (expf(x), x.exp());
+            let ulps = (ours.to_bits() as i64 - libm.to_bits() as i64).abs();
+            assert!(ulps <= 2, "x={x}: {ours} vs {libm} ({ulps} ulp)");
+        }
+        assert_eq!(expf(0.0), 1.0);
+        assert_eq!(expf(-200.0), 0.0);
+        assert_eq!(expf(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_handles_tails() {
+        for n in [1, 7, 8, 13, 64] {
+            let mut scores: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).sin() * 3.0).collect();
+            softmax(&mut scores);
+            let total: f32 = scores.iter().sum();
+            assert!((total - 1.0).abs() < 1e-5, "n={n}: {total}");
+        }
+    }
+}
