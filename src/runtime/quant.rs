@@ -338,7 +338,7 @@ fn hsum8(l: &[f32; 8]) -> f32 {
 
 /// `Σ a[i]·b[i]` for f16 `a` and f32 `b` (attention scores over an f16 KV cache), as
 /// tinyBLAS computes a row of llama.cpp's `kq` product: element `i` is fused-multiply-added
-/// into lane `i mod 8`, the lanes summed by [`hsum8`]. The AVX2 and portable paths give
+/// into lane `i mod 8`, the lanes summed by `hsum8`. The AVX2 and portable paths give
 /// identical results.
 pub fn dot_f16_f32(a: &[f16], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -355,7 +355,7 @@ pub fn dot_f16_f32(a: &[f16], b: &[f32]) -> f32 {
 
 /// `out[d] = Σ_p f16(weights[p]) · values[p][d]`: attention's weighted sum of cached values,
 /// as tinyBLAS computes llama.cpp's `kqv` product over the transposed V cache: position `p`
-/// goes to lane `p mod 8` of each output's accumulator, lanes summed by [`hsum8`].
+/// goes to lane `p mod 8` of each output's accumulator, lanes summed by `hsum8`.
 pub fn weighted_sum_f16<'a>(
     weights: &[f32],
     values: impl Iterator<Item = &'a [f16]>,
