@@ -237,6 +237,13 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json`. Errors: I/O or serialization.
+    pub fn save_json(&self, path: &Path) -> Result<()> {
+        self.inner
+            .save(path, false)
+            .map_err(|e| anyhow!("failed to write `{}`: {e}", path.display()))
+    }
+
     /// Vocabulary size, special tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

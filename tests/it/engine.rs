@@ -528,3 +528,68 @@ fn generate_rejects_bad_flags_and_profiles() {
         );
     }
 }
+
+#[test]
+fn tokenizer_json_directory_matches_the_gguf_tokenizer() {
+    let engine = smollm2();
+    let dir = tempfile::tempdir().expect("temp dir");
+    engine
+        .tokenizer
+        .save_json(&dir.path().join("tokenizer.json"))
+        .expect("save");
+    let template = engine
+        .tokenizer
+        .chat_template
+        .clone()
+        .expect("SmolLM2 has a template");
+    let config = serde_json::json!({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": false, "chat_template": template
+    });
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).expect("write");
+    let from_dir =
+        infer::runtime::tokenizer::Tokenizer::from_dir(dir.path()).expect("tokenizer.json loads");
+    for text in [
+        "def fibonacci(n):",
+        "1, 2, 3, 4, 5,",
+        "<|im_start|>user\nHéllo 🚀<|im_end|>",
+        "  spaces\tand\nnewlines  ",
+    ] {
+        assert_eq!(
+            from_dir.encode(text, true).expect("encode"),
+            engine.tokenizer.encode(text, true).expect("encode"),
+            "{text:?}"
+        );
+    }
+    assert!(
+        from_dir
+            .eos_ids
+            .contains(&engine.tokenizer.id("<|im_end|>").expect("token"))
+    );
+    // A Hugging Face directory (weights + tokenizer) loads as an engine and renders its template.
+    let shape = Shape {
+        hidden: 64,
+        intermediate: 96,
+        n_layers: 1,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab: 80,
+        qkv_bias: false,
+    };
+    write_hf(dir.path(), &shape, &weights(&shape, 5));
+    let hf = Engine::load(dir.path(), 1).expect("HF directory loads");
+    let prompt = hf
+        .chat_prompt(&[infer::runtime::chat::ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        }])
+        .expect("template");
+    assert!(prompt.ends_with("<|im_start|>assistant\n"), "{prompt}");
+    let params = infer::runtime::sampling::SamplingParams {
+        max_tokens: 4,
+        ..Default::default()
+    };
+    let generation = hf
+        .generate(&[1, 2, 3], &params, &mut |_| {})
+        .expect("generate");
+    assert!(generation.tokens.len() <= 4 && generation.tokens.iter().all(|&t| t < 80));
+}
