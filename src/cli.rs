@@ -86,6 +86,36 @@ pub struct GenerateArgs {
 pub enum BenchCommand {
     /// Decode tokens/s at batch 1, prefill tokens/s and peak RSS of the built-in engine.
     Decode(BenchDecodeArgs),
+    /// All-reduce bus bandwidth of the TCP collectives between real processes on this host,
+    /// as nccl-tests' `all_reduce_perf` prints it, next to one plain TCP stream.
+    Allreduce(BenchAllreduceArgs),
+    /// Internal: one process of `infer bench allreduce`.
+    #[command(hide = true)]
+    AllreduceWorker(BenchAllreduceWorkerArgs),
+}
+
+/// `infer bench allreduce`.
+#[derive(Debug, Args)]
+pub struct BenchAllreduceArgs {
+    /// Processes in the group.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub world: usize,
+    /// Largest message, bytes (sizes double from 8 B).
+    #[arg(long, value_name = "BYTES", default_value_t = 64 << 20)]
+    pub max_bytes: usize,
+}
+
+/// `infer bench allreduce-worker` (hidden).
+#[derive(Debug, Args)]
+pub struct BenchAllreduceWorkerArgs {
+    #[arg(long)]
+    pub store: String,
+    #[arg(long)]
+    pub rank: u64,
+    #[arg(long)]
+    pub world: usize,
+    #[arg(long)]
+    pub max_bytes: usize,
 }
 
 /// `infer bench decode`.

@@ -10,6 +10,7 @@ pub mod commands;
 pub mod doctor;
 pub mod model;
 pub mod plan;
+pub mod rendezvous;
 pub mod runtime;
 pub mod topology;
 pub mod ui;

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use crate::cli::{BenchCommand, BenchDecodeArgs};
+use crate::cli::{BenchAllreduceArgs, BenchAllreduceWorkerArgs, BenchCommand, BenchDecodeArgs};
 use crate::runtime::engine::Engine;
 use crate::runtime::llama::SequenceInput;
 use crate::runtime::sampling::argmax;
@@ -16,6 +16,8 @@ use crate::{ExitStatus, model};
 pub fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
     match command {
         BenchCommand::Decode(args) => decode(args, printer),
+        BenchCommand::Allreduce(args) => allreduce(args, printer),
+        BenchCommand::AllreduceWorker(args) => allreduce_worker(args, printer),
     }
 }
 
@@ -87,4 +89,133 @@ fn peak_rss_bytes() -> Result<u64> {
         .and_then(|v| v.parse().ok())
         .context("malformed `VmHWM`")?;
     Ok(kib * 1024)
+}
+
+/// One row of the all-reduce table, written by rank 0 as a JSON line.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct AllreduceRow {
+    bytes: usize,
+    time_secs: f64,
+}
+
+/// What rank 0 reports at the end.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct AllreduceReport {
+    rows: Vec<AllreduceRow>,
+    stream_bytes_per_sec: f64,
+}
+
+fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus> {
+    use std::process::{Command, Stdio};
+    if args.world < 2 {
+        anyhow::bail!("--world must be at least 2 (a one-process all-reduce moves no data)");
+    }
+    let token = crate::rendezvous::random_token();
+    let server = crate::rendezvous::StoreServer::start("127.0.0.1:0", &token)?;
+    let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+    let mut children = Vec::new();
+    for rank in 0..args.world {
+        let child = Command::new(&exe)
+            .args(["bench", "allreduce-worker", "--store", &server.address().to_string()])
+            .args(["--rank", &rank.to_string(), "--world", &args.world.to_string(), "--max-bytes", &args.max_bytes.to_string()])
+            .env("INFER_RUN_TOKEN", &token)
+            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("failed to start a worker process")?;
+        children.push(child);
+    }
+    let mut outputs = Vec::new();
+    let mut failed = None;
+    for (rank, child) in children.into_iter().enumerate() {
+        let output = child.wait_with_output().context("failed to wait for a worker")?;
+        if !output.status.success() && failed.is_none() {
+            failed = Some(format!("worker rank {rank} exited with {}", output.status));
+        }
+        outputs.push(output);
+    }
+    if let Some(message) = failed {
+        anyhow::bail!(message);
+    }
+    let report: AllreduceReport = serde_json::from_slice(&outputs[0].stdout).context("rank 0 printed no report")?;
+    let n = args.world as f64;
+    let mut table = format!(
+        "# all-reduce (sum, float32) over TCP, {} processes on this host\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n",
+        args.world, "size", "count", "type", "time", "algbw", "busbw", "(B)", "(elements)", "", "(us)", "(GB/s)", "(GB/s)"
+    );
+    let mut busbw_16m = None;
+    for row in &report.rows {
+        let algbw = row.bytes as f64 / row.time_secs / 1e9;
+        // nccl-tests: busbw = algbw · 2(n−1)/n for all-reduce.
+        let busbw = algbw * 2.0 * (n - 1.0) / n;
+        if row.bytes == 16 << 20 {
+            busbw_16m = Some(busbw);
+        }
+        table.push_str(&format!(" {:>11} {:>12} {:>6} {:>10.1} {:>8.3} {:>8.3}\n", row.bytes, row.bytes / 4, "float", row.time_secs * 1e6, algbw, busbw));
+    }
+    let stream = report.stream_bytes_per_sec / 1e9;
+    table.push_str(&format!("# one plain TCP stream between two processes: {stream:.3} GB/s\n"));
+    if let Some(busbw) = busbw_16m {
+        table.push_str(&format!("# busbw at 16 MiB = {busbw:.3} GB/s = {:.0}% of the plain stream\n", 100.0 * busbw / stream));
+    }
+    printer.data(&table);
+    Ok(ExitStatus::Success)
+}
+
+fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Result<ExitStatus> {
+    use std::io::{Read, Write};
+    use std::time::Duration;
+
+    use crate::runtime::comm::{Comm, TcpComm};
+    let token = std::env::var("INFER_RUN_TOKEN").context("`INFER_RUN_TOKEN` is not set")?;
+    let timeout = Duration::from_secs(60);
+    let mut store = crate::rendezvous::StoreClient::connect(&args.store, &token, Some(args.rank), timeout)?;
+    let members: Vec<u64> = (0..args.world as u64).collect();
+    let mut comm = TcpComm::connect(&mut store, "bench", &members, args.rank, "127.0.0.1", timeout)?;
+    let mut rows = Vec::new();
+    let mut bytes = 8;
+    while bytes <= args.max_bytes {
+        let mut data = vec![1f32; bytes / 4];
+        // Enough repetitions for ~0.2 s per size, at least 3.
+        let iterations = (((200 << 20) / bytes.max(1 << 16)) as u32).clamp(3, 200);
+        comm.all_reduce_sum(&mut data)?;
+        comm.barrier()?;
+        let start = Instant::now();
+        for _ in 0..iterations {
+            comm.all_reduce_sum(&mut data)?;
+        }
+        rows.push(AllreduceRow { bytes, time_secs: start.elapsed().as_secs_f64() / iterations as f64 });
+        bytes *= 2;
+    }
+    // One plain TCP stream, rank 1 → rank 0, 256 MiB in 1 MiB writes.
+    let mut stream_bytes_per_sec = 0.0;
+    let total: usize = 256 << 20;
+    if args.rank == 0 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        store.set("bench/stream", listener.local_addr()?.to_string().as_bytes())?;
+        let (mut socket, _) = listener.accept()?;
+        let mut buffer = vec![0u8; 1 << 20];
+        let mut received = 0;
+        let start = Instant::now();
+        while received < total {
+            let n = socket.read(&mut buffer)?;
+            if n == 0 {
+                break;
+            }
+            received += n;
+        }
+        stream_bytes_per_sec = received as f64 / start.elapsed().as_secs_f64();
+    } else if args.rank == 1 {
+        let address = String::from_utf8(store.get("bench/stream", timeout)?)?;
+        let mut socket = std::net::TcpStream::connect(address)?;
+        let chunk = vec![7u8; 1 << 20];
+        for _ in 0..total >> 20 {
+            socket.write_all(&chunk)?;
+        }
+    }
+    comm.barrier()?;
+    if args.rank == 0 {
+        printer.data(&serde_json::to_string(&AllreduceReport { rows, stream_bytes_per_sec })?);
+    }
+    Ok(ExitStatus::Success)
 }

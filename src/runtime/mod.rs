@@ -5,6 +5,7 @@
 //! its rank, shard and peers.
 
 pub mod chat;
+pub mod comm;
 pub mod engine;
 pub mod gguf;
 pub mod llama;

@@ -1,0 +1,292 @@
+//! Collectives over a process group: the [`Comm`] trait (what NCCL also provides) and its TCP
+//! implementation. A rank belongs to several groups at once (its TP, PP, DP and EP groups),
+//! each a separate [`TcpComm`] with its own sockets.
+//!
+//! Every member of a group must call the same collectives in the same order with the same
+//! sizes (like NCCL). Calls block; each socket operation has a timeout, and every error names
+//! the operation, the group and the peer rank.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+
+use crate::rendezvous::StoreClient;
+
+/// Collective operations over one process group. Positions are 0-based within the group.
+pub trait Comm: Send {
+    /// This process's position in the group.
+    fn rank(&self) -> usize;
+    /// Number of processes in the group.
+    fn size(&self) -> usize;
+    /// Sums `data` (same length on every member) across the group; every member ends with
+    /// the identical (bitwise) result.
+    fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<()>;
+    /// `recv = concat(send of member 0, …, member n−1)`; `send` has the same length everywhere
+    /// and `recv` is `size × send.len()`.
+    fn all_gather(&mut self, send: &[f32], recv: &mut [f32]) -> Result<()>;
+    /// Replaces `data` on every member with `root`'s bytes (any length).
+    fn broadcast(&mut self, data: &mut Vec<u8>, root: usize) -> Result<()>;
+    /// Sends bytes to `peer`, which must call [`Comm::recv`] for this process.
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()>;
+    /// Receives the bytes `peer` sent.
+    fn recv(&mut self, peer: usize) -> Result<Vec<u8>>;
+    /// Personalised exchange: `send[j]` goes to member `j` (lengths may differ); returns what
+    /// each member sent to this one, indexed by sender.
+    fn all_to_all_v(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>>;
+    /// Blocks until every member has called it.
+    fn barrier(&mut self) -> Result<()>;
+}
+
+/// A group over TCP: one connection to every other member.
+pub struct TcpComm {
+    group: String,
+    position: usize,
+    size: usize,
+    /// Global rank of each member, for error messages.
+    members: Vec<u64>,
+    readers: Vec<Option<TcpStream>>,
+    writers: Vec<Option<TcpStream>>,
+    timeout: Duration,
+}
+
+impl TcpComm {
+    /// Joins group `group` whose members are the global ranks `members` (this process is
+    /// `my_rank`), exchanging endpoints through the store. `bind_host` is the address peers
+    /// reach this process on. Errors: a peer that never shows up within `timeout` (named).
+    pub fn connect(store: &mut StoreClient, group: &str, members: &[u64], my_rank: u64, bind_host: &str, timeout: Duration) -> Result<TcpComm> {
+        let size = members.len();
+        let position = members
+            .iter()
+            .position(|&m| m == my_rank)
+            .with_context(|| format!("rank {my_rank} is not a member of group `{group}` {members:?}"))?;
+        let mut readers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+        let mut writers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+        if size > 1 {
+            let listener = TcpListener::bind((bind_host, 0)).with_context(|| format!("group `{group}`: cannot listen on `{bind_host}`"))?;
+            let address = listener.local_addr()?;
+            store.set(&format!("comm/{group}/{position}"), address.to_string().as_bytes())?;
+            // Lower positions connect to higher ones; a connection is queued by the kernel
+            // even before the peer accepts, so connecting first cannot deadlock.
+            for peer in position + 1..size {
+                let peer_address = store
+                    .get(&format!("comm/{group}/{peer}"), timeout)
+                    .with_context(|| format!("group `{group}`: rank {} never published its endpoint", members[peer]))?;
+                let peer_address = String::from_utf8(peer_address)?;
+                let mut stream = TcpStream::connect(&peer_address).with_context(|| format!("group `{group}`: cannot connect to rank {} at {peer_address}", members[peer]))?;
+                stream.write_all(&(position as u64).to_le_bytes())?;
+                let (reader, writer) = (stream.try_clone()?, stream);
+                readers[peer] = Some(reader);
+                writers[peer] = Some(writer);
+            }
+            listener.set_nonblocking(false)?;
+            for _ in 0..position {
+                let (mut stream, _) = accept_with_timeout(&listener, timeout).with_context(|| format!("group `{group}`: lower-ranked peers did not connect within {timeout:?}"))?;
+                stream.set_read_timeout(Some(timeout))?;
+                let mut peer = [0u8; 8];
+                stream.read_exact(&mut peer)?;
+                let peer = u64::from_le_bytes(peer) as usize;
+                if peer >= position || readers[peer].is_some() {
+                    bail!("group `{group}`: unexpected connection claiming position {peer}");
+                }
+                let (reader, writer) = (stream.try_clone()?, stream);
+                readers[peer] = Some(reader);
+                writers[peer] = Some(writer);
+            }
+            for stream in readers.iter().chain(writers.iter()).flatten() {
+                stream.set_nodelay(true)?;
+                stream.set_read_timeout(Some(timeout))?;
+                stream.set_write_timeout(Some(timeout))?;
+            }
+        }
+        Ok(TcpComm { group: group.to_string(), position, size, members: members.to_vec(), readers, writers, timeout })
+    }
+
+    fn context(&self, operation: &str, verb: &str, peer: usize) -> String {
+        format!(
+            "{operation} in group `{}` (rank {} of {}): {verb} rank {} failed",
+            self.group, self.members[self.position], self.size, self.members[peer]
+        )
+    }
+
+    fn write_to(&mut self, operation: &str, peer: usize, bytes: &[u8]) -> Result<()> {
+        let context = self.context(operation, "sending to", peer);
+        let timeout = self.timeout;
+        let stream = self.writers[peer].as_mut().context("no connection")?;
+        write_frame(stream, bytes).map_err(|e| explain(e, timeout)).context(context)
+    }
+
+    fn read_from(&mut self, operation: &str, peer: usize) -> Result<Vec<u8>> {
+        let context = self.context(operation, "receiving from", peer);
+        let timeout = self.timeout;
+        let stream = self.readers[peer].as_mut().context("no connection")?;
+        read_frame(stream).map_err(|e| explain(e, timeout)).context(context)
+    }
+
+    /// Sends `outgoing` to `to` while receiving from `from`, so neither side can block the
+    /// other on full socket buffers.
+    fn exchange(&mut self, operation: &str, to: usize, outgoing: &[u8], from: usize) -> Result<Vec<u8>> {
+        let send_context = self.context(operation, "sending to", to);
+        let receive_context = self.context(operation, "receiving from", from);
+        let timeout = self.timeout;
+        let writer = self.writers[to].as_mut().context("no connection")?;
+        let reader = self.readers[from].as_mut().context("no connection")?;
+        std::thread::scope(|scope| {
+            let sender = scope.spawn(|| write_frame(writer, outgoing));
+            let received = read_frame(reader).map_err(|e| explain(e, timeout)).context(receive_context);
+            let sent = sender.join().map_err(|_| anyhow!("sender thread panicked"))?.map_err(|e| explain(e, timeout)).context(send_context);
+            sent?;
+            received
+        })
+    }
+}
+
+fn accept_with_timeout(listener: &TcpListener, timeout: Duration) -> Result<(TcpStream, std::net::SocketAddr)> {
+    listener.set_nonblocking(true)?;
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match listener.accept() {
+            Ok((stream, address)) => {
+                stream.set_nonblocking(false)?;
+                return Ok((stream, address));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn explain(error: std::io::Error, timeout: Duration) -> anyhow::Error {
+    match error.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => anyhow!("timed out after {timeout:?}"),
+        std::io::ErrorKind::UnexpectedEof => anyhow!("the peer closed the connection (it exited or failed)"),
+        _ => anyhow!(error),
+    }
+}
+
+fn write_frame(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+    stream.write_all(&(bytes.len() as u64).to_le_bytes())?;
+    stream.write_all(bytes)
+}
+
+fn read_frame(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut length = [0u8; 8];
+    stream.read_exact(&mut length)?;
+    let mut bytes = vec![0u8; u64::from_le_bytes(length) as usize];
+    stream.read_exact(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// Chunk `i` of `n` over `len` elements: `[i·len/n, (i+1)·len/n)`, sizes differing by ≤ 1.
+fn chunk(i: usize, n: usize, len: usize) -> std::ops::Range<usize> {
+    i * len / n..(i + 1) * len / n
+}
+
+fn as_f32(bytes: &[u8], expected: usize, what: &str) -> Result<Vec<f32>> {
+    if bytes.len() != expected * 4 {
+        bail!("{what}: expected {expected} floats, got {} bytes (members called the collective with different sizes?)", bytes.len());
+    }
+    Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+}
+
+impl Comm for TcpComm {
+    fn rank(&self) -> usize {
+        self.position
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Ring all-reduce (Patarasuk & Yuan 2009): `n−1` reduce-scatter steps, then `n−1`
+    /// all-gather steps, each moving `len/n` elements to the right neighbour — bandwidth
+    /// optimal, `2(n−1)/n · len` elements sent per rank.
+    fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<()> {
+        let (n, position, len) = (self.size, self.position, data.len());
+        if n == 1 {
+            return Ok(());
+        }
+        let (right, left) = ((position + 1) % n, (position + n - 1) % n);
+        for step in 0..n - 1 {
+            let send = chunk((position + n - step) % n, n, len);
+            let receive = chunk((position + 2 * n - step - 1) % n, n, len);
+            let bytes = self.exchange("all-reduce", right, bytemuck::cast_slice(&data[send]), left)?;
+            let incoming = as_f32(&bytes, receive.len(), "all-reduce")?;
+            for (value, add) in data[receive].iter_mut().zip(incoming) {
+                *value += add;
+            }
+        }
+        for step in 0..n - 1 {
+            let send = chunk((position + 1 + n - step) % n, n, len);
+            let receive = chunk((position + n - step) % n, n, len);
+            let bytes = self.exchange("all-reduce", right, bytemuck::cast_slice(&data[send]), left)?;
+            let incoming = as_f32(&bytes, receive.len(), "all-reduce")?;
+            data[receive].copy_from_slice(&incoming);
+        }
+        Ok(())
+    }
+
+    fn all_gather(&mut self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        let (n, position, m) = (self.size, self.position, send.len());
+        if recv.len() != n * m {
+            bail!("all-gather in group `{}`: receive buffer holds {} floats, expected {}", self.group, recv.len(), n * m);
+        }
+        recv[position * m..(position + 1) * m].copy_from_slice(send);
+        let (right, left) = ((position + 1) % n, (position + n - 1) % n);
+        for step in 0..n.saturating_sub(1) {
+            let out = (position + n - step) % n;
+            let into = (position + 2 * n - step - 1) % n;
+            let bytes = self.exchange("all-gather", right, bytemuck::cast_slice(&recv[out * m..(out + 1) * m]), left)?;
+            let incoming = as_f32(&bytes, m, "all-gather")?;
+            recv[into * m..(into + 1) * m].copy_from_slice(&incoming);
+        }
+        Ok(())
+    }
+
+    fn broadcast(&mut self, data: &mut Vec<u8>, root: usize) -> Result<()> {
+        if self.position == root {
+            for peer in (0..self.size).filter(|&p| p != root) {
+                let bytes = data.clone();
+                self.write_to("broadcast", peer, &bytes)?;
+            }
+        } else {
+            *data = self.read_from("broadcast", root)?;
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
+        self.write_to("send", peer, data)
+    }
+
+    fn recv(&mut self, peer: usize) -> Result<Vec<u8>> {
+        self.read_from("recv", peer)
+    }
+
+    fn all_to_all_v(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+        let (n, position) = (self.size, self.position);
+        if send.len() != n {
+            bail!("all-to-all in group `{}`: {} send buffers for {n} members", self.group, send.len());
+        }
+        let mut received: Vec<Vec<f32>> = vec![Vec::new(); n];
+        received[position] = send[position].clone();
+        for offset in 1..n {
+            let (to, from) = ((position + offset) % n, (position + n - offset) % n);
+            let bytes = self.exchange("all-to-all", to, bytemuck::cast_slice(&send[to]), from)?;
+            received[from] = as_f32(&bytes, bytes.len() / 4, "all-to-all")?;
+        }
+        Ok(received)
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        let mut token = [1f32];
+        self.all_reduce_sum(&mut token)?;
+        if token[0] as usize != self.size {
+            bail!("barrier in group `{}`: {} of {} members arrived", self.group, token[0], self.size);
+        }
+        Ok(())
+    }
+}
