@@ -73,22 +73,36 @@ impl StoreServer {
     /// Listens on `bind` (`127.0.0.1:0` picks a free port) and serves clients that present
     /// `token`. Errors: the address cannot be bound (with the reason, e.g. in use).
     pub fn start(bind: &str, token: &str) -> Result<StoreServer> {
-        let listener = TcpListener::bind(bind).with_context(|| format!("the rendezvous store cannot listen on `{bind}`"))?;
+        let listener = TcpListener::bind(bind)
+            .with_context(|| format!("the rendezvous store cannot listen on `{bind}`"))?;
         let address = listener.local_addr()?;
         let state: Arc<(Mutex<State>, Condvar)> = Arc::default();
         let stopping = Arc::new(AtomicBool::new(false));
-        let (accept_state, accept_stopping, token) = (Arc::clone(&state), Arc::clone(&stopping), token.to_string());
-        std::thread::Builder::new().name("store-accept".into()).spawn(move || {
-            for stream in listener.incoming() {
-                if accept_stopping.load(Ordering::SeqCst) {
-                    break;
+        let (accept_state, accept_stopping, token) =
+            (Arc::clone(&state), Arc::clone(&stopping), token.to_string());
+        std::thread::Builder::new()
+            .name("store-accept".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    if accept_stopping.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(stream) = stream else { continue };
+                    let (state, token, stopping) = (
+                        Arc::clone(&accept_state),
+                        token.clone(),
+                        Arc::clone(&accept_stopping),
+                    );
+                    let _ = std::thread::Builder::new()
+                        .name("store-client".into())
+                        .spawn(move || serve(stream, &state, &token, &stopping));
                 }
-                let Ok(stream) = stream else { continue };
-                let (state, token, stopping) = (Arc::clone(&accept_state), token.clone(), Arc::clone(&accept_stopping));
-                let _ = std::thread::Builder::new().name("store-client".into()).spawn(move || serve(stream, &state, &token, &stopping));
-            }
-        })?;
-        Ok(StoreServer { address, state, stopping })
+            })?;
+        Ok(StoreServer {
+            address,
+            state,
+            stopping,
+        })
     }
 
     /// The address clients connect to.
@@ -99,7 +113,11 @@ impl StoreServer {
     /// Seconds since each rank's last heartbeat.
     pub fn heartbeat_ages(&self) -> HashMap<u64, Duration> {
         let state = self.state.0.lock().expect("store state lock");
-        state.heartbeats.iter().map(|(rank, at)| (*rank, at.elapsed())).collect()
+        state
+            .heartbeats
+            .iter()
+            .map(|(rank, at)| (*rank, at.elapsed()))
+            .collect()
     }
 }
 
@@ -112,14 +130,24 @@ impl Drop for StoreServer {
     }
 }
 
-fn serve(mut stream: TcpStream, state: &(Mutex<State>, Condvar), token: &str, stopping: &AtomicBool) {
+fn serve(
+    mut stream: TcpStream,
+    state: &(Mutex<State>, Condvar),
+    token: &str,
+    stopping: &AtomicBool,
+) {
     let _ = stream.set_nodelay(true);
     match read_message::<Request>(&mut stream) {
-        Ok(Request::Hello { token: presented, .. }) if presented == token => {
+        Ok(Request::Hello {
+            token: presented, ..
+        }) if presented == token => {
             let _ = write_message(&mut stream, &Response::Ok);
         }
         Ok(_) => {
-            let _ = write_message(&mut stream, &Response::Error("wrong or missing run token".into()));
+            let _ = write_message(
+                &mut stream,
+                &Response::Error("wrong or missing run token".into()),
+            );
             return;
         }
         Err(_) => return,
@@ -128,13 +156,22 @@ fn serve(mut stream: TcpStream, state: &(Mutex<State>, Condvar), token: &str, st
         let response = match request {
             Request::Hello { .. } => Response::Ok,
             Request::Set { key, value } => {
-                state.0.lock().expect("store state lock").values.insert(key, value);
+                state
+                    .0
+                    .lock()
+                    .expect("store state lock")
+                    .values
+                    .insert(key, value);
                 state.1.notify_all();
                 Response::Ok
             }
             Request::Add { key, delta } => {
                 let mut guard = state.0.lock().expect("store state lock");
-                let current = guard.values.get(&key).and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok()).unwrap_or(0);
+                let current = guard
+                    .values
+                    .get(&key)
+                    .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
+                    .unwrap_or(0);
                 let next = current + delta;
                 guard.values.insert(key, next.to_string().into_bytes());
                 state.1.notify_all();
@@ -149,13 +186,24 @@ fn serve(mut stream: TcpStream, state: &(Mutex<State>, Condvar), token: &str, st
                     }
                     let now = Instant::now();
                     if now >= deadline || stopping.load(Ordering::SeqCst) {
-                        break Response::Error(format!("timed out after {timeout_ms} ms waiting for key `{key}`"));
+                        break Response::Error(format!(
+                            "timed out after {timeout_ms} ms waiting for key `{key}`"
+                        ));
                     }
-                    guard = state.1.wait_timeout(guard, deadline - now).expect("store state lock").0;
+                    guard = state
+                        .1
+                        .wait_timeout(guard, deadline - now)
+                        .expect("store state lock")
+                        .0;
                 }
             }
             Request::Heartbeat { rank } => {
-                state.0.lock().expect("store state lock").heartbeats.insert(rank, Instant::now());
+                state
+                    .0
+                    .lock()
+                    .expect("store state lock")
+                    .heartbeats
+                    .insert(rank, Instant::now());
                 Response::Ok
             }
         };
@@ -176,7 +224,12 @@ pub struct StoreClient {
 impl StoreClient {
     /// Connects and authenticates, retrying until `timeout` while the server is not up yet.
     /// Errors: the server never answered, or refused the token.
-    pub fn connect(address: &str, token: &str, rank: Option<u64>, timeout: Duration) -> Result<StoreClient> {
+    pub fn connect(
+        address: &str,
+        token: &str,
+        rank: Option<u64>,
+        timeout: Duration,
+    ) -> Result<StoreClient> {
         let address: SocketAddr = address
             .to_socket_addrs()
             .with_context(|| format!("cannot resolve the rendezvous address `{address}`"))?
@@ -187,29 +240,51 @@ impl StoreClient {
             match TcpStream::connect_timeout(&address, Duration::from_millis(500)) {
                 Ok(stream) => break stream,
                 Err(error) if Instant::now() >= deadline => {
-                    return Err(anyhow!(error).context(format!("cannot reach the rendezvous store at {address} within {timeout:?}")));
+                    return Err(anyhow!(error).context(format!(
+                        "cannot reach the rendezvous store at {address} within {timeout:?}"
+                    )));
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
             }
         };
         stream.set_nodelay(true)?;
-        write_message(&mut stream, &Request::Hello { token: token.to_string(), rank })?;
+        write_message(
+            &mut stream,
+            &Request::Hello {
+                token: token.to_string(),
+                rank,
+            },
+        )?;
         match read_message::<Response>(&mut stream) {
-            Ok(Response::Ok) => Ok(StoreClient { stream, address, token: token.to_string(), rank }),
-            Ok(Response::Error(message)) => bail!("the rendezvous store at {address} refused this process: {message}"),
+            Ok(Response::Ok) => Ok(StoreClient {
+                stream,
+                address,
+                token: token.to_string(),
+                rank,
+            }),
+            Ok(Response::Error(message)) => {
+                bail!("the rendezvous store at {address} refused this process: {message}")
+            }
             Ok(other) => bail!("unexpected store response {other:?}"),
-            Err(error) => Err(error.context(format!("the rendezvous store at {address} closed the connection (wrong run token?)"))),
+            Err(error) => Err(error.context(format!(
+                "the rendezvous store at {address} closed the connection (wrong run token?)"
+            ))),
         }
     }
 
     fn request(&mut self, request: &Request) -> Result<Response> {
-        write_message(&mut self.stream, request).with_context(|| format!("lost the rendezvous store at {}", self.address))?;
-        read_message(&mut self.stream).with_context(|| format!("lost the rendezvous store at {}", self.address))
+        write_message(&mut self.stream, request)
+            .with_context(|| format!("lost the rendezvous store at {}", self.address))?;
+        read_message(&mut self.stream)
+            .with_context(|| format!("lost the rendezvous store at {}", self.address))
     }
 
     /// Stores `value` under `key`.
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
-        match self.request(&Request::Set { key: key.to_string(), value: value.to_vec() })? {
+        match self.request(&Request::Set {
+            key: key.to_string(),
+            value: value.to_vec(),
+        })? {
             Response::Ok => Ok(()),
             other => bail!("store set `{key}` failed: {other:?}"),
         }
@@ -217,7 +292,10 @@ impl StoreClient {
 
     /// The value of `key`, waiting up to `timeout` for it to be set. Errors name the key.
     pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        match self.request(&Request::Get { key: key.to_string(), timeout_ms: timeout.as_millis() as u64 })? {
+        match self.request(&Request::Get {
+            key: key.to_string(),
+            timeout_ms: timeout.as_millis() as u64,
+        })? {
             Response::Value(value) => Ok(value),
             Response::Error(message) => bail!("rendezvous: {message}"),
             other => bail!("store get `{key}` failed: {other:?}"),
@@ -226,7 +304,10 @@ impl StoreClient {
 
     /// Adds `delta` to the integer at `key` (0 when unset) and returns the new value.
     pub fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
-        match self.request(&Request::Add { key: key.to_string(), delta })? {
+        match self.request(&Request::Add {
+            key: key.to_string(),
+            delta,
+        })? {
             Response::Count(value) => Ok(value),
             other => bail!("store add `{key}` failed: {other:?}"),
         }
@@ -239,27 +320,38 @@ impl StoreClient {
         if arrived as u64 == world {
             self.set(&format!("barrier/{name}/done"), b"1")?;
         }
-        self.get(&format!("barrier/{name}/done"), timeout).map(|_| ()).map_err(|error| {
-            let count = self.add(&format!("barrier/{name}/count"), 0).unwrap_or(-1);
-            error.context(format!("barrier `{name}`: {count} of {world} processes arrived"))
-        })
+        self.get(&format!("barrier/{name}/done"), timeout)
+            .map(|_| ())
+            .map_err(|error| {
+                let count = self.add(&format!("barrier/{name}/count"), 0).unwrap_or(-1);
+                error.context(format!(
+                    "barrier `{name}`: {count} of {world} processes arrived"
+                ))
+            })
     }
 
     /// Starts a thread that beats for this rank every `interval` on its own connection,
     /// until the returned guard is dropped.
     pub fn start_heartbeat(&self, interval: Duration) -> Result<HeartbeatGuard> {
         let rank = self.rank.context("only a rank can send heartbeats")?;
-        let mut client = StoreClient::connect(&self.address.to_string(), &self.token, Some(rank), Duration::from_secs(10))?;
+        let mut client = StoreClient::connect(
+            &self.address.to_string(),
+            &self.token,
+            Some(rank),
+            Duration::from_secs(10),
+        )?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread_stop = Arc::clone(&stop);
-        std::thread::Builder::new().name("heartbeat".into()).spawn(move || {
-            while !thread_stop.load(Ordering::SeqCst) {
-                if client.request(&Request::Heartbeat { rank }).is_err() {
-                    break;
+        std::thread::Builder::new()
+            .name("heartbeat".into())
+            .spawn(move || {
+                while !thread_stop.load(Ordering::SeqCst) {
+                    if client.request(&Request::Heartbeat { rank }).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(interval);
                 }
-                std::thread::sleep(interval);
-            }
-        })?;
+            })?;
         Ok(HeartbeatGuard { stop })
     }
 }
@@ -293,12 +385,22 @@ mod tests {
             .map(|rank| {
                 let (address, token) = (address.clone(), token.clone());
                 std::thread::spawn(move || {
-                    let mut client = StoreClient::connect(&address, &token, Some(rank), Duration::from_secs(5)).expect("connect");
-                    let _heartbeat = client.start_heartbeat(Duration::from_millis(20)).expect("heartbeat");
-                    client.set(&format!("addr/{rank}"), format!("host:{rank}").as_bytes()).expect("set");
-                    client.barrier("ready", 4, Duration::from_secs(5)).expect("barrier");
+                    let mut client =
+                        StoreClient::connect(&address, &token, Some(rank), Duration::from_secs(5))
+                            .expect("connect");
+                    let _heartbeat = client
+                        .start_heartbeat(Duration::from_millis(20))
+                        .expect("heartbeat");
+                    client
+                        .set(&format!("addr/{rank}"), format!("host:{rank}").as_bytes())
+                        .expect("set");
+                    client
+                        .barrier("ready", 4, Duration::from_secs(5))
+                        .expect("barrier");
                     let peer = (rank + 1) % 4;
-                    let value = client.get(&format!("addr/{peer}"), Duration::from_secs(1)).expect("get");
+                    let value = client
+                        .get(&format!("addr/{peer}"), Duration::from_secs(1))
+                        .expect("get");
                     assert_eq!(value, format!("host:{peer}").as_bytes());
                     client.add("counter", 5).expect("add");
                     std::thread::sleep(Duration::from_millis(60));
@@ -308,7 +410,8 @@ mod tests {
         for handle in handles {
             handle.join().expect("rank thread");
         }
-        let mut client = StoreClient::connect(&address, &token, None, Duration::from_secs(5)).expect("connect");
+        let mut client =
+            StoreClient::connect(&address, &token, None, Duration::from_secs(5)).expect("connect");
         assert_eq!(client.add("counter", 0).expect("add"), 20);
         assert_eq!(server.heartbeat_ages().len(), 4);
     }
@@ -317,12 +420,28 @@ mod tests {
     fn wrong_token_is_refused_and_gets_time_out() {
         let server = StoreServer::start("127.0.0.1:0", "right").expect("server");
         let address = server.address().to_string();
-        let error = StoreClient::connect(&address, "wrong", Some(0), Duration::from_secs(2)).err().expect("refused");
-        assert!(format!("{error:#}").contains("refused") || format!("{error:#}").contains("closed"), "{error:#}");
-        let mut client = StoreClient::connect(&address, "right", Some(0), Duration::from_secs(2)).expect("connect");
-        let error = client.get("never", Duration::from_millis(100)).expect_err("timeout");
-        assert!(error.to_string().contains("timed out") && error.to_string().contains("`never`"), "{error}");
-        let error = client.barrier("alone", 2, Duration::from_millis(100)).expect_err("timeout");
-        assert!(format!("{error:#}").contains("1 of 2 processes arrived"), "{error:#}");
+        let error = StoreClient::connect(&address, "wrong", Some(0), Duration::from_secs(2))
+            .err()
+            .expect("refused");
+        assert!(
+            format!("{error:#}").contains("refused") || format!("{error:#}").contains("closed"),
+            "{error:#}"
+        );
+        let mut client = StoreClient::connect(&address, "right", Some(0), Duration::from_secs(2))
+            .expect("connect");
+        let error = client
+            .get("never", Duration::from_millis(100))
+            .expect_err("timeout");
+        assert!(
+            error.to_string().contains("timed out") && error.to_string().contains("`never`"),
+            "{error}"
+        );
+        let error = client
+            .barrier("alone", 2, Duration::from_millis(100))
+            .expect_err("timeout");
+        assert!(
+            format!("{error:#}").contains("1 of 2 processes arrived"),
+            "{error:#}"
+        );
     }
 }

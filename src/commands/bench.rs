@@ -116,10 +116,26 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     let mut children = Vec::new();
     for rank in 0..args.world {
         let child = Command::new(&exe)
-            .args(["bench", "allreduce-worker", "--store", &server.address().to_string()])
-            .args(["--rank", &rank.to_string(), "--world", &args.world.to_string(), "--max-bytes", &args.max_bytes.to_string()])
+            .args([
+                "bench",
+                "allreduce-worker",
+                "--store",
+                &server.address().to_string(),
+            ])
+            .args([
+                "--rank",
+                &rank.to_string(),
+                "--world",
+                &args.world.to_string(),
+                "--max-bytes",
+                &args.max_bytes.to_string(),
+            ])
             .env("INFER_RUN_TOKEN", &token)
-            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+            .stdout(if rank == 0 {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stderr(Stdio::inherit())
             .spawn()
             .context("failed to start a worker process")?;
@@ -128,7 +144,9 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     let mut outputs = Vec::new();
     let mut failed = None;
     for (rank, child) in children.into_iter().enumerate() {
-        let output = child.wait_with_output().context("failed to wait for a worker")?;
+        let output = child
+            .wait_with_output()
+            .context("failed to wait for a worker")?;
         if !output.status.success() && failed.is_none() {
             failed = Some(format!("worker rank {rank} exited with {}", output.status));
         }
@@ -137,11 +155,24 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     if let Some(message) = failed {
         anyhow::bail!(message);
     }
-    let report: AllreduceReport = serde_json::from_slice(&outputs[0].stdout).context("rank 0 printed no report")?;
+    let report: AllreduceReport =
+        serde_json::from_slice(&outputs[0].stdout).context("rank 0 printed no report")?;
     let n = args.world as f64;
     let mut table = format!(
         "# all-reduce (sum, float32) over TCP, {} processes on this host\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n",
-        args.world, "size", "count", "type", "time", "algbw", "busbw", "(B)", "(elements)", "", "(us)", "(GB/s)", "(GB/s)"
+        args.world,
+        "size",
+        "count",
+        "type",
+        "time",
+        "algbw",
+        "busbw",
+        "(B)",
+        "(elements)",
+        "",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)"
     );
     let mut busbw_16m = None;
     for row in &report.rows {
@@ -151,12 +182,25 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
         if row.bytes == 16 << 20 {
             busbw_16m = Some(busbw);
         }
-        table.push_str(&format!(" {:>11} {:>12} {:>6} {:>10.1} {:>8.3} {:>8.3}\n", row.bytes, row.bytes / 4, "float", row.time_secs * 1e6, algbw, busbw));
+        table.push_str(&format!(
+            " {:>11} {:>12} {:>6} {:>10.1} {:>8.3} {:>8.3}\n",
+            row.bytes,
+            row.bytes / 4,
+            "float",
+            row.time_secs * 1e6,
+            algbw,
+            busbw
+        ));
     }
     let stream = report.stream_bytes_per_sec / 1e9;
-    table.push_str(&format!("# one plain TCP stream between two processes: {stream:.3} GB/s\n"));
+    table.push_str(&format!(
+        "# one plain TCP stream between two processes: {stream:.3} GB/s\n"
+    ));
     if let Some(busbw) = busbw_16m {
-        table.push_str(&format!("# busbw at 16 MiB = {busbw:.3} GB/s = {:.0}% of the plain stream\n", 100.0 * busbw / stream));
+        table.push_str(&format!(
+            "# busbw at 16 MiB = {busbw:.3} GB/s = {:.0}% of the plain stream\n",
+            100.0 * busbw / stream
+        ));
     }
     printer.data(&table);
     Ok(ExitStatus::Success)
@@ -169,9 +213,17 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
     use crate::runtime::comm::{Comm, TcpComm};
     let token = std::env::var("INFER_RUN_TOKEN").context("`INFER_RUN_TOKEN` is not set")?;
     let timeout = Duration::from_secs(60);
-    let mut store = crate::rendezvous::StoreClient::connect(&args.store, &token, Some(args.rank), timeout)?;
+    let mut store =
+        crate::rendezvous::StoreClient::connect(&args.store, &token, Some(args.rank), timeout)?;
     let members: Vec<u64> = (0..args.world as u64).collect();
-    let mut comm = TcpComm::connect(&mut store, "bench", &members, args.rank, "127.0.0.1", timeout)?;
+    let mut comm = TcpComm::connect(
+        &mut store,
+        "bench",
+        &members,
+        args.rank,
+        "127.0.0.1",
+        timeout,
+    )?;
     let mut rows = Vec::new();
     let mut bytes = 8;
     while bytes <= args.max_bytes {
@@ -184,7 +236,10 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
         for _ in 0..iterations {
             comm.all_reduce_sum(&mut data)?;
         }
-        rows.push(AllreduceRow { bytes, time_secs: start.elapsed().as_secs_f64() / iterations as f64 });
+        rows.push(AllreduceRow {
+            bytes,
+            time_secs: start.elapsed().as_secs_f64() / iterations as f64,
+        });
         bytes *= 2;
     }
     // One plain TCP stream, rank 1 → rank 0, 256 MiB in 1 MiB writes.
@@ -192,7 +247,10 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
     let total: usize = 256 << 20;
     if args.rank == 0 {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-        store.set("bench/stream", listener.local_addr()?.to_string().as_bytes())?;
+        store.set(
+            "bench/stream",
+            listener.local_addr()?.to_string().as_bytes(),
+        )?;
         let (mut socket, _) = listener.accept()?;
         let mut buffer = vec![0u8; 1 << 20];
         let mut received = 0;
@@ -215,7 +273,10 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
     }
     comm.barrier()?;
     if args.rank == 0 {
-        printer.data(&serde_json::to_string(&AllreduceReport { rows, stream_bytes_per_sec })?);
+        printer.data(&serde_json::to_string(&AllreduceReport {
+            rows,
+            stream_bytes_per_sec,
+        })?);
     }
     Ok(ExitStatus::Success)
 }

@@ -55,26 +55,49 @@ impl TcpComm {
     /// Joins group `group` whose members are the global ranks `members` (this process is
     /// `my_rank`), exchanging endpoints through the store. `bind_host` is the address peers
     /// reach this process on. Errors: a peer that never shows up within `timeout` (named).
-    pub fn connect(store: &mut StoreClient, group: &str, members: &[u64], my_rank: u64, bind_host: &str, timeout: Duration) -> Result<TcpComm> {
+    pub fn connect(
+        store: &mut StoreClient,
+        group: &str,
+        members: &[u64],
+        my_rank: u64,
+        bind_host: &str,
+        timeout: Duration,
+    ) -> Result<TcpComm> {
         let size = members.len();
         let position = members
             .iter()
             .position(|&m| m == my_rank)
-            .with_context(|| format!("rank {my_rank} is not a member of group `{group}` {members:?}"))?;
+            .with_context(|| {
+                format!("rank {my_rank} is not a member of group `{group}` {members:?}")
+            })?;
         let mut readers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         let mut writers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         if size > 1 {
-            let listener = TcpListener::bind((bind_host, 0)).with_context(|| format!("group `{group}`: cannot listen on `{bind_host}`"))?;
+            let listener = TcpListener::bind((bind_host, 0))
+                .with_context(|| format!("group `{group}`: cannot listen on `{bind_host}`"))?;
             let address = listener.local_addr()?;
-            store.set(&format!("comm/{group}/{position}"), address.to_string().as_bytes())?;
+            store.set(
+                &format!("comm/{group}/{position}"),
+                address.to_string().as_bytes(),
+            )?;
             // Lower positions connect to higher ones; a connection is queued by the kernel
             // even before the peer accepts, so connecting first cannot deadlock.
             for peer in position + 1..size {
                 let peer_address = store
                     .get(&format!("comm/{group}/{peer}"), timeout)
-                    .with_context(|| format!("group `{group}`: rank {} never published its endpoint", members[peer]))?;
+                    .with_context(|| {
+                        format!(
+                            "group `{group}`: rank {} never published its endpoint",
+                            members[peer]
+                        )
+                    })?;
                 let peer_address = String::from_utf8(peer_address)?;
-                let mut stream = TcpStream::connect(&peer_address).with_context(|| format!("group `{group}`: cannot connect to rank {} at {peer_address}", members[peer]))?;
+                let mut stream = TcpStream::connect(&peer_address).with_context(|| {
+                    format!(
+                        "group `{group}`: cannot connect to rank {} at {peer_address}",
+                        members[peer]
+                    )
+                })?;
                 stream.write_all(&(position as u64).to_le_bytes())?;
                 let (reader, writer) = (stream.try_clone()?, stream);
                 readers[peer] = Some(reader);
@@ -82,7 +105,12 @@ impl TcpComm {
             }
             listener.set_nonblocking(false)?;
             for _ in 0..position {
-                let (mut stream, _) = accept_with_timeout(&listener, timeout).with_context(|| format!("group `{group}`: lower-ranked peers did not connect within {timeout:?}"))?;
+                let (mut stream, _) =
+                    accept_with_timeout(&listener, timeout).with_context(|| {
+                        format!(
+                            "group `{group}`: lower-ranked peers did not connect within {timeout:?}"
+                        )
+                    })?;
                 stream.set_read_timeout(Some(timeout))?;
                 let mut peer = [0u8; 8];
                 stream.read_exact(&mut peer)?;
@@ -100,7 +128,15 @@ impl TcpComm {
                 stream.set_write_timeout(Some(timeout))?;
             }
         }
-        Ok(TcpComm { group: group.to_string(), position, size, members: members.to_vec(), readers, writers, timeout })
+        Ok(TcpComm {
+            group: group.to_string(),
+            position,
+            size,
+            members: members.to_vec(),
+            readers,
+            writers,
+            timeout,
+        })
     }
 
     fn context(&self, operation: &str, verb: &str, peer: usize) -> String {
@@ -114,19 +150,29 @@ impl TcpComm {
         let context = self.context(operation, "sending to", peer);
         let timeout = self.timeout;
         let stream = self.writers[peer].as_mut().context("no connection")?;
-        write_frame(stream, bytes).map_err(|e| explain(e, timeout)).context(context)
+        write_frame(stream, bytes)
+            .map_err(|e| explain(e, timeout))
+            .context(context)
     }
 
     fn read_from(&mut self, operation: &str, peer: usize) -> Result<Vec<u8>> {
         let context = self.context(operation, "receiving from", peer);
         let timeout = self.timeout;
         let stream = self.readers[peer].as_mut().context("no connection")?;
-        read_frame(stream).map_err(|e| explain(e, timeout)).context(context)
+        read_frame(stream)
+            .map_err(|e| explain(e, timeout))
+            .context(context)
     }
 
     /// Sends `outgoing` to `to` while receiving from `from`, so neither side can block the
     /// other on full socket buffers.
-    fn exchange(&mut self, operation: &str, to: usize, outgoing: &[u8], from: usize) -> Result<Vec<u8>> {
+    fn exchange(
+        &mut self,
+        operation: &str,
+        to: usize,
+        outgoing: &[u8],
+        from: usize,
+    ) -> Result<Vec<u8>> {
         let send_context = self.context(operation, "sending to", to);
         let receive_context = self.context(operation, "receiving from", from);
         let timeout = self.timeout;
@@ -134,15 +180,73 @@ impl TcpComm {
         let reader = self.readers[from].as_mut().context("no connection")?;
         std::thread::scope(|scope| {
             let sender = scope.spawn(|| write_frame(writer, outgoing));
-            let received = read_frame(reader).map_err(|e| explain(e, timeout)).context(receive_context);
-            let sent = sender.join().map_err(|_| anyhow!("sender thread panicked"))?.map_err(|e| explain(e, timeout)).context(send_context);
+            let received = read_frame(reader)
+                .map_err(|e| explain(e, timeout))
+                .context(receive_context);
+            let sent = sender
+                .join()
+                .map_err(|_| anyhow!("sender thread panicked"))?
+                .map_err(|e| explain(e, timeout))
+                .context(send_context);
             sent?;
             received
         })
     }
 }
 
-fn accept_with_timeout(listener: &TcpListener, timeout: Duration) -> Result<(TcpStream, std::net::SocketAddr)> {
+impl TcpComm {
+    /// Like `exchange`, but receives straight into `incoming`, whose length must equal the
+    /// frame the peer sends (no allocation, no copy).
+    fn exchange_into(
+        &mut self,
+        operation: &str,
+        to: usize,
+        outgoing: &[u8],
+        from: usize,
+        incoming: &mut [u8],
+    ) -> Result<()> {
+        let send_context = self.context(operation, "sending to", to);
+        let receive_context = self.context(operation, "receiving from", from);
+        let timeout = self.timeout;
+        let writer = self.writers[to].as_mut().context("no connection")?;
+        let reader = self.readers[from].as_mut().context("no connection")?;
+        std::thread::scope(|scope| {
+            let sender = scope.spawn(|| write_frame(writer, outgoing));
+            let received = read_frame_into(reader, incoming)
+                .map_err(|e| explain(e, timeout))
+                .context(receive_context);
+            let sent = sender
+                .join()
+                .map_err(|_| anyhow!("sender thread panicked"))?
+                .map_err(|e| explain(e, timeout))
+                .context(send_context);
+            sent?;
+            received
+        })
+    }
+}
+
+/// Reads one frame into `buffer`; the frame must be exactly `buffer.len()` bytes.
+fn read_frame_into(stream: &mut TcpStream, buffer: &mut [u8]) -> std::io::Result<()> {
+    let mut length = [0u8; 8];
+    stream.read_exact(&mut length)?;
+    let length = u64::from_le_bytes(length) as usize;
+    if length != buffer.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "expected {} bytes, the peer sent {length} (members called the collective with different sizes?)",
+                buffer.len()
+            ),
+        ));
+    }
+    stream.read_exact(buffer)
+}
+
+fn accept_with_timeout(
+    listener: &TcpListener,
+    timeout: Duration,
+) -> Result<(TcpStream, std::net::SocketAddr)> {
     listener.set_nonblocking(true)?;
     let deadline = std::time::Instant::now() + timeout;
     loop {
@@ -151,7 +255,10 @@ fn accept_with_timeout(listener: &TcpListener, timeout: Duration) -> Result<(Tcp
                 stream.set_nonblocking(false)?;
                 return Ok((stream, address));
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && std::time::Instant::now() < deadline => {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    && std::time::Instant::now() < deadline =>
+            {
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => return Err(e.into()),
@@ -161,8 +268,12 @@ fn accept_with_timeout(listener: &TcpListener, timeout: Duration) -> Result<(Tcp
 
 fn explain(error: std::io::Error, timeout: Duration) -> anyhow::Error {
     match error.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => anyhow!("timed out after {timeout:?}"),
-        std::io::ErrorKind::UnexpectedEof => anyhow!("the peer closed the connection (it exited or failed)"),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            anyhow!("timed out after {timeout:?}")
+        }
+        std::io::ErrorKind::UnexpectedEof => {
+            anyhow!("the peer closed the connection (it exited or failed)")
+        }
         _ => anyhow!(error),
     }
 }
@@ -180,6 +291,28 @@ fn read_frame(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// `data[a]` to read and `data[b]` to write, for disjoint ranges (the ring's send and
+/// receive chunks are never the same when the group has more than one member).
+fn disjoint(
+    data: &mut [f32],
+    a: std::ops::Range<usize>,
+    b: std::ops::Range<usize>,
+) -> (&[f32], &mut [f32]) {
+    if a.is_empty() {
+        return (&[], &mut data[b]);
+    }
+    if b.is_empty() {
+        return (&data[a], &mut []);
+    }
+    if a.start < b.start {
+        let (left, right) = data.split_at_mut(b.start);
+        (&left[a], &mut right[..b.end - b.start])
+    } else {
+        let (left, right) = data.split_at_mut(a.start);
+        (&right[..a.end - a.start], &mut left[b])
+    }
+}
+
 /// Chunk `i` of `n` over `len` elements: `[i·len/n, (i+1)·len/n)`, sizes differing by ≤ 1.
 fn chunk(i: usize, n: usize, len: usize) -> std::ops::Range<usize> {
     i * len / n..(i + 1) * len / n
@@ -187,9 +320,15 @@ fn chunk(i: usize, n: usize, len: usize) -> std::ops::Range<usize> {
 
 fn as_f32(bytes: &[u8], expected: usize, what: &str) -> Result<Vec<f32>> {
     if bytes.len() != expected * 4 {
-        bail!("{what}: expected {expected} floats, got {} bytes (members called the collective with different sizes?)", bytes.len());
+        bail!(
+            "{what}: expected {expected} floats, got {} bytes (members called the collective with different sizes?)",
+            bytes.len()
+        );
     }
-    Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
 }
 
 impl Comm for TcpComm {
@@ -210,21 +349,33 @@ impl Comm for TcpComm {
             return Ok(());
         }
         let (right, left) = ((position + 1) % n, (position + n - 1) % n);
+        let mut scratch = vec![0f32; len.div_ceil(n)];
         for step in 0..n - 1 {
             let send = chunk((position + n - step) % n, n, len);
             let receive = chunk((position + 2 * n - step - 1) % n, n, len);
-            let bytes = self.exchange("all-reduce", right, bytemuck::cast_slice(&data[send]), left)?;
-            let incoming = as_f32(&bytes, receive.len(), "all-reduce")?;
-            for (value, add) in data[receive].iter_mut().zip(incoming) {
+            let incoming = &mut scratch[..receive.len()];
+            self.exchange_into(
+                "all-reduce",
+                right,
+                bytemuck::cast_slice(&data[send]),
+                left,
+                bytemuck::cast_slice_mut(incoming),
+            )?;
+            for (value, add) in data[receive].iter_mut().zip(incoming.iter()) {
                 *value += add;
             }
         }
         for step in 0..n - 1 {
             let send = chunk((position + 1 + n - step) % n, n, len);
             let receive = chunk((position + n - step) % n, n, len);
-            let bytes = self.exchange("all-reduce", right, bytemuck::cast_slice(&data[send]), left)?;
-            let incoming = as_f32(&bytes, receive.len(), "all-reduce")?;
-            data[receive].copy_from_slice(&incoming);
+            let (outgoing, incoming) = disjoint(data, send, receive);
+            self.exchange_into(
+                "all-reduce",
+                right,
+                bytemuck::cast_slice(outgoing),
+                left,
+                bytemuck::cast_slice_mut(incoming),
+            )?;
         }
         Ok(())
     }
@@ -232,14 +383,24 @@ impl Comm for TcpComm {
     fn all_gather(&mut self, send: &[f32], recv: &mut [f32]) -> Result<()> {
         let (n, position, m) = (self.size, self.position, send.len());
         if recv.len() != n * m {
-            bail!("all-gather in group `{}`: receive buffer holds {} floats, expected {}", self.group, recv.len(), n * m);
+            bail!(
+                "all-gather in group `{}`: receive buffer holds {} floats, expected {}",
+                self.group,
+                recv.len(),
+                n * m
+            );
         }
         recv[position * m..(position + 1) * m].copy_from_slice(send);
         let (right, left) = ((position + 1) % n, (position + n - 1) % n);
         for step in 0..n.saturating_sub(1) {
             let out = (position + n - step) % n;
             let into = (position + 2 * n - step - 1) % n;
-            let bytes = self.exchange("all-gather", right, bytemuck::cast_slice(&recv[out * m..(out + 1) * m]), left)?;
+            let bytes = self.exchange(
+                "all-gather",
+                right,
+                bytemuck::cast_slice(&recv[out * m..(out + 1) * m]),
+                left,
+            )?;
             let incoming = as_f32(&bytes, m, "all-gather")?;
             recv[into * m..(into + 1) * m].copy_from_slice(&incoming);
         }
@@ -269,7 +430,11 @@ impl Comm for TcpComm {
     fn all_to_all_v(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
         let (n, position) = (self.size, self.position);
         if send.len() != n {
-            bail!("all-to-all in group `{}`: {} send buffers for {n} members", self.group, send.len());
+            bail!(
+                "all-to-all in group `{}`: {} send buffers for {n} members",
+                self.group,
+                send.len()
+            );
         }
         let mut received: Vec<Vec<f32>> = vec![Vec::new(); n];
         received[position] = send[position].clone();
@@ -285,7 +450,12 @@ impl Comm for TcpComm {
         let mut token = [1f32];
         self.all_reduce_sum(&mut token)?;
         if token[0] as usize != self.size {
-            bail!("barrier in group `{}`: {} of {} members arrived", self.group, token[0], self.size);
+            bail!(
+                "barrier in group `{}`: {} of {} members arrived",
+                self.group,
+                token[0],
+                self.size
+            );
         }
         Ok(())
     }

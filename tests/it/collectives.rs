@@ -16,21 +16,37 @@ fn with_group<T: Send>(n: usize, body: impl Fn(&mut TcpComm) -> T + Sync) -> Vec
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..n as u64)
             .map(|rank| {
-                let (address, token, members, body) = (address.clone(), token.clone(), members.clone(), &body);
+                let (address, token, members, body) =
+                    (address.clone(), token.clone(), members.clone(), &body);
                 scope.spawn(move || {
-                    let mut store = StoreClient::connect(&address, &token, Some(rank), Duration::from_secs(10)).expect("store");
-                    let mut comm = TcpComm::connect(&mut store, "test", &members, rank, "127.0.0.1", Duration::from_secs(10)).expect("group");
+                    let mut store =
+                        StoreClient::connect(&address, &token, Some(rank), Duration::from_secs(10))
+                            .expect("store");
+                    let mut comm = TcpComm::connect(
+                        &mut store,
+                        "test",
+                        &members,
+                        rank,
+                        "127.0.0.1",
+                        Duration::from_secs(10),
+                    )
+                    .expect("group");
                     body(&mut comm)
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
     })
 }
 
 /// Integer-valued data so sums are exact whatever the order.
 fn data(rank: usize, len: usize) -> Vec<f32> {
-    (0..len).map(|i| ((rank * 7919 + i * 31) % 1001) as f32 - 500.0).collect()
+    (0..len)
+        .map(|i| ((rank * 7919 + i * 31) % 1001) as f32 - 500.0)
+        .collect()
 }
 
 #[test]
@@ -38,7 +54,9 @@ fn all_reduce_matches_the_serial_sum_for_sizes_1_to_6() {
     for n in 1..=6 {
         for len in [0, 1, 5, 7, 1000, 65_539] {
             let per_rank: Vec<Vec<f32>> = (0..n).map(|r| data(r, len)).collect();
-            let expected: Vec<f32> = (0..len).map(|i| per_rank.iter().map(|d| d[i]).sum()).collect();
+            let expected: Vec<f32> = (0..len)
+                .map(|i| per_rank.iter().map(|d| d[i]).sum())
+                .collect();
             let results = with_group(n, |comm| {
                 let mut values = data(comm.rank(), len);
                 comm.all_reduce_sum(&mut values).expect("all-reduce");
@@ -55,7 +73,9 @@ fn all_reduce_matches_the_serial_sum_for_sizes_1_to_6() {
 fn all_reduce_gives_bitwise_identical_results_on_every_rank() {
     // Non-integer values: the sum order matters, but every rank must end with the same bits.
     let results = with_group(5, |comm| {
-        let mut values: Vec<f32> = (0..4097).map(|i| ((i * (comm.rank() + 3)) as f32).sin() / 3.0).collect();
+        let mut values: Vec<f32> = (0..4097)
+            .map(|i| ((i * (comm.rank() + 3)) as f32).sin() / 3.0)
+            .collect();
         comm.all_reduce_sum(&mut values).expect("all-reduce");
         values.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
     });
@@ -70,10 +90,16 @@ fn all_gather_broadcast_send_recv_all_to_all_and_barrier() {
             let mine = data(rank, 3);
             let mut gathered = vec![0f32; 3 * size];
             comm.all_gather(&mine, &mut gathered).expect("all-gather");
-            let mut message = if rank == size - 1 { format!("step from {rank}").into_bytes() } else { Vec::new() };
+            let mut message = if rank == size - 1 {
+                format!("step from {rank}").into_bytes()
+            } else {
+                Vec::new()
+            };
             comm.broadcast(&mut message, size - 1).expect("broadcast");
             // Uneven all-to-all: rank r sends r + j + 1 values to member j.
-            let outgoing: Vec<Vec<f32>> = (0..size).map(|j| vec![(rank * 10 + j) as f32; rank + j + 1]).collect();
+            let outgoing: Vec<Vec<f32>> = (0..size)
+                .map(|j| vec![(rank * 10 + j) as f32; rank + j + 1])
+                .collect();
             let incoming = comm.all_to_all_v(&outgoing).expect("all-to-all");
             // A pipeline: each rank passes a token to the next.
             let mut token = Vec::new();
@@ -95,7 +121,11 @@ fn all_gather_broadcast_send_recv_all_to_all_and_barrier() {
             assert_eq!(gathered, &expected_gather, "n={n} rank={rank}");
             assert_eq!(message, format!("step from {}", n - 1).as_bytes());
             for (sender, values) in incoming.iter().enumerate() {
-                assert_eq!(values, &vec![(sender * 10 + rank) as f32; sender + rank + 1], "n={n} {sender}→{rank}");
+                assert_eq!(
+                    values,
+                    &vec![(sender * 10 + rank) as f32; sender + rank + 1],
+                    "n={n} {sender}→{rank}"
+                );
             }
             assert_eq!(token, &(0..rank as u8).collect::<Vec<u8>>());
         }
@@ -110,11 +140,17 @@ fn a_vanished_peer_is_named_in_the_error() {
         }
         std::thread::sleep(Duration::from_millis(100));
         let mut values = vec![1f32; 10];
-        Some(comm.all_reduce_sum(&mut values).map_err(|e| format!("{e:#}")))
+        Some(
+            comm.all_reduce_sum(&mut values)
+                .map_err(|e| format!("{e:#}")),
+        )
     });
     // Rank 1 returned and dropped its sockets; the others fail naming a peer and the group.
     for result in results.into_iter().flatten() {
         let error = result.expect_err("the group lost a member");
-        assert!(error.contains("group `test`") && error.contains("rank 1"), "{error}");
+        assert!(
+            error.contains("group `test`") && error.contains("rank 1"),
+            "{error}"
+        );
     }
 }
