@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail};
 use half::f16;
 use rayon::prelude::*;
 
+use super::comm::Comm;
 use super::gguf::{GgufFile, Value};
 use super::mathfn::{silu, softmax};
 use super::quant::{dot_f16_f32, weighted_sum_f16};
@@ -118,6 +119,29 @@ pub struct Llama {
     theta_scale: f32,
     /// Whether `inv_freqs` carries per-pair factors (then angles are not a geometric series).
     has_freq_factors: bool,
+    /// Which part of the model this is (the whole model unless [`Llama::shard`] made it).
+    pub shard: ShardInfo,
+}
+
+/// The part of a model one rank holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardInfo {
+    /// Tensor-parallel position and degree.
+    pub tp_rank: usize,
+    pub tp: usize,
+    /// First decoder layer held (global index); `layers.len()` layers are held.
+    pub first_layer: usize,
+    /// Whether this shard embeds tokens (first pipeline stage) and computes logits (last).
+    pub is_first: bool,
+    pub is_last: bool,
+}
+
+/// What a pipeline stage produces.
+pub enum StageOutput {
+    /// Hidden states `(n_tokens, hidden_size)` of every new token, for the next stage.
+    Hidden(Vec<f32>),
+    /// Logits per sequence (see [`Llama::forward`]).
+    Logits(Vec<Vec<f32>>),
 }
 
 /// KV cache of one sequence: per layer, `(n_positions, n_kv_heads · head_dim)` keys and
@@ -294,7 +318,6 @@ impl Llama {
         let inv_freqs = config.inv_freqs(freq_factors);
         let theta_scale = config.rope_theta.powf(-2.0 / config.head_dim as f32);
         Llama {
-            config,
             token_embedding,
             layers,
             output_norm,
@@ -302,12 +325,145 @@ impl Llama {
             inv_freqs,
             theta_scale,
             has_freq_factors: freq_factors.is_some(),
+            shard: ShardInfo {
+                tp_rank: 0,
+                tp: 1,
+                first_layer: 0,
+                is_first: true,
+                is_last: true,
+            },
+            config,
         }
+    }
+
+    /// The shard a rank holds: layers `first_layer..first_layer + n_layers` and, with
+    /// tensor parallelism, this rank's heads and MLP columns (Megatron-LM): Q/K/V and
+    /// gate/up split by output rows, the output and down projections by input columns (then
+    /// summed across the TP group); KV heads replicated when `tp` exceeds their number. The
+    /// first stage keeps the embedding, the last the final norm and LM head.
+    ///
+    /// Errors: heads or KV heads that do not divide by `tp`, layers out of range, or a split
+    /// that does not fall on quantization-block boundaries (named).
+    pub fn shard(
+        &self,
+        tp_rank: usize,
+        tp: usize,
+        first_layer: usize,
+        n_layers: usize,
+    ) -> Result<Llama> {
+        let c = &self.config;
+        if tp == 0
+            || tp_rank >= tp
+            || c.n_heads % tp != 0
+            || (c.n_kv_heads % tp != 0 && tp % c.n_kv_heads != 0)
+        {
+            bail!(
+                "tp={tp} does not divide {} heads / {} KV heads",
+                c.n_heads,
+                c.n_kv_heads
+            );
+        }
+        if c.intermediate_size % tp != 0 {
+            bail!(
+                "tp={tp} does not divide the MLP width {}",
+                c.intermediate_size
+            );
+        }
+        if first_layer + n_layers > self.layers.len() || n_layers == 0 {
+            bail!(
+                "layers {first_layer}..{} are outside the model's {}",
+                first_layer + n_layers,
+                self.layers.len()
+            );
+        }
+        let hd = c.head_dim;
+        let heads = c.n_heads / tp;
+        let (kv_first, kv_heads) = if c.n_kv_heads >= tp {
+            (tp_rank * c.n_kv_heads / tp, c.n_kv_heads / tp)
+        } else {
+            // Replicated: the one KV head this rank's query heads read.
+            (tp_rank * heads / (c.n_heads / c.n_kv_heads), 1)
+        };
+        let width = c.intermediate_size / tp;
+        let slice = |v: &Option<Vec<f32>>, first: usize, n: usize| {
+            v.as_ref().map(|v| v[first..first + n].to_vec())
+        };
+        let mut layers = Vec::with_capacity(n_layers);
+        for (index, layer) in self.layers[first_layer..first_layer + n_layers]
+            .iter()
+            .enumerate()
+        {
+            let context = || {
+                format!(
+                    "sharding layer {} for tp rank {tp_rank} of {tp}",
+                    first_layer + index
+                )
+            };
+            layers.push(Layer {
+                attn_norm: layer.attn_norm.clone(),
+                wq: layer
+                    .wq
+                    .rows(tp_rank * heads * hd, heads * hd)
+                    .with_context(context)?,
+                wk: layer
+                    .wk
+                    .rows(kv_first * hd, kv_heads * hd)
+                    .with_context(context)?,
+                wv: layer
+                    .wv
+                    .rows(kv_first * hd, kv_heads * hd)
+                    .with_context(context)?,
+                wo: layer
+                    .wo
+                    .cols(tp_rank * heads * hd, heads * hd)
+                    .with_context(context)?,
+                bias_q: slice(&layer.bias_q, tp_rank * heads * hd, heads * hd),
+                bias_k: slice(&layer.bias_k, kv_first * hd, kv_heads * hd),
+                bias_v: slice(&layer.bias_v, kv_first * hd, kv_heads * hd),
+                q_norm: layer.q_norm.clone(),
+                k_norm: layer.k_norm.clone(),
+                ffn_norm: layer.ffn_norm.clone(),
+                w_gate: layer
+                    .w_gate
+                    .rows(tp_rank * width, width)
+                    .with_context(context)?,
+                w_up: layer
+                    .w_up
+                    .rows(tp_rank * width, width)
+                    .with_context(context)?,
+                w_down: layer
+                    .w_down
+                    .cols(tp_rank * width, width)
+                    .with_context(context)?,
+            });
+        }
+        let mut config = c.clone();
+        config.n_heads = heads;
+        config.n_kv_heads = kv_heads;
+        config.intermediate_size = width;
+        config.n_layers = n_layers;
+        Ok(Llama {
+            config,
+            token_embedding: self.token_embedding.clone(),
+            layers,
+            output_norm: self.output_norm.clone(),
+            output: self.output.clone(),
+            inv_freqs: self.inv_freqs.clone(),
+            theta_scale: self.theta_scale,
+            has_freq_factors: self.has_freq_factors,
+            shard: ShardInfo {
+                tp_rank,
+                tp,
+                first_layer,
+                is_first: first_layer == 0,
+                is_last: first_layer + n_layers == self.layers.len(),
+            },
+        })
     }
 
     /// A fresh cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(self.config.n_layers)
+        KvCache::new(self.layers.len())
     }
 
     /// Runs the new tokens of every sequence through the model, appending their keys and
@@ -317,6 +473,28 @@ impl Llama {
     /// Errors: an empty sequence, a token id outside the vocabulary, or a sequence that
     /// would exceed `max_context_tokens`.
     pub fn forward(&self, batch: &mut [SequenceInput<'_>]) -> Result<Vec<Vec<f32>>> {
+        match self.forward_stage(None, batch, None)? {
+            StageOutput::Logits(logits) => Ok(logits),
+            StageOutput::Hidden(_) => {
+                bail!("this shard is not the last pipeline stage; use `forward_stage`")
+            }
+        }
+    }
+
+    /// One pipeline stage of [`Llama::forward`] on this shard: the first stage embeds the
+    /// batch's tokens, later ones take `hidden_in` (`(n_tokens, hidden_size)` from the
+    /// previous stage); with `tp`, the output and down projections are summed across the TP
+    /// group (every member of which must call this with the same batch). The last stage
+    /// returns logits, others hidden states.
+    ///
+    /// Errors: those of [`Llama::forward`], a missing or mis-sized `hidden_in`, a failed
+    /// collective.
+    pub fn forward_stage(
+        &self,
+        hidden_in: Option<&[f32]>,
+        batch: &mut [SequenceInput<'_>],
+        mut tp: Option<&mut dyn Comm>,
+    ) -> Result<StageOutput> {
         let c = &self.config;
         let (hidden, head_dim) = (c.hidden_size, c.head_dim);
         let (q_dim, kv_dim) = (c.n_heads * head_dim, c.n_kv_heads * head_dim);
@@ -340,7 +518,23 @@ impl Llama {
             .collect();
         let n = tokens.len();
         let mut x = vec![0f32; n * hidden];
-        for (row, &token) in x.chunks_exact_mut(hidden).zip(&tokens) {
+        if !self.shard.is_first {
+            let input = hidden_in
+                .context("a later pipeline stage needs the previous stage's hidden states")?;
+            if input.len() != x.len() {
+                bail!(
+                    "stage input has {} values, expected {} tokens × {hidden}",
+                    input.len(),
+                    n
+                );
+            }
+            x.copy_from_slice(input);
+        }
+        for (row, &token) in x
+            .chunks_exact_mut(hidden)
+            .zip(&tokens)
+            .filter(|_| self.shard.is_first)
+        {
             if token as usize >= c.vocab_size {
                 bail!(
                     "token id {token} is outside the vocabulary of {}",
@@ -402,6 +596,9 @@ impl Llama {
                 offset += count;
             }
             layer.wo.matmul(&attention, n, &mut projected);
+            if let Some(comm) = tp.as_deref_mut() {
+                comm.all_reduce_sum(&mut projected)?;
+            }
             for (a, b) in x.iter_mut().zip(&projected) {
                 *a += b;
             }
@@ -412,6 +609,9 @@ impl Llama {
                 *g = silu(*g) * u;
             }
             layer.w_down.matmul(&gate, n, &mut projected);
+            if let Some(comm) = tp.as_deref_mut() {
+                comm.all_reduce_sum(&mut projected)?;
+            }
             for (a, b) in x.iter_mut().zip(&projected) {
                 *a += b;
             }
@@ -420,6 +620,9 @@ impl Llama {
             sequence.cache.n_tokens += sequence.tokens.len();
         }
 
+        if !self.shard.is_last {
+            return Ok(StageOutput::Hidden(x));
+        }
         // Logits for the requested rows only: the LM head is the largest matrix.
         let mut rows = Vec::new();
         let mut offset = 0;
@@ -445,10 +648,12 @@ impl Llama {
         );
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
         self.output.matmul(&final_normed, rows.len(), &mut logits);
-        Ok(logits
-            .chunks_exact(c.vocab_size)
-            .map(<[f32]>::to_vec)
-            .collect())
+        Ok(StageOutput::Logits(
+            logits
+                .chunks_exact(c.vocab_size)
+                .map(<[f32]>::to_vec)
+                .collect(),
+        ))
     }
 
     /// Rotates every head of `x` (`(n_heads_in_x, head_dim)`) for `position`. Angles are

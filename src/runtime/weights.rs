@@ -141,6 +141,30 @@ impl Weight {
         )
     }
 
+    /// Columns `first..first + n` of every row as a new matrix (row-parallel sharding: a
+    /// slice of each row's inputs). Errors: a slice that does not start and end on a
+    /// quantization-block boundary.
+    pub fn cols(&self, first: usize, n: usize) -> Result<Weight> {
+        let (block_elements, block_bytes) = self.ty.block();
+        if first % block_elements != 0 || n % block_elements != 0 || first + n > self.n_cols {
+            bail!(
+                "cannot shard a {:?} matrix of {} columns at {first}..{}: shards must align to {block_elements}-element blocks",
+                self.ty,
+                self.n_cols,
+                first + n
+            );
+        }
+        let (start, len) = (
+            first / block_elements * block_bytes,
+            n / block_elements * block_bytes,
+        );
+        let mut bytes = Vec::with_capacity(len * self.n_rows);
+        for r in 0..self.n_rows {
+            bytes.extend_from_slice(&self.row(r)[start..start + len]);
+        }
+        Weight::from_bytes(self.ty, self.n_rows, n, bytes)
+    }
+
     /// `out = x · Wᵀ`.
     /// * `x`: `(n_tokens, n_cols)` row-major; `out`: `(n_tokens, n_rows)` row-major.
     ///

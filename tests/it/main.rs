@@ -9,6 +9,7 @@ mod fake_sysfs;
 mod kernels;
 mod model;
 mod plan;
+mod sharding;
 mod synthetic;
 mod topo;
 
