@@ -135,7 +135,6 @@ fn tp_and_pp_shards_reproduce_the_whole_model() {
             .map(|(a, b)| (a - b).abs())
             .sum::<f32>()
             / logits.len() as f32;
-        eprintln!("tp={tp} pp={pp}: logits differ by mean {mean:.4}, worst {worst:.4}");
         if tp == 1 {
             // Pipeline stages run the very same operations: bit-identical logits.
             assert_eq!(worst, 0.0, "tp={tp} pp={pp}");
@@ -155,12 +154,8 @@ fn misaligned_shards_are_refused() {
     let model = smollm2();
     let error = model
         .shard(0, 2, 0, 30)
-        .err()
-        .expect("9 heads do not split in 2");
+        .expect_err("9 heads do not split in 2");
     assert!(error.to_string().contains("tp=2"), "{error}");
-    let error = model
-        .shard(0, 1, 25, 10)
-        .err()
-        .expect("layers out of range");
+    let error = model.shard(0, 1, 25, 10).expect_err("layers out of range");
     assert!(error.to_string().contains("outside"), "{error}");
 }
