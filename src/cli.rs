@@ -30,6 +30,10 @@ pub enum Command {
     /// Measurements that print figures (decode tokens/s, …).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Internal: one rank process, configured by its environment (`RANK`, `WORLD_SIZE`,
+    /// `MASTER_ADDR`, `MASTER_PORT`, `INFER_*`).
+    #[command(hide = true)]
+    Rank,
 }
 
 /// `infer generate`.
@@ -72,9 +76,17 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "S")]
     pub stop: Vec<String>,
 
-    /// Worker threads (0: one per core).
+    /// Worker threads (0: one per core; with several ranks, divided among them).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub threads: usize,
+
+    /// Tensor-parallel degree: this many `infer rank` processes share each layer.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub tp: usize,
+
+    /// Pipeline-parallel degree: the layers are split over this many stages of processes.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub pp: usize,
 
     /// Print JSON (prompt and generated token ids, text, timings) instead of streaming text.
     #[arg(long)]

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod cluster;
 pub mod commands;
 pub mod doctor;
+pub mod launch;
 pub mod model;
 pub mod plan;
 pub mod rendezvous;
@@ -32,5 +33,6 @@ pub fn run(cli: cli::Cli, printer: &ui::Printer) -> anyhow::Result<ExitStatus> {
         cli::Command::Doctor(args) => commands::doctor::run(&args, printer),
         cli::Command::Generate(args) => commands::generate::run(&args, printer),
         cli::Command::Bench(command) => commands::bench::run(&command, printer),
+        cli::Command::Rank => commands::rank::run(),
     }
 }

@@ -31,7 +31,13 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
             args.temperature
         );
     }
+    if args.tp == 0 || args.pp == 0 {
+        bail!("--tp and --pp must be at least 1");
+    }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
+    if args.tp * args.pp > 1 {
+        return distributed(args, &path, printer);
+    }
     let engine = Engine::load(&path, args.threads)?;
     let prompt = if args.chat {
         engine.chat_prompt(&[ChatMessage {
@@ -73,6 +79,85 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
             generation.tokens.len(),
             t.decode_tokens_per_sec,
             engine.threads()
+        ));
+    }
+    Ok(ExitStatus::Success)
+}
+
+/// `--tp/--pp` > 1: the same generation on `tp × pp` real rank processes.
+fn distributed(
+    args: &GenerateArgs,
+    path: &std::path::Path,
+    printer: &Printer,
+) -> Result<ExitStatus> {
+    use crate::runtime::gguf::Header;
+    use crate::runtime::tokenizer::Tokenizer;
+    if path.is_dir() {
+        bail!(
+            "--tp/--pp run GGUF models for now; `{}` is a directory",
+            path.display()
+        );
+    }
+    let header = Header::read_file(path)?;
+    let tokenizer = Tokenizer::from_gguf(&header)?;
+    let prompt = if args.chat {
+        let template = tokenizer
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| anyhow::anyhow!("the model has no chat template"))?;
+        let token = |id: Option<u32>| id.and_then(|i| tokenizer.token(i)).unwrap_or_default();
+        crate::runtime::chat::render(
+            template,
+            &[ChatMessage {
+                role: "user".into(),
+                content: args.prompt.clone(),
+            }],
+            true,
+            &token(tokenizer.bos_id),
+            &token(tokenizer.eos_ids.first().copied()),
+        )?
+    } else {
+        args.prompt.clone()
+    };
+    let job = crate::runtime::worker::Job {
+        prompt_tokens: tokenizer.encode(&prompt, true)?,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        stop: args.stop.clone(),
+    };
+    let world = args.tp * args.pp;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads_per_rank = if args.threads > 0 {
+        args.threads
+    } else {
+        (cores / world).max(1)
+    };
+    let spec = crate::launch::LaunchSpec {
+        tp: args.tp,
+        pp: args.pp,
+        model: path.to_path_buf(),
+        threads_per_rank,
+        timeout: std::time::Duration::from_secs(60),
+    };
+    let generation = crate::launch::run_generation(&spec, &job, &mut |line| printer.note(line))?;
+    if args.json {
+        printer.json(&Output {
+            model: &path.display().to_string(),
+            prompt: &prompt,
+            generation: &generation,
+        })?;
+    } else {
+        printer.data(&generation.text);
+        printer.note(&format!(
+            "{} prompt tokens, {} generated at {:.1} tok/s on {world} ranks (tp {} × pp {})",
+            generation.prompt_tokens.len(),
+            generation.tokens.len(),
+            generation.timings.decode_tokens_per_sec,
+            args.tp,
+            args.pp
         ));
     }
     Ok(ExitStatus::Success)

@@ -5,4 +5,5 @@ pub mod bench;
 pub mod doctor;
 pub mod generate;
 pub mod plan;
+pub mod rank;
 pub mod topo;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::chat::{ChatMessage, render};
 use super::gguf::GgufFile;
@@ -15,7 +15,7 @@ use super::sampling::{Sampler, SamplingParams};
 use super::tokenizer::Tokenizer;
 
 /// Why generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// An end-of-sequence token or a stop string.
@@ -25,7 +25,7 @@ pub enum FinishReason {
 }
 
 /// The result of one generation, with timings. `infer generate --json` output.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Generation {
     pub prompt_tokens: Vec<u32>,
     /// Generated token ids (the stop token excluded).
@@ -36,7 +36,7 @@ pub struct Generation {
 }
 
 /// Wall-clock timings of a generation.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Timings {
     /// Time to process the prompt and produce the first token (TTFT), seconds.
     pub prefill_secs: f64,

@@ -15,3 +15,4 @@ pub mod safetensors;
 pub mod sampling;
 pub mod tokenizer;
 pub mod weights;
+pub mod worker;

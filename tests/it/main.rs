@@ -3,6 +3,7 @@
 //! `../shared/fixtures/`, fake sysfs trees built in temp dirs, this machine.
 
 mod collectives;
+mod distributed;
 mod doctor;
 mod engine;
 mod fake_sysfs;

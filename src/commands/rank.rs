@@ -1,0 +1,39 @@
+//! `infer rank` (hidden): one rank process. Reads its configuration from the environment the
+//! launcher set and runs [`crate::runtime::worker::run_rank`].
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use crate::ExitStatus;
+use crate::runtime::worker::{RankConfig, run_rank};
+
+fn var(name: &str) -> Result<String> {
+    std::env::var(name).with_context(|| {
+        format!("`{name}` is not set: `infer rank` is started by `infer generate`/`infer up`")
+    })
+}
+
+fn number<T: std::str::FromStr>(name: &str) -> Result<T> {
+    var(name)?
+        .parse()
+        .ok()
+        .with_context(|| format!("`{name}` is not a number"))
+}
+
+/// Runs the rank described by the environment.
+pub fn run() -> Result<ExitStatus> {
+    let config = RankConfig {
+        rank: number("RANK")?,
+        world_size: number("WORLD_SIZE")?,
+        tp: number("INFER_TP")?,
+        pp: number("INFER_PP")?,
+        store_address: format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
+        token: var("INFER_RUN_TOKEN")?,
+        model: var("INFER_MODEL")?.into(),
+        threads: number("INFER_THREADS")?,
+        timeout: Duration::from_secs(number("INFER_TIMEOUT_SECS")?),
+    };
+    run_rank(&config).with_context(|| format!("rank {} failed", config.rank))?;
+    Ok(ExitStatus::Success)
+}

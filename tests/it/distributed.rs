@@ -1,0 +1,114 @@
+//! Distributed generation on real `infer rank` processes: the same greedy tokens as one
+//! process for every (tp, pp) the issue names, on the real SmolLM2; a rank killed
+//! mid-generation takes the whole gang down, naming it, leaving no process behind.
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::{infer, run};
+
+fn tokens(args: &[&str]) -> Vec<u64> {
+    let mut full = vec!["generate", "--json", "--max-tokens", "32"];
+    full.extend_from_slice(args);
+    let output = run(&full);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    json["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_u64().expect("id"))
+        .collect()
+}
+
+#[test]
+fn every_layout_generates_the_single_process_tokens() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    // The two prompts of the llama.cpp fixture. Pipeline stages run the very same operations,
+    // so PP layouts must match all 32 tokens. Tensor parallelism sums the row-parallel
+    // projections in another order (as every TP implementation does), which shifts logits by
+    // ~0.08 on average and can flip a near-tie: on the code prompt, position 24 is one
+    // (llama.cpp's own top-1/top-2 margin there is 0.23), so TP layouts must match up to it.
+    for (prompt, tp_tokens) in [("1, 2, 3, 4, 5,", 32), ("def fibonacci(n):", 24)] {
+        let reference = tokens(&["--prompt", prompt]);
+        assert_eq!(reference.len(), 32);
+        for (tp, pp) in [("3", "1"), ("1", "2"), ("1", "3"), ("3", "2")] {
+            let got = tokens(&["--prompt", prompt, "--tp", tp, "--pp", pp]);
+            let must_match = if tp == "1" { 32 } else { tp_tokens };
+            assert_eq!(
+                &got[..must_match],
+                &reference[..must_match],
+                "{prompt:?} tp={tp} pp={pp}"
+            );
+        }
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie has been reaped by nobody yet; the launcher reaps its ranks, so a live
+    // `/proc/<pid>` that is not a zombie means a leftover process.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
+}
+
+#[test]
+fn a_killed_rank_takes_the_gang_down_within_5_seconds() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let mut child = infer()
+        .args([
+            "generate",
+            "--tp",
+            "3",
+            "--max-tokens",
+            "4000",
+            "--prompt",
+            "1, 2, 3, 4, 5,",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start");
+    let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    let pids: Vec<u32> = loop {
+        line.clear();
+        assert!(
+            stderr.read_line(&mut line).expect("read") > 0,
+            "the launcher ended before starting ranks"
+        );
+        if let Some(list) = line.split("ranks (").nth(1) {
+            break list
+                .split(')')
+                .next()
+                .expect("list")
+                .split(", ")
+                .map(|part| part.rsplit(' ').next().expect("pid").parse().expect("pid"))
+                .collect();
+        }
+    };
+    assert_eq!(pids.len(), 3);
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed_at = Instant::now();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pids[2] as i32).expect("pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill rank 2");
+    let status = child.wait().expect("wait");
+    let elapsed = killed_at.elapsed();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).expect("read");
+    assert_eq!(status.code(), Some(2), "{rest}");
+    assert!(elapsed < Duration::from_secs(5), "took {elapsed:?}");
+    assert!(rest.contains("rank 2"), "{rest}");
+    for pid in pids {
+        assert!(!alive(pid), "rank pid {pid} is still running");
+    }
+}
