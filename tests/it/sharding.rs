@@ -159,3 +159,37 @@ fn misaligned_shards_are_refused() {
     let error = model.shard(0, 1, 25, 10).expect_err("layers out of range");
     assert!(error.to_string().contains("outside"), "{error}");
 }
+
+#[test]
+fn synthetic_dense_model_agrees_at_tp_1_2_4() {
+    use crate::synthetic::{Shape, weights, write_gguf};
+    // 8 heads and 2 KV heads: TP 4 replicates each KV head on two ranks.
+    let shape = Shape {
+        hidden: 64,
+        intermediate: 96,
+        n_layers: 2,
+        n_heads: 8,
+        n_kv_heads: 2,
+        vocab: 80,
+        qkv_bias: false,
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("dense.gguf");
+    write_gguf(&path, &shape, &weights(&shape, 21));
+    let model = Llama::open_gguf(&path).expect("loads");
+    let prompt = [3u32, 14, 15, 9, 26, 5];
+    let (reference, reference_logits) = greedy(&model, 1, 1, &prompt, 8);
+    for tp in [2, 4] {
+        for pp in [1, 2] {
+            let (tokens, logits) = greedy(&model, tp, pp, &prompt, 8);
+            assert_eq!(tokens, reference, "tp={tp} pp={pp}");
+            // f32 weights: no activation quantization, so only summation order differs.
+            let worst = logits
+                .iter()
+                .zip(&reference_logits)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-3, "tp={tp} pp={pp}: logits differ by {worst}");
+        }
+    }
+}
