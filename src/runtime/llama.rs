@@ -53,6 +53,9 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<Llama3Scaling>,
     /// Longest context the model supports, tokens.
     pub max_context_tokens: usize,
+    /// Routed experts per MoE layer (0: dense model) and experts used per token.
+    pub n_experts: usize,
+    pub n_experts_used: usize,
 }
 
 impl LlamaConfig {
@@ -103,6 +106,27 @@ pub struct Layer {
     pub w_gate: Weight,
     pub w_up: Weight,
     pub w_down: Weight,
+    /// The MoE block replacing the dense MLP (then `w_gate`/`w_up`/`w_down` are empty).
+    pub moe: Option<MoeFfn>,
+}
+
+/// A Mixtral-style MoE block: a router picks `top_k` experts per token, their SwiGLU
+/// outputs are summed with softmax weights over the selected router logits. With expert
+/// parallelism a rank holds only `experts[first..first + n]`; the others are `None`.
+#[derive(Clone, Debug)]
+pub struct MoeFfn {
+    /// Router `(n_experts, hidden)`.
+    pub router: Weight,
+    pub experts: Vec<Option<Expert>>,
+    pub top_k: usize,
+}
+
+/// One expert's SwiGLU MLP.
+#[derive(Clone, Debug)]
+pub struct Expert {
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
 }
 
 /// A whole model (or, later, one rank's shard of it).
@@ -235,6 +259,8 @@ impl Llama {
             },
             rope_scaling: None,
             max_context_tokens: int("context_length").unwrap_or(4096),
+            n_experts: int("expert_count").unwrap_or(0),
+            n_experts_used: int("expert_used_count").unwrap_or(0),
         };
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Weight> {
             let weight = Weight::from_gguf(file, name)?;
@@ -262,6 +288,8 @@ impl Llama {
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let name = |suffix: &str| format!("blk.{i}.{suffix}");
+            let moe = file.has_tensor(&name("ffn_gate_inp.weight"));
+            let empty = Weight::from_f32(0, c.hidden_size, &[])?;
             layers.push(Layer {
                 attn_norm: vector(&name("attn_norm.weight"), c.hidden_size)?,
                 wq: matrix(&name("attn_q.weight"), q_dim, c.hidden_size)?,
@@ -274,9 +302,26 @@ impl Llama {
                 q_norm: optional(&name("attn_q_norm.weight"), c.head_dim)?,
                 k_norm: optional(&name("attn_k_norm.weight"), c.head_dim)?,
                 ffn_norm: vector(&name("ffn_norm.weight"), c.hidden_size)?,
-                w_gate: matrix(&name("ffn_gate.weight"), c.intermediate_size, c.hidden_size)?,
-                w_up: matrix(&name("ffn_up.weight"), c.intermediate_size, c.hidden_size)?,
-                w_down: matrix(&name("ffn_down.weight"), c.hidden_size, c.intermediate_size)?,
+                w_gate: if moe {
+                    empty.clone()
+                } else {
+                    matrix(&name("ffn_gate.weight"), c.intermediate_size, c.hidden_size)?
+                },
+                w_up: if moe {
+                    empty.clone()
+                } else {
+                    matrix(&name("ffn_up.weight"), c.intermediate_size, c.hidden_size)?
+                },
+                w_down: if moe {
+                    empty.clone()
+                } else {
+                    matrix(&name("ffn_down.weight"), c.hidden_size, c.intermediate_size)?
+                },
+                moe: if moe {
+                    Some(super::moe::load_gguf(file, i, c)?)
+                } else {
+                    None
+                },
             });
         }
         let output = if file.has_tensor("output.weight") {
@@ -423,18 +468,32 @@ impl Llama {
                 q_norm: layer.q_norm.clone(),
                 k_norm: layer.k_norm.clone(),
                 ffn_norm: layer.ffn_norm.clone(),
-                w_gate: layer
-                    .w_gate
-                    .rows(tp_rank * width, width)
-                    .with_context(context)?,
-                w_up: layer
-                    .w_up
-                    .rows(tp_rank * width, width)
-                    .with_context(context)?,
-                w_down: layer
-                    .w_down
-                    .cols(tp_rank * width, width)
-                    .with_context(context)?,
+                // MoE layers keep whole experts (expert parallelism splits them instead).
+                w_gate: if layer.moe.is_some() {
+                    layer.w_gate.clone()
+                } else {
+                    layer
+                        .w_gate
+                        .rows(tp_rank * width, width)
+                        .with_context(context)?
+                },
+                w_up: if layer.moe.is_some() {
+                    layer.w_up.clone()
+                } else {
+                    layer
+                        .w_up
+                        .rows(tp_rank * width, width)
+                        .with_context(context)?
+                },
+                w_down: if layer.moe.is_some() {
+                    layer.w_down.clone()
+                } else {
+                    layer
+                        .w_down
+                        .cols(tp_rank * width, width)
+                        .with_context(context)?
+                },
+                moe: layer.moe.clone(),
             });
         }
         let mut config = c.clone();
@@ -461,6 +520,26 @@ impl Llama {
         })
     }
 
+    /// Keeps only the experts of expert-parallel rank `ep_rank` of `ep` (a contiguous range of
+    /// `n_experts / ep`) in every MoE layer. Errors: experts that do not divide by `ep`.
+    pub fn shard_experts(&mut self, ep_rank: usize, ep: usize) -> Result<()> {
+        for layer in &mut self.layers {
+            if let Some(moe) = &mut layer.moe {
+                let n = moe.experts.len();
+                if ep == 0 || n % ep != 0 || ep_rank >= ep {
+                    bail!("ep={ep} does not divide {n} experts");
+                }
+                let (first, count) = (ep_rank * n / ep, n / ep);
+                for (e, expert) in moe.experts.iter_mut().enumerate() {
+                    if e < first || e >= first + count {
+                        *expert = None;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// A fresh cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.layers.len())
@@ -473,7 +552,7 @@ impl Llama {
     /// Errors: an empty sequence, a token id outside the vocabulary, or a sequence that
     /// would exceed `max_context_tokens`.
     pub fn forward(&self, batch: &mut [SequenceInput<'_>]) -> Result<Vec<Vec<f32>>> {
-        match self.forward_stage(None, batch, None)? {
+        match self.forward_stage(None, batch, None, None)? {
             StageOutput::Logits(logits) => Ok(logits),
             StageOutput::Hidden(_) => {
                 bail!("this shard is not the last pipeline stage; use `forward_stage`")
@@ -484,7 +563,8 @@ impl Llama {
     /// One pipeline stage of [`Llama::forward`] on this shard: the first stage embeds the
     /// batch's tokens, later ones take `hidden_in` (`(n_tokens, hidden_size)` from the
     /// previous stage); with `tp`, the output and down projections are summed across the TP
-    /// group (every member of which must call this with the same batch). The last stage
+    /// group (every member of which must call this with the same batch); with `ep`, MoE
+    /// layers exchange token rows with the experts' owners in the EP group. The last stage
     /// returns logits, others hidden states.
     ///
     /// Errors: those of [`Llama::forward`], a missing or mis-sized `hidden_in`, a failed
@@ -494,6 +574,7 @@ impl Llama {
         hidden_in: Option<&[f32]>,
         batch: &mut [SequenceInput<'_>],
         mut tp: Option<&mut dyn Comm>,
+        mut ep: Option<&mut dyn Comm>,
     ) -> Result<StageOutput> {
         let c = &self.config;
         let (hidden, head_dim) = (c.hidden_size, c.head_dim);
@@ -603,6 +684,14 @@ impl Llama {
                 *a += b;
             }
             rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
+            if let Some(moe) = &layer.moe {
+                // Expert outputs are complete on every rank: no TP all-reduce here.
+                let out = super::moe::forward(moe, &normed, n, ep.as_deref_mut())?;
+                for (a, b) in x.iter_mut().zip(&out) {
+                    *a += b;
+                }
+                continue;
+            }
             layer.w_gate.matmul(&normed, n, &mut gate);
             layer.w_up.matmul(&normed, n, &mut up);
             for (g, u) in gate.iter_mut().zip(&up) {

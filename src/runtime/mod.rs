@@ -10,6 +10,7 @@ pub mod engine;
 pub mod gguf;
 pub mod llama;
 pub mod mathfn;
+pub mod moe;
 pub mod quant;
 pub mod safetensors;
 pub mod sampling;

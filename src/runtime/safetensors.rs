@@ -157,6 +157,7 @@ pub fn load_llama(dir: &Path) -> Result<Llama> {
                 c.hidden_size,
                 c.intermediate_size,
             )?,
+            moe: None,
         });
     }
     let output_norm = take_matrix("model.norm.weight", 1, c.hidden_size)?.to_f32();
@@ -225,5 +226,7 @@ pub fn config_from_json(json: &Value) -> Result<LlamaConfig> {
         rope_style: RopeStyle::Neox,
         rope_scaling,
         max_context_tokens: int("max_position_embeddings").unwrap_or(4096),
+        n_experts: 0,
+        n_experts_used: 0,
     })
 }

@@ -49,6 +49,8 @@ impl Weight {
         let (n_cols, n_rows) = match info.dims.as_slice() {
             [cols, rows] => (*cols as usize, *rows as usize),
             [cols] => (*cols as usize, 1),
+            // Stacked matrices (MoE experts): `n` matrices of `rows` rows, one after another.
+            [cols, rows, n] => (*cols as usize, (*rows * *n) as usize),
             other => bail!("tensor `{name}` has shape {other:?}; a matrix was expected"),
         };
         let row_bytes = ty.row_bytes(n_cols)?;

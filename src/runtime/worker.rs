@@ -169,7 +169,7 @@ pub fn run_rank(config: &RankConfig) -> Result<()> {
                 all_logits: false,
             }];
             let comm: Option<&mut dyn Comm> = if tp > 1 { Some(&mut tp_comm) } else { None };
-            let output = shard.forward_stage(hidden_in.as_deref(), &mut batch, comm)?;
+            let output = shard.forward_stage(hidden_in.as_deref(), &mut batch, comm, None)?;
             match output {
                 StageOutput::Hidden(hidden) => {
                     pp_comm.send(pp_rank + 1, bytemuck::cast_slice(&hidden))?

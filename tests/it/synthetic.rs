@@ -264,8 +264,19 @@ pub fn write_gguf_tensors(
     shape: &Shape,
     tensors: &[(String, Vec<u64>, Vec<f32>)],
 ) {
+    write_gguf_tensors_with(path, arch, shape, tensors, &[]);
+}
+
+/// [`write_gguf_tensors`] with extra metadata entries.
+pub fn write_gguf_tensors_with(
+    path: &Path,
+    arch: &str,
+    shape: &Shape,
+    tensors: &[(String, Vec<u64>, Vec<f32>)],
+    extra: &[(String, Value)],
+) {
     let key = |k: &str| format!("{arch}.{k}");
-    let metadata = vec![
+    let mut metadata = vec![
         (
             "general.architecture".to_string(),
             Value::String(arch.into()),
@@ -292,6 +303,7 @@ pub fn write_gguf_tensors(
         (key("rope.freq_base"), Value::F32(10000.0)),
         (key("context_length"), Value::U32(256)),
     ];
+    metadata.extend(extra.iter().cloned());
     let mut infos = Vec::new();
     let mut offset = 0u64;
     for (name, dims, values) in tensors {
@@ -314,4 +326,117 @@ pub fn write_gguf_tensors(
         bytes.resize(bytes.len().div_ceil(32) * 32, 0);
     }
     std::fs::write(path, bytes).expect("write gguf");
+}
+
+/// Writes a Mixtral-style MoE model (every layer's MLP replaced by `n_experts` experts of
+/// width `shape.intermediate`, `top_k` used per token) as GGUF, with random weights.
+pub fn write_gguf_moe(path: &Path, shape: &Shape, n_experts: usize, top_k: usize, seed: u64) {
+    let dense = weights(shape, seed);
+    let mut state = seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
+    let mut random = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                0.25 * ((state >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0)
+            })
+            .collect()
+    };
+    let (h, w) = (shape.hidden, shape.intermediate);
+    let mut tensors: Vec<(String, Vec<u64>, Vec<f32>)> = Vec::new();
+    let copy = |tensors: &mut Vec<(String, Vec<u64>, Vec<f32>)>,
+                gguf: String,
+                hf: &str,
+                heads: Option<usize>| {
+        let (dims, values) = &dense[hf];
+        let values = match heads {
+            Some(n) => permute_rows(values, n, dims[1]),
+            None => values.clone(),
+        };
+        tensors.push((gguf, dims.iter().rev().map(|&d| d as u64).collect(), values));
+    };
+    copy(
+        &mut tensors,
+        "token_embd.weight".into(),
+        "model.embed_tokens.weight",
+        None,
+    );
+    for l in 0..shape.n_layers {
+        let p = format!("model.layers.{l}");
+        copy(
+            &mut tensors,
+            format!("blk.{l}.attn_norm.weight"),
+            &format!("{p}.input_layernorm.weight"),
+            None,
+        );
+        copy(
+            &mut tensors,
+            format!("blk.{l}.ffn_norm.weight"),
+            &format!("{p}.post_attention_layernorm.weight"),
+            None,
+        );
+        copy(
+            &mut tensors,
+            format!("blk.{l}.attn_q.weight"),
+            &format!("{p}.self_attn.q_proj.weight"),
+            Some(shape.n_heads),
+        );
+        copy(
+            &mut tensors,
+            format!("blk.{l}.attn_k.weight"),
+            &format!("{p}.self_attn.k_proj.weight"),
+            Some(shape.n_kv_heads),
+        );
+        copy(
+            &mut tensors,
+            format!("blk.{l}.attn_v.weight"),
+            &format!("{p}.self_attn.v_proj.weight"),
+            None,
+        );
+        copy(
+            &mut tensors,
+            format!("blk.{l}.attn_output.weight"),
+            &format!("{p}.self_attn.o_proj.weight"),
+            None,
+        );
+        tensors.push((
+            format!("blk.{l}.ffn_gate_inp.weight"),
+            vec![h as u64, n_experts as u64],
+            random(n_experts * h),
+        ));
+        tensors.push((
+            format!("blk.{l}.ffn_gate_exps.weight"),
+            vec![h as u64, w as u64, n_experts as u64],
+            random(n_experts * w * h),
+        ));
+        tensors.push((
+            format!("blk.{l}.ffn_up_exps.weight"),
+            vec![h as u64, w as u64, n_experts as u64],
+            random(n_experts * w * h),
+        ));
+        tensors.push((
+            format!("blk.{l}.ffn_down_exps.weight"),
+            vec![w as u64, h as u64, n_experts as u64],
+            random(n_experts * h * w),
+        ));
+    }
+    copy(
+        &mut tensors,
+        "output_norm.weight".into(),
+        "model.norm.weight",
+        None,
+    );
+    copy(&mut tensors, "output.weight".into(), "lm_head.weight", None);
+    let extra = [
+        (
+            "llama.expert_count".to_string(),
+            Value::U32(n_experts as u32),
+        ),
+        (
+            "llama.expert_used_count".to_string(),
+            Value::U32(top_k as u32),
+        ),
+    ];
+    write_gguf_tensors_with(path, "llama", shape, &tensors, &extra);
 }
