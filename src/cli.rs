@@ -25,6 +25,8 @@ pub enum Command {
     /// Diagnose what breaks distributed inference: NCCL falling back to TCP, wrong
     /// interfaces, NCCL errors and version mismatches, from logs, topologies and this host.
     Doctor(DoctorArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API until Ctrl-C (continuous batching).
+    Up(UpArgs),
     /// One-shot generation with the built-in engine (CPU), for scripts and tests.
     Generate(GenerateArgs),
     /// Measurements that print figures (decode tokens/s, …).
@@ -270,4 +272,33 @@ pub struct DoctorArgs {
     /// sysfs mount point for the live checks of this host.
     #[arg(long, value_name = "DIR", default_value = "/sys", hide = true)]
     pub sysfs_root: PathBuf,
+}
+
+/// `infer up`.
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// A `.gguf` file or a Hugging Face model directory. Default: the embedded
+    /// SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
+    #[arg(long, value_name = "M")]
+    pub model: Option<String>,
+
+    /// Address to bind (127.0.0.1: this host only).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to bind (0 picks a free one; the chosen address is printed).
+    #[arg(long, value_name = "PORT", default_value_t = 8000)]
+    pub port: u16,
+
+    /// Worker threads of the engine (0: one per core).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub threads: usize,
+
+    /// Most sequences decoded together; later requests wait for a slot.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub max_batch: usize,
+
+    /// Require `Authorization: Bearer <key>` on every API request.
+    #[arg(long, value_name = "KEY", env = "INFER_API_KEY")]
+    pub api_key: Option<String>,
 }

@@ -13,6 +13,7 @@ pub mod model;
 pub mod plan;
 pub mod rendezvous;
 pub mod runtime;
+pub mod serve;
 pub mod topology;
 pub mod ui;
 
@@ -31,6 +32,7 @@ pub fn run(cli: cli::Cli, printer: &ui::Printer) -> anyhow::Result<ExitStatus> {
         cli::Command::Topo(args) => commands::topo::run(&args, printer),
         cli::Command::Plan(args) => commands::plan::run(&args, printer),
         cli::Command::Doctor(args) => commands::doctor::run(&args, printer),
+        cli::Command::Up(args) => commands::up::run(&args, printer),
         cli::Command::Generate(args) => commands::generate::run(&args, printer),
         cli::Command::Bench(command) => commands::bench::run(&command, printer),
         cli::Command::Rank => commands::rank::run(),

@@ -7,3 +7,4 @@ pub mod generate;
 pub mod plan;
 pub mod rank;
 pub mod topo;
+pub mod up;

@@ -10,6 +10,7 @@ mod fake_sysfs;
 mod kernels;
 mod model;
 mod plan;
+mod serve;
 mod sharding;
 mod synthetic;
 mod topo;

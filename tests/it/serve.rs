@@ -1,0 +1,246 @@
+//! `infer up` as a real process driven by a real HTTP client (ureq): the OpenAI endpoints,
+//! SSE streaming, greedy results equal to `infer generate`, 16 concurrent requests with
+//! correct usage, malformed requests answered with 4xx JSON while the server keeps serving,
+//! the API key, and a clean stop on SIGTERM.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Stdio};
+
+use serde_json::{Value, json};
+
+use crate::{infer, run};
+
+/// A running `infer up` on a free port, stopped (SIGTERM) when dropped.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        infer::model::default::ensure(&mut |_| {}).expect("model");
+        let mut child = infer()
+            .args(["up", "--port", "0", "--threads", "2"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start infer up");
+        let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
+        let mut line = String::new();
+        let url = loop {
+            line.clear();
+            assert!(
+                stderr.read_line(&mut line).expect("read") > 0,
+                "`infer up` exited before serving"
+            );
+            if let Some(rest) = line.split(" on http://").nth(1) {
+                break format!(
+                    "http://{}",
+                    rest.split_whitespace().next().expect("address")
+                );
+            }
+        };
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            let _ = stderr.read_to_string(&mut sink);
+        });
+        Server { child, url }
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let response = ureq::post(&format!("{}{path}", self.url))
+            .config()
+            .http_status_as_error(false)
+            .build()
+            .send_json(body)
+            .expect("request");
+        let status = response.status().as_u16();
+        (status, response.into_body().read_json().expect("JSON body"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn completions_match_generate_and_report_usage() {
+    let server = Server::start(&[]);
+    let health = ureq::get(&format!("{}/health", server.url))
+        .call()
+        .expect("health");
+    assert_eq!(health.status().as_u16(), 200);
+    let models: Value = ureq::get(&format!("{}/v1/models", server.url))
+        .call()
+        .expect("models")
+        .into_body()
+        .read_json()
+        .expect("JSON");
+    let model = models["data"][0]["id"]
+        .as_str()
+        .expect("model id")
+        .to_string();
+
+    let (status, body) = server.post("/v1/completions", &json!({"model": model, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0, "logprobs": 1}));
+    assert_eq!(status, 200, "{body}");
+    let generate = run(&[
+        "generate",
+        "--json",
+        "--max-tokens",
+        "16",
+        "--prompt",
+        "1, 2, 3, 4, 5,",
+    ]);
+    let generate: Value = serde_json::from_slice(&generate.stdout).expect("generate JSON");
+    assert_eq!(body["choices"][0]["text"], generate["text"]);
+    assert_eq!(
+        body["usage"],
+        json!({"prompt_tokens": 14, "completion_tokens": 16, "total_tokens": 30})
+    );
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        body["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .expect("logprobs")
+            .len(),
+        16
+    );
+
+    // Token ids as the prompt give the same text.
+    let (status, by_ids) = server.post("/v1/completions", &json!({"prompt": [33, 28, 216, 34, 28, 216, 35, 28, 216, 36, 28, 216, 37, 28], "max_tokens": 16, "temperature": 0}));
+    assert_eq!(status, 200);
+    assert_eq!(by_ids["choices"][0]["text"], generate["text"]);
+}
+
+#[test]
+fn chat_streams_server_sent_events() {
+    let server = Server::start(&[]);
+    let response = ureq::post(&format!("{}/v1/chat/completions", server.url))
+        .send_json(json!({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 40, "temperature": 0, "stream": true}))
+        .expect("stream");
+    let mut text = String::new();
+    response
+        .into_body()
+        .into_reader()
+        .read_to_string(&mut text)
+        .expect("read");
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("chunk JSON"))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(!content.is_empty());
+    let last = chunks.last().expect("final chunk");
+    assert_eq!(last["choices"][0]["finish_reason"], "stop");
+    assert_eq!(
+        last["usage"]["completion_tokens"].as_u64().expect("usage") as usize + 1,
+        chunks.len() - 1,
+        "one chunk per token"
+    );
+}
+
+#[test]
+fn sixteen_concurrent_requests_all_complete() {
+    let server = Server::start(&[]);
+    let results: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..16)
+            .map(|i| {
+                let server = &server;
+                scope.spawn(move || server.post("/v1/completions", &json!({"prompt": format!("Story number {i}:"), "max_tokens": 12, "temperature": 0.8, "seed": i})))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client"))
+            .collect()
+    });
+    for (status, body) in results {
+        assert_eq!(status, 200, "{body}");
+        let usage = &body["usage"];
+        let completion = usage["completion_tokens"].as_u64().expect("usage");
+        assert!(
+            (1..=12).contains(&completion),
+            "completion_tokens {completion}"
+        );
+        assert_eq!(
+            usage["total_tokens"].as_u64(),
+            Some(usage["prompt_tokens"].as_u64().expect("prompt") + completion)
+        );
+    }
+    let metrics = ureq::get(&format!("{}/metrics", server.url))
+        .call()
+        .expect("metrics")
+        .into_body()
+        .read_to_string()
+        .expect("text");
+    assert!(metrics.contains("infer_requests_total 16"), "{metrics}");
+    assert!(
+        metrics.contains("infer_time_to_first_token_seconds_count 16"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn bad_requests_get_4xx_json_and_the_server_keeps_serving() {
+    let server = Server::start(&[]);
+    let cases = [
+        (json!({"prompt": "x", "model": "gpt-9"}), "does not exist"),
+        (json!({"prompt": 12}), "`prompt` must be"),
+        (
+            json!({"prompt": "x", "max_tokens": 100000}),
+            "maximum context length",
+        ),
+        (json!({"prompt": "x", "top_p": 0}), "`top_p`"),
+    ];
+    for (body, expected) in cases {
+        let (status, reply) = server.post("/v1/completions", &body);
+        assert_eq!(status, 400, "{body}");
+        assert!(
+            reply["error"]["message"]
+                .as_str()
+                .expect("message")
+                .contains(expected),
+            "{reply}"
+        );
+    }
+    let malformed = ureq::post(&format!("{}/v1/chat/completions", server.url))
+        .config()
+        .http_status_as_error(false)
+        .build()
+        .send("{not json")
+        .expect("request");
+    assert_eq!(malformed.status().as_u16(), 400);
+    let (status, _) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "still up?", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn api_key_is_required_when_set() {
+    let server = Server::start(&["--api-key", "s3cret"]);
+    let (status, body) = server.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
+    assert_eq!(status, 401, "{body}");
+    let ok = ureq::post(&format!("{}/v1/completions", server.url))
+        .header("Authorization", "Bearer s3cret")
+        .send_json(json!({"prompt": "x", "max_tokens": 1}))
+        .expect("authorized");
+    assert_eq!(ok.status().as_u16(), 200);
+}
