@@ -103,6 +103,9 @@ pub enum BenchCommand {
     /// All-reduce bus bandwidth of the TCP collectives between real processes on this host,
     /// as nccl-tests' `all_reduce_perf` prints it, next to one plain TCP stream.
     Allreduce(BenchAllreduceArgs),
+    /// Serving through `infer up` over HTTP: tokens/s for 1, 4 and 16 concurrent streams,
+    /// TTFT and TPOT p50/p99, and the time from start to ready.
+    Serve(BenchServeArgs),
     /// Internal: one process of `infer bench allreduce`.
     #[command(hide = true)]
     AllreduceWorker(BenchAllreduceWorkerArgs),
@@ -117,6 +120,23 @@ pub struct BenchAllreduceArgs {
     /// Largest message, bytes (sizes double from 8 B).
     #[arg(long, value_name = "BYTES", default_value_t = 64 << 20)]
     pub max_bytes: usize,
+}
+
+/// `infer bench serve`.
+#[derive(Debug, Args)]
+pub struct BenchServeArgs {
+    /// A `.gguf` file or model directory. Default: the embedded SmolLM2 model.
+    #[arg(long, value_name = "M")]
+    pub model: Option<String>,
+    /// Concurrent streams to measure, one after another.
+    #[arg(long, value_name = "N,..", value_delimiter = ',', default_values_t = [1, 4, 16])]
+    pub concurrency: Vec<usize>,
+    /// Tokens each request asks for (`max_tokens`).
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Engine worker threads of the server (0: one per core).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub threads: usize,
 }
 
 /// `infer bench allreduce-worker` (hidden).

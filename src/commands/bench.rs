@@ -17,6 +17,7 @@ pub fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
     match command {
         BenchCommand::Decode(args) => decode(args, printer),
         BenchCommand::Allreduce(args) => allreduce(args, printer),
+        BenchCommand::Serve(args) => super::bench_serve::run(args, printer),
         BenchCommand::AllreduceWorker(args) => allreduce_worker(args, printer),
     }
 }

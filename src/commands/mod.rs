@@ -2,6 +2,7 @@
 //! hands the result to [`crate::ui::Printer`]. No domain logic lives here.
 
 pub mod bench;
+pub mod bench_serve;
 pub mod doctor;
 pub mod generate;
 pub mod plan;

@@ -148,28 +148,42 @@ fn spawn_rank(
     Ok(RankProcess { rank, child, log })
 }
 
+/// Every rank that has exited unsuccessfully: (killed by a signal, rank, status, log path).
+fn failed_ranks(
+    ranks: &mut [RankProcess],
+) -> Result<Vec<(bool, usize, std::process::ExitStatus, PathBuf)>> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut failed = Vec::new();
+    for rank in ranks.iter_mut() {
+        if let Some(status) = rank.child.try_wait()? {
+            if !status.success() {
+                failed.push((
+                    status.signal().is_some(),
+                    rank.rank,
+                    status,
+                    rank.log.clone(),
+                ));
+            }
+        }
+    }
+    Ok(failed)
+}
+
 /// Waits for the driver's result while watching every rank.
 fn monitor(
     ranks: &mut [RankProcess],
     server: &StoreServer,
     client: &mut StoreClient,
 ) -> Result<Generation> {
-    use std::os::unix::process::ExitStatusExt;
     loop {
         // Every rank that failed since the last look; the one killed by a signal is the
         // cause, the others usually its casualties (they lost their peer).
-        let mut failed = Vec::new();
-        for rank in ranks.iter_mut() {
-            if let Some(status) = rank.child.try_wait()? {
-                if !status.success() {
-                    failed.push((
-                        status.signal().is_some(),
-                        rank.rank,
-                        status,
-                        rank.log.clone(),
-                    ));
-                }
-            }
+        let mut failed = failed_ranks(ranks)?;
+        if !failed.is_empty() && !failed.iter().any(|(signalled, ..)| *signalled) {
+            // A casualty can notice its lost peer before the kernel has reaped the killed
+            // rank; give the cause a moment to show up so the error names it.
+            std::thread::sleep(Duration::from_millis(300));
+            failed = failed_ranks(ranks)?;
         }
         if let Some((_, rank, status, log)) = failed
             .iter()

@@ -63,6 +63,10 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // A reaped child's pid may already belong to another process: never signal it.
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
         if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
         }
@@ -243,4 +247,145 @@ fn api_key_is_required_when_set() {
         .send_json(json!({"prompt": "x", "max_tokens": 1}))
         .expect("authorized");
     assert_eq!(ok.status().as_u16(), 200);
+}
+
+/// `infer bench serve` starts its own server, drives it with streaming clients and prints
+/// one row per concurrency with the tokens each row generated (`max_tokens` per stream at
+/// most, at least one).
+#[test]
+fn bench_serve_prints_a_row_per_concurrency() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let output = run(&[
+        "bench",
+        "serve",
+        "--concurrency",
+        "1,3",
+        "--max-tokens",
+        "4",
+        "--threads",
+        "2",
+    ]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("time to ready"), "{stdout}");
+    for streams in [1, 3] {
+        let row = stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(&streams.to_string()))
+            .unwrap_or_else(|| panic!("no row for {streams} streams:\n{stdout}"));
+        let tokens: usize = row
+            .split_whitespace()
+            .last()
+            .and_then(|t| t.parse().ok())
+            .expect("tokens column");
+        assert!((streams..=4 * streams).contains(&tokens), "{row}");
+    }
+    assert!(stdout.contains("x of one stream"), "{stdout}");
+}
+
+/// SIGTERM stops the server cleanly: exit 0, the port closed.
+#[test]
+fn sigterm_stops_the_server_with_exit_0() {
+    let mut server = Server::start(&[]);
+    let address = server.url.trim_start_matches("http://").to_string();
+    let (status, _) = server.post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 2}));
+    assert_eq!(status, 200);
+    let pid = rustix::process::Pid::from_raw(server.child.id() as i32).expect("pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+    let exit = server.child.wait().expect("wait");
+    assert!(exit.success(), "{exit}");
+    assert!(
+        std::net::TcpStream::connect(&address).is_err(),
+        "{address} still accepts connections"
+    );
+}
+
+/// The official `openai` Python package, installed with pip into the cache (outside the
+/// repo) on first use; returns the directory to put on `PYTHONPATH`.
+fn openai_python_package() -> std::path::PathBuf {
+    const VERSION: &str = "3.54.0";
+    let dir = infer::model::default::cache_dir()
+        .expect("cache dir")
+        .join("python")
+        .join(format!("openai-{VERSION}"));
+    if !dir.join("openai").is_dir() {
+        let staging = dir.with_extension(format!("partial-{}", std::process::id()));
+        let status = std::process::Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .arg("--target")
+            .arg(&staging)
+            .arg(format!("openai=={VERSION}"))
+            .stdout(Stdio::null())
+            .status()
+            .expect("python3 -m pip (install python3-pip)");
+        assert!(status.success(), "pip could not install openai=={VERSION}");
+        // Another test process may have won the race; either copy is complete.
+        if std::fs::rename(&staging, &dir).is_err() {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+    }
+    dir
+}
+
+/// The official `openai` Python client: a greedy completion equal to `infer generate`'s,
+/// a streamed completion with the same text and usage, and a streamed chat.
+#[test]
+fn the_official_openai_python_client_works() {
+    let pythonpath = openai_python_package();
+    let server = Server::start(&[]);
+    let output = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/python/openai_client.py"
+        ))
+        .arg(format!("{}/v1", server.url))
+        .env("PYTHONPATH", pythonpath)
+        .output()
+        .expect("run python3");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let got: Value = serde_json::from_slice(&output.stdout).expect("script JSON");
+    let generate = run(&[
+        "generate",
+        "--json",
+        "--max-tokens",
+        "16",
+        "--prompt",
+        "1, 2, 3, 4, 5,",
+    ]);
+    let generate: Value = serde_json::from_slice(&generate.stdout).expect("generate JSON");
+    assert_eq!(got["completion_text"], generate["text"], "{got}");
+    assert_eq!(got["streamed_text"], generate["text"], "{got}");
+    let usage = json!({"prompt_tokens": 14, "completion_tokens": 16, "total_tokens": 30});
+    assert_eq!(
+        got["completion_usage"]["total_tokens"],
+        usage["total_tokens"]
+    );
+    assert_eq!(
+        got["completion_usage"]["prompt_tokens"],
+        usage["prompt_tokens"]
+    );
+    assert_eq!(
+        got["stream_usage"]["completion_tokens"],
+        usage["completion_tokens"]
+    );
+    assert!(!got["chat_text"].as_str().unwrap_or("").is_empty(), "{got}");
+    assert!(got["chat_chunks"].as_u64().unwrap_or(0) > 2, "{got}");
+    assert!(
+        ["stop", "length"].contains(&got["chat_finish_reason"].as_str().unwrap_or("")),
+        "{got}"
+    );
 }

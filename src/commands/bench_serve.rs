@@ -1,0 +1,207 @@
+//! `infer bench serve`: starts a real `infer up` process, waits until it listens (the time to
+//! ready), then drives it over HTTP with 1, 4 and 16 concurrent streaming clients and prints
+//! tokens/s, TTFT and TPOT percentiles the way vLLM's `benchmark_serving.py` reports them.
+//!
+//! The client is a plain HTTP/1.1 request over `std::net::TcpStream` (`Connection: close`),
+//! reading the SSE `data:` lines as they arrive, so TTFT includes the HTTP server.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::ExitStatus;
+use crate::cli::BenchServeArgs;
+use crate::ui::Printer;
+
+/// Prompts the clients cycle through (ordinary text, so generation runs to `max_tokens`
+/// more often than not).
+const PROMPTS: [&str; 4] = [
+    "Once upon a time, in a small village by the sea,",
+    "The history of the steam engine begins",
+    "Here is a short story about a robot who learns to paint:",
+    "In the morning the market opens early, and",
+];
+
+/// One finished request as the client saw it.
+struct Sample {
+    /// Seconds from sending the request to the first token's chunk.
+    ttft_secs: f64,
+    /// Mean seconds between token chunks after the first; `None` with one token.
+    tpot_secs: Option<f64>,
+    /// `usage.completion_tokens` of the final chunk.
+    completion_tokens: usize,
+}
+
+/// Kills the server when the benchmark ends, however it ends.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs `infer bench serve`. Errors: the server does not start, a request fails.
+pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
+    if args.concurrency.contains(&0) {
+        bail!("--concurrency values must be at least 1");
+    }
+    let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+    let started = Instant::now();
+    let mut command = Command::new(exe);
+    command.args(["up", "--port", "0", "--threads", &args.threads.to_string()]);
+    let max_batch = args.concurrency.iter().copied().max().unwrap_or(1).max(16);
+    command.args(["--max-batch", &max_batch.to_string()]);
+    if let Some(model) = &args.model {
+        command.args(["--model", model]);
+    }
+    command
+        .env_remove("INFER_API_KEY")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = command.spawn().context("cannot start `infer up`")?;
+    let stderr = child.stderr.take().context("no stderr from `infer up`")?;
+    let server = Server(child);
+    let mut lines = BufReader::new(stderr).lines();
+    let address = loop {
+        let Some(line) = lines.next() else {
+            bail!("`infer up` exited before it was ready");
+        };
+        let line = line.context("cannot read the output of `infer up`")?;
+        if let Some(rest) = line.split("on http://").nth(1) {
+            break rest
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_string();
+        }
+    };
+    let ready_secs = started.elapsed().as_secs_f64();
+    // Keep draining the server's stderr so it never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+
+    // One warm-up request page-faults the weights in.
+    request(&address, PROMPTS[0], 8).context("warm-up request failed")?;
+    let mut rows = vec![format!(
+        "time to ready  {ready_secs:.2} s (process start to listening, 1 engine process)"
+    )];
+    rows.push(format!(
+        "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "streams", "tok/s", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "tokens"
+    ));
+    let mut single_stream = None;
+    for &streams in &args.concurrency {
+        let start = Instant::now();
+        let handles: Vec<_> = (0..streams)
+            .map(|i| {
+                let address = address.clone();
+                let max_tokens = args.max_tokens;
+                std::thread::spawn(move || {
+                    request(&address, PROMPTS[i % PROMPTS.len()], max_tokens)
+                })
+            })
+            .collect();
+        let mut samples = Vec::new();
+        for handle in handles {
+            let sample = handle
+                .join()
+                .map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
+            samples.push(sample);
+        }
+        let wall_secs = start.elapsed().as_secs_f64();
+        let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
+        let tokens_per_sec = tokens as f64 / wall_secs;
+        if streams == 1 {
+            single_stream = Some(tokens_per_sec);
+        }
+        let ttft: Vec<f64> = samples.iter().map(|s| s.ttft_secs).collect();
+        let tpot: Vec<f64> = samples.iter().filter_map(|s| s.tpot_secs).collect();
+        rows.push(format!(
+            "{streams:>7} {tokens_per_sec:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {tokens:>8}",
+            percentile(&ttft, 0.50) * 1e3,
+            percentile(&ttft, 0.99) * 1e3,
+            percentile(&tpot, 0.50) * 1e3,
+            percentile(&tpot, 0.99) * 1e3,
+        ));
+        if let (Some(one), true) = (single_stream, streams > 1) {
+            rows.push(format!(
+                "{:>7} {:>9.2}x of one stream",
+                "",
+                tokens_per_sec / one
+            ));
+        }
+    }
+    drop(server);
+    printer.data(&rows.join("\n"));
+    Ok(ExitStatus::Success)
+}
+
+/// The `q` quantile (nearest rank) of `values`, 0 when empty.
+fn percentile(values: &[f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// Sends one streaming `/v1/completions` request and times its chunks.
+fn request(address: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
+    let body = serde_json::json!({
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true,
+    })
+    .to_string();
+    let mut stream =
+        TcpStream::connect(address).with_context(|| format!("cannot connect to {address}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(300)))?;
+    let sent = Instant::now();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut reader = BufReader::new(stream);
+    let mut status = String::new();
+    reader.read_line(&mut status)?;
+    if !status.contains(" 200 ") {
+        let mut rest = String::new();
+        let _ = reader.read_to_string(&mut rest);
+        bail!("the server answered {}: {rest}", status.trim());
+    }
+    let mut token_times = Vec::new();
+    let mut completion_tokens = None;
+    for line in reader.lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: serde_json::Value =
+            serde_json::from_str(data).context("a stream chunk is not JSON")?;
+        if let Some(error) = chunk.get("error") {
+            bail!("the server failed the request: {error}");
+        }
+        match chunk["usage"]["completion_tokens"].as_u64() {
+            Some(n) => completion_tokens = Some(n as usize),
+            None => token_times.push(sent.elapsed().as_secs_f64()),
+        }
+    }
+    let completion_tokens = completion_tokens.context("the stream ended without `usage`")?;
+    let ttft_secs = *token_times.first().context("the stream carried no token")?;
+    let tpot_secs = (token_times.len() > 1)
+        .then(|| (token_times[token_times.len() - 1] - ttft_secs) / (token_times.len() - 1) as f64);
+    Ok(Sample {
+        ttft_secs,
+        tpot_secs,
+        completion_tokens,
+    })
+}
