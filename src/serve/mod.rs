@@ -103,46 +103,51 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let m = &state.scheduler.metrics;
-    let gauge = |name: &str, help: &str, kind: &str, value: u64| {
-        format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n")
-    };
+    let series = [
+        (
+            "infer_requests_running",
+            "Sequences in the running batch.",
+            "gauge",
+            &m.running,
+        ),
+        (
+            "infer_requests_waiting",
+            "Requests waiting to join the batch.",
+            "gauge",
+            &m.waiting,
+        ),
+        (
+            "infer_requests_total",
+            "Requests received.",
+            "counter",
+            &m.requests_total,
+        ),
+        (
+            "infer_prompt_tokens_total",
+            "Prompt tokens processed.",
+            "counter",
+            &m.prompt_tokens_total,
+        ),
+        (
+            "infer_generation_tokens_total",
+            "Tokens generated.",
+            "counter",
+            &m.generation_tokens_total,
+        ),
+        (
+            "infer_kv_cache_bytes",
+            "KV-cache bytes held by running sequences.",
+            "gauge",
+            &m.kv_cache_bytes,
+        ),
+    ];
     let mut text = String::new();
-    text.push_str(&gauge(
-        "infer_requests_running",
-        "Sequences in the running batch.",
-        "gauge",
-        m.running.load(Ordering::SeqCst),
-    ));
-    text.push_str(&gauge(
-        "infer_requests_waiting",
-        "Requests waiting to join the batch.",
-        "gauge",
-        m.waiting.load(Ordering::SeqCst),
-    ));
-    text.push_str(&gauge(
-        "infer_requests_total",
-        "Requests received.",
-        "counter",
-        m.requests_total.load(Ordering::SeqCst),
-    ));
-    text.push_str(&gauge(
-        "infer_prompt_tokens_total",
-        "Prompt tokens processed.",
-        "counter",
-        m.prompt_tokens_total.load(Ordering::SeqCst),
-    ));
-    text.push_str(&gauge(
-        "infer_generation_tokens_total",
-        "Tokens generated.",
-        "counter",
-        m.generation_tokens_total.load(Ordering::SeqCst),
-    ));
-    text.push_str(&gauge(
-        "infer_kv_cache_bytes",
-        "KV-cache bytes held by running sequences.",
-        "gauge",
-        m.kv_cache_bytes.load(Ordering::SeqCst),
-    ));
+    for (name, help, kind, value) in series {
+        let value = value.load(Ordering::SeqCst);
+        text.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+        ));
+    }
     text.push_str(
         &m.ttft
             .render("infer_time_to_first_token_seconds", "Time to first token."),

@@ -74,6 +74,19 @@ impl Drop for Server {
     }
 }
 
+/// `infer generate --json` on the counting prompt, 16 greedy tokens: the reference output.
+fn generate_counting() -> Value {
+    let output = run(&[
+        "generate",
+        "--json",
+        "--max-tokens",
+        "16",
+        "--prompt",
+        "1, 2, 3, 4, 5,",
+    ]);
+    serde_json::from_slice(&output.stdout).expect("generate JSON")
+}
+
 #[test]
 fn completions_match_generate_and_report_usage() {
     let server = Server::start(&[]);
@@ -94,15 +107,7 @@ fn completions_match_generate_and_report_usage() {
 
     let (status, body) = server.post("/v1/completions", &json!({"model": model, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0, "logprobs": 1}));
     assert_eq!(status, 200, "{body}");
-    let generate = run(&[
-        "generate",
-        "--json",
-        "--max-tokens",
-        "16",
-        "--prompt",
-        "1, 2, 3, 4, 5,",
-    ]);
-    let generate: Value = serde_json::from_slice(&generate.stdout).expect("generate JSON");
+    let generate = generate_counting();
     assert_eq!(body["choices"][0]["text"], generate["text"]);
     assert_eq!(
         body["usage"],
@@ -358,15 +363,7 @@ fn the_official_openai_python_client_works() {
         String::from_utf8_lossy(&output.stderr)
     );
     let got: Value = serde_json::from_slice(&output.stdout).expect("script JSON");
-    let generate = run(&[
-        "generate",
-        "--json",
-        "--max-tokens",
-        "16",
-        "--prompt",
-        "1, 2, 3, 4, 5,",
-    ]);
-    let generate: Value = serde_json::from_slice(&generate.stdout).expect("generate JSON");
+    let generate = generate_counting();
     assert_eq!(got["completion_text"], generate["text"], "{got}");
     assert_eq!(got["streamed_text"], generate["text"], "{got}");
     let usage = json!({"prompt_tokens": 14, "completion_tokens": 16, "total_tokens": 30});
