@@ -386,3 +386,24 @@ fn the_official_openai_python_client_works() {
         "{got}"
     );
 }
+
+/// A port already in use and a missing model file are bad input: exit 2, a clear message.
+#[test]
+fn bad_up_arguments_exit_2_with_a_clear_error() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port().to_string();
+    let output = run(&["up", "--port", &port]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on 127.0.0.1:{port}")),
+        "{stderr}"
+    );
+
+    let output = run(&["up", "--model", "/nonexistent/model.gguf"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("/nonexistent/model.gguf"), "{stderr}");
+    assert!(output.stdout.is_empty());
+}
