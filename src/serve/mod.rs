@@ -325,22 +325,14 @@ async fn completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
-    if let Err(response) = authorize(&state, &headers) {
-        return response.into_response();
-    }
-    let request: CompletionBody = match parse(&body) {
-        Ok(r) => r,
-        Err(response) => return response.into_response(),
-    };
-    let params = match params(&state, &request.common, 16) {
-        Ok(p) => p,
-        Err(response) => return response.into_response(),
-    };
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let request: CompletionBody = parse(&body)?;
+    let params = params(&state, &request.common, 16)?;
     let prompt_tokens = match &request.prompt {
         Value::String(text) => match state.tokenizer.encode(text, true) {
             Ok(ids) => ids,
-            Err(e) => return bad_request(format!("{e:#}")).into_response(),
+            Err(e) => return Err(bad_request(format!("{e:#}"))),
         },
         Value::Array(items) if items.iter().all(Value::is_u64) => items
             .iter()
@@ -348,24 +340,25 @@ async fn completions(
             .map(|v| v as u32)
             .collect(),
         _ => {
-            return bad_request("`prompt` must be a string or a list of token ids").into_response();
+            return Err(bad_request(
+                "`prompt` must be a string or a list of token ids",
+            ));
         }
     };
     if prompt_tokens
         .iter()
         .any(|&t| t as usize >= state.tokenizer.vocab_size())
     {
-        return bad_request("`prompt` holds a token id outside the vocabulary").into_response();
+        return Err(bad_request(
+            "`prompt` holds a token id outside the vocabulary",
+        ));
     }
     let id = format!(
         "cmpl-{}",
         scheduler::REQUEST_COUNTER.fetch_add(1, Ordering::SeqCst)
     );
     let model = state.model_id.clone();
-    let events = match submit(&state, prompt_tokens, params) {
-        Ok(events) => events,
-        Err(response) => return response.into_response(),
-    };
+    let events = submit(&state, prompt_tokens, params)?;
     if request.common.stream {
         let stream = events.map(move |event| {
             let chunk = match event {
@@ -376,26 +369,22 @@ async fn completions(
             Ok::<_, std::convert::Infallible>(SseEvent::default().data(chunk.to_string()))
         });
         let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
-        return Sse::new(stream.chain(done)).into_response();
+        return Ok(Sse::new(stream.chain(done)).into_response());
     }
-    match collect(events).await {
-        Ok((text, finish_reason, ids, logprobs, prompt, completion)) => {
-            let logprobs = request.logprobs.map(|_| {
-                let tokens: Vec<String> = ids
-                    .iter()
-                    .map(|&t| state.tokenizer.token(t).unwrap_or_default())
-                    .collect();
-                json!({"tokens": tokens, "token_logprobs": logprobs})
-            });
-            axum::Json(json!({
-                "id": id, "object": "text_completion", "created": now(), "model": state.model_id,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
-                "usage": usage(prompt, completion)
-            }))
-            .into_response()
-        }
-        Err(response) => response.into_response(),
-    }
+    let (text, finish_reason, ids, logprobs, prompt, completion) = collect(events).await?;
+    let logprobs = request.logprobs.map(|_| {
+        let tokens: Vec<String> = ids
+            .iter()
+            .map(|&t| state.tokenizer.token(t).unwrap_or_default())
+            .collect();
+        json!({"tokens": tokens, "token_logprobs": logprobs})
+    });
+    Ok(axum::Json(json!({
+        "id": id, "object": "text_completion", "created": now(), "model": state.model_id,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "usage": usage(prompt, completion)
+    }))
+    .into_response())
 }
 
 #[derive(Deserialize)]
@@ -409,27 +398,21 @@ async fn chat_completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
-    if let Err(response) = authorize(&state, &headers) {
-        return response.into_response();
-    }
-    let request: ChatBody = match parse(&body) {
-        Ok(r) => r,
-        Err(response) => return response.into_response(),
-    };
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let request: ChatBody = parse(&body)?;
     if request.messages.is_empty() {
-        return bad_request("`messages` is empty").into_response();
+        return Err(bad_request("`messages` is empty"));
     }
-    let params = match params(
+    let params = params(
         &state,
         &request.common,
         state.max_context_tokens.min(1024) / 2,
-    ) {
-        Ok(p) => p,
-        Err(response) => return response.into_response(),
-    };
+    )?;
     let Some(template) = state.tokenizer.chat_template.as_deref() else {
-        return bad_request("this model has no chat template; use /v1/completions").into_response();
+        return Err(bad_request(
+            "this model has no chat template; use /v1/completions",
+        ));
     };
     let token = |id: Option<u32>| {
         id.and_then(|i| state.tokenizer.token(i))
@@ -443,21 +426,18 @@ async fn chat_completions(
         &token(state.tokenizer.eos_ids.first().copied()),
     ) {
         Ok(p) => p,
-        Err(e) => return bad_request(format!("{e:#}")).into_response(),
+        Err(e) => return Err(bad_request(format!("{e:#}"))),
     };
     let prompt_tokens = match state.tokenizer.encode(&prompt, true) {
         Ok(ids) => ids,
-        Err(e) => return bad_request(format!("{e:#}")).into_response(),
+        Err(e) => return Err(bad_request(format!("{e:#}"))),
     };
     let id = format!(
         "chatcmpl-{}",
         scheduler::REQUEST_COUNTER.fetch_add(1, Ordering::SeqCst)
     );
     let model = state.model_id.clone();
-    let events = match submit(&state, prompt_tokens, params) {
-        Ok(events) => events,
-        Err(response) => return response.into_response(),
-    };
+    let events = submit(&state, prompt_tokens, params)?;
     if request.common.stream {
         let first = json!({"id": id, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": null}]});
         let head = tokio_stream::once(Ok::<_, std::convert::Infallible>(
@@ -472,15 +452,13 @@ async fn chat_completions(
             Ok(SseEvent::default().data(chunk.to_string()))
         });
         let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
-        return Sse::new(head.chain(stream).chain(done)).into_response();
+        return Ok(Sse::new(head.chain(stream).chain(done)).into_response());
     }
-    match collect(events).await {
-        Ok((text, finish_reason, _, _, prompt, completion)) => axum::Json(json!({
+    let (text, finish_reason, _, _, prompt, completion) = collect(events).await?;
+    Ok(axum::Json(json!({
             "id": id, "object": "chat.completion", "created": now(), "model": state.model_id,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
             "usage": usage(prompt, completion)
-        }))
-        .into_response(),
-        Err(response) => response.into_response(),
-    }
+    }))
+    .into_response())
 }
