@@ -173,24 +173,7 @@ impl TcpComm {
         outgoing: &[u8],
         from: usize,
     ) -> Result<Vec<u8>> {
-        let send_context = self.context(operation, "sending to", to);
-        let receive_context = self.context(operation, "receiving from", from);
-        let timeout = self.timeout;
-        let writer = self.writers[to].as_mut().context("no connection")?;
-        let reader = self.readers[from].as_mut().context("no connection")?;
-        std::thread::scope(|scope| {
-            let sender = scope.spawn(|| write_frame(writer, outgoing));
-            let received = read_frame(reader)
-                .map_err(|e| explain(e, timeout))
-                .context(receive_context);
-            let sent = sender
-                .join()
-                .map_err(|_| anyhow!("sender thread panicked"))?
-                .map_err(|e| explain(e, timeout))
-                .context(send_context);
-            sent?;
-            received
-        })
+        self.exchange_with(operation, to, outgoing, from, read_frame)
     }
 }
 
@@ -205,6 +188,21 @@ impl TcpComm {
         from: usize,
         incoming: &mut [u8],
     ) -> Result<()> {
+        self.exchange_with(operation, to, outgoing, from, |reader| {
+            read_frame_into(reader, incoming)
+        })
+    }
+
+    /// Writes `outgoing` to `to` on a scoped thread while `receive` reads from `from`;
+    /// errors name the operation, the direction and the peer.
+    fn exchange_with<T>(
+        &mut self,
+        operation: &str,
+        to: usize,
+        outgoing: &[u8],
+        from: usize,
+        receive: impl FnOnce(&mut TcpStream) -> std::io::Result<T>,
+    ) -> Result<T> {
         let send_context = self.context(operation, "sending to", to);
         let receive_context = self.context(operation, "receiving from", from);
         let timeout = self.timeout;
@@ -212,7 +210,7 @@ impl TcpComm {
         let reader = self.readers[from].as_mut().context("no connection")?;
         std::thread::scope(|scope| {
             let sender = scope.spawn(|| write_frame(writer, outgoing));
-            let received = read_frame_into(reader, incoming)
+            let received = receive(reader)
                 .map_err(|e| explain(e, timeout))
                 .context(receive_context);
             let sent = sender
