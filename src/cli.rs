@@ -321,4 +321,23 @@ pub struct UpArgs {
     /// Require `Authorization: Bearer <key>` on every API request.
     #[arg(long, value_name = "KEY", env = "INFER_API_KEY")]
     pub api_key: Option<String>,
+
+    /// Tensor-parallel degree: ranks that split every layer (1: no split).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub tp: usize,
+
+    /// Pipeline-parallel degree: stages of contiguous layers.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub pp: usize,
+
+    /// Where the ranks compute: `cpu` (the quantized CPU kernels) or `cuda`.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+}
+
+/// A rank's compute device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
 }

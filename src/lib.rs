@@ -35,6 +35,6 @@ pub fn run(cli: cli::Cli, printer: &ui::Printer) -> anyhow::Result<ExitStatus> {
         cli::Command::Up(args) => commands::up::run(&args, printer),
         cli::Command::Generate(args) => commands::generate::run(&args, printer),
         cli::Command::Bench(command) => commands::bench::run(&command, printer),
-        cli::Command::Rank => commands::rank::run(),
+        cli::Command::Rank => commands::rank::run(printer),
     }
 }

@@ -119,14 +119,16 @@ fn distributed(
     } else {
         args.prompt.clone()
     };
-    let job = crate::runtime::worker::Job {
+    let job = crate::runtime::worker::Job::Generate {
         prompt_tokens: tokenizer.encode(&prompt, true)?,
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-        max_tokens: args.max_tokens,
-        stop: args.stop.clone(),
+        params: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+            max_tokens: args.max_tokens,
+            stop: args.stop.clone(),
+        },
     };
     let world = args.tp * args.pp;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -141,8 +143,11 @@ fn distributed(
         model: path.to_path_buf(),
         threads_per_rank,
         timeout: std::time::Duration::from_secs(60),
+        extra_env: Vec::new(),
     };
-    let generation = crate::launch::run_generation(&spec, &job, &mut |line| printer.note(line))?;
+    let generation = crate::launch::run_generation(&spec, &job, &mut |progress| {
+        super::up::report_progress(printer, &progress, false)
+    })?;
     if args.json {
         printer.json(&Output {
             model: &path.display().to_string(),

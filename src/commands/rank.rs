@@ -22,7 +22,7 @@ fn number<T: std::str::FromStr>(name: &str) -> Result<T> {
 }
 
 /// Runs the rank described by the environment.
-pub fn run() -> Result<ExitStatus> {
+pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
     let config = RankConfig {
         rank: number("RANK")?,
         world_size: number("WORLD_SIZE")?,
@@ -34,6 +34,11 @@ pub fn run() -> Result<ExitStatus> {
         threads: number("INFER_THREADS")?,
         timeout: Duration::from_secs(number("INFER_TIMEOUT_SECS")?),
     };
-    run_rank(&config).with_context(|| format!("rank {} failed", config.rank))?;
+    run_rank(
+        &config,
+        &mut |line| printer.note(line),
+        &mut |driver, store| crate::commands::up::serve_driver(driver, store),
+    )
+    .with_context(|| format!("rank {} failed", config.rank))?;
     Ok(ExitStatus::Success)
 }

@@ -1,64 +1,249 @@
-//! `infer up`: load the engine, start the continuous-batching scheduler and serve the
-//! OpenAI-compatible API until Ctrl-C or SIGTERM.
+//! `infer up`: serve the OpenAI-compatible API until Ctrl-C or SIGTERM. With one rank the
+//! engine runs in this process (as vLLM does at TP 1); with `--tp`/`--pp` this process is
+//! the launcher: it starts the rendezvous store and one `infer rank` per rank, waits until
+//! rank 0 (the replica's driver, which runs the scheduler and the HTTP server) is ready,
+//! and then watches the gang until it is told to stop or a rank fails.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow, bail};
 
-use crate::cli::UpArgs;
+use crate::cli::{DeviceArg, UpArgs};
+use crate::launch::{Gang, LaunchSpec, Progress};
+use crate::rendezvous::StoreClient;
 use crate::runtime::engine::Engine;
+use crate::runtime::executor::Executor;
 use crate::runtime::gguf::Header;
 use crate::runtime::tokenizer::Tokenizer;
+use crate::runtime::worker::{Job, ReplicaDriver};
 use crate::serve::scheduler::Scheduler;
 use crate::serve::{AppState, router};
 use crate::ui::Printer;
 use crate::{ExitStatus, model};
 
-/// Runs `infer up`. Errors: a model that does not load, an address that cannot be bound.
+/// Runs `infer up`. Errors: bad flags, a model that does not load, an address that cannot
+/// be bound, a rank that fails (named, with its last log lines).
 pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     let started = Instant::now();
+    if args.tp == 0 || args.pp == 0 {
+        bail!("--tp and --pp must be at least 1");
+    }
+    if args.device == DeviceArg::Cuda {
+        bail!(
+            "--device cuda: this build has no CUDA backend yet; run CPU ranks with `--device cpu`"
+        );
+    }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
+    let model_id = model_id(&path);
+    if args.tp * args.pp > 1 {
+        return launch(args, &path, &model_id, started, printer);
+    }
     let engine = Engine::load(&path, args.threads)?;
     let tokenizer = if path.is_dir() {
         Tokenizer::from_dir(&path)?
     } else {
         Tokenizer::from_gguf(&Header::read_file(&path)?)?
     };
-    let model_id = path.file_stem().map_or_else(
-        || path.display().to_string(),
-        |s| s.to_string_lossy().into_owned(),
-    );
     let max_context_tokens = engine.model.config.max_context_tokens;
-    let scheduler = Scheduler::start(engine, args.max_batch);
     let state = Arc::new(AppState {
-        scheduler,
+        scheduler: Scheduler::start(engine, args.max_batch),
         model_id: model_id.clone(),
         tokenizer,
         max_context_tokens,
         api_key: args.api_key.clone(),
     });
+    serve_http(state, &args.host, args.port, &mut |address| {
+        printer.note(&format!(
+            "serving `{model_id}` on http://{address} (ready in {:.2} s); Ctrl-C stops",
+            started.elapsed().as_secs_f64()
+        ));
+        Ok(())
+    })?;
+    printer.note("stopped");
+    Ok(ExitStatus::Success)
+}
+
+/// The id `/v1/models` lists for the model at `path`: its file stem.
+fn model_id(path: &std::path::Path) -> String {
+    path.file_stem().map_or_else(
+        || path.display().to_string(),
+        |s| s.to_string_lossy().into_owned(),
+    )
+}
+
+/// Launches `tp × pp` rank processes whose rank 0 serves, and watches them.
+fn launch(
+    args: &UpArgs,
+    path: &std::path::Path,
+    model_id: &str,
+    started: Instant,
+    printer: &Printer,
+) -> Result<ExitStatus> {
+    if path.is_dir() {
+        bail!(
+            "--tp/--pp run GGUF models for now; `{}` is a directory",
+            path.display()
+        );
+    }
+    let world = args.tp * args.pp;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut extra_env = vec![
+        ("INFER_HTTP_HOST".to_string(), args.host.clone()),
+        ("INFER_HTTP_PORT".to_string(), args.port.to_string()),
+        ("INFER_MAX_BATCH".to_string(), args.max_batch.to_string()),
+        ("INFER_MODEL_ID".to_string(), model_id.to_string()),
+    ];
+    if let Some(key) = &args.api_key {
+        extra_env.push(("INFER_API_KEY".to_string(), key.clone()));
+    }
+    let spec = LaunchSpec {
+        tp: args.tp,
+        pp: args.pp,
+        model: path.to_path_buf(),
+        threads_per_rank: if args.threads > 0 {
+            args.threads
+        } else {
+            (cores / world).max(1)
+        },
+        timeout: Duration::from_secs(60),
+        extra_env,
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    watch_signals(Arc::clone(&stop))?;
+    let mut gang = Gang::start(&spec, &Job::Serve)?;
+    let mut report = |progress: Progress| report_progress(printer, &progress, true);
+    report(gang.started());
+    let is_stopped = || stop.load(Ordering::SeqCst);
+    let Some(address) = gang.wait_for("ready", &is_stopped, &mut report)? else {
+        gang.stop();
+        printer.note("stopped before the ranks were ready");
+        return Ok(ExitStatus::Success);
+    };
+    let address = String::from_utf8_lossy(&address).into_owned();
+    gang.write_manifest(&spec, Some(&format!("http://{address}")))?;
+    printer.note(&format!(
+        "serving `{model_id}` on http://{address} with {world} ranks (tp {} × pp {}), ready in {:.2} s; Ctrl-C stops",
+        args.tp,
+        args.pp,
+        started.elapsed().as_secs_f64()
+    ));
+    // Serve until told to stop; the gang's rank 0 never sets this key.
+    gang.wait_for("never", &is_stopped, &mut report)?;
+    gang.stop();
+    printer.note("stopped");
+    Ok(ExitStatus::Success)
+}
+
+/// One line per milestone; rank output prefixed with `[rank N]` when `echo_ranks`.
+pub fn report_progress(printer: &Printer, progress: &Progress, echo_ranks: bool) {
+    match progress {
+        Progress::Started {
+            world_size,
+            run_dir,
+            pids,
+        } => printer.note(&format!(
+            "started {world_size} ranks (pids {}); logs and manifest.json in {}",
+            pids.iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            run_dir.display()
+        )),
+        Progress::Loaded { loaded, world_size } if loaded == world_size => {
+            printer.note(&format!("{loaded}/{world_size} ranks loaded their shard"))
+        }
+        Progress::Loaded { .. } => {}
+        Progress::RankLine { rank, line } if echo_ranks => {
+            let line = line.strip_prefix("note: ").unwrap_or(line);
+            printer.note(&format!("[rank {rank}] {line}"))
+        }
+        Progress::RankLine { .. } => {}
+    }
+}
+
+/// Sets `stop` on SIGINT or SIGTERM (a thread with its own small runtime).
+fn watch_signals(stop: Arc<AtomicBool>) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("failed to start the signal watcher")?;
+    let mut terminate = runtime
+        .block_on(async {
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        })
+        .context("cannot watch SIGTERM")?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            runtime.block_on(async {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = terminate.recv() => {}
+                }
+            });
+            stop.store(true, Ordering::SeqCst);
+        })
+        .context("failed to start the signal watcher")?;
+    Ok(())
+}
+
+/// Rank 0 of a serving replica: runs the scheduler over `driver`, binds the HTTP server at
+/// `INFER_HTTP_HOST:INFER_HTTP_PORT`, publishes the bound address under `ready` in the
+/// store, and serves until SIGTERM (from the launcher) or until the replica fails.
+///
+/// Errors: a missing `INFER_HTTP_*` variable, an address that cannot be bound, a failed
+/// replica (a lost rank).
+pub fn serve_driver(driver: ReplicaDriver, store: &mut StoreClient) -> Result<()> {
+    let var = |name: &str| {
+        std::env::var(name).with_context(|| format!("`{name}` is not set by the launcher"))
+    };
+    let host = var("INFER_HTTP_HOST")?;
+    let port: u16 = var("INFER_HTTP_PORT")?
+        .parse()
+        .context("INFER_HTTP_PORT is not a port")?;
+    let max_batch: usize = var("INFER_MAX_BATCH")?
+        .parse()
+        .context("INFER_MAX_BATCH is not a number")?;
+    let state = Arc::new(AppState {
+        model_id: var("INFER_MODEL_ID")?,
+        tokenizer: driver.tokenizer().clone(),
+        max_context_tokens: driver.max_context_tokens(),
+        api_key: std::env::var("INFER_API_KEY").ok(),
+        scheduler: Scheduler::start_with(Box::new(driver), max_batch),
+    });
+    serve_http(state, &host, port, &mut |address| {
+        store.set("ready", address.to_string().as_bytes())
+    })
+}
+
+/// Binds `host:port`, calls `on_ready` with the bound address, and serves `state` until
+/// Ctrl-C, SIGTERM, or a failure of the scheduler's executor.
+///
+/// Errors: the address cannot be bound, `on_ready` fails, the executor failed.
+fn serve_http(
+    state: Arc<AppState>,
+    host: &str,
+    port: u16,
+    on_ready: &mut dyn FnMut(SocketAddr) -> Result<()>,
+) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("failed to start the HTTP runtime")?;
+    let mut failure = state.scheduler.failure.clone();
     runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        let listener = tokio::net::TcpListener::bind((host, port))
             .await
-            .with_context(|| {
-                format!(
-                    "cannot listen on {}:{} (in use? try `--port`)",
-                    args.host, args.port
-                )
-            })?;
-        let address = listener.local_addr()?;
-        printer.note(&format!(
-            "serving `{model_id}` on http://{address} (ready in {:.2} s); Ctrl-C stops",
-            started.elapsed().as_secs_f64()
-        ));
+            .with_context(|| format!("cannot listen on {host}:{port} (in use? try `--port`)"))?;
+        on_ready(listener.local_addr()?)?;
+        let failed = Arc::new(std::sync::Mutex::new(None::<String>));
+        let failed_in_shutdown = Arc::clone(&failed);
         axum::serve(listener, router(state))
-            .with_graceful_shutdown(async {
+            .with_graceful_shutdown(async move {
                 let mut terminate =
                     tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
                 let sigterm = async {
@@ -69,14 +254,31 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
                         None => std::future::pending::<()>().await,
                     }
                 };
+                let engine_failed = async {
+                    loop {
+                        if let Some(error) = failure.borrow_and_update().clone() {
+                            return error;
+                        }
+                        if failure.changed().await.is_err() {
+                            return "the scheduler stopped".to_string();
+                        }
+                    }
+                };
                 tokio::select! {
                     _ = tokio::signal::ctrl_c() => {}
                     _ = sigterm => {}
+                    error = engine_failed => {
+                        if let Ok(mut slot) = failed_in_shutdown.lock() {
+                            *slot = Some(error);
+                        }
+                    }
                 }
             })
             .await
-            .context("the HTTP server failed")
-    })?;
-    printer.note("stopped");
-    Ok(ExitStatus::Success)
+            .context("the HTTP server failed")?;
+        match failed.lock().ok().and_then(|mut slot| slot.take()) {
+            Some(error) => Err(anyhow!("the engine failed: {error}")),
+            None => Ok(()),
+        }
+    })
 }

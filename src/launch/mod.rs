@@ -32,6 +32,9 @@ pub struct LaunchSpec {
     pub threads_per_rank: usize,
     /// Timeout of collectives and store waits inside the ranks.
     pub timeout: Duration,
+    /// Extra environment of every rank (`INFER_HTTP_*` for a serving rank 0), set after
+    /// the standard variables.
+    pub extra_env: Vec<(String, String)>,
 }
 
 /// A started rank.
@@ -39,71 +42,243 @@ struct RankProcess {
     rank: usize,
     child: Child,
     log: PathBuf,
+    /// The environment it was given, for the manifest (the run token left out).
+    env: Vec<(String, String)>,
+}
+
+/// What the launcher reports while it watches the gang.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Progress {
+    /// Every rank process has been started.
+    Started {
+        world_size: usize,
+        run_dir: PathBuf,
+        pids: Vec<u32>,
+    },
+    /// `loaded` of `world_size` ranks have loaded their shard and joined their groups.
+    Loaded { loaded: usize, world_size: usize },
+    /// A line a rank wrote to its stdout or stderr.
+    RankLine { rank: usize, line: String },
+}
+
+/// A gang of local rank processes, the rendezvous store they meet at and the run directory
+/// with their logs and `manifest.json`. Dropping it stops every rank that is still running.
+pub struct Gang {
+    ranks: Vec<RankProcess>,
+    server: StoreServer,
+    client: StoreClient,
+    run_dir: PathBuf,
+    lines: std::sync::mpsc::Receiver<(usize, String)>,
+    world_size: usize,
+    loaded: usize,
+}
+
+impl Gang {
+    /// Starts `spec.tp × spec.pp` rank processes with `job`, all or none: when one fails to
+    /// start, those already started are stopped.
+    ///
+    /// Errors: the store, the run directory or a rank process cannot start.
+    pub fn start(spec: &LaunchSpec, job: &Job) -> Result<Gang> {
+        let world = spec.tp * spec.pp;
+        let token = random_token();
+        let server = StoreServer::start("127.0.0.1:0", &token)?;
+        let run_dir = tempfile::Builder::new()
+            .prefix("infer-run-")
+            .tempdir()
+            .context("cannot create a run directory")?
+            .keep();
+        let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+        let (line_sender, lines) = std::sync::mpsc::channel();
+        let mut ranks = Vec::with_capacity(world);
+        for rank in 0..world {
+            match spawn_rank(
+                &exe,
+                rank,
+                world,
+                spec,
+                &server,
+                &token,
+                &run_dir,
+                &line_sender,
+            ) {
+                Ok(process) => ranks.push(process),
+                Err(error) => {
+                    stop_gang(&mut ranks);
+                    return Err(error);
+                }
+            }
+        }
+        let mut client = StoreClient::connect(
+            &server.address().to_string(),
+            &token,
+            None,
+            Duration::from_secs(10),
+        )?;
+        client.set("job", &serde_json::to_vec(job)?)?;
+        let gang = Gang {
+            ranks,
+            server,
+            client,
+            run_dir,
+            lines,
+            world_size: world,
+            loaded: 0,
+        };
+        gang.write_manifest(spec, None)?;
+        Ok(gang)
+    }
+
+    /// The run directory (rank logs, `manifest.json`).
+    pub fn run_dir(&self) -> &Path {
+        &self.run_dir
+    }
+
+    /// The [`Progress::Started`] report of this gang.
+    pub fn started(&self) -> Progress {
+        Progress::Started {
+            world_size: self.world_size,
+            run_dir: self.run_dir.clone(),
+            pids: self.ranks.iter().map(|r| r.child.id()).collect(),
+        }
+    }
+
+    /// Writes `manifest.json` in the run directory: the spec, every rank's pid, log and
+    /// environment (the run token left out), the store address, and `serving` once known.
+    ///
+    /// Errors: the file cannot be written.
+    pub fn write_manifest(&self, spec: &LaunchSpec, serving: Option<&str>) -> Result<()> {
+        let ranks: Vec<serde_json::Value> = self
+            .ranks
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "rank": r.rank,
+                    "pid": r.child.id(),
+                    "log": r.log,
+                    "env": r
+                        .env
+                        .iter()
+                        .map(|(k, v)| {
+                            // Secrets stay out of the manifest.
+                            let secret = k.contains("KEY") || k.contains("TOKEN");
+                            (k.clone(), if secret { "<redacted>".to_string() } else { v.clone() })
+                        })
+                        .collect::<std::collections::BTreeMap<_, _>>(),
+                })
+            })
+            .collect();
+        let manifest = serde_json::json!({
+            "tp": spec.tp,
+            "pp": spec.pp,
+            "world_size": self.world_size,
+            "model": spec.model,
+            "threads_per_rank": spec.threads_per_rank,
+            "store": self.server.address().to_string(),
+            "launcher_pid": std::process::id(),
+            "serving": serving,
+            "ranks": ranks,
+        });
+        let path = self.run_dir.join("manifest.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(&manifest)?)
+            .with_context(|| format!("cannot write `{}`", path.display()))
+    }
+
+    /// Watches the gang until the driver sets `key` in the store and returns its value, or
+    /// until `stop()` is true (`None`). `progress` hears rank output lines and loading
+    /// milestones as they come.
+    ///
+    /// Errors: a rank that exited unsuccessfully or stopped heartbeating (named, with its
+    /// exit status and last log lines), every rank gone without `key`. The caller stops the
+    /// gang (or drops it).
+    pub fn wait_for(
+        &mut self,
+        key: &str,
+        stop: &dyn Fn() -> bool,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<Option<Vec<u8>>> {
+        loop {
+            while let Ok((rank, line)) = self.lines.try_recv() {
+                progress(Progress::RankLine { rank, line });
+            }
+            if self.loaded < self.world_size {
+                let loaded = self.client.add("barrier/loaded/count", 0)?.max(0) as usize;
+                if loaded > self.loaded {
+                    self.loaded = loaded;
+                    progress(Progress::Loaded {
+                        loaded,
+                        world_size: self.world_size,
+                    });
+                }
+            }
+            check_ranks(&mut self.ranks, &self.server)?;
+            if stop() {
+                return Ok(None);
+            }
+            match self.client.get(key, Duration::from_millis(50)) {
+                Ok(bytes) => return Ok(Some(bytes)),
+                Err(error) if error.to_string().contains("timed out") => {}
+                Err(error) => return Err(error),
+            }
+            if self
+                .ranks
+                .iter_mut()
+                .all(|r| matches!(r.child.try_wait(), Ok(Some(_))))
+            {
+                // Name a failed rank if there is one (it may have exited since the check).
+                check_ranks(&mut self.ranks, &self.server)?;
+                return Err(anyhow!("every rank exited without `{key}`"));
+            }
+        }
+    }
+
+    /// Gives the ranks up to [`GRACE_PERIOD`] to exit on their own, then stops the rest.
+    pub fn finish(&mut self) {
+        let deadline = Instant::now() + GRACE_PERIOD;
+        while Instant::now() < deadline
+            && self
+                .ranks
+                .iter_mut()
+                .any(|r| matches!(r.child.try_wait(), Ok(None)))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.stop();
+    }
+
+    /// Stops every live rank (SIGTERM to its process group, SIGKILL after
+    /// [`GRACE_PERIOD`]) and reaps them all.
+    pub fn stop(&mut self) {
+        stop_gang(&mut self.ranks);
+    }
+}
+
+impl Drop for Gang {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 /// Runs one generation on `tp × pp` local rank processes and returns the driver's result.
-/// `progress` receives one line per milestone (ranks started, result).
+/// `progress` hears the milestones (ranks started, shards loaded).
 ///
 /// Errors: a rank that fails or stops heartbeating (after every rank has been stopped), a
 /// store that cannot start.
 pub fn run_generation(
     spec: &LaunchSpec,
     job: &Job,
-    progress: &mut dyn FnMut(&str),
+    progress: &mut dyn FnMut(Progress),
 ) -> Result<Generation> {
-    let world = spec.tp * spec.pp;
-    let token = random_token();
-    let server = StoreServer::start("127.0.0.1:0", &token)?;
-    let run_dir = tempfile::Builder::new()
-        .prefix("infer-run-")
-        .tempdir()
-        .context("cannot create a run directory")?
-        .keep();
-    let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
-    let mut ranks = Vec::with_capacity(world);
-    for rank in 0..world {
-        match spawn_rank(&exe, rank, world, spec, &server, &token, &run_dir) {
-            Ok(process) => ranks.push(process),
-            Err(error) => {
-                stop_gang(&mut ranks);
-                return Err(error);
-            }
-        }
-    }
-    let pids: Vec<String> = ranks
-        .iter()
-        .map(|r| format!("rank {} pid {}", r.rank, r.child.id()))
-        .collect();
-    progress(&format!(
-        "started {world} ranks ({}); logs in {}",
-        pids.join(", "),
-        run_dir.display()
-    ));
-    let mut client = StoreClient::connect(
-        &server.address().to_string(),
-        &token,
-        None,
-        Duration::from_secs(10),
-    )?;
-    client.set("job", &serde_json::to_vec(job)?)?;
-    let result = monitor(&mut ranks, &server, &mut client);
-    if result.is_err() {
-        stop_gang(&mut ranks);
-    } else {
-        // The ranks exit on their own after the last step; do not wait forever.
-        let deadline = Instant::now() + GRACE_PERIOD;
-        while Instant::now() < deadline
-            && ranks
-                .iter_mut()
-                .any(|r| matches!(r.child.try_wait(), Ok(None)))
-        {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        stop_gang(&mut ranks);
-    }
-    result
+    let mut gang = Gang::start(spec, job)?;
+    progress(gang.started());
+    let bytes = gang
+        .wait_for("result", &|| false, progress)?
+        .ok_or_else(|| anyhow!("the generation was stopped"))?;
+    // The ranks exit on their own after the last step; do not wait forever.
+    gang.finish();
+    serde_json::from_slice(&bytes).context("the driver wrote a malformed result")
 }
 
+#[allow(clippy::too_many_arguments)]
 fn spawn_rank(
     exe: &Path,
     rank: usize,
@@ -112,40 +287,121 @@ fn spawn_rank(
     server: &StoreServer,
     token: &str,
     run_dir: &Path,
+    lines: &std::sync::mpsc::Sender<(usize, String)>,
 ) -> Result<RankProcess> {
     let log = run_dir.join(format!("rank{rank}.log"));
     let file = File::create(&log).with_context(|| format!("cannot create `{}`", log.display()))?;
+    let mut env: Vec<(String, String)> = vec![
+        ("RANK".into(), rank.to_string()),
+        ("WORLD_SIZE".into(), world.to_string()),
+        ("LOCAL_RANK".into(), rank.to_string()),
+        ("LOCAL_WORLD_SIZE".into(), world.to_string()),
+        ("MASTER_ADDR".into(), server.address().ip().to_string()),
+        ("MASTER_PORT".into(), server.address().port().to_string()),
+        ("INFER_TP".into(), spec.tp.to_string()),
+        ("INFER_PP".into(), spec.pp.to_string()),
+        ("INFER_MODEL".into(), spec.model.display().to_string()),
+        ("INFER_THREADS".into(), spec.threads_per_rank.to_string()),
+        (
+            "INFER_TIMEOUT_SECS".into(),
+            spec.timeout.as_secs().to_string(),
+        ),
+        // CPU ranks: no GPU is visible.
+        ("CUDA_VISIBLE_DEVICES".into(), String::new()),
+        ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
+        ("NO_COLOR".into(), "1".into()),
+    ];
+    env.extend(spec.extra_env.iter().cloned());
     let mut command = Command::new(exe);
     command
         .arg("rank")
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("HOME", std::env::var_os("HOME").unwrap_or_default())
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
-        .env("LOCAL_RANK", rank.to_string())
-        .env("LOCAL_WORLD_SIZE", world.to_string())
-        .env("MASTER_ADDR", server.address().ip().to_string())
-        .env("MASTER_PORT", server.address().port().to_string())
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .env("INFER_RUN_TOKEN", token)
-        .env("INFER_TP", spec.tp.to_string())
-        .env("INFER_PP", spec.pp.to_string())
-        .env("INFER_MODEL", &spec.model)
-        .env("INFER_THREADS", spec.threads_per_rank.to_string())
-        .env("INFER_TIMEOUT_SECS", spec.timeout.as_secs().to_string())
-        // CPU ranks: no GPU is visible.
-        .env("CUDA_VISIBLE_DEVICES", "")
-        .env("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-        .env("NO_COLOR", "1")
         .stdin(Stdio::null())
-        .stdout(file.try_clone()?)
-        .stderr(file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         // Its own process group, so stopping the gang reaches anything the rank starts.
         .process_group(0);
-    let child = command
+    // SAFETY: `set_parent_process_death_signal` is one prctl(2) call, async-signal-safe,
+    // allowed between fork and exec; it allocates nothing and touches no lock.
+    unsafe {
+        command.pre_exec(|| {
+            // If the launcher dies (even by SIGKILL), the kernel kills the rank: no orphans.
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+                .map_err(std::io::Error::from)
+        });
+    }
+    let mut child = command
         .spawn()
         .with_context(|| format!("failed to start rank {rank}"))?;
-    Ok(RankProcess { rank, child, log })
+    // Copy each output line to the log file and to the launcher.
+    let log_file = std::sync::Arc::new(std::sync::Mutex::new(file));
+    let outputs: [Option<Box<dyn std::io::Read + Send>>; 2] = [
+        child
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        child
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+    ];
+    for output in outputs.into_iter().flatten() {
+        let (log_file, lines) = (std::sync::Arc::clone(&log_file), lines.clone());
+        std::thread::spawn(move || {
+            use std::io::{BufRead, Write};
+            for line in std::io::BufReader::new(output).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(mut file) = log_file.lock() {
+                    let _ = writeln!(file, "{line}");
+                }
+                let _ = lines.send((rank, line));
+            }
+        });
+    }
+    Ok(RankProcess {
+        rank,
+        child,
+        log,
+        env,
+    })
+}
+
+/// Fails when a rank has exited unsuccessfully or stopped heartbeating, naming it.
+fn check_ranks(ranks: &mut [RankProcess], server: &StoreServer) -> Result<()> {
+    // Every rank that failed since the last look; the one killed by a signal is the
+    // cause, the others usually its casualties (they lost their peer).
+    let mut failed = failed_ranks(ranks)?;
+    if !failed.is_empty() && !failed.iter().any(|(signalled, ..)| *signalled) {
+        // A casualty can notice its lost peer before the kernel has reaped the killed
+        // rank; give the cause a moment to show up so the error names it.
+        std::thread::sleep(Duration::from_millis(300));
+        failed = failed_ranks(ranks)?;
+    }
+    if let Some((_, rank, status, log)) = failed
+        .iter()
+        .max_by_key(|(signalled, rank, ..)| (*signalled, std::cmp::Reverse(*rank)))
+    {
+        // Let the output threads flush the last lines into the log.
+        std::thread::sleep(Duration::from_millis(50));
+        bail!(
+            "rank {rank} exited with {status}; last lines of `{}`:\n{}",
+            log.display(),
+            last_lines(log, 8)
+        );
+    }
+    for (rank, age) in server.heartbeat_ages() {
+        if age > HEARTBEAT_TIMEOUT {
+            bail!(
+                "rank {rank} stopped heartbeating {:.1} s ago",
+                age.as_secs_f64()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Every rank that has exited unsuccessfully: (killed by a signal, rank, status, log path).
@@ -167,57 +423,6 @@ fn failed_ranks(
         }
     }
     Ok(failed)
-}
-
-/// Waits for the driver's result while watching every rank.
-fn monitor(
-    ranks: &mut [RankProcess],
-    server: &StoreServer,
-    client: &mut StoreClient,
-) -> Result<Generation> {
-    loop {
-        // Every rank that failed since the last look; the one killed by a signal is the
-        // cause, the others usually its casualties (they lost their peer).
-        let mut failed = failed_ranks(ranks)?;
-        if !failed.is_empty() && !failed.iter().any(|(signalled, ..)| *signalled) {
-            // A casualty can notice its lost peer before the kernel has reaped the killed
-            // rank; give the cause a moment to show up so the error names it.
-            std::thread::sleep(Duration::from_millis(300));
-            failed = failed_ranks(ranks)?;
-        }
-        if let Some((_, rank, status, log)) = failed
-            .iter()
-            .max_by_key(|(signalled, rank, ..)| (*signalled, std::cmp::Reverse(*rank)))
-        {
-            bail!(
-                "rank {rank} exited with {status}; last lines of `{}`:\n{}",
-                log.display(),
-                last_lines(log, 8)
-            );
-        }
-        for (rank, age) in server.heartbeat_ages() {
-            if age > HEARTBEAT_TIMEOUT {
-                bail!(
-                    "rank {rank} stopped heartbeating {:.1} s ago",
-                    age.as_secs_f64()
-                );
-            }
-        }
-        match client.get("result", Duration::from_millis(50)) {
-            Ok(bytes) => {
-                return serde_json::from_slice(&bytes)
-                    .context("the driver wrote a malformed result");
-            }
-            Err(error) if error.to_string().contains("timed out") => {}
-            Err(error) => return Err(error),
-        }
-        if ranks
-            .iter_mut()
-            .all(|r| matches!(r.child.try_wait(), Ok(Some(_))))
-        {
-            return Err(anyhow!("every rank exited without a result"));
-        }
-    }
 }
 
 /// SIGTERM to every live rank's process group, then SIGKILL after [`GRACE_PERIOD`], and reap.

@@ -3,15 +3,15 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 
 use super::chat::{ChatMessage, render};
+use super::executor::LocalExecutor;
 use super::gguf::GgufFile;
-use super::llama::{Llama, SequenceInput};
-use super::sampling::{Sampler, SamplingParams};
+use super::llama::Llama;
+use super::sampling::SamplingParams;
 use super::tokenizer::Tokenizer;
 
 /// Why generation ended.
@@ -123,90 +123,13 @@ impl Engine {
         &self,
         prompt_tokens: &[u32],
         params: &SamplingParams,
-        on_text: &mut (dyn FnMut(&str) + Send),
+        on_text: &mut dyn FnMut(&str),
     ) -> Result<Generation> {
-        if prompt_tokens.is_empty() {
-            return Err(anyhow!("the prompt is empty"));
-        }
-        let max_context = self.model.config.max_context_tokens;
-        if prompt_tokens.len() >= max_context {
-            return Err(anyhow!(
-                "the prompt has {} tokens; the model's context is {max_context}",
-                prompt_tokens.len()
-            ));
-        }
-        self.install(|| {
-            let mut sampler = Sampler::new(params);
-            let mut cache = self.model.new_cache();
-            let mut stream = self.tokenizer.stream();
-            let mut text = String::new();
-            let mut tokens = Vec::new();
-            let start = Instant::now();
-            let mut logits = self.model.forward(&mut [SequenceInput {
-                tokens: prompt_tokens,
-                cache: &mut cache,
-                all_logits: false,
-            }])?;
-            let mut first_token_at = None;
-            let mut finish_reason = FinishReason::Length;
-            while tokens.len() < params.max_tokens {
-                let next = sampler.sample(&logits[0]);
-                first_token_at.get_or_insert_with(Instant::now);
-                if self.tokenizer.eos_ids.contains(&next) {
-                    finish_reason = FinishReason::Stop;
-                    break;
-                }
-                tokens.push(next);
-                let piece = stream.push(next)?;
-                text.push_str(&piece);
-                if let Some(cut) = params
-                    .stop
-                    .iter()
-                    .filter_map(|s| text.find(s.as_str()))
-                    .min()
-                {
-                    // Emit only what precedes the stop string.
-                    let emitted_before = text.len() - piece.len();
-                    if cut > emitted_before {
-                        on_text(&text[emitted_before..cut]);
-                    }
-                    text.truncate(cut);
-                    finish_reason = FinishReason::Stop;
-                    break;
-                }
-                on_text(&piece);
-                if tokens.len() >= params.max_tokens
-                    || prompt_tokens.len() + tokens.len() >= max_context
-                {
-                    break;
-                }
-                logits = self.model.forward(&mut [SequenceInput {
-                    tokens: &[next],
-                    cache: &mut cache,
-                    all_logits: false,
-                }])?;
-            }
-            let end = Instant::now();
-            let first = first_token_at.unwrap_or(end);
-            let prefill_secs = (first - start).as_secs_f64();
-            let decode_secs = (end - first).as_secs_f64();
-            let decode_steps = tokens.len().saturating_sub(1) as f64;
-            Ok(Generation {
-                prompt_tokens: prompt_tokens.to_vec(),
-                tokens,
-                text,
-                finish_reason,
-                timings: Timings {
-                    prefill_secs,
-                    decode_secs,
-                    prefill_tokens_per_sec: prompt_tokens.len() as f64 / prefill_secs.max(1e-9),
-                    decode_tokens_per_sec: if decode_steps > 0.0 {
-                        decode_steps / decode_secs.max(1e-9)
-                    } else {
-                        0.0
-                    },
-                },
-            })
-        })
+        super::executor::generate(
+            &mut LocalExecutor::new(self),
+            prompt_tokens,
+            params,
+            on_text,
+        )
     }
 }

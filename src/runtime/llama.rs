@@ -540,6 +540,45 @@ impl Llama {
         Ok(())
     }
 
+    /// Bytes of the matrices this shard uses, in their encodings: its layers' projections
+    /// and experts, the embedding on the first stage, the LM head on the last (once when tied).
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let experts: usize = l.moe.as_ref().map_or(0, |m| {
+                    m.router.size_bytes()
+                        + m.experts
+                            .iter()
+                            .flatten()
+                            .map(|e| e.gate.size_bytes() + e.up.size_bytes() + e.down.size_bytes())
+                            .sum::<usize>()
+                });
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|w| w.size_bytes())
+                    .sum::<usize>()
+                    + experts
+            })
+            .sum();
+        let embedding = if self.shard.is_first {
+            self.token_embedding.size_bytes()
+        } else {
+            0
+        };
+        let tied = std::ptr::eq(
+            self.output.row(0).as_ptr(),
+            self.token_embedding.row(0).as_ptr(),
+        );
+        let head = if self.shard.is_last && !(tied && self.shard.is_first) {
+            self.output.size_bytes()
+        } else {
+            0
+        };
+        layers + embedding + head
+    }
+
     /// A fresh cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.layers.len())

@@ -7,6 +7,7 @@
 pub mod chat;
 pub mod comm;
 pub mod engine;
+pub mod executor;
 pub mod gguf;
 pub mod llama;
 pub mod mathfn;

@@ -5,7 +5,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 /// How to pick tokens and when to stop.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 is greedy (argmax); otherwise logits are divided by it before softmax.
     pub temperature: f32,

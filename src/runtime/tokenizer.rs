@@ -21,6 +21,7 @@ const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
 const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A tokenizer with the model's special tokens and chat template.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Beginning-of-sequence token, when the model has one.
@@ -251,28 +252,27 @@ impl Tokenizer {
 
     /// A streaming decoder that never splits a UTF-8 character: each step yields the new text,
     /// or nothing while a character is incomplete.
-    pub fn stream(&self) -> TextStream<'_> {
-        TextStream {
-            tokenizer: self,
-            ids: Vec::new(),
-            emitted_bytes: 0,
-        }
+    pub fn stream(&self) -> TextStream {
+        TextStream::default()
     }
 }
 
-/// Incremental detokenization (see [`Tokenizer::stream`]).
-pub struct TextStream<'a> {
-    tokenizer: &'a Tokenizer,
+/// Incremental detokenization (see [`Tokenizer::stream`]). It holds no reference to the
+/// tokenizer, so it can live beside the owner of one.
+#[derive(Clone, Debug, Default)]
+pub struct TextStream {
     ids: Vec<u32>,
     emitted_bytes: usize,
 }
 
-impl TextStream<'_> {
+impl TextStream {
     /// Adds `id` and returns the text that became complete (possibly empty). A trailing
     /// U+FFFD means a character is still incomplete, so it is held back.
-    pub fn push(&mut self, id: u32) -> Result<String> {
+    ///
+    /// Errors: `tokenizer` cannot decode the ids.
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
-        let text = self.tokenizer.decode(&self.ids, true)?;
+        let text = tokenizer.decode(&self.ids, true)?;
         if text.ends_with('\u{FFFD}')
             || text.len() < self.emitted_bytes
             || !text.is_char_boundary(self.emitted_bytes)

@@ -42,6 +42,11 @@ impl std::fmt::Debug for Weight {
 }
 
 impl Weight {
+    /// Bytes of the matrix in its encoding.
+    pub fn size_bytes(&self) -> usize {
+        self.n_rows * self.row_bytes
+    }
+
     /// The 2-D tensor `name` of `file`. Errors: missing tensor, unsupported type (named), not 2-D.
     pub fn from_gguf(file: &Arc<GgufFile>, name: &str) -> Result<Weight> {
         let (info, range) = file.tensor_range(name)?;

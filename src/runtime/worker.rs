@@ -1,20 +1,24 @@
-//! One rank of a distributed generation: loads its shard, joins its TP, PP and replica
-//! groups through the rendezvous store, and runs steps. Only the driver (rank 0: tp 0,
-//! pp 0) decides what runs: each step it broadcasts the tokens to process to the replica;
-//! every rank runs its stage (PP stages pass hidden states with send/recv, TP ranks
-//! all-reduce); the last stage's tp-rank-0 samples and sends the token to the driver.
+//! One rank of a replica: loads its shard, joins its TP, PP and replica groups through the
+//! rendezvous store, and runs steps. Only the driver (rank 0: tp 0, pp 0) decides what
+//! runs: each step it broadcasts the batch (sequence ids, new tokens, sampling parameters
+//! of new sequences, sequences to release) to the replica; every rank runs its stage with
+//! its own KV caches (PP stages pass hidden states with send/recv, TP ranks all-reduce);
+//! the last stage's tp rank 0 samples and sends the tokens to the driver. The driver is an
+//! [`Executor`], so `infer generate` and the serving scheduler drive a replica exactly as
+//! they drive a local engine.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
 use super::comm::{Comm, TcpComm};
-use super::engine::{FinishReason, Generation, Timings};
+use super::executor::{Executor, Sampled, StepEntry, generate, sample};
 use super::gguf::GgufFile;
-use super::llama::{Llama, SequenceInput, StageOutput};
+use super::llama::{KvCache, Llama, SequenceInput, StageOutput};
 use super::sampling::{Sampler, SamplingParams};
 use super::tokenizer::Tokenizer;
 use crate::rendezvous::StoreClient;
@@ -37,21 +41,29 @@ pub struct RankConfig {
 
 /// The job the launcher publishes under `job`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Job {
-    pub prompt_tokens: Vec<u32>,
-    pub temperature: f32,
-    pub top_k: usize,
-    pub top_p: f32,
-    pub seed: Option<u64>,
-    pub max_tokens: usize,
-    pub stop: Vec<String>,
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Job {
+    /// Generate once from `prompt_tokens`; the driver stores the [`Generation`](super::engine::Generation) under `result`.
+    Generate {
+        prompt_tokens: Vec<u32>,
+        params: SamplingParams,
+    },
+    /// Serve until stopped: the driver hands itself to the serving callback of [`run_rank`].
+    Serve,
 }
 
-/// One step the driver broadcasts.
+/// What the driver broadcasts to its replica.
 #[derive(Serialize, Deserialize)]
-struct Step {
-    tokens: Vec<u32>,
-    done: bool,
+enum Message {
+    /// Run these entries (after dropping the released sequences).
+    Step {
+        entries: Vec<StepEntry>,
+        release: Vec<u64>,
+    },
+    /// Nothing to run; the driver is alive.
+    Idle,
+    /// The job is over; exit.
+    Done,
 }
 
 /// The first layer and layer count of pipeline stage `stage` of `pp` over `n_layers`: an
@@ -62,21 +74,19 @@ pub fn stage_layers(n_layers: usize, pp: usize, stage: usize) -> (usize, usize) 
     (first, base + usize::from(stage < extra))
 }
 
-/// Runs one rank to completion. The driver writes the [`Generation`] as JSON under `result`.
+/// Runs one rank until its job is over. Rank 0 (the driver) runs a [`Job::Generate`] itself
+/// and stores the [`Generation`](super::engine::Generation) as JSON under `result`; for [`Job::Serve`] it calls `serve`
+/// with its [`ReplicaDriver`] and the store, and the job lasts as long as `serve` does. The
+/// other ranks follow the driver's steps.
 ///
 /// Errors: a shard that cannot be built, a peer that disappears or times out (named by the
-/// collectives), a store that cannot be reached.
-pub fn run_rank(config: &RankConfig) -> Result<()> {
-    let (tp, pp) = (config.tp, config.pp);
-    let rank = config.rank as usize;
-    if tp * pp != config.world_size as usize {
-        bail!("WORLD_SIZE={} but tp×pp = {}", config.world_size, tp * pp);
-    }
-    let (tp_rank, pp_rank) = (rank % tp, rank / tp);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(config.threads)
-        .build()
-        .map_err(|e| anyhow!("thread pool: {e}"))?;
+/// collectives), a store that cannot be reached, an error of `serve`.
+pub fn run_rank(
+    config: &RankConfig,
+    log: &mut dyn FnMut(&str),
+    serve: &mut dyn FnMut(ReplicaDriver, &mut StoreClient) -> Result<()>,
+) -> Result<()> {
+    let started = std::time::Instant::now();
     let mut store = StoreClient::connect(
         &config.store_address,
         &config.token,
@@ -84,225 +94,278 @@ pub fn run_rank(config: &RankConfig) -> Result<()> {
         config.timeout,
     )?;
     let _heartbeat = store.start_heartbeat(Duration::from_millis(500))?;
-
-    let file = Arc::new(GgufFile::open(&config.model)?);
-    let whole = Llama::from_gguf(&file)?;
-    let (first_layer, n_layers) = stage_layers(whole.layers.len(), pp, pp_rank);
-    let shard = whole
-        .shard(tp_rank, tp, first_layer, n_layers)
-        .with_context(|| format!("rank {rank}: building its shard"))?;
-    drop(whole);
-
-    let tp_members: Vec<u64> = (0..tp).map(|t| (pp_rank * tp + t) as u64).collect();
-    let pp_members: Vec<u64> = (0..pp).map(|s| (s * tp + tp_rank) as u64).collect();
-    let all: Vec<u64> = (0..config.world_size).collect();
-    let host = "127.0.0.1";
-    let mut tp_comm = TcpComm::connect(
-        &mut store,
-        &format!("tp/{pp_rank}"),
-        &tp_members,
-        config.rank,
-        host,
-        config.timeout,
-    )?;
-    let mut pp_comm = TcpComm::connect(
-        &mut store,
-        &format!("pp/{tp_rank}"),
-        &pp_members,
-        config.rank,
-        host,
-        config.timeout,
-    )?;
-    let mut replica = TcpComm::connect(
-        &mut store,
-        "replica",
-        &all,
-        config.rank,
-        host,
-        config.timeout,
-    )?;
+    let (mut member, file) = Member::join(config, &mut store)?;
+    let info = member.shard.shard;
+    log(&format!(
+        "tp rank {}/{}, pp rank {}/{}: layers {}..{}, {:.1} MiB of weights, loaded and connected in {:.2} s",
+        info.tp_rank,
+        info.tp,
+        member.pp_rank,
+        member.pp,
+        info.first_layer,
+        info.first_layer + member.shard.layers.len(),
+        member.shard.weight_bytes() as f64 / (1 << 20) as f64,
+        started.elapsed().as_secs_f64()
+    ));
     store.barrier("loaded", config.world_size, config.timeout)?;
-
     let job: Job =
         serde_json::from_slice(&store.get("job", config.timeout)?).context("malformed job")?;
-    let params = SamplingParams {
-        temperature: job.temperature,
-        top_k: job.top_k,
-        top_p: job.top_p,
-        seed: job.seed,
-        max_tokens: job.max_tokens,
-        stop: job.stop.clone(),
-    };
-    let is_sampler = pp_rank == pp - 1 && tp_rank == 0;
-    let sampler_rank = (pp - 1) * tp;
-    let mut sampler = Sampler::new(&params);
-    let mut cache = shard.new_cache();
-    let driver = rank == 0;
-    let tokenizer = if driver {
-        Some(Tokenizer::from_gguf(&file.header)?)
-    } else {
-        None
-    };
-    let mut driver_state = DriverState::new(&job);
+    if config.rank != 0 {
+        return member.follow();
+    }
+    let tokenizer = Tokenizer::from_gguf(&file.header)?;
+    let mut driver = ReplicaDriver { member, tokenizer };
+    match job {
+        Job::Generate {
+            prompt_tokens,
+            params,
+        } => {
+            let generation = generate(&mut driver, &prompt_tokens, &params, &mut |_| {})?;
+            driver.finish()?;
+            store.set("result", &serde_json::to_vec(&generation)?)?;
+            Ok(())
+        }
+        Job::Serve => serve(driver, &mut store),
+    }
+}
 
-    pool.install(|| -> Result<()> {
-        loop {
-            // The driver decides the step; everyone learns it.
-            let mut message = if driver {
-                serde_json::to_vec(&driver_state.next_step())?
-            } else {
-                Vec::new()
-            };
-            replica.broadcast(&mut message, 0)?;
-            let step: Step = serde_json::from_slice(&message).context("malformed step")?;
-            if step.done {
-                break;
+/// One rank's part of a replica: its shard, its groups, and the per-sequence state it keeps
+/// between steps (KV caches; samplers on the sampling rank).
+pub struct Member {
+    rank: usize,
+    tp: usize,
+    pp_rank: usize,
+    pp: usize,
+    shard: Llama,
+    tp_comm: TcpComm,
+    pp_comm: TcpComm,
+    /// Every rank of the replica; the driver is its rank 0.
+    replica: TcpComm,
+    caches: HashMap<u64, KvCache>,
+    /// Only on the sampling rank (last stage, tp rank 0).
+    samplers: HashMap<u64, Sampler>,
+    pool: rayon::ThreadPool,
+    timeout: Duration,
+}
+
+impl Member {
+    /// Loads this rank's shard and connects its TP, PP and replica groups.
+    fn join(config: &RankConfig, store: &mut StoreClient) -> Result<(Member, Arc<GgufFile>)> {
+        let (tp, pp) = (config.tp, config.pp);
+        let rank = config.rank as usize;
+        if tp * pp != config.world_size as usize {
+            bail!("WORLD_SIZE={} but tp×pp = {}", config.world_size, tp * pp);
+        }
+        let (tp_rank, pp_rank) = (rank % tp, rank / tp);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(config.threads)
+            .build()
+            .map_err(|e| anyhow!("thread pool: {e}"))?;
+        let file = Arc::new(GgufFile::open(&config.model)?);
+        let whole = Llama::from_gguf(&file)?;
+        let (first_layer, n_layers) = stage_layers(whole.layers.len(), pp, pp_rank);
+        let shard = whole
+            .shard(tp_rank, tp, first_layer, n_layers)
+            .with_context(|| format!("rank {rank}: building its shard"))?;
+        drop(whole);
+
+        let tp_members: Vec<u64> = (0..tp).map(|t| (pp_rank * tp + t) as u64).collect();
+        let pp_members: Vec<u64> = (0..pp).map(|s| (s * tp + tp_rank) as u64).collect();
+        let all: Vec<u64> = (0..config.world_size).collect();
+        let host = "127.0.0.1";
+        let mut connect = |group: &str, members: &[u64]| {
+            TcpComm::connect(store, group, members, config.rank, host, config.timeout)
+        };
+        let tp_comm = connect(&format!("tp/{pp_rank}"), &tp_members)?;
+        let pp_comm = connect(&format!("pp/{tp_rank}"), &pp_members)?;
+        let replica = connect("replica", &all)?;
+        Ok((
+            Member {
+                rank,
+                tp,
+                pp_rank,
+                pp,
+                shard,
+                tp_comm,
+                pp_comm,
+                replica,
+                caches: HashMap::new(),
+                samplers: HashMap::new(),
+                pool,
+                timeout: config.timeout,
+            },
+            file,
+        ))
+    }
+
+    /// The rank that samples: the last stage's tp rank 0.
+    fn sampler_rank(&self) -> usize {
+        (self.pp - 1) * self.tp
+    }
+
+    /// Runs this rank's stage of one step; the sampling rank returns the sampled tokens.
+    fn run_step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
+        for seq in release {
+            self.caches.remove(seq);
+            self.samplers.remove(seq);
+        }
+        let is_sampler = self.rank == self.sampler_rank();
+        for entry in entries {
+            if let Some(params) = &entry.params {
+                self.caches.insert(entry.seq, self.shard.new_cache());
+                if is_sampler {
+                    self.samplers.insert(entry.seq, Sampler::new(params));
+                }
+            } else if !self.caches.contains_key(&entry.seq) {
+                bail!("rank {}: sequence {} is unknown", self.rank, entry.seq);
             }
-            let hidden_in = if pp_rank > 0 {
-                Some(bytes_to_f32(&pp_comm.recv(pp_rank - 1)?))
+        }
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let pp_rank = self.pp_rank;
+        let hidden_in = if pp_rank > 0 {
+            Some(bytes_to_f32(&self.pp_comm.recv(pp_rank - 1)?))
+        } else {
+            None
+        };
+        let mut caches: Vec<KvCache> = entries
+            .iter()
+            .map(|e| self.caches.remove(&e.seq).expect("checked above"))
+            .collect();
+        let output = {
+            let mut batch: Vec<SequenceInput<'_>> = entries
+                .iter()
+                .zip(caches.iter_mut())
+                .map(|(entry, cache)| SequenceInput {
+                    tokens: &entry.tokens,
+                    cache,
+                    all_logits: false,
+                })
+                .collect();
+            let comm: Option<&mut dyn Comm> = if self.tp > 1 {
+                Some(&mut self.tp_comm)
             } else {
                 None
             };
-            let mut batch = [SequenceInput {
-                tokens: &step.tokens,
-                cache: &mut cache,
-                all_logits: false,
-            }];
-            let comm: Option<&mut dyn Comm> = if tp > 1 { Some(&mut tp_comm) } else { None };
-            let output = shard.forward_stage(hidden_in.as_deref(), &mut batch, comm, None)?;
-            match output {
-                StageOutput::Hidden(hidden) => {
-                    pp_comm.send(pp_rank + 1, bytemuck::cast_slice(&hidden))?
-                }
-                StageOutput::Logits(logits) if is_sampler => {
-                    let token = sampler.sample(&logits[0]);
-                    if driver {
-                        driver_state.accept(
-                            token,
-                            tokenizer.as_ref().expect("the driver has a tokenizer"),
-                        )?;
-                    } else {
-                        replica.send(0, &token.to_le_bytes())?;
+            let shard = &self.shard;
+            self.pool
+                .install(|| shard.forward_stage(hidden_in.as_deref(), &mut batch, comm, None))
+        };
+        for (entry, cache) in entries.iter().zip(caches) {
+            self.caches.insert(entry.seq, cache);
+        }
+        match output? {
+            StageOutput::Hidden(hidden) => {
+                self.pp_comm
+                    .send(pp_rank + 1, bytemuck::cast_slice(&hidden))?;
+                Ok(Vec::new())
+            }
+            StageOutput::Logits(logits) if is_sampler => entries
+                .iter()
+                .zip(&logits)
+                .map(|(entry, logits)| {
+                    let sampler = self.samplers.get_mut(&entry.seq).ok_or_else(|| {
+                        anyhow!("rank {}: no sampler for sequence {}", self.rank, entry.seq)
+                    })?;
+                    Ok(sample(sampler, logits))
+                })
+                .collect(),
+            StageOutput::Logits(_) => Ok(Vec::new()),
+        }
+    }
+
+    /// A follower's loop: receive the driver's messages and run them until `Done`.
+    fn follow(&mut self) -> Result<()> {
+        let sampler_rank = self.sampler_rank();
+        loop {
+            let mut bytes = Vec::new();
+            self.replica.broadcast(&mut bytes, 0)?;
+            match serde_json::from_slice(&bytes).context("malformed message from the driver")? {
+                Message::Step { entries, release } => {
+                    let sampled = self.run_step(&entries, &release)?;
+                    if self.rank == sampler_rank {
+                        self.replica.send(0, &serde_json::to_vec(&sampled)?)?;
                     }
                 }
-                StageOutput::Logits(_) => {}
-            }
-            if driver && !is_sampler {
-                let bytes = replica.recv(sampler_rank)?;
-                let token = u32::from_le_bytes(
-                    bytes
-                        .as_slice()
-                        .try_into()
-                        .map_err(|_| anyhow!("malformed token from rank {sampler_rank}"))?,
-                );
-                driver_state.accept(
-                    token,
-                    tokenizer.as_ref().expect("the driver has a tokenizer"),
-                )?;
+                Message::Idle => {}
+                Message::Done => return Ok(()),
             }
         }
-        Ok(())
-    })?;
-    if driver {
-        store.set("result", &serde_json::to_vec(&driver_state.finish())?)?;
     }
-    Ok(())
 }
 
-/// The driver's view of the generation: what to run next, when to stop.
-struct DriverState {
-    job: Job,
-    tokens: Vec<u32>,
-    text: String,
-    finish_reason: Option<FinishReason>,
-    started: Instant,
-    first_token_at: Option<Instant>,
-    pending_prompt: bool,
-    decoded: Vec<u32>,
+/// Rank 0 of a replica: an [`Executor`] that broadcasts each step to the replica, runs its
+/// own stage and collects the sampled tokens from the sampling rank.
+pub struct ReplicaDriver {
+    member: Member,
+    tokenizer: Tokenizer,
 }
 
-impl DriverState {
-    fn new(job: &Job) -> DriverState {
-        DriverState {
-            job: job.clone(),
-            tokens: Vec::new(),
-            text: String::new(),
-            finish_reason: None,
-            started: Instant::now(),
-            first_token_at: None,
-            pending_prompt: true,
-            decoded: Vec::new(),
-        }
+impl ReplicaDriver {
+    fn broadcast(&mut self, message: &Message) -> Result<()> {
+        let mut bytes = serde_json::to_vec(message)?;
+        self.member.replica.broadcast(&mut bytes, 0)
     }
 
-    fn next_step(&mut self) -> Step {
-        if self.pending_prompt {
-            self.pending_prompt = false;
-            self.started = Instant::now();
-            return Step {
-                tokens: self.job.prompt_tokens.clone(),
-                done: false,
-            };
-        }
-        match (self.finish_reason, self.tokens.last()) {
-            (None, Some(&last)) => Step {
-                tokens: vec![last],
-                done: false,
-            },
-            _ => Step {
-                tokens: Vec::new(),
-                done: true,
-            },
-        }
+    /// Tells the other ranks that the job is over, so they exit. Errors: a lost peer.
+    pub fn finish(&mut self) -> Result<()> {
+        self.broadcast(&Message::Done)
     }
 
-    fn accept(&mut self, token: u32, tokenizer: &Tokenizer) -> Result<()> {
-        self.first_token_at.get_or_insert_with(Instant::now);
-        if tokenizer.eos_ids.contains(&token) {
-            self.finish_reason = Some(FinishReason::Stop);
-            return Ok(());
-        }
-        self.tokens.push(token);
-        self.decoded.push(token);
-        self.text = tokenizer.decode(&self.decoded, true)?;
-        if let Some(cut) = self
-            .job
-            .stop
-            .iter()
-            .filter_map(|s| self.text.find(s.as_str()))
-            .min()
-        {
-            self.text.truncate(cut);
-            self.finish_reason = Some(FinishReason::Stop);
-        } else if self.tokens.len() >= self.job.max_tokens {
-            self.finish_reason = Some(FinishReason::Length);
-        }
-        Ok(())
+    /// Ranks in the replica.
+    pub fn world_size(&self) -> usize {
+        self.member.replica.size()
     }
 
-    fn finish(self) -> Generation {
-        let end = Instant::now();
-        let first = self.first_token_at.unwrap_or(end);
-        let prefill_secs = (first - self.started).as_secs_f64();
-        let decode_secs = (end - first).as_secs_f64();
-        let steps = self.tokens.len().saturating_sub(1) as f64;
-        Generation {
-            prompt_tokens: self.job.prompt_tokens.clone(),
-            tokens: self.tokens,
-            text: self.text,
-            finish_reason: self.finish_reason.unwrap_or(FinishReason::Length),
-            timings: Timings {
-                prefill_secs,
-                decode_secs,
-                prefill_tokens_per_sec: self.job.prompt_tokens.len() as f64
-                    / prefill_secs.max(1e-9),
-                decode_tokens_per_sec: if steps > 0.0 {
-                    steps / decode_secs.max(1e-9)
-                } else {
-                    0.0
-                },
-            },
+    /// The timeout of every collective, which an idle driver must beat.
+    pub fn timeout(&self) -> Duration {
+        self.member.timeout
+    }
+}
+
+impl Executor for ReplicaDriver {
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
+        self.broadcast(&Message::Step {
+            entries: entries.to_vec(),
+            release: release.to_vec(),
+        })?;
+        let own = self.member.run_step(entries, release)?;
+        let sampler_rank = self.member.sampler_rank();
+        if sampler_rank == 0 {
+            return Ok(own);
         }
+        let bytes = self.member.replica.recv(sampler_rank)?;
+        let sampled: Vec<Sampled> = serde_json::from_slice(&bytes)
+            .with_context(|| format!("malformed tokens from rank {sampler_rank}"))?;
+        if sampled.len() != entries.len() {
+            bail!(
+                "rank {sampler_rank} returned {} tokens for {} sequences",
+                sampled.len(),
+                entries.len()
+            );
+        }
+        Ok(sampled)
+    }
+
+    fn idle(&mut self) -> Result<()> {
+        self.broadcast(&Message::Idle)
+    }
+
+    fn errors_are_fatal(&self) -> bool {
+        true
+    }
+
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    fn max_context_tokens(&self) -> usize {
+        self.member.shard.config.max_context_tokens
+    }
+
+    fn kv_cache_bytes(&self) -> usize {
+        self.member.caches.values().map(KvCache::bytes).sum()
     }
 }
 

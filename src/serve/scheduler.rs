@@ -6,13 +6,15 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use anyhow::Result;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::runtime::engine::{Engine, FinishReason};
-use crate::runtime::llama::{KvCache, SequenceInput};
-use crate::runtime::sampling::{Sampler, SamplingParams, logprob};
+use crate::runtime::executor::{Executor, LocalExecutor, StepEntry};
+use crate::runtime::sampling::SamplingParams;
+use crate::runtime::tokenizer::TextStream;
 
 /// A generation request.
 pub struct Request {
@@ -103,24 +105,57 @@ impl Histogram {
 pub struct Scheduler {
     sender: mpsc::Sender<Request>,
     pub metrics: Arc<Metrics>,
+    /// Becomes `Some(error)` when the executor failed for good (a replica lost a rank).
+    pub failure: tokio::sync::watch::Receiver<Option<String>>,
 }
 
 impl Scheduler {
     /// Starts the scheduling thread, which owns `engine`, with at most `max_batch`
     /// sequences running at once (others wait, in arrival order).
     pub fn start(engine: Engine, max_batch: usize) -> Scheduler {
+        Scheduler::spawn(max_batch, move |run| run(&mut LocalExecutor::new(&engine)))
+    }
+
+    /// Starts the scheduling thread over `executor` (a replica's driver).
+    pub fn start_with(executor: Box<dyn Executor + 'static>, max_batch: usize) -> Scheduler {
+        let mut executor = executor;
+        Scheduler::spawn(max_batch, move |run| run(executor.as_mut()))
+    }
+
+    /// Spawns the thread; `with_executor` makes the executor inside it and calls the loop.
+    fn spawn(
+        max_batch: usize,
+        with_executor: impl FnOnce(&mut dyn FnMut(&mut dyn Executor) -> Result<()>) -> Result<()>
+        + Send
+        + 'static,
+    ) -> Scheduler {
         let (sender, receiver) = mpsc::channel::<Request>();
         let metrics = Arc::new(Metrics::default());
+        let (failed, failure) = tokio::sync::watch::channel(None);
         let thread_metrics = Arc::clone(&metrics);
         std::thread::Builder::new()
             .name("scheduler".into())
-            .spawn(move || run(engine, receiver, max_batch.max(1), &thread_metrics))
+            .spawn(move || {
+                let result = with_executor(&mut |executor| {
+                    run(executor, &receiver, max_batch.max(1), &thread_metrics)
+                });
+                if let Err(error) = result {
+                    let _ = failed.send(Some(format!("{error:#}")));
+                }
+            })
             .expect("the scheduler thread starts");
-        Scheduler { sender, metrics }
+        Scheduler {
+            sender,
+            metrics,
+            failure,
+        }
     }
 
     /// Queues a request. Errors: the scheduler has stopped.
     pub fn submit(&self, request: Request) -> Result<(), String> {
+        if let Some(error) = self.failure.borrow().as_ref() {
+            return Err(format!("the engine has failed: {error}"));
+        }
         self.metrics.waiting.fetch_add(1, Ordering::SeqCst);
         self.metrics.requests_total.fetch_add(1, Ordering::SeqCst);
         self.sender
@@ -131,32 +166,66 @@ impl Scheduler {
 
 /// A running sequence.
 struct Running {
+    seq: u64,
     request: Request,
-    cache: KvCache,
-    sampler: Sampler,
+    /// Whether the executor has not seen this sequence yet.
+    new: bool,
     /// Tokens to feed at the next step (the prompt, then the last sampled token).
     pending: Vec<u32>,
     generated: Vec<u32>,
-    emitted_bytes: usize,
+    stream: TextStream,
     text: String,
     first_token_at: Option<Instant>,
     last_token_at: Instant,
 }
 
-fn run(engine: Engine, receiver: mpsc::Receiver<Request>, max_batch: usize, metrics: &Metrics) {
+/// The scheduling loop. Returns when every [`Scheduler`] handle is gone, or with the error
+/// of an executor whose errors are fatal.
+fn run(
+    executor: &mut dyn Executor,
+    receiver: &mpsc::Receiver<Request>,
+    max_batch: usize,
+    metrics: &Metrics,
+) -> Result<()> {
     let mut running: Vec<Running> = Vec::new();
-    let max_context = engine.model.config.max_context_tokens;
+    let mut release: Vec<u64> = Vec::new();
+    let mut next_seq = 0u64;
+    let max_context = executor.max_context_tokens();
+    let mut admit = |request: Request| {
+        metrics.waiting.fetch_sub(1, Ordering::SeqCst);
+        metrics
+            .prompt_tokens_total
+            .fetch_add(request.prompt_tokens.len() as u64, Ordering::SeqCst);
+        next_seq += 1;
+        Running {
+            seq: next_seq,
+            new: true,
+            pending: request.prompt_tokens.clone(),
+            generated: Vec::new(),
+            stream: TextStream::default(),
+            text: String::new(),
+            first_token_at: None,
+            last_token_at: Instant::now(),
+            request,
+        }
+    };
     loop {
-        // Admit: block when idle, otherwise take what is waiting.
-        if running.is_empty() {
-            match receiver.recv() {
-                Ok(request) => running.push(admit(&engine, request, metrics)),
-                Err(_) => return,
+        // Admit: wait when idle (telling the executor we are alive), otherwise take what is
+        // waiting.
+        while running.is_empty() {
+            if !release.is_empty() {
+                executor.step(&[], &release)?;
+                release.clear();
+            }
+            match receiver.recv_timeout(Duration::from_secs(1)) {
+                Ok(request) => running.push(admit(request)),
+                Err(mpsc::RecvTimeoutError::Timeout) => executor.idle()?,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
             }
         }
         while running.len() < max_batch {
             match receiver.try_recv() {
-                Ok(request) => running.push(admit(&engine, request, metrics)),
+                Ok(request) => running.push(admit(request)),
                 Err(_) => break,
             }
         }
@@ -164,30 +233,32 @@ fn run(engine: Engine, receiver: mpsc::Receiver<Request>, max_batch: usize, metr
             .running
             .store(running.len() as u64, Ordering::SeqCst);
 
-        let result = engine.install(|| {
-            let mut batch: Vec<SequenceInput<'_>> = running
-                .iter_mut()
-                .map(|r| SequenceInput {
-                    tokens: &r.pending,
-                    cache: &mut r.cache,
-                    all_logits: false,
-                })
-                .collect();
-            engine.model.forward(&mut batch)
-        });
-        let logits = match result {
-            Ok(logits) => logits,
+        let entries: Vec<StepEntry> = running
+            .iter_mut()
+            .map(|r| StepEntry {
+                seq: r.seq,
+                tokens: std::mem::take(&mut r.pending),
+                params: std::mem::take(&mut r.new).then(|| r.request.params.clone()),
+            })
+            .collect();
+        let sampled = match executor.step(&entries, &release) {
+            Ok(sampled) => sampled,
             Err(error) => {
                 for r in running.drain(..) {
                     let _ = r.request.events.send(Event::Error(format!("{error:#}")));
+                    release.push(r.seq);
+                }
+                if executor.errors_are_fatal() {
+                    return Err(error);
                 }
                 continue;
             }
         };
+        release.clear();
         let now = Instant::now();
         let mut finished = Vec::new();
-        for (index, (r, logits)) in running.iter_mut().zip(&logits).enumerate() {
-            let token = r.sampler.sample(logits);
+        for (index, (r, sampled)) in running.iter_mut().zip(&sampled).enumerate() {
+            let token = sampled.token;
             if r.first_token_at.is_none() {
                 r.first_token_at = Some(now);
                 metrics
@@ -197,28 +268,19 @@ fn run(engine: Engine, receiver: mpsc::Receiver<Request>, max_batch: usize, metr
                 metrics.tpot.observe((now - r.last_token_at).as_secs_f64());
             }
             r.last_token_at = now;
-            let eos = engine.tokenizer.eos_ids.contains(&token);
             let mut finish = None;
-            if eos {
+            if executor.tokenizer().eos_ids.contains(&token) {
                 finish = Some(FinishReason::Stop);
             } else {
                 r.generated.push(token);
                 metrics
                     .generation_tokens_total
                     .fetch_add(1, Ordering::SeqCst);
-                let piece = match engine.tokenizer.decode(&r.generated, true) {
-                    Ok(text)
-                        if !text.ends_with('\u{FFFD}')
-                            && text.is_char_boundary(r.emitted_bytes.min(text.len()))
-                            && text.len() >= r.emitted_bytes =>
-                    {
-                        let piece = text[r.emitted_bytes..].to_string();
-                        r.emitted_bytes = text.len();
-                        r.text = text;
-                        piece
-                    }
-                    _ => String::new(),
-                };
+                let piece = r
+                    .stream
+                    .push(executor.tokenizer(), token)
+                    .unwrap_or_default();
+                r.text.push_str(&piece);
                 let (piece, stopped) = match r
                     .request
                     .params
@@ -243,7 +305,7 @@ fn run(engine: Engine, receiver: mpsc::Receiver<Request>, max_batch: usize, metr
                 let sent = r.request.events.send(Event::Token {
                     id: token,
                     text: piece,
-                    logprob: logprob(logits, token),
+                    logprob: sampled.logprob,
                 });
                 if sent.is_err() {
                     finished.push(index);
@@ -270,33 +332,14 @@ fn run(engine: Engine, receiver: mpsc::Receiver<Request>, max_batch: usize, metr
             }
         }
         for index in finished.into_iter().rev() {
-            running.swap_remove(index);
+            release.push(running.swap_remove(index).seq);
         }
-        let kv_bytes: usize = running.iter().map(|r| r.cache.bytes()).sum();
         metrics
             .kv_cache_bytes
-            .store(kv_bytes as u64, Ordering::SeqCst);
+            .store(executor.kv_cache_bytes() as u64, Ordering::SeqCst);
         metrics
             .running
             .store(running.len() as u64, Ordering::SeqCst);
-    }
-}
-
-fn admit(engine: &Engine, request: Request, metrics: &Metrics) -> Running {
-    metrics.waiting.fetch_sub(1, Ordering::SeqCst);
-    metrics
-        .prompt_tokens_total
-        .fetch_add(request.prompt_tokens.len() as u64, Ordering::SeqCst);
-    Running {
-        cache: engine.model.new_cache(),
-        sampler: Sampler::new(&request.params),
-        pending: request.prompt_tokens.clone(),
-        generated: Vec::new(),
-        emitted_bytes: 0,
-        text: String::new(),
-        first_token_at: None,
-        last_token_at: Instant::now(),
-        request,
     }
 }
 

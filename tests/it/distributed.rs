@@ -52,7 +52,7 @@ fn every_layout_generates_the_single_process_tokens() {
     }
 }
 
-fn alive(pid: u32) -> bool {
+pub fn alive(pid: u32) -> bool {
     // A zombie has been reaped by nobody yet; the launcher reaps its ranks, so a live
     // `/proc/<pid>` that is not a zombie means a leftover process.
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
@@ -109,7 +109,7 @@ fn a_killed_rank_takes_the_gang_down_within_5_seconds() {
     assert!(elapsed < Duration::from_secs(5), "took {elapsed:?}");
     if !rest.contains("rank 2") {
         // Say everything: the launcher's output and every rank's log.
-        let run_dir = line.split("logs in ").nth(1).unwrap_or_default().trim();
+        let run_dir = line.rsplit(" in ").next().unwrap_or_default().trim();
         let logs: String = (0..3)
             .map(|r| {
                 let log = std::fs::read_to_string(format!("{run_dir}/rank{r}.log"));

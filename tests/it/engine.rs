@@ -183,7 +183,7 @@ fn tokenizer_round_trips_special_tokens_and_non_ascii() {
     let mut stream = tokenizer.stream();
     let mut streamed = String::new();
     for id in body_ids {
-        let piece = stream.push(id).expect("push");
+        let piece = stream.push(tokenizer, id).expect("push");
         assert!(
             !piece.contains('\u{FFFD}'),
             "piece {piece:?} splits a character"

@@ -1,7 +1,9 @@
-//! `infer up` as a real process driven by a real HTTP client (ureq): the OpenAI endpoints,
-//! SSE streaming, greedy results equal to `infer generate`, 16 concurrent requests with
-//! correct usage, malformed requests answered with 4xx JSON while the server keeps serving,
-//! the API key, and a clean stop on SIGTERM.
+//! `infer up` as a real process driven by a real HTTP client (ureq) and the official
+//! `openai` Python client, mostly with `--tp 3` (three real `infer rank` processes whose
+//! rank 0 serves): the OpenAI endpoints, SSE streaming, greedy results equal to
+//! `infer generate`, 16 concurrent requests with correct usage, malformed requests answered
+//! with 4xx JSON while the server keeps serving, the API key, a clean stop on SIGTERM, and
+//! a killed rank taking `infer up` down with no rank process left.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Stdio};
@@ -10,10 +12,17 @@ use serde_json::{Value, json};
 
 use crate::{infer, run};
 
+/// The tensor-parallel layout the issue names: three rank processes.
+const TP3: &[&str] = &["--tp", "3"];
+
 /// A running `infer up` on a free port, stopped (SIGTERM) when dropped.
 struct Server {
     child: Child,
     url: String,
+    /// Every stderr line up to "serving on" (the rank pids and the run directory).
+    startup: String,
+    /// The rest of stderr, read until the server exits.
+    rest: Option<std::thread::JoinHandle<String>>,
 }
 
 impl Server {
@@ -27,13 +36,14 @@ impl Server {
             .spawn()
             .expect("start infer up");
         let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
-        let mut line = String::new();
+        let mut startup = String::new();
         let url = loop {
-            line.clear();
+            let mut line = String::new();
             assert!(
                 stderr.read_line(&mut line).expect("read") > 0,
-                "`infer up` exited before serving"
+                "`infer up` exited before serving:\n{startup}"
             );
+            startup.push_str(&line);
             if let Some(rest) = line.split(" on http://").nth(1) {
                 break format!(
                     "http://{}",
@@ -42,11 +52,30 @@ impl Server {
             }
         };
         // Keep draining stderr so the server never blocks on a full pipe.
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            let _ = stderr.read_to_string(&mut sink);
-        });
-        Server { child, url }
+        let rest = Some(std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text);
+            text
+        }));
+        Server {
+            child,
+            url,
+            startup,
+            rest,
+        }
+    }
+
+    /// The rank processes' pids, from the "started N ranks (pids …)" line.
+    fn rank_pids(&self) -> Vec<u32> {
+        let list = self
+            .startup
+            .split("(pids ")
+            .nth(1)
+            .and_then(|rest| rest.split(')').next())
+            .unwrap_or_else(|| panic!("no rank pids in:\n{}", self.startup));
+        list.split(", ")
+            .map(|pid| pid.parse().expect("pid"))
+            .collect()
     }
 
     fn post(&self, path: &str, body: &Value) -> (u16, Value) {
@@ -88,8 +117,17 @@ fn generate_counting() -> Value {
 }
 
 #[test]
-fn completions_match_generate_and_report_usage() {
-    let server = Server::start(&[]);
+fn completions_match_generate_and_report_usage_tp3() {
+    completions_match_generate_and_report_usage(TP3);
+}
+
+#[test]
+fn completions_match_generate_and_report_usage_one_process() {
+    completions_match_generate_and_report_usage(&[]);
+}
+
+fn completions_match_generate_and_report_usage(layout: &[&str]) {
+    let server = Server::start(layout);
     let health = ureq::get(&format!("{}/health", server.url))
         .call()
         .expect("health");
@@ -130,7 +168,7 @@ fn completions_match_generate_and_report_usage() {
 
 #[test]
 fn chat_streams_server_sent_events() {
-    let server = Server::start(&[]);
+    let server = Server::start(TP3);
     let response = ureq::post(&format!("{}/v1/chat/completions", server.url))
         .send_json(json!({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 40, "temperature": 0, "stream": true}))
         .expect("stream");
@@ -166,7 +204,7 @@ fn chat_streams_server_sent_events() {
 
 #[test]
 fn sixteen_concurrent_requests_all_complete() {
-    let server = Server::start(&[]);
+    let server = Server::start(TP3);
     let results: Vec<(u16, Value)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..16)
             .map(|i| {
@@ -207,7 +245,7 @@ fn sixteen_concurrent_requests_all_complete() {
 
 #[test]
 fn bad_requests_get_4xx_json_and_the_server_keeps_serving() {
-    let server = Server::start(&[]);
+    let server = Server::start(TP3);
     let cases = [
         (json!({"prompt": "x", "model": "gpt-9"}), "does not exist"),
         (json!({"prompt": 12}), "`prompt` must be"),
@@ -244,7 +282,8 @@ fn bad_requests_get_4xx_json_and_the_server_keeps_serving() {
 
 #[test]
 fn api_key_is_required_when_set() {
-    let server = Server::start(&["--api-key", "s3cret"]);
+    // Over three ranks: the key reaches rank 0, which serves.
+    let server = Server::start(&["--api-key", "s3cret", "--tp", "3"]);
     let (status, body) = server.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
     assert_eq!(status, 401, "{body}");
     let ok = ureq::post(&format!("{}/v1/completions", server.url))
@@ -292,11 +331,25 @@ fn bench_serve_prints_a_row_per_concurrency() {
     assert!(stdout.contains("x of one stream"), "{stdout}");
 }
 
-/// SIGTERM stops the server cleanly: exit 0, the port closed.
+/// SIGTERM stops the server cleanly: exit 0, the port closed, no rank process left.
 #[test]
-fn sigterm_stops_the_server_with_exit_0() {
-    let mut server = Server::start(&[]);
+fn sigterm_stops_the_server_with_exit_0_one_process() {
+    sigterm_stops_the_server_with_exit_0(&[]);
+}
+
+#[test]
+fn sigterm_stops_the_server_with_exit_0_tp3() {
+    sigterm_stops_the_server_with_exit_0(TP3);
+}
+
+fn sigterm_stops_the_server_with_exit_0(layout: &[&str]) {
+    let mut server = Server::start(layout);
     let address = server.url.trim_start_matches("http://").to_string();
+    let ranks = if layout.is_empty() {
+        Vec::new()
+    } else {
+        server.rank_pids()
+    };
     let (status, _) = server.post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 2}));
     assert_eq!(status, 200);
     let pid = rustix::process::Pid::from_raw(server.child.id() as i32).expect("pid");
@@ -307,6 +360,66 @@ fn sigterm_stops_the_server_with_exit_0() {
         std::net::TcpStream::connect(&address).is_err(),
         "{address} still accepts connections"
     );
+    for pid in ranks {
+        assert!(
+            !crate::distributed::alive(pid),
+            "rank pid {pid} is still running"
+        );
+    }
+}
+
+/// Killing one rank of a serving gang makes `infer up` exit non-zero within 5 s, naming
+/// that rank, with no rank process left; a request in flight gets an error, not a hang.
+#[test]
+fn a_killed_rank_takes_infer_up_down_within_5_seconds() {
+    let mut server = Server::start(TP3);
+    let ranks = server.rank_pids();
+    assert_eq!(ranks.len(), 3, "{}", server.startup);
+    let url = server.url.clone();
+    let in_flight = std::thread::spawn(move || {
+        ureq::post(&format!("{url}/v1/completions"))
+            .config()
+            .http_status_as_error(false)
+            .build()
+            .send_json(json!({"prompt": "1, 2, 3,", "max_tokens": 4000, "stream": true}))
+            .and_then(|response| response.into_body().read_to_string())
+    });
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    let killed_at = std::time::Instant::now();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(ranks[2] as i32).expect("pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill rank 2");
+    let status = server.child.wait().expect("wait");
+    let elapsed = killed_at.elapsed();
+    let rest = server
+        .rest
+        .take()
+        .map(|reader| reader.join().expect("stderr reader"))
+        .unwrap_or_default();
+    assert!(!status.success(), "{status}\n{rest}");
+    assert!(
+        elapsed < std::time::Duration::from_secs(5),
+        "took {elapsed:?}"
+    );
+    assert!(rest.contains("rank 2 exited with signal: 9"), "{rest}");
+    for pid in ranks {
+        assert!(
+            !crate::distributed::alive(pid),
+            "rank pid {pid} is still running"
+        );
+    }
+    // The streaming client is not left waiting: it gets an error event naming the lost
+    // peer (or, if the server went first, a closed connection), never a normal finish.
+    let reply = in_flight.join().expect("client thread");
+    if let Ok(text) = &reply {
+        assert!(
+            text.contains("\"error\"") && text.contains("rank 2"),
+            "{text}"
+        );
+        assert!(!text.contains("\"finish_reason\":\"length\""), "{text}");
+    }
 }
 
 /// The official `openai` Python package, installed with pip into the cache (outside the
@@ -347,7 +460,7 @@ fn openai_python_package() -> std::path::PathBuf {
 #[test]
 fn the_official_openai_python_client_works() {
     let pythonpath = openai_python_package();
-    let server = Server::start(&[]);
+    let server = Server::start(TP3);
     let output = std::process::Command::new("python3")
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),

@@ -1,0 +1,248 @@
+//! The step interface between a scheduler and whatever runs the model: one engine in this
+//! process ([`LocalExecutor`]) or a replica of rank processes driven by its rank 0
+//! ([`crate::runtime::worker::ReplicaDriver`]). A step is a batch of sequences, each with
+//! the new tokens to append (a prompt, or the last sampled token); the executor keeps each
+//! sequence's KV cache and sampler between steps and returns one sampled token per
+//! sequence. Generation bookkeeping (text, stop strings, limits) stays with the caller.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use anyhow::{Result, anyhow, bail};
+use serde::{Deserialize, Serialize};
+
+use super::engine::{Engine, FinishReason, Generation, Timings};
+use super::llama::{KvCache, SequenceInput};
+use super::sampling::{Sampler, SamplingParams, logprob};
+use super::tokenizer::{TextStream, Tokenizer};
+
+/// One sequence of a step.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StepEntry {
+    /// The sequence's id, unique while it is alive.
+    pub seq: u64,
+    /// New tokens appended after the positions already cached.
+    pub tokens: Vec<u32>,
+    /// Set on the sequence's first step: a fresh KV cache and sampler are made for it.
+    pub params: Option<SamplingParams>,
+}
+
+/// The token sampled for one sequence, with its log-probability (nats).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: f32,
+}
+
+/// Runs steps of a batch of sequences.
+pub trait Executor: Send {
+    /// Drops the state of the sequences in `release`, then runs `entries` (prefills and
+    /// decodes together) and returns one [`Sampled`] per entry, in order.
+    ///
+    /// Errors: an entry for an unknown sequence without `params`, a sequence past the
+    /// context, a failed forward pass or collective.
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>>;
+
+    /// Called while there is nothing to run (at least once a second), so that a replica's
+    /// other ranks know the driver is alive. Errors: a lost peer.
+    fn idle(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether a step error leaves the executor unusable (a replica that lost a rank) rather
+    /// than failing only that step's requests.
+    fn errors_are_fatal(&self) -> bool {
+        false
+    }
+
+    /// The model's tokenizer (EOS ids, detokenization).
+    fn tokenizer(&self) -> &Tokenizer;
+
+    /// The model's context length, tokens.
+    fn max_context_tokens(&self) -> usize;
+
+    /// KV cache bytes held by the driver's own shard.
+    fn kv_cache_bytes(&self) -> usize;
+}
+
+/// An [`Executor`] over one [`Engine`] in this process.
+pub struct LocalExecutor<'e> {
+    engine: &'e Engine,
+    sequences: HashMap<u64, (KvCache, Sampler)>,
+}
+
+impl<'e> LocalExecutor<'e> {
+    /// An executor with no sequences.
+    pub fn new(engine: &'e Engine) -> LocalExecutor<'e> {
+        LocalExecutor {
+            engine,
+            sequences: HashMap::new(),
+        }
+    }
+}
+
+impl Executor for LocalExecutor<'_> {
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
+        for seq in release {
+            self.sequences.remove(seq);
+        }
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let engine = self.engine;
+        let sequences = &mut self.sequences;
+        for entry in entries {
+            if let Some(params) = &entry.params {
+                sequences.insert(entry.seq, (engine.model.new_cache(), Sampler::new(params)));
+            } else if !sequences.contains_key(&entry.seq) {
+                bail!("sequence {} is unknown to the engine", entry.seq);
+            }
+        }
+        engine.install(|| {
+            // Take each entry's state out so the batch can borrow them all mutably.
+            let mut states: Vec<(KvCache, Sampler)> = entries
+                .iter()
+                .map(|e| sequences.remove(&e.seq).expect("checked above"))
+                .collect();
+            let result = {
+                let mut batch: Vec<SequenceInput<'_>> = entries
+                    .iter()
+                    .zip(states.iter_mut())
+                    .map(|(entry, (cache, _))| SequenceInput {
+                        tokens: &entry.tokens,
+                        cache,
+                        all_logits: false,
+                    })
+                    .collect();
+                engine.model.forward(&mut batch)
+            };
+            let sampled = result.map(|logits| {
+                states
+                    .iter_mut()
+                    .zip(&logits)
+                    .map(|((_, sampler), logits)| sample(sampler, logits))
+                    .collect()
+            });
+            for (entry, state) in entries.iter().zip(states) {
+                sequences.insert(entry.seq, state);
+            }
+            sampled
+        })
+    }
+
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.engine.tokenizer
+    }
+
+    fn max_context_tokens(&self) -> usize {
+        self.engine.model.config.max_context_tokens
+    }
+
+    fn kv_cache_bytes(&self) -> usize {
+        self.sequences.values().map(|(c, _)| c.bytes()).sum()
+    }
+}
+
+/// Samples the next token from `logits` (`(vocab_size)`) with its log-probability.
+pub fn sample(sampler: &mut Sampler, logits: &[f32]) -> Sampled {
+    let token = sampler.sample(logits);
+    Sampled {
+        token,
+        logprob: logprob(logits, token),
+    }
+}
+
+/// Generates one sequence from `prompt_tokens` on `executor`, calling `on_text` with each
+/// newly complete piece of text (never a split UTF-8 character, never text of a stop string).
+///
+/// Errors: an empty prompt, a prompt that fills the context, an executor error.
+pub fn generate(
+    executor: &mut dyn Executor,
+    prompt_tokens: &[u32],
+    params: &SamplingParams,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<Generation> {
+    if prompt_tokens.is_empty() {
+        return Err(anyhow!("the prompt is empty"));
+    }
+    let max_context = executor.max_context_tokens();
+    if prompt_tokens.len() >= max_context {
+        return Err(anyhow!(
+            "the prompt has {} tokens; the model's context is {max_context}",
+            prompt_tokens.len()
+        ));
+    }
+    const SEQ: u64 = 0;
+    let start = Instant::now();
+    let mut first_token_at = None;
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    let mut finish_reason = FinishReason::Length;
+    let mut entry = StepEntry {
+        seq: SEQ,
+        tokens: prompt_tokens.to_vec(),
+        params: Some(params.clone()),
+    };
+    let mut stream = TextStream::default();
+    while tokens.len() < params.max_tokens {
+        let sampled = executor.step(std::slice::from_ref(&entry), &[])?;
+        let next = sampled
+            .first()
+            .ok_or_else(|| anyhow!("the executor returned no token"))?
+            .token;
+        first_token_at.get_or_insert_with(Instant::now);
+        if executor.tokenizer().eos_ids.contains(&next) {
+            finish_reason = FinishReason::Stop;
+            break;
+        }
+        tokens.push(next);
+        let piece = stream.push(executor.tokenizer(), next)?;
+        text.push_str(&piece);
+        if let Some(cut) = params
+            .stop
+            .iter()
+            .filter_map(|s| text.find(s.as_str()))
+            .min()
+        {
+            // Emit only what precedes the stop string.
+            let emitted_before = text.len() - piece.len();
+            if cut > emitted_before {
+                on_text(&text[emitted_before..cut]);
+            }
+            text.truncate(cut);
+            finish_reason = FinishReason::Stop;
+            break;
+        }
+        on_text(&piece);
+        if prompt_tokens.len() + tokens.len() >= max_context {
+            break;
+        }
+        entry = StepEntry {
+            seq: SEQ,
+            tokens: vec![next],
+            params: None,
+        };
+    }
+    executor.step(&[], &[SEQ])?;
+    let end = Instant::now();
+    let first = first_token_at.unwrap_or(end);
+    let prefill_secs = (first - start).as_secs_f64();
+    let decode_secs = (end - first).as_secs_f64();
+    let decode_steps = tokens.len().saturating_sub(1) as f64;
+    Ok(Generation {
+        prompt_tokens: prompt_tokens.to_vec(),
+        tokens,
+        text,
+        finish_reason,
+        timings: Timings {
+            prefill_secs,
+            decode_secs,
+            prefill_tokens_per_sec: prompt_tokens.len() as f64 / prefill_secs.max(1e-9),
+            decode_tokens_per_sec: if decode_steps > 0.0 {
+                decode_steps / decode_secs.max(1e-9)
+            } else {
+                0.0
+            },
+        },
+    })
+}
