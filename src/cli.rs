@@ -134,9 +134,15 @@ pub struct BenchServeArgs {
     /// Tokens each request asks for (`max_tokens`).
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_tokens: usize,
-    /// Engine worker threads of the server (0: one per core).
+    /// Engine worker threads of the server (0: one per core, divided among ranks).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub threads: usize,
+    /// Tensor-parallel degree of the server (`infer up --tp`).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub tp: usize,
+    /// Pipeline-parallel degree of the server (`infer up --pp`).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub pp: usize,
 }
 
 /// `infer bench allreduce-worker` (hidden).

@@ -40,6 +40,14 @@ struct Server(Child);
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // SIGTERM: `infer up` stops its ranks and exits; SIGKILL only if it does not.
+        if let Some(pid) = rustix::process::Pid::from_raw(self.0.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while Instant::now() < deadline && matches!(self.0.try_wait(), Ok(None)) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -56,6 +64,7 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     command.args(["up", "--port", "0", "--threads", &args.threads.to_string()]);
     let max_batch = args.concurrency.iter().copied().max().unwrap_or(1).max(16);
     command.args(["--max-batch", &max_batch.to_string()]);
+    command.args(["--tp", &args.tp.to_string(), "--pp", &args.pp.to_string()]);
     if let Some(model) = &args.model {
         command.args(["--model", model]);
     }
@@ -88,7 +97,17 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     // One warm-up request page-faults the weights in.
     request(&address, PROMPTS[0], 8).context("warm-up request failed")?;
     let mut rows = vec![format!(
-        "time to ready  {ready_secs:.2} s (process start to listening, 1 engine process)"
+        "time to ready  {ready_secs:.2} s (process start to listening, {})",
+        if args.tp * args.pp > 1 {
+            format!(
+                "{} rank processes, tp {} × pp {}",
+                args.tp * args.pp,
+                args.tp,
+                args.pp
+            )
+        } else {
+            "1 engine process".to_string()
+        }
     )];
     rows.push(format!(
         "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8}",
