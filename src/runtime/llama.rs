@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::comm::Comm;
 use super::gguf::{GgufFile, Value};
-use super::mathfn::{silu, softmax};
+use super::mathfn::{multiversion, softmax, swiglu};
 use super::quant::{dot_f16_f32, weighted_sum_f16};
 use super::weights::Weight;
 
@@ -733,9 +733,7 @@ impl Llama {
             }
             layer.w_gate.matmul(&normed, n, &mut gate);
             layer.w_up.matmul(&normed, n, &mut up);
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = silu(*g) * u;
-            }
+            swiglu(&mut gate, &up);
             layer.w_down.matmul(&gate, n, &mut projected);
             if let Some(comm) = tp.as_deref_mut() {
                 comm.all_reduce_sum(&mut projected)?;
@@ -798,18 +796,12 @@ impl Llama {
             angles.push(theta.sin_cos());
             theta *= self.theta_scale;
         }
-        for head in x.chunks_exact_mut(head_dim) {
-            for (i, (sin, cos)) in angles.iter().enumerate() {
-                let (a, b) = match self.config.rope_style {
-                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                    RopeStyle::Neox => (i, i + half),
-                };
-                let (x0, x1) = (head[a], head[b]);
-                // GCC contracts ggml's `x0*cos - x1*sin` into an FMA (`-ffp-contract=fast`).
-                head[a] = x0.mul_add(*cos, -(x1 * sin));
-                head[b] = x0.mul_add(*sin, x1 * cos);
-            }
-        }
+        rotate_pairs(
+            x,
+            head_dim,
+            &angles,
+            self.config.rope_style == RopeStyle::Neox,
+        );
     }
 
     /// Causal attention of `q` (`(count, n_heads · head_dim)`, the sequence's new tokens at
@@ -851,6 +843,23 @@ impl Llama {
                 });
                 weighted_sum_f16(&scores, value_rows, out_head);
             });
+    }
+}
+
+multiversion! {
+    /// Rotates every `head_dim`-wide head of `x` by `angles` (`(head_dim / 2)` of
+    /// `(sin, cos)`): pairs `(2i, 2i + 1)` (interleaved), or `(i, i + head_dim / 2)` (NeoX).
+    fn rotate_pairs(x: &mut [f32], head_dim: usize, angles: &[(f32, f32)], neox: bool) {
+        let half = head_dim / 2;
+        for head in x.chunks_exact_mut(head_dim) {
+            for (i, (sin, cos)) in angles.iter().enumerate() {
+                let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                let (x0, x1) = (head[a], head[b]);
+                // GCC contracts ggml's `x0*cos - x1*sin` into an FMA (`-ffp-contract=fast`).
+                head[a] = x0.mul_add(*cos, -(x1 * sin));
+                head[b] = x0.mul_add(*sin, x1 * cos);
+            }
+        }
     }
 }
 

@@ -4,6 +4,34 @@
 //! multiply-adds (each SIMD lane computes exactly this scalar sequence), and the softmax of
 //! attention scores.
 
+/// Defines `fn $name` twice: once as written, and once compiled with AVX2, FMA and F16C
+/// enabled, called when the CPU has them ([`super::quant::has_avx2`]). Without the features,
+/// `f32::mul_add` and `round_ties_even` are libm calls (`fmaf`, `rintf`) in the hot loops;
+/// with them they are single instructions and the loops vectorise. Both versions give the
+/// same bits: these operations are exactly rounded either way.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn portable($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma,f16c")]
+                fn fast($($arg: $ty),*) $(-> $ret)? {
+                    portable($($arg),*)
+                }
+                if $crate::runtime::quant::has_avx2() {
+                    // SAFETY: the CPU has every feature `fast` was compiled for.
+                    return unsafe { fast($($arg),*) };
+                }
+            }
+            portable($($arg),*)
+        }
+    };
+}
+pub(crate) use multiversion;
+
 /// `2^23 · 1.5`: adding it rounds a float to an integer held in the low mantissa bits.
 const SHIFT: f32 = 12_582_912.0;
 /// The constants, as exact f32 bit patterns (hex-float values in comments).
@@ -22,6 +50,7 @@ const C1: f32 = f32::from_bits(0x3f7ffff6);
 
 /// e^x as ggml computes it on AVX2/NEON (see the module docs). Outside about ±87 it returns
 /// the limits (0 or ∞) through `f32::exp`, as the reference does.
+#[inline(always)]
 pub fn expf(x: f32) -> f32 {
     let z = x.mul_add(INV_LN2, SHIFT);
     let n = z - SHIFT;
@@ -39,8 +68,18 @@ pub fn expf(x: f32) -> f32 {
 }
 
 /// `x · sigmoid(x)` as ggml's vectorised SiLU: `x / (1 + e^−x)`.
+#[inline(always)]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + expf(-x))
+}
+
+multiversion! {
+    /// SwiGLU in place: `gate[i] = silu(gate[i]) · up[i]` (`gate`, `up`: same length).
+    pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+        for (g, u) in gate.iter_mut().zip(up) {
+            *g = silu(*g) * u;
+        }
+    }
 }
 
 /// Softmax of `scores` in place as the reference llama.cpp build computes attention

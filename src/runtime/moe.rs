@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 use super::comm::Comm;
 use super::gguf::GgufFile;
 use super::llama::{Expert, LlamaConfig, MoeFfn};
-use super::mathfn::silu;
+use super::mathfn::swiglu;
 use super::weights::Weight;
 
 /// Loads layer `layer`'s MoE block from GGUF's stacked tensors (`ffn_gate_inp`,
@@ -93,9 +93,7 @@ fn run_expert(expert: &Expert, rows: &[f32], n: usize) -> Vec<f32> {
     let (mut gate, mut up) = (vec![0f32; n * width], vec![0f32; n * width]);
     expert.gate.matmul(rows, n, &mut gate);
     expert.up.matmul(rows, n, &mut up);
-    for (g, u) in gate.iter_mut().zip(&up) {
-        *g = silu(*g) * u;
-    }
+    swiglu(&mut gate, &up);
     let mut out = vec![0f32; n * expert.down.n_rows];
     expert.down.matmul(&gate, n, &mut out);
     out

@@ -87,27 +87,29 @@ pub struct BlockQ8 {
     pub sum: f32,
 }
 
-/// Quantizes `x` (length a multiple of 32) to 8-bit blocks, symmetric, `d = max|x| / 127`,
-/// exactly as llama.cpp's `quantize_row_q8_1` (AVX2 path): values rounded to nearest-even
-/// with the f32 scale, then `d` and `sum` stored rounded to f16 (`block_q8_1` holds halves).
-pub fn quantize_row_q8(x: &[f32], out: &mut Vec<BlockQ8>) {
-    out.clear();
-    for chunk in x.chunks_exact(QK) {
-        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let inverse = if d > 0.0 { 127.0 / amax } else { 0.0 };
-        let mut qs = [0i8; QK];
-        let mut total = 0i32;
-        for (q, v) in qs.iter_mut().zip(chunk) {
-            *q = (v * inverse).round_ties_even() as i8;
-            total += *q as i32;
+super::mathfn::multiversion! {
+    /// Quantizes `x` (length a multiple of 32) to 8-bit blocks, symmetric, `d = max|x| / 127`,
+    /// exactly as llama.cpp's `quantize_row_q8_1` (AVX2 path): values rounded to nearest-even
+    /// with the f32 scale, then `d` and `sum` stored rounded to f16 (`block_q8_1` holds halves).
+    pub fn quantize_row_q8(x: &[f32], out: &mut Vec<BlockQ8>) {
+        out.clear();
+        for chunk in x.chunks_exact(QK) {
+            let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inverse = if d > 0.0 { 127.0 / amax } else { 0.0 };
+            let mut qs = [0i8; QK];
+            let mut total = 0i32;
+            for (q, v) in qs.iter_mut().zip(chunk) {
+                *q = (v * inverse).round_ties_even() as i8;
+                total += *q as i32;
+            }
+            let round_f16 = |v: f32| f16::from_f32(v).to_f32();
+            out.push(BlockQ8 {
+                qs,
+                d: round_f16(d),
+                sum: round_f16(d * total as f32),
+            });
         }
-        let round_f16 = |v: f32| f16::from_f32(v).to_f32();
-        out.push(BlockQ8 {
-            qs,
-            d: round_f16(d),
-            sum: round_f16(d * total as f32),
-        });
     }
 }
 
