@@ -328,6 +328,12 @@ pub struct UpArgs {
     #[arg(long, value_name = "KEY", env = "INFER_API_KEY")]
     pub api_key: Option<String>,
 
+    /// Positions the KV cache holds over all running sequences, in blocks of 16 (memory is
+    /// taken as blocks are first used). When it is full, the newest sequences are preempted
+    /// and resumed later.
+    #[arg(long, value_name = "TOKENS", default_value_t = 65536)]
+    pub kv_cache_tokens: usize,
+
     /// Tensor-parallel degree: ranks that split every layer (1: no split).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub tp: usize,

@@ -33,6 +33,10 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
         model: var("INFER_MODEL")?.into(),
         threads: number("INFER_THREADS")?,
         timeout: Duration::from_secs(number("INFER_TIMEOUT_SECS")?),
+        kv_cache_tokens: match std::env::var("INFER_KV_CACHE_TOKENS") {
+            Ok(_) => Some(number("INFER_KV_CACHE_TOKENS")?),
+            Err(_) => None,
+        },
     };
     run_rank(
         &config,

@@ -31,6 +31,13 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.tp == 0 || args.pp == 0 {
         bail!("--tp and --pp must be at least 1");
     }
+    if args.kv_cache_tokens < crate::runtime::kv::BLOCK_TOKENS {
+        bail!(
+            "--kv-cache-tokens must hold at least one block of {} tokens, got {}",
+            crate::runtime::kv::BLOCK_TOKENS,
+            args.kv_cache_tokens
+        );
+    }
     if args.device == DeviceArg::Cuda {
         bail!(
             "--device cuda: this build has no CUDA backend yet; run CPU ranks with `--device cpu`"
@@ -41,7 +48,8 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.tp * args.pp > 1 {
         return launch(args, &path, &model_id, started, printer);
     }
-    let engine = Engine::load(&path, args.threads)?;
+    let mut engine = Engine::load(&path, args.threads)?;
+    engine.model.set_kv_capacity(Some(args.kv_cache_tokens));
     let tokenizer = if path.is_dir() {
         Tokenizer::from_dir(&path)?
     } else {
@@ -95,6 +103,10 @@ fn launch(
         ("INFER_HTTP_PORT".to_string(), args.port.to_string()),
         ("INFER_MAX_BATCH".to_string(), args.max_batch.to_string()),
         ("INFER_MODEL_ID".to_string(), model_id.to_string()),
+        (
+            "INFER_KV_CACHE_TOKENS".to_string(),
+            args.kv_cache_tokens.to_string(),
+        ),
     ];
     if let Some(key) = &args.api_key {
         extra_env.push(("INFER_API_KEY".to_string(), key.clone()));

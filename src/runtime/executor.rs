@@ -6,12 +6,14 @@
 //! sequence. Generation bookkeeping (text, stop strings, limits) stays with the caller.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
 use super::engine::{Engine, FinishReason, Generation, Timings};
+use super::kv::KvPool;
 use super::llama::{KvCache, SequenceInput};
 use super::sampling::{Sampler, SamplingParams, logprob};
 use super::tokenizer::{TextStream, Tokenizer};
@@ -25,6 +27,11 @@ pub struct StepEntry {
     pub tokens: Vec<u32>,
     /// Set on the sequence's first step: a fresh KV cache and sampler are made for it.
     pub params: Option<SamplingParams>,
+    /// With `params`: tokens this sequence sampled before it was preempted (its prompt and
+    /// those tokens are `tokens` now). The new sampler skips their random draws, so seeded
+    /// sampling continues exactly as if the sequence had never been preempted.
+    #[serde(default)]
+    pub sampled_before: usize,
 }
 
 /// The token sampled for one sequence, with its log-probability (nats).
@@ -61,8 +68,9 @@ pub trait Executor: Send {
     /// The model's context length, tokens.
     fn max_context_tokens(&self) -> usize;
 
-    /// KV cache bytes held by the driver's own shard.
-    fn kv_cache_bytes(&self) -> usize;
+    /// The KV block pool of the driver's own shard. Every rank of a replica has one of the
+    /// same capacity holding the same sequences, so its counts speak for the replica.
+    fn kv_pool(&self) -> &Arc<KvPool>;
 }
 
 /// An [`Executor`] over one [`Engine`] in this process.
@@ -93,7 +101,9 @@ impl Executor for LocalExecutor<'_> {
         let sequences = &mut self.sequences;
         for entry in entries {
             if let Some(params) = &entry.params {
-                sequences.insert(entry.seq, (engine.model.new_cache(), Sampler::new(params)));
+                let mut sampler = Sampler::new(params);
+                sampler.skip(entry.sampled_before);
+                sequences.insert(entry.seq, (engine.model.new_cache(), sampler));
             } else if !sequences.contains_key(&entry.seq) {
                 bail!("sequence {} is unknown to the engine", entry.seq);
             }
@@ -138,8 +148,8 @@ impl Executor for LocalExecutor<'_> {
         self.engine.model.config.max_context_tokens
     }
 
-    fn kv_cache_bytes(&self) -> usize {
-        self.sequences.values().map(|(c, _)| c.bytes()).sum()
+    fn kv_pool(&self) -> &Arc<KvPool> {
+        self.engine.model.kv_pool()
     }
 }
 
@@ -182,6 +192,7 @@ pub fn generate(
         seq: SEQ,
         tokens: prompt_tokens.to_vec(),
         params: Some(params.clone()),
+        sampled_before: 0,
     };
     let mut stream = TextStream::default();
     while tokens.len() < params.max_tokens {
@@ -221,6 +232,7 @@ pub fn generate(
             seq: SEQ,
             tokens: vec![next],
             params: None,
+            sampled_before: 0,
         };
     }
     executor.step(&[], &[SEQ])?;

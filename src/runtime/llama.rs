@@ -14,6 +14,8 @@ use rayon::prelude::*;
 
 use super::comm::Comm;
 use super::gguf::{GgufFile, Value};
+pub use super::kv::KvCache;
+use super::kv::KvPool;
 use super::mathfn::{multiversion, softmax, swiglu};
 use super::quant::{dot_f16_f32, weighted_sum_f16};
 use super::weights::Weight;
@@ -145,6 +147,9 @@ pub struct Llama {
     has_freq_factors: bool,
     /// Which part of the model this is (the whole model unless [`Llama::shard`] made it).
     pub shard: ShardInfo,
+    /// Where this model's sequences keep their keys and values (unbounded unless
+    /// [`Llama::set_kv_capacity`] says otherwise).
+    kv_pool: Arc<KvPool>,
 }
 
 /// The part of a model one rank holds.
@@ -166,44 +171,6 @@ pub enum StageOutput {
     Hidden(Vec<f32>),
     /// Logits per sequence (see [`Llama::forward`]).
     Logits(Vec<Vec<f32>>),
-}
-
-/// KV cache of one sequence: per layer, `(n_positions, n_kv_heads · head_dim)` keys and
-/// values in f16 (llama.cpp's default cache type). Grows as tokens are added.
-#[derive(Clone, Debug, Default)]
-pub struct KvCache {
-    keys: Vec<Vec<f16>>,
-    values: Vec<Vec<f16>>,
-    /// Positions stored.
-    pub n_tokens: usize,
-}
-
-impl KvCache {
-    /// An empty cache for `n_layers` layers.
-    pub fn new(n_layers: usize) -> KvCache {
-        KvCache {
-            keys: vec![Vec::new(); n_layers],
-            values: vec![Vec::new(); n_layers],
-            n_tokens: 0,
-        }
-    }
-
-    /// Forgets positions `n..` (to re-run them, or after a rejected speculation).
-    pub fn truncate(&mut self, n: usize, kv_dim: usize) {
-        for layer in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            layer.truncate(n * kv_dim);
-        }
-        self.n_tokens = self.n_tokens.min(n);
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.keys
-            .iter()
-            .chain(&self.values)
-            .map(|l| l.len() * 2)
-            .sum()
-    }
 }
 
 /// One sequence of a forward batch: new tokens appended after `cache.n_tokens` positions.
@@ -377,6 +344,7 @@ impl Llama {
                 is_first: true,
                 is_last: true,
             },
+            kv_pool: KvPool::new(config.n_layers, config.n_kv_heads * config.head_dim, None),
             config,
         }
     }
@@ -502,6 +470,7 @@ impl Llama {
         config.intermediate_size = width;
         config.n_layers = n_layers;
         Ok(Llama {
+            kv_pool: KvPool::new(n_layers, kv_heads * config.head_dim, None),
             config,
             token_embedding: self.token_embedding.clone(),
             layers,
@@ -579,9 +548,24 @@ impl Llama {
         layers + embedding + head
     }
 
-    /// A fresh cache for one sequence.
+    /// A fresh cache for one sequence, drawing blocks from the model's pool.
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(self.layers.len())
+        self.kv_pool.new_cache()
+    }
+
+    /// The pool this model's caches draw from.
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.kv_pool
+    }
+
+    /// Gives the model a new pool holding at most `capacity_tokens` positions (`None`: no
+    /// limit). Caches made before keep their old pool.
+    pub fn set_kv_capacity(&mut self, capacity_tokens: Option<usize>) {
+        self.kv_pool = KvPool::new(
+            self.layers.len(),
+            self.config.n_kv_heads * self.config.head_dim,
+            capacity_tokens,
+        );
     }
 
     /// Runs the new tokens of every sequence through the model, appending their keys and
@@ -631,6 +615,12 @@ impl Llama {
                 );
             }
             positions.extend((0..sequence.tokens.len()).map(|i| sequence.cache.n_tokens + i));
+        }
+        // Take every block this step needs before computing anything, so a full pool fails
+        // the step cleanly (the scheduler preempts and retries).
+        for sequence in batch.iter_mut() {
+            let total = sequence.cache.n_tokens + sequence.tokens.len();
+            sequence.cache.reserve(total)?;
         }
         let tokens: Vec<u32> = batch
             .iter()
@@ -695,21 +685,17 @@ impl Llama {
             for sequence in batch.iter_mut() {
                 let count = sequence.tokens.len();
                 let cache = &mut *sequence.cache;
-                cache.keys[layer_idx].extend(
-                    k[offset * kv_dim..(offset + count) * kv_dim]
-                        .iter()
-                        .map(|&v| f16::from_f32(v)),
-                );
-                cache.values[layer_idx].extend(
-                    v[offset * kv_dim..(offset + count) * kv_dim]
-                        .iter()
-                        .map(|&v| f16::from_f32(v)),
-                );
-                let start = cache.keys[layer_idx].len() / kv_dim - count;
+                let start = cache.n_tokens;
+                cache.store(
+                    layer_idx,
+                    start,
+                    &k[offset * kv_dim..(offset + count) * kv_dim],
+                    &v[offset * kv_dim..(offset + count) * kv_dim],
+                )?;
                 self.attend(
                     &q[offset * q_dim..(offset + count) * q_dim],
-                    &cache.keys[layer_idx],
-                    &cache.values[layer_idx],
+                    cache,
+                    layer_idx,
                     start,
                     &mut attention[offset * q_dim..(offset + count) * q_dim],
                 );
@@ -805,14 +791,11 @@ impl Llama {
     }
 
     /// Causal attention of `q` (`(count, n_heads · head_dim)`, the sequence's new tokens at
-    /// positions `start..start + count`) over the cache (`(start + count, kv_dim)`).
-    fn attend(&self, q: &[f32], keys: &[f16], values: &[f16], start: usize, out: &mut [f32]) {
+    /// positions `start..start + count`) over `layer` of the cache (`start + count`
+    /// positions, paged).
+    fn attend(&self, q: &[f32], cache: &KvCache, layer: usize, start: usize, out: &mut [f32]) {
         let c = &self.config;
-        let (head_dim, q_dim, kv_dim) = (
-            c.head_dim,
-            c.n_heads * c.head_dim,
-            c.n_kv_heads * c.head_dim,
-        );
+        let (head_dim, q_dim) = (c.head_dim, c.n_heads * c.head_dim);
         let group = c.n_heads / c.n_kv_heads;
         let scale = 1.0 / (head_dim as f32).sqrt();
         out.par_chunks_mut(head_dim)
@@ -827,20 +810,14 @@ impl Llama {
                     .map(|&v| f16::from_f32(v).to_f32())
                     .collect();
                 let n_positions = start + t + 1;
+                let head_range = kv_head * head_dim..(kv_head + 1) * head_dim;
                 let mut scores: Vec<f32> = (0..n_positions)
-                    .map(|p| {
-                        dot_f16_f32(
-                            &keys[p * kv_dim + kv_head * head_dim
-                                ..p * kv_dim + (kv_head + 1) * head_dim],
-                            &query,
-                        ) * scale
-                    })
+                    .map(|p| dot_f16_f32(&cache.key(layer, p)[head_range.clone()], &query) * scale)
                     .collect();
                 softmax(&mut scores);
                 // `kqv`: probabilities rounded to f16, weighted sum of the cached values.
-                let value_rows = (0..n_positions).map(|p| {
-                    &values[p * kv_dim + kv_head * head_dim..p * kv_dim + (kv_head + 1) * head_dim]
-                });
+                let value_rows =
+                    (0..n_positions).map(|p| &cache.value(layer, p)[head_range.clone()]);
                 weighted_sum_f16(&scores, value_rows, out_head);
             });
     }

@@ -9,6 +9,7 @@ pub mod comm;
 pub mod engine;
 pub mod executor;
 pub mod gguf;
+pub mod kv;
 pub mod llama;
 pub mod mathfn;
 pub mod moe;

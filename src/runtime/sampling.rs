@@ -53,6 +53,16 @@ impl Sampler {
         }
     }
 
+    /// Advances the generator past `n` samples (each non-greedy sample takes one draw), as
+    /// a sequence resumed after preemption must.
+    pub fn skip(&mut self, n: usize) {
+        if self.params.temperature > 0.0 {
+            for _ in 0..n {
+                let _: f64 = self.rng.random();
+            }
+        }
+    }
+
     /// The next token for `logits` (`(vocab_size)`).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature <= 0.0 {

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use super::comm::{Comm, TcpComm};
 use super::executor::{Executor, Sampled, StepEntry, generate, sample};
 use super::gguf::GgufFile;
+use super::kv::KvPool;
 use super::llama::{KvCache, Llama, SequenceInput, StageOutput};
 use super::sampling::{Sampler, SamplingParams};
 use super::tokenizer::Tokenizer;
@@ -37,6 +38,8 @@ pub struct RankConfig {
     pub threads: usize,
     /// Timeout of every collective and store wait.
     pub timeout: Duration,
+    /// Positions the rank's KV pool holds (`None`: no limit).
+    pub kv_cache_tokens: Option<usize>,
 }
 
 /// The job the launcher publishes under `job`.
@@ -164,9 +167,10 @@ impl Member {
         let file = Arc::new(GgufFile::open(&config.model)?);
         let whole = Llama::from_gguf(&file)?;
         let (first_layer, n_layers) = stage_layers(whole.layers.len(), pp, pp_rank);
-        let shard = whole
+        let mut shard = whole
             .shard(tp_rank, tp, first_layer, n_layers)
             .with_context(|| format!("rank {rank}: building its shard"))?;
+        shard.set_kv_capacity(config.kv_cache_tokens);
         drop(whole);
 
         let tp_members: Vec<u64> = (0..tp).map(|t| (pp_rank * tp + t) as u64).collect();
@@ -214,7 +218,9 @@ impl Member {
             if let Some(params) = &entry.params {
                 self.caches.insert(entry.seq, self.shard.new_cache());
                 if is_sampler {
-                    self.samplers.insert(entry.seq, Sampler::new(params));
+                    let mut sampler = Sampler::new(params);
+                    sampler.skip(entry.sampled_before);
+                    self.samplers.insert(entry.seq, sampler);
                 }
             } else if !self.caches.contains_key(&entry.seq) {
                 bail!("rank {}: sequence {} is unknown", self.rank, entry.seq);
@@ -364,8 +370,8 @@ impl Executor for ReplicaDriver {
         self.member.shard.config.max_context_tokens
     }
 
-    fn kv_cache_bytes(&self) -> usize {
-        self.member.caches.values().map(KvCache::bytes).sum()
+    fn kv_pool(&self) -> &Arc<KvPool> {
+        self.member.shard.kv_pool()
     }
 }
 

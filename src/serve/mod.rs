@@ -140,8 +140,34 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "gauge",
             &m.kv_cache_bytes,
         ),
+        (
+            "infer_kv_cache_blocks_used",
+            "KV-cache blocks (16 positions each) held by live sequences.",
+            "gauge",
+            &m.kv_blocks_used,
+        ),
+        (
+            "infer_kv_cache_blocks_total",
+            "KV-cache blocks the pool can hold.",
+            "gauge",
+            &m.kv_blocks_total,
+        ),
+        (
+            "infer_preemptions_total",
+            "Sequences preempted (KV blocks freed, recomputed later) because blocks ran out.",
+            "counter",
+            &m.preemptions_total,
+        ),
     ];
     let mut text = String::new();
+    let (used, total) = (
+        m.kv_blocks_used.load(Ordering::SeqCst),
+        m.kv_blocks_total.load(Ordering::SeqCst),
+    );
+    text.push_str(&format!(
+        "# HELP infer_kv_cache_usage_ratio Fraction of the KV-cache blocks in use (0 to 1).\n# TYPE infer_kv_cache_usage_ratio gauge\ninfer_kv_cache_usage_ratio {}\n",
+        used as f64 / total.max(1) as f64
+    ));
     for (name, help, kind, value) in series {
         let value = value.load(Ordering::SeqCst);
         text.push_str(&format!(

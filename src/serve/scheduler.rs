@@ -4,6 +4,7 @@
 //! in the same batch — samples, and streams each sequence's new text to its requester.
 //! Finished or abandoned sequences leave the batch at once.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -13,6 +14,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::runtime::engine::{Engine, FinishReason};
 use crate::runtime::executor::{Executor, LocalExecutor, StepEntry};
+use crate::runtime::kv::blocks_for;
 use crate::runtime::sampling::SamplingParams;
 use crate::runtime::tokenizer::TextStream;
 
@@ -50,6 +52,11 @@ pub struct Metrics {
     pub prompt_tokens_total: AtomicU64,
     pub generation_tokens_total: AtomicU64,
     pub kv_cache_bytes: AtomicU64,
+    /// KV blocks held by live sequences, and the pool's capacity in blocks.
+    pub kv_blocks_used: AtomicU64,
+    pub kv_blocks_total: AtomicU64,
+    /// Sequences preempted (their KV blocks freed, recomputed later) because blocks ran out.
+    pub preemptions_total: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
 }
@@ -164,14 +171,17 @@ impl Scheduler {
     }
 }
 
-/// A running sequence.
+/// A sequence the scheduler tracks, running or waiting (new, or preempted).
 struct Running {
     seq: u64,
     request: Request,
-    /// Whether the executor has not seen this sequence yet.
+    /// Whether the executor has no state for this sequence (new, or preempted since).
     new: bool,
-    /// Tokens to feed at the next step (the prompt, then the last sampled token).
+    /// Tokens to feed at the next step (the prompt, then the last sampled token; after a
+    /// preemption, the prompt and every token generated so far).
     pending: Vec<u32>,
+    /// Positions the executor holds in this sequence's KV cache.
+    cached_tokens: usize,
     generated: Vec<u32>,
     stream: TextStream,
     text: String,
@@ -179,8 +189,33 @@ struct Running {
     last_token_at: Instant,
 }
 
+impl Running {
+    /// KV blocks this sequence holds now, and will hold after its next step.
+    fn blocks(&self) -> (usize, usize) {
+        (
+            blocks_for(self.cached_tokens),
+            blocks_for(self.cached_tokens + self.pending.len()),
+        )
+    }
+
+    /// Drops the executor's state: the sequence will start over from its prompt and the
+    /// tokens generated so far (recomputation, as vLLM preempts by default).
+    fn preempt(&mut self) {
+        self.new = true;
+        self.cached_tokens = 0;
+        self.pending = self.request.prompt_tokens.clone();
+        self.pending.extend(&self.generated);
+    }
+}
+
 /// The scheduling loop. Returns when every [`Scheduler`] handle is gone, or with the error
 /// of an executor whose errors are fatal.
+///
+/// Each step it plans KV blocks from the executor's pool: the running sequences' growth
+/// first, preempting the most recently admitted ones (their blocks freed, themselves put
+/// back at the head of the queue) while that does not fit; then admits waiting sequences in
+/// arrival order while their blocks fit and the batch has room. A request is never dropped;
+/// only a sequence that cannot grow even alone finishes early with `length`.
 fn run(
     executor: &mut dyn Executor,
     receiver: &mpsc::Receiver<Request>,
@@ -188,19 +223,22 @@ fn run(
     metrics: &Metrics,
 ) -> Result<()> {
     let mut running: Vec<Running> = Vec::new();
-    let mut release: Vec<u64> = Vec::new();
+    let mut waiting: VecDeque<Running> = VecDeque::new();
+    // Sequences to drop at the next step, with the blocks they hold.
+    let mut release: Vec<(u64, usize)> = Vec::new();
     let mut next_seq = 0u64;
     let max_context = executor.max_context_tokens();
-    let mut admit = |request: Request| {
-        metrics.waiting.fetch_sub(1, Ordering::SeqCst);
-        metrics
-            .prompt_tokens_total
-            .fetch_add(request.prompt_tokens.len() as u64, Ordering::SeqCst);
+    let pool = Arc::clone(executor.kv_pool());
+    metrics
+        .kv_blocks_total
+        .store(pool.capacity_blocks() as u64, Ordering::SeqCst);
+    let mut receive = |request: Request| {
         next_seq += 1;
         Running {
             seq: next_seq,
             new: true,
             pending: request.prompt_tokens.clone(),
+            cached_tokens: 0,
             generated: Vec::new(),
             stream: TextStream::default(),
             text: String::new(),
@@ -210,43 +248,112 @@ fn run(
         }
     };
     loop {
-        // Admit: wait when idle (telling the executor we are alive), otherwise take what is
-        // waiting.
-        while running.is_empty() {
+        // Wait when idle (telling the executor we are alive), then take what has arrived.
+        while running.is_empty() && waiting.is_empty() {
             if !release.is_empty() {
-                executor.step(&[], &release)?;
-                release.clear();
+                let seqs: Vec<u64> = release.drain(..).map(|(seq, _)| seq).collect();
+                executor.step(&[], &seqs)?;
+                metrics
+                    .kv_blocks_used
+                    .store(pool.used_blocks() as u64, Ordering::SeqCst);
+                metrics.kv_cache_bytes.store(
+                    (pool.used_blocks() * pool.block_bytes()) as u64,
+                    Ordering::SeqCst,
+                );
             }
             match receiver.recv_timeout(Duration::from_secs(1)) {
-                Ok(request) => running.push(admit(request)),
+                Ok(request) => waiting.push_back(receive(request)),
                 Err(mpsc::RecvTimeoutError::Timeout) => executor.idle()?,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
             }
         }
+        while let Ok(request) = receiver.try_recv() {
+            waiting.push_back(receive(request));
+        }
+
+        // Plan the blocks of this step.
+        let mut free = pool.free_blocks() + release.iter().map(|(_, b)| b).sum::<usize>();
+        let growth = |r: &Running| {
+            let (now, after) = r.blocks();
+            after - now
+        };
+        let mut needed: usize = running.iter().map(growth).sum();
+        while needed > free && running.len() > 1 {
+            let mut victim = running.pop().expect("more than one running");
+            needed -= growth(&victim);
+            let held = victim.blocks().0;
+            free += held;
+            release.push((victim.seq, held));
+            victim.preempt();
+            metrics.preemptions_total.fetch_add(1, Ordering::SeqCst);
+            metrics.waiting.fetch_add(1, Ordering::SeqCst);
+            waiting.push_front(victim);
+        }
+        if needed > free {
+            // One sequence alone has filled the pool: it cannot grow.
+            let mut alone = running.pop().expect("one running");
+            release.push((alone.seq, alone.blocks().0));
+            finish(&mut alone, FinishReason::Length);
+            continue;
+        }
+        free -= needed;
         while running.len() < max_batch {
-            match receiver.try_recv() {
-                Ok(request) => running.push(admit(request)),
-                Err(_) => break,
+            let Some(candidate) = waiting.front() else {
+                break;
+            };
+            let blocks = candidate.blocks().1;
+            if blocks > pool.capacity_blocks() {
+                let hopeless = waiting.pop_front().expect("front exists");
+                metrics.waiting.fetch_sub(1, Ordering::SeqCst);
+                let _ = hopeless.request.events.send(Event::Error(format!(
+                    "the prompt needs {blocks} KV blocks; the cache holds {}",
+                    pool.capacity_blocks()
+                )));
+                continue;
             }
+            if blocks > free {
+                break;
+            }
+            free -= blocks;
+            let admitted = waiting.pop_front().expect("front exists");
+            metrics.waiting.fetch_sub(1, Ordering::SeqCst);
+            if admitted.generated.is_empty() {
+                metrics.prompt_tokens_total.fetch_add(
+                    admitted.request.prompt_tokens.len() as u64,
+                    Ordering::SeqCst,
+                );
+            }
+            running.push(admitted);
         }
         metrics
             .running
             .store(running.len() as u64, Ordering::SeqCst);
+        if running.is_empty() {
+            // Nothing fits until released blocks come back.
+            let seqs: Vec<u64> = release.drain(..).map(|(seq, _)| seq).collect();
+            executor.step(&[], &seqs)?;
+            continue;
+        }
 
         let entries: Vec<StepEntry> = running
             .iter_mut()
-            .map(|r| StepEntry {
-                seq: r.seq,
-                tokens: std::mem::take(&mut r.pending),
-                params: std::mem::take(&mut r.new).then(|| r.request.params.clone()),
+            .map(|r| {
+                r.cached_tokens += r.pending.len();
+                StepEntry {
+                    seq: r.seq,
+                    tokens: std::mem::take(&mut r.pending),
+                    params: std::mem::take(&mut r.new).then(|| r.request.params.clone()),
+                    sampled_before: r.generated.len(),
+                }
             })
             .collect();
-        let sampled = match executor.step(&entries, &release) {
+        let seqs: Vec<u64> = release.drain(..).map(|(seq, _)| seq).collect();
+        let sampled = match executor.step(&entries, &seqs) {
             Ok(sampled) => sampled,
             Err(error) => {
                 for r in running.drain(..) {
                     let _ = r.request.events.send(Event::Error(format!("{error:#}")));
-                    release.push(r.seq);
+                    release.push((r.seq, 0));
                 }
                 if executor.errors_are_fatal() {
                     return Err(error);
@@ -254,7 +361,6 @@ fn run(
                 continue;
             }
         };
-        release.clear();
         let now = Instant::now();
         let mut finished = Vec::new();
         for (index, (r, sampled)) in running.iter_mut().zip(&sampled).enumerate() {
@@ -268,79 +374,85 @@ fn run(
                 metrics.tpot.observe((now - r.last_token_at).as_secs_f64());
             }
             r.last_token_at = now;
-            let mut finish = None;
             if executor.tokenizer().eos_ids.contains(&token) {
-                finish = Some(FinishReason::Stop);
-            } else {
-                r.generated.push(token);
-                metrics
-                    .generation_tokens_total
-                    .fetch_add(1, Ordering::SeqCst);
-                let piece = r
-                    .stream
-                    .push(executor.tokenizer(), token)
-                    .unwrap_or_default();
-                r.text.push_str(&piece);
-                let (piece, stopped) = match r
-                    .request
-                    .params
-                    .stop
-                    .iter()
-                    .filter_map(|s| r.text.find(s.as_str()))
-                    .min()
-                {
-                    Some(cut) => {
-                        let before = r.text.len() - piece.len();
-                        (
-                            if cut > before {
-                                r.text[before..cut].to_string()
-                            } else {
-                                String::new()
-                            },
-                            true,
-                        )
-                    }
-                    None => (piece, false),
-                };
-                let sent = r.request.events.send(Event::Token {
-                    id: token,
-                    text: piece,
-                    logprob: sampled.logprob,
-                });
-                if sent.is_err() {
-                    finished.push(index);
-                    continue;
-                }
-                if stopped {
-                    finish = Some(FinishReason::Stop);
-                } else if r.generated.len() >= r.request.params.max_tokens
-                    || r.request.prompt_tokens.len() + r.generated.len() >= max_context
-                {
-                    finish = Some(FinishReason::Length);
-                }
+                finish(r, FinishReason::Stop);
+                finished.push(index);
+                continue;
             }
-            match finish {
-                Some(reason) => {
-                    let _ = r.request.events.send(Event::Done {
-                        finish_reason: reason,
-                        prompt_tokens: r.request.prompt_tokens.len(),
-                        completion_tokens: r.generated.len(),
-                    });
-                    finished.push(index);
+            r.generated.push(token);
+            metrics
+                .generation_tokens_total
+                .fetch_add(1, Ordering::SeqCst);
+            let piece = r
+                .stream
+                .push(executor.tokenizer(), token)
+                .unwrap_or_default();
+            r.text.push_str(&piece);
+            let (piece, stopped) = match r
+                .request
+                .params
+                .stop
+                .iter()
+                .filter_map(|s| r.text.find(s.as_str()))
+                .min()
+            {
+                Some(cut) => {
+                    let before = r.text.len() - piece.len();
+                    (
+                        if cut > before {
+                            r.text[before..cut].to_string()
+                        } else {
+                            String::new()
+                        },
+                        true,
+                    )
                 }
-                None => r.pending = vec![token],
+                None => (piece, false),
+            };
+            let sent = r.request.events.send(Event::Token {
+                id: token,
+                text: piece,
+                logprob: sampled.logprob,
+            });
+            if sent.is_err() {
+                // The client went away.
+                finished.push(index);
+                continue;
+            }
+            if stopped {
+                finish(r, FinishReason::Stop);
+                finished.push(index);
+            } else if r.generated.len() >= r.request.params.max_tokens
+                || r.request.prompt_tokens.len() + r.generated.len() >= max_context
+            {
+                finish(r, FinishReason::Length);
+                finished.push(index);
+            } else {
+                r.pending = vec![token];
             }
         }
         for index in finished.into_iter().rev() {
-            release.push(running.swap_remove(index).seq);
+            let done = running.remove(index);
+            release.push((done.seq, done.blocks().0));
         }
+        let used = pool.used_blocks();
         metrics
             .kv_cache_bytes
-            .store(executor.kv_cache_bytes() as u64, Ordering::SeqCst);
+            .store((used * pool.block_bytes()) as u64, Ordering::SeqCst);
+        metrics.kv_blocks_used.store(used as u64, Ordering::SeqCst);
         metrics
             .running
             .store(running.len() as u64, Ordering::SeqCst);
     }
+}
+
+/// Tells the requester that `sequence` is done.
+fn finish(sequence: &mut Running, reason: FinishReason) {
+    let _ = sequence.request.events.send(Event::Done {
+        finish_reason: reason,
+        prompt_tokens: sequence.request.prompt_tokens.len(),
+        completion_tokens: sequence.generated.len(),
+    });
 }
 
 /// Requests served so far, for ids.

@@ -520,3 +520,87 @@ fn bad_up_arguments_exit_2_with_a_clear_error() {
     assert!(stderr.contains("/nonexistent/model.gguf"), "{stderr}");
     assert!(output.stdout.is_empty());
 }
+
+/// With a KV cache of 4 blocks (64 positions), four concurrent 44-token sequences cannot
+/// all fit: the newest are preempted and recomputed later. Every request still completes
+/// with the usage and the text it gets alone, and all blocks come back. In one process a
+/// resumed sequence is bit-identical, so seeded sampling must match too (the resumed sampler
+/// skips the draws it already made); over TP ranks the recomputed prefill sums its
+/// all-reduce in another order than the decode steps did, so only greedy text is compared.
+#[test]
+fn preempted_requests_resume_with_the_same_output_one_process() {
+    preempted_requests_resume_with_the_same_output(&[], true);
+}
+
+#[test]
+fn preempted_requests_resume_with_the_same_output_tp3() {
+    preempted_requests_resume_with_the_same_output(TP3, false);
+}
+
+fn preempted_requests_resume_with_the_same_output(layout: &[&str], seeded_exact: bool) {
+    let mut args = vec!["--kv-cache-tokens", "64"];
+    args.extend_from_slice(layout);
+    let server = Server::start(&args);
+    let bodies = [
+        json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 30, "temperature": 0}),
+        json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 30, "temperature": 0.9, "seed": 7}),
+        json!({"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0}),
+        json!({"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0.9, "seed": 11}),
+    ];
+    let alone: Vec<Value> = bodies
+        .iter()
+        .map(|body| server.post("/v1/completions", body).1)
+        .collect();
+    let metrics = || {
+        ureq::get(&format!("{}/metrics", server.url))
+            .call()
+            .expect("metrics")
+            .into_body()
+            .read_to_string()
+            .expect("text")
+    };
+    let value = |text: &str, name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+    };
+    assert_eq!(value(&metrics(), "infer_preemptions_total"), 0.0);
+    let together: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|body| {
+                let server = &server;
+                scope.spawn(move || server.post("/v1/completions", body))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client"))
+            .collect()
+    });
+    for (((status, body), reference), request) in together.iter().zip(&alone).zip(&bodies) {
+        assert_eq!(*status, 200, "{body}");
+        if seeded_exact || request["temperature"] == 0 {
+            assert_eq!(
+                body["choices"][0]["text"], reference["choices"][0]["text"],
+                "{request}"
+            );
+            assert_eq!(body["usage"], reference["usage"], "{request}");
+        } else {
+            assert_eq!(
+                body["usage"]["prompt_tokens"],
+                reference["usage"]["prompt_tokens"]
+            );
+        }
+    }
+    let after = metrics();
+    assert!(value(&after, "infer_preemptions_total") > 0.0, "{after}");
+    assert_eq!(value(&after, "infer_kv_cache_blocks_total"), 4.0);
+    // The blocks of finished sequences go back to the pool once the scheduler is idle.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    while value(&metrics(), "infer_kv_cache_blocks_used") > 0.0 {
+        assert!(std::time::Instant::now() < deadline, "{}", metrics());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,291 @@
+//! The paged KV cache: keys and values live in fixed-size blocks of [`BLOCK_TOKENS`]
+//! positions handed out by a [`KvPool`] with a hard capacity (as vLLM's PagedAttention
+//! block manager). A sequence's [`KvCache`] is its block table: position `p` lives in block
+//! `p / BLOCK_TOKENS` at slot `p % BLOCK_TOKENS`, so no sequence needs contiguous memory and
+//! a finished sequence's blocks go straight back to the pool for the next one.
+//!
+//! Every rank of a replica has a pool of the same capacity and sees the same sequence of
+//! allocations (the driver's steps), so the driver's pool speaks for all of them: the
+//! scheduler plans admissions and preemptions from it alone.
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Result, bail};
+use half::f16;
+
+/// Positions per block (vLLM's default block size on GPUs).
+pub const BLOCK_TOKENS: usize = 16;
+
+/// Blocks needed to hold `n_tokens` positions.
+pub fn blocks_for(n_tokens: usize) -> usize {
+    n_tokens.div_ceil(BLOCK_TOKENS)
+}
+
+/// The error when the pool has no free block: the scheduler preempts a sequence and retries.
+#[derive(Debug)]
+pub struct KvExhausted {
+    pub capacity_blocks: usize,
+}
+
+impl std::fmt::Display for KvExhausted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the KV cache is full ({} blocks of {BLOCK_TOKENS} tokens); raise --kv-cache-tokens",
+            self.capacity_blocks
+        )
+    }
+}
+
+impl std::error::Error for KvExhausted {}
+
+/// A pool of KV blocks for one model shard. One block holds, for every layer, the keys and
+/// then the values of [`BLOCK_TOKENS`] positions: `(n_layers, 2, BLOCK_TOKENS, kv_dim)` f16
+/// (llama.cpp's default cache type).
+pub struct KvPool {
+    n_layers: usize,
+    kv_dim: usize,
+    /// Most blocks alive at once; `usize::MAX` for an unbounded pool.
+    capacity_blocks: usize,
+    state: Mutex<PoolState>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    /// Blocks returned by finished sequences, reused before new memory is touched.
+    free: Vec<Box<[f16]>>,
+    in_use: usize,
+}
+
+impl std::fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "KvPool({} of {} blocks used)",
+            self.used_blocks(),
+            self.capacity_blocks
+        )
+    }
+}
+
+impl KvPool {
+    /// A pool for `n_layers` layers of `kv_dim` (`n_kv_heads · head_dim` of this shard) with
+    /// room for `capacity_tokens` positions (rounded down to whole blocks; `None`: no limit).
+    /// Memory is taken as blocks are first used, not up front.
+    pub fn new(n_layers: usize, kv_dim: usize, capacity_tokens: Option<usize>) -> Arc<KvPool> {
+        Arc::new(KvPool {
+            n_layers,
+            kv_dim,
+            capacity_blocks: capacity_tokens.map_or(usize::MAX, |t| t / BLOCK_TOKENS),
+            state: Mutex::new(PoolState::default()),
+        })
+    }
+
+    /// An empty cache drawing from this pool.
+    pub fn new_cache(self: &Arc<KvPool>) -> KvCache {
+        KvCache {
+            pool: Arc::clone(self),
+            blocks: Vec::new(),
+            n_tokens: 0,
+        }
+    }
+
+    /// Capacity in blocks (`usize::MAX` when unbounded).
+    pub fn capacity_blocks(&self) -> usize {
+        self.capacity_blocks
+    }
+
+    /// Blocks held by live caches.
+    pub fn used_blocks(&self) -> usize {
+        self.lock().in_use
+    }
+
+    /// Blocks that can still be handed out.
+    pub fn free_blocks(&self) -> usize {
+        self.capacity_blocks.saturating_sub(self.used_blocks())
+    }
+
+    /// Bytes of one block.
+    pub fn block_bytes(&self) -> usize {
+        self.block_elements() * 2
+    }
+
+    fn block_elements(&self) -> usize {
+        self.n_layers * 2 * BLOCK_TOKENS * self.kv_dim
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        // A poisoned lock only means a panic elsewhere; the counters are still consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn take(&self) -> Result<Box<[f16]>, KvExhausted> {
+        let mut state = self.lock();
+        if state.in_use >= self.capacity_blocks {
+            return Err(KvExhausted {
+                capacity_blocks: self.capacity_blocks,
+            });
+        }
+        state.in_use += 1;
+        Ok(state
+            .free
+            .pop()
+            .unwrap_or_else(|| vec![f16::ZERO; self.block_elements()].into_boxed_slice()))
+    }
+
+    fn give_back(&self, blocks: Vec<Box<[f16]>>) {
+        let mut state = self.lock();
+        state.in_use -= blocks.len();
+        state.free.extend(blocks);
+    }
+}
+
+/// One sequence's KV cache: its block table and how many positions are stored. Dropping it
+/// returns its blocks to the pool.
+pub struct KvCache {
+    pool: Arc<KvPool>,
+    blocks: Vec<Box<[f16]>>,
+    /// Positions stored.
+    pub n_tokens: usize,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "KvCache({} tokens in {} blocks)",
+            self.n_tokens,
+            self.blocks.len()
+        )
+    }
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        self.pool.give_back(std::mem::take(&mut self.blocks));
+    }
+}
+
+impl KvCache {
+    /// Makes room for `n_tokens` positions in all, taking blocks from the pool.
+    ///
+    /// Errors: [`KvExhausted`] when the pool has no free block (the blocks taken so far stay
+    /// with the cache).
+    pub fn reserve(&mut self, n_tokens: usize) -> Result<()> {
+        while self.blocks.len() < blocks_for(n_tokens) {
+            self.blocks.push(self.pool.take()?);
+        }
+        Ok(())
+    }
+
+    /// The offset of `(layer, keys or values, position)` in its block.
+    fn offset(&self, layer: usize, values: bool, position: usize) -> (usize, usize) {
+        let kv_dim = self.pool.kv_dim;
+        let slot = position % BLOCK_TOKENS;
+        let within = ((layer * 2 + usize::from(values)) * BLOCK_TOKENS + slot) * kv_dim;
+        (position / BLOCK_TOKENS, within)
+    }
+
+    /// The key row `(kv_dim)` of `position` in `layer`.
+    pub fn key(&self, layer: usize, position: usize) -> &[f16] {
+        let (block, at) = self.offset(layer, false, position);
+        &self.blocks[block][at..at + self.pool.kv_dim]
+    }
+
+    /// The value row `(kv_dim)` of `position` in `layer`.
+    pub fn value(&self, layer: usize, position: usize) -> &[f16] {
+        let (block, at) = self.offset(layer, true, position);
+        &self.blocks[block][at..at + self.pool.kv_dim]
+    }
+
+    /// Stores `keys` and `values` (`(count, kv_dim)` f32, rounded to f16) of `layer` at
+    /// positions `first..first + count`, which [`KvCache::reserve`] has made room for.
+    ///
+    /// Errors: a position beyond the reserved blocks.
+    pub fn store(
+        &mut self,
+        layer: usize,
+        first: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<()> {
+        let kv_dim = self.pool.kv_dim;
+        let count = keys.len() / kv_dim;
+        if blocks_for(first + count) > self.blocks.len() {
+            bail!(
+                "KV positions {first}..{} are not reserved ({} blocks held)",
+                first + count,
+                self.blocks.len()
+            );
+        }
+        for (i, (k, v)) in keys
+            .chunks_exact(kv_dim)
+            .zip(values.chunks_exact(kv_dim))
+            .enumerate()
+        {
+            for (rows, values) in [(k, false), (v, true)] {
+                let (block, at) = self.offset(layer, values, first + i);
+                for (slot, x) in self.blocks[block][at..at + kv_dim].iter_mut().zip(rows) {
+                    *slot = f16::from_f32(*x);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks held.
+    pub fn n_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Bytes held (whole blocks).
+    pub fn bytes(&self) -> usize {
+        self.blocks.len() * self.pool.block_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_counted_reused_and_capped() {
+        let pool = KvPool::new(2, 4, Some(3 * BLOCK_TOKENS + 5));
+        assert_eq!(pool.capacity_blocks(), 3);
+        let mut a = pool.new_cache();
+        a.reserve(BLOCK_TOKENS + 1).expect("two blocks");
+        assert_eq!(
+            (a.n_blocks(), pool.used_blocks(), pool.free_blocks()),
+            (2, 2, 1)
+        );
+        let mut b = pool.new_cache();
+        b.reserve(1).expect("one block");
+        let error = b.reserve(BLOCK_TOKENS + 1).expect_err("pool exhausted");
+        assert!(error.downcast_ref::<KvExhausted>().is_some(), "{error}");
+        drop(a);
+        assert_eq!(pool.used_blocks(), 1);
+        b.reserve(3 * BLOCK_TOKENS).expect("blocks returned by `a`");
+        assert_eq!(pool.free_blocks(), 0);
+    }
+
+    #[test]
+    fn rows_land_at_their_position_across_blocks() {
+        let pool = KvPool::new(2, 2, None);
+        let mut cache = pool.new_cache();
+        let n = BLOCK_TOKENS + 3;
+        cache.reserve(n).expect("unbounded");
+        let keys: Vec<f32> = (0..n * 2).map(|i| i as f32).collect();
+        let values: Vec<f32> = keys.iter().map(|k| -k).collect();
+        cache.store(1, 0, &keys, &values).expect("reserved");
+        for p in 0..n {
+            assert_eq!(cache.key(1, p)[1].to_f32(), (2 * p + 1) as f32);
+            assert_eq!(cache.value(1, p)[0].to_f32(), -((2 * p) as f32));
+            assert_eq!(cache.key(0, p)[0].to_f32(), 0.0, "layer 0 untouched");
+        }
+        assert!(
+            cache
+                .store(0, 2 * BLOCK_TOKENS, &keys[..2], &values[..2])
+                .is_err()
+        );
+    }
+}
