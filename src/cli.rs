@@ -342,6 +342,11 @@ pub struct UpArgs {
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub pp: usize,
 
+    /// Data-parallel degree: independent replicas (each `tp × pp` ranks) behind rank 0's
+    /// router, which spreads requests by load.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub dp: usize,
+
     /// Where the ranks compute: `cpu` (the quantized CPU kernels) or `cuda`.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,

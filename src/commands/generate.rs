@@ -140,6 +140,7 @@ fn distributed(
     let spec = crate::launch::LaunchSpec {
         tp: args.tp,
         pp: args.pp,
+        dp: 1,
         model: path.to_path_buf(),
         threads_per_rank,
         timeout: std::time::Duration::from_secs(60),

@@ -28,6 +28,10 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
         world_size: number("WORLD_SIZE")?,
         tp: number("INFER_TP")?,
         pp: number("INFER_PP")?,
+        dp: match std::env::var("INFER_DP") {
+            Ok(_) => number("INFER_DP")?,
+            Err(_) => 1,
+        },
         store_address: format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
         token: var("INFER_RUN_TOKEN")?,
         model: var("INFER_MODEL")?.into(),

@@ -19,6 +19,7 @@ use crate::runtime::executor::Executor;
 use crate::runtime::gguf::Header;
 use crate::runtime::tokenizer::Tokenizer;
 use crate::runtime::worker::{Job, ReplicaDriver};
+use crate::serve::router::Router;
 use crate::serve::scheduler::Scheduler;
 use crate::serve::{AppState, router};
 use crate::ui::Printer;
@@ -28,8 +29,8 @@ use crate::{ExitStatus, model};
 /// be bound, a rank that fails (named, with its last log lines).
 pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     let started = Instant::now();
-    if args.tp == 0 || args.pp == 0 {
-        bail!("--tp and --pp must be at least 1");
+    if args.tp == 0 || args.pp == 0 || args.dp == 0 {
+        bail!("--tp, --pp and --dp must be at least 1");
     }
     if args.kv_cache_tokens < crate::runtime::kv::BLOCK_TOKENS {
         bail!(
@@ -45,7 +46,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     let model_id = model_id(&path);
-    if args.tp * args.pp > 1 {
+    if args.dp * args.tp * args.pp > 1 {
         return launch(args, &path, &model_id, started, printer);
     }
     let mut engine = Engine::load(&path, args.threads)?;
@@ -56,14 +57,14 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         Tokenizer::from_gguf(&Header::read_file(&path)?)?
     };
     let max_context_tokens = engine.model.config.max_context_tokens;
-    let state = Arc::new(AppState {
-        scheduler: Scheduler::start(engine, args.max_batch),
+    let state = AppState {
+        scheduler: Router::local(Scheduler::start(engine, args.max_batch)),
         model_id: model_id.clone(),
         tokenizer,
         max_context_tokens,
         api_key: args.api_key.clone(),
-    });
-    serve_http(state, &args.host, args.port, &mut |address| {
+    };
+    serve_http(state, &[], "", &args.host, args.port, &mut |address| {
         printer.note(&format!(
             "serving `{model_id}` on http://{address} (ready in {:.2} s); Ctrl-C stops",
             started.elapsed().as_secs_f64()
@@ -82,7 +83,7 @@ fn model_id(path: &std::path::Path) -> String {
     )
 }
 
-/// Launches `tp × pp` rank processes whose rank 0 serves, and watches them.
+/// Launches `dp × pp × tp` rank processes whose rank 0 serves, and watches them.
 fn launch(
     args: &UpArgs,
     path: &std::path::Path,
@@ -96,7 +97,7 @@ fn launch(
             path.display()
         );
     }
-    let world = args.tp * args.pp;
+    let world = args.dp * args.tp * args.pp;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut extra_env = vec![
         ("INFER_HTTP_HOST".to_string(), args.host.clone()),
@@ -114,6 +115,7 @@ fn launch(
     let spec = LaunchSpec {
         tp: args.tp,
         pp: args.pp,
+        dp: args.dp,
         model: path.to_path_buf(),
         threads_per_rank: if args.threads > 0 {
             args.threads
@@ -137,9 +139,10 @@ fn launch(
     let address = String::from_utf8_lossy(&address).into_owned();
     gang.write_manifest(&spec, Some(&format!("http://{address}")))?;
     printer.note(&format!(
-        "serving `{model_id}` on http://{address} with {world} ranks (tp {} × pp {}), ready in {:.2} s; Ctrl-C stops",
-        args.tp,
+        "serving `{model_id}` on http://{address} with {world} ranks (dp {} × pp {} × tp {}), ready in {:.2} s; Ctrl-C stops",
+        args.dp,
         args.pp,
+        args.tp,
         started.elapsed().as_secs_f64()
     ));
     // Serve until told to stop; the gang's rank 0 never sets this key.
@@ -202,41 +205,83 @@ fn watch_signals(stop: Arc<AtomicBool>) -> Result<()> {
     Ok(())
 }
 
-/// Rank 0 of a serving replica: runs the scheduler over `driver`, binds the HTTP server at
-/// `INFER_HTTP_HOST:INFER_HTTP_PORT`, publishes the bound address under `ready` in the
-/// store, and serves until SIGTERM (from the launcher) or until the replica fails.
+/// The driver of a serving replica. Replica 0's driver (global rank 0) runs the scheduler
+/// over `driver`, connects the router to the other replicas' drivers (their addresses come
+/// from the store), binds the HTTP server at `INFER_HTTP_HOST:INFER_HTTP_PORT`, publishes
+/// the bound address under `ready`, and serves until SIGTERM (from the launcher) or until a
+/// replica fails. Any other replica's driver serves the router's requests instead
+/// ([`crate::serve::router::serve_remote`]).
 ///
-/// Errors: a missing `INFER_HTTP_*` variable, an address that cannot be bound, a failed
-/// replica (a lost rank).
+/// Errors: a missing `INFER_*` variable, an address that cannot be bound, a failed replica
+/// (a lost rank), a lost router.
 pub fn serve_driver(driver: ReplicaDriver, store: &mut StoreClient) -> Result<()> {
     let var = |name: &str| {
         std::env::var(name).with_context(|| format!("`{name}` is not set by the launcher"))
     };
+    let max_batch: usize = var("INFER_MAX_BATCH")?
+        .parse()
+        .context("INFER_MAX_BATCH is not a number")?;
+    let dp: usize = var("INFER_DP")?
+        .parse()
+        .context("INFER_DP is not a number")?;
+    let token = var("INFER_RUN_TOKEN")?;
+    let replica = driver.replica_index();
+    let timeout = driver.timeout();
+    if replica > 0 {
+        let scheduler = Scheduler::start_with(Box::new(driver), max_batch);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .context("failed to start the replica's runtime")?;
+        return runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+                .await
+                .context("cannot listen for the router")?;
+            store.set(
+                &format!("dp/{replica}/router"),
+                listener.local_addr()?.to_string().as_bytes(),
+            )?;
+            let mut terminate =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            tokio::select! {
+                result = crate::serve::router::serve_remote(listener, &token, scheduler) => result,
+                _ = terminate.recv() => Ok(()),
+            }
+        });
+    }
     let host = var("INFER_HTTP_HOST")?;
     let port: u16 = var("INFER_HTTP_PORT")?
         .parse()
         .context("INFER_HTTP_PORT is not a port")?;
-    let max_batch: usize = var("INFER_MAX_BATCH")?
-        .parse()
-        .context("INFER_MAX_BATCH is not a number")?;
-    let state = Arc::new(AppState {
+    let remotes = (1..dp)
+        .map(|r| {
+            let bytes = store.get(&format!("dp/{r}/router"), timeout)?;
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        })
+        .collect::<Result<Vec<String>>>()?;
+    let state = AppState {
         model_id: var("INFER_MODEL_ID")?,
         tokenizer: driver.tokenizer().clone(),
         max_context_tokens: driver.max_context_tokens(),
         api_key: std::env::var("INFER_API_KEY").ok(),
-        scheduler: Scheduler::start_with(Box::new(driver), max_batch),
-    });
-    serve_http(state, &host, port, &mut |address| {
+        scheduler: Router::local(Scheduler::start_with(Box::new(driver), max_batch)),
+    };
+    serve_http(state, &remotes, &token, &host, port, &mut |address| {
         store.set("ready", address.to_string().as_bytes())
     })
 }
 
-/// Binds `host:port`, calls `on_ready` with the bound address, and serves `state` until
-/// Ctrl-C, SIGTERM, or a failure of the scheduler's executor.
+/// Connects the router to the `remotes` replicas (proving `token`), binds `host:port`,
+/// calls `on_ready` with the bound address, and serves `state` until Ctrl-C, SIGTERM, or a
+/// failure of a replica.
 ///
-/// Errors: the address cannot be bound, `on_ready` fails, the executor failed.
+/// Errors: a replica that cannot be reached, the address cannot be bound, `on_ready`
+/// fails, a replica failed.
 fn serve_http(
-    state: Arc<AppState>,
+    mut state: AppState,
+    remotes: &[String],
+    token: &str,
     host: &str,
     port: u16,
     on_ready: &mut dyn FnMut(SocketAddr) -> Result<()>,
@@ -246,14 +291,16 @@ fn serve_http(
         .enable_all()
         .build()
         .context("failed to start the HTTP runtime")?;
-    let mut failure = state.scheduler.failure.clone();
     runtime.block_on(async {
+        state.scheduler.connect_remotes(remotes, token).await?;
+        let state = Arc::new(state);
         let listener = tokio::net::TcpListener::bind((host, port))
             .await
             .with_context(|| format!("cannot listen on {host}:{port} (in use? try `--port`)"))?;
         on_ready(listener.local_addr()?)?;
         let failed = Arc::new(std::sync::Mutex::new(None::<String>));
         let failed_in_shutdown = Arc::clone(&failed);
+        let watched = Arc::clone(&state);
         axum::serve(listener, router(state))
             .with_graceful_shutdown(async move {
                 let mut terminate =
@@ -266,20 +313,10 @@ fn serve_http(
                         None => std::future::pending::<()>().await,
                     }
                 };
-                let engine_failed = async {
-                    loop {
-                        if let Some(error) = failure.borrow_and_update().clone() {
-                            return error;
-                        }
-                        if failure.changed().await.is_err() {
-                            return "the scheduler stopped".to_string();
-                        }
-                    }
-                };
                 tokio::select! {
                     _ = tokio::signal::ctrl_c() => {}
                     _ = sigterm => {}
-                    error = engine_failed => {
+                    error = watched.scheduler.failed() => {
                         if let Ok(mut slot) = failed_in_shutdown.lock() {
                             *slot = Some(error);
                         }

@@ -27,6 +27,8 @@ pub const GRACE_PERIOD: Duration = Duration::from_secs(2);
 pub struct LaunchSpec {
     pub tp: usize,
     pub pp: usize,
+    /// Data-parallel replicas (world size `dp × pp × tp`).
+    pub dp: usize,
     pub model: PathBuf,
     /// Threads of each rank's pool.
     pub threads_per_rank: usize,
@@ -74,12 +76,12 @@ pub struct Gang {
 }
 
 impl Gang {
-    /// Starts `spec.tp × spec.pp` rank processes with `job`, all or none: when one fails to
+    /// Starts `spec.dp × spec.pp × spec.tp` rank processes with `job`, all or none: when one fails to
     /// start, those already started are stopped.
     ///
     /// Errors: the store, the run directory or a rank process cannot start.
     pub fn start(spec: &LaunchSpec, job: &Job) -> Result<Gang> {
-        let world = spec.tp * spec.pp;
+        let world = spec.dp * spec.tp * spec.pp;
         let token = random_token();
         let server = StoreServer::start("127.0.0.1:0", &token)?;
         let run_dir = tempfile::Builder::new()
@@ -170,6 +172,7 @@ impl Gang {
         let manifest = serde_json::json!({
             "tp": spec.tp,
             "pp": spec.pp,
+            "dp": spec.dp,
             "world_size": self.world_size,
             "model": spec.model,
             "threads_per_rank": spec.threads_per_rank,
@@ -300,6 +303,7 @@ fn spawn_rank(
         ("MASTER_PORT".into(), server.address().port().to_string()),
         ("INFER_TP".into(), spec.tp.to_string()),
         ("INFER_PP".into(), spec.pp.to_string()),
+        ("INFER_DP".into(), spec.dp.to_string()),
         ("INFER_MODEL".into(), spec.model.display().to_string()),
         ("INFER_THREADS".into(), spec.threads_per_rank.to_string()),
         (

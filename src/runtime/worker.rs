@@ -31,6 +31,9 @@ pub struct RankConfig {
     pub world_size: u64,
     pub tp: usize,
     pub pp: usize,
+    /// Data-parallel replicas: `world_size = dp × pp × tp`, ranks ordered DP, PP, TP
+    /// (TP fastest), as vLLM orders them.
+    pub dp: usize,
     /// `MASTER_ADDR:MASTER_PORT`.
     pub store_address: String,
     pub token: String,
@@ -100,7 +103,9 @@ pub fn run_rank(
     let (mut member, file) = Member::join(config, &mut store)?;
     let info = member.shard.shard;
     log(&format!(
-        "tp rank {}/{}, pp rank {}/{}: layers {}..{}, {:.1} MiB of weights, loaded and connected in {:.2} s",
+        "dp rank {}/{}, tp rank {}/{}, pp rank {}/{}: layers {}..{}, {:.1} MiB of weights, loaded and connected in {:.2} s",
+        member.dp_rank,
+        config.dp,
         info.tp_rank,
         info.tp,
         member.pp_rank,
@@ -113,7 +118,7 @@ pub fn run_rank(
     store.barrier("loaded", config.world_size, config.timeout)?;
     let job: Job =
         serde_json::from_slice(&store.get("job", config.timeout)?).context("malformed job")?;
-    if config.rank != 0 {
+    if member.rank != 0 {
         return member.follow();
     }
     let tokenizer = Tokenizer::from_gguf(&file.header)?;
@@ -135,7 +140,11 @@ pub fn run_rank(
 /// One rank's part of a replica: its shard, its groups, and the per-sequence state it keeps
 /// between steps (KV caches; samplers on the sampling rank).
 pub struct Member {
+    /// Position in the replica (0: the driver).
     rank: usize,
+    global_rank: usize,
+    /// Which data-parallel replica this rank belongs to.
+    dp_rank: usize,
     tp: usize,
     pp_rank: usize,
     pp: usize,
@@ -154,11 +163,18 @@ pub struct Member {
 impl Member {
     /// Loads this rank's shard and connects its TP, PP and replica groups.
     fn join(config: &RankConfig, store: &mut StoreClient) -> Result<(Member, Arc<GgufFile>)> {
-        let (tp, pp) = (config.tp, config.pp);
-        let rank = config.rank as usize;
-        if tp * pp != config.world_size as usize {
-            bail!("WORLD_SIZE={} but tp×pp = {}", config.world_size, tp * pp);
+        let (tp, pp, dp) = (config.tp, config.pp, config.dp);
+        let global_rank = config.rank as usize;
+        if dp * tp * pp != config.world_size as usize {
+            bail!(
+                "WORLD_SIZE={} but dp×pp×tp = {}",
+                config.world_size,
+                dp * tp * pp
+            );
         }
+        // Position inside the replica, and the replica's first global rank.
+        let (rank, dp_rank) = (global_rank % (tp * pp), global_rank / (tp * pp));
+        let base = (dp_rank * tp * pp) as u64;
         let (tp_rank, pp_rank) = (rank % tp, rank / tp);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(config.threads)
@@ -169,23 +185,25 @@ impl Member {
         let (first_layer, n_layers) = stage_layers(whole.layers.len(), pp, pp_rank);
         let mut shard = whole
             .shard(tp_rank, tp, first_layer, n_layers)
-            .with_context(|| format!("rank {rank}: building its shard"))?;
+            .with_context(|| format!("rank {global_rank}: building its shard"))?;
         shard.set_kv_capacity(config.kv_cache_tokens);
         drop(whole);
 
-        let tp_members: Vec<u64> = (0..tp).map(|t| (pp_rank * tp + t) as u64).collect();
-        let pp_members: Vec<u64> = (0..pp).map(|s| (s * tp + tp_rank) as u64).collect();
-        let all: Vec<u64> = (0..config.world_size).collect();
+        let tp_members: Vec<u64> = (0..tp).map(|t| base + (pp_rank * tp + t) as u64).collect();
+        let pp_members: Vec<u64> = (0..pp).map(|s| base + (s * tp + tp_rank) as u64).collect();
+        let all: Vec<u64> = (0..(tp * pp) as u64).map(|r| base + r).collect();
         let host = "127.0.0.1";
         let mut connect = |group: &str, members: &[u64]| {
             TcpComm::connect(store, group, members, config.rank, host, config.timeout)
         };
-        let tp_comm = connect(&format!("tp/{pp_rank}"), &tp_members)?;
-        let pp_comm = connect(&format!("pp/{tp_rank}"), &pp_members)?;
-        let replica = connect("replica", &all)?;
+        let tp_comm = connect(&format!("dp{dp_rank}/tp/{pp_rank}"), &tp_members)?;
+        let pp_comm = connect(&format!("dp{dp_rank}/pp/{tp_rank}"), &pp_members)?;
+        let replica = connect(&format!("dp{dp_rank}/replica"), &all)?;
         Ok((
             Member {
                 rank,
+                global_rank,
+                dp_rank,
                 tp,
                 pp_rank,
                 pp,
@@ -223,7 +241,11 @@ impl Member {
                     self.samplers.insert(entry.seq, sampler);
                 }
             } else if !self.caches.contains_key(&entry.seq) {
-                bail!("rank {}: sequence {} is unknown", self.rank, entry.seq);
+                bail!(
+                    "rank {}: sequence {} is unknown",
+                    self.global_rank,
+                    entry.seq
+                );
             }
         }
         if entries.is_empty() {
@@ -272,7 +294,11 @@ impl Member {
                 .zip(&logits)
                 .map(|(entry, logits)| {
                     let sampler = self.samplers.get_mut(&entry.seq).ok_or_else(|| {
-                        anyhow!("rank {}: no sampler for sequence {}", self.rank, entry.seq)
+                        anyhow!(
+                            "rank {}: no sampler for sequence {}",
+                            self.global_rank,
+                            entry.seq
+                        )
                     })?;
                     Ok(sample(sampler, logits))
                 })
@@ -322,6 +348,11 @@ impl ReplicaDriver {
     /// Ranks in the replica.
     pub fn world_size(&self) -> usize {
         self.member.replica.size()
+    }
+
+    /// Which data-parallel replica this driver drives (0: the one whose driver serves HTTP).
+    pub fn replica_index(&self) -> usize {
+        self.member.dp_rank
     }
 
     /// The timeout of every collective, which an idle driver must beat.

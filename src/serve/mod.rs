@@ -3,6 +3,7 @@
 //! streaming), `GET /health`, `GET /metrics`. Errors are OpenAI error JSON with the right
 //! status; the server keeps serving after any bad request. Bound to 127.0.0.1 unless told.
 
+pub mod router;
 pub mod scheduler;
 
 use std::sync::Arc;
@@ -25,11 +26,12 @@ use crate::runtime::chat::{ChatMessage, render};
 use crate::runtime::engine::FinishReason;
 use crate::runtime::sampling::SamplingParams;
 use crate::runtime::tokenizer::Tokenizer;
-use scheduler::{Event, Request, Scheduler};
+use scheduler::{Event, Request};
 
 /// What the handlers share.
 pub struct AppState {
-    pub scheduler: Scheduler,
+    /// Where requests go: the local scheduler, and the other DP replicas if any.
+    pub scheduler: router::Router,
     /// The served model's id (what `/v1/models` lists and requests name).
     pub model_id: String,
     pub tokenizer: Tokenizer,
@@ -182,6 +184,14 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         "infer_time_per_output_token_seconds",
         "Time per output token after the first.",
     ));
+    if state.scheduler.replicas() > 1 {
+        text.push_str("# HELP infer_dp_requests_routed_total Requests routed to each data-parallel replica.\n# TYPE infer_dp_requests_routed_total counter\n");
+        for (replica, count) in state.scheduler.routed().iter().enumerate() {
+            text.push_str(&format!(
+                "infer_dp_requests_routed_total{{replica=\"{replica}\"}} {count}\n"
+            ));
+        }
+    }
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }
 

@@ -28,7 +28,7 @@ pub struct Request {
 }
 
 /// What a request hears back.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum Event {
     /// One generated token: its id, the text it completed (possibly empty while a UTF-8
     /// character is incomplete) and its log-probability.

@@ -604,3 +604,86 @@ fn preempted_requests_resume_with_the_same_output(layout: &[&str], seeded_exact:
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// `--dp 2`: two replicas (one rank each) behind rank 0's router. Concurrent requests are
+/// spread over both, every greedy result equals `infer generate`'s, and killing replica 1's
+/// rank takes `infer up` down naming it, with no rank left.
+#[test]
+fn data_parallel_replicas_share_the_load() {
+    let mut server = Server::start(&["--dp", "2"]);
+    let ranks = server.rank_pids();
+    assert_eq!(ranks.len(), 2, "{}", server.startup);
+    let reference = generate_counting();
+    let prompts = [
+        "1, 2, 3, 4, 5,",
+        "Once upon a time",
+        "1, 2, 3, 4, 5,",
+        "The capital of France is",
+        "1, 2, 3, 4, 5,",
+        "def fibonacci(n):",
+        "1, 2, 3, 4, 5,",
+        "Rust is",
+    ];
+    let results: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|prompt| {
+                let server = &server;
+                scope.spawn(move || {
+                    server.post(
+                        "/v1/completions",
+                        &json!({"prompt": prompt, "max_tokens": 16, "temperature": 0}),
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client"))
+            .collect()
+    });
+    for ((status, body), prompt) in results.iter().zip(prompts) {
+        assert_eq!(*status, 200, "{body}");
+        if prompt == "1, 2, 3, 4, 5," {
+            assert_eq!(body["choices"][0]["text"], reference["text"], "{body}");
+        }
+        assert_eq!(body["usage"]["completion_tokens"], 16, "{body}");
+    }
+    let metrics = ureq::get(&format!("{}/metrics", server.url))
+        .call()
+        .expect("metrics")
+        .into_body()
+        .read_to_string()
+        .expect("text");
+    for replica in ["0", "1"] {
+        let routed: u64 = metrics
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "infer_dp_requests_routed_total{{replica=\"{replica}\"}} "
+                ))
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no count for replica {replica}:\n{metrics}"));
+        assert!(routed > 0, "replica {replica} got nothing:\n{metrics}");
+    }
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(ranks[1] as i32).expect("pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill rank 1");
+    let status = server.child.wait().expect("wait");
+    let rest = server
+        .rest
+        .take()
+        .map(|reader| reader.join().expect("stderr reader"))
+        .unwrap_or_default();
+    assert!(!status.success(), "{rest}");
+    assert!(rest.contains("rank 1 exited with signal: 9"), "{rest}");
+    for pid in ranks {
+        assert!(
+            !crate::distributed::alive(pid),
+            "rank pid {pid} is still running"
+        );
+    }
+}
