@@ -52,6 +52,25 @@ impl Printer {
         eprintln!("{}: {text}", self.paint("note", "36"));
     }
 
+    /// A progress display of `total` steps on stderr: an indicatif bar when stderr is a
+    /// terminal, plain `note:` lines otherwise (logs, CI, pipes).
+    pub fn progress(&self, total: u64) -> Progress {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            let style = indicatif::ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            bar.set_style(style);
+            bar.enable_steady_tick(std::time::Duration::from_millis(120));
+            bar
+        });
+        Progress {
+            bar,
+            printer: self.clone(),
+        }
+    }
+
     /// A warning on stderr.
     pub fn warn(&self, text: &str) {
         eprintln!("{}: {text}", self.paint("warning", "33"));
@@ -86,5 +105,50 @@ impl Printer {
         } else {
             word.to_string()
         }
+    }
+}
+
+/// See [`Printer::progress`].
+pub struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    printer: Printer,
+}
+
+impl Progress {
+    /// Moves to step `position` with `message` (a plain line when not on a terminal).
+    pub fn update(&self, position: u64, message: &str) {
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(position);
+                bar.set_message(message.to_string());
+            }
+            None => self.printer.note(message),
+        }
+    }
+
+    /// Whether this is a terminal bar (every step shows) rather than plain lines.
+    pub fn is_bar(&self) -> bool {
+        self.bar.is_some()
+    }
+
+    /// A `note:` line that does not disturb the bar.
+    pub fn note(&self, text: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(format!("{}: {text}", self.printer.paint("note", "36"))),
+            None => self.printer.note(text),
+        }
+    }
+
+    /// Removes the bar (plain mode: nothing).
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.finish();
     }
 }

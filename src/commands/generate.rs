@@ -146,9 +146,11 @@ fn distributed(
         timeout: std::time::Duration::from_secs(60),
         extra_env: Vec::new(),
     };
-    let generation = crate::launch::run_generation(&spec, &job, &mut |progress| {
-        super::up::report_progress(printer, &progress, false)
+    let progress = printer.progress(2 * (args.tp * args.pp) as u64);
+    let generation = crate::launch::run_generation(&spec, &job, &mut |event| {
+        super::up::report_progress(&progress, &event, false)
     })?;
+    progress.finish();
     if args.json {
         printer.json(&Output {
             model: &path.display().to_string(),

@@ -22,7 +22,7 @@ use crate::runtime::worker::{Job, ReplicaDriver};
 use crate::serve::router::Router;
 use crate::serve::scheduler::Scheduler;
 use crate::serve::{AppState, router};
-use crate::ui::Printer;
+use crate::ui::{self, Printer};
 use crate::{ExitStatus, model};
 
 /// Runs `infer up`. Errors: bad flags, a model that does not load, an address that cannot
@@ -128,16 +128,23 @@ fn launch(
     let stop = Arc::new(AtomicBool::new(false));
     watch_signals(Arc::clone(&stop))?;
     let mut gang = Gang::start(&spec, &Job::Serve)?;
-    let mut report = |progress: Progress| report_progress(printer, &progress, true);
+    // Steps: every rank started, every rank loaded, serving.
+    let progress = printer.progress(2 * world as u64 + 1);
+    let mut report = |event: Progress| report_progress(&progress, &event, true);
     report(gang.started());
     let is_stopped = || stop.load(Ordering::SeqCst);
     let Some(address) = gang.wait_for("ready", &is_stopped, &mut report)? else {
+        progress.finish();
         gang.stop();
         printer.note("stopped before the ranks were ready");
         return Ok(ExitStatus::Success);
     };
     let address = String::from_utf8_lossy(&address).into_owned();
     gang.write_manifest(&spec, Some(&format!("http://{address}")))?;
+    if progress.is_bar() {
+        progress.update(2 * world as u64 + 1, "ready");
+    }
+    progress.finish();
     printer.note(&format!(
         "serving `{model_id}` on http://{address} with {world} ranks (dp {} × pp {} × tp {}), ready in {:.2} s; Ctrl-C stops",
         args.dp,
@@ -145,6 +152,7 @@ fn launch(
         args.tp,
         started.elapsed().as_secs_f64()
     ));
+    let mut report = |event: Progress| report_progress_plain(printer, &event);
     // Serve until told to stop; the gang's rank 0 never sets this key.
     gang.wait_for("never", &is_stopped, &mut report)?;
     gang.stop();
@@ -152,30 +160,44 @@ fn launch(
     Ok(ExitStatus::Success)
 }
 
-/// One line per milestone; rank output prefixed with `[rank N]` when `echo_ranks`.
-pub fn report_progress(printer: &Printer, progress: &Progress, echo_ranks: bool) {
-    match progress {
+/// Shows a launcher milestone on `progress` (a bar on a terminal, plain lines otherwise):
+/// ranks started, shards loaded; rank output prefixed with `[rank N]` when `echo_ranks`.
+pub fn report_progress(progress: &ui::Progress, event: &Progress, echo_ranks: bool) {
+    match event {
         Progress::Started {
             world_size,
             run_dir,
             pids,
-        } => printer.note(&format!(
-            "started {world_size} ranks (pids {}); logs and manifest.json in {}",
-            pids.iter()
-                .map(u32::to_string)
-                .collect::<Vec<_>>()
-                .join(", "),
-            run_dir.display()
-        )),
-        Progress::Loaded { loaded, world_size } if loaded == world_size => {
-            printer.note(&format!("{loaded}/{world_size} ranks loaded their shard"))
+        } => progress.update(
+            *world_size as u64,
+            &format!(
+                "started {world_size} ranks (pids {}); logs and manifest.json in {}",
+                pids.iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                run_dir.display()
+            ),
+        ),
+        Progress::Loaded { loaded, world_size } => {
+            let message = format!("{loaded}/{world_size} ranks loaded their shard");
+            if progress.is_bar() || loaded == world_size {
+                progress.update((world_size + loaded) as u64, &message);
+            }
         }
-        Progress::Loaded { .. } => {}
         Progress::RankLine { rank, line } if echo_ranks => {
             let line = line.strip_prefix("note: ").unwrap_or(line);
-            printer.note(&format!("[rank {rank}] {line}"))
+            progress.note(&format!("[rank {rank}] {line}"))
         }
         Progress::RankLine { .. } => {}
+    }
+}
+
+/// After the bar is gone: rank output as plain `[rank N]` lines.
+fn report_progress_plain(printer: &Printer, event: &Progress) {
+    if let Progress::RankLine { rank, line } = event {
+        let line = line.strip_prefix("note: ").unwrap_or(line);
+        printer.note(&format!("[rank {rank}] {line}"));
     }
 }
 
