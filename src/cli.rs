@@ -334,18 +334,33 @@ pub struct UpArgs {
     #[arg(long, value_name = "TOKENS", default_value_t = 65536)]
     pub kv_cache_tokens: usize,
 
-    /// Tensor-parallel degree: ranks that split every layer (1: no split).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub tp: usize,
+    /// Tensor-parallel degree: ranks that split every layer (default 1: no split).
+    #[arg(long, value_name = "N")]
+    pub tp: Option<usize>,
 
-    /// Pipeline-parallel degree: stages of contiguous layers.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub pp: usize,
+    /// Pipeline-parallel degree: stages of contiguous layers (default 1).
+    #[arg(long, value_name = "N")]
+    pub pp: Option<usize>,
 
     /// Data-parallel degree: independent replicas (each `tp × pp` ranks) behind rank 0's
-    /// router, which spreads requests by load.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub dp: usize,
+    /// router, which spreads requests by load (default 1).
+    #[arg(long, value_name = "N")]
+    pub dp: Option<usize>,
+
+    /// Expert-parallel degree for MoE models (default 1). Experts are sharded over each
+    /// replica's TP group, so it must equal `--tp`.
+    #[arg(long, value_name = "N")]
+    pub ep: Option<usize>,
+
+    /// Launch the layout of a saved plan (`infer plan --json > plan.json`) instead of
+    /// `--tp/--pp/--dp/--ep`.
+    #[arg(long, value_name = "FILE", conflicts_with = "cluster")]
+    pub plan: Option<PathBuf>,
+
+    /// Plan for this cluster (`local`, a TOML inventory or `NODESxGPUSxHW`, as `infer plan`)
+    /// and launch the chosen layout.
+    #[arg(long, value_name = "C")]
+    pub cluster: Option<String>,
 
     /// Where the ranks compute: `cpu` (the quantized CPU kernels) or `cuda`.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]

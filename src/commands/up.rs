@@ -29,9 +29,6 @@ use crate::{ExitStatus, model};
 /// be bound, a rank that fails (named, with its last log lines).
 pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     let started = Instant::now();
-    if args.tp == 0 || args.pp == 0 || args.dp == 0 {
-        bail!("--tp, --pp and --dp must be at least 1");
-    }
     if args.kv_cache_tokens < crate::runtime::kv::BLOCK_TOKENS {
         bail!(
             "--kv-cache-tokens must hold at least one block of {} tokens, got {}",
@@ -46,8 +43,9 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     let model_id = model_id(&path);
-    if args.dp * args.tp * args.pp > 1 {
-        return launch(args, &path, &model_id, started, printer);
+    let layout = resolve_layout(args, &path, printer)?;
+    if layout.world_size() > 1 {
+        return launch(args, &layout, &path, &model_id, started, printer);
     }
     let mut engine = Engine::load(&path, args.threads)?;
     engine.model.set_kv_capacity(Some(args.kv_cache_tokens));
@@ -83,9 +81,109 @@ fn model_id(path: &std::path::Path) -> String {
     )
 }
 
+/// The parallel layout to launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Layout {
+    tp: usize,
+    pp: usize,
+    dp: usize,
+    ep: usize,
+}
+
+impl Layout {
+    fn world_size(&self) -> usize {
+        self.dp * self.pp * self.tp
+    }
+}
+
+/// The layout from `--tp/--pp/--dp/--ep`, a saved `--plan`, or a plan made for `--cluster`.
+///
+/// Errors: both ways given, a degree of 0, an unreadable or malformed plan, an infeasible
+/// plan, a plan spanning several hosts (remote launching is not built yet), `--ep` other
+/// than 1.
+fn resolve_layout(args: &UpArgs, path: &std::path::Path, printer: &Printer) -> Result<Layout> {
+    let explicit = [args.tp, args.pp, args.dp, args.ep];
+    let from_plan = args.plan.is_some() || args.cluster.is_some();
+    if from_plan && explicit.iter().any(Option::is_some) {
+        bail!("give the layout either with --plan/--cluster or with --tp/--pp/--dp/--ep, not both");
+    }
+    let layout = if let Some(file) = &args.plan {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read the plan `{}`", file.display()))?;
+        let plan: crate::plan::Plan = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "`{}` is not a plan; write one with `infer plan --json > plan.json`",
+                file.display()
+            )
+        })?;
+        layout_of(&plan, &format!("the plan `{}`", file.display()), printer)?
+    } else if let Some(cluster) = &args.cluster {
+        let spec = model::load(&path.display().to_string())?;
+        let cluster = crate::cluster::load(cluster, std::path::Path::new("/sys"))?;
+        match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
+            crate::plan::Outcome::Feasible(plan) => {
+                layout_of(&plan, &format!("the plan for `{}`", plan.cluster), printer)?
+            }
+            crate::plan::Outcome::Infeasible(infeasible) => bail!(
+                "no layout fits the model on this cluster:\n{}",
+                crate::plan::render::render_infeasible(&infeasible, false)
+            ),
+        }
+    } else {
+        Layout {
+            tp: args.tp.unwrap_or(1),
+            pp: args.pp.unwrap_or(1),
+            dp: args.dp.unwrap_or(1),
+            ep: args.ep.unwrap_or(1),
+        }
+    };
+    if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.ep == 0 {
+        bail!("--tp, --pp, --dp and --ep must be at least 1");
+    }
+    if layout.ep > 1 {
+        bail!(
+            "expert parallelism (ep {}) is not wired into `infer up` ranks yet; run the MoE model with --tp alone",
+            layout.ep
+        );
+    }
+    Ok(layout)
+}
+
+/// The layout of `plan`, which must place every rank on one host (remote hosts need the SSH
+/// launcher). CPU ranks run it on this host.
+fn layout_of(plan: &crate::plan::Plan, what: &str, printer: &Printer) -> Result<Layout> {
+    let mut hosts: Vec<&str> = plan.ranks.iter().map(|r| r.host.as_str()).collect();
+    hosts.sort_unstable();
+    hosts.dedup();
+    if hosts.len() > 1 {
+        bail!(
+            "{what} places ranks on {} hosts ({}); `infer up` launches on this host only until remote launching lands\nhint: plan for one node, e.g. `--cluster 1x8xh100-sxm`, or launch each host's ranks there",
+            hosts.len(),
+            hosts.join(", ")
+        );
+    }
+    let p = &plan.parallel;
+    let layout = Layout {
+        tp: p.tp as usize,
+        pp: p.pp as usize,
+        dp: p.dp as usize,
+        ep: p.ep as usize,
+    };
+    printer.note(&format!(
+        "{what}: tp {} × pp {} × dp {} (ep {}), {} ranks; running them as CPU ranks on this host",
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        layout.ep,
+        layout.world_size()
+    ));
+    Ok(layout)
+}
+
 /// Launches `dp × pp × tp` rank processes whose rank 0 serves, and watches them.
 fn launch(
     args: &UpArgs,
+    layout: &Layout,
     path: &std::path::Path,
     model_id: &str,
     started: Instant,
@@ -97,7 +195,7 @@ fn launch(
             path.display()
         );
     }
-    let world = args.dp * args.tp * args.pp;
+    let world = layout.world_size();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut extra_env = vec![
         ("INFER_HTTP_HOST".to_string(), args.host.clone()),
@@ -113,9 +211,9 @@ fn launch(
         extra_env.push(("INFER_API_KEY".to_string(), key.clone()));
     }
     let spec = LaunchSpec {
-        tp: args.tp,
-        pp: args.pp,
-        dp: args.dp,
+        tp: layout.tp,
+        pp: layout.pp,
+        dp: layout.dp,
         model: path.to_path_buf(),
         threads_per_rank: if args.threads > 0 {
             args.threads
@@ -147,9 +245,9 @@ fn launch(
     progress.finish();
     printer.note(&format!(
         "serving `{model_id}` on http://{address} with {world} ranks (dp {} × pp {} × tp {}), ready in {:.2} s; Ctrl-C stops",
-        args.dp,
-        args.pp,
-        args.tp,
+        layout.dp,
+        layout.pp,
+        layout.tp,
         started.elapsed().as_secs_f64()
     ));
     let mut report = |event: Progress| report_progress_plain(printer, &event);

@@ -514,6 +514,20 @@ fn bad_up_arguments_exit_2_with_a_clear_error() {
         "{stderr}"
     );
 
+    // A plan over two hosts cannot be launched here yet; a layout given twice is refused.
+    let output = run(&["up", "--cluster", "2x8xh100-sxm", "--port", "0"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("places ranks on 2 hosts"), "{stderr}");
+    let output = run(&["up", "--cluster", "1x2xh100-sxm", "--tp", "2"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("not both"), "{stderr}");
+    let output = run(&["up", "--plan", "/nonexistent/plan.json"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot read the plan"), "{stderr}");
+
     let output = run(&["up", "--model", "/nonexistent/model.gguf"]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
@@ -686,4 +700,42 @@ fn data_parallel_replicas_share_the_load() {
             "rank pid {pid} is still running"
         );
     }
+}
+
+/// `infer plan --json` for one node of two GPUs picks DP 2 for SmolLM2; `infer up --plan`
+/// launches exactly that layout (two replicas, as CPU ranks here) and serves.
+#[test]
+fn up_launches_the_layout_of_a_saved_plan() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let output = run(&["plan", "--cluster", "1x2xh100-sxm", "--json"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let plan: Value = serde_json::from_slice(&output.stdout).expect("plan JSON");
+    let parallel = &plan["parallel"];
+    let world = ["tp", "pp", "dp"]
+        .iter()
+        .map(|k| parallel[k].as_u64().expect("degree"))
+        .product::<u64>();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("plan.json");
+    std::fs::write(&file, &output.stdout).expect("write plan");
+    let server = Server::start(&["--plan", file.to_str().expect("utf-8 path")]);
+    assert_eq!(server.rank_pids().len() as u64, world, "{}", server.startup);
+    assert!(
+        server.startup.contains(&format!(
+            "(dp {} × pp {} × tp {})",
+            parallel["dp"], parallel["pp"], parallel["tp"]
+        )),
+        "{}",
+        server.startup
+    );
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], generate_counting()["text"]);
 }
