@@ -141,6 +141,7 @@ fn distributed(
         tp: args.tp,
         pp: args.pp,
         dp: 1,
+        ep: 1,
         model: path.to_path_buf(),
         threads_per_rank,
         timeout: std::time::Duration::from_secs(60),

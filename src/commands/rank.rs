@@ -32,6 +32,10 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
             Ok(_) => number("INFER_DP")?,
             Err(_) => 1,
         },
+        ep: match std::env::var("INFER_EP") {
+            Ok(_) => number("INFER_EP")?,
+            Err(_) => 1,
+        },
         store_address: format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
         token: var("INFER_RUN_TOKEN")?,
         model: var("INFER_MODEL")?.into(),

@@ -100,7 +100,7 @@ impl Layout {
 ///
 /// Errors: both ways given, a degree of 0, an unreadable or malformed plan, an infeasible
 /// plan, a plan spanning several hosts (remote launching is not built yet), `--ep` other
-/// than 1.
+/// than 1 or `--tp`.
 fn resolve_layout(args: &UpArgs, path: &std::path::Path, printer: &Printer) -> Result<Layout> {
     let explicit = [args.tp, args.pp, args.dp, args.ep];
     let from_plan = args.plan.is_some() || args.cluster.is_some();
@@ -140,10 +140,11 @@ fn resolve_layout(args: &UpArgs, path: &std::path::Path, printer: &Printer) -> R
     if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.ep == 0 {
         bail!("--tp, --pp, --dp and --ep must be at least 1");
     }
-    if layout.ep > 1 {
+    if layout.ep > 1 && layout.ep != layout.tp {
         bail!(
-            "expert parallelism (ep {}) is not wired into `infer up` ranks yet; run the MoE model with --tp alone",
-            layout.ep
+            "--ep {} must be 1 or equal --tp ({}): `infer up` shards experts over each replica's TP group",
+            layout.ep,
+            layout.tp
         );
     }
     Ok(layout)
@@ -214,6 +215,7 @@ fn launch(
         tp: layout.tp,
         pp: layout.pp,
         dp: layout.dp,
+        ep: layout.ep,
         model: path.to_path_buf(),
         threads_per_rank: if args.threads > 0 {
             args.threads

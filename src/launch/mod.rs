@@ -29,6 +29,8 @@ pub struct LaunchSpec {
     pub pp: usize,
     /// Data-parallel replicas (world size `dp × pp × tp`).
     pub dp: usize,
+    /// Expert parallelism: 1, or `tp` (experts sharded over each TP group).
+    pub ep: usize,
     pub model: PathBuf,
     /// Threads of each rank's pool.
     pub threads_per_rank: usize,
@@ -173,6 +175,7 @@ impl Gang {
             "tp": spec.tp,
             "pp": spec.pp,
             "dp": spec.dp,
+            "ep": spec.ep,
             "world_size": self.world_size,
             "model": spec.model,
             "threads_per_rank": spec.threads_per_rank,
@@ -304,6 +307,7 @@ fn spawn_rank(
         ("INFER_TP".into(), spec.tp.to_string()),
         ("INFER_PP".into(), spec.pp.to_string()),
         ("INFER_DP".into(), spec.dp.to_string()),
+        ("INFER_EP".into(), spec.ep.to_string()),
         ("INFER_MODEL".into(), spec.model.display().to_string()),
         ("INFER_THREADS".into(), spec.threads_per_rank.to_string()),
         (

@@ -34,6 +34,9 @@ pub struct RankConfig {
     /// Data-parallel replicas: `world_size = dp × pp × tp`, ranks ordered DP, PP, TP
     /// (TP fastest), as vLLM orders them.
     pub dp: usize,
+    /// Expert parallelism: 1, or `tp` (each replica's MoE experts sharded over its TP group,
+    /// tokens exchanged with all-to-all).
+    pub ep: usize,
     /// `MASTER_ADDR:MASTER_PORT`.
     pub store_address: String,
     pub token: String,
@@ -153,6 +156,8 @@ pub struct Member {
     pp_comm: TcpComm,
     /// Every rank of the replica; the driver is its rank 0.
     replica: TcpComm,
+    /// The TP group again, for the MoE all-to-all, when experts are sharded.
+    ep_comm: Option<TcpComm>,
     caches: HashMap<u64, KvCache>,
     /// Only on the sampling rank (last stage, tp rank 0).
     samplers: HashMap<u64, Sampler>,
@@ -187,6 +192,15 @@ impl Member {
             .shard(tp_rank, tp, first_layer, n_layers)
             .with_context(|| format!("rank {global_rank}: building its shard"))?;
         shard.set_kv_capacity(config.kv_cache_tokens);
+        match config.ep {
+            1 => {}
+            ep if ep == tp => shard
+                .shard_experts(tp_rank, tp)
+                .with_context(|| format!("rank {global_rank}: sharding experts"))?,
+            ep => {
+                bail!("ep {ep} must be 1 or equal tp ({tp}): experts are sharded over the TP group")
+            }
+        }
         drop(whole);
 
         let tp_members: Vec<u64> = (0..tp).map(|t| base + (pp_rank * tp + t) as u64).collect();
@@ -199,6 +213,11 @@ impl Member {
         let tp_comm = connect(&format!("dp{dp_rank}/tp/{pp_rank}"), &tp_members)?;
         let pp_comm = connect(&format!("dp{dp_rank}/pp/{tp_rank}"), &pp_members)?;
         let replica = connect(&format!("dp{dp_rank}/replica"), &all)?;
+        let ep_comm = if config.ep > 1 {
+            Some(connect(&format!("dp{dp_rank}/ep/{pp_rank}"), &tp_members)?)
+        } else {
+            None
+        };
         Ok((
             Member {
                 rank,
@@ -211,6 +230,7 @@ impl Member {
                 tp_comm,
                 pp_comm,
                 replica,
+                ep_comm,
                 caches: HashMap::new(),
                 samplers: HashMap::new(),
                 pool,
@@ -276,9 +296,10 @@ impl Member {
             } else {
                 None
             };
+            let ep: Option<&mut dyn Comm> = self.ep_comm.as_mut().map(|c| c as &mut dyn Comm);
             let shard = &self.shard;
             self.pool
-                .install(|| shard.forward_stage(hidden_in.as_deref(), &mut batch, comm, None))
+                .install(|| shard.forward_stage(hidden_in.as_deref(), &mut batch, comm, ep))
         };
         for (entry, cache) in entries.iter().zip(caches) {
             self.caches.insert(entry.seq, cache);

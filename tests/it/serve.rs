@@ -739,3 +739,57 @@ fn up_launches_the_layout_of_a_saved_plan() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["choices"][0]["text"], generate_counting()["text"]);
 }
+
+/// A Mixtral-style MoE model (synthetic, 8 experts, top-2, written as GGUF with a small
+/// tokenizer) served with `--tp 2 --ep 2`: each rank holds 4 experts and tokens move with
+/// all-to-all. Greedy completions equal `infer generate`'s in one process, as they do with
+/// `--tp 2` alone (experts replicated).
+#[test]
+fn moe_model_served_with_expert_parallelism_matches_one_process() {
+    use crate::synthetic::{Shape, write_gguf_moe};
+    let shape = Shape {
+        hidden: 64,
+        intermediate: 32,
+        n_layers: 2,
+        n_heads: 8,
+        n_kv_heads: 2,
+        vocab: 80,
+        qkv_bias: false,
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("moe.gguf");
+    write_gguf_moe(&path, &shape, 8, 2, 33);
+    let model = path.to_str().expect("utf-8 path");
+    let output = run(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "Mixtral",
+        "--max-tokens",
+        "12",
+        "--json",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let reference: Value = serde_json::from_slice(&output.stdout).expect("generate JSON");
+    assert_eq!(reference["tokens"].as_array().map(Vec::len), Some(12));
+    for layout in [["--tp", "2", "--ep", "2"], ["--tp", "2", "--ep", "1"]] {
+        let mut args = vec!["--model", model];
+        args.extend_from_slice(&layout);
+        let server = Server::start(&args);
+        let (status, body) = server.post(
+            "/v1/completions",
+            &json!({"prompt": "Mixtral", "max_tokens": 12, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{layout:?}: {body}");
+        assert_eq!(body["choices"][0]["text"], reference["text"], "{layout:?}");
+    }
+    let output = run(&["up", "--model", model, "--tp", "2", "--ep", "4"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("must be 1 or equal --tp"), "{stderr}");
+}

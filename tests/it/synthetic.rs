@@ -438,5 +438,22 @@ pub fn write_gguf_moe(path: &Path, shape: &Shape, n_experts: usize, top_k: usize
             Value::U32(top_k as u32),
         ),
     ];
+    let mut extra = extra.to_vec();
+    extra.extend(tokenizer_metadata(shape.vocab));
     write_gguf_tensors_with(path, "llama", shape, &tensors, &extra);
+}
+
+/// A byte-level BPE tokenizer of `vocab` single printable characters (`!` = id 0, `"` = 1,
+/// …; at most 94), no merges and no end-of-sequence token, so a synthetic model can be
+/// served: prompts of those characters encode one token per character.
+pub fn tokenizer_metadata(vocab: usize) -> Vec<(String, Value)> {
+    assert!(vocab <= 94, "only 94 printable ASCII characters");
+    let tokens = (0..vocab)
+        .map(|i| Value::String(char::from(b'!' + i as u8).to_string()))
+        .collect();
+    vec![
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+        ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+    ]
 }
