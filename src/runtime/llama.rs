@@ -701,10 +701,7 @@ impl Llama {
                 );
                 offset += count;
             }
-            layer.wo.matmul(&attention, n, &mut projected);
-            if let Some(comm) = tp.as_deref_mut() {
-                comm.all_reduce_sum(&mut projected)?;
-            }
+            row_parallel(&layer.wo, &attention, n, &mut projected, tp.as_deref_mut())?;
             for (a, b) in x.iter_mut().zip(&projected) {
                 *a += b;
             }
@@ -720,10 +717,7 @@ impl Llama {
             layer.w_gate.matmul(&normed, n, &mut gate);
             layer.w_up.matmul(&normed, n, &mut up);
             swiglu(&mut gate, &up);
-            layer.w_down.matmul(&gate, n, &mut projected);
-            if let Some(comm) = tp.as_deref_mut() {
-                comm.all_reduce_sum(&mut projected)?;
-            }
+            row_parallel(&layer.w_down, &gate, n, &mut projected, tp.as_deref_mut())?;
             for (a, b) in x.iter_mut().zip(&projected) {
                 *a += b;
             }
@@ -821,6 +815,80 @@ impl Llama {
                 weighted_sum_f16(&scores, value_rows, out_head);
             });
     }
+}
+
+/// A row-parallel projection `out = input · Wᵀ` (`input`: `(n_tokens, n_cols)` of this
+/// shard's columns; `out`: `(n_tokens, n_rows)`), summed over the TP group.
+///
+/// With an integer kernel (`Q4_0`, `Q4_1`, `Q8_0`), the sum is exact-order: TP rank 0
+/// starts every dot product, each next rank continues the accumulators it receives over
+/// its own blocks, and the last finishes them and broadcasts the result. That is bit for
+/// bit the single-process dot product (the shards split at block boundaries and quantize
+/// their activations into the same blocks), so TP layouts generate exactly the tokens of one
+/// process — at the price of running the row-parallel halves one rank after another. Other
+/// types are summed with a ring all-reduce (a different rounding order, like every NCCL TP).
+///
+/// Errors: a failed collective.
+fn row_parallel(
+    weight: &Weight,
+    input: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+    tp: Option<&mut (dyn Comm + '_)>,
+) -> Result<()> {
+    let Some(comm) = tp else {
+        weight.matmul(input, n_tokens, out);
+        return Ok(());
+    };
+    if !super::quant::has_q8_kernel(weight.ty) {
+        weight.matmul(input, n_tokens, out);
+        return comm.all_reduce_sum(out);
+    }
+    let (rank, size) = (comm.rank(), comm.size());
+    let count = weight.n_rows * n_tokens;
+    let mut states: Vec<super::quant::DotState> = if rank == 0 {
+        vec![[0.0; 9]; count]
+    } else {
+        let bytes = comm.recv(rank - 1)?;
+        if bytes.len() != count * 36 {
+            bail!(
+                "tp rank {}: received {} bytes of partial sums, expected {}",
+                rank - 1,
+                bytes.len(),
+                count * 36
+            );
+        }
+        bytemuck::cast_slice::<u8, f32>(&bytes)
+            .chunks_exact(9)
+            .map(|c| c.try_into().expect("9 floats"))
+            .collect()
+    };
+    weight.matmul_continue(input, n_tokens, &mut states)?;
+    let last = size - 1;
+    let mut result = Vec::new();
+    if rank < last {
+        comm.send(rank + 1, bytemuck::cast_slice(&states))?;
+    } else {
+        // States are `(n_rows, n_tokens)`; `out` is `(n_tokens, n_rows)`.
+        for (r, per_token) in states.chunks_exact(n_tokens).enumerate() {
+            for (t, state) in per_token.iter().enumerate() {
+                out[t * weight.n_rows + r] = super::quant::dot_state_finish(state);
+            }
+        }
+        result = bytemuck::cast_slice(out).to_vec();
+    }
+    comm.broadcast(&mut result, last)?;
+    if result.len() != out.len() * 4 {
+        bail!(
+            "tp rank {last}: broadcast {} bytes of sums, expected {}",
+            result.len(),
+            out.len() * 4
+        );
+    }
+    for (o, b) in out.iter_mut().zip(result.chunks_exact(4)) {
+        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    Ok(())
 }
 
 multiversion! {

@@ -283,8 +283,41 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
 /// fused-multiply-added into an 8-lane accumulator with the block's scale; `Q4_1` adds
 /// `m · sum` with an FMA as GCC compiles ggml's `summs += m*s`.
 pub fn dot_q8_portable(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
-    let mut acc = [0f32; 8];
-    let mut offsets = 0f32;
+    let mut state = [0f32; 9];
+    dot_q8_continue_portable(ty, row, x, &mut state);
+    dot_state_finish(&state)
+}
+
+/// The accumulator of a dot product between blocks: the 8 lanes of the AVX2 kernels, then
+/// `Q4_1`'s offset sum. A dot product split over ranks at block boundaries, each rank
+/// continuing the state of the previous one ([`dot_q8_continue`]) and the last finishing it
+/// ([`dot_state_finish`]), gives exactly the bits of the unsplit dot product.
+pub type DotState = [f32; 9];
+
+/// Continues the dot product in `state` with a weight row (`Q4_0`, `Q4_1` or `Q8_0`) of
+/// `x.len()` blocks, in the exact order of [`dot_q8`].
+pub fn dot_q8_continue(ty: GgmlType, row: &[u8], x: &[BlockQ8], state: &mut DotState) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked above); slices are in bounds
+        // by construction (`row` holds `x.len()` blocks of `ty`).
+        unsafe { avx2::dot_q8_continue(ty, row, x, state) };
+        return;
+    }
+    dot_q8_continue_portable(ty, row, x, state);
+}
+
+/// The dot product a [`DotState`] holds: the lanes summed as the AVX2 kernels do, plus the
+/// offsets.
+pub fn dot_state_finish(state: &DotState) -> f32 {
+    let lanes: &[f32; 8] = state[..8].try_into().expect("8 lanes");
+    hsum8(lanes) + state[8]
+}
+
+/// The portable twin of [`dot_q8_continue`].
+fn dot_q8_continue_portable(ty: GgmlType, row: &[u8], x: &[BlockQ8], state: &mut DotState) {
+    let mut acc: [f32; 8] = state[..8].try_into().expect("8 lanes");
+    let mut offsets = state[8];
     for (i, a) in x.iter().enumerate() {
         let (weights, scale): ([i32; QK], f32) = match ty {
             GgmlType::Q4_1 => {
@@ -328,7 +361,8 @@ pub fn dot_q8_portable(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
             *value = d.mul_add(sum as f32, *value);
         }
     }
-    hsum8(&acc) + offsets
+    state[..8].copy_from_slice(&acc);
+    state[8] = offsets;
 }
 
 /// The horizontal sum of 8 lanes in the order of the AVX2 kernels (and of llamafile's
@@ -476,8 +510,19 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_1(row: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        let mut offsets = 0f32;
+        let (acc, offsets) = unsafe { dot_q4_1_from(row, x, _mm256_setzero_ps(), 0.0) };
+        unsafe { hsum(acc) + offsets }
+    }
+
+    /// [`dot_q4_1`]'s accumulation continued from `(acc, offsets)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_from(
+        row: &[u8],
+        x: &[BlockQ8],
+        mut acc: __m256,
+        mut offsets: f32,
+    ) -> (__m256, f32) {
         for (i, a) in x.iter().enumerate() {
             let block = unsafe { row.as_ptr().add(20 * i) };
             let (d, m) = unsafe { two_f16(block) };
@@ -487,12 +532,18 @@ mod avx2 {
             let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), unsafe { dot_u8_i8(w, v) }, acc);
         }
-        unsafe { hsum(acc) + offsets }
+        (acc, offsets)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_0(row: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
+        unsafe { hsum(dot_q4_0_from(row, x, _mm256_setzero_ps())) }
+    }
+
+    /// [`dot_q4_0`]'s accumulation continued from `acc`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0_from(row: &[u8], x: &[BlockQ8], mut acc: __m256) -> __m256 {
         let eight = _mm256_set1_epi8(8);
         for (i, a) in x.iter().enumerate() {
             let block = unsafe { row.as_ptr().add(18 * i) };
@@ -503,12 +554,18 @@ mod avx2 {
             let product = unsafe { dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w)) };
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, acc);
         }
-        unsafe { hsum(acc) }
+        acc
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_0(row: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
+        unsafe { hsum(dot_q8_0_from(row, x, _mm256_setzero_ps())) }
+    }
+
+    /// [`dot_q8_0`]'s accumulation continued from `acc`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0_from(row: &[u8], x: &[BlockQ8], mut acc: __m256) -> __m256 {
         for (i, a) in x.iter().enumerate() {
             let block = unsafe { row.as_ptr().add(34 * i) };
             let packed = unsafe { std::ptr::read_unaligned(block as *const u16) };
@@ -518,7 +575,27 @@ mod avx2 {
             let product = unsafe { dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w)) };
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, acc);
         }
-        unsafe { hsum(acc) }
+        acc
+    }
+
+    /// [`super::dot_q8_continue`] on AVX2.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_continue(
+        ty: super::GgmlType,
+        row: &[u8],
+        x: &[BlockQ8],
+        state: &mut super::DotState,
+    ) {
+        let acc = unsafe { _mm256_loadu_ps(state.as_ptr()) };
+        let (acc, offsets) = unsafe {
+            match ty {
+                super::GgmlType::Q4_1 => dot_q4_1_from(row, x, acc, state[8]),
+                super::GgmlType::Q4_0 => (dot_q4_0_from(row, x, acc), state[8]),
+                _ => (dot_q8_0_from(row, x, acc), state[8]),
+            }
+        };
+        unsafe { _mm256_storeu_ps(state.as_mut_ptr(), acc) };
+        state[8] = offsets;
     }
 }
 
@@ -583,6 +660,44 @@ mod tests {
                 (fast - reference).abs() < tolerance,
                 "{ty:?}: simd {fast} vs {reference}"
             );
+        }
+    }
+
+    /// A dot product split at block boundaries (as TP ranks split a row-parallel
+    /// projection), each part continuing the previous state, gives exactly the bits of the
+    /// whole one, with the AVX2 and the portable kernels.
+    #[test]
+    fn continued_dot_products_equal_whole_ones_bit_for_bit() {
+        let n = 18 * QK;
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0)
+            .collect();
+        let mut xq = Vec::new();
+        quantize_row_q8(&x, &mut xq);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let w = row(ty, 18, 11);
+            let block_bytes = ty.row_bytes(QK).expect("one block");
+            for cuts in [vec![0, 18], vec![0, 6, 12, 18], vec![0, 1, 17, 18]] {
+                let mut fast = [0f32; 9];
+                let mut portable = [0f32; 9];
+                for part in cuts.windows(2) {
+                    let (a, b) = (part[0], part[1]);
+                    let w_part = &w[a * block_bytes..b * block_bytes];
+                    dot_q8_continue(ty, w_part, &xq[a..b], &mut fast);
+                    dot_q8_continue_portable(ty, w_part, &xq[a..b], &mut portable);
+                }
+                let whole = dot_q8(ty, &w, &xq);
+                assert_eq!(
+                    dot_state_finish(&fast).to_bits(),
+                    whole.to_bits(),
+                    "{ty:?} {cuts:?}"
+                );
+                assert_eq!(
+                    dot_state_finish(&portable).to_bits(),
+                    dot_q8_portable(ty, &w, &xq).to_bits(),
+                    "{ty:?} {cuts:?}"
+                );
+            }
         }
     }
 

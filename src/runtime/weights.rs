@@ -193,6 +193,43 @@ impl Weight {
         }
     }
 
+    /// Continues dot products split over ranks at block boundaries (the row-parallel half of
+    /// tensor parallelism, see [`super::quant::DotState`]): `states[r * n_tokens + t]`
+    /// (`(n_rows, n_tokens)`) continues with `W[r] · x[t]` over this shard's columns.
+    ///
+    /// Errors: a type without an integer kernel (`Q4_0`, `Q4_1`, `Q8_0` have one).
+    pub fn matmul_continue(
+        &self,
+        x: &[f32],
+        n_tokens: usize,
+        states: &mut [super::quant::DotState],
+    ) -> anyhow::Result<()> {
+        if !has_q8_kernel(self.ty) {
+            anyhow::bail!("{:?} has no integer kernel to continue", self.ty);
+        }
+        let chunk_rows = (self.n_rows / (rayon::current_num_threads() * 4)).clamp(16, 512);
+        let quantized: Vec<Vec<BlockQ8>> = x
+            .chunks_exact(self.n_cols)
+            .map(|token| {
+                let mut blocks = Vec::new();
+                quantize_row_q8(token, &mut blocks);
+                blocks
+            })
+            .collect();
+        states
+            .par_chunks_mut(chunk_rows * n_tokens)
+            .enumerate()
+            .for_each(|(chunk, values)| {
+                for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
+                    let row = self.row(chunk * chunk_rows + i);
+                    for (state, xq) in per_token.iter_mut().zip(&quantized) {
+                        super::quant::dot_q8_continue(self.ty, row, xq, state);
+                    }
+                }
+            });
+        Ok(())
+    }
+
     /// `target[r * n_tokens + t] = W[r] · x[t]`.
     fn matmul_rows_major(&self, x: &[f32], n_tokens: usize, target: &mut [f32]) {
         let chunk_rows = (self.n_rows / (rayon::current_num_threads() * 4)).clamp(16, 512);
