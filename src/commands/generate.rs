@@ -146,6 +146,7 @@ fn distributed(
         threads_per_rank,
         timeout: std::time::Duration::from_secs(60),
         extra_env: Vec::new(),
+        layout_from: "infer generate --tp/--pp".into(),
     };
     let progress = printer.progress(2 * (args.tp * args.pp) as u64);
     let generation = crate::launch::run_generation(&spec, &job, &mut |event| {

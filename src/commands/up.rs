@@ -82,12 +82,14 @@ fn model_id(path: &std::path::Path) -> String {
 }
 
 /// The parallel layout to launch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Layout {
     tp: usize,
     pp: usize,
     dp: usize,
     ep: usize,
+    /// Where it came from: the flags, a plan file, or a plan for a cluster.
+    from: String,
 }
 
 impl Layout {
@@ -135,6 +137,7 @@ fn resolve_layout(args: &UpArgs, path: &std::path::Path, printer: &Printer) -> R
             pp: args.pp.unwrap_or(1),
             dp: args.dp.unwrap_or(1),
             ep: args.ep.unwrap_or(1),
+            from: "the --tp/--pp/--dp/--ep flags".into(),
         }
     };
     if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.ep == 0 {
@@ -169,6 +172,7 @@ fn layout_of(plan: &crate::plan::Plan, what: &str, printer: &Printer) -> Result<
         pp: p.pp as usize,
         dp: p.dp as usize,
         ep: p.ep as usize,
+        from: what.to_string(),
     };
     printer.note(&format!(
         "{what}: tp {} × pp {} × dp {} (ep {}), {} ranks; running them as CPU ranks on this host",
@@ -224,6 +228,7 @@ fn launch(
         },
         timeout: Duration::from_secs(60),
         extra_env,
+        layout_from: layout.from.clone(),
     };
     let stop = Arc::new(AtomicBool::new(false));
     watch_signals(Arc::clone(&stop))?;

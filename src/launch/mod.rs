@@ -8,7 +8,7 @@
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -39,12 +39,76 @@ pub struct LaunchSpec {
     /// Extra environment of every rank (`INFER_HTTP_*` for a serving rank 0), set after
     /// the standard variables.
     pub extra_env: Vec<(String, String)>,
+    /// Where the layout came from (flags, a plan file, a plan for a cluster), for the
+    /// manifest.
+    pub layout_from: String,
+}
+
+/// How rank processes are started. The launcher builds each rank's environment and log
+/// path; a spawner starts `infer rank` with exactly that environment (plus the run token),
+/// copies every output line into the log and to `lines`, and returns a handle. Local
+/// processes now ([`LocalSpawner`]); an SSH spawner later, behind the same trait.
+pub trait Spawner {
+    /// Starts rank `rank`. Errors: the process cannot be started.
+    fn spawn(
+        &self,
+        rank: usize,
+        env: &[(String, String)],
+        token: &str,
+        log: &Path,
+        lines: &std::sync::mpsc::Sender<(usize, String)>,
+    ) -> Result<Box<dyn RankHandle>>;
+}
+
+/// A started rank process, wherever it runs.
+pub trait RankHandle: Send {
+    /// Its process id (on its host).
+    fn id(&self) -> u32;
+    /// Its exit status once it has exited. Errors: the status cannot be read.
+    fn try_wait(&mut self) -> Result<Option<ExitStatus>>;
+    /// Sends `signal` to its process group (the rank and anything it started).
+    fn signal(&mut self, signal: rustix::process::Signal);
+    /// Waits for it to exit (after a signal).
+    fn wait(&mut self);
+}
+
+/// Starts ranks as child processes of this one, each in its own process group and with a
+/// parent-death signal, so no rank outlives the launcher even if it is killed.
+pub struct LocalSpawner {
+    /// The `infer` executable.
+    pub exe: PathBuf,
+}
+
+/// A local rank process.
+struct LocalRank(Child);
+
+impl RankHandle for LocalRank {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+
+    fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        Ok(self.0.try_wait()?)
+    }
+
+    fn signal(&mut self, signal: rustix::process::Signal) {
+        // A reaped child's pid may belong to another process by now: never signal it.
+        if matches!(self.0.try_wait(), Ok(None))
+            && let Some(pid) = rustix::process::Pid::from_raw(self.0.id() as i32)
+        {
+            let _ = rustix::process::kill_process_group(pid, signal);
+        }
+    }
+
+    fn wait(&mut self) {
+        let _ = self.0.wait();
+    }
 }
 
 /// A started rank.
 struct RankProcess {
     rank: usize,
-    child: Child,
+    child: Box<dyn RankHandle>,
     log: PathBuf,
     /// The environment it was given, for the manifest (the run token left out).
     env: Vec<(String, String)>,
@@ -83,6 +147,14 @@ impl Gang {
     ///
     /// Errors: the store, the run directory or a rank process cannot start.
     pub fn start(spec: &LaunchSpec, job: &Job) -> Result<Gang> {
+        let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+        Gang::start_with(&LocalSpawner { exe }, spec, job)
+    }
+
+    /// [`Gang::start`] with ranks started by `spawner`.
+    ///
+    /// Errors: the store, the run directory or a rank process cannot start.
+    pub fn start_with(spawner: &dyn Spawner, spec: &LaunchSpec, job: &Job) -> Result<Gang> {
         let world = spec.dp * spec.tp * spec.pp;
         let token = random_token();
         let server = StoreServer::start("127.0.0.1:0", &token)?;
@@ -91,12 +163,11 @@ impl Gang {
             .tempdir()
             .context("cannot create a run directory")?
             .keep();
-        let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
         let (line_sender, lines) = std::sync::mpsc::channel();
         let mut ranks = Vec::with_capacity(world);
         for rank in 0..world {
             match spawn_rank(
-                &exe,
+                spawner,
                 rank,
                 world,
                 spec,
@@ -176,6 +247,7 @@ impl Gang {
             "pp": spec.pp,
             "dp": spec.dp,
             "ep": spec.ep,
+            "layout_from": spec.layout_from,
             "world_size": self.world_size,
             "model": spec.model,
             "threads_per_rank": spec.threads_per_rank,
@@ -286,7 +358,7 @@ pub fn run_generation(
 
 #[allow(clippy::too_many_arguments)]
 fn spawn_rank(
-    exe: &Path,
+    spawner: &dyn Spawner,
     rank: usize,
     world: usize,
     spec: &LaunchSpec,
@@ -296,7 +368,6 @@ fn spawn_rank(
     lines: &std::sync::mpsc::Sender<(usize, String)>,
 ) -> Result<RankProcess> {
     let log = run_dir.join(format!("rank{rank}.log"));
-    let file = File::create(&log).with_context(|| format!("cannot create `{}`", log.display()))?;
     let mut env: Vec<(String, String)> = vec![
         ("RANK".into(), rank.to_string()),
         ("WORLD_SIZE".into(), world.to_string()),
@@ -320,62 +391,82 @@ fn spawn_rank(
         ("NO_COLOR".into(), "1".into()),
     ];
     env.extend(spec.extra_env.iter().cloned());
-    let mut command = Command::new(exe);
-    command
-        .arg("rank")
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("HOME", std::env::var_os("HOME").unwrap_or_default())
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .env("INFER_RUN_TOKEN", token)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Its own process group, so stopping the gang reaches anything the rank starts.
-        .process_group(0);
-    // SAFETY: `set_parent_process_death_signal` is one prctl(2) call, async-signal-safe,
-    // allowed between fork and exec; it allocates nothing and touches no lock.
-    unsafe {
-        command.pre_exec(|| {
-            // If the launcher dies (even by SIGKILL), the kernel kills the rank: no orphans.
-            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
-                .map_err(std::io::Error::from)
-        });
-    }
-    let mut child = command
-        .spawn()
-        .with_context(|| format!("failed to start rank {rank}"))?;
-    // Copy each output line to the log file and to the launcher.
-    let log_file = std::sync::Arc::new(std::sync::Mutex::new(file));
-    let outputs: [Option<Box<dyn std::io::Read + Send>>; 2] = [
-        child
-            .stdout
-            .take()
-            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-        child
-            .stderr
-            .take()
-            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-    ];
-    for output in outputs.into_iter().flatten() {
-        let (log_file, lines) = (std::sync::Arc::clone(&log_file), lines.clone());
-        std::thread::spawn(move || {
-            use std::io::{BufRead, Write};
-            for line in std::io::BufReader::new(output).lines() {
-                let Ok(line) = line else { break };
-                if let Ok(mut file) = log_file.lock() {
-                    let _ = writeln!(file, "{line}");
-                }
-                let _ = lines.send((rank, line));
-            }
-        });
-    }
+    let child = spawner.spawn(rank, &env, token, &log, lines)?;
     Ok(RankProcess {
         rank,
         child,
         log,
         env,
     })
+}
+
+impl Spawner for LocalSpawner {
+    fn spawn(
+        &self,
+        rank: usize,
+        env: &[(String, String)],
+        token: &str,
+        log: &Path,
+        lines: &std::sync::mpsc::Sender<(usize, String)>,
+    ) -> Result<Box<dyn RankHandle>> {
+        let file =
+            File::create(log).with_context(|| format!("cannot create `{}`", log.display()))?;
+        let mut command = Command::new(&self.exe);
+        command
+            .arg("rank")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", std::env::var_os("HOME").unwrap_or_default())
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .env("INFER_RUN_TOKEN", token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Its own process group, so stopping the gang reaches anything the rank starts.
+            .process_group(0);
+        // SAFETY: `set_parent_process_death_signal` is one prctl(2) call, async-signal-safe,
+        // allowed between fork and exec; it allocates nothing and touches no lock. (The
+        // signal fires when the spawning *thread* exits: the launcher spawns from the
+        // thread that then watches the gang until it is stopped.)
+        unsafe {
+            command.pre_exec(|| {
+                // If the launcher dies (even by SIGKILL), the kernel kills the rank.
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))
+                .map_err(std::io::Error::from)
+            });
+        }
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("failed to start rank {rank}"))?;
+        // Copy each output line to the log file and to the launcher.
+        let log_file = std::sync::Arc::new(std::sync::Mutex::new(file));
+        let outputs: [Option<Box<dyn std::io::Read + Send>>; 2] = [
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        ];
+        for output in outputs.into_iter().flatten() {
+            let (log_file, lines) = (std::sync::Arc::clone(&log_file), lines.clone());
+            std::thread::spawn(move || {
+                use std::io::{BufRead, Write};
+                for line in std::io::BufReader::new(output).lines() {
+                    let Ok(line) = line else { break };
+                    if let Ok(mut file) = log_file.lock() {
+                        let _ = writeln!(file, "{line}");
+                    }
+                    let _ = lines.send((rank, line));
+                }
+            });
+        }
+        Ok(Box::new(LocalRank(child)))
+    }
 }
 
 /// Fails when a rank has exited unsuccessfully or stopped heartbeating, naming it.
@@ -437,7 +528,7 @@ fn failed_ranks(
 fn stop_gang(ranks: &mut [RankProcess]) {
     for rank in ranks.iter_mut() {
         if matches!(rank.child.try_wait(), Ok(None)) {
-            signal_group(&rank.child, rustix::process::Signal::TERM);
+            rank.child.signal(rustix::process::Signal::TERM);
         }
     }
     let deadline = Instant::now() + GRACE_PERIOD;
@@ -450,15 +541,9 @@ fn stop_gang(ranks: &mut [RankProcess]) {
     }
     for rank in ranks.iter_mut() {
         if matches!(rank.child.try_wait(), Ok(None)) {
-            signal_group(&rank.child, rustix::process::Signal::KILL);
+            rank.child.signal(rustix::process::Signal::KILL);
         }
-        let _ = rank.child.wait();
-    }
-}
-
-fn signal_group(child: &Child, signal: rustix::process::Signal) {
-    if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
-        let _ = rustix::process::kill_process_group(pid, signal);
+        rank.child.wait();
     }
 }
 

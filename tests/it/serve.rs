@@ -731,6 +731,39 @@ fn up_launches_the_layout_of_a_saved_plan() {
     );
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["choices"][0]["text"], generate_counting()["text"]);
+
+    // The run directory's manifest: where the layout came from, every rank's pid and
+    // environment (the run token left out), and the serving address.
+    let run_dir = server
+        .startup
+        .split("manifest.json in ")
+        .nth(1)
+        .and_then(|rest| rest.lines().next())
+        .unwrap_or_else(|| panic!("no run directory in:\n{}", server.startup))
+        .trim();
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(format!("{run_dir}/manifest.json")).expect("manifest.json"),
+    )
+    .expect("manifest JSON");
+    assert!(
+        manifest["layout_from"]
+            .as_str()
+            .is_some_and(|from| from.contains("plan.json")),
+        "{manifest}"
+    );
+    assert_eq!(manifest["serving"], json!(server.url));
+    let pids: Vec<u64> = manifest["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| r["pid"].as_u64().expect("pid"))
+        .collect();
+    let expected: Vec<u64> = server.rank_pids().iter().map(|&p| p as u64).collect();
+    assert_eq!(pids, expected);
+    let env = &manifest["ranks"][1]["env"];
+    assert_eq!(env["RANK"], "1");
+    assert_eq!(env["WORLD_SIZE"], world.to_string());
+    assert!(env.get("INFER_RUN_TOKEN").is_none(), "{env}");
 }
 
 /// A Mixtral-style MoE model (synthetic, 8 experts, top-2, written as GGUF with a small
