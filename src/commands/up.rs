@@ -21,7 +21,7 @@ use crate::runtime::tokenizer::Tokenizer;
 use crate::runtime::worker::{Job, ReplicaDriver};
 use crate::serve::router::Router;
 use crate::serve::scheduler::Scheduler;
-use crate::serve::{AppState, router};
+use crate::serve::{AppState, Gate, router};
 use crate::ui::{self, Printer};
 use crate::{ExitStatus, model};
 
@@ -47,6 +47,12 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     if layout.world_size() > 1 {
         return launch(args, &layout, &path, &model_id, started, printer);
     }
+    // Listen first: until the engine is ready every endpoint answers 503.
+    let server = HttpServer::bind(&args.host, args.port)?;
+    printer.note(&format!(
+        "loading `{model_id}`; http://{} answers 503 until it is ready",
+        server.address()
+    ));
     let mut engine = Engine::load(&path, args.threads)?;
     engine.model.set_kv_capacity(Some(args.kv_cache_tokens));
     let tokenizer = if path.is_dir() {
@@ -55,20 +61,23 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         Tokenizer::from_gguf(&Header::read_file(&path)?)?
     };
     let max_context_tokens = engine.model.config.max_context_tokens;
-    let state = AppState {
-        scheduler: Router::local(Scheduler::start(engine, args.max_batch)),
-        model_id: model_id.clone(),
-        tokenizer,
-        max_context_tokens,
-        api_key: args.api_key.clone(),
-    };
-    serve_http(state, &[], "", &args.host, args.port, &mut |address| {
-        printer.note(&format!(
-            "serving `{model_id}` on http://{address} (ready in {:.2} s); Ctrl-C stops",
-            started.elapsed().as_secs_f64()
-        ));
-        Ok(())
-    })?;
+    server.open(
+        AppState {
+            scheduler: Router::local(Scheduler::start(engine, args.max_batch)),
+            model_id: model_id.clone(),
+            tokenizer,
+            max_context_tokens,
+            api_key: args.api_key.clone(),
+        },
+        &[],
+        "",
+    )?;
+    printer.note(&format!(
+        "serving `{model_id}` on http://{} (ready in {:.2} s); Ctrl-C stops",
+        server.address(),
+        started.elapsed().as_secs_f64()
+    ));
+    server.serve_until_stopped()?;
     printer.note("stopped");
     Ok(ExitStatus::Success)
 }
@@ -334,14 +343,18 @@ fn watch_signals(stop: Arc<AtomicBool>) -> Result<()> {
 
 /// The driver of a serving replica. Replica 0's driver (global rank 0) runs the scheduler
 /// over `driver`, connects the router to the other replicas' drivers (their addresses come
-/// from the store), binds the HTTP server at `INFER_HTTP_HOST:INFER_HTTP_PORT`, publishes
-/// the bound address under `ready`, and serves until SIGTERM (from the launcher) or until a
-/// replica fails. Any other replica's driver serves the router's requests instead
+/// from the store), opens `server` (bound at `INFER_HTTP_HOST:INFER_HTTP_PORT` before the
+/// shard loaded, see [`bind_rank_http`]), publishes its address under `ready`, and serves
+/// until SIGTERM (from the launcher) or until a replica fails. Any other replica's driver serves the router's requests instead
 /// ([`crate::serve::router::serve_remote`]).
 ///
-/// Errors: a missing `INFER_*` variable, an address that cannot be bound, a failed replica
-/// (a lost rank), a lost router.
-pub fn serve_driver(driver: ReplicaDriver, store: &mut StoreClient) -> Result<()> {
+/// Errors: a missing `INFER_*` variable or server, a failed replica (a lost rank), a lost
+/// router.
+pub fn serve_driver(
+    driver: ReplicaDriver,
+    store: &mut StoreClient,
+    server: Option<HttpServer>,
+) -> Result<()> {
     let var = |name: &str| {
         std::env::var(name).with_context(|| format!("`{name}` is not set by the launcher"))
     };
@@ -377,84 +390,147 @@ pub fn serve_driver(driver: ReplicaDriver, store: &mut StoreClient) -> Result<()
             }
         });
     }
-    let host = var("INFER_HTTP_HOST")?;
-    let port: u16 = var("INFER_HTTP_PORT")?
-        .parse()
-        .context("INFER_HTTP_PORT is not a port")?;
+    let server = server.context("rank 0 has no HTTP server: `INFER_HTTP_PORT` is not set")?;
     let remotes = (1..dp)
         .map(|r| {
             let bytes = store.get(&format!("dp/{r}/router"), timeout)?;
             Ok(String::from_utf8_lossy(&bytes).into_owned())
         })
         .collect::<Result<Vec<String>>>()?;
-    let state = AppState {
-        model_id: var("INFER_MODEL_ID")?,
-        tokenizer: driver.tokenizer().clone(),
-        max_context_tokens: driver.max_context_tokens(),
-        api_key: std::env::var("INFER_API_KEY").ok(),
-        scheduler: Router::local(Scheduler::start_with(Box::new(driver), max_batch)),
-    };
-    serve_http(state, &remotes, &token, &host, port, &mut |address| {
-        store.set("ready", address.to_string().as_bytes())
-    })
+    server.open(
+        AppState {
+            model_id: var("INFER_MODEL_ID")?,
+            tokenizer: driver.tokenizer().clone(),
+            max_context_tokens: driver.max_context_tokens(),
+            api_key: std::env::var("INFER_API_KEY").ok(),
+            scheduler: Router::local(Scheduler::start_with(Box::new(driver), max_batch)),
+        },
+        &remotes,
+        &token,
+    )?;
+    store.set("ready", server.address().to_string().as_bytes())?;
+    server.serve_until_stopped()
 }
 
-/// Connects the router to the `remotes` replicas (proving `token`), binds `host:port`,
-/// calls `on_ready` with the bound address, and serves `state` until Ctrl-C, SIGTERM, or a
-/// failure of a replica.
+/// Rank 0's HTTP server, bound before the shard loads so the port answers 503 meanwhile:
+/// `INFER_HTTP_HOST:INFER_HTTP_PORT` when the launcher set them (`None` otherwise).
 ///
-/// Errors: a replica that cannot be reached, the address cannot be bound, `on_ready`
-/// fails, a replica failed.
-fn serve_http(
-    mut state: AppState,
-    remotes: &[String],
-    token: &str,
-    host: &str,
-    port: u16,
-    on_ready: &mut dyn FnMut(SocketAddr) -> Result<()>,
-) -> Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("failed to start the HTTP runtime")?;
-    runtime.block_on(async {
-        state.scheduler.connect_remotes(remotes, token).await?;
-        let state = Arc::new(state);
-        let listener = tokio::net::TcpListener::bind((host, port))
-            .await
-            .with_context(|| format!("cannot listen on {host}:{port} (in use? try `--port`)"))?;
-        on_ready(listener.local_addr()?)?;
-        let failed = Arc::new(std::sync::Mutex::new(None::<String>));
-        let failed_in_shutdown = Arc::clone(&failed);
-        let watched = Arc::clone(&state);
-        axum::serve(listener, router(state))
-            .with_graceful_shutdown(async move {
-                let mut terminate =
-                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-                let sigterm = async {
-                    match terminate.as_mut() {
-                        Some(s) => {
-                            s.recv().await;
-                        }
-                        None => std::future::pending::<()>().await,
-                    }
-                };
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = sigterm => {}
-                    error = watched.scheduler.failed() => {
-                        if let Ok(mut slot) = failed_in_shutdown.lock() {
-                            *slot = Some(error);
-                        }
-                    }
-                }
-            })
-            .await
-            .context("the HTTP server failed")?;
-        match failed.lock().ok().and_then(|mut slot| slot.take()) {
-            Some(error) => Err(anyhow!("the engine failed: {error}")),
-            None => Ok(()),
+/// Errors: the address cannot be bound.
+pub fn bind_rank_http() -> Result<Option<HttpServer>> {
+    match (
+        std::env::var("INFER_HTTP_HOST"),
+        std::env::var("INFER_HTTP_PORT"),
+    ) {
+        (Ok(host), Ok(port)) => {
+            let port: u16 = port.parse().context("INFER_HTTP_PORT is not a port")?;
+            HttpServer::bind(&host, port).map(Some)
         }
-    })
+        _ => Ok(None),
+    }
+}
+
+/// The HTTP server of `infer up`: listening from [`HttpServer::bind`] (every endpoint
+/// answers 503), serving from [`HttpServer::open`], until Ctrl-C, SIGTERM, or a failed
+/// replica ([`HttpServer::serve_until_stopped`]).
+pub struct HttpServer {
+    runtime: tokio::runtime::Runtime,
+    gate: Arc<Gate>,
+    address: SocketAddr,
+    shutdown: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl HttpServer {
+    /// Binds `host:port` and starts answering 503. Errors: the address cannot be bound.
+    pub fn bind(host: &str, port: u16) -> Result<HttpServer> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .context("failed to start the HTTP runtime")?;
+        let gate = Gate::new();
+        let (shutdown, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (address, server) = runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind((host, port))
+                .await
+                .with_context(|| {
+                    format!("cannot listen on {host}:{port} (in use? try `--port`)")
+                })?;
+            let address = listener.local_addr()?;
+            let app = router(Arc::clone(&gate));
+            let server = tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stopped.await;
+                    })
+                    .await
+            });
+            anyhow::Ok((address, server))
+        })?;
+        Ok(HttpServer {
+            runtime,
+            gate,
+            address,
+            shutdown,
+            server,
+        })
+    }
+
+    /// The bound address.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Connects the router to the `remotes` replicas (proving `token`) and starts serving
+    /// `state`. Errors: a replica that cannot be reached.
+    pub fn open(&self, mut state: AppState, remotes: &[String], token: &str) -> Result<()> {
+        self.runtime
+            .block_on(state.scheduler.connect_remotes(remotes, token))?;
+        self.gate.open(state)
+    }
+
+    /// Serves until Ctrl-C, SIGTERM or a failed replica, then shuts down gracefully.
+    ///
+    /// Errors: a replica failed (the error names it), the server failed.
+    pub fn serve_until_stopped(self) -> Result<()> {
+        let HttpServer {
+            runtime,
+            gate,
+            shutdown,
+            server,
+            ..
+        } = self;
+        runtime.block_on(async move {
+            let mut terminate =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            let sigterm = async {
+                match terminate.as_mut() {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            let engine_failed = async {
+                match gate.state() {
+                    Some(state) => state.scheduler.failed().await,
+                    None => std::future::pending::<String>().await,
+                }
+            };
+            let failure = tokio::select! {
+                _ = tokio::signal::ctrl_c() => None,
+                _ = sigterm => None,
+                error = engine_failed => Some(error),
+            };
+            let _ = shutdown.send(());
+            server
+                .await
+                .context("the HTTP server task failed")?
+                .context("the HTTP server failed")?;
+            match failure {
+                Some(error) => Err(anyhow!("the engine failed: {error}")),
+                None => Ok(()),
+            }
+        })
+    }
 }

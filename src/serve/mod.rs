@@ -12,7 +12,6 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -39,15 +38,74 @@ pub struct AppState {
     pub api_key: Option<String>,
 }
 
+/// The HTTP server's shared state: the engine side once it is ready. The server listens
+/// from the start; until [`Gate::open`], every endpoint answers 503 (`/health` included,
+/// so a load balancer waits), as vLLM does while its engine starts.
+#[derive(Default)]
+pub struct Gate {
+    ready: std::sync::OnceLock<Arc<AppState>>,
+}
+
+impl Gate {
+    /// A closed gate (answering 503).
+    pub fn new() -> Arc<Gate> {
+        Arc::new(Gate::default())
+    }
+
+    /// Serves `state` from now on. Errors: the gate was already open.
+    pub fn open(&self, state: AppState) -> anyhow::Result<()> {
+        self.ready
+            .set(Arc::new(state))
+            .map_err(|_| anyhow::anyhow!("the server was already ready"))
+    }
+
+    /// The engine side, once ready.
+    pub fn state(&self) -> Option<&Arc<AppState>> {
+        self.ready.get()
+    }
+}
+
+/// The ready engine side, extracted by handlers; a 503 while the model loads.
+struct Ready(Arc<AppState>);
+
+impl axum::extract::FromRequestParts<Arc<Gate>> for Ready {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        _parts: &mut axum::http::request::Parts,
+        gate: &Arc<Gate>,
+    ) -> Result<Ready, ApiError> {
+        gate.state().cloned().map(Ready).ok_or_else(|| {
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "the model is still loading; retry shortly",
+            )
+        })
+    }
+}
+
+/// `GET /health`: 200 once ready and while every replica works, 503 otherwise.
+async fn health(Ready(state): Ready) -> Result<&'static str, ApiError> {
+    match state.scheduler.failure() {
+        Some(failure) => Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            format!("the engine has failed: {failure}"),
+        )),
+        None => Ok("ok"),
+    }
+}
+
 /// The router with every endpoint.
-pub fn router(state: Arc<AppState>) -> Router {
+pub fn router(gate: Arc<Gate>) -> Router {
     Router::new()
-        .route("/health", get(|| async { "ok" }))
+        .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .with_state(state)
+        .with_state(gate)
 }
 
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
@@ -96,14 +154,14 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+async fn models(Ready(state): Ready, headers: HeaderMap) -> Response {
     if let Err(response) = authorize(&state, &headers) {
         return response.into_response();
     }
     axum::Json(json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": now(), "owned_by": "infer"}]})).into_response()
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+async fn metrics(Ready(state): Ready) -> Response {
     let m = &state.scheduler.metrics;
     let series = [
         (
@@ -358,7 +416,7 @@ struct CompletionBody {
 }
 
 async fn completions(
-    State(state): State<Arc<AppState>>,
+    Ready(state): Ready,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -431,7 +489,7 @@ struct ChatBody {
 }
 
 async fn chat_completions(
-    State(state): State<Arc<AppState>>,
+    Ready(state): Ready,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {

@@ -819,3 +819,29 @@ fn moe_model_served_with_expert_parallelism_matches_one_process() {
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("must be 1 or equal --tp"), "{stderr}");
 }
+
+/// The server listens before the model is loaded and answers every endpoint with a 503 in
+/// OpenAI's error JSON until it is ready (here: never opened).
+#[test]
+fn endpoints_answer_503_until_the_engine_is_ready() {
+    let server = infer::commands::up::HttpServer::bind("127.0.0.1", 0).expect("bind");
+    let url = format!("http://{}", server.address());
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .new_agent();
+    let health = agent.get(&format!("{url}/health")).call().expect("health");
+    assert_eq!(health.status().as_u16(), 503);
+    let response = agent
+        .post(&format!("{url}/v1/completions"))
+        .send_json(json!({"prompt": "Hi", "max_tokens": 2}))
+        .expect("completion");
+    assert_eq!(response.status().as_u16(), 503);
+    let body: Value = response.into_body().read_json().expect("error JSON");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("still loading")),
+        "{body}"
+    );
+}
