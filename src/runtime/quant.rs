@@ -278,6 +278,18 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     dot_q8_portable(ty, row, x)
 }
 
+/// Four dot products of one weight row with four tokens' activations, each exactly
+/// [`dot_q8`] (on AVX2 the weight blocks are unpacked once for the four tokens).
+pub fn dot_q8_x4(ty: GgmlType, row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked above); `row` holds
+        // `x[t].len()` blocks of `ty` for every `t` by construction.
+        return unsafe { avx2::dot_q8_x4(ty, row, x) };
+    }
+    std::array::from_fn(|t| dot_q8_portable(ty, row, x[t]))
+}
+
 /// The portable twin of [`dot_q8`], bit-identical to the AVX2 kernels: per block, lane `j`
 /// holds the exact integer sum of elements `4j..4j+3` (what `maddubs` + `madd` produce),
 /// fused-multiply-added into an 8-lane accumulator with the block's scale; `Q4_1` adds
@@ -578,6 +590,66 @@ mod avx2 {
         acc
     }
 
+    /// Four dot products of one weight row (`Q4_0`, `Q4_1` or `Q8_0`) with four tokens'
+    /// activations: each weight block is loaded and unpacked once for the four tokens, while
+    /// each token's accumulator runs exactly the chain of the one-token kernels (same bits).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_x4(ty: super::GgmlType, row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut offsets = [0f32; 4];
+        let n_blocks = x[0].len();
+        match ty {
+            super::GgmlType::Q4_1 => {
+                for i in 0..n_blocks {
+                    let block = unsafe { row.as_ptr().add(20 * i) };
+                    let (d, m) = unsafe { two_f16(block) };
+                    let w = unsafe { nibbles(block.add(4)) };
+                    for t in 0..4 {
+                        let a = &x[t][i];
+                        offsets[t] = m.mul_add(a.sum, offsets[t]);
+                        let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
+                        acc[t] = _mm256_fmadd_ps(
+                            _mm256_set1_ps(d * a.d),
+                            unsafe { dot_u8_i8(w, v) },
+                            acc[t],
+                        );
+                    }
+                }
+            }
+            super::GgmlType::Q4_0 => {
+                let eight = _mm256_set1_epi8(8);
+                for i in 0..n_blocks {
+                    let block = unsafe { row.as_ptr().add(18 * i) };
+                    let d = unsafe { two_f16(block).0 };
+                    let w = _mm256_sub_epi8(unsafe { nibbles(block.add(2)) }, eight);
+                    let magnitude = _mm256_sign_epi8(w, w);
+                    for t in 0..4 {
+                        let a = &x[t][i];
+                        let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
+                        let product = unsafe { dot_u8_i8(magnitude, _mm256_sign_epi8(v, w)) };
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, acc[t]);
+                    }
+                }
+            }
+            _ => {
+                for i in 0..n_blocks {
+                    let block = unsafe { row.as_ptr().add(34 * i) };
+                    let packed = unsafe { std::ptr::read_unaligned(block as *const u16) };
+                    let d = half::f16::from_bits(packed).to_f32();
+                    let w = unsafe { _mm256_loadu_si256(block.add(2) as *const __m256i) };
+                    let magnitude = _mm256_sign_epi8(w, w);
+                    for t in 0..4 {
+                        let a = &x[t][i];
+                        let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
+                        let product = unsafe { dot_u8_i8(magnitude, _mm256_sign_epi8(v, w)) };
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, acc[t]);
+                    }
+                }
+            }
+        }
+        std::array::from_fn(|t| unsafe { hsum(acc[t]) } + offsets[t])
+    }
+
     /// [`super::dot_q8_continue`] on AVX2.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_continue(
@@ -696,6 +768,33 @@ mod tests {
                     dot_state_finish(&portable).to_bits(),
                     dot_q8_portable(ty, &w, &xq).to_bits(),
                     "{ty:?} {cuts:?}"
+                );
+            }
+        }
+    }
+
+    /// The four-token kernel gives each token exactly the one-token kernel's bits.
+    #[test]
+    fn four_token_kernels_equal_one_token_kernels_bit_for_bit() {
+        let n = 18 * QK;
+        let tokens: Vec<Vec<BlockQ8>> = (0..4)
+            .map(|t| {
+                let x: Vec<f32> = (0..n)
+                    .map(|i| (((i + 31 * t) * 53 % 97) as f32 - 48.0) / (7.0 + t as f32))
+                    .collect();
+                let mut xq = Vec::new();
+                quantize_row_q8(&x, &mut xq);
+                xq
+            })
+            .collect();
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let w = row(ty, 18, 5);
+            let four = dot_q8_x4(ty, &w, [&tokens[0], &tokens[1], &tokens[2], &tokens[3]]);
+            for (t, value) in four.iter().enumerate() {
+                assert_eq!(
+                    value.to_bits(),
+                    dot_q8(ty, &w, &tokens[t]).to_bits(),
+                    "{ty:?} {t}"
                 );
             }
         }

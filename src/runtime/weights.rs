@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::gguf::GgufFile;
 use super::quant::{
-    BlockQ8, GgmlType, dequantize_row, dot_f32, dot_q8, has_q8_kernel, quantize_row_q8,
+    BlockQ8, GgmlType, dequantize_row, dot_f32, dot_q8, dot_q8_x4, has_q8_kernel, quantize_row_q8,
 };
 
 /// Where a matrix's bytes live.
@@ -248,7 +248,19 @@ impl Weight {
                 .for_each(|(chunk, values)| {
                     for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
                         let row = self.row(chunk * chunk_rows + i);
-                        for (value, xq) in per_token.iter_mut().zip(&quantized) {
+                        // Four tokens at a time share each unpacked weight block.
+                        let mut values = per_token.chunks_exact_mut(4);
+                        let mut tokens = quantized.chunks_exact(4);
+                        for (four, xq) in (&mut values).zip(&mut tokens) {
+                            four.copy_from_slice(&dot_q8_x4(
+                                self.ty,
+                                row,
+                                [&xq[0], &xq[1], &xq[2], &xq[3]],
+                            ));
+                        }
+                        for (value, xq) in
+                            values.into_remainder().iter_mut().zip(tokens.remainder())
+                        {
                             *value = dot_q8(self.ty, row, xq);
                         }
                     }
