@@ -278,14 +278,14 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     dot_q8_portable(ty, row, x)
 }
 
-/// Four dot products of one weight row with four tokens' activations, each exactly
-/// [`dot_q8`] (on AVX2 the weight blocks are unpacked once for the four tokens).
-pub fn dot_q8_x4(ty: GgmlType, row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+/// `N` dot products of one weight row with `N` tokens' activations, each exactly
+/// [`dot_q8`] (on AVX2 the weight blocks are unpacked once for the `N` tokens).
+pub fn dot_q8_xn<const N: usize>(ty: GgmlType, row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU supports AVX2, FMA and F16C (checked above); `row` holds
         // `x[t].len()` blocks of `ty` for every `t` by construction.
-        return unsafe { avx2::dot_q8_x4(ty, row, x) };
+        return unsafe { avx2::dot_q8_xn(ty, row, x) };
     }
     std::array::from_fn(|t| dot_q8_portable(ty, row, x[t]))
 }
@@ -590,13 +590,19 @@ mod avx2 {
         acc
     }
 
-    /// Four dot products of one weight row (`Q4_0`, `Q4_1` or `Q8_0`) with four tokens'
-    /// activations: each weight block is loaded and unpacked once for the four tokens, while
+    /// `N` dot products of one weight row (`Q4_0`, `Q4_1` or `Q8_0`) with `N` tokens'
+    /// activations: each weight block is loaded and unpacked once for the `N` tokens, while
     /// each token's accumulator runs exactly the chain of the one-token kernels (same bits).
+    // Indexing `x[t][i]` by block and token reads clearer than nested iterators here.
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_x4(ty: super::GgmlType, row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut offsets = [0f32; 4];
+    pub unsafe fn dot_q8_xn<const N: usize>(
+        ty: super::GgmlType,
+        row: &[u8],
+        x: [&[BlockQ8]; N],
+    ) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut offsets = [0f32; N];
         let n_blocks = x[0].len();
         match ty {
             super::GgmlType::Q4_1 => {
@@ -604,7 +610,7 @@ mod avx2 {
                     let block = unsafe { row.as_ptr().add(20 * i) };
                     let (d, m) = unsafe { two_f16(block) };
                     let w = unsafe { nibbles(block.add(4)) };
-                    for t in 0..4 {
+                    for t in 0..N {
                         let a = &x[t][i];
                         offsets[t] = m.mul_add(a.sum, offsets[t]);
                         let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
@@ -623,7 +629,7 @@ mod avx2 {
                     let d = unsafe { two_f16(block).0 };
                     let w = _mm256_sub_epi8(unsafe { nibbles(block.add(2)) }, eight);
                     let magnitude = _mm256_sign_epi8(w, w);
-                    for t in 0..4 {
+                    for t in 0..N {
                         let a = &x[t][i];
                         let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
                         let product = unsafe { dot_u8_i8(magnitude, _mm256_sign_epi8(v, w)) };
@@ -638,7 +644,7 @@ mod avx2 {
                     let d = half::f16::from_bits(packed).to_f32();
                     let w = unsafe { _mm256_loadu_si256(block.add(2) as *const __m256i) };
                     let magnitude = _mm256_sign_epi8(w, w);
-                    for t in 0..4 {
+                    for t in 0..N {
                         let a = &x[t][i];
                         let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
                         let product = unsafe { dot_u8_i8(magnitude, _mm256_sign_epi8(v, w)) };
@@ -789,7 +795,7 @@ mod tests {
             .collect();
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let w = row(ty, 18, 5);
-            let four = dot_q8_x4(ty, &w, [&tokens[0], &tokens[1], &tokens[2], &tokens[3]]);
+            let four = dot_q8_xn(ty, &w, [&tokens[0], &tokens[1], &tokens[2], &tokens[3]]);
             for (t, value) in four.iter().enumerate() {
                 assert_eq!(
                     value.to_bits(),

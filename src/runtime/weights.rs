@@ -8,8 +8,12 @@ use rayon::prelude::*;
 
 use super::gguf::GgufFile;
 use super::quant::{
-    BlockQ8, GgmlType, dequantize_row, dot_f32, dot_q8, dot_q8_x4, has_q8_kernel, quantize_row_q8,
+    BlockQ8, GgmlType, dequantize_row, dot_f32, dot_q8, dot_q8_xn, has_q8_kernel, quantize_row_q8,
 };
+
+/// Tokens whose dot products with one weight row are computed together (each unpacked weight
+/// block reused `TILE` times; `TILE` accumulators stay in AVX2 registers).
+const TILE: usize = 4;
 
 /// Where a matrix's bytes live.
 #[derive(Clone)]
@@ -248,15 +252,12 @@ impl Weight {
                 .for_each(|(chunk, values)| {
                     for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
                         let row = self.row(chunk * chunk_rows + i);
-                        // Four tokens at a time share each unpacked weight block.
-                        let mut values = per_token.chunks_exact_mut(4);
-                        let mut tokens = quantized.chunks_exact(4);
-                        for (four, xq) in (&mut values).zip(&mut tokens) {
-                            four.copy_from_slice(&dot_q8_x4(
-                                self.ty,
-                                row,
-                                [&xq[0], &xq[1], &xq[2], &xq[3]],
-                            ));
+                        // TILE tokens at a time share each unpacked weight block.
+                        let mut values = per_token.chunks_exact_mut(TILE);
+                        let mut tokens = quantized.chunks_exact(TILE);
+                        for (tile, xq) in (&mut values).zip(&mut tokens) {
+                            let xq: [&[BlockQ8]; TILE] = std::array::from_fn(|t| &xq[t][..]);
+                            tile.copy_from_slice(&dot_q8_xn(self.ty, row, xq));
                         }
                         for (value, xq) in
                             values.into_remainder().iter_mut().zip(tokens.remainder())
