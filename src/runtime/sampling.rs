@@ -128,11 +128,31 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// `log softmax(logits)[token]`: the token's log-probability, in nats.
+/// `log softmax(logits)[token]`: the token's log-probability, in nats. The exponentials
+/// use the vectorised [`crate::runtime::mathfn::expf`] (≤ 2 ulp) summed in 8 f32 lanes:
+/// this runs for every generated token over the whole vocabulary.
 pub fn logprob(logits: &[f32], token: u32) -> f32 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
-    let total: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    (logits[token as usize] - max) - total.ln() as f32
+    (logits[token as usize] - max) - sum_exp_shifted(logits, max).ln()
+}
+
+crate::runtime::mathfn::multiversion! {
+    /// `Σ e^(l − shift)` over `logits`, in 8 lanes.
+    fn sum_exp_shifted(logits: &[f32], shift: f32) -> f32 {
+        let mut lanes = [0f32; 8];
+        let mut chunks = logits.chunks_exact(8);
+        for chunk in &mut chunks {
+            for (lane, &l) in lanes.iter_mut().zip(chunk) {
+                *lane += crate::runtime::mathfn::expf(l - shift);
+            }
+        }
+        let tail: f32 = chunks
+            .remainder()
+            .iter()
+            .map(|&l| crate::runtime::mathfn::expf(l - shift))
+            .sum();
+        lanes.iter().sum::<f32>() + tail
+    }
 }
 
 #[cfg(test)]

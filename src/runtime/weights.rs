@@ -259,10 +259,20 @@ impl Weight {
                             let xq: [&[BlockQ8]; TILE] = std::array::from_fn(|t| &xq[t][..]);
                             tile.copy_from_slice(&dot_q8_xn(self.ty, row, xq));
                         }
-                        for (value, xq) in
-                            values.into_remainder().iter_mut().zip(tokens.remainder())
-                        {
-                            *value = dot_q8(self.ty, row, xq);
+                        let (values, xq) = (values.into_remainder(), tokens.remainder());
+                        match xq.len() {
+                            3 => values.copy_from_slice(&dot_q8_xn(
+                                self.ty,
+                                row,
+                                [&xq[0][..], &xq[1][..], &xq[2][..]],
+                            )),
+                            2 => values.copy_from_slice(&dot_q8_xn(
+                                self.ty,
+                                row,
+                                [&xq[0][..], &xq[1][..]],
+                            )),
+                            1 => values[0] = dot_q8(self.ty, row, &xq[0]),
+                            _ => {}
                         }
                     }
                 });
