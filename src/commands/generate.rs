@@ -48,14 +48,7 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
         args.prompt.clone()
     };
     let prompt_tokens = engine.tokenizer.encode(&prompt, true)?;
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-        max_tokens: args.max_tokens,
-        stop: args.stop.clone(),
-    };
+    let params = sampling_params(args);
     let streaming = !args.json;
     let generation = engine.generate(&prompt_tokens, &params, &mut |text| {
         if streaming {
@@ -84,6 +77,18 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     Ok(ExitStatus::Success)
 }
 
+/// The sampling flags.
+fn sampling_params(args: &GenerateArgs) -> SamplingParams {
+    SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        stop: args.stop.clone(),
+    }
+}
+
 /// `--tp/--pp` > 1: the same generation on `tp × pp` real rank processes.
 fn distributed(
     args: &GenerateArgs,
@@ -92,12 +97,7 @@ fn distributed(
 ) -> Result<ExitStatus> {
     use crate::runtime::gguf::Header;
     use crate::runtime::tokenizer::Tokenizer;
-    if path.is_dir() {
-        bail!(
-            "--tp/--pp run GGUF models for now; `{}` is a directory",
-            path.display()
-        );
-    }
+    super::require_gguf_for_ranks(path)?;
     let header = Header::read_file(path)?;
     let tokenizer = Tokenizer::from_gguf(&header)?;
     let prompt = if args.chat {
@@ -121,14 +121,7 @@ fn distributed(
     };
     let job = crate::runtime::worker::Job::Generate {
         prompt_tokens: tokenizer.encode(&prompt, true)?,
-        params: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-            max_tokens: args.max_tokens,
-            stop: args.stop.clone(),
-        },
+        params: sampling_params(args),
     };
     let world = args.tp * args.pp;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -203,12 +203,7 @@ fn launch(
     started: Instant,
     printer: &Printer,
 ) -> Result<ExitStatus> {
-    if path.is_dir() {
-        bail!(
-            "--tp/--pp run GGUF models for now; `{}` is a directory",
-            path.display()
-        );
-    }
+    super::require_gguf_for_ranks(path)?;
     let world = layout.world_size();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut extra_env = vec![

@@ -628,13 +628,7 @@ mod avx2 {
                     let block = unsafe { row.as_ptr().add(18 * i) };
                     let d = unsafe { two_f16(block).0 };
                     let w = _mm256_sub_epi8(unsafe { nibbles(block.add(2)) }, eight);
-                    let magnitude = _mm256_sign_epi8(w, w);
-                    for t in 0..N {
-                        let a = &x[t][i];
-                        let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
-                        let product = unsafe { dot_u8_i8(magnitude, _mm256_sign_epi8(v, w)) };
-                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, acc[t]);
-                    }
+                    unsafe { accumulate_signed(&mut acc, &x, i, d, w) };
                 }
             }
             _ => {
@@ -643,17 +637,31 @@ mod avx2 {
                     let packed = unsafe { std::ptr::read_unaligned(block as *const u16) };
                     let d = half::f16::from_bits(packed).to_f32();
                     let w = unsafe { _mm256_loadu_si256(block.add(2) as *const __m256i) };
-                    let magnitude = _mm256_sign_epi8(w, w);
-                    for t in 0..N {
-                        let a = &x[t][i];
-                        let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
-                        let product = unsafe { dot_u8_i8(magnitude, _mm256_sign_epi8(v, w)) };
-                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, acc[t]);
-                    }
+                    unsafe { accumulate_signed(&mut acc, &x, i, d, w) };
                 }
             }
         }
         std::array::from_fn(|t| unsafe { hsum(acc[t]) } + offsets[t])
+    }
+
+    /// Block `i` of signed 8-bit weights `w` (scale `d`) into each token's accumulator, with
+    /// the sign trick `maddubs` needs (unsigned × signed), as the one-token kernels do.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate_signed<const N: usize>(
+        acc: &mut [__m256; N],
+        x: &[&[BlockQ8]; N],
+        i: usize,
+        d: f32,
+        w: __m256i,
+    ) {
+        let magnitude = _mm256_sign_epi8(w, w);
+        for (acc, tokens) in acc.iter_mut().zip(x) {
+            let a = &tokens[i];
+            let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
+            let product = unsafe { dot_u8_i8(magnitude, _mm256_sign_epi8(v, w)) };
+            *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, *acc);
+        }
     }
 
     /// [`super::dot_q8_continue`] on AVX2.
@@ -709,14 +717,20 @@ mod tests {
         row
     }
 
-    #[test]
-    fn integer_kernels_match_dequantized_dot_products() {
-        let n = 18 * QK;
-        let x: Vec<f32> = (0..n)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+    /// 18 blocks of deterministic activations, `((i·a mod b) − b/2) / c`, quantized.
+    fn activations(a: usize, b: usize, c: f32) -> Vec<BlockQ8> {
+        let x: Vec<f32> = (0..18 * QK)
+            .map(|i| ((i * a % b) as f32 - (b / 2) as f32) / c)
             .collect();
         let mut xq = Vec::new();
         quantize_row_q8(&x, &mut xq);
+        xq
+    }
+
+    #[test]
+    fn integer_kernels_match_dequantized_dot_products() {
+        let n = 18 * QK;
+        let xq = activations(37, 101, 17.0);
         // What the quantized activations represent, for the float reference.
         let x_dequantized: Vec<f32> = xq
             .iter()
@@ -746,12 +760,7 @@ mod tests {
     /// whole one, with the AVX2 and the portable kernels.
     #[test]
     fn continued_dot_products_equal_whole_ones_bit_for_bit() {
-        let n = 18 * QK;
-        let x: Vec<f32> = (0..n)
-            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0)
-            .collect();
-        let mut xq = Vec::new();
-        quantize_row_q8(&x, &mut xq);
+        let xq = activations(53, 97, 13.0);
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let w = row(ty, 18, 11);
             let block_bytes = ty.row_bytes(QK).expect("one block");
@@ -782,16 +791,8 @@ mod tests {
     /// The four-token kernel gives each token exactly the one-token kernel's bits.
     #[test]
     fn four_token_kernels_equal_one_token_kernels_bit_for_bit() {
-        let n = 18 * QK;
         let tokens: Vec<Vec<BlockQ8>> = (0..4)
-            .map(|t| {
-                let x: Vec<f32> = (0..n)
-                    .map(|i| (((i + 31 * t) * 53 % 97) as f32 - 48.0) / (7.0 + t as f32))
-                    .collect();
-                let mut xq = Vec::new();
-                quantize_row_q8(&x, &mut xq);
-                xq
-            })
+            .map(|t| activations(53 + 2 * t, 97, 7.0 + t as f32))
             .collect();
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let w = row(ty, 18, 5);

@@ -211,15 +211,8 @@ impl Weight {
         if !has_q8_kernel(self.ty) {
             anyhow::bail!("{:?} has no integer kernel to continue", self.ty);
         }
-        let chunk_rows = (self.n_rows / (rayon::current_num_threads() * 4)).clamp(16, 512);
-        let quantized: Vec<Vec<BlockQ8>> = x
-            .chunks_exact(self.n_cols)
-            .map(|token| {
-                let mut blocks = Vec::new();
-                quantize_row_q8(token, &mut blocks);
-                blocks
-            })
-            .collect();
+        let chunk_rows = self.chunk_rows();
+        let quantized = self.quantize_tokens(x);
         states
             .par_chunks_mut(chunk_rows * n_tokens)
             .enumerate()
@@ -234,18 +227,27 @@ impl Weight {
         Ok(())
     }
 
+    /// Output rows per rayon task: about four tasks per thread, 16 to 512 rows.
+    fn chunk_rows(&self) -> usize {
+        (self.n_rows / (rayon::current_num_threads() * 4)).clamp(16, 512)
+    }
+
+    /// Each token of `x` (`(n_tokens, n_cols)`) quantized to 8-bit blocks, once.
+    fn quantize_tokens(&self, x: &[f32]) -> Vec<Vec<BlockQ8>> {
+        x.chunks_exact(self.n_cols)
+            .map(|token| {
+                let mut blocks = Vec::new();
+                quantize_row_q8(token, &mut blocks);
+                blocks
+            })
+            .collect()
+    }
+
     /// `target[r * n_tokens + t] = W[r] · x[t]`.
     fn matmul_rows_major(&self, x: &[f32], n_tokens: usize, target: &mut [f32]) {
-        let chunk_rows = (self.n_rows / (rayon::current_num_threads() * 4)).clamp(16, 512);
+        let chunk_rows = self.chunk_rows();
         if has_q8_kernel(self.ty) {
-            let quantized: Vec<Vec<BlockQ8>> = x
-                .chunks_exact(self.n_cols)
-                .map(|token| {
-                    let mut blocks = Vec::new();
-                    quantize_row_q8(token, &mut blocks);
-                    blocks
-                })
-                .collect();
+            let quantized = self.quantize_tokens(x);
             target
                 .par_chunks_mut(chunk_rows * n_tokens)
                 .enumerate()

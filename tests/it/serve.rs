@@ -65,6 +65,34 @@ impl Server {
         }
     }
 
+    /// The Prometheus text of `/metrics`.
+    fn metrics(&self) -> String {
+        ureq::get(&format!("{}/metrics", self.url))
+            .call()
+            .expect("metrics")
+            .into_body()
+            .read_to_string()
+            .expect("text")
+    }
+
+    /// Waits for `infer up` to exit after a rank was killed: returns its status and the rest
+    /// of its stderr, after checking that no rank process is left.
+    fn wait_for_gang_exit(&mut self, ranks: &[u32]) -> (std::process::ExitStatus, String) {
+        let status = self.child.wait().expect("wait");
+        let rest = self
+            .rest
+            .take()
+            .map(|reader| reader.join().expect("stderr reader"))
+            .unwrap_or_default();
+        for &pid in ranks {
+            assert!(
+                !crate::distributed::alive(pid),
+                "rank pid {pid} is still running"
+            );
+        }
+        (status, rest)
+    }
+
     /// The rank processes' pids, from the "started N ranks (pids …)" line.
     fn rank_pids(&self) -> Vec<u32> {
         let list = self
@@ -76,6 +104,20 @@ impl Server {
         list.split(", ")
             .map(|pid| pid.parse().expect("pid"))
             .collect()
+    }
+
+    /// Posts every body at once (one client thread each) and returns the replies in order.
+    fn post_all(&self, path: &str, bodies: &[Value]) -> Vec<(u16, Value)> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = bodies
+                .iter()
+                .map(|body| scope.spawn(move || self.post(path, body)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("client"))
+                .collect()
+        })
     }
 
     fn post(&self, path: &str, body: &Value) -> (u16, Value) {
@@ -205,18 +247,10 @@ fn chat_streams_server_sent_events() {
 #[test]
 fn sixteen_concurrent_requests_all_complete() {
     let server = Server::start(TP3);
-    let results: Vec<(u16, Value)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..16)
-            .map(|i| {
-                let server = &server;
-                scope.spawn(move || server.post("/v1/completions", &json!({"prompt": format!("Story number {i}:"), "max_tokens": 12, "temperature": 0.8, "seed": i})))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("client"))
-            .collect()
-    });
+    let bodies: Vec<Value> = (0..16)
+        .map(|i| json!({"prompt": format!("Story number {i}:"), "max_tokens": 12, "temperature": 0.8, "seed": i}))
+        .collect();
+    let results = server.post_all("/v1/completions", &bodies);
     for (status, body) in results {
         assert_eq!(status, 200, "{body}");
         let usage = &body["usage"];
@@ -230,12 +264,7 @@ fn sixteen_concurrent_requests_all_complete() {
             Some(usage["prompt_tokens"].as_u64().expect("prompt") + completion)
         );
     }
-    let metrics = ureq::get(&format!("{}/metrics", server.url))
-        .call()
-        .expect("metrics")
-        .into_body()
-        .read_to_string()
-        .expect("text");
+    let metrics = server.metrics();
     assert!(metrics.contains("infer_requests_total 16"), "{metrics}");
     assert!(
         metrics.contains("infer_time_to_first_token_seconds_count 16"),
@@ -391,25 +420,15 @@ fn a_killed_rank_takes_infer_up_down_within_5_seconds() {
         rustix::process::Signal::KILL,
     )
     .expect("kill rank 2");
-    let status = server.child.wait().expect("wait");
+    let (status, rest) = server.wait_for_gang_exit(&ranks);
+    // (Measured after the checks that no rank is left, so it bounds them too.)
     let elapsed = killed_at.elapsed();
-    let rest = server
-        .rest
-        .take()
-        .map(|reader| reader.join().expect("stderr reader"))
-        .unwrap_or_default();
     assert!(!status.success(), "{status}\n{rest}");
     assert!(
         elapsed < std::time::Duration::from_secs(5),
         "took {elapsed:?}"
     );
     assert!(rest.contains("rank 2 exited with signal: 9"), "{rest}");
-    for pid in ranks {
-        assert!(
-            !crate::distributed::alive(pid),
-            "rank pid {pid} is still running"
-        );
-    }
     // The streaming client is not left waiting: it gets an error event naming the lost
     // peer (or, if the server went first, a closed connection), never a normal finish.
     let reply = in_flight.join().expect("client thread");
@@ -565,14 +584,7 @@ fn preempted_requests_resume_with_the_same_output(layout: &[&str]) {
         .iter()
         .map(|body| server.post("/v1/completions", body).1)
         .collect();
-    let metrics = || {
-        ureq::get(&format!("{}/metrics", server.url))
-            .call()
-            .expect("metrics")
-            .into_body()
-            .read_to_string()
-            .expect("text")
-    };
+    let metrics = || server.metrics();
     let value = |text: &str, name: &str| -> f64 {
         text.lines()
             .find_map(|l| l.strip_prefix(&format!("{name} ")))
@@ -580,19 +592,7 @@ fn preempted_requests_resume_with_the_same_output(layout: &[&str]) {
             .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
     };
     assert_eq!(value(&metrics(), "infer_preemptions_total"), 0.0);
-    let together: Vec<(u16, Value)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = bodies
-            .iter()
-            .map(|body| {
-                let server = &server;
-                scope.spawn(move || server.post("/v1/completions", body))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("client"))
-            .collect()
-    });
+    let together = server.post_all("/v1/completions", &bodies);
     for (((status, body), reference), request) in together.iter().zip(&alone).zip(&bodies) {
         assert_eq!(*status, 200, "{body}");
         assert_eq!(
@@ -631,24 +631,11 @@ fn data_parallel_replicas_share_the_load() {
         "1, 2, 3, 4, 5,",
         "Rust is",
     ];
-    let results: Vec<(u16, Value)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .map(|prompt| {
-                let server = &server;
-                scope.spawn(move || {
-                    server.post(
-                        "/v1/completions",
-                        &json!({"prompt": prompt, "max_tokens": 16, "temperature": 0}),
-                    )
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("client"))
-            .collect()
-    });
+    let bodies: Vec<Value> = prompts
+        .iter()
+        .map(|prompt| json!({"prompt": prompt, "max_tokens": 16, "temperature": 0}))
+        .collect();
+    let results = server.post_all("/v1/completions", &bodies);
     for ((status, body), prompt) in results.iter().zip(prompts) {
         assert_eq!(*status, 200, "{body}");
         if prompt == "1, 2, 3, 4, 5," {
@@ -656,12 +643,7 @@ fn data_parallel_replicas_share_the_load() {
         }
         assert_eq!(body["usage"]["completion_tokens"], 16, "{body}");
     }
-    let metrics = ureq::get(&format!("{}/metrics", server.url))
-        .call()
-        .expect("metrics")
-        .into_body()
-        .read_to_string()
-        .expect("text");
+    let metrics = server.metrics();
     for replica in ["0", "1"] {
         let routed: u64 = metrics
             .lines()
@@ -679,20 +661,9 @@ fn data_parallel_replicas_share_the_load() {
         rustix::process::Signal::KILL,
     )
     .expect("kill rank 1");
-    let status = server.child.wait().expect("wait");
-    let rest = server
-        .rest
-        .take()
-        .map(|reader| reader.join().expect("stderr reader"))
-        .unwrap_or_default();
+    let (status, rest) = server.wait_for_gang_exit(&ranks);
     assert!(!status.success(), "{rest}");
     assert!(rest.contains("rank 1 exited with signal: 9"), "{rest}");
-    for pid in ranks {
-        assert!(
-            !crate::distributed::alive(pid),
-            "rank pid {pid} is still running"
-        );
-    }
 }
 
 /// `infer plan --json` for one node of two GPUs picks DP 2 for SmolLM2; `infer up --plan`
@@ -773,15 +744,7 @@ fn up_launches_the_layout_of_a_saved_plan() {
 #[test]
 fn moe_model_served_with_expert_parallelism_matches_one_process() {
     use crate::synthetic::{Shape, write_gguf_moe};
-    let shape = Shape {
-        hidden: 64,
-        intermediate: 32,
-        n_layers: 2,
-        n_heads: 8,
-        n_kv_heads: 2,
-        vocab: 80,
-        qkv_bias: false,
-    };
+    let shape = Shape::small_moe();
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("moe.gguf");
     write_gguf_moe(&path, &shape, 8, 2, 33);

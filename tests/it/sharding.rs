@@ -279,15 +279,7 @@ fn moe_greedy(
 #[test]
 fn synthetic_moe_agrees_at_ep_1_2_4_with_tp_1_and_2() {
     use crate::synthetic::{Shape, write_gguf_moe};
-    let shape = Shape {
-        hidden: 64,
-        intermediate: 32,
-        n_layers: 2,
-        n_heads: 8,
-        n_kv_heads: 2,
-        vocab: 80,
-        qkv_bias: false,
-    };
+    let shape = Shape::small_moe();
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("moe.gguf");
     write_gguf_moe(&path, &shape, 8, 2, 33);

@@ -21,6 +21,19 @@ pub struct Shape {
 }
 
 impl Shape {
+    /// The small MoE shape the EP tests use (8 heads, 2 KV heads, vocabulary of 80).
+    pub fn small_moe() -> Shape {
+        Shape {
+            hidden: 64,
+            intermediate: 32,
+            n_layers: 2,
+            n_heads: 8,
+            n_kv_heads: 2,
+            vocab: 80,
+            qkv_bias: false,
+        }
+    }
+
     pub fn head_dim(&self) -> usize {
         self.hidden / self.n_heads
     }
