@@ -162,74 +162,69 @@ async fn models(Ready(state): Ready, headers: HeaderMap) -> Response {
 }
 
 async fn metrics(Ready(state): Ready) -> Response {
-    let m = &state.scheduler.metrics;
+    // Every replica's metrics added up (remote replicas report twice a second).
+    let m = state.scheduler.metrics_snapshot();
     let series = [
         (
             "infer_requests_running",
             "Sequences in the running batch.",
             "gauge",
-            &m.running,
+            m.running,
         ),
         (
             "infer_requests_waiting",
             "Requests waiting to join the batch.",
             "gauge",
-            &m.waiting,
+            m.waiting,
         ),
         (
             "infer_requests_total",
             "Requests received.",
             "counter",
-            &m.requests_total,
+            m.requests_total,
         ),
         (
             "infer_prompt_tokens_total",
             "Prompt tokens processed.",
             "counter",
-            &m.prompt_tokens_total,
+            m.prompt_tokens_total,
         ),
         (
             "infer_generation_tokens_total",
             "Tokens generated.",
             "counter",
-            &m.generation_tokens_total,
+            m.generation_tokens_total,
         ),
         (
             "infer_kv_cache_bytes",
             "KV-cache bytes held by running sequences.",
             "gauge",
-            &m.kv_cache_bytes,
+            m.kv_cache_bytes,
         ),
         (
             "infer_kv_cache_blocks_used",
             "KV-cache blocks (16 positions each) held by live sequences.",
             "gauge",
-            &m.kv_blocks_used,
+            m.kv_blocks_used,
         ),
         (
             "infer_kv_cache_blocks_total",
             "KV-cache blocks the pool can hold.",
             "gauge",
-            &m.kv_blocks_total,
+            m.kv_blocks_total,
         ),
         (
             "infer_preemptions_total",
             "Sequences preempted (KV blocks freed, recomputed later) because blocks ran out.",
             "counter",
-            &m.preemptions_total,
+            m.preemptions_total,
         ),
     ];
-    let mut text = String::new();
-    let (used, total) = (
-        m.kv_blocks_used.load(Ordering::SeqCst),
-        m.kv_blocks_total.load(Ordering::SeqCst),
-    );
-    text.push_str(&format!(
+    let mut text = format!(
         "# HELP infer_kv_cache_usage_ratio Fraction of the KV-cache blocks in use (0 to 1).\n# TYPE infer_kv_cache_usage_ratio gauge\ninfer_kv_cache_usage_ratio {}\n",
-        used as f64 / total.max(1) as f64
-    ));
+        m.kv_blocks_used as f64 / m.kv_blocks_total.max(1) as f64
+    );
     for (name, help, kind, value) in series {
-        let value = value.load(Ordering::SeqCst);
         text.push_str(&format!(
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
         ));

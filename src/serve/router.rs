@@ -18,7 +18,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
-use super::scheduler::{Event, Metrics, Request, Scheduler};
+use super::scheduler::{Event, Metrics, MetricsSnapshot, Request, Scheduler};
 use crate::runtime::sampling::SamplingParams;
 
 /// Prompt tokens hashed for prefix affinity.
@@ -47,10 +47,15 @@ enum ToReplica {
 
 /// Replica → router.
 #[derive(Serialize, Deserialize)]
-struct FromReplica {
-    id: u64,
-    event: Event,
+enum FromReplica {
+    /// An event of request `id`.
+    Event { id: u64, event: Event },
+    /// The replica's metrics, sent twice a second.
+    Metrics(MetricsSnapshot),
 }
+
+/// How often a remote replica reports its metrics.
+const METRICS_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The requests of one remote replica still waiting for events.
 type Pending = Arc<Mutex<HashMap<u64, UnboundedSender<Event>>>>;
@@ -59,6 +64,8 @@ type Pending = Arc<Mutex<HashMap<u64, UnboundedSender<Event>>>>;
 struct Remote {
     frames: UnboundedSender<ToReplica>,
     pending: Pending,
+    /// Its last reported metrics.
+    metrics: Arc<Mutex<MetricsSnapshot>>,
 }
 
 /// Where requests go: the local scheduler (replica 0) and the remote replicas.
@@ -145,24 +152,33 @@ impl Router {
                 }
             });
             let pending: Pending = Arc::default();
-            let (reader_pending, fail, cancel) =
-                (Arc::clone(&pending), Arc::clone(&self.fail), frames.clone());
+            let metrics: Arc<Mutex<MetricsSnapshot>> = Arc::default();
+            let (reader_pending, reader_metrics, fail, cancel) = (
+                Arc::clone(&pending),
+                Arc::clone(&metrics),
+                Arc::clone(&self.fail),
+                frames.clone(),
+            );
             tokio::spawn(async move {
                 let error = loop {
-                    let message: FromReplica = match read_frame(&mut reader).await {
-                        Ok(message) => message,
+                    let (id, event) = match read_frame(&mut reader).await {
+                        Ok(FromReplica::Event { id, event }) => (id, event),
+                        Ok(FromReplica::Metrics(snapshot)) => {
+                            *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) = snapshot;
+                            continue;
+                        }
                         Err(error) => break error,
                     };
-                    let done = matches!(message.event, Event::Done { .. } | Event::Error(_));
+                    let done = matches!(event, Event::Done { .. } | Event::Error(_));
                     let mut pending = reader_pending.lock().unwrap_or_else(|e| e.into_inner());
                     let delivered = pending
-                        .get(&message.id)
-                        .is_some_and(|events| events.send(message.event).is_ok());
+                        .get(&id)
+                        .is_some_and(|events| events.send(event).is_ok());
                     if done || !delivered {
-                        pending.remove(&message.id);
+                        pending.remove(&id);
                     }
                     if !delivered && !done {
-                        let _ = cancel.send(ToReplica::Cancel { id: message.id });
+                        let _ = cancel.send(ToReplica::Cancel { id });
                     }
                 };
                 let error = format!("DP replica {replica} disconnected: {error:#}");
@@ -175,11 +191,25 @@ impl Router {
                 }
                 let _ = fail.send(Some(error));
             });
-            self.remotes.push(Remote { frames, pending });
+            self.remotes.push(Remote {
+                frames,
+                pending,
+                metrics,
+            });
             self.in_flight.push(Arc::new(AtomicU64::new(0)));
             self.routed.push(AtomicU64::new(0));
         }
         Ok(())
+    }
+
+    /// Every replica's metrics added up: the local scheduler's now, the remote ones as last
+    /// reported.
+    pub fn metrics_snapshot(&self) -> MetricsSnapshot {
+        let mut total = self.metrics.snapshot();
+        for remote in &self.remotes {
+            total.add(&remote.metrics.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+        total
     }
 
     /// Data-parallel replicas behind this router.
@@ -253,7 +283,6 @@ impl Router {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id, events);
-        self.metrics.requests_total.fetch_add(1, Ordering::SeqCst);
         remote
             .frames
             .send(ToReplica::Submit {
@@ -295,8 +324,12 @@ pub async fn serve_remote(
     });
     let mut relays: HashMap<u64, tokio::task::AbortHandle> = HashMap::new();
     let mut failure = scheduler.failure.clone();
+    let mut report = tokio::time::interval(METRICS_INTERVAL);
     loop {
         tokio::select! {
+            _ = report.tick() => {
+                let _ = frames.send(FromReplica::Metrics(scheduler.metrics.snapshot()));
+            }
             frame = read_frame::<ToReplica>(&mut reader) => match frame? {
                 ToReplica::Submit { id, prompt_tokens, params } => {
                     let (events, mut receiver) = unbounded_channel::<Event>();
@@ -304,7 +337,7 @@ pub async fn serve_remote(
                     let relay = tokio::spawn(async move {
                         while let Some(event) = receiver.recv().await {
                             let done = matches!(event, Event::Done { .. } | Event::Error(_));
-                            if relay_frames.send(FromReplica { id, event }).is_err() || done {
+                            if relay_frames.send(FromReplica::Event { id, event }).is_err() || done {
                                 break;
                             }
                         }
@@ -317,7 +350,7 @@ pub async fn serve_remote(
                         events,
                         received_at: Instant::now(),
                     }) {
-                        let _ = frames.send(FromReplica { id, event: Event::Error(error) });
+                        let _ = frames.send(FromReplica::Event { id, event: Event::Error(error) });
                     }
                 }
                 // Dropping the relay drops the receiver: the scheduler stops the sequence.

@@ -92,18 +92,103 @@ impl Histogram {
         guard.2 += secs;
     }
 
+    /// The counts so far.
+    pub fn snapshot(&self) -> HistogramSnapshot {
+        let guard = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        HistogramSnapshot {
+            buckets: guard.0.clone(),
+            count: guard.1,
+            sum_secs: guard.2,
+        }
+    }
+}
+
+/// A histogram's counts at one moment: cumulative bucket counts (upper bounds
+/// `BUCKETS_SECS`), observations and their sum in seconds.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HistogramSnapshot {
+    pub buckets: Vec<u64>,
+    pub count: u64,
+    pub sum_secs: f64,
+}
+
+impl HistogramSnapshot {
+    /// Adds `other`'s counts (another replica's).
+    pub fn add(&mut self, other: &HistogramSnapshot) {
+        self.buckets
+            .resize(other.buckets.len().max(self.buckets.len()), 0);
+        for (mine, theirs) in self.buckets.iter_mut().zip(&other.buckets) {
+            *mine += theirs;
+        }
+        self.count += other.count;
+        self.sum_secs += other.sum_secs;
+    }
+
     /// Prometheus text lines for metric `name`.
     pub fn render(&self, name: &str, help: &str) -> String {
-        let guard = self.counts.lock().expect("histogram lock");
         let mut out = format!("# HELP {name} {help}\n# TYPE {name} histogram\n");
-        for (bound, count) in BUCKETS_SECS.iter().zip(&guard.0) {
+        for (bound, count) in BUCKETS_SECS.iter().zip(&self.buckets) {
             out.push_str(&format!("{name}_bucket{{le=\"{bound}\"}} {count}\n"));
         }
         out.push_str(&format!(
             "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}\n",
-            guard.1, guard.2, guard.1
+            self.count, self.sum_secs, self.count
         ));
         out
+    }
+}
+
+/// Every counter and histogram of [`Metrics`] at one moment; remote DP replicas send theirs
+/// to rank 0, which adds them up.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MetricsSnapshot {
+    pub running: u64,
+    pub waiting: u64,
+    pub requests_total: u64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    pub kv_cache_bytes: u64,
+    pub kv_blocks_used: u64,
+    pub kv_blocks_total: u64,
+    pub preemptions_total: u64,
+    pub ttft: HistogramSnapshot,
+    pub tpot: HistogramSnapshot,
+}
+
+impl MetricsSnapshot {
+    /// Adds `other` (another replica's metrics): counters, gauges and histograms sum.
+    pub fn add(&mut self, other: &MetricsSnapshot) {
+        self.running += other.running;
+        self.waiting += other.waiting;
+        self.requests_total += other.requests_total;
+        self.prompt_tokens_total += other.prompt_tokens_total;
+        self.generation_tokens_total += other.generation_tokens_total;
+        self.kv_cache_bytes += other.kv_cache_bytes;
+        self.kv_blocks_used += other.kv_blocks_used;
+        self.kv_blocks_total += other.kv_blocks_total;
+        self.preemptions_total += other.preemptions_total;
+        self.ttft.add(&other.ttft);
+        self.tpot.add(&other.tpot);
+    }
+}
+
+impl Metrics {
+    /// Every counter and histogram now.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let load = |v: &AtomicU64| v.load(Ordering::SeqCst);
+        MetricsSnapshot {
+            running: load(&self.running),
+            waiting: load(&self.waiting),
+            requests_total: load(&self.requests_total),
+            prompt_tokens_total: load(&self.prompt_tokens_total),
+            generation_tokens_total: load(&self.generation_tokens_total),
+            kv_cache_bytes: load(&self.kv_cache_bytes),
+            kv_blocks_used: load(&self.kv_blocks_used),
+            kv_blocks_total: load(&self.kv_blocks_total),
+            preemptions_total: load(&self.preemptions_total),
+            ttft: self.ttft.snapshot(),
+            tpot: self.tpot.snapshot(),
+        }
     }
 }
 
