@@ -37,13 +37,13 @@ fn main() -> anyhow::Result<()> {
                 .map(|(i, _)| i as u32)
                 .unwrap_or(0);
             let step = got.len();
-            if let Some(&want) = expected.get(step) {
-                if want as u32 != next {
-                    println!(
-                        "step {step}: ours {next} ({:.4}) vs llama.cpp {want} ({:.4})",
-                        logits[0][next as usize], logits[0][want as usize]
-                    );
-                }
+            if let Some(&want) = expected.get(step)
+                && want as u32 != next
+            {
+                println!(
+                    "step {step}: ours {next} ({:.4}) vs llama.cpp {want} ({:.4})",
+                    logits[0][next as usize], logits[0][want as usize]
+                );
             }
             got.push(next as u64);
             if got.last().copied() != expected.get(step).copied() {

@@ -164,15 +164,15 @@ fn parse_body(log: &mut NcclLog, body: &str, evidence: Evidence) {
         }
         return;
     }
-    if let Some(position) = body.find(" via ") {
-        if body.starts_with("Channel ") || body.starts_with("Ring ") || body.contains("->") {
-            let via = body[position + 5..].trim();
-            log.connections.push(Connection {
-                transport: transport(via),
-                evidence,
-            });
-            return;
-        }
+    if let Some(position) = body.find(" via ")
+        && (body.starts_with("Channel ") || body.starts_with("Ring ") || body.contains("->"))
+    {
+        let via = body[position + 5..].trim();
+        log.connections.push(Connection {
+            transport: transport(via),
+            evidence,
+        });
+        return;
     }
     if let Some(rest) = body
         .strip_prefix("NET/IB : Using ")

@@ -510,15 +510,15 @@ fn failed_ranks(
     use std::os::unix::process::ExitStatusExt;
     let mut failed = Vec::new();
     for rank in ranks.iter_mut() {
-        if let Some(status) = rank.child.try_wait()? {
-            if !status.success() {
-                failed.push((
-                    status.signal().is_some(),
-                    rank.rank,
-                    status,
-                    rank.log.clone(),
-                ));
-            }
+        if let Some(status) = rank.child.try_wait()?
+            && !status.success()
+        {
+            failed.push((
+                status.signal().is_some(),
+                rank.rank,
+                status,
+                rank.log.clone(),
+            ));
         }
     }
     Ok(failed)

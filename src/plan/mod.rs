@@ -316,7 +316,7 @@ pub fn plan(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome
 
 /// Every (tp, pp, dp, ep) that uses all GPUs (or exactly the pinned degrees).
 fn enumerate(spec: &ModelSpec, n_gpus: u64, settings: &Settings) -> Vec<Parallel> {
-    let divisors = |n: u64| (1..=n).filter(move |d| n % d == 0);
+    let divisors = |n: u64| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
     let tps: Vec<u64> = match settings.tp {
         Some(tp) => vec![tp],
@@ -332,7 +332,7 @@ fn enumerate(spec: &ModelSpec, n_gpus: u64, settings: &Settings) -> Vec<Parallel
         for pp in pps {
             let dp = match settings.dp {
                 Some(dp) => dp,
-                None if tp * pp == 0 || n_gpus % (tp * pp) != 0 => continue,
+                None if tp * pp == 0 || !n_gpus.is_multiple_of(tp * pp) => continue,
                 None => n_gpus / (tp * pp),
             };
             let eps: Vec<u64> = match (settings.ep, &spec.moe) {
@@ -364,9 +364,9 @@ fn evaluate(
         if tp == 0 || pp == 0 || ep == 0 || dp == 0 {
             return Err("degrees must be at least 1".to_string());
         }
-        if spec.n_heads % tp != 0 {
+        if !spec.n_heads.is_multiple_of(tp) {
             let valid: Vec<String> = (1..=spec.n_heads)
-                .filter(|d| spec.n_heads % d == 0)
+                .filter(|d| spec.n_heads.is_multiple_of(*d))
                 .map(|d| d.to_string())
                 .collect();
             return Err(format!(
@@ -375,7 +375,7 @@ fn evaluate(
                 valid.join(", ")
             ));
         }
-        if spec.mla.is_none() && spec.n_kv_heads % tp != 0 && tp % spec.n_kv_heads != 0 {
+        if spec.mla.is_none() && !spec.n_kv_heads.is_multiple_of(tp) && tp % spec.n_kv_heads != 0 {
             return Err(format!(
                 "tp={tp} neither divides nor is a multiple of {} KV heads",
                 spec.n_kv_heads

@@ -86,7 +86,7 @@ impl TensorInfo {
                 )
             })?;
         let n = self.n_elements();
-        if n % block_elements != 0 {
+        if !n.is_multiple_of(block_elements) {
             bail!(
                 "tensor `{}` ({type_name}) has {n} elements, not a multiple of its block size {block_elements}",
                 self.name

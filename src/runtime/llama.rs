@@ -367,8 +367,8 @@ impl Llama {
         let c = &self.config;
         if tp == 0
             || tp_rank >= tp
-            || c.n_heads % tp != 0
-            || (c.n_kv_heads % tp != 0 && tp % c.n_kv_heads != 0)
+            || !c.n_heads.is_multiple_of(tp)
+            || (!c.n_kv_heads.is_multiple_of(tp) && !tp.is_multiple_of(c.n_kv_heads))
         {
             bail!(
                 "tp={tp} does not divide {} heads / {} KV heads",
@@ -376,7 +376,7 @@ impl Llama {
                 c.n_kv_heads
             );
         }
-        if c.intermediate_size % tp != 0 {
+        if !c.intermediate_size.is_multiple_of(tp) {
             bail!(
                 "tp={tp} does not divide the MLP width {}",
                 c.intermediate_size

@@ -68,7 +68,7 @@ impl GgmlType {
     /// Bytes of a row of `n_cols` elements. Errors: `n_cols` not a whole number of blocks.
     pub fn row_bytes(self, n_cols: usize) -> Result<usize> {
         let (elements, bytes) = self.block();
-        if n_cols % elements != 0 {
+        if !n_cols.is_multiple_of(elements) {
             bail!(
                 "a {self:?} row of {n_cols} elements is not a whole number of {elements}-element blocks"
             );
@@ -255,6 +255,26 @@ pub fn has_avx2() -> bool {
     }
 }
 
+/// Whether the batched integer kernels may also use AVX-512 VNNI (`vpdpbusd` on 256-bit
+/// vectors, which needs AVX-512 VL too); `INFER_NO_VNNI` turns it off.
+pub fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static DETECTED: OnceLock<bool> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            has_avx2()
+                && std::env::var_os("INFER_NO_VNNI").is_none()
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512vl")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Whether `ty` has an integer kernel against [`BlockQ8`] activations.
 pub fn has_q8_kernel(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
@@ -285,6 +305,10 @@ pub fn dot_q8_xn<const N: usize>(ty: GgmlType, row: &[u8], x: [&[BlockQ8]; N]) -
     if has_avx2() {
         // SAFETY: the CPU supports AVX2, FMA and F16C (checked above); `row` holds
         // `x[t].len()` blocks of `ty` for every `t` by construction.
+        if has_vnni() {
+            // SAFETY: as above, and the CPU supports AVX-512 VNNI and VL (checked).
+            return unsafe { avx2::dot_q8_xn_vnni(ty, row, x) };
+        }
         return unsafe { avx2::dot_q8_xn(ty, row, x) };
     }
     std::array::from_fn(|t| dot_q8_portable(ty, row, x[t]))
@@ -390,7 +414,7 @@ fn hsum8(l: &[f32; 8]) -> f32 {
 /// identical results.
 pub fn dot_f16_f32(a: &[f16], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() && a.len() % 8 == 0 {
+    if has_avx2() && a.len().is_multiple_of(8) {
         // SAFETY: AVX2/FMA/F16C present; lengths are equal multiples of 8.
         return unsafe { avx2::dot_f16_f32(a, b) };
     }
@@ -415,7 +439,7 @@ pub fn weighted_sum_f16<'a>(
         let w = f16::from_f32(*w).to_f32();
         let accumulator = &mut lanes[(p % 8) * width..(p % 8 + 1) * width];
         #[cfg(target_arch = "x86_64")]
-        if has_avx2() && width % 8 == 0 {
+        if has_avx2() && width.is_multiple_of(8) {
             // SAFETY: AVX2/FMA/F16C present; `row` and `accumulator` have `width` elements.
             unsafe { avx2::fma_f16_row(accumulator, w, row) };
             continue;
@@ -593,74 +617,112 @@ mod avx2 {
     /// `N` dot products of one weight row (`Q4_0`, `Q4_1` or `Q8_0`) with `N` tokens'
     /// activations: each weight block is loaded and unpacked once for the `N` tokens, while
     /// each token's accumulator runs exactly the chain of the one-token kernels (same bits).
-    // Indexing `x[t][i]` by block and token reads clearer than nested iterators here.
-    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_xn<const N: usize>(
         ty: super::GgmlType,
         row: &[u8],
         x: [&[BlockQ8]; N],
     ) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut offsets = [0f32; N];
-        let n_blocks = x[0].len();
-        match ty {
-            super::GgmlType::Q4_1 => {
-                for i in 0..n_blocks {
-                    let block = unsafe { row.as_ptr().add(20 * i) };
-                    let (d, m) = unsafe { two_f16(block) };
-                    let w = unsafe { nibbles(block.add(4)) };
-                    for t in 0..N {
-                        let a = &x[t][i];
-                        offsets[t] = m.mul_add(a.sum, offsets[t]);
-                        let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
-                        acc[t] = _mm256_fmadd_ps(
-                            _mm256_set1_ps(d * a.d),
-                            unsafe { dot_u8_i8(w, v) },
-                            acc[t],
-                        );
+        unsafe { xn_body::<N, false>(ty, row, x) }
+    }
+
+    /// [`dot_q8_xn`] with AVX-512 VNNI: `vpdpbusd` replaces `vpmaddubsw` + `vpmaddwd`. The
+    /// integer sums are the same (no pair of products here can saturate 16 bits: Q4 weights
+    /// are ≤ 15, Q8_0 magnitudes ≤ 127 against |q| ≤ 127), so the bits are too.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub unsafe fn dot_q8_xn_vnni<const N: usize>(
+        ty: super::GgmlType,
+        row: &[u8],
+        x: [&[BlockQ8]; N],
+    ) -> [f32; N] {
+        unsafe { xn_body::<N, true>(ty, row, x) }
+    }
+
+    /// Σ u8 × i8 over 32 lanes as 8 f32 partial sums, with `vpdpbusd` when `VNNI` (only
+    /// inlined into functions compiled with AVX-512 VNNI and VL).
+    #[inline(always)]
+    unsafe fn dot_u8_i8_any<const VNNI: bool>(u: __m256i, s: __m256i) -> __m256 {
+        unsafe {
+            if VNNI {
+                _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s))
+            } else {
+                dot_u8_i8(u, s)
+            }
+        }
+    }
+
+    /// The body of [`dot_q8_xn`] and [`dot_q8_xn_vnni`], inlined into each.
+    // Indexing `x[t][i]` by block and token reads clearer than nested iterators here.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn xn_body<const N: usize, const VNNI: bool>(
+        ty: super::GgmlType,
+        row: &[u8],
+        x: [&[BlockQ8]; N],
+    ) -> [f32; N] {
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut offsets = [0f32; N];
+            let n_blocks = x[0].len();
+            match ty {
+                super::GgmlType::Q4_1 => {
+                    for i in 0..n_blocks {
+                        let block = row.as_ptr().add(20 * i);
+                        let (d, m) = two_f16(block);
+                        let w = nibbles(block.add(4));
+                        for t in 0..N {
+                            let a = &x[t][i];
+                            offsets[t] = m.mul_add(a.sum, offsets[t]);
+                            let v = _mm256_load_si256(a.qs.as_ptr() as *const __m256i);
+                            acc[t] = _mm256_fmadd_ps(
+                                _mm256_set1_ps(d * a.d),
+                                dot_u8_i8_any::<VNNI>(w, v),
+                                acc[t],
+                            );
+                        }
+                    }
+                }
+                super::GgmlType::Q4_0 => {
+                    let eight = _mm256_set1_epi8(8);
+                    for i in 0..n_blocks {
+                        let block = row.as_ptr().add(18 * i);
+                        let d = two_f16(block).0;
+                        let w = _mm256_sub_epi8(nibbles(block.add(2)), eight);
+                        accumulate_signed::<N, VNNI>(&mut acc, &x, i, d, w);
+                    }
+                }
+                _ => {
+                    for i in 0..n_blocks {
+                        let block = row.as_ptr().add(34 * i);
+                        let packed = std::ptr::read_unaligned(block as *const u16);
+                        let d = half::f16::from_bits(packed).to_f32();
+                        let w = _mm256_loadu_si256(block.add(2) as *const __m256i);
+                        accumulate_signed::<N, VNNI>(&mut acc, &x, i, d, w);
                     }
                 }
             }
-            super::GgmlType::Q4_0 => {
-                let eight = _mm256_set1_epi8(8);
-                for i in 0..n_blocks {
-                    let block = unsafe { row.as_ptr().add(18 * i) };
-                    let d = unsafe { two_f16(block).0 };
-                    let w = _mm256_sub_epi8(unsafe { nibbles(block.add(2)) }, eight);
-                    unsafe { accumulate_signed(&mut acc, &x, i, d, w) };
-                }
-            }
-            _ => {
-                for i in 0..n_blocks {
-                    let block = unsafe { row.as_ptr().add(34 * i) };
-                    let packed = unsafe { std::ptr::read_unaligned(block as *const u16) };
-                    let d = half::f16::from_bits(packed).to_f32();
-                    let w = unsafe { _mm256_loadu_si256(block.add(2) as *const __m256i) };
-                    unsafe { accumulate_signed(&mut acc, &x, i, d, w) };
-                }
-            }
+            std::array::from_fn(|t| hsum(acc[t]) + offsets[t])
         }
-        std::array::from_fn(|t| unsafe { hsum(acc[t]) } + offsets[t])
     }
 
     /// Block `i` of signed 8-bit weights `w` (scale `d`) into each token's accumulator, with
     /// the sign trick `maddubs` needs (unsigned × signed), as the one-token kernels do.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate_signed<const N: usize>(
+    #[inline(always)]
+    unsafe fn accumulate_signed<const N: usize, const VNNI: bool>(
         acc: &mut [__m256; N],
         x: &[&[BlockQ8]; N],
         i: usize,
         d: f32,
         w: __m256i,
     ) {
-        let magnitude = _mm256_sign_epi8(w, w);
-        for (acc, tokens) in acc.iter_mut().zip(x) {
-            let a = &tokens[i];
-            let v = unsafe { _mm256_load_si256(a.qs.as_ptr() as *const __m256i) };
-            let product = unsafe { dot_u8_i8(magnitude, _mm256_sign_epi8(v, w)) };
-            *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, *acc);
+        unsafe {
+            let magnitude = _mm256_sign_epi8(w, w);
+            for (acc, tokens) in acc.iter_mut().zip(x) {
+                let a = &tokens[i];
+                let v = _mm256_load_si256(a.qs.as_ptr() as *const __m256i);
+                let product = dot_u8_i8_any::<VNNI>(magnitude, _mm256_sign_epi8(v, w));
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), product, *acc);
+            }
         }
     }
 

@@ -157,7 +157,10 @@ impl Weight {
     /// quantization-block boundary.
     pub fn cols(&self, first: usize, n: usize) -> Result<Weight> {
         let (block_elements, block_bytes) = self.ty.block();
-        if first % block_elements != 0 || n % block_elements != 0 || first + n > self.n_cols {
+        if !first.is_multiple_of(block_elements)
+            || !n.is_multiple_of(block_elements)
+            || first + n > self.n_cols
+        {
             bail!(
                 "cannot shard a {:?} matrix of {} columns at {first}..{}: shards must align to {block_elements}-element blocks",
                 self.ty,

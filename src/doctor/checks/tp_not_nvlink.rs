@@ -143,7 +143,7 @@ fn pcie_advice(host: &Host) -> String {
         }
     }
     let largest_without_sys = (2..=n)
-        .filter(|size| n % size == 0)
+        .filter(|size| n.is_multiple_of(*size))
         .filter(|&size| {
             (0..n / size).all(|g| {
                 let group: Vec<usize> = (g * size..(g + 1) * size).collect();
