@@ -820,3 +820,54 @@ fn endpoints_answer_503_until_the_engine_is_ready() {
         "{body}"
     );
 }
+
+/// A client that goes away stops its sequence on whichever replica runs it: with `--dp 2`,
+/// four streaming requests for 4000 tokens are dropped after their first tokens, and every
+/// replica's running count falls to 0 while generation stops.
+#[test]
+fn dropped_streams_stop_their_sequences_on_every_replica() {
+    let server = Server::start(&["--dp", "2"]);
+    std::thread::scope(|scope| {
+        for i in 0..4 {
+            let url = server.url.clone();
+            scope.spawn(move || {
+                let response = ureq::post(&format!("{url}/v1/completions"))
+                    .send_json(json!({"prompt": format!("Story {i}:"), "max_tokens": 4000, "stream": true}))
+                    .expect("stream");
+                let mut reader = BufReader::new(response.into_body().into_reader());
+                let mut line = String::new();
+                // Read until the first token arrives, then hang up.
+                while reader.read_line(&mut line).expect("read") > 0 && !line.contains("\"text\"") {
+                    line.clear();
+                }
+            });
+        }
+    });
+    let value = |text: &str, name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let metrics = server.metrics();
+        if value(&metrics, "infer_requests_running") == 0
+            && value(&metrics, "infer_requests_total") == 4
+        {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{metrics}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // Let the remote replica's next report (twice a second) come in, then watch for more.
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let generated = value(&server.metrics(), "infer_generation_tokens_total");
+    assert!(generated < 4 * 4000, "{generated}");
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    assert_eq!(
+        value(&server.metrics(), "infer_generation_tokens_total"),
+        generated,
+        "sequences kept generating after their clients left"
+    );
+}
