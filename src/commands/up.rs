@@ -237,6 +237,7 @@ fn launch(
     let stop = Arc::new(AtomicBool::new(false));
     watch_signals(Arc::clone(&stop))?;
     let mut gang = Gang::start(&spec, &Job::Serve)?;
+    gang.fail_on_any_exit();
     // Steps: every rank started, every rank loaded, serving.
     let progress = printer.progress(2 * world as u64 + 1);
     let mut report = |event: Progress| report_progress(&progress, &event, true);

@@ -139,6 +139,9 @@ pub struct Gang {
     lines: std::sync::mpsc::Receiver<(usize, String)>,
     world_size: usize,
     loaded: usize,
+    /// Whether a rank that exits successfully also fails the gang (a serving gang's ranks
+    /// never finish on their own).
+    every_exit_fails: bool,
 }
 
 impl Gang {
@@ -198,9 +201,16 @@ impl Gang {
             lines,
             world_size: world,
             loaded: 0,
+            every_exit_fails: false,
         };
         gang.write_manifest(spec, None)?;
         Ok(gang)
+    }
+
+    /// From now on a rank that exits at all — even with status 0 — fails the gang, as for
+    /// serving, where no rank finishes on its own.
+    pub fn fail_on_any_exit(&mut self) {
+        self.every_exit_fails = true;
     }
 
     /// The run directory (rank logs, `manifest.json`).
@@ -288,7 +298,7 @@ impl Gang {
                     });
                 }
             }
-            check_ranks(&mut self.ranks, &self.server)?;
+            check_ranks(&mut self.ranks, &self.server, self.every_exit_fails)?;
             if stop() {
                 return Ok(None);
             }
@@ -303,7 +313,7 @@ impl Gang {
                 .all(|r| matches!(r.child.try_wait(), Ok(Some(_))))
             {
                 // Name a failed rank if there is one (it may have exited since the check).
-                check_ranks(&mut self.ranks, &self.server)?;
+                check_ranks(&mut self.ranks, &self.server, self.every_exit_fails)?;
                 return Err(anyhow!("every rank exited without `{key}`"));
             }
         }
@@ -470,15 +480,15 @@ impl Spawner for LocalSpawner {
 }
 
 /// Fails when a rank has exited unsuccessfully or stopped heartbeating, naming it.
-fn check_ranks(ranks: &mut [RankProcess], server: &StoreServer) -> Result<()> {
+fn check_ranks(ranks: &mut [RankProcess], server: &StoreServer, any_exit: bool) -> Result<()> {
     // Every rank that failed since the last look; the one killed by a signal is the
     // cause, the others usually its casualties (they lost their peer).
-    let mut failed = failed_ranks(ranks)?;
+    let mut failed = failed_ranks(ranks, any_exit)?;
     if !failed.is_empty() && !failed.iter().any(|(signalled, ..)| *signalled) {
         // A casualty can notice its lost peer before the kernel has reaped the killed
         // rank; give the cause a moment to show up so the error names it.
         std::thread::sleep(Duration::from_millis(300));
-        failed = failed_ranks(ranks)?;
+        failed = failed_ranks(ranks, any_exit)?;
     }
     if let Some((_, rank, status, log)) = failed
         .iter()
@@ -503,15 +513,17 @@ fn check_ranks(ranks: &mut [RankProcess], server: &StoreServer) -> Result<()> {
     Ok(())
 }
 
-/// Every rank that has exited unsuccessfully: (killed by a signal, rank, status, log path).
+/// Every rank that has exited unsuccessfully (or at all, with `any_exit`): (killed by a
+/// signal, rank, status, log path).
 fn failed_ranks(
     ranks: &mut [RankProcess],
+    any_exit: bool,
 ) -> Result<Vec<(bool, usize, std::process::ExitStatus, PathBuf)>> {
     use std::os::unix::process::ExitStatusExt;
     let mut failed = Vec::new();
     for rank in ranks.iter_mut() {
         if let Some(status) = rank.child.try_wait()?
-            && !status.success()
+            && (any_exit || !status.success())
         {
             failed.push((
                 status.signal().is_some(),

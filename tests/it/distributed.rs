@@ -117,3 +117,83 @@ fn a_killed_rank_takes_the_gang_down_within_5_seconds() {
         assert!(!alive(pid), "rank pid {pid} is still running");
     }
 }
+
+/// A `Spawner` whose "ranks" are `sh -c 'echo …; exit 0'`: they finish at once, successfully,
+/// without ever joining the store.
+struct ExitingSpawner;
+
+struct ShRank(std::process::Child);
+
+impl infer::launch::RankHandle for ShRank {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+    fn try_wait(&mut self) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        Ok(self.0.try_wait()?)
+    }
+    fn signal(&mut self, _signal: rustix::process::Signal) {
+        let _ = self.0.kill();
+    }
+    fn wait(&mut self) {
+        let _ = self.0.wait();
+    }
+}
+
+impl infer::launch::Spawner for ExitingSpawner {
+    fn spawn(
+        &self,
+        rank: usize,
+        env: &[(String, String)],
+        _token: &str,
+        log: &std::path::Path,
+        _lines: &std::sync::mpsc::Sender<(usize, String)>,
+    ) -> anyhow::Result<Box<dyn infer::launch::RankHandle>> {
+        // The launcher hands every rank its explicit environment.
+        let rank_var = env.iter().find(|(k, _)| k == "RANK").expect("RANK set");
+        assert_eq!(rank_var.1, rank.to_string());
+        let file = std::fs::File::create(log)?;
+        let child = std::process::Command::new("sh")
+            .args(["-c", &format!("echo rank {rank} done early; exit 0")])
+            .stdout(file)
+            .spawn()?;
+        Ok(Box::new(ShRank(child)))
+    }
+}
+
+/// Ranks are started through the `Spawner` trait. A rank that exits — even successfully —
+/// fails a serving gang (named, with its log), while a generation gang only fails once
+/// every rank is gone without a result.
+#[test]
+fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
+    let spec = infer::launch::LaunchSpec {
+        tp: 2,
+        pp: 1,
+        dp: 1,
+        ep: 1,
+        model: "unused.gguf".into(),
+        threads_per_rank: 1,
+        timeout: Duration::from_secs(5),
+        extra_env: Vec::new(),
+        layout_from: "a test".into(),
+    };
+    let job = infer::runtime::worker::Job::Serve;
+    let mut serving =
+        infer::launch::Gang::start_with(&ExitingSpawner, &spec, &job).expect("gang starts");
+    serving.fail_on_any_exit();
+    let error = serving
+        .wait_for("ready", &|| false, &mut |_| {})
+        .expect_err("a rank exited");
+    let message = format!("{error:#}");
+    assert!(message.contains("exited with exit status: 0"), "{message}");
+    assert!(message.contains("done early"), "{message}");
+
+    let mut generating =
+        infer::launch::Gang::start_with(&ExitingSpawner, &spec, &job).expect("gang starts");
+    let error = generating
+        .wait_for("result", &|| false, &mut |_| {})
+        .expect_err("no result");
+    assert!(
+        format!("{error:#}").contains("every rank exited without `result`"),
+        "{error:#}"
+    );
+}
