@@ -298,6 +298,24 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     dot_q8_portable(ty, row, x)
 }
 
+/// Two `Q4_1` rows against four tokens (`[row][token]`), each exactly [`dot_q8`]; `None`
+/// without AVX2 (the caller falls back).
+pub fn dot_q4_1_2x4(rows: [&[u8]; 2], x: [&[BlockQ8]; 4]) -> Option<[[f32; 4]; 2]> {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C (and VNNI/VL for the second) checked; each row holds
+        // `x[t].len()` `Q4_1` blocks by construction.
+        return Some(unsafe {
+            if has_vnni() {
+                avx2::dot_q4_1_2x4_vnni(rows, x)
+            } else {
+                avx2::dot_q4_1_2x4(rows, x)
+            }
+        });
+    }
+    None
+}
+
 /// `N` dot products of one weight row with `N` tokens' activations, each exactly
 /// [`dot_q8`] (on AVX2 the weight blocks are unpacked once for the `N` tokens).
 pub fn dot_q8_xn<const N: usize>(ty: GgmlType, row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
@@ -638,6 +656,56 @@ mod avx2 {
         unsafe { xn_body::<N, true>(ty, row, x) }
     }
 
+    /// Two `Q4_1` weight rows against four tokens: each activation block is loaded once for
+    /// both rows, each weight block unpacked once for the four tokens; every accumulator runs
+    /// exactly the one-token chain (same bits). `[row][token]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_2x4(rows: [&[u8]; 2], x: [&[BlockQ8]; 4]) -> [[f32; 4]; 2] {
+        unsafe { q4_1_2x4_body::<false>(rows, x) }
+    }
+
+    /// [`dot_q4_1_2x4`] with AVX-512 VNNI (same integer sums, same bits).
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub unsafe fn dot_q4_1_2x4_vnni(rows: [&[u8]; 2], x: [&[BlockQ8]; 4]) -> [[f32; 4]; 2] {
+        unsafe { q4_1_2x4_body::<true>(rows, x) }
+    }
+
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn q4_1_2x4_body<const VNNI: bool>(
+        rows: [&[u8]; 2],
+        x: [&[BlockQ8]; 4],
+    ) -> [[f32; 4]; 2] {
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+            let mut offsets = [[0f32; 4]; 2];
+            for i in 0..x[0].len() {
+                let b0 = rows[0].as_ptr().add(20 * i);
+                let b1 = rows[1].as_ptr().add(20 * i);
+                let (d0, m0) = two_f16(b0);
+                let (d1, m1) = two_f16(b1);
+                let (w0, w1) = (nibbles(b0.add(4)), nibbles(b1.add(4)));
+                for t in 0..4 {
+                    let a = &x[t][i];
+                    let v = _mm256_load_si256(a.qs.as_ptr() as *const __m256i);
+                    offsets[0][t] = m0.mul_add(a.sum, offsets[0][t]);
+                    offsets[1][t] = m1.mul_add(a.sum, offsets[1][t]);
+                    acc[0][t] = _mm256_fmadd_ps(
+                        _mm256_set1_ps(d0 * a.d),
+                        dot_u8_i8_any::<VNNI>(w0, v),
+                        acc[0][t],
+                    );
+                    acc[1][t] = _mm256_fmadd_ps(
+                        _mm256_set1_ps(d1 * a.d),
+                        dot_u8_i8_any::<VNNI>(w1, v),
+                        acc[1][t],
+                    );
+                }
+            }
+            std::array::from_fn(|r| std::array::from_fn(|t| hsum(acc[r][t]) + offsets[r][t]))
+        }
+    }
+
     /// Σ u8 × i8 over 32 lanes as 8 f32 partial sums, with `vpdpbusd` when `VNNI` (only
     /// inlined into functions compiled with AVX-512 VNNI and VL).
     #[inline(always)]
@@ -856,6 +924,22 @@ mod tests {
         let tokens: Vec<Vec<BlockQ8>> = (0..4)
             .map(|t| activations(53 + 2 * t, 97, 7.0 + t as f32))
             .collect();
+        // Two Q4_1 rows against the four tokens.
+        let rows = [row(GgmlType::Q4_1, 18, 3), row(GgmlType::Q4_1, 18, 9)];
+        if let Some(pair) = dot_q4_1_2x4(
+            [&rows[0], &rows[1]],
+            [&tokens[0], &tokens[1], &tokens[2], &tokens[3]],
+        ) {
+            for (r, w) in rows.iter().enumerate() {
+                for t in 0..4 {
+                    assert_eq!(
+                        pair[r][t].to_bits(),
+                        dot_q8(GgmlType::Q4_1, w, &tokens[t]).to_bits(),
+                        "row {r} token {t}"
+                    );
+                }
+            }
+        }
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let w = row(ty, 18, 5);
             let four = dot_q8_xn(ty, &w, [&tokens[0], &tokens[1], &tokens[2], &tokens[3]]);

@@ -8,7 +8,8 @@ use rayon::prelude::*;
 
 use super::gguf::GgufFile;
 use super::quant::{
-    BlockQ8, GgmlType, dequantize_row, dot_f32, dot_q8, dot_q8_xn, has_q8_kernel, quantize_row_q8,
+    BlockQ8, GgmlType, dequantize_row, dot_f32, dot_q4_1_2x4, dot_q8, dot_q8_xn, has_q8_kernel,
+    quantize_row_q8,
 };
 
 /// Tokens whose dot products with one weight row are computed together (each unpacked weight
@@ -246,6 +247,27 @@ impl Weight {
             .collect()
     }
 
+    /// `values[t] = row · xq[t]`, `TILE` tokens at a time sharing each unpacked weight block.
+    fn dot_tokens(&self, row: &[u8], xq: &[Vec<BlockQ8>], values: &mut [f32]) {
+        let mut values = values.chunks_exact_mut(TILE);
+        let mut tokens = xq.chunks_exact(TILE);
+        for (tile, xq) in (&mut values).zip(&mut tokens) {
+            let xq: [&[BlockQ8]; TILE] = std::array::from_fn(|t| &xq[t][..]);
+            tile.copy_from_slice(&dot_q8_xn(self.ty, row, xq));
+        }
+        let (values, xq) = (values.into_remainder(), tokens.remainder());
+        match xq.len() {
+            3 => values.copy_from_slice(&dot_q8_xn(
+                self.ty,
+                row,
+                [&xq[0][..], &xq[1][..], &xq[2][..]],
+            )),
+            2 => values.copy_from_slice(&dot_q8_xn(self.ty, row, [&xq[0][..], &xq[1][..]])),
+            1 => values[0] = dot_q8(self.ty, row, &xq[0]),
+            _ => {}
+        }
+    }
+
     /// `target[r * n_tokens + t] = W[r] · x[t]`.
     fn matmul_rows_major(&self, x: &[f32], n_tokens: usize, target: &mut [f32]) {
         let chunk_rows = self.chunk_rows();
@@ -255,30 +277,34 @@ impl Weight {
                 .par_chunks_mut(chunk_rows * n_tokens)
                 .enumerate()
                 .for_each(|(chunk, values)| {
-                    for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
-                        let row = self.row(chunk * chunk_rows + i);
-                        // TILE tokens at a time share each unpacked weight block.
-                        let mut values = per_token.chunks_exact_mut(TILE);
-                        let mut tokens = quantized.chunks_exact(TILE);
-                        for (tile, xq) in (&mut values).zip(&mut tokens) {
-                            let xq: [&[BlockQ8]; TILE] = std::array::from_fn(|t| &xq[t][..]);
-                            tile.copy_from_slice(&dot_q8_xn(self.ty, row, xq));
+                    let first_row = chunk * chunk_rows;
+                    let mut i = 0;
+                    let mut rest = values;
+                    while !rest.is_empty() {
+                        let (this, tail) = rest.split_at_mut(n_tokens);
+                        // Q4_1 rows two at a time against four tokens when the pair exists.
+                        let mut done = 0;
+                        if self.ty == GgmlType::Q4_1 && tail.len() >= n_tokens && n_tokens >= 4 {
+                            let (next, tail) = tail.split_at_mut(n_tokens);
+                            let rows = [self.row(first_row + i), self.row(first_row + i + 1)];
+                            for start in (0..n_tokens - n_tokens % 4).step_by(4) {
+                                let xq = std::array::from_fn(|t| &quantized[start + t][..]);
+                                let Some(pair) = dot_q4_1_2x4(rows, xq) else {
+                                    break;
+                                };
+                                this[start..start + 4].copy_from_slice(&pair[0]);
+                                next[start..start + 4].copy_from_slice(&pair[1]);
+                                done = start + 4;
+                            }
+                            self.dot_tokens(rows[0], &quantized[done..], &mut this[done..]);
+                            self.dot_tokens(rows[1], &quantized[done..], &mut next[done..]);
+                            i += 2;
+                            rest = tail;
+                            continue;
                         }
-                        let (values, xq) = (values.into_remainder(), tokens.remainder());
-                        match xq.len() {
-                            3 => values.copy_from_slice(&dot_q8_xn(
-                                self.ty,
-                                row,
-                                [&xq[0][..], &xq[1][..], &xq[2][..]],
-                            )),
-                            2 => values.copy_from_slice(&dot_q8_xn(
-                                self.ty,
-                                row,
-                                [&xq[0][..], &xq[1][..]],
-                            )),
-                            1 => values[0] = dot_q8(self.ty, row, &xq[0]),
-                            _ => {}
-                        }
+                        self.dot_tokens(self.row(first_row + i), &quantized, this);
+                        i += 1;
+                        rest = tail;
                     }
                 });
         } else {
