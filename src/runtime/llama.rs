@@ -412,6 +412,17 @@ impl Llama {
                     first_layer + index
                 )
             };
+            // The dense MLP's TP shard: gate/up by rows, down by columns. MoE layers keep
+            // whole experts (expert parallelism splits them instead).
+            let mlp_shard = |weight: &Weight, by_rows: bool| -> Result<Weight> {
+                if layer.moe.is_some() {
+                    Ok(weight.clone())
+                } else if by_rows {
+                    weight.rows(tp_rank * width, width).with_context(context)
+                } else {
+                    weight.cols(tp_rank * width, width).with_context(context)
+                }
+            };
             layers.push(Layer {
                 attn_norm: layer.attn_norm.clone(),
                 wq: layer
@@ -436,31 +447,9 @@ impl Llama {
                 q_norm: layer.q_norm.clone(),
                 k_norm: layer.k_norm.clone(),
                 ffn_norm: layer.ffn_norm.clone(),
-                // MoE layers keep whole experts (expert parallelism splits them instead).
-                w_gate: if layer.moe.is_some() {
-                    layer.w_gate.clone()
-                } else {
-                    layer
-                        .w_gate
-                        .rows(tp_rank * width, width)
-                        .with_context(context)?
-                },
-                w_up: if layer.moe.is_some() {
-                    layer.w_up.clone()
-                } else {
-                    layer
-                        .w_up
-                        .rows(tp_rank * width, width)
-                        .with_context(context)?
-                },
-                w_down: if layer.moe.is_some() {
-                    layer.w_down.clone()
-                } else {
-                    layer
-                        .w_down
-                        .cols(tp_rank * width, width)
-                        .with_context(context)?
-                },
+                w_gate: mlp_shard(&layer.w_gate, true)?,
+                w_up: mlp_shard(&layer.w_up, true)?,
+                w_down: mlp_shard(&layer.w_down, false)?,
                 moe: layer.moe.clone(),
             });
         }

@@ -61,13 +61,14 @@ pub enum Job {
     Serve,
 }
 
-/// What the driver broadcasts to its replica.
+/// What the driver broadcasts to its replica. The driver serializes borrowed slices; the
+/// followers deserialize owned ones.
 #[derive(Serialize, Deserialize)]
-enum Message {
+enum Message<'a> {
     /// Run these entries (after dropping the released sequences).
     Step {
-        entries: Vec<StepEntry>,
-        release: Vec<u64>,
+        entries: std::borrow::Cow<'a, [StepEntry]>,
+        release: std::borrow::Cow<'a, [u64]>,
     },
     /// Nothing to run; the driver is alive.
     Idle,
@@ -356,7 +357,7 @@ pub struct ReplicaDriver {
 }
 
 impl ReplicaDriver {
-    fn broadcast(&mut self, message: &Message) -> Result<()> {
+    fn broadcast(&mut self, message: &Message<'_>) -> Result<()> {
         let mut bytes = serde_json::to_vec(message)?;
         self.member.replica.broadcast(&mut bytes, 0)
     }
@@ -385,8 +386,8 @@ impl ReplicaDriver {
 impl Executor for ReplicaDriver {
     fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
         self.broadcast(&Message::Step {
-            entries: entries.to_vec(),
-            release: release.to_vec(),
+            entries: entries.into(),
+            release: release.into(),
         })?;
         let own = self.member.run_step(entries, release)?;
         let sampler_rank = self.member.sampler_rank();

@@ -90,12 +90,7 @@ fn greedy(
                             }
                         }
                         let logits = logits.expect("the last stage returns logits").remove(0);
-                        if first_logits.is_empty() {
-                            first_logits = logits.clone();
-                        }
-                        let next = argmax(&logits);
-                        tokens.push(next);
-                        input = vec![next];
+                        input = record_greedy(&logits, &mut tokens, &mut first_logits);
                     }
                     (tokens, first_logits)
                 })
@@ -112,6 +107,17 @@ fn greedy(
         "TP ranks disagree"
     );
     results.into_iter().next().expect("one rank")
+}
+
+/// One greedy step of a test loop: keeps the first step's logits, appends the argmax to
+/// `tokens` and returns it as the next input.
+fn record_greedy(logits: &[f32], tokens: &mut Vec<u32>, first_logits: &mut Vec<f32>) -> Vec<u32> {
+    if first_logits.is_empty() {
+        *first_logits = logits.to_vec();
+    }
+    let next = argmax(logits);
+    tokens.push(next);
+    vec![next]
 }
 
 #[test]
@@ -258,12 +264,7 @@ fn moe_greedy(
                             StageOutput::Logits(mut l) => l.remove(0),
                             StageOutput::Hidden(_) => panic!("one stage returns logits"),
                         };
-                        if first_logits.is_empty() {
-                            first_logits = logits.clone();
-                        }
-                        let next = argmax(&logits);
-                        tokens.push(next);
-                        input = vec![next];
+                        input = record_greedy(&logits, &mut tokens, &mut first_logits);
                     }
                     (tokens, first_logits)
                 })
