@@ -173,6 +173,10 @@ pub struct BenchDecodeArgs {
     /// Tokens to decode for the decode measurement.
     #[arg(long, value_name = "N", default_value_t = 128)]
     pub decode_tokens: usize,
+    /// Sequences decoded together in one batch (each step runs one token of each); tok/s
+    /// counts the tokens of all of them.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub batch: usize,
     /// Timed repetitions (the best is reported, after one warm-up).
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub runs: usize,

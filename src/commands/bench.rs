@@ -41,19 +41,38 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
                 all_logits: false,
             }])?;
             let prefill = prompt.len() as f64 / start.elapsed().as_secs_f64();
-            let mut next = argmax(&logits[0]);
-            let start = Instant::now();
-            for _ in 0..args.decode_tokens {
-                let logits = engine.model.forward(&mut [SequenceInput {
-                    tokens: &[next],
+            // The other sequences of the batch are prefilled with the same prompt, untimed.
+            let batch = args.batch.max(1);
+            let mut caches = vec![cache];
+            for _ in 1..batch {
+                let mut cache = engine.model.new_cache();
+                engine.model.forward(&mut [SequenceInput {
+                    tokens: &prompt,
                     cache: &mut cache,
                     all_logits: false,
                 }])?;
-                next = argmax(&logits[0]);
+                caches.push(cache);
+            }
+            let mut next = vec![argmax(&logits[0]); batch];
+            let start = Instant::now();
+            for _ in 0..args.decode_tokens {
+                let mut inputs: Vec<SequenceInput> = caches
+                    .iter_mut()
+                    .zip(&next)
+                    .map(|(cache, token)| SequenceInput {
+                        tokens: std::slice::from_ref(token),
+                        cache,
+                        all_logits: false,
+                    })
+                    .collect();
+                let logits = engine.model.forward(&mut inputs)?;
+                for (token, logits) in next.iter_mut().zip(&logits) {
+                    *token = argmax(logits);
+                }
             }
             Ok((
                 prefill,
-                args.decode_tokens as f64 / start.elapsed().as_secs_f64(),
+                (batch * args.decode_tokens) as f64 / start.elapsed().as_secs_f64(),
             ))
         })?;
         // Run 0 warms caches and page-faults the weights in.
@@ -64,11 +83,12 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let peak_rss_bytes = peak_rss_bytes()?;
     printer.data(&format!(
-        "model       {}\nthreads     {}\nprefill     {best_prefill:.1} tok/s ({} prompt tokens, best of {})\ndecode      {best_decode:.1} tok/s (batch 1, {} tokens after the prompt, best of {})\npeak RSS    {:.1} MB",
+        "model       {}\nthreads     {}\nprefill     {best_prefill:.1} tok/s ({} prompt tokens, best of {})\ndecode      {best_decode:.1} tok/s (batch {}, {} tokens each after the prompt, best of {})\npeak RSS    {:.1} MB",
         engine.name,
         engine.threads(),
         prompt.len(),
         args.runs.max(1),
+        args.batch.max(1),
         args.decode_tokens,
         args.runs.max(1),
         peak_rss_bytes as f64 / 1e6

@@ -81,6 +81,7 @@ impl Engine {
             .thread_name(|i| format!("infer-worker-{i}"))
             .build()
             .map_err(|e| anyhow!("failed to start the thread pool: {e}"))?;
+        pool.install(|| model.pack_weights());
         Ok(Engine {
             model,
             tokenizer,

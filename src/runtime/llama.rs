@@ -537,6 +537,27 @@ impl Llama {
         layers + embedding + head
     }
 
+    /// Packs every matrix the forward pass multiplies with ([`Weight::pack`]), in parallel
+    /// on the current rayon pool, so the first request does not pay for it. The LM head is
+    /// packed only on the last pipeline stage, which is the only one to use it.
+    pub fn pack_weights(&self) {
+        let mut weights: Vec<&Weight> = Vec::new();
+        for layer in &self.layers {
+            weights.extend([&layer.wq, &layer.wk, &layer.wv, &layer.wo]);
+            weights.extend([&layer.w_gate, &layer.w_up, &layer.w_down]);
+            if let Some(moe) = &layer.moe {
+                weights.push(&moe.router);
+                for expert in moe.experts.iter().flatten() {
+                    weights.extend([&expert.gate, &expert.up, &expert.down]);
+                }
+            }
+        }
+        if self.shard.is_last {
+            weights.push(&self.output);
+        }
+        weights.par_iter().for_each(|w| w.pack());
+    }
+
     /// A fresh cache for one sequence, drawing blocks from the model's pool.
     pub fn new_cache(&self) -> KvCache {
         self.kv_pool.new_cache()
@@ -836,20 +857,20 @@ fn row_parallel(
     let (rank, size) = (comm.rank(), comm.size());
     let count = weight.n_rows * n_tokens;
     let mut states: Vec<super::quant::DotState> = if rank == 0 {
-        vec![[0.0; 9]; count]
+        vec![[0.0; 2]; count]
     } else {
         let bytes = comm.recv(rank - 1)?;
-        if bytes.len() != count * 36 {
+        if bytes.len() != count * 8 {
             bail!(
                 "tp rank {}: received {} bytes of partial sums, expected {}",
                 rank - 1,
                 bytes.len(),
-                count * 36
+                count * 8
             );
         }
         bytemuck::cast_slice::<u8, f32>(&bytes)
-            .chunks_exact(9)
-            .map(|c| c.try_into().expect("9 floats"))
+            .chunks_exact(2)
+            .map(|c| [c[0], c[1]])
             .collect()
     };
     weight.matmul_continue(input, n_tokens, &mut states)?;

@@ -13,6 +13,7 @@ pub mod kv;
 pub mod llama;
 pub mod mathfn;
 pub mod moe;
+pub mod packed;
 pub mod quant;
 pub mod safetensors;
 pub mod sampling;

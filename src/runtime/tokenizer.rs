@@ -24,6 +24,9 @@ const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner.get_vocab_size(true)`, counted once: the `tokenizers` crate builds (clones)
+    /// the whole vocabulary map to count it.
+    vocab_size: usize,
     /// Beginning-of-sequence token, when the model has one.
     pub bos_id: Option<u32>,
     /// Tokens that end generation (`eos`, and `<|im_end|>`/`<|eot_id|>` style end-of-turn).
@@ -148,6 +151,7 @@ impl Tokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
         Ok(Tokenizer {
+            vocab_size: inner.get_vocab_size(true),
             inner,
             bos_id: id("tokenizer.ggml.bos_token_id"),
             eos_ids,
@@ -199,6 +203,7 @@ impl Tokenizer {
             eos_ids,
             add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
             chat_template: config["chat_template"].as_str().map(str::to_string),
+            vocab_size: inner.get_vocab_size(true),
             inner,
         })
     }
@@ -247,7 +252,7 @@ impl Tokenizer {
 
     /// Vocabulary size, special tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     /// A streaming decoder that never splits a UTF-8 character: each step yields the new text,

@@ -1,19 +1,19 @@
 //! Weight matrices in their file encoding and the matrix product the forward pass is made
 //! of: `out = x · Wᵀ` for a batch of activation rows, split over threads by output rows.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{Result, bail};
 use rayon::prelude::*;
 
 use super::gguf::GgufFile;
+use super::packed::{GROUP_ROWS, GroupState, Packed, finish_group};
 use super::quant::{
-    BlockQ8, GgmlType, dequantize_row, dot_f32, dot_q4_1_2x4, dot_q8, dot_q8_xn, has_q8_kernel,
-    quantize_row_q8,
+    BlockQ8, DotState, GgmlType, dequantize_row, dot_f32, has_avx2, has_q8_kernel, quantize_row_q8,
 };
 
-/// Tokens whose dot products with one weight row are computed together (each unpacked weight
-/// block reused `TILE` times; `TILE` accumulators stay in AVX2 registers).
+/// Tokens whose dot products with one packed group of rows are computed together (each
+/// unpacked weight block reused `TILE` times).
 const TILE: usize = 4;
 
 /// Where a matrix's bytes live.
@@ -38,6 +38,9 @@ pub struct Weight {
     pub n_cols: usize,
     row_bytes: usize,
     storage: Storage,
+    /// The rows repacked for the integer kernels ([`Packed`]), built on first use (or by
+    /// [`Weight::pack`]) when the type has one and the CPU has AVX2; shared by clones.
+    packed: Arc<OnceLock<Option<Packed>>>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -80,6 +83,7 @@ impl Weight {
                 offset: range.start,
                 len: range.len(),
             },
+            packed: Arc::default(),
         })
     }
 
@@ -104,6 +108,7 @@ impl Weight {
             n_cols,
             row_bytes,
             storage: Storage::Owned(Arc::new(bytes)),
+            packed: Arc::default(),
         })
     }
 
@@ -180,25 +185,96 @@ impl Weight {
         Weight::from_bytes(self.ty, self.n_rows, n, bytes)
     }
 
+    /// The packed rows, packing them on first use; `None` for types without an integer
+    /// kernel or on CPUs without AVX2 (the portable one-row kernel runs instead).
+    fn packed(&self) -> Option<&Packed> {
+        if !has_q8_kernel(self.ty) || !has_avx2() {
+            return None;
+        }
+        self.packed
+            .get_or_init(|| Packed::new(self.ty, self.n_rows, self.n_cols / 32, |r| self.row(r)))
+            .as_ref()
+    }
+
+    /// Packs the rows for the integer kernels now rather than on the first product (model
+    /// loading calls it so the first request does not pay for it); a no-op otherwise.
+    pub fn pack(&self) {
+        let _ = self.packed();
+    }
+
     /// `out = x · Wᵀ`.
     /// * `x`: `(n_tokens, n_cols)` row-major; `out`: `(n_tokens, n_rows)` row-major.
     ///
     /// Runs on the current rayon pool, each task taking a contiguous range of output rows.
+    /// `Q4_0`, `Q4_1` and `Q8_0` give, for every row and token, exactly the bits of
+    /// [`super::quant::dot_q8_portable`] whatever `n_tokens` is.
     pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
         debug_assert_eq!(x.len(), n_tokens * self.n_cols);
         debug_assert_eq!(out.len(), n_tokens * self.n_rows);
-        if n_tokens == 1 {
-            self.matmul_rows_major(x, 1, out);
+        if let Some(packed) = self.packed() {
+            let quantized = self.quantize_tokens(x);
+            // `(n_groups, n_tokens)` sums of 8 rows: each task writes a contiguous range.
+            let mut sums = vec![[0f32; GROUP_ROWS]; packed.n_groups() * n_tokens];
+            let zero = |_, _| [[0.0; GROUP_ROWS]; 2];
+            self.for_each_group(packed, &quantized, &mut sums, zero, |slot, state| {
+                *slot = finish_group(state)
+            });
+            for (g, per_token) in sums.chunks_exact(n_tokens).enumerate() {
+                let first = g * GROUP_ROWS;
+                let n = GROUP_ROWS.min(self.n_rows - first);
+                for (t, rows) in per_token.iter().enumerate() {
+                    out[t * self.n_rows + first..][..n].copy_from_slice(&rows[..n]);
+                }
+            }
             return;
         }
         // Computed as `(n_rows, n_tokens)` so each task writes a contiguous range, then transposed.
         let mut transposed = vec![0f32; self.n_rows * n_tokens];
         self.matmul_rows_major(x, n_tokens, &mut transposed);
+        if n_tokens == 1 {
+            out.copy_from_slice(&transposed);
+            return;
+        }
         for (r, per_token) in transposed.chunks_exact(n_tokens).enumerate() {
             for (t, value) in per_token.iter().enumerate() {
                 out[t * self.n_rows + r] = *value;
             }
         }
+    }
+
+    /// Runs the packed kernel over every group and token, `TILE` tokens at a time:
+    /// `start(g, t)` gives the state group `g` starts from for token `t`, and `store` puts
+    /// the continued state into its slot of `out` (`(n_groups, n_tokens)`).
+    fn for_each_group<S: Send>(
+        &self,
+        packed: &Packed,
+        quantized: &[Vec<BlockQ8>],
+        out: &mut [S],
+        start: impl Fn(usize, usize) -> GroupState + Sync,
+        store: impl Fn(&mut S, &GroupState) + Sync,
+    ) {
+        let n_tokens = quantized.len();
+        let groups_per_task = (packed.n_groups() / (rayon::current_num_threads() * 4)).clamp(1, 64);
+        out.par_chunks_mut(groups_per_task * n_tokens)
+            .enumerate()
+            .for_each(|(task, slots)| {
+                for (i, per_token) in slots.chunks_exact_mut(n_tokens).enumerate() {
+                    let g = task * groups_per_task + i;
+                    for first in (0..n_tokens).step_by(TILE) {
+                        let n = TILE.min(n_tokens - first);
+                        let mut x = [&[][..]; TILE];
+                        let mut states = [[[0f32; GROUP_ROWS]; 2]; TILE];
+                        for t in 0..n {
+                            x[t] = &quantized[first + t][..];
+                            states[t] = start(g, first + t);
+                        }
+                        packed.continue_group(g, &x[..n], &mut states[..n]);
+                        for (slot, state) in per_token[first..first + n].iter_mut().zip(&states) {
+                            store(slot, state);
+                        }
+                    }
+                }
+            });
     }
 
     /// Continues dot products split over ranks at block boundaries (the row-parallel half of
@@ -210,24 +286,56 @@ impl Weight {
         &self,
         x: &[f32],
         n_tokens: usize,
-        states: &mut [super::quant::DotState],
+        states: &mut [DotState],
     ) -> anyhow::Result<()> {
         if !has_q8_kernel(self.ty) {
             anyhow::bail!("{:?} has no integer kernel to continue", self.ty);
         }
-        let chunk_rows = self.chunk_rows();
         let quantized = self.quantize_tokens(x);
-        states
-            .par_chunks_mut(chunk_rows * n_tokens)
-            .enumerate()
-            .for_each(|(chunk, values)| {
-                for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
-                    let row = self.row(chunk * chunk_rows + i);
-                    for (state, xq) in per_token.iter_mut().zip(&quantized) {
-                        super::quant::dot_q8_continue(self.ty, row, xq, state);
+        let Some(packed) = self.packed() else {
+            let chunk_rows = self.chunk_rows();
+            states
+                .par_chunks_mut(chunk_rows * n_tokens)
+                .enumerate()
+                .for_each(|(chunk, values)| {
+                    for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
+                        let row = self.row(chunk * chunk_rows + i);
+                        for (state, xq) in per_token.iter_mut().zip(&quantized) {
+                            super::quant::dot_q8_continue(self.ty, row, xq, state);
+                        }
                     }
-                }
+                });
+            return Ok(());
+        };
+        // Each group's states gathered from `(n_rows, n_tokens)` rows, continued, scattered
+        // back: 2 values per row and token, `[k][row]` in the packed kernels.
+        let n_rows = self.n_rows;
+        let mut continued = vec![[[0f32; GROUP_ROWS]; 2]; packed.n_groups() * n_tokens];
+        {
+            let before: &[DotState] = states;
+            let gather = |g: usize, t: usize| -> GroupState {
+                std::array::from_fn(|k| {
+                    std::array::from_fn(|r| {
+                        let row = g * GROUP_ROWS + r;
+                        if row < n_rows {
+                            before[row * n_tokens + t][k]
+                        } else {
+                            0.0
+                        }
+                    })
+                })
+            };
+            self.for_each_group(packed, &quantized, &mut continued, gather, |slot, state| {
+                *slot = *state
             });
+        }
+        for (row, per_token) in states.chunks_exact_mut(n_tokens).enumerate() {
+            let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
+            for (t, state) in per_token.iter_mut().enumerate() {
+                let group = &continued[g * n_tokens + t];
+                *state = std::array::from_fn(|k| group[k][r]);
+            }
+        }
         Ok(())
     }
 
@@ -247,28 +355,8 @@ impl Weight {
             .collect()
     }
 
-    /// `values[t] = row · xq[t]`, `TILE` tokens at a time sharing each unpacked weight block.
-    fn dot_tokens(&self, row: &[u8], xq: &[Vec<BlockQ8>], values: &mut [f32]) {
-        let mut values = values.chunks_exact_mut(TILE);
-        let mut tokens = xq.chunks_exact(TILE);
-        for (tile, xq) in (&mut values).zip(&mut tokens) {
-            let xq: [&[BlockQ8]; TILE] = std::array::from_fn(|t| &xq[t][..]);
-            tile.copy_from_slice(&dot_q8_xn(self.ty, row, xq));
-        }
-        let (values, xq) = (values.into_remainder(), tokens.remainder());
-        match xq.len() {
-            3 => values.copy_from_slice(&dot_q8_xn(
-                self.ty,
-                row,
-                [&xq[0][..], &xq[1][..], &xq[2][..]],
-            )),
-            2 => values.copy_from_slice(&dot_q8_xn(self.ty, row, [&xq[0][..], &xq[1][..]])),
-            1 => values[0] = dot_q8(self.ty, row, &xq[0]),
-            _ => {}
-        }
-    }
-
-    /// `target[r * n_tokens + t] = W[r] · x[t]`.
+    /// `target[r * n_tokens + t] = W[r] · x[t]`, without packed rows: the portable one-row
+    /// integer kernel, or rows dequantized to f32 for the other types.
     fn matmul_rows_major(&self, x: &[f32], n_tokens: usize, target: &mut [f32]) {
         let chunk_rows = self.chunk_rows();
         if has_q8_kernel(self.ty) {
@@ -277,34 +365,11 @@ impl Weight {
                 .par_chunks_mut(chunk_rows * n_tokens)
                 .enumerate()
                 .for_each(|(chunk, values)| {
-                    let first_row = chunk * chunk_rows;
-                    let mut i = 0;
-                    let mut rest = values;
-                    while !rest.is_empty() {
-                        let (this, tail) = rest.split_at_mut(n_tokens);
-                        // Q4_1 rows two at a time against four tokens when the pair exists.
-                        let mut done = 0;
-                        if self.ty == GgmlType::Q4_1 && tail.len() >= n_tokens && n_tokens >= 4 {
-                            let (next, tail) = tail.split_at_mut(n_tokens);
-                            let rows = [self.row(first_row + i), self.row(first_row + i + 1)];
-                            for start in (0..n_tokens - n_tokens % 4).step_by(4) {
-                                let xq = std::array::from_fn(|t| &quantized[start + t][..]);
-                                let Some(pair) = dot_q4_1_2x4(rows, xq) else {
-                                    break;
-                                };
-                                this[start..start + 4].copy_from_slice(&pair[0]);
-                                next[start..start + 4].copy_from_slice(&pair[1]);
-                                done = start + 4;
-                            }
-                            self.dot_tokens(rows[0], &quantized[done..], &mut this[done..]);
-                            self.dot_tokens(rows[1], &quantized[done..], &mut next[done..]);
-                            i += 2;
-                            rest = tail;
-                            continue;
+                    for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
+                        let row = self.row(chunk * chunk_rows + i);
+                        for (value, xq) in per_token.iter_mut().zip(&quantized) {
+                            *value = super::quant::dot_q8(self.ty, row, xq);
                         }
-                        self.dot_tokens(self.row(first_row + i), &quantized, this);
-                        i += 1;
-                        rest = tail;
                     }
                 });
         } else {

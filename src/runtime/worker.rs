@@ -203,6 +203,7 @@ impl Member {
             }
         }
         drop(whole);
+        pool.install(|| shard.pack_weights());
 
         let tp_members: Vec<u64> = (0..tp).map(|t| base + (pp_rank * tp + t) as u64).collect();
         let pp_members: Vec<u64> = (0..pp).map(|s| base + (s * tp + tp_rank) as u64).collect();

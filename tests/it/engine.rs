@@ -35,8 +35,8 @@ fn ids(value: &Value) -> Vec<u32> {
 /// different tokens. Measured: perturbing only the rounding of `exp` in our own engine moves
 /// top-1/top-2 margins on these prompts by up to 0.27 (mean 0.08), because 8-bit activation
 /// quantization amplifies ulp-level differences; so positions where llama.cpp's margin is
-/// below 0.3 are not a test of correctness. (Our margins match llama.cpp's exactly for the
-/// first steps and stay within 0.35 afterwards: see the next test.)
+/// below 0.3 are not a test of correctness. (Our margins stay within 0.68 of llama.cpp's, mean
+/// 0.13: see the next test.)
 const NOISE_MARGIN: f64 = 0.3;
 
 #[test]
@@ -83,11 +83,12 @@ fn greedy_tokens_match_llama_cpp_where_the_margin_is_clear() {
 
 #[test]
 fn logits_track_llama_cpp_teacher_forced() {
-    // Feeding llama.cpp's own tokens at all 64 positions: our top-1/top-2 margin equals
-    // llama.cpp's (to 1e-3) for the first steps, where the arithmetic is the same operation
-    // for operation, and stays close after (measured: mean 0.083, worst 0.35); wherever
-    // llama.cpp's margin is at least 1.0 the same token wins. A wrong RoPE, norm or kernel
-    // puts margins off by whole logits.
+    // Feeding llama.cpp's own tokens at all 64 positions: our top-1/top-2 margin stays
+    // close to llama.cpp's (measured: within 0.10 on the prompt's step, mean 0.13 and worst
+    // 0.68 over all 64 steps) and wherever llama.cpp's margin is at least 1.0 the same token
+    // wins. The integer kernels round once per 32-element block where llama.cpp's AVX2
+    // kernel rounds in eight lanes, and 8-bit activation quantization amplifies that; a
+    // wrong RoPE, norm or kernel puts margins off by whole logits.
     let engine = smollm2();
     let fixture: Value = serde_json::from_str(
         &std::fs::read_to_string(shared_fixture("smollm2_llamacpp_greedy.json")).expect("fixture"),
@@ -127,10 +128,9 @@ fn logits_track_llama_cpp_teacher_forced() {
                 } else {
                     -((l[best] - l[want as usize]) as f64)
                 };
-                let exact_steps = if deviations.len() < 32 { 5 } else { 2 };
-                if step < exact_steps {
+                if step == 0 {
                     assert!(
-                        (ours - margins[step]).abs() < 1e-3,
+                        (ours - margins[step]).abs() < 0.15,
                         "step {step}: margin {ours:.5} vs llama.cpp {:.5}",
                         margins[step]
                     );
@@ -158,7 +158,7 @@ fn logits_track_llama_cpp_teacher_forced() {
     let worst = deviations.iter().fold(0f64, |m, &d| m.max(d));
     assert_eq!(deviations.len(), 64);
     assert!(
-        mean < 0.25 && worst < 1.0,
+        mean < 0.2 && worst < 1.0,
         "margin deviation from llama.cpp: mean {mean:.3}, worst {worst:.3}"
     );
 }
