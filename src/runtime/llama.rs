@@ -18,7 +18,7 @@ pub use super::kv::KvCache;
 use super::kv::KvPool;
 use super::mathfn::{multiversion, softmax, swiglu};
 use super::quant::{dot_f16_f32, weighted_sum_f16};
-use super::weights::Weight;
+use super::weights::{Weight, matmul_many};
 
 /// How rotary embeddings pair the dimensions of a head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -674,9 +674,12 @@ impl Llama {
         let mut up = vec![0f32; n * c.intermediate_size];
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
-            layer.wq.matmul(&normed, n, &mut q);
-            layer.wk.matmul(&normed, n, &mut k);
-            layer.wv.matmul(&normed, n, &mut v);
+            matmul_many(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &normed,
+                n,
+                &mut [&mut q, &mut k, &mut v],
+            );
             add_bias(&mut q, layer.bias_q.as_deref());
             add_bias(&mut k, layer.bias_k.as_deref());
             add_bias(&mut v, layer.bias_v.as_deref());
@@ -690,27 +693,25 @@ impl Llama {
                 self.rope(&mut q[t * q_dim..(t + 1) * q_dim], position);
                 self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], position);
             }
-            // Append this layer's keys and values, then attend per sequence.
+            // Append this layer's keys and values, then attend: one parallel region over
+            // every (token, head) of the batch.
             let mut offset = 0;
             for sequence in batch.iter_mut() {
                 let count = sequence.tokens.len();
                 let cache = &mut *sequence.cache;
-                let start = cache.n_tokens;
                 cache.store(
                     layer_idx,
-                    start,
+                    cache.n_tokens,
                     &k[offset * kv_dim..(offset + count) * kv_dim],
                     &v[offset * kv_dim..(offset + count) * kv_dim],
                 )?;
-                self.attend(
-                    &q[offset * q_dim..(offset + count) * q_dim],
-                    cache,
-                    layer_idx,
-                    start,
-                    &mut attention[offset * q_dim..(offset + count) * q_dim],
-                );
                 offset += count;
             }
+            let spans: Vec<(usize, &KvCache)> = batch
+                .iter()
+                .flat_map(|s| (0..s.tokens.len()).map(|i| (s.cache.n_tokens + i, &*s.cache)))
+                .collect();
+            self.attend(&q, &spans, layer_idx, &mut attention);
             row_parallel(&layer.wo, &attention, n, &mut projected, tp.as_deref_mut())?;
             for (a, b) in x.iter_mut().zip(&projected) {
                 *a += b;
@@ -724,8 +725,12 @@ impl Llama {
                 }
                 continue;
             }
-            layer.w_gate.matmul(&normed, n, &mut gate);
-            layer.w_up.matmul(&normed, n, &mut up);
+            matmul_many(
+                &[&layer.w_gate, &layer.w_up],
+                &normed,
+                n,
+                &mut [&mut gate, &mut up],
+            );
             swiglu(&mut gate, &up);
             row_parallel(&layer.w_down, &gate, n, &mut projected, tp.as_deref_mut())?;
             for (a, b) in x.iter_mut().zip(&projected) {
@@ -794,10 +799,10 @@ impl Llama {
         );
     }
 
-    /// Causal attention of `q` (`(count, n_heads · head_dim)`, the sequence's new tokens at
-    /// positions `start..start + count`) over `layer` of the cache (`start + count`
-    /// positions, paged).
-    fn attend(&self, q: &[f32], cache: &KvCache, layer: usize, start: usize, out: &mut [f32]) {
+    /// Causal attention of `q` (`(n_tokens, n_heads · head_dim)`) over `layer` of the
+    /// caches: token `t` sits at position `tokens[t].0` of cache `tokens[t].1` (paged) and
+    /// attends to positions `0..=tokens[t].0`. One parallel region over every (token, head).
+    fn attend(&self, q: &[f32], tokens: &[(usize, &KvCache)], layer: usize, out: &mut [f32]) {
         let c = &self.config;
         let (head_dim, q_dim) = (c.head_dim, c.n_heads * c.head_dim);
         let group = c.n_heads / c.n_kv_heads;
@@ -806,6 +811,7 @@ impl Llama {
             .enumerate()
             .for_each(|(index, out_head)| {
                 let (t, head) = (index / c.n_heads, index % c.n_heads);
+                let (position, cache) = tokens[t];
                 let kv_head = head / group;
                 // `kq`: Q rounded to f16 (the cache's type), dotted with each cached key.
                 let query: Vec<f32> = q
@@ -813,7 +819,7 @@ impl Llama {
                     .iter()
                     .map(|&v| f16::from_f32(v).to_f32())
                     .collect();
-                let n_positions = start + t + 1;
+                let n_positions = position + 1;
                 let head_range = kv_head * head_dim..(kv_head + 1) * head_dim;
                 let mut scores: Vec<f32> = (0..n_positions)
                     .map(|p| dot_f16_f32(&cache.key(layer, p)[head_range.clone()], &query) * scale)

@@ -209,26 +209,12 @@ impl Weight {
     /// `Q4_0`, `Q4_1` and `Q8_0` give, for every row and token, exactly the bits of
     /// [`super::quant::dot_q8_portable`] whatever `n_tokens` is.
     pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
-        debug_assert_eq!(x.len(), n_tokens * self.n_cols);
-        debug_assert_eq!(out.len(), n_tokens * self.n_rows);
-        if let Some(packed) = self.packed() {
-            let quantized = self.quantize_tokens(x);
-            // `(n_groups, n_tokens)` sums of 8 rows: each task writes a contiguous range.
-            let mut sums = vec![[0f32; GROUP_ROWS]; packed.n_groups() * n_tokens];
-            let zero = |_, _| [[0.0; GROUP_ROWS]; 2];
-            self.for_each_group(packed, &quantized, &mut sums, zero, |slot, state| {
-                *slot = finish_group(state)
-            });
-            for (g, per_token) in sums.chunks_exact(n_tokens).enumerate() {
-                let first = g * GROUP_ROWS;
-                let n = GROUP_ROWS.min(self.n_rows - first);
-                for (t, rows) in per_token.iter().enumerate() {
-                    out[t * self.n_rows + first..][..n].copy_from_slice(&rows[..n]);
-                }
-            }
-            return;
-        }
-        // Computed as `(n_rows, n_tokens)` so each task writes a contiguous range, then transposed.
+        matmul_many(&[self], x, n_tokens, &mut [out]);
+    }
+
+    /// [`matmul`](Weight::matmul) without packed rows: `(n_rows, n_tokens)` so each task
+    /// writes a contiguous range, then transposed.
+    fn matmul_unpacked(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
         let mut transposed = vec![0f32; self.n_rows * n_tokens];
         self.matmul_rows_major(x, n_tokens, &mut transposed);
         if n_tokens == 1 {
@@ -240,41 +226,6 @@ impl Weight {
                 out[t * self.n_rows + r] = *value;
             }
         }
-    }
-
-    /// Runs the packed kernel over every group and token, `TILE` tokens at a time:
-    /// `start(g, t)` gives the state group `g` starts from for token `t`, and `store` puts
-    /// the continued state into its slot of `out` (`(n_groups, n_tokens)`).
-    fn for_each_group<S: Send>(
-        &self,
-        packed: &Packed,
-        quantized: &[Vec<BlockQ8>],
-        out: &mut [S],
-        start: impl Fn(usize, usize) -> GroupState + Sync,
-        store: impl Fn(&mut S, &GroupState) + Sync,
-    ) {
-        let n_tokens = quantized.len();
-        let groups_per_task = (packed.n_groups() / (rayon::current_num_threads() * 4)).clamp(1, 64);
-        out.par_chunks_mut(groups_per_task * n_tokens)
-            .enumerate()
-            .for_each(|(task, slots)| {
-                for (i, per_token) in slots.chunks_exact_mut(n_tokens).enumerate() {
-                    let g = task * groups_per_task + i;
-                    for first in (0..n_tokens).step_by(TILE) {
-                        let n = TILE.min(n_tokens - first);
-                        let mut x = [&[][..]; TILE];
-                        let mut states = [[[0f32; GROUP_ROWS]; 2]; TILE];
-                        for t in 0..n {
-                            x[t] = &quantized[first + t][..];
-                            states[t] = start(g, first + t);
-                        }
-                        packed.continue_group(g, &x[..n], &mut states[..n]);
-                        for (slot, state) in per_token[first..first + n].iter_mut().zip(&states) {
-                            store(slot, state);
-                        }
-                    }
-                }
-            });
     }
 
     /// Continues dot products split over ranks at block boundaries (the row-parallel half of
@@ -325,9 +276,14 @@ impl Weight {
                     })
                 })
             };
-            self.for_each_group(packed, &quantized, &mut continued, gather, |slot, state| {
-                *slot = *state
-            });
+            let gather = |_, g, t| gather(g, t);
+            run_groups(
+                &[packed],
+                &quantized,
+                &mut continued,
+                gather,
+                |slot, state| *slot = *state,
+            );
         }
         for (row, per_token) in states.chunks_exact_mut(n_tokens).enumerate() {
             let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
@@ -346,13 +302,7 @@ impl Weight {
 
     /// Each token of `x` (`(n_tokens, n_cols)`) quantized to 8-bit blocks, once.
     fn quantize_tokens(&self, x: &[f32]) -> Vec<Vec<BlockQ8>> {
-        x.chunks_exact(self.n_cols)
-            .map(|token| {
-                let mut blocks = Vec::new();
-                quantize_row_q8(token, &mut blocks);
-                blocks
-            })
-            .collect()
+        quantize_tokens(x, self.n_cols)
     }
 
     /// `target[r * n_tokens + t] = W[r] · x[t]`, without packed rows: the portable one-row
@@ -389,6 +339,200 @@ impl Weight {
                         }
                     },
                 );
+        }
+    }
+}
+
+/// Each token of `x` (`(n_tokens, n_cols)`) quantized to 8-bit blocks.
+fn quantize_tokens(x: &[f32], n_cols: usize) -> Vec<Vec<BlockQ8>> {
+    x.chunks_exact(n_cols)
+        .map(|token| {
+            let mut blocks = Vec::new();
+            quantize_row_q8(token, &mut blocks);
+            blocks
+        })
+        .collect()
+}
+
+/// `outs[i] = x · weights[i]ᵀ` for matrices over the same inputs (Q, K and V; gate and up):
+/// `x` is `(n_tokens, n_cols)`, `outs[i]` is `(n_tokens, weights[i].n_rows)`, row-major.
+/// The activations are quantized once and one parallel region covers every matrix's rows.
+/// Each result is exactly what [`Weight::matmul`] alone gives (the same per-row kernel).
+///
+/// Panics (a bug, not input): matrices with different `n_cols`, or mis-sized buffers.
+pub fn matmul_many(weights: &[&Weight], x: &[f32], n_tokens: usize, outs: &mut [&mut [f32]]) {
+    assert_eq!(weights.len(), outs.len());
+    let Some(n_cols) = weights.first().map(|w| w.n_cols) else {
+        return;
+    };
+    assert!(weights.iter().all(|w| w.n_cols == n_cols));
+    assert_eq!(x.len(), n_tokens * n_cols);
+    let packed: Option<Vec<&Packed>> = weights.iter().map(|w| w.packed()).collect();
+    let Some(packed) = packed else {
+        for (weight, out) in weights.iter().zip(outs.iter_mut()) {
+            weight.matmul_unpacked(x, n_tokens, out);
+        }
+        return;
+    };
+    let quantized = quantize_tokens(x, n_cols);
+    // `(groups of every matrix, n_tokens)` sums of 8 rows; each task writes a contiguous range.
+    let total_groups: usize = packed.iter().map(|p| p.n_groups()).sum();
+    let mut sums = vec![[0f32; GROUP_ROWS]; total_groups * n_tokens];
+    let zero = |_, _, _| [[0.0; GROUP_ROWS]; 2];
+    run_groups(&packed, &quantized, &mut sums, zero, |slot, state| {
+        *slot = finish_group(state)
+    });
+    let mut per_matrix = &sums[..];
+    for ((weight, out), p) in weights.iter().zip(outs.iter_mut()).zip(&packed) {
+        assert_eq!(out.len(), n_tokens * weight.n_rows);
+        let (mine, rest) = per_matrix.split_at(p.n_groups() * n_tokens);
+        per_matrix = rest;
+        for (g, per_token) in mine.chunks_exact(n_tokens).enumerate() {
+            let first = g * GROUP_ROWS;
+            let n = GROUP_ROWS.min(weight.n_rows - first);
+            for (t, rows) in per_token.iter().enumerate() {
+                out[t * weight.n_rows + first..][..n].copy_from_slice(&rows[..n]);
+            }
+        }
+    }
+}
+
+/// Runs the packed kernel over every group of every matrix in `packed` and every token of
+/// `quantized`, `TILE` tokens at a time, in one parallel region: `start(m, g, t)` gives the
+/// state group `g` of matrix `m` starts from for token `t`, and `store` puts the continued
+/// state into its slot of `out` (`(Σ n_groups, n_tokens)`, the matrices one after another).
+fn run_groups<S: Send>(
+    packed: &[&Packed],
+    quantized: &[Vec<BlockQ8>],
+    out: &mut [S],
+    start: impl Fn(usize, usize, usize) -> GroupState + Sync,
+    store: impl Fn(&mut S, &GroupState) + Sync,
+) {
+    let n_tokens = quantized.len();
+    // Global group index → (matrix, group): `first_group[m]` is matrix m's first.
+    let mut first_group = Vec::with_capacity(packed.len() + 1);
+    let mut total = 0;
+    for p in packed {
+        first_group.push(total);
+        total += p.n_groups();
+    }
+    first_group.push(total);
+    let groups_per_task = (total / (rayon::current_num_threads() * 4)).clamp(1, 64);
+    out.par_chunks_mut(groups_per_task * n_tokens)
+        .enumerate()
+        .for_each(|(task, slots)| {
+            for (i, per_token) in slots.chunks_exact_mut(n_tokens).enumerate() {
+                let global = task * groups_per_task + i;
+                let m = first_group.partition_point(|&f| f <= global) - 1;
+                let g = global - first_group[m];
+                for first in (0..n_tokens).step_by(TILE) {
+                    let n = TILE.min(n_tokens - first);
+                    let mut x = [&[][..]; TILE];
+                    let mut states = [[[0f32; GROUP_ROWS]; 2]; TILE];
+                    for t in 0..n {
+                        x[t] = &quantized[first + t][..];
+                        states[t] = start(m, g, first + t);
+                    }
+                    packed[m].continue_group(g, &x[..n], &mut states[..n]);
+                    for (slot, state) in per_token[first..first + n].iter_mut().zip(&states) {
+                        store(slot, state);
+                    }
+                }
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::quant::{DotState, dot_q8_portable, dot_state_finish};
+
+    /// A `Q4_1` matrix of random nibbles with varied scales and minimums.
+    fn q4_1(n_rows: usize, n_cols: usize, seed: u64) -> Weight {
+        let mut state = seed | 1;
+        let mut bytes: Vec<u8> = (0..n_rows * n_cols / 32 * 20)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        for (i, block) in bytes.chunks_exact_mut(20).enumerate() {
+            let d = half::f16::from_f32(0.01 + 0.001 * (i % 7) as f32);
+            let m = half::f16::from_f32(-0.05 - 0.01 * (i % 3) as f32);
+            block[..2].copy_from_slice(&d.to_le_bytes());
+            block[2..4].copy_from_slice(&m.to_le_bytes());
+        }
+        Weight::from_bytes(GgmlType::Q4_1, n_rows, n_cols, bytes).expect("shape")
+    }
+
+    fn activations(n_tokens: usize, n_cols: usize) -> Vec<f32> {
+        (0..n_tokens * n_cols)
+            .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    /// Several matrices in one region (row counts not multiples of 8, token counts across
+    /// the 4-token tiles) give each row and token exactly the one-row reference's bits.
+    #[test]
+    fn fused_products_equal_the_one_row_reference() {
+        let n_cols = 96;
+        let weights = [q4_1(13, n_cols, 3), q4_1(8, n_cols, 5), q4_1(21, n_cols, 7)];
+        for n_tokens in [1, 3, 4, 6, 9] {
+            let x = activations(n_tokens, n_cols);
+            let mut outs: Vec<Vec<f32>> = weights
+                .iter()
+                .map(|w| vec![f32::NAN; n_tokens * w.n_rows])
+                .collect();
+            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+            let refs: Vec<&Weight> = weights.iter().collect();
+            matmul_many(&refs, &x, n_tokens, &mut views);
+            let quantized = quantize_tokens(&x, n_cols);
+            for (w, out) in weights.iter().zip(&outs) {
+                for t in 0..n_tokens {
+                    for r in 0..w.n_rows {
+                        let reference = dot_q8_portable(w.ty, w.row(r), &quantized[t]);
+                        assert_eq!(
+                            out[t * w.n_rows + r].to_bits(),
+                            reference.to_bits(),
+                            "{} rows, {n_tokens} tokens: token {t} row {r}",
+                            w.n_rows
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Tensor-parallel row splits: continuing the states over column shards gives exactly
+    /// the unsplit product.
+    #[test]
+    fn continued_products_over_column_shards_equal_the_whole() {
+        let (n_rows, n_cols, n_tokens) = (11, 128, 5);
+        let whole = q4_1(n_rows, n_cols, 9);
+        let x = activations(n_tokens, n_cols);
+        let mut expected = vec![0f32; n_tokens * n_rows];
+        whole.matmul(&x, n_tokens, &mut expected);
+        let mut states: Vec<DotState> = vec![[0.0; 2]; n_rows * n_tokens];
+        for (first, width) in [(0, 32), (32, 64), (96, 32)] {
+            let shard = whole.cols(first, width).expect("block aligned");
+            let x_shard: Vec<f32> = x
+                .chunks_exact(n_cols)
+                .flat_map(|token| token[first..first + width].to_vec())
+                .collect();
+            shard
+                .matmul_continue(&x_shard, n_tokens, &mut states)
+                .expect("integer type");
+        }
+        for r in 0..n_rows {
+            for t in 0..n_tokens {
+                assert_eq!(
+                    dot_state_finish(&states[r * n_tokens + t]).to_bits(),
+                    expected[t * n_rows + r].to_bits(),
+                    "row {r} token {t}"
+                );
+            }
         }
     }
 }
