@@ -86,6 +86,7 @@ fn sampling_params(args: &GenerateArgs) -> SamplingParams {
         seed: args.seed,
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
+        logprobs: false,
     }
 }
 

@@ -38,7 +38,8 @@ pub struct StepEntry {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Sampled {
     pub token: u32,
-    pub logprob: f32,
+    /// Its log-probability (nats), when the sequence's parameters ask for it.
+    pub logprob: Option<f32>,
 }
 
 /// Runs steps of a batch of sequences.
@@ -158,7 +159,7 @@ pub fn sample(sampler: &mut Sampler, logits: &[f32]) -> Sampled {
     let token = sampler.sample(logits);
     Sampled {
         token,
-        logprob: logprob(logits, token),
+        logprob: sampler.params().logprobs.then(|| logprob(logits, token)),
     }
 }
 

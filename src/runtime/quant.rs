@@ -89,30 +89,47 @@ pub struct BlockQ8 {
     pub qsum: i32,
 }
 
-super::mathfn::multiversion! {
-    /// Quantizes `x` (length a multiple of 32) to 8-bit blocks, symmetric, `d = max|x| / 127`,
-    /// exactly as llama.cpp's `quantize_row_q8_1` (AVX2 path): values rounded to nearest-even
-    /// with the f32 scale, then `d` and `sum` stored rounded to f16 (`block_q8_1` holds halves).
-    pub fn quantize_row_q8(x: &[f32], out: &mut Vec<BlockQ8>) {
-        out.clear();
-        for chunk in x.chunks_exact(QK) {
-            let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let inverse = if d > 0.0 { 127.0 / amax } else { 0.0 };
-            let mut qs = [0i8; QK];
-            let mut total = 0i32;
-            for (q, v) in qs.iter_mut().zip(chunk) {
-                *q = (v * inverse).round_ties_even() as i8;
-                total += *q as i32;
-            }
-            let round_f16 = |v: f32| f16::from_f32(v).to_f32();
-            out.push(BlockQ8 {
-                qs,
-                d: round_f16(d),
-                sum: round_f16(d * total as f32),
-                qsum: total,
-            });
+/// Quantizes `x` (length a multiple of 32) to 8-bit blocks, symmetric, `d = max|x| / 127`,
+/// exactly as llama.cpp's `quantize_row_q8_1` (AVX2 path): values rounded to nearest-even
+/// with the f32 scale, then `d` and `sum` stored rounded to f16 (`block_q8_1` holds halves).
+/// The AVX2 path and the portable one give the same bits (every step is exactly rounded).
+pub fn quantize_row_q8(x: &[f32], out: &mut Vec<BlockQ8>) {
+    out.clear();
+    out.reserve(x.len() / QK);
+    for chunk in x.chunks_exact(QK) {
+        let chunk: &[f32; QK] = chunk.try_into().expect("32 values");
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked).
+            out.push(unsafe { avx2::quantize_block(chunk) });
+            continue;
         }
+        out.push(quantize_block(chunk));
+    }
+}
+
+/// One block of [`quantize_row_q8`], portably.
+fn quantize_block(chunk: &[f32; QK]) -> BlockQ8 {
+    let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let inverse = if d > 0.0 { 127.0 / amax } else { 0.0 };
+    let mut qs = [0i8; QK];
+    let mut total = 0i32;
+    for (q, v) in qs.iter_mut().zip(chunk) {
+        *q = (v * inverse).round_ties_even() as i8;
+        total += *q as i32;
+    }
+    block_q8(qs, d, total)
+}
+
+/// A block from its quants, f32 scale and exact quant sum (`d` and `sum` rounded to f16).
+fn block_q8(qs: [i8; QK], d: f32, total: i32) -> BlockQ8 {
+    let round_f16 = |v: f32| f16::from_f32(v).to_f32();
+    BlockQ8 {
+        qs,
+        d: round_f16(d),
+        sum: round_f16(d * total as f32),
+        qsum: total,
     }
 }
 
@@ -437,6 +454,49 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::{BlockQ8, QK};
+
+    /// [`super::quantize_block`] on AVX2: the same max, scale, products and
+    /// round-to-nearest-even, eight values at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_block(chunk: &[f32; QK]) -> BlockQ8 {
+        unsafe {
+            let sign = _mm256_set1_ps(-0.0);
+            let v: [__m256; 4] =
+                std::array::from_fn(|i| _mm256_loadu_ps(chunk.as_ptr().add(8 * i)));
+            let abs = |x| _mm256_andnot_ps(sign, x);
+            let m = _mm256_max_ps(
+                _mm256_max_ps(abs(v[0]), abs(v[1])),
+                _mm256_max_ps(abs(v[2]), abs(v[3])),
+            );
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+            let d = amax / 127.0;
+            let inverse = _mm256_set1_ps(if d > 0.0 { 127.0 / amax } else { 0.0 });
+            let ints: [__m256i; 4] = std::array::from_fn(|i| {
+                _mm256_cvtps_epi32(_mm256_round_ps::<
+                    { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+                >(_mm256_mul_ps(v[i], inverse)))
+            });
+            let total = _mm256_add_epi32(
+                _mm256_add_epi32(ints[0], ints[1]),
+                _mm256_add_epi32(ints[2], ints[3]),
+            );
+            let mut lanes = [0i32; 8];
+            _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, total);
+            // Packing interleaves 128-bit lanes; the permute puts elements back in order.
+            let words = _mm256_packs_epi32(ints[0], ints[1]);
+            let words2 = _mm256_packs_epi32(ints[2], ints[3]);
+            let bytes = _mm256_packs_epi16(words, words2);
+            let ordered =
+                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            let mut qs = [0i8; QK];
+            _mm256_storeu_si256(qs.as_mut_ptr() as *mut __m256i, ordered);
+            super::block_q8(qs, d, lanes.iter().sum())
+        }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn hsum(v: __m256) -> f32 {
@@ -564,6 +624,29 @@ mod tests {
                     "{ty:?} {cuts:?}"
                 );
             }
+        }
+    }
+
+    /// The AVX2 quantizer gives the portable one's bits, ties (x.5 after scaling) included.
+    #[test]
+    fn simd_quantization_equals_the_portable_one() {
+        let mut x: Vec<f32> = (0..32 * 40)
+            .map(|i| ((i * 7919) % 2003) as f32 / 333.0 - 3.0)
+            .collect();
+        // A block whose scale makes exact halves, an all-zero block, a tiny one.
+        for (i, v) in x[..32].iter_mut().enumerate() {
+            *v = if i == 0 { 127.0 } else { i as f32 + 0.5 };
+        }
+        x[32..64].fill(0.0);
+        x[64..96].iter_mut().for_each(|v| *v *= 1e-30);
+        let mut fast = Vec::new();
+        quantize_row_q8(&x, &mut fast);
+        for (block, chunk) in fast.iter().zip(x.chunks_exact(QK)) {
+            let portable = quantize_block(chunk.try_into().expect("32"));
+            assert_eq!(block.qs, portable.qs);
+            assert_eq!(block.d.to_bits(), portable.d.to_bits());
+            assert_eq!(block.sum.to_bits(), portable.sum.to_bits());
+            assert_eq!(block.qsum, portable.qsum);
         }
     }
 

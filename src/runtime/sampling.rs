@@ -19,6 +19,10 @@ pub struct SamplingParams {
     pub max_tokens: usize,
     /// Generation stops when the text contains any of these; the text is cut before it.
     pub stop: Vec<String>,
+    /// Report each sampled token's log-probability (a softmax over the whole vocabulary per
+    /// token, so only when asked).
+    #[serde(default)]
+    pub logprobs: bool,
 }
 
 impl Default for SamplingParams {
@@ -30,6 +34,7 @@ impl Default for SamplingParams {
             seed: None,
             max_tokens: 64,
             stop: Vec::new(),
+            logprobs: false,
         }
     }
 }
@@ -51,6 +56,11 @@ impl Sampler {
             params: params.clone(),
             rng,
         }
+    }
+
+    /// The parameters it samples with.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
 
     /// Advances the generator past `n` samples (each non-greedy sample takes one draw), as

@@ -308,6 +308,7 @@ fn params(
         seed: common.seed,
         max_tokens: common.max_tokens.unwrap_or(default_max_tokens),
         stop,
+        logprobs: false,
     })
 }
 
@@ -355,7 +356,17 @@ fn finish_name(reason: FinishReason) -> &'static str {
 /// Collects a whole generation: text, finish reason, token ids, logprobs, usage.
 async fn collect(
     mut events: UnboundedReceiverStream<Event>,
-) -> Result<(String, &'static str, Vec<u32>, Vec<f32>, usize, usize), ApiError> {
+) -> Result<
+    (
+        String,
+        &'static str,
+        Vec<u32>,
+        Vec<Option<f32>>,
+        usize,
+        usize,
+    ),
+    ApiError,
+> {
     let (mut text, mut ids, mut logprobs) = (String::new(), Vec::new(), Vec::new());
     while let Some(event) = events.next().await {
         match event {
@@ -417,7 +428,10 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
     let request: CompletionBody = parse(&body)?;
-    let params = params(&state, &request.common, 16)?;
+    let params = SamplingParams {
+        logprobs: request.logprobs.is_some(),
+        ..params(&state, &request.common, 16)?
+    };
     let prompt_tokens = match &request.prompt {
         Value::String(text) => match state.tokenizer.encode(text, true) {
             Ok(ids) => ids,

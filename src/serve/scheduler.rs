@@ -32,7 +32,11 @@ pub struct Request {
 pub enum Event {
     /// One generated token: its id, the text it completed (possibly empty while a UTF-8
     /// character is incomplete) and its log-probability.
-    Token { id: u32, text: String, logprob: f32 },
+    Token {
+        id: u32,
+        text: String,
+        logprob: Option<f32>,
+    },
     /// Generation ended.
     Done {
         finish_reason: FinishReason,
