@@ -40,11 +40,13 @@ impl std::fmt::Display for KvExhausted {
 impl std::error::Error for KvExhausted {}
 
 /// A pool of KV blocks for one model shard. One block holds, for every layer, the keys and
-/// then the values of [`BLOCK_TOKENS`] positions: `(n_layers, 2, BLOCK_TOKENS, kv_dim)` f16
-/// (llama.cpp's default cache type).
+/// then the values of [`BLOCK_TOKENS`] positions, head by head:
+/// `(n_layers, 2, n_kv_heads, BLOCK_TOKENS, head_dim)` f16 (llama.cpp's default cache type),
+/// so attention for one KV head reads contiguous memory.
 pub struct KvPool {
     n_layers: usize,
-    kv_dim: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
     /// Most blocks alive at once; `usize::MAX` for an unbounded pool.
     capacity_blocks: usize,
     state: Mutex<PoolState>,
@@ -69,13 +71,19 @@ impl std::fmt::Debug for KvPool {
 }
 
 impl KvPool {
-    /// A pool for `n_layers` layers of `kv_dim` (`n_kv_heads · head_dim` of this shard) with
+    /// A pool for `n_layers` layers of `n_kv_heads` heads (this shard's) of `head_dim`, with
     /// room for `capacity_tokens` positions (rounded down to whole blocks; `None`: no limit).
     /// Memory is taken as blocks are first used, not up front.
-    pub fn new(n_layers: usize, kv_dim: usize, capacity_tokens: Option<usize>) -> Arc<KvPool> {
+    pub fn new(
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        capacity_tokens: Option<usize>,
+    ) -> Arc<KvPool> {
         Arc::new(KvPool {
             n_layers,
-            kv_dim,
+            n_kv_heads,
+            head_dim,
             capacity_blocks: capacity_tokens.map_or(usize::MAX, |t| t / BLOCK_TOKENS),
             state: Mutex::new(PoolState::default()),
         })
@@ -111,7 +119,7 @@ impl KvPool {
     }
 
     fn block_elements(&self) -> usize {
-        self.n_layers * 2 * BLOCK_TOKENS * self.kv_dim
+        self.n_layers * 2 * BLOCK_TOKENS * self.n_kv_heads * self.head_dim
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
@@ -178,27 +186,27 @@ impl KvCache {
         Ok(())
     }
 
-    /// The offset of `(layer, keys or values, position)` in its block.
-    fn offset(&self, layer: usize, values: bool, position: usize) -> (usize, usize) {
-        let kv_dim = self.pool.kv_dim;
+    /// The block and offset of `(layer, keys or values, kv_head, position)`.
+    fn offset(&self, layer: usize, values: bool, head: usize, position: usize) -> (usize, usize) {
+        let pool = &self.pool;
         let slot = position % BLOCK_TOKENS;
-        let within = ((layer * 2 + usize::from(values)) * BLOCK_TOKENS + slot) * kv_dim;
-        (position / BLOCK_TOKENS, within)
+        let rows = ((layer * 2 + usize::from(values)) * pool.n_kv_heads + head) * BLOCK_TOKENS;
+        (position / BLOCK_TOKENS, (rows + slot) * pool.head_dim)
     }
 
-    /// The key row `(kv_dim)` of `position` in `layer`.
-    pub fn key(&self, layer: usize, position: usize) -> &[f16] {
-        let (block, at) = self.offset(layer, false, position);
-        &self.blocks[block][at..at + self.pool.kv_dim]
+    /// The key `(head_dim)` of KV head `head` at `position` in `layer`.
+    pub fn key(&self, layer: usize, head: usize, position: usize) -> &[f16] {
+        let (block, at) = self.offset(layer, false, head, position);
+        &self.blocks[block][at..at + self.pool.head_dim]
     }
 
-    /// The value row `(kv_dim)` of `position` in `layer`.
-    pub fn value(&self, layer: usize, position: usize) -> &[f16] {
-        let (block, at) = self.offset(layer, true, position);
-        &self.blocks[block][at..at + self.pool.kv_dim]
+    /// The value `(head_dim)` of KV head `head` at `position` in `layer`.
+    pub fn value(&self, layer: usize, head: usize, position: usize) -> &[f16] {
+        let (block, at) = self.offset(layer, true, head, position);
+        &self.blocks[block][at..at + self.pool.head_dim]
     }
 
-    /// Stores `keys` and `values` (`(count, kv_dim)` f32, rounded to f16) of `layer` at
+    /// Stores `keys` and `values` (`(count, n_kv_heads · head_dim)` f32, rounded to f16) of `layer` at
     /// positions `first..first + count`, which [`KvCache::reserve`] has made room for.
     ///
     /// Errors: a position beyond the reserved blocks.
@@ -209,7 +217,10 @@ impl KvCache {
         keys: &[f32],
         values: &[f32],
     ) -> Result<()> {
-        let kv_dim = self.pool.kv_dim;
+        let (head_dim, kv_dim) = (
+            self.pool.head_dim,
+            self.pool.n_kv_heads * self.pool.head_dim,
+        );
         let count = keys.len() / kv_dim;
         if blocks_for(first + count) > self.blocks.len() {
             bail!(
@@ -224,9 +235,11 @@ impl KvCache {
             .enumerate()
         {
             for (rows, values) in [(k, false), (v, true)] {
-                let (block, at) = self.offset(layer, values, first + i);
-                for (slot, x) in self.blocks[block][at..at + kv_dim].iter_mut().zip(rows) {
-                    *slot = f16::from_f32(*x);
+                for (head, row) in rows.chunks_exact(head_dim).enumerate() {
+                    let (block, at) = self.offset(layer, values, head, first + i);
+                    for (slot, x) in self.blocks[block][at..at + head_dim].iter_mut().zip(row) {
+                        *slot = f16::from_f32(*x);
+                    }
                 }
             }
         }
@@ -250,7 +263,7 @@ mod tests {
 
     #[test]
     fn blocks_are_counted_reused_and_capped() {
-        let pool = KvPool::new(2, 4, Some(3 * BLOCK_TOKENS + 5));
+        let pool = KvPool::new(2, 2, 2, Some(3 * BLOCK_TOKENS + 5));
         assert_eq!(pool.capacity_blocks(), 3);
         let mut a = pool.new_cache();
         a.reserve(BLOCK_TOKENS + 1).expect("two blocks");
@@ -270,21 +283,23 @@ mod tests {
 
     #[test]
     fn rows_land_at_their_position_across_blocks() {
-        let pool = KvPool::new(2, 2, None);
+        // Two KV heads of two dims: row `p` holds `4p..4p+4`, head 1 the last two.
+        let pool = KvPool::new(2, 2, 2, None);
         let mut cache = pool.new_cache();
         let n = BLOCK_TOKENS + 3;
         cache.reserve(n).expect("unbounded");
-        let keys: Vec<f32> = (0..n * 2).map(|i| i as f32).collect();
+        let keys: Vec<f32> = (0..n * 4).map(|i| i as f32).collect();
         let values: Vec<f32> = keys.iter().map(|k| -k).collect();
         cache.store(1, 0, &keys, &values).expect("reserved");
         for p in 0..n {
-            assert_eq!(cache.key(1, p)[1].to_f32(), (2 * p + 1) as f32);
-            assert_eq!(cache.value(1, p)[0].to_f32(), -((2 * p) as f32));
-            assert_eq!(cache.key(0, p)[0].to_f32(), 0.0, "layer 0 untouched");
+            assert_eq!(cache.key(1, 0, p)[1].to_f32(), (4 * p + 1) as f32);
+            assert_eq!(cache.key(1, 1, p)[0].to_f32(), (4 * p + 2) as f32);
+            assert_eq!(cache.value(1, 1, p)[1].to_f32(), -((4 * p + 3) as f32));
+            assert_eq!(cache.key(0, 0, p)[0].to_f32(), 0.0, "layer 0 untouched");
         }
         assert!(
             cache
-                .store(0, 2 * BLOCK_TOKENS, &keys[..2], &values[..2])
+                .store(0, 2 * BLOCK_TOKENS, &keys[..4], &values[..4])
                 .is_err()
         );
     }

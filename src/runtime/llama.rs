@@ -17,7 +17,7 @@ use super::gguf::{GgufFile, Value};
 pub use super::kv::KvCache;
 use super::kv::KvPool;
 use super::mathfn::{multiversion, softmax, swiglu};
-use super::quant::{dot_f16_f32, weighted_sum_f16};
+use super::quant::{attention_scores, weighted_sum_f16_heads};
 use super::weights::{Weight, matmul_many};
 
 /// How rotary embeddings pair the dimensions of a head.
@@ -344,7 +344,7 @@ impl Llama {
                 is_first: true,
                 is_last: true,
             },
-            kv_pool: KvPool::new(config.n_layers, config.n_kv_heads * config.head_dim, None),
+            kv_pool: KvPool::new(config.n_layers, config.n_kv_heads, config.head_dim, None),
             config,
         }
     }
@@ -459,7 +459,7 @@ impl Llama {
         config.intermediate_size = width;
         config.n_layers = n_layers;
         Ok(Llama {
-            kv_pool: KvPool::new(n_layers, kv_heads * config.head_dim, None),
+            kv_pool: KvPool::new(n_layers, kv_heads, config.head_dim, None),
             config,
             token_embedding: self.token_embedding.clone(),
             layers,
@@ -573,7 +573,8 @@ impl Llama {
     pub fn set_kv_capacity(&mut self, capacity_tokens: Option<usize>) {
         self.kv_pool = KvPool::new(
             self.layers.len(),
-            self.config.n_kv_heads * self.config.head_dim,
+            self.config.n_kv_heads,
+            self.config.head_dim,
             capacity_tokens,
         );
     }
@@ -801,35 +802,42 @@ impl Llama {
 
     /// Causal attention of `q` (`(n_tokens, n_heads · head_dim)`) over `layer` of the
     /// caches: token `t` sits at position `tokens[t].0` of cache `tokens[t].1` (paged) and
-    /// attends to positions `0..=tokens[t].0`. One parallel region over every (token, head).
+    /// attends to positions `0..=tokens[t].0`. One parallel region over every (token, KV
+    /// head); the query heads sharing a KV head (GQA) read each cached row once.
     fn attend(&self, q: &[f32], tokens: &[(usize, &KvCache)], layer: usize, out: &mut [f32]) {
         let c = &self.config;
         let (head_dim, q_dim) = (c.head_dim, c.n_heads * c.head_dim);
         let group = c.n_heads / c.n_kv_heads;
         let scale = 1.0 / (head_dim as f32).sqrt();
-        out.par_chunks_mut(head_dim)
+        out.par_chunks_mut(group * head_dim)
             .enumerate()
-            .for_each(|(index, out_head)| {
-                let (t, head) = (index / c.n_heads, index % c.n_heads);
-                let (position, cache) = tokens[t];
-                let kv_head = head / group;
-                // `kq`: Q rounded to f16 (the cache's type), dotted with each cached key.
-                let query: Vec<f32> = q
-                    [t * q_dim + head * head_dim..t * q_dim + (head + 1) * head_dim]
-                    .iter()
-                    .map(|&v| f16::from_f32(v).to_f32())
-                    .collect();
-                let n_positions = position + 1;
-                let head_range = kv_head * head_dim..(kv_head + 1) * head_dim;
-                let mut scores: Vec<f32> = (0..n_positions)
-                    .map(|p| dot_f16_f32(&cache.key(layer, p)[head_range.clone()], &query) * scale)
-                    .collect();
-                softmax(&mut scores);
-                // `kqv`: probabilities rounded to f16, weighted sum of the cached values.
-                let value_rows =
-                    (0..n_positions).map(|p| &cache.value(layer, p)[head_range.clone()]);
-                weighted_sum_f16(&scores, value_rows, out_head);
-            });
+            .for_each_init(
+                || (Vec::new(), Vec::new(), Vec::new()),
+                |(query, scores, rows), (index, out_heads)| {
+                    let (t, kv_head) = (index / c.n_kv_heads, index % c.n_kv_heads);
+                    let (position, cache) = tokens[t];
+                    let n_positions = position + 1;
+                    // `kq`: Q rounded to f16 (the cache's type), dotted with each cached key.
+                    query.clear();
+                    query.extend(
+                        q[t * q_dim + kv_head * group * head_dim..][..group * head_dim]
+                            .iter()
+                            .map(|&v| f16::from_f32(v).to_f32()),
+                    );
+                    rows.clear();
+                    rows.extend((0..n_positions).map(|p| cache.key(layer, kv_head, p)));
+                    scores.clear();
+                    scores.resize(group * n_positions, 0.0);
+                    attention_scores(rows, query, scale, scores);
+                    for head_scores in scores.chunks_exact_mut(n_positions) {
+                        softmax(head_scores);
+                    }
+                    // `kqv`: probabilities rounded to f16, weighted sum of the cached values.
+                    rows.clear();
+                    rows.extend((0..n_positions).map(|p| cache.value(layer, kv_head, p)));
+                    weighted_sum_f16_heads(scores, rows, out_heads, group);
+                },
+            );
     }
 }
 

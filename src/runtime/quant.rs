@@ -434,6 +434,49 @@ pub fn weighted_sum_f16<'a>(
     }
 }
 
+/// Attention scores of `heads` query heads sharing one KV head (GQA):
+/// `scores[h][p] = dot_f16_f32(keys[p], queries[h]) · scale`, with `queries` `(heads, width)`
+/// and `scores` `(heads, keys.len())`. Each converted key element serves every head; each
+/// score has exactly the bits of [`dot_f16_f32`] times `scale`.
+pub fn attention_scores(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &mut [f32]) {
+    let n_positions = keys.len();
+    let heads = scores.len() / n_positions.max(1);
+    let width = queries.len() / heads.max(1);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && width.is_multiple_of(8) && heads <= 8 {
+        // SAFETY: AVX2/FMA/F16C present; every key has `width` elements, a multiple of 8;
+        // `queries` holds `heads` rows of `width` and `scores` `heads` rows of `n_positions`.
+        unsafe { avx2::attention_scores(keys, queries, scale, scores, heads, width) };
+        return;
+    }
+    for (h, query) in queries.chunks_exact(width).enumerate() {
+        for (p, key) in keys.iter().enumerate() {
+            scores[h * n_positions + p] = dot_f16_f32(key, query) * scale;
+        }
+    }
+}
+
+/// [`weighted_sum_f16`] for `heads` sets of weights over the same value rows:
+/// `out[h][d] = Σ_p f16(weights[h][p]) · values[p][d]` with `weights` `(heads, values.len())`
+/// and `out` `(heads, width)`; each converted value serves every head. Each head's result
+/// has exactly the bits of [`weighted_sum_f16`].
+pub fn weighted_sum_f16_heads(weights: &[f32], values: &[&[f16]], out: &mut [f32], heads: usize) {
+    let width = out.len() / heads;
+    let n_positions = values.len();
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && width.is_multiple_of(8) && heads <= 8 {
+        let rounded: Vec<f32> = weights.iter().map(|w| f16::from_f32(*w).to_f32()).collect();
+        // SAFETY: AVX2/FMA/F16C present; every value row has `width` elements, a multiple of
+        // 8; `rounded` holds `heads` rows of `n_positions`, `out` `heads` rows of `width`.
+        unsafe { avx2::weighted_sum_heads(&rounded, values, out, heads, width) };
+        return;
+    }
+    for (h, out) in out.chunks_exact_mut(width).enumerate() {
+        let weights = &weights[h * n_positions..(h + 1) * n_positions];
+        weighted_sum_f16(weights, values.iter().copied(), out);
+    }
+}
+
 /// f32 dot product (auto-vectorized).
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
@@ -518,6 +561,71 @@ mod avx2 {
             acc = _mm256_fmadd_ps(x, y, acc);
         }
         unsafe { hsum(acc) }
+    }
+
+    /// [`super::attention_scores`] on AVX2 (up to 8 heads).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attention_scores(
+        keys: &[&[half::f16]],
+        queries: &[f32],
+        scale: f32,
+        scores: &mut [f32],
+        heads: usize,
+        width: usize,
+    ) {
+        let n_positions = keys.len();
+        for (p, key) in keys.iter().enumerate() {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for i in (0..width).step_by(8) {
+                let halves = unsafe { _mm_loadu_si128(key.as_ptr().add(i) as *const __m128i) };
+                let x = _mm256_cvtph_ps(halves);
+                for (h, acc) in acc.iter_mut().enumerate().take(heads) {
+                    let y = unsafe { _mm256_loadu_ps(queries.as_ptr().add(h * width + i)) };
+                    *acc = _mm256_fmadd_ps(x, y, *acc);
+                }
+            }
+            for (h, acc) in acc.iter().enumerate().take(heads) {
+                scores[h * n_positions + p] = unsafe { hsum(*acc) } * scale;
+            }
+        }
+    }
+
+    /// [`super::weighted_sum_f16_heads`] on AVX2 (up to 8 heads), `weights` already rounded
+    /// to f16: per 8 outputs, each lane class `p mod 8` accumulates its positions in order in
+    /// registers, then the 8 lane vectors are summed in `hsum8`'s order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_sum_heads(
+        weights: &[f32],
+        values: &[&[half::f16]],
+        out: &mut [f32],
+        heads: usize,
+        width: usize,
+    ) {
+        let n_positions = values.len();
+        for c in (0..width).step_by(8) {
+            let mut lanes = [[_mm256_setzero_ps(); 8]; 8];
+            for lane in 0..8 {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for p in (lane..n_positions).step_by(8) {
+                    let row = values[p].as_ptr();
+                    let x =
+                        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(row.add(c) as *const __m128i) });
+                    for (h, acc) in acc.iter_mut().enumerate().take(heads) {
+                        let w = _mm256_set1_ps(weights[h * n_positions + p]);
+                        *acc = _mm256_fmadd_ps(x, w, *acc);
+                    }
+                }
+                for (lanes, acc) in lanes.iter_mut().zip(acc).take(heads) {
+                    lanes[lane] = acc;
+                }
+            }
+            for (h, l) in lanes.iter().enumerate().take(heads) {
+                let even = _mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6]));
+                let odd = _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7]));
+                let sum = _mm256_add_ps(even, odd);
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(h * width + c), sum) };
+            }
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -702,6 +810,55 @@ mod tests {
                 lanes[p % 8] = row[d].to_f32().mul_add(w, lanes[p % 8]);
             }
             assert_eq!(value.to_bits(), hsum8(&lanes).to_bits(), "d={d}");
+        }
+    }
+
+    /// The grouped (GQA) attention kernels give each head exactly the one-head bits.
+    #[test]
+    fn grouped_attention_kernels_equal_one_head_at_a_time() {
+        let (width, n_positions, heads) = (64, 19, 3);
+        let rows: Vec<Vec<f16>> = (0..n_positions)
+            .map(|p| {
+                (0..width)
+                    .map(|d| f16::from_f32(((p * width + d) as f32 * 0.71).sin()))
+                    .collect()
+            })
+            .collect();
+        let rows: Vec<&[f16]> = rows.iter().map(Vec::as_slice).collect();
+        let queries: Vec<f32> = (0..heads * width)
+            .map(|i| (i as f32 * 0.11).cos())
+            .collect();
+        let mut scores = vec![0f32; heads * n_positions];
+        attention_scores(&rows, &queries, 0.125, &mut scores);
+        for h in 0..heads {
+            for (p, row) in rows.iter().enumerate() {
+                let one = dot_f16_f32(row, &queries[h * width..(h + 1) * width]) * 0.125;
+                assert_eq!(
+                    scores[h * n_positions + p].to_bits(),
+                    one.to_bits(),
+                    "{h} {p}"
+                );
+            }
+        }
+        let weights: Vec<f32> = (0..heads * n_positions)
+            .map(|i| 1.0 / (i as f32 + 3.0))
+            .collect();
+        let mut out = vec![0f32; heads * width];
+        weighted_sum_f16_heads(&weights, &rows, &mut out, heads);
+        for h in 0..heads {
+            let mut one = vec![0f32; width];
+            weighted_sum_f16(
+                &weights[h * n_positions..(h + 1) * n_positions],
+                rows.iter().copied(),
+                &mut one,
+            );
+            for d in 0..width {
+                assert_eq!(
+                    out[h * width + d].to_bits(),
+                    one[d].to_bits(),
+                    "head {h} d {d}"
+                );
+            }
         }
     }
 
