@@ -57,6 +57,12 @@ pub fn expf(x: f32) -> f32 {
     if n.abs() > 126.0 {
         return x.exp();
     }
+    expf_in_range(x, z, n)
+}
+
+/// [`expf`] once `x` is known to be in range: `z = x/ln2 + SHIFT`, `n = z − SHIFT`.
+#[inline(always)]
+fn expf_in_range(x: f32, z: f32, n: f32) -> f32 {
     let b = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
     let k = f32::from_bits((z.to_bits() << 23).wrapping_add(1f32.to_bits()));
     let u = b * b;
@@ -83,16 +89,7 @@ fn expf8(x: [f32; 8]) -> Option<[f32; 8]> {
     if n.iter().fold(0f32, |m, v| m.max(v.abs())) > 126.0 {
         return None;
     }
-    Some(std::array::from_fn(|i| {
-        let b = (-n[i]).mul_add(LN2_LO, (-n[i]).mul_add(LN2_HI, x[i]));
-        let k = f32::from_bits((z[i].to_bits() << 23).wrapping_add(1f32.to_bits()));
-        let u = b * b;
-        let j = C5
-            .mul_add(b, C4)
-            .mul_add(u, C3.mul_add(b, C2))
-            .mul_add(u, C1 * b);
-        j.mul_add(k, k)
-    }))
+    Some(std::array::from_fn(|i| expf_in_range(x[i], z[i], n[i])))
 }
 
 multiversion! {

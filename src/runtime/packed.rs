@@ -353,19 +353,8 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::quant::tests::bytes;
     use crate::runtime::quant::{dot_q8_portable, quantize_row_q8};
-
-    /// Deterministic pseudo-random bytes (xorshift64).
-    fn bytes(n: usize, mut state: u64) -> Vec<u8> {
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect()
-    }
 
     /// `n_rows` rows of `ty` with random quants (every byte value, `Q8_0`'s −128 included)
     /// and varied finite scales.
@@ -373,7 +362,7 @@ mod tests {
         let block_bytes = ty.block().1;
         (0..n_rows)
             .map(|r| {
-                let mut row = bytes(n_blocks * block_bytes, 0x51ED + r as u64);
+                let mut row = bytes(n_blocks * block_bytes, 0x51ED + 2 * r as u64);
                 for (i, block) in row.chunks_exact_mut(block_bytes).enumerate() {
                     let d = half::f16::from_f32(0.002 * (1 + (r + i) % 7) as f32);
                     block[..2].copy_from_slice(&d.to_le_bytes());

@@ -646,11 +646,11 @@ mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Deterministic pseudo-random bytes (xorshift), for blocks.
-    fn bytes(n: usize, seed: u64) -> Vec<u8> {
+    pub(crate) fn bytes(n: usize, seed: u64) -> Vec<u8> {
         let mut state = seed | 1;
         (0..n)
             .map(|_| {
