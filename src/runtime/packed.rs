@@ -4,7 +4,7 @@
 //! `vpdpbusd` (or `vpmaddubsw` + `vpmaddwd`) multiplies four weights of eight rows with the
 //! same four activations at once, and one f32 vector holds eight rows' partial sums.
 //!
-//! The arithmetic is exactly that of the one-row reference [`super::quant::dot_q8_portable`]
+//! The arithmetic is exactly that of the one-row reference [`super::quant::dot_q8`]
 //! (tested bit for bit, for any number of tokens and across tensor-parallel splits): per
 //! block, each row's exact integer sum over 32 elements, then one fused multiply-add with
 //! the scale `d_w · d_x`. Integer sums are exact in any order, so eight rows' sums are built
@@ -131,7 +131,7 @@ impl Packed {
             for (r, (sum, offset)) in sums.iter_mut().zip(offsets.iter_mut()).enumerate() {
                 let row = self.unpacked_row(records, r);
                 let mut one: DotState = [*sum, *offset];
-                super::quant::dot_q8_continue_portable(self.ty, &row, x, &mut one);
+                super::quant::dot_q8_continue(self.ty, &row, x, &mut one);
                 [*sum, *offset] = one;
             }
         }
@@ -354,7 +354,7 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::runtime::quant::tests::bytes;
-    use crate::runtime::quant::{dot_q8_portable, quantize_row_q8};
+    use crate::runtime::quant::{dot_q8, quantize_row_q8};
 
     /// `n_rows` rows of `ty` with random quants (every byte value, `Q8_0`'s −128 included)
     /// and varied finite scales.
@@ -446,7 +446,7 @@ mod tests {
                 for (name, out) in &variants {
                     for (t, per_row) in out.iter().enumerate() {
                         for (r, value) in per_row.iter().enumerate() {
-                            let reference = dot_q8_portable(ty, &rows[r], &tokens[t]);
+                            let reference = dot_q8(ty, &rows[r], &tokens[t]);
                             assert_eq!(
                                 value.to_bits(),
                                 reference.to_bits(),

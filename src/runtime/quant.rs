@@ -300,22 +300,17 @@ pub fn has_q8_kernel(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
 }
 
-/// Dot product of a weight row (`Q4_0`, `Q4_1` or `Q8_0`) with quantized activations; the
-/// row has `x.len()` blocks. The one-row reference: the matrix products run the packed
-/// kernels of [`super::packed`], which give exactly these bits.
-pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
-    dot_q8_portable(ty, row, x)
-}
-
 /// The arithmetic every integer kernel reproduces bit for bit. Per block `i`, the exact
 /// integer `Σ w·q` over its 32 elements (`w` the weight's integer levels: the `Q4_1`
 /// nibble, `Q4_0`'s nibble − 8, `Q8_0`'s signed byte) is fused-multiply-added into one f32
 /// accumulator with the block scale `d_w · d_x`; `Q4_1` fused-multiply-adds `m · sum` into
 /// a second, and the result is their sum. This is llama.cpp's reference `vec_dot`
-/// (`ggml-quants.c`: `sumi` per block, then `sumf += d·sumi + m·s`) with fused steps.
-pub fn dot_q8_portable(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
+/// (`ggml-quants.c`: `sumi` per block, then `sumf += d·sumi + m·s`) with fused steps. The
+/// row has `x.len()` blocks; the matrix products run the packed kernels of
+/// [`super::packed`], which give exactly these bits.
+pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     let mut state = [0f32; 2];
-    dot_q8_continue_portable(ty, row, x, &mut state);
+    dot_q8_continue(ty, row, x, &mut state);
     dot_state_finish(&state)
 }
 
@@ -325,24 +320,14 @@ pub fn dot_q8_portable(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
 /// gives exactly the bits of the unsplit dot product.
 pub type DotState = [f32; 2];
 
-/// Continues the dot product in `state` with a weight row (`Q4_0`, `Q4_1` or `Q8_0`) of
-/// `x.len()` blocks, in the exact order of [`dot_q8`].
-pub fn dot_q8_continue(ty: GgmlType, row: &[u8], x: &[BlockQ8], state: &mut DotState) {
-    dot_q8_continue_portable(ty, row, x, state);
-}
-
 /// The dot product a [`DotState`] holds.
 pub fn dot_state_finish(state: &DotState) -> f32 {
     state[0] + state[1]
 }
 
-/// The portable body of [`dot_q8_continue`].
-pub(crate) fn dot_q8_continue_portable(
-    ty: GgmlType,
-    row: &[u8],
-    x: &[BlockQ8],
-    state: &mut DotState,
-) {
+/// Continues the dot product in `state` with a weight row (`Q4_0`, `Q4_1` or `Q8_0`) of
+/// `x.len()` blocks, in the exact order of [`dot_q8`].
+pub fn dot_q8_continue(ty: GgmlType, row: &[u8], x: &[BlockQ8], state: &mut DotState) {
     let [mut acc, mut offsets] = *state;
     for (i, a) in x.iter().enumerate() {
         let (sum, scale): (i32, f32) = match ty {
@@ -701,7 +686,7 @@ pub(crate) mod tests {
             let mut w_f32 = vec![0f32; n];
             dequantize_row(ty, &w, &mut w_f32);
             let reference: f32 = w_f32.iter().zip(&x_dequantized).map(|(a, b)| a * b).sum();
-            let portable = dot_q8_portable(ty, &w, &xq);
+            let portable = dot_q8(ty, &w, &xq);
             let tolerance = 1e-3 * reference.abs().max(1.0);
             assert!(
                 (portable - reference).abs() < tolerance,

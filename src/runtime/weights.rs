@@ -207,7 +207,7 @@ impl Weight {
     ///
     /// Runs on the current rayon pool, each task taking a contiguous range of output rows.
     /// `Q4_0`, `Q4_1` and `Q8_0` give, for every row and token, exactly the bits of
-    /// [`super::quant::dot_q8_portable`] whatever `n_tokens` is.
+    /// [`super::quant::dot_q8`] whatever `n_tokens` is.
     pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
         matmul_many(&[self], x, n_tokens, &mut [out]);
     }
@@ -445,7 +445,7 @@ fn run_groups<S: Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::quant::{DotState, dot_q8_portable, dot_state_finish};
+    use crate::runtime::quant::{DotState, dot_q8, dot_state_finish};
 
     /// A `Q4_1` matrix of random nibbles with varied scales and minimums.
     fn q4_1(n_rows: usize, n_cols: usize, seed: u64) -> Weight {
@@ -492,7 +492,7 @@ mod tests {
             for (w, out) in weights.iter().zip(&outs) {
                 for t in 0..n_tokens {
                     for r in 0..w.n_rows {
-                        let reference = dot_q8_portable(w.ty, w.row(r), &quantized[t]);
+                        let reference = dot_q8(w.ty, w.row(r), &quantized[t]);
                         assert_eq!(
                             out[t * w.n_rows + r].to_bits(),
                             reference.to_bits(),

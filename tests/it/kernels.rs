@@ -2,7 +2,8 @@
 //! type dequantizes to the reference values (`tests/fixtures/quant_reference.json`, made by
 //! `scripts/gen_quant_fixtures.py`), and the integer dot kernels agree with them.
 
-use infer::runtime::quant::{GgmlType, dequantize_row, dot_q8, dot_q8_portable, quantize_row_q8};
+use infer::runtime::quant::{GgmlType, dequantize_row, dot_q8, quantize_row_q8};
+use infer::runtime::weights::Weight;
 use serde_json::Value;
 
 fn reference() -> Vec<(GgmlType, Vec<u8>, Vec<f32>)> {
@@ -79,9 +80,14 @@ fn integer_dots_agree_with_the_reference_values() {
         quantize_row_q8(&x, &mut xq);
         let exact: f32 = weights.iter().zip(&x).map(|(w, v)| w * v).sum();
         let norm: f32 = weights.iter().zip(&x).map(|(w, v)| (w * v).abs()).sum();
+        // The matrix product (packed SIMD kernels where the CPU has them) and the one-row
+        // reference.
+        let matrix = Weight::from_bytes(ty, 1, weights.len(), bytes.clone()).expect("one row");
+        let mut product = [0f32];
+        matrix.matmul(&x, 1, &mut product);
         for (name, got) in [
-            ("simd", dot_q8(ty, &bytes, &xq)),
-            ("portable", dot_q8_portable(ty, &bytes, &xq)),
+            ("matmul", product[0]),
+            ("reference", dot_q8(ty, &bytes, &xq)),
         ] {
             // Activation quantization costs at most half a step per element.
             assert!(
