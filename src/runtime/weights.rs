@@ -242,7 +242,7 @@ impl Weight {
         if !has_q8_kernel(self.ty) {
             anyhow::bail!("{:?} has no integer kernel to continue", self.ty);
         }
-        let quantized = self.quantize_tokens(x);
+        let quantized = quantize_tokens(x, self.n_cols);
         let Some(packed) = self.packed() else {
             let chunk_rows = self.chunk_rows();
             states
@@ -300,17 +300,12 @@ impl Weight {
         (self.n_rows / (rayon::current_num_threads() * 4)).clamp(16, 512)
     }
 
-    /// Each token of `x` (`(n_tokens, n_cols)`) quantized to 8-bit blocks, once.
-    fn quantize_tokens(&self, x: &[f32]) -> Vec<Vec<BlockQ8>> {
-        quantize_tokens(x, self.n_cols)
-    }
-
     /// `target[r * n_tokens + t] = W[r] · x[t]`, without packed rows: the portable one-row
     /// integer kernel, or rows dequantized to f32 for the other types.
     fn matmul_rows_major(&self, x: &[f32], n_tokens: usize, target: &mut [f32]) {
         let chunk_rows = self.chunk_rows();
         if has_q8_kernel(self.ty) {
-            let quantized = self.quantize_tokens(x);
+            let quantized = quantize_tokens(x, self.n_cols);
             target
                 .par_chunks_mut(chunk_rows * n_tokens)
                 .enumerate()
