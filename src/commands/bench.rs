@@ -122,7 +122,12 @@ struct AllreduceRow {
 /// What rank 0 reports at the end.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct AllreduceReport {
-    rows: Vec<AllreduceRow>,
+    /// The TCP ring over loopback.
+    tcp_rows: Vec<AllreduceRow>,
+    /// The shared-memory transport (empty when it was unavailable).
+    shm_rows: Vec<AllreduceRow>,
+    /// What carried the second table (`ShmComm::transport`).
+    shm_transport: String,
     stream_bytes_per_sec: f64,
 }
 
@@ -178,10 +183,46 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     }
     let report: AllreduceReport =
         serde_json::from_slice(&outputs[0].stdout).context("rank 0 printed no report")?;
-    let n = args.world as f64;
-    let mut table = format!(
-        "# all-reduce (sum, float32) over TCP, {} processes on this host\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n",
+    let stream = report.stream_bytes_per_sec / 1e9;
+    let mut table = allreduce_table(
+        &format!(
+            "TCP ring over loopback, {} processes on this host",
+            args.world
+        ),
+        &report.tcp_rows,
         args.world,
+        stream,
+    );
+    table.push('\n');
+    if report.shm_rows.is_empty() {
+        table.push_str(&format!(
+            "# shared memory: not measured ({})\n",
+            report.shm_transport
+        ));
+    } else {
+        table.push_str(&allreduce_table(
+            &format!(
+                "{}, {} processes on this host",
+                report.shm_transport, args.world
+            ),
+            &report.shm_rows,
+            args.world,
+            stream,
+        ));
+    }
+    table.push_str(&format!(
+        "\n# one plain TCP stream between two processes: {stream:.3} GB/s\n"
+    ));
+    printer.data(&table);
+    Ok(ExitStatus::Success)
+}
+
+/// One nccl-tests style table (size, count, type, time, algbw, busbw) with its busbw at
+/// 16 MiB as a share of `stream_gbps`.
+fn allreduce_table(title: &str, rows: &[AllreduceRow], world: usize, stream_gbps: f64) -> String {
+    let n = world as f64;
+    let mut table = format!(
+        "# all-reduce (sum, float32): {title}\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n",
         "size",
         "count",
         "type",
@@ -196,7 +237,7 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
         "(GB/s)"
     );
     let mut busbw_16m = None;
-    for row in &report.rows {
+    for row in rows {
         let algbw = row.bytes as f64 / row.time_secs / 1e9;
         // nccl-tests: busbw = algbw · 2(n−1)/n for all-reduce.
         let busbw = algbw * 2.0 * (n - 1.0) / n;
@@ -213,43 +254,25 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
             busbw
         ));
     }
-    let stream = report.stream_bytes_per_sec / 1e9;
-    table.push_str(&format!(
-        "# one plain TCP stream between two processes: {stream:.3} GB/s\n"
-    ));
     if let Some(busbw) = busbw_16m {
         table.push_str(&format!(
-            "# busbw at 16 MiB = {busbw:.3} GB/s = {:.0}% of the plain stream\n",
-            100.0 * busbw / stream
+            "# busbw at 16 MiB = {busbw:.3} GB/s = {:.0}% of one plain TCP stream\n",
+            100.0 * busbw / stream_gbps
         ));
     }
-    printer.data(&table);
-    Ok(ExitStatus::Success)
+    table
 }
 
-fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Result<ExitStatus> {
-    use std::io::{Read, Write};
-    use std::time::Duration;
-
-    use crate::runtime::comm::{Comm, TcpComm};
-    let token = std::env::var("INFER_RUN_TOKEN").context("`INFER_RUN_TOKEN` is not set")?;
-    let timeout = Duration::from_secs(60);
-    let mut store =
-        crate::rendezvous::StoreClient::connect(&args.store, &token, Some(args.rank), timeout)?;
-    let members: Vec<u64> = (0..args.world as u64).collect();
-    let mut comm = TcpComm::connect(
-        &mut store,
-        "bench",
-        &members,
-        args.rank,
-        "127.0.0.1",
-        timeout,
-    )?;
+/// Times `comm.all_reduce_sum` for every power-of-two size from 8 bytes to `max_bytes`
+/// (one warm-up call, a barrier, then enough repetitions for ~0.2 s, at least 3).
+fn allreduce_sizes(
+    comm: &mut dyn crate::runtime::comm::Comm,
+    max_bytes: usize,
+) -> Result<Vec<AllreduceRow>> {
     let mut rows = Vec::new();
     let mut bytes = 8;
-    while bytes <= args.max_bytes {
+    while bytes <= max_bytes {
         let mut data = vec![1f32; bytes / 4];
-        // Enough repetitions for ~0.2 s per size, at least 3.
         let iterations = (((200 << 20) / bytes.max(1 << 16)) as u32).clamp(3, 200);
         comm.all_reduce_sum(&mut data)?;
         comm.barrier()?;
@@ -263,6 +286,41 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
         });
         bytes *= 2;
     }
+    Ok(rows)
+}
+
+fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Result<ExitStatus> {
+    use std::io::{Read, Write};
+    use std::time::Duration;
+
+    use crate::runtime::comm::{Comm, TcpComm};
+    use crate::runtime::shm::ShmComm;
+    let token = std::env::var("INFER_RUN_TOKEN").context("`INFER_RUN_TOKEN` is not set")?;
+    let timeout = Duration::from_secs(60);
+    let mut store =
+        crate::rendezvous::StoreClient::connect(&args.store, &token, Some(args.rank), timeout)?;
+    let members: Vec<u64> = (0..args.world as u64).collect();
+    let tcp = TcpComm::connect(
+        &mut store,
+        "bench",
+        &members,
+        args.rank,
+        "127.0.0.1",
+        timeout,
+    )?;
+    let mut comm = match std::env::var("INFER_SHM_DISABLE") {
+        Ok(v) if v == "1" => ShmComm::tcp_only(tcp, "INFER_SHM_DISABLE=1"),
+        _ => ShmComm::new(tcp),
+    };
+    let tcp_rows = allreduce_sizes(comm.tcp_mut(), args.max_bytes)?;
+    // The first all-reduce decides the transport (a tiny one, collectively).
+    comm.all_reduce_sum(&mut [0f32])?;
+    let shm_transport = comm.transport();
+    let shm_rows = if shm_transport.starts_with("shared memory") {
+        allreduce_sizes(&mut comm, args.max_bytes)?
+    } else {
+        Vec::new()
+    };
     // One plain TCP stream, rank 1 → rank 0, 256 MiB in 1 MiB writes.
     let mut stream_bytes_per_sec = 0.0;
     let total: usize = 256 << 20;
@@ -295,7 +353,9 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
     comm.barrier()?;
     if args.rank == 0 {
         printer.data(&serde_json::to_string(&AllreduceReport {
-            rows,
+            tcp_rows,
+            shm_rows,
+            shm_transport,
             stream_bytes_per_sec,
         })?);
     }

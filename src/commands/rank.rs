@@ -45,6 +45,7 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
             Ok(_) => Some(number("INFER_KV_CACHE_TOKENS")?),
             Err(_) => None,
         },
+        shm: std::env::var("INFER_SHM_DISABLE").map_or(true, |v| v != "1"),
     };
     // Rank 0 of a serving gang listens before it loads, answering 503 meanwhile.
     let mut server = if config.rank == 0 {

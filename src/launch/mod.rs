@@ -400,6 +400,10 @@ fn spawn_rank(
         ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
         ("NO_COLOR".into(), "1".into()),
     ];
+    // NCCL-style transport switches pass through, as torchrun's ranks inherit them.
+    if let Ok(value) = std::env::var("INFER_SHM_DISABLE") {
+        env.push(("INFER_SHM_DISABLE".into(), value));
+    }
     env.extend(spec.extra_env.iter().cloned());
     let child = spawner.spawn(rank, &env, token, &log, lines)?;
     Ok(RankProcess {

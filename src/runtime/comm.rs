@@ -139,11 +139,36 @@ impl TcpComm {
         })
     }
 
-    fn context(&self, operation: &str, verb: &str, peer: usize) -> String {
+    /// `"{operation} in group `g` (rank R of n): {verb} rank P failed"`, naming global ranks.
+    pub(crate) fn context(&self, operation: &str, verb: &str, peer: usize) -> String {
         format!(
             "{operation} in group `{}` (rank {} of {}): {verb} rank {} failed",
             self.group, self.members[self.position], self.size, self.members[peer]
         )
+    }
+
+    /// The timeout every blocking call of this group runs under.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// True when the connection from `peer` reached end-of-file or failed: the peer process
+    /// exited (its sockets are closed by the kernel even when it is killed). Pending data
+    /// from a live peer is left unread.
+    pub(crate) fn peer_closed(&self, peer: usize) -> bool {
+        let Some(stream) = self.readers.get(peer).and_then(Option::as_ref) else {
+            return false;
+        };
+        if stream.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let result = stream.peek(&mut [0u8; 1]);
+        let restored = stream.set_nonblocking(false);
+        match result {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock || restored.is_err(),
+        }
     }
 
     fn write_to(&mut self, operation: &str, peer: usize, bytes: &[u8]) -> Result<()> {
@@ -208,6 +233,17 @@ impl TcpComm {
         let timeout = self.timeout;
         let writer = self.writers[to].as_mut().context("no connection")?;
         let reader = self.readers[from].as_mut().context("no connection")?;
+        if outgoing.len() <= INLINE_SEND_BYTES {
+            // A small frame fits in the peer's socket receive buffer, so writing it before
+            // reading cannot block on the peer; no sender thread (spawning one costs more
+            // than the transfer itself at decode sizes).
+            write_frame(writer, outgoing)
+                .map_err(|e| explain(e, timeout))
+                .context(send_context)?;
+            return receive(reader)
+                .map_err(|e| explain(e, timeout))
+                .context(receive_context);
+        }
         std::thread::scope(|scope| {
             let sender = scope.spawn(|| write_frame(writer, outgoing));
             let received = receive(reader)
@@ -276,8 +312,22 @@ fn explain(error: std::io::Error, timeout: Duration) -> anyhow::Error {
     }
 }
 
+/// Frames up to this size are sent without a helper thread in a simultaneous exchange: well
+/// under Linux's default TCP receive buffer (`net.ipv4.tcp_rmem` default 131072 bytes), so
+/// the write completes before the peer reads.
+const INLINE_SEND_BYTES: usize = 32 << 10;
+
+/// Writes the 8-byte little-endian length, then the bytes; small frames go out in one
+/// segment (with `TCP_NODELAY`, two writes would be two packets and two wake-ups).
 fn write_frame(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
-    stream.write_all(&(bytes.len() as u64).to_le_bytes())?;
+    let length = (bytes.len() as u64).to_le_bytes();
+    if bytes.len() <= INLINE_SEND_BYTES {
+        let mut frame = Vec::with_capacity(8 + bytes.len());
+        frame.extend_from_slice(&length);
+        frame.extend_from_slice(bytes);
+        return stream.write_all(&frame);
+    }
+    stream.write_all(&length)?;
     stream.write_all(bytes)
 }
 
@@ -312,7 +362,7 @@ fn disjoint(
 }
 
 /// Chunk `i` of `n` over `len` elements: `[i·len/n, (i+1)·len/n)`, sizes differing by ≤ 1.
-fn chunk(i: usize, n: usize, len: usize) -> std::ops::Range<usize> {
+pub(crate) fn chunk(i: usize, n: usize, len: usize) -> std::ops::Range<usize> {
     i * len / n..(i + 1) * len / n
 }
 

@@ -17,6 +17,7 @@ pub mod packed;
 pub mod quant;
 pub mod safetensors;
 pub mod sampling;
+pub mod shm;
 pub mod tokenizer;
 pub mod weights;
 pub mod worker;

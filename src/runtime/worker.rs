@@ -21,6 +21,7 @@ use super::gguf::GgufFile;
 use super::kv::KvPool;
 use super::llama::{KvCache, Llama, SequenceInput, StageOutput};
 use super::sampling::{Sampler, SamplingParams};
+use super::shm::ShmComm;
 use super::tokenizer::Tokenizer;
 use crate::rendezvous::StoreClient;
 
@@ -46,6 +47,9 @@ pub struct RankConfig {
     pub timeout: Duration,
     /// Positions the rank's KV pool holds (`None`: no limit).
     pub kv_cache_tokens: Option<usize>,
+    /// Whether groups on this host all-reduce through shared memory (`INFER_SHM_DISABLE=1`
+    /// turns it off, as `NCCL_SHM_DISABLE` does for NCCL).
+    pub shm: bool,
 }
 
 /// The job the launcher publishes under `job`.
@@ -153,12 +157,12 @@ pub struct Member {
     pp_rank: usize,
     pp: usize,
     shard: Llama,
-    tp_comm: TcpComm,
-    pp_comm: TcpComm,
+    tp_comm: ShmComm,
+    pp_comm: ShmComm,
     /// Every rank of the replica; the driver is its rank 0.
-    replica: TcpComm,
+    replica: ShmComm,
     /// The TP group again, for the MoE all-to-all, when experts are sharded.
-    ep_comm: Option<TcpComm>,
+    ep_comm: Option<ShmComm>,
     caches: HashMap<u64, KvCache>,
     /// Only on the sampling rank (last stage, tp rank 0).
     samplers: HashMap<u64, Sampler>,
@@ -208,9 +212,16 @@ impl Member {
         let tp_members: Vec<u64> = (0..tp).map(|t| base + (pp_rank * tp + t) as u64).collect();
         let pp_members: Vec<u64> = (0..pp).map(|s| base + (s * tp + tp_rank) as u64).collect();
         let all: Vec<u64> = (0..(tp * pp) as u64).map(|r| base + r).collect();
+        // Every rank of a run is on this host for now (the launcher starts local ranks), so
+        // every group gets the shared-memory all-reduce; groups spanning hosts will be TCP.
         let host = "127.0.0.1";
         let mut connect = |group: &str, members: &[u64]| {
-            TcpComm::connect(store, group, members, config.rank, host, config.timeout)
+            TcpComm::connect(store, group, members, config.rank, host, config.timeout).map(|tcp| {
+                match config.shm {
+                    true => ShmComm::new(tcp),
+                    false => ShmComm::tcp_only(tcp, "INFER_SHM_DISABLE=1"),
+                }
+            })
         };
         let tp_comm = connect(&format!("dp{dp_rank}/tp/{pp_rank}"), &tp_members)?;
         let pp_comm = connect(&format!("dp{dp_rank}/pp/{tp_rank}"), &pp_members)?;

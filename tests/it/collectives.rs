@@ -1,14 +1,28 @@
-//! TCP collectives against serial references, over real sockets between threads that each
-//! join the group through a real rendezvous store: group sizes 1–6, lengths that do not
-//! divide evenly, and a peer that disappears.
+//! Collectives against serial references, over real sockets (and a real shared-memory
+//! segment) between threads that each join the group through a real rendezvous store: group
+//! sizes 1–6, lengths that do not divide evenly, and a peer that disappears. Every test runs
+//! over both transports: the TCP ring and the shared-memory all-reduce.
 
 use std::time::Duration;
 
 use infer::rendezvous::{StoreClient, StoreServer, random_token};
 use infer::runtime::comm::{Comm, TcpComm};
+use infer::runtime::shm::ShmComm;
 
-/// Runs `body(comm)` on `n` threads that form group `group`; returns each thread's result.
-fn with_group<T: Send>(n: usize, body: impl Fn(&mut TcpComm) -> T + Sync) -> Vec<T> {
+/// Which all-reduce a test group uses.
+#[derive(Clone, Copy, Debug)]
+enum Transport {
+    Tcp,
+    Shm,
+}
+
+/// Runs `body(comm)` on `n` threads that form group `group` over `transport`; returns each
+/// thread's result.
+fn with_group<T: Send>(
+    n: usize,
+    transport: Transport,
+    body: impl Fn(&mut dyn Comm) -> T + Sync,
+) -> Vec<T> {
     let token = random_token();
     let server = StoreServer::start("127.0.0.1:0", &token).expect("store");
     let address = server.address().to_string();
@@ -31,7 +45,22 @@ fn with_group<T: Send>(n: usize, body: impl Fn(&mut TcpComm) -> T + Sync) -> Vec
                         Duration::from_secs(10),
                     )
                     .expect("group");
-                    body(&mut comm)
+                    match transport {
+                        Transport::Tcp => body(&mut comm),
+                        Transport::Shm => {
+                            let mut comm = ShmComm::new(comm);
+                            if n > 1 {
+                                // Decide the transport, and make sure it is the one tested.
+                                comm.all_reduce_sum(&mut [0.0]).expect("set-up");
+                                assert!(
+                                    comm.transport().starts_with("shared memory"),
+                                    "{}",
+                                    comm.transport()
+                                );
+                            }
+                            body(&mut comm)
+                        }
+                    }
                 })
             })
             .collect();
@@ -42,6 +71,8 @@ fn with_group<T: Send>(n: usize, body: impl Fn(&mut TcpComm) -> T + Sync) -> Vec
     })
 }
 
+const TRANSPORTS: [Transport; 2] = [Transport::Tcp, Transport::Shm];
+
 /// Integer-valued data so sums are exact whatever the order.
 fn data(rank: usize, len: usize) -> Vec<f32> {
     (0..len)
@@ -51,19 +82,29 @@ fn data(rank: usize, len: usize) -> Vec<f32> {
 
 #[test]
 fn all_reduce_matches_the_serial_sum_for_sizes_1_to_6() {
-    for n in 1..=6 {
-        for len in [0, 1, 5, 7, 1000, 65_539] {
-            let per_rank: Vec<Vec<f32>> = (0..n).map(|r| data(r, len)).collect();
-            let expected: Vec<f32> = (0..len)
-                .map(|i| per_rank.iter().map(|d| d[i]).sum())
-                .collect();
-            let results = with_group(n, |comm| {
-                let mut values = data(comm.rank(), len);
-                comm.all_reduce_sum(&mut values).expect("all-reduce");
-                values
-            });
-            for (rank, values) in results.iter().enumerate() {
-                assert_eq!(values, &expected, "n={n} len={len} rank={rank}");
+    for transport in TRANSPORTS {
+        for n in 1..=6 {
+            // 600 001 floats span three 1 MiB shared-memory pieces (both buffers, reused).
+            for len in [0, 1, 5, 7, 1000, 65_539, 600_001] {
+                let per_rank: Vec<Vec<f32>> = (0..n).map(|r| data(r, len)).collect();
+                let expected: Vec<f32> = (0..len)
+                    .map(|i| per_rank.iter().map(|d| d[i]).sum())
+                    .collect();
+                let results = with_group(n, transport, |comm| {
+                    let mut values = data(comm.rank(), len);
+                    comm.all_reduce_sum(&mut values).expect("all-reduce");
+                    // A second call on the same group reuses the segment's slots.
+                    let mut again = data(comm.rank(), len);
+                    comm.all_reduce_sum(&mut again).expect("all-reduce");
+                    assert_eq!(values, again);
+                    values
+                });
+                for (rank, values) in results.iter().enumerate() {
+                    assert!(
+                        values == &expected,
+                        "{transport:?} n={n} len={len} rank={rank}"
+                    );
+                }
             }
         }
     }
@@ -72,20 +113,55 @@ fn all_reduce_matches_the_serial_sum_for_sizes_1_to_6() {
 #[test]
 fn all_reduce_gives_bitwise_identical_results_on_every_rank() {
     // Non-integer values: the sum order matters, but every rank must end with the same bits.
-    let results = with_group(5, |comm| {
-        let mut values: Vec<f32> = (0..4097)
-            .map(|i| ((i * (comm.rank() + 3)) as f32).sin() / 3.0)
-            .collect();
+    for transport in TRANSPORTS {
+        let results = with_group(5, transport, |comm| {
+            let mut values: Vec<f32> = (0..300_007)
+                .map(|i| ((i * (comm.rank() + 3)) as f32).sin() / 3.0)
+                .collect();
+            comm.all_reduce_sum(&mut values).expect("all-reduce");
+            values.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        });
+        assert!(results.windows(2).all(|w| w[0] == w[1]), "{transport:?}");
+    }
+}
+
+#[test]
+fn the_shared_segment_is_unlinked_once_every_member_has_mapped_it() {
+    let prefix = format!("infer-shm-{}-", std::process::id());
+    let leftovers = || -> Vec<String> {
+        std::fs::read_dir("/dev/shm")
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|name| name.starts_with(&prefix))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let sums = with_group(3, Transport::Shm, |comm| {
+        // Still mapped and working after the file is gone.
+        let mut values = vec![comm.rank() as f32; 10];
         comm.all_reduce_sum(&mut values).expect("all-reduce");
-        values.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        values[0]
     });
-    assert!(results.windows(2).all(|w| w[0] == w[1]));
+    assert_eq!(sums, vec![3.0; 3]);
+    // Other tests of this process may be between creating and unlinking their own file;
+    // ours was unlinked before the group returned, so at most theirs remain, and briefly.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !leftovers().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(leftovers(), Vec::<String>::new());
 }
 
 #[test]
 fn all_gather_broadcast_send_recv_all_to_all_and_barrier() {
-    for n in 1..=6 {
-        let results = with_group(n, |comm| {
+    for (transport, n) in TRANSPORTS
+        .into_iter()
+        .flat_map(|t| (1..=6).map(move |n| (t, n)))
+    {
+        let results = with_group(n, transport, |comm| {
             let (rank, size) = (comm.rank(), comm.size());
             let mine = data(rank, 3);
             let mut gathered = vec![0f32; 3 * size];
@@ -134,23 +210,32 @@ fn all_gather_broadcast_send_recv_all_to_all_and_barrier() {
 
 #[test]
 fn a_vanished_peer_is_named_in_the_error() {
-    let results = with_group(3, |comm| {
-        if comm.rank() == 1 {
-            return None;
+    for transport in TRANSPORTS {
+        let started = std::time::Instant::now();
+        let results = with_group(3, transport, |comm| {
+            if comm.rank() == 1 {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            let mut values = vec![1f32; 10];
+            Some(
+                comm.all_reduce_sum(&mut values)
+                    .map_err(|e| format!("{e:#}")),
+            )
+        });
+        // Rank 1 returned and dropped its sockets (and, over shared memory, stopped taking
+        // part); the others fail naming a peer and the group, well before the 10 s timeout.
+        for result in results.into_iter().flatten() {
+            let error = result.expect_err("the group lost a member");
+            assert!(
+                error.contains("group `test`") && error.contains("rank 1"),
+                "{transport:?}: {error}"
+            );
         }
-        std::thread::sleep(Duration::from_millis(100));
-        let mut values = vec![1f32; 10];
-        Some(
-            comm.all_reduce_sum(&mut values)
-                .map_err(|e| format!("{e:#}")),
-        )
-    });
-    // Rank 1 returned and dropped its sockets; the others fail naming a peer and the group.
-    for result in results.into_iter().flatten() {
-        let error = result.expect_err("the group lost a member");
         assert!(
-            error.contains("group `test`") && error.contains("rank 1"),
-            "{error}"
+            started.elapsed() < Duration::from_secs(5),
+            "{transport:?}: {:?}",
+            started.elapsed()
         );
     }
 }

@@ -410,7 +410,11 @@ fn a_killed_rank_takes_infer_up_down_within_5_seconds() {
             .config()
             .http_status_as_error(false)
             .build()
-            .send_json(json!({"prompt": "1, 2, 3,", "max_tokens": 4000, "stream": true}))
+            // Greedy: "1, 2, 3," counts on for hundreds of tokens (sampled at the default
+            // temperature 1 it can stop within the 0.8 s before the kill).
+            .send_json(
+                json!({"prompt": "1, 2, 3,", "max_tokens": 4000, "temperature": 0, "stream": true}),
+            )
             .and_then(|response| response.into_body().read_to_string())
     });
     std::thread::sleep(std::time::Duration::from_millis(800));

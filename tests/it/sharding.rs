@@ -1,5 +1,6 @@
-//! Sharded SmolLM2 against the whole model: tensor parallelism over real sockets between
-//! threads, pipeline stages chained, and the greedy tokens they produce.
+//! Sharded SmolLM2 against the whole model: tensor parallelism between threads over the
+//! transport rank processes use (TCP connections plus the shared-memory all-reduce),
+//! pipeline stages chained, and the greedy tokens they produce.
 
 use std::time::Duration;
 
@@ -7,6 +8,7 @@ use infer::rendezvous::{StoreClient, StoreServer, random_token};
 use infer::runtime::comm::{Comm, TcpComm};
 use infer::runtime::llama::{Llama, SequenceInput, StageOutput};
 use infer::runtime::sampling::argmax;
+use infer::runtime::shm::ShmComm;
 
 fn smollm2() -> Llama {
     let path = infer::model::default::ensure(&mut |_| {}).expect("model");
@@ -44,7 +46,7 @@ fn greedy(
                         .iter()
                         .map(|&(first, n)| model.shard(tp_rank, tp, first, n).expect("shard"))
                         .collect();
-                    let mut comms: Vec<TcpComm> = (0..pp)
+                    let mut comms: Vec<ShmComm> = (0..pp)
                         .map(|stage| {
                             let mut store = StoreClient::connect(
                                 &address,
@@ -61,6 +63,7 @@ fn greedy(
                                 "127.0.0.1",
                                 Duration::from_secs(30),
                             )
+                            .map(ShmComm::new)
                             .expect("tp group")
                         })
                         .collect();
@@ -234,6 +237,7 @@ fn moe_greedy(
                         "127.0.0.1",
                         Duration::from_secs(30),
                     )
+                    .map(ShmComm::new)
                     .expect("tp");
                     let mut ep_comm = TcpComm::connect(
                         &mut store,
@@ -243,6 +247,7 @@ fn moe_greedy(
                         "127.0.0.1",
                         Duration::from_secs(30),
                     )
+                    .map(ShmComm::new)
                     .expect("ep");
                     let mut cache = shard.new_cache();
                     let (mut tokens, mut first_logits) = (Vec::new(), Vec::new());

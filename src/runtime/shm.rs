@@ -1,0 +1,456 @@
+//! Shared-memory transport for a group whose members share one host, like NCCL's SHM
+//! transport: NCCL never sends intra-node traffic through loopback TCP, and neither do we.
+//!
+//! [`ShmComm`] keeps the group's TCP connections ([`TcpComm`]) for everything else and
+//! moves all-reduce through one shared segment: every member publishes its data into its
+//! own slot, reduces its `1/n` chunk straight out of the other slots (summing in member
+//! order, so every member ends with the same bits), and copies the other reduced chunks
+//! back. That moves each byte through memory a few times instead of through the kernel's
+//! socket buffers twice per hop, which is what bounds a TCP ring when ranks outnumber cores.
+//!
+//! The segment is created on the first all-reduce (a collective call, so the members agree
+//! on it over TCP): member 0 creates a file in `/dev/shm`, every member maps it, and the
+//! file is unlinked as soon as all have, so nothing is left behind even if a rank is killed
+//! later. When the segment cannot be made, the group falls back to TCP for good, and says
+//! why ([`ShmComm::transport`]); [`ShmComm::tcp_only`] never tries (the launcher forwards
+//! `INFER_SHM_DISABLE=1`, NCCL's `NCCL_SHM_DISABLE`, for that).
+//!
+//! Waiting spins briefly, then sleeps on a futex on the peer's sequence word; every 100 ms a
+//! sleeping member checks the peer's TCP connection, so a peer that exits or is killed is
+//! named within that time instead of at the timeout.
+
+use std::fs::{File, OpenOptions};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use memmap2::MmapMut;
+use rustix::thread::futex;
+
+use super::comm::{Comm, TcpComm, chunk};
+
+/// Bytes of one member's slot: an all-reduce moves through the segment in pieces of this
+/// size, double-buffered. 1 MiB keeps a piece in a Zen 4 / Sapphire Rapids L2 while
+/// making a 16 MiB all-reduce 16 rounds of three synchronisations.
+const SLOT_BYTES: usize = 1 << 20;
+
+/// Cache-line pair that each sequence word lives alone in (adjacent-line prefetch pulls
+/// lines in pairs on x86).
+const LINE_BYTES: usize = 128;
+
+/// Busy-wait iterations (`pause` each, ~20 ns on current x86) before sleeping on a futex.
+const SPIN_ITERATIONS: u32 = 2000;
+
+/// How often a sleeping member wakes to check that the peer it waits for is still alive.
+const LIVENESS_POLL: Duration = Duration::from_millis(100);
+
+/// The three phases of one piece, each a per-member sequence word in the segment header.
+#[derive(Clone, Copy, Debug)]
+enum Phase {
+    /// The member's slot holds its data for the piece.
+    Published = 0,
+    /// The member's reduced chunk is in the shared output slot.
+    Reduced = 1,
+    /// The member has copied every reduced chunk out: both its slots may be reused.
+    Done = 2,
+}
+
+/// A group of processes on one host: TCP for all operations but all-reduce, which goes
+/// through shared memory once the members have mapped a common segment.
+pub struct ShmComm {
+    tcp: TcpComm,
+    state: State,
+}
+
+enum State {
+    /// No all-reduce yet; the segment is made on the first one.
+    Pending,
+    Ready(Segment),
+    /// Shared memory is off for this group, for the reason given.
+    Tcp(String),
+}
+
+impl ShmComm {
+    /// Wraps a connected TCP group whose members all run on this host. The shared segment
+    /// is made on the first all-reduce (a one-member group never needs one).
+    pub fn new(tcp: TcpComm) -> ShmComm {
+        ShmComm {
+            tcp,
+            state: State::Pending,
+        }
+    }
+
+    /// Wraps a TCP group that must not use shared memory, for the reason given (members
+    /// on several hosts, or `INFER_SHM_DISABLE=1`).
+    pub fn tcp_only(tcp: TcpComm, why: &str) -> ShmComm {
+        ShmComm {
+            tcp,
+            state: State::Tcp(why.to_string()),
+        }
+    }
+
+    /// The TCP group underneath (the same members and connections).
+    pub fn tcp_mut(&mut self) -> &mut TcpComm {
+        &mut self.tcp
+    }
+
+    /// What carries all-reduce now: `"shared memory (/dev/shm)"`, `"TCP: <why>"`, or
+    /// `"not decided yet"` before the first all-reduce.
+    pub fn transport(&self) -> String {
+        match &self.state {
+            State::Pending => "not decided yet".into(),
+            State::Ready(segment) => format!("shared memory ({})", segment.directory.display()),
+            State::Tcp(why) => format!("TCP: {why}"),
+        }
+    }
+
+    /// Makes (member 0) or maps (the others) the segment; every member learns whether all
+    /// succeeded, so they switch transports together. Errors: only a failed TCP collective.
+    fn set_up(&mut self) -> Result<()> {
+        let (n, position) = (self.tcp.size(), self.tcp.rank());
+        let bytes = Segment::bytes(n);
+        let mut announced = Vec::new();
+        let mut created: Option<PathBuf> = None;
+        let mut why = String::new();
+        if position == 0 {
+            match create_file(bytes) {
+                Ok(path) => {
+                    announced = path.to_string_lossy().into_owned().into_bytes();
+                    created = Some(path);
+                }
+                Err(e) => why = format!("cannot create the shared segment: {e:#}"),
+            }
+        }
+        self.tcp.broadcast(&mut announced, 0)?;
+        let mapped = if announced.is_empty() {
+            None
+        } else {
+            let path = PathBuf::from(String::from_utf8_lossy(&announced).into_owned());
+            match Segment::map(&path, n, position) {
+                Ok(segment) => Some(segment),
+                Err(e) => {
+                    why = format!("cannot map {}: {e:#}", path.display());
+                    None
+                }
+            }
+        };
+        // Also the barrier after which nobody opens the file any more.
+        let mut failures = [if mapped.is_some() { 0f32 } else { 1f32 }];
+        self.tcp.all_reduce_sum(&mut failures)?;
+        if let Some(path) = created {
+            let _ = std::fs::remove_file(path);
+        }
+        self.state = match mapped {
+            Some(segment) if failures[0] == 0.0 => State::Ready(segment),
+            _ if why.is_empty() => State::Tcp(format!(
+                "{} member(s) could not map the shared segment",
+                failures[0]
+            )),
+            _ => State::Tcp(why),
+        };
+        Ok(())
+    }
+}
+
+/// Creates a zero-filled file of `bytes` in `/dev/shm` (tmpfs), or the temporary
+/// directory when there is none; returns its path.
+fn create_file(bytes: usize) -> Result<PathBuf> {
+    let directory = PathBuf::from("/dev/shm");
+    let directory = if directory.is_dir() {
+        directory
+    } else {
+        std::env::temp_dir()
+    };
+    let path = directory.join(format!(
+        "infer-shm-{}-{:016x}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .with_context(|| format!("cannot create {}", path.display()))?;
+    if let Err(e) = file.set_len(bytes as u64) {
+        let _ = std::fs::remove_file(&path);
+        return Err(e).with_context(|| format!("cannot size {} to {bytes} bytes", path.display()));
+    }
+    Ok(path)
+}
+
+/// One member's view of the mapped segment.
+///
+/// Layout: a header of `3 · n` lines (one per member and [`Phase`], each holding the
+/// sequence word, a sleeper count and the piece length), then `2 · n` input slots (member
+/// `m`, buffer `b` at `m · 2 + b`) and 2 output slots, each [`SLOT_BYTES`].
+struct Segment {
+    _map: MmapMut,
+    base: *mut u8,
+    directory: PathBuf,
+    n: usize,
+    position: usize,
+    /// Sequence number of the next piece (wrapping; compared by signed difference).
+    piece: u32,
+}
+
+// SAFETY: `base` points into `_map`, which the segment owns and which stays mapped at the
+// same address until the segment is dropped; the segment is used by one thread at a time.
+unsafe impl Send for Segment {}
+
+impl Segment {
+    const SLOT_FLOATS: usize = SLOT_BYTES / 4;
+
+    fn header_bytes(n: usize) -> usize {
+        (3 * n * LINE_BYTES).next_multiple_of(4096)
+    }
+
+    /// Total segment size for `n` members.
+    fn bytes(n: usize) -> usize {
+        Self::header_bytes(n) + (2 * n + 2) * SLOT_BYTES
+    }
+
+    fn map(path: &std::path::Path, n: usize, position: usize) -> Result<Segment> {
+        let file: File = OpenOptions::new().read(true).write(true).open(path)?;
+        let length = file.metadata()?.len();
+        if length != Self::bytes(n) as u64 {
+            bail!("{length} bytes, expected {}", Self::bytes(n));
+        }
+        // SAFETY: the file is private to this group (random name, created exclusively) and
+        // only accessed through the protocol below.
+        let mut map = unsafe { MmapMut::map_mut(&file)? };
+        let base = map.as_mut_ptr();
+        Ok(Segment {
+            _map: map,
+            base,
+            directory: path.parent().map(PathBuf::from).unwrap_or_default(),
+            n,
+            position,
+            piece: 0,
+        })
+    }
+
+    fn line(&self, member: usize, phase: Phase) -> *mut u8 {
+        let offset = (member * 3 + phase as usize) * LINE_BYTES;
+        // SAFETY: within the header for `member < n`.
+        unsafe { self.base.add(offset) }
+    }
+
+    /// Word `word` (0: sequence, 1: sleepers, 2: piece length) of a header line.
+    fn word(&self, member: usize, phase: Phase, word: usize) -> &AtomicU32 {
+        // SAFETY: 4-byte aligned (lines are 128-byte aligned in a page-aligned mapping),
+        // inside the mapping, and only ever accessed atomically.
+        unsafe { &*(self.line(member, phase).add(4 * word) as *const AtomicU32) }
+    }
+
+    fn input(&self, member: usize, buffer: usize) -> *mut f32 {
+        let offset = Self::header_bytes(self.n) + (member * 2 + buffer) * SLOT_BYTES;
+        // SAFETY: within the mapping; 4096-aligned.
+        unsafe { self.base.add(offset) as *mut f32 }
+    }
+
+    fn output(&self, buffer: usize) -> *mut f32 {
+        let offset = Self::header_bytes(self.n) + (2 * self.n + buffer) * SLOT_BYTES;
+        // SAFETY: as `input`.
+        unsafe { self.base.add(offset) as *mut f32 }
+    }
+
+    /// Publishes this member's `phase` as `value` and wakes members sleeping on it.
+    fn signal(&self, phase: Phase, value: u32) {
+        let word = self.word(self.position, phase, 0);
+        word.store(value, Ordering::SeqCst);
+        if self.word(self.position, phase, 1).load(Ordering::SeqCst) > 0 {
+            let _ = futex::wake(word, futex::Flags::empty(), i32::MAX as u32);
+        }
+    }
+
+    /// Blocks until every other member's `phase` has reached `target`. Errors: a member
+    /// whose process exited, or the group's timeout (both name the global rank).
+    fn wait_for(&self, tcp: &TcpComm, phase: Phase, target: u32) -> Result<()> {
+        let reached = |seen: u32| seen.wrapping_sub(target) as i32 >= 0;
+        'members: for member in (0..self.n).filter(|&m| m != self.position) {
+            let word = self.word(member, phase, 0);
+            for _ in 0..SPIN_ITERATIONS {
+                if reached(word.load(Ordering::Acquire)) {
+                    continue 'members;
+                }
+                std::hint::spin_loop();
+            }
+            let sleepers = self.word(member, phase, 1);
+            let deadline = Instant::now() + tcp.timeout();
+            let poll = futex::Timespec {
+                tv_sec: 0,
+                tv_nsec: LIVENESS_POLL.as_nanos() as _,
+            };
+            loop {
+                // Dekker with `signal`: either it sees our sleeper count, or we see its value.
+                sleepers.fetch_add(1, Ordering::SeqCst);
+                let seen = word.load(Ordering::SeqCst);
+                if !reached(seen) {
+                    // EAGAIN (the word moved), EINTR and ETIMEDOUT all mean: look again.
+                    let _ = futex::wait(word, futex::Flags::empty(), seen, Some(&poll));
+                }
+                sleepers.fetch_sub(1, Ordering::SeqCst);
+                if reached(word.load(Ordering::Acquire)) {
+                    continue 'members;
+                }
+                if tcp.peer_closed(member) {
+                    bail!(
+                        "{}: the peer exited",
+                        tcp.context("all-reduce (shared memory)", "waiting for", member)
+                    );
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "{}: timed out after {:?}",
+                        tcp.context("all-reduce (shared memory)", "waiting for", member),
+                        tcp.timeout()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sums `data` over the group, piece by piece (see the module docs). Every member
+    /// reduces its chunk as `((x₀ + x₁) + x₂) + …` in member order, so all end with the
+    /// same bits. Errors: a dead or late peer, or members passing different lengths.
+    fn all_reduce(&mut self, tcp: &TcpComm, data: &mut [f32]) -> Result<()> {
+        let (n, me) = (self.n, self.position);
+        for piece in data.chunks_mut(Self::SLOT_FLOATS) {
+            let sequence = self.piece;
+            self.piece = sequence.wrapping_add(1);
+            let buffer = (sequence & 1) as usize;
+            let len = piece.len();
+            let mine = chunk(me, n, len);
+            // This buffer last carried piece `sequence − 2`: everyone must be done with it.
+            self.wait_for(tcp, Phase::Done, sequence.wrapping_sub(1))?;
+            let slot = self.input(me, buffer);
+            // SAFETY: our own input slot (`len ≤ SLOT_FLOATS`), which no member reads until
+            // we signal `Published`; `piece` is private memory.
+            unsafe {
+                std::ptr::copy_nonoverlapping(piece.as_ptr(), slot, mine.start);
+                std::ptr::copy_nonoverlapping(
+                    piece.as_ptr().add(mine.end),
+                    slot.add(mine.end),
+                    len - mine.end,
+                );
+            }
+            self.word(me, Phase::Published, 2)
+                .store(len as u32, Ordering::Relaxed);
+            self.signal(Phase::Published, sequence.wrapping_add(1));
+            self.wait_for(tcp, Phase::Published, sequence.wrapping_add(1))?;
+            for member in (0..n).filter(|&m| m != me) {
+                let theirs = self
+                    .word(member, Phase::Published, 2)
+                    .load(Ordering::Relaxed);
+                if theirs as usize != len {
+                    bail!(
+                        "{}: it passed a piece of {theirs} floats, this rank {len} (members called all-reduce with different sizes?)",
+                        tcp.context("all-reduce (shared memory)", "reducing with", member)
+                    );
+                }
+            }
+            self.reduce_chunk(piece, mine.clone(), buffer);
+            self.signal(Phase::Reduced, sequence.wrapping_add(1));
+            self.wait_for(tcp, Phase::Reduced, sequence.wrapping_add(1))?;
+            let output = self.output(buffer);
+            // SAFETY: every member's reduced chunk is final (they signalled `Reduced`) and
+            // stays so until we signal `Done`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(output, piece.as_mut_ptr(), mine.start);
+                std::ptr::copy_nonoverlapping(
+                    output.add(mine.end),
+                    piece.as_mut_ptr().add(mine.end),
+                    len - mine.end,
+                );
+            }
+            self.signal(Phase::Done, sequence.wrapping_add(1));
+        }
+        Ok(())
+    }
+
+    /// `piece[mine] = Σₘ xₘ[mine]` in member order (our own values from `piece`, the others'
+    /// from their slots), also written to the output slot for the others.
+    fn reduce_chunk(&self, piece: &mut [f32], mine: std::ops::Range<usize>, buffer: usize) {
+        const BLOCK: usize = 1024;
+        let mut sum = [0f32; BLOCK];
+        let mut start = mine.start;
+        while start < mine.end {
+            let end = (start + BLOCK).min(mine.end);
+            let width = end - start;
+            for member in 0..self.n {
+                let source: &[f32] = if member == self.position {
+                    &piece[start..end]
+                } else {
+                    // SAFETY: the member published this slot (`Published`) and will not
+                    // write it again before we signal `Reduced`.
+                    unsafe {
+                        std::slice::from_raw_parts(self.input(member, buffer).add(start), width)
+                    }
+                };
+                if member == 0 {
+                    sum[..width].copy_from_slice(source);
+                } else {
+                    for (total, value) in sum[..width].iter_mut().zip(source) {
+                        *total += value;
+                    }
+                }
+            }
+            piece[start..end].copy_from_slice(&sum[..width]);
+            // SAFETY: our chunk of the output slot, which nobody reads before `Reduced`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(sum.as_ptr(), self.output(buffer).add(start), width);
+            }
+            start = end;
+        }
+    }
+}
+
+impl Comm for ShmComm {
+    fn rank(&self) -> usize {
+        self.tcp.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.tcp.size()
+    }
+
+    fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<()> {
+        if self.tcp.size() == 1 {
+            return Ok(());
+        }
+        if matches!(self.state, State::Pending) {
+            self.set_up()?;
+        }
+        match &mut self.state {
+            State::Ready(segment) => segment.all_reduce(&self.tcp, data),
+            _ => self.tcp.all_reduce_sum(data),
+        }
+    }
+
+    fn all_gather(&mut self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        self.tcp.all_gather(send, recv)
+    }
+
+    fn broadcast(&mut self, data: &mut Vec<u8>, root: usize) -> Result<()> {
+        self.tcp.broadcast(data, root)
+    }
+
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
+        self.tcp.send(peer, data)
+    }
+
+    fn recv(&mut self, peer: usize) -> Result<Vec<u8>> {
+        self.tcp.recv(peer)
+    }
+
+    fn all_to_all_v(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+        self.tcp.all_to_all_v(send)
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.tcp.barrier()
+    }
+}
