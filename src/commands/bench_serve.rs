@@ -2,11 +2,13 @@
 //! ready), then drives it over HTTP with 1, 4 and 16 concurrent streaming clients and prints
 //! tokens/s, TTFT and TPOT percentiles the way vLLM's `benchmark_serving.py` reports them.
 //!
-//! The client is a plain HTTP/1.1 request over `std::net::TcpStream` (`Connection: close`),
-//! reading the SSE `data:` lines as they arrive, so TTFT includes the HTTP server.
+//! The client is plain HTTP/1.1 (`Connection: close`) reading the SSE `data:` lines as they
+//! arrive, so TTFT includes the HTTP server. Every stream runs on one client thread (a
+//! single-threaded tokio runtime), as `benchmark_serving.py` runs its streams on one asyncio
+//! loop: on a small machine, 16 client threads woken on every token would compete with the
+//! server for the cores and measure the client as much as the server.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -94,8 +96,14 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     // Keep draining the server's stderr so it never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
 
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the client runtime")?;
     // One warm-up request page-faults the weights in.
-    request(&address, PROMPTS[0], 8).context("warm-up request failed")?;
+    client
+        .block_on(request(&address, PROMPTS[0], 8))
+        .context("warm-up request failed")?;
     let mut rows = vec![format!(
         "time to ready  {ready_secs:.2} s (process start to listening, {})",
         if args.tp * args.pp > 1 {
@@ -116,22 +124,22 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     let mut single_stream = None;
     for &streams in &args.concurrency {
         let start = Instant::now();
-        let handles: Vec<_> = (0..streams)
-            .map(|i| {
-                let address = address.clone();
-                let max_tokens = args.max_tokens;
-                std::thread::spawn(move || {
-                    request(&address, PROMPTS[i % PROMPTS.len()], max_tokens)
+        let samples = client.block_on(async {
+            let handles: Vec<_> = (0..streams)
+                .map(|i| {
+                    let address = address.clone();
+                    let max_tokens = args.max_tokens;
+                    tokio::spawn(async move {
+                        request(&address, PROMPTS[i % PROMPTS.len()], max_tokens).await
+                    })
                 })
-            })
-            .collect();
-        let mut samples = Vec::new();
-        for handle in handles {
-            let sample = handle
-                .join()
-                .map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
-            samples.push(sample);
-        }
+                .collect();
+            let mut samples = Vec::new();
+            for handle in handles {
+                samples.push(handle.await.context("a client task panicked")??);
+            }
+            anyhow::Ok(samples)
+        })?;
         let wall_secs = start.elapsed().as_secs_f64();
         let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
         let tokens_per_sec = tokens as f64 / wall_secs;
@@ -171,33 +179,48 @@ fn percentile(values: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
-/// Sends one streaming `/v1/completions` request and times its chunks.
-fn request(address: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
+/// Sends one streaming `/v1/completions` request and times its chunks. Errors: no
+/// connection, a non-200 answer, an error event, or no answer within 300 s.
+async fn request(address: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
+    tokio::time::timeout(
+        Duration::from_secs(300),
+        stream_completion(address, prompt, max_tokens),
+    )
+    .await
+    .context("no complete answer within 300 s")?
+}
+
+async fn stream_completion(address: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let body = serde_json::json!({
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true,
     })
     .to_string();
-    let mut stream =
-        TcpStream::connect(address).with_context(|| format!("cannot connect to {address}"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(300)))?;
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .with_context(|| format!("cannot connect to {address}"))?;
     let sent = Instant::now();
-    write!(
-        stream,
-        "POST /v1/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
+    stream
+        .write_all(
+            format!(
+                "POST /v1/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await?;
     let mut reader = BufReader::new(stream);
     let mut status = String::new();
-    reader.read_line(&mut status)?;
+    reader.read_line(&mut status).await?;
     if !status.contains(" 200 ") {
         let mut rest = String::new();
-        let _ = reader.read_to_string(&mut rest);
+        let _ = reader.read_to_string(&mut rest).await;
         bail!("the server answered {}: {rest}", status.trim());
     }
     let mut token_times = Vec::new();
     let mut completion_tokens = None;
-    for line in reader.lines() {
-        let line = line?;
+    let mut lines = reader.lines();
+    while let Some(line) = lines.next_line().await? {
         let Some(data) = line.strip_prefix("data: ") else {
             continue;
         };

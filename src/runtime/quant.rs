@@ -450,10 +450,13 @@ pub fn weighted_sum_f16_heads(weights: &[f32], values: &[&[f16]], out: &mut [f32
     let n_positions = values.len();
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && width.is_multiple_of(8) && heads <= 8 {
-        let rounded: Vec<f32> = weights.iter().map(|w| f16::from_f32(*w).to_f32()).collect();
+        let mut rounded = weights.to_vec();
         // SAFETY: AVX2/FMA/F16C present; every value row has `width` elements, a multiple of
         // 8; `rounded` holds `heads` rows of `n_positions`, `out` `heads` rows of `width`.
-        unsafe { avx2::weighted_sum_heads(&rounded, values, out, heads, width) };
+        unsafe {
+            avx2::round_through_f16(&mut rounded);
+            avx2::weighted_sum_heads(&rounded, values, out, heads, width)
+        };
         return;
     }
     for (h, out) in out.chunks_exact_mut(width).enumerate() {
@@ -548,7 +551,9 @@ mod avx2 {
         unsafe { hsum(acc) }
     }
 
-    /// [`super::attention_scores`] on AVX2 (up to 8 heads).
+    /// [`super::attention_scores`] on AVX2 (up to 8 heads): two positions at a time, so
+    /// twice as many independent FMA chains are in flight (each position's lanes and order
+    /// are those of [`dot_f16_f32`]).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attention_scores(
         keys: &[&[half::f16]],
@@ -559,11 +564,31 @@ mod avx2 {
         width: usize,
     ) {
         let n_positions = keys.len();
-        for (p, key) in keys.iter().enumerate() {
+        let mut p = 0;
+        while p + 2 <= n_positions {
+            let (k0, k1) = (keys[p].as_ptr(), keys[p + 1].as_ptr());
+            let mut acc0 = [_mm256_setzero_ps(); 8];
+            let mut acc1 = [_mm256_setzero_ps(); 8];
+            for i in (0..width).step_by(8) {
+                let x0 = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(k0.add(i) as *const __m128i) });
+                let x1 = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(k1.add(i) as *const __m128i) });
+                for h in 0..heads {
+                    let y = unsafe { _mm256_loadu_ps(queries.as_ptr().add(h * width + i)) };
+                    acc0[h] = _mm256_fmadd_ps(x0, y, acc0[h]);
+                    acc1[h] = _mm256_fmadd_ps(x1, y, acc1[h]);
+                }
+            }
+            for h in 0..heads {
+                scores[h * n_positions + p] = unsafe { hsum(acc0[h]) } * scale;
+                scores[h * n_positions + p + 1] = unsafe { hsum(acc1[h]) } * scale;
+            }
+            p += 2;
+        }
+        if p < n_positions {
+            let key = keys[p].as_ptr();
             let mut acc = [_mm256_setzero_ps(); 8];
             for i in (0..width).step_by(8) {
-                let halves = unsafe { _mm_loadu_si128(key.as_ptr().add(i) as *const __m128i) };
-                let x = _mm256_cvtph_ps(halves);
+                let x = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(key.add(i) as *const __m128i) });
                 for (h, acc) in acc.iter_mut().enumerate().take(heads) {
                     let y = unsafe { _mm256_loadu_ps(queries.as_ptr().add(h * width + i)) };
                     *acc = _mm256_fmadd_ps(x, y, *acc);
@@ -575,9 +600,25 @@ mod avx2 {
         }
     }
 
+    /// Rounds every value to the nearest f16 (ties to even) and back, in place: what
+    /// `f16::from_f32(v).to_f32()` gives, eight at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn round_through_f16(values: &mut [f32]) {
+        let mut chunks = values.chunks_exact_mut(8);
+        for chunk in &mut chunks {
+            let v = unsafe { _mm256_loadu_ps(chunk.as_ptr()) };
+            let rounded = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+            unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), rounded) };
+        }
+        for v in chunks.into_remainder() {
+            *v = half::f16::from_f32(*v).to_f32();
+        }
+    }
+
     /// [`super::weighted_sum_f16_heads`] on AVX2 (up to 8 heads), `weights` already rounded
     /// to f16: per 8 outputs, each lane class `p mod 8` accumulates its positions in order in
-    /// registers, then the 8 lane vectors are summed in `hsum8`'s order.
+    /// registers, then the 8 lane vectors are summed in `hsum8`'s order. `LANES` lane
+    /// classes advance together, so `LANES × heads` FMA chains are independent.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn weighted_sum_heads(
         weights: &[f32],
@@ -586,29 +627,57 @@ mod avx2 {
         heads: usize,
         width: usize,
     ) {
-        let n_positions = values.len();
-        for c in (0..width).step_by(8) {
-            let mut lanes = [[_mm256_setzero_ps(); 8]; 8];
-            for lane in 0..8 {
-                let mut acc = [_mm256_setzero_ps(); 8];
-                for p in (lane..n_positions).step_by(8) {
-                    let row = values[p].as_ptr();
-                    let x =
-                        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(row.add(c) as *const __m128i) });
-                    for (h, acc) in acc.iter_mut().enumerate().take(heads) {
-                        let w = _mm256_set1_ps(weights[h * n_positions + p]);
-                        *acc = _mm256_fmadd_ps(x, w, *acc);
+        unsafe {
+            match heads {
+                1 => weighted_sum_lanes::<8>(weights, values, out, heads, width),
+                2 | 3 => weighted_sum_lanes::<4>(weights, values, out, heads, width),
+                4..=6 => weighted_sum_lanes::<2>(weights, values, out, heads, width),
+                _ => weighted_sum_lanes::<1>(weights, values, out, heads, width),
+            }
+        }
+    }
+
+    // Indexing by head and lane reads clearer than nested iterators here.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn weighted_sum_lanes<const LANES: usize>(
+        weights: &[f32],
+        values: &[&[half::f16]],
+        out: &mut [f32],
+        heads: usize,
+        width: usize,
+    ) {
+        unsafe {
+            let n_positions = values.len();
+            for c in (0..width).step_by(8) {
+                let mut lanes = [[_mm256_setzero_ps(); 8]; 8];
+                for first in (0..8).step_by(LANES) {
+                    let mut acc = [[_mm256_setzero_ps(); LANES]; 8];
+                    let mut base = first;
+                    while base < n_positions {
+                        for j in 0..LANES.min(n_positions - base) {
+                            let p = base + j;
+                            let row = values[p].as_ptr();
+                            let x = _mm256_cvtph_ps(_mm_loadu_si128(row.add(c) as *const __m128i));
+                            for h in 0..heads {
+                                let w = _mm256_set1_ps(*weights.get_unchecked(h * n_positions + p));
+                                acc[h][j] = _mm256_fmadd_ps(x, w, acc[h][j]);
+                            }
+                        }
+                        base += 8;
+                    }
+                    for h in 0..heads {
+                        for j in 0..LANES {
+                            lanes[h][first + j] = acc[h][j];
+                        }
                     }
                 }
-                for (lanes, acc) in lanes.iter_mut().zip(acc).take(heads) {
-                    lanes[lane] = acc;
+                for (h, l) in lanes.iter().enumerate().take(heads) {
+                    let even = _mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6]));
+                    let odd = _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7]));
+                    let sum = _mm256_add_ps(even, odd);
+                    _mm256_storeu_ps(out.as_mut_ptr().add(h * width + c), sum);
                 }
-            }
-            for (h, l) in lanes.iter().enumerate().take(heads) {
-                let even = _mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6]));
-                let odd = _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7]));
-                let sum = _mm256_add_ps(even, odd);
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(h * width + c), sum) };
             }
         }
     }
@@ -801,7 +870,16 @@ pub(crate) mod tests {
     /// The grouped (GQA) attention kernels give each head exactly the one-head bits.
     #[test]
     fn grouped_attention_kernels_equal_one_head_at_a_time() {
-        let (width, n_positions, heads) = (64, 19, 3);
+        // Every lane grouping of the AVX2 weighted sum (1, 2–3, 4–6, 7–8 heads), odd and
+        // even position counts, fewer positions than lanes.
+        for heads in [1, 2, 3, 4, 7, 8] {
+            for n_positions in [1, 2, 7, 19, 40] {
+                grouped_attention_case(64, n_positions, heads);
+            }
+        }
+    }
+
+    fn grouped_attention_case(width: usize, n_positions: usize, heads: usize) {
         let rows: Vec<Vec<f16>> = (0..n_positions)
             .map(|p| {
                 (0..width)
