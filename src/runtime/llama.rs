@@ -674,7 +674,7 @@ impl Llama {
         let mut gate = vec![0f32; n * c.intermediate_size];
         let mut up = vec![0f32; n * c.intermediate_size];
         for (layer_idx, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
+            rms_norm_tokens(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
             matmul_many(
                 &[&layer.wq, &layer.wk, &layer.wv],
                 &normed,
@@ -717,7 +717,7 @@ impl Llama {
             for (a, b) in x.iter_mut().zip(&projected) {
                 *a += b;
             }
-            rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
+            rms_norm_tokens(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
             if let Some(moe) = &layer.moe {
                 // Expert outputs are complete on every rank: no TP all-reduce here.
                 let out = super::moe::forward(moe, &normed, n, ep.as_deref_mut())?;
@@ -732,7 +732,14 @@ impl Llama {
                 n,
                 &mut [&mut gate, &mut up],
             );
-            swiglu(&mut gate, &up);
+            let width = c.intermediate_size;
+            if n > 1 {
+                gate.par_chunks_mut(width)
+                    .zip(up.par_chunks(width))
+                    .for_each(|(gate, up)| swiglu(gate, up));
+            } else {
+                swiglu(&mut gate, &up);
+            }
             row_parallel(&layer.w_down, &gate, n, &mut projected, tp.as_deref_mut())?;
             for (a, b) in x.iter_mut().zip(&projected) {
                 *a += b;
@@ -768,14 +775,9 @@ impl Llama {
             c.rms_norm_eps,
             &mut final_normed,
         );
-        let mut logits = vec![0f32; rows.len() * c.vocab_size];
-        self.output.matmul(&final_normed, rows.len(), &mut logits);
-        Ok(StageOutput::Logits(
-            logits
-                .chunks_exact(c.vocab_size)
-                .map(<[f32]>::to_vec)
-                .collect(),
-        ))
+        let mut logits = vec![vec![0f32; c.vocab_size]; rows.len()];
+        self.output.matmul_per_token(&final_normed, &mut logits);
+        Ok(StageOutput::Logits(logits))
     }
 
     /// Rotates every head of `x` (`(n_heads_in_x, head_dim)`) for `position`. Angles are
@@ -942,6 +944,18 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         for ((o, v), w) in out_row.iter_mut().zip(row).zip(weight) {
             *o = v * scale * w;
         }
+    }
+}
+
+/// [`rms_norm`] with the tokens (rows) of a batch in parallel; the same bits.
+fn rms_norm_tokens(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let width = weight.len();
+    if x.len() > width {
+        x.par_chunks(width)
+            .zip(out.par_chunks_mut(width))
+            .for_each(|(row, out)| rms_norm(row, weight, eps, out));
+    } else {
+        rms_norm(x, weight, eps, out);
     }
 }
 

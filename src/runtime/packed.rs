@@ -24,6 +24,12 @@ use super::quant::{BlockQ8, DotState, GgmlType};
 /// Rows per packed group: the lanes of one 256-bit f32 vector.
 pub const GROUP_ROWS: usize = 8;
 
+/// Most tokens one [`Packed::continue_group`] call takes. With AVX-512 VL's 32 vector
+/// registers, eight tokens' sums and offsets stay in registers next to the unpacked weights
+/// (each block unpacked once per eight tokens); plain AVX2 (16 registers) runs them four at
+/// a time.
+pub const MAX_TOKENS: usize = 8;
+
 /// 32 bytes, aligned for vector loads.
 #[derive(Clone, Copy, Default)]
 #[repr(C, align(32))]
@@ -107,13 +113,14 @@ impl Packed {
         self.data.len() * size_of::<Chunk>()
     }
 
-    /// Continues the partial sums of group `g` with up to four tokens: `states[t]` with
-    /// `x[t]` (`n_blocks` blocks each). Without AVX2 it runs the portable one-row kernel on
-    /// the rows rebuilt from the records (same bits, slowly).
+    /// Continues the partial sums of group `g` with up to [`MAX_TOKENS`] tokens: `states[t]`
+    /// with `x[t]` (`n_blocks` blocks each). Without AVX2 it runs the portable one-row kernel
+    /// on the rows rebuilt from the records (same bits, slowly).
     ///
-    /// Panics (a bug, not input): more than four tokens, or a token with another block count.
+    /// Panics (a bug, not input): more than [`MAX_TOKENS`] tokens, or a token with another
+    /// block count.
     pub fn continue_group(&self, g: usize, x: &[&[BlockQ8]], states: &mut [GroupState]) {
-        assert!(x.len() <= 4 && x.len() == states.len());
+        assert!(x.len() <= MAX_TOKENS && x.len() == states.len());
         assert!(x.iter().all(|x| x.len() == self.n_blocks));
         let records = &self.data[g * self.n_blocks * self.record_chunks..]
             [..self.n_blocks * self.record_chunks];
@@ -123,7 +130,10 @@ impl Packed {
             // `records` holds `n_blocks` records of `record_chunks` chunks and every `x[t]`
             // holds `n_blocks` blocks (asserted above).
             let vnni = super::quant::has_vnni();
-            unsafe { avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, states) };
+            let per_call = if vnni { MAX_TOKENS } else { 4 };
+            for (x, states) in x.chunks(per_call).zip(states.chunks_mut(per_call)) {
+                unsafe { avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, states) };
+            }
             return;
         }
         for (x, state) in x.iter().zip(states.iter_mut()) {
@@ -181,7 +191,8 @@ mod avx2 {
     /// Calls the kernel for `ty`, `x.len()` tokens and this CPU.
     ///
     /// Safety: AVX2, FMA and F16C are available, and AVX-512 VNNI and VL if `vnni`;
-    /// `records` holds one record per block of every `x[t]`; `x.len() == states.len() <= 4`.
+    /// `records` holds one record per block of every `x[t]`; `x.len() == states.len()`, at
+    /// most 8 with `vnni` and 4 without.
     pub unsafe fn dispatch(
         ty: GgmlType,
         vnni: bool,
@@ -191,18 +202,31 @@ mod avx2 {
         states: &mut [GroupState],
     ) {
         macro_rules! tokens {
-            ($kind:expr, $vnni:expr) => {
+            ($kind:expr, true) => {
                 match x.len() {
-                    1 => group_kernel::<$kind, 1, $vnni>(records, record_chunks, x, states),
-                    2 => group_kernel::<$kind, 2, $vnni>(records, record_chunks, x, states),
-                    3 => group_kernel::<$kind, 3, $vnni>(records, record_chunks, x, states),
-                    4 => group_kernel::<$kind, 4, $vnni>(records, record_chunks, x, states),
+                    1 => kernel_vnni::<$kind, 1>(records, record_chunks, x, states),
+                    2 => kernel_vnni::<$kind, 2>(records, record_chunks, x, states),
+                    3 => kernel_vnni::<$kind, 3>(records, record_chunks, x, states),
+                    4 => kernel_vnni::<$kind, 4>(records, record_chunks, x, states),
+                    5 => kernel_vnni::<$kind, 5>(records, record_chunks, x, states),
+                    6 => kernel_vnni::<$kind, 6>(records, record_chunks, x, states),
+                    7 => kernel_vnni::<$kind, 7>(records, record_chunks, x, states),
+                    8 => kernel_vnni::<$kind, 8>(records, record_chunks, x, states),
+                    _ => {}
+                }
+            };
+            ($kind:expr, false) => {
+                match x.len() {
+                    1 => kernel_avx2::<$kind, 1>(records, record_chunks, x, states),
+                    2 => kernel_avx2::<$kind, 2>(records, record_chunks, x, states),
+                    3 => kernel_avx2::<$kind, 3>(records, record_chunks, x, states),
+                    4 => kernel_avx2::<$kind, 4>(records, record_chunks, x, states),
                     _ => {}
                 }
             };
         }
         macro_rules! kinds {
-            ($vnni:expr) => {
+            ($vnni:tt) => {
                 match ty {
                     GgmlType::Q4_0 => tokens!(Q4_0, $vnni),
                     GgmlType::Q4_1 => tokens!(Q4_1, $vnni),
@@ -214,23 +238,7 @@ mod avx2 {
         unsafe { if vnni { kinds!(true) } else { kinds!(false) } }
     }
 
-    /// Compiled twice: with AVX-512 VNNI + VL (`vpdpbusd` on 256-bit vectors) and without.
-    #[inline(always)]
-    unsafe fn group_kernel<const KIND: u8, const N: usize, const VNNI: bool>(
-        records: &[Chunk],
-        record_chunks: usize,
-        x: &[&[BlockQ8]],
-        states: &mut [GroupState],
-    ) {
-        unsafe {
-            if VNNI {
-                kernel_vnni::<KIND, N>(records, record_chunks, x, states)
-            } else {
-                kernel_avx2::<KIND, N>(records, record_chunks, x, states)
-            }
-        }
-    }
-
+    /// `vpdpbusd` on 256-bit vectors, with AVX-512 VL's 32 vector registers.
     #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
     unsafe fn kernel_vnni<const KIND: u8, const N: usize>(
         records: &[Chunk],
@@ -422,9 +430,9 @@ mod tests {
         out
     }
 
-    /// Every kernel variant (1–4 tokens, AVX2 with and without VNNI, the portable path on
-    /// unpacked rows) gives each row exactly the bits of the one-row reference, for 13 rows
-    /// (a padded last group) of each type.
+    /// Every kernel variant (1–8 tokens with VNNI, 1–4 without, `continue_group` splitting
+    /// as this CPU needs, the portable path on unpacked rows) gives each row exactly the bits
+    /// of the one-row reference, for 13 rows (a padded last group) of each type.
     #[test]
     fn packed_kernels_equal_the_one_row_reference_bit_for_bit() {
         let n_blocks = 18;
@@ -432,13 +440,15 @@ mod tests {
             let rows = rows(ty, 13, n_blocks);
             let packed = Packed::new(ty, 13, n_blocks, |r| &rows[r]).expect("integer type");
             assert_eq!(packed.n_groups(), 2);
-            for n_tokens in 1..=4 {
+            for n_tokens in 1..=MAX_TOKENS {
                 let tokens: Vec<Vec<BlockQ8>> =
                     (0..n_tokens).map(|t| token(n_blocks, t, 3.0)).collect();
                 let mut variants = vec![("dispatch", products(&packed, &tokens, None))];
                 #[cfg(target_arch = "x86_64")]
                 if crate::runtime::quant::has_avx2() {
-                    variants.push(("avx2", products(&packed, &tokens, Some(false))));
+                    if n_tokens <= 4 {
+                        variants.push(("avx2", products(&packed, &tokens, Some(false))));
+                    }
                     if crate::runtime::quant::has_vnni() {
                         variants.push(("vnni", products(&packed, &tokens, Some(true))));
                     }

@@ -13,8 +13,8 @@ use super::quant::{
 };
 
 /// Tokens whose dot products with one packed group of rows are computed together (each
-/// unpacked weight block reused `TILE` times).
-const TILE: usize = 4;
+/// unpacked weight block reused `TILE` times; see [`Packed::continue_group`]).
+const TILE: usize = super::packed::MAX_TOKENS;
 
 /// Where a matrix's bytes live.
 #[derive(Clone)]
@@ -212,6 +212,30 @@ impl Weight {
         matmul_many(&[self], x, n_tokens, &mut [out]);
     }
 
+    /// [`matmul`](Weight::matmul) with one output vector per token (`outs[t]`: `n_rows`
+    /// values for token `t` of `x`, `(outs.len(), n_cols)`): the LM head's logits go
+    /// straight to the per-sequence vectors the samplers take.
+    ///
+    /// Panics (a bug, not input): mis-sized `x` or outputs.
+    pub fn matmul_per_token(&self, x: &[f32], outs: &mut [Vec<f32>]) {
+        assert_eq!(x.len(), outs.len() * self.n_cols);
+        assert!(outs.iter().all(|o| o.len() == self.n_rows));
+        match self.packed() {
+            Some(packed) => {
+                let quantized = quantize_tokens(x, self.n_cols);
+                let mut rows = vec![outs.iter_mut().map(|o| &mut o[..]).collect()];
+                run_groups_into(&[packed], &quantized, &mut rows);
+            }
+            None => {
+                let mut flat = vec![0f32; outs.len() * self.n_rows];
+                self.matmul(x, outs.len(), &mut flat);
+                for (out, row) in outs.iter_mut().zip(flat.chunks_exact(self.n_rows)) {
+                    out.copy_from_slice(row);
+                }
+            }
+        }
+    }
+
     /// [`matmul`](Weight::matmul) without packed rows: `(n_rows, n_tokens)` so each task
     /// writes a contiguous range, then transposed.
     fn matmul_unpacked(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
@@ -338,15 +362,19 @@ impl Weight {
     }
 }
 
-/// Each token of `x` (`(n_tokens, n_cols)`) quantized to 8-bit blocks.
+/// Each token of `x` (`(n_tokens, n_cols)`) quantized to 8-bit blocks; tokens in parallel
+/// when there are several (each token's blocks are the same either way).
 fn quantize_tokens(x: &[f32], n_cols: usize) -> Vec<Vec<BlockQ8>> {
-    x.chunks_exact(n_cols)
-        .map(|token| {
-            let mut blocks = Vec::new();
-            quantize_row_q8(token, &mut blocks);
-            blocks
-        })
-        .collect()
+    let quantize = |token: &[f32]| {
+        let mut blocks = Vec::new();
+        quantize_row_q8(token, &mut blocks);
+        blocks
+    };
+    if x.len() > n_cols {
+        x.par_chunks_exact(n_cols).map(quantize).collect()
+    } else {
+        x.chunks_exact(n_cols).map(quantize).collect()
+    }
 }
 
 /// `outs[i] = x · weights[i]ᵀ` for matrices over the same inputs (Q, K and V; gate and up):
@@ -370,26 +398,59 @@ pub fn matmul_many(weights: &[&Weight], x: &[f32], n_tokens: usize, outs: &mut [
         return;
     };
     let quantized = quantize_tokens(x, n_cols);
-    // `(groups of every matrix, n_tokens)` sums of 8 rows; each task writes a contiguous range.
-    let total_groups: usize = packed.iter().map(|p| p.n_groups()).sum();
-    let mut sums = vec![[0f32; GROUP_ROWS]; total_groups * n_tokens];
-    let zero = |_, _, _| [[0.0; GROUP_ROWS]; 2];
-    run_groups(&packed, &quantized, &mut sums, zero, |slot, state| {
-        *slot = finish_group(state)
-    });
-    let mut per_matrix = &sums[..];
-    for ((weight, out), p) in weights.iter().zip(outs.iter_mut()).zip(&packed) {
-        assert_eq!(out.len(), n_tokens * weight.n_rows);
-        let (mine, rest) = per_matrix.split_at(p.n_groups() * n_tokens);
-        per_matrix = rest;
-        for (g, per_token) in mine.chunks_exact(n_tokens).enumerate() {
-            let first = g * GROUP_ROWS;
-            let n = GROUP_ROWS.min(weight.n_rows - first);
-            for (t, rows) in per_token.iter().enumerate() {
-                out[t * weight.n_rows + first..][..n].copy_from_slice(&rows[..n]);
-            }
+    let mut token_rows: Vec<Vec<&mut [f32]>> = outs
+        .iter_mut()
+        .zip(weights)
+        .map(|(out, weight)| {
+            assert_eq!(out.len(), n_tokens * weight.n_rows);
+            out.chunks_mut(weight.n_rows).collect()
+        })
+        .collect();
+    run_groups_into(&packed, &quantized, &mut token_rows);
+}
+
+/// The packed kernel over every group of every matrix and every token, `TILE` tokens at a
+/// time, in one parallel region, each task writing its rows straight into the outputs:
+/// `outs[m][t]` is matrix `m`'s output row for token `t` (`n_rows` values), split between
+/// the tasks by row ranges (so no task shares a value, and nothing is transposed after).
+fn run_groups_into(packed: &[&Packed], quantized: &[Vec<BlockQ8>], outs: &mut [Vec<&mut [f32]>]) {
+    let n_tokens = quantized.len();
+    let total: usize = packed.iter().map(|p| p.n_groups()).sum();
+    let groups_per_task = (total / (rayon::current_num_threads() * 4)).clamp(1, 64);
+    let rows_per_task = groups_per_task * GROUP_ROWS;
+    // (matrix, first group, the task's slice of every token's output row).
+    let mut tasks: Vec<(usize, usize, Vec<&mut [f32]>)> = Vec::new();
+    for (m, rows) in outs.iter_mut().enumerate() {
+        let mut pieces: Vec<_> = rows
+            .iter_mut()
+            .map(|row| row.chunks_mut(rows_per_task))
+            .collect();
+        for task in 0..packed[m].n_groups().div_ceil(groups_per_task) {
+            let slices: Vec<&mut [f32]> = pieces.iter_mut().filter_map(Iterator::next).collect();
+            tasks.push((m, task * groups_per_task, slices));
         }
     }
+    tasks
+        .into_par_iter()
+        .for_each(|(m, first_group, mut slices)| {
+            let n_rows = slices.first().map_or(0, |s| s.len());
+            for i in 0..n_rows.div_ceil(GROUP_ROWS) {
+                let rows = i * GROUP_ROWS..((i + 1) * GROUP_ROWS).min(n_rows);
+                for first in (0..n_tokens).step_by(TILE) {
+                    let n = TILE.min(n_tokens - first);
+                    let mut x = [&[][..]; TILE];
+                    for t in 0..n {
+                        x[t] = &quantized[first + t][..];
+                    }
+                    let mut states = [[[0f32; GROUP_ROWS]; 2]; TILE];
+                    packed[m].continue_group(first_group + i, &x[..n], &mut states[..n]);
+                    for (slice, state) in slices[first..first + n].iter_mut().zip(&states) {
+                        let sums = finish_group(state);
+                        slice[rows.clone()].copy_from_slice(&sums[..rows.len()]);
+                    }
+                }
+            }
+        });
 }
 
 /// Runs the packed kernel over every group of every matrix in `packed` and every token of
@@ -468,13 +529,20 @@ mod tests {
             .collect()
     }
 
-    /// Several matrices in one region (row counts not multiples of 8, token counts across
-    /// the 4-token tiles) give each row and token exactly the one-row reference's bits.
+    /// Several matrices in one region (row counts not multiples of 8, a matrix large enough
+    /// for tasks of several groups with a shorter last one, token counts across the tiles)
+    /// give each row and token exactly the one-row reference's bits; so does the per-token
+    /// output form.
     #[test]
     fn fused_products_equal_the_one_row_reference() {
         let n_cols = 96;
-        let weights = [q4_1(13, n_cols, 3), q4_1(8, n_cols, 5), q4_1(21, n_cols, 7)];
-        for n_tokens in [1, 3, 4, 6, 9] {
+        let weights = [
+            q4_1(13, n_cols, 3),
+            q4_1(8, n_cols, 5),
+            q4_1(21, n_cols, 7),
+            q4_1(565, n_cols, 11),
+        ];
+        for n_tokens in [1, 3, 4, 6, 9, 16] {
             let x = activations(n_tokens, n_cols);
             let mut outs: Vec<Vec<f32>> = weights
                 .iter()
@@ -496,6 +564,9 @@ mod tests {
                         );
                     }
                 }
+                let mut per_token = vec![vec![f32::NAN; w.n_rows]; n_tokens];
+                w.matmul_per_token(&x, &mut per_token);
+                assert_eq!(per_token.concat(), *out, "{} rows, per token", w.n_rows);
             }
         }
     }
