@@ -134,6 +134,9 @@ pub struct BenchServeArgs {
     /// Tokens each request asks for (`max_tokens`).
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_tokens: usize,
+    /// Requests each stream sends one after another (more rounds, steadier figures).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub rounds: usize,
     /// Engine worker threads of the server (0: one per core, divided among ranks).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub threads: usize,

@@ -1,5 +1,6 @@
 //! `infer bench serve`: starts a real `infer up` process, waits until it listens (the time to
-//! ready), then drives it over HTTP with 1, 4 and 16 concurrent streaming clients and prints
+//! ready), then drives it over HTTP with 1, 4 and 16 concurrent streams (each sending
+//! `--rounds` requests one after another) and prints
 //! tokens/s, TTFT and TPOT percentiles the way vLLM's `benchmark_serving.py` reports them.
 //!
 //! The client is plain HTTP/1.1 (`Connection: close`) reading the SSE `data:` lines as they
@@ -59,6 +60,9 @@ impl Drop for Server {
 pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.concurrency.contains(&0) {
         bail!("--concurrency values must be at least 1");
+    }
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
     }
     let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
     let started = Instant::now();
@@ -128,15 +132,20 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
             let handles: Vec<_> = (0..streams)
                 .map(|i| {
                     let address = address.clone();
-                    let max_tokens = args.max_tokens;
+                    let (max_tokens, rounds) = (args.max_tokens, args.rounds);
                     tokio::spawn(async move {
-                        request(&address, PROMPTS[i % PROMPTS.len()], max_tokens).await
+                        let mut samples = Vec::with_capacity(rounds);
+                        for round in 0..rounds {
+                            let prompt = PROMPTS[(i + round) % PROMPTS.len()];
+                            samples.push(request(&address, prompt, max_tokens).await?);
+                        }
+                        anyhow::Ok(samples)
                     })
                 })
                 .collect();
             let mut samples = Vec::new();
             for handle in handles {
-                samples.push(handle.await.context("a client task panicked")??);
+                samples.extend(handle.await.context("a client task panicked")??);
             }
             anyhow::Ok(samples)
         })?;

@@ -775,7 +775,8 @@ impl Llama {
             c.rms_norm_eps,
             &mut final_normed,
         );
-        let mut logits = vec![vec![0f32; c.vocab_size]; rows.len()];
+        // (Not `vec![row; n]`, which would copy the first row into every other.)
+        let mut logits: Vec<Vec<f32>> = rows.iter().map(|_| vec![0f32; c.vocab_size]).collect();
         self.output.matmul_per_token(&final_normed, &mut logits);
         Ok(StageOutput::Logits(logits))
     }

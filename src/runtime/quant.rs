@@ -96,15 +96,14 @@ pub struct BlockQ8 {
 pub fn quantize_row_q8(x: &[f32], out: &mut Vec<BlockQ8>) {
     out.clear();
     out.reserve(x.len() / QK);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked).
+        unsafe { avx2::quantize_row(x, out) };
+        return;
+    }
     for chunk in x.chunks_exact(QK) {
-        let chunk: &[f32; QK] = chunk.try_into().expect("32 values");
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU has AVX2, FMA and F16C (checked).
-            out.push(unsafe { avx2::quantize_block(chunk) });
-            continue;
-        }
-        out.push(quantize_block(chunk));
+        out.push(quantize_block(chunk.try_into().expect("32 values")));
     }
 }
 
@@ -487,10 +486,31 @@ mod avx2 {
 
     use super::{BlockQ8, QK};
 
+    /// [`super::quantize_row_q8`] on AVX2, the whole row in one function (no call or
+    /// feature check per block): appends one block per 32 values of `x` to `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_row(x: &[f32], out: &mut Vec<BlockQ8>) {
+        for chunk in x.chunks_exact(QK) {
+            let chunk: &[f32; QK] = chunk.try_into().expect("32 values");
+            out.push(unsafe { quantize_block(chunk) });
+        }
+    }
+
+    /// Rounds to the nearest f16 (ties to even) and back, as `f16::from_f32(v).to_f32()`.
+    #[inline(always)]
+    unsafe fn round_f16(v: f32) -> f32 {
+        // SAFETY: only inlined into `quantize_row`, which has F16C.
+        unsafe {
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(
+                _mm_set_ss(v),
+            )))
+        }
+    }
+
     /// [`super::quantize_block`] on AVX2: the same max, scale, products and
     /// round-to-nearest-even, eight values at a time.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn quantize_block(chunk: &[f32; QK]) -> BlockQ8 {
+    #[inline(always)]
+    unsafe fn quantize_block(chunk: &[f32; QK]) -> BlockQ8 {
         unsafe {
             let sign = _mm256_set1_ps(-0.0);
             let v: [__m256; 4] =
@@ -524,7 +544,13 @@ mod avx2 {
                 _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             let mut qs = [0i8; QK];
             _mm256_storeu_si256(qs.as_mut_ptr() as *mut __m256i, ordered);
-            super::block_q8(qs, d, lanes.iter().sum())
+            let total: i32 = lanes.iter().sum();
+            BlockQ8 {
+                qs,
+                d: round_f16(d),
+                sum: round_f16(d * total as f32),
+                qsum: total,
+            }
         }
     }
 
