@@ -343,9 +343,18 @@ mod avx2 {
                     };
                     let scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
                     acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[t]);
-                    if KIND == Q4_1 {
-                        let mins = _mm256_load_ps(record.add(1) as *const f32);
-                        offsets[t] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum), offsets[t]);
+                }
+            }
+            // `Q4_1` offsets `Σ m · s` are a separate accumulator (in block order, as the
+            // reference's), so they take their own pass: in the loop above, eight tokens'
+            // offsets would crowd the unpacked weights out of the registers.
+            if KIND == Q4_1 {
+                for i in 0..n_blocks {
+                    let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
+                    let mins = _mm256_load_ps(record.add(1) as *const f32);
+                    for t in 0..N {
+                        let sum = _mm256_set1_ps(x[t][i].sum);
+                        offsets[t] = _mm256_fmadd_ps(mins, sum, offsets[t]);
                     }
                 }
             }
