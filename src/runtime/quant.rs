@@ -454,7 +454,12 @@ pub fn weighted_sum_f16_heads(weights: &[f32], values: &[&[f16]], out: &mut [f32
         // 8; `rounded` holds `heads` rows of `n_positions`, `out` `heads` rows of `width`.
         unsafe {
             avx2::round_through_f16(&mut rounded);
-            avx2::weighted_sum_heads(&rounded, values, out, heads, width)
+            if heads <= 3 && has_vnni() {
+                // AVX-512 VL (checked with VNNI): 32 registers hold all eight lane classes.
+                avx2::weighted_sum_heads_vl(&rounded, values, out, heads, width)
+            } else {
+                avx2::weighted_sum_heads(&rounded, values, out, heads, width)
+            }
         };
         return;
     }
@@ -661,6 +666,19 @@ mod avx2 {
                 _ => weighted_sum_lanes::<1>(weights, values, out, heads, width),
             }
         }
+    }
+
+    /// [`weighted_sum_heads`] for up to 3 heads with AVX-512 VL's 32 vector registers: all
+    /// eight lane classes advance together (24 independent chains).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    pub unsafe fn weighted_sum_heads_vl(
+        weights: &[f32],
+        values: &[&[half::f16]],
+        out: &mut [f32],
+        heads: usize,
+        width: usize,
+    ) {
+        unsafe { weighted_sum_lanes::<8>(weights, values, out, heads, width) }
     }
 
     // Indexing by head and lane reads clearer than nested iterators here.
