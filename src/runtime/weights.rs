@@ -285,30 +285,23 @@ impl Weight {
         // Each group's states gathered from `(n_rows, n_tokens)` rows, continued, scattered
         // back: 2 values per row and token, `[k][row]` in the packed kernels.
         let n_rows = self.n_rows;
-        let mut continued = vec![[[0f32; GROUP_ROWS]; 2]; packed.n_groups() * n_tokens];
-        {
-            let before: &[DotState] = states;
-            let gather = |g: usize, t: usize| -> GroupState {
-                std::array::from_fn(|k| {
-                    std::array::from_fn(|r| {
-                        let row = g * GROUP_ROWS + r;
-                        if row < n_rows {
-                            before[row * n_tokens + t][k]
-                        } else {
-                            0.0
-                        }
-                    })
+        let before: &[DotState] = states;
+        let gather = |g: usize, t: usize| -> GroupState {
+            std::array::from_fn(|k| {
+                std::array::from_fn(|r| {
+                    let row = g * GROUP_ROWS + r;
+                    if row < n_rows {
+                        before[row * n_tokens + t][k]
+                    } else {
+                        0.0
+                    }
                 })
-            };
-            let gather = |_, g, t| gather(g, t);
-            run_groups(
-                &[packed],
-                &quantized,
-                &mut continued,
-                gather,
-                |slot, state| *slot = *state,
-            );
-        }
+            })
+        };
+        let mut continued: Vec<GroupState> = (0..packed.n_groups() * n_tokens)
+            .map(|i| gather(i / n_tokens, i % n_tokens))
+            .collect();
+        continue_groups(packed, &quantized, &mut continued);
         for (row, per_token) in states.chunks_exact_mut(n_tokens).enumerate() {
             let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
             for (t, state) in per_token.iter_mut().enumerate() {
@@ -459,46 +452,24 @@ fn run_groups_into(packed: &[&Packed], quantized: &[Vec<BlockQ8>], outs: &mut [V
         });
 }
 
-/// Runs the packed kernel over every group of every matrix in `packed` and every token of
-/// `quantized`, `TILE` tokens at a time, in one parallel region: `start(m, g, t)` gives the
-/// state group `g` of matrix `m` starts from for token `t`, and `store` puts the continued
-/// state into its slot of `out` (`(Σ n_groups, n_tokens)`, the matrices one after another).
-fn run_groups<S: Send>(
-    packed: &[&Packed],
-    quantized: &[Vec<BlockQ8>],
-    out: &mut [S],
-    start: impl Fn(usize, usize, usize) -> GroupState + Sync,
-    store: impl Fn(&mut S, &GroupState) + Sync,
-) {
+/// Continues `states` (`(n_groups, n_tokens)`: each group's state for each token) with every
+/// token of `quantized`, `TILE` tokens at a time, the groups split over one parallel region.
+fn continue_groups(packed: &Packed, quantized: &[Vec<BlockQ8>], states: &mut [GroupState]) {
     let n_tokens = quantized.len();
-    // Global group index → (matrix, group): `first_group[m]` is matrix m's first.
-    let mut first_group = Vec::with_capacity(packed.len() + 1);
-    let mut total = 0;
-    for p in packed {
-        first_group.push(total);
-        total += p.n_groups();
-    }
-    first_group.push(total);
-    let groups_per_task = (total / (rayon::current_num_threads() * 4)).clamp(1, 64);
-    out.par_chunks_mut(groups_per_task * n_tokens)
+    let groups_per_task = (packed.n_groups() / (rayon::current_num_threads() * 4)).clamp(1, 64);
+    states
+        .par_chunks_mut(groups_per_task * n_tokens)
         .enumerate()
         .for_each(|(task, slots)| {
+            let mut x = [&[][..]; TILE];
             for (i, per_token) in slots.chunks_exact_mut(n_tokens).enumerate() {
-                let global = task * groups_per_task + i;
-                let m = first_group.partition_point(|&f| f <= global) - 1;
-                let g = global - first_group[m];
-                for first in (0..n_tokens).step_by(TILE) {
-                    let n = TILE.min(n_tokens - first);
-                    let mut x = [&[][..]; TILE];
-                    let mut states = [[[0f32; GROUP_ROWS]; 2]; TILE];
+                let g = task * groups_per_task + i;
+                for (tile, tile_states) in per_token.chunks_mut(TILE).enumerate() {
+                    let n = tile_states.len();
                     for t in 0..n {
-                        x[t] = &quantized[first + t][..];
-                        states[t] = start(m, g, first + t);
+                        x[t] = &quantized[tile * TILE + t][..];
                     }
-                    packed[m].continue_group(g, &x[..n], &mut states[..n]);
-                    for (slot, state) in per_token[first..first + n].iter_mut().zip(&states) {
-                        store(slot, state);
-                    }
+                    packed.continue_group(g, &x[..n], tile_states);
                 }
             }
         });
@@ -578,10 +549,16 @@ mod tests {
     }
 
     /// Tensor-parallel row splits: continuing the states over column shards gives exactly
-    /// the unsplit product.
+    /// the unsplit product, for one tile of tokens and for several (a partial last one).
     #[test]
     fn continued_products_over_column_shards_equal_the_whole() {
-        let (n_rows, n_cols, n_tokens) = (11, 128, 5);
+        for n_tokens in [5, 11] {
+            continued_case(n_tokens);
+        }
+    }
+
+    fn continued_case(n_tokens: usize) {
+        let (n_rows, n_cols) = (11, 128);
         let whole = q4_1(n_rows, n_cols, 9);
         let x = activations(n_tokens, n_cols);
         let mut expected = vec![0f32; n_tokens * n_rows];
@@ -602,7 +579,7 @@ mod tests {
                 assert_eq!(
                     dot_state_finish(&states[r * n_tokens + t]).to_bits(),
                     expected[t * n_rows + r].to_bits(),
-                    "row {r} token {t}"
+                    "{n_tokens} tokens: row {r} token {t}"
                 );
             }
         }
