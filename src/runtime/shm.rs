@@ -173,9 +173,16 @@ fn create_file(bytes: usize) -> Result<PathBuf> {
         .create_new(true)
         .open(&path)
         .with_context(|| format!("cannot create {}", path.display()))?;
-    if let Err(e) = file.set_len(bytes as u64) {
+    // Reserve the pages now (as NCCL does for its `/dev/shm` segments): a merely truncated
+    // tmpfs file maps fine and then raises SIGBUS on first touch when the filesystem is full.
+    // Here a full `/dev/shm` is an error, and the group falls back to TCP.
+    // (Mode 0 also sets the file's size.)
+    let reserved =
+        rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, bytes as u64);
+    if let Err(e) = reserved {
         let _ = std::fs::remove_file(&path);
-        return Err(e).with_context(|| format!("cannot size {} to {bytes} bytes", path.display()));
+        return Err(std::io::Error::from(e))
+            .with_context(|| format!("cannot reserve {bytes} bytes for {}", path.display()));
     }
     Ok(path)
 }
