@@ -316,7 +316,7 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
     // The first all-reduce decides the transport (a tiny one, collectively).
     comm.all_reduce_sum(&mut [0f32])?;
     let shm_transport = comm.transport();
-    let shm_rows = if shm_transport.starts_with("shared memory") {
+    let shm_rows = if comm.uses_shared_memory() {
         allreduce_sizes(&mut comm, args.max_bytes)?
     } else {
         Vec::new()

@@ -95,6 +95,11 @@ impl ShmComm {
         &mut self.tcp
     }
 
+    /// Whether all-reduce goes through the shared segment (decided on the first one).
+    pub fn uses_shared_memory(&self) -> bool {
+        matches!(self.state, State::Ready(_))
+    }
+
     /// What carries all-reduce now: `"shared memory (/dev/shm)"`, `"TCP: <why>"`, or
     /// `"not decided yet"` before the first all-reduce.
     pub fn transport(&self) -> String {

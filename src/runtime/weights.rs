@@ -482,15 +482,7 @@ mod tests {
 
     /// A `Q4_1` matrix of random nibbles with varied scales and minimums.
     fn q4_1(n_rows: usize, n_cols: usize, seed: u64) -> Weight {
-        let mut state = seed | 1;
-        let mut bytes: Vec<u8> = (0..n_rows * n_cols / 32 * 20)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect();
+        let mut bytes = crate::runtime::quant::tests::bytes(n_rows * n_cols / 32 * 20, seed);
         for (i, block) in bytes.chunks_exact_mut(20).enumerate() {
             let d = half::f16::from_f32(0.01 + 0.001 * (i % 7) as f32);
             let m = half::f16::from_f32(-0.05 - 0.01 * (i % 3) as f32);
