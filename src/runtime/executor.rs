@@ -104,7 +104,9 @@ impl Executor for LocalExecutor<'_> {
             if let Some(params) = &entry.params {
                 let mut sampler = Sampler::new(params);
                 sampler.skip(entry.sampled_before);
-                sequences.insert(entry.seq, (engine.model.new_cache(), sampler));
+                let mut cache = engine.model.new_cache();
+                cache.prompt_tokens = Some(entry.tokens.len().saturating_sub(entry.sampled_before));
+                sequences.insert(entry.seq, (cache, sampler));
             } else if !sequences.contains_key(&entry.seq) {
                 bail!("sequence {} is unknown to the engine", entry.seq);
             }

@@ -96,6 +96,7 @@ impl KvPool {
             pool: Arc::clone(self),
             blocks: Vec::new(),
             n_tokens: 0,
+            prompt_tokens: None,
         }
     }
 
@@ -156,6 +157,13 @@ pub struct KvCache {
     blocks: Vec<Box<[f16]>>,
     /// Positions stored.
     pub n_tokens: usize,
+    /// Positions of the sequence's prompt, computed together in its first step; every later
+    /// position was a decode step of one token. Attention sums in the order llama.cpp uses
+    /// for each ([`super::llama::Llama::forward_stage`]). `None` until the first step, which
+    /// sets it to its own length; a sequence recomputed after preemption (prompt and
+    /// generated tokens in one step) sets it first, so its recomputed positions get the
+    /// bits its decode steps had.
+    pub prompt_tokens: Option<usize>,
 }
 
 impl std::fmt::Debug for KvCache {

@@ -17,7 +17,10 @@ use super::gguf::{GgufFile, Value};
 pub use super::kv::KvCache;
 use super::kv::KvPool;
 use super::mathfn::{multiversion, softmax, swiglu};
-use super::quant::{attention_scores, weighted_sum_f16_heads};
+use super::quant::{
+    attention_scores, attention_scores_decode, weighted_sum_f16_heads,
+    weighted_sum_f16_heads_decode,
+};
 use super::weights::{Weight, matmul_many};
 
 /// How rotary embeddings pair the dimensions of a head.
@@ -708,9 +711,15 @@ impl Llama {
                 )?;
                 offset += count;
             }
-            let spans: Vec<(usize, &KvCache)> = batch
+            let spans: Vec<(usize, &KvCache, bool)> = batch
                 .iter()
-                .flat_map(|s| (0..s.tokens.len()).map(|i| (s.cache.n_tokens + i, &*s.cache)))
+                .flat_map(|s| {
+                    let prompt = s.cache.prompt_tokens.unwrap_or(s.tokens.len());
+                    (0..s.tokens.len()).map(move |i| {
+                        let position = s.cache.n_tokens + i;
+                        (position, &*s.cache, prompt == 1 || position >= prompt)
+                    })
+                })
                 .collect();
             self.attend(&q, &spans, layer_idx, &mut attention);
             row_parallel(&layer.wo, &attention, n, &mut projected, tp.as_deref_mut())?;
@@ -746,6 +755,10 @@ impl Llama {
             }
         }
         for sequence in batch.iter_mut() {
+            sequence
+                .cache
+                .prompt_tokens
+                .get_or_insert(sequence.tokens.len());
             sequence.cache.n_tokens += sequence.tokens.len();
         }
 
@@ -807,7 +820,13 @@ impl Llama {
     /// caches: token `t` sits at position `tokens[t].0` of cache `tokens[t].1` (paged) and
     /// attends to positions `0..=tokens[t].0`. One parallel region over every (token, KV
     /// head); the query heads sharing a KV head (GQA) read each cached row once.
-    fn attend(&self, q: &[f32], tokens: &[(usize, &KvCache)], layer: usize, out: &mut [f32]) {
+    ///
+    /// `tokens[t].2` says the token was (or is recomputed as) a decode step of one token:
+    /// llama.cpp sums `kq` and `kqv` in another order then (`ggml_vec_dot_f16`, 32 lane
+    /// classes; for a prompt of two or more tokens, tinyBLAS's 8). Each sequence follows the
+    /// order llama.cpp uses for it alone ([`KvCache::prompt_tokens`]), so results never
+    /// depend on what else is in the batch or on preemption.
+    fn attend(&self, q: &[f32], tokens: &[(usize, &KvCache, bool)], layer: usize, out: &mut [f32]) {
         let c = &self.config;
         let (head_dim, q_dim) = (c.head_dim, c.n_heads * c.head_dim);
         let group = c.n_heads / c.n_kv_heads;
@@ -818,7 +837,7 @@ impl Llama {
                 || (Vec::new(), Vec::new(), Vec::new()),
                 |(query, scores, rows), (index, out_heads)| {
                     let (t, kv_head) = (index / c.n_kv_heads, index % c.n_kv_heads);
-                    let (position, cache) = tokens[t];
+                    let (position, cache, single) = tokens[t];
                     let n_positions = position + 1;
                     // `kq`: Q rounded to f16 (the cache's type), dotted with each cached key.
                     query.clear();
@@ -831,14 +850,22 @@ impl Llama {
                     rows.extend((0..n_positions).map(|p| cache.key(layer, kv_head, p)));
                     scores.clear();
                     scores.resize(group * n_positions, 0.0);
-                    attention_scores(rows, query, scale, scores);
+                    if single {
+                        attention_scores_decode(rows, query, scale, scores);
+                    } else {
+                        attention_scores(rows, query, scale, scores);
+                    }
                     for head_scores in scores.chunks_exact_mut(n_positions) {
                         softmax(head_scores);
                     }
                     // `kqv`: probabilities rounded to f16, weighted sum of the cached values.
                     rows.clear();
                     rows.extend((0..n_positions).map(|p| cache.value(layer, kv_head, p)));
-                    weighted_sum_f16_heads(scores, rows, out_heads, group);
+                    if single {
+                        weighted_sum_f16_heads_decode(scores, rows, out_heads, group);
+                    } else {
+                        weighted_sum_f16_heads(scores, rows, out_heads, group);
+                    }
                 },
             );
     }
@@ -873,21 +900,22 @@ fn row_parallel(
     }
     let (rank, size) = (comm.rank(), comm.size());
     let count = weight.n_rows * n_tokens;
+    const STATE_BYTES: usize = size_of::<super::quant::DotState>();
     let mut states: Vec<super::quant::DotState> = if rank == 0 {
-        vec![[0.0; 2]; count]
+        vec![[0.0; 9]; count]
     } else {
         let bytes = comm.recv(rank - 1)?;
-        if bytes.len() != count * 8 {
+        if bytes.len() != count * STATE_BYTES {
             bail!(
                 "tp rank {}: received {} bytes of partial sums, expected {}",
                 rank - 1,
                 bytes.len(),
-                count * 8
+                count * STATE_BYTES
             );
         }
         bytemuck::cast_slice::<u8, f32>(&bytes)
-            .chunks_exact(2)
-            .map(|c| [c[0], c[1]])
+            .chunks_exact(9)
+            .map(|c| std::array::from_fn(|k| c[k]))
             .collect()
     };
     weight.matmul_continue(input, n_tokens, &mut states)?;

@@ -48,16 +48,39 @@ const C3: f32 = f32::from_bits(0x3e2aaf33);
 const C2: f32 = f32::from_bits(0x3efffedb);
 const C1: f32 = f32::from_bits(0x3f7ffff6);
 
-/// e^x as ggml computes it on AVX2/NEON (see the module docs). Outside about ±87 it returns
-/// the limits (0 or ∞) through `f32::exp`, as the reference does.
+/// e^x as ggml computes it on AVX2 (`ggml_v_expf`, see the module docs), lane by lane,
+/// including its scaled path for results outside the normal range (`|n| > 126`), so
+/// underflow to subnormals and 0 (masked attention scores at −∞) and overflow to ∞ happen
+/// exactly where ggml's do.
 #[inline(always)]
 pub fn expf(x: f32) -> f32 {
     let z = x.mul_add(INV_LN2, SHIFT);
     let n = z - SHIFT;
     if n.abs() > 126.0 {
-        return x.exp();
+        return expf_scaled(x, z, n);
     }
     expf_in_range(x, z, n)
+}
+
+/// [`expf`]'s path for `|n| > 126`: `2^n` split in two factors `s1 · s2` that are each
+/// representable, or `s1²` (0 or ∞) beyond `|n| > 192`.
+#[cold]
+fn expf_scaled(x: f32, z: f32, n: f32) -> f32 {
+    let b = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let e = z.to_bits() << 23;
+    let u = b * b;
+    let j = C5
+        .mul_add(b, C4)
+        .mul_add(u, C3.mul_add(b, C2))
+        .mul_add(u, C1 * b);
+    let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
+    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+    let s2 = f32::from_bits(e.wrapping_sub(g));
+    if n.abs() > 192.0 {
+        s1 * s1
+    } else {
+        s2.mul_add(j, s2) * s1
+    }
 }
 
 /// [`expf`] once `x` is known to be in range: `z = x/ln2 + SHIFT`, `n = z − SHIFT`.
@@ -134,20 +157,28 @@ multiversion! {
     }
 }
 
-/// Softmax of `scores` in place as the reference llama.cpp build computes attention
-/// probabilities: `expf(score − max)` with libm's `expf` (measured: the vectorised
-/// [`expf`] here breaks exact agreement with the reference), the sum in f64, then every
-/// value scaled by `(f32)(1 / sum)`.
-pub fn softmax(scores: &mut [f32]) {
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let mut total = 0f64;
-    for v in scores.iter_mut() {
-        *v = (*v - max).exp();
-        total += *v as f64;
-    }
-    let inverse = (1.0 / total) as f32;
-    for v in scores.iter_mut() {
-        *v *= inverse;
+multiversion! {
+    /// Softmax of `scores` in place as llama.cpp's AVX2 build computes attention probabilities
+    /// (`ggml_compute_forward_soft_max_f32` → `ggml_vec_soft_max_f32`): `expf(score − max)`
+    /// with ggml's [`expf`], summed eight at a time in f32 (in `hsum8`'s order) and those sums
+    /// accumulated in f64, then every value scaled by `(f32)(1 / sum)`. ggml's KV view is
+    /// padded to a multiple of 32 cells with masked (−∞, so 0) scores, so its vector loop covers
+    /// every score: a last partial group of eight here sums as if padded with zeros.
+    pub fn softmax(scores: &mut [f32]) {
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        let mut total = 0f64;
+        for group in scores.chunks_mut(8) {
+            let mut lanes = [0f32; 8];
+            for (lane, v) in lanes.iter_mut().zip(group.iter_mut()) {
+                *v = expf(*v - max);
+                *lane = *v;
+            }
+            total += super::quant::hsum8(&lanes) as f64;
+        }
+        let inverse = (1.0 / total) as f32;
+        for v in scores.iter_mut() {
+            *v *= inverse;
+        }
     }
 }
 

@@ -5,11 +5,12 @@
 //! same four activations at once, and one f32 vector holds eight rows' partial sums.
 //!
 //! The arithmetic is exactly that of the one-row reference [`super::quant::dot_q8`]
-//! (tested bit for bit, for any number of tokens and across tensor-parallel splits): per
-//! block, each row's exact integer sum over 32 elements, then one fused multiply-add with
-//! the scale `d_w · d_x`. Integer sums are exact in any order, so eight rows' sums are built
-//! in one register from four-element pieces and converted once per block: one `vcvtdq2ps`
-//! and one `vfmadd` per 256 multiply-accumulates.
+//! (tested bit for bit, for any number of tokens and across tensor-parallel splits), which
+//! is llama.cpp's AVX2 order: per block, each row's eight four-element integer sums, each
+//! converted and fused-multiply-added with the scale `d_w · d_x` into its own lane
+//! accumulator. In this layout chunk `k` holds exactly the four elements of lane `k`, so
+//! one `vpdpbusd` gives lane `k` of eight rows, and the eight lane accumulators of a token
+//! are eight f32 vectors (one per lane, eight rows each).
 //!
 //! Record layout, per group of eight rows and per block (32-byte chunks): the eight rows'
 //! scales `d` as f32; for `Q4_1` their minimums `m` as f32; then the quants: for `Q4_0` and
@@ -24,10 +25,9 @@ use super::quant::{BlockQ8, DotState, GgmlType};
 /// Rows per packed group: the lanes of one 256-bit f32 vector.
 pub const GROUP_ROWS: usize = 8;
 
-/// Most tokens one [`Packed::continue_group`] call takes. With AVX-512 VL's 32 vector
-/// registers, eight tokens' sums and offsets stay in registers next to the unpacked weights
-/// (each block unpacked once per eight tokens); plain AVX2 (16 registers) runs them four at
-/// a time.
+/// Most tokens one [`Packed::continue_group`] call takes (the kernels take them two at a
+/// time with AVX-512 VL's 32 vector registers: two tokens' 16 lane accumulators next to the
+/// eight unpacked weight vectors; one at a time with plain AVX2's 16).
 pub const MAX_TOKENS: usize = 8;
 
 /// 32 bytes, aligned for vector loads.
@@ -35,9 +35,15 @@ pub const MAX_TOKENS: usize = 8;
 #[repr(C, align(32))]
 pub struct Chunk(pub [u8; 32]);
 
-/// The [`DotState`]s of one group of eight rows against one token: `[0][r]` is row `r`'s
-/// scaled sum, `[1][r]` its `Q4_1` offset sum `Σ m · s`.
-pub type GroupState = [[f32; GROUP_ROWS]; 2];
+/// The [`DotState`]s of one group of eight rows against one token: `[k][r]` is row `r`'s
+/// lane `k` (`k < 8`), `[8][r]` its `Q4_1` offset sum `Σ m · s`.
+pub type GroupState = [[f32; GROUP_ROWS]; 9];
+
+/// Lanes per token the kernels take in one call: two tokens with VNNI, one without.
+#[cfg(target_arch = "x86_64")]
+fn tokens_per_call(vnni: bool) -> usize {
+    if vnni { 2 } else { 1 }
+}
 
 /// A matrix `(n_rows, n_blocks · 32)` of `Q4_0`, `Q4_1` or `Q8_0` in the packed layout.
 pub struct Packed {
@@ -119,6 +125,7 @@ impl Packed {
     ///
     /// Panics (a bug, not input): more than [`MAX_TOKENS`] tokens, or a token with another
     /// block count.
+    #[allow(clippy::needless_range_loop)] // rows index the lanes' arrays
     pub fn continue_group(&self, g: usize, x: &[&[BlockQ8]], states: &mut [GroupState]) {
         assert!(x.len() <= MAX_TOKENS && x.len() == states.len());
         assert!(x.iter().all(|x| x.len() == self.n_blocks));
@@ -130,19 +137,20 @@ impl Packed {
             // `records` holds `n_blocks` records of `record_chunks` chunks and every `x[t]`
             // holds `n_blocks` blocks (asserted above).
             let vnni = super::quant::has_vnni();
-            let per_call = if vnni { MAX_TOKENS } else { 4 };
+            let per_call = tokens_per_call(vnni);
             for (x, states) in x.chunks(per_call).zip(states.chunks_mut(per_call)) {
                 unsafe { avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, states) };
             }
             return;
         }
         for (x, state) in x.iter().zip(states.iter_mut()) {
-            let [sums, offsets] = state;
-            for (r, (sum, offset)) in sums.iter_mut().zip(offsets.iter_mut()).enumerate() {
+            for r in 0..GROUP_ROWS {
                 let row = self.unpacked_row(records, r);
-                let mut one: DotState = [*sum, *offset];
+                let mut one: DotState = std::array::from_fn(|k| state[k][r]);
                 super::quant::dot_q8_continue(self.ty, &row, x, &mut one);
-                [*sum, *offset] = one;
+                for (k, value) in one.iter().enumerate() {
+                    state[k][r] = *value;
+                }
             }
         }
     }
@@ -173,8 +181,16 @@ impl Packed {
 }
 
 /// The finished dot products of a group's eight rows ([`super::quant::dot_state_finish`]).
+/// Written as whole-vector additions in `hsum8`'s order (plain loops over the eight rows
+/// vectorise; the lane-by-lane closure would not).
+#[allow(clippy::needless_range_loop)]
 pub fn finish_group(state: &GroupState) -> [f32; GROUP_ROWS] {
-    std::array::from_fn(|r| super::quant::dot_state_finish(&[state[0][r], state[1][r]]))
+    let mut out = [0f32; GROUP_ROWS];
+    for r in 0..GROUP_ROWS {
+        let l = |k: usize| state[k][r];
+        out[r] = ((l(0) + l(4)) + (l(2) + l(6))) + ((l(1) + l(5)) + (l(3) + l(7))) + l(8);
+    }
+    out
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -192,7 +208,7 @@ mod avx2 {
     ///
     /// Safety: AVX2, FMA and F16C are available, and AVX-512 VNNI and VL if `vnni`;
     /// `records` holds one record per block of every `x[t]`; `x.len() == states.len()`, at
-    /// most 8 with `vnni` and 4 without.
+    /// most [`super::tokens_per_call`].
     pub unsafe fn dispatch(
         ty: GgmlType,
         vnni: bool,
@@ -206,22 +222,12 @@ mod avx2 {
                 match x.len() {
                     1 => kernel_vnni::<$kind, 1>(records, record_chunks, x, states),
                     2 => kernel_vnni::<$kind, 2>(records, record_chunks, x, states),
-                    3 => kernel_vnni::<$kind, 3>(records, record_chunks, x, states),
-                    4 => kernel_vnni::<$kind, 4>(records, record_chunks, x, states),
-                    5 => kernel_vnni::<$kind, 5>(records, record_chunks, x, states),
-                    6 => kernel_vnni::<$kind, 6>(records, record_chunks, x, states),
-                    7 => kernel_vnni::<$kind, 7>(records, record_chunks, x, states),
-                    8 => kernel_vnni::<$kind, 8>(records, record_chunks, x, states),
                     _ => {}
                 }
             };
             ($kind:expr, false) => {
-                match x.len() {
-                    1 => kernel_avx2::<$kind, 1>(records, record_chunks, x, states),
-                    2 => kernel_avx2::<$kind, 2>(records, record_chunks, x, states),
-                    3 => kernel_avx2::<$kind, 3>(records, record_chunks, x, states),
-                    4 => kernel_avx2::<$kind, 4>(records, record_chunks, x, states),
-                    _ => {}
+                if x.len() == 1 {
+                    kernel_avx2::<$kind, 1>(records, record_chunks, x, states)
                 }
             };
         }
@@ -269,30 +275,29 @@ mod avx2 {
         states: &mut [GroupState],
     ) {
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); N];
+            let mut acc = [[_mm256_setzero_ps(); 8]; N];
             let mut offsets = [_mm256_setzero_ps(); N];
             for t in 0..N {
-                acc[t] = _mm256_loadu_ps(states[t][0].as_ptr());
-                offsets[t] = _mm256_loadu_ps(states[t][1].as_ptr());
+                for k in 0..8 {
+                    acc[t][k] = _mm256_loadu_ps(states[t][k].as_ptr());
+                }
+                offsets[t] = _mm256_loadu_ps(states[t][8].as_ptr());
             }
             let low_nibbles = _mm256_set1_epi8(0x0F);
             let ones = _mm256_set1_epi16(1);
-            // What the unsigned weight levels are offset by: Σ (u − c)·q = Σ u·q − c·Σ q.
-            let bias = match KIND {
-                Q4_0 => 8,
-                Q8_0 => 128,
-                _ => 0,
-            };
+            let eights = _mm256_set1_epi8(8);
+            let flip = _mm256_set1_epi8(-128);
             let n_blocks = x[0].len();
             for i in 0..n_blocks {
                 let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
                 let scales = _mm256_load_ps(record as *const f32);
                 let quants = record.add(if KIND == Q4_1 { 2 } else { 1 });
-                // Unsigned weight levels of elements 4k..4k+3 of the eight rows.
+                // Weight levels of elements 4k..4k+3 (lane k) of the eight rows: unsigned
+                // nibbles for Q4_0/Q4_1, the signed bytes for Q8_0.
                 let mut w = [_mm256_setzero_si256(); 8];
                 if KIND == Q8_0 {
                     for k in 0..8 {
-                        w[k] = _mm256_load_si256(quants.add(k));
+                        w[k] = _mm256_xor_si256(_mm256_load_si256(quants.add(k)), flip);
                     }
                 } else {
                     for q in 0..4 {
@@ -304,50 +309,36 @@ mod avx2 {
                 for t in 0..N {
                     let a = &x[t][i];
                     let four = a.qs.as_ptr() as *const i32;
-                    let q = |k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(four.add(k)));
-                    let sums = if VNNI {
-                        let mut even = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], q(0));
-                        let mut odd = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], q(1));
-                        for k in (2..8).step_by(2) {
-                            even = _mm256_dpbusd_epi32(even, w[k], q(k));
-                            odd = _mm256_dpbusd_epi32(odd, w[k + 1], q(k + 1));
-                        }
-                        _mm256_add_epi32(even, odd)
-                    } else if KIND == Q8_0 {
-                        // Bytes up to 255 would saturate `vpmaddubsw`: the sign trick on
-                        // the signed weights instead (|w| ≤ 128, |q| ≤ 127), exact, plus
-                        // the bias the common step below takes off again.
-                        let flip = _mm256_set1_epi8(-128);
-                        let mut sums = _mm256_set1_epi32(bias * a.qsum);
-                        for k in 0..8 {
-                            let signed = _mm256_xor_si256(w[k], flip);
-                            let pairs = _mm256_maddubs_epi16(
-                                _mm256_sign_epi8(signed, signed),
-                                _mm256_sign_epi8(q(k), signed),
-                            );
-                            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
-                        }
-                        sums
-                    } else {
-                        // 4-bit levels: each pair ≤ 2·15·127, eight pairs fit in i16.
-                        let mut pairs = _mm256_maddubs_epi16(w[0], q(0));
-                        for k in 1..8 {
-                            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[k], q(k)));
-                        }
-                        _mm256_madd_epi16(pairs, ones)
-                    };
-                    let sums = if bias != 0 {
-                        _mm256_sub_epi32(sums, _mm256_set1_epi32(bias * a.qsum))
-                    } else {
-                        sums
-                    };
                     let scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
-                    acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[t]);
+                    for k in 0..8 {
+                        let q = _mm256_set1_epi32(std::ptr::read_unaligned(four.add(k)));
+                        // Lane k's exact four-element sums of the eight rows.
+                        let (unsigned, signed) = if KIND == Q8_0 {
+                            // |w| ≤ 128 as unsigned bytes, the sign moved onto q: exact.
+                            (_mm256_sign_epi8(w[k], w[k]), _mm256_sign_epi8(q, w[k]))
+                        } else {
+                            (w[k], q)
+                        };
+                        let mut sums = if VNNI {
+                            _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned, signed)
+                        } else {
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned, signed), ones)
+                        };
+                        if KIND == Q4_0 {
+                            // Σ (u − 8)·q = Σ u·q − Σ 8·q.
+                            let bias = if VNNI {
+                                _mm256_dpbusd_epi32(_mm256_setzero_si256(), eights, q)
+                            } else {
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(eights, q), ones)
+                            };
+                            sums = _mm256_sub_epi32(sums, bias);
+                        }
+                        acc[t][k] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[t][k]);
+                    }
                 }
             }
             // `Q4_1` offsets `Σ m · s` are a separate accumulator (in block order, as the
-            // reference's), so they take their own pass: in the loop above, eight tokens'
-            // offsets would crowd the unpacked weights out of the registers.
+            // reference's), so they take their own pass and registers.
             if KIND == Q4_1 {
                 for i in 0..n_blocks {
                     let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
@@ -359,8 +350,10 @@ mod avx2 {
                 }
             }
             for t in 0..N {
-                _mm256_storeu_ps(states[t][0].as_mut_ptr(), acc[t]);
-                _mm256_storeu_ps(states[t][1].as_mut_ptr(), offsets[t]);
+                for k in 0..8 {
+                    _mm256_storeu_ps(states[t][k].as_mut_ptr(), acc[t][k]);
+                }
+                _mm256_storeu_ps(states[t][8].as_mut_ptr(), offsets[t]);
             }
             debug_assert_eq!(GROUP_ROWS, 8);
         }
@@ -409,7 +402,7 @@ mod tests {
         let x: Vec<&[BlockQ8]> = tokens.iter().map(|t| &t[..]).collect();
         let mut out = vec![vec![0f32; packed.n_rows]; tokens.len()];
         for g in 0..packed.n_groups() {
-            let mut states = vec![[[0f32; GROUP_ROWS]; 2]; tokens.len()];
+            let mut states = vec![[[0f32; GROUP_ROWS]; 9]; tokens.len()];
             let records = &packed.data[g * packed.n_blocks * packed.record_chunks..]
                 [..packed.n_blocks * packed.record_chunks];
             match vnni {
@@ -439,7 +432,7 @@ mod tests {
         out
     }
 
-    /// Every kernel variant (1–8 tokens with VNNI, 1–4 without, `continue_group` splitting
+    /// Every kernel variant (1–2 tokens with VNNI, 1 without, `continue_group` splitting
     /// as this CPU needs, the portable path on unpacked rows) gives each row exactly the bits
     /// of the one-row reference, for 13 rows (a padded last group) of each type.
     #[test]
@@ -455,11 +448,16 @@ mod tests {
                 let mut variants = vec![("dispatch", products(&packed, &tokens, None))];
                 #[cfg(target_arch = "x86_64")]
                 if crate::runtime::quant::has_avx2() {
-                    if n_tokens <= 4 {
-                        variants.push(("avx2", products(&packed, &tokens, Some(false))));
-                    }
+                    let one =
+                        |t: &Vec<BlockQ8>| products(&packed, std::slice::from_ref(t), Some(false));
+                    let avx2: Vec<Vec<f32>> = tokens.iter().map(|t| one(t).remove(0)).collect();
+                    variants.push(("avx2", avx2));
                     if crate::runtime::quant::has_vnni() {
-                        variants.push(("vnni", products(&packed, &tokens, Some(true))));
+                        let vnni = tokens
+                            .chunks(2)
+                            .flat_map(|pair| products(&packed, pair, Some(true)))
+                            .collect();
+                        variants.push(("vnni", vnni));
                     }
                 }
                 for (name, out) in &variants {

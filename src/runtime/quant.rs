@@ -299,75 +299,81 @@ pub fn has_q8_kernel(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
 }
 
-/// The arithmetic every integer kernel reproduces bit for bit. Per block `i`, the exact
-/// integer `Σ w·q` over its 32 elements (`w` the weight's integer levels: the `Q4_1`
-/// nibble, `Q4_0`'s nibble − 8, `Q8_0`'s signed byte) is fused-multiply-added into one f32
-/// accumulator with the block scale `d_w · d_x`; `Q4_1` fused-multiply-adds `m · sum` into
-/// a second, and the result is their sum. This is llama.cpp's reference `vec_dot`
-/// (`ggml-quants.c`: `sumi` per block, then `sumf += d·sumi + m·s`) with fused steps. The
-/// row has `x.len()` blocks; the matrix products run the packed kernels of
+/// The arithmetic every integer kernel reproduces bit for bit: llama.cpp's AVX2 `vec_dot`
+/// for `Q4_1 · Q8_1` and `Q4_0 · Q8_0` (`ggml-cpu/arch/x86/quants.c`) and tinyBLAS's
+/// `Q8_0 · Q8_0` (`llamafile/sgemm.cpp`), which share one order. Per block `i`, lane `j`
+/// (of eight) holds the exact integer `Σ w·q` over elements `4j..4j+3` (what `vpmaddubsw` +
+/// `vpmaddwd`, or `vpdpbusd`, produce; `w` the weight's integer levels: the `Q4_1` nibble,
+/// `Q4_0`'s nibble − 8, `Q8_0`'s signed byte), converted to f32 and fused-multiply-added into
+/// the lane's accumulator with the block scale `d_w · d_x`; `Q4_1` fused-multiply-adds
+/// `m · s` into a separate sum (GCC contracts ggml's `summs += m*s` into an FMA). The result
+/// is the lanes summed in `hsum8`'s order, plus that sum. Reproducing this order, not just
+/// the value, is what lets greedy generation follow llama.cpp's tokens wherever their
+/// logits are close: a change of one rounding in one lane flips 8-bit activation quants
+/// some layers later (measured against llama.cpp 0.3.16's AVX2 build).
+///
+/// The row has `x.len()` blocks; the matrix products run the packed kernels of
 /// [`super::packed`], which give exactly these bits.
 pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
-    let mut state = [0f32; 2];
+    let mut state = [0f32; 9];
     dot_q8_continue(ty, row, x, &mut state);
     dot_state_finish(&state)
 }
 
-/// The accumulators of a dot product between blocks: `[scaled sums, Q4_1 offsets]`. A dot
-/// product split over ranks at block boundaries, each rank continuing the state of the
-/// previous one ([`dot_q8_continue`]) and the last finishing it ([`dot_state_finish`]),
-/// gives exactly the bits of the unsplit dot product.
-pub type DotState = [f32; 2];
+/// The accumulators of a dot product between blocks: the eight lanes, then `Q4_1`'s offset
+/// sum `Σ m · s`. A dot product split over ranks at block boundaries, each rank continuing
+/// the state of the previous one ([`dot_q8_continue`]) and the last finishing it
+/// ([`dot_state_finish`]), gives exactly the bits of the unsplit dot product.
+pub type DotState = [f32; 9];
 
-/// The dot product a [`DotState`] holds.
+/// The dot product a [`DotState`] holds: the lanes summed in `hsum8`'s order, plus the
+/// offsets.
 pub fn dot_state_finish(state: &DotState) -> f32 {
-    state[0] + state[1]
+    let lanes: &[f32; 8] = state[..8].try_into().expect("eight lanes");
+    hsum8(lanes) + state[8]
 }
 
 /// Continues the dot product in `state` with a weight row (`Q4_0`, `Q4_1` or `Q8_0`) of
 /// `x.len()` blocks, in the exact order of [`dot_q8`].
 pub fn dot_q8_continue(ty: GgmlType, row: &[u8], x: &[BlockQ8], state: &mut DotState) {
-    let [mut acc, mut offsets] = *state;
     for (i, a) in x.iter().enumerate() {
-        let (sum, scale): (i32, f32) = match ty {
+        // The weight's integer level of element `e` and the block scale.
+        let (level, scale): (&dyn Fn(usize) -> i32, f32) = match ty {
             GgmlType::Q4_1 => {
                 let b = &row[20 * i..20 * i + 20];
-                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-                offsets = m.mul_add(a.sum, offsets);
-                let sum = (0..16)
-                    .map(|e| {
-                        (b[4 + e] & 0x0F) as i32 * a.qs[e] as i32
-                            + (b[4 + e] >> 4) as i32 * a.qs[e + 16] as i32
-                    })
-                    .sum();
-                (sum, d)
+                state[8] = f16_at(b, 2).mul_add(a.sum, state[8]);
+                (&move |e: usize| nibble(&b[4..], e), f16_at(b, 0))
             }
             GgmlType::Q4_0 => {
                 let b = &row[18 * i..18 * i + 18];
-                let sum = (0..16)
-                    .map(|e| {
-                        ((b[2 + e] & 0x0F) as i32 - 8) * a.qs[e] as i32
-                            + ((b[2 + e] >> 4) as i32 - 8) * a.qs[e + 16] as i32
-                    })
-                    .sum();
-                (sum, f16_at(b, 0))
+                (&move |e: usize| nibble(&b[2..], e) - 8, f16_at(b, 0))
             }
             _ => {
                 let b = &row[34 * i..34 * i + 34];
-                let sum = (0..QK)
-                    .map(|e| b[2 + e] as i8 as i32 * a.qs[e] as i32)
-                    .sum();
-                (sum, f16_at(b, 0))
+                (&move |e: usize| b[2 + e] as i8 as i32, f16_at(b, 0))
             }
         };
-        acc = (scale * a.d).mul_add(sum as f32, acc);
+        let d = scale * a.d;
+        for (j, lane) in state[..8].iter_mut().enumerate() {
+            let sum: i32 = (4 * j..4 * j + 4).map(|e| level(e) * a.qs[e] as i32).sum();
+            *lane = d.mul_add(sum as f32, *lane);
+        }
     }
-    *state = [acc, offsets];
+}
+
+/// Element `e` of a 32-element block of packed nibbles: low nibbles hold elements 0..16,
+/// high nibbles 16..32 (ggml's `Q4_0`/`Q4_1` layout).
+fn nibble(qs: &[u8], e: usize) -> i32 {
+    if e < 16 {
+        (qs[e] & 0x0F) as i32
+    } else {
+        (qs[e - 16] >> 4) as i32
+    }
 }
 
 /// The horizontal sum of 8 lanes in the order of the AVX2 kernels (and of llamafile's
 /// tinyBLAS): low half + high half, then lanes 0+2 and 1+3, then those two.
-fn hsum8(l: &[f32; 8]) -> f32 {
+pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
     let half = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
     (half[0] + half[2]) + (half[1] + half[3])
 }
@@ -466,6 +472,96 @@ pub fn weighted_sum_f16_heads(weights: &[f32], values: &[&[f16]], out: &mut [f32
     for (h, out) in out.chunks_exact_mut(width).enumerate() {
         let weights = &weights[h * n_positions..(h + 1) * n_positions];
         weighted_sum_f16(weights, values.iter().copied(), out);
+    }
+}
+
+/// The order in which ggml's AVX2 `ggml_vec_dot_f16` sums its 32 lane classes (element `i`
+/// in accumulator `(i / 8) mod 4`, lane `i mod 8`; `GGML_F32x8_REDUCE`): accumulators 0+2
+/// and 1+3, those two, then the halves of the vector, then two `hadd`s.
+pub(crate) fn reduce32(a: &[f32; 32]) -> f32 {
+    let s: [f32; 8] = std::array::from_fn(|l| (a[l] + a[16 + l]) + (a[8 + l] + a[24 + l]));
+    let t = [s[0] + s[4], s[1] + s[5], s[2] + s[6], s[3] + s[7]];
+    (t[0] + t[1]) + (t[2] + t[3])
+}
+
+crate::runtime::mathfn::multiversion! {
+    /// [`attention_scores`] for a sequence's single new token, as llama.cpp computes `kq`
+    /// when the batch holds one token (tinyBLAS only takes two or more; `ggml_vec_dot_f16`
+    /// then runs): each score sums its `width` products in 32 lane classes (`reduce32`).
+    /// `keys`: `n_positions` rows of `width`; `queries` `(heads, width)` (already rounded
+    /// to f16); `scores` `(heads, n_positions)`. `width` must be a multiple of 32.
+    #[allow(clippy::needless_range_loop)]
+    pub fn attention_scores_decode(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &mut [f32]) {
+        let n_positions = keys.len();
+        let heads = scores.len() / n_positions.max(1);
+        let width = queries.len() / heads.max(1);
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() && width.is_multiple_of(32) {
+            // SAFETY: AVX2/FMA/F16C present; every key has `width` elements, a multiple of
+            // 32; `queries` holds `heads` rows of `width`, `scores` `heads` of `n_positions`.
+            unsafe { avx2::attention_scores_decode(keys, queries, scale, scores, width) };
+            return;
+        }
+        let mut key = vec![0f32; width];
+        for (p, row) in keys.iter().enumerate() {
+            for (k, v) in key.iter_mut().zip(row.iter()) {
+                *k = v.to_f32();
+            }
+            for (h, query) in queries.chunks_exact(width).enumerate() {
+                let mut a = [0f32; 32];
+                for (k32, q32) in key.chunks_exact(32).zip(query.chunks_exact(32)) {
+                    for i in 0..32 {
+                        a[i] = k32[i].mul_add(q32[i], a[i]);
+                    }
+                }
+                scores[h * n_positions + p] = reduce32(&a) * scale;
+            }
+        }
+    }
+}
+
+crate::runtime::mathfn::multiversion! {
+    /// [`weighted_sum_f16_heads`] for a sequence's single new token, as llama.cpp's
+    /// `ggml_vec_dot_f16` computes `kqv` then: position `p` goes to lane class `p mod 32`
+    /// (each class a fused-multiply-add chain in position order), the classes summed by
+    /// `reduce32`. `weights` `(heads, values.len())`, rounded to f16 here; `out`
+    /// `(heads, width)`.
+    #[allow(clippy::needless_range_loop)]
+    pub fn weighted_sum_f16_heads_decode(weights: &[f32], values: &[&[f16]], out: &mut [f32], heads: usize) {
+        let width = out.len() / heads;
+        let n_positions = values.len();
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() && width.is_multiple_of(32) {
+            let mut rounded = weights.to_vec();
+            // SAFETY: AVX2/FMA/F16C present; every value row has `width` elements, a
+            // multiple of 32; `rounded` holds `heads` rows of `n_positions`, `out` `heads`
+            // rows of `width`.
+            unsafe {
+                avx2::round_through_f16(&mut rounded);
+                avx2::weighted_sum_heads_decode(&rounded, values, out, heads, width);
+            }
+            return;
+        }
+        let mut classes = vec![0f32; 32 * width];
+        let mut row = vec![0f32; width];
+        for (h, out) in out.chunks_exact_mut(width).enumerate() {
+            let weights = &weights[h * n_positions..(h + 1) * n_positions];
+            classes.iter_mut().for_each(|v| *v = 0.0);
+            for (p, (w, values)) in weights.iter().zip(values).enumerate() {
+                let w = f16::from_f32(*w).to_f32();
+                for (r, v) in row.iter_mut().zip(values.iter()) {
+                    *r = v.to_f32();
+                }
+                let class = &mut classes[(p % 32) * width..(p % 32 + 1) * width];
+                for d in 0..width {
+                    class[d] = row[d].mul_add(w, class[d]);
+                }
+            }
+            for d in 0..width {
+                let a: [f32; 32] = std::array::from_fn(|c| classes[c * width + d]);
+                out[d] = reduce32(&a);
+            }
+        }
     }
 }
 
@@ -726,6 +822,100 @@ mod avx2 {
         }
     }
 
+    /// `GGML_F32x8_REDUCE` of four accumulators, then as ggml converts the f32 result.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn reduce_four(a: [__m256; 4]) -> f32 {
+        let x0 = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+        let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
+        let t1 = _mm_hadd_ps(t0, t0);
+        _mm_cvtss_f32(_mm_hadd_ps(t1, t1))
+    }
+
+    /// [`super::attention_scores_decode`] on AVX2 (`width` a multiple of 32): each key is
+    /// converted once for every head, each score runs ggml's four accumulators.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attention_scores_decode(
+        keys: &[&[half::f16]],
+        queries: &[f32],
+        scale: f32,
+        scores: &mut [f32],
+        width: usize,
+    ) {
+        let n_positions = keys.len();
+        let mut key = vec![_mm256_setzero_ps(); width / 8];
+        for (p, row) in keys.iter().enumerate() {
+            for (c, k) in key.iter_mut().enumerate() {
+                // SAFETY: `row` has `width` halves.
+                *k = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().add(8 * c) as _)) };
+            }
+            for (h, query) in queries.chunks_exact(width).enumerate() {
+                let mut a = [_mm256_setzero_ps(); 4];
+                for (c, k) in key.iter().enumerate() {
+                    // SAFETY: `query` has `width` values.
+                    let q = unsafe { _mm256_loadu_ps(query.as_ptr().add(8 * c)) };
+                    a[c % 4] = _mm256_fmadd_ps(*k, q, a[c % 4]);
+                }
+                scores[h * n_positions + p] = unsafe { reduce_four(a) } * scale;
+            }
+        }
+    }
+
+    /// [`super::weighted_sum_f16_heads_decode`] on AVX2 (`width` a multiple of 32, `weights`
+    /// already rounded through f16): per head and lane class, 32 outputs at a time in four
+    /// registers down the class's positions; then the classes reduced as `reduce32`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_sum_heads_decode(
+        weights: &[f32],
+        values: &[&[half::f16]],
+        out: &mut [f32],
+        heads: usize,
+        width: usize,
+    ) {
+        let n_positions = values.len();
+        let mut classes = vec![_mm256_setzero_ps(); 32 * width / 8];
+        for h in 0..heads {
+            let weights = &weights[h * n_positions..(h + 1) * n_positions];
+            for c in 0..32.min(n_positions) {
+                for chunk in 0..width / 32 {
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    for p in (c..n_positions).step_by(32) {
+                        let w = _mm256_set1_ps(weights[p]);
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            // SAFETY: every value row has `width` halves.
+                            let v = unsafe {
+                                _mm256_cvtph_ps(_mm_loadu_si128(
+                                    values[p].as_ptr().add(32 * chunk + 8 * j) as _,
+                                ))
+                            };
+                            *a = _mm256_fmadd_ps(v, w, *a);
+                        }
+                    }
+                    for (j, a) in acc.iter().enumerate() {
+                        classes[c * width / 8 + 4 * chunk + j] = *a;
+                    }
+                }
+            }
+            for c in n_positions..32 {
+                for v in &mut classes[c * width / 8..(c + 1) * width / 8] {
+                    *v = _mm256_setzero_ps();
+                }
+            }
+            let class = |c: usize, v: usize| classes[c * width / 8 + v];
+            for v in 0..width / 8 {
+                let s: [__m256; 8] = std::array::from_fn(|l| {
+                    _mm256_add_ps(
+                        _mm256_add_ps(class(l, v), class(16 + l, v)),
+                        _mm256_add_ps(class(8 + l, v), class(24 + l, v)),
+                    )
+                });
+                let t: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(s[i], s[i + 4]));
+                let r = _mm256_add_ps(_mm256_add_ps(t[0], t[1]), _mm256_add_ps(t[2], t[3]));
+                // SAFETY: `out` holds `heads` rows of `width`.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(h * width + 8 * v), r) };
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn fma_f16_row(accumulator: &mut [f32], w: f32, v: &[half::f16]) {
         let weight = _mm256_set1_ps(w);
@@ -818,7 +1008,7 @@ pub(crate) mod tests {
             let w = row(ty, 18, 11);
             let block_bytes = ty.row_bytes(QK).expect("one block");
             for cuts in [vec![0, 18], vec![0, 6, 12, 18], vec![0, 1, 17, 18]] {
-                let mut state = [0f32; 2];
+                let mut state = [0f32; 9];
                 for part in cuts.windows(2) {
                     let (a, b) = (part[0], part[1]);
                     let w_part = &w[a * block_bytes..b * block_bytes];

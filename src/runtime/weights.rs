@@ -428,14 +428,14 @@ fn run_groups_into(packed: &[&Packed], quantized: &[Vec<BlockQ8>], outs: &mut [V
         .for_each(|(m, first_group, mut slices)| {
             let n_rows = slices.first().map_or(0, |s| s.len());
             let mut x = [&[][..]; TILE];
-            let mut states = [[[0f32; GROUP_ROWS]; 2]; TILE];
+            let mut states = [[[0f32; GROUP_ROWS]; 9]; TILE];
             for i in 0..n_rows.div_ceil(GROUP_ROWS) {
                 let rows = i * GROUP_ROWS..((i + 1) * GROUP_ROWS).min(n_rows);
                 for first in (0..n_tokens).step_by(TILE) {
                     let n = TILE.min(n_tokens - first);
                     for t in 0..n {
                         x[t] = &quantized[first + t][..];
-                        states[t] = [[0.0; GROUP_ROWS]; 2];
+                        states[t] = [[0.0; GROUP_ROWS]; 9];
                     }
                     packed[m].continue_group(first_group + i, &x[..n], &mut states[..n]);
                     for (slice, state) in slices[first..first + n].iter_mut().zip(&states) {
@@ -555,7 +555,7 @@ mod tests {
         let x = activations(n_tokens, n_cols);
         let mut expected = vec![0f32; n_tokens * n_rows];
         whole.matmul(&x, n_tokens, &mut expected);
-        let mut states: Vec<DotState> = vec![[0.0; 2]; n_rows * n_tokens];
+        let mut states: Vec<DotState> = vec![[0.0; 9]; n_rows * n_tokens];
         for (first, width) in [(0, 32), (32, 64), (96, 32)] {
             let shard = whole.cols(first, width).expect("block aligned");
             let x_shard: Vec<f32> = x

@@ -267,7 +267,9 @@ impl Member {
         let is_sampler = self.rank == self.sampler_rank();
         for entry in entries {
             if let Some(params) = &entry.params {
-                self.caches.insert(entry.seq, self.shard.new_cache());
+                let mut cache = self.shard.new_cache();
+                cache.prompt_tokens = Some(entry.tokens.len().saturating_sub(entry.sampled_before));
+                self.caches.insert(entry.seq, cache);
                 if is_sampler {
                     let mut sampler = Sampler::new(params);
                     sampler.skip(entry.sampled_before);
