@@ -1101,6 +1101,86 @@ pub(crate) mod tests {
         }
     }
 
+    /// The decode-step attention kernels against a plain transcription of ggml's
+    /// `ggml_vec_dot_f16` (four 8-lane accumulators, `GGML_F32x8_REDUCE`, two `hadd`s), with
+    /// 1, 31, 32, 33 and 70 positions (partial and several lane classes).
+    #[test]
+    #[allow(clippy::needless_range_loop)] // a transcription of ggml's indexing
+    fn decode_attention_kernels_follow_ggml_vec_dot_f16() {
+        fn vec_dot_f16(x: &[f32], y: &[f32]) -> f32 {
+            let mut sum = [[0f32; 8]; 4];
+            for i in (0..x.len() / 32 * 32).step_by(32) {
+                for j in 0..4 {
+                    for l in 0..8 {
+                        let e = i + 8 * j + l;
+                        sum[j][l] = x[e].mul_add(y[e], sum[j][l]);
+                    }
+                }
+            }
+            let x0: [f32; 8] =
+                std::array::from_fn(|l| (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]));
+            let t0: [f32; 4] = std::array::from_fn(|i| x0[i] + x0[i + 4]);
+            let t1 = [t0[0] + t0[1], t0[2] + t0[3]];
+            let mut total = (t1[0] + t1[1]) as f64;
+            for e in x.len() / 32 * 32..x.len() {
+                total += (x[e] * y[e]) as f64;
+            }
+            total as f32
+        }
+        let (width, heads) = (64, 3);
+        let half = |v: f32| f16::from_f32(v).to_f32();
+        for n_positions in [1, 31, 32, 33, 70] {
+            let keys: Vec<Vec<f16>> = (0..n_positions)
+                .map(|p| {
+                    (0..width)
+                        .map(|d| f16::from_f32(((p * 7 + d * 13) % 29) as f32 * 0.07 - 1.0))
+                        .collect()
+                })
+                .collect();
+            let queries: Vec<f32> = (0..heads * width)
+                .map(|i| half(((i * 11) % 17) as f32 * 0.3 - 2.4))
+                .collect();
+            let key_rows: Vec<&[f16]> = keys.iter().map(|k| &k[..]).collect();
+            let mut scores = vec![0f32; heads * n_positions];
+            attention_scores_decode(&key_rows, &queries, 0.125, &mut scores);
+            for h in 0..heads {
+                for (p, key) in keys.iter().enumerate() {
+                    let k: Vec<f32> = key.iter().map(|v| v.to_f32()).collect();
+                    let want = vec_dot_f16(&k, &queries[h * width..(h + 1) * width]) * 0.125;
+                    assert_eq!(
+                        scores[h * n_positions + p].to_bits(),
+                        want.to_bits(),
+                        "kq {n_positions} {h} {p}"
+                    );
+                }
+            }
+            // kqv: each output is a dot product over positions (the transposed V cache,
+            // padded with zeros to a multiple of 32 as ggml's KV view is).
+            let weights: Vec<f32> = (0..heads * n_positions)
+                .map(|i| ((i * 5) % 23) as f32 / 23.0)
+                .collect();
+            let mut out = vec![0f32; heads * width];
+            weighted_sum_f16_heads_decode(&weights, &key_rows, &mut out, heads);
+            let padded = n_positions.div_ceil(32) * 32;
+            for h in 0..heads {
+                for d in 0..width {
+                    let mut column = vec![0f32; padded];
+                    let mut probs = vec![0f32; padded];
+                    for p in 0..n_positions {
+                        column[p] = keys[p][d].to_f32();
+                        probs[p] = half(weights[h * n_positions + p]);
+                    }
+                    let want = vec_dot_f16(&column, &probs);
+                    assert_eq!(
+                        out[h * width + d].to_bits(),
+                        want.to_bits(),
+                        "kqv {n_positions} {h} {d}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The grouped (GQA) attention kernels give each head exactly the one-head bits.
     #[test]
     fn grouped_attention_kernels_equal_one_head_at_a_time() {
