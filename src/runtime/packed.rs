@@ -17,8 +17,14 @@
 //! `Q4_1` four chunks, chunk `q` holding bytes `4q..4q+4` of each row's 16 packed bytes
 //! (low nibbles: elements `4q..4q+3`; high nibbles: elements `16+4q..16+4q+3`), row `r` at
 //! bytes `4r..4r+4`; for `Q8_0` eight chunks, chunk `k` holding elements `4k..4k+3` of each
-//! row plus 128 (as unsigned bytes, for `vpdpbusd`; `128 · Σ q` is subtracted after). A last
+//! row plus 128 (as unsigned bytes, for `vpdpbusd`: each lane's integer sum starts from
+//! `−128 · Σ q` over the token's four quants, [`BlockQ8::lane_sums`], so it ends exactly at
+//! `Σ w·q`; `Q4_0` likewise starts from `−8 · Σ q` for its nibbles' offset of 8). A last
 //! group with fewer than eight rows is padded with zero rows.
+//!
+//! A product that starts from zero ([`Packed::product_group`], every matrix product that is
+//! not a tensor-parallel continuation) keeps its accumulators in registers and stores only
+//! the eight finished sums per token.
 
 use super::quant::{BlockQ8, DotState, GgmlType};
 
@@ -125,24 +131,86 @@ impl Packed {
     ///
     /// Panics (a bug, not input): more than [`MAX_TOKENS`] tokens, or a token with another
     /// block count.
-    #[allow(clippy::needless_range_loop)] // rows index the lanes' arrays
     pub fn continue_group(&self, g: usize, x: &[&[BlockQ8]], states: &mut [GroupState]) {
         assert!(x.len() <= MAX_TOKENS && x.len() == states.len());
-        assert!(x.iter().all(|x| x.len() == self.n_blocks));
-        let records = &self.data[g * self.n_blocks * self.record_chunks..]
-            [..self.n_blocks * self.record_chunks];
+        let records = self.records(g, x);
         #[cfg(target_arch = "x86_64")]
         if super::quant::has_avx2() {
-            // SAFETY: AVX2/FMA/F16C checked (VNNI and VL too for the `true` variants);
-            // `records` holds `n_blocks` records of `record_chunks` chunks and every `x[t]`
-            // holds `n_blocks` blocks (asserted above).
             let vnni = super::quant::has_vnni();
             let per_call = tokens_per_call(vnni);
             for (x, states) in x.chunks(per_call).zip(states.chunks_mut(per_call)) {
-                unsafe { avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, states) };
+                // SAFETY: AVX2/FMA/F16C checked (VNNI and VL too for `vnni`); `records`
+                // holds `n_blocks` records and every `x[t]` `n_blocks` blocks (asserted).
+                unsafe {
+                    let io = avx2::Io::Continue(states);
+                    avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, io)
+                };
             }
             return;
         }
+        self.continue_portably(records, x, states);
+    }
+
+    /// The finished dot products of group `g`'s eight rows with up to [`MAX_TOKENS`]
+    /// tokens (`out[t]` for `x[t]`): [`continue_group`](Packed::continue_group) from zero
+    /// states, then [`finish_group`], without the states ever leaving the registers. Same
+    /// bits as that pair, and as [`super::quant::dot_q8`] per row.
+    ///
+    /// Panics (a bug, not input): as `continue_group`.
+    pub fn product_group(&self, g: usize, x: &[&[BlockQ8]], out: &mut [[f32; GROUP_ROWS]]) {
+        assert!(x.len() <= MAX_TOKENS && x.len() == out.len());
+        let records = self.records(g, x);
+        #[cfg(target_arch = "x86_64")]
+        if super::quant::has_avx2() {
+            let vnni = super::quant::has_vnni();
+            let per_call = tokens_per_call(vnni);
+            for (x, out) in x.chunks(per_call).zip(out.chunks_mut(per_call)) {
+                // SAFETY: as in `continue_group`.
+                unsafe {
+                    let io = avx2::Io::Fresh(out);
+                    avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, io)
+                };
+            }
+            return;
+        }
+        let mut states = vec![[[0f32; GROUP_ROWS]; 9]; x.len()];
+        self.continue_portably(records, x, &mut states);
+        for (out, state) in out.iter_mut().zip(&states) {
+            *out = finish_group(state);
+        }
+    }
+
+    /// Asks the CPU to bring group `g`'s records into the cache ahead of use (a no-op past
+    /// the last group or off x86-64). Worth it when each group is reused for many tokens:
+    /// the hardware prefetcher then sees the re-reads of one group, not a stream, and every
+    /// next group would start with a run of cache misses.
+    pub fn prefetch_group(&self, g: usize) {
+        if g >= self.n_groups() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let records = &self.data[g * self.n_blocks * self.record_chunks..]
+                [..self.n_blocks * self.record_chunks];
+            // Two 32-byte chunks per 64-byte cache line.
+            for chunk in records.iter().step_by(2) {
+                // SAFETY: a prefetch of a valid address has no effect beyond the cache.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(chunk.0.as_ptr() as *const i8) };
+            }
+        }
+    }
+
+    /// Group `g`'s records, checking that every token has `n_blocks` blocks.
+    fn records(&self, g: usize, x: &[&[BlockQ8]]) -> &[Chunk] {
+        assert!(x.iter().all(|x| x.len() == self.n_blocks));
+        &self.data[g * self.n_blocks * self.record_chunks..][..self.n_blocks * self.record_chunks]
+    }
+
+    /// [`continue_group`](Packed::continue_group) with the portable one-row kernel on the
+    /// rows rebuilt from the records (same bits, slowly).
+    #[allow(clippy::needless_range_loop)] // rows index the lanes' arrays
+    fn continue_portably(&self, records: &[Chunk], x: &[&[BlockQ8]], states: &mut [GroupState]) {
         for (x, state) in x.iter().zip(states.iter_mut()) {
             for r in 0..GROUP_ROWS {
                 let row = self.unpacked_row(records, r);
@@ -204,156 +272,240 @@ mod avx2 {
     const Q4_1: u8 = 1;
     const Q8_0: u8 = 2;
 
+    /// Where a kernel call starts and what it leaves: `Continue` loads and stores the
+    /// [`GroupState`]s (tensor-parallel continuation); `Fresh` starts from zero and stores
+    /// the finished dot products (`[f32; 8]` per token), never touching a state in memory.
+    pub enum Io<'a> {
+        Continue(&'a mut [GroupState]),
+        Fresh(&'a mut [[f32; GROUP_ROWS]]),
+    }
+
     /// Calls the kernel for `ty`, `x.len()` tokens and this CPU.
     ///
     /// Safety: AVX2, FMA and F16C are available, and AVX-512 VNNI and VL if `vnni`;
-    /// `records` holds one record per block of every `x[t]`; `x.len() == states.len()`, at
-    /// most [`super::tokens_per_call`].
+    /// `records` holds one record per block of every `x[t]`; `io` holds `x.len()` entries,
+    /// at most [`super::tokens_per_call`].
     pub unsafe fn dispatch(
         ty: GgmlType,
         vnni: bool,
         records: &[Chunk],
         record_chunks: usize,
         x: &[&[BlockQ8]],
-        states: &mut [GroupState],
+        io: Io<'_>,
     ) {
         macro_rules! tokens {
-            ($kind:expr, true) => {
+            ($kind:expr, $fresh:expr, $io:expr, true) => {
                 match x.len() {
-                    1 => kernel_vnni::<$kind, 1>(records, record_chunks, x, states),
-                    2 => kernel_vnni::<$kind, 2>(records, record_chunks, x, states),
+                    1 => kernel_vnni::<$kind, 1, $fresh>(records, record_chunks, x, $io),
+                    2 => kernel_vnni::<$kind, 2, $fresh>(records, record_chunks, x, $io),
                     _ => {}
                 }
             };
-            ($kind:expr, false) => {
+            ($kind:expr, $fresh:expr, $io:expr, false) => {
                 if x.len() == 1 {
-                    kernel_avx2::<$kind, 1>(records, record_chunks, x, states)
+                    kernel_avx2::<$kind, 1, $fresh>(records, record_chunks, x, $io)
                 }
             };
         }
         macro_rules! kinds {
-            ($vnni:tt) => {
+            ($fresh:expr, $io:expr, $vnni:tt) => {
                 match ty {
-                    GgmlType::Q4_0 => tokens!(Q4_0, $vnni),
-                    GgmlType::Q4_1 => tokens!(Q4_1, $vnni),
-                    _ => tokens!(Q8_0, $vnni),
+                    GgmlType::Q4_0 => tokens!(Q4_0, $fresh, $io, $vnni),
+                    GgmlType::Q4_1 => tokens!(Q4_1, $fresh, $io, $vnni),
+                    _ => tokens!(Q8_0, $fresh, $io, $vnni),
                 }
             };
         }
-        // SAFETY: as the caller promises.
-        unsafe { if vnni { kinds!(true) } else { kinds!(false) } }
+        // The states (or outputs) as one pointer per token, so one kernel serves both.
+        let (fresh, pointer) = match io {
+            Io::Continue(states) => {
+                assert_eq!(states.len(), x.len());
+                (false, states.as_mut_ptr() as *mut f32)
+            }
+            Io::Fresh(out) => {
+                assert_eq!(out.len(), x.len());
+                (true, out.as_mut_ptr() as *mut f32)
+            }
+        };
+        // SAFETY: as the caller promises; `pointer` covers `x.len()` states or outputs.
+        unsafe {
+            match (vnni, fresh) {
+                (true, true) => kinds!(true, pointer, true),
+                (true, false) => kinds!(false, pointer, true),
+                (false, true) => kinds!(true, pointer, false),
+                (false, false) => kinds!(false, pointer, false),
+            }
+        }
     }
 
     /// `vpdpbusd` on 256-bit vectors, with AVX-512 VL's 32 vector registers.
     #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    unsafe fn kernel_vnni<const KIND: u8, const N: usize>(
+    unsafe fn kernel_vnni<const KIND: u8, const N: usize, const FRESH: bool>(
         records: &[Chunk],
         record_chunks: usize,
         x: &[&[BlockQ8]],
-        states: &mut [GroupState],
+        io: *mut f32,
     ) {
-        unsafe { body::<KIND, N, true>(records, record_chunks, x, states) }
+        unsafe { body::<KIND, N, true, FRESH>(records, record_chunks, x, io) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn kernel_avx2<const KIND: u8, const N: usize>(
+    unsafe fn kernel_avx2<const KIND: u8, const N: usize, const FRESH: bool>(
         records: &[Chunk],
         record_chunks: usize,
         x: &[&[BlockQ8]],
-        states: &mut [GroupState],
+        io: *mut f32,
     ) {
-        unsafe { body::<KIND, N, false>(records, record_chunks, x, states) }
+        unsafe { body::<KIND, N, false, FRESH>(records, record_chunks, x, io) }
     }
 
-    // Indexing by token and piece reads clearer than nested iterators here.
+    /// Lane `k`'s exact integer sums `Σ w·q` of the eight rows against token lanes `q`
+    /// (the token's four quants of lane `k`, broadcast): `w` holds the rows' levels as
+    /// unsigned bytes (nibbles; `Q8_0`'s byte + 128 with VNNI, its signed byte without),
+    /// `bias` the token's `−c · lane_sum` for weights stored with an offset `c`.
+    #[inline(always)]
+    unsafe fn lane_sums<const KIND: u8, const VNNI: bool>(
+        w: __m256i,
+        q: __m256i,
+        bias: *const i32,
+    ) -> __m256i {
+        unsafe {
+            if VNNI {
+                let start = if KIND == Q4_1 {
+                    _mm256_setzero_si256()
+                } else {
+                    _mm256_set1_epi32(std::ptr::read(bias))
+                };
+                _mm256_dpbusd_epi32(start, w, q)
+            } else {
+                let ones = _mm256_set1_epi16(1);
+                if KIND == Q8_0 {
+                    // |w| as unsigned bytes, w's sign moved onto q: exact (no saturation,
+                    // |w·q| ≤ 128·127 per pair).
+                    let unsigned = _mm256_sign_epi8(w, w);
+                    let signed = _mm256_sign_epi8(q, w);
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned, signed), ones)
+                } else {
+                    let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), ones);
+                    if KIND == Q4_0 {
+                        _mm256_add_epi32(sums, _mm256_set1_epi32(std::ptr::read(bias)))
+                    } else {
+                        sums
+                    }
+                }
+            }
+        }
+    }
+
+    // Indexing by token and lane reads clearer than nested iterators here.
     #[allow(clippy::needless_range_loop)]
     #[inline(always)]
-    unsafe fn body<const KIND: u8, const N: usize, const VNNI: bool>(
+    unsafe fn body<const KIND: u8, const N: usize, const VNNI: bool, const FRESH: bool>(
         records: &[Chunk],
         record_chunks: usize,
         x: &[&[BlockQ8]],
-        states: &mut [GroupState],
+        io: *mut f32,
     ) {
         unsafe {
             let mut acc = [[_mm256_setzero_ps(); 8]; N];
             let mut offsets = [_mm256_setzero_ps(); N];
-            for t in 0..N {
-                for k in 0..8 {
-                    acc[t][k] = _mm256_loadu_ps(states[t][k].as_ptr());
+            if !FRESH {
+                for t in 0..N {
+                    let state = io.add(t * 9 * GROUP_ROWS);
+                    for k in 0..8 {
+                        acc[t][k] = _mm256_loadu_ps(state.add(k * GROUP_ROWS));
+                    }
+                    offsets[t] = _mm256_loadu_ps(state.add(8 * GROUP_ROWS));
                 }
-                offsets[t] = _mm256_loadu_ps(states[t][8].as_ptr());
             }
             let low_nibbles = _mm256_set1_epi8(0x0F);
-            let ones = _mm256_set1_epi16(1);
-            let eights = _mm256_set1_epi8(8);
-            let flip = _mm256_set1_epi8(-128);
+            // Weights stored with an offset: Q4_0's nibble is its level + 8; with VNNI,
+            // Q8_0's byte (as unsigned) its level + 128.
+            let offset_shift = match KIND {
+                Q4_0 => Some(3),
+                Q8_0 if VNNI => Some(7),
+                _ => None,
+            };
+            let mut bias = [[0i32; 8]; N];
             let n_blocks = x[0].len();
             for i in 0..n_blocks {
                 let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
                 let scales = _mm256_load_ps(record as *const f32);
                 let quants = record.add(if KIND == Q4_1 { 2 } else { 1 });
-                // Weight levels of elements 4k..4k+3 (lane k) of the eight rows: unsigned
-                // nibbles for Q4_0/Q4_1, the signed bytes for Q8_0.
-                let mut w = [_mm256_setzero_si256(); 8];
-                if KIND == Q8_0 {
-                    for k in 0..8 {
-                        w[k] = _mm256_xor_si256(_mm256_load_si256(quants.add(k)), flip);
-                    }
-                } else {
-                    for q in 0..4 {
-                        let packed = _mm256_load_si256(quants.add(q));
-                        w[q] = _mm256_and_si256(packed, low_nibbles);
-                        w[q + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-                    }
-                }
+                let mut scale = [_mm256_setzero_ps(); N];
                 for t in 0..N {
                     let a = &x[t][i];
-                    let four = a.qs.as_ptr() as *const i32;
-                    let scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
-                    for k in 0..8 {
-                        let q = _mm256_set1_epi32(std::ptr::read_unaligned(four.add(k)));
-                        // Lane k's exact four-element sums of the eight rows.
-                        let (unsigned, signed) = if KIND == Q8_0 {
-                            // |w| ≤ 128 as unsigned bytes, the sign moved onto q: exact.
-                            (_mm256_sign_epi8(w[k], w[k]), _mm256_sign_epi8(q, w[k]))
+                    scale[t] = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
+                    if let Some(shift) = offset_shift {
+                        // −c · lane_sum for the eight lanes, read back one at a time.
+                        let sums = _mm256_loadu_si256(a.lane_sums.as_ptr() as *const __m256i);
+                        let scaled = if shift == 3 {
+                            _mm256_slli_epi32::<3>(sums)
                         } else {
-                            (w[k], q)
+                            _mm256_slli_epi32::<7>(sums)
                         };
-                        let mut sums = if VNNI {
-                            _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned, signed)
-                        } else {
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned, signed), ones)
-                        };
-                        if KIND == Q4_0 {
-                            // Σ (u − 8)·q = Σ u·q − Σ 8·q.
-                            let bias = if VNNI {
-                                _mm256_dpbusd_epi32(_mm256_setzero_si256(), eights, q)
-                            } else {
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(eights, q), ones)
-                            };
-                            sums = _mm256_sub_epi32(sums, bias);
-                        }
-                        acc[t][k] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[t][k]);
+                        let negated = _mm256_sub_epi32(_mm256_setzero_si256(), scaled);
+                        _mm256_storeu_si256(bias[t].as_mut_ptr() as *mut __m256i, negated);
+                    }
+                    if KIND == Q4_1 {
+                        // The offsets `Σ m · s`: a separate accumulator, in block order.
+                        let mins = _mm256_load_ps(record.add(1) as *const f32);
+                        offsets[t] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum), offsets[t]);
                     }
                 }
-            }
-            // `Q4_1` offsets `Σ m · s` are a separate accumulator (in block order, as the
-            // reference's), so they take their own pass and registers.
-            if KIND == Q4_1 {
-                for i in 0..n_blocks {
-                    let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
-                    let mins = _mm256_load_ps(record.add(1) as *const f32);
+                // Lanes two at a time: Q4's chunk `q` holds lane `q` (low nibbles) and lane
+                // `q + 4` (high nibbles); Q8_0's chunks are one lane each.
+                for pair in 0..4 {
+                    let (k0, k1) = if KIND == Q8_0 {
+                        (2 * pair, 2 * pair + 1)
+                    } else {
+                        (pair, pair + 4)
+                    };
+                    let (w0, w1) = if KIND == Q8_0 {
+                        let (raw0, raw1) = (
+                            _mm256_load_si256(quants.add(k0)),
+                            _mm256_load_si256(quants.add(k1)),
+                        );
+                        if VNNI {
+                            (raw0, raw1)
+                        } else {
+                            let flip = _mm256_set1_epi8(-128);
+                            (_mm256_xor_si256(raw0, flip), _mm256_xor_si256(raw1, flip))
+                        }
+                    } else {
+                        let packed = _mm256_load_si256(quants.add(pair));
+                        (
+                            _mm256_and_si256(packed, low_nibbles),
+                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles),
+                        )
+                    };
                     for t in 0..N {
-                        let sum = _mm256_set1_ps(x[t][i].sum);
-                        offsets[t] = _mm256_fmadd_ps(mins, sum, offsets[t]);
+                        let four = x[t][i].qs.as_ptr() as *const i32;
+                        for (k, w) in [(k0, w0), (k1, w1)] {
+                            let q = _mm256_set1_epi32(std::ptr::read_unaligned(four.add(k)));
+                            let sums = lane_sums::<KIND, VNNI>(w, q, bias[t].as_ptr().add(k));
+                            acc[t][k] =
+                                _mm256_fmadd_ps(scale[t], _mm256_cvtepi32_ps(sums), acc[t][k]);
+                        }
                     }
                 }
             }
             for t in 0..N {
-                for k in 0..8 {
-                    _mm256_storeu_ps(states[t][k].as_mut_ptr(), acc[t][k]);
+                if FRESH {
+                    // `finish_group`'s (and `hsum8`'s) order, eight rows at once.
+                    let a = &acc[t];
+                    let lanes = _mm256_add_ps(
+                        _mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
+                        _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])),
+                    );
+                    _mm256_storeu_ps(io.add(t * GROUP_ROWS), _mm256_add_ps(lanes, offsets[t]));
+                } else {
+                    let state = io.add(t * 9 * GROUP_ROWS);
+                    for k in 0..8 {
+                        _mm256_storeu_ps(state.add(k * GROUP_ROWS), acc[t][k]);
+                    }
+                    _mm256_storeu_ps(state.add(8 * GROUP_ROWS), offsets[t]);
                 }
-                _mm256_storeu_ps(states[t][8].as_mut_ptr(), offsets[t]);
             }
             debug_assert_eq!(GROUP_ROWS, 8);
         }
@@ -397,32 +549,43 @@ mod tests {
         blocks
     }
 
-    /// Runs `packed` over every group for `tokens`, with or without VNNI, from zero states.
-    fn products(packed: &Packed, tokens: &[Vec<BlockQ8>], vnni: Option<bool>) -> Vec<Vec<f32>> {
+    /// Runs `packed` over every group for `tokens` from zero states: `vnni` picks a kernel
+    /// (`None`: what `Packed` picks for this CPU), `fresh` the finishing kernels
+    /// ([`Packed::product_group`]) over continuing ones plus [`finish_group`].
+    fn products(
+        packed: &Packed,
+        tokens: &[Vec<BlockQ8>],
+        vnni: Option<bool>,
+        fresh: bool,
+    ) -> Vec<Vec<f32>> {
         let x: Vec<&[BlockQ8]> = tokens.iter().map(|t| &t[..]).collect();
         let mut out = vec![vec![0f32; packed.n_rows]; tokens.len()];
         for g in 0..packed.n_groups() {
             let mut states = vec![[[0f32; GROUP_ROWS]; 9]; tokens.len()];
-            let records = &packed.data[g * packed.n_blocks * packed.record_chunks..]
-                [..packed.n_blocks * packed.record_chunks];
-            match vnni {
+            let mut sums = vec![[f32::NAN; GROUP_ROWS]; tokens.len()];
+            let records = packed.records(g, &x);
+            match (vnni, fresh) {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the callers check AVX2 (and VNNI + VL for `Some(true)`); records
                 // and tokens have `n_blocks` blocks each.
-                Some(vnni) => unsafe {
-                    avx2::dispatch(
-                        packed.ty,
-                        vnni,
-                        records,
-                        packed.record_chunks,
-                        &x,
-                        &mut states,
-                    )
+                (Some(vnni), _) => unsafe {
+                    let io = if fresh {
+                        avx2::Io::Fresh(&mut sums)
+                    } else {
+                        avx2::Io::Continue(&mut states)
+                    };
+                    avx2::dispatch(packed.ty, vnni, records, packed.record_chunks, &x, io)
                 },
+                (_, true) => packed.product_group(g, &x, &mut sums),
                 _ => packed.continue_group(g, &x, &mut states),
             }
-            for (t, state) in states.iter().enumerate() {
-                for (r, value) in finish_group(state).iter().enumerate() {
+            if !fresh {
+                for (sum, state) in sums.iter_mut().zip(&states) {
+                    *sum = finish_group(state);
+                }
+            }
+            for (t, sum) in sums.iter().enumerate() {
+                for (r, value) in sum.iter().enumerate() {
                     if g * GROUP_ROWS + r < packed.n_rows {
                         out[t][g * GROUP_ROWS + r] = *value;
                     }
@@ -432,9 +595,10 @@ mod tests {
         out
     }
 
-    /// Every kernel variant (1–2 tokens with VNNI, 1 without, `continue_group` splitting
-    /// as this CPU needs, the portable path on unpacked rows) gives each row exactly the bits
-    /// of the one-row reference, for 13 rows (a padded last group) of each type.
+    /// Every kernel variant (1–2 tokens with VNNI, 1 without, `continue_group` and
+    /// `product_group` splitting as this CPU needs, the portable path on unpacked rows), each
+    /// continuing and finishing, gives each row exactly the bits of the one-row reference,
+    /// for 13 rows (a padded last group) of each type.
     #[test]
     fn packed_kernels_equal_the_one_row_reference_bit_for_bit() {
         let n_blocks = 18;
@@ -445,19 +609,26 @@ mod tests {
             for n_tokens in 1..=MAX_TOKENS {
                 let tokens: Vec<Vec<BlockQ8>> =
                     (0..n_tokens).map(|t| token(n_blocks, t, 3.0)).collect();
-                let mut variants = vec![("dispatch", products(&packed, &tokens, None))];
-                #[cfg(target_arch = "x86_64")]
-                if crate::runtime::quant::has_avx2() {
-                    let one =
-                        |t: &Vec<BlockQ8>| products(&packed, std::slice::from_ref(t), Some(false));
-                    let avx2: Vec<Vec<f32>> = tokens.iter().map(|t| one(t).remove(0)).collect();
-                    variants.push(("avx2", avx2));
-                    if crate::runtime::quant::has_vnni() {
-                        let vnni = tokens
-                            .chunks(2)
-                            .flat_map(|pair| products(&packed, pair, Some(true)))
-                            .collect();
-                        variants.push(("vnni", vnni));
+                let mut variants = Vec::new();
+                for fresh in [false, true] {
+                    variants.push((
+                        format!("dispatch {fresh}"),
+                        products(&packed, &tokens, None, fresh),
+                    ));
+                    #[cfg(target_arch = "x86_64")]
+                    if crate::runtime::quant::has_avx2() {
+                        let one = |t: &Vec<BlockQ8>| {
+                            products(&packed, std::slice::from_ref(t), Some(false), fresh)
+                        };
+                        let avx2: Vec<Vec<f32>> = tokens.iter().map(|t| one(t).remove(0)).collect();
+                        variants.push((format!("avx2 {fresh}"), avx2));
+                        if crate::runtime::quant::has_vnni() {
+                            let vnni = tokens
+                                .chunks(2)
+                                .flat_map(|pair| products(&packed, pair, Some(true), fresh))
+                                .collect();
+                            variants.push((format!("vnni {fresh}"), vnni));
+                        }
                     }
                 }
                 for (name, out) in &variants {

@@ -79,14 +79,15 @@ impl GgmlType {
 
 /// One block of 32 activations quantized to 8 bits: `x ≈ d · qs`, with `sum = d · Σ qs` kept
 /// for the offset term of `Q4_1` (llama.cpp's `block_q8_1`, with f32 scales), and the exact
-/// `qsum = Σ qs` for kernels that multiply unsigned (offset) weights.
+/// `lane_sums[k] = Σ qs[4k..4k+4]` (the eight four-element lanes of the integer kernels) for
+/// kernels that multiply offset weights: `Σ (w + c)·q − c·lane_sum` is `Σ w·q` exactly.
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(32))]
 pub struct BlockQ8 {
     pub qs: [i8; QK],
+    pub lane_sums: [i32; 8],
     pub d: f32,
     pub sum: f32,
-    pub qsum: i32,
 }
 
 /// Quantizes `x` (length a multiple of 32) to 8-bit blocks, symmetric, `d = max|x| / 127`,
@@ -113,22 +114,17 @@ fn quantize_block(chunk: &[f32; QK]) -> BlockQ8 {
     let d = amax / 127.0;
     let inverse = if d > 0.0 { 127.0 / amax } else { 0.0 };
     let mut qs = [0i8; QK];
-    let mut total = 0i32;
     for (q, v) in qs.iter_mut().zip(chunk) {
         *q = (v * inverse).round_ties_even() as i8;
-        total += *q as i32;
     }
-    block_q8(qs, d, total)
-}
-
-/// A block from its quants, f32 scale and exact quant sum (`d` and `sum` rounded to f16).
-fn block_q8(qs: [i8; QK], d: f32, total: i32) -> BlockQ8 {
+    let lane_sums = std::array::from_fn(|k| qs[4 * k..4 * k + 4].iter().map(|&q| q as i32).sum());
+    let total: i32 = qs.iter().map(|&q| q as i32).sum();
     let round_f16 = |v: f32| f16::from_f32(v).to_f32();
     BlockQ8 {
         qs,
+        lane_sums,
         d: round_f16(d),
         sum: round_f16(d * total as f32),
-        qsum: total,
     }
 }
 
@@ -646,11 +642,17 @@ mod avx2 {
             let mut qs = [0i8; QK];
             _mm256_storeu_si256(qs.as_mut_ptr() as *mut __m256i, ordered);
             let total: i32 = lanes.iter().sum();
+            // Sums of four consecutive quants: byte pairs (1·q, exact in i16), then pairs of
+            // those.
+            let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), ordered);
+            let fours = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+            let mut lane_sums = [0i32; 8];
+            _mm256_storeu_si256(lane_sums.as_mut_ptr() as *mut __m256i, fours);
             BlockQ8 {
                 qs,
+                lane_sums,
                 d: round_f16(d),
                 sum: round_f16(d * total as f32),
-                qsum: total,
             }
         }
     }
@@ -1042,7 +1044,7 @@ pub(crate) mod tests {
             assert_eq!(block.qs, portable.qs);
             assert_eq!(block.d.to_bits(), portable.d.to_bits());
             assert_eq!(block.sum.to_bits(), portable.sum.to_bits());
-            assert_eq!(block.qsum, portable.qsum);
+            assert_eq!(block.lane_sums, portable.lane_sums);
         }
     }
 
@@ -1050,7 +1052,10 @@ pub(crate) mod tests {
     fn activation_blocks_keep_their_exact_integer_sum() {
         let xq = activations(29, 83, 3.0);
         for block in &xq {
-            assert_eq!(block.qsum, block.qs.iter().map(|&q| q as i32).sum::<i32>());
+            for (k, sum) in block.lane_sums.iter().enumerate() {
+                let four = &block.qs[4 * k..4 * k + 4];
+                assert_eq!(*sum, four.iter().map(|&q| q as i32).sum::<i32>());
+            }
         }
     }
 

@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use rayon::prelude::*;
 
 use super::gguf::GgufFile;
-use super::packed::{GROUP_ROWS, GroupState, Packed, finish_group};
+use super::packed::{GROUP_ROWS, GroupState, Packed};
 use super::quant::{
     BlockQ8, DotState, GgmlType, dequantize_row, dot_f32, has_avx2, has_q8_kernel, quantize_row_q8,
 };
@@ -428,18 +428,19 @@ fn run_groups_into(packed: &[&Packed], quantized: &[Vec<BlockQ8>], outs: &mut [V
         .for_each(|(m, first_group, mut slices)| {
             let n_rows = slices.first().map_or(0, |s| s.len());
             let mut x = [&[][..]; TILE];
-            let mut states = [[[0f32; GROUP_ROWS]; 9]; TILE];
+            let mut products = [[0f32; GROUP_ROWS]; TILE];
             for i in 0..n_rows.div_ceil(GROUP_ROWS) {
                 let rows = i * GROUP_ROWS..((i + 1) * GROUP_ROWS).min(n_rows);
+                if n_tokens > 2 {
+                    packed[m].prefetch_group(first_group + i + 1);
+                }
                 for first in (0..n_tokens).step_by(TILE) {
                     let n = TILE.min(n_tokens - first);
                     for t in 0..n {
                         x[t] = &quantized[first + t][..];
-                        states[t] = [[0.0; GROUP_ROWS]; 9];
                     }
-                    packed[m].continue_group(first_group + i, &x[..n], &mut states[..n]);
-                    for (slice, state) in slices[first..first + n].iter_mut().zip(&states) {
-                        let sums = finish_group(state);
+                    packed[m].product_group(first_group + i, &x[..n], &mut products[..n]);
+                    for (slice, &sums) in slices[first..first + n].iter_mut().zip(&products) {
                         // A whole group is one fixed-size store (a slice copy of run-time
                         // length is a `memmove` call: 6% of a batched step, measured).
                         match <&mut [f32; GROUP_ROWS]>::try_from(&mut slice[rows.clone()]) {
