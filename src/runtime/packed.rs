@@ -438,7 +438,9 @@ mod avx2 {
                     scale[t] = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
                     if let Some(shift) = offset_shift {
                         // −c · lane_sum for the eight lanes, read back one at a time.
-                        let sums = _mm256_loadu_si256(a.lane_sums.as_ptr() as *const __m256i);
+                        let sums = _mm256_cvtepi16_epi32(_mm_loadu_si128(
+                            a.lane_sums.as_ptr() as *const __m128i
+                        ));
                         let scaled = if shift == 3 {
                             _mm256_slli_epi32::<3>(sums)
                         } else {

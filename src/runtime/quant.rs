@@ -81,14 +81,18 @@ impl GgmlType {
 /// for the offset term of `Q4_1` (llama.cpp's `block_q8_1`, with f32 scales), and the exact
 /// `lane_sums[k] = Σ qs[4k..4k+4]` (the eight four-element lanes of the integer kernels) for
 /// kernels that multiply offset weights: `Σ (w + c)·q − c·lane_sum` is `Σ w·q` exactly.
+/// (`|lane_sum| ≤ 4 · 127` fits i16, which keeps a block at one 64-byte cache line.)
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(32))]
 pub struct BlockQ8 {
     pub qs: [i8; QK],
-    pub lane_sums: [i32; 8],
+    pub lane_sums: [i16; 8],
     pub d: f32,
     pub sum: f32,
 }
+
+// One cache line per block: the kernels stream many tokens' blocks per group of rows.
+const _: () = assert!(size_of::<BlockQ8>() == 64);
 
 /// Quantizes `x` (length a multiple of 32) to 8-bit blocks, symmetric, `d = max|x| / 127`,
 /// exactly as llama.cpp's `quantize_row_q8_1` (AVX2 path): values rounded to nearest-even
@@ -117,7 +121,7 @@ fn quantize_block(chunk: &[f32; QK]) -> BlockQ8 {
     for (q, v) in qs.iter_mut().zip(chunk) {
         *q = (v * inverse).round_ties_even() as i8;
     }
-    let lane_sums = std::array::from_fn(|k| qs[4 * k..4 * k + 4].iter().map(|&q| q as i32).sum());
+    let lane_sums = std::array::from_fn(|k| qs[4 * k..4 * k + 4].iter().map(|&q| q as i16).sum());
     let total: i32 = qs.iter().map(|&q| q as i32).sum();
     let round_f16 = |v: f32| f16::from_f32(v).to_f32();
     BlockQ8 {
@@ -646,8 +650,13 @@ mod avx2 {
             // those.
             let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), ordered);
             let fours = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-            let mut lane_sums = [0i32; 8];
-            _mm256_storeu_si256(lane_sums.as_mut_ptr() as *mut __m256i, fours);
+            let fours = _mm256_packs_epi32(fours, fours); // exact: |sum| ≤ 508
+            let fours = _mm256_permute4x64_epi64::<0b1000>(fours);
+            let mut lane_sums = [0i16; 8];
+            _mm_storeu_si128(
+                lane_sums.as_mut_ptr() as *mut __m128i,
+                _mm256_castsi256_si128(fours),
+            );
             BlockQ8 {
                 qs,
                 lane_sums,
@@ -1054,7 +1063,7 @@ pub(crate) mod tests {
         for block in &xq {
             for (k, sum) in block.lane_sums.iter().enumerate() {
                 let four = &block.qs[4 * k..4 * k + 4];
-                assert_eq!(*sum, four.iter().map(|&q| q as i32).sum::<i32>());
+                assert_eq!(*sum as i32, four.iter().map(|&q| q as i32).sum::<i32>());
             }
         }
     }
