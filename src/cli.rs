@@ -137,6 +137,11 @@ pub struct BenchServeArgs {
     /// Requests each stream sends one after another (more rounds, steadier figures).
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub rounds: usize,
+    /// Sweeps over every concurrency, one after another; tokens/s is the median over them
+    /// and the ratio to one stream is shown per sweep too (on a shared or throttled
+    /// machine, one sweep can be off by 20% either way).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub repeat: usize,
     /// Engine worker threads of the server (0: one per core, divided among ranks).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub threads: usize,

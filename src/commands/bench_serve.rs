@@ -64,6 +64,9 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
+    if args.repeat == 0 {
+        bail!("--repeat must be at least 1");
+    }
     let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
     let started = Instant::now();
     let mut command = Command::new(exe);
@@ -125,36 +128,29 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
         "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8}",
         "streams", "tok/s", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "tokens"
     ));
-    let mut single_stream = None;
-    for &streams in &args.concurrency {
-        let start = Instant::now();
-        let samples = client.block_on(async {
-            let handles: Vec<_> = (0..streams)
-                .map(|i| {
-                    let address = address.clone();
-                    let (max_tokens, rounds) = (args.max_tokens, args.rounds);
-                    tokio::spawn(async move {
-                        let mut samples = Vec::with_capacity(rounds);
-                        for round in 0..rounds {
-                            let prompt = PROMPTS[(i + round) % PROMPTS.len()];
-                            samples.push(request(&address, prompt, max_tokens).await?);
-                        }
-                        anyhow::Ok(samples)
-                    })
-                })
-                .collect();
-            let mut samples = Vec::new();
-            for handle in handles {
-                samples.extend(handle.await.context("a client task panicked")??);
-            }
-            anyhow::Ok(samples)
-        })?;
-        let wall_secs = start.elapsed().as_secs_f64();
-        let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
-        let tokens_per_sec = tokens as f64 / wall_secs;
-        if streams == 1 {
-            single_stream = Some(tokens_per_sec);
+    // Every sweep measures each concurrency once, sweeps one after another, so slow and
+    // fast spells of a shared machine fall on every concurrency alike.
+    let mut measured: Vec<(Vec<f64>, Vec<Sample>)> = args
+        .concurrency
+        .iter()
+        .map(|_| (Vec::new(), Vec::new()))
+        .collect();
+    for _ in 0..args.repeat {
+        for (&streams, (rates, all_samples)) in args.concurrency.iter().zip(measured.iter_mut()) {
+            let (tokens_per_sec, samples) = sweep_point(&client, &address, streams, args)?;
+            rates.push(tokens_per_sec);
+            all_samples.extend(samples);
         }
+    }
+    let single_stream: Option<Vec<f64>> = args
+        .concurrency
+        .iter()
+        .zip(&measured)
+        .find(|(streams, _)| **streams == 1)
+        .map(|(_, (rates, _))| rates.clone());
+    for (&streams, (rates, samples)) in args.concurrency.iter().zip(&measured) {
+        let tokens_per_sec = percentile(rates, 0.5);
+        let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
         let ttft: Vec<f64> = samples.iter().map(|s| s.ttft_secs).collect();
         let tpot: Vec<f64> = samples.iter().filter_map(|s| s.tpot_secs).collect();
         rows.push(format!(
@@ -164,17 +160,66 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
             percentile(&tpot, 0.50) * 1e3,
             percentile(&tpot, 0.99) * 1e3,
         ));
-        if let (Some(one), true) = (single_stream, streams > 1) {
-            rows.push(format!(
+        if let (Some(one), true) = (&single_stream, streams > 1) {
+            let mut line = format!(
                 "{:>7} {:>9.2}x of one stream",
                 "",
-                tokens_per_sec / one
-            ));
+                tokens_per_sec / percentile(one, 0.5)
+            );
+            if args.repeat > 1 {
+                let ratios: Vec<f64> = rates.iter().zip(one).map(|(r, o)| r / o).collect();
+                let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+                let high = ratios.iter().copied().fold(0.0, f64::max);
+                line.push_str(&format!(" (sweeps: {low:.2}x to {high:.2}x)"));
+            }
+            rows.push(line);
         }
+    }
+    if args.repeat > 1 {
+        rows.push(format!(
+            "(tok/s: median of {} sweeps; TTFT/TPOT and tokens: all sweeps)",
+            args.repeat
+        ));
     }
     drop(server);
     printer.data(&rows.join("\n"));
     Ok(ExitStatus::Success)
+}
+
+/// One concurrency of one sweep: `streams` client tasks, each sending `args.rounds`
+/// requests one after another. Returns the generated tokens per second of wall time and
+/// every request's sample.
+fn sweep_point(
+    client: &tokio::runtime::Runtime,
+    address: &str,
+    streams: usize,
+    args: &BenchServeArgs,
+) -> Result<(f64, Vec<Sample>)> {
+    let start = Instant::now();
+    let samples = client.block_on(async {
+        let handles: Vec<_> = (0..streams)
+            .map(|i| {
+                let address = address.to_string();
+                let (max_tokens, rounds) = (args.max_tokens, args.rounds);
+                tokio::spawn(async move {
+                    let mut samples = Vec::with_capacity(rounds);
+                    for round in 0..rounds {
+                        let prompt = PROMPTS[(i + round) % PROMPTS.len()];
+                        samples.push(request(&address, prompt, max_tokens).await?);
+                    }
+                    anyhow::Ok(samples)
+                })
+            })
+            .collect();
+        let mut samples = Vec::new();
+        for handle in handles {
+            samples.extend(handle.await.context("a client task panicked")??);
+        }
+        anyhow::Ok(samples)
+    })?;
+    let wall_secs = start.elapsed().as_secs_f64();
+    let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
+    Ok((tokens as f64 / wall_secs, samples))
 }
 
 /// The `q` quantile (nearest rank) of `values`, 0 when empty.

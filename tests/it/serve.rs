@@ -324,7 +324,8 @@ fn api_key_is_required_when_set() {
 
 /// `infer bench serve` starts its own server, drives it with streaming clients and prints
 /// one row per concurrency with the tokens each row generated (`max_tokens` per request at
-/// most, at least one, two requests per stream).
+/// most, at least one, two requests per stream, two sweeps), and the ratio to one stream
+/// with its range over the sweeps.
 #[test]
 fn bench_serve_prints_a_row_per_concurrency() {
     infer::model::default::ensure(&mut |_| {}).expect("model");
@@ -336,6 +337,8 @@ fn bench_serve_prints_a_row_per_concurrency() {
         "--max-tokens",
         "4",
         "--rounds",
+        "2",
+        "--repeat",
         "2",
         "--threads",
         "2",
@@ -357,9 +360,13 @@ fn bench_serve_prints_a_row_per_concurrency() {
             .last()
             .and_then(|t| t.parse().ok())
             .expect("tokens column");
-        assert!((2 * streams..=2 * 4 * streams).contains(&tokens), "{row}");
+        assert!(
+            (2 * 2 * streams..=2 * 2 * 4 * streams).contains(&tokens),
+            "{row}"
+        );
     }
-    assert!(stdout.contains("x of one stream"), "{stdout}");
+    assert!(stdout.contains("x of one stream (sweeps: "), "{stdout}");
+    assert!(stdout.contains("median of 2 sweeps"), "{stdout}");
 }
 
 /// SIGTERM stops the server cleanly: exit 0, the port closed, no rank process left.
