@@ -23,6 +23,8 @@ struct Server {
     startup: String,
     /// The rest of stderr, read until the server exits.
     rest: Option<std::thread::JoinHandle<String>>,
+    /// The same lines as they arrive, for failure messages while the server runs.
+    log: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl Server {
@@ -52,9 +54,18 @@ impl Server {
             }
         };
         // Keep draining stderr so the server never blocks on a full pipe.
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let shared = log.clone();
         let rest = Some(std::thread::spawn(move || {
             let mut text = String::new();
-            let _ = stderr.read_to_string(&mut text);
+            let mut line = String::new();
+            while matches!(stderr.read_line(&mut line), Ok(n) if n > 0) {
+                if let Ok(mut log) = shared.lock() {
+                    log.push_str(&line);
+                }
+                text.push_str(&line);
+                line.clear();
+            }
             text
         }));
         Server {
@@ -62,17 +73,29 @@ impl Server {
             url,
             startup,
             rest,
+            log,
         }
     }
 
-    /// The Prometheus text of `/metrics`.
+    /// The Prometheus text of `/metrics`; a failure names the server's state and its stderr
+    /// so far (a server that died says why).
     fn metrics(&self) -> String {
-        ureq::get(&format!("{}/metrics", self.url))
-            .call()
-            .expect("metrics")
-            .into_body()
-            .read_to_string()
-            .expect("text")
+        match ureq::get(&format!("{}/metrics", self.url)).call() {
+            Ok(response) => response.into_body().read_to_string().expect("text"),
+            Err(error) => {
+                let state = if crate::distributed::alive(self.child.id()) {
+                    "running"
+                } else {
+                    "exited"
+                };
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                let log = self.log.lock().map(|l| l.clone()).unwrap_or_default();
+                panic!(
+                    "metrics: {error} (server {state})\nstartup:\n{}\nstderr since:\n{log}",
+                    self.startup
+                )
+            }
+        }
     }
 
     /// Waits for `infer up` to exit after a rank was killed: returns its status and the rest
