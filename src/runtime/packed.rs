@@ -135,17 +135,7 @@ impl Packed {
         assert!(x.len() <= MAX_TOKENS && x.len() == states.len());
         let records = self.records(g, x);
         #[cfg(target_arch = "x86_64")]
-        if super::quant::has_avx2() {
-            let vnni = super::quant::has_vnni();
-            let per_call = tokens_per_call(vnni);
-            for (x, states) in x.chunks(per_call).zip(states.chunks_mut(per_call)) {
-                // SAFETY: AVX2/FMA/F16C checked (VNNI and VL too for `vnni`); `records`
-                // holds `n_blocks` records and every `x[t]` `n_blocks` blocks (asserted).
-                unsafe {
-                    let io = avx2::Io::Continue(states);
-                    avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, io)
-                };
-            }
+        if self.run_simd(records, x, states, avx2::Io::Continue) {
             return;
         }
         self.continue_portably(records, x, states);
@@ -161,16 +151,7 @@ impl Packed {
         assert!(x.len() <= MAX_TOKENS && x.len() == out.len());
         let records = self.records(g, x);
         #[cfg(target_arch = "x86_64")]
-        if super::quant::has_avx2() {
-            let vnni = super::quant::has_vnni();
-            let per_call = tokens_per_call(vnni);
-            for (x, out) in x.chunks(per_call).zip(out.chunks_mut(per_call)) {
-                // SAFETY: as in `continue_group`.
-                unsafe {
-                    let io = avx2::Io::Fresh(out);
-                    avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, io)
-                };
-            }
+        if self.run_simd(records, x, out, avx2::Io::Fresh) {
             return;
         }
         let mut states = vec![[[0f32; GROUP_ROWS]; 9]; x.len()];
@@ -199,6 +180,31 @@ impl Packed {
                 unsafe { _mm_prefetch::<_MM_HINT_T0>(chunk.0.as_ptr() as *const i8) };
             }
         }
+    }
+
+    /// Runs the SIMD kernel over `x` as many tokens per call as this CPU takes, `io` making
+    /// each call's states or outputs from its slice of `items` (one per token). `false`
+    /// (nothing run) without AVX2.
+    #[cfg(target_arch = "x86_64")]
+    fn run_simd<'a, T>(
+        &self,
+        records: &[Chunk],
+        x: &[&[BlockQ8]],
+        items: &'a mut [T],
+        io: impl Fn(&'a mut [T]) -> avx2::Io<'a>,
+    ) -> bool {
+        if !super::quant::has_avx2() {
+            return false;
+        }
+        let vnni = super::quant::has_vnni();
+        let per_call = tokens_per_call(vnni);
+        for (x, items) in x.chunks(per_call).zip(items.chunks_mut(per_call)) {
+            // SAFETY: AVX2/FMA/F16C checked (VNNI and VL too for `vnni`); `records` holds
+            // `n_blocks` records and every `x[t]` `n_blocks` blocks (`records` asserts it);
+            // `items` has one entry per token (the callers assert it).
+            unsafe { avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, io(items)) };
+        }
+        true
     }
 
     /// Group `g`'s records, checking that every token has `n_blocks` blocks.
