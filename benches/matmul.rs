@@ -1,12 +1,12 @@
 //! Quantized matrix products on SmolLM2's shapes: `Weight::matmul` for `Q4_1` (every linear
 //! layer of the model) and `Q8_0` (its LM head) against 1, 4 and 16 tokens, on 1 and 2
-//! threads. Prints GMAC/s (multiply-accumulates per second; one MAC = 2 FLOPs) and µs per
+//! threads, in both rounding orders (`Numerics`). Prints GMAC/s (multiply-accumulates per second; one MAC = 2 FLOPs) and µs per
 //! call; the weights are random bytes with valid f16 scales.
 #![allow(clippy::print_stdout)]
 
 use std::time::Instant;
 
-use infer::runtime::quant::GgmlType;
+use infer::runtime::quant::{GgmlType, Numerics};
 use infer::runtime::weights::Weight;
 
 /// Deterministic pseudo-random bytes (xorshift64).
@@ -38,6 +38,11 @@ fn matrix(ty: GgmlType, n_rows: usize, n_cols: usize) -> Weight {
 }
 
 fn main() {
+    // `cargo bench --bench matmul -- WORD…`: only the cases whose line has every word.
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let shapes = [
         ("q_proj", GgmlType::Q4_1, 576, 576),
         ("gate/up", GgmlType::Q4_1, 1536, 576),
@@ -49,10 +54,23 @@ fn main() {
             .num_threads(threads)
             .build()
             .expect("thread pool");
-        for (name, ty, n_rows, n_cols) in shapes {
-            let weight = matrix(ty, n_rows, n_cols);
+        let cases = shapes
+            .iter()
+            .flat_map(|shape| [Numerics::Exact, Numerics::Fast].map(|n| (*shape, n)));
+        for ((name, ty, n_rows, n_cols), numerics) in cases {
+            let order = format!("{numerics:?}").to_lowercase();
+            let case = |n_tokens: usize| {
+                format!("threads {threads} {name} {ty:?} {order} tokens {n_tokens}")
+            };
+            let wanted =
+                |n_tokens: usize| filters.iter().all(|f| case(n_tokens).contains(f.as_str()));
+            if ![1, 4, 16].into_iter().any(wanted) {
+                continue;
+            }
+            let mut weight = matrix(ty, n_rows, n_cols);
+            weight.set_numerics(numerics);
             weight.pack();
-            for n_tokens in [1, 4, 16] {
+            for n_tokens in [1, 4, 16].into_iter().filter(|n| wanted(*n)) {
                 let x: Vec<f32> = (0..n_tokens * n_cols)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
@@ -68,7 +86,7 @@ fn main() {
                     start.elapsed().as_secs_f64() / iterations as f64
                 });
                 println!(
-                    "threads {threads}  {name:>8} {ty:?} {n_rows:>5}x{n_cols:<5} tokens {n_tokens:>2}: {:>8.1} us  {:>6.1} GMAC/s",
+                    "threads {threads}  {name:>8} {ty:?} {order:>5} {n_rows:>5}x{n_cols:<5} tokens {n_tokens:>2}: {:>8.1} us  {:>6.1} GMAC/s",
                     secs * 1e6,
                     macs / secs / 1e9
                 );

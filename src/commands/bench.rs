@@ -24,7 +24,7 @@ pub fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
 
 fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
-    let engine = Engine::load(&path, args.threads)?;
+    let engine = Engine::load(&path, args.threads, args.numerics.into())?;
     // A prompt of ordinary text, repeated to the requested length.
     let text = "The quick brown fox jumps over the lazy dog while the engine measures its speed. "
         .repeat(64);
@@ -83,9 +83,10 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let peak_rss_bytes = peak_rss_bytes()?;
     printer.data(&format!(
-        "model       {}\nthreads     {}\nprefill     {best_prefill:.1} tok/s ({} prompt tokens, best of {})\ndecode      {best_decode:.1} tok/s (batch {}, {} tokens each after the prompt, best of {})\npeak RSS    {:.1} MB",
+        "model       {}\nthreads     {}\nnumerics    {}\nprefill     {best_prefill:.1} tok/s ({} prompt tokens, best of {})\ndecode      {best_decode:.1} tok/s (batch {}, {} tokens each after the prompt, best of {})\npeak RSS    {:.1} MB",
         engine.name,
         engine.threads(),
+        crate::runtime::quant::Numerics::from(args.numerics).name(),
         prompt.len(),
         args.runs.max(1),
         args.batch.max(1),

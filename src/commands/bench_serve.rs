@@ -74,6 +74,8 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     let max_batch = args.concurrency.iter().copied().max().unwrap_or(1).max(16);
     command.args(["--max-batch", &max_batch.to_string()]);
     command.args(["--tp", &args.tp.to_string(), "--pp", &args.pp.to_string()]);
+    let numerics = crate::runtime::quant::Numerics::from(args.numerics).name();
+    command.args(["--numerics", numerics]);
     if let Some(model) = &args.model {
         command.args(["--model", model]);
     }
@@ -124,6 +126,7 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
             "1 engine process".to_string()
         }
     )];
+    rows.push(format!("numerics       {numerics}"));
     rows.push(format!(
         "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8}",
         "streams", "tok/s", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "tokens"

@@ -38,7 +38,7 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.tp * args.pp > 1 {
         return distributed(args, &path, printer);
     }
-    let engine = Engine::load(&path, args.threads)?;
+    let engine = Engine::load(&path, args.threads, args.numerics.into())?;
     let prompt = if args.chat {
         engine.chat_prompt(&[ChatMessage {
             role: "user".into(),
@@ -138,6 +138,7 @@ fn distributed(
         ep: 1,
         model: path.to_path_buf(),
         threads_per_rank,
+        numerics: args.numerics.into(),
         timeout: std::time::Duration::from_secs(60),
         extra_env: Vec::new(),
         layout_from: "infer generate --tp/--pp".into(),

@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 
 use crate::ExitStatus;
+use crate::runtime::quant::Numerics;
 use crate::runtime::worker::{RankConfig, run_rank};
 
 fn var(name: &str) -> Result<String> {
@@ -46,6 +47,11 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
             Err(_) => None,
         },
         shm: std::env::var("INFER_SHM_DISABLE").map_or(true, |v| v != "1"),
+        numerics: match std::env::var("INFER_NUMERICS") {
+            Ok(name) => Numerics::from_name(&name)
+                .with_context(|| format!("`INFER_NUMERICS` is `{name}`, not `exact` or `fast`"))?,
+            Err(_) => Numerics::Exact,
+        },
     };
     // Rank 0 of a serving gang listens before it loads, answering 503 meanwhile.
     let mut server = if config.rank == 0 {

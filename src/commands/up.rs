@@ -53,7 +53,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         "loading `{model_id}`; http://{} answers 503 until it is ready",
         server.address()
     ));
-    let mut engine = Engine::load(&path, args.threads)?;
+    let mut engine = Engine::load(&path, args.threads, args.numerics.into())?;
     engine.model.set_kv_capacity(Some(args.kv_cache_tokens));
     let tokenizer = if path.is_dir() {
         Tokenizer::from_dir(&path)?
@@ -230,6 +230,7 @@ fn launch(
         } else {
             (cores / world).max(1)
         },
+        numerics: args.numerics.into(),
         timeout: Duration::from_secs(60),
         extra_env,
         layout_from: layout.from.clone(),

@@ -15,6 +15,7 @@ use anyhow::{Context, Result, anyhow, bail};
 
 use crate::rendezvous::{StoreClient, StoreServer, random_token};
 use crate::runtime::engine::Generation;
+use crate::runtime::quant::Numerics;
 use crate::runtime::worker::Job;
 
 /// How long a rank may go without a heartbeat before the gang is stopped.
@@ -34,6 +35,8 @@ pub struct LaunchSpec {
     pub model: PathBuf,
     /// Threads of each rank's pool.
     pub threads_per_rank: usize,
+    /// How every rank's matrix products round (`INFER_NUMERICS`).
+    pub numerics: Numerics,
     /// Timeout of collectives and store waits inside the ranks.
     pub timeout: Duration,
     /// Extra environment of every rank (`INFER_HTTP_*` for a serving rank 0), set after
@@ -261,6 +264,7 @@ impl Gang {
             "world_size": self.world_size,
             "model": spec.model,
             "threads_per_rank": spec.threads_per_rank,
+            "numerics": spec.numerics.name(),
             "store": self.server.address().to_string(),
             "launcher_pid": std::process::id(),
             "serving": serving,
@@ -391,6 +395,7 @@ fn spawn_rank(
         ("INFER_EP".into(), spec.ep.to_string()),
         ("INFER_MODEL".into(), spec.model.display().to_string()),
         ("INFER_THREADS".into(), spec.threads_per_rank.to_string()),
+        ("INFER_NUMERICS".into(), spec.numerics.name().into()),
         (
             "INFER_TIMEOUT_SECS".into(),
             spec.timeout.as_secs().to_string(),

@@ -11,6 +11,7 @@ use super::chat::{ChatMessage, render};
 use super::executor::LocalExecutor;
 use super::gguf::GgufFile;
 use super::llama::Llama;
+use super::quant::Numerics;
 use super::sampling::SamplingParams;
 use super::tokenizer::Tokenizer;
 
@@ -59,11 +60,11 @@ pub struct Engine {
 
 impl Engine {
     /// Loads a `.gguf` file or a Hugging Face directory and builds a pool of `threads`
-    /// threads (0: one per available core).
+    /// threads (0: one per available core); the matrix products round as `numerics` says.
     ///
     /// Errors: any load error of the model or tokenizer, naming the file.
-    pub fn load(path: &Path, threads: usize) -> Result<Engine> {
-        let (model, tokenizer) = if path.is_dir() {
+    pub fn load(path: &Path, threads: usize, numerics: Numerics) -> Result<Engine> {
+        let (mut model, tokenizer) = if path.is_dir() {
             (
                 super::safetensors::load_llama(path)?,
                 Tokenizer::from_dir(path)?,
@@ -81,6 +82,7 @@ impl Engine {
             .thread_name(|i| format!("infer-worker-{i}"))
             .build()
             .map_err(|e| anyhow!("failed to start the thread pool: {e}"))?;
+        model.set_numerics(numerics);
         pool.install(|| model.pack_weights());
         Ok(Engine {
             model,

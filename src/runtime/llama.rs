@@ -18,7 +18,7 @@ pub use super::kv::KvCache;
 use super::kv::KvPool;
 use super::mathfn::{multiversion, softmax, swiglu};
 use super::quant::{
-    attention_scores, attention_scores_decode, weighted_sum_f16_heads,
+    Numerics, attention_scores, attention_scores_decode, weighted_sum_f16_heads,
     weighted_sum_f16_heads_decode,
 };
 use super::weights::{Weight, matmul_many};
@@ -559,6 +559,28 @@ impl Llama {
             weights.push(&self.output);
         }
         weights.par_iter().for_each(|w| w.pack());
+    }
+
+    /// Sets how every matrix product of the forward pass rounds (see [`Numerics`]); every
+    /// rank of a run must use the same, which the launcher sees to.
+    pub fn set_numerics(&mut self, numerics: Numerics) {
+        for layer in &mut self.layers {
+            for w in [&mut layer.wq, &mut layer.wk, &mut layer.wv, &mut layer.wo] {
+                w.set_numerics(numerics);
+            }
+            for w in [&mut layer.w_gate, &mut layer.w_up, &mut layer.w_down] {
+                w.set_numerics(numerics);
+            }
+            if let Some(moe) = &mut layer.moe {
+                moe.router.set_numerics(numerics);
+                for expert in moe.experts.iter_mut().flatten() {
+                    for w in [&mut expert.gate, &mut expert.up, &mut expert.down] {
+                        w.set_numerics(numerics);
+                    }
+                }
+            }
+        }
+        self.output.set_numerics(numerics);
     }
 
     /// A fresh cache for one sequence, drawing blocks from the model's pool.

@@ -26,7 +26,7 @@
 //! not a tensor-parallel continuation) keeps its accumulators in registers and stores only
 //! the eight finished sums per token.
 
-use super::quant::{BlockQ8, DotState, GgmlType};
+use super::quant::{BlockQ8, DotState, GgmlType, Numerics};
 
 /// Rows per packed group: the lanes of one 256-bit f32 vector.
 pub const GROUP_ROWS: usize = 8;
@@ -45,10 +45,17 @@ pub struct Chunk(pub [u8; 32]);
 /// lane `k` (`k < 8`), `[8][r]` its `Q4_1` offset sum `Σ m · s`.
 pub type GroupState = [[f32; GROUP_ROWS]; 9];
 
-/// Lanes per token the kernels take in one call: two tokens with VNNI, one without.
+/// Tokens the kernels take in one call. Exact: two with VNNI, one without (each token
+/// holds eight lane accumulators). Fast: four with VNNI, two without (one accumulator and
+/// one integer sum per token).
 #[cfg(target_arch = "x86_64")]
-fn tokens_per_call(vnni: bool) -> usize {
-    if vnni { 2 } else { 1 }
+fn tokens_per_call(vnni: bool, numerics: Numerics) -> usize {
+    match (numerics, vnni) {
+        (Numerics::Exact, true) => 2,
+        (Numerics::Exact, false) => 1,
+        (Numerics::Fast, true) => 4,
+        (Numerics::Fast, false) => 2,
+    }
 }
 
 /// A matrix `(n_rows, n_blocks · 32)` of `Q4_0`, `Q4_1` or `Q8_0` in the packed layout.
@@ -126,19 +133,26 @@ impl Packed {
     }
 
     /// Continues the partial sums of group `g` with up to [`MAX_TOKENS`] tokens: `states[t]`
-    /// with `x[t]` (`n_blocks` blocks each). Without AVX2 it runs the portable one-row kernel
-    /// on the rows rebuilt from the records (same bits, slowly).
+    /// with `x[t]` (`n_blocks` blocks each), rounding as `numerics` says. Without AVX2 it
+    /// runs the portable one-row kernel on the rows rebuilt from the records (same bits,
+    /// slowly).
     ///
     /// Panics (a bug, not input): more than [`MAX_TOKENS`] tokens, or a token with another
     /// block count.
-    pub fn continue_group(&self, g: usize, x: &[&[BlockQ8]], states: &mut [GroupState]) {
+    pub fn continue_group(
+        &self,
+        g: usize,
+        x: &[&[BlockQ8]],
+        states: &mut [GroupState],
+        numerics: Numerics,
+    ) {
         assert!(x.len() <= MAX_TOKENS && x.len() == states.len());
         let records = self.records(g, x);
         #[cfg(target_arch = "x86_64")]
-        if self.run_simd(records, x, states, avx2::Io::Continue) {
+        if self.run_simd(records, x, states, numerics, avx2::Io::Continue) {
             return;
         }
-        self.continue_portably(records, x, states);
+        self.continue_portably(records, x, states, numerics);
     }
 
     /// The finished dot products of group `g`'s eight rows with up to [`MAX_TOKENS`]
@@ -147,15 +161,21 @@ impl Packed {
     /// bits as that pair, and as [`super::quant::dot_q8`] per row.
     ///
     /// Panics (a bug, not input): as `continue_group`.
-    pub fn product_group(&self, g: usize, x: &[&[BlockQ8]], out: &mut [[f32; GROUP_ROWS]]) {
+    pub fn product_group(
+        &self,
+        g: usize,
+        x: &[&[BlockQ8]],
+        out: &mut [[f32; GROUP_ROWS]],
+        numerics: Numerics,
+    ) {
         assert!(x.len() <= MAX_TOKENS && x.len() == out.len());
         let records = self.records(g, x);
         #[cfg(target_arch = "x86_64")]
-        if self.run_simd(records, x, out, avx2::Io::Fresh) {
+        if self.run_simd(records, x, out, numerics, avx2::Io::Fresh) {
             return;
         }
         let mut states = vec![[[0f32; GROUP_ROWS]; 9]; x.len()];
-        self.continue_portably(records, x, &mut states);
+        self.continue_portably(records, x, &mut states, numerics);
         for (out, state) in out.iter_mut().zip(&states) {
             *out = finish_group(state);
         }
@@ -191,18 +211,24 @@ impl Packed {
         records: &[Chunk],
         x: &[&[BlockQ8]],
         items: &'a mut [T],
+        numerics: Numerics,
         io: impl Fn(&'a mut [T]) -> avx2::Io<'a>,
     ) -> bool {
         if !super::quant::has_avx2() {
             return false;
         }
         let vnni = super::quant::has_vnni();
-        let per_call = tokens_per_call(vnni);
+        let per_call = tokens_per_call(vnni, numerics);
         for (x, items) in x.chunks(per_call).zip(items.chunks_mut(per_call)) {
+            let kernel = avx2::Kernel {
+                ty: self.ty,
+                vnni,
+                numerics,
+            };
             // SAFETY: AVX2/FMA/F16C checked (VNNI and VL too for `vnni`); `records` holds
             // `n_blocks` records and every `x[t]` `n_blocks` blocks (`records` asserts it);
-            // `items` has one entry per token (the callers assert it).
-            unsafe { avx2::dispatch(self.ty, vnni, records, self.record_chunks, x, io(items)) };
+            // `items` has one entry per token (the callers assert it), at most `per_call`.
+            unsafe { avx2::dispatch(kernel, records, self.record_chunks, x, io(items)) };
         }
         true
     }
@@ -216,12 +242,18 @@ impl Packed {
     /// [`continue_group`](Packed::continue_group) with the portable one-row kernel on the
     /// rows rebuilt from the records (same bits, slowly).
     #[allow(clippy::needless_range_loop)] // rows index the lanes' arrays
-    fn continue_portably(&self, records: &[Chunk], x: &[&[BlockQ8]], states: &mut [GroupState]) {
+    fn continue_portably(
+        &self,
+        records: &[Chunk],
+        x: &[&[BlockQ8]],
+        states: &mut [GroupState],
+        numerics: Numerics,
+    ) {
         for (x, state) in x.iter().zip(states.iter_mut()) {
             for r in 0..GROUP_ROWS {
                 let row = self.unpacked_row(records, r);
                 let mut one: DotState = std::array::from_fn(|k| state[k][r]);
-                super::quant::dot_q8_continue(self.ty, &row, x, &mut one);
+                super::quant::dot_q8_continue(self.ty, &row, x, &mut one, numerics);
                 for (k, value) in one.iter().enumerate() {
                     state[k][r] = *value;
                 }
@@ -272,7 +304,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{BlockQ8, Chunk, GROUP_ROWS, GroupState};
-    use crate::runtime::quant::GgmlType;
+    use crate::runtime::quant::{GgmlType, Numerics};
 
     const Q4_0: u8 = 0;
     const Q4_1: u8 = 1;
@@ -286,39 +318,71 @@ mod avx2 {
         Fresh(&'a mut [[f32; GROUP_ROWS]]),
     }
 
-    /// Calls the kernel for `ty`, `x.len()` tokens and this CPU.
+    /// Which kernel to run: the weights' type, whether AVX-512 VNNI (with VL) may be used,
+    /// and the rounding order.
+    #[derive(Clone, Copy)]
+    pub struct Kernel {
+        pub ty: GgmlType,
+        pub vnni: bool,
+        pub numerics: Numerics,
+    }
+
+    /// Calls `kernel` for `x.len()` tokens.
     ///
-    /// Safety: AVX2, FMA and F16C are available, and AVX-512 VNNI and VL if `vnni`;
+    /// Safety: AVX2, FMA and F16C are available, and AVX-512 VNNI and VL if `kernel.vnni`;
     /// `records` holds one record per block of every `x[t]`; `io` holds `x.len()` entries,
     /// at most [`super::tokens_per_call`].
     pub unsafe fn dispatch(
-        ty: GgmlType,
-        vnni: bool,
+        kernel: Kernel,
         records: &[Chunk],
         record_chunks: usize,
         x: &[&[BlockQ8]],
         io: Io<'_>,
     ) {
         macro_rules! tokens {
-            ($kind:expr, $fresh:expr, $io:expr, true) => {
+            ($kind:expr, $fresh:expr, $io:expr, true, true) => {
                 match x.len() {
                     1 => kernel_vnni::<$kind, 1, $fresh>(records, record_chunks, x, $io),
                     2 => kernel_vnni::<$kind, 2, $fresh>(records, record_chunks, x, $io),
                     _ => {}
                 }
             };
-            ($kind:expr, $fresh:expr, $io:expr, false) => {
+            ($kind:expr, $fresh:expr, $io:expr, false, true) => {
                 if x.len() == 1 {
                     kernel_avx2::<$kind, 1, $fresh>(records, record_chunks, x, $io)
                 }
             };
+            ($kind:expr, $fresh:expr, $io:expr, true, false) => {
+                match x.len() {
+                    1 => fast_vnni::<$kind, 1, $fresh>(records, record_chunks, x, $io),
+                    2 => fast_vnni::<$kind, 2, $fresh>(records, record_chunks, x, $io),
+                    3 => fast_vnni::<$kind, 3, $fresh>(records, record_chunks, x, $io),
+                    4 => fast_vnni::<$kind, 4, $fresh>(records, record_chunks, x, $io),
+                    _ => {}
+                }
+            };
+            ($kind:expr, $fresh:expr, $io:expr, false, false) => {
+                match x.len() {
+                    1 => fast_avx2::<$kind, 1, $fresh>(records, record_chunks, x, $io),
+                    2 => fast_avx2::<$kind, 2, $fresh>(records, record_chunks, x, $io),
+                    _ => {}
+                }
+            };
         }
         macro_rules! kinds {
+            ($fresh:expr, $io:expr, $vnni:tt, $exact:tt) => {
+                match kernel.ty {
+                    GgmlType::Q4_0 => tokens!(Q4_0, $fresh, $io, $vnni, $exact),
+                    GgmlType::Q4_1 => tokens!(Q4_1, $fresh, $io, $vnni, $exact),
+                    _ => tokens!(Q8_0, $fresh, $io, $vnni, $exact),
+                }
+            };
+        }
+        macro_rules! orders {
             ($fresh:expr, $io:expr, $vnni:tt) => {
-                match ty {
-                    GgmlType::Q4_0 => tokens!(Q4_0, $fresh, $io, $vnni),
-                    GgmlType::Q4_1 => tokens!(Q4_1, $fresh, $io, $vnni),
-                    _ => tokens!(Q8_0, $fresh, $io, $vnni),
+                match kernel.numerics {
+                    Numerics::Exact => kinds!($fresh, $io, $vnni, true),
+                    Numerics::Fast => kinds!($fresh, $io, $vnni, false),
                 }
             };
         }
@@ -335,13 +399,35 @@ mod avx2 {
         };
         // SAFETY: as the caller promises; `pointer` covers `x.len()` states or outputs.
         unsafe {
-            match (vnni, fresh) {
-                (true, true) => kinds!(true, pointer, true),
-                (true, false) => kinds!(false, pointer, true),
-                (false, true) => kinds!(true, pointer, false),
-                (false, false) => kinds!(false, pointer, false),
+            match (kernel.vnni, fresh) {
+                (true, true) => orders!(true, pointer, true),
+                (true, false) => orders!(false, pointer, true),
+                (false, true) => orders!(true, pointer, false),
+                (false, false) => orders!(false, pointer, false),
             }
         }
+    }
+
+    /// The [`Numerics::Fast`] kernel with VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    unsafe fn fast_vnni<const KIND: u8, const N: usize, const FRESH: bool>(
+        records: &[Chunk],
+        record_chunks: usize,
+        x: &[&[BlockQ8]],
+        io: *mut f32,
+    ) {
+        unsafe { body_fast::<KIND, N, true, FRESH>(records, record_chunks, x, io) }
+    }
+
+    /// The [`Numerics::Fast`] kernel on plain AVX2.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fast_avx2<const KIND: u8, const N: usize, const FRESH: bool>(
+        records: &[Chunk],
+        record_chunks: usize,
+        x: &[&[BlockQ8]],
+        io: *mut f32,
+    ) {
+        unsafe { body_fast::<KIND, N, false, FRESH>(records, record_chunks, x, io) }
     }
 
     /// `vpdpbusd` on 256-bit vectors, with AVX-512 VL's 32 vector registers.
@@ -518,6 +604,112 @@ mod avx2 {
             debug_assert_eq!(GROUP_ROWS, 8);
         }
     }
+
+    /// The [`Numerics::Fast`] order ([`super::super::quant::dot_q8`]): per block and token,
+    /// the eight rows' whole integer sums (the eight lanes' products added in integers, from
+    /// `−c · q_sum` for weights stored with an offset `c`), converted once and
+    /// fused-multiply-added with the scale into one accumulator per token. A state keeps it
+    /// in lane 0 (the other lanes stay zero), so finishing adds `+0.0` as `hsum8` would.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn body_fast<const KIND: u8, const N: usize, const VNNI: bool, const FRESH: bool>(
+        records: &[Chunk],
+        record_chunks: usize,
+        x: &[&[BlockQ8]],
+        io: *mut f32,
+    ) {
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut offsets = [_mm256_setzero_ps(); N];
+            if !FRESH {
+                for t in 0..N {
+                    let state = io.add(t * 9 * GROUP_ROWS);
+                    acc[t] = _mm256_loadu_ps(state);
+                    offsets[t] = _mm256_loadu_ps(state.add(8 * GROUP_ROWS));
+                }
+            }
+            let low_nibbles = _mm256_set1_epi8(0x0F);
+            let offset: i32 = match KIND {
+                Q4_0 => 8,
+                Q8_0 if VNNI => 128,
+                _ => 0,
+            };
+            let zero_bias = 0i32;
+            let n_blocks = x[0].len();
+            for i in 0..n_blocks {
+                let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
+                let quants = record.add(if KIND == Q4_1 { 2 } else { 1 });
+                // Two integer sums per token (the pair's first and second lanes), so the
+                // chains of dependent `vpdpbusd`s are half as long; added at the end.
+                let mut sums: [[__m256i; 2]; N] = std::array::from_fn(|t| {
+                    [
+                        _mm256_set1_epi32(-offset * x[t][i].q_sum),
+                        _mm256_setzero_si256(),
+                    ]
+                });
+                for pair in 0..4 {
+                    let (k0, k1) = if KIND == Q8_0 {
+                        (2 * pair, 2 * pair + 1)
+                    } else {
+                        (pair, pair + 4)
+                    };
+                    let (w0, w1) = if KIND == Q8_0 {
+                        let (raw0, raw1) = (
+                            _mm256_load_si256(quants.add(k0)),
+                            _mm256_load_si256(quants.add(k1)),
+                        );
+                        if VNNI {
+                            (raw0, raw1)
+                        } else {
+                            let flip = _mm256_set1_epi8(-128);
+                            (_mm256_xor_si256(raw0, flip), _mm256_xor_si256(raw1, flip))
+                        }
+                    } else {
+                        let packed = _mm256_load_si256(quants.add(pair));
+                        (
+                            _mm256_and_si256(packed, low_nibbles),
+                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles),
+                        )
+                    };
+                    for t in 0..N {
+                        let four = x[t][i].qs.as_ptr() as *const i32;
+                        for (j, (k, w)) in [(k0, w0), (k1, w1)].into_iter().enumerate() {
+                            let q = _mm256_set1_epi32(std::ptr::read_unaligned(four.add(k)));
+                            sums[t][j] = if VNNI {
+                                _mm256_dpbusd_epi32(sums[t][j], w, q)
+                            } else {
+                                // No offset here: it is in the starting value.
+                                let lane = lane_sums::<KIND, false>(w, q, &zero_bias);
+                                _mm256_add_epi32(sums[t][j], lane)
+                            };
+                        }
+                    }
+                }
+                let sums: [__m256i; N] =
+                    std::array::from_fn(|t| _mm256_add_epi32(sums[t][0], sums[t][1]));
+                let scales = _mm256_load_ps(record as *const f32);
+                for t in 0..N {
+                    let a = &x[t][i];
+                    let scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
+                    acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[t]), acc[t]);
+                    if KIND == Q4_1 {
+                        let mins = _mm256_load_ps(record.add(1) as *const f32);
+                        offsets[t] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum), offsets[t]);
+                    }
+                }
+            }
+            for t in 0..N {
+                if FRESH {
+                    let lanes = _mm256_add_ps(acc[t], _mm256_setzero_ps());
+                    _mm256_storeu_ps(io.add(t * GROUP_ROWS), _mm256_add_ps(lanes, offsets[t]));
+                } else {
+                    let state = io.add(t * 9 * GROUP_ROWS);
+                    _mm256_storeu_ps(state, acc[t]);
+                    _mm256_storeu_ps(state.add(8 * GROUP_ROWS), offsets[t]);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -565,6 +757,7 @@ mod tests {
         tokens: &[Vec<BlockQ8>],
         vnni: Option<bool>,
         fresh: bool,
+        numerics: Numerics,
     ) -> Vec<Vec<f32>> {
         let x: Vec<&[BlockQ8]> = tokens.iter().map(|t| &t[..]).collect();
         let mut out = vec![vec![0f32; packed.n_rows]; tokens.len()];
@@ -582,10 +775,15 @@ mod tests {
                     } else {
                         avx2::Io::Continue(&mut states)
                     };
-                    avx2::dispatch(packed.ty, vnni, records, packed.record_chunks, &x, io)
+                    let kernel = avx2::Kernel {
+                        ty: packed.ty,
+                        vnni,
+                        numerics,
+                    };
+                    avx2::dispatch(kernel, records, packed.record_chunks, &x, io)
                 },
-                (_, true) => packed.product_group(g, &x, &mut sums),
-                _ => packed.continue_group(g, &x, &mut states),
+                (_, true) => packed.product_group(g, &x, &mut sums, numerics),
+                _ => packed.continue_group(g, &x, &mut states, numerics),
             }
             if !fresh {
                 for (sum, state) in sums.iter_mut().zip(&states) {
@@ -603,14 +801,18 @@ mod tests {
         out
     }
 
-    /// Every kernel variant (1–2 tokens with VNNI, 1 without, `continue_group` and
-    /// `product_group` splitting as this CPU needs, the portable path on unpacked rows), each
-    /// continuing and finishing, gives each row exactly the bits of the one-row reference,
-    /// for 13 rows (a padded last group) of each type.
+    /// Every kernel variant (as many tokens per call as each takes: exact 1–2 with VNNI and
+    /// 1 without, fast 1–4 and 1–2; `continue_group` and `product_group` splitting as this
+    /// CPU needs; the portable path on unpacked rows), each continuing and finishing, in
+    /// both rounding orders, gives each row exactly the bits of the one-row reference, for
+    /// 13 rows (a padded last group) of each type.
     #[test]
     fn packed_kernels_equal_the_one_row_reference_bit_for_bit() {
         let n_blocks = 18;
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for (ty, numerics) in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0]
+            .into_iter()
+            .flat_map(|ty| [Numerics::Exact, Numerics::Fast].map(|n| (ty, n)))
+        {
             let rows = rows(ty, 13, n_blocks);
             let packed = Packed::new(ty, 13, n_blocks, |r| &rows[r]).expect("integer type");
             assert_eq!(packed.n_groups(), 2);
@@ -621,32 +823,33 @@ mod tests {
                 for fresh in [false, true] {
                     variants.push((
                         format!("dispatch {fresh}"),
-                        products(&packed, &tokens, None, fresh),
+                        products(&packed, &tokens, None, fresh, numerics),
                     ));
                     #[cfg(target_arch = "x86_64")]
                     if crate::runtime::quant::has_avx2() {
-                        let one = |t: &Vec<BlockQ8>| {
-                            products(&packed, std::slice::from_ref(t), Some(false), fresh)
-                        };
-                        let avx2: Vec<Vec<f32>> = tokens.iter().map(|t| one(t).remove(0)).collect();
-                        variants.push((format!("avx2 {fresh}"), avx2));
-                        if crate::runtime::quant::has_vnni() {
-                            let vnni = tokens
-                                .chunks(2)
-                                .flat_map(|pair| products(&packed, pair, Some(true), fresh))
+                        for vnni in [false, true] {
+                            if vnni && !crate::runtime::quant::has_vnni() {
+                                continue;
+                            }
+                            let per_call = tokens_per_call(vnni, numerics);
+                            let out = tokens
+                                .chunks(per_call)
+                                .flat_map(|some| {
+                                    products(&packed, some, Some(vnni), fresh, numerics)
+                                })
                                 .collect();
-                            variants.push((format!("vnni {fresh}"), vnni));
+                            variants.push((format!("vnni {vnni} {fresh}"), out));
                         }
                     }
                 }
                 for (name, out) in &variants {
                     for (t, per_row) in out.iter().enumerate() {
                         for (r, value) in per_row.iter().enumerate() {
-                            let reference = dot_q8(ty, &rows[r], &tokens[t]);
+                            let reference = dot_q8(ty, &rows[r], &tokens[t], numerics);
                             assert_eq!(
                                 value.to_bits(),
                                 reference.to_bits(),
-                                "{ty:?} {name}: {n_tokens} tokens, token {t}, row {r}"
+                                "{ty:?} {numerics:?} {name}: {n_tokens} tokens, token {t}, row {r}"
                             );
                         }
                     }

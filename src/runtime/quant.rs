@@ -81,7 +81,9 @@ impl GgmlType {
 /// for the offset term of `Q4_1` (llama.cpp's `block_q8_1`, with f32 scales), and the exact
 /// `lane_sums[k] = Σ qs[4k..4k+4]` (the eight four-element lanes of the integer kernels) for
 /// kernels that multiply offset weights: `Σ (w + c)·q − c·lane_sum` is `Σ w·q` exactly.
-/// (`|lane_sum| ≤ 4 · 127` fits i16, which keeps a block at one 64-byte cache line.)
+/// (`|lane_sum| ≤ 4 · 127` fits i16, which keeps a block at one 64-byte cache line), and
+/// their total `q_sum = Σ qs` for the same correction over a whole block
+/// ([`Numerics::Fast`]).
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(32))]
 pub struct BlockQ8 {
@@ -89,6 +91,7 @@ pub struct BlockQ8 {
     pub lane_sums: [i16; 8],
     pub d: f32,
     pub sum: f32,
+    pub q_sum: i32,
 }
 
 // One cache line per block: the kernels stream many tokens' blocks per group of rows.
@@ -129,6 +132,7 @@ fn quantize_block(chunk: &[f32; QK]) -> BlockQ8 {
         lane_sums,
         d: round_f16(d),
         sum: round_f16(d * total as f32),
+        q_sum: total,
     }
 }
 
@@ -299,7 +303,45 @@ pub fn has_q8_kernel(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
 }
 
-/// The arithmetic every integer kernel reproduces bit for bit: llama.cpp's AVX2 `vec_dot`
+/// The order in which the integer kernels round a quantized dot product (every matrix
+/// product with `Q4_0`, `Q4_1` or `Q8_0` weights). Either order is deterministic and
+/// batch-invariant: a row's product with a token has the same bits whatever else shares
+/// the batch, on every TP/PP layout, in `infer generate` and `infer up` alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Numerics {
+    /// llama.cpp's AVX2 build bit for bit (see [`dot_q8`]): eight four-element integer sums
+    /// per block, each rounded into its own lane, so greedy generation follows llama.cpp's
+    /// tokens even through near-ties.
+    #[default]
+    Exact,
+    /// Each block's integer dot product exact and rounded once (the order of ggml's scalar
+    /// reference `vec_dot`s): one conversion and one fused multiply-add per block and row
+    /// instead of eight, which roughly doubles what a batched step can do on CPUs where
+    /// those instructions share the vector multipliers with `vpdpbusd` (measured in
+    /// `cargo bench --bench matmul`). Logits differ from llama.cpp's in the last bits, so a
+    /// near-tie can go the other way.
+    Fast,
+}
+
+impl Numerics {
+    /// The name `--numerics` and the ranks' `INFER_NUMERICS` use: `exact` or `fast`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Numerics::Exact => "exact",
+            Numerics::Fast => "fast",
+        }
+    }
+
+    /// The order named `name` ([`Numerics::name`]); `None` for any other string.
+    pub fn from_name(name: &str) -> Option<Numerics> {
+        [Numerics::Exact, Numerics::Fast]
+            .into_iter()
+            .find(|n| n.name() == name)
+    }
+}
+
+/// The arithmetic every integer kernel reproduces bit for bit under [`Numerics::Exact`]:
+/// llama.cpp's AVX2 `vec_dot`
 /// for `Q4_1 · Q8_1` and `Q4_0 · Q8_0` (`ggml-cpu/arch/x86/quants.c`) and tinyBLAS's
 /// `Q8_0 · Q8_0` (`llamafile/sgemm.cpp`), which share one order. Per block `i`, lane `j`
 /// (of eight) holds the exact integer `Σ w·q` over elements `4j..4j+3` (what `vpmaddubsw` +
@@ -312,11 +354,14 @@ pub fn has_q8_kernel(ty: GgmlType) -> bool {
 /// logits are close: a change of one rounding in one lane flips 8-bit activation quants
 /// some layers later (measured against llama.cpp 0.3.16's AVX2 build).
 ///
+/// Under [`Numerics::Fast`] the whole block's integer sum goes into lane 0 (the other
+/// lanes stay zero), the offsets as above.
+///
 /// The row has `x.len()` blocks; the matrix products run the packed kernels of
 /// [`super::packed`], which give exactly these bits.
-pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
+pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8], numerics: Numerics) -> f32 {
     let mut state = [0f32; 9];
-    dot_q8_continue(ty, row, x, &mut state);
+    dot_q8_continue(ty, row, x, &mut state, numerics);
     dot_state_finish(&state)
 }
 
@@ -334,8 +379,14 @@ pub fn dot_state_finish(state: &DotState) -> f32 {
 }
 
 /// Continues the dot product in `state` with a weight row (`Q4_0`, `Q4_1` or `Q8_0`) of
-/// `x.len()` blocks, in the exact order of [`dot_q8`].
-pub fn dot_q8_continue(ty: GgmlType, row: &[u8], x: &[BlockQ8], state: &mut DotState) {
+/// `x.len()` blocks, in the exact order of [`dot_q8`] for `numerics`.
+pub fn dot_q8_continue(
+    ty: GgmlType,
+    row: &[u8],
+    x: &[BlockQ8],
+    state: &mut DotState,
+    numerics: Numerics,
+) {
     for (i, a) in x.iter().enumerate() {
         // The weight's integer level of element `e` and the block scale.
         let (level, scale): (&dyn Fn(usize) -> i32, f32) = match ty {
@@ -354,9 +405,17 @@ pub fn dot_q8_continue(ty: GgmlType, row: &[u8], x: &[BlockQ8], state: &mut DotS
             }
         };
         let d = scale * a.d;
-        for (j, lane) in state[..8].iter_mut().enumerate() {
-            let sum: i32 = (4 * j..4 * j + 4).map(|e| level(e) * a.qs[e] as i32).sum();
-            *lane = d.mul_add(sum as f32, *lane);
+        let sum = |elements: std::ops::Range<usize>| -> i32 {
+            elements.map(|e| level(e) * a.qs[e] as i32).sum()
+        };
+        match numerics {
+            Numerics::Exact => {
+                for (j, lane) in state[..8].iter_mut().enumerate() {
+                    *lane = d.mul_add(sum(4 * j..4 * j + 4) as f32, *lane);
+                }
+            }
+            // Exact in f32: |Σ| ≤ 32 · 128 · 128 < 2^24.
+            Numerics::Fast => state[0] = d.mul_add(sum(0..QK) as f32, state[0]),
         }
     }
 }
@@ -662,6 +721,7 @@ mod avx2 {
                 lane_sums,
                 d: round_f16(d),
                 sum: round_f16(d * total as f32),
+                q_sum: total,
             }
         }
     }
@@ -1000,11 +1060,19 @@ pub(crate) mod tests {
             let mut w_f32 = vec![0f32; n];
             dequantize_row(ty, &w, &mut w_f32);
             let reference: f32 = w_f32.iter().zip(&x_dequantized).map(|(a, b)| a * b).sum();
-            let portable = dot_q8(ty, &w, &xq);
             let tolerance = 1e-3 * reference.abs().max(1.0);
-            assert!(
-                (portable - reference).abs() < tolerance,
-                "{ty:?}: {portable} vs {reference}"
+            for numerics in [Numerics::Exact, Numerics::Fast] {
+                let portable = dot_q8(ty, &w, &xq, numerics);
+                assert!(
+                    (portable - reference).abs() < tolerance,
+                    "{ty:?} {numerics:?}: {portable} vs {reference}"
+                );
+            }
+            // The two orders round differently: the same value, not the same bits.
+            assert_ne!(
+                dot_q8(ty, &w, &xq, Numerics::Exact).to_bits(),
+                dot_q8(ty, &w, &xq, Numerics::Fast).to_bits(),
+                "{ty:?}"
             );
         }
     }
@@ -1018,17 +1086,19 @@ pub(crate) mod tests {
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let w = row(ty, 18, 11);
             let block_bytes = ty.row_bytes(QK).expect("one block");
-            for cuts in [vec![0, 18], vec![0, 6, 12, 18], vec![0, 1, 17, 18]] {
+            let numerics = [Numerics::Exact, Numerics::Fast];
+            let cuts = [vec![0, 18], vec![0, 6, 12, 18], vec![0, 1, 17, 18]];
+            for (cuts, numerics) in cuts.iter().flat_map(|c| numerics.map(|n| (c, n))) {
                 let mut state = [0f32; 9];
                 for part in cuts.windows(2) {
                     let (a, b) = (part[0], part[1]);
                     let w_part = &w[a * block_bytes..b * block_bytes];
-                    dot_q8_continue(ty, w_part, &xq[a..b], &mut state);
+                    dot_q8_continue(ty, w_part, &xq[a..b], &mut state, numerics);
                 }
                 assert_eq!(
                     dot_state_finish(&state).to_bits(),
-                    dot_q8(ty, &w, &xq).to_bits(),
-                    "{ty:?} {cuts:?}"
+                    dot_q8(ty, &w, &xq, numerics).to_bits(),
+                    "{ty:?} {cuts:?} {numerics:?}"
                 );
             }
         }

@@ -9,7 +9,8 @@ use rayon::prelude::*;
 use super::gguf::GgufFile;
 use super::packed::{GROUP_ROWS, GroupState, Packed};
 use super::quant::{
-    BlockQ8, DotState, GgmlType, dequantize_row, dot_f32, has_avx2, has_q8_kernel, quantize_row_q8,
+    BlockQ8, DotState, GgmlType, Numerics, dequantize_row, dot_f32, has_avx2, has_q8_kernel,
+    quantize_row_q8,
 };
 
 /// Tokens whose dot products with one packed group of rows are computed together (each
@@ -41,6 +42,10 @@ pub struct Weight {
     /// The rows repacked for the integer kernels ([`Packed`]), built on first use (or by
     /// [`Weight::pack`]) when the type has one and the CPU has AVX2; shared by clones.
     packed: Arc<OnceLock<Option<Packed>>>,
+    /// How the integer kernels round this matrix's products ([`Numerics::Exact`] unless
+    /// [`Weight::set_numerics`] says otherwise; kept by [`Weight::rows`] and
+    /// [`Weight::cols`]).
+    numerics: Numerics,
 }
 
 impl std::fmt::Debug for Weight {
@@ -84,6 +89,7 @@ impl Weight {
                 len: range.len(),
             },
             packed: Arc::default(),
+            numerics: Numerics::default(),
         })
     }
 
@@ -109,6 +115,7 @@ impl Weight {
             row_bytes,
             storage: Storage::Owned(Arc::new(bytes)),
             packed: Arc::default(),
+            numerics: Numerics::default(),
         })
     }
 
@@ -150,12 +157,14 @@ impl Weight {
 
     /// Rows `first..first + n` as a new matrix (column-parallel sharding: whole rows).
     pub fn rows(&self, first: usize, n: usize) -> Result<Weight> {
-        Weight::from_bytes(
+        let mut rows = Weight::from_bytes(
             self.ty,
             n,
             self.n_cols,
             self.bytes()[first * self.row_bytes..(first + n) * self.row_bytes].to_vec(),
-        )
+        )?;
+        rows.numerics = self.numerics;
+        Ok(rows)
     }
 
     /// Columns `first..first + n` of every row as a new matrix (row-parallel sharding: a
@@ -182,7 +191,20 @@ impl Weight {
         for r in 0..self.n_rows {
             bytes.extend_from_slice(&self.row(r)[start..start + len]);
         }
-        Weight::from_bytes(self.ty, self.n_rows, n, bytes)
+        let mut cols = Weight::from_bytes(self.ty, self.n_rows, n, bytes)?;
+        cols.numerics = self.numerics;
+        Ok(cols)
+    }
+
+    /// Sets how the integer kernels round this matrix's products (the packed rows are the
+    /// same for every order).
+    pub fn set_numerics(&mut self, numerics: Numerics) {
+        self.numerics = numerics;
+    }
+
+    /// How the integer kernels round this matrix's products.
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
     }
 
     /// The packed rows, packing them on first use; `None` for types without an integer
@@ -207,7 +229,7 @@ impl Weight {
     ///
     /// Runs on the current rayon pool, each task taking a contiguous range of output rows.
     /// `Q4_0`, `Q4_1` and `Q8_0` give, for every row and token, exactly the bits of
-    /// [`super::quant::dot_q8`] whatever `n_tokens` is.
+    /// [`super::quant::dot_q8`] (with [`Weight::numerics`]) whatever `n_tokens` is.
     pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
         matmul_many(&[self], x, n_tokens, &mut [out]);
     }
@@ -224,7 +246,7 @@ impl Weight {
             Some(packed) => {
                 let quantized = quantize_tokens(x, self.n_cols);
                 let mut rows = vec![outs.iter_mut().map(|o| &mut o[..]).collect()];
-                run_groups_into(&[packed], &quantized, &mut rows);
+                run_groups_into(&[packed], &quantized, &mut rows, self.numerics);
             }
             None => {
                 let mut flat = vec![0f32; outs.len() * self.n_rows];
@@ -267,6 +289,7 @@ impl Weight {
             anyhow::bail!("{:?} has no integer kernel to continue", self.ty);
         }
         let quantized = quantize_tokens(x, self.n_cols);
+        let numerics = self.numerics;
         let Some(packed) = self.packed() else {
             let chunk_rows = self.chunk_rows();
             states
@@ -276,7 +299,7 @@ impl Weight {
                     for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
                         let row = self.row(chunk * chunk_rows + i);
                         for (state, xq) in per_token.iter_mut().zip(&quantized) {
-                            super::quant::dot_q8_continue(self.ty, row, xq, state);
+                            super::quant::dot_q8_continue(self.ty, row, xq, state, numerics);
                         }
                     }
                 });
@@ -301,7 +324,7 @@ impl Weight {
         let mut continued: Vec<GroupState> = (0..packed.n_groups() * n_tokens)
             .map(|i| gather(i / n_tokens, i % n_tokens))
             .collect();
-        continue_groups(packed, &quantized, &mut continued);
+        continue_groups(packed, &quantized, &mut continued, numerics);
         for (row, per_token) in states.chunks_exact_mut(n_tokens).enumerate() {
             let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
             for (t, state) in per_token.iter_mut().enumerate() {
@@ -330,7 +353,7 @@ impl Weight {
                     for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
                         let row = self.row(chunk * chunk_rows + i);
                         for (value, xq) in per_token.iter_mut().zip(&quantized) {
-                            *value = super::quant::dot_q8(self.ty, row, xq);
+                            *value = super::quant::dot_q8(self.ty, row, xq, self.numerics);
                         }
                     }
                 });
@@ -375,13 +398,16 @@ fn quantize_tokens(x: &[f32], n_cols: usize) -> Vec<Vec<BlockQ8>> {
 /// The activations are quantized once and one parallel region covers every matrix's rows.
 /// Each result is exactly what [`Weight::matmul`] alone gives (the same per-row kernel).
 ///
-/// Panics (a bug, not input): matrices with different `n_cols`, or mis-sized buffers.
+/// Panics (a bug, not input): matrices with different `n_cols` or [`Numerics`], or
+/// mis-sized buffers.
 pub fn matmul_many(weights: &[&Weight], x: &[f32], n_tokens: usize, outs: &mut [&mut [f32]]) {
     assert_eq!(weights.len(), outs.len());
     let Some(n_cols) = weights.first().map(|w| w.n_cols) else {
         return;
     };
     assert!(weights.iter().all(|w| w.n_cols == n_cols));
+    let numerics = weights[0].numerics;
+    assert!(weights.iter().all(|w| w.numerics == numerics));
     assert_eq!(x.len(), n_tokens * n_cols);
     let packed: Option<Vec<&Packed>> = weights.iter().map(|w| w.packed()).collect();
     let Some(packed) = packed else {
@@ -399,14 +425,19 @@ pub fn matmul_many(weights: &[&Weight], x: &[f32], n_tokens: usize, outs: &mut [
             out.chunks_mut(weight.n_rows).collect()
         })
         .collect();
-    run_groups_into(&packed, &quantized, &mut token_rows);
+    run_groups_into(&packed, &quantized, &mut token_rows, numerics);
 }
 
 /// The packed kernel over every group of every matrix and every token, `TILE` tokens at a
 /// time, in one parallel region, each task writing its rows straight into the outputs:
 /// `outs[m][t]` is matrix `m`'s output row for token `t` (`n_rows` values), split between
 /// the tasks by row ranges (so no task shares a value, and nothing is transposed after).
-fn run_groups_into(packed: &[&Packed], quantized: &[Vec<BlockQ8>], outs: &mut [Vec<&mut [f32]>]) {
+fn run_groups_into(
+    packed: &[&Packed],
+    quantized: &[Vec<BlockQ8>],
+    outs: &mut [Vec<&mut [f32]>],
+    numerics: Numerics,
+) {
     let n_tokens = quantized.len();
     let total: usize = packed.iter().map(|p| p.n_groups()).sum();
     let groups_per_task = (total / (rayon::current_num_threads() * 4)).clamp(1, 64);
@@ -439,7 +470,8 @@ fn run_groups_into(packed: &[&Packed], quantized: &[Vec<BlockQ8>], outs: &mut [V
                     for t in 0..n {
                         x[t] = &quantized[first + t][..];
                     }
-                    packed[m].product_group(first_group + i, &x[..n], &mut products[..n]);
+                    let group = first_group + i;
+                    packed[m].product_group(group, &x[..n], &mut products[..n], numerics);
                     for (slice, &sums) in slices[first..first + n].iter_mut().zip(&products) {
                         // A whole group is one fixed-size store (a slice copy of run-time
                         // length is a `memmove` call: 6% of a batched step, measured).
@@ -455,7 +487,12 @@ fn run_groups_into(packed: &[&Packed], quantized: &[Vec<BlockQ8>], outs: &mut [V
 
 /// Continues `states` (`(n_groups, n_tokens)`: each group's state for each token) with every
 /// token of `quantized`, `TILE` tokens at a time, the groups split over one parallel region.
-fn continue_groups(packed: &Packed, quantized: &[Vec<BlockQ8>], states: &mut [GroupState]) {
+fn continue_groups(
+    packed: &Packed,
+    quantized: &[Vec<BlockQ8>],
+    states: &mut [GroupState],
+    numerics: Numerics,
+) {
     let n_tokens = quantized.len();
     let groups_per_task = (packed.n_groups() / (rayon::current_num_threads() * 4)).clamp(1, 64);
     states
@@ -470,7 +507,7 @@ fn continue_groups(packed: &Packed, quantized: &[Vec<BlockQ8>], states: &mut [Gr
                     for t in 0..n {
                         x[t] = &quantized[tile * TILE + t][..];
                     }
-                    packed.continue_group(g, &x[..n], tile_states);
+                    packed.continue_group(g, &x[..n], tile_states, numerics);
                 }
             }
         });
@@ -479,7 +516,7 @@ fn continue_groups(packed: &Packed, quantized: &[Vec<BlockQ8>], states: &mut [Gr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::quant::{DotState, dot_q8, dot_state_finish};
+    use crate::runtime::quant::{DotState, Numerics, dot_q8, dot_state_finish};
 
     /// A `Q4_1` matrix of random nibbles with varied scales and minimums.
     fn q4_1(n_rows: usize, n_cols: usize, seed: u64) -> Weight {
@@ -505,13 +542,20 @@ mod tests {
     /// output form.
     #[test]
     fn fused_products_equal_the_one_row_reference() {
+        for numerics in [Numerics::Exact, Numerics::Fast] {
+            fused_case(numerics);
+        }
+    }
+
+    fn fused_case(numerics: Numerics) {
         let n_cols = 96;
-        let weights = [
+        let mut weights = [
             q4_1(13, n_cols, 3),
             q4_1(8, n_cols, 5),
             q4_1(21, n_cols, 7),
             q4_1(565, n_cols, 11),
         ];
+        weights.iter_mut().for_each(|w| w.set_numerics(numerics));
         for n_tokens in [1, 3, 4, 6, 9, 16] {
             let x = activations(n_tokens, n_cols);
             let mut outs: Vec<Vec<f32>> = weights
@@ -525,11 +569,11 @@ mod tests {
             for (w, out) in weights.iter().zip(&outs) {
                 for t in 0..n_tokens {
                     for r in 0..w.n_rows {
-                        let reference = dot_q8(w.ty, w.row(r), &quantized[t]);
+                        let reference = dot_q8(w.ty, w.row(r), &quantized[t], numerics);
                         assert_eq!(
                             out[t * w.n_rows + r].to_bits(),
                             reference.to_bits(),
-                            "{} rows, {n_tokens} tokens: token {t} row {r}",
+                            "{numerics:?} {} rows, {n_tokens} tokens: token {t} row {r}",
                             w.n_rows
                         );
                     }
@@ -546,13 +590,16 @@ mod tests {
     #[test]
     fn continued_products_over_column_shards_equal_the_whole() {
         for n_tokens in [5, 11] {
-            continued_case(n_tokens);
+            for numerics in [Numerics::Exact, Numerics::Fast] {
+                continued_case(n_tokens, numerics);
+            }
         }
     }
 
-    fn continued_case(n_tokens: usize) {
+    fn continued_case(n_tokens: usize, numerics: Numerics) {
         let (n_rows, n_cols) = (11, 128);
-        let whole = q4_1(n_rows, n_cols, 9);
+        let mut whole = q4_1(n_rows, n_cols, 9);
+        whole.set_numerics(numerics);
         let x = activations(n_tokens, n_cols);
         let mut expected = vec![0f32; n_tokens * n_rows];
         whole.matmul(&x, n_tokens, &mut expected);
@@ -572,7 +619,7 @@ mod tests {
                 assert_eq!(
                     dot_state_finish(&states[r * n_tokens + t]).to_bits(),
                     expected[t * n_rows + r].to_bits(),
-                    "{n_tokens} tokens: row {r} token {t}"
+                    "{numerics:?} {n_tokens} tokens: row {r} token {t}"
                 );
             }
         }

@@ -20,6 +20,7 @@ use super::executor::{Executor, Sampled, StepEntry, generate, sample};
 use super::gguf::GgufFile;
 use super::kv::KvPool;
 use super::llama::{KvCache, Llama, SequenceInput, StageOutput};
+use super::quant::Numerics;
 use super::sampling::{Sampler, SamplingParams};
 use super::shm::ShmComm;
 use super::tokenizer::Tokenizer;
@@ -50,6 +51,8 @@ pub struct RankConfig {
     /// Whether groups on this host all-reduce through shared memory (`INFER_SHM_DISABLE=1`
     /// turns it off, as `NCCL_SHM_DISABLE` does for NCCL).
     pub shm: bool,
+    /// How the matrix products round (`INFER_NUMERICS`); the same on every rank.
+    pub numerics: Numerics,
 }
 
 /// The job the launcher publishes under `job`.
@@ -207,6 +210,7 @@ impl Member {
             }
         }
         drop(whole);
+        shard.set_numerics(config.numerics);
         pool.install(|| shard.pack_weights());
 
         let tp_members: Vec<u64> = (0..tp).map(|t| base + (pp_rank * tp + t) as u64).collect();

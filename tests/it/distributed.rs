@@ -1,5 +1,6 @@
 //! Distributed generation on real `infer rank` processes: the same greedy tokens as one
-//! process for every (tp, pp) the issue names, on the real SmolLM2; a rank killed
+//! process for every (tp, pp) the issue names, on the real SmolLM2, in both rounding
+//! orders; a rank killed
 //! mid-generation takes the whole gang down, naming it, leaving no process behind.
 
 use std::io::{BufRead, BufReader};
@@ -44,6 +45,35 @@ fn every_layout_generates_the_single_process_tokens() {
             let got = tokens(&["--prompt", prompt, "--tp", tp, "--pp", pp]);
             assert_eq!(got, reference, "{prompt:?} tp={tp} pp={pp}");
         }
+    }
+}
+
+/// `--numerics fast` reaches every rank (`INFER_NUMERICS`) and keeps the layouts
+/// bit-identical too: a TP continuation carries the one per-block accumulator as it carries
+/// the eight lanes. On the code prompt the fast order takes a near-tie (llama.cpp margin
+/// 0.11 at position 13) the other way, so a rank left on the exact order would show.
+#[test]
+fn fast_numerics_generate_the_same_tokens_on_every_layout() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let prompt = "def fibonacci(n):";
+    let exact = tokens(&["--prompt", prompt]);
+    let fast = tokens(&["--prompt", prompt, "--numerics", "fast"]);
+    assert_ne!(
+        fast, exact,
+        "the two orders part at a near-tie on this prompt"
+    );
+    for (tp, pp) in [("3", "1"), ("3", "2")] {
+        let got = tokens(&[
+            "--prompt",
+            prompt,
+            "--numerics",
+            "fast",
+            "--tp",
+            tp,
+            "--pp",
+            pp,
+        ]);
+        assert_eq!(got, fast, "tp={tp} pp={pp}");
     }
 }
 
@@ -172,6 +202,7 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         ep: 1,
         model: "unused.gguf".into(),
         threads_per_rank: 1,
+        numerics: infer::runtime::quant::Numerics::Exact,
         timeout: Duration::from_secs(5),
         extra_env: Vec::new(),
         layout_from: "a test".into(),

@@ -2,7 +2,7 @@
 //! type dequantizes to the reference values (`tests/fixtures/quant_reference.json`, made by
 //! `scripts/gen_quant_fixtures.py`), and the integer dot kernels agree with them.
 
-use infer::runtime::quant::{GgmlType, dequantize_row, dot_q8, quantize_row_q8};
+use infer::runtime::quant::{GgmlType, Numerics, dequantize_row, dot_q8, quantize_row_q8};
 use infer::runtime::weights::Weight;
 use serde_json::Value;
 
@@ -82,18 +82,21 @@ fn integer_dots_agree_with_the_reference_values() {
         let norm: f32 = weights.iter().zip(&x).map(|(w, v)| (w * v).abs()).sum();
         // The matrix product (packed SIMD kernels where the CPU has them) and the one-row
         // reference.
-        let matrix = Weight::from_bytes(ty, 1, weights.len(), bytes.clone()).expect("one row");
-        let mut product = [0f32];
-        matrix.matmul(&x, 1, &mut product);
-        for (name, got) in [
-            ("matmul", product[0]),
-            ("reference", dot_q8(ty, &bytes, &xq)),
-        ] {
-            // Activation quantization costs at most half a step per element.
-            assert!(
-                (got - exact).abs() <= 0.01 * norm,
-                "{ty:?} {name}: {got} vs {exact} (scale {norm})"
-            );
+        let mut matrix = Weight::from_bytes(ty, 1, weights.len(), bytes.clone()).expect("one row");
+        for numerics in [Numerics::Exact, Numerics::Fast] {
+            matrix.set_numerics(numerics);
+            let mut product = [0f32];
+            matrix.matmul(&x, 1, &mut product);
+            for (name, got) in [
+                ("matmul", product[0]),
+                ("reference", dot_q8(ty, &bytes, &xq, numerics)),
+            ] {
+                // Activation quantization costs at most half a step per element.
+                assert!(
+                    (got - exact).abs() <= 0.01 * norm,
+                    "{ty:?} {numerics:?} {name}: {got} vs {exact} (scale {norm})"
+                );
+            }
         }
     }
 }
