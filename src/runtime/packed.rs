@@ -149,7 +149,7 @@ impl Packed {
         assert!(x.len() <= MAX_TOKENS && x.len() == states.len());
         let records = self.records(g, x);
         #[cfg(target_arch = "x86_64")]
-        if self.run_simd(records, x, states, numerics, avx2::Io::Continue) {
+        if self.run_simd(records, x, states, numerics, None, avx2::Io::Continue) {
             return;
         }
         self.continue_portably(records, x, states, numerics);
@@ -158,7 +158,10 @@ impl Packed {
     /// The finished dot products of group `g`'s eight rows with up to [`MAX_TOKENS`]
     /// tokens (`out[t]` for `x[t]`): [`continue_group`](Packed::continue_group) from zero
     /// states, then [`finish_group`], without the states ever leaving the registers. Same
-    /// bits as that pair, and as [`super::quant::dot_q8`] per row.
+    /// bits as that pair, and as [`super::quant::dot_q8`] per row. `ahead`: a group to bring
+    /// into the cache meanwhile (worth it when a group serves several tokens: the hardware
+    /// prefetcher then sees re-reads of one group rather than a stream, and each next group
+    /// would start with a run of cache misses); past the last group it is ignored.
     ///
     /// Panics (a bug, not input): as `continue_group`.
     pub fn product_group(
@@ -167,38 +170,18 @@ impl Packed {
         x: &[&[BlockQ8]],
         out: &mut [[f32; GROUP_ROWS]],
         numerics: Numerics,
+        ahead: Option<usize>,
     ) {
         assert!(x.len() <= MAX_TOKENS && x.len() == out.len());
         let records = self.records(g, x);
         #[cfg(target_arch = "x86_64")]
-        if self.run_simd(records, x, out, numerics, avx2::Io::Fresh) {
+        if self.run_simd(records, x, out, numerics, ahead, avx2::Io::Fresh) {
             return;
         }
         let mut states = vec![[[0f32; GROUP_ROWS]; 9]; x.len()];
         self.continue_portably(records, x, &mut states, numerics);
         for (out, state) in out.iter_mut().zip(&states) {
             *out = finish_group(state);
-        }
-    }
-
-    /// Asks the CPU to bring group `g`'s records into the cache ahead of use (a no-op past
-    /// the last group or off x86-64). Worth it when each group is reused for many tokens:
-    /// the hardware prefetcher then sees the re-reads of one group, not a stream, and every
-    /// next group would start with a run of cache misses.
-    pub fn prefetch_group(&self, g: usize) {
-        if g >= self.n_groups() {
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            let records = &self.data[g * self.n_blocks * self.record_chunks..]
-                [..self.n_blocks * self.record_chunks];
-            // Two 32-byte chunks per 64-byte cache line.
-            for chunk in records.iter().step_by(2) {
-                // SAFETY: a prefetch of a valid address has no effect beyond the cache.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(chunk.0.as_ptr() as *const i8) };
-            }
         }
     }
 
@@ -212,6 +195,7 @@ impl Packed {
         x: &[&[BlockQ8]],
         items: &'a mut [T],
         numerics: Numerics,
+        ahead: Option<usize>,
         io: impl Fn(&'a mut [T]) -> avx2::Io<'a>,
     ) -> bool {
         if !super::quant::has_avx2() {
@@ -219,6 +203,10 @@ impl Packed {
         }
         let vnni = super::quant::has_vnni();
         let per_call = tokens_per_call(vnni, numerics);
+        // Only the first call prefetches: the others read the same records again.
+        let mut ahead = ahead
+            .filter(|&g| g < self.n_groups())
+            .map_or(std::ptr::null(), |g| self.records_of(g).as_ptr());
         for (x, items) in x.chunks(per_call).zip(items.chunks_mut(per_call)) {
             let kernel = avx2::Kernel {
                 ty: self.ty,
@@ -228,7 +216,8 @@ impl Packed {
             // SAFETY: AVX2/FMA/F16C checked (VNNI and VL too for `vnni`); `records` holds
             // `n_blocks` records and every `x[t]` `n_blocks` blocks (`records` asserts it);
             // `items` has one entry per token (the callers assert it), at most `per_call`.
-            unsafe { avx2::dispatch(kernel, records, self.record_chunks, x, io(items)) };
+            unsafe { avx2::dispatch(kernel, records, self.record_chunks, ahead, x, io(items)) };
+            ahead = std::ptr::null();
         }
         true
     }
@@ -236,6 +225,11 @@ impl Packed {
     /// Group `g`'s records, checking that every token has `n_blocks` blocks.
     fn records(&self, g: usize, x: &[&[BlockQ8]]) -> &[Chunk] {
         assert!(x.iter().all(|x| x.len() == self.n_blocks));
+        self.records_of(g)
+    }
+
+    /// Group `g`'s records (`n_blocks` of `record_chunks` chunks).
+    fn records_of(&self, g: usize) -> &[Chunk] {
         &self.data[g * self.n_blocks * self.record_chunks..][..self.n_blocks * self.record_chunks]
     }
 
@@ -327,7 +321,8 @@ mod avx2 {
         pub numerics: Numerics,
     }
 
-    /// Calls `kernel` for `x.len()` tokens.
+    /// Calls `kernel` for `x.len()` tokens; `ahead` (or null) is a group whose records to
+    /// bring into the cache meanwhile, a record's worth per block.
     ///
     /// Safety: AVX2, FMA and F16C are available, and AVX-512 VNNI and VL if `kernel.vnni`;
     /// `records` holds one record per block of every `x[t]`; `io` holds `x.len()` entries,
@@ -336,35 +331,36 @@ mod avx2 {
         kernel: Kernel,
         records: &[Chunk],
         record_chunks: usize,
+        ahead: *const Chunk,
         x: &[&[BlockQ8]],
         io: Io<'_>,
     ) {
         macro_rules! tokens {
             ($kind:expr, $fresh:expr, $io:expr, true, true) => {
                 match x.len() {
-                    1 => kernel_vnni::<$kind, 1, $fresh>(records, record_chunks, x, $io),
-                    2 => kernel_vnni::<$kind, 2, $fresh>(records, record_chunks, x, $io),
+                    1 => kernel_vnni::<$kind, 1, $fresh>(records, record_chunks, ahead, x, $io),
+                    2 => kernel_vnni::<$kind, 2, $fresh>(records, record_chunks, ahead, x, $io),
                     _ => {}
                 }
             };
             ($kind:expr, $fresh:expr, $io:expr, false, true) => {
                 if x.len() == 1 {
-                    kernel_avx2::<$kind, 1, $fresh>(records, record_chunks, x, $io)
+                    kernel_avx2::<$kind, 1, $fresh>(records, record_chunks, ahead, x, $io)
                 }
             };
             ($kind:expr, $fresh:expr, $io:expr, true, false) => {
                 match x.len() {
-                    1 => fast_vnni::<$kind, 1, $fresh>(records, record_chunks, x, $io),
-                    2 => fast_vnni::<$kind, 2, $fresh>(records, record_chunks, x, $io),
-                    3 => fast_vnni::<$kind, 3, $fresh>(records, record_chunks, x, $io),
-                    4 => fast_vnni::<$kind, 4, $fresh>(records, record_chunks, x, $io),
+                    1 => fast_vnni::<$kind, 1, $fresh>(records, record_chunks, ahead, x, $io),
+                    2 => fast_vnni::<$kind, 2, $fresh>(records, record_chunks, ahead, x, $io),
+                    3 => fast_vnni::<$kind, 3, $fresh>(records, record_chunks, ahead, x, $io),
+                    4 => fast_vnni::<$kind, 4, $fresh>(records, record_chunks, ahead, x, $io),
                     _ => {}
                 }
             };
             ($kind:expr, $fresh:expr, $io:expr, false, false) => {
                 match x.len() {
-                    1 => fast_avx2::<$kind, 1, $fresh>(records, record_chunks, x, $io),
-                    2 => fast_avx2::<$kind, 2, $fresh>(records, record_chunks, x, $io),
+                    1 => fast_avx2::<$kind, 1, $fresh>(records, record_chunks, ahead, x, $io),
+                    2 => fast_avx2::<$kind, 2, $fresh>(records, record_chunks, ahead, x, $io),
                     _ => {}
                 }
             };
@@ -413,10 +409,11 @@ mod avx2 {
     unsafe fn fast_vnni<const KIND: u8, const N: usize, const FRESH: bool>(
         records: &[Chunk],
         record_chunks: usize,
+        ahead: *const Chunk,
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
-        unsafe { body_fast::<KIND, N, true, FRESH>(records, record_chunks, x, io) }
+        unsafe { body_fast::<KIND, N, true, FRESH>(records, record_chunks, ahead, x, io) }
     }
 
     /// The [`Numerics::Fast`] kernel on plain AVX2.
@@ -424,10 +421,11 @@ mod avx2 {
     unsafe fn fast_avx2<const KIND: u8, const N: usize, const FRESH: bool>(
         records: &[Chunk],
         record_chunks: usize,
+        ahead: *const Chunk,
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
-        unsafe { body_fast::<KIND, N, false, FRESH>(records, record_chunks, x, io) }
+        unsafe { body_fast::<KIND, N, false, FRESH>(records, record_chunks, ahead, x, io) }
     }
 
     /// `vpdpbusd` on 256-bit vectors, with AVX-512 VL's 32 vector registers.
@@ -435,20 +433,22 @@ mod avx2 {
     unsafe fn kernel_vnni<const KIND: u8, const N: usize, const FRESH: bool>(
         records: &[Chunk],
         record_chunks: usize,
+        ahead: *const Chunk,
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
-        unsafe { body::<KIND, N, true, FRESH>(records, record_chunks, x, io) }
+        unsafe { body::<KIND, N, true, FRESH>(records, record_chunks, ahead, x, io) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn kernel_avx2<const KIND: u8, const N: usize, const FRESH: bool>(
         records: &[Chunk],
         record_chunks: usize,
+        ahead: *const Chunk,
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
-        unsafe { body::<KIND, N, false, FRESH>(records, record_chunks, x, io) }
+        unsafe { body::<KIND, N, false, FRESH>(records, record_chunks, ahead, x, io) }
     }
 
     /// Lane `k`'s exact integer sums `Σ w·q` of the eight rows against token lanes `q`
@@ -489,12 +489,28 @@ mod avx2 {
         }
     }
 
+    /// Asks for record `i` of the group at `ahead` (nothing if null): one 64-byte line at a
+    /// time, spread over the blocks of a kernel call rather than all at once, which would
+    /// fill the core's miss buffers and stall the kernel behind them.
+    #[inline(always)]
+    unsafe fn prefetch_record(ahead: *const Chunk, i: usize, record_chunks: usize) {
+        if ahead.is_null() {
+            return;
+        }
+        let record = ahead.wrapping_add(i * record_chunks) as *const i8;
+        for line in (0..record_chunks * 32).step_by(64) {
+            // SAFETY: a prefetch has no effect beyond the cache, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(record.wrapping_add(line)) };
+        }
+    }
+
     // Indexing by token and lane reads clearer than nested iterators here.
     #[allow(clippy::needless_range_loop)]
     #[inline(always)]
     unsafe fn body<const KIND: u8, const N: usize, const VNNI: bool, const FRESH: bool>(
         records: &[Chunk],
         record_chunks: usize,
+        ahead: *const Chunk,
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
@@ -521,6 +537,7 @@ mod avx2 {
             let mut bias = [[0i32; 8]; N];
             let n_blocks = x[0].len();
             for i in 0..n_blocks {
+                prefetch_record(ahead, i, record_chunks);
                 let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
                 let scales = _mm256_load_ps(record as *const f32);
                 let quants = record.add(if KIND == Q4_1 { 2 } else { 1 });
@@ -615,6 +632,7 @@ mod avx2 {
     unsafe fn body_fast<const KIND: u8, const N: usize, const VNNI: bool, const FRESH: bool>(
         records: &[Chunk],
         record_chunks: usize,
+        ahead: *const Chunk,
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
@@ -637,6 +655,7 @@ mod avx2 {
             let zero_bias = 0i32;
             let n_blocks = x[0].len();
             for i in 0..n_blocks {
+                prefetch_record(ahead, i, record_chunks);
                 let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
                 let quants = record.add(if KIND == Q4_1 { 2 } else { 1 });
                 // Two integer sums per token (the pair's first and second lanes), so the
@@ -780,9 +799,16 @@ mod tests {
                         vnni,
                         numerics,
                     };
-                    avx2::dispatch(kernel, records, packed.record_chunks, &x, io)
+                    avx2::dispatch(
+                        kernel,
+                        records,
+                        packed.record_chunks,
+                        std::ptr::null(),
+                        &x,
+                        io,
+                    )
                 },
-                (_, true) => packed.product_group(g, &x, &mut sums, numerics),
+                (_, true) => packed.product_group(g, &x, &mut sums, numerics, Some(g + 1)),
                 _ => packed.continue_group(g, &x, &mut states, numerics),
             }
             if !fresh {

@@ -462,16 +462,16 @@ fn run_groups_into(
             let mut products = [[0f32; GROUP_ROWS]; TILE];
             for i in 0..n_rows.div_ceil(GROUP_ROWS) {
                 let rows = i * GROUP_ROWS..((i + 1) * GROUP_ROWS).min(n_rows);
-                if n_tokens > 2 {
-                    packed[m].prefetch_group(first_group + i + 1);
-                }
                 for first in (0..n_tokens).step_by(TILE) {
                     let n = TILE.min(n_tokens - first);
                     for t in 0..n {
                         x[t] = &quantized[first + t][..];
                     }
                     let group = first_group + i;
-                    packed[m].product_group(group, &x[..n], &mut products[..n], numerics);
+                    // The first tile brings the next group in while this one is computed.
+                    let ahead = (first == 0 && n_tokens > 2).then_some(group + 1);
+                    let out = &mut products[..n];
+                    packed[m].product_group(group, &x[..n], out, numerics, ahead);
                     for (slice, &sums) in slices[first..first + n].iter_mut().zip(&products) {
                         // A whole group is one fixed-size store (a slice copy of run-time
                         // length is a `memmove` call: 6% of a batched step, measured).
