@@ -504,6 +504,45 @@ mod avx2 {
         }
     }
 
+    /// Lanes two at a time: pair `pair`'s two lane indices and the eight rows' weights of
+    /// each, unpacked for [`lane_sums`] (`Q4`'s chunk `q` holds lane `q` in its low nibbles
+    /// and lane `q + 4` in its high ones; `Q8_0`'s chunks are one lane each, flipped back to
+    /// signed bytes without VNNI).
+    #[inline(always)]
+    unsafe fn lane_pair<const KIND: u8, const VNNI: bool>(
+        quants: *const __m256i,
+        pair: usize,
+    ) -> ((usize, __m256i), (usize, __m256i)) {
+        unsafe {
+            if KIND == Q8_0 {
+                let (k0, k1) = (2 * pair, 2 * pair + 1);
+                let (raw0, raw1) = (
+                    _mm256_load_si256(quants.add(k0)),
+                    _mm256_load_si256(quants.add(k1)),
+                );
+                if VNNI {
+                    ((k0, raw0), (k1, raw1))
+                } else {
+                    let flip = _mm256_set1_epi8(-128);
+                    (
+                        (k0, _mm256_xor_si256(raw0, flip)),
+                        (k1, _mm256_xor_si256(raw1, flip)),
+                    )
+                }
+            } else {
+                let low_nibbles = _mm256_set1_epi8(0x0F);
+                let packed = _mm256_load_si256(quants.add(pair));
+                (
+                    (pair, _mm256_and_si256(packed, low_nibbles)),
+                    (
+                        pair + 4,
+                        _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles),
+                    ),
+                )
+            }
+        }
+    }
+
     // Indexing by token and lane reads clearer than nested iterators here.
     #[allow(clippy::needless_range_loop)]
     #[inline(always)]
@@ -526,7 +565,6 @@ mod avx2 {
                     offsets[t] = _mm256_loadu_ps(state.add(8 * GROUP_ROWS));
                 }
             }
-            let low_nibbles = _mm256_set1_epi8(0x0F);
             // Weights stored with an offset: Q4_0's nibble is its level + 8; with VNNI,
             // Q8_0's byte (as unsigned) its level + 128.
             let offset_shift = match KIND {
@@ -564,32 +602,8 @@ mod avx2 {
                         offsets[t] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum), offsets[t]);
                     }
                 }
-                // Lanes two at a time: Q4's chunk `q` holds lane `q` (low nibbles) and lane
-                // `q + 4` (high nibbles); Q8_0's chunks are one lane each.
                 for pair in 0..4 {
-                    let (k0, k1) = if KIND == Q8_0 {
-                        (2 * pair, 2 * pair + 1)
-                    } else {
-                        (pair, pair + 4)
-                    };
-                    let (w0, w1) = if KIND == Q8_0 {
-                        let (raw0, raw1) = (
-                            _mm256_load_si256(quants.add(k0)),
-                            _mm256_load_si256(quants.add(k1)),
-                        );
-                        if VNNI {
-                            (raw0, raw1)
-                        } else {
-                            let flip = _mm256_set1_epi8(-128);
-                            (_mm256_xor_si256(raw0, flip), _mm256_xor_si256(raw1, flip))
-                        }
-                    } else {
-                        let packed = _mm256_load_si256(quants.add(pair));
-                        (
-                            _mm256_and_si256(packed, low_nibbles),
-                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles),
-                        )
-                    };
+                    let ((k0, w0), (k1, w1)) = lane_pair::<KIND, VNNI>(quants, pair);
                     for t in 0..N {
                         let four = x[t][i].qs.as_ptr() as *const i32;
                         for (k, w) in [(k0, w0), (k1, w1)] {
@@ -646,7 +660,6 @@ mod avx2 {
                     offsets[t] = _mm256_loadu_ps(state.add(8 * GROUP_ROWS));
                 }
             }
-            let low_nibbles = _mm256_set1_epi8(0x0F);
             let offset: i32 = match KIND {
                 Q4_0 => 8,
                 Q8_0 if VNNI => 128,
@@ -667,29 +680,7 @@ mod avx2 {
                     ]
                 });
                 for pair in 0..4 {
-                    let (k0, k1) = if KIND == Q8_0 {
-                        (2 * pair, 2 * pair + 1)
-                    } else {
-                        (pair, pair + 4)
-                    };
-                    let (w0, w1) = if KIND == Q8_0 {
-                        let (raw0, raw1) = (
-                            _mm256_load_si256(quants.add(k0)),
-                            _mm256_load_si256(quants.add(k1)),
-                        );
-                        if VNNI {
-                            (raw0, raw1)
-                        } else {
-                            let flip = _mm256_set1_epi8(-128);
-                            (_mm256_xor_si256(raw0, flip), _mm256_xor_si256(raw1, flip))
-                        }
-                    } else {
-                        let packed = _mm256_load_si256(quants.add(pair));
-                        (
-                            _mm256_and_si256(packed, low_nibbles),
-                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles),
-                        )
-                    };
+                    let ((k0, w0), (k1, w1)) = lane_pair::<KIND, VNNI>(quants, pair);
                     for t in 0..N {
                         let four = x[t][i].qs.as_ptr() as *const i32;
                         for (j, (k, w)) in [(k0, w0), (k1, w1)].into_iter().enumerate() {

@@ -57,6 +57,18 @@ fn margins(case: &Value) -> Vec<f64> {
         .collect()
 }
 
+/// The greedy token of `logits` and its margin over the runner-up.
+fn top1_margin(logits: &[f32]) -> (u32, f64) {
+    let best = argmax(logits) as usize;
+    let second = logits
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != best)
+        .map(|(_, v)| *v)
+        .fold(f32::NEG_INFINITY, f32::max);
+    (best as u32, (logits[best] - second) as f64)
+}
+
 /// The criterion — llama.cpp's greedy tokens wherever its top-1/top-2 margin exceeds
 /// 0.1, up to the first position where it does not — and more: the engine follows llama.cpp's
 /// CPU arithmetic bit for bit, so every greedy token matches, small margins (down to 0.03
@@ -116,16 +128,8 @@ fn logits_equal_llama_cpp_teacher_forced() {
                 }])
                 .expect("forward");
             for (step, &want) in expected.iter().enumerate() {
-                let l = &logits[0];
-                let best = argmax(l) as usize;
-                assert_eq!(best as u32, want, "{prompt:?} step {step}");
-                let second = l
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| *i != best)
-                    .map(|(_, v)| *v)
-                    .fold(f32::NEG_INFINITY, f32::max);
-                let ours = (l[best] - second) as f64;
+                let (best, ours) = top1_margin(&logits[0]);
+                assert_eq!(best, want, "{prompt:?} step {step}");
                 assert!(
                     (ours - margins[step]).abs() <= 6e-5,
                     "{prompt:?} step {step}: margin {ours:.5} vs llama.cpp {:.4}",
@@ -603,19 +607,11 @@ fn fast_numerics_stay_close_to_llama_cpp() {
                         all_logits: false,
                     }])
                     .expect("forward");
-                let l = &logits[0];
-                let best = argmax(l) as usize;
+                let (best, ours) = top1_margin(&logits[0]);
                 if margins[step] > 0.3 {
-                    assert_eq!(best as u32, want, "{prompt:?} step {step}");
+                    assert_eq!(best, want, "{prompt:?} step {step}");
                 }
-                if best as u32 == want {
-                    let second = l
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| *i != best)
-                        .map(|(_, v)| *v)
-                        .fold(f32::NEG_INFINITY, f32::max);
-                    let ours = (l[best] - second) as f64;
+                if best == want {
                     assert!(
                         (ours - margins[step]).abs() < 1.0,
                         "{prompt:?} step {step}: margin {ours:.4} vs llama.cpp {:.4}",
