@@ -202,10 +202,6 @@ impl Weight {
         self.numerics = numerics;
     }
 
-    /// How the integer kernels round this matrix's products.
-    pub fn numerics(&self) -> Numerics {
-        self.numerics
-    }
 
     /// The packed rows, packing them on first use; `None` for types without an integer
     /// kernel or on CPUs without AVX2 (the portable one-row kernel runs instead).
@@ -229,7 +225,7 @@ impl Weight {
     ///
     /// Runs on the current rayon pool, each task taking a contiguous range of output rows.
     /// `Q4_0`, `Q4_1` and `Q8_0` give, for every row and token, exactly the bits of
-    /// [`super::quant::dot_q8`] (with [`Weight::numerics`]) whatever `n_tokens` is.
+    /// [`super::quant::dot_q8`] (in the order [`Weight::set_numerics`] chose) whatever `n_tokens` is.
     pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
         matmul_many(&[self], x, n_tokens, &mut [out]);
     }
