@@ -202,7 +202,6 @@ impl Weight {
         self.numerics = numerics;
     }
 
-
     /// The packed rows, packing them on first use; `None` for types without an integer
     /// kernel or on CPUs without AVX2 (the portable one-row kernel runs instead).
     fn packed(&self) -> Option<&Packed> {
