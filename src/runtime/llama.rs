@@ -9,7 +9,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use half::f16;
 use rayon::prelude::*;
 
 use super::comm::Comm;
@@ -18,8 +17,8 @@ pub use super::kv::KvCache;
 use super::kv::KvPool;
 use super::mathfn::{multiversion, softmax, swiglu};
 use super::quant::{
-    Numerics, attention_scores, attention_scores_decode, weighted_sum_f16_heads,
-    weighted_sum_f16_heads_decode,
+    Numerics, attention_scores, attention_scores_decode, prefetch_rows, round_through_f16,
+    weighted_sum_f16_heads, weighted_sum_f16_heads_decode,
 };
 use super::weights::{Weight, matmul_many};
 
@@ -856,37 +855,37 @@ impl Llama {
         out.par_chunks_mut(group * head_dim)
             .enumerate()
             .for_each_init(
-                || (Vec::new(), Vec::new(), Vec::new()),
-                |(query, scores, rows), (index, out_heads)| {
+                || (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+                |(query, scores, keys, values), (index, out_heads)| {
                     let (t, kv_head) = (index / c.n_kv_heads, index % c.n_kv_heads);
                     let (position, cache, single) = tokens[t];
                     let n_positions = position + 1;
                     // `kq`: Q rounded to f16 (the cache's type), dotted with each cached key.
                     query.clear();
-                    query.extend(
-                        q[t * q_dim + kv_head * group * head_dim..][..group * head_dim]
-                            .iter()
-                            .map(|&v| f16::from_f32(v).to_f32()),
+                    query.extend_from_slice(
+                        &q[t * q_dim + kv_head * group * head_dim..][..group * head_dim],
                     );
-                    rows.clear();
-                    rows.extend((0..n_positions).map(|p| cache.key(layer, kv_head, p)));
+                    round_through_f16(query);
+                    values.clear();
+                    values.extend((0..n_positions).map(|p| cache.value(layer, kv_head, p)));
+                    prefetch_rows(values);
+                    keys.clear();
+                    keys.extend((0..n_positions).map(|p| cache.key(layer, kv_head, p)));
                     scores.clear();
                     scores.resize(group * n_positions, 0.0);
                     if single {
-                        attention_scores_decode(rows, query, scale, scores);
+                        attention_scores_decode(keys, query, scale, scores);
                     } else {
-                        attention_scores(rows, query, scale, scores);
+                        attention_scores(keys, query, scale, scores);
                     }
                     for head_scores in scores.chunks_exact_mut(n_positions) {
                         softmax(head_scores);
                     }
                     // `kqv`: probabilities rounded to f16, weighted sum of the cached values.
-                    rows.clear();
-                    rows.extend((0..n_positions).map(|p| cache.value(layer, kv_head, p)));
                     if single {
-                        weighted_sum_f16_heads_decode(scores, rows, out_heads, group);
+                        weighted_sum_f16_heads_decode(scores, values, out_heads, group);
                     } else {
-                        weighted_sum_f16_heads(scores, rows, out_heads, group);
+                        weighted_sum_f16_heads(scores, values, out_heads, group);
                     }
                 },
             );

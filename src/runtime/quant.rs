@@ -534,6 +534,40 @@ pub fn weighted_sum_f16_heads(weights: &[f32], values: &[&[f16]], out: &mut [f32
     }
 }
 
+/// Rounds every value to the nearest f16 (ties to even) and back, in place: what
+/// `f16::from_f32(v).to_f32()` gives (F16C eight at a time where the CPU has it).
+pub fn round_through_f16(values: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked).
+        unsafe { avx2::round_through_f16(values) };
+        return;
+    }
+    for v in values.iter_mut() {
+        *v = f16::from_f32(*v).to_f32();
+    }
+}
+
+/// Asks the cache for every line of `rows` (KV cache rows about to be read): a decode
+/// step's attention reads each sequence's cache once, from memory, in an order (lane
+/// classes, `p mod 32`) the hardware prefetcher does not follow.
+pub fn prefetch_rows(rows: &[&[f16]]) {
+    #[cfg(target_arch = "x86_64")]
+    for row in rows {
+        let bytes = row.as_ptr() as *const i8;
+        for line in (0..std::mem::size_of_val(*row)).step_by(64) {
+            // SAFETY: a prefetch has no effect beyond the cache, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    bytes.wrapping_add(line),
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = rows;
+}
+
 /// The order in which ggml's AVX2 `ggml_vec_dot_f16` sums its 32 lane classes (element `i`
 /// in accumulator `(i / 8) mod 4`, lane `i mod 8`; `GGML_F32x8_REDUCE`): accumulators 0+2
 /// and 1+3, those two, then the halves of the vector, then two `hadd`s.
@@ -893,17 +927,28 @@ mod avx2 {
         }
     }
 
-    /// `GGML_F32x8_REDUCE` of four accumulators, then as ggml converts the f32 result.
+    /// `GGML_F32x8_REDUCE`'s horizontal part for eight vectors at once: lane `j` of the
+    /// result is `(t0 + t1) + (t2 + t3)` with `t_i = x[j][i] + x[j][i + 4]`, the bits of
+    /// ggml's last steps (`_mm_add_ps` of the halves, two `hadd`s) for `x[j]`.
+    /// Pairing `x[j]` with `x[j + 4]` in each 256-bit register keeps the results in order.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn reduce_four(a: [__m256; 4]) -> f32 {
-        let x0 = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
-        let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
-        let t1 = _mm_hadd_ps(t0, t0);
-        _mm_cvtss_f32(_mm_hadd_ps(t1, t1))
+    fn reduce_eight(x: &[__m256; 8]) -> __m256 {
+        let t: [__m256; 4] = std::array::from_fn(|j| {
+            let low = _mm256_permute2f128_ps::<0x20>(x[j], x[j + 4]);
+            let high = _mm256_permute2f128_ps::<0x31>(x[j], x[j + 4]);
+            _mm256_add_ps(low, high)
+        });
+        _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]))
     }
 
+    /// Most query heads one pass of the decode kernels takes (a KV head's GQA group is
+    /// split into passes of at most this many).
+    const PASS_HEADS: usize = 4;
+
     /// [`super::attention_scores_decode`] on AVX2 (`width` a multiple of 32): each key is
-    /// converted once for every head, each score runs ggml's four accumulators.
+    /// converted once for up to [`PASS_HEADS`] heads, each score runs ggml's four
+    /// accumulators, and eight positions' horizontal sums are done together
+    /// ([`reduce_eight`]).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attention_scores_decode(
         keys: &[&[half::f16]],
@@ -912,28 +957,76 @@ mod avx2 {
         scores: &mut [f32],
         width: usize,
     ) {
+        let heads = queries.len() / width;
         let n_positions = keys.len();
-        let mut key = vec![_mm256_setzero_ps(); width / 8];
-        for (p, row) in keys.iter().enumerate() {
-            for (c, k) in key.iter_mut().enumerate() {
-                // SAFETY: `row` has `width` halves.
-                *k = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().add(8 * c) as _)) };
-            }
-            for (h, query) in queries.chunks_exact(width).enumerate() {
-                let mut a = [_mm256_setzero_ps(); 4];
-                for (c, k) in key.iter().enumerate() {
-                    // SAFETY: `query` has `width` values.
-                    let q = unsafe { _mm256_loadu_ps(query.as_ptr().add(8 * c)) };
-                    a[c % 4] = _mm256_fmadd_ps(*k, q, a[c % 4]);
+        for first in (0..heads).step_by(PASS_HEADS) {
+            let pass = PASS_HEADS.min(heads - first);
+            let queries = &queries[first * width..(first + pass) * width];
+            let scores = &mut scores[first * n_positions..(first + pass) * n_positions];
+            // SAFETY: as this function's caller promises, for `pass` heads.
+            unsafe {
+                match pass {
+                    1 => scores_pass::<1>(keys, queries, scale, scores, width),
+                    2 => scores_pass::<2>(keys, queries, scale, scores, width),
+                    3 => scores_pass::<3>(keys, queries, scale, scores, width),
+                    _ => scores_pass::<4>(keys, queries, scale, scores, width),
                 }
-                scores[h * n_positions + p] = unsafe { reduce_four(a) } * scale;
+            }
+        }
+    }
+
+    /// [`attention_scores_decode`] for `H` heads, their accumulators in registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn scores_pass<const H: usize>(
+        keys: &[&[half::f16]],
+        queries: &[f32],
+        scale: f32,
+        scores: &mut [f32],
+        width: usize,
+    ) {
+        let n_positions = keys.len();
+        let scale = _mm256_set1_ps(scale);
+        for first in (0..n_positions).step_by(8) {
+            let count = 8.min(n_positions - first);
+            let mut x = [[_mm256_setzero_ps(); 8]; H];
+            for (j, row) in keys[first..first + count].iter().enumerate() {
+                let mut a = [[_mm256_setzero_ps(); 4]; H];
+                for c in (0..width / 8).step_by(4) {
+                    for i in 0..4 {
+                        // SAFETY: `row` has `width` halves, each query `width` values.
+                        let k = unsafe {
+                            _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().add(8 * (c + i)) as _))
+                        };
+                        for h in 0..H {
+                            let q = unsafe {
+                                _mm256_loadu_ps(queries.as_ptr().add(h * width + 8 * (c + i)))
+                            };
+                            a[h][i] = _mm256_fmadd_ps(k, q, a[h][i]);
+                        }
+                    }
+                }
+                for h in 0..H {
+                    let a = &a[h];
+                    x[h][j] = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+                }
+            }
+            for h in 0..H {
+                let mut sums = [0f32; 8];
+                let scaled = _mm256_mul_ps(reduce_eight(&x[h]), scale);
+                // SAFETY: `sums` holds eight floats.
+                unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), scaled) };
+                let at = h * n_positions + first;
+                scores[at..at + count].copy_from_slice(&sums[..count]);
             }
         }
     }
 
     /// [`super::weighted_sum_f16_heads_decode`] on AVX2 (`width` a multiple of 32, `weights`
-    /// already rounded through f16): per head and lane class, 32 outputs at a time in four
-    /// registers down the class's positions; then the classes reduced as `reduce32`.
+    /// already rounded through f16): per eight outputs, lane classes `l`, `16 + l`, `8 + l`,
+    /// `24 + l` (each a fused-multiply-add chain down its positions, every value row
+    /// converted once for up to [`PASS_HEADS`] heads) summed into `s[l]` as `reduce32` does,
+    /// then the eight `s[l]` reduced in its order.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn weighted_sum_heads_decode(
         weights: &[f32],
@@ -943,46 +1036,61 @@ mod avx2 {
         width: usize,
     ) {
         let n_positions = values.len();
-        let mut classes = vec![_mm256_setzero_ps(); 32 * width / 8];
-        for h in 0..heads {
-            let weights = &weights[h * n_positions..(h + 1) * n_positions];
-            for c in 0..32.min(n_positions) {
-                for chunk in 0..width / 32 {
-                    let mut acc = [_mm256_setzero_ps(); 4];
-                    for p in (c..n_positions).step_by(32) {
-                        let w = _mm256_set1_ps(weights[p]);
-                        for (j, a) in acc.iter_mut().enumerate() {
-                            // SAFETY: every value row has `width` halves.
-                            let v = unsafe {
-                                _mm256_cvtph_ps(_mm_loadu_si128(
-                                    values[p].as_ptr().add(32 * chunk + 8 * j) as _,
-                                ))
-                            };
-                            *a = _mm256_fmadd_ps(v, w, *a);
-                        }
-                    }
-                    for (j, a) in acc.iter().enumerate() {
-                        classes[c * width / 8 + 4 * chunk + j] = *a;
-                    }
+        for first in (0..heads).step_by(PASS_HEADS) {
+            let pass = PASS_HEADS.min(heads - first);
+            let weights = &weights[first * n_positions..(first + pass) * n_positions];
+            let out = &mut out[first * width..(first + pass) * width];
+            // SAFETY: as this function's caller promises, for `pass` heads.
+            unsafe {
+                match pass {
+                    1 => weighted_pass::<1>(weights, values, out, width),
+                    2 => weighted_pass::<2>(weights, values, out, width),
+                    3 => weighted_pass::<3>(weights, values, out, width),
+                    _ => weighted_pass::<4>(weights, values, out, width),
                 }
             }
-            for c in n_positions..32 {
-                for v in &mut classes[c * width / 8..(c + 1) * width / 8] {
-                    *v = _mm256_setzero_ps();
+        }
+    }
+
+    /// [`weighted_sum_heads_decode`] for `H` heads, their sums in registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn weighted_pass<const H: usize>(
+        weights: &[f32],
+        values: &[&[half::f16]],
+        out: &mut [f32],
+        width: usize,
+    ) {
+        let n_positions = values.len();
+        for chunk in 0..width / 8 {
+            let class = |c: usize| {
+                let mut acc = [_mm256_setzero_ps(); H];
+                for p in (c..n_positions).step_by(32) {
+                    // SAFETY: every value row has `width` halves.
+                    let v = unsafe {
+                        _mm256_cvtph_ps(_mm_loadu_si128(values[p].as_ptr().add(8 * chunk) as _))
+                    };
+                    for h in 0..H {
+                        let w = _mm256_set1_ps(weights[h * n_positions + p]);
+                        acc[h] = _mm256_fmadd_ps(v, w, acc[h]);
+                    }
+                }
+                acc
+            };
+            let mut s = [[_mm256_setzero_ps(); 8]; H];
+            for l in 0..8 {
+                let (a0, a16, a8, a24) = (class(l), class(16 + l), class(8 + l), class(24 + l));
+                for h in 0..H {
+                    s[h][l] =
+                        _mm256_add_ps(_mm256_add_ps(a0[h], a16[h]), _mm256_add_ps(a8[h], a24[h]));
                 }
             }
-            let class = |c: usize, v: usize| classes[c * width / 8 + v];
-            for v in 0..width / 8 {
-                let s: [__m256; 8] = std::array::from_fn(|l| {
-                    _mm256_add_ps(
-                        _mm256_add_ps(class(l, v), class(16 + l, v)),
-                        _mm256_add_ps(class(8 + l, v), class(24 + l, v)),
-                    )
-                });
+            for h in 0..H {
+                let s = &s[h];
                 let t: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(s[i], s[i + 4]));
                 let r = _mm256_add_ps(_mm256_add_ps(t[0], t[1]), _mm256_add_ps(t[2], t[3]));
-                // SAFETY: `out` holds `heads` rows of `width`.
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(h * width + 8 * v), r) };
+                // SAFETY: `out` holds `H` rows of `width`.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(h * width + 8 * chunk), r) };
             }
         }
     }
@@ -1187,7 +1295,7 @@ pub(crate) mod tests {
 
     /// The decode-step attention kernels against a plain transcription of ggml's
     /// `ggml_vec_dot_f16` (four 8-lane accumulators, `GGML_F32x8_REDUCE`, two `hadd`s), with
-    /// 1, 31, 32, 33 and 70 positions (partial and several lane classes).
+    /// 1, 31, 32, 33 and 70 positions (partial and several lane classes), 3 and 5 heads.
     #[test]
     #[allow(clippy::needless_range_loop)] // a transcription of ggml's indexing
     fn decode_attention_kernels_follow_ggml_vec_dot_f16() {
@@ -1211,9 +1319,14 @@ pub(crate) mod tests {
             }
             total as f32
         }
-        let (width, heads) = (64, 3);
+        let width = 64;
         let half = |v: f32| f16::from_f32(v).to_f32();
-        for n_positions in [1, 31, 32, 33, 70] {
+        // Three heads (SmolLM2's GQA group) and five (a pass of four, then one).
+        for (heads, n_positions) in [1, 31, 32, 33, 70]
+            .map(|n| (3, n))
+            .into_iter()
+            .chain([(5, 70)])
+        {
             let keys: Vec<Vec<f16>> = (0..n_positions)
                 .map(|p| {
                     (0..width)
