@@ -13,6 +13,7 @@ use super::gguf::GgufFile;
 use super::llama::Llama;
 use super::quant::Numerics;
 use super::sampling::SamplingParams;
+use super::team::Team;
 use super::tokenizer::Tokenizer;
 
 /// Why generation ended.
@@ -56,6 +57,8 @@ pub struct Engine {
     /// How the model was named (a path).
     pub name: String,
     pool: rayon::ThreadPool,
+    /// The forward pass's parallel loops ([`super::team`]), as many threads as `pool`.
+    team: Team,
 }
 
 impl Engine {
@@ -82,6 +85,8 @@ impl Engine {
             .thread_name(|i| format!("infer-worker-{i}"))
             .build()
             .map_err(|e| anyhow!("failed to start the thread pool: {e}"))?;
+        let team = Team::new(pool.current_num_threads())
+            .map_err(|e| anyhow!("failed to start the thread team: {e}"))?;
         model.set_numerics(numerics);
         pool.install(|| model.pack_weights());
         Ok(Engine {
@@ -89,6 +94,7 @@ impl Engine {
             tokenizer,
             name: path.display().to_string(),
             pool,
+            team,
         })
     }
 
@@ -97,9 +103,10 @@ impl Engine {
         self.pool.current_num_threads()
     }
 
-    /// Runs `f` on the engine's thread pool (every kernel inside uses it).
+    /// Runs `f` on the engine's threads (every kernel inside uses them: the forward pass's
+    /// loops on its spinning team, anything else on its rayon pool).
     pub fn install<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
-        self.pool.install(f)
+        self.pool.install(|| self.team.enter(f))
     }
 
     /// The prompt for `messages` through the model's chat template. Errors: no template, or

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use half::f16;
 use rayon::prelude::*;
 
 use super::comm::Comm;
@@ -20,6 +21,7 @@ use super::quant::{
     Numerics, attention_scores, attention_scores_decode, prefetch_rows, round_through_f16,
     weighted_sum_f16_heads, weighted_sum_f16_heads_decode,
 };
+use super::team;
 use super::weights::{Weight, matmul_many};
 
 /// How rotary embeddings pair the dimensions of a head.
@@ -764,9 +766,10 @@ impl Llama {
             );
             let width = c.intermediate_size;
             if n > 1 {
-                gate.par_chunks_mut(width)
-                    .zip(up.par_chunks(width))
-                    .for_each(|(gate, up)| swiglu(gate, up));
+                let mut rows: Vec<&mut [f32]> = gate.chunks_mut(width).collect();
+                team::for_each_mut(&mut rows, |t, gate| {
+                    swiglu(gate, &up[t * width..(t + 1) * width])
+                });
             } else {
                 swiglu(&mut gate, &up);
             }
@@ -852,44 +855,56 @@ impl Llama {
         let (head_dim, q_dim) = (c.head_dim, c.n_heads * c.head_dim);
         let group = c.n_heads / c.n_kv_heads;
         let scale = 1.0 / (head_dim as f32).sqrt();
-        out.par_chunks_mut(group * head_dim)
-            .enumerate()
-            .for_each_init(
-                || (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
-                |(query, scores, keys, values), (index, out_heads)| {
-                    let (t, kv_head) = (index / c.n_kv_heads, index % c.n_kv_heads);
-                    let (position, cache, single) = tokens[t];
-                    let n_positions = position + 1;
-                    // `kq`: Q rounded to f16 (the cache's type), dotted with each cached key.
-                    query.clear();
-                    query.extend_from_slice(
-                        &q[t * q_dim + kv_head * group * head_dim..][..group * head_dim],
-                    );
-                    round_through_f16(query);
-                    values.clear();
-                    values.extend((0..n_positions).map(|p| cache.value(layer, kv_head, p)));
-                    prefetch_rows(values);
-                    keys.clear();
-                    keys.extend((0..n_positions).map(|p| cache.key(layer, kv_head, p)));
-                    scores.clear();
-                    scores.resize(group * n_positions, 0.0);
-                    if single {
-                        attention_scores_decode(keys, query, scale, scores);
-                    } else {
-                        attention_scores(keys, query, scale, scores);
-                    }
-                    for head_scores in scores.chunks_exact_mut(n_positions) {
-                        softmax(head_scores);
-                    }
-                    // `kqv`: probabilities rounded to f16, weighted sum of the cached values.
-                    if single {
-                        weighted_sum_f16_heads_decode(scores, values, out_heads, group);
-                    } else {
-                        weighted_sum_f16_heads(scores, values, out_heads, group);
-                    }
-                },
-            );
+        thread_local! {
+            /// Per-thread scratch: the rounded query and the scores.
+            static SCRATCH: std::cell::RefCell<AttendScratch> = Default::default();
+        }
+        let mut tasks: Vec<&mut [f32]> = out.chunks_mut(group * head_dim).collect();
+        team::for_each_mut(&mut tasks, |index, out_heads| {
+            SCRATCH.with_borrow_mut(|scratch| {
+                let AttendScratch { query, scores } = scratch;
+                let (t, kv_head) = (index / c.n_kv_heads, index % c.n_kv_heads);
+                let (position, cache, single) = tokens[t];
+                let n_positions = position + 1;
+                // `kq`: Q rounded to f16 (the cache's type), dotted with each cached key.
+                query.clear();
+                query.extend_from_slice(
+                    &q[t * q_dim + kv_head * group * head_dim..][..group * head_dim],
+                );
+                round_through_f16(query);
+                let values: Vec<&[f16]> = (0..n_positions)
+                    .map(|p| cache.value(layer, kv_head, p))
+                    .collect();
+                prefetch_rows(&values);
+                let keys: Vec<&[f16]> = (0..n_positions)
+                    .map(|p| cache.key(layer, kv_head, p))
+                    .collect();
+                scores.clear();
+                scores.resize(group * n_positions, 0.0);
+                if single {
+                    attention_scores_decode(&keys, query, scale, scores);
+                } else {
+                    attention_scores(&keys, query, scale, scores);
+                }
+                for head_scores in scores.chunks_exact_mut(n_positions) {
+                    softmax(head_scores);
+                }
+                // `kqv`: probabilities rounded to f16, weighted sum of the cached values.
+                if single {
+                    weighted_sum_f16_heads_decode(scores, &values, out_heads, group);
+                } else {
+                    weighted_sum_f16_heads(scores, &values, out_heads, group);
+                }
+            })
+        });
     }
+}
+
+/// One attention task's buffers, kept per thread between tasks.
+#[derive(Default)]
+struct AttendScratch {
+    query: Vec<f32>,
+    scores: Vec<f32>,
 }
 
 /// A row-parallel projection `out = input · Wᵀ` (`input`: `(n_tokens, n_cols)` of this
@@ -1001,9 +1016,10 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 fn rms_norm_tokens(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let width = weight.len();
     if x.len() > width {
-        x.par_chunks(width)
-            .zip(out.par_chunks_mut(width))
-            .for_each(|(row, out)| rms_norm(row, weight, eps, out));
+        let mut rows: Vec<&mut [f32]> = out.chunks_mut(width).collect();
+        team::for_each_mut(&mut rows, |t, out| {
+            rms_norm(&x[t * width..(t + 1) * width], weight, eps, out)
+        });
     } else {
         rms_norm(x, weight, eps, out);
     }

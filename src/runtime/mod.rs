@@ -18,6 +18,7 @@ pub mod quant;
 pub mod safetensors;
 pub mod sampling;
 pub mod shm;
+pub mod team;
 pub mod tokenizer;
 pub mod weights;
 pub mod worker;

@@ -12,6 +12,7 @@ use super::quant::{
     BlockQ8, DotState, GgmlType, Numerics, dequantize_row, dot_f32, has_avx2, has_q8_kernel,
     quantize_row_q8,
 };
+use super::team;
 
 /// Tokens whose dot products with one packed group of rows are computed together (each
 /// unpacked weight block reused `TILE` times; see [`Packed::continue_group`]).
@@ -382,7 +383,11 @@ fn quantize_tokens(x: &[f32], n_cols: usize) -> Vec<Vec<BlockQ8>> {
         blocks
     };
     if x.len() > n_cols {
-        x.par_chunks_exact(n_cols).map(quantize).collect()
+        let mut tokens = vec![Vec::new(); x.len() / n_cols];
+        team::for_each_mut(&mut tokens, |t, blocks| {
+            quantize_row_q8(&x[t * n_cols..(t + 1) * n_cols], blocks)
+        });
+        tokens
     } else {
         x.chunks_exact(n_cols).map(quantize).collect()
     }
@@ -435,7 +440,7 @@ fn run_groups_into(
 ) {
     let n_tokens = quantized.len();
     let total: usize = packed.iter().map(|p| p.n_groups()).sum();
-    let groups_per_task = (total / (rayon::current_num_threads() * 4)).clamp(1, 64);
+    let groups_per_task = (total / (team::current_threads() * 4)).clamp(1, 64);
     let rows_per_task = groups_per_task * GROUP_ROWS;
     // (matrix, first group, the task's slice of every token's output row).
     let mut tasks: Vec<(usize, usize, Vec<&mut [f32]>)> = Vec::new();
@@ -449,35 +454,34 @@ fn run_groups_into(
             tasks.push((m, task * groups_per_task, slices));
         }
     }
-    tasks
-        .into_par_iter()
-        .for_each(|(m, first_group, mut slices)| {
-            let n_rows = slices.first().map_or(0, |s| s.len());
-            let mut x = [&[][..]; TILE];
-            let mut products = [[0f32; GROUP_ROWS]; TILE];
-            for i in 0..n_rows.div_ceil(GROUP_ROWS) {
-                let rows = i * GROUP_ROWS..((i + 1) * GROUP_ROWS).min(n_rows);
-                for first in (0..n_tokens).step_by(TILE) {
-                    let n = TILE.min(n_tokens - first);
-                    for t in 0..n {
-                        x[t] = &quantized[first + t][..];
-                    }
-                    let group = first_group + i;
-                    // The first tile brings the next group in while this one is computed.
-                    let ahead = (first == 0 && n_tokens > 2).then_some(group + 1);
-                    let out = &mut products[..n];
-                    packed[m].product_group(group, &x[..n], out, numerics, ahead);
-                    for (slice, &sums) in slices[first..first + n].iter_mut().zip(&products) {
-                        // A whole group is one fixed-size store (a slice copy of run-time
-                        // length is a `memmove` call: 6% of a batched step, measured).
-                        match <&mut [f32; GROUP_ROWS]>::try_from(&mut slice[rows.clone()]) {
-                            Ok(whole) => *whole = sums,
-                            Err(_) => slice[rows.clone()].copy_from_slice(&sums[..rows.len()]),
-                        }
+    team::for_each_mut(&mut tasks, |_, (m, first_group, slices)| {
+        let (m, first_group) = (*m, *first_group);
+        let n_rows = slices.first().map_or(0, |s| s.len());
+        let mut x = [&[][..]; TILE];
+        let mut products = [[0f32; GROUP_ROWS]; TILE];
+        for i in 0..n_rows.div_ceil(GROUP_ROWS) {
+            let rows = i * GROUP_ROWS..((i + 1) * GROUP_ROWS).min(n_rows);
+            for first in (0..n_tokens).step_by(TILE) {
+                let n = TILE.min(n_tokens - first);
+                for t in 0..n {
+                    x[t] = &quantized[first + t][..];
+                }
+                let group = first_group + i;
+                // The first tile brings the next group in while this one is computed.
+                let ahead = (first == 0 && n_tokens > 2).then_some(group + 1);
+                let out = &mut products[..n];
+                packed[m].product_group(group, &x[..n], out, numerics, ahead);
+                for (slice, &sums) in slices[first..first + n].iter_mut().zip(&products) {
+                    // A whole group is one fixed-size store (a slice copy of run-time
+                    // length is a `memmove` call: 6% of a batched step, measured).
+                    match <&mut [f32; GROUP_ROWS]>::try_from(&mut slice[rows.clone()]) {
+                        Ok(whole) => *whole = sums,
+                        Err(_) => slice[rows.clone()].copy_from_slice(&sums[..rows.len()]),
                     }
                 }
             }
-        });
+        }
+    });
 }
 
 /// Continues `states` (`(n_groups, n_tokens)`: each group's state for each token) with every
@@ -489,23 +493,21 @@ fn continue_groups(
     numerics: Numerics,
 ) {
     let n_tokens = quantized.len();
-    let groups_per_task = (packed.n_groups() / (rayon::current_num_threads() * 4)).clamp(1, 64);
-    states
-        .par_chunks_mut(groups_per_task * n_tokens)
-        .enumerate()
-        .for_each(|(task, slots)| {
-            let mut x = [&[][..]; TILE];
-            for (i, per_token) in slots.chunks_exact_mut(n_tokens).enumerate() {
-                let g = task * groups_per_task + i;
-                for (tile, tile_states) in per_token.chunks_mut(TILE).enumerate() {
-                    let n = tile_states.len();
-                    for t in 0..n {
-                        x[t] = &quantized[tile * TILE + t][..];
-                    }
-                    packed.continue_group(g, &x[..n], tile_states, numerics);
+    let groups_per_task = (packed.n_groups() / (team::current_threads() * 4)).clamp(1, 64);
+    let mut tasks: Vec<&mut [GroupState]> = states.chunks_mut(groups_per_task * n_tokens).collect();
+    team::for_each_mut(&mut tasks, |task, slots| {
+        let mut x = [&[][..]; TILE];
+        for (i, per_token) in slots.chunks_exact_mut(n_tokens).enumerate() {
+            let g = task * groups_per_task + i;
+            for (tile, tile_states) in per_token.chunks_mut(TILE).enumerate() {
+                let n = tile_states.len();
+                for t in 0..n {
+                    x[t] = &quantized[tile * TILE + t][..];
                 }
+                packed.continue_group(g, &x[..n], tile_states, numerics);
             }
-        });
+        }
+    });
 }
 
 #[cfg(test)]

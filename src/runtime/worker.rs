@@ -170,6 +170,8 @@ pub struct Member {
     /// Only on the sampling rank (last stage, tp rank 0).
     samplers: HashMap<u64, Sampler>,
     pool: rayon::ThreadPool,
+    /// The forward pass's parallel loops ([`super::team`]), as many threads as `pool`.
+    team: super::team::Team,
     timeout: Duration,
 }
 
@@ -250,6 +252,8 @@ impl Member {
                 ep_comm,
                 caches: HashMap::new(),
                 samplers: HashMap::new(),
+                team: super::team::Team::new(pool.current_num_threads())
+                    .map_err(|e| anyhow!("thread team: {e}"))?,
                 pool,
                 timeout: config.timeout,
             },
@@ -317,8 +321,10 @@ impl Member {
             };
             let ep: Option<&mut dyn Comm> = self.ep_comm.as_mut().map(|c| c as &mut dyn Comm);
             let shard = &self.shard;
-            self.pool
-                .install(|| shard.forward_stage(hidden_in.as_deref(), &mut batch, comm, ep))
+            let team = &self.team;
+            self.pool.install(|| {
+                team.enter(|| shard.forward_stage(hidden_in.as_deref(), &mut batch, comm, ep))
+            })
         };
         for (entry, cache) in entries.iter().zip(caches) {
             self.caches.insert(entry.seq, cache);
