@@ -766,8 +766,7 @@ impl Llama {
             );
             let width = c.intermediate_size;
             if n > 1 {
-                let mut rows: Vec<&mut [f32]> = gate.chunks_mut(width).collect();
-                team::for_each_mut(&mut rows, |t, gate| {
+                team::for_each_chunk_mut(&mut gate, width, |t, gate| {
                     swiglu(gate, &up[t * width..(t + 1) * width])
                 });
             } else {
@@ -859,8 +858,7 @@ impl Llama {
             /// Per-thread scratch: the rounded query and the scores.
             static SCRATCH: std::cell::RefCell<AttendScratch> = Default::default();
         }
-        let mut tasks: Vec<&mut [f32]> = out.chunks_mut(group * head_dim).collect();
-        team::for_each_mut(&mut tasks, |index, out_heads| {
+        team::for_each_chunk_mut(out, group * head_dim, |index, out_heads| {
             SCRATCH.with_borrow_mut(|scratch| {
                 let AttendScratch { query, scores } = scratch;
                 let (t, kv_head) = (index / c.n_kv_heads, index % c.n_kv_heads);
@@ -1016,8 +1014,7 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 fn rms_norm_tokens(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let width = weight.len();
     if x.len() > width {
-        let mut rows: Vec<&mut [f32]> = out.chunks_mut(width).collect();
-        team::for_each_mut(&mut rows, |t, out| {
+        team::for_each_chunk_mut(out, width, |t, out| {
             rms_norm(&x[t * width..(t + 1) * width], weight, eps, out)
         });
     } else {

@@ -303,16 +303,34 @@ pub fn for_each(n_tasks: usize, f: impl Fn(usize) + Sync) {
 
 /// `f(i, &mut items[i])` for every item, in parallel (see [`for_each`]).
 pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
+    for_each_chunk_mut(items, 1, |i, item| f(i, &mut item[0]));
+}
+
+/// `f(i, chunk)` for the `i`-th `chunk_len`-sized chunk of `items` (the last may be
+/// shorter), in parallel (see [`for_each`]): `items.chunks_mut(chunk_len)` without
+/// collecting the chunks first.
+///
+/// Panics (a bug, not input): `chunk_len == 0`.
+pub fn for_each_chunk_mut<T: Send>(
+    items: &mut [T],
+    chunk_len: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    assert!(chunk_len > 0, "chunks of zero items");
     struct Items<T>(*mut T);
-    // SAFETY: each index is handed to exactly one task (`for_each` runs each once), so no
-    // two threads ever hold the same item.
+    // SAFETY: each chunk index is handed to exactly one task, and chunks do not overlap.
     unsafe impl<T: Send> Sync for Items<T> {}
+    let len = items.len();
     let base = Items(items.as_mut_ptr());
     let base = &base;
-    for_each(items.len(), move |i| {
-        // SAFETY: `i < items.len()`, and index `i` is this task's alone (above).
-        let item = unsafe { &mut *base.0.add(i) };
-        f(i, item)
+    for_each(len.div_ceil(chunk_len), move |i| {
+        let start = i * chunk_len;
+        // SAFETY: `start < len` (i < the chunk count), the chunk ends within `items`, and
+        // chunk `i` is this task's alone (above).
+        let chunk = unsafe {
+            std::slice::from_raw_parts_mut(base.0.add(start), chunk_len.min(len - start))
+        };
+        f(i, chunk)
     });
 }
 
@@ -320,9 +338,9 @@ pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) 
 mod tests {
     use super::*;
 
-    /// Every index runs exactly once, on several threads, job after job (with pauses
-    /// longer than the spin so the workers sleep and are woken), and results match a
-    /// serial loop.
+    /// Every index (and every chunk, the last one short) runs exactly once, on several
+    /// threads, job after job (with pauses longer than the spin so the workers sleep and
+    /// are woken), and results match a serial loop.
     #[test]
     fn every_task_runs_once_across_many_jobs() {
         let team = Team::new(3).expect("threads");
@@ -333,6 +351,13 @@ mod tests {
                 for_each_mut(&mut out, |i, v| *v = i * i + round);
                 let want: Vec<usize> = (0..n).map(|i| i * i + round).collect();
                 assert_eq!(out, want, "round {round}");
+                let mut chunked = vec![0usize; n];
+                for_each_chunk_mut(&mut chunked, 5, |c, chunk| {
+                    for (j, v) in chunk.iter_mut().enumerate() {
+                        *v = (5 * c + j) * (5 * c + j) + round;
+                    }
+                });
+                assert_eq!(chunked, want, "chunks, round {round}");
                 if round % 50 == 0 {
                     std::thread::sleep(Duration::from_secs_f64(SPIN_SECS * 3.0));
                 }

@@ -494,8 +494,7 @@ fn continue_groups(
 ) {
     let n_tokens = quantized.len();
     let groups_per_task = (packed.n_groups() / (team::current_threads() * 4)).clamp(1, 64);
-    let mut tasks: Vec<&mut [GroupState]> = states.chunks_mut(groups_per_task * n_tokens).collect();
-    team::for_each_mut(&mut tasks, |task, slots| {
+    team::for_each_chunk_mut(states, groups_per_task * n_tokens, |task, slots| {
         let mut x = [&[][..]; TILE];
         for (i, per_token) in slots.chunks_exact_mut(n_tokens).enumerate() {
             let g = task * groups_per_task + i;
