@@ -8,15 +8,16 @@
 //! woken, which on a virtual machine (a halted vCPU woken by an inter-processor interrupt)
 //! costs tens of microseconds: measured here, a 5 µs serial gap before each `gate/up`
 //! product at batch 16 made the product ~35 µs (25%) slower. llama.cpp's CPU backend avoids
-//! this the same way: its threads spin between the graph's operations
-//! (`ggml_graph_compute_thread`, `GGML_DEFAULT_POLL`).
+//! this the same way (`ggml-cpu.c`): `ggml_barrier` spins between a graph's operations, and
+//! between graphs `ggml_graph_compute_poll_for_work` spins `1024 · 128 · poll` rounds
+//! before it waits on a condition variable.
 //!
 //! The team's workers spin for up to [`SPIN_SECS`] after their last job, then sleep on a
 //! condition variable (an idle server burns no CPU). The thread that starts a job takes
-//! part in it. Code reaches the team through [`Team::enter`]: inside it, [`for_each`] and
-//! [`for_each_mut`] on that thread run on the team; anywhere else (another thread, a job
-//! inside a job, a team busy with another caller) they fall back to rayon, so the results
-//! never depend on where they ran.
+//! part in it. Code reaches the team through [`Team::enter`]: inside it, [`for_each`],
+//! [`for_each_mut`] and [`for_each_chunk_mut`] on that thread run on the team; anywhere
+//! else (another thread, a job inside a job, a team busy with another caller) they fall
+//! back to rayon, so the results never depend on where they ran.
 
 use std::cell::{Cell, UnsafeCell};
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
