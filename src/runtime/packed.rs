@@ -1,18 +1,26 @@
-//! Weights repacked eight rows at a time for the integer kernels, as llama.cpp's CPU
-//! "repack" buffers do (`ggml-cpu/repack.cpp`, `block_q4_0x8`): within each 32-element
-//! block, the same four weights of eight consecutive rows sit side by side, so one
-//! `vpdpbusd` (or `vpmaddubsw` + `vpmaddwd`) multiplies four weights of eight rows with the
-//! same four activations at once, and one f32 vector holds eight rows' partial sums.
+//! Weights repacked sixteen rows at a time for the integer kernels, as llama.cpp's CPU
+//! "repack" buffers do eight (`ggml-cpu/repack.cpp`, `block_q4_0x8`): within each
+//! 32-element block, the same four weights of sixteen consecutive rows sit side by side, so
+//! one 512-bit `vpdpbusd` multiplies four weights of sixteen rows with the same four
+//! activations at once, and one f32 vector holds sixteen rows' partial sums. Without
+//! AVX-512 the kernels take each group as two halves of eight rows in 256-bit vectors
+//! (`vpmaddubsw` + `vpmaddwd`).
 //!
 //! The arithmetic is exactly that of the one-row reference [`super::quant::dot_q8`]
 //! (tested bit for bit, for any number of tokens and across tensor-parallel splits), which
 //! is llama.cpp's AVX2 order: per block, each row's eight four-element integer sums, each
 //! converted and fused-multiply-added with the scale `d_w · d_x` into its own lane
 //! accumulator. In this layout chunk `k` holds exactly the four elements of lane `k`, so
-//! one `vpdpbusd` gives lane `k` of eight rows, and the eight lane accumulators of a token
-//! are eight f32 vectors (one per lane, eight rows each).
+//! one `vpdpbusd` gives lane `k` of sixteen rows, and the eight lane accumulators of a
+//! token are eight f32 vectors (one per lane, a row per vector element).
 //!
-//! Record layout, per group of eight rows and per block (32-byte chunks): the eight rows'
+//! Why sixteen rows: on AMD Zen 4 (measured here, a C microbenchmark of this kernel on
+//! L1-resident records, 16 tokens) the 512-bit kernel does ~90 GMAC/s per core against
+//! ~70 for the 256-bit one. Both run the same multiply pipes (a 512-bit operation takes
+//! two of them for a cycle), but the 256-bit kernel issues twice the instructions for the
+//! same work and stalls on issue before the pipes fill.
+//!
+//! Record layout, per group of sixteen rows and per block (64-byte chunks): the rows'
 //! scales `d` as f32; for `Q4_1` their minimums `m` as f32; then the quants: for `Q4_0` and
 //! `Q4_1` four chunks, chunk `q` holding bytes `4q..4q+4` of each row's 16 packed bytes
 //! (low nibbles: elements `4q..4q+3`; high nibbles: elements `16+4q..16+4q+3`), row `r` at
@@ -20,29 +28,52 @@
 //! row plus 128 (as unsigned bytes, for `vpdpbusd`: each lane's integer sum starts from
 //! `−128 · Σ q` over the token's four quants, [`BlockQ8::lane_sums`], so it ends exactly at
 //! `Σ w·q`; `Q4_0` likewise starts from `−8 · Σ q` for its nibbles' offset of 8). A last
-//! group with fewer than eight rows is padded with zero rows.
+//! group with fewer than sixteen rows is padded with zero rows.
 //!
 //! A product that starts from zero ([`Packed::product_group`], every matrix product that is
 //! not a tensor-parallel continuation) keeps its accumulators in registers and stores only
-//! the eight finished sums per token.
+//! the sixteen finished sums per token.
 
 use super::quant::{BlockQ8, DotState, GgmlType, Numerics};
 
-/// Rows per packed group: the lanes of one 256-bit f32 vector.
-pub const GROUP_ROWS: usize = 8;
+/// Rows per packed group: the lanes of one 512-bit f32 vector.
+pub const GROUP_ROWS: usize = 16;
 
 /// Most tokens one [`Packed::continue_group`] call takes (the kernels take them two at a
-/// time with AVX-512 VL's 32 vector registers: two tokens' 16 lane accumulators next to the
-/// eight unpacked weight vectors; one at a time with plain AVX2's 16).
-pub const MAX_TOKENS: usize = 8;
+/// time with AVX-512's 32 vector registers: two tokens' 16 lane accumulators next to the
+/// unpacked weight vectors; one at a time with plain AVX2's 16).
+pub const MAX_TOKENS: usize = 16;
 
-/// 32 bytes, aligned for vector loads.
-#[derive(Clone, Copy, Default)]
-#[repr(C, align(32))]
-pub struct Chunk(pub [u8; 32]);
+/// 64 bytes (four bytes of each of a group's rows), aligned for vector loads.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub struct Chunk(pub [u8; 64]);
 
-/// The [`DotState`]s of one group of eight rows against one token: `[k][r]` is row `r`'s
-/// lane `k` (`k < 8`), `[8][r]` its `Q4_1` offset sum `Σ m · s`.
+impl Default for Chunk {
+    fn default() -> Chunk {
+        Chunk([0; 64])
+    }
+}
+
+/// Cache lines a kernel call asks for while it runs: `lines_per_block` lines from `from`
+/// in each block iteration, `lines` in all (a null `from`: none).
+#[derive(Clone, Copy)]
+pub struct Prefetch {
+    from: *const u8,
+    lines_per_block: usize,
+    lines: usize,
+}
+
+impl Prefetch {
+    const NONE: Prefetch = Prefetch {
+        from: std::ptr::null(),
+        lines_per_block: 0,
+        lines: 0,
+    };
+}
+
+/// The [`DotState`]s of one group of rows against one token: `[k][r]` is row `r`'s lane
+/// `k` (`k < 8`), `[8][r]` its `Q4_1` offset sum `Σ m · s`.
 pub type GroupState = [[f32; GROUP_ROWS]; 9];
 
 /// Tokens the kernels take in one call. Exact: two with VNNI, one without (each token
@@ -122,7 +153,7 @@ impl Packed {
         })
     }
 
-    /// Groups of eight rows (the last possibly padded).
+    /// Groups of [`GROUP_ROWS`] rows (the last possibly padded).
     pub fn n_groups(&self) -> usize {
         self.n_rows.div_ceil(GROUP_ROWS)
     }
@@ -155,7 +186,7 @@ impl Packed {
         self.continue_portably(records, x, states, numerics);
     }
 
-    /// The finished dot products of group `g`'s eight rows with up to [`MAX_TOKENS`]
+    /// The finished dot products of group `g`'s rows with up to [`MAX_TOKENS`]
     /// tokens (`out[t]` for `x[t]`): [`continue_group`](Packed::continue_group) from zero
     /// states, then [`finish_group`], without the states ever leaving the registers. Same
     /// bits as that pair, and as [`super::quant::dot_q8`] per row. `ahead`: a group to bring
@@ -203,21 +234,38 @@ impl Packed {
         }
         let vnni = super::quant::has_vnni();
         let per_call = tokens_per_call(vnni, numerics);
-        // Only the first call prefetches: the others read the same records again.
-        let mut ahead = ahead
+        let calls = x.len().div_ceil(per_call);
+        // The calls share the prefetching of the `ahead` group evenly, each spreading its
+        // part over its blocks: all of it in the first call asks for more lines at once than
+        // the core has miss buffers (at 16 tokens, ~1.1× the throughput of `bench decode
+        // --batch 16` measured, interleaved runs).
+        let ahead = ahead
             .filter(|&g| g < self.n_groups())
-            .map_or(std::ptr::null(), |g| self.records_of(g).as_ptr());
-        for (x, items) in x.chunks(per_call).zip(items.chunks_mut(per_call)) {
+            .map(|g| self.records_of(g));
+        let total_lines = ahead.map_or(0, |r| size_of_val(r) / 64);
+        for (j, (x, items)) in x
+            .chunks(per_call)
+            .zip(items.chunks_mut(per_call))
+            .enumerate()
+        {
             let kernel = avx2::Kernel {
                 ty: self.ty,
                 vnni,
                 numerics,
             };
+            let prefetch = ahead.map_or(Prefetch::NONE, |records| {
+                let first = j * total_lines / calls;
+                let lines = (j + 1) * total_lines / calls - first;
+                Prefetch {
+                    from: records.as_ptr().cast::<u8>().wrapping_add(first * 64),
+                    lines_per_block: lines.div_ceil(self.n_blocks),
+                    lines,
+                }
+            });
             // SAFETY: AVX2/FMA/F16C checked (VNNI and VL too for `vnni`); `records` holds
             // `n_blocks` records and every `x[t]` `n_blocks` blocks (`records` asserts it);
             // `items` has one entry per token (the callers assert it), at most `per_call`.
-            unsafe { avx2::dispatch(kernel, records, self.record_chunks, ahead, x, io(items)) };
-            ahead = std::ptr::null();
+            unsafe { avx2::dispatch(kernel, records, self.record_chunks, prefetch, x, io(items)) };
         }
         true
     }
@@ -280,8 +328,8 @@ impl Packed {
     }
 }
 
-/// The finished dot products of a group's eight rows ([`super::quant::dot_state_finish`]).
-/// Written as whole-vector additions in `hsum8`'s order (plain loops over the eight rows
+/// The finished dot products of a group's rows ([`super::quant::dot_state_finish`]).
+/// Written as whole-vector additions in `hsum8`'s order (plain loops over the rows
 /// vectorise; the lane-by-lane closure would not).
 #[allow(clippy::needless_range_loop)]
 pub fn finish_group(state: &GroupState) -> [f32; GROUP_ROWS] {
@@ -297,7 +345,7 @@ pub fn finish_group(state: &GroupState) -> [f32; GROUP_ROWS] {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{BlockQ8, Chunk, GROUP_ROWS, GroupState};
+    use super::{BlockQ8, Chunk, GROUP_ROWS, GroupState, Prefetch};
     use crate::runtime::quant::{GgmlType, Numerics};
 
     const Q4_0: u8 = 0;
@@ -306,14 +354,15 @@ mod avx2 {
 
     /// Where a kernel call starts and what it leaves: `Continue` loads and stores the
     /// [`GroupState`]s (tensor-parallel continuation); `Fresh` starts from zero and stores
-    /// the finished dot products (`[f32; 8]` per token), never touching a state in memory.
+    /// the finished dot products (`[f32; GROUP_ROWS]` per token), never touching a state in
+    /// memory.
     pub enum Io<'a> {
         Continue(&'a mut [GroupState]),
         Fresh(&'a mut [[f32; GROUP_ROWS]]),
     }
 
-    /// Which kernel to run: the weights' type, whether AVX-512 VNNI (with VL) may be used,
-    /// and the rounding order.
+    /// Which kernel to run: the weights' type, whether AVX-512 (F, BW, VL, VNNI) may be
+    /// used, and the rounding order.
     #[derive(Clone, Copy)]
     pub struct Kernel {
         pub ty: GgmlType,
@@ -322,63 +371,69 @@ mod avx2 {
     }
 
     /// Calls `kernel` for `x.len()` tokens; `ahead` (or null) is a group whose records to
-    /// bring into the cache meanwhile, a record's worth per block.
+    /// bring into the cache meanwhile, a record's worth per block. With AVX-512 one call
+    /// takes a group's sixteen rows in 512-bit vectors; with plain AVX2 two calls take its
+    /// two halves of eight rows in 256-bit vectors.
     ///
-    /// Safety: AVX2, FMA and F16C are available, and AVX-512 VNNI and VL if `kernel.vnni`;
-    /// `records` holds one record per block of every `x[t]`; `io` holds `x.len()` entries,
-    /// at most [`super::tokens_per_call`].
+    /// Safety: AVX2, FMA and F16C are available, and AVX-512 F, BW, VL and VNNI if
+    /// `kernel.vnni`; `records` holds one record per block of every `x[t]`; `io` holds
+    /// `x.len()` entries, at most [`super::tokens_per_call`].
     pub unsafe fn dispatch(
         kernel: Kernel,
         records: &[Chunk],
         record_chunks: usize,
-        ahead: *const Chunk,
+        ahead: Prefetch,
         x: &[&[BlockQ8]],
         io: Io<'_>,
     ) {
         macro_rules! tokens {
-            ($kind:expr, $fresh:expr, $io:expr, true, true) => {
+            ($kind:expr, $fresh:expr, $at:expr, true, true) => {{
+                let (base, ahead, io) = $at;
                 match x.len() {
-                    1 => kernel_vnni::<$kind, 1, $fresh>(records, record_chunks, ahead, x, $io),
-                    2 => kernel_vnni::<$kind, 2, $fresh>(records, record_chunks, ahead, x, $io),
+                    1 => kernel_vnni::<$kind, 1, $fresh>(base, record_chunks, ahead, x, io),
+                    2 => kernel_vnni::<$kind, 2, $fresh>(base, record_chunks, ahead, x, io),
                     _ => {}
                 }
-            };
-            ($kind:expr, $fresh:expr, $io:expr, false, true) => {
+            }};
+            ($kind:expr, $fresh:expr, $at:expr, false, true) => {{
+                let (base, ahead, io) = $at;
                 if x.len() == 1 {
-                    kernel_avx2::<$kind, 1, $fresh>(records, record_chunks, ahead, x, $io)
+                    kernel_avx2::<$kind, 1, $fresh>(base, record_chunks, ahead, x, io)
                 }
-            };
-            ($kind:expr, $fresh:expr, $io:expr, true, false) => {
+            }};
+            ($kind:expr, $fresh:expr, $at:expr, true, false) => {{
+                let (base, ahead, io) = $at;
                 match x.len() {
-                    1 => fast_vnni::<$kind, 1, $fresh>(records, record_chunks, ahead, x, $io),
-                    2 => fast_vnni::<$kind, 2, $fresh>(records, record_chunks, ahead, x, $io),
-                    3 => fast_vnni::<$kind, 3, $fresh>(records, record_chunks, ahead, x, $io),
-                    4 => fast_vnni::<$kind, 4, $fresh>(records, record_chunks, ahead, x, $io),
+                    1 => fast_vnni::<$kind, 1, $fresh>(base, record_chunks, ahead, x, io),
+                    2 => fast_vnni::<$kind, 2, $fresh>(base, record_chunks, ahead, x, io),
+                    3 => fast_vnni::<$kind, 3, $fresh>(base, record_chunks, ahead, x, io),
+                    4 => fast_vnni::<$kind, 4, $fresh>(base, record_chunks, ahead, x, io),
                     _ => {}
                 }
-            };
-            ($kind:expr, $fresh:expr, $io:expr, false, false) => {
+            }};
+            ($kind:expr, $fresh:expr, $at:expr, false, false) => {{
+                let (base, ahead, io) = $at;
                 match x.len() {
-                    1 => fast_avx2::<$kind, 1, $fresh>(records, record_chunks, ahead, x, $io),
-                    2 => fast_avx2::<$kind, 2, $fresh>(records, record_chunks, ahead, x, $io),
+                    1 => fast_avx2::<$kind, 1, $fresh>(base, record_chunks, ahead, x, io),
+                    2 => fast_avx2::<$kind, 2, $fresh>(base, record_chunks, ahead, x, io),
                     _ => {}
                 }
-            };
+            }};
         }
         macro_rules! kinds {
-            ($fresh:expr, $io:expr, $vnni:tt, $exact:tt) => {
+            ($fresh:expr, $at:expr, $vnni:tt, $exact:tt) => {
                 match kernel.ty {
-                    GgmlType::Q4_0 => tokens!(Q4_0, $fresh, $io, $vnni, $exact),
-                    GgmlType::Q4_1 => tokens!(Q4_1, $fresh, $io, $vnni, $exact),
-                    _ => tokens!(Q8_0, $fresh, $io, $vnni, $exact),
+                    GgmlType::Q4_0 => tokens!(Q4_0, $fresh, $at, $vnni, $exact),
+                    GgmlType::Q4_1 => tokens!(Q4_1, $fresh, $at, $vnni, $exact),
+                    _ => tokens!(Q8_0, $fresh, $at, $vnni, $exact),
                 }
             };
         }
         macro_rules! orders {
-            ($fresh:expr, $io:expr, $vnni:tt) => {
+            ($fresh:expr, $at:expr, $vnni:tt) => {
                 match kernel.numerics {
-                    Numerics::Exact => kinds!($fresh, $io, $vnni, true),
-                    Numerics::Fast => kinds!($fresh, $io, $vnni, false),
+                    Numerics::Exact => kinds!($fresh, $at, $vnni, true),
+                    Numerics::Fast => kinds!($fresh, $at, $vnni, false),
                 }
             };
         }
@@ -393,196 +448,355 @@ mod avx2 {
                 (true, out.as_mut_ptr() as *mut f32)
             }
         };
-        // SAFETY: as the caller promises; `pointer` covers `x.len()` states or outputs.
+        let base = records.as_ptr() as *const u8;
+        // SAFETY: as the caller promises; `pointer` covers `x.len()` states or outputs; a
+        // half's pointers stay inside the group's chunks and rows.
         unsafe {
-            match (kernel.vnni, fresh) {
-                (true, true) => orders!(true, pointer, true),
-                (true, false) => orders!(false, pointer, true),
-                (false, true) => orders!(true, pointer, false),
-                (false, false) => orders!(false, pointer, false),
+            if kernel.vnni {
+                let at = (base, ahead, pointer);
+                match fresh {
+                    true => orders!(true, at, true),
+                    false => orders!(false, at, true),
+                }
+            } else {
+                for half in 0..GROUP_ROWS / Ymm::ROWS {
+                    let at = (
+                        base.add(half * 32),
+                        if half == 0 { ahead } else { Prefetch::NONE },
+                        pointer.add(half * Ymm::ROWS),
+                    );
+                    match fresh {
+                        true => orders!(true, at, false),
+                        false => orders!(false, at, false),
+                    }
+                }
             }
         }
     }
 
-    /// The [`Numerics::Fast`] kernel with VNNI.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    unsafe fn fast_vnni<const KIND: u8, const N: usize, const FRESH: bool>(
-        records: &[Chunk],
-        record_chunks: usize,
-        ahead: *const Chunk,
-        x: &[&[BlockQ8]],
-        io: *mut f32,
-    ) {
-        unsafe { body_fast::<KIND, N, true, FRESH>(records, record_chunks, ahead, x, io) }
+    /// The vector operations of the kernels at one width: [`Zmm`] takes a group's sixteen
+    /// rows in 512-bit vectors with AVX-512 VNNI's `vpdpbusd`; [`Ymm`] takes eight rows
+    /// (half a group) in 256-bit vectors with AVX2's `vpmaddubsw` + `vpmaddwd`. Both give
+    /// the same exact integer sums, so the same bits.
+    trait Width {
+        /// Rows (f32 lanes) per vector.
+        const ROWS: usize;
+        /// Whether [`Width::dot4`] takes the weights as unsigned bytes (`vpdpbusd`):
+        /// `Q8_0`'s stored byte is then its level + 128, corrected by the starting value.
+        const VNNI: bool;
+        type F: Copy;
+        type I: Copy;
+        unsafe fn zero() -> Self::F;
+        unsafe fn load(p: *const f32) -> Self::F;
+        unsafe fn store(p: *mut f32, v: Self::F);
+        unsafe fn splat(v: f32) -> Self::F;
+        unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+        /// `a · b + c`, rounded once.
+        unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+        unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
+        unsafe fn convert(v: Self::I) -> Self::F;
+        unsafe fn load_bytes(p: *const u8) -> Self::I;
+        unsafe fn splat_i(v: i32) -> Self::I;
+        unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I;
+        /// Each byte's low nibble.
+        unsafe fn low_nibbles(v: Self::I) -> Self::I;
+        /// Each byte's high nibble.
+        unsafe fn high_nibbles(v: Self::I) -> Self::I;
+        /// Each byte xor 0x80 (`Q8_0`'s stored byte back to its signed level).
+        unsafe fn flip(v: Self::I) -> Self::I;
+        /// Per 32-bit lane, `start` (zero if `None`) plus the exact sum of its four byte
+        /// products `w · q`, `q` signed, `w` signed if `signed` else unsigned (`signed`
+        /// only without VNNI; a constant once inlined).
+        unsafe fn dot4(signed: bool, start: Option<Self::I>, w: Self::I, q: Self::I) -> Self::I;
     }
 
-    /// The [`Numerics::Fast`] kernel on plain AVX2.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn fast_avx2<const KIND: u8, const N: usize, const FRESH: bool>(
-        records: &[Chunk],
-        record_chunks: usize,
-        ahead: *const Chunk,
-        x: &[&[BlockQ8]],
-        io: *mut f32,
-    ) {
-        unsafe { body_fast::<KIND, N, false, FRESH>(records, record_chunks, ahead, x, io) }
+    /// Sixteen rows per vector, AVX-512.
+    struct Zmm;
+
+    /// Eight rows per vector, AVX2.
+    struct Ymm;
+
+    impl Width for Zmm {
+        const ROWS: usize = 16;
+        const VNNI: bool = true;
+        type F = __m512;
+        type I = __m512i;
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> __m512 {
+            unsafe { _mm512_set1_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_add_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn convert(v: __m512i) -> __m512 {
+            unsafe { _mm512_cvtepi32_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn load_bytes(p: *const u8) -> __m512i {
+            unsafe { _mm512_loadu_si512(p as *const _) }
+        }
+        #[inline(always)]
+        unsafe fn splat_i(v: i32) -> __m512i {
+            unsafe { _mm512_set1_epi32(v) }
+        }
+        #[inline(always)]
+        unsafe fn add_i(a: __m512i, b: __m512i) -> __m512i {
+            unsafe { _mm512_add_epi32(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn low_nibbles(v: __m512i) -> __m512i {
+            unsafe { _mm512_and_si512(v, _mm512_set1_epi8(0x0F)) }
+        }
+        #[inline(always)]
+        unsafe fn high_nibbles(v: __m512i) -> __m512i {
+            unsafe { _mm512_and_si512(_mm512_srli_epi16::<4>(v), _mm512_set1_epi8(0x0F)) }
+        }
+        #[inline(always)]
+        unsafe fn flip(v: __m512i) -> __m512i {
+            unsafe { _mm512_xor_si512(v, _mm512_set1_epi8(-128)) }
+        }
+        #[inline(always)]
+        unsafe fn dot4(signed: bool, start: Option<__m512i>, w: __m512i, q: __m512i) -> __m512i {
+            debug_assert!(!signed, "vpdpbusd takes unsigned weights");
+            unsafe { _mm512_dpbusd_epi32(start.unwrap_or(_mm512_setzero_si512()), w, q) }
+        }
     }
 
-    /// `vpdpbusd` on 256-bit vectors, with AVX-512 VL's 32 vector registers.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    unsafe fn kernel_vnni<const KIND: u8, const N: usize, const FRESH: bool>(
-        records: &[Chunk],
-        record_chunks: usize,
-        ahead: *const Chunk,
-        x: &[&[BlockQ8]],
-        io: *mut f32,
-    ) {
-        unsafe { body::<KIND, N, true, FRESH>(records, record_chunks, ahead, x, io) }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn kernel_avx2<const KIND: u8, const N: usize, const FRESH: bool>(
-        records: &[Chunk],
-        record_chunks: usize,
-        ahead: *const Chunk,
-        x: &[&[BlockQ8]],
-        io: *mut f32,
-    ) {
-        unsafe { body::<KIND, N, false, FRESH>(records, record_chunks, ahead, x, io) }
-    }
-
-    /// Lane `k`'s exact integer sums `Σ w·q` of the eight rows against token lanes `q`
-    /// (the token's four quants of lane `k`, broadcast): `w` holds the rows' levels as
-    /// unsigned bytes (nibbles; `Q8_0`'s byte + 128 with VNNI, its signed byte without),
-    /// `bias` the token's `−c · lane_sum` for weights stored with an offset `c`.
-    #[inline(always)]
-    unsafe fn lane_sums<const KIND: u8, const VNNI: bool>(
-        w: __m256i,
-        q: __m256i,
-        bias: *const i32,
-    ) -> __m256i {
-        unsafe {
-            if VNNI {
-                let start = if KIND == Q4_1 {
-                    _mm256_setzero_si256()
-                } else {
-                    _mm256_set1_epi32(std::ptr::read(bias))
-                };
-                _mm256_dpbusd_epi32(start, w, q)
-            } else {
+    impl Width for Ymm {
+        const ROWS: usize = 8;
+        const VNNI: bool = false;
+        type F = __m256;
+        type I = __m256i;
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            unsafe { _mm256_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> __m256 {
+            unsafe { _mm256_set1_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_add_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn convert(v: __m256i) -> __m256 {
+            unsafe { _mm256_cvtepi32_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn load_bytes(p: *const u8) -> __m256i {
+            unsafe { _mm256_loadu_si256(p as *const __m256i) }
+        }
+        #[inline(always)]
+        unsafe fn splat_i(v: i32) -> __m256i {
+            unsafe { _mm256_set1_epi32(v) }
+        }
+        #[inline(always)]
+        unsafe fn add_i(a: __m256i, b: __m256i) -> __m256i {
+            unsafe { _mm256_add_epi32(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn low_nibbles(v: __m256i) -> __m256i {
+            unsafe { _mm256_and_si256(v, _mm256_set1_epi8(0x0F)) }
+        }
+        #[inline(always)]
+        unsafe fn high_nibbles(v: __m256i) -> __m256i {
+            unsafe { _mm256_and_si256(_mm256_srli_epi16::<4>(v), _mm256_set1_epi8(0x0F)) }
+        }
+        #[inline(always)]
+        unsafe fn flip(v: __m256i) -> __m256i {
+            unsafe { _mm256_xor_si256(v, _mm256_set1_epi8(-128)) }
+        }
+        #[inline(always)]
+        unsafe fn dot4(signed: bool, start: Option<__m256i>, w: __m256i, q: __m256i) -> __m256i {
+            unsafe {
                 let ones = _mm256_set1_epi16(1);
-                if KIND == Q8_0 {
+                let sums = if signed {
                     // |w| as unsigned bytes, w's sign moved onto q: exact (no saturation,
                     // |w·q| ≤ 128·127 per pair).
                     let unsigned = _mm256_sign_epi8(w, w);
                     let signed = _mm256_sign_epi8(q, w);
                     _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned, signed), ones)
                 } else {
-                    let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), ones);
-                    if KIND == Q4_0 {
-                        _mm256_add_epi32(sums, _mm256_set1_epi32(std::ptr::read(bias)))
-                    } else {
-                        sums
-                    }
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), ones)
+                };
+                match start {
+                    Some(start) => _mm256_add_epi32(start, sums),
+                    None => sums,
                 }
             }
         }
     }
 
-    /// Asks for record `i` of the group at `ahead` (nothing if null): one 64-byte line at a
-    /// time, spread over the blocks of a kernel call rather than all at once, which would
-    /// fill the core's miss buffers and stall the kernel behind them.
+    /// Arguments of every kernel: `base` the group's first record (a half's first byte
+    /// with [`Ymm`]), `record_chunks` chunks per record, `ahead` a group to prefetch (or
+    /// null), the tokens, and `io` their states or outputs (a half's first row with
+    /// [`Ymm`]).
+    macro_rules! kernel_fns {
+        ($(#[$doc:meta] $name:ident, $body:ident, $width:ty, $features:literal;)*) => {$(
+            #[$doc]
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const KIND: u8, const N: usize, const FRESH: bool>(
+                base: *const u8,
+                record_chunks: usize,
+                ahead: Prefetch,
+                x: &[&[BlockQ8]],
+                io: *mut f32,
+            ) {
+                unsafe { $body::<$width, KIND, N, FRESH>(base, record_chunks, ahead, x, io) }
+            }
+        )*};
+    }
+
+    kernel_fns! {
+        /// The exact kernel with AVX-512 VNNI.
+        kernel_vnni, body, Zmm, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
+        /// The exact kernel on plain AVX2.
+        kernel_avx2, body, Ymm, "avx2,fma,f16c";
+        /// The [`Numerics::Fast`] kernel with AVX-512 VNNI.
+        fast_vnni, body_fast, Zmm, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
+        /// The [`Numerics::Fast`] kernel on plain AVX2.
+        fast_avx2, body_fast, Ymm, "avx2,fma,f16c";
+    }
+
+    /// Asks for block `i`'s share of `ahead`'s lines: a few 64-byte lines per block rather
+    /// than all at once, which would fill the core's miss buffers and stall the kernel
+    /// behind them.
     #[inline(always)]
-    unsafe fn prefetch_record(ahead: *const Chunk, i: usize, record_chunks: usize) {
-        if ahead.is_null() {
-            return;
-        }
-        let record = ahead.wrapping_add(i * record_chunks) as *const i8;
-        for line in (0..record_chunks * 32).step_by(64) {
+    unsafe fn prefetch_block(ahead: Prefetch, i: usize) {
+        let first = i * ahead.lines_per_block;
+        let last = (first + ahead.lines_per_block).min(ahead.lines);
+        for line in first..last {
             // SAFETY: a prefetch has no effect beyond the cache, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(record.wrapping_add(line)) };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.from.wrapping_add(line * 64) as *const i8) };
         }
     }
 
-    /// Lanes two at a time: pair `pair`'s two lane indices and the eight rows' weights of
-    /// each, unpacked for [`lane_sums`] (`Q4`'s chunk `q` holds lane `q` in its low nibbles
-    /// and lane `q + 4` in its high ones; `Q8_0`'s chunks are one lane each, flipped back to
-    /// signed bytes without VNNI).
+    /// Whether `KIND`'s stored weights are signed bytes for [`Width::dot4`]: `Q8_0`'s
+    /// without VNNI (flipped back from the stored level + 128).
+    const fn signed<W: Width, const KIND: u8>() -> bool {
+        KIND == Q8_0 && !W::VNNI
+    }
+
+    /// Lanes two at a time: pair `pair`'s two lane indices and the rows' weights of each,
+    /// unpacked for [`Width::dot4`] (`Q4`'s chunk `q` holds lane `q` in its low nibbles and
+    /// lane `q + 4` in its high ones; `Q8_0`'s chunks are one lane each, flipped back to
+    /// signed bytes without VNNI). `chunk(c)` is the record's chunk `c` (its half with
+    /// [`Ymm`]).
     #[inline(always)]
-    unsafe fn lane_pair<const KIND: u8, const VNNI: bool>(
-        quants: *const __m256i,
+    unsafe fn lane_pair<W: Width, const KIND: u8>(
+        chunk: impl Fn(usize) -> *const u8,
+        first: usize,
         pair: usize,
-    ) -> ((usize, __m256i), (usize, __m256i)) {
+    ) -> ((usize, W::I), (usize, W::I)) {
         unsafe {
             if KIND == Q8_0 {
                 let (k0, k1) = (2 * pair, 2 * pair + 1);
                 let (raw0, raw1) = (
-                    _mm256_load_si256(quants.add(k0)),
-                    _mm256_load_si256(quants.add(k1)),
+                    W::load_bytes(chunk(first + k0)),
+                    W::load_bytes(chunk(first + k1)),
                 );
-                if VNNI {
+                if W::VNNI {
                     ((k0, raw0), (k1, raw1))
                 } else {
-                    let flip = _mm256_set1_epi8(-128);
-                    (
-                        (k0, _mm256_xor_si256(raw0, flip)),
-                        (k1, _mm256_xor_si256(raw1, flip)),
-                    )
+                    ((k0, W::flip(raw0)), (k1, W::flip(raw1)))
                 }
             } else {
-                let low_nibbles = _mm256_set1_epi8(0x0F);
-                let packed = _mm256_load_si256(quants.add(pair));
+                let packed = W::load_bytes(chunk(first + pair));
                 (
-                    (pair, _mm256_and_si256(packed, low_nibbles)),
-                    (
-                        pair + 4,
-                        _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles),
-                    ),
+                    (pair, W::low_nibbles(packed)),
+                    (pair + 4, W::high_nibbles(packed)),
                 )
             }
         }
     }
 
+    /// Chunks before the quants in a `KIND` record: the scales, and `Q4_1`'s minimums.
+    const fn first_quant_chunk(kind: u8) -> usize {
+        if kind == Q4_1 { 2 } else { 1 }
+    }
+
+    /// The exact order: per block, each row's eight lane sums, each converted and
+    /// fused-multiply-added with the scale `d_w · d_x` into its own lane accumulator (one
+    /// vector per lane and token); `Q4_1`'s offsets `Σ m · s` in a separate accumulator.
     // Indexing by token and lane reads clearer than nested iterators here.
     #[allow(clippy::needless_range_loop)]
     #[inline(always)]
-    unsafe fn body<const KIND: u8, const N: usize, const VNNI: bool, const FRESH: bool>(
-        records: &[Chunk],
+    unsafe fn body<W: Width, const KIND: u8, const N: usize, const FRESH: bool>(
+        base: *const u8,
         record_chunks: usize,
-        ahead: *const Chunk,
+        ahead: Prefetch,
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
         unsafe {
-            let mut acc = [[_mm256_setzero_ps(); 8]; N];
-            let mut offsets = [_mm256_setzero_ps(); N];
+            let mut acc = [[W::zero(); 8]; N];
+            let mut offsets = [W::zero(); N];
             if !FRESH {
                 for t in 0..N {
                     let state = io.add(t * 9 * GROUP_ROWS);
                     for k in 0..8 {
-                        acc[t][k] = _mm256_loadu_ps(state.add(k * GROUP_ROWS));
+                        acc[t][k] = W::load(state.add(k * GROUP_ROWS));
                     }
-                    offsets[t] = _mm256_loadu_ps(state.add(8 * GROUP_ROWS));
+                    offsets[t] = W::load(state.add(8 * GROUP_ROWS));
                 }
             }
             // Weights stored with an offset: Q4_0's nibble is its level + 8; with VNNI,
             // Q8_0's byte (as unsigned) its level + 128.
             let offset_shift = match KIND {
                 Q4_0 => Some(3),
-                Q8_0 if VNNI => Some(7),
+                Q8_0 if W::VNNI => Some(7),
                 _ => None,
             };
             let mut bias = [[0i32; 8]; N];
             let n_blocks = x[0].len();
             for i in 0..n_blocks {
-                prefetch_record(ahead, i, record_chunks);
-                let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
-                let scales = _mm256_load_ps(record as *const f32);
-                let quants = record.add(if KIND == Q4_1 { 2 } else { 1 });
-                let mut scale = [_mm256_setzero_ps(); N];
+                prefetch_block(ahead, i);
+                let record = base.add(i * record_chunks * size_of::<Chunk>());
+                let chunk = |c: usize| record.add(c * size_of::<Chunk>());
+                let scales = W::load(chunk(0) as *const f32);
+                let mut scale = [W::zero(); N];
                 for t in 0..N {
                     let a = &x[t][i];
-                    scale[t] = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
+                    scale[t] = W::mul(scales, W::splat(a.d));
                     if let Some(shift) = offset_shift {
                         // −c · lane_sum for the eight lanes, read back one at a time.
                         let sums = _mm256_cvtepi16_epi32(_mm_loadu_si128(
@@ -598,124 +812,113 @@ mod avx2 {
                     }
                     if KIND == Q4_1 {
                         // The offsets `Σ m · s`: a separate accumulator, in block order.
-                        let mins = _mm256_load_ps(record.add(1) as *const f32);
-                        offsets[t] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum), offsets[t]);
+                        let mins = W::load(chunk(1) as *const f32);
+                        offsets[t] = W::fmadd(mins, W::splat(a.sum), offsets[t]);
                     }
                 }
                 for pair in 0..4 {
-                    let ((k0, w0), (k1, w1)) = lane_pair::<KIND, VNNI>(quants, pair);
+                    let ((k0, w0), (k1, w1)) =
+                        lane_pair::<W, KIND>(chunk, first_quant_chunk(KIND), pair);
                     for t in 0..N {
                         let four = x[t][i].qs.as_ptr() as *const i32;
                         for (k, w) in [(k0, w0), (k1, w1)] {
-                            let q = _mm256_set1_epi32(std::ptr::read_unaligned(four.add(k)));
-                            let sums = lane_sums::<KIND, VNNI>(w, q, bias[t].as_ptr().add(k));
-                            acc[t][k] =
-                                _mm256_fmadd_ps(scale[t], _mm256_cvtepi32_ps(sums), acc[t][k]);
+                            let q = W::splat_i(std::ptr::read_unaligned(four.add(k)));
+                            let start = offset_shift.map(|_| W::splat_i(bias[t][k]));
+                            let sums = W::dot4(signed::<W, KIND>(), start, w, q);
+                            acc[t][k] = W::fmadd(scale[t], W::convert(sums), acc[t][k]);
                         }
                     }
                 }
             }
             for t in 0..N {
                 if FRESH {
-                    // `finish_group`'s (and `hsum8`'s) order, eight rows at once.
+                    // `finish_group`'s (and `hsum8`'s) order, a vector of rows at once.
                     let a = &acc[t];
-                    let lanes = _mm256_add_ps(
-                        _mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
-                        _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])),
+                    let lanes = W::add(
+                        W::add(W::add(a[0], a[4]), W::add(a[2], a[6])),
+                        W::add(W::add(a[1], a[5]), W::add(a[3], a[7])),
                     );
-                    _mm256_storeu_ps(io.add(t * GROUP_ROWS), _mm256_add_ps(lanes, offsets[t]));
+                    W::store(io.add(t * GROUP_ROWS), W::add(lanes, offsets[t]));
                 } else {
                     let state = io.add(t * 9 * GROUP_ROWS);
                     for k in 0..8 {
-                        _mm256_storeu_ps(state.add(k * GROUP_ROWS), acc[t][k]);
+                        W::store(state.add(k * GROUP_ROWS), acc[t][k]);
                     }
-                    _mm256_storeu_ps(state.add(8 * GROUP_ROWS), offsets[t]);
+                    W::store(state.add(8 * GROUP_ROWS), offsets[t]);
                 }
             }
-            debug_assert_eq!(GROUP_ROWS, 8);
         }
     }
 
     /// The [`Numerics::Fast`] order ([`super::super::quant::dot_q8`]): per block and token,
-    /// the eight rows' whole integer sums (the eight lanes' products added in integers, from
+    /// each row's whole integer sum (the eight lanes' products added in integers, from
     /// `−c · q_sum` for weights stored with an offset `c`), converted once and
     /// fused-multiply-added with the scale into one accumulator per token. A state keeps it
     /// in lane 0 (the other lanes stay zero), so finishing adds `+0.0` as `hsum8` would.
     #[allow(clippy::needless_range_loop)]
     #[inline(always)]
-    unsafe fn body_fast<const KIND: u8, const N: usize, const VNNI: bool, const FRESH: bool>(
-        records: &[Chunk],
+    unsafe fn body_fast<W: Width, const KIND: u8, const N: usize, const FRESH: bool>(
+        base: *const u8,
         record_chunks: usize,
-        ahead: *const Chunk,
+        ahead: Prefetch,
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); N];
-            let mut offsets = [_mm256_setzero_ps(); N];
+            let mut acc = [W::zero(); N];
+            let mut offsets = [W::zero(); N];
             if !FRESH {
                 for t in 0..N {
                     let state = io.add(t * 9 * GROUP_ROWS);
-                    acc[t] = _mm256_loadu_ps(state);
-                    offsets[t] = _mm256_loadu_ps(state.add(8 * GROUP_ROWS));
+                    acc[t] = W::load(state);
+                    offsets[t] = W::load(state.add(8 * GROUP_ROWS));
                 }
             }
             let offset: i32 = match KIND {
                 Q4_0 => 8,
-                Q8_0 if VNNI => 128,
+                Q8_0 if W::VNNI => 128,
                 _ => 0,
             };
-            let zero_bias = 0i32;
             let n_blocks = x[0].len();
             for i in 0..n_blocks {
-                prefetch_record(ahead, i, record_chunks);
-                let record = records.as_ptr().add(i * record_chunks) as *const __m256i;
-                let quants = record.add(if KIND == Q4_1 { 2 } else { 1 });
+                prefetch_block(ahead, i);
+                let record = base.add(i * record_chunks * size_of::<Chunk>());
+                let chunk = |c: usize| record.add(c * size_of::<Chunk>());
                 // Two integer sums per token (the pair's first and second lanes), so the
-                // chains of dependent `vpdpbusd`s are half as long; added at the end.
-                let mut sums: [[__m256i; 2]; N] = std::array::from_fn(|t| {
-                    [
-                        _mm256_set1_epi32(-offset * x[t][i].q_sum),
-                        _mm256_setzero_si256(),
-                    ]
-                });
+                // chains of dependent sums are half as long; added at the end.
+                let mut sums: [[W::I; 2]; N] =
+                    std::array::from_fn(|t| [W::splat_i(-offset * x[t][i].q_sum), W::splat_i(0)]);
                 for pair in 0..4 {
-                    let ((k0, w0), (k1, w1)) = lane_pair::<KIND, VNNI>(quants, pair);
+                    let ((k0, w0), (k1, w1)) =
+                        lane_pair::<W, KIND>(chunk, first_quant_chunk(KIND), pair);
                     for t in 0..N {
                         let four = x[t][i].qs.as_ptr() as *const i32;
                         for (j, (k, w)) in [(k0, w0), (k1, w1)].into_iter().enumerate() {
-                            let q = _mm256_set1_epi32(std::ptr::read_unaligned(four.add(k)));
-                            sums[t][j] = if VNNI {
-                                _mm256_dpbusd_epi32(sums[t][j], w, q)
-                            } else {
-                                // No offset here: it is in the starting value.
-                                let lane = lane_sums::<KIND, false>(w, q, &zero_bias);
-                                _mm256_add_epi32(sums[t][j], lane)
-                            };
+                            let q = W::splat_i(std::ptr::read_unaligned(four.add(k)));
+                            sums[t][j] = W::dot4(signed::<W, KIND>(), Some(sums[t][j]), w, q);
                         }
                     }
                 }
-                let sums: [__m256i; N] =
-                    std::array::from_fn(|t| _mm256_add_epi32(sums[t][0], sums[t][1]));
-                let scales = _mm256_load_ps(record as *const f32);
+                let scales = W::load(chunk(0) as *const f32);
                 for t in 0..N {
                     let a = &x[t][i];
-                    let scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
-                    acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[t]), acc[t]);
+                    let sum = W::add_i(sums[t][0], sums[t][1]);
+                    let scale = W::mul(scales, W::splat(a.d));
+                    acc[t] = W::fmadd(scale, W::convert(sum), acc[t]);
                     if KIND == Q4_1 {
-                        let mins = _mm256_load_ps(record.add(1) as *const f32);
-                        offsets[t] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum), offsets[t]);
+                        let mins = W::load(chunk(1) as *const f32);
+                        offsets[t] = W::fmadd(mins, W::splat(a.sum), offsets[t]);
                     }
                 }
             }
             for t in 0..N {
                 if FRESH {
-                    let lanes = _mm256_add_ps(acc[t], _mm256_setzero_ps());
-                    _mm256_storeu_ps(io.add(t * GROUP_ROWS), _mm256_add_ps(lanes, offsets[t]));
+                    let lanes = W::add(acc[t], W::zero());
+                    W::store(io.add(t * GROUP_ROWS), W::add(lanes, offsets[t]));
                 } else {
                     let state = io.add(t * 9 * GROUP_ROWS);
-                    _mm256_storeu_ps(state, acc[t]);
-                    _mm256_storeu_ps(state.add(8 * GROUP_ROWS), offsets[t]);
+                    W::store(state, acc[t]);
+                    W::store(state.add(8 * GROUP_ROWS), offsets[t]);
                 }
             }
         }
@@ -794,7 +997,7 @@ mod tests {
                         kernel,
                         records,
                         packed.record_chunks,
-                        std::ptr::null(),
+                        Prefetch::NONE,
                         &x,
                         io,
                     )
@@ -822,7 +1025,7 @@ mod tests {
     /// 1 without, fast 1–4 and 1–2; `continue_group` and `product_group` splitting as this
     /// CPU needs; the portable path on unpacked rows), each continuing and finishing, in
     /// both rounding orders, gives each row exactly the bits of the one-row reference, for
-    /// 13 rows (a padded last group) of each type.
+    /// 29 rows (a padded last group) of each type.
     #[test]
     fn packed_kernels_equal_the_one_row_reference_bit_for_bit() {
         let n_blocks = 18;
@@ -830,8 +1033,9 @@ mod tests {
             .into_iter()
             .flat_map(|ty| [Numerics::Exact, Numerics::Fast].map(|n| (ty, n)))
         {
-            let rows = rows(ty, 13, n_blocks);
-            let packed = Packed::new(ty, 13, n_blocks, |r| &rows[r]).expect("integer type");
+            let n_rows = GROUP_ROWS + 13;
+            let rows = rows(ty, n_rows, n_blocks);
+            let packed = Packed::new(ty, n_rows, n_blocks, |r| &rows[r]).expect("integer type");
             assert_eq!(packed.n_groups(), 2);
             for n_tokens in 1..=MAX_TOKENS {
                 let tokens: Vec<Vec<BlockQ8>> =

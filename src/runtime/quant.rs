@@ -278,8 +278,8 @@ pub fn has_avx2() -> bool {
     }
 }
 
-/// Whether the batched integer kernels may also use AVX-512 VNNI (`vpdpbusd` on 256-bit
-/// vectors, which needs AVX-512 VL too); `INFER_NO_VNNI` turns it off.
+/// Whether the integer kernels may use AVX-512 (F, BW, VL and VNNI: `vpdpbusd` on 512-bit
+/// vectors, and the 32 vector registers for 256-bit ones); `INFER_NO_VNNI` turns it off.
 pub fn has_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -288,6 +288,8 @@ pub fn has_vnni() -> bool {
         *DETECTED.get_or_init(|| {
             has_avx2()
                 && std::env::var_os("INFER_NO_VNNI").is_none()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("avx512vl")
         })
