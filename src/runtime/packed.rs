@@ -724,9 +724,9 @@ mod avx2 {
     #[inline(always)]
     unsafe fn lane_pair<W: Width, const KIND: u8>(
         chunk: impl Fn(usize) -> *const u8,
-        first: usize,
         pair: usize,
     ) -> ((usize, W::I), (usize, W::I)) {
+        let first = first_quant_chunk(KIND);
         unsafe {
             if KIND == Q8_0 {
                 let (k0, k1) = (2 * pair, 2 * pair + 1);
@@ -817,8 +817,7 @@ mod avx2 {
                     }
                 }
                 for pair in 0..4 {
-                    let ((k0, w0), (k1, w1)) =
-                        lane_pair::<W, KIND>(chunk, first_quant_chunk(KIND), pair);
+                    let ((k0, w0), (k1, w1)) = lane_pair::<W, KIND>(chunk, pair);
                     for t in 0..N {
                         let four = x[t][i].qs.as_ptr() as *const i32;
                         for (k, w) in [(k0, w0), (k1, w1)] {
@@ -889,8 +888,7 @@ mod avx2 {
                 let mut sums: [[W::I; 2]; N] =
                     std::array::from_fn(|t| [W::splat_i(-offset * x[t][i].q_sum), W::splat_i(0)]);
                 for pair in 0..4 {
-                    let ((k0, w0), (k1, w1)) =
-                        lane_pair::<W, KIND>(chunk, first_quant_chunk(KIND), pair);
+                    let ((k0, w0), (k1, w1)) = lane_pair::<W, KIND>(chunk, pair);
                     for t in 0..N {
                         let four = x[t][i].qs.as_ptr() as *const i32;
                         for (j, (k, w)) in [(k0, w0), (k1, w1)].into_iter().enumerate() {
