@@ -36,6 +36,31 @@ pub enum Command {
     /// `MASTER_ADDR`, `MASTER_PORT`, `INFER_*`).
     #[command(hide = true)]
     Rank,
+    /// Internal: the remote end of a multi-host run, started by the launcher over SSH; it
+    /// reads its instructions as frames on stdin.
+    #[command(hide = true)]
+    Agent(AgentArgs),
+}
+
+/// `infer agent` (internal).
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// Stop exactly the rank process groups of run RUN_ID on this host, and exit.
+    #[arg(long, value_name = "RUN_ID")]
+    pub kill: Option<String>,
+}
+
+/// How to reach the hosts of an inventory (`--cluster hosts.toml`).
+#[derive(Debug, Args, Clone, Default)]
+pub struct SshArgs {
+    /// Trust and record host keys that are not in `known_hosts` yet (a changed key is
+    /// still refused).
+    #[arg(long)]
+    pub ssh_accept_new: bool,
+
+    /// Copy the model to hosts that lack it (compared by sha256).
+    #[arg(long)]
+    pub push_model: bool,
 }
 
 /// `infer generate`.
@@ -94,6 +119,14 @@ pub struct GenerateArgs {
     /// Pipeline-parallel degree: the layers are split over this many stages of processes.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub pp: usize,
+
+    /// Run the ranks on the hosts of this inventory (`hosts.toml`) over SSH: TP groups
+    /// inside a host, PP stages across hosts.
+    #[arg(long, value_name = "HOSTS_TOML")]
+    pub cluster: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub ssh: SshArgs,
 
     /// Print JSON (prompt and generated token ids, text, timings) instead of streaming text.
     #[arg(long)]

@@ -36,5 +36,6 @@ pub fn run(cli: cli::Cli, printer: &ui::Printer) -> anyhow::Result<ExitStatus> {
         cli::Command::Generate(args) => commands::generate::run(&args, printer),
         cli::Command::Bench(command) => commands::bench::run(&command, printer),
         cli::Command::Rank => commands::rank::run(printer),
+        cli::Command::Agent(args) => commands::agent::run(&args, printer),
     }
 }

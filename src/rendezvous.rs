@@ -21,11 +21,28 @@ const MAX_MESSAGE_BYTES: u32 = 64 << 20;
 
 #[derive(Debug, Serialize, Deserialize)]
 enum Request {
-    Hello { token: String, rank: Option<u64> },
-    Set { key: String, value: Vec<u8> },
-    Get { key: String, timeout_ms: u64 },
-    Add { key: String, delta: i64 },
-    Heartbeat { rank: u64 },
+    Hello {
+        token: String,
+        rank: Option<u64>,
+    },
+    Set {
+        key: String,
+        value: Vec<u8>,
+    },
+    Get {
+        key: String,
+        timeout_ms: u64,
+    },
+    Add {
+        key: String,
+        delta: i64,
+    },
+    Heartbeat {
+        rank: u64,
+    },
+    /// Milliseconds since each rank's last heartbeat (for a launcher whose store runs on
+    /// another host).
+    HeartbeatAges,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -33,6 +50,7 @@ enum Response {
     Ok,
     Value(Vec<u8>),
     Count(i64),
+    Ages(Vec<(u64, u64)>),
     Error(String),
 }
 
@@ -206,6 +224,16 @@ fn serve(
                     .insert(rank, Instant::now());
                 Response::Ok
             }
+            Request::HeartbeatAges => {
+                let guard = state.0.lock().expect("store state lock");
+                Response::Ages(
+                    guard
+                        .heartbeats
+                        .iter()
+                        .map(|(rank, at)| (*rank, at.elapsed().as_millis() as u64))
+                        .collect(),
+                )
+            }
         };
         if write_message(&mut stream, &response).is_err() {
             break;
@@ -313,6 +341,18 @@ impl StoreClient {
         }
     }
 
+    /// Time since each rank's last heartbeat, as [`StoreServer::heartbeat_ages`] sees it,
+    /// for a launcher whose store runs on another host. Errors: the store is lost.
+    pub fn heartbeat_ages(&mut self) -> Result<HashMap<u64, Duration>> {
+        match self.request(&Request::HeartbeatAges)? {
+            Response::Ages(ages) => Ok(ages
+                .into_iter()
+                .map(|(rank, ms)| (rank, Duration::from_millis(ms)))
+                .collect()),
+            other => bail!("store heartbeat ages failed: {other:?}"),
+        }
+    }
+
     /// Blocks until `world` processes have entered barrier `name`. Errors: timeout, naming
     /// how many arrived.
     pub fn barrier(&mut self, name: &str, world: u64, timeout: Duration) -> Result<()> {
@@ -414,6 +454,9 @@ mod tests {
             StoreClient::connect(&address, &token, None, Duration::from_secs(5)).expect("connect");
         assert_eq!(client.add("counter", 0).expect("add"), 20);
         assert_eq!(server.heartbeat_ages().len(), 4);
+        let remote = client.heartbeat_ages().expect("ages over the wire");
+        assert_eq!(remote.len(), 4);
+        assert!(remote.values().all(|age| *age < Duration::from_secs(5)));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! inventory of hosts, or a shorthand `NODESxGPUSxHW` such as `2x8xh100-sxm`. Hardware
 //! figures come from `profiles/hardware/` (embedded). This is the I/O edge of the planner.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
@@ -215,32 +215,186 @@ pub fn hardware_for_gpu_name(name: &str) -> Option<&'static str> {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct Inventory {
+    /// Values every host takes unless it sets its own.
+    #[serde(default)]
+    defaults: InventoryHost,
     hosts: Vec<InventoryHost>,
 }
 
-/// One `[[hosts]]` entry.
-#[derive(Debug, Deserialize)]
+/// One `[[hosts]]` entry (or `[defaults]`: any key but `name` and `address`).
+#[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct InventoryHost {
-    /// Name used in rank tables and env (defaults to `address`).
+    /// Name used in rank tables, logs and env (defaults to `address`).
     name: Option<String>,
-    /// Address to reach it over SSH.
-    address: String,
-    #[serde(default)]
-    #[allow(dead_code)]
-    ssh_user: Option<String>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    ssh_port: Option<u16>,
+    /// What SSH connects to (management network): an address, a hostname, or a `Host`
+    /// alias of `~/.ssh/config`.
+    address: Option<String>,
+    #[serde(alias = "ssh-port")]
+    port: Option<u16>,
+    #[serde(alias = "ssh-user")]
+    user: Option<String>,
+    /// An SSH private key, tried after ssh-agent's keys (`~/` expanded).
+    identity_file: Option<String>,
+    /// A `known_hosts` file searched before `~/.ssh/known_hosts` (relative to the inventory).
+    known_hosts: Option<String>,
     /// GPUs to use on it.
-    gpus: usize,
-    /// Hardware profile id.
-    hardware: String,
+    gpus: Option<usize>,
+    /// CPU ranks to run on it (the engine's CPU backend), instead of GPUs.
+    cpu_ranks: Option<usize>,
+    /// Hardware profile id (needed for GPUs).
+    hardware: Option<String>,
     /// `infer topo --json` output or `nvidia-smi topo -m` text, relative to the inventory.
     topology: Option<String>,
+    /// The data interface NCCL/GLOO and our collectives use on this host; chosen from the
+    /// host's probed interfaces when unset.
+    nccl_socket_ifname: Option<String>,
+    /// Where `infer` is on the host; default: the launcher's own path, then the copy the
+    /// launcher stages into `~/.cache/infer/bin/`.
+    infer_path: Option<String>,
 }
 
-/// Reads a TOML inventory:
+impl InventoryHost {
+    /// This entry with every unset key taken from `defaults`.
+    fn with_defaults(self, defaults: &InventoryHost) -> InventoryHost {
+        let d = defaults.clone();
+        InventoryHost {
+            name: self.name,
+            address: self.address,
+            port: self.port.or(d.port),
+            user: self.user.or(d.user),
+            identity_file: self.identity_file.or(d.identity_file),
+            known_hosts: self.known_hosts.or(d.known_hosts),
+            gpus: self.gpus.or(d.gpus),
+            cpu_ranks: self.cpu_ranks.or(d.cpu_ranks),
+            hardware: self.hardware.or(d.hardware),
+            topology: self.topology.or(d.topology),
+            nccl_socket_ifname: self.nccl_socket_ifname.or(d.nccl_socket_ifname),
+            infer_path: self.infer_path.or(d.infer_path),
+        }
+    }
+}
+
+/// One host of an inventory as the launcher needs it: where SSH goes and what runs there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InventoryEntry {
+    pub name: String,
+    pub address: String,
+    /// `None`: from `~/.ssh/config`, else 22.
+    pub port: Option<u16>,
+    /// `None`: from `~/.ssh/config`, else the local user.
+    pub user: Option<String>,
+    pub identity_file: Option<PathBuf>,
+    /// Resolved against the inventory's folder.
+    pub known_hosts: Option<PathBuf>,
+    /// Rank slots: its `cpu-ranks`, else its `gpus`.
+    pub slots: usize,
+    /// Whether the slots are CPU ranks.
+    pub cpu: bool,
+    pub nccl_socket_ifname: Option<String>,
+    pub infer_path: Option<String>,
+}
+
+/// Reads an inventory for launching (`infer up/generate --cluster hosts.toml`):
+///
+/// ```toml
+/// [defaults]
+/// user = "root"
+/// identity-file = "~/.ssh/id_ed25519"
+///
+/// [[hosts]]
+/// name = "node0"
+/// address = "10.0.0.11"
+/// cpu-ranks = 2                # or: gpus = 8 (with hardware = "h100-sxm")
+/// nccl-socket-ifname = "ens5"  # optional
+/// ```
+///
+/// Errors: an unreadable file, unknown keys (naming the line), a host without `address`, a
+/// host string starting with `-`, neither or both of `gpus` and `cpu-ranks`, repeated names.
+pub fn launch_inventory(path: &Path) -> Result<Vec<InventoryEntry>> {
+    let inventory = read_inventory(path)?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let mut entries: Vec<InventoryEntry> = Vec::new();
+    for (index, host) in inventory.hosts.into_iter().enumerate() {
+        let host = host.with_defaults(&inventory.defaults);
+        let Some(address) = host.address.clone() else {
+            bail!(
+                "host {} in `{}` has no `address`",
+                index + 1,
+                path.display()
+            );
+        };
+        let name = host.name.clone().unwrap_or_else(|| address.clone());
+        for (what, value) in [
+            ("address", Some(&address)),
+            ("user", host.user.as_ref()),
+            ("name", Some(&name)),
+        ] {
+            if let Some(value) = value
+                && (value.starts_with('-') || value.is_empty())
+            {
+                bail!(
+                    "host `{name}` in `{}`: {what} `{value}` is empty or starts with `-`",
+                    path.display()
+                );
+            }
+        }
+        let (slots, cpu) = match (host.cpu_ranks, host.gpus) {
+            (Some(n), None) => (n, true),
+            (None, Some(n)) => (n, false),
+            _ => bail!(
+                "host `{name}` in `{}`: give exactly one of `gpus` and `cpu-ranks`",
+                path.display()
+            ),
+        };
+        if slots == 0 {
+            bail!(
+                "host `{name}` in `{}`: `gpus`/`cpu-ranks` must be at least 1",
+                path.display()
+            );
+        }
+        if entries.iter().any(|e| e.name == name) {
+            bail!("host name `{name}` appears twice in `{}`", path.display());
+        }
+        let expand = |p: &str| match p.strip_prefix("~/") {
+            Some(rest) => home.join(rest),
+            None => base.join(p),
+        };
+        entries.push(InventoryEntry {
+            name,
+            address,
+            port: host.port,
+            user: host.user,
+            identity_file: host.identity_file.as_deref().map(expand),
+            known_hosts: host.known_hosts.as_deref().map(expand),
+            slots,
+            cpu,
+            nccl_socket_ifname: host.nccl_socket_ifname,
+            infer_path: host.infer_path,
+        });
+    }
+    if entries.is_empty() {
+        bail!("`{}` lists no `[[hosts]]`", path.display());
+    }
+    Ok(entries)
+}
+
+/// Whether `cluster` names an inventory file (rather than `local` or a shorthand).
+pub fn is_inventory(cluster: &str) -> bool {
+    cluster != "local" && Path::new(cluster).is_file()
+}
+
+fn read_inventory(path: &Path) -> Result<Inventory> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("failed to read `{}`", path.display()))?;
+    toml::from_str(&text)
+        .with_context(|| format!("`{}` is not a valid cluster inventory", path.display()))
+}
+
+/// Reads a TOML inventory for planning (see [`launch_inventory`] for the launch keys):
 ///
 /// ```toml
 /// [[hosts]]
@@ -252,18 +406,27 @@ struct InventoryHost {
 /// topology = "gpu-node-1.json"   # optional
 /// ```
 fn inventory(path: &Path) -> Result<Cluster> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("failed to read `{}`", path.display()))?;
-    let inventory: Inventory = toml::from_str(&text)
-        .with_context(|| format!("`{}` is not a valid cluster inventory", path.display()))?;
+    let inventory = read_inventory(path)?;
     if inventory.hosts.is_empty() {
         bail!("`{}` lists no `[[hosts]]`", path.display());
     }
     let base = path.parent().unwrap_or(Path::new("."));
     let mut hosts = Vec::new();
     for entry in inventory.hosts {
-        let name = entry.name.clone().unwrap_or_else(|| entry.address.clone());
-        let hardware = hardware(&entry.hardware)
+        let entry = entry.with_defaults(&inventory.defaults);
+        let address = entry
+            .address
+            .clone()
+            .with_context(|| format!("a host in `{}` has no `address`", path.display()))?;
+        let name = entry.name.clone().unwrap_or_else(|| address.clone());
+        let (Some(gpus), Some(hardware_id)) = (entry.gpus, entry.hardware.clone()) else {
+            bail!(
+                "host `{name}` in `{}` has no `gpus` and `hardware`: planning needs GPU hosts \
+                 (CPU-rank hosts are launched with `--tp/--pp/--dp`)",
+                path.display()
+            );
+        };
+        let hardware = hardware(&hardware_id)
             .with_context(|| format!("host `{name}` in `{}`", path.display()))?;
         let topology = match &entry.topology {
             Some(file) => {
@@ -272,10 +435,10 @@ fn inventory(path: &Path) -> Result<Cluster> {
                     .with_context(|| format!("failed to read `{}`", file.display()))?;
                 let mut imported = Topology::import(&text, &name)?;
                 let mut host = imported.hosts.remove(0);
-                if host.gpus.len() != entry.gpus {
+                if host.gpus.len() != gpus {
                     bail!(
                         "host `{name}`: inventory says {} GPUs but `{}` has {}",
-                        entry.gpus,
+                        gpus,
                         file.display(),
                         host.gpus.len()
                     );
@@ -283,12 +446,12 @@ fn inventory(path: &Path) -> Result<Cluster> {
                 host.hostname = name.clone();
                 host
             }
-            None => synthetic_topology(&name, entry.gpus, &hardware),
+            None => synthetic_topology(&name, gpus, &hardware),
         };
         hosts.push(ClusterHost {
             name,
-            address: Some(entry.address),
-            hardware_id: entry.hardware,
+            address: Some(address),
+            hardware_id,
             hardware,
             topology,
         });

@@ -35,7 +35,7 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
         bail!("--tp and --pp must be at least 1");
     }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
-    if args.tp * args.pp > 1 {
+    if args.tp * args.pp > 1 || args.cluster.is_some() {
         return distributed(args, &path, printer);
     }
     let engine = Engine::load(&path, args.threads, args.numerics.into())?;
@@ -126,10 +126,10 @@ fn distributed(
     };
     let world = args.tp * args.pp;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads_per_rank = if args.threads > 0 {
-        args.threads
-    } else {
-        (cores / world).max(1)
+    let threads_per_rank = match (args.threads, &args.cluster) {
+        (0, None) => (cores / world).max(1),
+        // On a cluster, 0 means each host's cores over its ranks.
+        (threads, _) => threads,
     };
     let spec = crate::launch::LaunchSpec {
         tp: args.tp,
@@ -142,11 +142,26 @@ fn distributed(
         timeout: std::time::Duration::from_secs(60),
         extra_env: Vec::new(),
         layout_from: "infer generate --tp/--pp".into(),
+        placement: Vec::new(),
     };
     let progress = printer.progress(2 * (args.tp * args.pp) as u64);
-    let generation = crate::launch::run_generation(&spec, &job, &mut |event| {
-        super::up::report_progress(&progress, &event, false)
-    })?;
+    let generation = match &args.cluster {
+        Some(inventory) => {
+            let options = crate::launch::cluster::ClusterOptions {
+                inventory: inventory.clone(),
+                ssh: crate::launch::ssh::SshOptions {
+                    accept_new: args.ssh.ssh_accept_new,
+                },
+                push_model: args.ssh.push_model,
+            };
+            crate::launch::cluster::run_generation(&spec, &job, &options, &mut |event| {
+                super::up::report_progress(&progress, &event, true)
+            })?
+        }
+        None => crate::launch::run_generation(&spec, &job, &mut |event| {
+            super::up::report_progress(&progress, &event, false)
+        })?,
+    };
     progress.finish();
     if args.json {
         printer.json(&Output {

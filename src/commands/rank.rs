@@ -47,6 +47,18 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
             Err(_) => None,
         },
         shm: std::env::var("INFER_SHM_DISABLE").map_or(true, |v| v != "1"),
+        bind_addr: std::env::var("INFER_BIND_ADDR").unwrap_or_else(|_| "127.0.0.1".into()),
+        host_ranks: {
+            let (rank, local_rank, local_world): (u64, u64, u64) = (
+                number("RANK")?,
+                number("LOCAL_RANK")?,
+                number("LOCAL_WORLD_SIZE")?,
+            );
+            let first = rank
+                .checked_sub(local_rank)
+                .context("`LOCAL_RANK` exceeds `RANK`")?;
+            first..first + local_world
+        },
         numerics: match std::env::var("INFER_NUMERICS") {
             Ok(name) => Numerics::from_name(&name)
                 .with_context(|| format!("`INFER_NUMERICS` is `{name}`, not `exact` or `fast`"))?,

@@ -234,6 +234,7 @@ fn launch(
         timeout: Duration::from_secs(60),
         extra_env,
         layout_from: layout.from.clone(),
+        placement: Vec::new(),
     };
     let stop = Arc::new(AtomicBool::new(false));
     watch_signals(Arc::clone(&stop))?;
@@ -296,9 +297,9 @@ pub fn report_progress(progress: &ui::Progress, event: &Progress, echo_ranks: bo
                 progress.update((world_size + loaded) as u64, &message);
             }
         }
-        Progress::RankLine { rank, line } if echo_ranks => {
+        Progress::RankLine { label, line, .. } if echo_ranks => {
             let line = line.strip_prefix("note: ").unwrap_or(line);
-            progress.note(&format!("[rank {rank}] {line}"))
+            progress.note(&format!("[{label}] {line}"))
         }
         Progress::RankLine { .. } => {}
     }
@@ -306,9 +307,9 @@ pub fn report_progress(progress: &ui::Progress, event: &Progress, echo_ranks: bo
 
 /// After the bar is gone: rank output as plain `[rank N]` lines.
 fn report_progress_plain(printer: &Printer, event: &Progress) {
-    if let Progress::RankLine { rank, line } = event {
+    if let Progress::RankLine { label, line, .. } = event {
         let line = line.strip_prefix("note: ").unwrap_or(line);
-        printer.note(&format!("[rank {rank}] {line}"));
+        printer.note(&format!("[{label}] {line}"));
     }
 }
 

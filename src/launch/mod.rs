@@ -5,6 +5,7 @@
 //! SIGKILL after a grace period) and the error names the rank, its exit status and its last
 //! log lines. Remote hosts (SSH) come later behind the same spawning code.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -12,6 +13,13 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+
+pub mod agent;
+pub mod cluster;
+pub mod protocol;
+pub mod remote;
+pub mod ssh;
+pub mod ssh_config;
 
 use crate::rendezvous::{StoreClient, StoreServer, random_token};
 use crate::runtime::engine::Generation;
@@ -45,6 +53,36 @@ pub struct LaunchSpec {
     /// Where the layout came from (flags, a plan file, a plan for a cluster), for the
     /// manifest.
     pub layout_from: String,
+    /// Where each rank runs when they are spread over hosts (indexed by rank); empty: every
+    /// rank on this host.
+    pub placement: Vec<Placement>,
+}
+
+/// Where one rank runs on a multi-host launch, and its host's own settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Inventory name of the host.
+    pub host: String,
+    /// Rank within the host (`LOCAL_RANK`); the host's ranks are consecutive.
+    pub local_rank: usize,
+    /// Ranks on the host (`LOCAL_WORLD_SIZE`).
+    pub local_world_size: usize,
+    /// The host's own settings: `NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`,
+    /// `INFER_BIND_ADDR` (its data-network address, where its collectives listen).
+    pub env: Vec<(String, String)>,
+}
+
+/// Where the rendezvous store runs.
+#[derive(Clone, Copy, Debug)]
+pub enum StoreLocation {
+    /// In this process, on loopback (every rank on this host).
+    Local,
+    /// On another host (rank 0's, run by its agent): `ranks` is `MASTER_ADDR:MASTER_PORT`
+    /// as ranks reach it, `launcher` where this process reaches it (a forwarded port).
+    Remote {
+        ranks: std::net::SocketAddr,
+        launcher: std::net::SocketAddr,
+    },
 }
 
 /// How rank processes are started. The launcher builds each rank's environment and log
@@ -61,6 +99,11 @@ pub trait Spawner {
         log: &Path,
         lines: &std::sync::mpsc::Sender<(usize, String)>,
     ) -> Result<Box<dyn RankHandle>>;
+
+    /// How rank `rank`'s output lines are labelled (`rank 3`, `node1 r3`).
+    fn describe(&self, rank: usize) -> String {
+        format!("rank {rank}")
+    }
 }
 
 /// A started rank process, wherever it runs.
@@ -73,6 +116,10 @@ pub trait RankHandle: Send {
     fn signal(&mut self, signal: rustix::process::Signal);
     /// Waits for it to exit (after a signal).
     fn wait(&mut self);
+    /// The host it runs on; `None` for this host.
+    fn host(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// Starts ranks as child processes of this one, each in its own process group and with a
@@ -128,16 +175,26 @@ pub enum Progress {
     },
     /// `loaded` of `world_size` ranks have loaded their shard and joined their groups.
     Loaded { loaded: usize, world_size: usize },
-    /// A line a rank wrote to its stdout or stderr.
-    RankLine { rank: usize, line: String },
+    /// A line a rank wrote to its stdout or stderr; `label` says where (`rank 3`,
+    /// `node1 r3`).
+    RankLine {
+        rank: usize,
+        label: String,
+        line: String,
+    },
 }
 
 /// A gang of local rank processes, the rendezvous store they meet at and the run directory
 /// with their logs and `manifest.json`. Dropping it stops every rank that is still running.
 pub struct Gang {
     ranks: Vec<RankProcess>,
-    server: StoreServer,
+    /// The store, when this process runs it.
+    server: Option<StoreServer>,
+    /// `MASTER_ADDR:MASTER_PORT` as the ranks see it.
+    store_address: std::net::SocketAddr,
     client: StoreClient,
+    /// How each rank's output lines are labelled.
+    labels: Vec<String>,
     run_dir: PathBuf,
     lines: std::sync::mpsc::Receiver<(usize, String)>,
     world_size: usize,
@@ -145,6 +202,8 @@ pub struct Gang {
     /// Whether a rank that exits successfully also fails the gang (a serving gang's ranks
     /// never finish on their own).
     every_exit_fails: bool,
+    /// More top-level manifest fields (`hosts` of a multi-host run).
+    manifest_extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Gang {
@@ -161,9 +220,35 @@ impl Gang {
     ///
     /// Errors: the store, the run directory or a rank process cannot start.
     pub fn start_with(spawner: &dyn Spawner, spec: &LaunchSpec, job: &Job) -> Result<Gang> {
-        let world = spec.dp * spec.tp * spec.pp;
         let token = random_token();
-        let server = StoreServer::start("127.0.0.1:0", &token)?;
+        Gang::start_on(spawner, spec, job, StoreLocation::Local, &token)
+    }
+
+    /// [`Gang::start_with`] with the store at `store` (whose run token is `token`).
+    ///
+    /// Errors: the store, the run directory or a rank process cannot start.
+    pub fn start_on(
+        spawner: &dyn Spawner,
+        spec: &LaunchSpec,
+        job: &Job,
+        store: StoreLocation,
+        token: &str,
+    ) -> Result<Gang> {
+        let world = spec.dp * spec.tp * spec.pp;
+        if !spec.placement.is_empty() && spec.placement.len() != world {
+            bail!(
+                "the placement names {} ranks for a world of {world}",
+                spec.placement.len()
+            );
+        }
+        let (server, store_address, launcher_address) = match store {
+            StoreLocation::Local => {
+                let server = StoreServer::start("127.0.0.1:0", token)?;
+                let address = server.address();
+                (Some(server), address, address)
+            }
+            StoreLocation::Remote { ranks, launcher } => (None, ranks, launcher),
+        };
         let run_dir = tempfile::Builder::new()
             .prefix("infer-run-")
             .tempdir()
@@ -177,8 +262,8 @@ impl Gang {
                 rank,
                 world,
                 spec,
-                &server,
-                &token,
+                store_address,
+                token,
                 &run_dir,
                 &line_sender,
             ) {
@@ -190,24 +275,34 @@ impl Gang {
             }
         }
         let mut client = StoreClient::connect(
-            &server.address().to_string(),
-            &token,
+            &launcher_address.to_string(),
+            token,
             None,
             Duration::from_secs(10),
         )?;
         client.set("job", &serde_json::to_vec(job)?)?;
+        let labels = (0..world).map(|rank| spawner.describe(rank)).collect();
         let gang = Gang {
             ranks,
             server,
+            store_address,
             client,
+            labels,
             run_dir,
             lines,
             world_size: world,
             loaded: 0,
             every_exit_fails: false,
+            manifest_extra: serde_json::Map::new(),
         };
         gang.write_manifest(spec, None)?;
         Ok(gang)
+    }
+
+    /// Adds a top-level field to `manifest.json` (written at the next
+    /// [`Gang::write_manifest`]).
+    pub fn set_manifest_field(&mut self, key: &str, value: serde_json::Value) {
+        self.manifest_extra.insert(key.to_string(), value);
     }
 
     /// From now on a rank that exits at all — even with status 0 — fails the gang, as for
@@ -241,6 +336,7 @@ impl Gang {
             .map(|r| {
                 serde_json::json!({
                     "rank": r.rank,
+                    "host": r.child.host().unwrap_or("localhost"),
                     "pid": r.child.id(),
                     "log": r.log,
                     "env": r
@@ -255,7 +351,7 @@ impl Gang {
                 })
             })
             .collect();
-        let manifest = serde_json::json!({
+        let mut manifest = serde_json::json!({
             "tp": spec.tp,
             "pp": spec.pp,
             "dp": spec.dp,
@@ -265,11 +361,15 @@ impl Gang {
             "model": spec.model,
             "threads_per_rank": spec.threads_per_rank,
             "numerics": spec.numerics.name(),
-            "store": self.server.address().to_string(),
+            "store": self.store_address.to_string(),
+            "store_on_launcher": self.server.is_some(),
             "launcher_pid": std::process::id(),
             "serving": serving,
             "ranks": ranks,
         });
+        if let Some(object) = manifest.as_object_mut() {
+            object.extend(self.manifest_extra.clone());
+        }
         let path = self.run_dir.join("manifest.json");
         std::fs::write(&path, serde_json::to_vec_pretty(&manifest)?)
             .with_context(|| format!("cannot write `{}`", path.display()))
@@ -290,7 +390,8 @@ impl Gang {
     ) -> Result<Option<Vec<u8>>> {
         loop {
             while let Ok((rank, line)) = self.lines.try_recv() {
-                progress(Progress::RankLine { rank, line });
+                let label = self.labels.get(rank).cloned().unwrap_or_default();
+                progress(Progress::RankLine { rank, label, line });
             }
             if self.loaded < self.world_size {
                 let loaded = self.client.add("barrier/loaded/count", 0)?.max(0) as usize;
@@ -302,7 +403,8 @@ impl Gang {
                     });
                 }
             }
-            check_ranks(&mut self.ranks, &self.server, self.every_exit_fails)?;
+            let ages = self.heartbeat_ages()?;
+            check_ranks(&mut self.ranks, &ages, self.every_exit_fails)?;
             if stop() {
                 return Ok(None);
             }
@@ -317,9 +419,17 @@ impl Gang {
                 .all(|r| matches!(r.child.try_wait(), Ok(Some(_))))
             {
                 // Name a failed rank if there is one (it may have exited since the check).
-                check_ranks(&mut self.ranks, &self.server, self.every_exit_fails)?;
+                check_ranks(&mut self.ranks, &HashMap::new(), self.every_exit_fails)?;
                 return Err(anyhow!("every rank exited without `{key}`"));
             }
+        }
+    }
+
+    /// Time since each rank's last heartbeat, from the store wherever it runs.
+    fn heartbeat_ages(&mut self) -> Result<HashMap<u64, Duration>> {
+        match &self.server {
+            Some(server) => Ok(server.heartbeat_ages()),
+            None => self.client.heartbeat_ages(),
         }
     }
 
@@ -376,19 +486,22 @@ fn spawn_rank(
     rank: usize,
     world: usize,
     spec: &LaunchSpec,
-    server: &StoreServer,
+    store: std::net::SocketAddr,
     token: &str,
     run_dir: &Path,
     lines: &std::sync::mpsc::Sender<(usize, String)>,
 ) -> Result<RankProcess> {
     let log = run_dir.join(format!("rank{rank}.log"));
+    let placement = spec.placement.get(rank);
+    let (local_rank, local_world) =
+        placement.map_or((rank, world), |p| (p.local_rank, p.local_world_size));
     let mut env: Vec<(String, String)> = vec![
         ("RANK".into(), rank.to_string()),
         ("WORLD_SIZE".into(), world.to_string()),
-        ("LOCAL_RANK".into(), rank.to_string()),
-        ("LOCAL_WORLD_SIZE".into(), world.to_string()),
-        ("MASTER_ADDR".into(), server.address().ip().to_string()),
-        ("MASTER_PORT".into(), server.address().port().to_string()),
+        ("LOCAL_RANK".into(), local_rank.to_string()),
+        ("LOCAL_WORLD_SIZE".into(), local_world.to_string()),
+        ("MASTER_ADDR".into(), store.ip().to_string()),
+        ("MASTER_PORT".into(), store.port().to_string()),
         ("INFER_TP".into(), spec.tp.to_string()),
         ("INFER_PP".into(), spec.pp.to_string()),
         ("INFER_DP".into(), spec.dp.to_string()),
@@ -408,6 +521,9 @@ fn spawn_rank(
     // NCCL-style transport switches pass through, as torchrun's ranks inherit them.
     if let Ok(value) = std::env::var("INFER_SHM_DISABLE") {
         env.push(("INFER_SHM_DISABLE".into(), value));
+    }
+    if let Some(placement) = placement {
+        env.extend(placement.env.iter().cloned());
     }
     env.extend(spec.extra_env.iter().cloned());
     let child = spawner.spawn(rank, &env, token, &log, lines)?;
@@ -489,7 +605,11 @@ impl Spawner for LocalSpawner {
 }
 
 /// Fails when a rank has exited unsuccessfully or stopped heartbeating, naming it.
-fn check_ranks(ranks: &mut [RankProcess], server: &StoreServer, any_exit: bool) -> Result<()> {
+fn check_ranks(
+    ranks: &mut [RankProcess],
+    heartbeat_ages: &HashMap<u64, Duration>,
+    any_exit: bool,
+) -> Result<()> {
     // Every rank that failed since the last look; the one killed by a signal is the
     // cause, the others usually its casualties (they lost their peer).
     let mut failed = failed_ranks(ranks, any_exit)?;
@@ -505,13 +625,19 @@ fn check_ranks(ranks: &mut [RankProcess], server: &StoreServer, any_exit: bool) 
     {
         // Let the output threads flush the last lines into the log.
         std::thread::sleep(Duration::from_millis(50));
+        let host = ranks
+            .iter()
+            .find(|r| r.rank == *rank)
+            .and_then(|r| r.child.host().map(|h| format!(" on `{h}`")))
+            .unwrap_or_default();
         bail!(
-            "rank {rank} exited with {status}; last lines of `{}`:\n{}",
+            "rank {rank}{host} exited with {status}; last lines of `{}`:\n{}",
             log.display(),
             last_lines(log, 8)
         );
     }
-    for (rank, age) in server.heartbeat_ages() {
+    for (rank, age) in heartbeat_ages {
+        let age = *age;
         if age > HEARTBEAT_TIMEOUT {
             bail!(
                 "rank {rank} stopped heartbeating {:.1} s ago",

@@ -53,6 +53,13 @@ pub struct RankConfig {
     pub shm: bool,
     /// How the matrix products round (`INFER_NUMERICS`); the same on every rank.
     pub numerics: Numerics,
+    /// Where this rank's collectives listen: its host's data-network address
+    /// (`INFER_BIND_ADDR`; `127.0.0.1` when every rank is on one host).
+    pub bind_addr: String,
+    /// The global ranks on this rank's host: `RANK - LOCAL_RANK` and the next
+    /// `LOCAL_WORLD_SIZE - 1` (the launcher places a host's ranks consecutively). Only
+    /// groups inside it may use shared memory.
+    pub host_ranks: std::ops::Range<u64>,
 }
 
 /// The job the launcher publishes under `job`.
@@ -218,14 +225,16 @@ impl Member {
         let tp_members: Vec<u64> = (0..tp).map(|t| base + (pp_rank * tp + t) as u64).collect();
         let pp_members: Vec<u64> = (0..pp).map(|s| base + (s * tp + tp_rank) as u64).collect();
         let all: Vec<u64> = (0..(tp * pp) as u64).map(|r| base + r).collect();
-        // Every rank of a run is on this host for now (the launcher starts local ranks), so
-        // every group gets the shared-memory all-reduce; groups spanning hosts will be TCP.
-        let host = "127.0.0.1";
+        // Groups inside this host all-reduce through shared memory; groups spanning hosts
+        // use TCP over the data network (as NCCL uses SHM inside a node, NET across).
+        let host = config.bind_addr.as_str();
         let mut connect = |group: &str, members: &[u64]| {
+            let on_this_host = members.iter().all(|m| config.host_ranks.contains(m));
             TcpComm::connect(store, group, members, config.rank, host, config.timeout).map(|tcp| {
-                match config.shm {
-                    true => ShmComm::new(tcp),
-                    false => ShmComm::tcp_only(tcp, "INFER_SHM_DISABLE=1"),
+                match (config.shm, on_this_host) {
+                    (true, true) => ShmComm::new(tcp),
+                    (false, _) => ShmComm::tcp_only(tcp, "INFER_SHM_DISABLE=1"),
+                    (true, false) => ShmComm::tcp_only(tcp, "the group spans hosts"),
                 }
             })
         };

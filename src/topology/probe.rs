@@ -91,3 +91,21 @@ fn local_hostname() -> String {
         .filter(|name| !name.is_empty())
         .unwrap_or_else(|| "localhost".to_string())
 }
+
+/// IPv4 addresses with prefix length (`10.0.2.11/24`) by interface name, from the kernel
+/// (`getifaddrs`). The launcher's agents report these so the data network can be chosen per
+/// host.
+pub fn ipv4_networks() -> HashMap<String, Vec<String>> {
+    let mut networks: HashMap<String, Vec<String>> = HashMap::new();
+    if let Ok(interfaces) = if_addrs::get_if_addrs() {
+        for interface in interfaces {
+            if let if_addrs::IfAddr::V4(v4) = &interface.addr {
+                networks
+                    .entry(interface.name.clone())
+                    .or_default()
+                    .push(format!("{}/{}", v4.ip, v4.prefixlen));
+            }
+        }
+    }
+    networks
+}

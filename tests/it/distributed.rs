@@ -206,6 +206,7 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         timeout: Duration::from_secs(5),
         extra_env: Vec::new(),
         layout_from: "a test".into(),
+        placement: Vec::new(),
     };
     let job = infer::runtime::worker::Job::Serve;
     let mut serving =

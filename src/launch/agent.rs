@@ -1,0 +1,466 @@
+//! `infer agent`: the remote end of a run on one host, started once per host over one SSH
+//! exec channel (never a channel per rank: OpenSSH allows 10 per connection by default).
+//! It reads [`ToAgent`] frames on stdin and answers with [`FromAgent`] frames on stdout:
+//! it starts one `infer rank` per rank in its own process group with a parent-death signal,
+//! streams every output line back, reports exits, and may host the rendezvous store.
+//!
+//! It is the remote end of gang semantics: it stops every rank group (SIGTERM, grace,
+//! SIGKILL) when stdin reaches EOF (the launcher or its connection died), when the launcher
+//! has been silent for the lease (a network partition), or when told to. Each run records
+//! its process groups in `~/.cache/infer/runs/RUN_ID/pgids`, so `infer agent --kill RUN_ID`
+//! over a fresh connection stops exactly that run (a group is signalled only if its leader
+//! carries `INFER_RUN_ID=RUN_ID` in its environment: never pattern matching on names).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufRead, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use sha2::Digest;
+
+use super::GRACE_PERIOD;
+use super::protocol::{
+    AgentHello, FromAgent, Interface, ToAgent, read_frame, valid_run_id, write_frame,
+};
+use crate::rendezvous::StoreServer;
+
+/// The frame writer shared by the main loop and the rank output threads.
+type Output = Arc<Mutex<std::io::Stdout>>;
+
+/// Runs the agent on stdin/stdout until the launcher goes away or says to shut down.
+///
+/// Errors: stdout is gone before the first frame, or the first frame is not a run.
+pub fn run_agent() -> Result<()> {
+    let output: Output = Arc::new(Mutex::new(std::io::stdout()));
+    let exe = std::env::current_exe().context("cannot find the agent's own executable")?;
+    let hello = hello(&exe)?;
+    send(&output, &FromAgent::Hello(hello));
+    let frames = read_stdin_frames();
+    // The first frame names the run; a probe (staging, topology) may end here with EOF.
+    let (run_id, lease) = match frames.recv() {
+        Ok(Ok(ToAgent::Run { run_id, lease_secs })) => {
+            (run_id, Duration::from_secs(lease_secs.max(1)))
+        }
+        Ok(Ok(ToAgent::HashFile { path })) => {
+            send(&output, &file_info(&path));
+            return Ok(());
+        }
+        Ok(Ok(other)) => bail!("the first frame must name the run, got {other:?}"),
+        Ok(Err(_)) | Err(_) => return Ok(()),
+    };
+    if !valid_run_id(&run_id) {
+        bail!("`{run_id}` is not a run id of `infer`");
+    }
+    let run_dir = runs_dir()?.join(&run_id);
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("cannot create `{}`", run_dir.display()))?;
+    let mut agent = Agent {
+        output,
+        exe,
+        run_id,
+        run_dir,
+        ranks: HashMap::new(),
+        store: None,
+        upload: None,
+    };
+    let reason = agent.serve(&frames, lease);
+    agent.stop_all();
+    let _ = std::fs::remove_file(agent.run_dir.join("pgids"));
+    // What ended the run goes to the host's log of this run (the launcher may be gone).
+    if let Ok(mut log) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(agent.run_dir.join("agent.log"))
+    {
+        let _ = writeln!(log, "agent stopped: {reason}");
+    }
+    Ok(())
+}
+
+/// `infer agent --kill RUN_ID`: stops exactly that run's rank groups on this host.
+///
+/// Errors: a malformed run id. A run that is already gone is not an error.
+pub fn kill_run(run_id: &str) -> Result<usize> {
+    if !valid_run_id(run_id) {
+        bail!("`{run_id}` is not a run id of `infer` (they look like `run-1a2b3c4d`)");
+    }
+    let path = runs_dir()?.join(run_id).join("pgids");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(0);
+    };
+    let marker = format!("INFER_RUN_ID={run_id}");
+    let groups: Vec<i32> = text
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(1)?.parse().ok())
+        .filter(|pgid: &i32| {
+            // Only a group whose leader is still this run's rank: pids are reused.
+            std::fs::read(format!("/proc/{pgid}/environ"))
+                .is_ok_and(|environ| environ.split(|b| *b == 0).any(|v| v == marker.as_bytes()))
+        })
+        .collect();
+    signal_groups(&groups, rustix::process::Signal::TERM);
+    let deadline = Instant::now() + GRACE_PERIOD;
+    while Instant::now() < deadline && groups.iter().any(|g| group_alive(*g)) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal_groups(&groups, rustix::process::Signal::KILL);
+    Ok(groups.len())
+}
+
+/// A run's ranks on this host.
+struct Agent {
+    output: Output,
+    exe: PathBuf,
+    run_id: String,
+    run_dir: PathBuf,
+    ranks: HashMap<usize, Child>,
+    /// The rendezvous store, when this host runs it (rank 0's host).
+    store: Option<StoreServer>,
+    /// A file being pushed: (final path, temporary file, its path).
+    upload: Option<(PathBuf, File, PathBuf)>,
+}
+
+impl Agent {
+    /// Handles frames until the run ends, and says why it ended.
+    fn serve(&mut self, frames: &Receiver<Result<ToAgent>>, lease: Duration) -> String {
+        let mut heard = Instant::now();
+        loop {
+            match frames.recv_timeout(Duration::from_millis(50)) {
+                Ok(Ok(ToAgent::Shutdown)) => return "the launcher asked to shut down".into(),
+                Ok(Ok(frame)) => {
+                    heard = Instant::now();
+                    self.handle(frame);
+                }
+                Ok(Err(error)) => return format!("unreadable frame from the launcher: {error:#}"),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return "stdin closed: the launcher or its connection is gone".into();
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            if heard.elapsed() > lease {
+                return format!(
+                    "no word from the launcher for {} s (lease): network partition?",
+                    lease.as_secs()
+                );
+            }
+            self.reap();
+        }
+    }
+
+    fn handle(&mut self, frame: ToAgent) {
+        match frame {
+            ToAgent::Run { .. } | ToAgent::Heartbeat | ToAgent::Shutdown => {}
+            ToAgent::HostStore { bind, token } => match StoreServer::start(&bind, &token) {
+                Ok(server) => {
+                    send(
+                        &self.output,
+                        &FromAgent::StoreAt {
+                            address: server.address().to_string(),
+                        },
+                    );
+                    self.store = Some(server);
+                }
+                Err(error) => self.error(None, format!("{error:#}")),
+            },
+            ToAgent::HashFile { path } => send(&self.output, &file_info(&path)),
+            ToAgent::FileStart { path, .. } => {
+                let target = PathBuf::from(&path);
+                let temporary = target.with_extension("infer-upload");
+                let opened = target
+                    .parent()
+                    .map_or(Ok(()), std::fs::create_dir_all)
+                    .and_then(|()| File::create(&temporary));
+                match opened {
+                    Ok(file) => self.upload = Some((target, file, temporary)),
+                    Err(error) => self.error(None, format!("cannot create `{path}`: {error}")),
+                }
+            }
+            ToAgent::FileChunk { bytes } => {
+                if let Some((target, file, _)) = &mut self.upload
+                    && let Err(error) = file.write_all(&bytes)
+                {
+                    let message = format!("cannot write `{}`: {error}", target.display());
+                    self.upload = None;
+                    self.error(None, message);
+                }
+            }
+            ToAgent::FileEnd => {
+                if let Some((target, file, temporary)) = self.upload.take() {
+                    let done = file
+                        .sync_all()
+                        .and_then(|()| std::fs::rename(&temporary, &target));
+                    match done {
+                        Ok(()) => send(&self.output, &file_info(&target.display().to_string())),
+                        Err(error) => self.error(
+                            None,
+                            format!("cannot finish `{}`: {error}", target.display()),
+                        ),
+                    }
+                }
+            }
+            ToAgent::Spawn { rank, env, token } => match self.spawn(rank, &env, &token) {
+                Ok(pid) => send(&self.output, &FromAgent::Spawned { rank, pid }),
+                Err(error) => self.error(Some(rank), format!("{error:#}")),
+            },
+            ToAgent::Signal { rank, signal } => {
+                if let Some(child) = self.ranks.get_mut(&rank)
+                    && matches!(child.try_wait(), Ok(None))
+                    && let Some(signal) = rustix::process::Signal::from_named_raw(signal)
+                {
+                    signal_groups(&[child.id() as i32], signal);
+                }
+            }
+        }
+    }
+
+    fn error(&self, rank: Option<usize>, message: String) {
+        send(&self.output, &FromAgent::Error { rank, message });
+    }
+
+    /// Starts one rank: its own process group, a parent-death signal, exactly `env`.
+    fn spawn(&mut self, rank: usize, env: &[(String, String)], token: &str) -> Result<u32> {
+        if self.ranks.contains_key(&rank) {
+            bail!("rank {rank} was already started on this host");
+        }
+        let log_path = self.run_dir.join(format!("rank{rank}.log"));
+        let log = File::create(&log_path)
+            .with_context(|| format!("cannot create `{}`", log_path.display()))?;
+        let mut command = Command::new(&self.exe);
+        command
+            .arg("rank")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", std::env::var_os("HOME").unwrap_or_default())
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .env("INFER_RUN_ID", &self.run_id)
+            .env("INFER_RUN_TOKEN", token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        // SAFETY: one prctl(2) call, async-signal-safe, allowed between fork and exec. The
+        // signal fires when the forking thread exits: this is the agent's main thread.
+        unsafe {
+            command.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))
+                .map_err(std::io::Error::from)
+            });
+        }
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("cannot start rank {rank} from `{}`", self.exe.display()))?;
+        let pid = child.id();
+        let mut pgids = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.run_dir.join("pgids"))
+            .context("cannot record the rank's process group")?;
+        writeln!(pgids, "{rank} {pid}").context("cannot record the rank's process group")?;
+        let log = Arc::new(Mutex::new(log));
+        for stream in [
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let (log, output) = (Arc::clone(&log), Arc::clone(&self.output));
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(stream).lines() {
+                    let Ok(line) = line else { break };
+                    if let Ok(mut file) = log.lock() {
+                        let _ = writeln!(file, "{line}");
+                    }
+                    send(&output, &FromAgent::Line { rank, line });
+                }
+            });
+        }
+        self.ranks.insert(rank, child);
+        Ok(pid)
+    }
+
+    /// Reports ranks that have exited since the last look.
+    fn reap(&mut self) {
+        let exited: Vec<(usize, std::process::ExitStatus)> = self
+            .ranks
+            .iter_mut()
+            .filter_map(|(rank, child)| Some((*rank, child.try_wait().ok()??)))
+            .collect();
+        for (rank, status) in exited {
+            self.ranks.remove(&rank);
+            // Let the output threads send the last lines first.
+            std::thread::sleep(Duration::from_millis(20));
+            send(
+                &self.output,
+                &FromAgent::Exited {
+                    rank,
+                    code: status.code(),
+                    signal: status.signal(),
+                },
+            );
+        }
+    }
+
+    /// SIGTERM to every live rank group, SIGKILL after the grace period, reap all.
+    fn stop_all(&mut self) {
+        let groups: Vec<i32> = self.ranks.values().map(|c| c.id() as i32).collect();
+        signal_groups(&groups, rustix::process::Signal::TERM);
+        let deadline = Instant::now() + GRACE_PERIOD;
+        while Instant::now() < deadline
+            && self
+                .ranks
+                .values_mut()
+                .any(|c| matches!(c.try_wait(), Ok(None)))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        signal_groups(&groups, rustix::process::Signal::KILL);
+        for child in self.ranks.values_mut() {
+            let _ = child.wait();
+        }
+        self.reap();
+    }
+}
+
+/// Sends one frame; a launcher that is gone is noticed by the stdin reader instead.
+fn send(output: &Output, frame: &FromAgent) {
+    if let Ok(mut out) = output.lock() {
+        let _ = write_frame(&mut *out, frame);
+    }
+}
+
+/// Frames from stdin on a channel; the channel closes at EOF or a read error (after
+/// sending the error).
+fn read_stdin_frames() -> Receiver<Result<ToAgent>> {
+    let (sender, receiver) = channel();
+    std::thread::spawn(move || {
+        let mut stdin = std::io::stdin().lock();
+        loop {
+            match read_frame::<ToAgent>(&mut stdin) {
+                Ok(Some(frame)) => {
+                    if sender.send(Ok(frame)).is_err() {
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(error) => {
+                    let _ = sender.send(Err(error));
+                    break;
+                }
+            }
+        }
+    });
+    receiver
+}
+
+/// `~/.cache/infer/runs`.
+fn runs_dir() -> Result<PathBuf> {
+    let home = std::env::var_os("HOME").context("`HOME` is not set on this host")?;
+    Ok(Path::new(&home).join(".cache/infer/runs"))
+}
+
+fn hello(exe: &Path) -> Result<AgentHello> {
+    let sha256 = sha256_file(exe)?
+        .context("the agent's executable vanished")?
+        .0;
+    let networks = crate::topology::probe::ipv4_networks();
+    let host = crate::topology::probe::probe_host(&crate::topology::probe::ProbeOptions {
+        sysfs_root: "/sys".into(),
+    })?;
+    let mut interfaces: Vec<Interface> = host
+        .nics
+        .iter()
+        .filter_map(|nic| {
+            let netdev = nic.netdev.clone().unwrap_or_else(|| nic.name.clone());
+            Some(Interface {
+                ipv4: networks.get(&netdev)?.clone(),
+                up: nic
+                    .state
+                    .as_deref()
+                    .is_some_and(|s| s.eq_ignore_ascii_case("up")),
+                is_virtual: nic.is_virtual,
+                mtu_bytes: nic.mtu_bytes,
+                name: netdev,
+            })
+        })
+        .collect();
+    interfaces.sort_by(|a, b| a.name.cmp(&b.name));
+    interfaces.dedup_by(|a, b| a.name == b.name);
+    Ok(AgentHello {
+        version: env!("CARGO_PKG_VERSION").into(),
+        sha256,
+        exe: exe.display().to_string(),
+        arch: std::env::consts::ARCH.into(),
+        hostname: host.hostname,
+        n_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        interfaces,
+        run_dir: runs_dir()?.display().to_string(),
+    })
+}
+
+fn file_info(path: &str) -> FromAgent {
+    let (sha256, size_bytes) = match sha256_file(Path::new(path)) {
+        Ok(Some((sha, size))) => (Some(sha), size),
+        _ => (None, 0),
+    };
+    FromAgent::FileInfo {
+        path: path.into(),
+        sha256,
+        size_bytes,
+    }
+}
+
+/// sha256 (hex) and size of a file; `None` when it does not exist.
+pub fn sha256_file(path: &Path) -> Result<Option<(String, u64)>> {
+    let mut file = match File::open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => {
+            return Err(error).with_context(|| format!("cannot read `{}`", path.display()));
+        }
+    };
+    let mut hasher = sha2::Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = std::io::Read::read(&mut file, &mut buffer)
+            .with_context(|| format!("cannot read `{}`", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+        size += n as u64;
+    }
+    let digest = hasher.finalize();
+    Ok(Some((
+        digest.iter().map(|b| format!("{b:02x}")).collect(),
+        size,
+    )))
+}
+
+fn signal_groups(groups: &[i32], signal: rustix::process::Signal) {
+    for group in groups {
+        if let Some(pid) = rustix::process::Pid::from_raw(*group) {
+            let _ = rustix::process::kill_process_group(pid, signal);
+        }
+    }
+}
+
+fn group_alive(group: i32) -> bool {
+    rustix::process::Pid::from_raw(group)
+        .is_some_and(|pid| rustix::process::test_kill_process_group(pid).is_ok())
+}

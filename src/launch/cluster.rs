@@ -1,0 +1,571 @@
+//! Launching over the hosts of an inventory: SSH targets (inventory, then `~/.ssh/config`,
+//! then OpenSSH's defaults), rank placement (TP groups inside a host, consecutive ranks per
+//! host), the data network chosen from each host's own interfaces, the store on rank 0's
+//! host at its data address, and the gang started through the agents.
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+
+use super::protocol::Interface;
+use super::remote::{Preflight, RemoteCluster, RemoteHostSpec};
+use super::ssh::{SshOptions, SshTarget, default_identity_files, default_known_hosts};
+use super::ssh_config;
+use super::{Gang, LaunchSpec, Placement, Progress, StoreLocation};
+use crate::cluster::InventoryEntry;
+use crate::runtime::engine::Generation;
+use crate::runtime::worker::Job;
+
+/// How to reach and use the hosts of an inventory.
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// The inventory (`hosts.toml`).
+    pub inventory: PathBuf,
+    pub ssh: SshOptions,
+    /// Copy the model to hosts that lack it (or have another file at its path).
+    pub push_model: bool,
+}
+
+/// One host's choice of data network.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataInterface {
+    pub name: String,
+    pub address: Ipv4Addr,
+}
+
+/// Runs one generation with `spec`'s layout over the inventory's hosts and returns the
+/// driver's result. `progress` hears host preflight lines, rank milestones and rank output.
+///
+/// Errors: preflight failures (every host named with its cause; nothing started), a layout
+/// that does not fit the hosts, a rank or host that fails (the whole gang stopped).
+pub fn run_generation(
+    spec: &LaunchSpec,
+    job: &Job,
+    options: &ClusterOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Generation> {
+    let (remote, mut gang) = start(spec, job, options, progress)?;
+    progress(gang.started());
+    let bytes = gang
+        .wait_for("result", &|| false, progress)?
+        .ok_or_else(|| anyhow!("the generation was stopped"))?;
+    gang.finish();
+    drop(gang);
+    drop(remote);
+    serde_json::from_slice(&bytes).context("the driver wrote a malformed result")
+}
+
+/// Connects, places and starts the gang. The gang must be dropped before the cluster.
+///
+/// Errors: as [`run_generation`].
+pub fn start(
+    spec: &LaunchSpec,
+    job: &Job,
+    options: &ClusterOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(RemoteCluster, Gang)> {
+    let entries = crate::cluster::launch_inventory(&options.inventory)?;
+    let rank_hosts = place(&entries, spec.tp, spec.pp, spec.dp)?;
+    let targets = ssh_targets(&entries)?;
+    let lines = std::sync::Mutex::new(Vec::new());
+    let remote = RemoteCluster::connect(
+        &targets,
+        &Preflight {
+            ssh: options.ssh,
+            model: spec.model.clone(),
+            push_model: options.push_model,
+        },
+        &|host, stage| {
+            if let Ok(mut lines) = lines.lock() {
+                lines.push(format!("{host}: {stage}"));
+            }
+        },
+    )?;
+    for line in lines.into_inner().unwrap_or_default() {
+        progress(Progress::RankLine {
+            rank: 0,
+            label: "preflight".into(),
+            line,
+        });
+    }
+    let hellos: Vec<(&[Interface], Option<&str>, Option<&str>)> = remote
+        .hosts
+        .iter()
+        .zip(&entries)
+        .map(|(host, entry)| {
+            (
+                &host.hello.interfaces[..],
+                entry.nccl_socket_ifname.as_deref(),
+                Some(entry.address.as_str()),
+            )
+        })
+        .collect();
+    let names: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
+    let data = choose_data_interfaces(&names, &hellos)?;
+    let mut placement = Vec::with_capacity(rank_hosts.len());
+    for (rank, &host) in rank_hosts.iter().enumerate() {
+        let on_host: Vec<usize> = (0..rank_hosts.len())
+            .filter(|r| rank_hosts[*r] == host)
+            .collect();
+        let local_rank = on_host
+            .iter()
+            .position(|r| *r == rank)
+            .expect("the rank is on its host");
+        let threads = (remote.hosts[host].hello.n_cpus / on_host.len()).max(1);
+        let interface = &data[host];
+        placement.push(Placement {
+            host: entries[host].name.clone(),
+            local_rank,
+            local_world_size: on_host.len(),
+            env: vec![
+                ("NCCL_SOCKET_IFNAME".into(), format!("={}", interface.name)),
+                ("GLOO_SOCKET_IFNAME".into(), interface.name.clone()),
+                ("INFER_BIND_ADDR".into(), interface.address.to_string()),
+                ("INFER_HOST".into(), entries[host].name.clone()),
+                (
+                    "INFER_THREADS".into(),
+                    match spec.threads_per_rank {
+                        0 => threads.to_string(),
+                        n => n.to_string(),
+                    },
+                ),
+            ],
+        });
+    }
+    let token = crate::rendezvous::random_token();
+    let store_host = rank_hosts[0];
+    let (ranks_address, launcher_address) = remote.host_store(
+        store_host,
+        &format!("{}:0", data[store_host].address),
+        &token,
+    )?;
+    let mut spec = spec.clone();
+    spec.placement = placement;
+    let spawner = remote.spawner(rank_hosts);
+    let mut gang = Gang::start_on(
+        &spawner,
+        &spec,
+        job,
+        StoreLocation::Remote {
+            ranks: ranks_address,
+            launcher: launcher_address,
+        },
+        &token,
+    )?;
+    let hosts: Vec<serde_json::Value> = remote
+        .hosts
+        .iter()
+        .zip(&entries)
+        .zip(&data)
+        .map(|((host, entry), interface)| {
+            serde_json::json!({
+                "name": host.name,
+                "ssh_address": entry.address,
+                "hostname": host.hello.hostname,
+                "data_interface": interface.name,
+                "data_address": interface.address.to_string(),
+                "infer": host.hello.exe,
+                "infer_sha256": host.hello.sha256,
+                "remote_run_dir": format!("{}/{}", host.hello.run_dir, remote.run_id),
+            })
+        })
+        .collect();
+    gang.set_manifest_field("run_id", remote.run_id.clone().into());
+    gang.set_manifest_field("hosts", hosts.into());
+    gang.write_manifest(&spec, None)?;
+    Ok((remote, gang))
+}
+
+/// Which host each rank runs on (indexed by rank, vLLM order: DP, PP, TP with TP fastest).
+/// A TP group never spans hosts; TP groups are spread evenly over the hosts in inventory
+/// order, consecutive groups together, so PP stages and DP replicas cross hosts.
+///
+/// Errors: a TP group larger than every host, or more ranks than slots (naming both).
+pub fn place(entries: &[InventoryEntry], tp: usize, pp: usize, dp: usize) -> Result<Vec<usize>> {
+    let world = tp * pp * dp;
+    let n_groups = pp * dp;
+    let capacity: Vec<usize> = entries.iter().map(|e| e.slots / tp).collect();
+    let total: usize = capacity.iter().sum();
+    if total < n_groups {
+        let slots: Vec<String> = entries
+            .iter()
+            .map(|e| format!("`{}` {}", e.name, e.slots))
+            .collect();
+        bail!(
+            "{world} ranks (tp {tp} × pp {pp} × dp {dp}) do not fit the hosts' slots ({}): \
+             each TP group of {tp} must fit on one host",
+            slots.join(", ")
+        );
+    }
+    let usable = capacity.iter().filter(|c| **c > 0).count().max(1);
+    let per_host = n_groups.div_ceil(usable);
+    let mut hosts = Vec::with_capacity(world);
+    let mut host = 0;
+    let mut used = 0;
+    for _ in 0..n_groups {
+        while used >= capacity[host].min(per_host) {
+            host += 1;
+            used = 0;
+            if host == entries.len() {
+                // Even spreading left some groups over: fill remaining capacity in order.
+                return place_greedy(&capacity, tp, n_groups);
+            }
+        }
+        hosts.extend(std::iter::repeat_n(host, tp));
+        used += 1;
+    }
+    Ok(hosts)
+}
+
+fn place_greedy(capacity: &[usize], tp: usize, n_groups: usize) -> Result<Vec<usize>> {
+    let mut hosts = Vec::new();
+    for (host, capacity) in capacity.iter().enumerate() {
+        for _ in 0..*capacity {
+            if hosts.len() / tp < n_groups {
+                hosts.extend(std::iter::repeat_n(host, tp));
+            }
+        }
+    }
+    Ok(hosts)
+}
+
+/// The interface every host's collectives use: the inventory's `nccl-socket-ifname` where
+/// given, else an interface on an IPv4 network every host has an address in, preferring a
+/// network that does not carry the SSH (management) addresses, then physical interfaces.
+/// Each host keeps its own interface name (`data0` on one, `ens5` on another).
+///
+/// `hosts[i]` is (interfaces, override, SSH address) of host `names[i]`.
+///
+/// Errors: an override naming an interface that is missing, down or without IPv4 on that
+/// host (listing what it has); no network common to all hosts.
+pub fn choose_data_interfaces(
+    names: &[&str],
+    hosts: &[(&[Interface], Option<&str>, Option<&str>)],
+) -> Result<Vec<DataInterface>> {
+    let parsed: Vec<Vec<(String, Ipv4Addr, u8, bool)>> = hosts
+        .iter()
+        .map(|(interfaces, ..)| {
+            interfaces
+                .iter()
+                .filter(|i| i.up && i.name != "lo")
+                .flat_map(|i| {
+                    i.ipv4.iter().filter_map(move |cidr| {
+                        let (ip, prefix) = cidr.split_once('/')?;
+                        let ip: Ipv4Addr = ip.parse().ok()?;
+                        let prefix: u8 = prefix.parse().ok().filter(|p| *p <= 32)?;
+                        (!ip.is_loopback()).then(|| (i.name.clone(), ip, prefix, i.is_virtual))
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    // Overrides first: they must exist on their host.
+    let mut chosen: Vec<Option<DataInterface>> = vec![None; hosts.len()];
+    for (index, (interfaces, wanted, _)) in hosts.iter().enumerate() {
+        let Some(wanted) = wanted else { continue };
+        match parsed[index].iter().find(|(name, ..)| name == wanted) {
+            Some((name, ip, ..)) => {
+                chosen[index] = Some(DataInterface {
+                    name: name.clone(),
+                    address: *ip,
+                })
+            }
+            None => {
+                let has: Vec<String> = interfaces
+                    .iter()
+                    .map(|i| {
+                        format!(
+                            "{} ({})",
+                            i.name,
+                            if i.up {
+                                i.ipv4.join(" ")
+                            } else {
+                                "down".into()
+                            }
+                        )
+                    })
+                    .collect();
+                bail!(
+                    "interface `{wanted}` (nccl-socket-ifname) is missing, down or has no IPv4 address on `{}`; it has: {}",
+                    names[index],
+                    has.join(", ")
+                );
+            }
+        }
+    }
+    if chosen.iter().all(Option::is_some) {
+        return Ok(chosen.into_iter().flatten().collect());
+    }
+    // Networks (address, prefix) every host reaches.
+    let network = |ip: Ipv4Addr, prefix: u8| {
+        let mask = if prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - prefix)
+        };
+        (u32::from(ip) & mask, prefix)
+    };
+    let mut candidates: Vec<(u32, u8)> = parsed
+        .first()
+        .map(|first| first.iter().map(|(_, ip, p, _)| network(*ip, *p)).collect())
+        .unwrap_or_default();
+    candidates.sort();
+    candidates.dedup();
+    candidates.retain(|net| {
+        parsed
+            .iter()
+            .enumerate()
+            .all(|(index, interfaces)| match &chosen[index] {
+                Some(fixed) => network(fixed.address, net.1) == *net,
+                None => interfaces
+                    .iter()
+                    .any(|(_, ip, p, _)| network(*ip, *p) == *net),
+            })
+    });
+    let ssh_addresses: Vec<Ipv4Addr> = hosts
+        .iter()
+        .filter_map(|(_, _, a)| a.as_ref()?.parse().ok())
+        .collect();
+    let score = |net: &(u32, u8)| {
+        let management = ssh_addresses.iter().any(|a| network(*a, net.1) == *net);
+        let virtual_count = parsed
+            .iter()
+            .flatten()
+            .filter(|(_, ip, p, v)| *v && network(*ip, *p) == *net)
+            .count();
+        (management, virtual_count)
+    };
+    candidates.sort_by_key(score);
+    let Some(best) = candidates.first() else {
+        if hosts.len() == 1 {
+            // One host: any of its addresses, the SSH one last.
+            let ssh = ssh_addresses.first();
+            if let Some((name, ip, ..)) = parsed[0]
+                .iter()
+                .min_by_key(|(_, ip, _, v)| (Some(ip) == ssh, *v))
+            {
+                return Ok(vec![DataInterface {
+                    name: name.clone(),
+                    address: *ip,
+                }]);
+            }
+        }
+        bail!(
+            "no IPv4 network reaches every host ({}); name each host's data interface with `nccl-socket-ifname` in the inventory",
+            names.join(", ")
+        );
+    };
+    Ok(parsed
+        .iter()
+        .zip(chosen)
+        .map(|(interfaces, fixed)| {
+            fixed.unwrap_or_else(|| {
+                let (name, ip, ..) = interfaces
+                    .iter()
+                    .find(|(_, ip, p, _)| network(*ip, *p) == *best)
+                    .expect("every host has an address on the chosen network");
+                DataInterface {
+                    name: name.clone(),
+                    address: *ip,
+                }
+            })
+        })
+        .collect())
+}
+
+/// SSH targets of the inventory's hosts: the inventory's values, then `~/.ssh/config`'s
+/// (`HostName`, `User`, `Port`, `IdentityFile`, `ProxyJump`), then OpenSSH's defaults.
+///
+/// Errors: an unreadable `~/.ssh/config` (a missing one is fine).
+pub fn ssh_targets(entries: &[InventoryEntry]) -> Result<Vec<RemoteHostSpec>> {
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let config_path = home.join(".ssh/config");
+    let config_text = match std::fs::read_to_string(&config_path) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(error) => {
+            return Err(error).with_context(|| format!("cannot read `{}`", config_path.display()));
+        }
+    };
+    let local_user = std::env::var("USER").unwrap_or_else(|_| "root".into());
+    entries
+        .iter()
+        .map(|entry| {
+            let config = ssh_config::lookup(&config_text, &entry.address, &home);
+            let target = target_from(
+                &entry.name,
+                &entry.address,
+                entry.port,
+                entry.user.clone(),
+                entry.identity_file.clone(),
+                entry.known_hosts.clone(),
+                &config,
+                &local_user,
+                &home,
+            );
+            let jump = match &config.proxy_jump {
+                Some(spec) => {
+                    let (user, host, port) = ssh_config::parse_jump(spec);
+                    let jump_config = ssh_config::lookup(&config_text, &host, &home);
+                    Some(Box::new(target_from(
+                        &host,
+                        &host,
+                        port,
+                        user,
+                        None,
+                        entry.known_hosts.clone(),
+                        &jump_config,
+                        &local_user,
+                        &home,
+                    )))
+                }
+                None => None,
+            };
+            Ok(RemoteHostSpec {
+                target: SshTarget { jump, ..target },
+                infer_path: entry.infer_path.clone(),
+            })
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn target_from(
+    name: &str,
+    alias: &str,
+    port: Option<u16>,
+    user: Option<String>,
+    identity_file: Option<PathBuf>,
+    known_hosts: Option<PathBuf>,
+    config: &ssh_config::HostConfig,
+    local_user: &str,
+    home: &Path,
+) -> SshTarget {
+    let mut identity_files: Vec<PathBuf> = identity_file.into_iter().collect();
+    identity_files.extend(config.identity_files.iter().cloned());
+    if identity_files.is_empty() {
+        identity_files = default_identity_files(home);
+    }
+    let mut known: Vec<PathBuf> = known_hosts.into_iter().collect();
+    known.push(default_known_hosts(home));
+    SshTarget {
+        name: name.into(),
+        address: config.hostname.clone().unwrap_or_else(|| alias.into()),
+        port: port.or(config.port).unwrap_or(22),
+        user: user
+            .or_else(|| config.user.clone())
+            .unwrap_or_else(|| local_user.into()),
+        identity_files,
+        known_hosts: known,
+        jump: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, slots: usize) -> InventoryEntry {
+        InventoryEntry {
+            name: name.into(),
+            address: format!("{name}.example"),
+            port: None,
+            user: None,
+            identity_file: None,
+            known_hosts: None,
+            slots,
+            cpu: true,
+            nccl_socket_ifname: None,
+            infer_path: None,
+        }
+    }
+
+    #[test]
+    fn tp_groups_stay_inside_hosts_and_spread_over_them() {
+        let two = [entry("a", 2), entry("b", 2)];
+        assert_eq!(place(&two, 1, 2, 1).expect("pp 2"), vec![0, 1]);
+        assert_eq!(place(&two, 2, 2, 1).expect("tp 2 pp 2"), vec![0, 0, 1, 1]);
+        assert_eq!(place(&two, 1, 1, 2).expect("dp 2"), vec![0, 1]);
+        assert_eq!(place(&two, 1, 4, 1).expect("pp 4"), vec![0, 0, 1, 1]);
+        let error = place(&two, 3, 1, 1).expect_err("tp 3 fits no host");
+        assert!(error.to_string().contains("`a` 2, `b` 2"), "{error}");
+        let uneven = [entry("a", 4), entry("b", 1)];
+        assert_eq!(
+            place(&uneven, 2, 2, 1).expect("both groups on a"),
+            vec![0, 0, 0, 0]
+        );
+        assert_eq!(place(&uneven, 1, 5, 1).expect("fills"), vec![0, 0, 0, 0, 1]);
+    }
+
+    fn interface(name: &str, cidr: &str, is_virtual: bool) -> Interface {
+        Interface {
+            name: name.into(),
+            ipv4: vec![cidr.into()],
+            up: true,
+            is_virtual,
+            mtu_bytes: Some(1500),
+        }
+    }
+
+    #[test]
+    fn the_data_network_is_the_shared_one_that_is_not_management() {
+        let h0 = [
+            interface("lo", "127.0.0.1/8", true),
+            interface("eno1", "10.1.1.10/24", false),
+            interface("data0", "10.1.2.10/24", false),
+        ];
+        let h1 = [
+            interface("eth0", "10.1.1.11/24", false),
+            interface("ens5", "10.1.2.11/24", false),
+            interface("docker0", "172.17.0.1/16", true),
+        ];
+        let chosen = choose_data_interfaces(
+            &["h0", "h1"],
+            &[
+                (&h0, None, Some("10.1.1.10")),
+                (&h1, None, Some("10.1.1.11")),
+            ],
+        )
+        .expect("chosen");
+        assert_eq!(
+            chosen,
+            vec![
+                DataInterface {
+                    name: "data0".into(),
+                    address: "10.1.2.10".parse().unwrap()
+                },
+                DataInterface {
+                    name: "ens5".into(),
+                    address: "10.1.2.11".parse().unwrap()
+                },
+            ]
+        );
+        // An override wins, and a missing one is named with what the host has.
+        let chosen = choose_data_interfaces(
+            &["h0", "h1"],
+            &[
+                (&h0, Some("eno1"), Some("10.1.1.10")),
+                (&h1, None, Some("10.1.1.11")),
+            ],
+        )
+        .expect("chosen");
+        assert_eq!(chosen[1].name, "eth0");
+        let error = choose_data_interfaces(
+            &["h0", "h1"],
+            &[(&h0, None, None), (&h1, Some("ib0"), None)],
+        )
+        .expect_err("missing");
+        assert!(
+            error.to_string().contains("`ib0`") && error.to_string().contains("`h1`"),
+            "{error}"
+        );
+        // No common network.
+        let h2 = [interface("eth0", "192.168.9.2/24", false)];
+        let error = choose_data_interfaces(&["h0", "h2"], &[(&h0, None, None), (&h2, None, None)])
+            .expect_err("nothing shared");
+        assert!(error.to_string().contains("nccl-socket-ifname"), "{error}");
+    }
+}

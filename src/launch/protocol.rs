@@ -1,0 +1,199 @@
+//! The wire protocol between the launcher and `infer agent`, carried on the agent's SSH
+//! exec channel: stdin one way, stdout the other. Each frame is a little-endian `u32`
+//! length and a JSON body (the rendezvous store's framing). Everything a run needs — the
+//! run token, rank environments, the run id — travels here, never in a shell string or an
+//! argv.
+
+use std::io::{Read, Write};
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+
+/// Largest frame accepted, bytes (a pushed file travels in chunks well below it).
+pub const MAX_FRAME_BYTES: u32 = 16 << 20;
+
+/// Bytes of a file per [`ToAgent::FileChunk`].
+pub const FILE_CHUNK_BYTES: usize = 4 << 20;
+
+/// What the launcher tells an agent.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ToAgent {
+    /// The first frame: which run this is and how long the agent may go without hearing
+    /// from the launcher before it stops every rank (the lease, seconds).
+    Run { run_id: String, lease_secs: u64 },
+    /// The launcher is alive (sent every second).
+    Heartbeat,
+    /// Host the rendezvous store on `bind` (`ip:0` picks a port) for `token`; answered by
+    /// [`FromAgent::StoreAt`].
+    HostStore { bind: String, token: String },
+    /// sha256 and size of a file on the host (the model); answered by
+    /// [`FromAgent::FileInfo`].
+    HashFile { path: String },
+    /// Start writing `path` (created with its parent, replaced atomically at the end).
+    FileStart { path: String, size_bytes: u64 },
+    /// The next piece of the file being written.
+    FileChunk { bytes: Vec<u8> },
+    /// The file is complete; answered by [`FromAgent::FileInfo`] of what was written.
+    FileEnd,
+    /// Start `infer rank` with exactly `env` (plus `PATH`, `HOME` and the run token).
+    Spawn {
+        rank: usize,
+        env: Vec<(String, String)>,
+        token: String,
+    },
+    /// Send `signal` (a number, `SIGTERM` = 15) to rank `rank`'s process group.
+    Signal { rank: usize, signal: i32 },
+    /// Stop every rank (SIGTERM, grace, SIGKILL) and exit.
+    Shutdown,
+}
+
+/// What an agent tells the launcher.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FromAgent {
+    /// The first frame: who is answering.
+    Hello(AgentHello),
+    /// The store listens at `address`.
+    StoreAt { address: String },
+    /// A file's sha256 (hex) and size; `None` when it does not exist.
+    FileInfo {
+        path: String,
+        sha256: Option<String>,
+        size_bytes: u64,
+    },
+    /// Rank `rank` started as process `pid` (the leader of its own process group).
+    Spawned { rank: usize, pid: u32 },
+    /// A line rank `rank` wrote on stdout or stderr.
+    Line { rank: usize, line: String },
+    /// Rank `rank` exited: its code, or the signal that killed it.
+    Exited {
+        rank: usize,
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+    /// A request failed (`rank` when it concerned one).
+    Error {
+        rank: Option<usize>,
+        message: String,
+    },
+}
+
+/// The agent's first frame.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AgentHello {
+    /// `infer`'s version.
+    pub version: String,
+    /// sha256 of the agent's own executable, hex.
+    pub sha256: String,
+    /// Where that executable is on the host.
+    pub exe: String,
+    /// `std::env::consts::ARCH` (`x86_64`, `aarch64`).
+    pub arch: String,
+    pub hostname: String,
+    /// Logical CPUs of the host.
+    pub n_cpus: usize,
+    /// Network interfaces with IPv4 addresses.
+    pub interfaces: Vec<Interface>,
+    /// The agent's run directory on the host (logs, process-group ids).
+    pub run_dir: String,
+}
+
+/// A network interface as the agent sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Interface {
+    pub name: String,
+    /// IPv4 addresses with their prefix length (`10.0.2.11/24`).
+    pub ipv4: Vec<String>,
+    /// Operationally up.
+    pub up: bool,
+    /// Loopback, bridge, veth, VPN, tunnel… (see `topology::sysfs`).
+    pub is_virtual: bool,
+    pub mtu_bytes: Option<u32>,
+}
+
+/// Writes one frame. Errors: the peer is gone.
+pub fn write_frame<T: Serialize>(out: &mut impl Write, message: &T) -> Result<()> {
+    let body = serde_json::to_vec(message)?;
+    let length = u32::try_from(body.len()).context("frame too large")?;
+    out.write_all(&length.to_le_bytes())?;
+    out.write_all(&body)?;
+    out.flush()?;
+    Ok(())
+}
+
+/// Reads one frame; `Ok(None)` at a clean end of stream. Errors: a truncated or malformed
+/// frame, one over [`MAX_FRAME_BYTES`].
+pub fn read_frame<T: for<'de> Deserialize<'de>>(input: &mut impl Read) -> Result<Option<T>> {
+    let mut length = [0u8; 4];
+    match input.read_exact(&mut length) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(error) => return Err(error.into()),
+    }
+    let length = u32::from_le_bytes(length);
+    if length > MAX_FRAME_BYTES {
+        bail!("a frame of {length} bytes exceeds the limit of {MAX_FRAME_BYTES}");
+    }
+    let mut body = vec![0u8; length as usize];
+    input.read_exact(&mut body)?;
+    serde_json::from_slice(&body)
+        .map(Some)
+        .context("malformed agent frame")
+}
+
+/// Whether `run_id` is one the launcher makes (`run-` and lowercase letters, digits, dashes):
+/// it names a directory, so nothing else is accepted.
+pub fn valid_run_id(run_id: &str) -> bool {
+    run_id.len() <= 64
+        && run_id.starts_with("run-")
+        && run_id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_end_cleanly() {
+        let mut buffer = Vec::new();
+        write_frame(
+            &mut buffer,
+            &ToAgent::Spawn {
+                rank: 3,
+                env: vec![("RANK".into(), "3".into())],
+                token: "secret".into(),
+            },
+        )
+        .expect("write");
+        write_frame(&mut buffer, &ToAgent::Heartbeat).expect("write");
+        let mut reader = &buffer[..];
+        match read_frame::<ToAgent>(&mut reader).expect("read") {
+            Some(ToAgent::Spawn { rank, env, token }) => {
+                assert_eq!((rank, token.as_str()), (3, "secret"));
+                assert_eq!(env, vec![("RANK".to_string(), "3".to_string())]);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(
+            read_frame::<ToAgent>(&mut reader).expect("read"),
+            Some(ToAgent::Heartbeat)
+        ));
+        assert!(read_frame::<ToAgent>(&mut reader).expect("eof").is_none());
+        // A length past the limit is refused before anything is allocated.
+        let huge = (MAX_FRAME_BYTES + 1).to_le_bytes();
+        assert!(read_frame::<ToAgent>(&mut &huge[..]).is_err());
+    }
+
+    #[test]
+    fn run_ids_are_only_ours() {
+        assert!(valid_run_id("run-1a2b3c4d5e6f"));
+        for bad in [
+            "", "../etc", "run-../x", "run-A", "run-1;rm", "-run-1", "run-1 2",
+        ] {
+            assert!(!valid_run_id(bad), "{bad}");
+        }
+    }
+}

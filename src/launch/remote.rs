@@ -1,0 +1,772 @@
+//! The launcher's side of remote hosts: one SSH connection and one `infer agent` per host,
+//! opened in parallel (bounded fan-out) with a preflight that checks every host before
+//! anything starts anywhere; staging of the launcher's own binary where a host's differs;
+//! the model compared by sha256 (or pushed); the store's port forwarded to the launcher;
+//! [`RemoteSpawner`], the [`Spawner`] that starts ranks through the agents.
+//!
+//! The remote command is always a fixed string (`<validated path> agent`, or our own
+//! staging command); the run token, rank environments and files travel as frames.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::protocol::{AgentHello, FILE_CHUNK_BYTES, FromAgent, MAX_FRAME_BYTES, ToAgent};
+use super::ssh::{ConnectError, Connection, SshOptions, SshTarget};
+use super::{RankHandle, Spawner};
+
+/// Hosts connected at once during preflight.
+pub const MAX_PARALLEL_HOSTS: usize = 32;
+/// How long the agents keep ranks alive without hearing from the launcher.
+pub const LEASE: Duration = Duration::from_secs(10);
+
+/// One host as the launcher needs it.
+#[derive(Clone, Debug)]
+pub struct RemoteHostSpec {
+    pub target: SshTarget,
+    /// `infer` on the host; `None`: the launcher's own path, then the staged copy.
+    pub infer_path: Option<String>,
+}
+
+/// What every host must pass before anything starts.
+#[derive(Clone, Debug)]
+pub struct Preflight {
+    pub ssh: SshOptions,
+    /// The model file, at the same path on every host.
+    pub model: PathBuf,
+    /// Copy the model to hosts that lack it.
+    pub push_model: bool,
+}
+
+/// A connected host with its agent running.
+pub struct RemoteHost {
+    pub name: String,
+    pub hello: AgentHello,
+    connection: Arc<Connection>,
+    to_agent: tokio::sync::mpsc::UnboundedSender<ToAgent>,
+    state: Arc<Mutex<HostState>>,
+}
+
+/// What the agent has reported so far.
+#[derive(Default)]
+struct HostState {
+    exits: HashMap<usize, ExitStatus>,
+    spawned: HashMap<usize, std::result::Result<u32, String>>,
+    sinks: HashMap<usize, (File, std::sync::mpsc::Sender<(usize, String)>)>,
+    store_at: Option<std::result::Result<String, String>>,
+    file_info: Option<(Option<String>, u64)>,
+    /// Errors the agent reported that concern no rank.
+    errors: Vec<String>,
+    /// Set when the connection or the agent is gone: why.
+    lost: Option<String>,
+}
+
+/// Every host of a run, connected and checked, on one async runtime.
+pub struct RemoteCluster {
+    runtime: tokio::runtime::Runtime,
+    pub hosts: Vec<RemoteHost>,
+    pub run_id: String,
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// A host that failed preflight: its name, the class of fault and the message.
+pub struct PreflightFailure {
+    pub host: String,
+    pub stage: &'static str,
+    pub message: String,
+}
+
+impl RemoteCluster {
+    /// Connects to every host in parallel, starts its agent (staging our binary where
+    /// needed) and checks the model. `report` hears each host's stage as it passes.
+    ///
+    /// Errors: every host that failed, one line each naming the host, the stage and the
+    /// cause; nothing has been started anywhere then.
+    pub fn connect(
+        hosts: &[RemoteHostSpec],
+        preflight: &Preflight,
+        report: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<RemoteCluster> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .context("cannot start the SSH runtime")?;
+        let run_id = format!("run-{:016x}", rand::random::<u64>());
+        let model_sha = super::agent::sha256_file(&preflight.model)?.with_context(|| {
+            format!(
+                "the model `{}` does not exist here",
+                preflight.model.display()
+            )
+        })?;
+        let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+        let own_sha = super::agent::sha256_file(&exe)?
+            .context("the `infer` executable vanished")?
+            .0;
+        let results = runtime.block_on(async {
+            let semaphore = Arc::new(tokio::sync::Semaphore::new(MAX_PARALLEL_HOSTS));
+            let tasks: Vec<_> = hosts
+                .iter()
+                .map(|spec| {
+                    let (spec, preflight, semaphore) =
+                        (spec.clone(), preflight.clone(), Arc::clone(&semaphore));
+                    let (model_sha, own_sha, exe, run_id) = (
+                        model_sha.clone(),
+                        own_sha.clone(),
+                        exe.clone(),
+                        run_id.clone(),
+                    );
+                    async move {
+                        let _permit = semaphore.acquire().await;
+                        connect_host(&spec, &preflight, &model_sha, &own_sha, &exe, &run_id).await
+                    }
+                })
+                .collect();
+            let mut results = Vec::new();
+            for task in tasks {
+                results.push(task.await);
+            }
+            results
+        });
+        let mut connected = Vec::new();
+        let mut failures = Vec::new();
+        for result in results {
+            match result {
+                Ok(host) => {
+                    report(&host.name, "ready");
+                    connected.push(host);
+                }
+                Err(failure) => failures.push(failure),
+            }
+        }
+        let mut cluster = RemoteCluster {
+            runtime,
+            hosts: connected,
+            run_id,
+            heartbeat: None,
+        };
+        if !failures.is_empty() {
+            cluster.shutdown();
+            let lines: Vec<String> = failures
+                .iter()
+                .map(|f| {
+                    format!(
+                        "  {:<12} {:<18} {}",
+                        f.host,
+                        f.stage,
+                        f.message
+                            .replace('\n', "\n                                  ")
+                    )
+                })
+                .collect();
+            bail!(
+                "preflight failed on {} of {} hosts; nothing was started:\n{}",
+                failures.len(),
+                hosts.len(),
+                lines.join("\n")
+            );
+        }
+        let senders: Vec<_> = cluster.hosts.iter().map(|h| h.to_agent.clone()).collect();
+        cluster.heartbeat = Some(cluster.runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                for sender in &senders {
+                    let _ = sender.send(ToAgent::Heartbeat);
+                }
+            }
+        }));
+        Ok(cluster)
+    }
+
+    /// Asks `host`'s agent to run the rendezvous store on `bind` and forwards a local port
+    /// to it over that host's SSH connection (as `ssh -L`). Returns (the address ranks use,
+    /// the local address the launcher uses).
+    ///
+    /// Errors: the store cannot listen there, or forwarding is refused by `sshd`.
+    pub fn host_store(
+        &self,
+        host: usize,
+        bind: &str,
+        token: &str,
+    ) -> Result<(std::net::SocketAddr, std::net::SocketAddr)> {
+        let host = &self.hosts[host];
+        host.send(ToAgent::HostStore {
+            bind: bind.into(),
+            token: token.into(),
+        })?;
+        let address = host.wait_for(Duration::from_secs(10), "the store to listen", |s| {
+            s.store_at.take()
+        })?;
+        let address: std::net::SocketAddr = address
+            .map_err(|message| anyhow!("`{}`: {message}", host.name))?
+            .parse()
+            .context("the agent reported a malformed store address")?;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")
+            .context("cannot open the local end of the store tunnel")?;
+        let local = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let connection = Arc::clone(&host.connection);
+        let name = host.name.clone();
+        self.runtime.spawn(async move {
+            let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                return;
+            };
+            while let Ok((mut socket, peer)) = listener.accept().await {
+                let connection = Arc::clone(&connection);
+                let name = name.clone();
+                tokio::spawn(async move {
+                    match connection
+                        .handle
+                        .channel_open_direct_tcpip(
+                            address.ip().to_string(),
+                            u32::from(address.port()),
+                            peer.ip().to_string(),
+                            u32::from(peer.port()),
+                        )
+                        .await
+                    {
+                        Ok(channel) => {
+                            let mut stream = channel.into_stream();
+                            let _ = tokio::io::copy_bidirectional(&mut socket, &mut stream).await;
+                        }
+                        Err(error) => {
+                            drop(socket);
+                            let _ = name; // The launcher's store client reports the failure.
+                            let _ = error;
+                        }
+                    }
+                });
+            }
+        });
+        Ok((address, local))
+    }
+
+    /// The [`Spawner`] that starts rank `r` on host `rank_hosts[r]`.
+    pub fn spawner(&self, rank_hosts: Vec<usize>) -> RemoteSpawner<'_> {
+        RemoteSpawner {
+            cluster: self,
+            rank_hosts,
+        }
+    }
+
+    /// Tells every agent to stop its ranks and exit, and closes the connections.
+    pub fn shutdown(&mut self) {
+        if let Some(task) = self.heartbeat.take() {
+            task.abort();
+        }
+        for host in &self.hosts {
+            let _ = host.to_agent.send(ToAgent::Shutdown);
+        }
+        // Give the agents a moment to stop their ranks before the connections close
+        // (closing alone would also stop them: stdin EOF).
+        let deadline = Instant::now() + super::GRACE_PERIOD + Duration::from_millis(500);
+        while Instant::now() < deadline
+            && self
+                .hosts
+                .iter()
+                .any(|h| h.state.lock().map_or(false, |s| s.lost.is_none()))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.hosts.clear();
+    }
+}
+
+impl Drop for RemoteCluster {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl RemoteHost {
+    fn send(&self, frame: ToAgent) -> Result<()> {
+        self.to_agent
+            .send(frame)
+            .map_err(|_| anyhow!("lost the agent on `{}`", self.name))
+    }
+
+    /// Waits until `take` finds what it waits for in the host's state.
+    fn wait_for<T>(
+        &self,
+        timeout: Duration,
+        what: &str,
+        mut take: impl FnMut(&mut HostState) -> Option<T>,
+    ) -> Result<T> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            {
+                let mut state = self
+                    .state
+                    .lock()
+                    .map_err(|_| anyhow!("host state poisoned"))?;
+                if let Some(value) = take(&mut state) {
+                    return Ok(value);
+                }
+                if let Some(lost) = &state.lost {
+                    bail!("lost host `{}` while waiting for {what}: {lost}", self.name);
+                }
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "`{}` did not answer within {} s while waiting for {what}",
+                    self.name,
+                    timeout.as_secs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// Starts ranks through the agents.
+pub struct RemoteSpawner<'a> {
+    cluster: &'a RemoteCluster,
+    rank_hosts: Vec<usize>,
+}
+
+impl Spawner for RemoteSpawner<'_> {
+    fn spawn(
+        &self,
+        rank: usize,
+        env: &[(String, String)],
+        token: &str,
+        log: &Path,
+        lines: &std::sync::mpsc::Sender<(usize, String)>,
+    ) -> Result<Box<dyn RankHandle>> {
+        let host = &self.cluster.hosts[self.rank_hosts[rank]];
+        let file =
+            File::create(log).with_context(|| format!("cannot create `{}`", log.display()))?;
+        host.state
+            .lock()
+            .map_err(|_| anyhow!("host state poisoned"))?
+            .sinks
+            .insert(rank, (file, lines.clone()));
+        host.send(ToAgent::Spawn {
+            rank,
+            env: env.to_vec(),
+            token: token.into(),
+        })?;
+        let pid = host
+            .wait_for(
+                Duration::from_secs(10),
+                &format!("rank {rank} to start"),
+                |s| s.spawned.remove(&rank),
+            )?
+            .map_err(|message| anyhow!("cannot start rank {rank} on `{}`: {message}", host.name))?;
+        Ok(Box::new(RemoteRank {
+            rank,
+            pid,
+            host: host.name.clone(),
+            to_agent: host.to_agent.clone(),
+            state: Arc::clone(&host.state),
+        }))
+    }
+
+    fn describe(&self, rank: usize) -> String {
+        format!("{} r{rank}", self.cluster.hosts[self.rank_hosts[rank]].name)
+    }
+}
+
+/// A rank on a remote host, seen through its agent's frames.
+struct RemoteRank {
+    rank: usize,
+    pid: u32,
+    host: String,
+    to_agent: tokio::sync::mpsc::UnboundedSender<ToAgent>,
+    state: Arc<Mutex<HostState>>,
+}
+
+impl RankHandle for RemoteRank {
+    fn id(&self) -> u32 {
+        self.pid
+    }
+
+    fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        let state = self
+            .state
+            .lock()
+            .map_err(|_| anyhow!("host state poisoned"))?;
+        if let Some(status) = state.exits.get(&self.rank) {
+            return Ok(Some(*status));
+        }
+        if let Some(lost) = &state.lost {
+            bail!(
+                "lost host `{}` (rank {} ran there): {lost}",
+                self.host,
+                self.rank
+            );
+        }
+        Ok(None)
+    }
+
+    fn signal(&mut self, signal: rustix::process::Signal) {
+        let _ = self.to_agent.send(ToAgent::Signal {
+            rank: self.rank,
+            signal: signal.as_raw(),
+        });
+    }
+
+    fn wait(&mut self) {
+        let deadline = Instant::now() + super::GRACE_PERIOD * 2;
+        while Instant::now() < deadline && matches!(self.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn host(&self) -> Option<&str> {
+        Some(&self.host)
+    }
+}
+
+/// Preflight of one host: connect, agent (staged if needed), model. Ends with the agent
+/// started for `run_id`.
+async fn connect_host(
+    spec: &RemoteHostSpec,
+    preflight: &Preflight,
+    model_sha: &(String, u64),
+    own_sha: &str,
+    exe: &Path,
+    run_id: &str,
+) -> std::result::Result<RemoteHost, PreflightFailure> {
+    let name = spec.target.name.clone();
+    let fail = |stage: &'static str, message: String| PreflightFailure {
+        host: name.clone(),
+        stage,
+        message,
+    };
+    let connection = super::ssh::connect(&spec.target, preflight.ssh)
+        .await
+        .map_err(|ConnectError { class, message }| fail(class.name(), message))?;
+    let connection = Arc::new(connection);
+    // The binary: the inventory's path, else ours, else the staged copy; pushed if none
+    // of them is this exact build.
+    let staged = format!(
+        ".cache/infer/bin/infer-{}-{}",
+        env!("CARGO_PKG_VERSION"),
+        &own_sha[..8]
+    );
+    let mut candidates: Vec<String> = Vec::new();
+    match &spec.infer_path {
+        Some(path) => candidates.push(path.clone()),
+        None => {
+            let own = exe.display().to_string();
+            if safe_remote_path(&own) {
+                candidates.push(own);
+            }
+        }
+    }
+    candidates.push(staged.clone());
+    let mut agent = None;
+    for path in &candidates {
+        if !safe_remote_path(path) {
+            return Err(fail(
+                "binary",
+                format!("`{path}` is not a plain path (letters, digits, `/._+-` only)"),
+            ));
+        }
+        if let Some((channel, hello)) = start_agent(&connection, path).await
+            && hello.sha256 == own_sha
+        {
+            agent = Some((channel, hello));
+            break;
+        }
+    }
+    if agent.is_none() {
+        let (arch, _) = connection
+            .output("uname -m", b"")
+            .await
+            .map_err(|e| fail("binary", format!("{e:#}")))?;
+        let arch = String::from_utf8_lossy(&arch).trim().to_string();
+        if arch != std::env::consts::ARCH {
+            return Err(fail(
+                "binary arch",
+                format!(
+                    "the host is `{arch}`, this `infer` is built for `{}`: install a matching `infer` there and name it with `infer-path`",
+                    std::env::consts::ARCH
+                ),
+            ));
+        }
+        let bytes = std::fs::read(exe)
+            .map_err(|e| fail("binary", format!("cannot read `{}`: {e}", exe.display())))?;
+        let command = format!(
+            "mkdir -p .cache/infer/bin && cat > {staged}.upload && chmod 755 {staged}.upload && mv {staged}.upload {staged}"
+        );
+        let (_, status) = connection
+            .output(&command, &bytes)
+            .await
+            .map_err(|e| fail("binary", format!("{e:#}")))?;
+        if status != Some(0) {
+            return Err(fail(
+                "binary",
+                format!("staging `infer` into `~/{staged}` failed (exit {status:?})"),
+            ));
+        }
+        agent = start_agent(&connection, &staged)
+            .await
+            .filter(|(_, hello)| hello.sha256 == own_sha);
+        if agent.is_none() {
+            return Err(fail(
+                "binary",
+                format!(
+                    "the staged `~/{staged}` does not run or its sha256 differs from this build"
+                ),
+            ));
+        }
+    }
+    let (channel, hello) = agent.expect("an agent was found or staged above");
+    let state: Arc<Mutex<HostState>> = Arc::default();
+    let to_agent = pump_frames(channel, Arc::clone(&state));
+    let host = RemoteHost {
+        name: name.clone(),
+        hello,
+        connection,
+        to_agent,
+        state,
+    };
+    host.send(ToAgent::Run {
+        run_id: run_id.into(),
+        lease_secs: LEASE.as_secs(),
+    })
+    .map_err(|e| fail("agent", format!("{e:#}")))?;
+    // The model: the same bytes at the same path.
+    let model = preflight.model.display().to_string();
+    host.send(ToAgent::HashFile {
+        path: model.clone(),
+    })
+    .map_err(|e| fail("agent", format!("{e:#}")))?;
+    let (remote_sha, _) = wait_async(&host, "the model's sha256", |s| s.file_info.take())
+        .await
+        .map_err(|e| fail("model", format!("{e:#}")))?;
+    match remote_sha {
+        Some(sha) if sha == model_sha.0 => {}
+        Some(_) if !preflight.push_model => {
+            return Err(fail(
+                "model different",
+                format!(
+                    "`{model}` differs from the launcher's copy (sha256); copy it there or rerun with `--push-model`"
+                ),
+            ));
+        }
+        None if !preflight.push_model => {
+            return Err(fail(
+                "model missing",
+                format!("`{model}` does not exist there; copy it or rerun with `--push-model`"),
+            ));
+        }
+        _ => push_file(&host, &preflight.model, &model_sha.0)
+            .await
+            .map_err(|e| fail("model push", format!("{e:#}")))?,
+    }
+    Ok(host)
+}
+
+async fn push_file(host: &RemoteHost, path: &Path, sha: &str) -> Result<()> {
+    use std::io::Read;
+    let mut file = File::open(path).with_context(|| format!("cannot read `{}`", path.display()))?;
+    let size_bytes = file.metadata()?.len();
+    let remote = path.display().to_string();
+    host.send(ToAgent::FileStart {
+        path: remote.clone(),
+        size_bytes,
+    })?;
+    let mut buffer = vec![0u8; FILE_CHUNK_BYTES];
+    loop {
+        let n = file.read(&mut buffer)?;
+        if n == 0 {
+            break;
+        }
+        host.send(ToAgent::FileChunk {
+            bytes: buffer[..n].to_vec(),
+        })?;
+    }
+    host.send(ToAgent::FileEnd)?;
+    let (remote_sha, _) =
+        wait_async(host, "the pushed model's sha256", |s| s.file_info.take()).await?;
+    if remote_sha.as_deref() != Some(sha) {
+        bail!("the pushed `{remote}` has another sha256 than the launcher's");
+    }
+    Ok(())
+}
+
+async fn wait_async<T>(
+    host: &RemoteHost,
+    what: &str,
+    mut take: impl FnMut(&mut HostState) -> Option<T>,
+) -> Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        {
+            let mut state = host
+                .state
+                .lock()
+                .map_err(|_| anyhow!("host state poisoned"))?;
+            if let Some(value) = take(&mut state) {
+                return Ok(value);
+            }
+            if let Some(lost) = &state.lost {
+                bail!("lost `{}` while waiting for {what}: {lost}", host.name);
+            }
+        }
+        if Instant::now() >= deadline {
+            bail!("`{}` did not answer while waiting for {what}", host.name);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Runs `<path> agent` and reads its hello; `None` when nothing answers (not installed,
+/// not executable, another program).
+async fn start_agent(connection: &Connection, path: &str) -> Option<(AgentStream, AgentHello)> {
+    let channel = connection.exec(&format!("{path} agent")).await.ok()?;
+    let mut stream = channel.into_stream();
+    let hello = tokio::time::timeout(
+        Duration::from_secs(30),
+        read_frame_async::<FromAgent>(&mut stream),
+    )
+    .await;
+    match hello {
+        Ok(Ok(Some(FromAgent::Hello(hello)))) => Some((stream, hello)),
+        _ => None,
+    }
+}
+
+/// An agent's exec channel as a byte stream (its stdin and stdout).
+type AgentStream = russh::ChannelStream<russh::client::Msg>;
+
+/// Starts the two tasks of a host: one writes the frames sent on the returned sender to
+/// the agent's stdin (a `Shutdown` frame also closes it: EOF), the other applies every
+/// frame the agent sends to `state` (and copies rank lines to their logs and the
+/// launcher). Either marks the host lost when the channel fails.
+fn pump_frames(
+    stream: AgentStream,
+    state: Arc<Mutex<HostState>>,
+) -> tokio::sync::mpsc::UnboundedSender<ToAgent> {
+    let (mut reader, mut writer) = tokio::io::split(stream);
+    let (sender, mut frames) = tokio::sync::mpsc::unbounded_channel::<ToAgent>();
+    let writer_state = Arc::clone(&state);
+    tokio::spawn(async move {
+        while let Some(frame) = frames.recv().await {
+            let Ok(body) = serde_json::to_vec(&frame) else {
+                continue;
+            };
+            let length = (body.len() as u32).to_le_bytes();
+            let sent = async {
+                writer.write_all(&length).await?;
+                writer.write_all(&body).await?;
+                writer.flush().await
+            }
+            .await;
+            if let Err(error) = sent {
+                mark_lost(&writer_state, format!("cannot write to the agent: {error}"));
+                break;
+            }
+            if matches!(frame, ToAgent::Shutdown) {
+                let _ = writer.shutdown().await;
+                break;
+            }
+        }
+    });
+    tokio::spawn(async move {
+        let why = loop {
+            match read_frame_async::<FromAgent>(&mut reader).await {
+                Ok(Some(frame)) => apply(&state, frame),
+                Ok(None) => {
+                    break "the agent's channel closed (host down, or the connection lost)"
+                        .to_string();
+                }
+                Err(error) => break format!("{error:#}"),
+            }
+        };
+        mark_lost(&state, why);
+    });
+    sender
+}
+
+fn mark_lost(state: &Mutex<HostState>, why: String) {
+    if let Ok(mut state) = state.lock()
+        && state.lost.is_none()
+    {
+        state.lost = Some(why);
+    }
+}
+
+fn apply(state: &Mutex<HostState>, frame: FromAgent) {
+    let Ok(mut state) = state.lock() else { return };
+    match frame {
+        FromAgent::Hello(_) => {}
+        FromAgent::StoreAt { address } => state.store_at = Some(Ok(address)),
+        FromAgent::FileInfo {
+            sha256, size_bytes, ..
+        } => state.file_info = Some((sha256, size_bytes)),
+        FromAgent::Spawned { rank, pid } => {
+            state.spawned.insert(rank, Ok(pid));
+        }
+        FromAgent::Line { rank, line } => {
+            if let Some((file, lines)) = state.sinks.get_mut(&rank) {
+                let _ = writeln!(file, "{line}");
+                let _ = lines.send((rank, line));
+            }
+        }
+        FromAgent::Exited { rank, code, signal } => {
+            let raw = match (code, signal) {
+                (_, Some(signal)) => signal & 0x7f,
+                (Some(code), None) => (code & 0xff) << 8,
+                (None, None) => 0xff << 8,
+            };
+            state.exits.insert(rank, ExitStatus::from_raw(raw));
+        }
+        FromAgent::Error {
+            rank: Some(rank),
+            message,
+        } => {
+            state.spawned.insert(rank, Err(message));
+        }
+        FromAgent::Error {
+            rank: None,
+            message,
+        } => {
+            if state.store_at.is_none() {
+                state.store_at = Some(Err(message.clone()));
+            }
+            state.errors.push(message);
+        }
+    }
+}
+
+async fn read_frame_async<T: for<'de> serde::Deserialize<'de>>(
+    input: &mut (impl tokio::io::AsyncRead + Unpin),
+) -> Result<Option<T>> {
+    let mut length = [0u8; 4];
+    match input.read_exact(&mut length).await {
+        Ok(_) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(error) => return Err(error.into()),
+    }
+    let length = u32::from_le_bytes(length);
+    if length > MAX_FRAME_BYTES {
+        bail!("a frame of {length} bytes exceeds the limit");
+    }
+    let mut body = vec![0u8; length as usize];
+    input.read_exact(&mut body).await?;
+    serde_json::from_slice(&body)
+        .map(Some)
+        .context("malformed agent frame")
+}
+
+/// Whether `path` can stand in a fixed remote command as it is: no shell metacharacters,
+/// no leading `-`.
+fn safe_remote_path(path: &str) -> bool {
+    !path.is_empty()
+        && !path.starts_with('-')
+        && path
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._+-".contains(&b))
+}
