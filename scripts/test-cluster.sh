@@ -7,8 +7,12 @@
 #   scripts/test-cluster.sh up ID N DIR    # hosts h0..h(N-1); keys, configs, inventory in DIR
 #   scripts/test-cluster.sh down ID DIR
 #
-# ID is a short tag (letters/digits, ≤ 4 characters) that keeps concurrent clusters apart;
-# subnet octet and names derive from it. Needs root, `ip` and `sshd` (apt openssh-server).
+# ID is a short tag (lowercase letters/digits, ≤ 6 characters) that keeps concurrent clusters
+# apart; names derive from it, and so does the subnet octet unless OCTET is set (the tests
+# set it, so their clusters never share a subnet). Each host's sshd runs in its own mount
+# namespace with empty tmpfs over DIR/private and ~/.cache/infer/bin, so a file the launcher
+# puts there is missing on the hosts (a model to push, a binary to stage), as on real hosts.
+# Needs root, `ip`, `unshare` and `sshd` (apt openssh-server).
 set -euo pipefail
 
 action=${1:?usage: test-cluster.sh up|down ID [N] DIR}
@@ -24,6 +28,11 @@ if [ "$action" = down ]; then
     for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
     ip netns delete "$ns" 2>/dev/null || true
   done
+  # The root-namespace ends of the veth pairs (deleting one end deletes the pair, even
+  # while the kernel is still tearing the namespace down).
+  for link in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^v${id}h" || true); do
+    ip link delete dev "$link" 2>/dev/null || true
+  done
   ip link delete dev "im${id}" 2>/dev/null || true
   ip link delete dev "id${id}" 2>/dev/null || true
   exit 0
@@ -32,10 +41,10 @@ fi
 n=${3:?host count}
 dir=${4:?dir}
 # A /24 pair per cluster id, so concurrent clusters never share a subnet.
-octet=$(( ( $(printf '%s' "$id" | cksum | cut -d' ' -f1) % 200 ) + 20 ))
+octet=${OCTET:-$(( ( $(printf '%s' "$id" | cksum | cut -d' ' -f1) % 200 ) + 20 ))}
 mgmt="10.${octet}.1"
 data="10.${octet}.2"
-mkdir -p "$dir" /run/sshd
+mkdir -p "$dir/private" "$HOME/.cache/infer/bin" /run/sshd
 chmod 700 "$dir"
 
 ip link add name "im${id}" type bridge
@@ -88,7 +97,9 @@ ClientAliveInterval 2
 ClientAliveCountMax 3
 LogLevel VERBOSE
 CFG
-  ip netns exec "$ns" /usr/sbin/sshd -f "$hdir/sshd_config" -E "$hdir/sshd.log"
+  ip netns exec "$ns" unshare --mount --propagation private sh -c '
+    mount -t tmpfs tmpfs "$1/private" && mount -t tmpfs tmpfs "$HOME/.cache/infer/bin" &&
+    exec /usr/sbin/sshd -f "$2/sshd_config" -E "$2/sshd.log"' sh "$dir" "$hdir"
   cat >> "$dir/hosts.toml" <<TOML
 [[hosts]]
 name = "h${i}"

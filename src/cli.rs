@@ -48,6 +48,10 @@ pub struct AgentArgs {
     /// Stop exactly the rank process groups of run RUN_ID on this host, and exit.
     #[arg(long, value_name = "RUN_ID")]
     pub kill: Option<String>,
+
+    /// With `--kill`: only the groups recorded for this inventory host name.
+    #[arg(long, value_name = "NAME", requires = "kill")]
+    pub host: Option<String>,
 }
 
 /// How to reach the hosts of an inventory (`--cluster hosts.toml`).

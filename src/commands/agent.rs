@@ -11,7 +11,7 @@ use crate::ui::Printer;
 pub fn run(args: &AgentArgs, printer: &Printer) -> Result<ExitStatus> {
     match &args.kill {
         Some(run_id) => {
-            let stopped = crate::launch::agent::kill_run(run_id)?;
+            let stopped = crate::launch::agent::kill_run(run_id, args.host.as_deref())?;
             printer.note(&format!(
                 "stopped {stopped} rank process groups of `{run_id}`"
             ));

@@ -26,7 +26,8 @@ use sha2::Digest;
 
 use super::GRACE_PERIOD;
 use super::protocol::{
-    AgentHello, FromAgent, Interface, ToAgent, read_frame, valid_run_id, write_frame,
+    AgentHello, FromAgent, Interface, ToAgent, read_frame, valid_host_dir, valid_run_id,
+    write_frame,
 };
 use crate::rendezvous::StoreServer;
 
@@ -43,10 +44,12 @@ pub fn run_agent() -> Result<()> {
     send(&output, &FromAgent::Hello(hello));
     let frames = read_stdin_frames();
     // The first frame names the run; a probe (staging, topology) may end here with EOF.
-    let (run_id, lease) = match frames.recv() {
-        Ok(Ok(ToAgent::Run { run_id, lease_secs })) => {
-            (run_id, Duration::from_secs(lease_secs.max(1)))
-        }
+    let (run_id, host, lease) = match frames.recv() {
+        Ok(Ok(ToAgent::Run {
+            run_id,
+            host,
+            lease_secs,
+        })) => (run_id, host, Duration::from_secs(lease_secs.max(1))),
         Ok(Ok(ToAgent::HashFile { path })) => {
             send(&output, &file_info(&path));
             return Ok(());
@@ -57,7 +60,10 @@ pub fn run_agent() -> Result<()> {
     if !valid_run_id(&run_id) {
         bail!("`{run_id}` is not a run id of `infer`");
     }
-    let run_dir = runs_dir()?.join(&run_id);
+    if !valid_host_dir(&host) {
+        bail!("host name `{host}` cannot name a directory");
+    }
+    let run_dir = runs_dir()?.join(&run_id).join(&host);
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("cannot create `{}`", run_dir.display()))?;
     let mut agent = Agent {
@@ -83,17 +89,27 @@ pub fn run_agent() -> Result<()> {
     Ok(())
 }
 
-/// `infer agent --kill RUN_ID`: stops exactly that run's rank groups on this host.
+/// `infer agent --kill RUN_ID [--host NAME]`: stops exactly that run's rank groups on this
+/// host (those recorded under `NAME`, or under any host name of the run when `None`, as
+/// where hosts share a home directory; only live local groups of the run are signalled).
 ///
-/// Errors: a malformed run id. A run that is already gone is not an error.
-pub fn kill_run(run_id: &str) -> Result<usize> {
+/// Errors: a malformed run id or host name. A run that is already gone is not an error.
+pub fn kill_run(run_id: &str, host: Option<&str>) -> Result<usize> {
     if !valid_run_id(run_id) {
         bail!("`{run_id}` is not a run id of `infer` (they look like `run-1a2b3c4d`)");
     }
-    let path = runs_dir()?.join(run_id).join("pgids");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        return Ok(0);
+    let run_dir = runs_dir()?.join(run_id);
+    let host_dirs: Vec<PathBuf> = match host {
+        Some(host) if valid_host_dir(host) => vec![run_dir.join(host)],
+        Some(host) => bail!("`{host}` is not a host name of an inventory"),
+        None => std::fs::read_dir(&run_dir)
+            .map(|entries| entries.filter_map(|e| Some(e.ok()?.path())).collect())
+            .unwrap_or_default(),
     };
+    let text: String = host_dirs
+        .iter()
+        .filter_map(|dir| std::fs::read_to_string(dir.join("pgids")).ok())
+        .collect();
     let marker = format!("INFER_RUN_ID={run_id}");
     let groups: Vec<i32> = text
         .lines()
@@ -130,7 +146,12 @@ impl Agent {
     /// Handles frames until the run ends, and says why it ended.
     fn serve(&mut self, frames: &Receiver<Result<ToAgent>>, lease: Duration) -> String {
         let mut heard = Instant::now();
+        let mut said = Instant::now();
         loop {
+            if said.elapsed() >= Duration::from_secs(1) {
+                send(&self.output, &FromAgent::Alive);
+                said = Instant::now();
+            }
             match frames.recv_timeout(Duration::from_millis(50)) {
                 Ok(Ok(ToAgent::Shutdown)) => return "the launcher asked to shut down".into(),
                 Ok(Ok(frame)) => {
@@ -168,7 +189,11 @@ impl Agent {
                 }
                 Err(error) => self.error(None, format!("{error:#}")),
             },
-            ToAgent::HashFile { path } => send(&self.output, &file_info(&path)),
+            ToAgent::HashFile { path } => {
+                // Hashing a large model takes a while: the loop must keep answering.
+                let output = Arc::clone(&self.output);
+                std::thread::spawn(move || send(&output, &file_info(&path)));
+            }
             ToAgent::FileStart { path, .. } => {
                 let target = PathBuf::from(&path);
                 let temporary = target.with_extension("infer-upload");
@@ -196,7 +221,11 @@ impl Agent {
                         .sync_all()
                         .and_then(|()| std::fs::rename(&temporary, &target));
                     match done {
-                        Ok(()) => send(&self.output, &file_info(&target.display().to_string())),
+                        Ok(()) => {
+                            let output = Arc::clone(&self.output);
+                            let path = target.display().to_string();
+                            std::thread::spawn(move || send(&output, &file_info(&path)));
+                        }
                         Err(error) => self.error(
                             None,
                             format!("cannot finish `{}`: {error}", target.display()),

@@ -66,6 +66,16 @@ pub fn start(
     progress: &mut dyn FnMut(Progress),
 ) -> Result<(RemoteCluster, Gang)> {
     let entries = crate::cluster::launch_inventory(&options.inventory)?;
+    if let Some(entry) = entries
+        .iter()
+        .find(|e| !super::protocol::valid_host_dir(&e.name))
+    {
+        bail!(
+            "host name `{}` in `{}`: use letters, digits, `.`, `_` and `-` (it names the host's run directory)",
+            entry.name,
+            options.inventory.display()
+        );
+    }
     let rank_hosts = place(&entries, spec.tp, spec.pp, spec.dp)?;
     let targets = ssh_targets(&entries)?;
     let lines = std::sync::Mutex::new(Vec::new());
@@ -167,7 +177,7 @@ pub fn start(
                 "data_address": interface.address.to_string(),
                 "infer": host.hello.exe,
                 "infer_sha256": host.hello.sha256,
-                "remote_run_dir": format!("{}/{}", host.hello.run_dir, remote.run_id),
+                "remote_run_dir": format!("{}/{}/{}", host.hello.run_dir, remote.run_id, host.name),
             })
         })
         .collect();

@@ -19,9 +19,15 @@ pub const FILE_CHUNK_BYTES: usize = 4 << 20;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum ToAgent {
-    /// The first frame: which run this is and how long the agent may go without hearing
-    /// from the launcher before it stops every rank (the lease, seconds).
-    Run { run_id: String, lease_secs: u64 },
+    /// The first frame: which run this is, the host's inventory name (its run directory is
+    /// `~/.cache/infer/runs/RUN_ID/HOST`, apart even where hosts share a home directory),
+    /// and how long the agent may go without hearing from the launcher before it stops
+    /// every rank (the lease, seconds).
+    Run {
+        run_id: String,
+        host: String,
+        lease_secs: u64,
+    },
     /// The launcher is alive (sent every second).
     Heartbeat,
     /// Host the rendezvous store on `bind` (`ip:0` picks a port) for `token`; answered by
@@ -32,8 +38,12 @@ pub enum ToAgent {
     HashFile { path: String },
     /// Start writing `path` (created with its parent, replaced atomically at the end).
     FileStart { path: String, size_bytes: u64 },
-    /// The next piece of the file being written.
-    FileChunk { bytes: Vec<u8> },
+    /// The next piece of the file being written, base64 (a JSON array of numbers would be
+    /// four times the size).
+    FileChunk {
+        #[serde(with = "base64_bytes")]
+        bytes: Vec<u8>,
+    },
     /// The file is complete; answered by [`FromAgent::FileInfo`] of what was written.
     FileEnd,
     /// Start `infer rank` with exactly `env` (plus `PATH`, `HOME` and the run token).
@@ -72,6 +82,8 @@ pub enum FromAgent {
         code: Option<i32>,
         signal: Option<i32>,
     },
+    /// The agent is alive (sent every second, so the launcher notices a partition).
+    Alive,
     /// A request failed (`rank` when it concerned one).
     Error {
         rank: Option<usize>,
@@ -110,6 +122,22 @@ pub struct Interface {
     /// Loopback, bridge, veth, VPN, tunnel… (see `topology::sysfs`).
     pub is_virtual: bool,
     pub mtu_bytes: Option<u32>,
+}
+
+/// Bytes as a base64 string in JSON.
+mod base64_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&data_encoding::BASE64.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        data_encoding::BASE64
+            .decode(text.as_bytes())
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 /// Writes one frame. Errors: the peer is gone.
@@ -152,6 +180,17 @@ pub fn valid_run_id(run_id: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
+/// Whether `name` can name a directory as it is (letters, digits, `.`, `_`, `-`, not
+/// starting with `.` or `-`).
+pub fn valid_host_dir(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with(['.', '-'])
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +208,13 @@ mod tests {
         )
         .expect("write");
         write_frame(&mut buffer, &ToAgent::Heartbeat).expect("write");
+        write_frame(
+            &mut buffer,
+            &ToAgent::FileChunk {
+                bytes: vec![0, 1, 254, 255],
+            },
+        )
+        .expect("write");
         let mut reader = &buffer[..];
         match read_frame::<ToAgent>(&mut reader).expect("read") {
             Some(ToAgent::Spawn { rank, env, token }) => {
@@ -181,6 +227,10 @@ mod tests {
             read_frame::<ToAgent>(&mut reader).expect("read"),
             Some(ToAgent::Heartbeat)
         ));
+        match read_frame::<ToAgent>(&mut reader).expect("read") {
+            Some(ToAgent::FileChunk { bytes }) => assert_eq!(bytes, vec![0, 1, 254, 255]),
+            other => panic!("unexpected {other:?}"),
+        }
         assert!(read_frame::<ToAgent>(&mut reader).expect("eof").is_none());
         // A length past the limit is refused before anything is allocated.
         let huge = (MAX_FRAME_BYTES + 1).to_le_bytes();

@@ -27,6 +27,10 @@ use super::{RankHandle, Spawner};
 pub const MAX_PARALLEL_HOSTS: usize = 32;
 /// How long the agents keep ranks alive without hearing from the launcher.
 pub const LEASE: Duration = Duration::from_secs(10);
+/// How long the launcher waits for word from an agent before it declares the host lost:
+/// half the lease, so the launcher names the host before that host's agent stops its ranks
+/// and their peers fail.
+pub const AGENT_SILENCE: Duration = Duration::from_secs(5);
 
 /// One host as the launcher needs it.
 #[derive(Clone, Debug)]
@@ -67,6 +71,8 @@ struct HostState {
     errors: Vec<String>,
     /// Set when the connection or the agent is gone: why.
     lost: Option<String>,
+    /// When the agent last sent a frame.
+    heard: Option<Instant>,
 }
 
 /// Every host of a run, connected and checked, on one async runtime.
@@ -272,7 +278,7 @@ impl RemoteCluster {
             && self
                 .hosts
                 .iter()
-                .any(|h| h.state.lock().map_or(false, |s| s.lost.is_none()))
+                .any(|h| h.state.lock().is_ok_and(|s| s.lost.is_none()))
         {
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -533,6 +539,7 @@ async fn connect_host(
     };
     host.send(ToAgent::Run {
         run_id: run_id.into(),
+        host: name.clone(),
         lease_secs: LEASE.as_secs(),
     })
     .map_err(|e| fail("agent", format!("{e:#}")))?;
@@ -674,6 +681,23 @@ fn pump_frames(
             }
         }
     });
+    let watched = Arc::clone(&state);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let Ok(mut state) = watched.lock() else { break };
+            if state.lost.is_some() {
+                break;
+            }
+            if state.heard.is_some_and(|at| at.elapsed() > AGENT_SILENCE) {
+                state.lost = Some(format!(
+                    "no word from its agent for {} s (network partition, or the host is down)",
+                    AGENT_SILENCE.as_secs()
+                ));
+                break;
+            }
+        }
+    });
     tokio::spawn(async move {
         let why = loop {
             match read_frame_async::<FromAgent>(&mut reader).await {
@@ -700,8 +724,9 @@ fn mark_lost(state: &Mutex<HostState>, why: String) {
 
 fn apply(state: &Mutex<HostState>, frame: FromAgent) {
     let Ok(mut state) = state.lock() else { return };
+    state.heard = Some(Instant::now());
     match frame {
-        FromAgent::Hello(_) => {}
+        FromAgent::Hello(_) | FromAgent::Alive => {}
         FromAgent::StoreAt { address } => state.store_at = Some(Ok(address)),
         FromAgent::FileInfo {
             sha256, size_bytes, ..

@@ -1,0 +1,640 @@
+//! Multi-host runs over SSH on a real test cluster built by the tests themselves: network
+//! namespaces ("hosts"), each with its own OpenSSH `sshd` (and its own mount namespace, so
+//! a file may be missing on a host), joined by a management and a data bridge, with
+//! different NIC names per host (`scripts/test-cluster.sh`). The launcher runs in the root
+//! namespace, which is on the management network only.
+//!
+//! These need root, `ip`, `unshare` and `sshd`: in CI (`CI` set) or with
+//! `INFER_TEST_HARDWARE=1` a missing one fails the test; elsewhere the test returns early.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::distributed::alive;
+use crate::infer;
+
+/// One host of a test cluster.
+pub struct TestHost {
+    pub name: String,
+    pub namespace: String,
+    pub management: String,
+    pub data: String,
+    pub data_nic: String,
+}
+
+/// A test cluster; dropping it stops every sshd and deletes the namespaces and bridges.
+pub struct TestCluster {
+    id: String,
+    pub dir: PathBuf,
+    _temp: tempfile::TempDir,
+    pub hosts: Vec<TestHost>,
+    pub inventory: PathBuf,
+}
+
+static CLUSTERS: AtomicU32 = AtomicU32::new(0);
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/test-cluster.sh")
+}
+
+/// Why this machine cannot build a test cluster, if it cannot.
+fn missing_requirement() -> Option<String> {
+    if !rustix::process::geteuid().is_root() {
+        return Some("the test cluster needs root (network namespaces, sshd)".into());
+    }
+    for tool in ["/usr/sbin/sshd", "/usr/bin/ssh-keygen"] {
+        if !Path::new(tool).exists() {
+            return Some(format!(
+                "`{tool}` is missing: `apt-get install openssh-server openssh-client`"
+            ));
+        }
+    }
+    for tool in ["ip", "unshare"] {
+        let found = Command::new(tool).arg("--version").output().is_ok();
+        if !found {
+            return Some(format!(
+                "`{tool}` is missing: `apt-get install iproute2 util-linux`"
+            ));
+        }
+    }
+    None
+}
+
+impl TestCluster {
+    /// Builds a cluster of `n_hosts` hosts with `cpu_ranks` slots each; `None` (the test
+    /// returns) where that cannot be done outside CI.
+    pub fn start(n_hosts: usize, cpu_ranks: usize) -> Option<TestCluster> {
+        if let Some(why) = missing_requirement() {
+            let required = std::env::var_os("CI").is_some()
+                || std::env::var("INFER_TEST_HARDWARE").is_ok_and(|v| v == "1");
+            assert!(!required, "cannot build the SSH test cluster: {why}");
+            return None;
+        }
+        let serial = CLUSTERS.fetch_add(1, Ordering::SeqCst);
+        let id = format!("{:03x}{serial}", std::process::id() & 0xfff);
+        let octet = 20 + (std::process::id() * 13 + serial * 7) % 200;
+        let temp = tempfile::Builder::new()
+            .prefix("infer-cluster-")
+            .tempdir()
+            .expect("temp dir");
+        let dir = temp.path().to_path_buf();
+        let output = Command::new("bash")
+            .arg(script())
+            .args(["up", &id, &n_hosts.to_string()])
+            .arg(&dir)
+            .env("OCTET", octet.to_string())
+            .output()
+            .expect("run scripts/test-cluster.sh");
+        let mut cluster = TestCluster {
+            id,
+            dir: dir.clone(),
+            _temp: temp,
+            hosts: Vec::new(),
+            inventory: dir.join("hosts.toml"),
+        };
+        assert!(
+            output.status.success(),
+            "test-cluster.sh up failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let listing = std::fs::read_to_string(dir.join("hosts.txt")).expect("hosts.txt");
+        for line in listing.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            cluster.hosts.push(TestHost {
+                name: fields[0].into(),
+                namespace: fields[1].into(),
+                management: fields[2].into(),
+                data: fields[3].into(),
+                data_nic: fields[5].into(),
+            });
+        }
+        if cpu_ranks != 2 {
+            let text = std::fs::read_to_string(&cluster.inventory).expect("inventory");
+            std::fs::write(
+                &cluster.inventory,
+                text.replace("cpu-ranks = 2", &format!("cpu-ranks = {cpu_ranks}")),
+            )
+            .expect("inventory");
+        }
+        // Wait until every sshd listens.
+        for host in &cluster.hosts {
+            let address: std::net::SocketAddr =
+                format!("{}:22", host.management).parse().expect("address");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while std::net::TcpStream::connect_timeout(&address, Duration::from_millis(200))
+                .is_err()
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "sshd on {} never listened",
+                    host.name
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Some(cluster)
+    }
+
+    /// Trusts every host's key in the inventory's `known_hosts`, as a user would have.
+    pub fn trust_hosts(&self) {
+        let listing = std::fs::read_to_string(self.dir.join("hosts.txt")).expect("hosts.txt");
+        let mut known = String::new();
+        for line in listing.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            known.push_str(&format!("{} {} {}\n", fields[2], fields[6], fields[7]));
+        }
+        std::fs::write(self.dir.join("known_hosts"), known).expect("known_hosts");
+    }
+
+    /// Puts the inventory's text through `edit`.
+    pub fn edit_inventory(&self, edit: impl FnOnce(String) -> String) {
+        let text = std::fs::read_to_string(&self.inventory).expect("inventory");
+        std::fs::write(&self.inventory, edit(text)).expect("inventory");
+    }
+
+    /// The root-namespace end of a host's management link.
+    pub fn management_link(&self, host: usize) -> String {
+        format!("v{}h{host}m", self.id)
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(script())
+            .args(["down", &self.id])
+            .arg(&self.dir)
+            .output();
+    }
+}
+
+/// `infer generate --json` over the cluster (or locally with `inventory` `None`).
+fn generate(inventory: Option<&Path>, args: &[&str]) -> Output {
+    let mut command = infer();
+    command.args(["generate", "--json"]);
+    if let Some(inventory) = inventory {
+        command.arg("--cluster").arg(inventory);
+    }
+    command.args(args).output().expect("run infer")
+}
+
+fn tokens_of(output: &Output) -> Vec<u64> {
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "stderr:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    json["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_u64().expect("id"))
+        .collect()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// The newest run directory's manifest.
+fn manifest_of(stderr_text: &str) -> Value {
+    let dir = stderr_text
+        .split("manifest.json in ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("the launcher names its run directory");
+    serde_json::from_slice(&std::fs::read(Path::new(dir).join("manifest.json")).expect("manifest"))
+        .expect("JSON")
+}
+
+#[test]
+fn generation_over_two_hosts_gives_the_single_process_tokens() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(2, 3) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let prompt = ["--prompt", "def fibonacci(n):", "--max-tokens", "24"];
+    let reference = tokens_of(&generate(None, &prompt));
+    for layout in [&["--pp", "2"][..], &["--tp", "3", "--pp", "2"][..]] {
+        let args: Vec<&str> = prompt.iter().chain(layout).copied().collect();
+        let output = generate(Some(&cluster.inventory), &args);
+        assert_eq!(tokens_of(&output), reference, "{layout:?}");
+        // Each host's ranks got that host's own data interface, and MASTER_ADDR is rank
+        // 0's host on the data network.
+        let manifest = manifest_of(&stderr(&output));
+        for rank in manifest["ranks"].as_array().expect("ranks") {
+            let host = &cluster.hosts[usize::from(rank["host"] == "h1")];
+            assert_eq!(rank["host"], host.name.as_str());
+            assert_eq!(
+                rank["env"]["NCCL_SOCKET_IFNAME"],
+                format!("={}", host.data_nic).as_str()
+            );
+            assert_eq!(rank["env"]["GLOO_SOCKET_IFNAME"], host.data_nic.as_str());
+            assert_eq!(rank["env"]["INFER_BIND_ADDR"], host.data.as_str());
+            assert_eq!(rank["env"]["MASTER_ADDR"], cluster.hosts[0].data.as_str());
+        }
+        let text = stderr(&output);
+        assert!(text.contains("[h0 r0]") && text.contains("[h1 r"), "{text}");
+    }
+    // The interfaces really differ by host.
+    assert_ne!(cluster.hosts[0].data_nic, cluster.hosts[1].data_nic);
+}
+
+#[test]
+fn host_keys_auth_and_addresses_are_checked_before_anything_starts() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(1, 1) else {
+        return;
+    };
+    let args = ["--prompt", "1, 2, 3,", "--max-tokens", "2"];
+    // Unknown key: refused with its fingerprint and the command to trust it.
+    let output = generate(Some(&cluster.inventory), &args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("is not known") && text.contains("SHA256:") && text.contains("ssh-keyscan"),
+        "{text}"
+    );
+    assert!(text.contains("nothing was started"), "{text}");
+    let known_hosts = cluster.dir.join("known_hosts");
+    assert_eq!(
+        std::fs::read_to_string(&known_hosts).expect("known_hosts"),
+        ""
+    );
+    // --ssh-accept-new trusts it and records it.
+    let mut accepted: Vec<&str> = args.to_vec();
+    accepted.push("--ssh-accept-new");
+    tokens_of(&generate(Some(&cluster.inventory), &accepted));
+    let recorded = std::fs::read_to_string(&known_hosts).expect("known_hosts");
+    assert!(
+        recorded
+            .trim_start()
+            .starts_with(&format!("{} ssh-ed25519 ", cluster.hosts[0].management)),
+        "{recorded}"
+    );
+    // A changed key is refused, even with --ssh-accept-new.
+    let other = cluster.dir.join("other_key");
+    let keygen = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(&other)
+        .status()
+        .expect("ssh-keygen");
+    assert!(keygen.success());
+    let other_public = std::fs::read_to_string(other.with_extension("pub")).expect("key");
+    let fields: Vec<&str> = other_public.split_whitespace().collect();
+    std::fs::write(
+        &known_hosts,
+        format!(
+            "{} {} {}\n",
+            cluster.hosts[0].management, fields[0], fields[1]
+        ),
+    )
+    .expect("known_hosts");
+    let output = generate(Some(&cluster.inventory), &accepted);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("CHANGED")
+            && text.contains("host key changed")
+            && text.contains("ssh-keygen -R"),
+        "{text}"
+    );
+    cluster.trust_hosts();
+    // Auth refused: a key the host does not authorize.
+    cluster.edit_inventory(|text| {
+        let key = cluster.dir.join("client_ed25519").display().to_string();
+        text.replace(&key, &other.display().to_string())
+    });
+    let output = generate(Some(&cluster.inventory), &args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("auth refused") && text.contains("refused authentication as `root`"),
+        "{text}"
+    );
+    // Unknown host, refused port, and a host string that would read as an option.
+    let management = cluster.hosts[0].management.clone();
+    for (address, port, expected) in [
+        ("no-such-host.invalid", 22, "cannot resolve"),
+        (management.as_str(), 2, "refused the connection"),
+        ("-oProxyCommand=touch /tmp/pwned", 22, "starts with `-`"),
+    ] {
+        cluster.edit_inventory(|text| {
+            let start = text.find("[[hosts]]").expect("a host");
+            format!(
+                "{}[[hosts]]\nname = \"h0\"\naddress = \"{address}\"\nport = {port}\ncpu-ranks = 1\n",
+                &text[..start]
+            )
+        });
+        let output = generate(Some(&cluster.inventory), &args);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{address}: {text}");
+        assert!(text.contains(expected), "{address}: {text}");
+    }
+    assert!(!Path::new("/tmp/pwned").exists());
+}
+
+#[test]
+fn twelve_ranks_on_one_host_with_a_staged_binary_and_a_pushed_model() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(1, 12) else {
+        return;
+    };
+    cluster.trust_hosts();
+    // No `infer` at the inventory's path on the host: the launcher stages its own.
+    cluster.edit_inventory(|text| {
+        text.replace(
+            "cpu-ranks = 12",
+            "cpu-ranks = 12\ninfer-path = \"/nonexistent/infer\"",
+        )
+    });
+    // The model at a path the host does not have (its own empty tmpfs there).
+    let model = cluster.dir.join("private/model.gguf");
+    std::fs::copy(
+        infer::model::default::ensure(&mut |_| {}).expect("model"),
+        &model,
+    )
+    .expect("copy");
+    let model_arg = model.display().to_string();
+    let args = [
+        "--prompt",
+        "1, 2, 3, 4, 5,",
+        "--max-tokens",
+        "8",
+        "--tp",
+        "3",
+        "--pp",
+        "4",
+        "--model",
+        &model_arg,
+    ];
+    let output = generate(Some(&cluster.inventory), &args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("model missing") && text.contains("--push-model"),
+        "{text}"
+    );
+    let mut pushed: Vec<&str> = args.to_vec();
+    pushed.push("--push-model");
+    // Twelve ranks on one host: one exec channel for the agent, not one per rank
+    // (OpenSSH's MaxSessions is 10).
+    let output = generate(Some(&cluster.inventory), &pushed);
+    let reference = generate(None, &args[..8]);
+    assert_eq!(tokens_of(&output), tokens_of(&reference));
+    let manifest = manifest_of(&stderr(&output));
+    assert_eq!(manifest["ranks"].as_array().expect("ranks").len(), 12);
+    let staged = manifest["hosts"][0]["infer"].as_str().expect("infer path");
+    assert!(staged.contains("/.cache/infer/bin/infer-"), "{staged}");
+    assert_eq!(
+        manifest["hosts"][0]["infer_sha256"],
+        infer::launch::agent::sha256_file(Path::new(env!("CARGO_BIN_EXE_infer")))
+            .expect("sha")
+            .expect("exists")
+            .0
+            .as_str()
+    );
+}
+
+/// A long generation over the cluster, running until the test stops it: the launcher, and
+/// its manifest once every rank has loaded.
+fn start_long_generation(
+    cluster: &TestCluster,
+) -> (Child, Value, std::sync::mpsc::Receiver<String>) {
+    let mut child = infer()
+        .args([
+            "generate",
+            "--prompt",
+            "1, 2, 3,",
+            "--max-tokens",
+            "100000",
+            "--pp",
+            "2",
+            "--cluster",
+        ])
+        .arg(&cluster.inventory)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start infer");
+    let stderr = child.stderr.take().expect("stderr");
+    let (sender, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if sender.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut manifest = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = Vec::new();
+    while Instant::now() < deadline {
+        match lines.recv_timeout(Duration::from_millis(100)) {
+            Ok(line) => {
+                if line.contains("manifest.json in ") {
+                    manifest = Some(line.clone());
+                }
+                let loaded = line.contains("2/2 ranks loaded");
+                seen.push(line);
+                if loaded {
+                    break;
+                }
+            }
+            Err(_) if matches!(child.try_wait(), Ok(Some(_))) => break,
+            Err(_) => {}
+        }
+    }
+    let manifest = manifest.unwrap_or_else(|| panic!("no manifest; stderr:\n{}", seen.join("\n")));
+    (child, manifest_of(&manifest), lines)
+}
+
+fn rank_pids(manifest: &Value) -> Vec<(String, u32)> {
+    manifest["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| {
+            (
+                r["host"].as_str().expect("host").to_string(),
+                r["pid"].as_u64().expect("pid") as u32,
+            )
+        })
+        .collect()
+}
+
+fn wait_gone(pids: &[(String, u32)], within: Duration) -> Option<Vec<(String, u32)>> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left: Vec<(String, u32)> = pids
+            .iter()
+            .filter(|(_, pid)| alive(*pid))
+            .cloned()
+            .collect();
+        if left.is_empty() {
+            return None;
+        }
+        if Instant::now() >= deadline {
+            return Some(left);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn wait_exit(child: &mut Child, within: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+#[test]
+fn a_killed_launcher_leaves_no_remote_rank_and_another_run_keeps_going() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(2, 2) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let (mut first, first_manifest, _first_lines) = start_long_generation(&cluster);
+    let (mut second, second_manifest, second_lines) = start_long_generation(&cluster);
+    // The pipeline's activations travel between the hosts' data addresses: h1 has an
+    // established connection to h0's data address (and none to its management address
+    // but SSH).
+    let connections = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &cluster.hosts[1].namespace,
+            "ss",
+            "-tnH",
+            "state",
+            "established",
+        ])
+        .output()
+        .expect("ss");
+    let connections = String::from_utf8_lossy(&connections.stdout);
+    assert!(
+        connections
+            .lines()
+            .any(|l| l.contains(&format!("{}:", cluster.hosts[1].data))
+                && l.contains(&format!("{}:", cluster.hosts[0].data))),
+        "{connections}"
+    );
+    let first_pids = rank_pids(&first_manifest);
+    let second_pids = rank_pids(&second_manifest);
+    assert!(
+        first_pids
+            .iter()
+            .chain(&second_pids)
+            .all(|(_, pid)| alive(*pid))
+    );
+    // kill -9 of the first launcher: its remote ranks are gone within 3 s (stdin EOF at
+    // each agent), the second run's ranks are untouched.
+    first.kill().expect("kill -9");
+    let _ = first.wait();
+    let killed_at = Instant::now();
+    assert_eq!(
+        wait_gone(&first_pids, Duration::from_secs(3)),
+        None,
+        "ranks left after kill -9"
+    );
+    let teardown = killed_at.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        second_pids.iter().all(|(_, pid)| alive(*pid)),
+        "the other run lost ranks"
+    );
+    assert!(
+        matches!(second.try_wait(), Ok(None)),
+        "the other run stopped"
+    );
+    // `infer agent --kill RUN_ID` on a host stops exactly that run's ranks there; the
+    // launcher then fails, naming the rank and its host.
+    let run_id = second_manifest["run_id"].as_str().expect("run id");
+    let killed = Command::new("ip")
+        .args(["netns", "exec", &cluster.hosts[1].namespace])
+        .arg(env!("CARGO_BIN_EXE_infer"))
+        .args(["agent", "--kill", run_id, "--host", "h1"])
+        .output()
+        .expect("infer agent --kill");
+    assert!(
+        String::from_utf8_lossy(&killed.stderr).contains("stopped 1 rank"),
+        "{}",
+        String::from_utf8_lossy(&killed.stderr)
+    );
+    let status = wait_exit(&mut second, Duration::from_secs(10)).expect("the launcher exits");
+    let text: Vec<String> = second_lines.try_iter().collect();
+    let text = text.join("\n");
+    assert_eq!(status.code(), Some(2), "{text}");
+    assert!(text.contains("rank 1 on `h1`"), "{text}");
+    assert_eq!(wait_gone(&second_pids, Duration::from_secs(3)), None);
+    assert!(teardown < Duration::from_secs(3), "{teardown:?}");
+}
+
+#[test]
+fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    // A rank killed on h1.
+    let (mut launcher, manifest, lines) = start_long_generation(&cluster);
+    let pids = rank_pids(&manifest);
+    let (_, victim) = pids
+        .iter()
+        .find(|(host, _)| host == "h1")
+        .cloned()
+        .expect("a rank on h1");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(victim as i32).expect("pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill the rank");
+    let status =
+        wait_exit(&mut launcher, Duration::from_secs(5)).expect("the launcher exits within 5 s");
+    assert_eq!(status.code(), Some(2));
+    let text: Vec<String> = lines.try_iter().collect();
+    let text = text.join("\n");
+    assert!(
+        text.contains("rank 1 on `h1`") && text.contains("signal: 9"),
+        "{text}"
+    );
+    assert_eq!(wait_gone(&pids, Duration::from_secs(3)), None);
+    // The management link of h1 goes down (a partition between the launcher and h1): the
+    // launcher names h1 and exits non-zero; h1's agent stops its rank within the lease.
+    let (mut launcher, manifest, lines) = start_long_generation(&cluster);
+    let pids = rank_pids(&manifest);
+    let link = cluster.management_link(1);
+    let down = Command::new("ip")
+        .args(["link", "set", "dev", &link, "down"])
+        .status()
+        .expect("ip");
+    assert!(down.success());
+    let cut_at = Instant::now();
+    let status = wait_exit(&mut launcher, Duration::from_secs(15)).expect("the launcher exits");
+    assert_ne!(status.code(), Some(0));
+    let text: Vec<String> = lines.try_iter().collect();
+    let text = text.join("\n");
+    assert!(text.contains("`h1`"), "{text}");
+    let lease = infer::launch::remote::LEASE + infer::launch::GRACE_PERIOD + Duration::from_secs(2);
+    assert_eq!(
+        wait_gone(&pids, lease.saturating_sub(cut_at.elapsed())),
+        None,
+        "h1's rank outlived the lease"
+    );
+}
