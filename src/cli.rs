@@ -427,9 +427,14 @@ pub struct UpArgs {
     pub plan: Option<PathBuf>,
 
     /// Plan for this cluster (`local`, a TOML inventory or `NODESxGPUSxHW`, as `infer plan`)
-    /// and launch the chosen layout.
+    /// and launch the chosen layout. An inventory's hosts are reached over SSH and the ranks
+    /// run there (`--tp/--pp/--dp` then pin the degrees; CPU-rank hosts get one replica
+    /// each by default); this process serves `--host:--port`, forwarded to rank 0.
     #[arg(long, value_name = "C")]
     pub cluster: Option<String>,
+
+    #[command(flatten)]
+    pub ssh: SshArgs,
 
     /// Where the ranks compute: `cpu` (the quantized CPU kernels) or `cuda`.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]

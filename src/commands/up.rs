@@ -44,7 +44,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     let model_id = model_id(&path);
     let layout = resolve_layout(args, &path, printer)?;
-    if layout.world_size() > 1 {
+    if layout.world_size() > 1 || inventory(args).is_some() {
         return launch(args, &layout, &path, &model_id, started, printer);
     }
     // Listen first: until the engine is ready every endpoint answers 503.
@@ -82,6 +82,14 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     Ok(ExitStatus::Success)
 }
 
+/// The inventory `--cluster` names, when it names one (ranks then run on its hosts).
+fn inventory(args: &UpArgs) -> Option<std::path::PathBuf> {
+    args.cluster
+        .as_deref()
+        .filter(|c| crate::cluster::is_inventory(c))
+        .map(std::path::PathBuf::from)
+}
+
 /// The id `/v1/models` lists for the model at `path`: its file stem.
 fn model_id(path: &std::path::Path) -> String {
     path.file_stem().map_or_else(
@@ -114,11 +122,46 @@ impl Layout {
 /// than 1 or `--tp`.
 fn resolve_layout(args: &UpArgs, path: &std::path::Path, printer: &Printer) -> Result<Layout> {
     let explicit = [args.tp, args.pp, args.dp, args.ep];
-    let from_plan = args.plan.is_some() || args.cluster.is_some();
-    if from_plan && explicit.iter().any(Option::is_some) {
+    let pinned = explicit.iter().any(Option::is_some);
+    let inventory = inventory(args);
+    let from_plan = args.plan.is_some() || (args.cluster.is_some() && inventory.is_none());
+    if from_plan && pinned {
         bail!("give the layout either with --plan/--cluster or with --tp/--pp/--dp/--ep, not both");
     }
-    let layout = if let Some(file) = &args.plan {
+    let layout = if let Some(file) = inventory.as_ref().filter(|_| !pinned) {
+        // An inventory without pinned degrees: plan over its GPU hosts, or one replica per
+        // host when they run CPU ranks.
+        let entries = crate::cluster::launch_inventory(file)?;
+        if entries.iter().all(|e| e.cpu) {
+            Layout {
+                tp: 1,
+                pp: 1,
+                dp: entries.len(),
+                ep: 1,
+                from: format!("one replica per host of `{}`", file.display()),
+            }
+        } else {
+            let spec = model::load(&path.display().to_string())?;
+            let cluster =
+                crate::cluster::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
+            match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
+                crate::plan::Outcome::Feasible(plan) => {
+                    let p = &plan.parallel;
+                    Layout {
+                        tp: p.tp as usize,
+                        pp: p.pp as usize,
+                        dp: p.dp as usize,
+                        ep: p.ep as usize,
+                        from: format!("the plan for `{}`", file.display()),
+                    }
+                }
+                crate::plan::Outcome::Infeasible(infeasible) => bail!(
+                    "no layout fits the model on this cluster:\n{}",
+                    crate::plan::render::render_infeasible(&infeasible, false)
+                ),
+            }
+        }
+    } else if let Some(file) = &args.plan {
         let text = std::fs::read_to_string(file)
             .with_context(|| format!("cannot read the plan `{}`", file.display()))?;
         let plan: crate::plan::Plan = serde_json::from_str(&text).with_context(|| {
@@ -128,7 +171,7 @@ fn resolve_layout(args: &UpArgs, path: &std::path::Path, printer: &Printer) -> R
             )
         })?;
         layout_of(&plan, &format!("the plan `{}`", file.display()), printer)?
-    } else if let Some(cluster) = &args.cluster {
+    } else if let Some(cluster) = args.cluster.as_ref().filter(|_| inventory.is_none()) {
         let spec = model::load(&path.display().to_string())?;
         let cluster = crate::cluster::load(cluster, std::path::Path::new("/sys"))?;
         match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
@@ -146,7 +189,10 @@ fn resolve_layout(args: &UpArgs, path: &std::path::Path, printer: &Printer) -> R
             pp: args.pp.unwrap_or(1),
             dp: args.dp.unwrap_or(1),
             ep: args.ep.unwrap_or(1),
-            from: "the --tp/--pp/--dp/--ep flags".into(),
+            from: match &inventory {
+                Some(file) => format!("the --tp/--pp/--dp/--ep flags on `{}`", file.display()),
+                None => "the --tp/--pp/--dp/--ep flags".into(),
+            },
         }
     };
     if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.ep == 0 {
@@ -206,9 +252,23 @@ fn launch(
     super::require_gguf_for_ranks(path)?;
     let world = layout.world_size();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let inventory = inventory(args);
+    // On a cluster, the launcher listens at --host:--port itself (before anything starts,
+    // so a port in use fails first) and forwards to rank 0's server on its host's loopback.
+    let local_http = match &inventory {
+        Some(_) => Some(
+            std::net::TcpListener::bind((args.host.as_str(), args.port))
+                .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?,
+        ),
+        None => None,
+    };
+    let (http_host, http_port) = match &local_http {
+        Some(_) => ("127.0.0.1".to_string(), "0".to_string()),
+        None => (args.host.clone(), args.port.to_string()),
+    };
     let mut extra_env = vec![
-        ("INFER_HTTP_HOST".to_string(), args.host.clone()),
-        ("INFER_HTTP_PORT".to_string(), args.port.to_string()),
+        ("INFER_HTTP_HOST".to_string(), http_host),
+        ("INFER_HTTP_PORT".to_string(), http_port),
         ("INFER_MAX_BATCH".to_string(), args.max_batch.to_string()),
         ("INFER_MODEL_ID".to_string(), model_id.to_string()),
         (
@@ -225,10 +285,10 @@ fn launch(
         dp: layout.dp,
         ep: layout.ep,
         model: path.to_path_buf(),
-        threads_per_rank: if args.threads > 0 {
-            args.threads
-        } else {
-            (cores / world).max(1)
+        threads_per_rank: match (args.threads, &inventory) {
+            (0, None) => (cores / world).max(1),
+            // On a cluster, 0 means each host's cores over its ranks.
+            (threads, _) => threads,
         },
         numerics: args.numerics.into(),
         timeout: Duration::from_secs(60),
@@ -238,11 +298,37 @@ fn launch(
     };
     let stop = Arc::new(AtomicBool::new(false));
     watch_signals(Arc::clone(&stop))?;
-    let mut gang = Gang::start(&spec, &Job::Serve)?;
-    gang.fail_on_any_exit();
     // Steps: every rank started, every rank loaded, serving.
     let progress = printer.progress(2 * world as u64 + 1);
     let mut report = |event: Progress| report_progress(&progress, &event, true);
+    let mut cluster = match &inventory {
+        Some(file) => {
+            let options = crate::launch::cluster::ClusterOptions {
+                inventory: file.clone(),
+                ssh: crate::launch::ssh::SshOptions {
+                    accept_new: args.ssh.ssh_accept_new,
+                },
+                push_model: args.ssh.push_model,
+            };
+            Some(crate::launch::cluster::start(
+                &spec,
+                &Job::Serve,
+                &options,
+                &mut report,
+            )?)
+        }
+        None => None,
+    };
+    let mut local_gang = match &cluster {
+        Some(_) => None,
+        None => Some(Gang::start(&spec, &Job::Serve)?),
+    };
+    let gang = match (&mut cluster, &mut local_gang) {
+        (Some(run), _) => &mut run.gang,
+        (None, Some(gang)) => gang,
+        (None, None) => unreachable!("one of the two was started above"),
+    };
+    gang.fail_on_any_exit();
     report(gang.started());
     let is_stopped = || stop.load(Ordering::SeqCst);
     let Some(address) = gang.wait_for("ready", &is_stopped, &mut report)? else {
@@ -251,7 +337,21 @@ fn launch(
         printer.note("stopped before the ranks were ready");
         return Ok(ExitStatus::Success);
     };
-    let address = String::from_utf8_lossy(&address).into_owned();
+    let mut address = String::from_utf8_lossy(&address).into_owned();
+    if let (Some(run), Some(listener)) = (&cluster, local_http) {
+        // Rank 0 listens on its host's loopback; this launcher forwards to it over SSH.
+        let remote: SocketAddr = address
+            .parse()
+            .with_context(|| format!("rank 0 published a malformed address `{address}`"))?;
+        let local = listener.local_addr()?;
+        run.remote.forward(run.rank0_host, remote, listener)?;
+        address = local.to_string();
+    }
+    let gang = match (&mut cluster, &mut local_gang) {
+        (Some(run), _) => &mut run.gang,
+        (None, Some(gang)) => gang,
+        (None, None) => unreachable!("one of the two was started above"),
+    };
     gang.write_manifest(&spec, Some(&format!("http://{address}")))?;
     if progress.is_bar() {
         progress.update(2 * world as u64 + 1, "ready");
@@ -373,9 +473,11 @@ pub fn serve_driver(
             .build()
             .context("failed to start the replica's runtime")?;
         return runtime.block_on(async {
-            let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+            // The data-network address on a multi-host run, loopback otherwise.
+            let bind = std::env::var("INFER_BIND_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+            let listener = tokio::net::TcpListener::bind((bind.as_str(), 0))
                 .await
-                .context("cannot listen for the router")?;
+                .with_context(|| format!("cannot listen for the router on `{bind}`"))?;
             store.set(
                 &format!("dp/{replica}/router"),
                 listener.local_addr()?.to_string().as_bytes(),

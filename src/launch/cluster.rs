@@ -45,18 +45,27 @@ pub fn run_generation(
     options: &ClusterOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Generation> {
-    let (remote, mut gang) = start(spec, job, options, progress)?;
-    progress(gang.started());
-    let bytes = gang
+    let mut run = start(spec, job, options, progress)?;
+    progress(run.gang.started());
+    let bytes = run
+        .gang
         .wait_for("result", &|| false, progress)?
         .ok_or_else(|| anyhow!("the generation was stopped"))?;
-    gang.finish();
-    drop(gang);
-    drop(remote);
+    run.gang.finish();
+    drop(run);
     serde_json::from_slice(&bytes).context("the driver wrote a malformed result")
 }
 
-/// Connects, places and starts the gang. The gang must be dropped before the cluster.
+/// A gang started over the hosts of an inventory. Dropping it stops the gang, then the
+/// agents, then closes the connections (fields drop in this order).
+pub struct ClusterRun {
+    pub gang: Gang,
+    pub remote: RemoteCluster,
+    /// Index (in the inventory) of rank 0's host.
+    pub rank0_host: usize,
+}
+
+/// Connects, places and starts the gang.
 ///
 /// Errors: as [`run_generation`].
 pub fn start(
@@ -64,7 +73,7 @@ pub fn start(
     job: &Job,
     options: &ClusterOptions,
     progress: &mut dyn FnMut(Progress),
-) -> Result<(RemoteCluster, Gang)> {
+) -> Result<ClusterRun> {
     let entries = crate::cluster::launch_inventory(&options.inventory)?;
     if let Some(entry) = entries
         .iter()
@@ -184,7 +193,11 @@ pub fn start(
     gang.set_manifest_field("run_id", remote.run_id.clone().into());
     gang.set_manifest_field("hosts", hosts.into());
     gang.write_manifest(&spec, None)?;
-    Ok((remote, gang))
+    Ok(ClusterRun {
+        gang,
+        remote,
+        rank0_host: store_host,
+    })
 }
 
 /// Which host each rank runs on (indexed by rank, vLLM order: DP, PP, TP with TP fastest).

@@ -199,11 +199,11 @@ impl RemoteCluster {
     /// Errors: the store cannot listen there, or forwarding is refused by `sshd`.
     pub fn host_store(
         &self,
-        host: usize,
+        host_index: usize,
         bind: &str,
         token: &str,
     ) -> Result<(std::net::SocketAddr, std::net::SocketAddr)> {
-        let host = &self.hosts[host];
+        let host = &self.hosts[host_index];
         host.send(ToAgent::HostStore {
             bind: bind.into(),
             token: token.into(),
@@ -218,41 +218,48 @@ impl RemoteCluster {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")
             .context("cannot open the local end of the store tunnel")?;
         let local = listener.local_addr()?;
+        self.forward(host_index, address, listener)?;
+        Ok((address, local))
+    }
+
+    /// Forwards every connection accepted on `listener` (on this machine) to `remote` as
+    /// host `host_index` reaches it, over that host's SSH connection (as `ssh -L`).
+    ///
+    /// Errors: the listener cannot be handed to the runtime. A connection `sshd` refuses
+    /// to forward is closed.
+    pub fn forward(
+        &self,
+        host_index: usize,
+        remote: std::net::SocketAddr,
+        listener: std::net::TcpListener,
+    ) -> Result<()> {
         listener.set_nonblocking(true)?;
-        let connection = Arc::clone(&host.connection);
-        let name = host.name.clone();
+        let connection = Arc::clone(&self.hosts[host_index].connection);
+        let _guard = self.runtime.enter();
+        let listener =
+            tokio::net::TcpListener::from_std(listener).context("cannot forward the port")?;
         self.runtime.spawn(async move {
-            let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                return;
-            };
             while let Ok((mut socket, peer)) = listener.accept().await {
                 let connection = Arc::clone(&connection);
-                let name = name.clone();
                 tokio::spawn(async move {
-                    match connection
+                    let _ = socket.set_nodelay(true);
+                    if let Ok(channel) = connection
                         .handle
                         .channel_open_direct_tcpip(
-                            address.ip().to_string(),
-                            u32::from(address.port()),
+                            remote.ip().to_string(),
+                            u32::from(remote.port()),
                             peer.ip().to_string(),
                             u32::from(peer.port()),
                         )
                         .await
                     {
-                        Ok(channel) => {
-                            let mut stream = channel.into_stream();
-                            let _ = tokio::io::copy_bidirectional(&mut socket, &mut stream).await;
-                        }
-                        Err(error) => {
-                            drop(socket);
-                            let _ = name; // The launcher's store client reports the failure.
-                            let _ = error;
-                        }
+                        let mut stream = channel.into_stream();
+                        let _ = tokio::io::copy_bidirectional(&mut socket, &mut stream).await;
                     }
                 });
             }
         });
-        Ok((address, local))
+        Ok(())
     }
 
     /// The [`Spawner`] that starts rank `r` on host `rank_hosts[r]`.

@@ -638,3 +638,104 @@ fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
         "h1's rank outlived the lease"
     );
 }
+
+/// `infer up --cluster hosts.toml --dp 2`: one replica per host, rank 0's router sends
+/// requests to both (over the data network), this launcher serves the port (forwarded to
+/// rank 0 over SSH), and the official `openai` client gets `infer generate`'s text.
+#[test]
+fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
+    use crate::serve::{Server, generate_counting, openai_python_package};
+    use serde_json::json;
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(2, 2) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let pythonpath = openai_python_package();
+    let inventory = cluster.inventory.display().to_string();
+    let server = Server::start(&["--cluster", &inventory, "--dp", "2"]);
+    let ranks = server.rank_pids();
+    assert_eq!(ranks.len(), 2, "{}", server.startup);
+    let manifest = manifest_of(&server.startup);
+    assert_eq!(manifest["ranks"][0]["host"], "h0");
+    assert_eq!(manifest["ranks"][1]["host"], "h1");
+    let reference = generate_counting();
+    let bodies: Vec<Value> = (0..8)
+        .map(|i| {
+            let prompt = if i % 2 == 0 {
+                "1, 2, 3, 4, 5,"
+            } else {
+                "Once upon a time"
+            };
+            json!({"prompt": prompt, "max_tokens": 16, "temperature": 0})
+        })
+        .collect();
+    for (i, (status, body)) in server
+        .post_all("/v1/completions", &bodies)
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(*status, 200, "{body}");
+        if i % 2 == 0 {
+            assert_eq!(body["choices"][0]["text"], reference["text"], "{body}");
+        }
+    }
+    let metrics = server.metrics();
+    for replica in ["0", "1"] {
+        let routed: u64 = metrics
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "infer_dp_requests_routed_total{{replica=\"{replica}\"}} "
+                ))
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no count for replica {replica}:\n{metrics}"));
+        assert!(routed > 0, "replica {replica} got nothing:\n{metrics}");
+    }
+    // The router's connection to replica 1 runs between the data addresses.
+    let connections = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &cluster.hosts[1].namespace,
+            "ss",
+            "-tnH",
+            "state",
+            "established",
+        ])
+        .output()
+        .expect("ss");
+    let connections = String::from_utf8_lossy(&connections.stdout);
+    assert!(
+        connections
+            .lines()
+            .any(|l| l.contains(&format!("{}:", cluster.hosts[1].data))
+                && l.contains(&format!("{}:", cluster.hosts[0].data))),
+        "{connections}"
+    );
+    let output = Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/python/openai_client.py"
+        ))
+        .arg(format!("{}/v1", server.url))
+        .env("PYTHONPATH", pythonpath)
+        .output()
+        .expect("run python3");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let got: Value = serde_json::from_slice(&output.stdout).expect("script JSON");
+    assert_eq!(got["completion_text"], reference["text"], "{got}");
+    assert_eq!(got["streamed_text"], reference["text"], "{got}");
+    drop(server);
+    let pids: Vec<(String, u32)> = ranks.iter().map(|p| (String::new(), *p)).collect();
+    assert_eq!(
+        wait_gone(&pids, Duration::from_secs(3)),
+        None,
+        "ranks left after SIGTERM"
+    );
+}

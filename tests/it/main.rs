@@ -11,7 +11,7 @@ mod fake_sysfs;
 mod kernels;
 mod model;
 mod plan;
-mod serve;
+pub mod serve;
 mod sharding;
 mod synthetic;
 mod topo;

@@ -16,11 +16,11 @@ use crate::{infer, run};
 const TP3: &[&str] = &["--tp", "3"];
 
 /// A running `infer up` on a free port, stopped (SIGTERM) when dropped.
-struct Server {
+pub struct Server {
     child: Child,
-    url: String,
+    pub url: String,
     /// Every stderr line up to "serving on" (the rank pids and the run directory).
-    startup: String,
+    pub startup: String,
     /// The rest of stderr, read until the server exits.
     rest: Option<std::thread::JoinHandle<String>>,
     /// The same lines as they arrive, for failure messages while the server runs.
@@ -28,7 +28,7 @@ struct Server {
 }
 
 impl Server {
-    fn start(extra: &[&str]) -> Server {
+    pub fn start(extra: &[&str]) -> Server {
         infer::model::default::ensure(&mut |_| {}).expect("model");
         let mut child = infer()
             .args(["up", "--port", "0", "--threads", "2"])
@@ -79,7 +79,7 @@ impl Server {
 
     /// The Prometheus text of `/metrics`; a failure names the server's state and its stderr
     /// so far (a server that died says why).
-    fn metrics(&self) -> String {
+    pub fn metrics(&self) -> String {
         match ureq::get(&format!("{}/metrics", self.url)).call() {
             Ok(response) => response.into_body().read_to_string().expect("text"),
             Err(error) => {
@@ -117,7 +117,7 @@ impl Server {
     }
 
     /// The rank processes' pids, from the "started N ranks (pids …)" line.
-    fn rank_pids(&self) -> Vec<u32> {
+    pub fn rank_pids(&self) -> Vec<u32> {
         let list = self
             .startup
             .split("(pids ")
@@ -130,7 +130,7 @@ impl Server {
     }
 
     /// Posts every body at once (one client thread each) and returns the replies in order.
-    fn post_all(&self, path: &str, bodies: &[Value]) -> Vec<(u16, Value)> {
+    pub fn post_all(&self, path: &str, bodies: &[Value]) -> Vec<(u16, Value)> {
         std::thread::scope(|scope| {
             let handles: Vec<_> = bodies
                 .iter()
@@ -169,7 +169,7 @@ impl Drop for Server {
 }
 
 /// `infer generate --json` on the counting prompt, 16 greedy tokens: the reference output.
-fn generate_counting() -> Value {
+pub fn generate_counting() -> Value {
     let output = run(&[
         "generate",
         "--json",
@@ -508,7 +508,7 @@ fn a_killed_rank_takes_infer_up_down_within_5_seconds() {
 
 /// The official `openai` Python package, installed with pip into the cache (outside the
 /// repo) on first use; returns the directory to put on `PYTHONPATH`.
-fn openai_python_package() -> std::path::PathBuf {
+pub fn openai_python_package() -> std::path::PathBuf {
     const VERSION: &str = "3.54.0";
     let dir = infer::model::default::cache_dir()
         .expect("cache dir")
