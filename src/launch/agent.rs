@@ -73,9 +73,12 @@ pub fn run_agent() -> Result<()> {
         run_dir,
         ranks: HashMap::new(),
         store: None,
+        store_lost: Arc::default(),
         upload: None,
     };
     let reason = agent.serve(&frames, lease);
+    // Say why before the ranks' exits are reported (the launcher may still be listening).
+    agent.error(None, format!("stopping every rank: {reason}"));
     agent.stop_all();
     let _ = std::fs::remove_file(agent.run_dir.join("pgids"));
     // What ended the run goes to the host's log of this run (the launcher may be gone).
@@ -138,6 +141,8 @@ struct Agent {
     ranks: HashMap<usize, Child>,
     /// The rendezvous store, when this host runs it (rank 0's host).
     store: Option<StoreServer>,
+    /// Set by the store watcher when the store has been unreachable for the lease: why.
+    store_lost: Arc<Mutex<Option<String>>>,
     /// A file being pushed: (final path, temporary file, its path).
     upload: Option<(PathBuf, File, PathBuf)>,
 }
@@ -156,13 +161,16 @@ impl Agent {
                 Ok(Ok(ToAgent::Shutdown)) => return "the launcher asked to shut down".into(),
                 Ok(Ok(frame)) => {
                     heard = Instant::now();
-                    self.handle(frame);
+                    self.handle(frame, lease);
                 }
                 Ok(Err(error)) => return format!("unreadable frame from the launcher: {error:#}"),
                 Err(RecvTimeoutError::Disconnected) => {
                     return "stdin closed: the launcher or its connection is gone".into();
                 }
                 Err(RecvTimeoutError::Timeout) => {}
+            }
+            if let Some(why) = self.store_lost.lock().ok().and_then(|mut l| l.take()) {
+                return why;
             }
             if heard.elapsed() > lease {
                 return format!(
@@ -174,8 +182,12 @@ impl Agent {
         }
     }
 
-    fn handle(&mut self, frame: ToAgent) {
+    fn handle(&mut self, frame: ToAgent, lease: Duration) {
         match frame {
+            ToAgent::WatchStore { address, token } => {
+                let lost = Arc::clone(&self.store_lost);
+                std::thread::spawn(move || watch_store(&address, &token, lease, &lost));
+            }
             ToAgent::Run { .. } | ToAgent::Heartbeat | ToAgent::Shutdown => {}
             ToAgent::HostStore { bind, token } => match StoreServer::start(&bind, &token) {
                 Ok(server) => {
@@ -362,6 +374,38 @@ impl Agent {
             let _ = child.wait();
         }
         self.reap();
+    }
+}
+
+/// Polls the store every second; when it has been unreachable for `lease`, says so in
+/// `lost` (the agent then stops its ranks).
+fn watch_store(address: &str, token: &str, lease: Duration, lost: &Mutex<Option<String>>) {
+    let mut reached = Instant::now();
+    let mut client = None;
+    loop {
+        if client.is_none() {
+            client = crate::rendezvous::StoreClient::connect(
+                address,
+                token,
+                None,
+                Duration::from_secs(1),
+            )
+            .ok();
+        }
+        match client.as_mut().map(|c| c.add("agents/watch", 0)) {
+            Some(Ok(_)) => reached = Instant::now(),
+            _ => client = None,
+        }
+        if reached.elapsed() > lease {
+            if let Ok(mut lost) = lost.lock() {
+                *lost = Some(format!(
+                    "lost the rendezvous store at {address} for {} s",
+                    lease.as_secs()
+                ));
+            }
+            return;
+        }
+        std::thread::sleep(Duration::from_secs(1));
     }
 }
 

@@ -120,6 +120,11 @@ pub trait RankHandle: Send {
     fn host(&self) -> Option<&str> {
         None
     }
+    /// What its host said about why ranks stopped there (an agent that lost the store),
+    /// if anything.
+    fn host_note(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Starts ranks as child processes of this one, each in its own process group and with a
@@ -404,7 +409,12 @@ impl Gang {
                 }
             }
             let ages = self.heartbeat_ages()?;
-            check_ranks(&mut self.ranks, &ages, self.every_exit_fails)?;
+            check_ranks(
+                &mut self.ranks,
+                &ages,
+                self.every_exit_fails,
+                self.store_address,
+            )?;
             if stop() {
                 return Ok(None);
             }
@@ -419,7 +429,12 @@ impl Gang {
                 .all(|r| matches!(r.child.try_wait(), Ok(Some(_))))
             {
                 // Name a failed rank if there is one (it may have exited since the check).
-                check_ranks(&mut self.ranks, &HashMap::new(), self.every_exit_fails)?;
+                check_ranks(
+                    &mut self.ranks,
+                    &HashMap::new(),
+                    self.every_exit_fails,
+                    self.store_address,
+                )?;
                 return Err(anyhow!("every rank exited without `{key}`"));
             }
         }
@@ -609,6 +624,7 @@ fn check_ranks(
     ranks: &mut [RankProcess],
     heartbeat_ages: &HashMap<u64, Duration>,
     any_exit: bool,
+    store: std::net::SocketAddr,
 ) -> Result<()> {
     // Every rank that failed since the last look; the one killed by a signal is the
     // cause, the others usually its casualties (they lost their peer).
@@ -625,13 +641,15 @@ fn check_ranks(
     {
         // Let the output threads flush the last lines into the log.
         std::thread::sleep(Duration::from_millis(50));
-        let host = ranks
-            .iter()
-            .find(|r| r.rank == *rank)
+        let process = ranks.iter().find(|r| r.rank == *rank);
+        let host = process
             .and_then(|r| r.child.host().map(|h| format!(" on `{h}`")))
             .unwrap_or_default();
+        let note = process
+            .and_then(|r| Some(format!("\n{}", r.child.host_note()?)))
+            .unwrap_or_default();
         bail!(
-            "rank {rank}{host} exited with {status}; last lines of `{}`:\n{}",
+            "rank {rank}{host} exited with {status}; last lines of `{}`:\n{}{note}",
             log.display(),
             last_lines(log, 8)
         );
@@ -639,10 +657,22 @@ fn check_ranks(
     for (rank, age) in heartbeat_ages {
         let age = *age;
         if age > HEARTBEAT_TIMEOUT {
-            bail!(
-                "rank {rank} stopped heartbeating {:.1} s ago",
-                age.as_secs_f64()
-            );
+            let host = ranks
+                .iter()
+                .find(|r| r.rank as u64 == *rank)
+                .and_then(|r| r.child.host().map(str::to_string));
+            match host {
+                Some(host) => bail!(
+                    "rank {rank} on `{host}` stopped heartbeating {:.1} s ago: its host cannot reach \
+                     the rendezvous store at {store} (rank 0's host) over the data network\n\
+                     hint: check the data interfaces and links between `{host}` and rank 0's host",
+                    age.as_secs_f64()
+                ),
+                None => bail!(
+                    "rank {rank} stopped heartbeating {:.1} s ago",
+                    age.as_secs_f64()
+                ),
+            }
         }
     }
     Ok(())

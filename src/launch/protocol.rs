@@ -33,6 +33,10 @@ pub enum ToAgent {
     /// Host the rendezvous store on `bind` (`ip:0` picks a port) for `token`; answered by
     /// [`FromAgent::StoreAt`].
     HostStore { bind: String, token: String },
+    /// Watch the rendezvous store at `address` (on another host): if it cannot be reached
+    /// for the lease, stop every rank (the store's host is gone, or this host is cut off
+    /// from it).
+    WatchStore { address: String, token: String },
     /// sha256 and size of a file on the host (the model); answered by
     /// [`FromAgent::FileInfo`].
     HashFile { path: String },

@@ -215,6 +215,15 @@ impl RemoteCluster {
             .map_err(|message| anyhow!("`{}`: {message}", host.name))?
             .parse()
             .context("the agent reported a malformed store address")?;
+        // Every other host's agent watches the store: losing it stops that host's ranks.
+        for (index, other) in self.hosts.iter().enumerate() {
+            if index != host_index {
+                other.send(ToAgent::WatchStore {
+                    address: address.to_string(),
+                    token: token.into(),
+                })?;
+            }
+        }
         let listener = std::net::TcpListener::bind("127.0.0.1:0")
             .context("cannot open the local end of the store tunnel")?;
         let local = listener.local_addr()?;
@@ -436,6 +445,12 @@ impl RankHandle for RemoteRank {
 
     fn host(&self) -> Option<&str> {
         Some(&self.host)
+    }
+
+    fn host_note(&self) -> Option<String> {
+        let state = self.state.lock().ok()?;
+        let said = state.errors.last()?;
+        Some(format!("the agent on `{}` said: {said}", self.host))
     }
 }
 

@@ -615,6 +615,33 @@ fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
         "{text}"
     );
     assert_eq!(wait_gone(&pids, Duration::from_secs(3)), None);
+    // The data link of h1 goes down: its rank can no longer reach the store (nor its peer)
+    // on rank 0's host; the launcher names the host and the data network.
+    let (mut launcher, manifest, lines) = start_long_generation(&cluster);
+    let pids = rank_pids(&manifest);
+    let data_link = format!(
+        "{}d",
+        &cluster.management_link(1)[..cluster.management_link(1).len() - 1]
+    );
+    let down = Command::new("ip")
+        .args(["link", "set", "dev", &data_link, "down"])
+        .status()
+        .expect("ip");
+    assert!(down.success());
+    let status = wait_exit(&mut launcher, Duration::from_secs(12)).expect("the launcher exits");
+    assert_eq!(status.code(), Some(2));
+    let text: Vec<String> = lines.try_iter().collect();
+    let text = text.join("\n");
+    assert!(
+        text.contains("`h1`") && text.contains("data network"),
+        "{text}"
+    );
+    assert_eq!(wait_gone(&pids, Duration::from_secs(3)), None);
+    let up = Command::new("ip")
+        .args(["link", "set", "dev", &data_link, "up"])
+        .status()
+        .expect("ip");
+    assert!(up.success());
     // The management link of h1 goes down (a partition between the launcher and h1): the
     // launcher names h1 and exits non-zero; h1's agent stops its rank within the lease.
     let (mut launcher, manifest, lines) = start_long_generation(&cluster);
