@@ -162,6 +162,12 @@ pub struct BenchAllreduceArgs {
     /// Largest message, bytes (sizes double from 8 B).
     #[arg(long, value_name = "BYTES", default_value_t = 64 << 20)]
     pub max_bytes: usize,
+    /// Measure between the hosts of this inventory (`hosts.toml`) over SSH instead: the
+    /// `--world` processes spread evenly over its hosts, all-reducing over the data network.
+    #[arg(long, value_name = "HOSTS_TOML")]
+    pub cluster: Option<PathBuf>,
+    #[command(flatten)]
+    pub ssh: SshArgs,
 }
 
 /// `infer bench serve`.

@@ -113,12 +113,7 @@ fn peak_rss_bytes() -> Result<u64> {
     Ok(kib * 1024)
 }
 
-/// One row of the all-reduce table, written by rank 0 as a JSON line.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct AllreduceRow {
-    bytes: usize,
-    time_secs: f64,
-}
+use crate::runtime::comm::{AllreduceRow, time_all_reduce as allreduce_sizes};
 
 /// What rank 0 reports at the end.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -136,6 +131,9 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     use std::process::{Command, Stdio};
     if args.world < 2 {
         anyhow::bail!("--world must be at least 2 (a one-process all-reduce moves no data)");
+    }
+    if let Some(inventory) = &args.cluster {
+        return allreduce_cluster(args, inventory, printer);
     }
     let token = crate::rendezvous::random_token();
     let server = crate::rendezvous::StoreServer::start("127.0.0.1:0", &token)?;
@@ -218,6 +216,73 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     Ok(ExitStatus::Success)
 }
 
+/// `bench allreduce --cluster`: `--world` ranks (one pipeline stage each, so every rank
+/// is its own process with the model's smallest shard) spread over the inventory's hosts;
+/// they all-reduce in one group over TCP on the data network.
+fn allreduce_cluster(
+    args: &BenchAllreduceArgs,
+    inventory: &std::path::Path,
+    printer: &Printer,
+) -> Result<ExitStatus> {
+    let model = crate::model::weights_path(None, &mut |line| printer.note(line))?;
+    let spec = crate::launch::LaunchSpec {
+        tp: 1,
+        pp: args.world,
+        dp: 1,
+        ep: 1,
+        model,
+        threads_per_rank: 1,
+        numerics: crate::runtime::quant::Numerics::Exact,
+        timeout: std::time::Duration::from_secs(120),
+        extra_env: Vec::new(),
+        layout_from: "infer bench allreduce --cluster".into(),
+        placement: Vec::new(),
+    };
+    let options = crate::launch::cluster::ClusterOptions {
+        inventory: inventory.to_path_buf(),
+        ssh: crate::launch::ssh::SshOptions {
+            accept_new: args.ssh.ssh_accept_new,
+        },
+        push_model: args.ssh.push_model,
+    };
+    let job = crate::runtime::worker::Job::AllReduce {
+        max_bytes: args.max_bytes,
+    };
+    let progress = printer.progress(2 * args.world as u64);
+    let mut hosts = Vec::new();
+    let bytes = crate::launch::cluster::run_job(&spec, &job, &options, &mut |event| {
+        if let crate::launch::Progress::RankLine { label, .. } = &event
+            && let Some(host) = label.split_whitespace().next()
+            && label.contains(" r")
+            && !hosts.contains(&host.to_string())
+        {
+            hosts.push(host.to_string());
+        }
+        super::up::report_progress(&progress, &event, false)
+    })?;
+    progress.finish();
+    let report: crate::runtime::worker::AllreduceBench =
+        serde_json::from_slice(&bytes).context("rank 0 wrote a malformed report")?;
+    let stream = report.stream_bytes_per_sec / 1e9;
+    hosts.sort();
+    let mut table = allreduce_table(
+        &format!(
+            "{} processes on hosts {} over the data network ({})",
+            args.world,
+            hosts.join(", "),
+            report.transport
+        ),
+        &report.rows,
+        args.world,
+        stream,
+    );
+    table.push_str(&format!(
+        "\n# one plain TCP stream from the last rank to rank 0: {stream:.3} GB/s\n"
+    ));
+    printer.data(&table);
+    Ok(ExitStatus::Success)
+}
+
 /// One nccl-tests style table (size, count, type, time, algbw, busbw) with its busbw at
 /// 16 MiB as a share of `stream_gbps`.
 fn allreduce_table(title: &str, rows: &[AllreduceRow], world: usize, stream_gbps: f64) -> String {
@@ -262,32 +327,6 @@ fn allreduce_table(title: &str, rows: &[AllreduceRow], world: usize, stream_gbps
         ));
     }
     table
-}
-
-/// Times `comm.all_reduce_sum` for every power-of-two size from 8 bytes to `max_bytes`
-/// (one warm-up call, a barrier, then enough repetitions for ~0.2 s, at least 3).
-fn allreduce_sizes(
-    comm: &mut dyn crate::runtime::comm::Comm,
-    max_bytes: usize,
-) -> Result<Vec<AllreduceRow>> {
-    let mut rows = Vec::new();
-    let mut bytes = 8;
-    while bytes <= max_bytes {
-        let mut data = vec![1f32; bytes / 4];
-        let iterations = (((200 << 20) / bytes.max(1 << 16)) as u32).clamp(3, 200);
-        comm.all_reduce_sum(&mut data)?;
-        comm.barrier()?;
-        let start = Instant::now();
-        for _ in 0..iterations {
-            comm.all_reduce_sum(&mut data)?;
-        }
-        rows.push(AllreduceRow {
-            bytes,
-            time_secs: start.elapsed().as_secs_f64() / iterations as f64,
-        });
-        bytes *= 2;
-    }
-    Ok(rows)
 }
 
 fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Result<ExitStatus> {

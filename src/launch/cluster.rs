@@ -45,15 +45,28 @@ pub fn run_generation(
     options: &ClusterOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Generation> {
+    let bytes = run_job(spec, job, options, progress)?;
+    serde_json::from_slice(&bytes).context("the driver wrote a malformed result")
+}
+
+/// Runs a job that ends with a `result` (a generation, a benchmark) over the inventory's
+/// hosts and returns the result's bytes.
+///
+/// Errors: as [`run_generation`].
+pub fn run_job(
+    spec: &LaunchSpec,
+    job: &Job,
+    options: &ClusterOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Vec<u8>> {
     let mut run = start(spec, job, options, progress)?;
     progress(run.gang.started());
     let bytes = run
         .gang
         .wait_for("result", &|| false, progress)?
-        .ok_or_else(|| anyhow!("the generation was stopped"))?;
+        .ok_or_else(|| anyhow!("the run was stopped"))?;
     run.gang.finish();
-    drop(run);
-    serde_json::from_slice(&bytes).context("the driver wrote a malformed result")
+    Ok(bytes)
 }
 
 /// A gang started over the hosts of an inventory. Dropping it stops the gang, then the

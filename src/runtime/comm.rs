@@ -508,3 +508,37 @@ impl Comm for TcpComm {
         Ok(())
     }
 }
+
+/// One size of an all-reduce benchmark: message bytes and the mean time of one call.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct AllreduceRow {
+    pub bytes: usize,
+    pub time_secs: f64,
+}
+
+/// Times `comm.all_reduce_sum` for every power-of-two size from 8 bytes to `max_bytes`
+/// (one warm-up call, a barrier, then enough repetitions for ~0.2 s, at least 3), as
+/// nccl-tests' `all_reduce_perf` sweeps sizes. Every member must call it with the same
+/// `max_bytes`; it blocks until the sweep is done.
+///
+/// Errors: a collective fails (a lost peer, a timeout).
+pub fn time_all_reduce(comm: &mut dyn Comm, max_bytes: usize) -> Result<Vec<AllreduceRow>> {
+    let mut rows = Vec::new();
+    let mut bytes = 8;
+    while bytes <= max_bytes {
+        let mut data = vec![1f32; bytes / 4];
+        let iterations = (((200 << 20) / bytes.max(1 << 16)) as u32).clamp(3, 200);
+        comm.all_reduce_sum(&mut data)?;
+        comm.barrier()?;
+        let start = std::time::Instant::now();
+        for _ in 0..iterations {
+            comm.all_reduce_sum(&mut data)?;
+        }
+        rows.push(AllreduceRow {
+            bytes,
+            time_secs: start.elapsed().as_secs_f64() / iterations as f64,
+        });
+        bytes *= 2;
+    }
+    Ok(rows)
+}

@@ -73,6 +73,20 @@ pub enum Job {
     },
     /// Serve until stopped: the driver hands itself to the serving callback of [`run_rank`].
     Serve,
+    /// Time all-reduce over the replica's ranks for every size up to `max_bytes`, then one
+    /// plain TCP stream from the last rank to rank 0 (256 MiB); rank 0 stores an
+    /// [`AllreduceBench`] under `result`.
+    AllReduce { max_bytes: usize },
+}
+
+/// What [`Job::AllReduce`] measures.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AllreduceBench {
+    pub rows: Vec<super::comm::AllreduceRow>,
+    /// What carried the all-reduce (`ShmComm::transport`).
+    pub transport: String,
+    /// One TCP stream between the last rank and rank 0, bytes/s.
+    pub stream_bytes_per_sec: f64,
 }
 
 /// What the driver broadcasts to its replica. The driver serializes borrowed slices; the
@@ -136,6 +150,9 @@ pub fn run_rank(
     store.barrier("loaded", config.world_size, config.timeout)?;
     let job: Job =
         serde_json::from_slice(&store.get("job", config.timeout)?).context("malformed job")?;
+    if let Job::AllReduce { max_bytes } = job {
+        return member.bench_all_reduce(config, &mut store, max_bytes);
+    }
     if member.rank != 0 {
         return member.follow();
     }
@@ -152,6 +169,7 @@ pub fn run_rank(
             Ok(())
         }
         Job::Serve => serve(driver, &mut store),
+        Job::AllReduce { .. } => unreachable!("every rank took the benchmark above"),
     }
 }
 
@@ -363,6 +381,55 @@ impl Member {
     }
 
     /// A follower's loop: receive the driver's messages and run them until `Done`.
+    /// [`Job::AllReduce`] on this member.
+    fn bench_all_reduce(
+        &mut self,
+        config: &RankConfig,
+        store: &mut StoreClient,
+        max_bytes: usize,
+    ) -> Result<()> {
+        use std::io::{Read, Write};
+        let rows = super::comm::time_all_reduce(&mut self.replica, max_bytes)?;
+        let transport = self.replica.transport();
+        let last = config.world_size - 1;
+        let total: usize = 256 << 20;
+        let mut stream_bytes_per_sec = 0.0;
+        if config.rank == 0 {
+            let listener = std::net::TcpListener::bind((config.bind_addr.as_str(), 0))?;
+            store.set(
+                "bench/stream",
+                listener.local_addr()?.to_string().as_bytes(),
+            )?;
+            let (mut socket, _) = listener.accept()?;
+            let mut buffer = vec![0u8; 1 << 20];
+            let (mut received, start) = (0, std::time::Instant::now());
+            while received < total {
+                match socket.read(&mut buffer)? {
+                    0 => break,
+                    n => received += n,
+                }
+            }
+            stream_bytes_per_sec = received as f64 / start.elapsed().as_secs_f64();
+        } else if config.rank == last {
+            let address = String::from_utf8(store.get("bench/stream", config.timeout)?)?;
+            let mut socket = std::net::TcpStream::connect(address)?;
+            let chunk = vec![7u8; 1 << 20];
+            for _ in 0..total >> 20 {
+                socket.write_all(&chunk)?;
+            }
+        }
+        self.replica.barrier()?;
+        if config.rank == 0 {
+            let report = AllreduceBench {
+                rows,
+                transport,
+                stream_bytes_per_sec,
+            };
+            store.set("result", &serde_json::to_vec(&report)?)?;
+        }
+        Ok(())
+    }
+
     fn follow(&mut self) -> Result<()> {
         let sampler_rank = self.sampler_rank();
         loop {

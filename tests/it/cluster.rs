@@ -246,6 +246,37 @@ fn generation_over_two_hosts_gives_the_single_process_tokens() {
     }
     // The interfaces really differ by host.
     assert_ne!(cluster.hosts[0].data_nic, cluster.hosts[1].data_nic);
+    // Bus bandwidth between the hosts, as nccl-tests prints it.
+    let output = infer()
+        .args([
+            "bench",
+            "allreduce",
+            "--world",
+            "4",
+            "--max-bytes",
+            "1048576",
+            "--cluster",
+        ])
+        .arg(&cluster.inventory)
+        .output()
+        .expect("run infer");
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(
+        table.contains("4 processes on hosts h0, h1 over the data network"),
+        "{table}"
+    );
+    let rows: Vec<&str> = table
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .collect();
+    assert_eq!(rows.len(), 18, "{table}");
+    let last: Vec<f64> = rows[17]
+        .split_whitespace()
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    assert_eq!(last[0], 1048576.0, "{table}");
+    assert!(last[4] > 0.0, "busbw {table}");
 }
 
 #[test]
