@@ -34,6 +34,7 @@ if [ "$action" = down ]; then
     ip link delete dev "$link" 2>/dev/null || true
   done
   ip link delete dev "im${id}" 2>/dev/null || true
+  if [ -f "$dir/data_subnet" ]; then ip route delete blackhole "$(cat "$dir/data_subnet")" 2>/dev/null || true; fi
   ip link delete dev "id${id}" 2>/dev/null || true
   exit 0
 fi
@@ -51,8 +52,12 @@ ip link add name "im${id}" type bridge
 ip link add name "id${id}" type bridge
 ip link set dev "im${id}" up
 ip link set dev "id${id}" up
-# The launcher (root namespace) is on the management network only.
+# The launcher (root namespace) is on the management network only. Its default route
+# leads off this machine: the data subnet is blackholed here so that nothing the launcher
+# sends to a data address ever leaves the machine.
 ip addr add "${mgmt}.1/24" dev "im${id}"
+ip route add blackhole "${data}.0/24"
+echo "${data}.0/24" > "$dir/data_subnet"
 
 [ -f "$dir/client_ed25519" ] || ssh-keygen -q -t ed25519 -N '' -C infer-test -f "$dir/client_ed25519"
 : > "$dir/known_hosts"
@@ -84,6 +89,7 @@ for i in $(seq 0 $((n - 1))); do
   cp "$dir/client_ed25519.pub" "$hdir/authorized_keys"
   cat > "$hdir/sshd_config" <<CFG
 ListenAddress ${mgmt}.$((10 + i)):22
+ListenAddress ${data}.$((10 + i)):22
 HostKey $hdir/ssh_host_ed25519_key
 AuthorizedKeysFile $hdir/authorized_keys
 PidFile $hdir/sshd.pid

@@ -121,15 +121,17 @@ pub fn start(
             line,
         });
     }
+    // The SSH address is what the host was connected at (after `~/.ssh/config`'s HostName).
     let hellos: Vec<(&[Interface], Option<&str>, Option<&str>)> = remote
         .hosts
         .iter()
         .zip(&entries)
-        .map(|(host, entry)| {
+        .zip(&targets)
+        .map(|((host, entry), target)| {
             (
                 &host.hello.interfaces[..],
                 entry.nccl_socket_ifname.as_deref(),
-                Some(entry.address.as_str()),
+                Some(target.target.address.as_str()),
             )
         })
         .collect();
@@ -446,12 +448,13 @@ pub fn ssh_targets(entries: &[InventoryEntry]) -> Result<Vec<RemoteHostSpec>> {
                 Some(spec) => {
                     let (user, host, port) = ssh_config::parse_jump(spec);
                     let jump_config = ssh_config::lookup(&config_text, &host, &home);
+                    // The bastion is offered the host's identity file too.
                     Some(Box::new(target_from(
                         &host,
                         &host,
                         port,
                         user,
-                        None,
+                        entry.identity_file.clone(),
                         entry.known_hosts.clone(),
                         &jump_config,
                         &local_user,

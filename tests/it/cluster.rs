@@ -797,3 +797,188 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
         "ranks left after SIGTERM"
     );
 }
+
+/// `~/.ssh/config` is read (HostName, User, ProxyJump): a host whose sshd the launcher
+/// cannot reach (it listens where only the data network goes) is reached through a bastion
+/// on the management network; and ssh-agent's key authenticates when the inventory names no
+/// identity file.
+#[test]
+fn proxy_jump_through_a_bastion_and_ssh_agent_keys_work() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    // Known keys of h1 under its data address too (what the jump reaches it by).
+    let listing = std::fs::read_to_string(cluster.dir.join("hosts.txt")).expect("hosts.txt");
+    let h1: Vec<&str> = listing
+        .lines()
+        .nth(1)
+        .expect("h1")
+        .split_whitespace()
+        .collect();
+    let mut known = std::fs::read_to_string(cluster.dir.join("known_hosts")).expect("known_hosts");
+    known.push_str(&format!("{} {} {}\n", h1[3], h1[6], h1[7]));
+    std::fs::write(cluster.dir.join("known_hosts"), known).expect("known_hosts");
+    let home = cluster.dir.join("home");
+    std::fs::create_dir_all(home.join(".ssh")).expect("home");
+    std::fs::write(
+        home.join(".ssh/config"),
+        format!(
+            "Host h1-behind-bastion\n    HostName {}\n    User root\n    ProxyJump root@{}\n",
+            cluster.hosts[1].data, cluster.hosts[0].management
+        ),
+    )
+    .expect("ssh config");
+    std::fs::write(
+        &cluster.inventory,
+        format!(
+            "[defaults]\nidentity-file = \"{}\"\nknown-hosts = \"{}\"\n\n[[hosts]]\nname = \"h1\"\naddress = \"h1-behind-bastion\"\ncpu-ranks = 1\n",
+            cluster.dir.join("client_ed25519").display(),
+            cluster.dir.join("known_hosts").display()
+        ),
+    )
+    .expect("inventory");
+    // The launcher cannot reach h1's sshd directly.
+    let direct = format!("{}:22", cluster.hosts[1].data)
+        .parse()
+        .expect("address");
+    assert!(std::net::TcpStream::connect_timeout(&direct, Duration::from_secs(1)).is_err());
+    let args = ["--prompt", "1, 2, 3,", "--max-tokens", "4"];
+    let mut command = infer();
+    command
+        .env("HOME", &home)
+        .args(["generate", "--json", "--cluster"])
+        .arg(&cluster.inventory)
+        .args(args);
+    let through_bastion = command.output().expect("run infer");
+    let reference = generate(None, &args);
+    assert_eq!(tokens_of(&through_bastion), tokens_of(&reference));
+    let manifest = manifest_of(&stderr(&through_bastion));
+    assert_eq!(manifest["hosts"][0]["name"], "h1");
+    assert_eq!(manifest["ranks"][0]["host"], "h1");
+
+    // ssh-agent: no identity file anywhere, the key is in the agent.
+    let socket = cluster.dir.join("agent.sock");
+    let mut agent = Command::new("ssh-agent")
+        .arg("-D")
+        .arg("-a")
+        .arg(&socket)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("ssh-agent");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "ssh-agent never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let added = Command::new("ssh-add")
+        .arg(cluster.dir.join("client_ed25519"))
+        .env("SSH_AUTH_SOCK", &socket)
+        .output()
+        .expect("ssh-add");
+    assert!(
+        added.status.success(),
+        "{}",
+        String::from_utf8_lossy(&added.stderr)
+    );
+    std::fs::write(
+        &cluster.inventory,
+        format!(
+            "[[hosts]]\nname = \"h0\"\naddress = \"{}\"\nuser = \"root\"\nknown-hosts = \"{}\"\ncpu-ranks = 1\n",
+            cluster.hosts[0].management,
+            cluster.dir.join("known_hosts").display()
+        ),
+    )
+    .expect("inventory");
+    let run_with = |sock: Option<&Path>| {
+        let mut command = infer();
+        command.env("HOME", &home).env_remove("SSH_AUTH_SOCK");
+        if let Some(sock) = sock {
+            command.env("SSH_AUTH_SOCK", sock);
+        }
+        command
+            .args(["generate", "--json", "--cluster"])
+            .arg(&cluster.inventory)
+            .args(args)
+            .output()
+            .expect("run infer")
+    };
+    let without = run_with(None);
+    assert_eq!(without.status.code(), Some(2), "{}", stderr(&without));
+    assert!(
+        stderr(&without).contains("auth refused"),
+        "{}",
+        stderr(&without)
+    );
+    assert_eq!(tokens_of(&run_with(Some(&socket))), tokens_of(&reference));
+    let _ = agent.kill();
+    let _ = agent.wait();
+}
+
+/// The inventory's launch keys: `[defaults]`, the `ssh-user`/`ssh-port` aliases, `cpu-ranks`,
+/// and unknown keys refused naming the line.
+#[test]
+fn inventories_take_defaults_aliases_and_refuse_unknown_keys() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("hosts.toml");
+    std::fs::write(
+        &path,
+        "[defaults]\nuser = \"ops\"\nport = 2222\nknown-hosts = \"kh\"\n\n\
+         [[hosts]]\nname = \"a\"\naddress = \"10.0.0.1\"\ncpu-ranks = 2\n\n\
+         [[hosts]]\naddress = \"10.0.0.2\"\nssh-user = \"root\"\nssh-port = 22\ngpus = 8\nhardware = \"h100-sxm\"\nnccl-socket-ifname = \"ens5\"\n",
+    )
+    .expect("write");
+    let hosts = infer::cluster::launch_inventory(&path).expect("inventory");
+    assert_eq!(
+        (
+            hosts[0].name.as_str(),
+            hosts[0].user.as_deref(),
+            hosts[0].port
+        ),
+        ("a", Some("ops"), Some(2222))
+    );
+    assert_eq!((hosts[0].slots, hosts[0].cpu), (2, true));
+    assert_eq!(
+        hosts[0].known_hosts.as_deref(),
+        Some(dir.path().join("kh").as_path())
+    );
+    assert_eq!(
+        (
+            hosts[1].name.as_str(),
+            hosts[1].user.as_deref(),
+            hosts[1].port
+        ),
+        ("10.0.0.2", Some("root"), Some(22))
+    );
+    assert_eq!(
+        (
+            hosts[1].slots,
+            hosts[1].cpu,
+            hosts[1].nccl_socket_ifname.as_deref()
+        ),
+        (8, false, Some("ens5"))
+    );
+    std::fs::write(
+        &path,
+        "[[hosts]]\naddress = \"10.0.0.1\"\ncpu-ranks = 1\nidentity_file = \"k\"\n",
+    )
+    .expect("write");
+    let error = format!(
+        "{:#}",
+        infer::cluster::launch_inventory(&path).expect_err("unknown key")
+    );
+    assert!(
+        error.contains("line 4") && error.contains("identity_file"),
+        "{error}"
+    );
+    std::fs::write(&path, "[[hosts]]\naddress = \"10.0.0.1\"\n").expect("write");
+    let error = format!(
+        "{:#}",
+        infer::cluster::launch_inventory(&path).expect_err("no slots")
+    );
+    assert!(
+        error.contains("exactly one of `gpus` and `cpu-ranks`"),
+        "{error}"
+    );
+}
