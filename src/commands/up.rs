@@ -397,6 +397,7 @@ pub fn report_progress(progress: &ui::Progress, event: &Progress, echo_ranks: bo
                 progress.update((world_size + loaded) as u64, &message);
             }
         }
+        Progress::Host { host, stage } => progress.note(&format!("[{host}] {stage}")),
         Progress::RankLine { label, line, .. } if echo_ranks => {
             let line = line.strip_prefix("note: ").unwrap_or(line);
             progress.note(&format!("[{label}] {line}"))

@@ -100,7 +100,6 @@ pub fn start(
     }
     let rank_hosts = place(&entries, spec.tp, spec.pp, spec.dp)?;
     let targets = ssh_targets(&entries)?;
-    let lines = std::sync::Mutex::new(Vec::new());
     let remote = RemoteCluster::connect(
         &targets,
         &Preflight {
@@ -108,19 +107,13 @@ pub fn start(
             model: spec.model.clone(),
             push_model: options.push_model,
         },
-        &|host, stage| {
-            if let Ok(mut lines) = lines.lock() {
-                lines.push(format!("{host}: {stage}"));
-            }
+        &mut |host, stage| {
+            progress(Progress::Host {
+                host: host.into(),
+                stage: stage.into(),
+            })
         },
     )?;
-    for line in lines.into_inner().unwrap_or_default() {
-        progress(Progress::RankLine {
-            rank: 0,
-            label: "preflight".into(),
-            line,
-        });
-    }
     // The SSH address is what the host was connected at (after `~/.ssh/config`'s HostName).
     let hellos: Vec<(&[Interface], Option<&str>, Option<&str>)> = remote
         .hosts
@@ -137,6 +130,12 @@ pub fn start(
         .collect();
     let names: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
     let data = choose_data_interfaces(&names, &hellos)?;
+    for (entry, interface) in entries.iter().zip(&data) {
+        progress(Progress::Host {
+            host: entry.name.clone(),
+            stage: format!("data interface `{}` {}", interface.name, interface.address),
+        });
+    }
     let mut placement = Vec::with_capacity(rank_hosts.len());
     for (rank, &host) in rank_hosts.iter().enumerate() {
         let on_host: Vec<usize> = (0..rank_hosts.len())

@@ -180,6 +180,9 @@ pub enum Progress {
     },
     /// `loaded` of `world_size` ranks have loaded their shard and joined their groups.
     Loaded { loaded: usize, world_size: usize },
+    /// A host passed a preflight stage (connected, binary, model, interface, ready) or
+    /// failed it.
+    Host { host: String, stage: String },
     /// A line a rank wrote to its stdout or stderr; `label` says where (`rank 3`,
     /// `node1 r3`).
     RankLine {

@@ -99,7 +99,7 @@ impl RemoteCluster {
     pub fn connect(
         hosts: &[RemoteHostSpec],
         preflight: &Preflight,
-        report: &(dyn Fn(&str, &str) + Sync),
+        report: &mut dyn FnMut(&str, &str),
     ) -> Result<RemoteCluster> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -117,40 +117,65 @@ impl RemoteCluster {
         let own_sha = super::agent::sha256_file(&exe)?
             .context("the `infer` executable vanished")?
             .0;
+        // Every host's preflight runs as its own task (at most MAX_PARALLEL_HOSTS at once);
+        // their stages come back on a channel and are reported here, on this thread.
+        let (stages, mut stage_reports) =
+            tokio::sync::mpsc::unbounded_channel::<(String, String)>();
         let results = runtime.block_on(async {
             let semaphore = Arc::new(tokio::sync::Semaphore::new(MAX_PARALLEL_HOSTS));
-            let tasks: Vec<_> = hosts
-                .iter()
-                .map(|spec| {
-                    let (spec, preflight, semaphore) =
-                        (spec.clone(), preflight.clone(), Arc::clone(&semaphore));
-                    let (model_sha, own_sha, exe, run_id) = (
-                        model_sha.clone(),
-                        own_sha.clone(),
-                        exe.clone(),
-                        run_id.clone(),
-                    );
-                    async move {
-                        let _permit = semaphore.acquire().await;
-                        connect_host(&spec, &preflight, &model_sha, &own_sha, &exe, &run_id).await
-                    }
-                })
-                .collect();
-            let mut results = Vec::new();
-            for task in tasks {
-                results.push(task.await);
+            let mut tasks = tokio::task::JoinSet::new();
+            for (index, spec) in hosts.iter().enumerate() {
+                let (spec, preflight, semaphore, stages) = (
+                    spec.clone(),
+                    preflight.clone(),
+                    Arc::clone(&semaphore),
+                    stages.clone(),
+                );
+                let (model_sha, own_sha, exe, run_id) = (
+                    model_sha.clone(),
+                    own_sha.clone(),
+                    exe.clone(),
+                    run_id.clone(),
+                );
+                tasks.spawn(async move {
+                    let _permit = semaphore.acquire().await;
+                    let result = connect_host(
+                        &spec, &preflight, &model_sha, &own_sha, &exe, &run_id, &stages,
+                    )
+                    .await;
+                    (index, result)
+                });
             }
-            results
-        });
+            drop(stages);
+            let mut results: Vec<Option<std::result::Result<RemoteHost, PreflightFailure>>> =
+                (0..hosts.len()).map(|_| None).collect();
+            loop {
+                tokio::select! {
+                    Some((host, stage)) = stage_reports.recv() => report(&host, &stage),
+                    joined = tasks.join_next() => match joined {
+                        Some(Ok((index, result))) => results[index] = Some(result),
+                        Some(Err(error)) => return Err(anyhow!("a preflight task failed: {error}")),
+                        None => break,
+                    },
+                }
+            }
+            while let Ok((host, stage)) = stage_reports.try_recv() {
+                report(&host, &stage);
+            }
+            Ok(results)
+        })?;
         let mut connected = Vec::new();
         let mut failures = Vec::new();
-        for result in results {
+        for result in results.into_iter().flatten() {
             match result {
                 Ok(host) => {
                     report(&host.name, "ready");
                     connected.push(host);
                 }
-                Err(failure) => failures.push(failure),
+                Err(failure) => {
+                    report(&failure.host, &format!("failed ({})", failure.stage));
+                    failures.push(failure);
+                }
             }
         }
         let mut cluster = RemoteCluster {
@@ -463,8 +488,12 @@ async fn connect_host(
     own_sha: &str,
     exe: &Path,
     run_id: &str,
+    stages: &tokio::sync::mpsc::UnboundedSender<(String, String)>,
 ) -> std::result::Result<RemoteHost, PreflightFailure> {
     let name = spec.target.name.clone();
+    let passed = |stage: String| {
+        let _ = stages.send((name.clone(), stage));
+    };
     let fail = |stage: &'static str, message: String| PreflightFailure {
         host: name.clone(),
         stage,
@@ -474,6 +503,10 @@ async fn connect_host(
         .await
         .map_err(|ConnectError { class, message }| fail(class.name(), message))?;
     let connection = Arc::new(connection);
+    passed(format!(
+        "connected as `{}` to {}:{}",
+        spec.target.user, spec.target.address, spec.target.port
+    ));
     // The binary: the inventory's path, else ours, else the staged copy; pushed if none
     // of them is this exact build.
     let staged = format!(
@@ -550,6 +583,12 @@ async fn connect_host(
         }
     }
     let (channel, hello) = agent.expect("an agent was found or staged above");
+    passed(format!(
+        "binary `{}` ({}, sha256 {})",
+        hello.exe,
+        hello.arch,
+        &hello.sha256[..12]
+    ));
     let state: Arc<Mutex<HostState>> = Arc::default();
     let to_agent = pump_frames(channel, Arc::clone(&state));
     let host = RemoteHost {
@@ -575,7 +614,7 @@ async fn connect_host(
         .await
         .map_err(|e| fail("model", format!("{e:#}")))?;
     match remote_sha {
-        Some(sha) if sha == model_sha.0 => {}
+        Some(sha) if sha == model_sha.0 => passed(format!("model `{model}` (sha256 matches)")),
         Some(_) if !preflight.push_model => {
             return Err(fail(
                 "model different",
@@ -590,9 +629,12 @@ async fn connect_host(
                 format!("`{model}` does not exist there; copy it or rerun with `--push-model`"),
             ));
         }
-        _ => push_file(&host, &preflight.model, &model_sha.0)
-            .await
-            .map_err(|e| fail("model push", format!("{e:#}")))?,
+        _ => {
+            push_file(&host, &preflight.model, &model_sha.0)
+                .await
+                .map_err(|e| fail("model push", format!("{e:#}")))?;
+            passed(format!("model `{model}` pushed (sha256 checked)"));
+        }
     }
     Ok(host)
 }
