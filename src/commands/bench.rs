@@ -258,7 +258,7 @@ fn allreduce_cluster(
         {
             hosts.push(host.to_string());
         }
-        super::up::report_progress(&progress, &event, false)
+        super::report_progress(&progress, &event, false)
     })?;
     progress.finish();
     let report: crate::runtime::worker::AllreduceBench =

@@ -155,11 +155,11 @@ fn distributed(
                 push_model: args.ssh.push_model,
             };
             crate::launch::cluster::run_generation(&spec, &job, &options, &mut |event| {
-                super::up::report_progress(&progress, &event, true)
+                super::report_progress(&progress, &event, true)
             })?
         }
         None => crate::launch::run_generation(&spec, &job, &mut |event| {
-            super::up::report_progress(&progress, &event, false)
+            super::report_progress(&progress, &event, false)
         })?,
     };
     progress.finish();

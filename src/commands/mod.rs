@@ -21,3 +21,42 @@ fn require_gguf_for_ranks(path: &std::path::Path) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Shows a launcher milestone on `progress` (a bar on a terminal, plain lines otherwise):
+/// ranks started, shards loaded; rank output prefixed with `[rank N]` when `echo_ranks`.
+pub fn report_progress(
+    progress: &crate::ui::Progress,
+    event: &crate::launch::Progress,
+    echo_ranks: bool,
+) {
+    use crate::launch::Progress;
+    match event {
+        Progress::Started {
+            world_size,
+            run_dir,
+            pids,
+        } => progress.update(
+            *world_size as u64,
+            &format!(
+                "started {world_size} ranks (pids {}); logs and manifest.json in {}",
+                pids.iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                run_dir.display()
+            ),
+        ),
+        Progress::Loaded { loaded, world_size } => {
+            let message = format!("{loaded}/{world_size} ranks loaded their shard");
+            if progress.is_bar() || loaded == world_size {
+                progress.update((world_size + loaded) as u64, &message);
+            }
+        }
+        Progress::Host { host, stage } => progress.note(&format!("[{host}] {stage}")),
+        Progress::RankLine { label, line, .. } if echo_ranks => {
+            let line = line.strip_prefix("note: ").unwrap_or(line);
+            progress.note(&format!("[{label}] {line}"))
+        }
+        Progress::RankLine { .. } => {}
+    }
+}

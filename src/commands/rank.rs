@@ -67,14 +67,14 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
     };
     // Rank 0 of a serving gang listens before it loads, answering 503 meanwhile.
     let mut server = if config.rank == 0 {
-        crate::commands::up::bind_rank_http()?
+        crate::serve::http::bind_rank_http()?
     } else {
         None
     };
     run_rank(
         &config,
         &mut |line| printer.note(line),
-        &mut |driver, store| crate::commands::up::serve_driver(driver, store, server.take()),
+        &mut |driver, store| crate::serve::http::serve_driver(driver, store, server.take()),
     )
     .with_context(|| format!("rank {} failed", config.rank))?;
     Ok(ExitStatus::Success)

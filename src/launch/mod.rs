@@ -18,6 +18,7 @@ pub mod agent;
 pub mod cluster;
 pub mod protocol;
 pub mod remote;
+pub mod serving;
 pub mod ssh;
 pub mod ssh_config;
 

@@ -3,6 +3,7 @@
 //! streaming), `GET /health`, `GET /metrics`. Errors are OpenAI error JSON with the right
 //! status; the server keeps serving after any bad request. Bound to 127.0.0.1 unless told.
 
+pub mod http;
 pub mod router;
 pub mod scheduler;
 

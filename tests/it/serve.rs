@@ -864,7 +864,7 @@ fn moe_model_served_with_expert_parallelism_matches_one_process() {
 /// OpenAI's error JSON until it is ready (here: never opened).
 #[test]
 fn endpoints_answer_503_until_the_engine_is_ready() {
-    let server = infer::commands::up::HttpServer::bind("127.0.0.1", 0).expect("bind");
+    let server = infer::serve::http::HttpServer::bind("127.0.0.1", 0).expect("bind");
     let url = format!("http://{}", server.address());
     let agent = ureq::Agent::config_builder()
         .http_status_as_error(false)

@@ -1,0 +1,414 @@
+//! `infer up` as a launcher: the layout (flags, a saved plan, a plan made for a cluster, or
+//! an inventory's hosts), then one `infer rank` per rank — on this host or on the
+//! inventory's hosts over SSH — whose rank 0 serves; watched until Ctrl-C/SIGTERM or until a
+//! rank fails. One rank and no inventory: the engine is served from this process.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use super::{Gang, LaunchSpec, Progress};
+use crate::model;
+use crate::runtime::quant::Numerics;
+use crate::runtime::worker::Job;
+use crate::serve::http::OneProcessEvent;
+
+/// Everything `infer up` was asked for, validated (no clap types).
+#[derive(Clone, Debug)]
+pub struct UpSettings {
+    /// The weights (a `.gguf` file or a model directory).
+    pub model: PathBuf,
+    /// The id `/v1/models` lists.
+    pub model_id: String,
+    /// Pinned degrees (`--tp/--pp/--dp/--ep`).
+    pub tp: Option<usize>,
+    pub pp: Option<usize>,
+    pub dp: Option<usize>,
+    pub ep: Option<usize>,
+    /// A saved plan (`infer plan --json`).
+    pub plan: Option<PathBuf>,
+    /// `--cluster`: `local`, a shorthand, or an inventory file.
+    pub cluster: Option<String>,
+    pub host: String,
+    pub port: u16,
+    /// Threads per rank (0: the host's cores over its ranks).
+    pub threads: usize,
+    pub numerics: Numerics,
+    pub max_batch: usize,
+    pub kv_cache_tokens: usize,
+    pub api_key: Option<String>,
+    pub ssh: super::ssh::SshOptions,
+    pub push_model: bool,
+}
+
+/// What [`up`] reports besides the gang's [`Progress`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum UpEvent {
+    /// A line for the user (where the layout came from, why it stopped early).
+    Note(String),
+    /// One process: listening (503) while the engine loads.
+    Listening(SocketAddr),
+    /// Serving at this address; `world_size` 1 is the in-process engine.
+    Ready {
+        address: String,
+        world_size: usize,
+        layout: String,
+        ready_secs: f64,
+    },
+    /// A launcher milestone or a rank's output line.
+    Gang(Progress),
+}
+
+/// Serves until Ctrl-C or SIGTERM (then returns `Ok`), or until a rank fails.
+///
+/// Errors: bad layouts or inputs, an address that cannot be bound, preflight failures on
+/// an inventory's hosts, a rank that fails (named, with its host and last log lines).
+pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
+    let started = Instant::now();
+    let layout = resolve_layout(settings, events)?;
+    if layout.world_size() > 1 || inventory(settings).is_some() {
+        return launch(settings, &layout, started, events);
+    }
+    crate::serve::http::serve_one_process(
+        &crate::serve::http::OneProcess {
+            model: &settings.model,
+            model_id: &settings.model_id,
+            host: &settings.host,
+            port: settings.port,
+            threads: settings.threads,
+            numerics: settings.numerics,
+            max_batch: settings.max_batch,
+            kv_cache_tokens: settings.kv_cache_tokens,
+            api_key: settings.api_key.clone(),
+        },
+        &mut |event| match event {
+            OneProcessEvent::Listening(address) => events(UpEvent::Listening(address)),
+            OneProcessEvent::Ready(address) => events(UpEvent::Ready {
+                address: address.to_string(),
+                world_size: 1,
+                layout: "one process".into(),
+                ready_secs: started.elapsed().as_secs_f64(),
+            }),
+        },
+    )
+}
+
+/// The inventory `--cluster` names, when it names one (ranks then run on its hosts).
+fn inventory(settings: &UpSettings) -> Option<PathBuf> {
+    settings
+        .cluster
+        .as_deref()
+        .filter(|c| crate::cluster::is_inventory(c))
+        .map(PathBuf::from)
+}
+
+/// The parallel layout to launch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Layout {
+    tp: usize,
+    pp: usize,
+    dp: usize,
+    ep: usize,
+    /// Where it came from: the flags, a plan file, or a plan for a cluster.
+    from: String,
+}
+
+impl Layout {
+    fn world_size(&self) -> usize {
+        self.dp * self.pp * self.tp
+    }
+}
+
+/// The layout from `--tp/--pp/--dp/--ep`, a saved `--plan`, or a plan made for `--cluster`.
+///
+/// Errors: both ways given, a degree of 0, an unreadable or malformed plan, an infeasible
+/// plan, a plan file spanning several hosts (their inventory is needed), `--ep` other than
+/// 1 or `--tp`.
+fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<Layout> {
+    let (args, path) = (settings, settings.model.as_path());
+    let explicit = [args.tp, args.pp, args.dp, args.ep];
+    let pinned = explicit.iter().any(Option::is_some);
+    let inventory = inventory(settings);
+    let from_plan = args.plan.is_some() || (args.cluster.is_some() && inventory.is_none());
+    if from_plan && pinned {
+        bail!("give the layout either with --plan/--cluster or with --tp/--pp/--dp/--ep, not both");
+    }
+    let layout = if let Some(file) = inventory.as_ref().filter(|_| !pinned) {
+        // An inventory without pinned degrees: plan over its GPU hosts, or one replica per
+        // host when they run CPU ranks.
+        let entries = crate::cluster::launch_inventory(file)?;
+        if entries.iter().all(|e| e.cpu) {
+            Layout {
+                tp: 1,
+                pp: 1,
+                dp: entries.len(),
+                ep: 1,
+                from: format!("one replica per host of `{}`", file.display()),
+            }
+        } else {
+            let spec = model::load(&path.display().to_string())?;
+            let cluster =
+                crate::cluster::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
+            match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
+                crate::plan::Outcome::Feasible(plan) => {
+                    let p = &plan.parallel;
+                    Layout {
+                        tp: p.tp as usize,
+                        pp: p.pp as usize,
+                        dp: p.dp as usize,
+                        ep: p.ep as usize,
+                        from: format!("the plan for `{}`", file.display()),
+                    }
+                }
+                crate::plan::Outcome::Infeasible(infeasible) => bail!(
+                    "no layout fits the model on this cluster:\n{}",
+                    crate::plan::render::render_infeasible(&infeasible, false)
+                ),
+            }
+        }
+    } else if let Some(file) = &args.plan {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read the plan `{}`", file.display()))?;
+        let plan: crate::plan::Plan = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "`{}` is not a plan; write one with `infer plan --json > plan.json`",
+                file.display()
+            )
+        })?;
+        layout_of(&plan, &format!("the plan `{}`", file.display()), events)?
+    } else if let Some(cluster) = args.cluster.as_ref().filter(|_| inventory.is_none()) {
+        let spec = model::load(&path.display().to_string())?;
+        let cluster = crate::cluster::load(cluster, std::path::Path::new("/sys"))?;
+        match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
+            crate::plan::Outcome::Feasible(plan) => {
+                layout_of(&plan, &format!("the plan for `{}`", plan.cluster), events)?
+            }
+            crate::plan::Outcome::Infeasible(infeasible) => bail!(
+                "no layout fits the model on this cluster:\n{}",
+                crate::plan::render::render_infeasible(&infeasible, false)
+            ),
+        }
+    } else {
+        Layout {
+            tp: args.tp.unwrap_or(1),
+            pp: args.pp.unwrap_or(1),
+            dp: args.dp.unwrap_or(1),
+            ep: args.ep.unwrap_or(1),
+            from: match &inventory {
+                Some(file) => format!("the --tp/--pp/--dp/--ep flags on `{}`", file.display()),
+                None => "the --tp/--pp/--dp/--ep flags".into(),
+            },
+        }
+    };
+    if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.ep == 0 {
+        bail!("--tp, --pp, --dp and --ep must be at least 1");
+    }
+    if layout.ep > 1 && layout.ep != layout.tp {
+        bail!(
+            "--ep {} must be 1 or equal --tp ({}): `infer up` shards experts over each replica's TP group",
+            layout.ep,
+            layout.tp
+        );
+    }
+    Ok(layout)
+}
+
+/// The layout of `plan`, which must place every rank on one host (a plan over several
+/// hosts is launched from their inventory). CPU ranks run it on this host.
+fn layout_of(
+    plan: &crate::plan::Plan,
+    what: &str,
+    events: &mut dyn FnMut(UpEvent),
+) -> Result<Layout> {
+    let mut hosts: Vec<&str> = plan.ranks.iter().map(|r| r.host.as_str()).collect();
+    hosts.sort_unstable();
+    hosts.dedup();
+    if hosts.len() > 1 {
+        bail!(
+            "{what} places ranks on {} hosts ({}), and a plan file does not say how to reach them\nhint: give the hosts' inventory instead, `--cluster hosts.toml` (planned on the spot and launched over SSH), or plan for one node, e.g. `--cluster 1x8xh100-sxm`",
+            hosts.len(),
+            hosts.join(", ")
+        );
+    }
+    let p = &plan.parallel;
+    let layout = Layout {
+        tp: p.tp as usize,
+        pp: p.pp as usize,
+        dp: p.dp as usize,
+        ep: p.ep as usize,
+        from: what.to_string(),
+    };
+    events(UpEvent::Note(format!(
+        "{what}: tp {} × pp {} × dp {} (ep {}), {} ranks; running them as CPU ranks on this host",
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        layout.ep,
+        layout.world_size()
+    )));
+    Ok(layout)
+}
+
+/// Launches `dp × pp × tp` rank processes (here, or on an inventory's hosts) whose rank 0
+/// serves, and watches them until Ctrl-C/SIGTERM or a failure.
+fn launch(
+    settings: &UpSettings,
+    layout: &Layout,
+    started: Instant,
+    events: &mut dyn FnMut(UpEvent),
+) -> Result<()> {
+    if settings.model.is_dir() {
+        bail!(
+            "rank processes run GGUF models for now; `{}` is a directory",
+            settings.model.display()
+        );
+    }
+    let world = layout.world_size();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let inventory = inventory(settings);
+    // On a cluster, the launcher listens at --host:--port itself (before anything starts,
+    // so a port in use fails first) and forwards to rank 0's server on its host's loopback.
+    let local_http = match &inventory {
+        Some(_) => Some(
+            std::net::TcpListener::bind((settings.host.as_str(), settings.port)).with_context(
+                || {
+                    format!(
+                        "cannot listen on {}:{} (in use? try `--port`)",
+                        settings.host, settings.port
+                    )
+                },
+            )?,
+        ),
+        None => None,
+    };
+    let (http_host, http_port) = match &local_http {
+        Some(_) => ("127.0.0.1".to_string(), "0".to_string()),
+        None => (settings.host.clone(), settings.port.to_string()),
+    };
+    let mut extra_env = vec![
+        ("INFER_HTTP_HOST".to_string(), http_host),
+        ("INFER_HTTP_PORT".to_string(), http_port),
+        (
+            "INFER_MAX_BATCH".to_string(),
+            settings.max_batch.to_string(),
+        ),
+        ("INFER_MODEL_ID".to_string(), settings.model_id.clone()),
+        (
+            "INFER_KV_CACHE_TOKENS".to_string(),
+            settings.kv_cache_tokens.to_string(),
+        ),
+    ];
+    if let Some(key) = &settings.api_key {
+        extra_env.push(("INFER_API_KEY".to_string(), key.clone()));
+    }
+    let spec = LaunchSpec {
+        tp: layout.tp,
+        pp: layout.pp,
+        dp: layout.dp,
+        ep: layout.ep,
+        model: settings.model.clone(),
+        threads_per_rank: match (settings.threads, &inventory) {
+            (0, None) => (cores / world).max(1),
+            // On a cluster, 0 means each host's cores over its ranks.
+            (threads, _) => threads,
+        },
+        numerics: settings.numerics,
+        timeout: Duration::from_secs(60),
+        extra_env,
+        layout_from: layout.from.clone(),
+        placement: Vec::new(),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    watch_signals(Arc::clone(&stop))?;
+    let mut report = |event: Progress| events(UpEvent::Gang(event));
+    let mut cluster = match &inventory {
+        Some(file) => {
+            let options = super::cluster::ClusterOptions {
+                inventory: file.clone(),
+                ssh: settings.ssh,
+                push_model: settings.push_model,
+            };
+            Some(super::cluster::start(
+                &spec,
+                &Job::Serve,
+                &options,
+                &mut report,
+            )?)
+        }
+        None => None,
+    };
+    let mut local_gang = match &cluster {
+        Some(_) => None,
+        None => Some(Gang::start(&spec, &Job::Serve)?),
+    };
+    let gang = match (&mut cluster, &mut local_gang) {
+        (Some(run), _) => &mut run.gang,
+        (None, Some(gang)) => gang,
+        (None, None) => unreachable!("one of the two was started above"),
+    };
+    gang.fail_on_any_exit();
+    report(gang.started());
+    let is_stopped = || stop.load(Ordering::SeqCst);
+    let Some(address) = gang.wait_for("ready", &is_stopped, &mut report)? else {
+        gang.stop();
+        events(UpEvent::Note("stopped before the ranks were ready".into()));
+        return Ok(());
+    };
+    let mut address = String::from_utf8_lossy(&address).into_owned();
+    if let (Some(run), Some(listener)) = (&cluster, local_http) {
+        // Rank 0 listens on its host's loopback; this launcher forwards to it over SSH.
+        let remote: SocketAddr = address
+            .parse()
+            .with_context(|| format!("rank 0 published a malformed address `{address}`"))?;
+        let local = listener.local_addr()?;
+        run.remote.forward(run.rank0_host, remote, listener)?;
+        address = local.to_string();
+    }
+    let gang = match (&mut cluster, &mut local_gang) {
+        (Some(run), _) => &mut run.gang,
+        (None, Some(gang)) => gang,
+        (None, None) => unreachable!("one of the two was started above"),
+    };
+    gang.write_manifest(&spec, Some(&format!("http://{address}")))?;
+    events(UpEvent::Ready {
+        address,
+        world_size: world,
+        layout: format!("dp {} × pp {} × tp {}", layout.dp, layout.pp, layout.tp),
+        ready_secs: started.elapsed().as_secs_f64(),
+    });
+    let mut report = |event: Progress| events(UpEvent::Gang(event));
+    // Serve until told to stop; the gang's rank 0 never sets this key.
+    gang.wait_for("never", &is_stopped, &mut report)?;
+    gang.stop();
+    Ok(())
+}
+
+/// Sets `stop` on SIGINT or SIGTERM (a thread with its own small runtime).
+fn watch_signals(stop: Arc<AtomicBool>) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("failed to start the signal watcher")?;
+    let mut terminate = runtime
+        .block_on(async {
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        })
+        .context("cannot watch SIGTERM")?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            runtime.block_on(async {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = terminate.recv() => {}
+                }
+            });
+            stop.store(true, Ordering::SeqCst);
+        })
+        .context("failed to start the signal watcher")?;
+    Ok(())
+}

@@ -1,0 +1,274 @@
+//! The HTTP side of `infer up` on the serving process: [`HttpServer`] (listening before the
+//! engine is ready, answering 503 until it opens), [`serve_one_process`] (the engine in
+//! this process, as vLLM at TP 1), and on a rank gang [`bind_rank_http`] and
+//! [`serve_driver`] (what rank 0 and the other replicas' drivers run).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, anyhow};
+
+use super::router::Router;
+use super::scheduler::Scheduler;
+use super::{AppState, Gate, router};
+use crate::rendezvous::StoreClient;
+use crate::runtime::engine::Engine;
+use crate::runtime::executor::Executor;
+use crate::runtime::gguf::Header;
+use crate::runtime::quant::Numerics;
+use crate::runtime::tokenizer::Tokenizer;
+use crate::runtime::worker::ReplicaDriver;
+
+/// What the one-process server needs.
+pub struct OneProcess<'a> {
+    pub model: &'a Path,
+    pub model_id: &'a str,
+    pub host: &'a str,
+    pub port: u16,
+    /// Worker threads (0: one per core).
+    pub threads: usize,
+    pub numerics: Numerics,
+    pub max_batch: usize,
+    pub kv_cache_tokens: usize,
+    pub api_key: Option<String>,
+}
+
+/// What [`serve_one_process`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OneProcessEvent {
+    /// Listening (every endpoint answers 503) while the engine loads.
+    Listening(SocketAddr),
+    /// Serving.
+    Ready(SocketAddr),
+}
+
+/// Serves `settings.model` from this process until Ctrl-C or SIGTERM: listens first (503
+/// until ready), loads, opens.
+///
+/// Errors: the address cannot be bound, the model does not load, the engine fails.
+pub fn serve_one_process(
+    settings: &OneProcess,
+    events: &mut dyn FnMut(OneProcessEvent),
+) -> Result<()> {
+    // Listen first: until the engine is ready every endpoint answers 503.
+    let server = HttpServer::bind(settings.host, settings.port)?;
+    events(OneProcessEvent::Listening(server.address()));
+    let mut engine = Engine::load(settings.model, settings.threads, settings.numerics)?;
+    engine.model.set_kv_capacity(Some(settings.kv_cache_tokens));
+    let tokenizer = if settings.model.is_dir() {
+        Tokenizer::from_dir(settings.model)?
+    } else {
+        Tokenizer::from_gguf(&Header::read_file(settings.model)?)?
+    };
+    let max_context_tokens = engine.model.config.max_context_tokens;
+    server.open(
+        AppState {
+            scheduler: Router::local(Scheduler::start(engine, settings.max_batch)),
+            model_id: settings.model_id.to_string(),
+            tokenizer,
+            max_context_tokens,
+            api_key: settings.api_key.clone(),
+        },
+        &[],
+        "",
+    )?;
+    events(OneProcessEvent::Ready(server.address()));
+    server.serve_until_stopped()
+}
+
+/// The driver of a serving replica. Replica 0's driver (global rank 0) runs the scheduler
+/// over `driver`, connects the router to the other replicas' drivers (their addresses come
+/// from the store), opens `server` (bound at `INFER_HTTP_HOST:INFER_HTTP_PORT` before the
+/// shard loaded, see [`bind_rank_http`]), publishes its address under `ready`, and serves
+/// until SIGTERM (from the launcher) or until a replica fails. Any other replica's driver serves the router's requests instead
+/// ([`super::router::serve_remote`]).
+///
+/// Errors: a missing `INFER_*` variable or server, a failed replica (a lost rank), a lost
+/// router.
+pub fn serve_driver(
+    driver: ReplicaDriver,
+    store: &mut StoreClient,
+    server: Option<HttpServer>,
+) -> Result<()> {
+    let var = |name: &str| {
+        std::env::var(name).with_context(|| format!("`{name}` is not set by the launcher"))
+    };
+    let max_batch: usize = var("INFER_MAX_BATCH")?
+        .parse()
+        .context("INFER_MAX_BATCH is not a number")?;
+    let dp: usize = var("INFER_DP")?
+        .parse()
+        .context("INFER_DP is not a number")?;
+    let token = var("INFER_RUN_TOKEN")?;
+    let replica = driver.replica_index();
+    let timeout = driver.timeout();
+    if replica > 0 {
+        let scheduler = Scheduler::start_with(Box::new(driver), max_batch);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .context("failed to start the replica's runtime")?;
+        return runtime.block_on(async {
+            // The data-network address on a multi-host run, loopback otherwise.
+            let bind = std::env::var("INFER_BIND_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+            let listener = tokio::net::TcpListener::bind((bind.as_str(), 0))
+                .await
+                .with_context(|| format!("cannot listen for the router on `{bind}`"))?;
+            store.set(
+                &format!("dp/{replica}/router"),
+                listener.local_addr()?.to_string().as_bytes(),
+            )?;
+            let mut terminate =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            tokio::select! {
+                result = super::router::serve_remote(listener, &token, scheduler) => result,
+                _ = terminate.recv() => Ok(()),
+            }
+        });
+    }
+    let server = server.context("rank 0 has no HTTP server: `INFER_HTTP_PORT` is not set")?;
+    let remotes = (1..dp)
+        .map(|r| {
+            let bytes = store.get(&format!("dp/{r}/router"), timeout)?;
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        })
+        .collect::<Result<Vec<String>>>()?;
+    server.open(
+        AppState {
+            model_id: var("INFER_MODEL_ID")?,
+            tokenizer: driver.tokenizer().clone(),
+            max_context_tokens: driver.max_context_tokens(),
+            api_key: std::env::var("INFER_API_KEY").ok(),
+            scheduler: Router::local(Scheduler::start_with(Box::new(driver), max_batch)),
+        },
+        &remotes,
+        &token,
+    )?;
+    store.set("ready", server.address().to_string().as_bytes())?;
+    server.serve_until_stopped()
+}
+
+/// Rank 0's HTTP server, bound before the shard loads so the port answers 503 meanwhile:
+/// `INFER_HTTP_HOST:INFER_HTTP_PORT` when the launcher set them (`None` otherwise).
+///
+/// Errors: the address cannot be bound.
+pub fn bind_rank_http() -> Result<Option<HttpServer>> {
+    match (
+        std::env::var("INFER_HTTP_HOST"),
+        std::env::var("INFER_HTTP_PORT"),
+    ) {
+        (Ok(host), Ok(port)) => {
+            let port: u16 = port.parse().context("INFER_HTTP_PORT is not a port")?;
+            HttpServer::bind(&host, port).map(Some)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// The HTTP server of `infer up`: listening from [`HttpServer::bind`] (every endpoint
+/// answers 503), serving from [`HttpServer::open`], until Ctrl-C, SIGTERM, or a failed
+/// replica ([`HttpServer::serve_until_stopped`]).
+pub struct HttpServer {
+    runtime: tokio::runtime::Runtime,
+    gate: Arc<Gate>,
+    address: SocketAddr,
+    shutdown: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl HttpServer {
+    /// Binds `host:port` and starts answering 503. Errors: the address cannot be bound.
+    pub fn bind(host: &str, port: u16) -> Result<HttpServer> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .context("failed to start the HTTP runtime")?;
+        let gate = Gate::new();
+        let (shutdown, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (address, server) = runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind((host, port))
+                .await
+                .with_context(|| {
+                    format!("cannot listen on {host}:{port} (in use? try `--port`)")
+                })?;
+            let address = listener.local_addr()?;
+            let app = router(Arc::clone(&gate));
+            let server = tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stopped.await;
+                    })
+                    .await
+            });
+            anyhow::Ok((address, server))
+        })?;
+        Ok(HttpServer {
+            runtime,
+            gate,
+            address,
+            shutdown,
+            server,
+        })
+    }
+
+    /// The bound address.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Connects the router to the `remotes` replicas (proving `token`) and starts serving
+    /// `state`. Errors: a replica that cannot be reached.
+    pub fn open(&self, mut state: AppState, remotes: &[String], token: &str) -> Result<()> {
+        self.runtime
+            .block_on(state.scheduler.connect_remotes(remotes, token))?;
+        self.gate.open(state)
+    }
+
+    /// Serves until Ctrl-C, SIGTERM or a failed replica, then shuts down gracefully.
+    ///
+    /// Errors: a replica failed (the error names it), the server failed.
+    pub fn serve_until_stopped(self) -> Result<()> {
+        let HttpServer {
+            runtime,
+            gate,
+            shutdown,
+            server,
+            ..
+        } = self;
+        runtime.block_on(async move {
+            let mut terminate =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            let sigterm = async {
+                match terminate.as_mut() {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            let engine_failed = async {
+                match gate.state() {
+                    Some(state) => state.scheduler.failed().await,
+                    None => std::future::pending::<String>().await,
+                }
+            };
+            let failure = tokio::select! {
+                _ = tokio::signal::ctrl_c() => None,
+                _ = sigterm => None,
+                error = engine_failed => Some(error),
+            };
+            let _ = shutdown.send(());
+            server
+                .await
+                .context("the HTTP server task failed")?
+                .context("the HTTP server failed")?;
+            match failure {
+                Some(error) => Err(anyhow!("the engine failed: {error}")),
+                None => Ok(()),
+            }
+        })
+    }
+}
