@@ -478,10 +478,11 @@ fn hello(exe: &Path) -> Result<AgentHello> {
         sha256,
         exe: exe.display().to_string(),
         arch: std::env::consts::ARCH.into(),
-        hostname: host.hostname,
+        hostname: host.hostname.clone(),
         n_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
         interfaces,
         run_dir: runs_dir()?.display().to_string(),
+        topology: host,
     })
 }
 

@@ -147,23 +147,31 @@ pub fn start(
             .expect("the rank is on its host");
         let threads = (remote.hosts[host].hello.n_cpus / on_host.len()).max(1);
         let interface = &data[host];
+        // CPU ranks use no GPU: every active HCA of the host is as near as any.
+        let hcas =
+            crate::plan::env::nearest_active_hcas(&remote.hosts[host].hello.topology.nics, &[]);
+        let mut env: Vec<(String, String)> = vec![
+            ("NCCL_SOCKET_IFNAME".into(), format!("={}", interface.name)),
+            ("GLOO_SOCKET_IFNAME".into(), interface.name.clone()),
+            ("INFER_BIND_ADDR".into(), interface.address.to_string()),
+            ("INFER_HOST".into(), entries[host].name.clone()),
+            (
+                "INFER_THREADS".into(),
+                match spec.threads_per_rank {
+                    0 => threads.to_string(),
+                    n => n.to_string(),
+                },
+            ),
+        ];
+        if !hcas.is_empty() {
+            // `=`: exact names (a bare `mlx5_1` would also select `mlx5_10`).
+            env.push(("NCCL_IB_HCA".into(), format!("={}", hcas.join(","))));
+        }
         placement.push(Placement {
             host: entries[host].name.clone(),
             local_rank,
             local_world_size: on_host.len(),
-            env: vec![
-                ("NCCL_SOCKET_IFNAME".into(), format!("={}", interface.name)),
-                ("GLOO_SOCKET_IFNAME".into(), interface.name.clone()),
-                ("INFER_BIND_ADDR".into(), interface.address.to_string()),
-                ("INFER_HOST".into(), entries[host].name.clone()),
-                (
-                    "INFER_THREADS".into(),
-                    match spec.threads_per_rank {
-                        0 => threads.to_string(),
-                        n => n.to_string(),
-                    },
-                ),
-            ],
+            env,
         });
     }
     let token = crate::rendezvous::random_token();

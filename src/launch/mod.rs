@@ -347,6 +347,8 @@ impl Gang {
                     "rank": r.rank,
                     "host": r.child.host().unwrap_or("localhost"),
                     "pid": r.child.id(),
+                    // Each rank leads its own process group.
+                    "pgid": r.child.id(),
                     "log": r.log,
                     "env": r
                         .env

@@ -113,6 +113,8 @@ pub struct AgentHello {
     pub interfaces: Vec<Interface>,
     /// The agent's run directory on the host (logs, process-group ids).
     pub run_dir: String,
+    /// The host as `infer topo --json` sees it there (GPUs, NVLink, NICs, HCAs).
+    pub topology: crate::topology::Host,
 }
 
 /// A network interface as the agent sees it.

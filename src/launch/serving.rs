@@ -132,6 +132,12 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
     let (args, path) = (settings, settings.model.as_path());
     let explicit = [args.tp, args.pp, args.dp, args.ep];
     let pinned = explicit.iter().any(Option::is_some);
+    if let Some(cluster) = &settings.cluster
+        && (cluster.ends_with(".toml") || cluster.contains('/'))
+        && !std::path::Path::new(cluster).is_file()
+    {
+        bail!("the inventory `{cluster}` does not exist (or is not a file)");
+    }
     let inventory = inventory(settings);
     let from_plan = args.plan.is_some() || (args.cluster.is_some() && inventory.is_none());
     if from_plan && pinned {

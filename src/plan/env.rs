@@ -83,8 +83,9 @@ fn socket_interface(host: &ClusterHost) -> Option<String> {
 }
 
 /// Active RDMA HCAs within `PIX`/`PXB` of a GPU in `gpus` (GPUDirect RDMA distance); when no
-/// HCA is that close, every active HCA. HCAs of unknown state (imported pastes) count as active.
-fn nearest_active_hcas(nics: &[Nic], gpus: &[usize]) -> Vec<String> {
+/// HCA is that close (or `gpus` is empty: CPU ranks), every active HCA. HCAs of unknown state
+/// (imported pastes) count as active.
+pub fn nearest_active_hcas(nics: &[Nic], gpus: &[usize]) -> Vec<String> {
     let active: Vec<&Nic> = nics
         .iter()
         .filter(|nic| matches!(nic.kind, NicKind::Ib | NicKind::Roce | NicKind::Unknown))

@@ -339,6 +339,21 @@ fn host_keys_auth_and_addresses_are_checked_before_anything_starts() {
         "{text}"
     );
     cluster.trust_hosts();
+    // An interface the inventory names that the host does not have.
+    cluster.edit_inventory(|text| {
+        text.replace(
+            "cpu-ranks = 1",
+            "cpu-ranks = 1\nnccl-socket-ifname = \"ib0\"",
+        )
+    });
+    let output = generate(Some(&cluster.inventory), &args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("interface `ib0`") && text.contains("on `h0`") && text.contains("eno1"),
+        "{text}"
+    );
+    cluster.edit_inventory(|text| text.replace("\nnccl-socket-ifname = \"ib0\"", ""));
     // Auth refused: a key the host does not authorize.
     cluster.edit_inventory(|text| {
         let key = cluster.dir.join("client_ed25519").display().to_string();
@@ -711,7 +726,22 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
     cluster.trust_hosts();
     let pythonpath = openai_python_package();
     let inventory = cluster.inventory.display().to_string();
-    let server = Server::start(&["--cluster", &inventory, "--dp", "2"]);
+    // A port in use is refused before anything starts anywhere.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("address").port().to_string();
+    let output = infer()
+        .args(["up", "--cluster", &inventory, "--dp", "2", "--port", &port])
+        .output()
+        .expect("run infer");
+    assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+    assert!(stderr(&output).contains("in use?"), "{}", stderr(&output));
+    assert!(
+        !stderr(&output).contains("connected"),
+        "{}",
+        stderr(&output)
+    );
+    drop(taken);
+    let mut server = Server::start(&["--cluster", &inventory, "--dp", "2"]);
     let ranks = server.rank_pids();
     assert_eq!(ranks.len(), 2, "{}", server.startup);
     let manifest = manifest_of(&server.startup);
@@ -789,12 +819,19 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
     let got: Value = serde_json::from_slice(&output.stdout).expect("script JSON");
     assert_eq!(got["completion_text"], reference["text"], "{got}");
     assert_eq!(got["streamed_text"], reference["text"], "{got}");
-    drop(server);
+    // Ctrl-C (SIGINT) of the launcher: exit 0, every remote rank gone.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(server.child.id() as i32).expect("pid"),
+        rustix::process::Signal::INT,
+    )
+    .expect("SIGINT");
+    let status = wait_exit(&mut server.child, Duration::from_secs(10)).expect("infer up exits");
+    assert_eq!(status.code(), Some(0));
     let pids: Vec<(String, u32)> = ranks.iter().map(|p| (String::new(), *p)).collect();
     assert_eq!(
         wait_gone(&pids, Duration::from_secs(3)),
         None,
-        "ranks left after SIGTERM"
+        "ranks left after Ctrl-C"
     );
 }
 

@@ -17,7 +17,7 @@ const TP3: &[&str] = &["--tp", "3"];
 
 /// A running `infer up` on a free port, stopped (SIGTERM) when dropped.
 pub struct Server {
-    child: Child,
+    pub child: Child,
     pub url: String,
     /// Every stderr line up to "serving on" (the rank pids and the run directory).
     pub startup: String,
