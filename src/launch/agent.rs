@@ -41,7 +41,7 @@ pub fn run_agent() -> Result<()> {
     let output: Output = Arc::new(Mutex::new(std::io::stdout()));
     let exe = std::env::current_exe().context("cannot find the agent's own executable")?;
     let hello = hello(&exe)?;
-    send(&output, &FromAgent::Hello(hello));
+    send(&output, &FromAgent::Hello(Box::new(hello)));
     let frames = read_stdin_frames();
     // The first frame names the run; a probe (staging, topology) may end here with EOF.
     let (run_id, host, lease) = match frames.recv() {

@@ -67,7 +67,7 @@ pub enum ToAgent {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum FromAgent {
     /// The first frame: who is answering.
-    Hello(AgentHello),
+    Hello(Box<AgentHello>),
     /// The store listens at `address`.
     StoreAt { address: String },
     /// A file's sha256 (hex) and size; `None` when it does not exist.

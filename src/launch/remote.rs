@@ -704,7 +704,7 @@ async fn start_agent(connection: &Connection, path: &str) -> Option<(AgentStream
     )
     .await;
     match hello {
-        Ok(Ok(Some(FromAgent::Hello(hello)))) => Some((stream, hello)),
+        Ok(Ok(Some(FromAgent::Hello(hello)))) => Some((stream, *hello)),
         _ => None,
     }
 }
