@@ -802,6 +802,48 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
                 && l.contains(&format!("{}:", cluster.hosts[0].data))),
         "{connections}"
     );
+    // The collectives and the router need only the data network: with h1's management
+    // link down for a moment (shorter than the launcher's 5 s patience), requests that
+    // rank 0 routes to h1's replica still complete.
+    let routed_to_h1 = |metrics: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("infer_dp_requests_routed_total{replica=\"1\"} "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let before = routed_to_h1(&server.metrics());
+    let link = cluster.management_link(1);
+    assert!(
+        Command::new("ip")
+            .args(["link", "set", "dev", &link, "down"])
+            .status()
+            .expect("ip")
+            .success()
+    );
+    let cut = Instant::now();
+    let results = server.post_all("/v1/completions", &bodies);
+    let during = routed_to_h1(&server.metrics());
+    let cut_for = cut.elapsed();
+    assert!(
+        Command::new("ip")
+            .args(["link", "set", "dev", &link, "up"])
+            .status()
+            .expect("ip")
+            .success()
+    );
+    assert!(
+        cut_for < Duration::from_secs(4),
+        "the requests took {cut_for:?}"
+    );
+    for (status, body) in &results {
+        assert_eq!(*status, 200, "{body}");
+    }
+    assert!(
+        during > before,
+        "no request reached h1's replica while its management link was down"
+    );
+    std::thread::sleep(Duration::from_secs(2));
     let output = Command::new("python3")
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
