@@ -12,6 +12,8 @@
 # set it, so their clusters never share a subnet). Each host's sshd runs in its own mount
 # namespace with empty tmpfs over DIR/private and ~/.cache/infer/bin, so a file the launcher
 # puts there is missing on the hosts (a model to push, a binary to stage), as on real hosts.
+# FAKE_ARCH=aarch64 makes `uname -m` answer that on every host (a script over
+# /usr/local/bin in the hosts' mount namespaces), to test a host of another architecture.
 # Needs root, `ip`, `unshare` and `sshd` (apt openssh-server).
 set -euo pipefail
 
@@ -105,7 +107,12 @@ LogLevel VERBOSE
 CFG
   ip netns exec "$ns" unshare --mount --propagation private sh -c '
     mount -t tmpfs tmpfs "$1/private" && mount -t tmpfs tmpfs "$HOME/.cache/infer/bin" &&
-    exec /usr/sbin/sshd -f "$2/sshd_config" -E "$2/sshd.log"' sh "$dir" "$hdir"
+    if [ -n "$3" ]; then
+      mount -t tmpfs tmpfs /usr/local/bin &&
+      printf "#!/bin/sh\nif [ \"\$1\" = -m ]; then echo %s; else exec /bin/uname \"\$@\"; fi\n" "$3" > /usr/local/bin/uname &&
+      chmod 755 /usr/local/bin/uname
+    fi &&
+    exec /usr/sbin/sshd -f "$2/sshd_config" -E "$2/sshd.log"' sh "$dir" "$hdir" "${FAKE_ARCH:-}"
   cat >> "$dir/hosts.toml" <<TOML
 [[hosts]]
 name = "h${i}"

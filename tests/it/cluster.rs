@@ -69,6 +69,15 @@ impl TestCluster {
     /// Builds a cluster of `n_hosts` hosts with `cpu_ranks` slots each; `None` (the test
     /// returns) where that cannot be done outside CI.
     pub fn start(n_hosts: usize, cpu_ranks: usize) -> Option<TestCluster> {
+        TestCluster::start_with(n_hosts, cpu_ranks, None)
+    }
+
+    /// [`TestCluster::start`] whose hosts answer `uname -m` with `fake_arch` when given.
+    pub fn start_with(
+        n_hosts: usize,
+        cpu_ranks: usize,
+        fake_arch: Option<&str>,
+    ) -> Option<TestCluster> {
         if let Some(why) = missing_requirement() {
             let required = std::env::var_os("CI").is_some()
                 || std::env::var("INFER_TEST_HARDWARE").is_ok_and(|v| v == "1");
@@ -88,6 +97,7 @@ impl TestCluster {
             .args(["up", &id, &n_hosts.to_string()])
             .arg(&dir)
             .env("OCTET", octet.to_string())
+            .env("FAKE_ARCH", fake_arch.unwrap_or(""))
             .output()
             .expect("run scripts/test-cluster.sh");
         let mut cluster = TestCluster {
@@ -282,7 +292,9 @@ fn generation_over_two_hosts_gives_the_single_process_tokens() {
 #[test]
 fn host_keys_auth_and_addresses_are_checked_before_anything_starts() {
     infer::model::default::ensure(&mut |_| {}).expect("model");
-    let Some(cluster) = TestCluster::start(1, 1) else {
+    // The host says it is an `aarch64` machine (`uname -m`); our own binary is visible to
+    // it at the launcher's path, so only staging asks.
+    let Some(cluster) = TestCluster::start_with(1, 1, Some("aarch64")) else {
         return;
     };
     let args = ["--prompt", "1, 2, 3,", "--max-tokens", "2"];
@@ -339,6 +351,22 @@ fn host_keys_auth_and_addresses_are_checked_before_anything_starts() {
         "{text}"
     );
     cluster.trust_hosts();
+    // No `infer` at the inventory's path and a host of another architecture: nothing to
+    // stage there.
+    cluster.edit_inventory(|text| {
+        text.replace(
+            "cpu-ranks = 1",
+            "cpu-ranks = 1\ninfer-path = \"/nonexistent/infer\"",
+        )
+    });
+    let output = generate(Some(&cluster.inventory), &args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("binary arch") && text.contains("`aarch64`") && text.contains("infer-path"),
+        "{text}"
+    );
+    cluster.edit_inventory(|text| text.replace("\ninfer-path = \"/nonexistent/infer\"", ""));
     // An interface the inventory names that the host does not have.
     cluster.edit_inventory(|text| {
         text.replace(
@@ -861,15 +889,30 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
     let got: Value = serde_json::from_slice(&output.stdout).expect("script JSON");
     assert_eq!(got["completion_text"], reference["text"], "{got}");
     assert_eq!(got["streamed_text"], reference["text"], "{got}");
-    // Ctrl-C (SIGINT) of the launcher: exit 0, every remote rank gone.
+    // A second run on the same hosts; kill -9 of the first launcher takes only the first
+    // run's ranks, and the second keeps serving.
+    let mut second = Server::start(&["--cluster", &inventory, "--dp", "2"]);
+    let second_ranks = second.rank_pids();
+    server.child.kill().expect("kill -9");
+    let _ = server.child.wait();
+    let first: Vec<(String, u32)> = ranks.iter().map(|p| (String::new(), *p)).collect();
+    assert_eq!(
+        wait_gone(&first, Duration::from_secs(3)),
+        None,
+        "ranks left after kill -9"
+    );
+    let (status, body) = second.post("/v1/completions", &bodies[0]);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], reference["text"], "{body}");
+    // Ctrl-C (SIGINT) of the second launcher: exit 0, every remote rank gone.
     rustix::process::kill_process(
-        rustix::process::Pid::from_raw(server.child.id() as i32).expect("pid"),
+        rustix::process::Pid::from_raw(second.child.id() as i32).expect("pid"),
         rustix::process::Signal::INT,
     )
     .expect("SIGINT");
-    let status = wait_exit(&mut server.child, Duration::from_secs(10)).expect("infer up exits");
+    let status = wait_exit(&mut second.child, Duration::from_secs(10)).expect("infer up exits");
     assert_eq!(status.code(), Some(0));
-    let pids: Vec<(String, u32)> = ranks.iter().map(|p| (String::new(), *p)).collect();
+    let pids: Vec<(String, u32)> = second_ranks.iter().map(|p| (String::new(), *p)).collect();
     assert_eq!(
         wait_gone(&pids, Duration::from_secs(3)),
         None,

@@ -143,7 +143,7 @@ impl Server {
         })
     }
 
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+    pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let response = ureq::post(&format!("{}{path}", self.url))
             .config()
             .http_status_as_error(false)
