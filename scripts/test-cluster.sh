@@ -45,6 +45,13 @@ n=${3:?host count}
 dir=${4:?dir}
 # A /24 pair per cluster id, so concurrent clusters never share a subnet.
 octet=${OCTET:-$(( ( $(printf '%s' "$id" | cksum | cut -d' ' -f1) % 200 ) + 20 ))}
+# Another cluster (or anything else) on that subnet pair: take the next free one.
+for _ in $(seq 200); do
+  if [ -z "$(ip route show "10.${octet}.1.0/24")" ] && [ -z "$(ip route show "10.${octet}.2.0/24")" ]; then
+    break
+  fi
+  octet=$(( (octet - 20 + 1) % 200 + 20 ))
+done
 mgmt="10.${octet}.1"
 data="10.${octet}.2"
 mkdir -p "$dir/private" "$HOME/.cache/infer/bin" /run/sshd

@@ -13,10 +13,10 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufRead, Write};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::io::Write;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -269,35 +269,13 @@ impl Agent {
         if self.ranks.contains_key(&rank) {
             bail!("rank {rank} was already started on this host");
         }
-        let log_path = self.run_dir.join(format!("rank{rank}.log"));
-        let log = File::create(&log_path)
-            .with_context(|| format!("cannot create `{}`", log_path.display()))?;
-        let mut command = Command::new(&self.exe);
-        command
-            .arg("rank")
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("HOME", std::env::var_os("HOME").unwrap_or_default())
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .env("INFER_RUN_ID", &self.run_id)
-            .env("INFER_RUN_TOKEN", token)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        // SAFETY: one prctl(2) call, async-signal-safe, allowed between fork and exec. The
-        // signal fires when the forking thread exits: this is the agent's main thread.
-        unsafe {
-            command.pre_exec(|| {
-                rustix::process::set_parent_process_death_signal(Some(
-                    rustix::process::Signal::KILL,
-                ))
-                .map_err(std::io::Error::from)
-            });
-        }
-        let mut child = command
-            .spawn()
-            .with_context(|| format!("cannot start rank {rank} from `{}`", self.exe.display()))?;
+        let log = self.run_dir.join(format!("rank{rank}.log"));
+        let mut env = env.to_vec();
+        env.push(("INFER_RUN_ID".into(), self.run_id.clone()));
+        let output = Arc::clone(&self.output);
+        let child = super::start_rank_process(&self.exe, rank, &env, token, &log, move |line| {
+            send(&output, &FromAgent::Line { rank, line })
+        })?;
         let pid = child.id();
         let mut pgids = std::fs::OpenOptions::new()
             .create(true)
@@ -305,31 +283,6 @@ impl Agent {
             .open(self.run_dir.join("pgids"))
             .context("cannot record the rank's process group")?;
         writeln!(pgids, "{rank} {pid}").context("cannot record the rank's process group")?;
-        let log = Arc::new(Mutex::new(log));
-        for stream in [
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let (log, output) = (Arc::clone(&log), Arc::clone(&self.output));
-            std::thread::spawn(move || {
-                for line in std::io::BufReader::new(stream).lines() {
-                    let Ok(line) = line else { break };
-                    if let Ok(mut file) = log.lock() {
-                        let _ = writeln!(file, "{line}");
-                    }
-                    send(&output, &FromAgent::Line { rank, line });
-                }
-            });
-        }
         self.ranks.insert(rank, child);
         Ok(pid)
     }

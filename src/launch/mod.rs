@@ -565,64 +565,82 @@ impl Spawner for LocalSpawner {
         log: &Path,
         lines: &std::sync::mpsc::Sender<(usize, String)>,
     ) -> Result<Box<dyn RankHandle>> {
-        let file =
-            File::create(log).with_context(|| format!("cannot create `{}`", log.display()))?;
-        let mut command = Command::new(&self.exe);
-        command
-            .arg("rank")
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("HOME", std::env::var_os("HOME").unwrap_or_default())
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .env("INFER_RUN_TOKEN", token)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            // Its own process group, so stopping the gang reaches anything the rank starts.
-            .process_group(0);
-        // SAFETY: `set_parent_process_death_signal` is one prctl(2) call, async-signal-safe,
-        // allowed between fork and exec; it allocates nothing and touches no lock. (The
-        // signal fires when the spawning *thread* exits: the launcher spawns from the
-        // thread that then watches the gang until it is stopped.)
-        unsafe {
-            command.pre_exec(|| {
-                // If the launcher dies (even by SIGKILL), the kernel kills the rank.
-                rustix::process::set_parent_process_death_signal(Some(
-                    rustix::process::Signal::KILL,
-                ))
-                .map_err(std::io::Error::from)
-            });
-        }
-        let mut child = command
-            .spawn()
-            .with_context(|| format!("failed to start rank {rank}"))?;
-        // Copy each output line to the log file and to the launcher.
-        let log_file = std::sync::Arc::new(std::sync::Mutex::new(file));
-        let outputs: [Option<Box<dyn std::io::Read + Send>>; 2] = [
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-        ];
-        for output in outputs.into_iter().flatten() {
-            let (log_file, lines) = (std::sync::Arc::clone(&log_file), lines.clone());
-            std::thread::spawn(move || {
-                use std::io::{BufRead, Write};
-                for line in std::io::BufReader::new(output).lines() {
-                    let Ok(line) = line else { break };
-                    if let Ok(mut file) = log_file.lock() {
-                        let _ = writeln!(file, "{line}");
-                    }
-                    let _ = lines.send((rank, line));
-                }
-            });
-        }
+        let lines = lines.clone();
+        let child = start_rank_process(&self.exe, rank, env, token, log, move |line| {
+            let _ = lines.send((rank, line));
+        })?;
         Ok(Box::new(LocalRank(child)))
     }
+}
+
+/// Starts `exe rank` as one rank process, the same way on the launcher's host and in a
+/// remote agent: exactly `env` (plus `PATH`, `HOME` and the run token; nothing inherited by
+/// accident), its own process group (stopping the gang reaches anything the rank starts), a
+/// parent-death signal, and every line it writes copied into `log` and handed to `line`.
+///
+/// The parent-death signal fires when the *thread* that spawned the rank exits: callers
+/// spawn from a thread that lives as long as they watch the rank (the launcher's main
+/// thread, the agent's).
+///
+/// Errors: the log file cannot be created, the process cannot be started.
+pub fn start_rank_process(
+    exe: &Path,
+    rank: usize,
+    env: &[(String, String)],
+    token: &str,
+    log: &Path,
+    line: impl Fn(String) + Clone + Send + 'static,
+) -> Result<Child> {
+    let file = File::create(log).with_context(|| format!("cannot create `{}`", log.display()))?;
+    let mut command = Command::new(exe);
+    command
+        .arg("rank")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", std::env::var_os("HOME").unwrap_or_default())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("INFER_RUN_TOKEN", token)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // SAFETY: `set_parent_process_death_signal` is one prctl(2) call, async-signal-safe,
+    // allowed between fork and exec; it allocates nothing and touches no lock.
+    unsafe {
+        command.pre_exec(|| {
+            // If the parent dies (even by SIGKILL), the kernel kills the rank.
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+                .map_err(std::io::Error::from)
+        });
+    }
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("cannot start rank {rank} from `{}`", exe.display()))?;
+    let log_file = std::sync::Arc::new(std::sync::Mutex::new(file));
+    let outputs: [Option<Box<dyn std::io::Read + Send>>; 2] = [
+        child
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        child
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+    ];
+    for output in outputs.into_iter().flatten() {
+        let (log_file, line) = (std::sync::Arc::clone(&log_file), line.clone());
+        std::thread::spawn(move || {
+            use std::io::{BufRead, Write};
+            for text in std::io::BufReader::new(output).lines() {
+                let Ok(text) = text else { break };
+                if let Ok(mut file) = log_file.lock() {
+                    let _ = writeln!(file, "{text}");
+                }
+                line(text);
+            }
+        });
+    }
+    Ok(child)
 }
 
 /// Fails when a rank has exited unsuccessfully or stopped heartbeating, naming it.

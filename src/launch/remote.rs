@@ -340,7 +340,27 @@ impl RemoteHost {
             .map_err(|_| anyhow!("lost the agent on `{}`", self.name))
     }
 
-    /// Waits until `take` finds what it waits for in the host's state.
+    /// One look at the host's state: `take`'s value if it has arrived, an error if the host
+    /// is lost.
+    fn poll<T>(
+        &self,
+        what: &str,
+        take: &mut impl FnMut(&mut HostState) -> Option<T>,
+    ) -> Result<Option<T>> {
+        let mut state = self
+            .state
+            .lock()
+            .map_err(|_| anyhow!("host state poisoned"))?;
+        if let Some(value) = take(&mut state) {
+            return Ok(Some(value));
+        }
+        match &state.lost {
+            Some(lost) => bail!("lost host `{}` while waiting for {what}: {lost}", self.name),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits (blocking this thread) until `take` finds what it waits for in the host's state.
     fn wait_for<T>(
         &self,
         timeout: Duration,
@@ -349,17 +369,8 @@ impl RemoteHost {
     ) -> Result<T> {
         let deadline = Instant::now() + timeout;
         loop {
-            {
-                let mut state = self
-                    .state
-                    .lock()
-                    .map_err(|_| anyhow!("host state poisoned"))?;
-                if let Some(value) = take(&mut state) {
-                    return Ok(value);
-                }
-                if let Some(lost) = &state.lost {
-                    bail!("lost host `{}` while waiting for {what}: {lost}", self.name);
-                }
+            if let Some(value) = self.poll(what, &mut take)? {
+                return Ok(value);
             }
             if Instant::now() >= deadline {
                 bail!(
@@ -369,6 +380,25 @@ impl RemoteHost {
                 );
             }
             std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// [`RemoteHost::wait_for`] on the runtime (preflight), up to 10 minutes (hashing or
+    /// pushing a large model).
+    async fn wait_async<T>(
+        &self,
+        what: &str,
+        mut take: impl FnMut(&mut HostState) -> Option<T>,
+    ) -> Result<T> {
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            if let Some(value) = self.poll(what, &mut take)? {
+                return Ok(value);
+            }
+            if Instant::now() >= deadline {
+                bail!("`{}` did not answer while waiting for {what}", self.name);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 }
@@ -610,7 +640,8 @@ async fn connect_host(
         path: model.clone(),
     })
     .map_err(|e| fail("agent", format!("{e:#}")))?;
-    let (remote_sha, _) = wait_async(&host, "the model's sha256", |s| s.file_info.take())
+    let (remote_sha, _) = host
+        .wait_async("the model's sha256", |s| s.file_info.take())
         .await
         .map_err(|e| fail("model", format!("{e:#}")))?;
     match remote_sha {
@@ -659,38 +690,13 @@ async fn push_file(host: &RemoteHost, path: &Path, sha: &str) -> Result<()> {
         })?;
     }
     host.send(ToAgent::FileEnd)?;
-    let (remote_sha, _) =
-        wait_async(host, "the pushed model's sha256", |s| s.file_info.take()).await?;
+    let (remote_sha, _) = host
+        .wait_async("the pushed model's sha256", |s| s.file_info.take())
+        .await?;
     if remote_sha.as_deref() != Some(sha) {
         bail!("the pushed `{remote}` has another sha256 than the launcher's");
     }
     Ok(())
-}
-
-async fn wait_async<T>(
-    host: &RemoteHost,
-    what: &str,
-    mut take: impl FnMut(&mut HostState) -> Option<T>,
-) -> Result<T> {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        {
-            let mut state = host
-                .state
-                .lock()
-                .map_err(|_| anyhow!("host state poisoned"))?;
-            if let Some(value) = take(&mut state) {
-                return Ok(value);
-            }
-            if let Some(lost) = &state.lost {
-                bail!("lost `{}` while waiting for {what}: {lost}", host.name);
-            }
-        }
-        if Instant::now() >= deadline {
-            bail!("`{}` did not answer while waiting for {what}", host.name);
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// Runs `<path> agent` and reads its hello; `None` when nothing answers (not installed,

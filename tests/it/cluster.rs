@@ -167,6 +167,27 @@ impl TestCluster {
         std::fs::write(&self.inventory, edit(text)).expect("inventory");
     }
 
+    /// Asserts that host `from` has an established TCP connection between its data address
+    /// and host `to`'s (read with `ss` inside `from`'s namespace).
+    pub fn assert_data_connection(&self, from: usize, to: usize) {
+        let output = Command::new("ip")
+            .args(["netns", "exec", &self.hosts[from].namespace])
+            .args(["ss", "-tnH", "state", "established"])
+            .output()
+            .expect("ss");
+        let connections = String::from_utf8_lossy(&output.stdout);
+        let (mine, theirs) = (
+            format!("{}:", self.hosts[from].data),
+            format!("{}:", self.hosts[to].data),
+        );
+        assert!(
+            connections
+                .lines()
+                .any(|l| l.contains(&mine) && l.contains(&theirs)),
+            "no connection {mine} <-> {theirs}:\n{connections}"
+        );
+    }
+
     /// The root-namespace end of a host's management link.
     pub fn management_link(&self, host: usize) -> String {
         format!("v{}h{host}m", self.id)
@@ -588,26 +609,7 @@ fn a_killed_launcher_leaves_no_remote_rank_and_another_run_keeps_going() {
     // The pipeline's activations travel between the hosts' data addresses: h1 has an
     // established connection to h0's data address (and none to its management address
     // but SSH).
-    let connections = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &cluster.hosts[1].namespace,
-            "ss",
-            "-tnH",
-            "state",
-            "established",
-        ])
-        .output()
-        .expect("ss");
-    let connections = String::from_utf8_lossy(&connections.stdout);
-    assert!(
-        connections
-            .lines()
-            .any(|l| l.contains(&format!("{}:", cluster.hosts[1].data))
-                && l.contains(&format!("{}:", cluster.hosts[0].data))),
-        "{connections}"
-    );
+    cluster.assert_data_connection(1, 0);
     let first_pids = rank_pids(&first_manifest);
     let second_pids = rank_pids(&second_manifest);
     assert!(
@@ -745,14 +747,13 @@ fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
 /// rank 0 over SSH), and the official `openai` client gets `infer generate`'s text.
 #[test]
 fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
-    use crate::serve::{Server, generate_counting, openai_python_package};
+    use crate::serve::{Server, generate_counting, run_openai_client};
     use serde_json::json;
     infer::model::default::ensure(&mut |_| {}).expect("model");
     let Some(cluster) = TestCluster::start(2, 2) else {
         return;
     };
     cluster.trust_hosts();
-    let pythonpath = openai_python_package();
     let inventory = cluster.inventory.display().to_string();
     // A port in use is refused before anything starts anywhere.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -810,26 +811,7 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
         assert!(routed > 0, "replica {replica} got nothing:\n{metrics}");
     }
     // The router's connection to replica 1 runs between the data addresses.
-    let connections = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &cluster.hosts[1].namespace,
-            "ss",
-            "-tnH",
-            "state",
-            "established",
-        ])
-        .output()
-        .expect("ss");
-    let connections = String::from_utf8_lossy(&connections.stdout);
-    assert!(
-        connections
-            .lines()
-            .any(|l| l.contains(&format!("{}:", cluster.hosts[1].data))
-                && l.contains(&format!("{}:", cluster.hosts[0].data))),
-        "{connections}"
-    );
+    cluster.assert_data_connection(1, 0);
     // The collectives and the router need only the data network: with h1's management
     // link down for a moment (shorter than the launcher's 5 s patience), requests that
     // rank 0 routes to h1's replica still complete.
@@ -872,21 +854,7 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
         "no request reached h1's replica while its management link was down"
     );
     std::thread::sleep(Duration::from_secs(2));
-    let output = Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/python/openai_client.py"
-        ))
-        .arg(format!("{}/v1", server.url))
-        .env("PYTHONPATH", pythonpath)
-        .output()
-        .expect("run python3");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let got: Value = serde_json::from_slice(&output.stdout).expect("script JSON");
+    let got = run_openai_client(&server.url);
     assert_eq!(got["completion_text"], reference["text"], "{got}");
     assert_eq!(got["streamed_text"], reference["text"], "{got}");
     // A second run on the same hosts; kill -9 of the first launcher takes only the first

@@ -539,19 +539,16 @@ pub fn openai_python_package() -> std::path::PathBuf {
     dir
 }
 
-/// The official `openai` Python client: a greedy completion equal to `infer generate`'s,
-/// a streamed completion with the same text and usage, and a streamed chat.
-#[test]
-fn the_official_openai_python_client_works() {
-    let pythonpath = openai_python_package();
-    let server = Server::start(TP3);
+/// Runs `tests/python/openai_client.py` (the official `openai` package) against the server
+/// at `url` and returns what it printed.
+pub fn run_openai_client(url: &str) -> Value {
     let output = std::process::Command::new("python3")
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/tests/python/openai_client.py"
         ))
-        .arg(format!("{}/v1", server.url))
-        .env("PYTHONPATH", pythonpath)
+        .arg(format!("{url}/v1"))
+        .env("PYTHONPATH", openai_python_package())
         .output()
         .expect("run python3");
     assert!(
@@ -559,7 +556,15 @@ fn the_official_openai_python_client_works() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let got: Value = serde_json::from_slice(&output.stdout).expect("script JSON");
+    serde_json::from_slice(&output.stdout).expect("script JSON")
+}
+
+/// The official `openai` Python client: a greedy completion equal to `infer generate`'s,
+/// a streamed completion with the same text and usage, and a streamed chat.
+#[test]
+fn the_official_openai_python_client_works() {
+    let server = Server::start(TP3);
+    let got = run_openai_client(&server.url);
     let generate = generate_counting();
     assert_eq!(got["completion_text"], generate["text"], "{got}");
     assert_eq!(got["streamed_text"], generate["text"], "{got}");
