@@ -263,6 +263,14 @@ pub struct TopoArgs {
     /// Read NICs and HCAs from this sysfs mount point instead of `/sys`.
     #[arg(long, value_name = "DIR", default_value = "/sys")]
     pub sysfs_root: PathBuf,
+
+    /// Probe every host of this inventory (`hosts.toml`) over SSH, in parallel, each on
+    /// that host; `--json` writes one topology with every host.
+    #[arg(long, value_name = "HOSTS_TOML", conflicts_with = "from")]
+    pub cluster: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub ssh: SshArgs,
 }
 
 /// `infer plan`.

@@ -12,6 +12,9 @@ use crate::ui::Printer;
 
 /// Runs `infer topo`. Errors: unreadable or malformed `--from` input, a failed probe.
 pub fn run(args: &TopoArgs, printer: &Printer) -> Result<ExitStatus> {
+    if let Some(inventory) = &args.cluster {
+        return cluster(args, inventory, printer);
+    }
     let topology = match &args.from {
         Some(path) if path.as_os_str() == "-" => {
             let mut text = String::new();
@@ -41,4 +44,36 @@ pub fn run(args: &TopoArgs, printer: &Printer) -> Result<ExitStatus> {
         printer.data(&render::render(&topology));
     }
     Ok(ExitStatus::Success)
+}
+
+/// `--cluster`: every host probed on that host; a host that cannot be reached is an error
+/// line (and exit 1) while the others still print.
+fn cluster(args: &TopoArgs, inventory: &std::path::Path, printer: &Printer) -> Result<ExitStatus> {
+    let ssh = crate::launch::ssh::SshOptions {
+        accept_new: args.ssh.ssh_accept_new,
+    };
+    let (topology, failures) =
+        crate::launch::cluster::probe_topologies(inventory, ssh, &mut |event| {
+            if let crate::launch::Progress::Host { host, stage } = event
+                && stage.starts_with("connected")
+            {
+                printer.note(&format!("[{host}] {stage}"));
+            }
+        })?;
+    if args.json {
+        printer.json(&topology)?;
+    } else if !topology.hosts.is_empty() {
+        printer.data(&render::render(&topology));
+    }
+    for failure in &failures {
+        printer.note(&format!(
+            "error: host `{}` could not be probed ({}): {}",
+            failure.host, failure.stage, failure.message
+        ));
+    }
+    Ok(if failures.is_empty() {
+        ExitStatus::Success
+    } else {
+        ExitStatus::No
+    })
 }

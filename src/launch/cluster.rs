@@ -104,7 +104,7 @@ pub fn start(
         &targets,
         &Preflight {
             ssh: options.ssh,
-            model: spec.model.clone(),
+            model: Some(spec.model.clone()),
             push_model: options.push_model,
         },
         &mut |host, stage| {
@@ -220,6 +220,48 @@ pub fn start(
         remote,
         rank0_host: store_host,
     })
+}
+
+/// Every host of the inventory as its own agent probes it (`infer topo --json` there), in
+/// parallel; each host named as in the inventory. Hosts that cannot be reached come back
+/// as failures, the others still answer.
+///
+/// Errors: an unreadable inventory, the SSH runtime cannot start.
+pub fn probe_topologies(
+    inventory: &Path,
+    ssh: SshOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(
+    crate::topology::Topology,
+    Vec<super::remote::PreflightFailure>,
+)> {
+    let entries = crate::cluster::launch_inventory(inventory)?;
+    let targets = ssh_targets(&entries)?;
+    let (mut remote, failures) = RemoteCluster::connect_partial(
+        &targets,
+        &Preflight {
+            ssh,
+            model: None,
+            push_model: false,
+        },
+        &mut |host, stage| {
+            progress(Progress::Host {
+                host: host.into(),
+                stage: stage.into(),
+            })
+        },
+    )?;
+    let hosts = remote
+        .hosts
+        .iter()
+        .map(|host| {
+            let mut topology = host.hello.topology.clone();
+            topology.hostname = host.name.clone();
+            topology
+        })
+        .collect();
+    remote.shutdown();
+    Ok((crate::topology::Topology { hosts }, failures))
 }
 
 /// Which host each rank runs on (indexed by rank, vLLM order: DP, PP, TP with TP fastest).

@@ -44,8 +44,8 @@ pub struct RemoteHostSpec {
 #[derive(Clone, Debug)]
 pub struct Preflight {
     pub ssh: SshOptions,
-    /// The model file, at the same path on every host.
-    pub model: PathBuf,
+    /// The model file, at the same path on every host; `None`: no model to check (a probe).
+    pub model: Option<PathBuf>,
     /// Copy the model to hosts that lack it.
     pub push_model: bool,
 }
@@ -101,18 +101,53 @@ impl RemoteCluster {
         preflight: &Preflight,
         report: &mut dyn FnMut(&str, &str),
     ) -> Result<RemoteCluster> {
+        let (mut cluster, failures) = RemoteCluster::connect_partial(hosts, preflight, report)?;
+        if !failures.is_empty() {
+            cluster.shutdown();
+            let lines: Vec<String> = failures
+                .iter()
+                .map(|f| {
+                    format!(
+                        "  {:<12} {:<18} {}",
+                        f.host,
+                        f.stage,
+                        f.message
+                            .replace('\n', "\n                                  ")
+                    )
+                })
+                .collect();
+            bail!(
+                "preflight failed on {} of {} hosts; nothing was started:\n{}",
+                failures.len(),
+                hosts.len(),
+                lines.join("\n")
+            );
+        }
+        Ok(cluster)
+    }
+
+    /// [`RemoteCluster::connect`] that keeps the hosts that passed and returns the others'
+    /// failures (for probes, where one host down must not hide the rest).
+    ///
+    /// Errors: the runtime cannot start, the model or this executable cannot be read.
+    pub fn connect_partial(
+        hosts: &[RemoteHostSpec],
+        preflight: &Preflight,
+        report: &mut dyn FnMut(&str, &str),
+    ) -> Result<(RemoteCluster, Vec<PreflightFailure>)> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .context("cannot start the SSH runtime")?;
         let run_id = format!("run-{:016x}", rand::random::<u64>());
-        let model_sha = super::agent::sha256_file(&preflight.model)?.with_context(|| {
-            format!(
-                "the model `{}` does not exist here",
-                preflight.model.display()
-            )
-        })?;
+        let model_sha =
+            match &preflight.model {
+                Some(model) => Some(super::agent::sha256_file(model)?.with_context(|| {
+                    format!("the model `{}` does not exist here", model.display())
+                })?),
+                None => None,
+            };
         let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
         let own_sha = super::agent::sha256_file(&exe)?
             .context("the `infer` executable vanished")?
@@ -184,27 +219,6 @@ impl RemoteCluster {
             run_id,
             heartbeat: None,
         };
-        if !failures.is_empty() {
-            cluster.shutdown();
-            let lines: Vec<String> = failures
-                .iter()
-                .map(|f| {
-                    format!(
-                        "  {:<12} {:<18} {}",
-                        f.host,
-                        f.stage,
-                        f.message
-                            .replace('\n', "\n                                  ")
-                    )
-                })
-                .collect();
-            bail!(
-                "preflight failed on {} of {} hosts; nothing was started:\n{}",
-                failures.len(),
-                hosts.len(),
-                lines.join("\n")
-            );
-        }
         let senders: Vec<_> = cluster.hosts.iter().map(|h| h.to_agent.clone()).collect();
         cluster.heartbeat = Some(cluster.runtime.spawn(async move {
             loop {
@@ -214,7 +228,7 @@ impl RemoteCluster {
                 }
             }
         }));
-        Ok(cluster)
+        Ok((cluster, failures))
     }
 
     /// Asks `host`'s agent to run the rendezvous store on `bind` and forwards a local port
@@ -514,7 +528,7 @@ impl RankHandle for RemoteRank {
 async fn connect_host(
     spec: &RemoteHostSpec,
     preflight: &Preflight,
-    model_sha: &(String, u64),
+    model_sha: &Option<(String, u64)>,
     own_sha: &str,
     exe: &Path,
     run_id: &str,
@@ -635,7 +649,10 @@ async fn connect_host(
     })
     .map_err(|e| fail("agent", format!("{e:#}")))?;
     // The model: the same bytes at the same path.
-    let model = preflight.model.display().to_string();
+    let (Some(model_path), Some(model_sha)) = (&preflight.model, model_sha) else {
+        return Ok(host);
+    };
+    let model = model_path.display().to_string();
     host.send(ToAgent::HashFile {
         path: model.clone(),
     })
@@ -661,7 +678,7 @@ async fn connect_host(
             ));
         }
         _ => {
-            push_file(&host, &preflight.model, &model_sha.0)
+            push_file(&host, model_path, &model_sha.0)
                 .await
                 .map_err(|e| fail("model push", format!("{e:#}")))?;
             passed(format!("model `{model}` pushed (sha256 checked)"));

@@ -1072,3 +1072,70 @@ fn inventories_take_defaults_aliases_and_refuse_unknown_keys() {
         "{error}"
     );
 }
+
+/// `infer topo --cluster`: every host probed on that host (its own NIC names), one JSON
+/// topology that `infer topo --from` reads back; a host that cannot be reached is named and
+/// the others still print (exit 1).
+#[test]
+fn topo_over_the_cluster_probes_every_host_there() {
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let output = infer()
+        .args(["topo", "--json", "--cluster"])
+        .arg(&cluster.inventory)
+        .output()
+        .expect("run infer");
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let topology: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    for (index, host) in cluster.hosts.iter().enumerate() {
+        let probed = &topology["hosts"][index];
+        assert_eq!(probed["hostname"], host.name.as_str());
+        let nic = probed["nics"]
+            .as_array()
+            .expect("nics")
+            .iter()
+            .find(|n| n["name"] == host.data_nic.as_str())
+            .unwrap_or_else(|| panic!("no {} on {}: {probed}", host.data_nic, host.name));
+        assert!(
+            nic["addresses"]
+                .as_array()
+                .expect("addresses")
+                .iter()
+                .any(|a| a == host.data.as_str())
+        );
+    }
+    let round_trip = crate::run_with_stdin(&["topo", "--json", "--from", "-"], &output.stdout);
+    assert_eq!(round_trip.status.code(), Some(0), "{}", stderr(&round_trip));
+    let again: Value = serde_json::from_slice(&round_trip.stdout).expect("JSON");
+    assert_eq!(again["hosts"].as_array().map(Vec::len), Some(2));
+    // h1's sshd stops: h1 is an error line, h0 still prints.
+    let pid: i32 = std::fs::read_to_string(cluster.dir.join("h1/sshd.pid"))
+        .expect("sshd.pid")
+        .trim()
+        .parse()
+        .expect("pid");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).expect("pid"),
+        rustix::process::Signal::TERM,
+    )
+    .expect("stop sshd");
+    std::thread::sleep(Duration::from_millis(200));
+    let output = infer()
+        .args(["topo", "--cluster"])
+        .arg(&cluster.inventory)
+        .output()
+        .expect("run infer");
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("host `h1` could not be probed") && text.contains("refused"),
+        "{text}"
+    );
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("host h0"),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+}
