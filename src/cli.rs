@@ -376,6 +376,11 @@ pub struct DoctorArgs {
     /// sysfs mount point for the live checks of this host.
     #[arg(long, value_name = "DIR", default_value = "/sys", hide = true)]
     pub sysfs_root: PathBuf,
+
+    /// With `--cluster hosts.toml`: trust and record host keys not yet known (a changed key
+    /// is still refused).
+    #[arg(long)]
+    pub ssh_accept_new: bool,
 }
 
 /// `infer up`.

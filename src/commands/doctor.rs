@@ -11,6 +11,9 @@ use crate::ui::Printer;
 
 /// Runs `infer doctor`. Errors: an unreadable log or topology, a malformed topology.
 pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
+    if args.model.is_none() && crate::cluster::is_inventory(&args.settings.cluster) {
+        return cluster(args, printer);
+    }
     let mut logs = Vec::new();
     for path in &args.nccl_logs {
         let text = std::fs::read_to_string(path)
@@ -61,6 +64,38 @@ pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
         findings.extend(checks::live(&args.sysfs_root)?);
     }
     let report = Report::new(findings);
+    if args.json {
+        printer.json(&report)?;
+    } else {
+        printer.data(&render(&report));
+    }
+    Ok(if report.errors > 0 {
+        ExitStatus::No
+    } else {
+        ExitStatus::Success
+    })
+}
+
+/// `--cluster hosts.toml`: every host's own live checks (through its agent), then the
+/// cross-host checks and the reachability matrix; with `--nccl-log`/`--plan`, those too.
+fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
+    let inventory = std::path::Path::new(&args.settings.cluster);
+    let ssh = crate::launch::ssh::SshOptions {
+        accept_new: args.ssh_accept_new,
+    };
+    let evidence = crate::launch::cluster::survey(inventory, ssh, &mut |_| {})?;
+    let mut findings = checks::cluster(&evidence);
+    let mut logs = Vec::new();
+    for path in &args.nccl_logs {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("failed to read NCCL log `{}`", path.display()))?;
+        logs.push(nccl_log::parse(&text, &path.display().to_string()));
+    }
+    findings.extend(checks::nccl_logs(&logs, None));
+    // Group by host (cluster-wide findings last), keeping each host's order.
+    findings.sort_by_key(|f| f.host.is_none());
+    let mut report = Report::new(findings);
+    report.matrix = evidence.matrix;
     if args.json {
         printer.json(&report)?;
     } else {

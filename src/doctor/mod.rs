@@ -3,6 +3,7 @@
 //! stable id; checks collect [`Finding`]s rather than failing on the first problem.
 
 pub mod checks;
+pub mod cluster;
 pub mod nccl_log;
 
 use comfy_table::Table;
@@ -10,7 +11,7 @@ use comfy_table::presets::NOTHING;
 use serde::Serialize;
 
 /// How bad a finding is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Severity {
     /// Checked and healthy, or a fact worth knowing.
@@ -37,12 +38,50 @@ pub struct Finding {
     pub hint: String,
 }
 
+/// A [`Finding`] as it travels from a host's agent to the launcher (check ids as text).
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct WireFinding {
+    pub check: String,
+    pub severity: Severity,
+    pub message: String,
+    pub evidence: Vec<String>,
+    pub hint: String,
+}
+
+impl WireFinding {
+    /// The finding to send.
+    pub fn from_finding(finding: &Finding) -> WireFinding {
+        WireFinding {
+            check: finding.check.to_string(),
+            severity: finding.severity,
+            message: finding.message.clone(),
+            evidence: finding.evidence.clone(),
+            hint: finding.hint.clone(),
+        }
+    }
+
+    /// The finding received from `host` (an id this build does not know reads `remote`).
+    pub fn into_finding(self, host: &str) -> Finding {
+        Finding {
+            check: checks::known_id(&self.check).unwrap_or("remote"),
+            severity: self.severity,
+            host: Some(host.to_string()),
+            message: self.message,
+            evidence: self.evidence,
+            hint: self.hint,
+        }
+    }
+}
+
 /// The `--json` output of `infer doctor`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Report {
     pub findings: Vec<Finding>,
     pub errors: usize,
     pub warnings: usize,
+    /// The cross-host reachability matrix of `--cluster` (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub matrix: Option<cluster::Matrix>,
 }
 
 impl Report {
@@ -60,6 +99,7 @@ impl Report {
             findings,
             errors,
             warnings,
+            matrix: None,
         }
     }
 }
@@ -91,8 +131,13 @@ pub fn render(report: &Report) -> String {
         .lines()
         .map(|l| l.trim_end().to_string())
         .collect();
+    let matrix = report
+        .matrix
+        .as_ref()
+        .map(|m| format!("\n\n{}", cluster::render_matrix(m)))
+        .unwrap_or_default();
     format!(
-        "{}\n\n{} error(s), {} warning(s)\n",
+        "{}{matrix}\n\n{} error(s), {} warning(s)\n",
         body.join("\n"),
         report.errors,
         report.warnings

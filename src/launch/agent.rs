@@ -189,6 +189,33 @@ impl Agent {
                 std::thread::spawn(move || watch_store(&address, &token, lease, &lost));
             }
             ToAgent::Run { .. } | ToAgent::Heartbeat | ToAgent::Shutdown => {}
+            ToAgent::Doctor => {
+                let output = Arc::clone(&self.output);
+                std::thread::spawn(move || {
+                    let findings = match crate::doctor::checks::live(Path::new("/sys")) {
+                        Ok(findings) => findings.iter().map(crate::doctor::WireFinding::from_finding).collect(),
+                        Err(error) => {
+                            return send(&output, &FromAgent::Error { rank: None, message: format!("{error:#}") });
+                        }
+                    };
+                    send(&output, &FromAgent::Findings { findings });
+                });
+            }
+            ToAgent::Listen { bind } => match std::net::TcpListener::bind(&bind) {
+                Ok(listener) => {
+                    let address = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                    std::thread::spawn(move || answer_probes(&listener));
+                    send(&self.output, &FromAgent::Listening { address });
+                }
+                Err(error) => self.error(None, format!("cannot listen on `{bind}`: {error}")),
+            },
+            ToAgent::Reach { from, targets } => {
+                let output = Arc::clone(&self.output);
+                std::thread::spawn(move || {
+                    let results = targets.iter().map(|to| probe(&from, to)).collect();
+                    send(&output, &FromAgent::Reached { results });
+                });
+            }
             ToAgent::HostStore { bind, token } => match StoreServer::start(&bind, &token) {
                 Ok(server) => {
                     send(
@@ -330,6 +357,71 @@ impl Agent {
     }
 }
 
+/// Answers reachability probes: reads one byte, writes back the source address the
+/// connection came from, one line.
+fn answer_probes(listener: &std::net::TcpListener) {
+    for stream in listener.incoming() {
+        let Ok(mut stream) = stream else { continue };
+        std::thread::spawn(move || {
+            use std::io::Read;
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut byte = [0u8; 1];
+            if stream.read_exact(&mut byte).is_ok()
+                && let Ok(peer) = stream.peer_addr()
+            {
+                let _ = writeln!(stream, "{}", peer.ip());
+            }
+        });
+    }
+}
+
+/// Connects from `from` (an IP: the socket is bound to it, as NCCL binds to its interface)
+/// to `to` (`ip:port`), sends one byte and reads the source address the listener saw.
+fn probe(from: &str, to: &str) -> super::protocol::ReachResult {
+    let mut result = super::protocol::ReachResult {
+        to: to.into(),
+        from: from.into(),
+        rtt_us: None,
+        seen_as: None,
+        error: None,
+    };
+    let attempt = || -> std::result::Result<(u64, String), String> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        runtime.block_on(async {
+            use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+            let local: std::net::SocketAddr = format!("{from}:0").parse().map_err(|e| format!("{e}"))?;
+            let remote: std::net::SocketAddr = to.parse().map_err(|e| format!("{e}"))?;
+            let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
+            socket.bind(local).map_err(|e| format!("cannot bind {from}: {e}"))?;
+            let stream = tokio::time::timeout(Duration::from_secs(3), socket.connect(remote))
+                .await
+                .map_err(|_| "connection timed out after 3 s".to_string())?
+                .map_err(|e| e.to_string())?;
+            let _ = stream.set_nodelay(true);
+            let (reader, mut writer) = stream.into_split();
+            let started = Instant::now();
+            writer.write_all(b"?").await.map_err(|e| e.to_string())?;
+            let mut line = String::new();
+            tokio::time::timeout(Duration::from_secs(3), tokio::io::BufReader::new(reader).read_line(&mut line))
+                .await
+                .map_err(|_| "no answer within 3 s".to_string())?
+                .map_err(|e| e.to_string())?;
+            Ok((started.elapsed().as_micros() as u64, line.trim().to_string()))
+        })
+    };
+    match attempt() {
+        Ok((rtt_us, seen_as)) => {
+            result.rtt_us = Some(rtt_us);
+            result.seen_as = Some(seen_as);
+        }
+        Err(error) => result.error = Some(error),
+    }
+    result
+}
+
 /// Polls the store every second; when it has been unreachable for `lease`, says so in
 /// `lost` (the agent then stops its ranks).
 fn watch_store(address: &str, token: &str, lease: Duration, lost: &Mutex<Option<String>>) {
@@ -436,6 +528,9 @@ fn hello(exe: &Path) -> Result<AgentHello> {
         interfaces,
         run_dir: runs_dir()?.display().to_string(),
         topology: host,
+        unix_time_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
     })
 }
 

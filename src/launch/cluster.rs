@@ -222,6 +222,144 @@ pub fn start(
     })
 }
 
+/// What `infer doctor --cluster` needs from every host, gathered in parallel over SSH: each
+/// agent's hello, its own live findings, the data interface chosen for it, and the
+/// reachability matrix between the data addresses (every host probes every other at once,
+/// bound to its own data address; the listener reports the source it saw).
+///
+/// Errors: an unreadable inventory, the SSH runtime cannot start, a host that answered
+/// preflight and then stopped answering.
+pub fn survey(
+    inventory: &Path,
+    ssh: SshOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<crate::doctor::cluster::ClusterEvidence> {
+    use crate::doctor::cluster::{Cell, ClusterEvidence, HostEvidence, Matrix};
+    let entries = crate::cluster::launch_inventory(inventory)?;
+    let targets = ssh_targets(&entries)?;
+    let (mut remote, failures) = RemoteCluster::connect_partial(
+        &targets,
+        &Preflight {
+            ssh,
+            model: None,
+            push_model: false,
+        },
+        &mut |host, stage| {
+            progress(Progress::Host {
+                host: host.into(),
+                stage: stage.into(),
+            })
+        },
+    )?;
+    let answering: Vec<usize> = remote
+        .hosts
+        .iter()
+        .filter_map(|h| entries.iter().position(|e| e.name == h.name))
+        .collect();
+    let names: Vec<&str> = answering.iter().map(|i| entries[*i].name.as_str()).collect();
+    let hellos: Vec<(&[Interface], Option<&str>, Option<&str>)> = remote
+        .hosts
+        .iter()
+        .zip(&answering)
+        .map(|(host, index)| {
+            (
+                &host.hello.interfaces[..],
+                entries[*index].nccl_socket_ifname.as_deref(),
+                Some(targets[*index].target.address.as_str()),
+            )
+        })
+        .collect();
+    let data: std::result::Result<Vec<(String, String)>, String> = if names.is_empty() {
+        Err("no host answered".into())
+    } else {
+        choose_data_interfaces(&names, &hellos)
+            .map(|chosen| {
+                chosen
+                    .into_iter()
+                    .map(|d| (d.name, d.address.to_string()))
+                    .collect()
+            })
+            .map_err(|error| format!("{error:#}"))
+    };
+    let mut hosts = Vec::new();
+    for (position, host) in remote.hosts.iter().enumerate() {
+        let live = remote
+            .doctor_findings(position)?
+            .into_iter()
+            .map(|finding| finding.into_finding(&host.name))
+            .collect();
+        hosts.push(HostEvidence {
+            name: host.name.clone(),
+            infer_version: host.hello.version.clone(),
+            infer_sha256: host.hello.sha256.clone(),
+            infer_path: host.hello.exe.clone(),
+            wanted_interface: entries[answering[position]].nccl_socket_ifname.clone(),
+            interfaces: host.hello.interfaces.clone(),
+            topology: host.hello.topology.clone(),
+            clock_offset_ms: host.clock_offset_ms,
+            live,
+        });
+    }
+    let matrix = match &data {
+        Ok(data) if data.len() > 1 => {
+            let mut listeners = Vec::new();
+            for (position, (_, address)) in data.iter().enumerate() {
+                listeners.push(remote.listen(position, &format!("{address}:0"))?);
+            }
+            let probes: Vec<(usize, String, Vec<String>)> = data
+                .iter()
+                .enumerate()
+                .map(|(position, (_, address))| {
+                    let others = listeners
+                        .iter()
+                        .enumerate()
+                        .filter(|(other, _)| *other != position)
+                        .map(|(_, l)| l.clone())
+                        .collect();
+                    (position, address.clone(), others)
+                })
+                .collect();
+            let results = remote.reach_all(&probes)?;
+            let cells = results
+                .into_iter()
+                .enumerate()
+                .map(|(row, mut results)| {
+                    (0..data.len())
+                        .map(|column| {
+                            if column == row {
+                                return None;
+                            }
+                            let result = results.remove(0);
+                            Some(Cell {
+                                to: result.to,
+                                from: result.from,
+                                rtt_us: result.rtt_us,
+                                seen_as: result.seen_as,
+                                error: result.error,
+                            })
+                        })
+                        .collect()
+                })
+                .collect();
+            Some(Matrix {
+                hosts: names.iter().map(|n| n.to_string()).collect(),
+                cells,
+            })
+        }
+        _ => None,
+    };
+    remote.shutdown();
+    Ok(ClusterEvidence {
+        hosts,
+        unreachable: failures
+            .into_iter()
+            .map(|f| (f.host, f.stage.to_string(), f.message))
+            .collect(),
+        data,
+        matrix,
+    })
+}
+
 /// Every host of the inventory as its own agent probes it (`infer topo --json` there), in
 /// parallel; each host named as in the inventory. Hosts that cannot be reached come back
 /// as failures, the others still answer.

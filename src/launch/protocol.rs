@@ -60,6 +60,29 @@ pub enum ToAgent {
     Signal { rank: usize, signal: i32 },
     /// Stop every rank (SIGTERM, grace, SIGKILL) and exit.
     Shutdown,
+    /// Run `infer doctor`'s live checks of this host; answered by [`FromAgent::Findings`].
+    Doctor,
+    /// Listen on `bind` (`ip:0`) for reachability probes: each connection gets back the
+    /// source address it came from; answered by [`FromAgent::Listening`].
+    Listen { bind: String },
+    /// Connect from `from` (this host's data address) to every target and report what
+    /// happened; answered by [`FromAgent::Reached`].
+    Reach {
+        from: String,
+        targets: Vec<String>,
+    },
+}
+
+/// One reachability probe: `to` from `from`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReachResult {
+    pub to: String,
+    pub from: String,
+    /// One byte's round trip, microseconds.
+    pub rtt_us: Option<u64>,
+    /// The source address the listener saw.
+    pub seen_as: Option<String>,
+    pub error: Option<String>,
 }
 
 /// What an agent tells the launcher.
@@ -88,6 +111,14 @@ pub enum FromAgent {
     },
     /// The agent is alive (sent every second, so the launcher notices a partition).
     Alive,
+    /// This host's live doctor findings.
+    Findings {
+        findings: Vec<crate::doctor::WireFinding>,
+    },
+    /// The reachability listener's address.
+    Listening { address: String },
+    /// The results of a [`ToAgent::Reach`], in target order.
+    Reached { results: Vec<ReachResult> },
     /// A request failed (`rank` when it concerned one).
     Error {
         rank: Option<usize>,
@@ -115,6 +146,8 @@ pub struct AgentHello {
     pub run_dir: String,
     /// The host as `infer topo --json` sees it there (GPUs, NVLink, NICs, HCAs).
     pub topology: crate::topology::Host,
+    /// The host's clock when it said hello, milliseconds since the Unix epoch.
+    pub unix_time_ms: u64,
 }
 
 /// A network interface as the agent sees it.

@@ -54,6 +54,8 @@ pub struct Preflight {
 pub struct RemoteHost {
     pub name: String,
     pub hello: AgentHello,
+    /// The host's clock minus this machine's when its hello arrived, milliseconds.
+    pub clock_offset_ms: i64,
     connection: Arc<Connection>,
     to_agent: tokio::sync::mpsc::UnboundedSender<ToAgent>,
     state: Arc<Mutex<HostState>>,
@@ -69,6 +71,10 @@ struct HostState {
     file_info: Option<(Option<String>, u64)>,
     /// Errors the agent reported that concern no rank.
     errors: Vec<String>,
+    /// Answers to the doctor's requests.
+    findings: Option<Vec<crate::doctor::WireFinding>>,
+    listening: Option<String>,
+    reached: Option<Vec<super::protocol::ReachResult>>,
     /// Set when the connection or the agent is gone: why.
     lost: Option<String>,
     /// When the agent last sent a frame.
@@ -308,6 +314,52 @@ impl RemoteCluster {
             }
         });
         Ok(())
+    }
+
+    /// Host `index`'s own live doctor findings, run there.
+    ///
+    /// Errors: the host is lost or does not answer within 30 s.
+    pub fn doctor_findings(&self, index: usize) -> Result<Vec<crate::doctor::WireFinding>> {
+        let host = &self.hosts[index];
+        host.send(ToAgent::Doctor)?;
+        host.wait_for(Duration::from_secs(30), "its live checks", |s| s.findings.take())
+    }
+
+    /// Asks host `index` to listen for reachability probes on `bind`; returns the address.
+    ///
+    /// Errors: it cannot listen there, or does not answer.
+    pub fn listen(&self, index: usize, bind: &str) -> Result<String> {
+        let host = &self.hosts[index];
+        host.send(ToAgent::Listen { bind: bind.into() })?;
+        host.wait_for(Duration::from_secs(10), "its probe listener", |s| {
+            s.listening
+                .take()
+                .map(Ok)
+                .or_else(|| s.errors.pop().map(Err))
+        })?
+        .map_err(|message| anyhow!("`{}`: {message}", host.name))
+    }
+
+    /// Has every host in `from` probe its targets at once (`(host, from address, targets)`)
+    /// and returns each host's results in target order.
+    ///
+    /// Errors: a host is lost or does not answer within 30 s.
+    pub fn reach_all(
+        &self,
+        probes: &[(usize, String, Vec<String>)],
+    ) -> Result<Vec<Vec<super::protocol::ReachResult>>> {
+        for (index, from, targets) in probes {
+            self.hosts[*index].send(ToAgent::Reach {
+                from: from.clone(),
+                targets: targets.clone(),
+            })?;
+        }
+        probes
+            .iter()
+            .map(|(index, ..)| {
+                self.hosts[*index].wait_for(Duration::from_secs(30), "its probes", |s| s.reached.take())
+            })
+            .collect()
     }
 
     /// The [`Spawner`] that starts rank `r` on host `rank_hosts[r]`.
@@ -627,6 +679,10 @@ async fn connect_host(
         }
     }
     let (channel, hello) = agent.expect("an agent was found or staged above");
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let clock_offset_ms = hello.unix_time_ms as i64 - now_ms;
     passed(format!(
         "binary `{}` ({}, sha256 {})",
         hello.exe,
@@ -638,6 +694,7 @@ async fn connect_host(
     let host = RemoteHost {
         name: name.clone(),
         hello,
+        clock_offset_ms,
         connection,
         to_agent,
         state,
@@ -814,6 +871,9 @@ fn apply(state: &Mutex<HostState>, frame: FromAgent) {
     state.heard = Some(Instant::now());
     match frame {
         FromAgent::Hello(_) | FromAgent::Alive => {}
+        FromAgent::Findings { findings } => state.findings = Some(findings),
+        FromAgent::Listening { address } => state.listening = Some(address),
+        FromAgent::Reached { results } => state.reached = Some(results),
         FromAgent::StoreAt { address } => state.store_at = Some(Ok(address)),
         FromAgent::FileInfo {
             sha256, size_bytes, ..

@@ -1,5 +1,10 @@
 //! Every check of `infer doctor`, one file each, named after its stable id.
 
+pub mod clock_skew;
+pub mod interface;
+pub mod rdma;
+pub mod reachability;
+pub mod versions;
 pub mod cross_node_tp;
 pub mod ep_cross_node;
 pub mod gpu_nic_affinity;
@@ -47,6 +52,51 @@ pub fn topology(topology: &Topology) -> Vec<Finding> {
         findings.extend(gpu_nic_affinity::check(host));
     }
     findings
+}
+
+/// The cross-host checks of `infer doctor --cluster`, then every host's own live findings
+/// and a finding per host that could not be reached.
+pub fn cluster(evidence: &crate::doctor::cluster::ClusterEvidence) -> Vec<Finding> {
+    let mut findings: Vec<Finding> = evidence
+        .unreachable
+        .iter()
+        .map(|(host, stage, message)| Finding {
+            check: "ssh",
+            severity: super::Severity::Error,
+            host: Some(host.clone()),
+            message: format!("cannot reach `{host}` ({stage}): {message}"),
+            evidence: Vec::new(),
+            hint: format!("check `{host}` with `ssh` as the inventory describes it"),
+        })
+        .collect();
+    for host in &evidence.hosts {
+        findings.extend(host.live.iter().cloned());
+    }
+    findings.extend(interface::check(evidence));
+    findings.extend(reachability::check(evidence));
+    findings.extend(versions::check(evidence));
+    findings.extend(clock_skew::check(evidence));
+    findings.extend(rdma::check(evidence));
+    findings
+}
+
+/// Every check id `live` can produce, for findings that come back from other hosts.
+const LIVE_IDS: &[&str] = &[
+    nvml::ID,
+    tp_not_nvlink::ID,
+    nvlink_down::ID,
+    p2p::ID,
+    ib_port::ID,
+    nccl_env::ID,
+    limits::ULIMIT_ID,
+    limits::MEMLOCK_ID,
+    shm::ID,
+    "master-port",
+];
+
+/// The static id equal to `name`, if `name` is a live check's id.
+pub fn known_id(name: &str) -> Option<&'static str> {
+    LIVE_IDS.iter().copied().find(|id| *id == name)
 }
 
 /// Checks of this host: driver, NVLink links, HCA ports, NCCL variables, limits, `/dev/shm`, the rendezvous port.

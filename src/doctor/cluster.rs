@@ -1,0 +1,115 @@
+//! What `infer doctor --cluster` learns about every host (gathered over SSH by
+//! `launch::survey`, checked here without I/O): each host's agent hello (versions,
+//! interfaces, topology, clock), its own live findings, the data interface chosen for it,
+//! and the reachability matrix between the hosts' data addresses.
+
+use serde::Serialize;
+
+use crate::launch::protocol::Interface;
+use crate::topology::Host;
+
+use super::Finding;
+
+/// Everything the cross-host checks look at.
+#[derive(Clone, Debug)]
+pub struct ClusterEvidence {
+    /// The hosts that answered, in inventory order.
+    pub hosts: Vec<HostEvidence>,
+    /// Hosts that could not be reached: (name, stage, message).
+    pub unreachable: Vec<(String, String, String)>,
+    /// The data interface of each answering host (indexed like `hosts`), or why none could
+    /// be chosen.
+    pub data: Result<Vec<(String, String)>, String>,
+    /// `matrix.cells[i][j]`: host `i` connecting to host `j`'s data address (`None` on the
+    /// diagonal, or when no data interface could be chosen).
+    pub matrix: Option<Matrix>,
+}
+
+/// One host as its agent described it.
+#[derive(Clone, Debug)]
+pub struct HostEvidence {
+    /// Inventory name.
+    pub name: String,
+    pub infer_version: String,
+    pub infer_sha256: String,
+    pub infer_path: String,
+    /// The interface the inventory names for it (`nccl-socket-ifname`), if any.
+    pub wanted_interface: Option<String>,
+    pub interfaces: Vec<Interface>,
+    pub topology: Host,
+    /// Its clock minus the launcher's, in milliseconds (corrected by half the round trip).
+    pub clock_offset_ms: i64,
+    /// Its own live checks (limits, `/dev/shm`, HCA ports, NVML…), as run there.
+    pub live: Vec<Finding>,
+}
+
+/// The reachability matrix: rows connect to columns.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Matrix {
+    /// Host names, rows and columns alike.
+    pub hosts: Vec<String>,
+    pub cells: Vec<Vec<Option<Cell>>>,
+}
+
+/// One directed pair.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Cell {
+    /// The address connected to (the column host's data address).
+    pub to: String,
+    /// The address the connection left from (the row host's data address).
+    pub from: String,
+    /// Round trip of one byte, microseconds; `None` when it failed.
+    pub rtt_us: Option<u64>,
+    /// The source address the peer saw; it must equal `from`.
+    pub seen_as: Option<String>,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+/// The matrix as a table: rows connect to columns; cells are the RTT in µs, `✗` with the
+/// cause when the connection failed, `!src` when the peer saw another source address.
+pub fn render_matrix(matrix: &Matrix) -> String {
+    let mut table = comfy_table::Table::new();
+    table.load_style(comfy_table::presets::NOTHING);
+    let mut header = vec!["reachability (RTT µs)".to_string()];
+    header.extend(matrix.hosts.iter().cloned());
+    table.set_header(header);
+    for (row, name) in matrix.hosts.iter().enumerate() {
+        let mut cells = vec![name.clone()];
+        for cell in &matrix.cells[row] {
+            cells.push(match cell {
+                None => "-".to_string(),
+                Some(Cell {
+                    error: Some(error), ..
+                }) => format!("✗ {}", short(error)),
+                Some(cell) if cell.seen_as.as_deref() != Some(cell.from.as_str()) => format!(
+                    "!src {}",
+                    cell.seen_as.as_deref().unwrap_or("?")
+                ),
+                Some(cell) => cell.rtt_us.map_or("?".into(), |us| us.to_string()),
+            });
+        }
+        table.add_row(cells);
+    }
+    table
+        .to_string()
+        .lines()
+        .map(|l| l.trim_end().to_string())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The cause in a few words for a matrix cell.
+fn short(error: &str) -> &str {
+    for (needle, word) in [
+        ("timed out", "timeout"),
+        ("refused", "refused"),
+        ("unreachable", "unreachable"),
+        ("Cannot assign", "no address"),
+    ] {
+        if error.contains(needle) {
+            return word;
+        }
+    }
+    "failed"
+}
