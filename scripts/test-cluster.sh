@@ -12,6 +12,7 @@
 # set it, so their clusters never share a subnet). Each host's sshd runs in its own mount
 # namespace with empty tmpfs over DIR/private and ~/.cache/infer/bin, so a file the launcher
 # puts there is missing on the hosts (a model to push, a binary to stage), as on real hosts.
+# LOW_NOFILE_HOST=I starts host I's sshd (and so its sessions) with `ulimit -n 1024`.
 # FAKE_ARCH=aarch64 makes `uname -m` answer that on every host (a script over
 # /usr/local/bin in the hosts' mount namespaces), to test a host of another architecture.
 # Needs root, `ip`, `unshare` and `sshd` (apt openssh-server).
@@ -119,7 +120,8 @@ CFG
       printf "#!/bin/sh\nif [ \"\$1\" = -m ]; then echo %s; else exec /bin/uname \"\$@\"; fi\n" "$3" > /usr/local/bin/uname &&
       chmod 755 /usr/local/bin/uname
     fi &&
-    exec /usr/sbin/sshd -f "$2/sshd_config" -E "$2/sshd.log"' sh "$dir" "$hdir" "${FAKE_ARCH:-}"
+    if [ "$4" = "$5" ]; then ulimit -n 1024; fi &&
+    exec /usr/sbin/sshd -f "$2/sshd_config" -E "$2/sshd.log"' sh "$dir" "$hdir" "${FAKE_ARCH:-}" "$i" "${LOW_NOFILE_HOST:-none}"
   cat >> "$dir/hosts.toml" <<TOML
 [[hosts]]
 name = "h${i}"

@@ -35,6 +35,8 @@ pub struct HostEvidence {
     pub infer_path: String,
     /// The interface the inventory names for it (`nccl-socket-ifname`), if any.
     pub wanted_interface: Option<String>,
+    /// The address SSH reached it at (its management network).
+    pub ssh_address: String,
     pub interfaces: Vec<Interface>,
     pub topology: Host,
     /// Its clock minus the launcher's, in milliseconds (corrected by half the round trip).
@@ -82,10 +84,9 @@ pub fn render_matrix(matrix: &Matrix) -> String {
                 Some(Cell {
                     error: Some(error), ..
                 }) => format!("✗ {}", short(error)),
-                Some(cell) if cell.seen_as.as_deref() != Some(cell.from.as_str()) => format!(
-                    "!src {}",
-                    cell.seen_as.as_deref().unwrap_or("?")
-                ),
+                Some(cell) if cell.seen_as.as_deref() != Some(cell.from.as_str()) => {
+                    format!("!src {}", cell.seen_as.as_deref().unwrap_or("?"))
+                }
                 Some(cell) => cell.rtt_us.map_or("?".into(), |us| us.to_string()),
             });
         }

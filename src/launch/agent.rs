@@ -193,9 +193,18 @@ impl Agent {
                 let output = Arc::clone(&self.output);
                 std::thread::spawn(move || {
                     let findings = match crate::doctor::checks::live(Path::new("/sys")) {
-                        Ok(findings) => findings.iter().map(crate::doctor::WireFinding::from_finding).collect(),
+                        Ok(findings) => findings
+                            .iter()
+                            .map(crate::doctor::WireFinding::from_finding)
+                            .collect(),
                         Err(error) => {
-                            return send(&output, &FromAgent::Error { rank: None, message: format!("{error:#}") });
+                            return send(
+                                &output,
+                                &FromAgent::Error {
+                                    rank: None,
+                                    message: format!("{error:#}"),
+                                },
+                            );
                         }
                     };
                     send(&output, &FromAgent::Findings { findings });
@@ -203,7 +212,10 @@ impl Agent {
             }
             ToAgent::Listen { bind } => match std::net::TcpListener::bind(&bind) {
                 Ok(listener) => {
-                    let address = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                    let address = listener
+                        .local_addr()
+                        .map(|a| a.to_string())
+                        .unwrap_or_default();
                     std::thread::spawn(move || answer_probes(&listener));
                     send(&self.output, &FromAgent::Listening { address });
                 }
@@ -392,10 +404,13 @@ fn probe(from: &str, to: &str) -> super::protocol::ReachResult {
             .map_err(|e| e.to_string())?;
         runtime.block_on(async {
             use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-            let local: std::net::SocketAddr = format!("{from}:0").parse().map_err(|e| format!("{e}"))?;
+            let local: std::net::SocketAddr =
+                format!("{from}:0").parse().map_err(|e| format!("{e}"))?;
             let remote: std::net::SocketAddr = to.parse().map_err(|e| format!("{e}"))?;
             let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
-            socket.bind(local).map_err(|e| format!("cannot bind {from}: {e}"))?;
+            socket
+                .bind(local)
+                .map_err(|e| format!("cannot bind {from}: {e}"))?;
             let stream = tokio::time::timeout(Duration::from_secs(3), socket.connect(remote))
                 .await
                 .map_err(|_| "connection timed out after 3 s".to_string())?
@@ -405,11 +420,17 @@ fn probe(from: &str, to: &str) -> super::protocol::ReachResult {
             let started = Instant::now();
             writer.write_all(b"?").await.map_err(|e| e.to_string())?;
             let mut line = String::new();
-            tokio::time::timeout(Duration::from_secs(3), tokio::io::BufReader::new(reader).read_line(&mut line))
-                .await
-                .map_err(|_| "no answer within 3 s".to_string())?
-                .map_err(|e| e.to_string())?;
-            Ok((started.elapsed().as_micros() as u64, line.trim().to_string()))
+            tokio::time::timeout(
+                Duration::from_secs(3),
+                tokio::io::BufReader::new(reader).read_line(&mut line),
+            )
+            .await
+            .map_err(|_| "no answer within 3 s".to_string())?
+            .map_err(|e| e.to_string())?;
+            Ok((
+                started.elapsed().as_micros() as u64,
+                line.trim().to_string(),
+            ))
         })
     };
     match attempt() {

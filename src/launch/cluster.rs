@@ -106,6 +106,7 @@ pub fn start(
             ssh: options.ssh,
             model: Some(spec.model.clone()),
             push_model: options.push_model,
+            same_build: true,
         },
         &mut |host, stage| {
             progress(Progress::Host {
@@ -130,6 +131,23 @@ pub fn start(
         .collect();
     let names: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
     let data = choose_data_interfaces(&names, &hellos)?;
+    for ((host, entry), interface) in remote.hosts.iter().zip(&entries).zip(&data) {
+        if let Some(found) = host
+            .hello
+            .interfaces
+            .iter()
+            .find(|i| i.name == interface.name)
+            && !found.up
+        {
+            bail!(
+                "data interface `{}` ({}) is down on `{}`\nhint: `ip link set dev {} up` there, or check its cable and switch port",
+                interface.name,
+                interface.address,
+                entry.name,
+                interface.name
+            );
+        }
+    }
     for (entry, interface) in entries.iter().zip(&data) {
         progress(Progress::Host {
             host: entry.name.clone(),
@@ -243,6 +261,7 @@ pub fn survey(
             ssh,
             model: None,
             push_model: false,
+            same_build: false,
         },
         &mut |host, stage| {
             progress(Progress::Host {
@@ -256,7 +275,10 @@ pub fn survey(
         .iter()
         .filter_map(|h| entries.iter().position(|e| e.name == h.name))
         .collect();
-    let names: Vec<&str> = answering.iter().map(|i| entries[*i].name.as_str()).collect();
+    let names: Vec<&str> = answering
+        .iter()
+        .map(|i| entries[*i].name.as_str())
+        .collect();
     let hellos: Vec<(&[Interface], Option<&str>, Option<&str>)> = remote
         .hosts
         .iter()
@@ -294,6 +316,7 @@ pub fn survey(
             infer_sha256: host.hello.sha256.clone(),
             infer_path: host.hello.exe.clone(),
             wanted_interface: entries[answering[position]].nccl_socket_ifname.clone(),
+            ssh_address: targets[answering[position]].target.address.clone(),
             interfaces: host.hello.interfaces.clone(),
             topology: host.hello.topology.clone(),
             clock_offset_ms: host.clock_offset_ms,
@@ -381,6 +404,7 @@ pub fn probe_topologies(
             ssh,
             model: None,
             push_model: false,
+            same_build: false,
         },
         &mut |host, stage| {
             progress(Progress::Host {
@@ -462,8 +486,11 @@ fn place_greedy(capacity: &[usize], tp: usize, n_groups: usize) -> Result<Vec<us
 ///
 /// `hosts[i]` is (interfaces, override, SSH address) of host `names[i]`.
 ///
-/// Errors: an override naming an interface that is missing, down or without IPv4 on that
-/// host (listing what it has); no network common to all hosts.
+/// Interfaces that are down count (the caller reports them): a data NIC that lost its link
+/// must not be silently replaced by the management network.
+///
+/// Errors: an override naming an interface that is missing or without IPv4 on that host
+/// (listing what it has); no network common to all hosts.
 pub fn choose_data_interfaces(
     names: &[&str],
     hosts: &[(&[Interface], Option<&str>, Option<&str>)],
@@ -473,7 +500,9 @@ pub fn choose_data_interfaces(
         .map(|(interfaces, ..)| {
             interfaces
                 .iter()
-                .filter(|i| i.up && i.name != "lo")
+                // Down interfaces count too: a data NIC that is down must be reported as
+                // such, not silently replaced by the management network.
+                .filter(|i| i.name != "lo")
                 .flat_map(|i| {
                     i.ipv4.iter().filter_map(move |cidr| {
                         let (ip, prefix) = cidr.split_once('/')?;

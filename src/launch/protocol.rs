@@ -67,10 +67,7 @@ pub enum ToAgent {
     Listen { bind: String },
     /// Connect from `from` (this host's data address) to every target and report what
     /// happened; answered by [`FromAgent::Reached`].
-    Reach {
-        from: String,
-        targets: Vec<String>,
-    },
+    Reach { from: String, targets: Vec<String> },
 }
 
 /// One reachability probe: `to` from `from`.

@@ -48,6 +48,10 @@ pub struct Preflight {
     pub model: Option<PathBuf>,
     /// Copy the model to hosts that lack it.
     pub push_model: bool,
+    /// Run only this exact build on the hosts (staging it where it is missing); `false`
+    /// takes whatever `infer` a host has (a probe that reports versions), staging only
+    /// where there is none.
+    pub same_build: bool,
 }
 
 /// A connected host with its agent running.
@@ -322,7 +326,9 @@ impl RemoteCluster {
     pub fn doctor_findings(&self, index: usize) -> Result<Vec<crate::doctor::WireFinding>> {
         let host = &self.hosts[index];
         host.send(ToAgent::Doctor)?;
-        host.wait_for(Duration::from_secs(30), "its live checks", |s| s.findings.take())
+        host.wait_for(Duration::from_secs(30), "its live checks", |s| {
+            s.findings.take()
+        })
     }
 
     /// Asks host `index` to listen for reachability probes on `bind`; returns the address.
@@ -357,7 +363,8 @@ impl RemoteCluster {
         probes
             .iter()
             .map(|(index, ..)| {
-                self.hosts[*index].wait_for(Duration::from_secs(30), "its probes", |s| s.reached.take())
+                self.hosts[*index]
+                    .wait_for(Duration::from_secs(30), "its probes", |s| s.reached.take())
             })
             .collect()
     }
@@ -630,7 +637,7 @@ async fn connect_host(
             ));
         }
         if let Some((channel, hello)) = start_agent(&connection, path).await
-            && hello.sha256 == own_sha
+            && (hello.sha256 == own_sha || !preflight.same_build)
         {
             agent = Some((channel, hello));
             break;

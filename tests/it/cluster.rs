@@ -78,6 +78,17 @@ impl TestCluster {
         cpu_ranks: usize,
         fake_arch: Option<&str>,
     ) -> Option<TestCluster> {
+        TestCluster::start_full(n_hosts, cpu_ranks, fake_arch, None)
+    }
+
+    /// [`TestCluster::start_with`] where host `low_nofile_host`'s sshd runs with
+    /// `ulimit -n 1024`.
+    pub fn start_full(
+        n_hosts: usize,
+        cpu_ranks: usize,
+        fake_arch: Option<&str>,
+        low_nofile_host: Option<usize>,
+    ) -> Option<TestCluster> {
         if let Some(why) = missing_requirement() {
             let required = std::env::var_os("CI").is_some()
                 || std::env::var("INFER_TEST_HARDWARE").is_ok_and(|v| v == "1");
@@ -98,6 +109,10 @@ impl TestCluster {
             .arg(&dir)
             .env("OCTET", octet.to_string())
             .env("FAKE_ARCH", fake_arch.unwrap_or(""))
+            .env(
+                "LOW_NOFILE_HOST",
+                low_nofile_host.map_or("none".to_string(), |h| h.to_string()),
+            )
             .output()
             .expect("run scripts/test-cluster.sh");
         let mut cluster = TestCluster {
@@ -1137,5 +1152,204 @@ fn topo_over_the_cluster_probes_every_host_there() {
         String::from_utf8_lossy(&output.stdout).contains("host h0"),
         "{}",
         String::from_utf8_lossy(&output.stdout)
+    );
+}
+
+/// `infer doctor --cluster` on a real cluster: healthy, it names no error and prints the
+/// reachability matrix; then each fault injected on one host is named, host included: a
+/// host whose sessions have `ulimit -n 1024`, another `infer` build on one host, MTU 1400
+/// on one data NIC, an inventory interface missing on one host, one host's data link down,
+/// one host's data address on another subnet.
+#[test]
+fn doctor_over_the_cluster_names_each_fault_and_its_host() {
+    let Some(cluster) = TestCluster::start_full(3, 1, None, Some(2)) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let doctor = |extra: &[&str]| {
+        let output = infer()
+            .args(["doctor", "--cluster"])
+            .arg(&cluster.inventory)
+            .args(extra)
+            .output()
+            .expect("run infer");
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            stderr(&output),
+        )
+    };
+    let errors_of = |json: &str| -> Vec<(String, Option<String>, String)> {
+        let report: Value = serde_json::from_str(json).expect("JSON report");
+        report["findings"]
+            .as_array()
+            .expect("findings")
+            .iter()
+            .filter(|f| f["severity"] == "error")
+            .map(|f| {
+                (
+                    f["check"].as_str().unwrap_or("").to_string(),
+                    f["host"].as_str().map(str::to_string),
+                    f["message"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect()
+    };
+    // Healthy: no error, the matrix, h2's low open-files limit as its own warning.
+    let (code, text, err) = doctor(&[]);
+    assert_eq!(code, Some(0), "{text}{err}");
+    assert!(
+        text.contains("reachability (RTT µs)") && text.contains("0 error(s)"),
+        "{text}"
+    );
+    assert!(text.contains("[h2] open files limit is 1024"), "{text}");
+    let (code, json, err) = doctor(&["--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let report: Value = serde_json::from_str(&json).expect("JSON");
+    assert_eq!(
+        report["matrix"]["hosts"],
+        serde_json::json!(["h0", "h1", "h2"])
+    );
+    assert!(
+        report["matrix"]["cells"][0][1]["rtt_us"].as_u64().is_some(),
+        "{json}"
+    );
+    assert_eq!(
+        report["matrix"]["cells"][0][1]["seen_as"],
+        cluster.hosts[0].data.as_str()
+    );
+
+    // Another `infer` build on h1 (a copy with a byte appended: same version, other sha256).
+    let copy = cluster.dir.join("infer-other");
+    let mut bytes = std::fs::read(env!("CARGO_BIN_EXE_infer")).expect("read infer");
+    bytes.push(0);
+    std::fs::write(&copy, bytes).expect("write copy");
+    std::fs::set_permissions(&copy, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let original = std::fs::read_to_string(&cluster.inventory).expect("inventory");
+    let with_copy = original.replacen(
+        "name = \"h1\"",
+        &format!("name = \"h1\"\ninfer-path = \"{}\"", copy.display()),
+        1,
+    );
+    std::fs::write(&cluster.inventory, &with_copy).expect("inventory");
+    let (code, json, err) = doctor(&["--json"]);
+    assert_eq!(code, Some(1), "{err}");
+    let errors = errors_of(&json);
+    assert!(
+        errors
+            .iter()
+            .any(|(check, _, message)| check == "versions" && message.contains("`infer` build")),
+        "{errors:?}"
+    );
+    std::fs::write(&cluster.inventory, &original).expect("inventory");
+
+    // MTU 1400 on h1's data NIC.
+    let in_h1 = |args: &[&str]| {
+        let status = Command::new("ip")
+            .args(["netns", "exec", &cluster.hosts[1].namespace, "ip"])
+            .args(args)
+            .status()
+            .expect("ip");
+        assert!(status.success(), "{args:?}");
+    };
+    in_h1(&[
+        "link",
+        "set",
+        "dev",
+        &cluster.hosts[1].data_nic,
+        "mtu",
+        "1400",
+    ]);
+    let (code, json, _) = doctor(&["--json"]);
+    assert_eq!(code, Some(1));
+    let errors = errors_of(&json);
+    assert!(
+        errors
+            .iter()
+            .any(|(check, host, message)| check == "interface"
+                && host.as_deref() == Some("h1")
+                && message.contains("MTU 1400")),
+        "{errors:?}"
+    );
+    in_h1(&[
+        "link",
+        "set",
+        "dev",
+        &cluster.hosts[1].data_nic,
+        "mtu",
+        "1500",
+    ]);
+
+    // An inventory interface that h2 does not have.
+    let with_ib = original.replacen(
+        "name = \"h2\"",
+        "name = \"h2\"\nnccl-socket-ifname = \"ib0\"",
+        1,
+    );
+    std::fs::write(&cluster.inventory, &with_ib).expect("inventory");
+    let (code, json, _) = doctor(&["--json"]);
+    assert_eq!(code, Some(1));
+    let errors = errors_of(&json);
+    assert!(
+        errors.iter().any(|(check, _, message)| check == "interface"
+            && message.contains("`ib0`")
+            && message.contains("`h2`")),
+        "{errors:?}"
+    );
+    std::fs::write(&cluster.inventory, &original).expect("inventory");
+
+    // h1's data link down: h0 and h2 cannot reach h1 and h1 reaches nobody.
+    let data_link = format!(
+        "{}d",
+        &cluster.management_link(1)[..cluster.management_link(1).len() - 1]
+    );
+    let status = Command::new("ip")
+        .args(["link", "set", "dev", &data_link, "down"])
+        .status()
+        .expect("ip");
+    assert!(status.success());
+    let (code, json, _) = doctor(&["--json"]);
+    let status = Command::new("ip")
+        .args(["link", "set", "dev", &data_link, "up"])
+        .status()
+        .expect("ip");
+    assert!(status.success());
+    assert_eq!(code, Some(1));
+    let errors = errors_of(&json);
+    assert!(
+        errors
+            .iter()
+            .any(|(check, host, message)| check == "reachability"
+                && host.as_deref() == Some("h0")
+                && message.contains("cannot connect to `h1`")),
+        "{errors:?}"
+    );
+    assert!(
+        !errors
+            .iter()
+            .any(|(_, _, message)| message.contains("`h0` cannot connect to `h2`")),
+        "{errors:?}"
+    );
+
+    // h1's data address moves to another subnet: no network reaches every host.
+    let address = format!("{}/24", cluster.hosts[1].data);
+    let octets: Vec<&str> = cluster.hosts[1].data.split('.').collect();
+    let moved = format!("{}.{}.9.{}/24", octets[0], octets[1], octets[3]);
+    in_h1(&["addr", "del", &address, "dev", &cluster.hosts[1].data_nic]);
+    in_h1(&["addr", "add", &moved, "dev", &cluster.hosts[1].data_nic]);
+    let (code, json, _) = doctor(&["--json"]);
+    in_h1(&["addr", "del", &moved, "dev", &cluster.hosts[1].data_nic]);
+    in_h1(&["addr", "add", &address, "dev", &cluster.hosts[1].data_nic]);
+    assert_eq!(code, Some(1));
+    let errors = errors_of(&json);
+    assert!(
+        errors
+            .iter()
+            .any(|(check, host, message)| check == "interface"
+                && host.as_deref() == Some("h1")
+                && message.contains("no address on")
+                && message.contains("`h0`, `h2`")),
+        "{errors:?}"
     );
 }

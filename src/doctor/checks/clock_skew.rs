@@ -34,3 +34,49 @@ pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::doctor::cluster::HostEvidence;
+
+    fn host(name: &str, clock_offset_ms: i64) -> HostEvidence {
+        let spec = crate::cluster::hardware("l4").expect("profile");
+        HostEvidence {
+            name: name.into(),
+            infer_version: "0.1.0".into(),
+            infer_sha256: "00".repeat(32),
+            infer_path: "/usr/bin/infer".into(),
+            wanted_interface: None,
+            ssh_address: "10.0.0.1".into(),
+            interfaces: Vec::new(),
+            topology: crate::cluster::synthetic_topology(name, 1, &spec),
+            clock_offset_ms,
+            live: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn only_hosts_more_than_a_second_off_are_flagged() {
+        let evidence = ClusterEvidence {
+            hosts: vec![
+                host("a", 250),
+                host("b", -1500),
+                host("c", 1000),
+                host("d", 4200),
+            ],
+            unreachable: Vec::new(),
+            data: Err("unused".into()),
+            matrix: None,
+        };
+        let findings = check(&evidence);
+        let flagged: Vec<&str> = findings.iter().filter_map(|f| f.host.as_deref()).collect();
+        assert_eq!(flagged, ["b", "d"]);
+        assert!(
+            findings[0].message.contains("-1.5 s"),
+            "{}",
+            findings[0].message
+        );
+        assert!(findings.iter().all(|f| f.severity == Severity::Warn));
+    }
+}

@@ -17,6 +17,106 @@ pub const ID: &str = "interface";
 
 /// Findings for the data interfaces of `evidence`'s hosts.
 pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
+    let mut findings = partial_networks(evidence);
+    let problems = !findings.is_empty();
+    findings.extend(
+        chosen(evidence)
+            .into_iter()
+            .filter(|f| !problems || f.severity != Severity::Ok),
+    );
+    findings
+}
+
+/// `(network, prefix)` of an `a.b.c.d/nn` address.
+fn network(cidr: &str) -> Option<(u32, u8)> {
+    let (ip, prefix) = cidr.split_once('/')?;
+    let ip: std::net::Ipv4Addr = ip.parse().ok()?;
+    let prefix: u8 = prefix.parse().ok().filter(|p| *p <= 32)?;
+    let mask = if prefix == 0 {
+        0
+    } else {
+        u32::MAX << (32 - prefix)
+    };
+    Some((u32::from(ip) & mask, prefix))
+}
+
+/// A network that several hosts share on a non-management interface but some host lacks:
+/// that host's data address is elsewhere (another subnet, a typo), so the collectives of
+/// the whole cluster would fall back to the network all hosts share, or fail.
+fn partial_networks(evidence: &ClusterEvidence) -> Vec<Finding> {
+    let n = evidence.hosts.len();
+    if n < 2 {
+        return Vec::new();
+    }
+    let management: Vec<(u32, u8)> = evidence
+        .hosts
+        .iter()
+        .flat_map(|h| {
+            h.interfaces
+                .iter()
+                .flat_map(|i| i.ipv4.iter())
+                .filter(|cidr| cidr.split('/').next() == Some(h.ssh_address.as_str()))
+                .filter_map(|cidr| network(cidr))
+        })
+        .collect();
+    let per_host: Vec<Vec<(u32, u8)>> = evidence
+        .hosts
+        .iter()
+        .map(|h| {
+            h.interfaces
+                .iter()
+                .filter(|i| i.name != "lo")
+                .flat_map(|i| i.ipv4.iter())
+                .filter_map(|cidr| network(cidr))
+                .filter(|net| !management.contains(net) && !net.0.to_be_bytes().starts_with(&[127]))
+                .collect()
+        })
+        .collect();
+    let mut networks: Vec<(u32, u8)> = per_host.iter().flatten().copied().collect();
+    networks.sort_unstable();
+    networks.dedup();
+    let mut findings = Vec::new();
+    for net in networks {
+        let having: Vec<usize> = (0..n).filter(|h| per_host[*h].contains(&net)).collect();
+        if having.len() < 2 || having.len() == n {
+            continue;
+        }
+        let shown = format!("{}/{}", std::net::Ipv4Addr::from(net.0), net.1);
+        for (index, host) in evidence.hosts.iter().enumerate() {
+            if having.contains(&index) {
+                continue;
+            }
+            let has: Vec<String> = host
+                .interfaces
+                .iter()
+                .filter(|i| i.name != "lo")
+                .map(|i| format!("{} {}", i.name, i.ipv4.join(" ")))
+                .collect();
+            findings.push(Finding {
+                check: ID,
+                severity: Severity::Error,
+                host: Some(host.name.clone()),
+                message: format!(
+                    "no address on {shown}, the data network of {}: its data interface is elsewhere",
+                    having
+                        .iter()
+                        .map(|h| format!("`{}`", evidence.hosts[*h].name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                evidence: vec![format!("{}: {}", host.name, has.join(", "))],
+                hint: format!(
+                    "give `{}` an address on {shown} (or fix the address of its data interface)",
+                    host.name
+                ),
+            });
+        }
+    }
+    findings
+}
+
+/// The chosen data interfaces: up, same MTU.
+fn chosen(evidence: &ClusterEvidence) -> Vec<Finding> {
     let data = match &evidence.data {
         Ok(data) => data,
         Err(error) => {
@@ -69,7 +169,11 @@ pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     if distinct.len() > 1 {
         let largest = distinct[distinct.len() - 1];
         for (host, mtu) in mtus.iter().filter(|(_, m)| *m != largest) {
-            let (name, _) = &data[evidence.hosts.iter().position(|h| &h.name == host).unwrap_or(0)];
+            let (name, _) = &data[evidence
+                .hosts
+                .iter()
+                .position(|h| &h.name == host)
+                .unwrap_or(0)];
             findings.push(Finding {
                 check: ID,
                 severity: Severity::Error,

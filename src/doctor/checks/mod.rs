@@ -1,14 +1,11 @@
 //! Every check of `infer doctor`, one file each, named after its stable id.
 
 pub mod clock_skew;
-pub mod interface;
-pub mod rdma;
-pub mod reachability;
-pub mod versions;
 pub mod cross_node_tp;
 pub mod ep_cross_node;
 pub mod gpu_nic_affinity;
 pub mod ib_port;
+pub mod interface;
 pub mod limits;
 pub mod nccl_env;
 pub mod nccl_error;
@@ -20,8 +17,11 @@ pub mod nvlink_down;
 pub mod nvml;
 pub mod p2p;
 pub mod pp_bubble;
+pub mod rdma;
+pub mod reachability;
 pub mod shm;
 pub mod tp_not_nvlink;
+pub mod versions;
 
 use super::Finding;
 use super::nccl_log::NcclLog;

@@ -43,7 +43,16 @@ pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
         ),
         evidence: hcas
             .iter()
-            .map(|(h, n)| format!("{h}: {}", if n.is_empty() { "no HCA".into() } else { n.join(", ") }))
+            .map(|(h, n)| {
+                format!(
+                    "{h}: {}",
+                    if n.is_empty() {
+                        "no HCA".into()
+                    } else {
+                        n.join(", ")
+                    }
+                )
+            })
             .collect(),
         hint: "install the HCA driver and `rdma-core` where they are missing".into(),
     }]

@@ -13,23 +13,23 @@ use crate::doctor::{Finding, Severity};
 
 pub const ID: &str = "versions";
 
+/// Reads one kind of version off a host.
+type VersionOf = fn(&crate::doctor::cluster::HostEvidence) -> Option<String>;
+
 /// One finding per kind of version that differs across hosts, naming each host's value.
 pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     let mut findings = Vec::new();
-    let kinds: [(&str, Box<dyn Fn(&crate::doctor::cluster::HostEvidence) -> Option<String>>); 3] = [
-        (
-            "`infer` build",
-            Box::new(|h| {
-                Some(format!(
-                    "{} (sha256 {}) at `{}`",
-                    h.infer_version,
-                    &h.infer_sha256[..12.min(h.infer_sha256.len())],
-                    h.infer_path
-                ))
-            }),
-        ),
-        ("NVIDIA driver", Box::new(|h| h.topology.driver_version.clone())),
-        ("CUDA driver", Box::new(|h| h.topology.cuda_driver_version.clone())),
+    let kinds: [(&str, VersionOf); 3] = [
+        ("`infer` build", |h| {
+            Some(format!(
+                "{} (sha256 {}) at `{}`",
+                h.infer_version,
+                &h.infer_sha256[..12.min(h.infer_sha256.len())],
+                h.infer_path
+            ))
+        }),
+        ("NVIDIA driver", |h| h.topology.driver_version.clone()),
+        ("CUDA driver", |h| h.topology.cuda_driver_version.clone()),
     ];
     for (kind, value) in &kinds {
         let values: Vec<(String, Option<String>)> = evidence
@@ -37,7 +37,10 @@ pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
             .iter()
             .map(|h| (h.name.clone(), value(h)))
             .collect();
-        let key = |v: &Option<String>| v.as_ref().map(|s| s.split(" at ").next().unwrap_or(s).to_string());
+        let key = |v: &Option<String>| {
+            v.as_ref()
+                .map(|s| s.split(" at ").next().unwrap_or(s).to_string())
+        };
         let mut distinct: Vec<Option<String>> = values.iter().map(|(_, v)| key(v)).collect();
         distinct.sort();
         distinct.dedup();
@@ -65,7 +68,11 @@ pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
                 "every host runs `infer` {} (sha256 {}), driver {}",
                 first.infer_version,
                 &first.infer_sha256[..12.min(first.infer_sha256.len())],
-                first.topology.driver_version.as_deref().unwrap_or("none (no NVIDIA driver)")
+                first
+                    .topology
+                    .driver_version
+                    .as_deref()
+                    .unwrap_or("none (no NVIDIA driver)")
             ),
             evidence: Vec::new(),
             hint: String::new(),
