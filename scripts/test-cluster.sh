@@ -12,6 +12,8 @@
 # set it, so their clusters never share a subnet). Each host's sshd runs in its own mount
 # namespace with empty tmpfs over DIR/private and ~/.cache/infer/bin, so a file the launcher
 # puts there is missing on the hosts (a model to push, a binary to stage), as on real hosts.
+# FAKE_NCCL_HOST=I FAKE_NCCL_LIB=FILE puts FILE at /usr/local/lib/libnccl.so.2 on host I
+# only (a tmpfs over /usr/local/lib in its mount namespace).
 # LOW_NOFILE_HOST=I starts host I's sshd (and so its sessions) with `ulimit -n 1024`.
 # FAKE_ARCH=aarch64 makes `uname -m` answer that on every host (a script over
 # /usr/local/bin in the hosts' mount namespaces), to test a host of another architecture.
@@ -121,7 +123,11 @@ CFG
       chmod 755 /usr/local/bin/uname
     fi &&
     if [ "$4" = "$5" ]; then ulimit -n 1024; fi &&
-    exec /usr/sbin/sshd -f "$2/sshd_config" -E "$2/sshd.log"' sh "$dir" "$hdir" "${FAKE_ARCH:-}" "$i" "${LOW_NOFILE_HOST:-none}"
+    if [ "$4" = "$6" ] && [ -n "$7" ]; then
+      mount -t tmpfs tmpfs /usr/local/lib && cp "$7" /usr/local/lib/libnccl.so.2
+    fi &&
+    exec /usr/sbin/sshd -f "$2/sshd_config" -E "$2/sshd.log"' sh "$dir" "$hdir" "${FAKE_ARCH:-}" "$i" \
+    "${LOW_NOFILE_HOST:-none}" "${FAKE_NCCL_HOST:-none}" "${FAKE_NCCL_LIB:-}"
   cat >> "$dir/hosts.toml" <<TOML
 [[hosts]]
 name = "h${i}"

@@ -37,6 +37,8 @@ pub struct HostEvidence {
     pub wanted_interface: Option<String>,
     /// The address SSH reached it at (its management network).
     pub ssh_address: String,
+    /// The NCCL library its processes would load.
+    pub nccl: Option<crate::topology::nccl::NcclLibrary>,
     pub interfaces: Vec<Interface>,
     pub topology: Host,
     /// Its clock minus the launcher's, in milliseconds (corrected by half the round trip).

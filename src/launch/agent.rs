@@ -549,6 +549,7 @@ fn hello(exe: &Path) -> Result<AgentHello> {
         interfaces,
         run_dir: runs_dir()?.display().to_string(),
         topology: host,
+        nccl: crate::topology::nccl::find(),
         unix_time_ms: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64),

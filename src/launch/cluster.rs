@@ -317,6 +317,7 @@ pub fn survey(
             infer_path: host.hello.exe.clone(),
             wanted_interface: entries[answering[position]].nccl_socket_ifname.clone(),
             ssh_address: targets[answering[position]].target.address.clone(),
+            nccl: host.hello.nccl.clone(),
             interfaces: host.hello.interfaces.clone(),
             topology: host.hello.topology.clone(),
             clock_offset_ms: host.clock_offset_ms,

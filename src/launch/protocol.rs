@@ -145,6 +145,8 @@ pub struct AgentHello {
     pub topology: crate::topology::Host,
     /// The host's clock when it said hello, milliseconds since the Unix epoch.
     pub unix_time_ms: u64,
+    /// The NCCL library a process there would load, if any.
+    pub nccl: Option<crate::topology::nccl::NcclLibrary>,
 }
 
 /// A network interface as the agent sees it.

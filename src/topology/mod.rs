@@ -10,6 +10,7 @@
 
 mod domains;
 mod link;
+pub mod nccl;
 pub mod nvml;
 pub mod probe;
 pub mod render;

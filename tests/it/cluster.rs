@@ -89,6 +89,18 @@ impl TestCluster {
         fake_arch: Option<&str>,
         low_nofile_host: Option<usize>,
     ) -> Option<TestCluster> {
+        TestCluster::start_faulty(n_hosts, cpu_ranks, fake_arch, low_nofile_host, None)
+    }
+
+    /// [`TestCluster::start_full`] where `fake_nccl` = (host, library file) becomes that
+    /// host's `/usr/local/lib/libnccl.so.2`.
+    pub fn start_faulty(
+        n_hosts: usize,
+        cpu_ranks: usize,
+        fake_arch: Option<&str>,
+        low_nofile_host: Option<usize>,
+        fake_nccl: Option<(usize, &Path)>,
+    ) -> Option<TestCluster> {
         if let Some(why) = missing_requirement() {
             let required = std::env::var_os("CI").is_some()
                 || std::env::var("INFER_TEST_HARDWARE").is_ok_and(|v| v == "1");
@@ -112,6 +124,14 @@ impl TestCluster {
             .env(
                 "LOW_NOFILE_HOST",
                 low_nofile_host.map_or("none".to_string(), |h| h.to_string()),
+            )
+            .env(
+                "FAKE_NCCL_HOST",
+                fake_nccl.map_or("none".to_string(), |(h, _)| h.to_string()),
+            )
+            .env(
+                "FAKE_NCCL_LIB",
+                fake_nccl.map_or(PathBuf::new(), |(_, lib)| lib.to_path_buf()),
             )
             .output()
             .expect("run scripts/test-cluster.sh");
@@ -1351,5 +1371,71 @@ fn doctor_over_the_cluster_names_each_fault_and_its_host() {
                 && message.contains("no address on")
                 && message.contains("`h0`, `h2`")),
         "{errors:?}"
+    );
+}
+
+/// The NCCL library each host would load is found as the dynamic loader finds it and its
+/// version read with `ncclGetVersion`: a fake `libnccl.so.2` of version 2.21.5 (built
+/// here with `cc`) on one host only is a version mismatch naming both hosts.
+#[test]
+fn doctor_names_a_different_nccl_library_on_one_host() {
+    if missing_requirement().is_some() && std::env::var_os("CI").is_none() {
+        return;
+    }
+    let build = tempfile::tempdir().expect("temp dir");
+    let source = build.path().join("nccl.c");
+    std::fs::write(
+        &source,
+        "int ncclGetVersion(int *version) { *version = 22105; return 0; }\n",
+    )
+    .expect("write");
+    let library = build.path().join("libnccl.so.2");
+    let compiled = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&library)
+        .arg(&source)
+        .output()
+        .expect("cc (apt install build-essential)");
+    assert!(
+        compiled.status.success(),
+        "{}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
+    let Some(cluster) = TestCluster::start_faulty(2, 1, None, None, Some((1, &library))) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let output = infer()
+        .args(["doctor", "--json", "--cluster"])
+        .arg(&cluster.inventory)
+        .output()
+        .expect("run infer");
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let report: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let finding = report["findings"]
+        .as_array()
+        .expect("findings")
+        .iter()
+        .find(|f| {
+            f["check"] == "versions"
+                && f["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("NCCL library"))
+        })
+        .unwrap_or_else(|| panic!("no NCCL version finding: {report}"));
+    assert_eq!(finding["severity"], "error");
+    let evidence: Vec<&str> = finding["evidence"]
+        .as_array()
+        .expect("evidence")
+        .iter()
+        .filter_map(|e| e.as_str())
+        .collect();
+    assert!(
+        evidence.contains(&"h1: 2.21.5 at `/usr/local/lib/libnccl.so.2`"),
+        "{evidence:?}"
+    );
+    assert!(
+        evidence.iter().any(|e| e.starts_with("h0: ")),
+        "{evidence:?}"
     );
 }

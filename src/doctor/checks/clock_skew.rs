@@ -49,6 +49,7 @@ mod tests {
             infer_path: "/usr/bin/infer".into(),
             wanted_interface: None,
             ssh_address: "10.0.0.1".into(),
+            nccl: None,
             interfaces: Vec::new(),
             topology: crate::cluster::synthetic_topology(name, 1, &spec),
             clock_offset_ms,

@@ -1,7 +1,8 @@
 //! `versions`: every host runs the same `infer` build, NVIDIA driver and CUDA driver.
 //!
 //! What it checks: the `infer` version and sha256 each host would run, the driver and
-//! CUDA driver versions NVML reports there.
+//! CUDA driver versions NVML reports there, and the NCCL library its processes would load
+//! (found as the dynamic loader finds `libnccl.so.2`, version from `ncclGetVersion`).
 //! Why it matters: ranks of different builds disagree on wire formats and numerics; NCCL
 //! and driver mismatches across hosts are a classic cause of garbage in `ncclSocketInit`
 //! and of hangs.
@@ -19,7 +20,7 @@ type VersionOf = fn(&crate::doctor::cluster::HostEvidence) -> Option<String>;
 /// One finding per kind of version that differs across hosts, naming each host's value.
 pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     let mut findings = Vec::new();
-    let kinds: [(&str, VersionOf); 3] = [
+    let kinds: [(&str, VersionOf); 4] = [
         ("`infer` build", |h| {
             Some(format!(
                 "{} (sha256 {}) at `{}`",
@@ -30,6 +31,16 @@ pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
         }),
         ("NVIDIA driver", |h| h.topology.driver_version.clone()),
         ("CUDA driver", |h| h.topology.cuda_driver_version.clone()),
+        ("NCCL library", |h| {
+            h.nccl.as_ref().map(|n| match (&n.version, &n.error) {
+                (Some(version), _) => format!("{version} at `{}`", n.path),
+                (None, error) => format!(
+                    "unreadable ({}) at `{}`",
+                    error.as_deref().unwrap_or("?"),
+                    n.path
+                ),
+            })
+        }),
     ];
     for (kind, value) in &kinds {
         let values: Vec<(String, Option<String>)> = evidence
