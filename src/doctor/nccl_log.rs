@@ -54,6 +54,8 @@ pub struct NcclLog {
     pub ib_devices: Vec<(String, Evidence)>,
     /// `NET/IB : No device found.`
     pub ib_not_found: Option<Evidence>,
+    /// A `NET/Socket : Using …` line: NCCL's socket transport initialised with interfaces.
+    pub net_socket: Option<Evidence>,
     /// `Using network Socket|IB|…`.
     pub network: Option<(String, Evidence)>,
     /// `NCCL_X set by environment to V` / `NCCL_X set to V`.
@@ -194,6 +196,9 @@ fn parse_body(log: &mut NcclLog, body: &str, evidence: Evidence) {
         "Bootstrap: Using ",
     ] {
         if let Some(rest) = body.strip_prefix(prefix) {
+            if prefix.starts_with("NET/Socket") && log.net_socket.is_none() {
+                log.net_socket = Some(evidence.clone());
+            }
             for item in bracketed_items(rest)
                 .into_iter()
                 .chain(plain_interface(rest))

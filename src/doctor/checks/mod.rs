@@ -9,6 +9,7 @@ pub mod interface;
 pub mod limits;
 pub mod nccl_env;
 pub mod nccl_error;
+pub mod nccl_hca;
 pub mod nccl_interface;
 pub mod nccl_tcp_fallback;
 pub mod nccl_transport;
@@ -38,6 +39,7 @@ pub fn nccl_logs(logs: &[NcclLog], topology: Option<&Topology>) -> Vec<Finding> 
         findings.extend(nccl_error::check(log));
     }
     findings.extend(nccl_version::check(logs));
+    findings.extend(nccl_hca::check(logs));
     findings
 }
 

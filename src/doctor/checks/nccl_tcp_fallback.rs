@@ -23,18 +23,27 @@ pub fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
         .iter()
         .find(|c| c.transport == Transport::Socket);
     let socket_network = log.network.as_ref().filter(|(name, _)| name == "Socket");
-    if socket_channel.is_none() && socket_network.is_none() {
+    // `NET/IB : No device found` then `NET/Socket : Using …`: the socket transport is the
+    // only network NCCL has, even in an excerpt without per-channel lines.
+    let socket_only = log
+        .net_socket
+        .as_ref()
+        .filter(|_| log.ib_not_found.is_some() && log.ib_devices.is_empty());
+    if socket_channel.is_none() && socket_network.is_none() && socket_only.is_none() {
         return Vec::new();
     }
     let mut evidence: Vec<String> = socket_channel
         .map(|c| &c.evidence)
         .into_iter()
         .chain(socket_network.map(|(_, e)| e))
+        .chain(socket_only)
         .map(|e| cite(&log.origin, e))
         .collect();
     // Evidence that the hosts have RDMA hardware or software.
     let mut rdma = Vec::new();
     rdma.extend(log.ib_hints.iter().map(|e| cite(&log.origin, e)));
+    // HCAs NCCL listed earlier in the same log.
+    rdma.extend(log.ib_devices.iter().map(|(_, e)| cite(&log.origin, e)));
     rdma.extend(
         log.socket_interfaces
             .iter()
@@ -71,6 +80,10 @@ pub fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
         .any(|e| e.text.to_ascii_lowercase().contains("libibverbs"))
     {
         "NCCL could not load libibverbs: install `rdma-core`/`libibverbs1` in the image"
+    } else if no_device.is_some() && rdma.is_empty() {
+        "NCCL found no RDMA device: on bare metal install the HCA driver (MLNX_OFED / rdma-core) and pass \
+         `/dev/infiniband` into the container (`--device /dev/infiniband --cap-add IPC_LOCK`); on AWS use EFA \
+         with the aws-ofi-nccl plugin (`FI_PROVIDER=efa`); on GCP, gIB or TCPXO; otherwise inter-node traffic stays on TCP"
     } else if no_device.is_some() {
         "NCCL found no IB device: pass `/dev/infiniband` into the container (`--device /dev/infiniband --cap-add IPC_LOCK`) \
          or install the HCA driver (MLNX_OFED / rdma-core)"
@@ -83,7 +96,9 @@ pub fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
             Severity::Error,
             "NCCL uses TCP sockets (NET/Socket) although the hosts have InfiniBand/RoCE",
         )
-    } else if let (Some(_), Some(no_device)) = (socket_channel, no_device) {
+    } else if let (true, Some(no_device)) =
+        (socket_channel.is_some() || socket_only.is_some(), no_device)
+    {
         evidence.push(cite(&log.origin, no_device));
         (
             Severity::Warn,
@@ -114,4 +129,64 @@ pub fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
         evidence,
         hint: cause.to_string(),
     }]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::doctor::nccl_log::parse;
+
+    fn findings(text: &str) -> Vec<Finding> {
+        check(&parse(text, "node0.log"), None)
+    }
+
+    /// See: #19. Sockets over an IPoIB interface, or after NCCL listed HCAs, or with
+    /// libibverbs failing to load: RDMA is there, so the fallback is an error.
+    #[test]
+    fn sockets_with_rdma_in_evidence_are_an_error() {
+        for log in [
+            "node0:1:1 [0] NCCL INFO NET/IB : No device found.\n\
+             node0:1:1 [0] NCCL INFO NET/Socket : Using [0]ibp12s0:10.0.0.1<0>\n",
+            "node0:1:1 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB ; OOB eth0:10.0.0.1<0>\n\
+             node0:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 8[0] [send] via NET/Socket/0\n",
+            "node0:1:1 [0] NCCL INFO Failed to open libibverbs.so[.1]\n\
+             node0:1:1 [0] NCCL INFO NET/IB : No device found.\n\
+             node0:1:1 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>\n",
+        ] {
+            let found = findings(log);
+            assert_eq!(found.len(), 1, "{log}: {found:?}");
+            assert_eq!(found[0].severity, Severity::Error, "{log}: {found:?}");
+        }
+    }
+
+    /// See: #19. No IB device and the socket transport, with no per-channel lines (cloud
+    /// instances without EFA/RDMA): a warning whose hint names what the platform needs.
+    #[test]
+    fn no_ib_device_then_sockets_warns_without_channel_lines() {
+        let found = findings(
+            "ip-10-0-0-1:9:9 [0] NCCL INFO NET/IB : No device found.\n\
+             ip-10-0-0-1:9:9 [0] NCCL INFO NET/Socket : Using [0]ens5:10.0.0.1<0>\n",
+        );
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].severity, Severity::Warn);
+        assert!(
+            found[0].hint.contains("aws-ofi-nccl") && found[0].hint.contains("EFA"),
+            "{}",
+            found[0].hint
+        );
+        assert!(
+            found[0]
+                .evidence
+                .iter()
+                .any(|e| e.contains("NET/Socket : Using")),
+            "{:?}",
+            found[0].evidence
+        );
+        // With IB devices in use, the socket transport's init line alone is no fallback.
+        let healthy = findings(
+            "n:1:1 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB ; OOB eth0:10.0.0.1<0>\n\
+             n:1:1 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>\n",
+        );
+        assert!(healthy.is_empty(), "{healthy:?}");
+    }
 }
