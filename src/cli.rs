@@ -381,6 +381,12 @@ pub struct DoctorArgs {
     /// is still refused).
     #[arg(long)]
     pub ssh_accept_new: bool,
+
+    /// With `--cluster hosts.toml`: also measure each pair of hosts' bandwidth over the data
+    /// interfaces (one 64 MiB TCP stream per pair, one pair at a time) against the slower
+    /// NIC's link rate.
+    #[arg(long)]
+    pub bandwidth: bool,
 }
 
 /// `infer up`.

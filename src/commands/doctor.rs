@@ -83,7 +83,7 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     let ssh = crate::launch::ssh::SshOptions {
         accept_new: args.ssh_accept_new,
     };
-    let evidence = crate::launch::cluster::survey(inventory, ssh, &mut |_| {})?;
+    let evidence = crate::launch::cluster::survey(inventory, ssh, args.bandwidth, &mut |_| {})?;
     let mut findings = checks::cluster(&evidence);
     let mut logs = Vec::new();
     for path in &args.nccl_logs {

@@ -23,7 +23,25 @@ pub struct ClusterEvidence {
     /// `matrix.cells[i][j]`: host `i` connecting to host `j`'s data address (`None` on the
     /// diagonal, or when no data interface could be chosen).
     pub matrix: Option<Matrix>,
+    /// With `--bandwidth`: one TCP stream per pair of hosts over the data interfaces.
+    pub bandwidth: Option<Vec<PairBandwidth>>,
 }
+
+/// One pair's bandwidth probe: `from` streamed [`BANDWIDTH_PROBE_BYTES`] to `to`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PairBandwidth {
+    pub from: String,
+    pub to: String,
+    /// Measured, Gbit/s; `None` when the stream failed.
+    pub gbps: Option<f64>,
+    /// The slower of the two data NICs' link rates from sysfs, Gbit/s (`None`: unknown).
+    pub expected_gbps: Option<f64>,
+    pub error: Option<String>,
+}
+
+/// Bytes each bandwidth probe sends (64 MiB: long enough to leave slow start far behind on
+/// links up to ~100 Gbit/s).
+pub const BANDWIDTH_PROBE_BYTES: u64 = 64 << 20;
 
 /// One host as its agent described it.
 #[derive(Clone, Debug)]

@@ -221,6 +221,16 @@ impl Agent {
                 }
                 Err(error) => self.error(None, format!("cannot listen on `{bind}`: {error}")),
             },
+            ToAgent::Stream { from, to, bytes } => {
+                let output = Arc::clone(&self.output);
+                std::thread::spawn(move || {
+                    let (secs, error) = match stream_to(&from, &to, bytes) {
+                        Ok(secs) => (Some(secs), None),
+                        Err(error) => (None, Some(error)),
+                    };
+                    send(&output, &FromAgent::Streamed { secs, error });
+                });
+            }
             ToAgent::Reach { from, targets } => {
                 let output = Arc::clone(&self.output);
                 std::thread::spawn(move || {
@@ -378,9 +388,29 @@ fn answer_probes(listener: &std::net::TcpListener) {
             use std::io::Read;
             let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
             let mut byte = [0u8; 1];
-            if stream.read_exact(&mut byte).is_ok()
-                && let Ok(peer) = stream.peer_addr()
-            {
+            if stream.read_exact(&mut byte).is_err() {
+                return;
+            }
+            if byte[0] == b'B' {
+                // A bandwidth probe: a little-endian u64 length, that many bytes, then "ok".
+                let mut length = [0u8; 8];
+                if stream.read_exact(&mut length).is_err() {
+                    return;
+                }
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+                let mut left = u64::from_le_bytes(length);
+                let mut buffer = vec![0u8; 1 << 20];
+                while left > 0 {
+                    let want = buffer
+                        .len()
+                        .min(usize::try_from(left).unwrap_or(usize::MAX));
+                    match stream.read(&mut buffer[..want]) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => left -= n as u64,
+                    }
+                }
+                let _ = writeln!(stream, "ok");
+            } else if let Ok(peer) = stream.peer_addr() {
                 let _ = writeln!(stream, "{}", peer.ip());
             }
         });
@@ -441,6 +471,59 @@ fn probe(from: &str, to: &str) -> super::protocol::ReachResult {
         Err(error) => result.error = Some(error),
     }
     result
+}
+
+/// Sends `bytes` bytes from `from` to the probe listener at `to` (a bandwidth probe) and
+/// returns the seconds until the listener acknowledged them all.
+fn stream_to(from: &str, to: &str, bytes: u64) -> std::result::Result<f64, String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    runtime.block_on(async {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+        let local: std::net::SocketAddr =
+            format!("{from}:0").parse().map_err(|e| format!("{e}"))?;
+        let remote: std::net::SocketAddr = to.parse().map_err(|e| format!("{e}"))?;
+        let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
+        socket
+            .bind(local)
+            .map_err(|e| format!("cannot bind {from}: {e}"))?;
+        let stream = tokio::time::timeout(Duration::from_secs(3), socket.connect(remote))
+            .await
+            .map_err(|_| "connection timed out after 3 s".to_string())?
+            .map_err(|e| e.to_string())?;
+        let (reader, mut writer) = stream.into_split();
+        let started = Instant::now();
+        let chunk = vec![0x5au8; 1 << 20];
+        let send = async {
+            writer.write_all(b"B").await?;
+            writer.write_all(&bytes.to_le_bytes()).await?;
+            let mut left = bytes;
+            while left > 0 {
+                let n = chunk.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                writer.write_all(&chunk[..n]).await?;
+                left -= n as u64;
+            }
+            writer.flush().await
+        };
+        tokio::time::timeout(Duration::from_secs(60), send)
+            .await
+            .map_err(|_| "sending took over 60 s".to_string())?
+            .map_err(|e| e.to_string())?;
+        let mut line = String::new();
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            tokio::io::BufReader::new(reader).read_line(&mut line),
+        )
+        .await
+        .map_err(|_| "no acknowledgement within 60 s".to_string())?
+        .map_err(|e| e.to_string())?;
+        if line.trim() != "ok" {
+            return Err("the listener did not acknowledge the bytes".into());
+        }
+        Ok(started.elapsed().as_secs_f64())
+    })
 }
 
 /// Polls the store every second; when it has been unreachable for `lease`, says so in

@@ -250,9 +250,12 @@ pub fn start(
 pub fn survey(
     inventory: &Path,
     ssh: SshOptions,
+    bandwidth: bool,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<crate::doctor::cluster::ClusterEvidence> {
-    use crate::doctor::cluster::{Cell, ClusterEvidence, HostEvidence, Matrix};
+    use crate::doctor::cluster::{
+        BANDWIDTH_PROBE_BYTES, Cell, ClusterEvidence, HostEvidence, Matrix, PairBandwidth,
+    };
     let entries = crate::cluster::launch_inventory(inventory)?;
     let targets = ssh_targets(&entries)?;
     let (mut remote, failures) = RemoteCluster::connect_partial(
@@ -324,11 +327,51 @@ pub fn survey(
             live,
         });
     }
+    let mut pairs = None;
     let matrix = match &data {
         Ok(data) if data.len() > 1 => {
             let mut listeners = Vec::new();
             for (position, (_, address)) in data.iter().enumerate() {
                 listeners.push(remote.listen(position, &format!("{address}:0"))?);
+            }
+            if bandwidth {
+                // One pair at a time, so no two streams share a link.
+                let rate = |position: usize| {
+                    let name = &data[position].0;
+                    remote.hosts[position]
+                        .hello
+                        .topology
+                        .nics
+                        .iter()
+                        .find(|n| n.netdev.as_deref() == Some(name.as_str()) || &n.name == name)
+                        .and_then(|n| n.rate_gbps)
+                };
+                let mut measured = Vec::new();
+                for from in 0..data.len() {
+                    for to in from + 1..data.len() {
+                        let result = remote.stream(
+                            from,
+                            &data[from].1,
+                            &listeners[to],
+                            BANDWIDTH_PROBE_BYTES,
+                        )?;
+                        let expected = match (rate(from), rate(to)) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        };
+                        measured.push(PairBandwidth {
+                            from: names[from].to_string(),
+                            to: names[to].to_string(),
+                            gbps: result
+                                .as_ref()
+                                .ok()
+                                .map(|secs| BANDWIDTH_PROBE_BYTES as f64 * 8.0 / secs / 1e9),
+                            expected_gbps: expected,
+                            error: result.err(),
+                        });
+                    }
+                }
+                pairs = Some(measured);
             }
             let probes: Vec<(usize, String, Vec<String>)> = data
                 .iter()
@@ -381,6 +424,7 @@ pub fn survey(
             .collect(),
         data,
         matrix,
+        bandwidth: pairs,
     })
 }
 

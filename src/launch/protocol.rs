@@ -65,6 +65,14 @@ pub enum ToAgent {
     /// Listen on `bind` (`ip:0`) for reachability probes: each connection gets back the
     /// source address it came from; answered by [`FromAgent::Listening`].
     Listen { bind: String },
+    /// Send `bytes` bytes from `from` (this host's data address) to the probe listener at
+    /// `to` and time it until the listener acknowledges; answered by
+    /// [`FromAgent::Streamed`].
+    Stream {
+        from: String,
+        to: String,
+        bytes: u64,
+    },
     /// Connect from `from` (this host's data address) to every target and report what
     /// happened; answered by [`FromAgent::Reached`].
     Reach { from: String, targets: Vec<String> },
@@ -116,6 +124,11 @@ pub enum FromAgent {
     Listening { address: String },
     /// The results of a [`ToAgent::Reach`], in target order.
     Reached { results: Vec<ReachResult> },
+    /// The result of a [`ToAgent::Stream`]: seconds until acknowledged, or why it failed.
+    Streamed {
+        secs: Option<f64>,
+        error: Option<String>,
+    },
     /// A request failed (`rank` when it concerned one).
     Error {
         rank: Option<usize>,

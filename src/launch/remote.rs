@@ -79,6 +79,7 @@ struct HostState {
     findings: Option<Vec<crate::doctor::WireFinding>>,
     listening: Option<String>,
     reached: Option<Vec<super::protocol::ReachResult>>,
+    streamed: Option<(Option<f64>, Option<String>)>,
     /// Set when the connection or the agent is gone: why.
     lost: Option<String>,
     /// When the agent last sent a frame.
@@ -367,6 +368,29 @@ impl RemoteCluster {
                     .wait_for(Duration::from_secs(30), "its probes", |s| s.reached.take())
             })
             .collect()
+    }
+
+    /// Has host `index` send `bytes` bytes from `from` to the probe listener `to` and
+    /// returns the seconds it took, or why it failed.
+    ///
+    /// Errors: the host is lost or does not answer within 70 s.
+    pub fn stream(
+        &self,
+        index: usize,
+        from: &str,
+        to: &str,
+        bytes: u64,
+    ) -> Result<std::result::Result<f64, String>> {
+        let host = &self.hosts[index];
+        host.send(ToAgent::Stream {
+            from: from.into(),
+            to: to.into(),
+            bytes,
+        })?;
+        let (secs, error) = host.wait_for(Duration::from_secs(70), "its bandwidth probe", |s| {
+            s.streamed.take()
+        })?;
+        Ok(secs.ok_or_else(|| error.unwrap_or_else(|| "no result".into())))
     }
 
     /// The [`Spawner`] that starts rank `r` on host `rank_hosts[r]`.
@@ -881,6 +905,7 @@ fn apply(state: &Mutex<HostState>, frame: FromAgent) {
         FromAgent::Findings { findings } => state.findings = Some(findings),
         FromAgent::Listening { address } => state.listening = Some(address),
         FromAgent::Reached { results } => state.reached = Some(results),
+        FromAgent::Streamed { secs, error } => state.streamed = Some((secs, error)),
         FromAgent::StoreAt { address } => state.store_at = Some(Ok(address)),
         FromAgent::FileInfo {
             sha256, size_bytes, ..

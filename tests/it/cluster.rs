@@ -1301,6 +1301,56 @@ fn doctor_over_the_cluster_names_each_fault_and_its_host() {
         "1500",
     ]);
 
+    // h1's data NIC shaped to 500 Mbit/s: `--bandwidth` names the slow pair.
+    let tc = |verb: &str, qdisc: &[&str]| {
+        let status = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &cluster.hosts[1].namespace,
+                "tc",
+                "qdisc",
+                verb,
+            ])
+            .args(["dev", &cluster.hosts[1].data_nic, "root"])
+            .args(qdisc)
+            .status()
+            .expect("tc");
+        assert!(status.success(), "tc {verb} {qdisc:?}");
+    };
+    tc(
+        "add",
+        &["tbf", "rate", "500mbit", "burst", "64kb", "latency", "50ms"],
+    );
+    let (code, json, err) = {
+        let output = infer()
+            .args(["doctor", "--json", "--bandwidth", "--cluster"])
+            .arg(&cluster.inventory)
+            .output()
+            .expect("run infer");
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            stderr(&output),
+        )
+    };
+    tc("del", &[]);
+    assert_eq!(code, Some(0), "{err}");
+    let report: Value = serde_json::from_str(&json).expect("JSON");
+    let slow: Vec<&Value> = report["findings"]
+        .as_array()
+        .expect("findings")
+        .iter()
+        .filter(|f| f["check"] == "bandwidth" && f["severity"] == "warn")
+        .collect();
+    assert!(
+        !slow.is_empty()
+            && slow
+                .iter()
+                .all(|f| f["message"].as_str().is_some_and(|m| m.contains("`h1`"))),
+        "{json}"
+    );
+
     // An inventory interface that h2 does not have.
     let with_ib = original.replacen(
         "name = \"h2\"",

@@ -69,6 +69,7 @@ mod tests {
             unreachable: Vec::new(),
             data: Err("unused".into()),
             matrix: None,
+            bandwidth: None,
         };
         let findings = check(&evidence);
         let flagged: Vec<&str> = findings.iter().filter_map(|f| f.host.as_deref()).collect();

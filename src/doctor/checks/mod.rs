@@ -1,5 +1,6 @@
 //! Every check of `infer doctor`, one file each, named after its stable id.
 
+pub mod bandwidth;
 pub mod clock_skew;
 pub mod cross_node_tp;
 pub mod ep_cross_node;
@@ -79,6 +80,7 @@ pub fn cluster(evidence: &crate::doctor::cluster::ClusterEvidence) -> Vec<Findin
     findings.extend(versions::check(evidence));
     findings.extend(clock_skew::check(evidence));
     findings.extend(rdma::check(evidence));
+    findings.extend(bandwidth::check(evidence));
     findings
 }
 
