@@ -92,6 +92,13 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
         logs.push(nccl_log::parse(&text, &path.display().to_string()));
     }
     findings.extend(checks::nccl_logs(&logs, None));
+    if let Some(path) = &args.plan {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("failed to read plan `{}`", path.display()))?;
+        let plan: crate::plan::Plan = serde_json::from_str(&text)
+            .with_context(|| format!("`{}` is not `infer plan --json` output", path.display()))?;
+        findings.extend(checks::cluster_plan(&plan, &evidence));
+    }
     // Group by host (cluster-wide findings last), keeping each host's order.
     findings.sort_by_key(|f| f.host.is_none());
     let mut report = Report::new(findings);

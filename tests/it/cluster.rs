@@ -1489,3 +1489,64 @@ fn doctor_names_a_different_nccl_library_on_one_host() {
         "{evidence:?}"
     );
 }
+
+/// `infer doctor --cluster hosts.toml --plan plan.json`: the plan checked against the
+/// surveyed hosts: a TP group across hosts is an error, and so is an `NCCL_SOCKET_IFNAME`
+/// in the plan's env that names nothing on its host.
+#[test]
+fn doctor_over_the_cluster_checks_a_plan_against_the_hosts() {
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    // The plan names its hosts node0 and node1: so does the inventory.
+    cluster.edit_inventory(|text| {
+        text.replace("name = \"h0\"", "name = \"node0\"")
+            .replace("name = \"h1\"", "name = \"node1\"")
+    });
+    let output = crate::run(&[
+        "plan",
+        "--model",
+        "llama-3.1-70b",
+        "--cluster",
+        "2x8xh100-sxm",
+        "--tp",
+        "16",
+        "--json",
+    ]);
+    let mut plan: Value = serde_json::from_slice(&output.stdout).expect("plan JSON");
+    plan["env"]["node1"]["NCCL_SOCKET_IFNAME"] = Value::from("=ib0");
+    let plan_path = cluster.dir.join("plan.json");
+    std::fs::write(&plan_path, serde_json::to_vec(&plan).expect("JSON")).expect("write plan");
+    let output = infer()
+        .args(["doctor", "--json", "--cluster"])
+        .arg(&cluster.inventory)
+        .arg("--plan")
+        .arg(&plan_path)
+        .output()
+        .expect("run infer");
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let report: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let errors: Vec<(String, String)> = report["findings"]
+        .as_array()
+        .expect("findings")
+        .iter()
+        .filter(|f| f["severity"] == "error")
+        .map(|f| {
+            (
+                f["check"].as_str().unwrap_or("").to_string(),
+                f["host"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    assert!(
+        errors.iter().any(|(check, _)| check == "cross-node-tp"),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|(check, host)| check == "nccl-env" && host == "node1"),
+        "{errors:?}"
+    );
+}

@@ -84,6 +84,49 @@ pub fn cluster(evidence: &crate::doctor::cluster::ClusterEvidence) -> Vec<Findin
     findings
 }
 
+/// A plan against the hosts `infer doctor --cluster` surveyed: the plan checks over their
+/// probed topologies (cross-node TP, TP over non-NVLink pairs, EP, the PP bubble), and each
+/// host's `NCCL_SOCKET_IFNAME`/`NCCL_IB_HCA` from the plan against what that host has.
+pub fn cluster_plan(
+    saved: &crate::plan::Plan,
+    evidence: &crate::doctor::cluster::ClusterEvidence,
+) -> Vec<Finding> {
+    let hosts: Vec<crate::topology::Host> = evidence
+        .hosts
+        .iter()
+        .map(|h| {
+            let mut topology = h.topology.clone();
+            topology.hostname = h.name.clone();
+            topology
+        })
+        .collect();
+    let mut findings = plan(
+        saved,
+        Some(&Topology {
+            hosts: hosts.clone(),
+        }),
+        None,
+    );
+    for (name, env) in &saved.env {
+        match hosts.iter().find(|h| &h.hostname == name) {
+            Some(host) => findings.extend(nccl_env::check(host, env)),
+            None => findings.push(Finding {
+                check: "plan",
+                severity: super::Severity::Error,
+                host: Some(name.clone()),
+                message: format!(
+                    "the plan places ranks on `{name}`, which is not a host of the inventory"
+                ),
+                evidence: Vec::new(),
+                hint:
+                    "plan for this inventory: `infer plan --cluster hosts.toml --json > plan.json`"
+                        .into(),
+            }),
+        }
+    }
+    findings
+}
+
 /// Every check id `live` can produce, for findings that come back from other hosts.
 const LIVE_IDS: &[&str] = &[
     nvml::ID,
