@@ -64,16 +64,7 @@ pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
         findings.extend(checks::live(&args.sysfs_root)?);
     }
     let report = Report::new(findings);
-    if args.json {
-        printer.json(&report)?;
-    } else {
-        printer.data(&render(&report));
-    }
-    Ok(if report.errors > 0 {
-        ExitStatus::No
-    } else {
-        ExitStatus::Success
-    })
+    print_report(&report, args.json, printer)
 }
 
 /// `--cluster hosts.toml`: every host's own live checks (through its agent), then the
@@ -103,16 +94,7 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     findings.sort_by_key(|f| f.host.is_none());
     let mut report = Report::new(findings);
     report.matrix = evidence.matrix;
-    if args.json {
-        printer.json(&report)?;
-    } else {
-        printer.data(&render(&report));
-    }
-    Ok(if report.errors > 0 {
-        ExitStatus::No
-    } else {
-        ExitStatus::Success
-    })
+    print_report(&report, args.json, printer)
 }
 
 /// Plans `model` with the planner flags and checks the plan against the cluster's own
@@ -148,5 +130,19 @@ fn plan_from_flags(model: &str, args: &DoctorArgs) -> Result<Vec<crate::doctor::
             evidence: Vec::new(),
             hint: infeasible.hint.clone(),
         }],
+    })
+}
+
+/// Prints the report (table or `--json`); exit 1 when any finding is an error.
+fn print_report(report: &Report, json: bool, printer: &Printer) -> Result<ExitStatus> {
+    if json {
+        printer.json(report)?;
+    } else {
+        printer.data(&render(report));
+    }
+    Ok(if report.errors > 0 {
+        ExitStatus::No
+    } else {
+        ExitStatus::Success
     })
 }

@@ -428,23 +428,9 @@ fn probe(from: &str, to: &str) -> super::protocol::ReachResult {
         error: None,
     };
     let attempt = || -> std::result::Result<(u64, String), String> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
-        runtime.block_on(async {
+        block_on(async {
             use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-            let local: std::net::SocketAddr =
-                format!("{from}:0").parse().map_err(|e| format!("{e}"))?;
-            let remote: std::net::SocketAddr = to.parse().map_err(|e| format!("{e}"))?;
-            let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
-            socket
-                .bind(local)
-                .map_err(|e| format!("cannot bind {from}: {e}"))?;
-            let stream = tokio::time::timeout(Duration::from_secs(3), socket.connect(remote))
-                .await
-                .map_err(|_| "connection timed out after 3 s".to_string())?
-                .map_err(|e| e.to_string())?;
+            let stream = connect_from(from, to).await?;
             let _ = stream.set_nodelay(true);
             let (reader, mut writer) = stream.into_split();
             let started = Instant::now();
@@ -473,26 +459,38 @@ fn probe(from: &str, to: &str) -> super::protocol::ReachResult {
     result
 }
 
+/// Runs `future` on a small runtime of its own (the agent's probe threads are plain threads).
+fn block_on<T>(
+    future: impl std::future::Future<Output = std::result::Result<T, String>>,
+) -> std::result::Result<T, String> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?
+        .block_on(future)
+}
+
+/// A TCP connection to `to` (`ip:port`) from a socket bound to `from` (an IP), as NCCL binds
+/// to its interface's address; 3 s to connect.
+async fn connect_from(from: &str, to: &str) -> std::result::Result<tokio::net::TcpStream, String> {
+    let local: std::net::SocketAddr = format!("{from}:0").parse().map_err(|e| format!("{e}"))?;
+    let remote: std::net::SocketAddr = to.parse().map_err(|e| format!("{e}"))?;
+    let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
+    socket
+        .bind(local)
+        .map_err(|e| format!("cannot bind {from}: {e}"))?;
+    tokio::time::timeout(Duration::from_secs(3), socket.connect(remote))
+        .await
+        .map_err(|_| "connection timed out after 3 s".to_string())?
+        .map_err(|e| e.to_string())
+}
+
 /// Sends `bytes` bytes from `from` to the probe listener at `to` (a bandwidth probe) and
 /// returns the seconds until the listener acknowledged them all.
 fn stream_to(from: &str, to: &str, bytes: u64) -> std::result::Result<f64, String> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    runtime.block_on(async {
+    block_on(async {
         use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-        let local: std::net::SocketAddr =
-            format!("{from}:0").parse().map_err(|e| format!("{e}"))?;
-        let remote: std::net::SocketAddr = to.parse().map_err(|e| format!("{e}"))?;
-        let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
-        socket
-            .bind(local)
-            .map_err(|e| format!("cannot bind {from}: {e}"))?;
-        let stream = tokio::time::timeout(Duration::from_secs(3), socket.connect(remote))
-            .await
-            .map_err(|_| "connection timed out after 3 s".to_string())?
-            .map_err(|e| e.to_string())?;
+        let stream = connect_from(from, to).await?;
         let (reader, mut writer) = stream.into_split();
         let started = Instant::now();
         let chunk = vec![0x5au8; 1 << 20];

@@ -240,6 +240,44 @@ pub fn start(
     })
 }
 
+/// What [`connect_to_probe`] returns: the inventory, its SSH targets, the hosts that
+/// answered, and the failures of the others.
+type ProbeConnection = (
+    Vec<InventoryEntry>,
+    Vec<RemoteHostSpec>,
+    RemoteCluster,
+    Vec<super::remote::PreflightFailure>,
+);
+
+/// The inventory's hosts connected for a probe (no model, any `infer` build a host has);
+/// hosts that fail come back as failures, the others stay connected.
+///
+/// Errors: an unreadable inventory or `~/.ssh/config`, the SSH runtime cannot start.
+fn connect_to_probe(
+    inventory: &Path,
+    ssh: SshOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<ProbeConnection> {
+    let entries = crate::cluster::launch_inventory(inventory)?;
+    let targets = ssh_targets(&entries)?;
+    let (remote, failures) = RemoteCluster::connect_partial(
+        &targets,
+        &Preflight {
+            ssh,
+            model: None,
+            push_model: false,
+            same_build: false,
+        },
+        &mut |host, stage| {
+            progress(Progress::Host {
+                host: host.into(),
+                stage: stage.into(),
+            })
+        },
+    )?;
+    Ok((entries, targets, remote, failures))
+}
+
 /// What `infer doctor --cluster` needs from every host, gathered in parallel over SSH: each
 /// agent's hello, its own live findings, the data interface chosen for it, and the
 /// reachability matrix between the data addresses (every host probes every other at once,
@@ -256,23 +294,7 @@ pub fn survey(
     use crate::doctor::cluster::{
         BANDWIDTH_PROBE_BYTES, Cell, ClusterEvidence, HostEvidence, Matrix, PairBandwidth,
     };
-    let entries = crate::cluster::launch_inventory(inventory)?;
-    let targets = ssh_targets(&entries)?;
-    let (mut remote, failures) = RemoteCluster::connect_partial(
-        &targets,
-        &Preflight {
-            ssh,
-            model: None,
-            push_model: false,
-            same_build: false,
-        },
-        &mut |host, stage| {
-            progress(Progress::Host {
-                host: host.into(),
-                stage: stage.into(),
-            })
-        },
-    )?;
+    let (entries, targets, mut remote, failures) = connect_to_probe(inventory, ssh, progress)?;
     let answering: Vec<usize> = remote
         .hosts
         .iter()
@@ -441,23 +463,7 @@ pub fn probe_topologies(
     crate::topology::Topology,
     Vec<super::remote::PreflightFailure>,
 )> {
-    let entries = crate::cluster::launch_inventory(inventory)?;
-    let targets = ssh_targets(&entries)?;
-    let (mut remote, failures) = RemoteCluster::connect_partial(
-        &targets,
-        &Preflight {
-            ssh,
-            model: None,
-            push_model: false,
-            same_build: false,
-        },
-        &mut |host, stage| {
-            progress(Progress::Host {
-                host: host.into(),
-                stage: stage.into(),
-            })
-        },
-    )?;
+    let (_, _, mut remote, failures) = connect_to_probe(inventory, ssh, progress)?;
     let hosts = remote
         .hosts
         .iter()

@@ -587,6 +587,17 @@ fn start_long_generation(
     (child, manifest_of(&manifest), lines)
 }
 
+/// Every line the launcher wrote, up to its end (the reader thread stops at EOF), so the
+/// last error line is there even if the launcher exited a moment ago.
+fn drain(lines: std::sync::mpsc::Receiver<String>) -> String {
+    let mut text = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        text.push(line);
+    }
+    text.join("\n")
+}
+
 fn rank_pids(manifest: &Value) -> Vec<(String, u32)> {
     manifest["ranks"]
         .as_array()
@@ -688,8 +699,7 @@ fn a_killed_launcher_leaves_no_remote_rank_and_another_run_keeps_going() {
         String::from_utf8_lossy(&killed.stderr)
     );
     let status = wait_exit(&mut second, Duration::from_secs(10)).expect("the launcher exits");
-    let text: Vec<String> = second_lines.try_iter().collect();
-    let text = text.join("\n");
+    let text = drain(second_lines);
     assert_eq!(status.code(), Some(2), "{text}");
     assert!(text.contains("rank 1 on `h1`"), "{text}");
     assert_eq!(wait_gone(&second_pids, Duration::from_secs(3)), None);
@@ -719,8 +729,7 @@ fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
     let status =
         wait_exit(&mut launcher, Duration::from_secs(5)).expect("the launcher exits within 5 s");
     assert_eq!(status.code(), Some(2));
-    let text: Vec<String> = lines.try_iter().collect();
-    let text = text.join("\n");
+    let text = drain(lines);
     assert!(
         text.contains("rank 1 on `h1`") && text.contains("signal: 9"),
         "{text}"
@@ -741,8 +750,7 @@ fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
     assert!(down.success());
     let status = wait_exit(&mut launcher, Duration::from_secs(12)).expect("the launcher exits");
     assert_eq!(status.code(), Some(2));
-    let text: Vec<String> = lines.try_iter().collect();
-    let text = text.join("\n");
+    let text = drain(lines);
     assert!(
         text.contains("`h1`") && text.contains("data network"),
         "{text}"
@@ -766,8 +774,7 @@ fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
     let cut_at = Instant::now();
     let status = wait_exit(&mut launcher, Duration::from_secs(15)).expect("the launcher exits");
     assert_ne!(status.code(), Some(0));
-    let text: Vec<String> = lines.try_iter().collect();
-    let text = text.join("\n");
+    let text = drain(lines);
     assert!(text.contains("`h1`"), "{text}");
     let lease = infer::launch::remote::LEASE + infer::launch::GRACE_PERIOD + Duration::from_secs(2);
     assert_eq!(
@@ -1343,11 +1350,11 @@ fn doctor_over_the_cluster_names_each_fault_and_its_host() {
         .iter()
         .filter(|f| f["check"] == "bandwidth" && f["severity"] == "warn")
         .collect();
+    // (Other pairs can dip too when the machine is busy: only h1's is sure to be slow.)
     assert!(
-        !slow.is_empty()
-            && slow
-                .iter()
-                .all(|f| f["message"].as_str().is_some_and(|m| m.contains("`h1`"))),
+        slow.iter().any(|f| f["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("`h1` -> `h2`") || m.contains("`h0` -> `h1`"))),
         "{json}"
     );
 
