@@ -30,12 +30,15 @@ pub struct ClusterEvidence {
 /// One pair's bandwidth probe: `from` streamed [`BANDWIDTH_PROBE_BYTES`] to `to`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PairBandwidth {
+    /// The sending host.
     pub from: String,
+    /// The receiving host.
     pub to: String,
     /// Measured, Gbit/s; `None` when the stream failed.
     pub gbps: Option<f64>,
     /// The slower of the two data NICs' link rates from sysfs, Gbit/s (`None`: unknown).
     pub expected_gbps: Option<f64>,
+    /// Why the stream failed.
     pub error: Option<String>,
 }
 
@@ -48,8 +51,11 @@ pub const BANDWIDTH_PROBE_BYTES: u64 = 64 << 20;
 pub struct HostEvidence {
     /// Inventory name.
     pub name: String,
+    /// The `infer` version its agent reported.
     pub infer_version: String,
+    /// sha256 of that `infer`, hex.
     pub infer_sha256: String,
+    /// Where that `infer` is on the host.
     pub infer_path: String,
     /// The interface the inventory names for it (`nccl-socket-ifname`), if any.
     pub wanted_interface: Option<String>,
@@ -57,7 +63,9 @@ pub struct HostEvidence {
     pub ssh_address: String,
     /// The NCCL library its processes would load.
     pub nccl: Option<crate::topology::nccl::NcclLibrary>,
+    /// Its interfaces with IPv4 addresses.
     pub interfaces: Vec<Interface>,
+    /// Its probed topology.
     pub topology: Host,
     /// Its clock minus the launcher's, in milliseconds (corrected by half the round trip).
     pub clock_offset_ms: i64,

@@ -41,10 +41,15 @@ pub struct Finding {
 /// A [`Finding`] as it travels from a host's agent to the launcher (check ids as text).
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct WireFinding {
+    /// The check's id.
     pub check: String,
+    /// As [`Finding::severity`].
     pub severity: Severity,
+    /// As [`Finding::message`].
     pub message: String,
+    /// As [`Finding::evidence`].
     pub evidence: Vec<String>,
+    /// As [`Finding::hint`].
     pub hint: String,
 }
 

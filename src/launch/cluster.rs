@@ -22,6 +22,7 @@ use crate::runtime::worker::Job;
 pub struct ClusterOptions {
     /// The inventory (`hosts.toml`).
     pub inventory: PathBuf,
+    /// Host-key policy.
     pub ssh: SshOptions,
     /// Copy the model to hosts that lack it (or have another file at its path).
     pub push_model: bool,
@@ -30,7 +31,9 @@ pub struct ClusterOptions {
 /// One host's choice of data network.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DataInterface {
+    /// Interface name on that host.
     pub name: String,
+    /// Its IPv4 address on the data network.
     pub address: Ipv4Addr,
 }
 
@@ -72,7 +75,9 @@ pub fn run_job(
 /// A gang started over the hosts of an inventory. Dropping it stops the gang, then the
 /// agents, then closes the connections (fields drop in this order).
 pub struct ClusterRun {
+    /// The ranks.
     pub gang: Gang,
+    /// The hosts' connections and agents.
     pub remote: RemoteCluster,
     /// Index (in the inventory) of rank 0's host.
     pub rank0_host: usize,

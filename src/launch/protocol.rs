@@ -81,12 +81,15 @@ pub enum ToAgent {
 /// One reachability probe: `to` from `from`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ReachResult {
+    /// The listener connected to (`ip:port`).
     pub to: String,
+    /// The address the socket was bound to.
     pub from: String,
     /// One byte's round trip, microseconds.
     pub rtt_us: Option<u64>,
     /// The source address the listener saw.
     pub seen_as: Option<String>,
+    /// Why the probe failed.
     pub error: Option<String>,
 }
 
@@ -147,6 +150,7 @@ pub struct AgentHello {
     pub exe: String,
     /// `std::env::consts::ARCH` (`x86_64`, `aarch64`).
     pub arch: String,
+    /// The host's own name (`/proc/sys/kernel/hostname`).
     pub hostname: String,
     /// Logical CPUs of the host.
     pub n_cpus: usize,
@@ -165,6 +169,7 @@ pub struct AgentHello {
 /// A network interface as the agent sees it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Interface {
+    /// Interface name (`ens5`).
     pub name: String,
     /// IPv4 addresses with their prefix length (`10.0.2.11/24`).
     pub ipv4: Vec<String>,

@@ -35,6 +35,7 @@ pub const AGENT_SILENCE: Duration = Duration::from_secs(5);
 /// One host as the launcher needs it.
 #[derive(Clone, Debug)]
 pub struct RemoteHostSpec {
+    /// How to reach it.
     pub target: SshTarget,
     /// `infer` on the host; `None`: the launcher's own path, then the staged copy.
     pub infer_path: Option<String>,
@@ -43,6 +44,7 @@ pub struct RemoteHostSpec {
 /// What every host must pass before anything starts.
 #[derive(Clone, Debug)]
 pub struct Preflight {
+    /// Host-key policy.
     pub ssh: SshOptions,
     /// The model file, at the same path on every host; `None`: no model to check (a probe).
     pub model: Option<PathBuf>,
@@ -56,7 +58,9 @@ pub struct Preflight {
 
 /// A connected host with its agent running.
 pub struct RemoteHost {
+    /// Inventory name.
     pub name: String,
+    /// What its agent said first (versions, interfaces, topology, clock).
     pub hello: AgentHello,
     /// The host's clock minus this machine's when its hello arrived, milliseconds.
     pub clock_offset_ms: i64,
@@ -89,15 +93,20 @@ struct HostState {
 /// Every host of a run, connected and checked, on one async runtime.
 pub struct RemoteCluster {
     runtime: tokio::runtime::Runtime,
+    /// The hosts that passed preflight, in inventory order.
     pub hosts: Vec<RemoteHost>,
+    /// This run's id (`run-` and 16 hex digits): names the hosts' run directories.
     pub run_id: String,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// A host that failed preflight: its name, the class of fault and the message.
 pub struct PreflightFailure {
+    /// Inventory name.
     pub host: String,
+    /// The stage or fault class (`auth refused`, `model missing`, `binary arch`).
     pub stage: &'static str,
+    /// What happened and what to do about it.
     pub message: String,
 }
 

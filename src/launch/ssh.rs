@@ -28,7 +28,9 @@ pub struct SshTarget {
     pub name: String,
     /// What TCP connects to, and the name host keys are recorded under.
     pub address: String,
+    /// TCP port of `sshd`.
     pub port: u16,
+    /// Login user.
     pub user: String,
     /// Keys to try after the agent's, in order.
     pub identity_files: Vec<PathBuf>,
@@ -76,7 +78,9 @@ impl FaultClass {
 /// A connection failure with its class; the message says what to do.
 #[derive(Debug)]
 pub struct ConnectError {
+    /// What kind of fault, for preflight tables.
     pub class: FaultClass,
+    /// What happened and what to do about it.
     pub message: String,
 }
 
@@ -90,7 +94,9 @@ impl std::error::Error for ConnectError {}
 
 /// An authenticated connection to one host.
 pub struct Connection {
+    /// russh's handle: channels are opened through it.
     pub handle: Handle<Client>,
+    /// Where it goes.
     pub target: SshTarget,
     /// Keeps the bastion's connection open for as long as this one lives.
     _jump: Option<Box<Connection>>,

@@ -14,6 +14,7 @@ pub const LIBRARY: &str = "libnccl.so.2";
 /// Where NCCL was found and what it says it is.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NcclLibrary {
+    /// The file found.
     pub path: String,
     /// `major.minor.patch` from `ncclGetVersion`; `None` when it could not be read.
     pub version: Option<String>,
