@@ -78,7 +78,12 @@ pub struct HostEvidence {
 pub struct Matrix {
     /// Host names, rows and columns alike.
     pub hosts: Vec<String>,
+    /// `cells[row][column]`; `None` on the diagonal.
     pub cells: Vec<Vec<Option<Cell>>>,
+    /// Where a rendezvous store listened on the first host's data address.
+    pub store: String,
+    /// Each host connecting to that store's port (`None` for the first host).
+    pub store_cells: Vec<Option<Cell>>,
 }
 
 /// One directed pair.
@@ -103,10 +108,24 @@ pub fn render_matrix(matrix: &Matrix) -> String {
     table.load_style(comfy_table::presets::NOTHING);
     let mut header = vec!["reachability (RTT µs)".to_string()];
     header.extend(matrix.hosts.iter().cloned());
+    header.push(format!(
+        "store@{}",
+        matrix.hosts.first().map_or("?", |h| h.as_str())
+    ));
     table.set_header(header);
     for (row, name) in matrix.hosts.iter().enumerate() {
         let mut cells = vec![name.clone()];
-        for cell in &matrix.cells[row] {
+        let store = matrix
+            .store_cells
+            .get(row)
+            .cloned()
+            .flatten()
+            .map(|cell| Cell {
+                // A connection to the store is only connected, never asked for its source.
+                seen_as: Some(cell.from.clone()),
+                ..cell
+            });
+        for cell in matrix.cells[row].iter().chain([&store]) {
             cells.push(match cell {
                 None => "-".to_string(),
                 Some(Cell {

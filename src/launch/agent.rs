@@ -231,6 +231,28 @@ impl Agent {
                     send(&output, &FromAgent::Streamed { secs, error });
                 });
             }
+            ToAgent::Connect { from, to } => {
+                let output = Arc::clone(&self.output);
+                std::thread::spawn(move || {
+                    let started = Instant::now();
+                    let connected = block_on(async { connect_from(&from, &to).await.map(drop) });
+                    let result = super::protocol::ReachResult {
+                        rtt_us: connected
+                            .is_ok()
+                            .then(|| started.elapsed().as_micros() as u64),
+                        seen_as: None,
+                        error: connected.err(),
+                        to,
+                        from,
+                    };
+                    send(
+                        &output,
+                        &FromAgent::Reached {
+                            results: vec![result],
+                        },
+                    );
+                });
+            }
             ToAgent::Reach { from, targets } => {
                 let output = Arc::clone(&self.output);
                 std::thread::spawn(move || {

@@ -414,6 +414,20 @@ pub fn survey(
                 })
                 .collect();
             let results = remote.reach_all(&probes)?;
+            // The rendezvous store's own port on the first host (rank 0's), as ranks reach it.
+            let token = crate::rendezvous::random_token();
+            let (store, _) = remote.host_store(0, &format!("{}:0", data[0].1), &token)?;
+            let mut store_cells = vec![None];
+            for (position, (_, address)) in data.iter().enumerate().skip(1) {
+                let result = remote.connect_only(position, address, &store.to_string())?;
+                store_cells.push(Some(Cell {
+                    to: result.to,
+                    from: result.from,
+                    rtt_us: result.rtt_us,
+                    seen_as: None,
+                    error: result.error,
+                }));
+            }
             let cells = results
                 .into_iter()
                 .enumerate()
@@ -438,6 +452,8 @@ pub fn survey(
             Some(Matrix {
                 hosts: names.iter().map(|n| n.to_string()).collect(),
                 cells,
+                store: store.to_string(),
+                store_cells,
             })
         }
         _ => None,

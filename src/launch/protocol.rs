@@ -73,6 +73,9 @@ pub enum ToAgent {
         to: String,
         bytes: u64,
     },
+    /// Only connect from `from` to `to` (a port that speaks another protocol, such as the
+    /// rendezvous store's) and close; answered by [`FromAgent::Reached`] with one result.
+    Connect { from: String, to: String },
     /// Connect from `from` (this host's data address) to every target and report what
     /// happened; answered by [`FromAgent::Reached`].
     Reach { from: String, targets: Vec<String> },

@@ -379,6 +379,26 @@ impl RemoteCluster {
             .collect()
     }
 
+    /// Has host `index` connect from `from` to `to` (and close at once).
+    ///
+    /// Errors: the host is lost or does not answer within 10 s.
+    pub fn connect_only(
+        &self,
+        index: usize,
+        from: &str,
+        to: &str,
+    ) -> Result<super::protocol::ReachResult> {
+        let host = &self.hosts[index];
+        host.send(ToAgent::Connect {
+            from: from.into(),
+            to: to.into(),
+        })?;
+        let mut results = host.wait_for(Duration::from_secs(10), "its connection probe", |s| {
+            s.reached.take()
+        })?;
+        results.pop().context("an empty connection probe result")
+    }
+
     /// Has host `index` send `bytes` bytes from `from` to the probe listener `to` and
     /// returns the seconds it took, or why it failed.
     ///

@@ -1245,6 +1245,20 @@ fn doctor_over_the_cluster_names_each_fault_and_its_host() {
         report["matrix"]["cells"][0][1]["seen_as"],
         cluster.hosts[0].data.as_str()
     );
+    // Every other host reaches the rendezvous port on h0's data address.
+    assert!(
+        report["matrix"]["store"]
+            .as_str()
+            .is_some_and(|s| s.starts_with(&cluster.hosts[0].data)),
+        "{json}"
+    );
+    assert!(report["matrix"]["store_cells"][0].is_null(), "{json}");
+    assert!(
+        report["matrix"]["store_cells"][2]["rtt_us"]
+            .as_u64()
+            .is_some(),
+        "{json}"
+    );
 
     // Another `infer` build on h1 (a copy with a byte appended: same version, other sha256).
     let copy = cluster.dir.join("infer-other");
@@ -1400,6 +1414,14 @@ fn doctor_over_the_cluster_names_each_fault_and_its_host() {
             .any(|(check, host, message)| check == "reachability"
                 && host.as_deref() == Some("h0")
                 && message.contains("cannot connect to `h1`")),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|(check, host, message)| check == "reachability"
+                && host.as_deref() == Some("h1")
+                && message.contains("rendezvous port on `h0`")),
         "{errors:?}"
     );
     assert!(

@@ -3,7 +3,8 @@
 //!
 //! What it checks: for every ordered pair of hosts, a TCP connection from the row host's
 //! data address to the column host's data address, one byte's round trip, and the source
-//! address the column host saw.
+//! address the column host saw; and every host connecting to a rendezvous store run on the
+//! first host's data address (where rank 0's store listens).
 //! Why it matters: a pair that cannot connect hangs `ncclCommInitRank` (or our rendezvous)
 //! until a timeout; a connection that leaves through another NIC (Linux's weak host model
 //! routes by destination, not by the bound address) works here but runs at that NIC's
@@ -11,7 +12,7 @@
 //! How to fix: bring the data link up, open the firewall between the data addresses, or
 //! route the data subnet through the data interface (`ip route`), then rerun.
 
-use crate::doctor::cluster::ClusterEvidence;
+use crate::doctor::cluster::{Cell, ClusterEvidence};
 use crate::doctor::{Finding, Severity};
 
 pub const ID: &str = "reachability";
@@ -73,6 +74,30 @@ pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
                 worst_us = worst_us.max(us);
             }
         }
+    }
+    for (row, cell) in matrix.store_cells.iter().enumerate() {
+        let Some(Cell {
+            error: Some(error),
+            from,
+            ..
+        }) = cell
+        else {
+            continue;
+        };
+        let (host, first) = (&matrix.hosts[row], &matrix.hosts[0]);
+        findings.push(Finding {
+            check: ID,
+            severity: Severity::Error,
+            host: Some(host.clone()),
+            message: format!(
+                "`{host}` cannot reach the rendezvous port on `{first}` ({} -> {}): {error}",
+                from, matrix.store
+            ),
+            evidence: Vec::new(),
+            hint: format!(
+                "ranks on `{host}` could not register with the store (`MASTER_ADDR`): check the data link and any firewall between them"
+            ),
+        });
     }
     if findings.is_empty() {
         findings.push(Finding {
