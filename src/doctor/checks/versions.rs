@@ -1,4 +1,4 @@
-//! `versions`: every host runs the same `infer` build, NVIDIA driver and CUDA driver.
+//! `versions`: every host runs the same `infer` build, NVIDIA and CUDA driver, and NCCL.
 //!
 //! What it checks: the `infer` version and sha256 each host would run, the driver and
 //! CUDA driver versions NVML reports there, and the NCCL library its processes would load
@@ -76,14 +76,19 @@ pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
             severity: Severity::Ok,
             host: None,
             message: format!(
-                "every host runs `infer` {} (sha256 {}), driver {}",
+                "every host runs `infer` {} (sha256 {}), driver {}, NCCL {}",
                 first.infer_version,
                 &first.infer_sha256[..12.min(first.infer_sha256.len())],
                 first
                     .topology
                     .driver_version
                     .as_deref()
-                    .unwrap_or("none (no NVIDIA driver)")
+                    .unwrap_or("none (no NVIDIA driver)"),
+                first
+                    .nccl
+                    .as_ref()
+                    .and_then(|n| n.version.as_deref())
+                    .unwrap_or("none found")
             ),
             evidence: Vec::new(),
             hint: String::new(),
