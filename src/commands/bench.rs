@@ -216,21 +216,20 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     Ok(ExitStatus::Success)
 }
 
-/// `bench allreduce --cluster`: `--world` ranks (one pipeline stage each, so every rank
-/// is its own process with the model's smallest shard) spread over the inventory's hosts;
-/// they all-reduce in one group over TCP on the data network.
+/// `bench allreduce --cluster`: `--world` rank processes with no model (collectives only),
+/// placed over the inventory's hosts as consecutive ranks; they all-reduce in one group
+/// (shared memory when every rank is on one host, TCP on the data network otherwise).
 fn allreduce_cluster(
     args: &BenchAllreduceArgs,
     inventory: &std::path::Path,
     printer: &Printer,
 ) -> Result<ExitStatus> {
-    let model = crate::model::weights_path(None, &mut |line| printer.note(line))?;
     let spec = crate::launch::LaunchSpec {
         tp: 1,
         pp: args.world,
         dp: 1,
         ep: 1,
-        model,
+        model: None,
         threads_per_rank: 1,
         numerics: crate::runtime::quant::Numerics::Exact,
         timeout: std::time::Duration::from_secs(120),
@@ -286,41 +285,12 @@ fn allreduce_cluster(
 /// One nccl-tests style table (size, count, type, time, algbw, busbw) with its busbw at
 /// 16 MiB as a share of `stream_gbps`.
 fn allreduce_table(title: &str, rows: &[AllreduceRow], world: usize, stream_gbps: f64) -> String {
-    let n = world as f64;
     let mut table = format!(
-        "# all-reduce (sum, float32): {title}\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n",
-        "size",
-        "count",
-        "type",
-        "time",
-        "algbw",
-        "busbw",
-        "(B)",
-        "(elements)",
-        "",
-        "(us)",
-        "(GB/s)",
-        "(GB/s)"
+        "# all-reduce (sum, float32): {title}\n{}",
+        crate::runtime::comm::nccl_tests_table(rows, world)
     );
-    let mut busbw_16m = None;
-    for row in rows {
-        let algbw = row.bytes as f64 / row.time_secs / 1e9;
-        // nccl-tests: busbw = algbw · 2(n−1)/n for all-reduce.
-        let busbw = algbw * 2.0 * (n - 1.0) / n;
-        if row.bytes == 16 << 20 {
-            busbw_16m = Some(busbw);
-        }
-        table.push_str(&format!(
-            " {:>11} {:>12} {:>6} {:>10.1} {:>8.3} {:>8.3}\n",
-            row.bytes,
-            row.bytes / 4,
-            "float",
-            row.time_secs * 1e6,
-            algbw,
-            busbw
-        ));
-    }
-    if let Some(busbw) = busbw_16m {
+    if let Some(row) = rows.iter().find(|r| r.bytes == 16 << 20) {
+        let busbw = row.busbw_bytes_per_sec(world) / 1e9;
         table.push_str(&format!(
             "# busbw at 16 MiB = {busbw:.3} GB/s = {:.0}% of one plain TCP stream\n",
             100.0 * busbw / stream_gbps

@@ -90,10 +90,16 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
             .with_context(|| format!("`{}` is not `infer plan --json` output", path.display()))?;
         findings.extend(checks::cluster_plan(&plan, &evidence));
     }
-    // Group by host (cluster-wide findings last), keeping each host's order.
-    findings.sort_by_key(|f| f.host.is_none());
+    // Group by host in inventory order (cluster-wide findings last), keeping each host's
+    // own order.
+    let order: Vec<&str> = evidence.hosts.iter().map(|h| h.name.as_str()).collect();
+    findings.sort_by_key(|f| match f.host.as_deref() {
+        Some(host) => order.iter().position(|h| *h == host).unwrap_or(order.len()),
+        None => order.len() + 1,
+    });
     let mut report = Report::new(findings);
     report.matrix = evidence.matrix;
+    report.allreduce = evidence.allreduce;
     print_report(&report, args.json, printer)
 }
 

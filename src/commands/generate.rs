@@ -136,7 +136,7 @@ fn distributed(
         pp: args.pp,
         dp: 1,
         ep: 1,
-        model: path.to_path_buf(),
+        model: Some(path.to_path_buf()),
         threads_per_rank,
         numerics: args.numerics.into(),
         timeout: std::time::Duration::from_secs(60),

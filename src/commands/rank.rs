@@ -39,7 +39,7 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
         },
         store_address: format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
         token: var("INFER_RUN_TOKEN")?,
-        model: var("INFER_MODEL")?.into(),
+        model: std::env::var_os("INFER_MODEL").map(Into::into),
         threads: number("INFER_THREADS")?,
         timeout: Duration::from_secs(number("INFER_TIMEOUT_SECS")?),
         kv_cache_tokens: match std::env::var("INFER_KV_CACHE_TOKENS") {

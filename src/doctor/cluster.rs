@@ -25,7 +25,50 @@ pub struct ClusterEvidence {
     pub matrix: Option<Matrix>,
     /// With `--bandwidth`: one TCP stream per pair of hosts over the data interfaces.
     pub bandwidth: Option<Vec<PairBandwidth>>,
+    /// With `--bandwidth` and two hosts or more: one all-reduce over every answering host.
+    pub allreduce: Option<AllreduceProbe>,
 }
+
+/// An all-reduce with our own collectives over the hosts' data interfaces: one rank per
+/// host (no model), one group, every power-of-two size up to [`ALLREDUCE_PROBE_BYTES`], as
+/// nccl-tests' `all_reduce_perf -b 8 -e 64M -f 2` sweeps.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AllreduceProbe {
+    /// The hosts, in rank order (rank `i` on `hosts[i]`).
+    pub hosts: Vec<String>,
+    /// What carried it (TCP when the group spans hosts).
+    pub transport: String,
+    /// One row per message size.
+    pub rows: Vec<crate::runtime::comm::AllreduceRow>,
+    /// The slowest data link of the group (sysfs `speed`), if any rate is known.
+    pub slowest_link: Option<LinkRate>,
+    /// Why it did not run or failed.
+    pub error: Option<String>,
+}
+
+impl AllreduceProbe {
+    /// The highest bus bandwidth of any size, bytes/s (`None`: no rows).
+    pub fn peak_busbw_bytes_per_sec(&self) -> Option<f64> {
+        self.rows
+            .iter()
+            .map(|r| r.busbw_bytes_per_sec(self.hosts.len()))
+            .reduce(f64::max)
+    }
+}
+
+/// One host's data link rate.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LinkRate {
+    /// Inventory name of the host.
+    pub host: String,
+    /// Its data interface.
+    pub interface: String,
+    /// Link rate from sysfs `speed`, Gbit/s.
+    pub gbps: f64,
+}
+
+/// The largest all-reduce of the probe (64 MiB, nccl-tests' usual `-e`).
+pub const ALLREDUCE_PROBE_BYTES: usize = 64 << 20;
 
 /// One pair's bandwidth probe: `from` streamed [`BANDWIDTH_PROBE_BYTES`] to `to`.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -87,6 +87,9 @@ pub struct Report {
     /// The cross-host reachability matrix of `--cluster` (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub matrix: Option<cluster::Matrix>,
+    /// The all-reduce of `--cluster --bandwidth` (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allreduce: Option<cluster::AllreduceProbe>,
 }
 
 impl Report {
@@ -105,24 +108,85 @@ impl Report {
             errors,
             warnings,
             matrix: None,
+            allreduce: None,
         }
     }
 }
 
 /// The human table: `severity check [host] message`, then evidence and hint lines.
 pub fn render(report: &Report) -> String {
+    // Findings about hosts are grouped under each host's name (in the order the hosts first
+    // appear), the cluster-wide ones after them; without hosts, one table.
+    let mut hosts: Vec<&str> = Vec::new();
+    for finding in &report.findings {
+        if let Some(host) = finding.host.as_deref()
+            && !hosts.contains(&host)
+        {
+            hosts.push(host);
+        }
+    }
+    let mut body = String::new();
+    if hosts.is_empty() {
+        body.push_str(&render_findings(report.findings.iter()));
+    } else {
+        for host in &hosts {
+            body.push_str(&format!("{host}\n"));
+            body.push_str(&indent(&render_findings(
+                report
+                    .findings
+                    .iter()
+                    .filter(|f| f.host.as_deref() == Some(host)),
+            )));
+            body.push_str("\n\n");
+        }
+        let rest: Vec<&Finding> = report
+            .findings
+            .iter()
+            .filter(|f| f.host.is_none())
+            .collect();
+        if !rest.is_empty() {
+            body.push_str("across hosts\n");
+            body.push_str(&indent(&render_findings(rest.into_iter())));
+            body.push_str("\n\n");
+        }
+        body.truncate(body.trim_end().len());
+    }
+    let matrix = report
+        .matrix
+        .as_ref()
+        .map(|m| format!("\n\n{}", cluster::render_matrix(m)))
+        .unwrap_or_default();
+    let allreduce = report
+        .allreduce
+        .as_ref()
+        .filter(|probe| !probe.rows.is_empty())
+        .map(|probe| {
+            format!(
+                "\n\n# all-reduce (sum, float32): {} ranks, one per host ({}), {}\n{}",
+                probe.hosts.len(),
+                probe.hosts.join(", "),
+                probe.transport,
+                crate::runtime::comm::nccl_tests_table(&probe.rows, probe.hosts.len()).trim_end()
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "{body}{matrix}{allreduce}\n\n{} error(s), {} warning(s)\n",
+        report.errors, report.warnings
+    )
+}
+
+/// Findings as a table of severity, check id and detail (evidence and hint below it).
+fn render_findings<'a>(findings: impl Iterator<Item = &'a Finding>) -> String {
     let mut table = Table::new();
     table.load_style(NOTHING);
-    for finding in &report.findings {
+    for finding in findings {
         let severity = match finding.severity {
             Severity::Ok => "ok",
             Severity::Warn => "warn",
             Severity::Error => "fail",
         };
         let mut detail = finding.message.clone();
-        if let Some(host) = &finding.host {
-            detail = format!("[{host}] {detail}");
-        }
         for evidence in &finding.evidence {
             detail.push_str(&format!("\n  seen: {evidence}"));
         }
@@ -131,22 +195,26 @@ pub fn render(report: &Report) -> String {
         }
         table.add_row([severity.to_string(), finding.check.to_string(), detail]);
     }
-    let body: Vec<String> = table
+    table
         .to_string()
         .lines()
         .map(|l| l.trim_end().to_string())
-        .collect();
-    let matrix = report
-        .matrix
-        .as_ref()
-        .map(|m| format!("\n\n{}", cluster::render_matrix(m)))
-        .unwrap_or_default();
-    format!(
-        "{}{matrix}\n\n{} error(s), {} warning(s)\n",
-        body.join("\n"),
-        report.errors,
-        report.warnings
-    )
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `text` with every line indented by two spaces.
+fn indent(text: &str) -> String {
+    text.lines()
+        .map(|l| {
+            if l.is_empty() {
+                String::new()
+            } else {
+                format!("  {l}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// `origin:line: text` for a finding's evidence.

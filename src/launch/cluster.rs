@@ -109,7 +109,7 @@ pub fn start(
         &targets,
         &Preflight {
             ssh: options.ssh,
-            model: Some(spec.model.clone()),
+            model: spec.model.clone(),
             push_model: options.push_model,
             same_build: true,
         },
@@ -297,7 +297,8 @@ pub fn survey(
     progress: &mut dyn FnMut(Progress),
 ) -> Result<crate::doctor::cluster::ClusterEvidence> {
     use crate::doctor::cluster::{
-        BANDWIDTH_PROBE_BYTES, Cell, ClusterEvidence, HostEvidence, Matrix, PairBandwidth,
+        AllreduceProbe, BANDWIDTH_PROBE_BYTES, Cell, ClusterEvidence, HostEvidence, LinkRate,
+        Matrix, PairBandwidth,
     };
     let (entries, targets, mut remote, failures) = connect_to_probe(inventory, ssh, progress)?;
     let answering: Vec<usize> = remote
@@ -355,6 +356,7 @@ pub fn survey(
         });
     }
     let mut pairs = None;
+    let mut allreduce = None;
     let matrix = match &data {
         Ok(data) if data.len() > 1 => {
             let mut listeners = Vec::new();
@@ -363,16 +365,7 @@ pub fn survey(
             }
             if bandwidth {
                 // One pair at a time, so no two streams share a link.
-                let rate = |position: usize| {
-                    let name = &data[position].0;
-                    remote.hosts[position]
-                        .hello
-                        .topology
-                        .nics
-                        .iter()
-                        .find(|n| n.netdev.as_deref() == Some(name.as_str()) || &n.name == name)
-                        .and_then(|n| n.rate_gbps)
-                };
+                let rate = |position: usize| data_link_rate(&remote, position, &data[position].0);
                 let mut measured = Vec::new();
                 for from in 0..data.len() {
                     for to in from + 1..data.len() {
@@ -416,7 +409,7 @@ pub fn survey(
             let results = remote.reach_all(&probes)?;
             // The rendezvous store's own port on the first host (rank 0's), as ranks reach it.
             let token = crate::rendezvous::random_token();
-            let (store, _) = remote.host_store(0, &format!("{}:0", data[0].1), &token)?;
+            let (store, store_here) = remote.host_store(0, &format!("{}:0", data[0].1), &token)?;
             let mut store_cells = vec![None];
             for (position, (_, address)) in data.iter().enumerate().skip(1) {
                 let result = remote.connect_only(position, address, &store.to_string())?;
@@ -427,6 +420,50 @@ pub fn survey(
                     seen_as: None,
                     error: result.error,
                 }));
+            }
+            if bandwidth {
+                let slowest_link = (0..data.len())
+                    .filter_map(|position| {
+                        Some(LinkRate {
+                            host: names[position].to_string(),
+                            interface: data[position].0.clone(),
+                            gbps: data_link_rate(&remote, position, &data[position].0)?,
+                        })
+                    })
+                    .reduce(|a, b| if b.gbps < a.gbps { b } else { a });
+                let mut probe = AllreduceProbe {
+                    hosts: names.iter().map(|n| n.to_string()).collect(),
+                    transport: String::new(),
+                    rows: Vec::new(),
+                    slowest_link,
+                    error: None,
+                };
+                let builds: std::collections::BTreeSet<&str> = remote
+                    .hosts
+                    .iter()
+                    .map(|h| h.hello.sha256.as_str())
+                    .collect();
+                if builds.len() > 1 {
+                    probe.error = Some(
+                        "not run: the hosts run different `infer` builds, whose ranks may not speak the same protocol (see `versions`)".into(),
+                    );
+                } else {
+                    match allreduce_probe(
+                        &remote,
+                        &names,
+                        data,
+                        (store, store_here),
+                        &token,
+                        progress,
+                    ) {
+                        Ok(bench) => {
+                            probe.transport = bench.transport;
+                            probe.rows = bench.rows;
+                        }
+                        Err(error) => probe.error = Some(format!("{error:#}")),
+                    }
+                }
+                allreduce = Some(probe);
             }
             let cells = results
                 .into_iter()
@@ -468,7 +505,83 @@ pub fn survey(
         data,
         matrix,
         bandwidth: pairs,
+        allreduce,
     })
+}
+
+/// The link rate (sysfs `speed`, Gbit/s) of data interface `name` on host `position`, as
+/// its agent's topology reports it.
+fn data_link_rate(remote: &RemoteCluster, position: usize, name: &str) -> Option<f64> {
+    remote.hosts[position]
+        .hello
+        .topology
+        .nics
+        .iter()
+        .find(|n| n.netdev.as_deref() == Some(name) || n.name == name)
+        .and_then(|n| n.rate_gbps)
+}
+
+/// One all-reduce over every host of `remote` with our own collectives: one rank per host
+/// (no model), bound to the host's data address (`data[i]`: interface, address), one group
+/// over TCP, sizes up to [`ALLREDUCE_PROBE_BYTES`](crate::doctor::cluster::ALLREDUCE_PROBE_BYTES).
+/// `store` is the rendezvous store on the first host (as ranks reach it, as this process
+/// reaches it) whose token is `token`.
+///
+/// Errors: a rank that cannot start, fails or stops heartbeating (the gang is stopped).
+fn allreduce_probe(
+    remote: &RemoteCluster,
+    names: &[&str],
+    data: &[(String, String)],
+    store: (std::net::SocketAddr, std::net::SocketAddr),
+    token: &str,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<crate::runtime::worker::AllreduceBench> {
+    let placement = names
+        .iter()
+        .zip(data)
+        .map(|(name, (interface, address))| Placement {
+            host: name.to_string(),
+            local_rank: 0,
+            local_world_size: 1,
+            env: vec![
+                ("NCCL_SOCKET_IFNAME".into(), format!("={interface}")),
+                ("GLOO_SOCKET_IFNAME".into(), interface.clone()),
+                ("INFER_BIND_ADDR".into(), address.clone()),
+                ("INFER_HOST".into(), name.to_string()),
+            ],
+        })
+        .collect();
+    let spec = LaunchSpec {
+        tp: 1,
+        pp: names.len(),
+        dp: 1,
+        ep: 1,
+        model: None,
+        threads_per_rank: 1,
+        numerics: crate::runtime::quant::Numerics::Exact,
+        timeout: std::time::Duration::from_secs(30),
+        extra_env: Vec::new(),
+        layout_from: "infer doctor --cluster --bandwidth".into(),
+        placement,
+    };
+    let spawner = remote.spawner((0..names.len()).collect());
+    let mut gang = Gang::start_on(
+        &spawner,
+        &spec,
+        &Job::AllReduce {
+            max_bytes: crate::doctor::cluster::ALLREDUCE_PROBE_BYTES,
+        },
+        StoreLocation::Remote {
+            ranks: store.0,
+            launcher: store.1,
+        },
+        token,
+    )?;
+    let bytes = gang
+        .wait_for("result", &|| false, progress)?
+        .ok_or_else(|| anyhow!("every rank exited without a result"))?;
+    gang.finish();
+    serde_json::from_slice(&bytes).context("rank 0 wrote a malformed all-reduce report")
 }
 
 /// Every host of the inventory as its own agent probes it (`infer topo --json` there), in

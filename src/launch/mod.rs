@@ -41,7 +41,9 @@ pub struct LaunchSpec {
     pub dp: usize,
     /// Expert parallelism: 1, or `tp` (experts sharded over each TP group).
     pub ep: usize,
-    pub model: PathBuf,
+    /// The weights every rank loads; `None`: a gang of collectives only, no model (it runs
+    /// [`Job::AllReduce`] and nothing else).
+    pub model: Option<PathBuf>,
     /// Threads of each rank's pool.
     pub threads_per_rank: usize,
     /// How every rank's matrix products round (`INFER_NUMERICS`).
@@ -527,7 +529,6 @@ fn spawn_rank(
         ("INFER_PP".into(), spec.pp.to_string()),
         ("INFER_DP".into(), spec.dp.to_string()),
         ("INFER_EP".into(), spec.ep.to_string()),
-        ("INFER_MODEL".into(), spec.model.display().to_string()),
         ("INFER_THREADS".into(), spec.threads_per_rank.to_string()),
         ("INFER_NUMERICS".into(), spec.numerics.name().into()),
         (
@@ -539,6 +540,9 @@ fn spawn_rank(
         ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
         ("NO_COLOR".into(), "1".into()),
     ];
+    if let Some(model) = &spec.model {
+        env.push(("INFER_MODEL".into(), model.display().to_string()));
+    }
     // NCCL-style transport switches pass through, as torchrun's ranks inherit them.
     if let Ok(value) = std::env::var("INFER_SHM_DISABLE") {
         env.push(("INFER_SHM_DISABLE".into(), value));

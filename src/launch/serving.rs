@@ -316,7 +316,7 @@ fn launch(
         pp: layout.pp,
         dp: layout.dp,
         ep: layout.ep,
-        model: settings.model.clone(),
+        model: Some(settings.model.clone()),
         threads_per_rank: match (settings.threads, &inventory) {
             (0, None) => (cores / world).max(1),
             // On a cluster, 0 means each host's cores over its ranks.

@@ -510,25 +510,88 @@ impl Comm for TcpComm {
 }
 
 /// One size of an all-reduce benchmark: message bytes and the mean time of one call.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AllreduceRow {
     pub bytes: usize,
     pub time_secs: f64,
 }
 
+impl AllreduceRow {
+    /// Algorithm bandwidth: message bytes over the time of one call, bytes/s.
+    pub fn algbw_bytes_per_sec(&self) -> f64 {
+        self.bytes as f64 / self.time_secs
+    }
+
+    /// Bus bandwidth over `world` ranks, bytes/s: `algbw · 2(n−1)/n`, what each link
+    /// carries in a ring all-reduce, comparable with the link rate (nccl-tests,
+    /// `doc/PERFORMANCE.md`).
+    pub fn busbw_bytes_per_sec(&self, world: usize) -> f64 {
+        let n = world as f64;
+        self.algbw_bytes_per_sec() * 2.0 * (n - 1.0) / n
+    }
+}
+
+/// `rows` over `world` ranks as `all_reduce_perf` of nccl-tests prints them: two header
+/// lines, then size (bytes), count (float32 elements), type, time (µs), algbw and busbw
+/// (GB/s, 10⁹ bytes/s).
+pub fn nccl_tests_table(rows: &[AllreduceRow], world: usize) -> String {
+    let mut table = format!(
+        "#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n#{:>11} {:>12} {:>6} {:>10} {:>8} {:>8}\n",
+        "size",
+        "count",
+        "type",
+        "time",
+        "algbw",
+        "busbw",
+        "(B)",
+        "(elements)",
+        "",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)"
+    );
+    for row in rows {
+        table.push_str(&format!(
+            " {:>11} {:>12} {:>6} {:>10.1} {:>8.3} {:>8.3}\n",
+            row.bytes,
+            row.bytes / 4,
+            "float",
+            row.time_secs * 1e6,
+            row.algbw_bytes_per_sec() / 1e9,
+            row.busbw_bytes_per_sec(world) / 1e9
+        ));
+    }
+    table
+}
+
 /// Times `comm.all_reduce_sum` for every power-of-two size from 8 bytes to `max_bytes`
-/// (one warm-up call, a barrier, then enough repetitions for ~0.2 s, at least 3), as
-/// nccl-tests' `all_reduce_perf` sweeps sizes. Every member must call it with the same
-/// `max_bytes`; it blocks until the sweep is done.
+/// (one timed warm-up call, a barrier, then enough repetitions for ~0.2 s by rank 0's
+/// warm-up, 3 to 200, the count broadcast so every member runs the same), as nccl-tests'
+/// `all_reduce_perf` sweeps sizes. On a slow link a large size costs ~0.2 s plus 4 calls,
+/// not a fixed byte volume. Every member must call it with the same `max_bytes`; it blocks
+/// until the sweep is done.
 ///
 /// Errors: a collective fails (a lost peer, a timeout).
 pub fn time_all_reduce(comm: &mut dyn Comm, max_bytes: usize) -> Result<Vec<AllreduceRow>> {
+    const TARGET_SECS: f64 = 0.2;
     let mut rows = Vec::new();
     let mut bytes = 8;
     while bytes <= max_bytes {
         let mut data = vec![1f32; bytes / 4];
-        let iterations = (((200 << 20) / bytes.max(1 << 16)) as u32).clamp(3, 200);
+        let warm_up = std::time::Instant::now();
         comm.all_reduce_sum(&mut data)?;
+        let warm_up_secs = warm_up.elapsed().as_secs_f64();
+        let mut count = ((TARGET_SECS / warm_up_secs.max(1e-6)) as u32)
+            .clamp(3, 200)
+            .to_le_bytes()
+            .to_vec();
+        comm.broadcast(&mut count, 0)?;
+        let iterations = u32::from_le_bytes(
+            count
+                .as_slice()
+                .try_into()
+                .map_err(|_| anyhow!("malformed repetition count from rank 0"))?,
+        );
         comm.barrier()?;
         let start = std::time::Instant::now();
         for _ in 0..iterations {

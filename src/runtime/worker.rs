@@ -42,7 +42,9 @@ pub struct RankConfig {
     /// `MASTER_ADDR:MASTER_PORT`.
     pub store_address: String,
     pub token: String,
-    pub model: PathBuf,
+    /// The weights (`INFER_MODEL`); `None`: this rank runs collectives only
+    /// ([`Job::AllReduce`]).
+    pub model: Option<PathBuf>,
     pub threads: usize,
     /// Timeout of every collective and store wait.
     pub timeout: Duration,
@@ -132,7 +134,10 @@ pub fn run_rank(
         config.timeout,
     )?;
     let _heartbeat = store.start_heartbeat(Duration::from_millis(500))?;
-    let (mut member, file) = Member::join(config, &mut store)?;
+    let Some(model) = &config.model else {
+        return run_collectives_only(config, &mut store, started, log);
+    };
+    let (mut member, file) = Member::join(config, model, &mut store)?;
     let info = member.shard.shard;
     log(&format!(
         "dp rank {}/{}, tp rank {}/{}, pp rank {}/{}: layers {}..{}, {:.1} MiB of weights, loaded and connected in {:.2} s",
@@ -151,7 +156,7 @@ pub fn run_rank(
     let job: Job =
         serde_json::from_slice(&store.get("job", config.timeout)?).context("malformed job")?;
     if let Job::AllReduce { max_bytes } = job {
-        return member.bench_all_reduce(config, &mut store, max_bytes);
+        return bench_all_reduce(&mut member.replica, config, &mut store, max_bytes);
     }
     if member.rank != 0 {
         return member.follow();
@@ -171,6 +176,116 @@ pub fn run_rank(
         Job::Serve => serve(driver, &mut store),
         Job::AllReduce { .. } => unreachable!("every rank took the benchmark above"),
     }
+}
+
+/// Connects this rank to `group` of `members` (global ranks). Groups inside this host
+/// all-reduce through shared memory; groups spanning hosts use TCP over the data network
+/// (as NCCL uses SHM inside a node, NET across).
+///
+/// Errors: a member that does not join within the timeout, a store that cannot be reached.
+fn connect_group(
+    config: &RankConfig,
+    store: &mut StoreClient,
+    group: &str,
+    members: &[u64],
+) -> Result<ShmComm> {
+    let on_this_host = members.iter().all(|m| config.host_ranks.contains(m));
+    let tcp = TcpComm::connect(
+        store,
+        group,
+        members,
+        config.rank,
+        &config.bind_addr,
+        config.timeout,
+    )?;
+    Ok(match (config.shm, on_this_host) {
+        (true, true) => ShmComm::new(tcp),
+        (false, _) => ShmComm::tcp_only(tcp, "INFER_SHM_DISABLE=1"),
+        (true, false) => ShmComm::tcp_only(tcp, "the group spans hosts"),
+    })
+}
+
+/// A rank with no model: joins one group of every rank, then runs the launcher's
+/// [`Job::AllReduce`] over it (rank 0 stores the [`AllreduceBench`] under `result`).
+///
+/// Errors: any other job (it needs weights), the group or the store failing.
+fn run_collectives_only(
+    config: &RankConfig,
+    store: &mut StoreClient,
+    started: std::time::Instant,
+    log: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let members: Vec<u64> = (0..config.world_size).collect();
+    let mut group = connect_group(config, store, "collectives", &members)?;
+    log(&format!(
+        "rank {}/{}: no model, collectives only ({}), connected in {:.2} s",
+        config.rank,
+        config.world_size,
+        group.transport(),
+        started.elapsed().as_secs_f64()
+    ));
+    store.barrier("loaded", config.world_size, config.timeout)?;
+    let job: Job =
+        serde_json::from_slice(&store.get("job", config.timeout)?).context("malformed job")?;
+    let Job::AllReduce { max_bytes } = job else {
+        bail!(
+            "this rank was started without a model (`INFER_MODEL` unset): it can only run collectives"
+        );
+    };
+    bench_all_reduce(&mut group, config, store, max_bytes)
+}
+
+/// Times all-reduce over `group` for every size up to `max_bytes`, then one plain TCP
+/// stream from the last rank to rank 0 (256 MiB); rank 0 stores an [`AllreduceBench`]
+/// under `result`.
+///
+/// Errors: a collective, the stream or the store failing.
+fn bench_all_reduce(
+    group: &mut ShmComm,
+    config: &RankConfig,
+    store: &mut StoreClient,
+    max_bytes: usize,
+) -> Result<()> {
+    use std::io::{Read, Write};
+    let rows = super::comm::time_all_reduce(group, max_bytes)?;
+    let transport = group.transport();
+    let last = config.world_size - 1;
+    let total: usize = 256 << 20;
+    let mut stream_bytes_per_sec = 0.0;
+    if config.rank == 0 {
+        let listener = std::net::TcpListener::bind((config.bind_addr.as_str(), 0))?;
+        store.set(
+            "bench/stream",
+            listener.local_addr()?.to_string().as_bytes(),
+        )?;
+        let (mut socket, _) = listener.accept()?;
+        let mut buffer = vec![0u8; 1 << 20];
+        let (mut received, start) = (0, std::time::Instant::now());
+        while received < total {
+            match socket.read(&mut buffer)? {
+                0 => break,
+                n => received += n,
+            }
+        }
+        stream_bytes_per_sec = received as f64 / start.elapsed().as_secs_f64();
+    } else if config.rank == last {
+        let address = String::from_utf8(store.get("bench/stream", config.timeout)?)?;
+        let mut socket = std::net::TcpStream::connect(address)?;
+        let chunk = vec![7u8; 1 << 20];
+        for _ in 0..total >> 20 {
+            socket.write_all(&chunk)?;
+        }
+    }
+    group.barrier()?;
+    if config.rank == 0 {
+        let report = AllreduceBench {
+            rows,
+            transport,
+            stream_bytes_per_sec,
+        };
+        store.set("result", &serde_json::to_vec(&report)?)?;
+    }
+    Ok(())
 }
 
 /// One rank's part of a replica: its shard, its groups, and the per-sequence state it keeps
@@ -202,7 +317,11 @@ pub struct Member {
 
 impl Member {
     /// Loads this rank's shard and connects its TP, PP and replica groups.
-    fn join(config: &RankConfig, store: &mut StoreClient) -> Result<(Member, Arc<GgufFile>)> {
+    fn join(
+        config: &RankConfig,
+        model: &std::path::Path,
+        store: &mut StoreClient,
+    ) -> Result<(Member, Arc<GgufFile>)> {
         let (tp, pp, dp) = (config.tp, config.pp, config.dp);
         let global_rank = config.rank as usize;
         if dp * tp * pp != config.world_size as usize {
@@ -220,7 +339,7 @@ impl Member {
             .num_threads(config.threads)
             .build()
             .map_err(|e| anyhow!("thread pool: {e}"))?;
-        let file = Arc::new(GgufFile::open(&config.model)?);
+        let file = Arc::new(GgufFile::open(model)?);
         let whole = Llama::from_gguf(&file)?;
         let (first_layer, n_layers) = stage_layers(whole.layers.len(), pp, pp_rank);
         let mut shard = whole
@@ -245,17 +364,8 @@ impl Member {
         let all: Vec<u64> = (0..(tp * pp) as u64).map(|r| base + r).collect();
         // Groups inside this host all-reduce through shared memory; groups spanning hosts
         // use TCP over the data network (as NCCL uses SHM inside a node, NET across).
-        let host = config.bind_addr.as_str();
-        let mut connect = |group: &str, members: &[u64]| {
-            let on_this_host = members.iter().all(|m| config.host_ranks.contains(m));
-            TcpComm::connect(store, group, members, config.rank, host, config.timeout).map(|tcp| {
-                match (config.shm, on_this_host) {
-                    (true, true) => ShmComm::new(tcp),
-                    (false, _) => ShmComm::tcp_only(tcp, "INFER_SHM_DISABLE=1"),
-                    (true, false) => ShmComm::tcp_only(tcp, "the group spans hosts"),
-                }
-            })
-        };
+        let mut connect =
+            |group: &str, members: &[u64]| connect_group(config, store, group, members);
         let tp_comm = connect(&format!("dp{dp_rank}/tp/{pp_rank}"), &tp_members)?;
         let pp_comm = connect(&format!("dp{dp_rank}/pp/{tp_rank}"), &pp_members)?;
         let replica = connect(&format!("dp{dp_rank}/replica"), &all)?;
@@ -381,55 +491,6 @@ impl Member {
     }
 
     /// A follower's loop: receive the driver's messages and run them until `Done`.
-    /// [`Job::AllReduce`] on this member.
-    fn bench_all_reduce(
-        &mut self,
-        config: &RankConfig,
-        store: &mut StoreClient,
-        max_bytes: usize,
-    ) -> Result<()> {
-        use std::io::{Read, Write};
-        let rows = super::comm::time_all_reduce(&mut self.replica, max_bytes)?;
-        let transport = self.replica.transport();
-        let last = config.world_size - 1;
-        let total: usize = 256 << 20;
-        let mut stream_bytes_per_sec = 0.0;
-        if config.rank == 0 {
-            let listener = std::net::TcpListener::bind((config.bind_addr.as_str(), 0))?;
-            store.set(
-                "bench/stream",
-                listener.local_addr()?.to_string().as_bytes(),
-            )?;
-            let (mut socket, _) = listener.accept()?;
-            let mut buffer = vec![0u8; 1 << 20];
-            let (mut received, start) = (0, std::time::Instant::now());
-            while received < total {
-                match socket.read(&mut buffer)? {
-                    0 => break,
-                    n => received += n,
-                }
-            }
-            stream_bytes_per_sec = received as f64 / start.elapsed().as_secs_f64();
-        } else if config.rank == last {
-            let address = String::from_utf8(store.get("bench/stream", config.timeout)?)?;
-            let mut socket = std::net::TcpStream::connect(address)?;
-            let chunk = vec![7u8; 1 << 20];
-            for _ in 0..total >> 20 {
-                socket.write_all(&chunk)?;
-            }
-        }
-        self.replica.barrier()?;
-        if config.rank == 0 {
-            let report = AllreduceBench {
-                rows,
-                transport,
-                stream_bytes_per_sec,
-            };
-            store.set("result", &serde_json::to_vec(&report)?)?;
-        }
-        Ok(())
-    }
-
     fn follow(&mut self) -> Result<()> {
         let sampler_rank = self.sampler_rank();
         loop {

@@ -1222,14 +1222,29 @@ fn doctor_over_the_cluster_names_each_fault_and_its_host() {
             })
             .collect()
     };
-    // Healthy: no error, the matrix, h2's low open-files limit as its own warning.
-    let (code, text, err) = doctor(&[]);
+    // Healthy: no error, the matrix, h2's low open-files limit as its own warning; with
+    // `--bandwidth`, the all-reduce's nccl-tests table.
+    let (code, text, err) = doctor(&["--bandwidth"]);
     assert_eq!(code, Some(0), "{text}{err}");
     assert!(
         text.contains("reachability (RTT µs)") && text.contains("0 error(s)"),
         "{text}"
     );
-    assert!(text.contains("[h2] open files limit is 1024"), "{text}");
+    // The human report groups findings under each host, cluster-wide ones last.
+    let section = |heading: &str| -> String {
+        text.split("\n\n")
+            .find_map(|block| block.strip_prefix(&format!("{heading}\n")))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(section("h2").contains("open files limit is 1024"), "{text}");
+    assert!(!section("h0").contains("limit is 1024"), "{text}");
+    assert!(section("across hosts").contains("reachability"), "{text}");
+    assert!(
+        text.contains("# all-reduce (sum, float32): 3 ranks, one per host (h0, h1, h2)")
+            && text.contains("    67108864     16777216  float"),
+        "{text}"
+    );
     let (code, json, err) = doctor(&["--json"]);
     assert_eq!(code, Some(0), "{err}");
     let report: Value = serde_json::from_str(&json).expect("JSON");
@@ -1369,6 +1384,23 @@ fn doctor_over_the_cluster_names_each_fault_and_its_host() {
         slow.iter().any(|f| f["message"]
             .as_str()
             .is_some_and(|m| m.contains("`h1` -> `h2`") || m.contains("`h0` -> `h1`"))),
+        "{json}"
+    );
+    // The all-reduce with our collectives, one model-less rank per host, swept as
+    // nccl-tests does (8 B to 64 MiB): its ring passes h1's shaped egress, so its busbw is
+    // under half the 10 Gbit/s veth rate.
+    assert_eq!(
+        report["allreduce"]["hosts"],
+        serde_json::json!(["h0", "h1", "h2"]),
+        "{json}"
+    );
+    let rows = report["allreduce"]["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 24, "{json}");
+    assert_eq!(rows[23]["bytes"], 64 << 20);
+    assert!(
+        slow.iter().any(|f| f["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("all-reduce over h0, h1, h2") && m.contains("busbw"))),
         "{json}"
     );
 

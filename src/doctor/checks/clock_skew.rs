@@ -70,6 +70,7 @@ mod tests {
             data: Err("unused".into()),
             matrix: None,
             bandwidth: None,
+            allreduce: None,
         };
         let findings = check(&evidence);
         let flagged: Vec<&str> = findings.iter().filter_map(|f| f.host.as_deref()).collect();
