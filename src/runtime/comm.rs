@@ -523,8 +523,8 @@ impl AllreduceRow {
     }
 
     /// Bus bandwidth over `world` ranks, bytes/s: `algbw · 2(n−1)/n`, what each link
-    /// carries in a ring all-reduce, comparable with the link rate (nccl-tests,
-    /// `doc/PERFORMANCE.md`).
+    /// carries in a ring all-reduce, comparable with the link rate (the nccl-tests
+    /// repository's `doc/PERFORMANCE.md`).
     pub fn busbw_bytes_per_sec(&self, world: usize) -> f64 {
         let n = world as f64;
         self.algbw_bytes_per_sec() * 2.0 * (n - 1.0) / n
