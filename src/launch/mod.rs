@@ -32,6 +32,18 @@ pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time between SIGTERM and SIGKILL when stopping the gang.
 pub const GRACE_PERIOD: Duration = Duration::from_secs(2);
 
+/// Environment variables whose values `manifest.json` never shows: our run token and API
+/// key, and the credentials a rank may inherit from the usual tools (Hugging Face, OpenAI,
+/// vLLM). Named one by one: `INFER_KV_CACHE_TOKENS` holds a size, not a secret.
+pub const SECRET_ENV: &[&str] = &[
+    "INFER_RUN_TOKEN",
+    "INFER_API_KEY",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "OPENAI_API_KEY",
+    "VLLM_API_KEY",
+];
+
 /// What to launch.
 #[derive(Clone, Debug)]
 pub struct LaunchSpec {
@@ -357,8 +369,12 @@ impl Gang {
                         .iter()
                         .map(|(k, v)| {
                             // Secrets stay out of the manifest.
-                            let secret = k.contains("KEY") || k.contains("TOKEN");
-                            (k.clone(), if secret { "<redacted>".to_string() } else { v.clone() })
+                            let value = if SECRET_ENV.contains(&k.as_str()) {
+                                "<redacted>".to_string()
+                            } else {
+                                v.clone()
+                            };
+                            (k.clone(), value)
                         })
                         .collect::<std::collections::BTreeMap<_, _>>(),
                 })

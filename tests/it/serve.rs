@@ -116,6 +116,21 @@ impl Server {
         (status, rest)
     }
 
+    /// The run directory's `manifest.json`, from the "manifest.json in DIR" line.
+    pub fn manifest(&self) -> Value {
+        let run_dir = self
+            .startup
+            .split("manifest.json in ")
+            .nth(1)
+            .and_then(|rest| rest.lines().next())
+            .unwrap_or_else(|| panic!("no run directory in:\n{}", self.startup))
+            .trim();
+        serde_json::from_slice(
+            &std::fs::read(format!("{run_dir}/manifest.json")).expect("manifest.json"),
+        )
+        .expect("manifest JSON")
+    }
+
     /// The rank processes' pids, from the "started N ranks (pids …)" line.
     pub fn rank_pids(&self) -> Vec<u32> {
         let list = self
@@ -372,6 +387,17 @@ fn api_key_is_required_when_set() {
         .send_json(json!({"prompt": "x", "max_tokens": 1}))
         .expect("authorized");
     assert_eq!(ok.status().as_u16(), 200);
+    // The key never reaches the manifest; the KV-cache size (a `TOKENS` name) does.
+    let manifest = server.manifest();
+    assert!(!manifest.to_string().contains("s3cret"), "{manifest}");
+    let env = &manifest["ranks"][0]["env"];
+    assert_eq!(env["INFER_API_KEY"], "<redacted>", "{env}");
+    assert!(
+        env["INFER_KV_CACHE_TOKENS"]
+            .as_str()
+            .is_some_and(|v| v.parse::<u64>().is_ok()),
+        "{env}"
+    );
 }
 
 /// `infer bench serve` starts its own server, drives it with streaming clients and prints
@@ -787,17 +813,7 @@ fn up_launches_the_layout_of_a_saved_plan() {
 
     // The run directory's manifest: where the layout came from, every rank's pid and
     // environment (the run token left out), and the serving address.
-    let run_dir = server
-        .startup
-        .split("manifest.json in ")
-        .nth(1)
-        .and_then(|rest| rest.lines().next())
-        .unwrap_or_else(|| panic!("no run directory in:\n{}", server.startup))
-        .trim();
-    let manifest: Value = serde_json::from_slice(
-        &std::fs::read(format!("{run_dir}/manifest.json")).expect("manifest.json"),
-    )
-    .expect("manifest JSON");
+    let manifest = server.manifest();
     assert!(
         manifest["layout_from"]
             .as_str()
