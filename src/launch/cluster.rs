@@ -92,6 +92,7 @@ pub fn start(
     options: &ClusterOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<ClusterRun> {
+    spec.check_layout()?;
     let entries = crate::cluster::launch_inventory(&options.inventory)?;
     if let Some(entry) = entries
         .iter()

@@ -73,6 +73,44 @@ pub struct LaunchSpec {
     pub placement: Vec<Placement>,
 }
 
+impl LaunchSpec {
+    /// Checks the layout against the model's header before anything starts: the TP degree
+    /// splits its heads and MLP, PP has a layer per stage, EP divides its experts. A gang
+    /// without a model (collectives only) passes.
+    ///
+    /// Errors: a degree of 0, an unreadable GGUF header, a layout the model cannot take
+    /// (the message lists the TP degrees that work).
+    pub fn check_layout(&self) -> Result<()> {
+        if self.tp == 0 || self.pp == 0 || self.dp == 0 || self.ep == 0 {
+            bail!(
+                "every degree must be at least 1 (tp {}, pp {}, dp {}, ep {})",
+                self.tp,
+                self.pp,
+                self.dp,
+                self.ep
+            );
+        }
+        let Some(model) = &self.model else {
+            return Ok(());
+        };
+        if model.is_dir() {
+            bail!(
+                "`{}` is a directory: ranks load GGUF files; give the `.gguf` file",
+                model.display()
+            );
+        }
+        let header = crate::runtime::gguf::Header::read_file(model)?;
+        let name = model
+            .file_name()
+            .map_or_else(|| model.display().to_string(), |n| n.to_string_lossy().into_owned());
+        crate::runtime::llama::LayoutLimits::from_header(&header, &name)?.check(
+            self.tp,
+            self.pp,
+            self.ep,
+        )
+    }
+}
+
 /// Where one rank runs on a multi-host launch, and its host's own settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
@@ -257,6 +295,7 @@ impl Gang {
         store: StoreLocation,
         token: &str,
     ) -> Result<Gang> {
+        spec.check_layout()?;
         let world = spec.dp * spec.tp * spec.pp;
         if !spec.placement.is_empty() && spec.placement.len() != world {
             bail!(

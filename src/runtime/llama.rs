@@ -64,6 +64,90 @@ pub struct LlamaConfig {
     pub n_experts_used: usize,
 }
 
+/// The sizes a parallel layout must divide, read from a GGUF header alone (no weights).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayoutLimits {
+    /// What messages call the model (its file name).
+    pub name: String,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    /// The MLP width (`feed_forward_length`).
+    pub intermediate_size: usize,
+    pub n_layers: usize,
+    /// Routed experts per MoE layer (0: dense).
+    pub n_experts: usize,
+}
+
+impl LayoutLimits {
+    /// Reads the limits from a GGUF header; messages call the model `name`.
+    ///
+    /// Errors: a header without the architecture's head, layer or MLP sizes.
+    pub fn from_header(header: &super::gguf::Header, name: &str) -> Result<LayoutLimits> {
+        let arch = header.str("general.architecture")?;
+        let int = |name: &str| header.u64(&format!("{arch}.{name}")).map(|v| v as usize);
+        let n_heads = int("attention.head_count")?;
+        Ok(LayoutLimits {
+            name: name.to_string(),
+            n_heads,
+            n_kv_heads: int("attention.head_count_kv").unwrap_or(n_heads),
+            intermediate_size: int("feed_forward_length")?,
+            n_layers: int("block_count")?,
+            n_experts: int("expert_count").unwrap_or(0),
+        })
+    }
+
+    /// Whether `tp` ranks can split the model: `tp` divides the heads and the MLP width, and
+    /// either divides the KV heads or is a multiple of them (each KV head then replicated on
+    /// `tp / n_kv_heads` ranks, as vLLM does).
+    pub fn tp_fits(&self, tp: usize) -> bool {
+        tp > 0
+            && self.n_heads.is_multiple_of(tp)
+            && self.intermediate_size.is_multiple_of(tp)
+            && (self.n_kv_heads.is_multiple_of(tp) || tp.is_multiple_of(self.n_kv_heads.max(1)))
+    }
+
+    /// Checks a `tp × pp` layout with expert parallelism `ep` before any rank starts.
+    ///
+    /// Errors: a TP degree that does not split the heads/MLP (the message lists every degree
+    /// that does), more stages than layers, `ep` other than 1 or `tp`, experts that `ep`
+    /// does not divide.
+    pub fn check(&self, tp: usize, pp: usize, ep: usize) -> Result<()> {
+        if !self.tp_fits(tp) {
+            let valid: Vec<String> = (1..=self.n_heads)
+                .filter(|&t| self.tp_fits(t))
+                .map(|t| t.to_string())
+                .collect();
+            bail!(
+                "{} has {} attention heads, {} KV heads and an MLP width of {}: tp {tp} does not split them; tp must be one of {}",
+                self.name,
+                self.n_heads,
+                self.n_kv_heads,
+                self.intermediate_size,
+                valid.join(", ")
+            );
+        }
+        if pp == 0 || pp > self.n_layers {
+            bail!(
+                "{} has {} layers: pp must be 1 to {} (one layer per stage at least), not {pp}",
+                self.name,
+                self.n_layers,
+                self.n_layers
+            );
+        }
+        if ep != 1 && ep != tp {
+            bail!("ep {ep} must be 1 or equal tp ({tp}): experts are sharded over the TP group");
+        }
+        if ep > 1 && (self.n_experts == 0 || !self.n_experts.is_multiple_of(ep)) {
+            bail!(
+                "{} has {} experts per layer: ep {ep} must divide them",
+                self.name,
+                self.n_experts
+            );
+        }
+        Ok(())
+    }
+}
+
 impl LlamaConfig {
     /// Inverse frequency of each rotary pair (`head_dim / 2` of them), with Llama 3 scaling
     /// applied (Meta's `apply_scaling` in `llama/model.py`) or, for GGUF, `rope_freqs` factors.
@@ -369,20 +453,19 @@ impl Llama {
         n_layers: usize,
     ) -> Result<Llama> {
         let c = &self.config;
-        if tp == 0
-            || tp_rank >= tp
-            || !c.n_heads.is_multiple_of(tp)
-            || (!c.n_kv_heads.is_multiple_of(tp) && !tp.is_multiple_of(c.n_kv_heads))
-        {
+        let limits = LayoutLimits {
+            name: String::new(),
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            intermediate_size: c.intermediate_size,
+            n_layers: c.n_layers,
+            n_experts: c.n_experts,
+        };
+        if tp_rank >= tp || !limits.tp_fits(tp) {
             bail!(
-                "tp={tp} does not divide {} heads / {} KV heads",
+                "tp={tp} does not divide {} heads / {} KV heads / the MLP width {}",
                 c.n_heads,
-                c.n_kv_heads
-            );
-        }
-        if !c.intermediate_size.is_multiple_of(tp) {
-            bail!(
-                "tp={tp} does not divide the MLP width {}",
+                c.n_kv_heads,
                 c.intermediate_size
             );
         }

@@ -648,6 +648,26 @@ fn bad_up_arguments_exit_2_with_a_clear_error() {
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("/nonexistent/model.gguf"), "{stderr}");
     assert!(output.stdout.is_empty());
+
+    // A layout the model cannot take is refused from its header before any rank starts,
+    // naming the degrees that work (SmolLM2: 9 heads, 3 KV heads, 30 layers).
+    for (args, expected) in [
+        (&["--tp", "2"][..], "tp must be one of 1, 3"),
+        (&["--tp", "1000"][..], "tp must be one of 1, 3"),
+        (&["--pp", "31"][..], "pp must be 1 to 30"),
+        (&["--tp", "3", "--ep", "3"][..], "experts per layer"),
+    ] {
+        let output = run(&[&["up", "--port", "0"][..], args].concat());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("started"), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+    }
+    let output = run(&["generate", "--tp", "2", "--prompt", "hi"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("tp must be one of 1, 3"), "{stderr}");
 }
 
 /// With a KV cache of 4 blocks (64 positions), four concurrent 44-token sequences cannot
