@@ -132,6 +132,12 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub ssh: SshArgs,
 
+    /// Where the run's rank logs and `manifest.json` go (a new or empty directory).
+    /// Default: a new `run-<id>` under `~/.cache/infer/runs/`, which keeps the newest 20
+    /// (`INFER_KEEP_RUNS`).
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+
     /// Print JSON (prompt and generated token ids, text, timings) instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -460,6 +466,12 @@ pub struct UpArgs {
 
     #[command(flatten)]
     pub ssh: SshArgs,
+
+    /// Where the run's rank logs and `manifest.json` go (a new or empty directory).
+    /// Default: a new `run-<id>` under `~/.cache/infer/runs/`, which keeps the newest 20
+    /// (`INFER_KEEP_RUNS`).
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
 
     /// Where the ranks compute: `cpu` (the quantized CPU kernels) or `cuda`.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]

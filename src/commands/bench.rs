@@ -236,6 +236,7 @@ fn allreduce_cluster(
         extra_env: Vec::new(),
         layout_from: "infer bench allreduce --cluster".into(),
         placement: Vec::new(),
+        run_dir: None,
     };
     let options = crate::launch::cluster::ClusterOptions {
         inventory: inventory.to_path_buf(),

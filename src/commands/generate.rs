@@ -143,6 +143,7 @@ fn distributed(
         extra_env: Vec::new(),
         layout_from: "infer generate --tp/--pp".into(),
         placement: Vec::new(),
+        run_dir: args.run_dir.clone(),
     };
     let progress = printer.progress(2 * (args.tp * args.pp) as u64);
     let generation = match &args.cluster {

@@ -47,6 +47,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
             accept_new: args.ssh.ssh_accept_new,
         },
         push_model: args.ssh.push_model,
+        run_dir: args.run_dir.clone(),
     };
     // A bar while the gang starts (on a terminal), plain lines once serving.
     let mut bar: Option<ui::Progress> = None;

@@ -564,6 +564,7 @@ fn allreduce_probe(
         extra_env: Vec::new(),
         layout_from: "infer doctor --cluster --bandwidth".into(),
         placement,
+        run_dir: None,
     };
     let spawner = remote.spawner((0..names.len()).collect());
     let mut gang = Gang::start_on(

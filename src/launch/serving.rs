@@ -43,6 +43,8 @@ pub struct UpSettings {
     pub api_key: Option<String>,
     pub ssh: super::ssh::SshOptions,
     pub push_model: bool,
+    /// The run directory (`--run-dir`); `None`: a new one under the cache's `runs/`.
+    pub run_dir: Option<PathBuf>,
 }
 
 /// What [`up`] reports besides the gang's [`Progress`].
@@ -327,6 +329,7 @@ fn launch(
         extra_env,
         layout_from: layout.from.clone(),
         placement: Vec::new(),
+        run_dir: settings.run_dir.clone(),
     };
     let stop = Arc::new(AtomicBool::new(false));
     watch_signals(Arc::clone(&stop))?;

@@ -207,6 +207,7 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         extra_env: Vec::new(),
         layout_from: "a test".into(),
         placement: Vec::new(),
+        run_dir: None,
     };
     let job = infer::runtime::worker::Job::Serve;
     let mut serving =
@@ -228,4 +229,84 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         format!("{error:#}").contains("every rank exited without `result`"),
         "{error:#}"
     );
+}
+
+/// Run directories live under the cache's `runs/` (not `/tmp`), the newest
+/// `INFER_KEEP_RUNS` kept, never one whose launcher still runs; `--run-dir` puts one where
+/// the user says and refuses a directory that holds another run.
+#[test]
+fn run_directories_are_kept_under_the_cache_and_pruned() {
+    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let cache = tempfile::tempdir().expect("tempdir");
+    let runs = cache.path().join("runs");
+    std::fs::create_dir_all(&runs).expect("runs");
+    // Five old runs: one still held by a live launcher (this test process), four not.
+    for i in 0..5 {
+        let dir = runs.join(format!("run-old{i}"));
+        std::fs::create_dir_all(&dir).expect("old run");
+        let pid = if i == 0 {
+            std::process::id()
+        } else {
+            999_999_999
+        };
+        std::fs::write(
+            dir.join("manifest.json"),
+            format!("{{\"launcher_pid\": {pid}}}"),
+        )
+        .expect("manifest");
+        // Apart by more than the file system's timestamp granularity.
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    let generate = |extra: &[&str]| {
+        infer()
+            .env("INFER_CACHE_DIR", cache.path())
+            .env("INFER_KEEP_RUNS", "3")
+            .args([
+                "generate",
+                "--tp",
+                "3",
+                "--max-tokens",
+                "2",
+                "--prompt",
+                "1, 2,",
+            ])
+            .arg("--model")
+            .arg(&model)
+            .args(extra)
+            .output()
+            .expect("run infer")
+    };
+    let output = generate(&[]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut left: Vec<String> = std::fs::read_dir(&runs)
+        .expect("runs")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    // The newest three (the new run and the two newest old ones), and the oldest, whose
+    // launcher still runs.
+    let new: Vec<&String> = left.iter().filter(|n| !n.starts_with("run-old")).collect();
+    assert_eq!(new.len(), 1, "{left:?}");
+    let old: Vec<&String> = left.iter().filter(|n| n.starts_with("run-old")).collect();
+    assert_eq!(old, ["run-old0", "run-old3", "run-old4"], "{left:?}");
+    assert!(runs.join(new[0]).join("manifest.json").is_file());
+    assert!(runs.join(new[0]).join("rank2.log").is_file());
+
+    // `--run-dir`: there, and never into a directory that holds another run.
+    let chosen = cache.path().join("mine");
+    let output = generate(&["--run-dir", chosen.to_str().expect("utf-8")]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(chosen.join("manifest.json").is_file());
+    let output = generate(&["--run-dir", chosen.to_str().expect("utf-8")]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is not empty"), "{stderr}");
 }

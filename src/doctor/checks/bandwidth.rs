@@ -57,7 +57,7 @@ fn allreduce_finding(probe: &AllreduceProbe) -> Finding {
         return finding(
             severity,
             format!("the all-reduce over {group} did not complete: {error}"),
-            "see the `reachability` and `versions` findings; the ranks' logs are in the run directory under /tmp/infer-run-*",
+            "see the `reachability` and `versions` findings; the ranks' logs are in the newest run directory under ~/.cache/infer/runs/",
         );
     }
     let Some(peak) = probe.peak_busbw_bytes_per_sec() else {
