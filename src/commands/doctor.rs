@@ -16,10 +16,14 @@ pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let mut logs = Vec::new();
     for path in &args.nccl_logs {
-        let text = std::fs::read_to_string(path)
+        let bytes = std::fs::read(path)
             .with_context(|| format!("failed to read NCCL log `{}`", path.display()))?;
-        logs.push(nccl_log::parse(&text, &path.display().to_string()));
+        logs.push(nccl_log::parse(
+            &nccl_log::decode(&bytes),
+            &path.display().to_string(),
+        ));
     }
+    no_nccl_output(&logs)?;
     let topology = match &args.topology {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -78,10 +82,14 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     let mut findings = checks::cluster(&evidence);
     let mut logs = Vec::new();
     for path in &args.nccl_logs {
-        let text = std::fs::read_to_string(path)
+        let bytes = std::fs::read(path)
             .with_context(|| format!("failed to read NCCL log `{}`", path.display()))?;
-        logs.push(nccl_log::parse(&text, &path.display().to_string()));
+        logs.push(nccl_log::parse(
+            &nccl_log::decode(&bytes),
+            &path.display().to_string(),
+        ));
     }
+    no_nccl_output(&logs)?;
     findings.extend(checks::nccl_logs(&logs, None));
     if let Some(path) = &args.plan {
         let text = std::fs::read_to_string(path)
@@ -101,6 +109,21 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     report.matrix = evidence.matrix;
     report.allreduce = evidence.allreduce;
     print_report(&report, args.json, printer)
+}
+
+/// Refuses logs of which none holds NCCL output (bad input: nothing could be checked).
+///
+/// Errors: every log given is without a line NCCL wrote.
+fn no_nccl_output(logs: &[nccl_log::NcclLog]) -> Result<()> {
+    if !logs.is_empty() && logs.iter().all(|log| log.nccl_lines == 0) {
+        let names: Vec<String> = logs.iter().map(|l| format!("`{}`", l.origin)).collect();
+        anyhow::bail!(
+            "no NCCL output in {}: nothing to check\nhint: {}",
+            names.join(", "),
+            checks::nccl_output::HINT
+        );
+    }
+    Ok(())
 }
 
 /// Plans `model` with the planner flags and checks the plan against the cluster's own

@@ -68,6 +68,10 @@ pub struct NcclLog {
     pub single_visible_device: Option<Evidence>,
     /// Every other line mentioning verbs or IB plugins (`libibverbs`, `IBext`, `HPC-X`).
     pub ib_hints: Vec<Evidence>,
+    /// Lines in the file.
+    pub lines: usize,
+    /// Lines NCCL wrote (`NCCL INFO`, `NCCL WARN`, `NCCL version`, an `nccl…Error` code).
+    pub nccl_lines: usize,
 }
 
 impl NcclLog {
@@ -94,9 +98,13 @@ pub fn parse(text: &str, origin: &str) -> NcclLog {
         ..NcclLog::default()
     };
     for (index, raw) in text.lines().enumerate() {
+        log.lines += 1;
         let line = strip_prefixes(raw);
         if line.is_empty() {
             continue;
+        }
+        if is_nccl_line(line) {
+            log.nccl_lines += 1;
         }
         let (host, body) = split_header(line);
         let evidence = Evidence {
@@ -107,6 +115,28 @@ pub fn parse(text: &str, origin: &str) -> NcclLog {
         parse_body(&mut log, body, evidence);
     }
     log
+}
+
+/// Whether NCCL wrote `line`: its `INFO`/`WARN` header, its version banner, or one of its
+/// result codes (`ncclInternalError`, `ncclSystemError`, …).
+fn is_nccl_line(line: &str) -> bool {
+    line.contains("NCCL INFO")
+        || line.contains("NCCL WARN")
+        || line.contains("NCCL version ")
+        || line
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .any(|word| {
+                word.len() > "nccl".len() + "Error".len()
+                    && word.starts_with("nccl")
+                    && word.ends_with("Error")
+                    && word.as_bytes()[4].is_ascii_uppercase()
+            })
+}
+
+/// Decodes a log's bytes: UTF-8, with any invalid byte replaced (`U+FFFD`) rather than the
+/// whole file refused (logs interleave processes and sometimes binary noise).
+pub fn decode(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
+    String::from_utf8_lossy(bytes)
 }
 
 /// Removes quote markers and launcher prefixes before the NCCL header.

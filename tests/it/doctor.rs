@@ -641,3 +641,66 @@ fn plan_for_this_host_needs_its_gpus() {
         nvml[0]
     );
 }
+
+/// A log without NCCL output is never an all-clear: alone it is bad input (exit 2, saying
+/// so); beside real logs it is a warning. One invalid UTF-8 byte in a real log changes
+/// nothing about its diagnosis.
+#[test]
+fn logs_without_nccl_output_and_with_stray_bytes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let empty = dir.path().join("empty.log");
+    std::fs::write(&empty, "").expect("write");
+    let readme = dir.path().join("README.md");
+    std::fs::write(
+        &readme,
+        "# A project\n\nSet NCCL_SOCKET_IFNAME to your data NIC.\n",
+    )
+    .expect("write");
+    for files in [vec![&empty], vec![&empty, &readme]] {
+        let mut args = vec!["doctor".to_string()];
+        for file in &files {
+            args.push("--nccl-log".into());
+            args.push(file.display().to_string());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let output = run(&args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("no NCCL output in"), "{stderr}");
+        assert!(stderr.contains("NCCL_DEBUG=INFO"), "{stderr}");
+    }
+    let real = log("socket_fallback_gcp_ens7_nccl_1267.txt");
+    let (code, findings) = doctor(&[
+        "--nccl-log",
+        &real,
+        "--nccl-log",
+        &readme.display().to_string(),
+    ]);
+    let empty_warning = with(&findings, "nccl-output", "warn");
+    assert_eq!(empty_warning.len(), 1, "{findings:?}");
+    assert!(text(empty_warning[0]).contains("README.md"));
+    let (real_code, real_findings) = doctor(&["--nccl-log", &real]);
+    assert_eq!(code, real_code);
+    assert_eq!(findings.len(), real_findings.len() + 1);
+
+    // A stray byte (0xff) in the middle of a real log.
+    let mut bytes = std::fs::read(&real).expect("read fixture");
+    let middle = bytes.len() / 2;
+    let at = middle
+        + bytes[middle..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .expect("newline");
+    bytes.insert(at, 0xff);
+    let damaged = dir.path().join("damaged.log");
+    std::fs::write(&damaged, &bytes).expect("write");
+    let (damaged_code, damaged_findings) = doctor(&["--nccl-log", &damaged.display().to_string()]);
+    assert_eq!(damaged_code, real_code);
+    let checks = |findings: &[Value]| -> Vec<(String, String)> {
+        findings
+            .iter()
+            .map(|f| (f["check"].to_string(), f["severity"].to_string()))
+            .collect()
+    };
+    assert_eq!(checks(&damaged_findings), checks(&real_findings));
+}

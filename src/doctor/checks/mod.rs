@@ -12,6 +12,7 @@ pub mod nccl_env;
 pub mod nccl_error;
 pub mod nccl_hca;
 pub mod nccl_interface;
+pub mod nccl_output;
 pub mod nccl_tcp_fallback;
 pub mod nccl_transport;
 pub mod nccl_version;
@@ -32,7 +33,7 @@ use crate::topology::Topology;
 /// Runs every NCCL-log check over `logs` (one per node or rank). `topology`, when given, is
 /// the hosts' recorded topology: it adds evidence (HCAs present, interface names).
 pub fn nccl_logs(logs: &[NcclLog], topology: Option<&Topology>) -> Vec<Finding> {
-    let mut findings = Vec::new();
+    let mut findings = nccl_output::check(logs);
     for log in logs {
         findings.extend(nccl_transport::check(log));
         findings.extend(nccl_tcp_fallback::check(log, topology));
