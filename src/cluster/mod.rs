@@ -312,20 +312,16 @@ pub struct InventoryEntry {
 /// Errors: an unreadable file, unknown keys (naming the line), a host without `address`, a
 /// host string starting with `-`, neither or both of `gpus` and `cpu-ranks`, repeated names.
 pub fn launch_inventory(path: &Path) -> Result<Vec<InventoryEntry>> {
-    let inventory = read_inventory(path)?;
+    let (inventory, places) = read_inventory(path)?;
     let base = path.parent().unwrap_or(Path::new("."));
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
         .unwrap_or_default();
     let mut entries: Vec<InventoryEntry> = Vec::new();
-    for (index, host) in inventory.hosts.into_iter().enumerate() {
+    for (host, place) in inventory.hosts.into_iter().zip(&places) {
         let host = host.with_defaults(&inventory.defaults);
         let Some(address) = host.address.clone() else {
-            bail!(
-                "host {} in `{}` has no `address`",
-                index + 1,
-                path.display()
-            );
+            bail!("the host at {place} has no `address`");
         };
         let name = host.name.clone().unwrap_or_else(|| address.clone());
         for (what, value) in [
@@ -336,28 +332,22 @@ pub fn launch_inventory(path: &Path) -> Result<Vec<InventoryEntry>> {
             if let Some(value) = value
                 && (value.starts_with('-') || value.is_empty())
             {
-                bail!(
-                    "host `{name}` in `{}`: {what} `{value}` is empty or starts with `-`",
-                    path.display()
-                );
+                bail!("host `{name}` at {place}: {what} `{value}` is empty or starts with `-`");
             }
         }
         let (slots, cpu) = match (host.cpu_ranks, host.gpus) {
             (Some(n), None) => (n, true),
             (None, Some(n)) => (n, false),
-            _ => bail!(
-                "host `{name}` in `{}`: give exactly one of `gpus` and `cpu-ranks`",
-                path.display()
-            ),
+            _ => bail!("host `{name}` at {place}: give exactly one of `gpus` and `cpu-ranks`"),
         };
         if slots == 0 {
-            bail!(
-                "host `{name}` in `{}`: `gpus`/`cpu-ranks` must be at least 1",
-                path.display()
-            );
+            bail!("host `{name}` at {place}: `gpus`/`cpu-ranks` must be at least 1");
         }
-        if entries.iter().any(|e| e.name == name) {
-            bail!("host name `{name}` appears twice in `{}`", path.display());
+        if let Some(first) = entries.iter().position(|e| e.name == name) {
+            bail!(
+                "host `{name}` at {place} is already listed at {}: host names must be unique (two entries would put two ranks on one device)",
+                places[first]
+            );
         }
         let expand = |p: &str| match p.strip_prefix("~/") {
             Some(rest) => home.join(rest),
@@ -387,11 +377,26 @@ pub fn is_inventory(cluster: &str) -> bool {
     cluster != "local" && Path::new(cluster).is_file()
 }
 
-fn read_inventory(path: &Path) -> Result<Inventory> {
+/// Reads and parses an inventory; also returns, for each `[[hosts]]` entry in order, where
+/// it is (`` `hosts.toml` line 12 ``) for messages.
+fn read_inventory(path: &Path) -> Result<(Inventory, Vec<String>)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("failed to read `{}`", path.display()))?;
-    toml::from_str(&text)
-        .with_context(|| format!("`{}` is not a valid cluster inventory", path.display()))
+    let inventory: Inventory = toml::from_str(&text)
+        .with_context(|| format!("`{}` is not a valid cluster inventory", path.display()))?;
+    let mut places: Vec<String> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| line.trim_start().starts_with("[[hosts]]"))
+        .map(|(number, _)| format!("`{}` line {}", path.display(), number + 1))
+        .collect();
+    // Inline tables (`hosts = [{…}]`) have no `[[hosts]]` headers: name them by position.
+    if places.len() != inventory.hosts.len() {
+        places = (1..=inventory.hosts.len())
+            .map(|i| format!("`{}` host {i}", path.display()))
+            .collect();
+    }
+    Ok((inventory, places))
 }
 
 /// Reads a TOML inventory for planning (see [`launch_inventory`] for the launch keys):
@@ -406,28 +411,38 @@ fn read_inventory(path: &Path) -> Result<Inventory> {
 /// topology = "gpu-node-1.json"   # optional
 /// ```
 fn inventory(path: &Path) -> Result<Cluster> {
-    let inventory = read_inventory(path)?;
+    let (inventory, places) = read_inventory(path)?;
     if inventory.hosts.is_empty() {
         bail!("`{}` lists no `[[hosts]]`", path.display());
     }
     let base = path.parent().unwrap_or(Path::new("."));
-    let mut hosts = Vec::new();
-    for entry in inventory.hosts {
+    let mut hosts: Vec<ClusterHost> = Vec::new();
+    for (entry, place) in inventory.hosts.into_iter().zip(&places) {
         let entry = entry.with_defaults(&inventory.defaults);
         let address = entry
             .address
             .clone()
-            .with_context(|| format!("a host in `{}` has no `address`", path.display()))?;
+            .with_context(|| format!("the host at {place} has no `address`"))?;
         let name = entry.name.clone().unwrap_or_else(|| address.clone());
+        if let Some(first) = hosts.iter().position(|h| h.name == name) {
+            bail!(
+                "host `{name}` at {place} is already listed at {}: host names must be unique (two entries would put two ranks on one GPU)",
+                places[first]
+            );
+        }
         let (Some(gpus), Some(hardware_id)) = (entry.gpus, entry.hardware.clone()) else {
             bail!(
-                "host `{name}` in `{}` has no `gpus` and `hardware`: planning needs GPU hosts \
-                 (CPU-rank hosts are launched with `--tp/--pp/--dp`)",
-                path.display()
+                "host `{name}` at {place} has no `gpus` and `hardware`: planning needs GPU hosts \
+                 (CPU-rank hosts are launched with `--tp/--pp/--dp`)"
             );
         };
-        let hardware = hardware(&hardware_id)
-            .with_context(|| format!("host `{name}` in `{}`", path.display()))?;
+        if gpus == 0 {
+            bail!(
+                "host `{name}` at {place}: `gpus = 0`; give its GPU count (at least 1), or leave a host without GPUs out"
+            );
+        }
+        let hardware =
+            hardware(&hardware_id).with_context(|| format!("host `{name}` at {place}"))?;
         let topology = match &entry.topology {
             Some(file) => {
                 let file = base.join(file);

@@ -620,6 +620,39 @@ fn bad_plan_input_exits_2_with_a_clear_error() {
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
         assert!(output.stdout.is_empty());
     }
+
+    // Inventories: a host listed twice, a host with `gpus = 0` — bad input naming the line
+    // (each `[[hosts]]` block is 5 lines and a blank one).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let twice = write_inventory(
+        dir.path(),
+        &[
+            ("node-a", "10.0.0.1", 8, "h100-sxm", None),
+            ("node-a", "10.0.0.2", 8, "h100-sxm", None),
+        ],
+    );
+    let output = run(&["plan", "--model", "llama-3.1-8b", "--cluster", &twice]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("host `node-a` at `") && stderr.contains("line 7 is already listed at"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("cluster.toml` line 1"), "{stderr}");
+    let zero = write_inventory(
+        dir.path(),
+        &[
+            ("node-a", "10.0.0.1", 8, "h100-sxm", None),
+            ("node-b", "10.0.0.2", 0, "h100-sxm", None),
+        ],
+    );
+    let output = run(&["plan", "--model", "llama-3.1-8b", "--cluster", &zero]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("host `node-b` at `") && stderr.contains("line 7: `gpus = 0`"),
+        "{stderr}"
+    );
 }
 
 #[test]
