@@ -83,16 +83,26 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub chat: bool,
 
-    /// Most tokens to generate.
+    /// Most tokens to generate (at least 1; the model's context caps it, with a warning).
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_tokens: usize,
 
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    #[arg(
+        long,
+        value_name = "T",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
     pub temperature: f32,
 
     /// Nucleus sampling: keep the most likely tokens up to this probability mass.
-    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    #[arg(
+        long,
+        value_name = "P",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
     pub top_p: f32,
 
     /// Keep only the K most likely tokens (0: all).
@@ -183,7 +193,12 @@ pub struct BenchServeArgs {
     #[arg(long, value_name = "M")]
     pub model: Option<String>,
     /// Concurrent streams to measure, one after another.
-    #[arg(long, value_name = "N,..", value_delimiter = ',', default_values_t = [1, 4, 16])]
+    #[arg(
+        long,
+        value_name = "N,..",
+        value_delimiter = ',',
+        default_value = "1,4,16"
+    )]
     pub concurrency: Vec<usize>,
     /// Tokens each request asks for (`max_tokens`).
     #[arg(long, value_name = "N", default_value_t = 64)]

@@ -34,6 +34,9 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.tp == 0 || args.pp == 0 {
         bail!("--tp and --pp must be at least 1");
     }
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1 (it counts the tokens to generate)");
+    }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     if args.tp * args.pp > 1 || args.cluster.is_some() {
         return distributed(args, &path, printer);
@@ -48,6 +51,12 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
         args.prompt.clone()
     };
     let prompt_tokens = engine.tokenizer.encode(&prompt, true)?;
+    warn_if_capped(
+        printer,
+        prompt_tokens.len(),
+        args.max_tokens,
+        engine.model.config.max_context_tokens,
+    );
     let params = sampling_params(args);
     let streaming = !args.json;
     let generation = engine.generate(&prompt_tokens, &params, &mut |text| {
@@ -75,6 +84,17 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
         ));
     }
     Ok(ExitStatus::Success)
+}
+
+/// Warns when the context cannot hold `max_tokens` after the prompt: generation stops at the
+/// context's end (finish reason `length`), as vLLM caps `max_tokens`.
+fn warn_if_capped(printer: &Printer, prompt_tokens: usize, max_tokens: usize, context: usize) {
+    if prompt_tokens.saturating_add(max_tokens) > context {
+        printer.warn(&format!(
+            "--max-tokens {max_tokens} does not fit: the model's context is {context} tokens and the prompt takes {prompt_tokens}; generating at most {}",
+            context.saturating_sub(prompt_tokens)
+        ));
+    }
 }
 
 /// The sampling flags.
@@ -120,8 +140,18 @@ fn distributed(
     } else {
         args.prompt.clone()
     };
+    let prompt_tokens = tokenizer.encode(&prompt, true)?;
+    let arch = header.str("general.architecture")?;
+    if let Ok(context) = header.u64(&format!("{arch}.context_length")) {
+        warn_if_capped(
+            printer,
+            prompt_tokens.len(),
+            args.max_tokens,
+            context as usize,
+        );
+    }
     let job = crate::runtime::worker::Job::Generate {
-        prompt_tokens: tokenizer.encode(&prompt, true)?,
+        prompt_tokens,
         params: sampling_params(args),
     };
     let world = args.tp * args.pp;

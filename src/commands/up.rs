@@ -21,6 +21,9 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
             args.kv_cache_tokens
         );
     }
+    if args.max_batch == 0 {
+        bail!("--max-batch must be at least 1 (the most sequences decoded together)");
+    }
     if args.device == DeviceArg::Cuda {
         bail!(
             "--device cuda: this build has no CUDA backend yet; run CPU ranks with `--device cpu`"

@@ -495,6 +495,23 @@ fn generate_rejects_bad_flags_and_profiles() {
             &["generate", "--prompt", "x", "--model", "llama-3.1-8b"][..],
             "planning profile without weights",
         ),
+        // A negative number is a value, refused with a reason (not "unexpected argument").
+        (
+            &["generate", "--prompt", "x", "--temperature", "-1"][..],
+            "--temperature must be 0 (greedy) or positive, got -1",
+        ),
+        (
+            &["generate", "--prompt", "x", "--top-p", "-0.5"][..],
+            "--top-p must be in (0, 1], got -0.5",
+        ),
+        (
+            &["generate", "--prompt", "x", "--max-tokens", "0"][..],
+            "--max-tokens must be at least 1",
+        ),
+        (
+            &["up", "--max-batch", "0"][..],
+            "--max-batch must be at least 1",
+        ),
         (
             &[
                 "generate",
@@ -514,6 +531,26 @@ fn generate_rejects_bad_flags_and_profiles() {
             String::from_utf8_lossy(&output.stderr)
         );
     }
+    // More tokens than the context holds: said, not silently capped (stopped early here
+    // by a stop string, so the test does not generate 8 k tokens).
+    let output = run(&[
+        "generate",
+        "--prompt",
+        "1, 2, 3,",
+        "--max-tokens",
+        "100000",
+        "--stop",
+        ",",
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--max-tokens 100000 does not fit: the model's context is 8192 tokens"),
+        "{stderr}"
+    );
+    // `--concurrency` shows its default the way it takes values.
+    let help = String::from_utf8_lossy(&run(&["bench", "serve", "--help"]).stdout).into_owned();
+    assert!(help.contains("[default: 1,4,16]"), "{help}");
 }
 
 #[test]
