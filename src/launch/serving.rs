@@ -72,6 +72,7 @@ pub enum UpEvent {
 pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
     let started = Instant::now();
     let layout = resolve_layout(settings, events)?;
+    crate::serve::http::check_bind(&settings.host, settings.port)?;
     if layout.world_size() > 1 || inventory(settings).is_some() {
         return launch(settings, &layout, started, events);
     }
@@ -282,12 +283,13 @@ fn launch(
     // so a port in use fails first) and forwards to rank 0's server on its host's loopback.
     let local_http = match &inventory {
         Some(_) => Some(
-            std::net::TcpListener::bind((settings.host.as_str(), settings.port)).with_context(
-                || {
-                    format!(
-                        "cannot listen on {}:{} (in use? try `--port`)",
-                        settings.host, settings.port
-                    )
+            std::net::TcpListener::bind((settings.host.as_str(), settings.port)).map_err(
+                |error| {
+                    anyhow::anyhow!(crate::serve::http::bind_error(
+                        &settings.host,
+                        settings.port,
+                        &error
+                    ))
                 },
             )?,
         ),

@@ -178,6 +178,38 @@ pub struct HttpServer {
     server: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
+/// What went wrong binding `host:port`, in words a user can act on: not an address, not an
+/// address of this host, the port taken, a privileged port.
+pub fn bind_error(host: &str, port: u16, error: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    let is_ip = host.parse::<std::net::IpAddr>().is_ok();
+    match error.kind() {
+        ErrorKind::AddrInUse => format!(
+            "cannot listen on {host}:{port}: the port is already in use (another server?); stop it or choose another with --port"
+        ),
+        ErrorKind::AddrNotAvailable => format!(
+            "cannot listen on {host}:{port}: {host} is not an address of this host (see `ip -brief addr`); use one of them, 127.0.0.1 for this host only, or 0.0.0.0 for all"
+        ),
+        ErrorKind::PermissionDenied => format!(
+            "cannot listen on {host}:{port}: ports below 1024 need root or CAP_NET_BIND_SERVICE; choose another with --port"
+        ),
+        _ if !is_ip => format!(
+            "cannot listen on {host}:{port}: `{host}` is not an IP address or a name that resolves ({error}); give an address of this host, e.g. 127.0.0.1 or 0.0.0.0"
+        ),
+        _ => format!("cannot listen on {host}:{port}: {error}"),
+    }
+}
+
+/// Binds `host:port` once and lets it go, so a bad `--host`/`--port` fails before any rank
+/// starts (rank 0 binds it again; listeners set `SO_REUSEADDR`).
+///
+/// Errors: as [`bind_error`] says.
+pub fn check_bind(host: &str, port: u16) -> Result<()> {
+    std::net::TcpListener::bind((host, port))
+        .map(drop)
+        .map_err(|error| anyhow::anyhow!(bind_error(host, port, &error)))
+}
+
 impl HttpServer {
     /// Binds `host:port` and starts answering 503. Errors: the address cannot be bound.
     pub fn bind(host: &str, port: u16) -> Result<HttpServer> {
@@ -191,9 +223,7 @@ impl HttpServer {
         let (address, server) = runtime.block_on(async {
             let listener = tokio::net::TcpListener::bind((host, port))
                 .await
-                .with_context(|| {
-                    format!("cannot listen on {host}:{port} (in use? try `--port`)")
-                })?;
+                .map_err(|error| anyhow::anyhow!(bind_error(host, port, &error)))?;
             let address = listener.local_addr()?;
             let app = router(Arc::clone(&gate));
             let server = tokio::spawn(async move {

@@ -625,9 +625,24 @@ fn bad_up_arguments_exit_2_with_a_clear_error() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(
-        stderr.contains(&format!("cannot listen on 127.0.0.1:{port}")),
+        stderr.contains(&format!(
+            "cannot listen on 127.0.0.1:{port}: the port is already in use"
+        )),
         "{stderr}"
     );
+    // Not an address of this host, not an address at all: said as such, before any rank.
+    for (host, expected) in [
+        ("10.99.99.99", "10.99.99.99 is not an address of this host"),
+        ("notanip", "`notanip` is not an IP address or a name that resolves"),
+    ] {
+        for layout in [&[][..], &["--tp", "3"][..]] {
+            let output = run(&[&["up", "--host", host, "--port", "8123"][..], layout].concat());
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert_eq!(output.status.code(), Some(2), "{stderr}");
+            assert!(stderr.contains(expected), "{host} {layout:?}: {stderr}");
+            assert!(!stderr.contains("started"), "{stderr}");
+        }
+    }
 
     // A plan over two hosts cannot be launched here yet; a layout given twice is refused.
     let output = run(&["up", "--cluster", "2x8xh100-sxm", "--port", "0"]);
