@@ -13,6 +13,8 @@ use crate::{ExitStatus, cluster, model};
 /// unreadable model or cluster.
 pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let settings = settings(&args.settings)?;
+    // Every argument is checked before the default model is fetched (93 MB on first use).
+    let cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
     let spec = match &args.model {
         Some(name) => model::load(name)?,
         None => {
@@ -20,7 +22,6 @@ pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
             model::load(&path.display().to_string())?
         }
     };
-    let cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
     match plan(&spec, &cluster, &settings) {
         Outcome::Feasible(plan) => {
             if args.json {

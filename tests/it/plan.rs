@@ -620,6 +620,21 @@ fn bad_plan_input_exits_2_with_a_clear_error() {
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
         assert!(output.stdout.is_empty());
     }
+    // A bad cluster fails before the default model is fetched into an empty cache.
+    let cache = tempfile::tempdir().expect("tempdir");
+    let output = crate::infer()
+        .env("INFER_CACHE_DIR", cache.path())
+        .args(["plan", "--cluster", "nothere.toml"])
+        .output()
+        .expect("run infer");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("nothere.toml"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(cache.path()).expect("cache").count(),
+        0,
+        "{stderr}"
+    );
 
     // Inventories: a host listed twice, a host with `gpus = 0` — bad input naming the line
     // (each `[[hosts]]` block is 5 lines and a blank one).
