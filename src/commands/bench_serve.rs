@@ -251,6 +251,7 @@ async fn stream_completion(address: &str, prompt: &str, max_tokens: usize) -> Re
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let body = serde_json::json!({
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true,
+        "stream_options": {"include_usage": true},
     })
     .to_string();
     let mut stream = tokio::net::TcpStream::connect(address)
@@ -289,9 +290,11 @@ async fn stream_completion(address: &str, prompt: &str, max_tokens: usize) -> Re
         if let Some(error) = chunk.get("error") {
             bail!("the server failed the request: {error}");
         }
-        match chunk["usage"]["completion_tokens"].as_u64() {
-            Some(n) => completion_tokens = Some(n as usize),
-            None => token_times.push(sent.elapsed().as_secs_f64()),
+        // Token chunks carry no finish reason; the last chunk carries only the usage.
+        if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
+            completion_tokens = Some(n as usize);
+        } else if chunk["choices"][0]["finish_reason"].is_null() {
+            token_times.push(sent.elapsed().as_secs_f64());
         }
     }
     let completion_tokens = completion_tokens.context("the stream ended without `usage`")?;

@@ -107,6 +107,7 @@ fn sampling_params(args: &GenerateArgs) -> SamplingParams {
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
         logprobs: false,
+        top_logprobs: 0,
     }
 }
 

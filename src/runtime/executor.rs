@@ -35,11 +35,15 @@ pub struct StepEntry {
 }
 
 /// The token sampled for one sequence, with its log-probability (nats).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Sampled {
     pub token: u32,
     /// Its log-probability (nats), when the sequence's parameters ask for it.
     pub logprob: Option<f32>,
+    /// The most likely tokens at this step with their log-probabilities, when asked
+    /// (`top_logprobs`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Runs steps of a batch of sequences.
@@ -159,9 +163,15 @@ impl Executor for LocalExecutor<'_> {
 /// Samples the next token from `logits` (`(vocab_size)`) with its log-probability.
 pub fn sample(sampler: &mut Sampler, logits: &[f32]) -> Sampled {
     let token = sampler.sample(logits);
+    let params = sampler.params();
     Sampled {
         token,
-        logprob: sampler.params().logprobs.then(|| logprob(logits, token)),
+        logprob: params.logprobs.then(|| logprob(logits, token)),
+        top: if params.logprobs {
+            super::sampling::top_logprobs(logits, params.top_logprobs)
+        } else {
+            Vec::new()
+        },
     }
 }
 

@@ -23,6 +23,10 @@ pub struct SamplingParams {
     /// token, so only when asked).
     #[serde(default)]
     pub logprobs: bool,
+    /// With `logprobs`: also report this many most likely tokens at each step, with their
+    /// log-probabilities (OpenAI's `top_logprobs`, 0 to 20).
+    #[serde(default)]
+    pub top_logprobs: usize,
 }
 
 impl Default for SamplingParams {
@@ -35,6 +39,7 @@ impl Default for SamplingParams {
             max_tokens: 64,
             stop: Vec::new(),
             logprobs: false,
+            top_logprobs: 0,
         }
     }
 }
@@ -144,6 +149,29 @@ pub fn argmax(logits: &[f32]) -> u32 {
 pub fn logprob(logits: &[f32], token: u32) -> f32 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
     (logits[token as usize] - max) - sum_exp_shifted(logits, max).ln()
+}
+
+/// The `k` most likely tokens of `logits` with their log-probabilities (nats), most likely
+/// first (ties: the lower id first), as OpenAI's `top_logprobs` lists them.
+pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let k = k.min(logits.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    let log_sum = sum_exp_shifted(logits, max).ln();
+    let order = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    ids.select_nth_unstable_by(k - 1, order);
+    ids.truncate(k);
+    ids.sort_by(order);
+    ids.into_iter()
+        .map(|id| (id, (logits[id as usize] - max) - log_sum))
+        .collect()
 }
 
 crate::runtime::mathfn::multiversion! {

@@ -115,11 +115,15 @@ struct ApiError {
     status: StatusCode,
     kind: &'static str,
     message: String,
+    /// The request field at fault, when one is.
+    param: Option<String>,
+    /// A machine-readable code (`model_not_found`), when OpenAI has one.
+    code: Option<&'static str>,
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": null}});
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
         (self.status, axum::Json(body)).into_response()
     }
 }
@@ -129,11 +133,21 @@ fn error(status: StatusCode, kind: &'static str, message: impl Into<String>) -> 
         status,
         kind,
         message: message.into(),
+        param: None,
+        code: None,
     }
 }
 
 fn bad_request(message: impl Into<String>) -> ApiError {
     error(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+}
+
+/// A 400 about request field `param`.
+fn bad_field(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError {
+        param: Some(param.to_string()),
+        ..bad_request(message)
+    }
 }
 
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -255,66 +269,463 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Fields common to both endpoints.
-#[derive(Deserialize)]
-struct Common {
+/// The most choices one request may ask for (`n`).
+pub const MAX_N: u64 = 16;
+/// The most alternatives per token `top_logprobs` may ask for (OpenAI's limit; the legacy
+/// completions `logprobs` allows 5).
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// A request body of either endpoint, every field typed; a field of another type, or one
+/// not listed, is a 400 naming it. Fields accepted but without effect: `user` (as vLLM);
+/// `presence_penalty`/`frequency_penalty` at 0, an empty `logit_bias`, `echo: false`,
+/// `best_of` equal to `n`, `suffix: null`, `response_format` `{"type": "text"}` (the
+/// defaults); anything else in them is refused, never silently dropped.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct Body {
     model: Option<String>,
-    max_tokens: Option<usize>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    seed: Option<u64>,
-    stop: Option<Value>,
-    #[serde(default)]
-    stream: bool,
+    /// `/v1/completions`: a string or a list of token ids.
+    prompt: Option<Value>,
+    /// `/v1/chat/completions`.
+    messages: Option<Vec<Message>>,
+    max_tokens: Option<u64>,
+    /// The chat endpoint's newer name for `max_tokens`.
+    max_completion_tokens: Option<u64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    /// vLLM's extension: keep the `top_k` most likely tokens (`-1` or `0`: all).
+    top_k: Option<i64>,
+    seed: Option<i64>,
+    stop: Option<Stop>,
+    n: Option<u64>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    /// Completions: how many alternatives per token (0 to 5); chat: whether to report.
+    logprobs: Option<Value>,
+    /// Chat: alternatives per token (0 to 20), with `logprobs: true`.
+    top_logprobs: Option<u64>,
+    echo: Option<bool>,
+    best_of: Option<u64>,
+    suffix: Option<Value>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    response_format: Option<Value>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    functions: Option<Value>,
+    function_call: Option<Value>,
+    parallel_tool_calls: Option<Value>,
+    /// Ignored (an end-user id for abuse monitoring at OpenAI).
+    #[allow(dead_code)]
+    user: Option<String>,
 }
 
-fn params(
-    state: &AppState,
-    common: &Common,
-    default_max_tokens: usize,
-) -> Result<SamplingParams, ApiError> {
-    if let Some(model) = &common.model
-        && model != &state.model_id
-    {
-        return Err(bad_request(format!(
-            "model `{model}` does not exist; this server serves `{}`",
-            state.model_id
-        )));
-    }
-    let temperature = common.temperature.unwrap_or(1.0);
-    let top_p = common.top_p.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(bad_request(format!(
-            "`temperature` must be in [0, 2], got {temperature}"
-        )));
-    }
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(bad_request(format!(
-            "`top_p` must be in (0, 1], got {top_p}"
-        )));
-    }
-    let stop = match &common.stop {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => items
-            .iter()
-            .filter_map(|v| v.as_str().map(str::to_string))
-            .collect(),
-        Some(_) => return Err(bad_request("`stop` must be a string or a list of strings")),
-    };
-    Ok(SamplingParams {
-        temperature,
-        top_k: 0,
-        top_p,
-        seed: common.seed,
-        max_tokens: common.max_tokens.unwrap_or(default_max_tokens),
-        stop,
-        logprobs: false,
+/// `stop`: one string or a list of them.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+    /// vLLM's: usage on every chunk; accepted only as `false`.
+    continuous_usage_stats: Option<bool>,
+}
+
+/// One chat message: `content` a string or a list of parts (`{"type": "text", "text"}`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Message {
+    role: String,
+    content: Option<Content>,
+    /// A participant's name: accepted, not rendered (the chat templates have no place).
+    #[allow(dead_code)]
+    name: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Value>),
+}
+
+/// Which endpoint a body came to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+/// A checked request: its sampling parameters and how to answer.
+struct Checked {
+    params: SamplingParams,
+    /// Choices to generate (`n`).
+    n: usize,
+    stream: bool,
+    /// `stream_options.include_usage`: a last chunk with the usage and no choices.
+    include_usage: bool,
+}
+
+/// Parses a body, naming the field of any type error (`max_tokens: invalid type …`).
+fn parse(body: &Bytes) -> Result<Body, ApiError> {
+    let deserializer = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            bad_request(format!("malformed request body: {inner}"))
+        } else {
+            bad_field(&path, format!("`{path}`: {inner}"))
+        }
     })
 }
 
-fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| bad_request(format!("malformed request body: {e}")))
+/// Checks every field of `body` for `endpoint` (unsupported values refused by name, numbers
+/// against their ranges) and builds the sampling parameters; `default_max_tokens` when the
+/// body has none.
+fn check(
+    state: &AppState,
+    body: &Body,
+    endpoint: Endpoint,
+    default_max_tokens: usize,
+) -> Result<Checked, ApiError> {
+    if let Some(model) = &body.model
+        && model != &state.model_id
+    {
+        return Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            code: Some("model_not_found"),
+            param: Some("model".into()),
+            ..bad_request(format!(
+                "the model `{model}` does not exist; this server serves `{}`",
+                state.model_id
+            ))
+        });
+    }
+    let wrong_endpoint = match endpoint {
+        Endpoint::Completions => [
+            ("messages", body.messages.is_some()),
+            (
+                "max_completion_tokens",
+                body.max_completion_tokens.is_some(),
+            ),
+            ("top_logprobs", body.top_logprobs.is_some()),
+        ],
+        Endpoint::Chat => [
+            ("prompt", body.prompt.is_some()),
+            ("echo", body.echo.is_some()),
+            ("suffix", body.suffix.is_some()),
+        ],
+    };
+    if let Some((field, _)) = wrong_endpoint.iter().find(|(_, present)| *present) {
+        let other = match endpoint {
+            Endpoint::Completions => "/v1/chat/completions",
+            Endpoint::Chat => "/v1/completions",
+        };
+        return Err(bad_field(
+            field,
+            format!("`{field}` belongs to {other}, not this endpoint"),
+        ));
+    }
+    for (field, present) in [
+        ("tools", body.tools.is_some()),
+        ("tool_choice", body.tool_choice.is_some()),
+        ("functions", body.functions.is_some()),
+        ("function_call", body.function_call.is_some()),
+        ("parallel_tool_calls", body.parallel_tool_calls.is_some()),
+    ] {
+        if present {
+            return Err(bad_field(
+                field,
+                format!("`{field}` is not supported: this server does not call tools"),
+            ));
+        }
+    }
+    for (field, value) in [
+        ("presence_penalty", body.presence_penalty),
+        ("frequency_penalty", body.frequency_penalty),
+    ] {
+        if value.is_some_and(|v| v != 0.0) {
+            return Err(bad_field(
+                field,
+                format!("`{field}` is not supported (only 0, its default)"),
+            ));
+        }
+    }
+    if body.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(bad_field(
+            "logit_bias",
+            "`logit_bias` is not supported (only an empty map)",
+        ));
+    }
+    if body.echo == Some(true) {
+        return Err(bad_field(
+            "echo",
+            "`echo` is not supported (only false, its default)",
+        ));
+    }
+    if body.suffix.as_ref().is_some_and(|s| !s.is_null()) {
+        return Err(bad_field("suffix", "`suffix` is not supported"));
+    }
+    if let Some(format) = &body.response_format {
+        let kind = format.get("type").and_then(Value::as_str);
+        if kind != Some("text") {
+            return Err(bad_field(
+                "response_format",
+                format!(
+                    "`response_format` {} is not supported: only {{\"type\": \"text\"}} (no constrained decoding)",
+                    kind.map_or_else(|| format.to_string(), |k| format!("`{k}`"))
+                ),
+            ));
+        }
+    }
+    let n = body.n.unwrap_or(1);
+    if n == 0 || n > MAX_N {
+        return Err(bad_field("n", format!("`n` must be 1 to {MAX_N}, got {n}")));
+    }
+    if let Some(best_of) = body.best_of
+        && best_of != n
+    {
+        return Err(bad_field(
+            "best_of",
+            format!("`best_of` is not supported (only equal to `n`, {n}), got {best_of}"),
+        ));
+    }
+    let max_tokens = match (body.max_tokens, body.max_completion_tokens) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(bad_field(
+                "max_completion_tokens",
+                "give `max_tokens` or `max_completion_tokens`, not two different values",
+            ));
+        }
+        (Some(v), _) | (None, Some(v)) => v,
+        (None, None) => default_max_tokens as u64,
+    };
+    let field = if body.max_tokens.is_some() || body.max_completion_tokens.is_none() {
+        "max_tokens"
+    } else {
+        "max_completion_tokens"
+    };
+    if max_tokens == 0 {
+        return Err(bad_field(field, format!("`{field}` must be at least 1")));
+    }
+    let max_tokens = usize::try_from(max_tokens)
+        .ok()
+        .filter(|&v| v <= state.max_context_tokens)
+        .ok_or_else(|| {
+            bad_field(
+                field,
+                format!(
+                    "`{field}` is {max_tokens}, more than this model's context of {} tokens",
+                    state.max_context_tokens
+                ),
+            )
+        })?;
+    let temperature = body.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(bad_field(
+            "temperature",
+            format!("`temperature` must be in [0, 2], got {temperature}"),
+        ));
+    }
+    let top_p = body.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(bad_field(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = match body.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+        k => {
+            return Err(bad_field(
+                "top_k",
+                format!("`top_k` must be -1 or 0 (all tokens) or positive, got {k}"),
+            ));
+        }
+    };
+    let stop = match &body.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s.clone()],
+        Some(Stop::Many(list)) => list.clone(),
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(bad_field("stop", "`stop` strings must not be empty"));
+    }
+    let (logprobs, top_logprobs) = match endpoint {
+        Endpoint::Completions => match &body.logprobs {
+            None | Some(Value::Null) => (false, 0),
+            Some(Value::Number(k)) if k.as_u64().is_some_and(|k| k <= 5) => {
+                (true, k.as_u64().unwrap_or(0) as usize)
+            }
+            Some(other) => {
+                return Err(bad_field(
+                    "logprobs",
+                    format!(
+                        "`logprobs` on /v1/completions is the number of alternatives per token, 0 to 5; got {other}"
+                    ),
+                ));
+            }
+        },
+        Endpoint::Chat => {
+            let on = match &body.logprobs {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(on)) => *on,
+                Some(other) => {
+                    return Err(bad_field(
+                        "logprobs",
+                        format!(
+                            "`logprobs` on /v1/chat/completions is true or false; got {other} (alternatives: `top_logprobs`)"
+                        ),
+                    ));
+                }
+            };
+            let top = body.top_logprobs.unwrap_or(0);
+            if top > MAX_TOP_LOGPROBS {
+                return Err(bad_field(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be 0 to {MAX_TOP_LOGPROBS}, got {top}"),
+                ));
+            }
+            if top > 0 && !on {
+                return Err(bad_field(
+                    "top_logprobs",
+                    "`top_logprobs` needs `logprobs: true`",
+                ));
+            }
+            (on, top as usize)
+        }
+    };
+    let stream = body.stream.unwrap_or(false);
+    let include_usage = match &body.stream_options {
+        None => false,
+        Some(_) if !stream => {
+            return Err(bad_field(
+                "stream_options",
+                "`stream_options` is only allowed with `stream: true`",
+            ));
+        }
+        Some(options) => {
+            if options.continuous_usage_stats == Some(true) {
+                return Err(bad_field(
+                    "stream_options.continuous_usage_stats",
+                    "`continuous_usage_stats` is not supported (usage comes once, at the end, with `include_usage`)",
+                ));
+            }
+            options.include_usage.unwrap_or(false)
+        }
+    };
+    Ok(Checked {
+        params: SamplingParams {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+            // A negative seed keeps its bits (OpenAI's seed is any integer).
+            seed: body.seed.map(|s| s as u64),
+            max_tokens,
+            stop,
+            logprobs,
+            top_logprobs,
+        },
+        n: n as usize,
+        stream,
+        include_usage,
+    })
+}
+
+/// The parameters of choice `index` of `n`: its own seed (`seed + index`), so seeded
+/// requests give `n` different and reproducible choices.
+fn choice_params(params: &SamplingParams, index: usize) -> SamplingParams {
+    SamplingParams {
+        seed: params.seed.map(|s| s.wrapping_add(index as u64)),
+        ..params.clone()
+    }
+}
+
+/// Renders a chat's messages as one prompt text through the model's template.
+///
+/// Errors (400): a role other than `system`, `developer` (as `system`), `user` or
+/// `assistant`; a content part that is not text; a template that fails.
+fn chat_prompt(state: &AppState, messages: &[Message]) -> Result<String, ApiError> {
+    if messages.is_empty() {
+        return Err(bad_field("messages", "`messages` is empty"));
+    }
+    let mut rendered = Vec::with_capacity(messages.len());
+    for (i, message) in messages.iter().enumerate() {
+        let role = match message.role.as_str() {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            other => {
+                return Err(bad_field(
+                    &format!("messages[{i}].role"),
+                    format!(
+                        "`messages[{i}].role` is `{other}`: use `system`, `developer`, `user` or `assistant` (tool messages are not supported)"
+                    ),
+                ));
+            }
+        };
+        let content = match &message.content {
+            None => String::new(),
+            Some(Content::Text(text)) => text.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for (j, part) in parts.iter().enumerate() {
+                    let kind = part.get("type").and_then(Value::as_str);
+                    match (kind, part.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(text)) => texts.push(text),
+                        (Some("text"), None) => {
+                            return Err(bad_field(
+                                &format!("messages[{i}].content[{j}].text"),
+                                format!(
+                                    "`messages[{i}].content[{j}]` is a text part without a `text` string"
+                                ),
+                            ));
+                        }
+                        (kind, _) => {
+                            return Err(bad_field(
+                                &format!("messages[{i}].content[{j}]"),
+                                format!(
+                                    "`messages[{i}].content[{j}]` is a `{}` part: this model takes text only",
+                                    kind.unwrap_or("untyped")
+                                ),
+                            ));
+                        }
+                    }
+                }
+                // As vLLM joins a message's text parts.
+                texts.join("\n")
+            }
+        };
+        rendered.push(ChatMessage {
+            role: role.to_string(),
+            content,
+        });
+    }
+    let Some(template) = state.tokenizer.chat_template.as_deref() else {
+        return Err(bad_request(
+            "this model has no chat template; use /v1/completions",
+        ));
+    };
+    let token = |id: Option<u32>| {
+        id.and_then(|i| state.tokenizer.token(i))
+            .unwrap_or_default()
+    };
+    render(
+        template,
+        &rendered,
+        true,
+        &token(state.tokenizer.bos_id),
+        &token(state.tokenizer.eos_ids.first().copied()),
+    )
+    .map_err(|e| bad_request(format!("{e:#}")))
 }
 
 /// Submits `prompt_tokens` and returns the event stream, or a 400 when it cannot fit.
@@ -326,13 +737,18 @@ fn submit(
     if prompt_tokens.is_empty() {
         return Err(bad_request("the prompt is empty"));
     }
-    if prompt_tokens.len() + params.max_tokens > state.max_context_tokens {
-        return Err(bad_request(format!(
-            "this model's maximum context length is {} tokens; the prompt has {} and `max_tokens` asks for {}",
-            state.max_context_tokens,
-            prompt_tokens.len(),
-            params.max_tokens
-        )));
+    let total = prompt_tokens.len().checked_add(params.max_tokens);
+    if total.is_none_or(|total| total > state.max_context_tokens) {
+        return Err(bad_field(
+            "max_tokens",
+            format!(
+                "this model's maximum context length is {} tokens; the prompt has {} and `max_tokens` asks for {} (at most {} here)",
+                state.max_context_tokens,
+                prompt_tokens.len(),
+                params.max_tokens,
+                state.max_context_tokens.saturating_sub(prompt_tokens.len())
+            ),
+        ));
     }
     let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
     state
@@ -347,6 +763,23 @@ fn submit(
     Ok(UnboundedReceiverStream::new(receiver))
 }
 
+/// Submits choice `i` of `n` for each `i`, each with its own seed.
+fn submit_choices(
+    state: &AppState,
+    prompt_tokens: &[u32],
+    checked: &Checked,
+) -> Result<Vec<UnboundedReceiverStream<Event>>, ApiError> {
+    (0..checked.n)
+        .map(|i| {
+            submit(
+                state,
+                prompt_tokens.to_vec(),
+                choice_params(&checked.params, i),
+            )
+        })
+        .collect()
+}
+
 fn finish_name(reason: FinishReason) -> &'static str {
     match reason {
         FinishReason::Stop => "stop",
@@ -354,45 +787,48 @@ fn finish_name(reason: FinishReason) -> &'static str {
     }
 }
 
-/// Collects a whole generation: text, finish reason, token ids, logprobs, usage.
-async fn collect(
-    mut events: UnboundedReceiverStream<Event>,
-) -> Result<
-    (
-        String,
-        &'static str,
-        Vec<u32>,
-        Vec<Option<f32>>,
-        usize,
-        usize,
-    ),
-    ApiError,
-> {
-    let (mut text, mut ids, mut logprobs) = (String::new(), Vec::new(), Vec::new());
+/// One generated token as a request hears it.
+struct TokenOut {
+    id: u32,
+    logprob: Option<f32>,
+    top: Vec<(u32, f32)>,
+}
+
+/// One whole choice.
+struct Choice {
+    text: String,
+    finish_reason: &'static str,
+    tokens: Vec<TokenOut>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+/// Collects a whole generation: text, finish reason, tokens with their logprobs, usage.
+async fn collect(mut events: UnboundedReceiverStream<Event>) -> Result<Choice, ApiError> {
+    let (mut text, mut tokens) = (String::new(), Vec::new());
     while let Some(event) = events.next().await {
         match event {
             Event::Token {
                 id,
                 text: piece,
                 logprob,
+                top,
             } => {
                 text.push_str(&piece);
-                ids.push(id);
-                logprobs.push(logprob);
+                tokens.push(TokenOut { id, logprob, top });
             }
             Event::Done {
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
             } => {
-                return Ok((
+                return Ok(Choice {
                     text,
-                    finish_name(finish_reason),
-                    ids,
-                    logprobs,
+                    finish_reason: finish_name(finish_reason),
+                    tokens,
                     prompt_tokens,
                     completion_tokens,
-                ));
+                });
             }
             Event::Error(message) => {
                 return Err(error(
@@ -410,16 +846,169 @@ async fn collect(
     ))
 }
 
+/// Every choice, generated concurrently.
+async fn collect_all(
+    streams: Vec<UnboundedReceiverStream<Event>>,
+) -> Result<Vec<Choice>, ApiError> {
+    let mut choices = Vec::with_capacity(streams.len());
+    let handles: Vec<_> = streams
+        .into_iter()
+        .map(|s| tokio::spawn(collect(s)))
+        .collect();
+    for handle in handles {
+        choices.push(handle.await.map_err(|e| {
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                format!("a choice failed: {e}"),
+            )
+        })??);
+    }
+    Ok(choices)
+}
+
+/// OpenAI's usage: the prompt counted once, the completions of every choice summed.
 fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
-#[derive(Deserialize)]
-struct CompletionBody {
-    prompt: Value,
-    logprobs: Option<u32>,
-    #[serde(flatten)]
-    common: Common,
+fn usage_of(choices: &[Choice]) -> Value {
+    usage(
+        choices.first().map_or(0, |c| c.prompt_tokens),
+        choices.iter().map(|c| c.completion_tokens).sum(),
+    )
+}
+
+/// A token's text as a user reads it (`" iron"`, not the vocabulary's `Ġiron`).
+fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
+    tokenizer.decode(&[id], false).unwrap_or_default()
+}
+
+/// The legacy completions `logprobs` object: tokens, their logprobs, the top alternatives
+/// per token (a map text → logprob) and each token's offset in the text.
+fn completion_logprobs(tokenizer: &Tokenizer, tokens: &[TokenOut], with_top: bool) -> Value {
+    let texts: Vec<String> = tokens.iter().map(|t| token_text(tokenizer, t.id)).collect();
+    let mut offset = 0;
+    let offsets: Vec<usize> = texts
+        .iter()
+        .map(|t| {
+            let at = offset;
+            offset += t.len();
+            at
+        })
+        .collect();
+    let top: Option<Vec<Value>> = with_top.then(|| {
+        tokens
+            .iter()
+            .map(|t| {
+                let map: serde_json::Map<String, Value> = t
+                    .top
+                    .iter()
+                    .map(|(id, lp)| (token_text(tokenizer, *id), json!(lp)))
+                    .collect();
+                Value::Object(map)
+            })
+            .collect()
+    });
+    json!({
+        "tokens": texts,
+        "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    })
+}
+
+/// The chat `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+fn chat_logprobs(tokenizer: &Tokenizer, tokens: &[TokenOut]) -> Value {
+    let entry = |id: u32, logprob: Option<f32>| {
+        let text = token_text(tokenizer, id);
+        json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()})
+    };
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut value = entry(t.id, t.logprob);
+            value["top_logprobs"] = t.top.iter().map(|(id, lp)| entry(*id, Some(*lp))).collect();
+            value
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Streams every choice's events merged, each chunk made by `chunk(index, event)`, then a
+/// usage chunk (no choices) when asked, then `[DONE]`.
+fn stream_choices(
+    streams: Vec<UnboundedReceiverStream<Event>>,
+    include_usage: bool,
+    head: Vec<Value>,
+    chunk: impl Fn(usize, &Event) -> Option<Value> + Send + 'static,
+    usage_chunk: impl Fn(Value) -> Value + Send + 'static,
+) -> Response {
+    let mut merged = tokio_stream::StreamMap::new();
+    for (index, stream) in streams.into_iter().enumerate() {
+        merged.insert(index, stream);
+    }
+    let n = merged.len();
+    // A task drives the choices and hands chunks to the response; when the client goes
+    // away, its next send fails, the task ends and dropping the choices' receivers cancels
+    // their sequences.
+    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    tokio::spawn(async move {
+        for value in head {
+            if sender.send(value).is_err() {
+                return;
+            }
+        }
+        let (mut prompt, mut completion, mut done) = (0, 0, 0);
+        while let Some((index, event)) = merged.next().await {
+            if let Event::Done {
+                prompt_tokens,
+                completion_tokens,
+                ..
+            } = &event
+            {
+                prompt = *prompt_tokens;
+                completion += completion_tokens;
+                done += 1;
+            }
+            if let Some(value) = chunk(index, &event)
+                && sender.send(value).is_err()
+            {
+                return;
+            }
+            if include_usage
+                && done == n
+                && matches!(event, Event::Done { .. })
+                && sender.send(usage_chunk(usage(prompt, completion))).is_err()
+            {
+                return;
+            }
+        }
+    });
+    let body = UnboundedReceiverStream::new(receiver)
+        .map(Some)
+        .chain(tokio_stream::once(None))
+        .map(|chunk| {
+            Ok::<_, std::convert::Infallible>(match chunk {
+                Some(value) => SseEvent::default().data(value.to_string()),
+                None => SseEvent::default().data("[DONE]"),
+            })
+        });
+    Sse::new(body).into_response()
+}
+
+/// Reads and checks a request of `endpoint`: authorized, parsed, every field checked.
+fn read(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &Bytes,
+    endpoint: Endpoint,
+    default_max_tokens: usize,
+) -> Result<(Body, Checked), ApiError> {
+    authorize(state, headers)?;
+    let request = parse(body)?;
+    let checked = check(state, &request, endpoint, default_max_tokens)?;
+    Ok((request, checked))
 }
 
 async fn completions(
@@ -427,24 +1016,21 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    let request: CompletionBody = parse(&body)?;
-    let params = SamplingParams {
-        logprobs: request.logprobs.is_some(),
-        ..params(&state, &request.common, 16)?
-    };
+    let (request, checked) = read(&state, &headers, &body, Endpoint::Completions, 16)?;
     let prompt_tokens = match &request.prompt {
-        Value::String(text) => match state.tokenizer.encode(text, true) {
+        Some(Value::String(text)) => match state.tokenizer.encode(text, true) {
             Ok(ids) => ids,
-            Err(e) => return Err(bad_request(format!("{e:#}"))),
+            Err(e) => return Err(bad_field("prompt", format!("{e:#}"))),
         },
-        Value::Array(items) if items.iter().all(Value::is_u64) => items
+        Some(Value::Array(items)) if items.iter().all(Value::is_u64) => items
             .iter()
             .filter_map(Value::as_u64)
-            .map(|v| v as u32)
+            .map(|v| u32::try_from(v).unwrap_or(u32::MAX))
             .collect(),
+        None => return Err(bad_field("prompt", "`prompt` is missing")),
         _ => {
-            return Err(bad_request(
+            return Err(bad_field(
+                "prompt",
                 "`prompt` must be a string or a list of token ids",
             ));
         }
@@ -453,7 +1039,8 @@ async fn completions(
         .iter()
         .any(|&t| t as usize >= state.tokenizer.vocab_size())
     {
-        return Err(bad_request(
+        return Err(bad_field(
+            "prompt",
             "`prompt` holds a token id outside the vocabulary",
         ));
     }
@@ -462,40 +1049,67 @@ async fn completions(
         scheduler::REQUEST_COUNTER.fetch_add(1, Ordering::SeqCst)
     );
     let model = state.model_id.clone();
-    let events = submit(&state, prompt_tokens, params)?;
-    if request.common.stream {
-        let stream = events.map(move |event| {
-            let chunk = match event {
-                Event::Token { text, .. } => json!({"id": id, "object": "text_completion", "created": now(), "model": model, "choices": [{"index": 0, "text": text, "finish_reason": null}]}),
-                Event::Done { finish_reason, prompt_tokens, completion_tokens } => json!({"id": id, "object": "text_completion", "created": now(), "model": model, "choices": [{"index": 0, "text": "", "finish_reason": finish_name(finish_reason)}], "usage": usage(prompt_tokens, completion_tokens)}),
-                Event::Error(message) => json!({"error": {"message": message, "type": "server_error"}}),
-            };
-            Ok::<_, std::convert::Infallible>(SseEvent::default().data(chunk.to_string()))
-        });
-        let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
-        return Ok(Sse::new(stream.chain(done)).into_response());
+    let streams = submit_choices(&state, &prompt_tokens, &checked)?;
+    if checked.stream {
+        let (id2, model2) = (id.clone(), model.clone());
+        let tokenizer_state = Arc::clone(&state);
+        let with_logprobs = checked.params.logprobs;
+        let with_top = checked.params.top_logprobs > 0;
+        return Ok(stream_choices(
+            streams,
+            checked.include_usage,
+            Vec::new(),
+            move |index, event| match event {
+                Event::Token {
+                    id: token,
+                    text,
+                    logprob,
+                    top,
+                } => {
+                    let logprobs = with_logprobs.then(|| {
+                        completion_logprobs(
+                            &tokenizer_state.tokenizer,
+                            &[TokenOut {
+                                id: *token,
+                                logprob: *logprob,
+                                top: top.clone(),
+                            }],
+                            with_top,
+                        )
+                    });
+                    Some(
+                        json!({"id": id, "object": "text_completion", "created": now(), "model": model, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": null}]}),
+                    )
+                }
+                Event::Done { finish_reason, .. } => Some(
+                    json!({"id": id, "object": "text_completion", "created": now(), "model": model, "choices": [{"index": index, "text": "", "logprobs": null, "finish_reason": finish_name(*finish_reason)}]}),
+                ),
+                Event::Error(message) => {
+                    Some(json!({"error": {"message": message, "type": "server_error"}}))
+                }
+            },
+            move |usage| json!({"id": id2, "object": "text_completion", "created": now(), "model": model2, "choices": [], "usage": usage}),
+        ));
     }
-    let (text, finish_reason, ids, logprobs, prompt, completion) = collect(events).await?;
-    let logprobs = request.logprobs.map(|_| {
-        let tokens: Vec<String> = ids
-            .iter()
-            .map(|&t| state.tokenizer.token(t).unwrap_or_default())
-            .collect();
-        json!({"tokens": tokens, "token_logprobs": logprobs})
-    });
+    let choices = collect_all(streams).await?;
+    let with_top = checked.params.top_logprobs > 0;
+    let rendered: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let logprobs = checked
+                .params
+                .logprobs
+                .then(|| completion_logprobs(&state.tokenizer, &c.tokens, with_top));
+            json!({"index": index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": logprobs})
+        })
+        .collect();
     Ok(axum::Json(json!({
         "id": id, "object": "text_completion", "created": now(), "model": state.model_id,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
-        "usage": usage(prompt, completion)
+        "choices": rendered,
+        "usage": usage_of(&choices)
     }))
     .into_response())
-}
-
-#[derive(Deserialize)]
-struct ChatBody {
-    messages: Vec<ChatMessage>,
-    #[serde(flatten)]
-    common: Common,
 }
 
 async fn chat_completions(
@@ -503,35 +1117,12 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    let request: ChatBody = parse(&body)?;
-    if request.messages.is_empty() {
-        return Err(bad_request("`messages` is empty"));
-    }
-    let params = params(
-        &state,
-        &request.common,
-        state.max_context_tokens.min(1024) / 2,
-    )?;
-    let Some(template) = state.tokenizer.chat_template.as_deref() else {
-        return Err(bad_request(
-            "this model has no chat template; use /v1/completions",
-        ));
+    let default_max_tokens = state.max_context_tokens.min(1024) / 2;
+    let (request, checked) = read(&state, &headers, &body, Endpoint::Chat, default_max_tokens)?;
+    let Some(messages) = &request.messages else {
+        return Err(bad_field("messages", "`messages` is missing"));
     };
-    let token = |id: Option<u32>| {
-        id.and_then(|i| state.tokenizer.token(i))
-            .unwrap_or_default()
-    };
-    let prompt = match render(
-        template,
-        &request.messages,
-        true,
-        &token(state.tokenizer.bos_id),
-        &token(state.tokenizer.eos_ids.first().copied()),
-    ) {
-        Ok(p) => p,
-        Err(e) => return Err(bad_request(format!("{e:#}"))),
-    };
+    let prompt = chat_prompt(&state, messages)?;
     let prompt_tokens = match state.tokenizer.encode(&prompt, true) {
         Ok(ids) => ids,
         Err(e) => return Err(bad_request(format!("{e:#}"))),
@@ -541,28 +1132,65 @@ async fn chat_completions(
         scheduler::REQUEST_COUNTER.fetch_add(1, Ordering::SeqCst)
     );
     let model = state.model_id.clone();
-    let events = submit(&state, prompt_tokens, params)?;
-    if request.common.stream {
-        let first = json!({"id": id, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": null}]});
-        let head = tokio_stream::once(Ok::<_, std::convert::Infallible>(
-            SseEvent::default().data(first.to_string()),
+    let streams = submit_choices(&state, &prompt_tokens, &checked)?;
+    if checked.stream {
+        let head = (0..checked.n)
+            .map(|index| json!({"id": id, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]}))
+            .collect();
+        let (id2, model2) = (id.clone(), model.clone());
+        let tokenizer_state = Arc::clone(&state);
+        let with_logprobs = checked.params.logprobs;
+        return Ok(stream_choices(
+            streams,
+            checked.include_usage,
+            head,
+            move |index, event| match event {
+                Event::Token {
+                    id: token,
+                    text,
+                    logprob,
+                    top,
+                } => {
+                    let logprobs = with_logprobs.then(|| {
+                        chat_logprobs(
+                            &tokenizer_state.tokenizer,
+                            &[TokenOut {
+                                id: *token,
+                                logprob: *logprob,
+                                top: top.clone(),
+                            }],
+                        )
+                    });
+                    Some(
+                        json!({"id": id, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [{"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": null}]}),
+                    )
+                }
+                Event::Done { finish_reason, .. } => Some(
+                    json!({"id": id, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [{"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_name(*finish_reason)}]}),
+                ),
+                Event::Error(message) => {
+                    Some(json!({"error": {"message": message, "type": "server_error"}}))
+                }
+            },
+            move |usage| json!({"id": id2, "object": "chat.completion.chunk", "created": now(), "model": model2, "choices": [], "usage": usage}),
         ));
-        let stream = events.map(move |event| {
-            let chunk = match event {
-                Event::Token { text, .. } => json!({"id": id, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]}),
-                Event::Done { finish_reason, prompt_tokens, completion_tokens } => json!({"id": id, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_name(finish_reason)}], "usage": usage(prompt_tokens, completion_tokens)}),
-                Event::Error(message) => json!({"error": {"message": message, "type": "server_error"}}),
-            };
-            Ok(SseEvent::default().data(chunk.to_string()))
-        });
-        let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
-        return Ok(Sse::new(head.chain(stream).chain(done)).into_response());
     }
-    let (text, finish_reason, _, _, prompt, completion) = collect(events).await?;
+    let choices = collect_all(streams).await?;
+    let rendered: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let logprobs = checked
+                .params
+                .logprobs
+                .then(|| chat_logprobs(&state.tokenizer, &c.tokens));
+            json!({"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        })
+        .collect();
     Ok(axum::Json(json!({
-            "id": id, "object": "chat.completion", "created": now(), "model": state.model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
-            "usage": usage(prompt, completion)
+        "id": id, "object": "chat.completion", "created": now(), "model": state.model_id,
+        "choices": rendered,
+        "usage": usage_of(&choices)
     }))
     .into_response())
 }

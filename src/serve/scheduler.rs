@@ -31,11 +31,14 @@ pub struct Request {
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum Event {
     /// One generated token: its id, the text it completed (possibly empty while a UTF-8
-    /// character is incomplete) and its log-probability.
+    /// character is incomplete), its log-probability and the step's most likely tokens
+    /// (when asked).
     Token {
         id: u32,
         text: String,
         logprob: Option<f32>,
+        #[serde(default)]
+        top: Vec<(u32, f32)>,
     },
     /// Generation ended.
     Done {
@@ -502,6 +505,7 @@ fn run(
                 id: token,
                 text: piece,
                 logprob: sampled.logprob,
+                top: sampled.top.clone(),
             });
             if sent.is_err() {
                 // The client went away.

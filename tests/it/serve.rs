@@ -279,7 +279,7 @@ fn fast_numerics_serve_what_generate_fast_gives() {
 fn chat_streams_server_sent_events() {
     let server = Server::start(TP3);
     let response = ureq::post(&format!("{}/v1/chat/completions", server.url))
-        .send_json(json!({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 40, "temperature": 0, "stream": true}))
+        .send_json(json!({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 40, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}))
         .expect("stream");
     let mut text = String::new();
     response
@@ -302,11 +302,15 @@ fn chat_streams_server_sent_events() {
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert!(!content.is_empty());
-    let last = chunks.last().expect("final chunk");
-    assert_eq!(last["choices"][0]["finish_reason"], "stop");
+    // The role chunk, one per token, the finish chunk, then the usage alone (asked for
+    // with `stream_options.include_usage`, as OpenAI sends it).
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "stop");
+    let last = chunks.last().expect("usage chunk");
+    assert_eq!(last["choices"], json!([]));
     assert_eq!(
-        last["usage"]["completion_tokens"].as_u64().expect("usage") as usize + 1,
-        chunks.len() - 1,
+        last["usage"]["completion_tokens"].as_u64().expect("usage") as usize + 3,
+        chunks.len(),
         "one chunk per token"
     );
 }
@@ -342,25 +346,180 @@ fn sixteen_concurrent_requests_all_complete() {
 #[test]
 fn bad_requests_get_4xx_json_and_the_server_keeps_serving() {
     let server = Server::start(TP3);
+    let (status, reply) = server.post("/v1/completions", &json!({"prompt": "x", "model": "gpt-9"}));
+    assert_eq!(status, 404, "{reply}");
+    assert_eq!(reply["error"]["code"], "model_not_found", "{reply}");
+    let long_prompt: Vec<u32> = (100..200).collect();
+    // (endpoint, body, the field at fault, words of the message)
+    let chat = "/v1/chat/completions";
+    let hello = json!([{"role": "user", "content": "Say hello."}]);
     let cases = [
-        (json!({"prompt": "x", "model": "gpt-9"}), "does not exist"),
-        (json!({"prompt": 12}), "`prompt` must be"),
         (
-            json!({"prompt": "x", "max_tokens": 100000}),
-            "maximum context length",
+            "/v1/completions",
+            json!({"prompt": 12}),
+            "prompt",
+            "`prompt` must be",
         ),
-        (json!({"prompt": "x", "top_p": 0}), "`top_p`"),
+        (
+            "/v1/completions",
+            json!({"max_tokens": 2}),
+            "prompt",
+            "`prompt` is missing",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 100000}),
+            "max_tokens",
+            "more than this model's context of 8192 tokens",
+        ),
+        // Would wrap `prompt + max_tokens` without checked arithmetic.
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 18446744073709551615u64}),
+            "max_tokens",
+            "more than this model's context",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long_prompt, "max_tokens": 8192}),
+            "max_tokens",
+            "maximum context length is 8192 tokens; the prompt has 100",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": -1}),
+            "max_tokens",
+            "invalid value",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": "ten"}),
+            "max_tokens",
+            "invalid type",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 0}),
+            "max_tokens",
+            "at least 1",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "top_p": 0}),
+            "top_p",
+            "`top_p`",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "temperature": -1}),
+            "temperature",
+            "[0, 2]",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "n": 0}),
+            "n",
+            "`n` must be 1 to 16",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "n": 1000}),
+            "n",
+            "`n` must be 1 to 16",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "seed": 1.5}),
+            "seed",
+            "invalid type",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "stop": [1, 2]}),
+            "stop",
+            "did not match",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "logprobs": 9}),
+            "logprobs",
+            "0 to 5",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "frobnicate": 1}),
+            ".",
+            "unknown field `frobnicate`",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "presence_penalty": 0.5}),
+            "presence_penalty",
+            "not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "echo": true}),
+            "echo",
+            "not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "response_format": {"type": "json_object"}}),
+            "response_format",
+            "`response_format` `json_object` is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "stream_options": {"include_usage": true}}),
+            "stream_options",
+            "only allowed with `stream: true`",
+        ),
+        (
+            chat,
+            json!({"messages": []}),
+            "messages",
+            "`messages` is empty",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "wizard", "content": "hi"}]}),
+            "messages[0].role",
+            "`messages[0].role` is `wizard`",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}),
+            "messages[0].content[0]",
+            "is a `image_url` part: this model takes text only",
+        ),
+        (
+            chat,
+            json!({"messages": hello, "tools": []}),
+            "tools",
+            "does not call tools",
+        ),
+        (
+            chat,
+            json!({"messages": hello, "top_logprobs": 3}),
+            "top_logprobs",
+            "needs `logprobs: true`",
+        ),
+        (
+            chat,
+            json!({"messages": hello, "prompt": "x"}),
+            "prompt",
+            "belongs to /v1/completions",
+        ),
     ];
-    for (body, expected) in cases {
-        let (status, reply) = server.post("/v1/completions", &body);
-        assert_eq!(status, 400, "{body}");
-        assert!(
-            reply["error"]["message"]
-                .as_str()
-                .expect("message")
-                .contains(expected),
-            "{reply}"
-        );
+    for (path, body, param, expected) in cases {
+        let (status, reply) = server.post(path, &body);
+        assert_eq!(status, 400, "{body}: {reply}");
+        let message = reply["error"]["message"].as_str().expect("message");
+        assert!(message.contains(expected), "{body}: {reply}");
+        if param != "." {
+            assert_eq!(reply["error"]["param"], param, "{body}: {reply}");
+        }
     }
     let malformed = ureq::post(&format!("{}/v1/chat/completions", server.url))
         .config()
@@ -633,7 +792,10 @@ fn bad_up_arguments_exit_2_with_a_clear_error() {
     // Not an address of this host, not an address at all: said as such, before any rank.
     for (host, expected) in [
         ("10.99.99.99", "10.99.99.99 is not an address of this host"),
-        ("notanip", "`notanip` is not an IP address or a name that resolves"),
+        (
+            "notanip",
+            "`notanip` is not an IP address or a name that resolves",
+        ),
     ] {
         for layout in [&[][..], &["--tp", "3"][..]] {
             let output = run(&[&["up", "--host", host, "--port", "8123"][..], layout].concat());
@@ -991,4 +1153,134 @@ fn dropped_streams_stop_their_sequences_on_every_replica() {
         generated,
         "sequences kept generating after their clients left"
     );
+}
+
+/// What OpenAI clients send and expect beyond the basics: content as a list of text parts,
+/// `n` choices (seeded: different and reproducible), chat `logprobs` with `top_logprobs`,
+/// completions `logprobs` with tokens as text, `max_completion_tokens`, and `n` streamed.
+#[test]
+fn openai_request_shapes_clients_send() {
+    let server = Server::start(&[]);
+    let chat = "/v1/chat/completions";
+    // Text parts are the message's text: the same answer as the plain string.
+    let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}], "max_tokens": 8, "temperature": 0});
+    let plain = json!({"messages": [{"role": "user", "content": "Say hello."}], "max_completion_tokens": 8, "temperature": 0});
+    let (status, by_parts) = server.post(chat, &parts);
+    assert_eq!(status, 200, "{by_parts}");
+    let (status, by_string) = server.post(chat, &plain);
+    assert_eq!(status, 200, "{by_string}");
+    assert_eq!(
+        by_parts["choices"][0]["message"]["content"],
+        by_string["choices"][0]["message"]["content"]
+    );
+
+    // n = 3 seeded choices: three, indexed, usage summed; the same again with the seed.
+    let sampled = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "n": 3, "seed": 7});
+    let (status, first) = server.post("/v1/completions", &sampled);
+    assert_eq!(status, 200, "{first}");
+    let choices = first["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3, "{first}");
+    let texts: Vec<&str> = choices
+        .iter()
+        .map(|c| c["text"].as_str().expect("text"))
+        .collect();
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    for (index, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], index);
+    }
+    let completion: u64 = first["usage"]["completion_tokens"].as_u64().expect("usage");
+    assert_eq!(completion, 36, "{first}");
+    let (_, again) = server.post("/v1/completions", &sampled);
+    assert_eq!(again["choices"], first["choices"]);
+
+    // Chat logprobs: each token's text (not the vocabulary's `Ġ` spelling), logprob, bytes,
+    // and its 3 most likely alternatives, the greedy choice first.
+    let (status, reply) = server.post(
+        chat,
+        &json!({"messages": [{"role": "user", "content": "Count: 1, 2, 3,"}], "max_tokens": 4, "temperature": 0, "logprobs": true, "top_logprobs": 3}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let content = reply["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs.content");
+    assert_eq!(content.len(), 4, "{reply}");
+    let mut text = String::new();
+    for entry in content {
+        let token = entry["token"].as_str().expect("token");
+        assert!(!token.contains('Ġ'), "{entry}");
+        text.push_str(token);
+        let logprob = entry["logprob"].as_f64().expect("logprob");
+        assert!(logprob <= 0.0, "{entry}");
+        let top = entry["top_logprobs"].as_array().expect("top_logprobs");
+        assert_eq!(top.len(), 3, "{entry}");
+        assert_eq!(
+            top[0]["token"], entry["token"],
+            "greedy picks the most likely"
+        );
+        assert!((top[0]["logprob"].as_f64().expect("lp") - logprob).abs() < 1e-5);
+        assert!(top[1]["logprob"].as_f64() <= top[0]["logprob"].as_f64());
+        assert_eq!(
+            entry["bytes"],
+            json!(token.as_bytes()),
+            "bytes are the token's UTF-8"
+        );
+    }
+    assert_eq!(
+        text,
+        reply["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("text")
+    );
+
+    // Completions logprobs: tokens as text, offsets into the text, top alternatives.
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0, "logprobs": 2}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let logprobs = &reply["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = logprobs["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_str().expect("token"))
+        .collect();
+    assert_eq!(
+        tokens.concat(),
+        reply["choices"][0]["text"].as_str().expect("text")
+    );
+    assert_eq!(logprobs["text_offset"][1], tokens[0].len());
+    assert_eq!(
+        logprobs["top_logprobs"][0].as_object().expect("top").len(),
+        2
+    );
+
+    // n = 2 streamed: chunks of both choices, each finished once, then the usage alone.
+    let response = ureq::post(&format!("{}{chat}", server.url))
+        .send_json(json!({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6, "temperature": 0, "n": 2, "stream": true, "stream_options": {"include_usage": true}}))
+        .expect("stream");
+    let mut body = String::new();
+    response
+        .into_body()
+        .into_reader()
+        .read_to_string(&mut body)
+        .expect("read");
+    let chunks: Vec<Value> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("chunk"))
+        .collect();
+    for index in 0..2 {
+        let finished = chunks
+            .iter()
+            .filter(|c| {
+                c["choices"][0]["index"] == index && !c["choices"][0]["finish_reason"].is_null()
+            })
+            .count();
+        assert_eq!(finished, 1, "{body}");
+    }
+    let last = chunks.last().expect("usage chunk");
+    assert_eq!(last["choices"], json!([]), "{body}");
+    assert_eq!(last["usage"]["completion_tokens"], 12, "{body}");
 }

@@ -23,7 +23,12 @@ def main() -> None:
     streamed_text = ""
     stream_usage = None
     for chunk in client.completions.create(
-        model=model, prompt="1, 2, 3, 4, 5,", max_tokens=16, temperature=0, stream=True
+        model=model,
+        prompt="1, 2, 3, 4, 5,",
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     ):
         if chunk.choices:
             streamed_text += chunk.choices[0].text
