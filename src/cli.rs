@@ -72,11 +72,11 @@ pub struct SshArgs {
 pub struct GenerateArgs {
     /// A `.gguf` file or a Hugging Face model directory. Default: the embedded
     /// SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
-    #[arg(long, value_name = "M")]
+    #[arg(long, short = 'm', value_name = "M")]
     pub model: Option<String>,
 
     /// The prompt text.
-    #[arg(long, value_name = "P")]
+    #[arg(long, short = 'p', value_name = "P")]
     pub prompt: String,
 
     /// Wrap the prompt as a user message in the model's chat template.
@@ -84,12 +84,13 @@ pub struct GenerateArgs {
     pub chat: bool,
 
     /// Most tokens to generate (at least 1; the model's context caps it, with a warning).
-    #[arg(long, value_name = "N", default_value_t = 64)]
+    #[arg(long, short = 'n', value_name = "N", default_value_t = 64)]
     pub max_tokens: usize,
 
     /// Sampling temperature; 0 is greedy.
     #[arg(
         long,
+        short = 't',
         value_name = "T",
         default_value_t = 0.0,
         allow_negative_numbers = true
@@ -127,11 +128,21 @@ pub struct GenerateArgs {
     pub numerics: NumericsArg,
 
     /// Tensor-parallel degree: this many `infer rank` processes share each layer.
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    #[arg(
+        long,
+        visible_alias = "tensor-parallel-size",
+        value_name = "N",
+        default_value_t = 1
+    )]
     pub tp: usize,
 
     /// Pipeline-parallel degree: the layers are split over this many stages of processes.
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    #[arg(
+        long,
+        visible_alias = "pipeline-parallel-size",
+        value_name = "N",
+        default_value_t = 1
+    )]
     pub pp: usize,
 
     /// Run the ranks on the hosts of this inventory (`hosts.toml`) over SSH: TP groups
@@ -300,7 +311,7 @@ pub struct PlanArgs {
     /// A `.gguf` file, a Hugging Face model directory (or its `config.json`), or a profile
     /// name from `profiles/models/` (`llama-3.1-70b`, `deepseek-v3`, …). Default: the
     /// embedded SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
-    #[arg(long, value_name = "M")]
+    #[arg(long, short = 'm', value_name = "M")]
     pub model: Option<String>,
 
     #[command(flatten)]
@@ -348,16 +359,16 @@ pub struct PlanSettingsArgs {
     pub gpu_memory_utilization: f64,
 
     /// Pin the tensor-parallel degree (the plan checks it).
-    #[arg(long, value_name = "N")]
+    #[arg(long, visible_alias = "tensor-parallel-size", value_name = "N")]
     pub tp: Option<u64>,
     /// Pin the pipeline-parallel degree.
-    #[arg(long, value_name = "N")]
+    #[arg(long, visible_alias = "pipeline-parallel-size", value_name = "N")]
     pub pp: Option<u64>,
     /// Pin the expert-parallel degree (MoE models; divides tp × dp).
     #[arg(long, value_name = "N")]
     pub ep: Option<u64>,
     /// Pin the data-parallel degree (replicas).
-    #[arg(long, value_name = "N")]
+    #[arg(long, visible_alias = "data-parallel-size", value_name = "N")]
     pub dp: Option<u64>,
 }
 
@@ -415,8 +426,17 @@ pub struct DoctorArgs {
 pub struct UpArgs {
     /// A `.gguf` file or a Hugging Face model directory. Default: the embedded
     /// SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
-    #[arg(long, value_name = "M")]
+    #[arg(long, short = 'm', value_name = "M")]
     pub model: Option<String>,
+
+    /// The model id `/v1/models` lists and requests name (default: the file's stem).
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Option<String>,
+
+    /// Longest prompt plus completion a request may take, in tokens (default: the model's
+    /// context; at most that).
+    #[arg(long, value_name = "TOKENS")]
+    pub max_model_len: Option<usize>,
 
     /// Address to bind (127.0.0.1: this host only).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
@@ -436,7 +456,12 @@ pub struct UpArgs {
     pub numerics: NumericsArg,
 
     /// Most sequences decoded together; later requests wait for a slot.
-    #[arg(long, value_name = "N", default_value_t = 16)]
+    #[arg(
+        long,
+        visible_alias = "max-num-seqs",
+        value_name = "N",
+        default_value_t = 16
+    )]
     pub max_batch: usize,
 
     /// Require `Authorization: Bearer <key>` on every API request.
@@ -450,16 +475,16 @@ pub struct UpArgs {
     pub kv_cache_tokens: usize,
 
     /// Tensor-parallel degree: ranks that split every layer (default 1: no split).
-    #[arg(long, value_name = "N")]
+    #[arg(long, visible_alias = "tensor-parallel-size", value_name = "N")]
     pub tp: Option<usize>,
 
     /// Pipeline-parallel degree: stages of contiguous layers (default 1).
-    #[arg(long, value_name = "N")]
+    #[arg(long, visible_alias = "pipeline-parallel-size", value_name = "N")]
     pub pp: Option<usize>,
 
     /// Data-parallel degree: independent replicas (each `tp × pp` ranks) behind rank 0's
     /// router, which spreads requests by load (default 1).
-    #[arg(long, value_name = "N")]
+    #[arg(long, visible_alias = "data-parallel-size", value_name = "N")]
     pub dp: Option<usize>,
 
     /// Expert-parallel degree for MoE models (default 1). Experts are sharded over each

@@ -30,8 +30,23 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         );
     }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
+    if let Some(len) = args.max_model_len {
+        let context = model::load(&path.display().to_string())?.max_position_embeddings;
+        if len == 0 || len as u64 > context {
+            bail!(
+                "--max-model-len must be 1 to the model's context of {context} tokens, got {len}"
+            );
+        }
+    }
+    if args.served_model_name.as_deref().is_some_and(str::is_empty) {
+        bail!("--served-model-name must not be empty");
+    }
     let settings = UpSettings {
-        model_id: model_id(&path),
+        model_id: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| model_id(&path)),
+        max_model_len: args.max_model_len,
         model: path,
         tp: args.tp,
         pp: args.pp,

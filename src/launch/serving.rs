@@ -24,6 +24,9 @@ pub struct UpSettings {
     pub model: PathBuf,
     /// The id `/v1/models` lists.
     pub model_id: String,
+    /// Longest prompt plus completion, tokens (`--max-model-len`; `None`: the model's
+    /// context).
+    pub max_model_len: Option<usize>,
     /// Pinned degrees (`--tp/--pp/--dp/--ep`).
     pub tp: Option<usize>,
     pub pp: Option<usize>,
@@ -87,6 +90,7 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
             max_batch: settings.max_batch,
             kv_cache_tokens: settings.kv_cache_tokens,
             api_key: settings.api_key.clone(),
+            max_model_len: settings.max_model_len,
         },
         &mut |event| match event {
             OneProcessEvent::Listening(address) => events(UpEvent::Listening(address)),
@@ -314,6 +318,9 @@ fn launch(
     ];
     if let Some(key) = &settings.api_key {
         extra_env.push(("INFER_API_KEY".to_string(), key.clone()));
+    }
+    if let Some(len) = settings.max_model_len {
+        extra_env.push(("INFER_MAX_MODEL_LEN".to_string(), len.to_string()));
     }
     let spec = LaunchSpec {
         tp: layout.tp,

@@ -32,6 +32,8 @@ pub struct OneProcess<'a> {
     pub max_batch: usize,
     pub kv_cache_tokens: usize,
     pub api_key: Option<String>,
+    /// Longest prompt plus completion, tokens (`None`: the model's context).
+    pub max_model_len: Option<usize>,
 }
 
 /// What [`serve_one_process`] reports.
@@ -61,7 +63,11 @@ pub fn serve_one_process(
     } else {
         Tokenizer::from_gguf(&Header::read_file(settings.model)?)?
     };
-    let max_context_tokens = engine.model.config.max_context_tokens;
+    let max_context_tokens = settings
+        .max_model_len
+        .map_or(engine.model.config.max_context_tokens, |len| {
+            len.min(engine.model.config.max_context_tokens)
+        });
     server.open(
         AppState {
             scheduler: Router::local(Scheduler::start(engine, settings.max_batch)),
@@ -139,7 +145,14 @@ pub fn serve_driver(
         AppState {
             model_id: var("INFER_MODEL_ID")?,
             tokenizer: driver.tokenizer().clone(),
-            max_context_tokens: driver.max_context_tokens(),
+            // `INFER_MAX_MODEL_LEN` (`--max-model-len`), when set, caps the model's context.
+            max_context_tokens: match std::env::var("INFER_MAX_MODEL_LEN")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+            {
+                Some(len) => len.min(driver.max_context_tokens()),
+                None => driver.max_context_tokens(),
+            },
             api_key: std::env::var("INFER_API_KEY").ok(),
             scheduler: Router::local(Scheduler::start_with(Box::new(driver), max_batch)),
         },

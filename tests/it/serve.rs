@@ -1284,3 +1284,78 @@ fn openai_request_shapes_clients_send() {
     assert_eq!(last["choices"], json!([]), "{body}");
     assert_eq!(last["usage"]["completion_tokens"], 12, "{body}");
 }
+
+/// vLLM's flag names work on `up` (and the short flags on `generate`): the degrees, the
+/// batch, the served name and the context cap take effect.
+#[test]
+fn vllm_flag_names_take_effect() {
+    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let model = model.to_str().expect("utf-8 path");
+    let server = Server::start(&[
+        "-m",
+        model,
+        "--tensor-parallel-size",
+        "3",
+        "--max-num-seqs",
+        "4",
+        "--served-model-name",
+        "smol",
+        "--max-model-len",
+        "256",
+    ]);
+    assert_eq!(server.rank_pids().len(), 3, "{}", server.startup);
+    let models: Value = ureq::get(&format!("{}/v1/models", server.url))
+        .call()
+        .expect("models")
+        .into_body()
+        .read_json()
+        .expect("JSON");
+    assert_eq!(models["data"][0]["id"], "smol");
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "1, 2, 3,", "max_tokens": 300}),
+    );
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("context of 256 tokens")),
+        "{reply}"
+    );
+    let env = &server.manifest()["ranks"][0]["env"];
+    assert_eq!(env["INFER_MAX_BATCH"], "4", "{env}");
+
+    let output = run(&[
+        "generate",
+        "-m",
+        model,
+        "-p",
+        "1, 2, 3, 4, 5,",
+        "-n",
+        "16",
+        "-t",
+        "0",
+        "--tensor-parallel-size",
+        "3",
+        "--json",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let generated: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    assert_eq!(generated["text"], generate_counting()["text"]);
+    let output = run(&["up", "--max-model-len", "100000"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--max-model-len must be 1 to the model's context of 8192"),
+        "{stderr}"
+    );
+}
