@@ -438,6 +438,11 @@ pub struct UpArgs {
     #[arg(long, value_name = "TOKENS")]
     pub max_model_len: Option<usize>,
 
+    /// After Ctrl-C or SIGTERM, seconds the requests in flight get to finish before they
+    /// are cancelled (new ones are refused at once); a second Ctrl-C stops at once.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    pub shutdown_timeout: f64,
+
     /// Address to bind (127.0.0.1: this host only).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub host: String,

@@ -47,6 +47,14 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
             .clone()
             .unwrap_or_else(|| model_id(&path)),
         max_model_len: args.max_model_len,
+        shutdown_timeout: std::time::Duration::try_from_secs_f64(args.shutdown_timeout).map_err(
+            |_| {
+                anyhow::anyhow!(
+                    "--shutdown-timeout must be 0 or more seconds, got {}",
+                    args.shutdown_timeout
+                )
+            },
+        )?,
         model: path,
         tp: args.tp,
         pp: args.pp,

@@ -610,6 +610,21 @@ impl Gang {
         self.stop();
     }
 
+    /// Sends `signal` to rank `rank`'s process group (rank 0's SIGTERM starts its drain).
+    pub fn signal_rank(&mut self, rank: usize, signal: rustix::process::Signal) {
+        if let Some(process) = self.ranks.iter_mut().find(|r| r.rank == rank) {
+            process.child.signal(signal);
+        }
+    }
+
+    /// Whether rank `rank` has exited (an unknown rank counts as exited).
+    pub fn rank_exited(&mut self, rank: usize) -> bool {
+        self.ranks
+            .iter_mut()
+            .find(|r| r.rank == rank)
+            .is_none_or(|r| !matches!(r.child.try_wait(), Ok(None)))
+    }
+
     /// Stops every live rank (SIGTERM to its process group, SIGKILL after
     /// [`GRACE_PERIOD`]) and reaps them all.
     pub fn stop(&mut self) {

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -27,6 +27,9 @@ pub struct UpSettings {
     /// Longest prompt plus completion, tokens (`--max-model-len`; `None`: the model's
     /// context).
     pub max_model_len: Option<usize>,
+    /// After Ctrl-C, how long requests in flight may finish before they are cancelled
+    /// (`--shutdown-timeout`).
+    pub shutdown_timeout: Duration,
     /// Pinned degrees (`--tp/--pp/--dp/--ep`).
     pub tp: Option<usize>,
     pub pp: Option<usize>,
@@ -91,6 +94,7 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
             kv_cache_tokens: settings.kv_cache_tokens,
             api_key: settings.api_key.clone(),
             max_model_len: settings.max_model_len,
+            shutdown_timeout: settings.shutdown_timeout,
         },
         &mut |event| match event {
             OneProcessEvent::Listening(address) => events(UpEvent::Listening(address)),
@@ -319,6 +323,10 @@ fn launch(
     if let Some(key) = &settings.api_key {
         extra_env.push(("INFER_API_KEY".to_string(), key.clone()));
     }
+    extra_env.push((
+        "INFER_SHUTDOWN_TIMEOUT_SECS".to_string(),
+        settings.shutdown_timeout.as_secs_f64().to_string(),
+    ));
     if let Some(len) = settings.max_model_len {
         extra_env.push(("INFER_MAX_MODEL_LEN".to_string(), len.to_string()));
     }
@@ -340,8 +348,8 @@ fn launch(
         placement: Vec::new(),
         run_dir: settings.run_dir.clone(),
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    watch_signals(Arc::clone(&stop))?;
+    let signals = Arc::new(AtomicUsize::new(0));
+    watch_signals(Arc::clone(&signals))?;
     let mut report = |event: Progress| events(UpEvent::Gang(event));
     let mut cluster = match &inventory {
         Some(file) => {
@@ -370,7 +378,7 @@ fn launch(
     };
     gang.fail_on_any_exit();
     report(gang.started());
-    let is_stopped = || stop.load(Ordering::SeqCst);
+    let is_stopped = || signals.load(Ordering::SeqCst) > 0;
     let Some(address) = gang.wait_for("ready", &is_stopped, &mut report)? else {
         gang.stop();
         events(UpEvent::Note("stopped before the ranks were ready".into()));
@@ -401,12 +409,23 @@ fn launch(
     let mut report = |event: Progress| events(UpEvent::Gang(event));
     // Serve until told to stop; the gang's rank 0 never sets this key.
     gang.wait_for("never", &is_stopped, &mut report)?;
+    // Rank 0 drains: it stops accepting, gives requests in flight the shutdown timeout,
+    // cancels the rest and exits; then the gang stops. A second Ctrl-C stops it at once.
+    events(UpEvent::Note(format!(
+        "stopping: rank 0 finishes the requests in flight for up to {:.0} s (--shutdown-timeout), then cancels them; Ctrl-C again stops at once",
+        settings.shutdown_timeout.as_secs_f64()
+    )));
+    gang.signal_rank(0, rustix::process::Signal::TERM);
+    let deadline = Instant::now() + settings.shutdown_timeout + Duration::from_secs(3);
+    while Instant::now() < deadline && signals.load(Ordering::SeqCst) < 2 && !gang.rank_exited(0) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     gang.stop();
     Ok(())
 }
 
-/// Sets `stop` on SIGINT or SIGTERM (a thread with its own small runtime).
-fn watch_signals(stop: Arc<AtomicBool>) -> Result<()> {
+/// Counts SIGINTs and SIGTERMs into `signals` (a thread with its own small runtime).
+fn watch_signals(signals: Arc<AtomicUsize>) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -420,12 +439,14 @@ fn watch_signals(stop: Arc<AtomicBool>) -> Result<()> {
         .name("signals".into())
         .spawn(move || {
             runtime.block_on(async {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = terminate.recv() => {}
+                loop {
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = terminate.recv() => {}
+                    }
+                    signals.fetch_add(1, Ordering::SeqCst);
                 }
             });
-            stop.store(true, Ordering::SeqCst);
         })
         .context("failed to start the signal watcher")?;
     Ok(())

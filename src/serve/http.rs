@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
 
@@ -34,7 +35,12 @@ pub struct OneProcess<'a> {
     pub api_key: Option<String>,
     /// Longest prompt plus completion, tokens (`None`: the model's context).
     pub max_model_len: Option<usize>,
+    /// How long requests in flight may finish after Ctrl-C before they are cancelled.
+    pub shutdown_timeout: Duration,
 }
+
+/// `--shutdown-timeout`'s default: requests in flight get 5 s after Ctrl-C.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What [`serve_one_process`] reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,7 +86,7 @@ pub fn serve_one_process(
         "",
     )?;
     events(OneProcessEvent::Ready(server.address()));
-    server.serve_until_stopped()
+    server.serve_until_stopped(settings.shutdown_timeout, &|line| eprintln!("note: {line}"))
 }
 
 /// The driver of a serving replica. Replica 0's driver (global rank 0) runs the scheduler
@@ -160,7 +166,11 @@ pub fn serve_driver(
         &token,
     )?;
     store.set("ready", server.address().to_string().as_bytes())?;
-    server.serve_until_stopped()
+    let shutdown_timeout = std::env::var("INFER_SHUTDOWN_TIMEOUT_SECS")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(DEFAULT_SHUTDOWN_TIMEOUT, Duration::from_secs_f64);
+    server.serve_until_stopped(shutdown_timeout, &|line| eprintln!("{line}"))
 }
 
 /// Rank 0's HTTP server, bound before the shard loads so the port answers 503 meanwhile:
@@ -270,27 +280,38 @@ impl HttpServer {
         self.gate.open(state)
     }
 
-    /// Serves until Ctrl-C, SIGTERM or a failed replica, then shuts down gracefully.
+    /// Serves until Ctrl-C, SIGTERM or a failed replica. Then, as vLLM's and SGLang's
+    /// servers do: stop accepting, give the requests in flight `shutdown_timeout` to finish
+    /// (reported through `note`), cancel those still running (each gets an error), and
+    /// return; a second Ctrl-C or SIGTERM returns at once.
     ///
     /// Errors: a replica failed (the error names it), the server failed.
-    pub fn serve_until_stopped(self) -> Result<()> {
+    pub fn serve_until_stopped(
+        self,
+        shutdown_timeout: Duration,
+        note: &(dyn Fn(&str) + Sync),
+    ) -> Result<()> {
         let HttpServer {
             runtime,
             gate,
             shutdown,
-            server,
+            mut server,
             ..
         } = self;
         runtime.block_on(async move {
             let mut terminate =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-            let sigterm = async {
-                match terminate.as_mut() {
-                    Some(s) => {
-                        s.recv().await;
+            let mut interrupt =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
+            // Resolves at each Ctrl-C or SIGTERM.
+            let mut signalled = async || match (terminate.as_mut(), interrupt.as_mut()) {
+                (Some(t), Some(i)) => {
+                    tokio::select! {
+                        _ = t.recv() => {}
+                        _ = i.recv() => {}
                     }
-                    None => std::future::pending::<()>().await,
                 }
+                _ => std::future::pending::<()>().await,
             };
             let engine_failed = async {
                 match gate.state() {
@@ -299,19 +320,50 @@ impl HttpServer {
                 }
             };
             let failure = tokio::select! {
-                _ = tokio::signal::ctrl_c() => None,
-                _ = sigterm => None,
+                () = signalled() => None,
                 error = engine_failed => Some(error),
             };
             let _ = shutdown.send(());
-            server
-                .await
+            if let Some(error) = failure {
+                gate.cancel_requests();
+                let _ = tokio::time::timeout(Duration::from_secs(2), &mut server).await;
+                return Err(anyhow!("the engine failed: {error}"));
+            }
+            let in_flight = gate.in_flight();
+            if in_flight > 0 {
+                note(&format!(
+                    "stopping: no new requests; {in_flight} in flight get up to {:.0} s to finish (--shutdown-timeout), then are cancelled; Ctrl-C again stops at once",
+                    shutdown_timeout.as_secs_f64()
+                ));
+            }
+            let finished = tokio::select! {
+                result = &mut server => Some(result),
+                () = tokio::time::sleep(shutdown_timeout) => None,
+                () = signalled() => {
+                    note("stopping at once");
+                    return Ok(());
+                }
+            };
+            let result = match finished {
+                Some(result) => result,
+                None => {
+                    note(&format!(
+                        "cancelled {} request(s) still running after {:.0} s",
+                        gate.in_flight(),
+                        shutdown_timeout.as_secs_f64()
+                    ));
+                    gate.cancel_requests();
+                    tokio::select! {
+                        result = &mut server => result,
+                        () = tokio::time::sleep(Duration::from_secs(2)) => return Ok(()),
+                        () = signalled() => return Ok(()),
+                    }
+                }
+            };
+            result
                 .context("the HTTP server task failed")?
                 .context("the HTTP server failed")?;
-            match failure {
-                Some(error) => Err(anyhow!("the engine failed: {error}")),
-                None => Ok(()),
-            }
+            Ok(())
         })
     }
 }

@@ -42,15 +42,33 @@ pub struct AppState {
 /// The HTTP server's shared state: the engine side once it is ready. The server listens
 /// from the start; until [`Gate::open`], every endpoint answers 503 (`/health` included,
 /// so a load balancer waits), as vLLM does while its engine starts.
-#[derive(Default)]
 pub struct Gate {
     ready: std::sync::OnceLock<Arc<AppState>>,
+    /// Set when shutdown cancels the requests in flight: each ends with an error (a JSON
+    /// error, or an error chunk on a stream) and its sequences stop.
+    cancel: tokio::sync::watch::Sender<bool>,
 }
 
 impl Gate {
     /// A closed gate (answering 503).
     pub fn new() -> Arc<Gate> {
-        Arc::new(Gate::default())
+        Arc::new(Gate {
+            ready: std::sync::OnceLock::new(),
+            cancel: tokio::sync::watch::Sender::new(false),
+        })
+    }
+
+    /// Ends every request in flight with an error (shutdown after the grace period).
+    pub fn cancel_requests(&self) {
+        self.cancel.send_replace(true);
+    }
+
+    /// Requests running or waiting now, over every replica (0 before ready).
+    pub fn in_flight(&self) -> u64 {
+        self.state().map_or(0, |state| {
+            let m = state.scheduler.metrics_snapshot();
+            m.running + m.waiting
+        })
     }
 
     /// Serves `state` from now on. Errors: the gate was already open.
@@ -66,8 +84,23 @@ impl Gate {
     }
 }
 
-/// The ready engine side, extracted by handlers; a 503 while the model loads.
-struct Ready(Arc<AppState>);
+/// The ready engine side, extracted by handlers, with the shutdown's cancel signal; a 503
+/// while the model loads.
+struct Ready(Arc<AppState>, Cancel);
+
+/// Resolves when shutdown cancels the requests in flight.
+#[derive(Clone)]
+struct Cancel(tokio::sync::watch::Receiver<bool>);
+
+impl Cancel {
+    async fn cancelled(mut self) {
+        // An error means the gate is gone: as good as cancelled.
+        let _ = self.0.wait_for(|cancelled| *cancelled).await;
+    }
+}
+
+/// What a request cancelled by shutdown answers.
+const SHUTTING_DOWN: &str = "the server is shutting down; the request was cancelled";
 
 impl axum::extract::FromRequestParts<Arc<Gate>> for Ready {
     type Rejection = ApiError;
@@ -76,18 +109,22 @@ impl axum::extract::FromRequestParts<Arc<Gate>> for Ready {
         _parts: &mut axum::http::request::Parts,
         gate: &Arc<Gate>,
     ) -> Result<Ready, ApiError> {
-        gate.state().cloned().map(Ready).ok_or_else(|| {
-            error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                "the model is still loading; retry shortly",
-            )
-        })
+        let cancel = Cancel(gate.cancel.subscribe());
+        gate.state()
+            .cloned()
+            .map(|s| Ready(s, cancel))
+            .ok_or_else(|| {
+                error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_error",
+                    "the model is still loading; retry shortly",
+                )
+            })
     }
 }
 
 /// `GET /health`: 200 once ready and while every replica works, 503 otherwise.
-async fn health(Ready(state): Ready) -> Result<&'static str, ApiError> {
+async fn health(Ready(state, _): Ready) -> Result<&'static str, ApiError> {
     match state.scheduler.failure() {
         Some(failure) => Err(error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -169,14 +206,14 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-async fn models(Ready(state): Ready, headers: HeaderMap) -> Response {
+async fn models(Ready(state, _): Ready, headers: HeaderMap) -> Response {
     if let Err(response) = authorize(&state, &headers) {
         return response.into_response();
     }
     axum::Json(json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": now(), "owned_by": "infer"}]})).into_response()
 }
 
-async fn metrics(Ready(state): Ready) -> Response {
+async fn metrics(Ready(state, _): Ready) -> Response {
     // Every replica's metrics added up (remote replicas report twice a second).
     let m = state.scheduler.metrics_snapshot();
     let series = [
@@ -846,8 +883,20 @@ async fn collect(mut events: UnboundedReceiverStream<Event>) -> Result<Choice, A
     ))
 }
 
-/// Every choice, generated concurrently.
+/// Every choice, generated concurrently; a 503 when shutdown cancels them first (dropping
+/// the streams stops their sequences).
 async fn collect_all(
+    streams: Vec<UnboundedReceiverStream<Event>>,
+    cancel: Cancel,
+) -> Result<Vec<Choice>, ApiError> {
+    tokio::select! {
+        choices = collect_each(streams) => choices,
+        () = cancel.cancelled() => Err(error(StatusCode::SERVICE_UNAVAILABLE, "server_error", SHUTTING_DOWN)),
+    }
+}
+
+/// Every choice, generated concurrently.
+async fn collect_each(
     streams: Vec<UnboundedReceiverStream<Event>>,
 ) -> Result<Vec<Choice>, ApiError> {
     let mut choices = Vec::with_capacity(streams.len());
@@ -939,6 +988,7 @@ fn chat_logprobs(tokenizer: &Tokenizer, tokens: &[TokenOut]) -> Value {
 /// usage chunk (no choices) when asked, then `[DONE]`.
 fn stream_choices(
     streams: Vec<UnboundedReceiverStream<Event>>,
+    cancel: Cancel,
     include_usage: bool,
     head: Vec<Value>,
     chunk: impl Fn(usize, &Event) -> Option<Value> + Send + 'static,
@@ -960,7 +1010,19 @@ fn stream_choices(
             }
         }
         let (mut prompt, mut completion, mut done) = (0, 0, 0);
-        while let Some((index, event)) = merged.next().await {
+        let cancelled = cancel.cancelled();
+        tokio::pin!(cancelled);
+        loop {
+            let (index, event) = tokio::select! {
+                next = merged.next() => match next {
+                    Some(next) => next,
+                    None => break,
+                },
+                () = &mut cancelled => {
+                    let _ = sender.send(json!({"error": {"message": SHUTTING_DOWN, "type": "server_error"}}));
+                    return;
+                }
+            };
             if let Event::Done {
                 prompt_tokens,
                 completion_tokens,
@@ -1012,7 +1074,7 @@ fn read(
 }
 
 async fn completions(
-    Ready(state): Ready,
+    Ready(state, cancel): Ready,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -1057,6 +1119,7 @@ async fn completions(
         let with_top = checked.params.top_logprobs > 0;
         return Ok(stream_choices(
             streams,
+            cancel,
             checked.include_usage,
             Vec::new(),
             move |index, event| match event {
@@ -1091,7 +1154,7 @@ async fn completions(
             move |usage| json!({"id": id2, "object": "text_completion", "created": now(), "model": model2, "choices": [], "usage": usage}),
         ));
     }
-    let choices = collect_all(streams).await?;
+    let choices = collect_all(streams, cancel).await?;
     let with_top = checked.params.top_logprobs > 0;
     let rendered: Vec<Value> = choices
         .iter()
@@ -1113,7 +1176,7 @@ async fn completions(
 }
 
 async fn chat_completions(
-    Ready(state): Ready,
+    Ready(state, cancel): Ready,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -1142,6 +1205,7 @@ async fn chat_completions(
         let with_logprobs = checked.params.logprobs;
         return Ok(stream_choices(
             streams,
+            cancel,
             checked.include_usage,
             head,
             move |index, event| match event {
@@ -1175,7 +1239,7 @@ async fn chat_completions(
             move |usage| json!({"id": id2, "object": "chat.completion.chunk", "created": now(), "model": model2, "choices": [], "usage": usage}),
         ));
     }
-    let choices = collect_all(streams).await?;
+    let choices = collect_all(streams, cancel).await?;
     let rendered: Vec<Value> = choices
         .iter()
         .enumerate()

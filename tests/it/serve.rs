@@ -1359,3 +1359,88 @@ fn vllm_flag_names_take_effect() {
         "{stderr}"
     );
 }
+
+#[test]
+fn ctrl_c_drains_then_cancels_one_process() {
+    ctrl_c_drains_then_cancels(&[]);
+}
+
+#[test]
+fn ctrl_c_drains_then_cancels_tp3() {
+    ctrl_c_drains_then_cancels(TP3);
+}
+
+/// Ctrl-C with a long request in flight: new requests are refused at once, the request
+/// gets `--shutdown-timeout` (1 s here) and is then cancelled — its stream ends with an
+/// error chunk — and `infer up` exits 0 with no rank left. A second Ctrl-C stops at once.
+fn ctrl_c_drains_then_cancels(layout: &[&str]) {
+    use std::io::BufRead;
+    use std::time::Duration;
+    for twice in [false, true] {
+        let mut server = Server::start(&[layout, &["--shutdown-timeout", "1"]].concat());
+        let ranks = if layout.is_empty() {
+            Vec::new()
+        } else {
+            server.rank_pids()
+        };
+        // A greedy count runs to max_tokens.
+        let response = ureq::post(&format!("{}/v1/completions", server.url))
+            .send_json(
+                json!({"prompt": "1, 2, 3,", "max_tokens": 4000, "temperature": 0, "stream": true}),
+            )
+            .expect("stream");
+        let mut reader = std::io::BufReader::new(response.into_body().into_reader());
+        let mut first = String::new();
+        while !first.starts_with("data: ") {
+            first.clear();
+            assert!(
+                reader.read_line(&mut first).expect("read") > 0,
+                "no first chunk"
+            );
+        }
+        let pid = rustix::process::Pid::from_raw(server.child.id() as i32).expect("pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::INT).expect("SIGINT");
+        let signalled = std::time::Instant::now();
+        if twice {
+            std::thread::sleep(Duration::from_millis(300));
+            rustix::process::kill_process(pid, rustix::process::Signal::INT).expect("SIGINT");
+        }
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut reader, &mut rest);
+        let exit = server.child.wait().expect("wait");
+        let elapsed = signalled.elapsed();
+        let stderr = server
+            .rest
+            .take()
+            .map(|reader| reader.join().expect("stderr"))
+            .unwrap_or_default();
+        assert!(exit.success(), "{exit}: {stderr}");
+        if twice {
+            assert!(
+                elapsed < Duration::from_millis(2500),
+                "took {elapsed:?}: {stderr}"
+            );
+        } else {
+            // 1 s of grace, then the cancellation: well before the 4000 tokens.
+            assert!(
+                elapsed >= Duration::from_millis(900),
+                "took {elapsed:?}: {stderr}"
+            );
+            assert!(
+                elapsed < Duration::from_secs(6),
+                "took {elapsed:?}: {stderr}"
+            );
+            assert!(
+                rest.contains("the server is shutting down; the request was cancelled"),
+                "{rest}"
+            );
+            assert!(stderr.contains("stopping:"), "{stderr}");
+        }
+        for pid in ranks {
+            assert!(
+                !crate::distributed::alive(pid),
+                "rank pid {pid} is still running"
+            );
+        }
+    }
+}
