@@ -74,7 +74,11 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
     run_rank(
         &config,
         &mut |line| printer.note(line),
-        &mut |driver, store| crate::serve::http::serve_driver(driver, store, server.take()),
+        &mut |driver, store| {
+            crate::serve::http::serve_driver(driver, store, server.take(), &mut |line| {
+                printer.note(line)
+            })
+        },
     )
     .with_context(|| format!("rank {} failed", config.rank))?;
     Ok(ExitStatus::Success)

@@ -97,6 +97,7 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
             shutdown_timeout: settings.shutdown_timeout,
         },
         &mut |event| match event {
+            OneProcessEvent::Note(line) => events(UpEvent::Note(line)),
             OneProcessEvent::Listening(address) => events(UpEvent::Listening(address)),
             OneProcessEvent::Ready(address) => events(UpEvent::Ready {
                 address: address.to_string(),

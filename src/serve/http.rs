@@ -43,8 +43,10 @@ pub struct OneProcess<'a> {
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What [`serve_one_process`] reports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum OneProcessEvent {
+    /// A line for the user (the shutdown's drain).
+    Note(String),
     /// Listening (every endpoint answers 503) while the engine loads.
     Listening(SocketAddr),
     /// Serving.
@@ -86,7 +88,9 @@ pub fn serve_one_process(
         "",
     )?;
     events(OneProcessEvent::Ready(server.address()));
-    server.serve_until_stopped(settings.shutdown_timeout, &|line| eprintln!("note: {line}"))
+    server.serve_until_stopped(settings.shutdown_timeout, &mut |line| {
+        events(OneProcessEvent::Note(line.to_string()))
+    })
 }
 
 /// The driver of a serving replica. Replica 0's driver (global rank 0) runs the scheduler
@@ -102,6 +106,7 @@ pub fn serve_driver(
     driver: ReplicaDriver,
     store: &mut StoreClient,
     server: Option<HttpServer>,
+    note: &mut dyn FnMut(&str),
 ) -> Result<()> {
     let var = |name: &str| {
         std::env::var(name).with_context(|| format!("`{name}` is not set by the launcher"))
@@ -170,7 +175,7 @@ pub fn serve_driver(
         .ok()
         .and_then(|v| v.parse::<f64>().ok())
         .map_or(DEFAULT_SHUTDOWN_TIMEOUT, Duration::from_secs_f64);
-    server.serve_until_stopped(shutdown_timeout, &|line| eprintln!("{line}"))
+    server.serve_until_stopped(shutdown_timeout, note)
 }
 
 /// Rank 0's HTTP server, bound before the shard loads so the port answers 503 meanwhile:
@@ -289,7 +294,7 @@ impl HttpServer {
     pub fn serve_until_stopped(
         self,
         shutdown_timeout: Duration,
-        note: &(dyn Fn(&str) + Sync),
+        note: &mut dyn FnMut(&str),
     ) -> Result<()> {
         let HttpServer {
             runtime,
