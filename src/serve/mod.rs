@@ -214,8 +214,8 @@ async fn models(Ready(state, _): Ready, headers: HeaderMap) -> Response {
 }
 
 async fn metrics(Ready(state, _): Ready) -> Response {
-    // Every replica's metrics added up (remote replicas report twice a second).
-    let m = state.scheduler.metrics_snapshot();
+    // Every replica's metrics added up, the remote replicas' asked for now.
+    let m = state.scheduler.metrics_now().await;
     let series = [
         (
             "infer_requests_running",

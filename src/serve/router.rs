@@ -43,6 +43,10 @@ enum ToReplica {
     Cancel {
         id: u64,
     },
+    /// Report the metrics now (a `/metrics` scrape), answered with `MetricsNow`.
+    Metrics {
+        id: u64,
+    },
 }
 
 /// Replica → router.
@@ -52,7 +56,16 @@ enum FromReplica {
     Event { id: u64, event: Event },
     /// The replica's metrics, sent twice a second.
     Metrics(MetricsSnapshot),
+    /// The replica's metrics as asked by `ToReplica::Metrics { id }`.
+    MetricsNow { id: u64, snapshot: MetricsSnapshot },
 }
+
+/// How long a scrape waits for a remote replica's current metrics before using its last
+/// report.
+const METRICS_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Scrapes waiting for a remote replica's metrics, by request id.
+type MetricsWaiters = Arc<Mutex<HashMap<u64, tokio::sync::oneshot::Sender<MetricsSnapshot>>>>;
 
 /// How often a remote replica reports its metrics.
 const METRICS_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
@@ -66,6 +79,8 @@ struct Remote {
     pending: Pending,
     /// Its last reported metrics.
     metrics: Arc<Mutex<MetricsSnapshot>>,
+    /// Scrapes waiting for its current metrics.
+    waiters: MetricsWaiters,
 }
 
 /// Where requests go: the local scheduler (replica 0) and the remote replicas.
@@ -153,9 +168,11 @@ impl Router {
             });
             let pending: Pending = Arc::default();
             let metrics: Arc<Mutex<MetricsSnapshot>> = Arc::default();
-            let (reader_pending, reader_metrics, fail, cancel) = (
+            let waiters: MetricsWaiters = Arc::default();
+            let (reader_pending, reader_metrics, reader_waiters, fail, cancel) = (
                 Arc::clone(&pending),
                 Arc::clone(&metrics),
+                Arc::clone(&waiters),
                 Arc::clone(&self.fail),
                 frames.clone(),
             );
@@ -165,6 +182,18 @@ impl Router {
                         Ok(FromReplica::Event { id, event }) => (id, event),
                         Ok(FromReplica::Metrics(snapshot)) => {
                             *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) = snapshot;
+                            continue;
+                        }
+                        Ok(FromReplica::MetricsNow { id, snapshot }) => {
+                            *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) =
+                                snapshot.clone();
+                            let waiter = reader_waiters
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .remove(&id);
+                            if let Some(waiter) = waiter {
+                                let _ = waiter.send(snapshot);
+                            }
                             continue;
                         }
                         Err(error) => break error,
@@ -195,6 +224,7 @@ impl Router {
                 frames,
                 pending,
                 metrics,
+                waiters,
             });
             self.in_flight.push(Arc::new(AtomicU64::new(0)));
             self.routed.push(AtomicU64::new(0));
@@ -208,6 +238,39 @@ impl Router {
         let mut total = self.metrics.snapshot();
         for remote in &self.remotes {
             total.add(&remote.metrics.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+        total
+    }
+
+    /// Every replica's metrics added up, the remote ones asked for now (a `/metrics`
+    /// scrape sees the state after the requests it just saw finish); a replica that does
+    /// not answer within [`METRICS_WAIT`] counts with its last report.
+    pub async fn metrics_now(&self) -> MetricsSnapshot {
+        let mut answers = Vec::with_capacity(self.remotes.len());
+        for remote in &self.remotes {
+            let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+            let (sender, receiver) = tokio::sync::oneshot::channel();
+            remote
+                .waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, sender);
+            let _ = remote.frames.send(ToReplica::Metrics { id });
+            answers.push((id, receiver));
+        }
+        let mut total = self.metrics.snapshot();
+        for (remote, (id, receiver)) in self.remotes.iter().zip(answers) {
+            match tokio::time::timeout(METRICS_WAIT, receiver).await {
+                Ok(Ok(snapshot)) => total.add(&snapshot),
+                _ => {
+                    remote
+                        .waiters
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&id);
+                    total.add(&remote.metrics.lock().unwrap_or_else(|e| e.into_inner()));
+                }
+            }
         }
         total
     }
@@ -358,6 +421,9 @@ pub async fn serve_remote(
                     if let Some(handle) = relays.remove(&id) {
                         handle.abort();
                     }
+                }
+                ToReplica::Metrics { id } => {
+                    let _ = frames.send(FromReplica::MetricsNow { id, snapshot: scheduler.metrics.snapshot() });
                 }
                 ToReplica::Hello { .. } => bail!("unexpected second hello from the router"),
             },

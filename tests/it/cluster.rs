@@ -805,7 +805,11 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
         .output()
         .expect("run infer");
     assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
-    assert!(stderr(&output).contains("in use?"), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("the port is already in use"),
+        "{}",
+        stderr(&output)
+    );
     assert!(
         !stderr(&output).contains("connected"),
         "{}",

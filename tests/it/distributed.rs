@@ -200,7 +200,8 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         pp: 1,
         dp: 1,
         ep: 1,
-        model: Some("unused.gguf".into()),
+        // The spawner starts nothing real: no model to check.
+        model: None,
         threads_per_rank: 1,
         numerics: infer::runtime::quant::Numerics::Exact,
         timeout: Duration::from_secs(5),
