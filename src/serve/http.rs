@@ -83,6 +83,7 @@ pub fn serve_one_process(
             tokenizer,
             max_context_tokens,
             api_key: settings.api_key.clone(),
+            access_log: access_log(),
         },
         &[],
         "",
@@ -165,6 +166,7 @@ pub fn serve_driver(
                 None => driver.max_context_tokens(),
             },
             api_key: std::env::var("INFER_API_KEY").ok(),
+            access_log: access_log(),
             scheduler: Router::local(Scheduler::start_with(Box::new(driver), max_batch)),
         },
         &remotes,
@@ -176,6 +178,13 @@ pub fn serve_driver(
         .and_then(|v| v.parse::<f64>().ok())
         .map_or(DEFAULT_SHUTDOWN_TIMEOUT, Duration::from_secs_f64);
     server.serve_until_stopped(shutdown_timeout, note)
+}
+
+/// The access log: a `note:` line on stderr per request (rank 0's reach the launcher's
+/// stderr as `[rank 0]` lines).
+fn access_log() -> Arc<dyn Fn(&str) + Send + Sync> {
+    let printer = crate::ui::Printer::from_env();
+    Arc::new(move |line| printer.note(line))
 }
 
 /// Rank 0's HTTP server, bound before the shard loads so the port answers 503 meanwhile:

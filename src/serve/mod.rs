@@ -37,6 +37,8 @@ pub struct AppState {
     pub tokenizer: Tokenizer,
     pub max_context_tokens: usize,
     pub api_key: Option<String>,
+    /// Where the access log goes: one line per request answered (as vLLM logs them).
+    pub access_log: Arc<dyn Fn(&str) + Send + Sync>,
 }
 
 /// The HTTP server's shared state: the engine side once it is ready. The server listens
@@ -838,11 +840,14 @@ struct Choice {
     tokens: Vec<TokenOut>,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// When its first token arrived.
+    first_token_at: Option<Instant>,
 }
 
 /// Collects a whole generation: text, finish reason, tokens with their logprobs, usage.
 async fn collect(mut events: UnboundedReceiverStream<Event>) -> Result<Choice, ApiError> {
     let (mut text, mut tokens) = (String::new(), Vec::new());
+    let mut first_token_at = None;
     while let Some(event) = events.next().await {
         match event {
             Event::Token {
@@ -851,6 +856,7 @@ async fn collect(mut events: UnboundedReceiverStream<Event>) -> Result<Choice, A
                 logprob,
                 top,
             } => {
+                first_token_at.get_or_insert_with(Instant::now);
                 text.push_str(&piece);
                 tokens.push(TokenOut { id, logprob, top });
             }
@@ -865,6 +871,7 @@ async fn collect(mut events: UnboundedReceiverStream<Event>) -> Result<Choice, A
                     tokens,
                     prompt_tokens,
                     completion_tokens,
+                    first_token_at,
                 });
             }
             Event::Error(message) => {
@@ -986,7 +993,12 @@ fn chat_logprobs(tokenizer: &Tokenizer, tokens: &[TokenOut]) -> Value {
 
 /// Streams every choice's events merged, each chunk made by `chunk(index, event)`, then a
 /// usage chunk (no choices) when asked, then `[DONE]`.
+#[allow(clippy::too_many_arguments)]
 fn stream_choices(
+    state: Arc<AppState>,
+    path: &'static str,
+    id: String,
+    started: Instant,
     streams: Vec<UnboundedReceiverStream<Event>>,
     cancel: Cancel,
     include_usage: bool,
@@ -1010,6 +1022,7 @@ fn stream_choices(
             }
         }
         let (mut prompt, mut completion, mut done) = (0, 0, 0);
+        let mut first_token_at = None;
         let cancelled = cancel.cancelled();
         tokio::pin!(cancelled);
         loop {
@@ -1020,9 +1033,13 @@ fn stream_choices(
                 },
                 () = &mut cancelled => {
                     let _ = sender.send(json!({"error": {"message": SHUTTING_DOWN, "type": "server_error"}}));
+                    log_access(&state, path, Err(&error(StatusCode::SERVICE_UNAVAILABLE, "server_error", SHUTTING_DOWN)), started);
                     return;
                 }
             };
+            if matches!(event, Event::Token { .. }) {
+                first_token_at.get_or_insert_with(Instant::now);
+            }
             if let Event::Done {
                 prompt_tokens,
                 completion_tokens,
@@ -1038,9 +1055,17 @@ fn stream_choices(
             {
                 return;
             }
+            let finished = done == n && matches!(event, Event::Done { .. });
+            if finished {
+                log_access(
+                    &state,
+                    path,
+                    Ok((&id, prompt, completion, n, true, first_token_at)),
+                    started,
+                );
+            }
             if include_usage
-                && done == n
-                && matches!(event, Event::Done { .. })
+                && finished
                 && sender.send(usage_chunk(usage(prompt, completion))).is_err()
             {
                 return;
@@ -1057,6 +1082,47 @@ fn stream_choices(
             })
         });
     Sse::new(body).into_response()
+}
+
+/// One access-log line: `POST /v1/completions 200 cmpl-7: 14 prompt + 16 generated tokens
+/// (n 1, stream), TTFT 35 ms, 0.41 s` — or the status and the error's message.
+fn log_access(
+    state: &AppState,
+    path: &str,
+    outcome: Result<(&str, usize, usize, usize, bool, Option<Instant>), &ApiError>,
+    started: Instant,
+) {
+    let line = match outcome {
+        Ok((id, prompt, completion, n, stream, first_token_at)) => format!(
+            "POST {path} 200 {id}: {prompt} prompt + {completion} generated tokens (n {n}{}), TTFT {}, {:.2} s",
+            if stream { ", stream" } else { "" },
+            first_token_at.map_or("-".to_string(), |t| format!(
+                "{:.0} ms",
+                t.duration_since(started).as_secs_f64() * 1e3
+            )),
+            started.elapsed().as_secs_f64()
+        ),
+        Err(error) => format!("POST {path} {}: {}", error.status.as_u16(), error.message),
+    };
+    (state.access_log)(&line);
+}
+
+/// The access-log line of a whole (not streamed) answer.
+fn log_choices(state: &AppState, path: &str, id: &str, choices: &[Choice], started: Instant) {
+    let first = choices.iter().filter_map(|c| c.first_token_at).min();
+    log_access(
+        state,
+        path,
+        Ok((
+            id,
+            choices.first().map_or(0, |c| c.prompt_tokens),
+            choices.iter().map(|c| c.completion_tokens).sum(),
+            choices.len(),
+            false,
+            first,
+        )),
+        started,
+    );
 }
 
 /// Reads and checks a request of `endpoint`: authorized, parsed, every field checked.
@@ -1078,6 +1144,20 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    completions_inner(Arc::clone(&state), cancel, headers, body, started)
+        .await
+        .inspect_err(|e| log_access(&state, "/v1/completions", Err(e), started))
+}
+
+async fn completions_inner(
+    state: Arc<AppState>,
+    cancel: Cancel,
+    headers: HeaderMap,
+    body: Bytes,
+    started: Instant,
+) -> Result<Response, ApiError> {
+    const PATH: &str = "/v1/completions";
     let (request, checked) = read(&state, &headers, &body, Endpoint::Completions, 16)?;
     let prompt_tokens = match &request.prompt {
         Some(Value::String(text)) => match state.tokenizer.encode(text, true) {
@@ -1118,6 +1198,10 @@ async fn completions(
         let with_logprobs = checked.params.logprobs;
         let with_top = checked.params.top_logprobs > 0;
         return Ok(stream_choices(
+            Arc::clone(&state),
+            PATH,
+            id.clone(),
+            started,
             streams,
             cancel,
             checked.include_usage,
@@ -1155,6 +1239,7 @@ async fn completions(
         ));
     }
     let choices = collect_all(streams, cancel).await?;
+    log_choices(&state, PATH, &id, &choices, started);
     let with_top = checked.params.top_logprobs > 0;
     let rendered: Vec<Value> = choices
         .iter()
@@ -1180,7 +1265,21 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    chat_inner(Arc::clone(&state), cancel, headers, body, started)
+        .await
+        .inspect_err(|e| log_access(&state, "/v1/chat/completions", Err(e), started))
+}
+
+async fn chat_inner(
+    state: Arc<AppState>,
+    cancel: Cancel,
+    headers: HeaderMap,
+    body: Bytes,
+    started: Instant,
+) -> Result<Response, ApiError> {
     let default_max_tokens = state.max_context_tokens.min(1024) / 2;
+    const PATH: &str = "/v1/chat/completions";
     let (request, checked) = read(&state, &headers, &body, Endpoint::Chat, default_max_tokens)?;
     let Some(messages) = &request.messages else {
         return Err(bad_field("messages", "`messages` is missing"));
@@ -1204,6 +1303,10 @@ async fn chat_completions(
         let tokenizer_state = Arc::clone(&state);
         let with_logprobs = checked.params.logprobs;
         return Ok(stream_choices(
+            Arc::clone(&state),
+            PATH,
+            id.clone(),
+            started,
             streams,
             cancel,
             checked.include_usage,
@@ -1240,6 +1343,7 @@ async fn chat_completions(
         ));
     }
     let choices = collect_all(streams, cancel).await?;
+    log_choices(&state, PATH, &id, &choices, started);
     let rendered: Vec<Value> = choices
         .iter()
         .enumerate()

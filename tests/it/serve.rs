@@ -1282,6 +1282,26 @@ fn openai_request_shapes_clients_send() {
     let last = chunks.last().expect("usage chunk");
     assert_eq!(last["choices"], json!([]), "{body}");
     assert_eq!(last["usage"]["completion_tokens"], 12, "{body}");
+
+    // One access-log line per request, as vLLM writes them.
+    let (status, _) = server.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 0}));
+    assert_eq!(status, 400);
+    let expected = [
+        "POST /v1/completions 200 cmpl-",
+        "prompt + 36 generated tokens (n 3), TTFT ",
+        "POST /v1/chat/completions 200 chatcmpl-",
+        "prompt + 12 generated tokens (n 2, stream), TTFT ",
+        "POST /v1/completions 400: `max_tokens` must be at least 1",
+    ];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    loop {
+        let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
+        if expected.iter().all(|e| log.contains(e)) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{log}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 /// vLLM's flag names work on `up` (and the short flags on `generate`): the degrees, the
