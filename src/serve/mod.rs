@@ -1060,7 +1060,14 @@ fn stream_choices(
                 log_access(
                     &state,
                     path,
-                    Ok((&id, prompt, completion, n, true, first_token_at)),
+                    Ok(Served {
+                        id: &id,
+                        prompt,
+                        completion,
+                        n,
+                        stream: true,
+                        first_token_at,
+                    }),
                     started,
                 );
             }
@@ -1084,16 +1091,30 @@ fn stream_choices(
     Sse::new(body).into_response()
 }
 
+/// A request answered, for the access log.
+struct Served<'a> {
+    id: &'a str,
+    /// Prompt tokens, and tokens generated over every choice.
+    prompt: usize,
+    completion: usize,
+    /// Choices.
+    n: usize,
+    stream: bool,
+    first_token_at: Option<Instant>,
+}
+
 /// One access-log line: `POST /v1/completions 200 cmpl-7: 14 prompt + 16 generated tokens
 /// (n 1, stream), TTFT 35 ms, 0.41 s` — or the status and the error's message.
-fn log_access(
-    state: &AppState,
-    path: &str,
-    outcome: Result<(&str, usize, usize, usize, bool, Option<Instant>), &ApiError>,
-    started: Instant,
-) {
+fn log_access(state: &AppState, path: &str, outcome: Result<Served, &ApiError>, started: Instant) {
     let line = match outcome {
-        Ok((id, prompt, completion, n, stream, first_token_at)) => format!(
+        Ok(Served {
+            id,
+            prompt,
+            completion,
+            n,
+            stream,
+            first_token_at,
+        }) => format!(
             "POST {path} 200 {id}: {prompt} prompt + {completion} generated tokens (n {n}{}), TTFT {}, {:.2} s",
             if stream { ", stream" } else { "" },
             first_token_at.map_or("-".to_string(), |t| format!(
@@ -1113,14 +1134,14 @@ fn log_choices(state: &AppState, path: &str, id: &str, choices: &[Choice], start
     log_access(
         state,
         path,
-        Ok((
+        Ok(Served {
             id,
-            choices.first().map_or(0, |c| c.prompt_tokens),
-            choices.iter().map(|c| c.completion_tokens).sum(),
-            choices.len(),
-            false,
-            first,
-        )),
+            prompt: choices.first().map_or(0, |c| c.prompt_tokens),
+            completion: choices.iter().map(|c| c.completion_tokens).sum(),
+            n: choices.len(),
+            stream: false,
+            first_token_at: first,
+        }),
         started,
     );
 }
