@@ -15,13 +15,7 @@ pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let settings = settings(&args.settings)?;
     // Every argument is checked before the default model is fetched (93 MB on first use).
     let cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
-    let spec = match &args.model {
-        Some(name) => model::load(name)?,
-        None => {
-            let path = model::default::ensure(&mut |line| printer.note(line))?;
-            model::load(&path.display().to_string())?
-        }
-    };
+    let spec = model::spec(args.model.as_deref(), &mut |line| printer.note(line))?;
     match plan(&spec, &cluster, &settings) {
         Outcome::Feasible(plan) => {
             if args.json {

@@ -116,9 +116,24 @@ pub fn load(model: &str) -> Result<ModelSpec> {
     Ok(profile(model)?.1)
 }
 
+/// The spec `--model` names for planning: [`load`]'s, or with no `--model` (or
+/// [`DEFAULT_ALIAS`]) the embedded default's GGUF header, fetched on first use.
+///
+/// Errors: as [`load`] and [`default::ensure`].
+pub fn spec(model: Option<&str>, progress: &mut dyn FnMut(&str)) -> Result<ModelSpec> {
+    match model {
+        Some(name) if name != DEFAULT_ALIAS || Path::new(name).exists() => load(name),
+        _ => load(&default::ensure(progress)?.display().to_string()),
+    }
+}
+
+/// The name that means the embedded default model wherever a model is asked for
+/// (`--model smollm2`), so examples run as written without a path into the cache.
+pub const DEFAULT_ALIAS: &str = "smollm2";
+
 /// The weights `--model` names for the engine: an existing `.gguf` file or model directory,
-/// or (with no `--model`) the embedded default, fetched on first use. Errors: a profile
-/// name (profiles have no weights) or a path that does not exist.
+/// or (with no `--model`, or [`DEFAULT_ALIAS`]) the embedded default, fetched on first use.
+/// Errors: a profile name (profiles have no weights) or a path that does not exist.
 pub fn weights_path(
     model: Option<&str>,
     progress: &mut dyn FnMut(&str),
@@ -130,12 +145,15 @@ pub fn weights_path(
     if path.is_file() || path.is_dir() {
         return Ok(path.to_path_buf());
     }
+    if model == DEFAULT_ALIAS {
+        return default::ensure(progress);
+    }
     if MODEL_PROFILES.iter().any(|(name, _)| *name == model) {
         bail!(
-            "`{model}` is a planning profile without weights\nhint: pass a `.gguf` file or a model directory, or omit `--model` for the embedded SmolLM2"
+            "`{model}` is a planning profile without weights\nhint: pass a `.gguf` file or a model directory, or `--model smollm2` (or none) for the embedded SmolLM2"
         );
     }
     bail!(
-        "`{model}` does not exist\nhint: pass a `.gguf` file or a Hugging Face model directory, or omit `--model` for the embedded SmolLM2"
+        "`{model}` does not exist\nhint: pass a `.gguf` file or a Hugging Face model directory, or `--model smollm2` (or none) for the embedded SmolLM2"
     )
 }

@@ -26,10 +26,13 @@ pub fn host_env(
         .filter(|r| r.host == host.name)
         .map(|r| r.gpu)
         .collect();
+    // A shorthand host has no NICs to choose from: the plan says so once, as a note.
+    let synthetic = is_synthetic(host);
     match socket_interface(host) {
         Some(name) => {
             env.insert("NCCL_SOCKET_IFNAME".to_string(), format!("={name}"));
         }
+        None if synthetic => {}
         None => warnings.push(format!(
             "no physical interface known for host `{}`: set `NCCL_SOCKET_IFNAME` by hand, or give the host a `topology` \
              (`infer topo --json` output) in the cluster inventory",
@@ -37,17 +40,22 @@ pub fn host_env(
         )),
     }
     let hcas = nearest_active_hcas(&host.topology.nics, &gpus);
-    if hcas.is_empty() {
+    if hcas.is_empty() && !synthetic {
         warnings.push(format!(
             "no active InfiniBand/RoCE HCA known on host `{}`: inter-node NCCL traffic will use TCP sockets (NET/Socket), \
              an order of magnitude slower than RDMA",
             host.name
         ));
-    } else {
+    } else if !hcas.is_empty() {
         // `=` makes NCCL match names exactly: a bare `mlx5_1` would also select `mlx5_10`.
         env.insert("NCCL_IB_HCA".to_string(), format!("={}", hcas.join(",")));
     }
     env
+}
+
+/// Whether `host` comes from a shorthand (`2x8xh100-sxm`): no address, no NICs known.
+pub fn is_synthetic(host: &ClusterHost) -> bool {
+    host.address.is_none() && host.topology.nics.is_empty()
 }
 
 /// The interface NCCL's bootstrap and socket transport should use: a physical, up, non-HCA

@@ -139,6 +139,10 @@ pub struct Plan {
     /// The decision path, the choice and why the runners-up lost.
     pub explain: Vec<String>,
     pub warnings: Vec<String>,
+    /// What the user should know but cannot act on from this input (a shorthand cluster
+    /// has no NICs to name); never a warning.
+    #[serde(default)]
+    pub notes: Vec<String>,
     pub alternatives: Vec<Alternative>,
     /// The equivalent `vllm serve` command line.
     pub vllm_command: String,
@@ -260,6 +264,13 @@ pub fn plan(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome
             )
         })
         .collect();
+    let mut notes = Vec::new();
+    if multi_host && cluster.hosts.iter().any(env::is_synthetic) {
+        notes.push(format!(
+            "`{}` names no NICs: the plan cannot choose `NCCL_SOCKET_IFNAME` or `NCCL_IB_HCA`; set them per host, or plan on an inventory whose hosts carry their `infer topo --json`",
+            cluster.description
+        ));
+    }
     if stages.iter().any(|s| s.n_layers != stages[0].n_layers) {
         let sizes: Vec<String> = stages.iter().map(|s| s.n_layers.to_string()).collect();
         warnings.push(format!(
@@ -302,6 +313,7 @@ pub fn plan(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome
         env,
         explain,
         warnings,
+        notes,
         alternatives,
         vllm_command: render::vllm_command(
             spec,

@@ -178,6 +178,9 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
     for warning in &plan.warnings {
         out.push_str(&format!("\nwarning: {warning}"));
     }
+    for note in &plan.notes {
+        out.push_str(&format!("\nnote: {note}"));
+    }
     out.push_str(&format!("\n\nvllm equivalent:\n  {}\n", plan.vllm_command));
     out
 }

@@ -136,6 +136,15 @@ fn llama405b_on_two_nodes_is_tp8_pp2_for_latency() {
             .contains("span hosts"),
         "{tp16}"
     );
+    // A shorthand has no NICs: said once as a note, not as warnings nobody can act on.
+    assert_eq!(plan["warnings"], serde_json::json!([]), "{plan}");
+    let notes = plan["notes"].as_array().expect("notes");
+    assert_eq!(notes.len(), 1, "{plan}");
+    assert!(
+        notes[0]
+            .as_str()
+            .is_some_and(|n| n.contains("`2x8xh100-sxm` names no NICs"))
+    );
 }
 
 #[test]
