@@ -550,9 +550,24 @@ fn generate_rejects_bad_flags_and_profiles() {
     );
     // `smollm2` names the embedded model wherever a model is asked for.
     let output = run(&["generate", "--model", "smollm2", "-p", "1, 2,", "-n", "1"]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let output = run(&["plan", "-m", "smollm2", "--cluster", "1x8xh100-sxm", "--json"]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let output = run(&[
+        "plan",
+        "-m",
+        "smollm2",
+        "--cluster",
+        "1x8xh100-sxm",
+        "--json",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     // `--concurrency` shows its default the way it takes values.
     let help = String::from_utf8_lossy(&run(&["bench", "serve", "--help"]).stdout).into_owned();
     assert!(help.contains("[default: 1,4,16]"), "{help}");

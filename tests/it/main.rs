@@ -11,6 +11,7 @@ mod fake_sysfs;
 mod kernels;
 mod model;
 mod plan;
+mod readme;
 pub mod serve;
 mod sharding;
 mod synthetic;
