@@ -1463,3 +1463,166 @@ fn ctrl_c_drains_then_cancels(layout: &[&str]) {
         }
     }
 }
+
+/// Property test over request bodies (proptest): random JSON — known and unknown fields,
+/// numbers at the edges (negative, zero, 2³², 2⁶⁴−1, fractions), wrong types, nested
+/// shapes, text parts and roles — posted to both endpoints. The server never panics or
+/// hangs: every answer is a 2xx or a 4xx with OpenAI's error JSON, and it keeps serving.
+#[test]
+fn random_request_bodies_get_2xx_or_4xx_and_the_server_keeps_serving() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+    let server = Server::start(&[]);
+    let number = prop_oneof![
+        Just(json!(-1)),
+        Just(json!(0)),
+        Just(json!(1)),
+        Just(json!(2)),
+        Just(json!(4294967296u64)),
+        Just(json!(18446744073709551615u64)),
+        Just(json!(-9223372036854775808i64)),
+        Just(json!(0.5)),
+        Just(json!(1e300)),
+        Just(json!(-0.0)),
+    ];
+    let scalar = prop_oneof![
+        number.clone(),
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        "[a-z ,0-9]{0,12}".prop_map(Value::String),
+    ];
+    let value = scalar.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+            prop::collection::vec(("[a-z_]{1,8}", inner), 0..4)
+                .prop_map(|pairs| Value::Object(pairs.into_iter().collect())),
+        ]
+    });
+    let field = prop_oneof![
+        Just("model"),
+        Just("prompt"),
+        Just("messages"),
+        Just("max_tokens"),
+        Just("max_completion_tokens"),
+        Just("temperature"),
+        Just("top_p"),
+        Just("top_k"),
+        Just("seed"),
+        Just("stop"),
+        Just("n"),
+        Just("stream"),
+        Just("stream_options"),
+        Just("logprobs"),
+        Just("top_logprobs"),
+        Just("response_format"),
+        Just("echo"),
+        Just("best_of"),
+        Just("logit_bias"),
+        Just("user"),
+        Just("frobnicate"),
+    ];
+    let message = (
+        prop_oneof![
+            Just("system"),
+            Just("user"),
+            Just("assistant"),
+            Just("tool"),
+            Just("")
+        ],
+        prop_oneof![
+            "[a-z ]{0,12}".prop_map(Value::String),
+            Just(json!([{"type": "text", "text": "hi"}, {"type": "image_url"}])),
+            Just(json!([{"type": "text", "text": "hi"}])),
+            value.clone(),
+        ],
+    )
+        .prop_map(|(role, content)| json!({"role": role, "content": content}));
+    let body = (
+        prop::collection::vec((field, value.clone()), 0..6),
+        prop::option::of(prop::collection::vec(message, 0..3)),
+        prop::option::of("[a-z ,0-9]{0,16}"),
+    )
+        .prop_map(|(fields, messages, prompt)| {
+            let mut object = serde_json::Map::new();
+            if let Some(messages) = messages {
+                object.insert("messages".into(), Value::Array(messages));
+            }
+            if let Some(prompt) = prompt {
+                object.insert("prompt".into(), Value::String(prompt));
+            }
+            for (name, value) in fields {
+                object.insert(name.into(), value);
+            }
+            // Valid requests stay short (at most 2 tokens per choice); invalid counts
+            // (negative, 2⁶⁴−1, strings) stay as drawn.
+            let long = match object.get("max_tokens") {
+                None => true,
+                Some(v) => v.as_u64().is_some_and(|n| (3..=8192).contains(&n)),
+            };
+            if long {
+                object.insert("max_tokens".into(), json!(2));
+            }
+            object.remove("max_completion_tokens");
+            Value::Object(object)
+        });
+    // A fixed seed: the same 150 bodies every run (reproducible; a failure names its body).
+    let mut runner = TestRunner::new_with_rng(
+        Config {
+            cases: 150,
+            failure_persistence: None,
+            ..Config::default()
+        },
+        proptest::test_runner::TestRng::deterministic_rng(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+        ),
+    );
+    let agent = ureq::Agent::new_with_config(
+        ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(std::time::Duration::from_secs(30)))
+            .build(),
+    );
+    runner
+        .run(&(body, any::<bool>()), |(body, chat)| {
+            let path = if chat {
+                "/v1/chat/completions"
+            } else {
+                "/v1/completions"
+            };
+            let response = agent
+                .post(&format!("{}{path}", server.url))
+                .send_json(&body)
+                .map_err(|e| TestCaseError::fail(format!("{body}: {e}")))?;
+            let status = response.status().as_u16();
+            let text = response
+                .into_body()
+                .read_to_string()
+                .map_err(|e| TestCaseError::fail(format!("{body}: {e}")))?;
+            prop_assert!(
+                (200..300).contains(&status) || (400..500).contains(&status),
+                "{} {path} {body}: {text}",
+                status
+            );
+            if status >= 400 {
+                let error: Value = serde_json::from_str(&text)
+                    .map_err(|e| TestCaseError::fail(format!("{body}: {e}: {text}")))?;
+                prop_assert!(error["error"]["message"].is_string(), "{text}");
+            }
+            Ok(())
+        })
+        .expect("every random body answered 2xx or 4xx");
+    let (status, _) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "still up?", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+    assert!(crate::distributed::alive(server.child.id()));
+    // Some random bodies were valid and generated (the search is not all rejections).
+    let metrics = server.metrics();
+    let generated: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("infer_requests_total "))
+        .and_then(|v| v.parse().ok())
+        .expect("requests_total");
+    assert!(generated > 5, "{metrics}");
+}
