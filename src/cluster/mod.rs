@@ -312,7 +312,17 @@ pub struct InventoryEntry {
 /// Errors: an unreadable file, unknown keys (naming the line), a host without `address`, a
 /// host string starting with `-`, neither or both of `gpus` and `cpu-ranks`, repeated names.
 pub fn launch_inventory(path: &Path) -> Result<Vec<InventoryEntry>> {
-    let (inventory, places) = read_inventory(path)?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("failed to read `{}`", path.display()))?;
+    parse_launch_inventory(&text, path)
+}
+
+/// [`launch_inventory`] of `text`, as if read from `path` (which names it in messages and
+/// anchors its relative paths).
+///
+/// Errors: as [`launch_inventory`], but for reading the file.
+pub fn parse_launch_inventory(text: &str, path: &Path) -> Result<Vec<InventoryEntry>> {
+    let (inventory, places) = parse_inventory(text, path)?;
     let base = path.parent().unwrap_or(Path::new("."));
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
@@ -382,7 +392,12 @@ pub fn is_inventory(cluster: &str) -> bool {
 fn read_inventory(path: &Path) -> Result<(Inventory, Vec<String>)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("failed to read `{}`", path.display()))?;
-    let inventory: Inventory = toml::from_str(&text)
+    parse_inventory(&text, path)
+}
+
+/// Parses an inventory's text (named `path` in messages); see [`read_inventory`].
+fn parse_inventory(text: &str, path: &Path) -> Result<(Inventory, Vec<String>)> {
+    let inventory: Inventory = toml::from_str(text)
         .with_context(|| format!("`{}` is not a valid cluster inventory", path.display()))?;
     let mut places: Vec<String> = text
         .lines()

@@ -14,6 +14,10 @@ const MAGIC: u32 = 0x4655_4747;
 
 /// Largest string or array the reader accepts: guards against reading garbage lengths.
 const MAX_LENGTH: u64 = 1 << 28;
+/// The most items (tensors, array items, string bytes) allocated before any is read.
+const PREALLOCATE_ITEMS: usize = 4096;
+/// Arrays of arrays nest at most this deep (real files nest none).
+const MAX_ARRAY_DEPTH: usize = 4;
 
 /// One metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -173,11 +177,13 @@ impl Header {
             let key = r.string()?;
             let type_id = r.u32()?;
             let value = r
-                .value(type_id)
+                .value(type_id, 0)
                 .with_context(|| format!("bad metadata value for `{key}`"))?;
             metadata.insert(key, value);
         }
-        let mut tensors = Vec::with_capacity(n_tensors as usize);
+        // Counts come from the file: grow with the data read, never allocate up front by them
+        // (a corrupt count would ask for gigabytes).
+        let mut tensors = Vec::with_capacity((n_tensors as usize).min(PREALLOCATE_ITEMS));
         for _ in 0..n_tensors {
             let name = r.string()?;
             let n_dims = r.u32()?;
@@ -315,14 +321,20 @@ impl<R: Read> Reader<'_, R> {
         if length > MAX_LENGTH {
             bail!("corrupt GGUF header: a string of {length} bytes");
         }
-        let mut buffer = vec![0u8; length as usize];
-        self.inner
-            .read_exact(&mut buffer)
+        // Read as the data comes (a hostile length cannot allocate more than the file holds).
+        let mut buffer = Vec::with_capacity((length as usize).min(PREALLOCATE_ITEMS));
+        (&mut self.inner)
+            .take(length)
+            .read_to_end(&mut buffer)
             .context("file is truncated")?;
+        if buffer.len() as u64 != length {
+            bail!("file is truncated");
+        }
         self.position += length;
         String::from_utf8(buffer).context("a GGUF string is not UTF-8")
     }
-    fn value(&mut self, type_id: u32) -> Result<Value> {
+    /// A metadata value of `type_id`, inside `depth` enclosing arrays.
+    fn value(&mut self, type_id: u32, depth: usize) -> Result<Value> {
         Ok(match type_id {
             0 => Value::U8(u8::from_le_bytes(self.bytes()?)),
             1 => Value::I8(i8::from_le_bytes(self.bytes()?)),
@@ -339,11 +351,14 @@ impl<R: Read> Reader<'_, R> {
                 if length > MAX_LENGTH {
                     bail!("corrupt GGUF header: an array of {length} items");
                 }
-                Value::Array(
-                    (0..length)
-                        .map(|_| self.value(item_type))
-                        .collect::<Result<_>>()?,
-                )
+                if item_type == 9 && depth >= MAX_ARRAY_DEPTH {
+                    bail!("corrupt GGUF header: arrays nested deeper than {MAX_ARRAY_DEPTH}");
+                }
+                let mut items = Vec::with_capacity((length as usize).min(PREALLOCATE_ITEMS));
+                for _ in 0..length {
+                    items.push(self.value(item_type, depth + 1)?);
+                }
+                Value::Array(items)
             }
             10 => Value::U64(self.u64()?),
             11 => Value::I64(i64::from_le_bytes(self.bytes()?)),
@@ -505,5 +520,35 @@ mod tests {
         };
         let error = info.n_bytes().expect_err("unknown type");
         assert!(error.to_string().contains("blk.0.ffn_up.weight"), "{error}");
+    }
+
+    /// Inputs `cargo fuzz` found (fuzz/fuzz_targets/gguf_header.rs), kept as regressions: a
+    /// count or length field from the file must not size an allocation before the data is
+    /// there, and arrays must not nest without end.
+    #[test]
+    fn hostile_counts_and_nesting_are_errors_not_allocations() {
+        // 28 bytes claiming 0x0600_0047 tensors: once a 6 GiB `Vec::with_capacity`.
+        let oom = b"GGUF\x03\x00\x00\x00G\x00\x00\x06\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00";
+        assert!(Header::read(&mut std::io::Cursor::new(&oom[..])).is_err());
+        // One metadata string claiming 2^28 - 1 bytes, with 3 there.
+        let mut long_string = b"GGUF\x03\x00\x00\x00".to_vec();
+        long_string.extend(0u64.to_le_bytes());
+        long_string.extend(1u64.to_le_bytes());
+        long_string.extend(((1u64 << 28) - 1).to_le_bytes());
+        long_string.extend(b"key");
+        assert!(Header::read(&mut std::io::Cursor::new(long_string)).is_err());
+        // An array of arrays of arrays …, 1000 deep.
+        let mut nested = b"GGUF\x03\x00\x00\x00".to_vec();
+        nested.extend(0u64.to_le_bytes());
+        nested.extend(1u64.to_le_bytes());
+        nested.extend(1u64.to_le_bytes());
+        nested.push(b'k');
+        nested.extend(9u32.to_le_bytes());
+        for _ in 0..1000 {
+            nested.extend(9u32.to_le_bytes());
+            nested.extend(1u64.to_le_bytes());
+        }
+        let error = Header::read(&mut std::io::Cursor::new(nested)).expect_err("too deep");
+        assert!(format!("{error:#}").contains("nested deeper"), "{error:#}");
     }
 }
