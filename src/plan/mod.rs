@@ -157,6 +157,10 @@ pub struct Infeasible {
     pub hint: String,
     /// GPUs of the cluster's kind the model needs at least (0 when GPUs are not the problem).
     pub min_gpus_needed: u64,
+    /// When the weights fit but no layout's KV cache holds `--max-model-len`: the longest
+    /// context, tokens, that some layout's KV cache holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_tokens_that_fit: Option<u64>,
     pub alternatives: Vec<Alternative>,
 }
 
@@ -172,10 +176,54 @@ struct Candidate {
     parallel: Parallel,
     verdict: Result<(Estimate, Vec<StageMemory>, layout::Layout), String>,
     warnings: Vec<String>,
+    /// When the weights fit but the KV cache cannot hold `--max-model-len`: the tokens it
+    /// does hold (per sequence, the smallest stage's).
+    kv_tokens_that_fit: Option<u64>,
 }
 
-/// Plans `spec` on `cluster`.
+/// KV-cache block, tokens: a context chosen to fit is a multiple of it (vLLM's default
+/// `--block-size` 16, and our paged cache's block).
+pub const KV_BLOCK_TOKENS: u64 = 16;
+
+/// Plans `spec` on `cluster`. When the weights fit but no layout's KV cache holds the
+/// model's whole context (and `--max-model-len` was not given), plans with the longest
+/// context that fits, rounded down to [`KV_BLOCK_TOKENS`], and says so; an explicit
+/// `--max-model-len` is honoured or refused.
 pub fn plan(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome {
+    let outcome = plan_with_context(spec, cluster, settings);
+    let Outcome::Infeasible(infeasible) = &outcome else {
+        return outcome;
+    };
+    if settings.max_model_len_tokens.is_some() {
+        return outcome;
+    }
+    let Some(fits) = infeasible
+        .kv_tokens_that_fit
+        .map(|tokens| tokens / KV_BLOCK_TOKENS * KV_BLOCK_TOKENS)
+        .filter(|&tokens| tokens >= KV_BLOCK_TOKENS)
+    else {
+        return outcome;
+    };
+    let shorter = Settings {
+        max_model_len_tokens: Some(fits),
+        ..settings.clone()
+    };
+    match plan_with_context(spec, cluster, &shorter) {
+        Outcome::Feasible(mut plan) => {
+            let why = format!(
+                "the KV cache cannot hold the model's whole context of {} tokens on `{}`: planned with --max-model-len {fits}, the longest that fits (a multiple of the {KV_BLOCK_TOKENS}-token KV block); more GPUs, `--kv-dtype fp8` or a smaller `--dtype` give a longer one",
+                spec.max_position_embeddings, cluster.description
+            );
+            plan.explain.insert(0, why.clone());
+            plan.warnings.insert(0, why);
+            Outcome::Feasible(plan)
+        }
+        Outcome::Infeasible(_) => outcome,
+    }
+}
+
+/// [`plan`] for the context `settings` says (the model's whole one by default).
+fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome {
     let dtype = if spec.native_dtype == Dtype::Gguf {
         Dtype::Gguf
     } else {
@@ -371,6 +419,7 @@ fn evaluate(
     max_model_len: u64,
 ) -> Candidate {
     let mut warnings = Vec::new();
+    let mut kv_tokens_that_fit = None;
     let verdict = (|| {
         let Parallel { tp, pp, ep, dp } = parallel;
         if tp == 0 || pp == 0 || ep == 0 || dp == 0 {
@@ -460,6 +509,7 @@ fn evaluate(
         }
         let kv_tokens = stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
         if kv_tokens < max_model_len {
+            kv_tokens_that_fit = Some(kv_tokens);
             return Err(format!(
                 "no room for KV cache: {:.1} GiB left per GPU holds {kv_tokens} tokens < --max-model-len {max_model_len}",
                 gib(stages.iter().map(|s| s.kv_cache_bytes).min().unwrap_or(0))
@@ -480,6 +530,7 @@ fn evaluate(
         parallel,
         verdict,
         warnings,
+        kv_tokens_that_fit,
     }
 }
 
@@ -688,6 +739,7 @@ fn infeasible(
                 hint
             },
             min_gpus_needed,
+            kv_tokens_that_fit: candidates.iter().filter_map(|c| c.kv_tokens_that_fit).max(),
             alternatives,
         };
     }
@@ -710,6 +762,7 @@ fn infeasible(
         message: format!("no valid plan for `{}` on `{}`: {}", spec.name, cluster.description, reasons.join("; ")),
         hint: "change the pinned degrees (`--tp/--pp/--ep/--dp`), or drop them to let the planner search".to_string(),
         min_gpus_needed: 0,
+        kv_tokens_that_fit: candidates.iter().filter_map(|c| c.kv_tokens_that_fit).max(),
         alternatives,
     }
 }

@@ -244,7 +244,7 @@ impl Router {
 
     /// Every replica's metrics added up, the remote ones asked for now (a `/metrics`
     /// scrape sees the state after the requests it just saw finish); a replica that does
-    /// not answer within [`METRICS_WAIT`] counts with its last report.
+    /// not answer within `METRICS_WAIT` (1 s) counts with its last report.
     pub async fn metrics_now(&self) -> MetricsSnapshot {
         let mut answers = Vec::with_capacity(self.remotes.len());
         for remote in &self.remotes {

@@ -692,3 +692,57 @@ fn local_cluster_without_gpus_points_to_a_shorthand() {
         "{stderr}"
     );
 }
+
+/// Llama-3.1-70B in fp8 on two L40S: the weights fit (67.7 GiB of 81 GiB usable) but not
+/// the KV cache for its 131072-token context. The plan uses the longest context that fits,
+/// a multiple of the 16-token KV block, and says so; an explicit `--max-model-len` is
+/// honoured when it fits and refused when it does not.
+#[test]
+fn context_that_fits_instead_of_a_refusal() {
+    let args = [
+        "--model",
+        "llama-3.1-70b",
+        "--dtype",
+        "fp8",
+        "--cluster",
+        "1x2xl40s",
+    ];
+    let (code, plan) = plan_json(&args);
+    assert_eq!(code, 0, "{plan}");
+    let len = plan["max_model_len"].as_u64().expect("max_model_len");
+    assert!(len < 131072 && len >= 8192, "{len}");
+    assert_eq!(len % 16, 0);
+    // Every stage's KV cache holds it; one more block would not fit on the smallest.
+    let smallest = plan["memory"]
+        .as_array()
+        .expect("memory")
+        .iter()
+        .map(|s| s["kv_tokens"].as_u64().expect("kv_tokens"))
+        .min()
+        .expect("stages");
+    assert!(
+        smallest >= len && smallest < len + 16,
+        "{smallest} vs {len}"
+    );
+    let warning = plan["warnings"][0].as_str().expect("warning");
+    assert!(
+        warning.contains(&format!("planned with --max-model-len {len}"))
+            && warning.contains("131072"),
+        "{warning}"
+    );
+    assert!(
+        plan["vllm_command"]
+            .as_str()
+            .is_some_and(|c| c.contains(&format!("--max-model-len {len}"))),
+        "{plan}"
+    );
+    let explicit = len.to_string();
+    let (code, pinned) = plan_json(&[&args[..], &["--max-model-len", &explicit]].concat());
+    assert_eq!(code, 0);
+    assert_eq!(pinned["max_model_len"], len);
+    let (code, refused) = plan_json(&[&args[..], &["--max-model-len", "131072"]].concat());
+    assert_eq!(code, 1, "{refused}");
+    // Weights that do not fit are still refused.
+    let (code, _) = plan_json(&["--model", "llama-3.1-405b", "--cluster", "1x2xl40s"]);
+    assert_eq!(code, 1);
+}
