@@ -710,7 +710,7 @@ fn context_that_fits_instead_of_a_refusal() {
     let (code, plan) = plan_json(&args);
     assert_eq!(code, 0, "{plan}");
     let len = plan["max_model_len"].as_u64().expect("max_model_len");
-    assert!(len < 131072 && len >= 8192, "{len}");
+    assert!((8192..131072).contains(&len), "{len}");
     assert_eq!(len % 16, 0);
     // Every stage's KV cache holds it; one more block would not fit on the smallest.
     let smallest = plan["memory"]
