@@ -640,6 +640,12 @@ fn explain(
         "fits one GPU with room for the KV cache → replicate: DP over the GPUs (TP only if it wins on the objective)".to_string()
     } else if one_node {
         format!("does not fit one GPU; fits with TP inside a node → TP ≤ {} (× DP for the remaining GPUs)", cluster.min_gpus_per_host())
+    } else if cluster.hosts.len() == 1 {
+        // One node: the stages share it; nothing crosses a network.
+        format!(
+            "does not fit with TP alone on the node's {} GPUs → TP × PP inside the node",
+            cluster.min_gpus_per_host()
+        )
     } else {
         "does not fit TP inside one node → TP inside the node × PP across nodes".to_string()
     });

@@ -736,6 +736,10 @@ fn context_that_fits_instead_of_a_refusal() {
             .is_some_and(|c| c.contains(&format!("--max-model-len {len}"))),
         "{plan}"
     );
+    // The reasons describe this one node: no stage crosses a network.
+    let explain = plan["explain"].to_string();
+    assert!(!explain.contains("across nodes"), "{explain}");
+    assert!(explain.contains("TP × PP inside the node"), "{explain}");
     let explicit = len.to_string();
     let (code, pinned) = plan_json(&[&args[..], &["--max-model-len", &explicit]].concat());
     assert_eq!(code, 0);
