@@ -16,6 +16,15 @@ pub const NVLINK_LATENCY_SECS: f64 = 8e-6;
 pub const PCIE_LATENCY_SECS: f64 = 15e-6;
 /// Same across hosts over InfiniBand/RoCE, seconds.
 pub const NETWORK_LATENCY_SECS: f64 = 25e-6;
+/// Same across hosts over TCP sockets (NCCL's `NET/Socket`), when no RDMA is known on the
+/// hosts, seconds: a kernel round trip per message on each side plus NCCL's proxy; our own
+/// `infer bench allreduce --cluster` measures 40–55 µs for 8 B between network namespaces
+/// on one machine (no wire, no switch), so 50 µs is the floor, not a typical figure.
+pub const TCP_LATENCY_SECS: f64 = 50e-6;
+/// Bandwidth of TCP sockets across hosts when no RDMA is known, bytes/s per direction:
+/// a 100 GbE port's line rate, 12.5 GB/s (the Ethernet rung of DESIGN's bandwidth ladder);
+/// the hardware profile's RDMA NIC rate applies only when its HCAs are known.
+pub const TCP_GB_PER_SEC: f64 = 12.5;
 
 /// Average context per sequence the throughput estimate assumes, tokens (capped at `--max-model-len`).
 pub const TYPICAL_CONTEXT_TOKENS: u64 = 2048;

@@ -6,7 +6,10 @@ use serde::{Deserialize, Serialize};
 
 use super::Parallel;
 use super::cluster::Cluster;
-use super::cost::{Link, Links, NETWORK_LATENCY_SECS, NVLINK_LATENCY_SECS, PCIE_LATENCY_SECS};
+use super::cost::{
+    Link, Links, NETWORK_LATENCY_SECS, NVLINK_LATENCY_SECS, PCIE_LATENCY_SECS, TCP_GB_PER_SEC,
+    TCP_LATENCY_SECS,
+};
 use crate::topology::LinkCode;
 
 /// One rank: where it runs and its coordinates in every group. `--json` `ranks[]`.
@@ -161,9 +164,22 @@ pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
         bytes_per_sec: hardware.pcie_gb_per_sec / 2.0 * 1e9,
         latency_secs: PCIE_LATENCY_SECS,
     };
-    let network = Link {
-        bytes_per_sec: hardware.nic_gb_per_sec * 1e9,
-        latency_secs: NETWORK_LATENCY_SECS,
+    // RDMA only where every host's HCAs are known (a probed or imported topology); without
+    // them NCCL falls back to TCP sockets, and so does the cost.
+    let rdma = cluster
+        .hosts
+        .iter()
+        .all(|h| !super::env::nearest_active_hcas(&h.topology.nics, &[]).is_empty());
+    let network = if rdma {
+        Link {
+            bytes_per_sec: hardware.nic_gb_per_sec * 1e9,
+            latency_secs: NETWORK_LATENCY_SECS,
+        }
+    } else {
+        Link {
+            bytes_per_sec: hardware.nic_gb_per_sec.min(TCP_GB_PER_SEC) * 1e9,
+            latency_secs: TCP_LATENCY_SECS,
+        }
     };
     let link_for = |code: Option<LinkCode>| match code {
         None => network,

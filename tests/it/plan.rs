@@ -750,3 +750,71 @@ fn context_that_fits_instead_of_a_refusal() {
     let (code, _) = plan_json(&["--model", "llama-3.1-405b", "--cluster", "1x2xl40s"]);
     assert_eq!(code, 1);
 }
+
+/// Qwen3-235B-A22B fp8 for latency on two HGX H100 nodes given as a shorthand (no RDMA
+/// known): cross-host collectives cost what TCP sockets cost (12.5 GB/s, 50 µs per call,
+/// 2 all-to-alls per MoE layer), so no TP or EP group of the chosen plan crosses hosts, and
+/// the plan says why. The same EP16 layout on hosts whose HCAs are known (the inventory of
+/// `examples/`) costs less: the network is RDMA there.
+#[test]
+fn cross_host_collectives_cost_tcp_without_rdma() {
+    let args = [
+        "--model",
+        "qwen3-235b-a22b",
+        "--dtype",
+        "fp8",
+        "--objective",
+        "latency",
+    ];
+    let (code, tcp) = plan_json(&[&args[..], &["--cluster", "2x8xh100-sxm"]].concat());
+    assert_eq!(code, 0, "{tcp}");
+    let ranks = tcp["ranks"].as_array().expect("ranks");
+    for kind in ["tp", "ep"] {
+        for group in tcp["groups"][kind].as_array().expect("groups") {
+            let hosts: Vec<&str> = group
+                .as_array()
+                .expect("group")
+                .iter()
+                .map(|r| {
+                    ranks[r.as_u64().expect("rank") as usize]["host"]
+                        .as_str()
+                        .expect("host")
+                })
+                .collect();
+            assert!(
+                hosts.iter().all(|h| *h == hosts[0]),
+                "{kind} group {hosts:?}"
+            );
+        }
+    }
+    assert!(
+        tcp["notes"][0]
+            .as_str()
+            .is_some_and(|n| n.contains("TCP sockets (no RDMA known")),
+        "{tcp}"
+    );
+    let ep16_tpot = |plan: &serde_json::Value| -> f64 {
+        plan["alternatives"]
+            .as_array()
+            .expect("alternatives")
+            .iter()
+            .find(|a| a["parallel"]["ep"] == 16 && a["parallel"]["tp"] == 1)
+            .and_then(|a| a["tpot_secs"].as_f64())
+            .expect("an EP16 alternative")
+    };
+    let inventory = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/cluster.toml");
+    let (code, rdma) = plan_json(
+        &[
+            &args[..],
+            &["--cluster", inventory.to_str().expect("utf-8")],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 0, "{rdma}");
+    assert!(
+        ep16_tpot(&tcp) > 1.3 * ep16_tpot(&rdma),
+        "TCP {} vs RDMA {}",
+        ep16_tpot(&tcp),
+        ep16_tpot(&rdma)
+    );
+}
