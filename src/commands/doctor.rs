@@ -14,16 +14,7 @@ pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.model.is_none() && crate::cluster::is_inventory(&args.settings.cluster) {
         return cluster(args, printer);
     }
-    let mut logs = Vec::new();
-    for path in &args.nccl_logs {
-        let bytes = std::fs::read(path)
-            .with_context(|| format!("failed to read NCCL log `{}`", path.display()))?;
-        logs.push(nccl_log::parse(
-            &nccl_log::decode(&bytes),
-            &path.display().to_string(),
-        ));
-    }
-    no_nccl_output(&logs)?;
+    let logs = read_logs(&args.nccl_logs)?;
     let topology = match &args.topology {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -78,18 +69,10 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     let ssh = crate::launch::ssh::SshOptions {
         accept_new: args.ssh_accept_new,
     };
+    // Local inputs first: a bad log fails before any host is contacted.
+    let logs = read_logs(&args.nccl_logs)?;
     let evidence = crate::launch::cluster::survey(inventory, ssh, args.bandwidth, &mut |_| {})?;
     let mut findings = checks::cluster(&evidence);
-    let mut logs = Vec::new();
-    for path in &args.nccl_logs {
-        let bytes = std::fs::read(path)
-            .with_context(|| format!("failed to read NCCL log `{}`", path.display()))?;
-        logs.push(nccl_log::parse(
-            &nccl_log::decode(&bytes),
-            &path.display().to_string(),
-        ));
-    }
-    no_nccl_output(&logs)?;
     findings.extend(checks::nccl_logs(&logs, None));
     if let Some(path) = &args.plan {
         let text = std::fs::read_to_string(path)
@@ -109,6 +92,24 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     report.matrix = evidence.matrix;
     report.allreduce = evidence.allreduce;
     print_report(&report, args.json, printer)
+}
+
+/// Reads and parses every `--nccl-log` (decoded lossily), refusing a set of which none
+/// holds NCCL output.
+///
+/// Errors: an unreadable file, no NCCL output in any of them.
+fn read_logs(paths: &[std::path::PathBuf]) -> Result<Vec<nccl_log::NcclLog>> {
+    let mut logs = Vec::with_capacity(paths.len());
+    for path in paths {
+        let bytes = std::fs::read(path)
+            .with_context(|| format!("failed to read NCCL log `{}`", path.display()))?;
+        logs.push(nccl_log::parse(
+            &nccl_log::decode(&bytes),
+            &path.display().to_string(),
+        ));
+    }
+    no_nccl_output(&logs)?;
+    Ok(logs)
 }
 
 /// Refuses logs of which none holds NCCL output (bad input: nothing could be checked).
