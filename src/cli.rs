@@ -325,6 +325,31 @@ pub struct PlanArgs {
     #[arg(long)]
     pub explain: bool,
 
+    /// Write the command line and environment of every node for this engine (vLLM, SGLang
+    /// or llama.cpp) with the plan's layout, instead of the one-line vLLM equivalent.
+    #[arg(long, value_enum, value_name = "E")]
+    pub engine: Option<EngineArg>,
+
+    /// With `--engine`: write one run script per node into DIR (`node0-HOST.sh`, …) and a
+    /// `launch.json`.
+    #[arg(long, value_name = "DIR", requires = "engine")]
+    pub emit: Option<PathBuf>,
+
+    /// With `--engine`: what the engine loads (a Hugging Face id or a path present on every
+    /// host). Default: the plan's model (`--model`).
+    #[arg(long, value_name = "ID", requires = "engine")]
+    pub engine_model: Option<String>,
+
+    /// With `--engine`: the head's HTTP port. Default: the engine's (vLLM 8000, SGLang
+    /// 30000, llama.cpp 8080).
+    #[arg(long, value_name = "PORT", requires = "engine")]
+    pub engine_port: Option<u16>,
+
+    /// With `--engine`: the rendezvous port on the head (vLLM `--master-port` or
+    /// `--data-parallel-rpc-port`, SGLang `--dist-init-addr`, llama.cpp's RPC servers).
+    #[arg(long, value_name = "PORT", requires = "engine")]
+    pub dist_port: Option<u16>,
+
     /// sysfs mount point used when `--cluster local` probes this host.
     #[arg(long, value_name = "DIR", default_value = "/sys", hide = true)]
     pub sysfs_root: PathBuf,
@@ -370,6 +395,24 @@ pub struct PlanSettingsArgs {
     /// Pin the data-parallel degree (replicas).
     #[arg(long, visible_alias = "data-parallel-size", value_name = "N")]
     pub dp: Option<u64>,
+}
+
+/// `--engine`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineArg {
+    Vllm,
+    Sglang,
+    Llamacpp,
+}
+
+impl From<EngineArg> for crate::engines::EngineKind {
+    fn from(engine: EngineArg) -> Self {
+        match engine {
+            EngineArg::Vllm => crate::engines::EngineKind::Vllm,
+            EngineArg::Sglang => crate::engines::EngineKind::Sglang,
+            EngineArg::Llamacpp => crate::engines::EngineKind::Llamacpp,
+        }
+    }
 }
 
 /// `--objective`.

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod cluster;
 pub mod commands;
 pub mod doctor;
+pub mod engines;
 pub mod launch;
 pub mod model;
 pub mod plan;

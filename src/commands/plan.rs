@@ -7,7 +7,7 @@ use crate::cli::{ObjectiveArg, PlanArgs, PlanSettingsArgs};
 use crate::plan::model::Dtype;
 use crate::plan::{Objective, Outcome, Settings, plan, render};
 use crate::ui::Printer;
-use crate::{ExitStatus, cluster, model};
+use crate::{ExitStatus, cluster, engines, model};
 
 /// Runs `infer plan`. Exit status `No` when no layout is feasible. Errors: bad flags, an
 /// unreadable model or cluster.
@@ -18,10 +18,51 @@ pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let spec = model::spec(args.model.as_deref(), &mut |line| printer.note(line))?;
     match plan(&spec, &cluster, &settings) {
         Outcome::Feasible(plan) => {
+            let launch = match args.engine {
+                Some(engine) => {
+                    let mut request = engines::request_from_plan(
+                        engine.into(),
+                        &plan,
+                        &spec,
+                        &cluster,
+                        args.engine_model.as_deref(),
+                    );
+                    if let Some(port) = args.engine_port {
+                        request.ports.http = port;
+                    }
+                    if let Some(port) = args.dist_port {
+                        request.ports.dist = port;
+                    }
+                    Some(engines::generate(&request)?)
+                }
+                None => None,
+            };
             if args.json {
-                printer.json(&plan)?;
+                let mut value = serde_json::to_value(&plan)?;
+                if let (Some(launch), Some(object)) = (&launch, value.as_object_mut()) {
+                    object.insert("launch".into(), serde_json::to_value(launch)?);
+                }
+                printer.json(&value)?;
             } else {
-                printer.data(&render::render(&plan, args.explain));
+                let mut text = render::render(&plan, args.explain);
+                if let Some(launch) = &launch {
+                    // The engine's own lines replace the one-line vLLM equivalent.
+                    if let Some(cut) = text.rfind("\n\nvllm equivalent:") {
+                        text.truncate(cut + 1);
+                    }
+                    text.push('\n');
+                    text.push_str(&engines::render(launch));
+                }
+                printer.data(&text);
+            }
+            if let (Some(launch), Some(dir)) = (&launch, &args.emit) {
+                let written = crate::launch::engine::emit(launch, dir)?;
+                printer.note(&format!(
+                    "wrote {} run script{} and launch.json into {}",
+                    written.len(),
+                    if written.len() == 1 { "" } else { "s" },
+                    dir.display()
+                ));
             }
             Ok(ExitStatus::Success)
         }

@@ -16,6 +16,7 @@ use anyhow::{Context, Result, anyhow, bail};
 
 pub mod agent;
 pub mod cluster;
+pub mod engine;
 pub mod protocol;
 pub mod remote;
 pub mod serving;

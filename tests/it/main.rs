@@ -7,6 +7,7 @@ mod collectives;
 mod distributed;
 mod doctor;
 mod engine;
+mod engines;
 mod fake_sysfs;
 mod kernels;
 mod model;

@@ -1,0 +1,175 @@
+//! `python3 -m sglang.launch_server` lines for a layout. Every node runs the same line with
+//! its `--node-rank`; `--dist-init-addr HEAD:PORT` is where they meet.
+//!
+//! SGLang counts parallelism differently from vLLM: `--tp-size` is the whole world of one
+//! server across nodes. A dense layout maps as is (`--tp-size TP --pp-size PP`, `--dp-size
+//! DP` inside one node). A MoE layout with DP is DeepSeek-style attention data parallelism:
+//! `--tp-size TP·DP` with an attention-DP width of DP — spelled `--attn-dp-size DP` from
+//! SGLang 0.5.22, `--dp-size DP --enable-dp-attention` before (0.5.21's parser has no
+//! `--attn-dp-size`) — and `--ep-size EP`, with `--moe-a2a-backend deepep` when an EP group
+//! spans nodes.
+//!
+//! Ports (source: SGLang 0.5.23 `srt/server_args.py`, `PortArgs.init_new`): with attention
+//! DP the head binds the `--dist-init-addr` port and the six after it (the ZMQ ports
+//! SGLang derives from it); `--nccl-port` is set so that it is known and checked.
+
+use anyhow::{Result, bail};
+
+use super::{
+    EngineKind, EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, SGLANG_TESTED,
+    Version, common_env, dtype_flags, vllm::endpoint_host,
+};
+
+/// The first SGLang with `--attn-dp-size` (its 0.5.21 wheel has no such flag).
+const ATTN_DP_SIZE_SINCE: Version = Version(0, 5, 22);
+
+/// Ports SGLang derives above the `--dist-init-addr` port with attention DP (`port_base`
+/// and five more, `PortArgs.init_new`).
+const DERIVED_PORTS: u16 = 6;
+
+/// The launch line and environment of every node.
+///
+/// Errors: dense data parallelism across nodes (SGLang runs that as separate servers behind
+/// its router), EP without a MoE model.
+pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+    let tested = Version::parse(SGLANG_TESTED).unwrap_or(Version(0, 0, 0));
+    let version = request.version.unwrap_or(tested);
+    let p = request.parallel;
+    let nodes = request.nodes.len();
+    let head = &request.nodes[0];
+    let attention_dp = request.is_moe && p.dp > 1;
+    if p.dp > 1 && !request.is_moe && nodes > 1 {
+        bail!(
+            "SGLang serves a dense model's {} replicas across nodes as separate servers behind `sglang-router`; one \
+             `launch_server` cannot\nhint: use `--engine vllm` for this layout, or plan one node per replica group",
+            p.dp
+        );
+    }
+    if p.ep > 1 && !request.is_moe {
+        bail!("expert parallelism needs a mixture-of-experts model");
+    }
+    let tp_size = if attention_dp { p.tp * p.dp } else { p.tp };
+    let mut common: Vec<String> = vec![
+        "python3".into(),
+        "-m".into(),
+        "sglang.launch_server".into(),
+        "--model-path".into(),
+        request.model.clone(),
+        "--tp-size".into(),
+        tp_size.to_string(),
+    ];
+    if p.pp > 1 {
+        common.extend(["--pp-size".into(), p.pp.to_string()]);
+    }
+    if attention_dp {
+        if version >= ATTN_DP_SIZE_SINCE {
+            common.extend(["--attn-dp-size".into(), p.dp.to_string()]);
+        } else {
+            common.extend([
+                "--dp-size".into(),
+                p.dp.to_string(),
+                "--enable-dp-attention".into(),
+            ]);
+        }
+    } else if p.dp > 1 {
+        common.extend(["--dp-size".into(), p.dp.to_string()]);
+    }
+    if p.ep > 1 {
+        common.extend(["--ep-size".into(), p.ep.to_string()]);
+        if request.ep_crosses_hosts {
+            common.extend(["--moe-a2a-backend".into(), "deepep".into()]);
+        }
+    }
+    dtype_flags(request, &mut common, true);
+    common.extend([
+        "--context-length".into(),
+        request.max_model_len_tokens.to_string(),
+    ]);
+    if let Some(name) = &request.served_model_name {
+        common.extend(["--served-model-name".into(), name.clone()]);
+    }
+    let dist_init = format!("{}:{}", head.address, request.ports.dist);
+    let mut launches = Vec::with_capacity(nodes);
+    for (i, node) in request.nodes.iter().enumerate() {
+        let mut argv = common.clone();
+        let mut ports = Vec::new();
+        if nodes > 1 {
+            argv.extend([
+                "--nnodes".into(),
+                nodes.to_string(),
+                "--node-rank".into(),
+                i.to_string(),
+                "--dist-init-addr".into(),
+                dist_init.clone(),
+            ]);
+        }
+        argv.extend(["--nccl-port".into(), request.ports.nccl.to_string()]);
+        if i == 0 {
+            argv.extend([
+                "--host".into(),
+                request.http_host.clone(),
+                "--port".into(),
+                request.ports.http.to_string(),
+            ]);
+            ports.push(ReservedPort {
+                port: request.ports.http,
+                bind: request.http_host.clone(),
+                purpose: "OpenAI-compatible HTTP API".into(),
+            });
+            ports.push(ReservedPort {
+                port: request.ports.nccl,
+                bind: "0.0.0.0".into(),
+                purpose: "torch.distributed (--nccl-port)".into(),
+            });
+            if nodes > 1 || attention_dp {
+                ports.push(ReservedPort {
+                    port: request.ports.dist,
+                    bind: head.address.clone(),
+                    purpose: "distributed init (--dist-init-addr)".into(),
+                });
+            }
+            if attention_dp {
+                for k in 1..=DERIVED_PORTS {
+                    ports.push(ReservedPort {
+                        port: request.ports.dist.saturating_add(k),
+                        bind: head.address.clone(),
+                        purpose: format!("SGLang ZMQ port derived from --dist-init-addr (+{k})"),
+                    });
+                }
+            }
+        }
+        let mut env = common_env(request, node);
+        if nodes > 1 && node.address.parse::<std::net::IpAddr>().is_ok() {
+            env.insert("SGLANG_HOST_IP".into(), node.address.clone());
+        }
+        launches.push(NodeLaunch {
+            host: node.host.clone(),
+            node_rank: i,
+            role: if i == 0 {
+                NodeRole::Head
+            } else {
+                NodeRole::Worker
+            },
+            argv,
+            env,
+            ports,
+        });
+    }
+    let mut notes = Vec::new();
+    if version != tested {
+        notes.push(format!(
+            "flags written for SGLang {version} as for {SGLANG_TESTED}, the version infer's parser tests pin"
+        ));
+    }
+    Ok(EngineLaunch {
+        engine: EngineKind::Sglang,
+        version,
+        endpoint: format!(
+            "http://{}:{}",
+            endpoint_host(&request.http_host, &head.address),
+            request.ports.http
+        ),
+        nodes: launches,
+        notes,
+    })
+}

@@ -1,0 +1,196 @@
+//! `vllm serve` lines for a layout, without Ray: the multiprocessing executor on every
+//! node.
+//!
+//! - TP × PP over several nodes: every node runs the same line with `--nnodes N
+//!   --node-rank i --master-addr HEAD --master-port P`, the others with `--headless` (no API
+//!   server). vLLM splits the world evenly: node `i` holds global ranks `[i·L, (i+1)·L)`.
+//! - DP (each replica inside one node): `--data-parallel-size D --data-parallel-size-local
+//!   L --data-parallel-address HEAD --data-parallel-rpc-port P`, the other nodes
+//!   `--headless --data-parallel-start-rank i·L`.
+//! - MoE: `--enable-expert-parallel` makes the experts' group TP × DP wide; an EP group that
+//!   spans nodes also gets `--all2all-backend` (DeepEP: low-latency kernels for the latency
+//!   objective, high-throughput ones otherwise).
+//!
+//! Source: vLLM 0.33.0 `vllm/engine/arg_utils.py` (the flags, `_set_data_parallel…` rules)
+//! and `vllm/entrypoints/cli/serve.py` (`--headless` refuses `--api-server-count`; we never
+//! write it).
+
+use anyhow::{Result, bail};
+
+use super::{
+    EngineKind, EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, VLLM_TESTED,
+    Version, common_env, dtype_flags,
+};
+use crate::plan::Objective;
+
+/// The `vllm serve` line and environment of every node.
+///
+/// Errors: an EP degree other than TP × DP (vLLM's only one), a DP replica split over
+/// nodes.
+pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+    let tested = Version::parse(VLLM_TESTED).unwrap_or(Version(0, 0, 0));
+    let version = request.version.unwrap_or(tested);
+    let p = request.parallel;
+    let nodes = request.nodes.len();
+    let head = &request.nodes[0];
+    if p.ep > 1 && p.ep != p.tp * p.dp {
+        bail!(
+            "vLLM's expert parallelism spans TP × DP = {} ranks, but the plan's EP is {}\nhint: pin `--ep {}` (or `--ep 1`: experts sharded by TP) when planning for vLLM",
+            p.tp * p.dp,
+            p.ep,
+            p.tp * p.dp
+        );
+    }
+    let replica = (p.tp * p.pp) as usize;
+    let per_node = head.gpus.len().max(1);
+    if p.dp > 1 && nodes > 1 && (replica > per_node || !per_node.is_multiple_of(replica)) {
+        bail!(
+            "vLLM's data-parallel launch keeps each replica (TP × PP = {replica} GPUs) inside one node, but each node gives \
+             the layout {per_node}\nhint: plan with `--dp 1` (one replica over the nodes), or a TP × PP that divides the GPUs of a node"
+        );
+    }
+    let mut common: Vec<String> = vec![
+        "vllm".into(),
+        "serve".into(),
+        request.model.clone(),
+        "--tensor-parallel-size".into(),
+        p.tp.to_string(),
+    ];
+    if p.pp > 1 {
+        common.extend(["--pipeline-parallel-size".into(), p.pp.to_string()]);
+    }
+    if p.dp > 1 {
+        common.extend(["--data-parallel-size".into(), p.dp.to_string()]);
+    }
+    if p.ep > 1 {
+        common.push("--enable-expert-parallel".into());
+        if request.ep_crosses_hosts {
+            common.extend([
+                "--all2all-backend".into(),
+                match request.objective {
+                    Objective::Latency => "deepep_low_latency",
+                    Objective::Throughput => "deepep_high_throughput",
+                }
+                .into(),
+            ]);
+        }
+    }
+    dtype_flags(request, &mut common, false);
+    common.extend([
+        "--max-model-len".into(),
+        request.max_model_len_tokens.to_string(),
+        "--gpu-memory-utilization".into(),
+        request.gpu_memory_utilization.to_string(),
+    ]);
+    if let Some(name) = &request.served_model_name {
+        common.extend(["--served-model-name".into(), name.clone()]);
+    }
+    let dp_local = if p.dp > 1 { per_node / replica } else { 0 };
+    let mut launches = Vec::with_capacity(nodes);
+    for (i, node) in request.nodes.iter().enumerate() {
+        let role = if i == 0 {
+            NodeRole::Head
+        } else {
+            NodeRole::Worker
+        };
+        let mut argv = common.clone();
+        let mut ports = Vec::new();
+        if nodes > 1 {
+            if p.dp > 1 {
+                argv.extend([
+                    "--data-parallel-size-local".into(),
+                    dp_local.to_string(),
+                    "--data-parallel-address".into(),
+                    head.address.clone(),
+                    "--data-parallel-rpc-port".into(),
+                    request.ports.dist.to_string(),
+                ]);
+                if i > 0 {
+                    argv.extend([
+                        "--data-parallel-start-rank".into(),
+                        (i * dp_local).to_string(),
+                    ]);
+                } else {
+                    ports.push(ReservedPort {
+                        port: request.ports.dist,
+                        bind: head.address.clone(),
+                        purpose: "data-parallel RPC (--data-parallel-rpc-port)".into(),
+                    });
+                }
+            } else {
+                argv.extend([
+                    "--nnodes".into(),
+                    nodes.to_string(),
+                    "--node-rank".into(),
+                    i.to_string(),
+                    "--master-addr".into(),
+                    head.address.clone(),
+                    "--master-port".into(),
+                    request.ports.dist.to_string(),
+                ]);
+                if i == 0 {
+                    ports.push(ReservedPort {
+                        port: request.ports.dist,
+                        bind: head.address.clone(),
+                        purpose: "torch.distributed rendezvous (--master-port)".into(),
+                    });
+                }
+            }
+            if i > 0 {
+                argv.push("--headless".into());
+            }
+        }
+        if i == 0 {
+            argv.extend([
+                "--host".into(),
+                request.http_host.clone(),
+                "--port".into(),
+                request.ports.http.to_string(),
+            ]);
+            ports.push(ReservedPort {
+                port: request.ports.http,
+                bind: request.http_host.clone(),
+                purpose: "OpenAI-compatible HTTP API".into(),
+            });
+        }
+        let mut env = common_env(request, node);
+        if nodes > 1 && node.address.parse::<std::net::IpAddr>().is_ok() {
+            // Unset, vLLM takes the address of whatever interface routes to the internet.
+            env.insert("VLLM_HOST_IP".into(), node.address.clone());
+        }
+        launches.push(NodeLaunch {
+            host: node.host.clone(),
+            node_rank: i,
+            role,
+            argv,
+            env,
+            ports,
+        });
+    }
+    let mut notes = Vec::new();
+    if version != tested {
+        notes.push(format!(
+            "flags written for vLLM {version} as for {VLLM_TESTED}, the version infer's parser tests pin"
+        ));
+    }
+    Ok(EngineLaunch {
+        engine: EngineKind::Vllm,
+        version,
+        endpoint: format!(
+            "http://{}:{}",
+            endpoint_host(&request.http_host, &head.address),
+            request.ports.http
+        ),
+        nodes: launches,
+        notes,
+    })
+}
+
+/// The address clients use: the data address when the server binds every interface.
+pub(super) fn endpoint_host(bind: &str, address: &str) -> String {
+    if bind == "0.0.0.0" || bind == "::" {
+        address.to_string()
+    } else {
+        bind.to_string()
+    }
+}

@@ -1,0 +1,458 @@
+//! `--engine vllm|sglang|llamacpp`: the command lines `infer plan --engine` writes for a
+//! matrix of real layouts, parsed by the real vLLM and SGLang parsers of the pinned
+//! versions (tests/engines/requirements.txt, installed with pip into a cached venv outside
+//! the repository; tests/engines/parse_args.py), the scripts `--emit` writes (snapshots),
+//! and the layouts an engine cannot express.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+use super::{run, stdout_ok};
+
+/// The repository root.
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Where test tools are cached: `$INFER_TEST_CACHE`, else `~/.cache/infer-tests`.
+pub fn test_cache() -> PathBuf {
+    std::env::var_os("INFER_TEST_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/infer-tests")
+        })
+}
+
+/// A short content hash (FNV-1a, 64 bits) naming a cache entry after its recipe.
+pub fn recipe_hash(bytes: &[u8]) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{hash:016x}")
+}
+
+/// Builds `dir` with `build` (into a temporary sibling, renamed into place at the end) unless
+/// it exists; concurrent tests either build it or find the finished one.
+pub fn cached_dir(dir: &Path, build: impl FnOnce(&Path)) -> PathBuf {
+    if dir.exists() {
+        return dir.to_path_buf();
+    }
+    let parent = dir.parent().expect("a cache dir has a parent");
+    std::fs::create_dir_all(parent).expect("create the test cache");
+    let staging = parent.join(format!(
+        ".{}-{}",
+        dir.file_name().and_then(|n| n.to_str()).unwrap_or("build"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&staging);
+    build(&staging);
+    if std::fs::rename(&staging, dir).is_err() {
+        // Another test process finished first.
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    assert!(dir.exists(), "`{}` was not built", dir.display());
+    dir.to_path_buf()
+}
+
+/// The venv with the pinned vLLM and SGLang (and their parsers' pure-Python imports).
+fn parser_venv() -> &'static Path {
+    static VENV: OnceLock<PathBuf> = OnceLock::new();
+    VENV.get_or_init(|| {
+        let requirements = repo().join("tests/engines/requirements.txt");
+        let recipe = std::fs::read(&requirements).expect("read requirements.txt");
+        let dir = test_cache().join(format!("engine-parsers-{}", recipe_hash(&recipe)));
+        cached_dir(&dir, |staging| {
+            let status = Command::new("python3")
+                .args(["-m", "venv"])
+                .arg(staging)
+                .status()
+                .expect("run python3 -m venv");
+            assert!(status.success(), "python3 -m venv failed");
+            let status = Command::new(staging.join("bin/pip"))
+                .args([
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "--no-deps",
+                    "-r",
+                ])
+                .arg(&requirements)
+                .status()
+                .expect("run pip");
+            assert!(status.success(), "pip install of the pinned engines failed");
+        });
+        // The venv's scripts name the staging path; only its interpreter is used.
+        dir
+    })
+}
+
+/// Parses every argv with the real parsers; returns the harness's answer.
+fn parse_with_engines(vllm: &[Vec<String>], sglang: &[Vec<String>]) -> Value {
+    use std::io::Write;
+    let venv = parser_venv();
+    let mut child = Command::new(venv.join("bin/python"))
+        .arg(repo().join("tests/engines/parse_args.py"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the parser harness");
+    let request = serde_json::json!({ "vllm": vllm, "sglang": sglang });
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(request.to_string().as_bytes())
+        .expect("write the request");
+    let output = child.wait_with_output().expect("wait for the harness");
+    assert!(
+        output.status.success(),
+        "the parser harness failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("the harness prints JSON")
+}
+
+/// `args` with the repository's `examples/…` inputs as absolute paths (tests share one
+/// working directory and must not change it).
+fn with_examples(args: &[&str]) -> Vec<String> {
+    args.iter()
+        .map(|a| match a.strip_prefix("examples/") {
+            Some(rest) => repo().join("examples").join(rest).display().to_string(),
+            None => a.to_string(),
+        })
+        .collect()
+}
+
+/// Runs `infer` with `args` (see [`with_examples`]).
+fn run_plan(args: &[&str]) -> std::process::Output {
+    let args = with_examples(args);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run(&args)
+}
+
+/// `infer plan ARGS --engine ENGINE --json` → the launch's nodes.
+fn launch_nodes(args: &[&str], engine: &str) -> Vec<Value> {
+    let mut full: Vec<&str> = args.to_vec();
+    full.extend(["--engine", engine, "--json"]);
+    let plan: Value = serde_json::from_str(&stdout_ok(&run_plan(&full))).expect("plan JSON");
+    plan["launch"]["nodes"]
+        .as_array()
+        .expect("launch.nodes")
+        .clone()
+}
+
+fn argv(node: &Value) -> Vec<String> {
+    node["argv"]
+        .as_array()
+        .expect("argv")
+        .iter()
+        .map(|a| a.as_str().expect("argv words are strings").to_string())
+        .collect()
+}
+
+/// The matrix of the engine issue: each case's plan arguments.
+const MATRIX: &[(&str, &[&str])] = &[
+    (
+        "Llama-3.1-405B TP8×PP2 on 2×8 H100",
+        &[
+            "plan",
+            "--model",
+            "llama-3.1-405b",
+            "--cluster",
+            "examples/cluster.toml",
+            "--tp",
+            "8",
+            "--pp",
+            "2",
+        ],
+    ),
+    (
+        "DeepSeek-V3 wide EP DP16 on 2×8",
+        &[
+            "plan",
+            "--model",
+            "deepseek-v3",
+            "--cluster",
+            "examples/cluster.toml",
+            "--tp",
+            "1",
+            "--dp",
+            "16",
+            "--ep",
+            "16",
+        ],
+    ),
+    (
+        "Qwen3-235B-A22B TP8+EP on 1×8",
+        &[
+            "plan",
+            "--model",
+            "qwen3-235b-a22b",
+            "--cluster",
+            "1x8xh100-sxm",
+            "--tp",
+            "8",
+            "--ep",
+            "8",
+            "--kv-dtype",
+            "fp8",
+        ],
+    ),
+    (
+        "Llama-3.1-8B DP8 on 1×8",
+        &[
+            "plan",
+            "--model",
+            "llama-3.1-8b",
+            "--cluster",
+            "1x8xh100-sxm",
+            "--tp",
+            "1",
+            "--dp",
+            "8",
+            "--objective",
+            "latency",
+        ],
+    ),
+    (
+        "Llama-3.1-70B TP4 on half of a 1×8 host, fp8",
+        &[
+            "plan",
+            "--model",
+            "llama-3.1-70b",
+            "--cluster",
+            "1x8xh100-sxm",
+            "--tp",
+            "4",
+            "--dp",
+            "1",
+            "--pp",
+            "1",
+            "--dtype",
+            "fp8",
+        ],
+    ),
+];
+
+#[test]
+fn generated_lines_pass_the_real_vllm_and_sglang_parsers() {
+    let mut vllm = Vec::new();
+    let mut sglang = Vec::new();
+    let mut labels = Vec::new();
+    for (label, args) in MATRIX {
+        let v = launch_nodes(args, "vllm");
+        let s = launch_nodes(args, "sglang");
+        assert_eq!(v.len(), s.len(), "{label}: both engines use the same nodes");
+        for (i, (v, s)) in v.iter().zip(&s).enumerate() {
+            vllm.push(argv(v));
+            sglang.push(argv(s));
+            labels.push(format!("{label}, node {i}"));
+        }
+    }
+    let answer = parse_with_engines(&vllm, &sglang);
+    assert_eq!(answer["vllm"]["version"], "0.33.0");
+    assert_eq!(answer["sglang"]["version"], "0.5.23");
+    for engine in ["vllm", "sglang"] {
+        let results = answer[engine]["results"].as_array().expect("results");
+        assert_eq!(results.len(), labels.len());
+        for (result, label) in results.iter().zip(&labels) {
+            assert!(
+                result["ok"] == true && result["problems"].as_array().is_some_and(Vec::is_empty),
+                "{engine} refused the line for {label}: {result:#}"
+            );
+        }
+    }
+    let v = |i: usize| &answer["vllm"]["results"][i]["values"];
+    let s = |i: usize| &answer["sglang"]["results"][i]["values"];
+    // 405B: the same world on both nodes, the second headless and pointed at the first.
+    assert_eq!(v(0)["tensor_parallel_size"], 8);
+    assert_eq!(v(0)["pipeline_parallel_size"], 2);
+    assert_eq!(v(0)["nnodes"], 2);
+    assert_eq!(v(0)["node_rank"], 0);
+    assert_eq!(v(0)["model_tag"], "meta-llama/Llama-3.1-405B-Instruct");
+    assert!(v(0).get("headless").is_none());
+    assert_eq!(v(1)["node_rank"], 1);
+    assert_eq!(v(1)["headless"], true);
+    assert_eq!(v(1)["master_addr"], "10.0.0.11");
+    assert_eq!(s(1)["dist_init_addr"], "10.0.0.11:20000");
+    assert_eq!(s(1)["node_rank"], 1);
+    assert_eq!(s(0)["pp_size"], 2);
+    // DeepSeek-V3: DP 16 as 8 local replicas per node; SGLang's attention DP over 16.
+    assert_eq!(v(2)["data_parallel_size"], 16);
+    assert_eq!(v(2)["data_parallel_size_local"], 8);
+    assert_eq!(v(2)["enable_expert_parallel"], true);
+    assert_eq!(v(2)["all2all_backend"], "deepep_high_throughput");
+    assert_eq!(v(3)["data_parallel_start_rank"], 8);
+    assert_eq!(v(3)["data_parallel_address"], "10.0.0.11");
+    assert_eq!(v(3)["headless"], true);
+    assert_eq!(s(2)["tp_size"], 16);
+    assert_eq!(s(2)["attn_dp_size"], 16);
+    assert_eq!(s(2)["ep_size"], 16);
+    // Qwen3: one node, EP inside it, fp8 KV in each engine's spelling.
+    assert_eq!(v(4)["enable_expert_parallel"], true);
+    assert_eq!(v(4)["kv_cache_dtype"], "fp8");
+    assert_eq!(s(4)["kv_cache_dtype"], "fp8_e4m3");
+    assert!(v(4).get("nnodes").is_none());
+    // Llama-3.1-8B: eight replicas of one GPU.
+    assert_eq!(v(5)["data_parallel_size"], 8);
+    assert_eq!(s(5)["dp_size"], 8);
+    // Llama-3.1-70B fp8 on half the host.
+    assert_eq!(v(6)["quantization"], "fp8");
+    assert_eq!(s(6)["quantization"], "fp8");
+}
+
+#[test]
+fn engines_see_each_hosts_network_and_gpus() {
+    let nodes = launch_nodes(MATRIX[0].1, "vllm");
+    assert_eq!(nodes.len(), 2);
+    for (node, address) in nodes.iter().zip(["10.0.0.11", "10.0.0.12"]) {
+        assert_eq!(node["env"]["VLLM_HOST_IP"], address);
+        assert_eq!(node["env"]["HF_HUB_OFFLINE"], "1");
+        assert!(
+            node["env"]["NCCL_IB_HCA"]
+                .as_str()
+                .is_some_and(|h| h.starts_with("=mlx5_")),
+            "{node:#}"
+        );
+    }
+    assert_eq!(nodes[0]["role"], "head");
+    assert_eq!(nodes[1]["role"], "worker");
+    let sglang = launch_nodes(MATRIX[1].1, "sglang");
+    assert_eq!(sglang[1]["env"]["SGLANG_HOST_IP"], "10.0.0.12");
+    // The ports SGLang derives above --dist-init-addr are reserved on the head.
+    let ports: Vec<u64> = sglang[0]["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .map(|p| p["port"].as_u64().expect("port"))
+        .collect();
+    for port in 20000..=20006 {
+        assert!(ports.contains(&port), "{port} missing from {ports:?}");
+    }
+    // Half a host: only its four GPUs are visible to the engine.
+    let half = launch_nodes(MATRIX[4].1, "vllm");
+    assert_eq!(half[0]["env"]["CUDA_VISIBLE_DEVICES"], "0,1,2,3");
+    let whole = launch_nodes(MATRIX[3].1, "vllm");
+    assert!(whole[0]["env"].get("CUDA_VISIBLE_DEVICES").is_none());
+}
+
+#[test]
+fn emitted_scripts_are_what_each_node_runs() {
+    for (engine, case) in [("vllm", 0), ("sglang", 1)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut args: Vec<&str> = MATRIX[case].1.to_vec();
+        let emit = dir.path().to_str().expect("utf-8 path");
+        args.extend(["--engine", engine, "--emit", emit]);
+        let output = run_plan(&args);
+        stdout_ok(&output);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("wrote 2 run scripts"), "{stderr}");
+        for name in ["node0-gpu-node-1.sh", "node1-gpu-node-2.sh"] {
+            let path = dir.path().join(name);
+            let script = std::fs::read_to_string(&path).expect("the script exists");
+            let mode = std::fs::metadata(&path)
+                .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()))
+                .expect("metadata");
+            assert_eq!(mode & 0o111, 0o111, "{name} is executable");
+            // bash reads it: `-n` parses without running.
+            let status = Command::new("bash")
+                .arg("-n")
+                .arg(&path)
+                .status()
+                .expect("bash");
+            assert!(status.success(), "{name} is not valid bash");
+            insta::assert_snapshot!(format!("{engine}_{name}"), script);
+        }
+        let launch: Value = serde_json::from_slice(
+            &std::fs::read(dir.path().join("launch.json")).expect("launch.json"),
+        )
+        .expect("launch.json is JSON");
+        assert_eq!(launch["engine"], engine);
+    }
+}
+
+#[test]
+fn layouts_an_engine_cannot_express_are_refused_with_the_reason() {
+    let cases: &[(&[&str], &str)] = &[
+        // llama.cpp has no TP across hosts.
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-405b",
+                "--cluster",
+                "examples/cluster.toml",
+                "--tp",
+                "16",
+                "--engine",
+                "llamacpp",
+            ],
+            "layers only",
+        ),
+        // SGLang runs a dense model's replicas across nodes as separate servers.
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--cluster",
+                "2x8xh100-sxm",
+                "--tp",
+                "1",
+                "--dp",
+                "16",
+                "--engine",
+                "sglang",
+            ],
+            "sglang-router",
+        ),
+        // vLLM's EP is TP × DP wide.
+        (
+            &[
+                "plan",
+                "--model",
+                "mixtral-8x7b",
+                "--cluster",
+                "1x8xh100-sxm",
+                "--tp",
+                "2",
+                "--dp",
+                "4",
+                "--ep",
+                "4",
+                "--engine",
+                "vllm",
+            ],
+            "TP × DP = 8",
+        ),
+        // llama.cpp loads GGUF files only.
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--cluster",
+                "1x8xh100-sxm",
+                "--tp",
+                "1",
+                "--dp",
+                "1",
+                "--engine",
+                "llamacpp",
+            ],
+            "GGUF",
+        ),
+    ];
+    for (args, reason) in cases {
+        let output = run_plan(args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(reason), "{args:?}: {stderr}");
+    }
+}
