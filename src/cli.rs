@@ -564,6 +564,26 @@ pub struct UpArgs {
     /// Where the ranks compute: `cpu` (the quantized CPU kernels) or `cuda`.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+
+    /// Launch this engine instead of `infer`'s own: `vllm`, `sglang` or `llamacpp`
+    /// (`llama-server`, with `ggml-rpc-server` on the other hosts). Its processes run with
+    /// the same preflight, per-host network settings and gang semantics as ranks.
+    #[arg(long, value_enum, value_name = "E")]
+    pub engine: Option<EngineArg>,
+
+    /// With `--engine`: the directory holding the engine's programs on every host (a
+    /// venv's `bin/`). Default: each host's `PATH`.
+    #[arg(long, value_name = "DIR", requires = "engine")]
+    pub engine_bin: Option<PathBuf>,
+
+    /// With `--engine`: the rendezvous port on the head (vLLM `--master-port` or
+    /// `--data-parallel-rpc-port`, SGLang `--dist-init-addr`, llama.cpp's RPC servers).
+    #[arg(long, value_name = "PORT", requires = "engine")]
+    pub dist_port: Option<u16>,
+
+    /// With `--engine`: how long the head may take to answer `GET /health`, seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 600, requires = "engine")]
+    pub ready_timeout: u64,
 }
 
 /// `--numerics`: how the quantized matrix products round (see

@@ -29,6 +29,9 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
             "--device cuda: this build has no CUDA backend yet; run CPU ranks with `--device cpu`"
         );
     }
+    if let Some(engine) = args.engine {
+        return run_engine(args, engine.into(), printer);
+    }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     if let Some(len) = args.max_model_len {
         let context = model::load(&path.display().to_string())?.max_position_embeddings;
@@ -121,6 +124,93 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
             };
             printer.note(&message);
         }
+    })?;
+    printer.note("stopped");
+    Ok(ExitStatus::Success)
+}
+
+/// `infer up --engine E`: the flags become [`crate::launch::engine::EngineUpSettings`], and
+/// [`crate::launch::engine::up`] checks the hosts, starts the engine and watches it.
+fn run_engine(
+    args: &UpArgs,
+    engine: crate::engines::EngineKind,
+    printer: &Printer,
+) -> Result<ExitStatus> {
+    use crate::engines::EngineKind;
+    if args.plan.is_some() {
+        bail!(
+            "--plan with --engine: give the layout as --tp/--pp/--dp/--ep, or use `infer plan --engine {engine} --emit DIR`"
+        );
+    }
+    let cluster = match args.cluster.as_deref() {
+        None | Some("local") => None,
+        Some(c) if crate::cluster::is_inventory(c) => Some(std::path::PathBuf::from(c)),
+        Some(c) => bail!(
+            "--cluster `{c}` with --engine: the engine runs on real hosts: give an inventory (hosts.toml) or leave it out for this host"
+        ),
+    };
+    let model = match (engine, args.model.as_deref()) {
+        // llama.cpp loads a GGUF file: the default model, an alias, or a path.
+        (EngineKind::Llamacpp, model) => {
+            let path = model::weights_path(model, &mut |line| printer.note(line))?;
+            std::path::absolute(&path)
+                .unwrap_or(path)
+                .display()
+                .to_string()
+        }
+        (_, Some(model)) if std::path::Path::new(model).exists() => std::path::absolute(model)
+            .map_or_else(|_| model.to_string(), |p| p.display().to_string()),
+        (_, Some(model)) => model.to_string(),
+        (_, None) => bail!(
+            "--engine {engine} needs --model: a Hugging Face id in every host's cache, or a path present on every host"
+        ),
+    };
+    // llama.cpp lists a GGUF by its path; `infer up` lists it by its file stem.
+    let served_model_name = match (&args.served_model_name, engine) {
+        (Some(name), _) => Some(name.clone()),
+        (None, EngineKind::Llamacpp) => Some(model_id(std::path::Path::new(&model))),
+        (None, _) => None,
+    };
+    let settings = crate::launch::engine::EngineUpSettings {
+        engine,
+        model,
+        served_model_name,
+        inventory: cluster,
+        host: args.host.clone(),
+        port: args.port,
+        dist_port: args.dist_port,
+        engine_bin: args.engine_bin.clone(),
+        tp: args.tp.map(|n| n as u64),
+        pp: args.pp.map(|n| n as u64),
+        dp: args.dp.map(|n| n as u64),
+        ep: args.ep.map(|n| n as u64),
+        max_model_len_tokens: args.max_model_len.map(|n| n as u64),
+        ssh: crate::launch::ssh::SshOptions {
+            accept_new: args.ssh.ssh_accept_new,
+        },
+        run_dir: args.run_dir.clone(),
+        shutdown_timeout: std::time::Duration::try_from_secs_f64(args.shutdown_timeout).map_err(
+            |_| {
+                anyhow::anyhow!(
+                    "--shutdown-timeout must be 0 or more seconds, got {}",
+                    args.shutdown_timeout
+                )
+            },
+        )?,
+        ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
+    };
+    crate::launch::engine::up(&settings, &mut |event| match event {
+        UpEvent::Note(text) => printer.note(&text),
+        UpEvent::Listening(_) => {}
+        UpEvent::Gang(event) => report_progress_plain(printer, &event),
+        UpEvent::Ready {
+            address,
+            layout,
+            ready_secs,
+            ..
+        } => printer.note(&format!(
+            "serving on http://{address} ({layout}), ready in {ready_secs:.2} s; Ctrl-C stops"
+        )),
     })?;
     printer.note("stopped");
     Ok(ExitStatus::Success)

@@ -63,9 +63,13 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
         request.http_host.clone(),
         "--port".into(),
         request.ports.http.to_string(),
-        "--ctx-size".into(),
-        request.max_model_len_tokens.to_string(),
     ];
+    if request.max_model_len_tokens > 0 {
+        argv.extend([
+            "--ctx-size".into(),
+            request.max_model_len_tokens.to_string(),
+        ]);
+    }
     if request.gpu || !rpc.is_empty() {
         argv.extend(["--n-gpu-layers".into(), ALL_LAYERS.into()]);
     } else {

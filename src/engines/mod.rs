@@ -161,7 +161,7 @@ pub struct EngineRequest {
     pub fp16: bool,
     /// FP8 KV cache.
     pub kv_fp8: bool,
-    /// Longest sequence, tokens.
+    /// Longest sequence, tokens; 0: the engine's default (the model's own context).
     pub max_model_len_tokens: u64,
     /// Fraction of GPU memory the engine may use.
     pub gpu_memory_utilization: f64,

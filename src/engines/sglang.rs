@@ -81,10 +81,12 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
         }
     }
     dtype_flags(request, &mut common, true);
-    common.extend([
-        "--context-length".into(),
-        request.max_model_len_tokens.to_string(),
-    ]);
+    if request.max_model_len_tokens > 0 {
+        common.extend([
+            "--context-length".into(),
+            request.max_model_len_tokens.to_string(),
+        ]);
+    }
     if let Some(name) = &request.served_model_name {
         common.extend(["--served-model-name".into(), name.clone()]);
     }

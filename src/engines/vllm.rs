@@ -76,9 +76,13 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
         }
     }
     dtype_flags(request, &mut common, false);
+    if request.max_model_len_tokens > 0 {
+        common.extend([
+            "--max-model-len".into(),
+            request.max_model_len_tokens.to_string(),
+        ]);
+    }
     common.extend([
-        "--max-model-len".into(),
-        request.max_model_len_tokens.to_string(),
         "--gpu-memory-utilization".into(),
         request.gpu_memory_utilization.to_string(),
     ]);

@@ -316,10 +316,46 @@ impl Agent {
                     }
                 }
             }
-            ToAgent::Spawn { rank, env, token } => match self.spawn(rank, &env, &token) {
+            ToAgent::Spawn {
+                rank,
+                env,
+                token,
+                argv,
+            } => match self.spawn(rank, &env, &token, argv.as_deref()) {
                 Ok(pid) => send(&self.output, &FromAgent::Spawned { rank, pid }),
                 Err(error) => self.error(Some(rank), format!("{error:#}")),
             },
+            ToAgent::Exec {
+                argv,
+                env,
+                timeout_secs,
+            } => {
+                let output = Arc::clone(&self.output);
+                std::thread::spawn(move || {
+                    let done = super::run_program(&argv, &env, Duration::from_secs(timeout_secs));
+                    send(
+                        &output,
+                        &FromAgent::Executed {
+                            program: done.program,
+                            code: done.code,
+                            stdout: done.stdout,
+                            stderr: done.stderr,
+                            error: done.error,
+                        },
+                    )
+                });
+            }
+            ToAgent::CheckPorts { ports } => {
+                let taken = ports
+                    .into_iter()
+                    .filter_map(|(address, port)| {
+                        std::net::TcpListener::bind((address.as_str(), port))
+                            .err()
+                            .map(|error| (address, port, error.to_string()))
+                    })
+                    .collect();
+                send(&self.output, &FromAgent::PortsChecked { taken });
+            }
             ToAgent::Signal { rank, signal } => {
                 if let Some(child) = self.ranks.get_mut(&rank)
                     && matches!(child.try_wait(), Ok(None))
@@ -335,8 +371,15 @@ impl Agent {
         send(&self.output, &FromAgent::Error { rank, message });
     }
 
-    /// Starts one rank: its own process group, a parent-death signal, exactly `env`.
-    fn spawn(&mut self, rank: usize, env: &[(String, String)], token: &str) -> Result<u32> {
+    /// Starts one rank (or, with `argv`, another program as member `rank`): its own
+    /// process group, a parent-death signal, exactly `env`.
+    fn spawn(
+        &mut self,
+        rank: usize,
+        env: &[(String, String)],
+        token: &str,
+        argv: Option<&[String]>,
+    ) -> Result<u32> {
         if self.ranks.contains_key(&rank) {
             bail!("rank {rank} was already started on this host");
         }
@@ -344,9 +387,19 @@ impl Agent {
         let mut env = env.to_vec();
         env.push(("INFER_RUN_ID".into(), self.run_id.clone()));
         let output = Arc::clone(&self.output);
-        let child = super::start_rank_process(&self.exe, rank, &env, token, &log, move |line| {
-            send(&output, &FromAgent::Line { rank, line })
-        })?;
+        let line = move |line| send(&output, &FromAgent::Line { rank, line });
+        let child = match argv {
+            None => super::start_rank_process(&self.exe, rank, &env, token, &log, line)?,
+            Some(argv) => {
+                let Some((name, args)) = argv.split_first() else {
+                    bail!("an empty command line");
+                };
+                let path = std::env::var_os("PATH").unwrap_or_default();
+                let program = super::find_program(name, &path)
+                    .with_context(|| format!("`{name}` is not on this host's PATH"))?;
+                super::start_process(&program, args, &env, &log, line)?
+            }
+        };
         let pid = child.id();
         let mut pgids = std::fs::OpenOptions::new()
             .create(true)

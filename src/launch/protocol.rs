@@ -50,12 +50,27 @@ pub enum ToAgent {
     },
     /// The file is complete; answered by [`FromAgent::FileInfo`] of what was written.
     FileEnd,
-    /// Start `infer rank` with exactly `env` (plus `PATH`, `HOME` and the run token).
+    /// Start `infer rank` with exactly `env` (plus `PATH`, `HOME` and the run token); with
+    /// `argv`, that program instead (another engine's process: `argv[0]` found on the
+    /// agent's `PATH` unless it names a path), started directly, never through a shell.
     Spawn {
         rank: usize,
         env: Vec<(String, String)>,
         token: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        argv: Option<Vec<String>>,
     },
+    /// Run `argv` (no shell; `argv[0]` found on the agent's `PATH` unless it names a path)
+    /// with the agent's environment plus `env`, for at most `timeout_secs`, and answer with
+    /// [`FromAgent::Executed`]: how `infer up --engine` finds an engine and reads its version.
+    Exec {
+        argv: Vec<String>,
+        env: Vec<(String, String)>,
+        timeout_secs: u64,
+    },
+    /// Try to bind each `(address, port)` and close it again; answered by
+    /// [`FromAgent::PortsChecked`] with the ones already taken.
+    CheckPorts { ports: Vec<(String, u16)> },
     /// Send `signal` (a number, `SIGTERM` = 15) to rank `rank`'s process group.
     Signal { rank: usize, signal: i32 },
     /// Stop every rank (SIGTERM, grace, SIGKILL) and exit.
@@ -135,6 +150,18 @@ pub enum FromAgent {
         secs: Option<f64>,
         error: Option<String>,
     },
+    /// The result of a [`ToAgent::Exec`]: the program's path as found, its exit code
+    /// (`None`: not found, killed or timed out, with `error` saying which), and its output
+    /// (each stream's first 64 KiB, lossy UTF-8).
+    Executed {
+        program: Option<String>,
+        code: Option<i32>,
+        stdout: String,
+        stderr: String,
+        error: Option<String>,
+    },
+    /// The result of a [`ToAgent::CheckPorts`]: each port that could not be bound, with why.
+    PortsChecked { taken: Vec<(String, u16, String)> },
     /// A request failed (`rank` when it concerned one).
     Error {
         rank: Option<usize>,
@@ -263,6 +290,7 @@ mod tests {
                 rank: 3,
                 env: vec![("RANK".into(), "3".into())],
                 token: "secret".into(),
+                argv: None,
             },
         )
         .expect("write");
@@ -276,7 +304,9 @@ mod tests {
         .expect("write");
         let mut reader = &buffer[..];
         match read_frame::<ToAgent>(&mut reader).expect("read") {
-            Some(ToAgent::Spawn { rank, env, token }) => {
+            Some(ToAgent::Spawn {
+                rank, env, token, ..
+            }) => {
                 assert_eq!((rank, token.as_str()), (3, "secret"));
                 assert_eq!(env, vec![("RANK".to_string(), "3".to_string())]);
             }

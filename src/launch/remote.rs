@@ -84,6 +84,9 @@ struct HostState {
     listening: Option<String>,
     reached: Option<Vec<super::protocol::ReachResult>>,
     streamed: Option<(Option<f64>, Option<String>)>,
+    /// Answers to [`ToAgent::Exec`] and [`ToAgent::CheckPorts`].
+    executed: Option<super::Executed>,
+    ports_checked: Option<Vec<(String, u16, String)>>,
     /// Set when the connection or the agent is gone: why.
     lost: Option<String>,
     /// When the agent last sent a frame.
@@ -330,6 +333,59 @@ impl RemoteCluster {
         Ok(())
     }
 
+    /// Runs `argv` on host `index` (no shell: `argv[0]` found on the agent's `PATH` unless it
+    /// names a path) with `env` added, for at most `timeout`.
+    ///
+    /// Errors: the host is lost or does not answer in time.
+    pub fn exec(
+        &self,
+        index: usize,
+        argv: &[String],
+        env: &[(String, String)],
+        timeout: Duration,
+    ) -> Result<super::Executed> {
+        let host = &self.hosts[index];
+        host.send(ToAgent::Exec {
+            argv: argv.to_vec(),
+            env: env.to_vec(),
+            timeout_secs: timeout.as_secs().max(1),
+        })?;
+        host.wait_for(
+            timeout + Duration::from_secs(5),
+            "a program it was asked to run",
+            |s| s.executed.take(),
+        )
+    }
+
+    /// The sha256 (hex) of the file at `path` on host `index`; `None` when it does not exist.
+    ///
+    /// Errors: the host is lost or does not answer in 10 minutes (a large file is hashed).
+    pub fn file_sha256(&self, index: usize, path: &str) -> Result<Option<String>> {
+        let host = &self.hosts[index];
+        host.send(ToAgent::HashFile { path: path.into() })?;
+        let (sha, _) = host.wait_for(Duration::from_secs(600), "the file's sha256", |s| {
+            s.file_info.take()
+        })?;
+        Ok(sha)
+    }
+
+    /// The ports of `ports` (address, port) that host `index` cannot bind, with why.
+    ///
+    /// Errors: the host is lost or does not answer in 10 s.
+    pub fn ports_taken(
+        &self,
+        index: usize,
+        ports: &[(String, u16)],
+    ) -> Result<Vec<(String, u16, String)>> {
+        let host = &self.hosts[index];
+        host.send(ToAgent::CheckPorts {
+            ports: ports.to_vec(),
+        })?;
+        host.wait_for(Duration::from_secs(10), "its port check", |s| {
+            s.ports_checked.take()
+        })
+    }
+
     /// Host `index`'s own live doctor findings, run there.
     ///
     /// Errors: the host is lost or does not answer within 30 s.
@@ -556,6 +612,7 @@ impl Spawner for RemoteSpawner<'_> {
             rank,
             env: env.to_vec(),
             token: token.into(),
+            argv: None,
         })?;
         let pid = host
             .wait_for(
@@ -566,6 +623,45 @@ impl Spawner for RemoteSpawner<'_> {
             .map_err(|message| anyhow!("cannot start rank {rank} on `{}`: {message}", host.name))?;
         Ok(Box::new(RemoteRank {
             rank,
+            pid,
+            host: host.name.clone(),
+            to_agent: host.to_agent.clone(),
+            state: Arc::clone(&host.state),
+        }))
+    }
+
+    fn spawn_program(
+        &self,
+        index: usize,
+        argv: &[String],
+        env: &[(String, String)],
+        log: &Path,
+        lines: &std::sync::mpsc::Sender<(usize, String)>,
+    ) -> Result<Box<dyn RankHandle>> {
+        let host = &self.cluster.hosts[self.rank_hosts[index]];
+        let file =
+            File::create(log).with_context(|| format!("cannot create `{}`", log.display()))?;
+        host.state
+            .lock()
+            .map_err(|_| anyhow!("host state poisoned"))?
+            .sinks
+            .insert(index, (file, lines.clone()));
+        host.send(ToAgent::Spawn {
+            rank: index,
+            env: env.to_vec(),
+            token: String::new(),
+            argv: Some(argv.to_vec()),
+        })?;
+        let what = argv.first().map_or("the program", String::as_str);
+        let pid = host
+            .wait_for(
+                Duration::from_secs(10),
+                &format!("`{what}` to start"),
+                |s| s.spawned.remove(&index),
+            )?
+            .map_err(|message| anyhow!("cannot start `{what}` on `{}`: {message}", host.name))?;
+        Ok(Box::new(RemoteRank {
+            rank: index,
             pid,
             host: host.name.clone(),
             to_agent: host.to_agent.clone(),
@@ -935,6 +1031,22 @@ fn apply(state: &Mutex<HostState>, frame: FromAgent) {
         FromAgent::Listening { address } => state.listening = Some(address),
         FromAgent::Reached { results } => state.reached = Some(results),
         FromAgent::Streamed { secs, error } => state.streamed = Some((secs, error)),
+        FromAgent::Executed {
+            program,
+            code,
+            stdout,
+            stderr,
+            error,
+        } => {
+            state.executed = Some(super::Executed {
+                program,
+                code,
+                stdout,
+                stderr,
+                error,
+            })
+        }
+        FromAgent::PortsChecked { taken } => state.ports_checked = Some(taken),
         FromAgent::StoreAt { address } => state.store_at = Some(Ok(address)),
         FromAgent::FileInfo {
             sha256, size_bytes, ..

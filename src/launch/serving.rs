@@ -426,7 +426,7 @@ fn launch(
 }
 
 /// Counts SIGINTs and SIGTERMs into `signals` (a thread with its own small runtime).
-fn watch_signals(signals: Arc<AtomicUsize>) -> Result<()> {
+pub(super) fn watch_signals(signals: Arc<AtomicUsize>) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

