@@ -462,6 +462,16 @@ pub struct DoctorArgs {
     /// NIC's link rate.
     #[arg(long)]
     pub bandwidth: bool,
+
+    /// With `--cluster`: also check this serving engine on every host (`vllm`, `sglang`,
+    /// `llamacpp`): its programs run, the same version (and torch/NCCL) everywhere, its
+    /// usual ports free.
+    #[arg(long, value_enum, value_name = "E")]
+    pub engine: Option<EngineArg>,
+
+    /// With `--engine`: the directory holding the engine's programs on every host.
+    #[arg(long, value_name = "DIR", requires = "engine")]
+    pub engine_bin: Option<PathBuf>,
 }
 
 /// `infer up`.

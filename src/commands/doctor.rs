@@ -1,7 +1,7 @@
 //! `infer doctor`: read the evidence (NCCL logs, a topology), run the checks, print the
 //! findings; exit 1 when any is an error.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::ExitStatus;
 use crate::cli::DoctorArgs;
@@ -13,6 +13,12 @@ use crate::ui::Printer;
 pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.model.is_none() && crate::cluster::is_inventory(&args.settings.cluster) {
         return cluster(args, printer);
+    }
+    if let Some(engine) = args.engine {
+        let engine: crate::engines::EngineKind = engine.into();
+        bail!(
+            "--engine {engine} checks the engine on an inventory's hosts: add `--cluster hosts.toml` (without `--model`)"
+        );
     }
     let logs = read_logs(&args.nccl_logs)?;
     let topology = match &args.topology {
@@ -71,7 +77,9 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     };
     // Local inputs first: a bad log fails before any host is contacted.
     let logs = read_logs(&args.nccl_logs)?;
-    let evidence = crate::launch::cluster::survey(inventory, ssh, args.bandwidth, &mut |_| {})?;
+    let engine = args.engine.map(|e| (e.into(), args.engine_bin.as_deref()));
+    let evidence =
+        crate::launch::cluster::survey(inventory, ssh, args.bandwidth, engine, &mut |_| {})?;
     let mut findings = checks::cluster(&evidence);
     findings.extend(checks::nccl_logs(&logs, None));
     if let Some(path) = &args.plan {
@@ -91,6 +99,7 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     let mut report = Report::new(findings);
     report.matrix = evidence.matrix;
     report.allreduce = evidence.allreduce;
+    report.engine = evidence.engine;
     print_report(&report, args.json, printer)
 }
 

@@ -27,6 +27,31 @@ pub struct ClusterEvidence {
     pub bandwidth: Option<Vec<PairBandwidth>>,
     /// With `--bandwidth` and two hosts or more: one all-reduce over every answering host.
     pub allreduce: Option<AllreduceProbe>,
+    /// With `--engine E`: that engine on every answering host.
+    pub engine: Option<EngineEvidence>,
+}
+
+/// What `infer doctor --cluster --engine E` found of the engine on the hosts.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EngineEvidence {
+    /// `vllm`, `sglang` or `llamacpp`.
+    pub engine: String,
+    /// One per answering host, in inventory order (the first is the head).
+    pub hosts: Vec<EngineHostEvidence>,
+}
+
+/// The engine on one host.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EngineHostEvidence {
+    pub host: String,
+    /// The version it reports.
+    pub version: Option<String>,
+    /// torch and NCCL (vLLM, SGLang).
+    pub torch: Option<String>,
+    /// Why the engine is not usable there (with a `hint:` line).
+    pub error: Option<String>,
+    /// Ports the engine would take that are in use there: (port, what for, why).
+    pub ports_taken: Vec<(u16, String, String)>,
 }
 
 /// An all-reduce with our own collectives over the hosts' data interfaces: one rank per

@@ -90,6 +90,9 @@ pub struct Report {
     /// The all-reduce of `--cluster --bandwidth` (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allreduce: Option<cluster::AllreduceProbe>,
+    /// What `--cluster --engine E` found of the engine on each host (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<cluster::EngineEvidence>,
 }
 
 impl Report {
@@ -109,6 +112,7 @@ impl Report {
             warnings,
             matrix: None,
             allreduce: None,
+            engine: None,
         }
     }
 }

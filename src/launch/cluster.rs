@@ -309,6 +309,7 @@ pub fn survey(
     inventory: &Path,
     ssh: SshOptions,
     bandwidth: bool,
+    engine: Option<(crate::engines::EngineKind, Option<&Path>)>,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<crate::doctor::cluster::ClusterEvidence> {
     use crate::doctor::cluster::{
@@ -510,6 +511,7 @@ pub fn survey(
         }
         _ => None,
     };
+    let engine = engine.map(|(kind, engine_bin)| engine_survey(&remote, kind, engine_bin));
     remote.shutdown();
     Ok(ClusterEvidence {
         hosts,
@@ -521,7 +523,99 @@ pub fn survey(
         matrix,
         bandwidth: pairs,
         allreduce,
+        engine,
     })
+}
+
+/// `engine` on every connected host, in parallel: its programs and versions
+/// ([`super::engine::probe_engine`]) and whether its usual ports are free. The first host
+/// is taken as the head.
+fn engine_survey(
+    remote: &RemoteCluster,
+    engine: crate::engines::EngineKind,
+    engine_bin: Option<&Path>,
+) -> crate::doctor::cluster::EngineEvidence {
+    use crate::doctor::cluster::{EngineEvidence, EngineHostEvidence};
+    // An agent of another build may not know the requests the probe sends.
+    let own_sha = std::env::current_exe()
+        .ok()
+        .and_then(|exe| super::agent::sha256_file(&exe).ok().flatten())
+        .map(|(sha, _)| sha);
+    let hosts = std::thread::scope(|scope| {
+        let jobs: Vec<_> = remote
+            .hosts
+            .iter()
+            .enumerate()
+            .map(|(index, host)| {
+                let own_sha = own_sha.as_deref();
+                scope.spawn(move || {
+                    if own_sha.is_some_and(|sha| sha != host.hello.sha256) {
+                        return EngineHostEvidence {
+                            host: host.name.clone(),
+                            version: None,
+                            torch: None,
+                            error: Some(format!(
+                                "`{}` runs another `infer` build (`{}`), which cannot check the engine\nhint: install this \
+                                 build there (`infer up --cluster` stages it), then rerun",
+                                host.name, host.hello.exe
+                            )),
+                            ports_taken: Vec::new(),
+                        };
+                    }
+                    let head = index == 0;
+                    let probed = super::engine::probe_engine(
+                        &|argv, timeout| remote.exec(index, argv, &[], timeout),
+                        &host.name,
+                        engine,
+                        engine_bin,
+                        head,
+                    );
+                    let usual = super::engine::usual_ports(engine, head);
+                    let wanted: Vec<(String, u16)> =
+                        usual.iter().map(|(p, _)| ("0.0.0.0".to_string(), *p)).collect();
+                    let ports_taken = remote
+                        .ports_taken(index, &wanted)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(_, port, why)| {
+                            let purpose = usual
+                                .iter()
+                                .find(|(p, _)| *p == port)
+                                .map_or("", |(_, what)| what);
+                            (port, purpose.to_string(), why)
+                        })
+                        .collect();
+                    let (version, torch, error) = match probed {
+                        Ok(found) => (found.version, found.torch, None),
+                        Err(error) => (None, None, Some(error)),
+                    };
+                    EngineHostEvidence {
+                        host: host.name.clone(),
+                        version,
+                        torch,
+                        error,
+                        ports_taken,
+                    }
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .zip(&remote.hosts)
+            .map(|(job, host)| {
+                job.join().unwrap_or_else(|_| EngineHostEvidence {
+                    host: host.name.clone(),
+                    version: None,
+                    torch: None,
+                    error: Some("the engine probe panicked".into()),
+                    ports_taken: Vec::new(),
+                })
+            })
+            .collect()
+    });
+    EngineEvidence {
+        engine: engine.to_string(),
+        hosts,
+    }
 }
 
 /// The link rate (sysfs `speed`, Gbit/s) of data interface `name` on host `position`, as

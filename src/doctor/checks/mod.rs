@@ -3,6 +3,7 @@
 pub mod bandwidth;
 pub mod clock_skew;
 pub mod cross_node_tp;
+pub mod engine;
 pub mod ep_cross_node;
 pub mod gpu_nic_affinity;
 pub mod ib_port;
@@ -82,6 +83,7 @@ pub fn cluster(evidence: &crate::doctor::cluster::ClusterEvidence) -> Vec<Findin
     findings.extend(clock_skew::check(evidence));
     findings.extend(rdma::check(evidence));
     findings.extend(bandwidth::check(evidence));
+    findings.extend(engine::check(evidence));
     findings
 }
 
