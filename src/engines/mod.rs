@@ -587,6 +587,164 @@ mod tests {
         assert!(Version(0, 5, 23) > Version(0, 5, 9));
     }
 
+    /// Two 8-GPU nodes at 10.0.0.1/2 on `eth1` with `mlx5_0`.
+    fn request(engine: EngineKind, parallel: Parallel, is_moe: bool) -> EngineRequest {
+        let per_node = (parallel.world_size() / 2) as usize;
+        let node = |i: usize| NodeNet {
+            host: format!("n{i}"),
+            address: format!("10.0.0.{}", i + 1),
+            ifname: Some("eth1".into()),
+            ib_hcas: Some("mlx5_0".into()),
+            ib_gid_index: Some(3),
+            gpus: (0..per_node).collect(),
+            gpus_on_host: 8,
+            cpus: 64,
+        };
+        EngineRequest {
+            engine,
+            version: None,
+            model: "org/model".into(),
+            served_model_name: None,
+            parallel,
+            is_moe,
+            quantization: None,
+            fp16: false,
+            kv_fp8: false,
+            max_model_len_tokens: 8192,
+            gpu_memory_utilization: 0.9,
+            objective: Objective::Throughput,
+            ep_crosses_hosts: false,
+            nodes: vec![node(0), node(1)],
+            ports: EnginePorts::default_for(engine),
+            http_host: "0.0.0.0".into(),
+            gpu: true,
+        }
+    }
+
+    fn words(launch: &EngineLaunch, node: usize) -> String {
+        launch.nodes[node].argv.join(" ")
+    }
+
+    #[test]
+    fn every_node_gets_its_network_and_the_head_its_ports() {
+        let p = Parallel {
+            tp: 8,
+            pp: 2,
+            ep: 1,
+            dp: 1,
+        };
+        let launch = generate(&request(EngineKind::Vllm, p, false)).expect("launch");
+        let worker = &launch.nodes[1];
+        assert_eq!(worker.env["NCCL_SOCKET_IFNAME"], "=eth1");
+        assert_eq!(worker.env["GLOO_SOCKET_IFNAME"], "eth1");
+        assert_eq!(worker.env["NCCL_IB_HCA"], "=mlx5_0");
+        assert_eq!(worker.env["NCCL_IB_GID_INDEX"], "3");
+        assert_eq!(worker.env["VLLM_HOST_IP"], "10.0.0.2");
+        assert!(!worker.env.contains_key("CUDA_VISIBLE_DEVICES"));
+        assert!(worker.ports.is_empty());
+        assert!(words(&launch, 1).ends_with("--headless"));
+        let head_ports: Vec<u16> = launch.nodes[0].ports.iter().map(|p| p.port).collect();
+        assert_eq!(head_ports, [29501, 8000]);
+        assert_eq!(launch.endpoint, "http://10.0.0.1:8000");
+    }
+
+    #[test]
+    fn vllm_refuses_a_replica_split_over_nodes_and_a_narrow_ep() {
+        // DP 4 × TP 4 on two 8-GPU nodes: two local replicas per node.
+        let dp = generate(&request(
+            EngineKind::Vllm,
+            Parallel {
+                tp: 4,
+                pp: 1,
+                ep: 1,
+                dp: 4,
+            },
+            false,
+        ))
+        .expect("DP 4 × TP 4 over two nodes");
+        assert!(words(&dp, 1).contains("--data-parallel-size-local 2"));
+        assert!(words(&dp, 1).contains("--data-parallel-start-rank 2"));
+        assert!(words(&dp, 1).contains("--headless"));
+        // DP 3 × TP 4 = 12 GPUs, 6 per node: a replica would straddle the nodes.
+        let odd = request(
+            EngineKind::Vllm,
+            Parallel {
+                tp: 4,
+                pp: 1,
+                ep: 1,
+                dp: 3,
+            },
+            false,
+        );
+        let error = generate(&odd)
+            .expect_err("TP 4 does not divide 6 GPUs per node")
+            .to_string();
+        assert!(error.contains("inside one node"), "{error}");
+        let moe = request(
+            EngineKind::Vllm,
+            Parallel {
+                tp: 4,
+                pp: 1,
+                ep: 2,
+                dp: 4,
+            },
+            true,
+        );
+        let error = generate(&moe).expect_err("EP 2 of TP × DP 16").to_string();
+        assert!(error.contains("TP × DP = 16"), "{error}");
+    }
+
+    #[test]
+    fn sglang_spells_attention_dp_as_the_installed_version_does() {
+        let p = Parallel {
+            tp: 1,
+            pp: 1,
+            ep: 16,
+            dp: 16,
+        };
+        let mut r = request(EngineKind::Sglang, p, true);
+        let new = generate(&r).expect("launch");
+        assert!(words(&new, 0).contains("--tp-size 16 --attn-dp-size 16 --ep-size 16"));
+        assert!(!words(&new, 0).contains("--enable-dp-attention"));
+        r.version = Version::parse("0.5.21");
+        let old = generate(&r).expect("launch");
+        assert!(words(&old, 0).contains("--tp-size 16 --dp-size 16 --enable-dp-attention"));
+        assert!(old.notes.iter().any(|n| n.contains("0.5.23")));
+        // The six ports SGLang derives above --dist-init-addr are the head's.
+        let ports: Vec<u16> = new.nodes[0].ports.iter().map(|p| p.port).collect();
+        assert!((20000..=20006).all(|p| ports.contains(&p)), "{ports:?}");
+    }
+
+    #[test]
+    fn llamacpp_puts_rpc_servers_on_the_data_network() {
+        let mut r = request(
+            EngineKind::Llamacpp,
+            Parallel {
+                tp: 1,
+                pp: 2,
+                ep: 1,
+                dp: 1,
+            },
+            false,
+        );
+        r.model = "/models/m.gguf".into();
+        r.gpu = false;
+        for node in &mut r.nodes {
+            node.gpus.clear();
+            node.gpus_on_host = 0;
+        }
+        let launch = generate(&r).expect("launch");
+        assert_eq!(
+            words(&launch, 1),
+            "ggml-rpc-server --host 10.0.0.2 --port 50052 --threads 64"
+        );
+        assert!(words(&launch, 0).contains("--rpc 10.0.0.2:50052"));
+        assert!(words(&launch, 0).contains("--n-gpu-layers 999"));
+        assert!(launch.notes.iter().any(|n| n.contains("no authentication")));
+        r.model = "org/model".into();
+        assert!(generate(&r).is_err());
+    }
+
     #[test]
     fn shell_quoting_keeps_every_byte() {
         assert_eq!(shell_quote("--port"), "--port");
