@@ -11,8 +11,7 @@
 use anyhow::{Result, bail};
 
 use super::{
-    EngineKind, EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, Version,
-    common_env, vllm::endpoint_host,
+    EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, Version, assemble, common_env,
 };
 
 /// All layers to the devices (the head's GPUs and the RPC servers).
@@ -132,15 +131,11 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
             request.ports.dist
         ));
     }
-    Ok(EngineLaunch {
-        engine: EngineKind::Llamacpp,
-        version: request.version.unwrap_or(Version(0, 0, 0)),
-        endpoint: format!(
-            "http://{}:{}",
-            endpoint_host(&request.http_host, &head.address),
-            request.ports.http
-        ),
-        nodes: launches,
+    Ok(assemble(
+        request,
+        request.version.unwrap_or(Version(0, 0, 0)),
+        None,
+        launches,
         notes,
-    })
+    ))
 }

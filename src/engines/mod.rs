@@ -552,6 +552,36 @@ pub fn script_name(node: &NodeLaunch) -> String {
     format!("node{}-{host}.sh", node.node_rank)
 }
 
+/// The launch of `nodes`, served from the head's HTTP port, with a note when the flags
+/// were written for another version than the `tested` one.
+fn assemble(
+    request: &EngineRequest,
+    version: Version,
+    tested: Option<(&str, &str)>,
+    nodes: Vec<NodeLaunch>,
+    mut notes: Vec<String>,
+) -> EngineLaunch {
+    if let Some((name, tested)) = tested
+        && Version::parse(tested) != Some(version)
+    {
+        notes.push(format!(
+            "flags written for {name} {version} as for {tested}, the version infer's parser tests pin"
+        ));
+    }
+    let head = &request.nodes[0];
+    EngineLaunch {
+        engine: request.engine,
+        version,
+        endpoint: format!(
+            "http://{}:{}",
+            vllm::endpoint_host(&request.http_host, &head.address),
+            request.ports.http
+        ),
+        nodes,
+        notes,
+    }
+}
+
 /// The flags shared by vLLM and SGLang for the plan's dtypes and memory.
 fn dtype_flags(request: &EngineRequest, args: &mut Vec<String>, sglang: bool) {
     if let Some(method) = &request.quantization {

@@ -16,8 +16,8 @@
 use anyhow::{Result, bail};
 
 use super::{
-    EngineKind, EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, SGLANG_TESTED,
-    Version, common_env, dtype_flags, vllm::endpoint_host,
+    EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, SGLANG_TESTED, Version,
+    assemble, common_env, dtype_flags,
 };
 
 /// The first SGLang with `--attn-dp-size` (its 0.5.21 wheel has no such flag).
@@ -157,21 +157,11 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
             ports,
         });
     }
-    let mut notes = Vec::new();
-    if version != tested {
-        notes.push(format!(
-            "flags written for SGLang {version} as for {SGLANG_TESTED}, the version infer's parser tests pin"
-        ));
-    }
-    Ok(EngineLaunch {
-        engine: EngineKind::Sglang,
+    Ok(assemble(
+        request,
         version,
-        endpoint: format!(
-            "http://{}:{}",
-            endpoint_host(&request.http_host, &head.address),
-            request.ports.http
-        ),
-        nodes: launches,
-        notes,
-    })
+        Some(("SGLang", SGLANG_TESTED)),
+        launches,
+        Vec::new(),
+    ))
 }

@@ -18,8 +18,8 @@
 use anyhow::{Result, bail};
 
 use super::{
-    EngineKind, EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, VLLM_TESTED,
-    Version, common_env, dtype_flags,
+    EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, VLLM_TESTED, Version,
+    assemble, common_env, dtype_flags,
 };
 use crate::plan::Objective;
 
@@ -171,23 +171,13 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
             ports,
         });
     }
-    let mut notes = Vec::new();
-    if version != tested {
-        notes.push(format!(
-            "flags written for vLLM {version} as for {VLLM_TESTED}, the version infer's parser tests pin"
-        ));
-    }
-    Ok(EngineLaunch {
-        engine: EngineKind::Vllm,
+    Ok(assemble(
+        request,
         version,
-        endpoint: format!(
-            "http://{}:{}",
-            endpoint_host(&request.http_host, &head.address),
-            request.ports.http
-        ),
-        nodes: launches,
-        notes,
-    })
+        Some(("vLLM", VLLM_TESTED)),
+        launches,
+        Vec::new(),
+    ))
 }
 
 /// The address clients use: the data address when the server binds every interface.

@@ -600,34 +600,8 @@ impl Spawner for RemoteSpawner<'_> {
         log: &Path,
         lines: &std::sync::mpsc::Sender<(usize, String)>,
     ) -> Result<Box<dyn RankHandle>> {
-        let host = &self.cluster.hosts[self.rank_hosts[rank]];
-        let file =
-            File::create(log).with_context(|| format!("cannot create `{}`", log.display()))?;
-        host.state
-            .lock()
-            .map_err(|_| anyhow!("host state poisoned"))?
-            .sinks
-            .insert(rank, (file, lines.clone()));
-        host.send(ToAgent::Spawn {
-            rank,
-            env: env.to_vec(),
-            token: token.into(),
-            argv: None,
-        })?;
-        let pid = host
-            .wait_for(
-                Duration::from_secs(10),
-                &format!("rank {rank} to start"),
-                |s| s.spawned.remove(&rank),
-            )?
-            .map_err(|message| anyhow!("cannot start rank {rank} on `{}`: {message}", host.name))?;
-        Ok(Box::new(RemoteRank {
-            rank,
-            pid,
-            host: host.name.clone(),
-            to_agent: host.to_agent.clone(),
-            state: Arc::clone(&host.state),
-        }))
+        self.start(rank, env, token, None, log, lines)
+            .map_err(|(host, message)| anyhow!("cannot start rank {rank} on `{host}`: {message}"))
     }
 
     fn spawn_program(
@@ -638,28 +612,53 @@ impl Spawner for RemoteSpawner<'_> {
         log: &Path,
         lines: &std::sync::mpsc::Sender<(usize, String)>,
     ) -> Result<Box<dyn RankHandle>> {
+        let what = argv.first().map_or("the program", String::as_str);
+        self.start(index, env, "", Some(argv.to_vec()), log, lines)
+            .map_err(|(host, message)| anyhow!("cannot start `{what}` on `{host}`: {message}"))
+    }
+
+    fn describe(&self, rank: usize) -> String {
+        format!("{} r{rank}", self.cluster.hosts[self.rank_hosts[rank]].name)
+    }
+}
+
+impl RemoteSpawner<'_> {
+    /// Asks member `index`'s agent to start it (`infer rank`, or `argv`), its output into
+    /// `log` and `lines`. Errors: (the host, why) — the agent refused, or did not answer.
+    fn start(
+        &self,
+        index: usize,
+        env: &[(String, String)],
+        token: &str,
+        argv: Option<Vec<String>>,
+        log: &Path,
+        lines: &std::sync::mpsc::Sender<(usize, String)>,
+    ) -> std::result::Result<Box<dyn RankHandle>, (String, String)> {
         let host = &self.cluster.hosts[self.rank_hosts[index]];
-        let file =
-            File::create(log).with_context(|| format!("cannot create `{}`", log.display()))?;
+        let fail = |error: anyhow::Error| (host.name.clone(), format!("{error:#}"));
+        let file = File::create(log)
+            .with_context(|| format!("cannot create `{}`", log.display()))
+            .map_err(fail)?;
         host.state
             .lock()
-            .map_err(|_| anyhow!("host state poisoned"))?
+            .map_err(|_| (host.name.clone(), "host state poisoned".to_string()))?
             .sinks
             .insert(index, (file, lines.clone()));
         host.send(ToAgent::Spawn {
             rank: index,
             env: env.to_vec(),
-            token: String::new(),
-            argv: Some(argv.to_vec()),
-        })?;
-        let what = argv.first().map_or("the program", String::as_str);
+            token: token.into(),
+            argv,
+        })
+        .map_err(fail)?;
         let pid = host
             .wait_for(
                 Duration::from_secs(10),
-                &format!("`{what}` to start"),
+                &format!("member {index} to start"),
                 |s| s.spawned.remove(&index),
-            )?
-            .map_err(|message| anyhow!("cannot start `{what}` on `{}`: {message}", host.name))?;
+            )
+            .map_err(fail)?
+            .map_err(|message| (host.name.clone(), message))?;
         Ok(Box::new(RemoteRank {
             rank: index,
             pid,
@@ -667,10 +666,6 @@ impl Spawner for RemoteSpawner<'_> {
             to_agent: host.to_agent.clone(),
             state: Arc::clone(&host.state),
         }))
-    }
-
-    fn describe(&self, rank: usize) -> String {
-        format!("{} r{rank}", self.cluster.hosts[self.rank_hosts[rank]].name)
     }
 }
 
