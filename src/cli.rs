@@ -395,6 +395,24 @@ pub struct PlanSettingsArgs {
     /// Pin the data-parallel degree (replicas).
     #[arg(long, visible_alias = "data-parallel-size", value_name = "N")]
     pub dp: Option<u64>,
+
+    /// Prompt tokens per request of the traffic to plan for (the Pareto table's TTFT and
+    /// throughput).
+    #[arg(long, value_name = "TOKENS", default_value_t = 1024)]
+    pub isl: u64,
+
+    /// Output tokens per request of the traffic to plan for.
+    #[arg(long, value_name = "TOKENS", default_value_t = 256)]
+    pub osl: u64,
+
+    /// Time-to-first-token target, milliseconds: the plan picks the best layout and batch
+    /// that meets it (with `--tpot-ms`, both), or answers "no" with how close it gets.
+    #[arg(long, value_name = "MS")]
+    pub ttft_ms: Option<f64>,
+
+    /// Time-per-output-token target, milliseconds (what a user sees between tokens).
+    #[arg(long, value_name = "MS")]
+    pub tpot_ms: Option<f64>,
 }
 
 /// `--engine`.

@@ -111,6 +111,22 @@ pub fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
     if args.max_model_len == Some(0) {
         bail!("--max-model-len must be at least 1");
     }
+    if args.isl == 0 || args.osl == 0 {
+        bail!(
+            "--isl and --osl must be at least 1 token, got {} and {}",
+            args.isl,
+            args.osl
+        );
+    }
+    let target = |flag: &str, ms: Option<f64>| -> Result<Option<f64>> {
+        match ms {
+            Some(ms) if !(ms.is_finite() && ms > 0.0) => {
+                bail!("{flag} must be a positive number of milliseconds, got {ms}")
+            }
+            Some(ms) => Ok(Some(ms / 1e3)),
+            None => Ok(None),
+        }
+    };
     Ok(Settings {
         objective: match args.objective {
             ObjectiveArg::Latency => Objective::Latency,
@@ -124,5 +140,11 @@ pub fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
         pp: args.pp,
         ep: args.ep,
         dp: args.dp,
+        workload: crate::plan::sla::Workload {
+            isl_tokens: args.isl,
+            osl_tokens: args.osl,
+            ttft_target_secs: target("--ttft-ms", args.ttft_ms)?,
+            tpot_target_secs: target("--tpot-ms", args.tpot_ms)?,
+        },
     })
 }

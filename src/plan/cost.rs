@@ -195,3 +195,86 @@ fn stage_secs(
 fn hop_secs(spec: &ModelSpec, links: &Links, batch: u64) -> f64 {
     (batch * spec.hidden_size * 2) as f64 / links.pp.bytes_per_sec + links.pp.latency_secs
 }
+
+/// Time of one decode step of `batch` sequences with `context` tokens each: every stage's
+/// time plus the `pp − 1` hops between stages (the batch-1 value is [`Estimate::tpot_secs`]).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_step_secs(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    stages: &[StageMemory],
+    dtype: Dtype,
+    hardware: &HardwareSpec,
+    links: &Links,
+    batch: u64,
+    context: u64,
+) -> f64 {
+    stages
+        .iter()
+        .map(|s| stage_secs(spec, parallel, s, dtype, hardware, links, batch, context))
+        .sum::<f64>()
+        + (parallel.pp - 1) as f64 * hop_secs(spec, links, batch)
+}
+
+/// Time to prefill one prompt of `prompt_tokens` on one replica, seconds: per stage, the
+/// larger of its tensor-core time (`2 · active params · tokens` for the projections plus
+/// `2 · tokens² · heads · head_dim` for causal attention — QKᵀ and PV over half the square —
+/// over TP) and reading its weights once from HBM; plus two ring all-reduces per layer of
+/// `tokens × hidden` bf16 activations over TP, the EP dispatch/combine of every token's
+/// top-k copies per MoE layer, and a hop of the prompt's activations per stage boundary.
+/// Peak throughput, as the decode roofline: an optimistic bound (a measured calibration
+/// replaces it).
+pub fn prefill_secs(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    stages: &[StageMemory],
+    dtype: Dtype,
+    hardware: &HardwareSpec,
+    links: &Links,
+    prompt_tokens: u64,
+) -> f64 {
+    let Parallel { tp, ep, pp, .. } = *parallel;
+    let tokens = prompt_tokens.max(1) as f64;
+    let tflops = if matches!(dtype, Dtype::Fp8 | Dtype::Mxfp4) {
+        hardware.fp8_tflops
+    } else {
+        hardware.bf16_tflops
+    };
+    let stage_times: f64 = stages
+        .iter()
+        .map(|stage| {
+            let layers = stage.n_layers as f64;
+            let active_params_here =
+                spec.active_params() as f64 * layers / spec.n_layers as f64 / tp as f64;
+            let attention_flops =
+                2.0 * tokens * tokens * (spec.n_heads * spec.head_dim) as f64 / tp as f64 * layers;
+            let compute_secs =
+                (2.0 * active_params_here * tokens + attention_flops) / (tflops * 1e12);
+            let memory_secs = stage.weights_bytes as f64 / (hardware.hbm_gb_per_sec * 1e9);
+            let message = tokens * (spec.hidden_size * 2) as f64;
+            let allreduce_secs = if tp > 1 {
+                2.0 * layers
+                    * (2.0 * (tp - 1) as f64 / tp as f64 * message / links.tp.bytes_per_sec
+                        + links.tp.latency_secs)
+            } else {
+                0.0
+            };
+            let all_to_all_secs = match &spec.moe {
+                Some(moe) if ep > 1 => {
+                    let n_moe_layers_here = (stage.first_layer..stage.first_layer + stage.n_layers)
+                        .filter(|&l| l >= moe.n_dense_layers)
+                        .count() as f64;
+                    let bytes =
+                        message * moe.n_experts_per_token as f64 * (ep - 1) as f64 / ep as f64;
+                    2.0 * n_moe_layers_here
+                        * (bytes / links.ep.bytes_per_sec + links.ep.latency_secs)
+                }
+                _ => 0.0,
+            };
+            compute_secs.max(memory_secs) + allreduce_secs + all_to_all_secs
+        })
+        .sum();
+    let hops = (pp - 1) as f64
+        * (tokens * (spec.hidden_size * 2) as f64 / links.pp.bytes_per_sec + links.pp.latency_secs);
+    stage_times + hops
+}

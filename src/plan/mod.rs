@@ -14,6 +14,7 @@ pub mod layout;
 pub mod memory;
 pub mod model;
 pub mod render;
+pub mod sla;
 
 use std::collections::BTreeMap;
 
@@ -54,6 +55,8 @@ pub struct Settings {
     pub pp: Option<u64>,
     pub ep: Option<u64>,
     pub dp: Option<u64>,
+    /// The traffic (`--isl/--osl`) and latency targets (`--ttft-ms/--tpot-ms`).
+    pub workload: sla::Workload,
 }
 
 impl Default for Settings {
@@ -68,6 +71,7 @@ impl Default for Settings {
             pp: None,
             ep: None,
             dp: None,
+            workload: sla::Workload::default(),
         }
     }
 }
@@ -146,6 +150,16 @@ pub struct Plan {
     pub alternatives: Vec<Alternative>,
     /// The equivalent `vllm serve` command line.
     pub vllm_command: String,
+    /// The traffic planned for and its targets.
+    #[serde(default)]
+    pub workload: sla::Workload,
+    /// The Pareto frontier of every feasible layout and batch: tokens/s per GPU against
+    /// tokens/s per user, with TTFT, TPOT, KV capacity and ✓/✗ against the targets.
+    #[serde(default)]
+    pub pareto: Vec<sla::ParetoPoint>,
+    /// With targets: the point chosen (the best that meets them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sla_choice: Option<sla::ParetoPoint>,
 }
 
 /// No layout works. `message` says why with the numbers, `hint` what to change.
@@ -275,6 +289,51 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         .collect();
     ranked.sort_by(|a, b| compare(a, b, settings.objective));
 
+    // Every feasible layout at every batch its KV cache holds, for the workload.
+    let hardware = cluster.slowest_hardware();
+    let costs: Vec<sla::LayoutCosts<'_>> = ranked
+        .iter()
+        .filter_map(|c| {
+            c.verdict
+                .as_ref()
+                .ok()
+                .map(|(_, stages, layout)| sla::LayoutCosts {
+                    parallel: c.parallel,
+                    stages,
+                    links: &layout.links,
+                })
+        })
+        .collect();
+    let points = sla::points(spec, &costs, dtype, hardware, &settings.workload);
+    let pareto = sla::frontier(&points);
+    let sla_choice = if settings.workload.has_targets() {
+        match sla::choose(&points, settings.objective) {
+            Some(point) => {
+                // The layout of the best point that meets the targets goes first.
+                if let Some(at) = ranked.iter().position(|c| c.parallel == point.parallel) {
+                    let chosen = ranked.remove(at);
+                    ranked.insert(0, chosen);
+                }
+                Some(point.clone())
+            }
+            None if !points.is_empty() => {
+                return Outcome::Infeasible(Box::new(missed_targets(
+                    spec,
+                    cluster,
+                    &settings.workload,
+                    &points,
+                    candidates
+                        .iter()
+                        .map(|c| describe(c, None, false, settings.objective))
+                        .collect(),
+                )));
+            }
+            None => None,
+        }
+    } else {
+        None
+    };
+
     let alternatives = |chosen: Option<&Candidate>| -> Vec<Alternative> {
         candidates
             .iter()
@@ -328,7 +387,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             best.parallel.pp
         ));
     }
-    let explain = explain(
+    let mut explain = explain(
         spec,
         cluster,
         settings,
@@ -338,6 +397,24 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         &ranked,
         fits_without_pp,
     );
+    if let Some(point) = &sla_choice {
+        explain.push(format!(
+            "for {} prompt and {} output tokens per request{}: {} at {} sequences per replica gives TTFT {:.0} ms, TPOT {:.1} ms, {:.0} tokens/s per GPU, the most {} of the {} layout-and-batch points that meet the targets",
+            settings.workload.isl_tokens,
+            settings.workload.osl_tokens,
+            targets_text(&settings.workload),
+            point.parallel,
+            point.batch_per_replica,
+            point.ttft_secs * 1e3,
+            point.tpot_secs * 1e3,
+            point.tokens_per_sec_per_gpu,
+            match settings.objective {
+                Objective::Throughput => "tokens/s per GPU",
+                Objective::Latency => "tokens/s per user",
+            },
+            points.iter().filter(|p| p.meets_sla).count()
+        ));
+    }
     let alternatives = alternatives(Some(best));
     let parallel = best.parallel;
     Outcome::Feasible(Box::new(Plan {
@@ -371,7 +448,66 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             max_model_len,
             settings.gpu_memory_utilization,
         ),
+        workload: settings.workload,
+        pareto,
+        sla_choice,
     }))
+}
+
+/// ` within TTFT ≤ … and TPOT ≤ …` for the targets given.
+fn targets_text(workload: &sla::Workload) -> String {
+    let mut parts = Vec::new();
+    if let Some(t) = workload.ttft_target_secs {
+        parts.push(format!("TTFT ≤ {:.0} ms", t * 1e3));
+    }
+    if let Some(t) = workload.tpot_target_secs {
+        parts.push(format!("TPOT ≤ {:.0} ms", t * 1e3));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" within {}", parts.join(" and "))
+    }
+}
+
+/// No layout and batch meets the targets: say how close the best come.
+fn missed_targets(
+    spec: &ModelSpec,
+    cluster: &Cluster,
+    workload: &sla::Workload,
+    points: &[sla::ParetoPoint],
+    alternatives: Vec<Alternative>,
+) -> Infeasible {
+    let fastest_tpot = points
+        .iter()
+        .min_by(|a, b| a.tpot_secs.total_cmp(&b.tpot_secs))
+        .expect("points is not empty");
+    let fastest_ttft = points
+        .iter()
+        .min_by(|a, b| a.ttft_secs.total_cmp(&b.ttft_secs))
+        .expect("points is not empty");
+    Infeasible {
+        model: spec.name.clone(),
+        cluster: cluster.description.clone(),
+        message: format!(
+            "no layout serves {} prompt and {} output tokens per request{} on `{}`: the lowest TPOT is {:.1} ms ({}, batch {}), the lowest TTFT {:.0} ms ({}, batch {})",
+            workload.isl_tokens,
+            workload.osl_tokens,
+            targets_text(workload),
+            cluster.description,
+            fastest_tpot.tpot_secs * 1e3,
+            fastest_tpot.parallel,
+            fastest_tpot.batch_per_replica,
+            fastest_ttft.ttft_secs * 1e3,
+            fastest_ttft.parallel,
+            fastest_ttft.batch_per_replica
+        ),
+        hint: "relax --ttft-ms/--tpot-ms, add GPUs, or quantize (`--dtype fp8`, `--kv-dtype fp8`)"
+            .into(),
+        min_gpus_needed: 0,
+        kv_tokens_that_fit: None,
+        alternatives,
+    }
 }
 
 /// Every (tp, pp, dp, ep) that uses all GPUs (or exactly the pinned degrees).

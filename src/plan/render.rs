@@ -161,6 +161,10 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
         let vars: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         out.push_str(&format!("\n  {host}: {}", vars.join(" ")));
     }
+    if !plan.pareto.is_empty() {
+        out.push_str("\n\n");
+        out.push_str(&pareto_table(plan));
+    }
     out.push_str("\n\nwhy");
     for line in &plan.explain {
         out.push_str(&format!("\n  {line}"));
@@ -182,6 +186,80 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
         out.push_str(&format!("\nnote: {note}"));
     }
     out.push_str(&format!("\n\nvllm equivalent:\n  {}\n", plan.vllm_command));
+    out
+}
+
+/// Pareto rows shown in text; `--json` has all of them.
+const MAX_PARETO_ROWS: usize = 10;
+
+/// The Pareto frontier as a table, most tokens/s per GPU first; `*` marks the chosen
+/// layout's rows (the chosen point with targets).
+fn pareto_table(plan: &Plan) -> String {
+    let w = &plan.workload;
+    let mut targets = Vec::new();
+    if let Some(t) = w.ttft_target_secs {
+        targets.push(format!("TTFT ≤ {:.0} ms", t * 1e3));
+    }
+    if let Some(t) = w.tpot_target_secs {
+        targets.push(format!("TPOT ≤ {:.0} ms", t * 1e3));
+    }
+    let mut out = format!(
+        "pareto frontier: {} prompt + {} output tokens per request{}",
+        w.isl_tokens,
+        w.osl_tokens,
+        if targets.is_empty() {
+            String::new()
+        } else {
+            format!(", {}", targets.join(", "))
+        }
+    );
+    let mut table = Table::new();
+    table.load_style(UTF8_FULL_CONDENSED);
+    let mut header = vec![
+        "",
+        "layout",
+        "batch",
+        "TTFT",
+        "TPOT",
+        "tok/s/user",
+        "tok/s/GPU",
+        "KV seqs",
+    ];
+    if w.has_targets() {
+        header.push("SLA");
+    }
+    table.set_header(header);
+    for point in plan.pareto.iter().take(MAX_PARETO_ROWS) {
+        let chosen = match &plan.sla_choice {
+            Some(choice) => {
+                choice.parallel == point.parallel
+                    && choice.batch_per_replica == point.batch_per_replica
+            }
+            None => point.parallel == plan.parallel,
+        };
+        let mut row = vec![
+            if chosen { "*" } else { "" }.to_string(),
+            point.parallel.to_string(),
+            point.batch_per_replica.to_string(),
+            format!("{:.0} ms", point.ttft_secs * 1e3),
+            format!("{:.1} ms", point.tpot_secs * 1e3),
+            format!("{:.1}", point.tokens_per_sec_per_user),
+            format!("{:.0}", point.tokens_per_sec_per_gpu),
+            point.kv_capacity_seqs.to_string(),
+        ];
+        if w.has_targets() {
+            row.push(if point.meets_sla { "✓" } else { "✗" }.to_string());
+        }
+        table.add_row(row);
+    }
+    out.push('\n');
+    out.push_str(&table.to_string());
+    if plan.pareto.len() > MAX_PARETO_ROWS {
+        out.push_str(&format!(
+            "\n… {} more points on the frontier (see `--json`)",
+            plan.pareto.len() - MAX_PARETO_ROWS
+        ));
+    }
     out
 }
 

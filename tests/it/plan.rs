@@ -818,3 +818,129 @@ fn cross_host_collectives_cost_tcp_without_rdma() {
         ep16_tpot(&rdma)
     );
 }
+
+/// Every number of the Pareto table for one case, recomputed here from the cost model's
+/// formulas (`plan::sla`, `plan::cost`) with the arithmetic written out: Llama-3.1-8B bf16
+/// on one H100 SXM (no TP/PP/EP: no collectives), 1000 prompt and 200 output tokens.
+#[test]
+fn pareto_numbers_follow_the_formulas_by_hand() {
+    let (code, plan) = plan_json(&[
+        "--model",
+        "llama-3.1-8b",
+        "--cluster",
+        "1x1xh100-sxm",
+        "--isl",
+        "1000",
+        "--osl",
+        "200",
+    ]);
+    assert_eq!(code, 0);
+    // The model (profiles/models/llama-3.1-8b.toml, its config.json): 32 layers of 32 heads
+    // of 128; the planner's own parameter count and memory split are inputs.
+    let (layers, heads, head_dim) = (32.0, 32.0, 128.0);
+    let active = plan["active_params"].as_f64().expect("active_params");
+    let weights = plan["memory"][0]["weights_bytes"]
+        .as_f64()
+        .expect("weights");
+    let kv_tokens = plan["memory"][0]["kv_tokens"].as_u64().expect("kv_tokens");
+    let kv_per_token = plan["memory"][0]["kv_bytes_per_token"]
+        .as_f64()
+        .expect("kv/token");
+    // H100 SXM (profiles/hardware/h100-sxm.toml): 3350 GB/s HBM, 989 dense bf16 TFLOPS.
+    let (hbm, flops) = (3350e9, 989e12);
+    let (isl, osl) = (1000.0, 200.0);
+    let context = isl + 100.0; // isl + osl/2: the average context while decoding
+    // One 1000-token prefill: projections 2·active·isl, causal attention 2·isl²·heads·dim
+    // per layer; against reading the weights once.
+    let prefill = ((2.0 * active * isl + 2.0 * isl * isl * heads * head_dim * layers) / flops)
+        .max(weights / hbm);
+    // 8B at ~16 GB: the prompt is compute-bound, ~16.6 TFLOP / 989 TFLOPS ≈ 17 ms.
+    assert!((0.015..0.02).contains(&prefill), "{prefill}");
+    let capacity = kv_tokens / 1200; // requests of isl + osl tokens the KV cache holds
+    let rows = plan["pareto"].as_array().expect("pareto");
+    assert!(rows.len() >= 5, "{rows:?}");
+    for row in rows {
+        let b = row["batch_per_replica"].as_f64().expect("batch");
+        // A decode step: weights plus b·context KV bytes from HBM, or 2·active·b plus
+        // 4·b·context·heads·dim·layers of attention, whichever takes longer.
+        let step = ((weights + b * context * kv_per_token) / hbm)
+            .max((2.0 * active * b + 4.0 * b * context * heads * head_dim * layers) / flops);
+        let cycle = osl * step + b * prefill; // osl steps, and b prompts turned over
+        let tpot = cycle / osl;
+        let ttft = prefill + step;
+        let per_gpu = b * osl / cycle; // one GPU per replica
+        let close = |field: &str, want: f64| {
+            let got = row[field].as_f64().expect(field);
+            assert!(
+                (got - want).abs() <= 1e-9 * want.abs().max(1.0),
+                "batch {b}: {field} is {got}, the formula gives {want}"
+            );
+        };
+        close("tpot_secs", tpot);
+        close("ttft_secs", ttft);
+        close("tokens_per_sec_per_user", 1.0 / tpot);
+        close("tokens_per_sec_per_gpu", per_gpu);
+        assert_eq!(row["kv_capacity_seqs"], capacity);
+        assert_eq!(row["meets_sla"], true, "no targets: every point meets them");
+    }
+    // Along the frontier, more tokens/s per GPU costs tokens/s per user.
+    for pair in rows.windows(2) {
+        assert!(
+            pair[0]["tokens_per_sec_per_gpu"].as_f64() > pair[1]["tokens_per_sec_per_gpu"].as_f64()
+        );
+        assert!(
+            pair[0]["tokens_per_sec_per_user"].as_f64()
+                < pair[1]["tokens_per_sec_per_user"].as_f64()
+        );
+    }
+}
+
+#[test]
+fn latency_targets_choose_the_best_point_that_meets_them_or_say_how_close_it_gets() {
+    let args = [
+        "--model",
+        "deepseek-v3",
+        "--cluster",
+        "2x8xh100-sxm",
+        "--isl",
+        "2048",
+        "--osl",
+        "512",
+    ];
+    let with = |extra: &[&str]| {
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(extra);
+        plan_json(&all)
+    };
+    let (code, plan) = with(&["--tpot-ms", "50"]);
+    assert_eq!(code, 0);
+    let choice = &plan["sla_choice"];
+    assert!(
+        choice["tpot_secs"].as_f64().expect("tpot") <= 0.050,
+        "{choice}"
+    );
+    assert_eq!(choice["meets_sla"], true);
+    // The plan's layout is the chosen point's, and no point that meets the target does more
+    // per GPU.
+    assert_eq!(choice["parallel"], plan["parallel"]);
+    let best = choice["tokens_per_sec_per_gpu"].as_f64().expect("per gpu");
+    for row in plan["pareto"].as_array().expect("pareto") {
+        if row["meets_sla"] == true {
+            assert!(row["tokens_per_sec_per_gpu"].as_f64().expect("per gpu") <= best + 1e-9);
+        } else {
+            assert!(row["tpot_secs"].as_f64().expect("tpot") > 0.050, "{row}");
+        }
+    }
+    // A TTFT target tighter than any prefill: "no", with the closest figures.
+    let (code, answer) = with(&["--ttft-ms", "1"]);
+    assert_eq!(code, 1, "{answer}");
+    let message = answer["message"].as_str().expect("message");
+    assert!(
+        message.contains("no layout serves 2048 prompt and 512 output tokens"),
+        "{message}"
+    );
+    assert!(message.contains("the lowest TTFT"), "{message}");
+    // Bad targets are bad input.
+    let output = run(&["plan", "--model", "llama-3.1-8b", "--tpot-ms", "-5"]);
+    assert_eq!(output.status.code(), Some(2));
+}

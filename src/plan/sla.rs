@@ -1,0 +1,233 @@
+//! Serving a workload within latency targets: for every feasible layout and every batch per
+//! replica up to what its KV cache holds, the time to first token, the time per output
+//! token, tokens/s per user and per GPU (aggregated serving: prefill and decode share the
+//! replica), which of them meet the `--ttft-ms`/`--tpot-ms` targets, and the Pareto
+//! frontier of tokens/s per GPU against tokens/s per user. Pure.
+//!
+//! The model, per replica with `b` sequences of `isl` prompt and `osl` output tokens:
+//! - a decode step `D(b)` = [`cost::decode_step_secs`] at the average context `isl + osl/2`;
+//! - a prefill `P` = [`cost::prefill_secs`] of one `isl`-token prompt;
+//! - in steady state each of the `b` slots turns over every `osl` steps, so a cycle of `osl`
+//!   steps also runs `b` prefills: `cycle = osl · D(b) + b · P`;
+//! - TPOT (what a user sees between tokens) = `cycle / osl`; tokens/s per user = `1/TPOT`;
+//! - tokens/s per replica = `b · osl / cycle`; per GPU = that over `tp · pp`;
+//! - TTFT = `P + D(b)`: the prompt's own prefill after the step in flight.
+//!
+//! These are the roofline's optimistic figures (peak HBM and tensor throughput). A PP
+//! layout's decode step is the sum of its stages here (no micro-batch overlap, unlike the
+//! plan's `estimate.tokens_per_sec`): a conservative figure for PP.
+
+use serde::{Deserialize, Serialize};
+
+use super::cluster::HardwareSpec;
+use super::cost::{self, Links};
+use super::memory::{MAX_NUM_SEQS, StageMemory};
+use super::model::{Dtype, ModelSpec};
+use super::{Objective, Parallel};
+
+/// The traffic to plan for.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Workload {
+    /// Prompt tokens per request (`--isl`).
+    pub isl_tokens: u64,
+    /// Output tokens per request (`--osl`).
+    pub osl_tokens: u64,
+    /// Time-to-first-token target, seconds (`--ttft-ms`).
+    pub ttft_target_secs: Option<f64>,
+    /// Time-per-output-token target, seconds (`--tpot-ms`).
+    pub tpot_target_secs: Option<f64>,
+}
+
+impl Default for Workload {
+    /// 1024 prompt and 256 output tokens, no targets.
+    fn default() -> Workload {
+        Workload {
+            isl_tokens: 1024,
+            osl_tokens: 256,
+            ttft_target_secs: None,
+            tpot_target_secs: None,
+        }
+    }
+}
+
+impl Workload {
+    /// Whether any latency target is set.
+    pub fn has_targets(&self) -> bool {
+        self.ttft_target_secs.is_some() || self.tpot_target_secs.is_some()
+    }
+}
+
+/// One layout at one batch per replica. `--json` `pareto[]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParetoPoint {
+    pub parallel: Parallel,
+    /// Sequences decoded together per replica.
+    pub batch_per_replica: u64,
+    pub ttft_secs: f64,
+    /// Time per output token a user sees (decode step plus the prefills it shares with).
+    pub tpot_secs: f64,
+    pub tokens_per_sec_per_user: f64,
+    /// Output tokens/s of the whole layout over its GPUs.
+    pub tokens_per_sec_per_gpu: f64,
+    /// Requests of `isl + osl` tokens one replica's KV cache holds at once.
+    pub kv_capacity_seqs: u64,
+    /// Meets every target given (true when none is).
+    pub meets_sla: bool,
+}
+
+/// The inputs [`points`] needs of one feasible layout.
+pub struct LayoutCosts<'a> {
+    pub parallel: Parallel,
+    pub stages: &'a [StageMemory],
+    pub links: &'a Links,
+}
+
+/// Batches tried per replica: powers of two up to `max`, and `max` itself.
+fn batches(max: u64) -> Vec<u64> {
+    let mut out: Vec<u64> = std::iter::successors(Some(1u64), |b| b.checked_mul(2))
+        .take_while(|&b| b < max)
+        .collect();
+    out.push(max.max(1));
+    out
+}
+
+/// Every (layout, batch) point of `layouts` for `workload`.
+pub fn points(
+    spec: &ModelSpec,
+    layouts: &[LayoutCosts<'_>],
+    dtype: Dtype,
+    hardware: &HardwareSpec,
+    workload: &Workload,
+) -> Vec<ParetoPoint> {
+    let isl = workload.isl_tokens.max(1);
+    let osl = workload.osl_tokens.max(1);
+    let context = isl + osl / 2;
+    let mut out = Vec::new();
+    for layout in layouts {
+        let kv_tokens = layout.stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
+        let capacity = kv_tokens / (isl + osl);
+        if capacity == 0 {
+            continue;
+        }
+        let prefill = cost::prefill_secs(
+            spec,
+            &layout.parallel,
+            layout.stages,
+            dtype,
+            hardware,
+            layout.links,
+            isl,
+        );
+        let gpus_per_replica = (layout.parallel.tp * layout.parallel.pp) as f64;
+        for batch in batches(capacity.min(MAX_NUM_SEQS)) {
+            let step = cost::decode_step_secs(
+                spec,
+                &layout.parallel,
+                layout.stages,
+                dtype,
+                hardware,
+                layout.links,
+                batch,
+                context,
+            );
+            let cycle = osl as f64 * step + batch as f64 * prefill;
+            let tpot = cycle / osl as f64;
+            let ttft = prefill + step;
+            let replica_tokens_per_sec = (batch * osl) as f64 / cycle;
+            let meets_sla = workload.ttft_target_secs.is_none_or(|t| ttft <= t)
+                && workload.tpot_target_secs.is_none_or(|t| tpot <= t);
+            out.push(ParetoPoint {
+                parallel: layout.parallel,
+                batch_per_replica: batch,
+                ttft_secs: ttft,
+                tpot_secs: tpot,
+                tokens_per_sec_per_user: 1.0 / tpot,
+                tokens_per_sec_per_gpu: replica_tokens_per_sec / gpus_per_replica,
+                kv_capacity_seqs: capacity,
+                meets_sla,
+            });
+        }
+    }
+    out
+}
+
+/// The points no other point beats on both tokens/s per GPU and tokens/s per user, most
+/// tokens/s per GPU first.
+pub fn frontier(points: &[ParetoPoint]) -> Vec<ParetoPoint> {
+    let dominated = |p: &ParetoPoint| {
+        points.iter().any(|q| {
+            q.tokens_per_sec_per_gpu >= p.tokens_per_sec_per_gpu
+                && q.tokens_per_sec_per_user >= p.tokens_per_sec_per_user
+                && (q.tokens_per_sec_per_gpu > p.tokens_per_sec_per_gpu
+                    || q.tokens_per_sec_per_user > p.tokens_per_sec_per_user)
+        })
+    };
+    let mut front: Vec<ParetoPoint> = points.iter().filter(|p| !dominated(p)).cloned().collect();
+    front.sort_by(|a, b| {
+        b.tokens_per_sec_per_gpu
+            .total_cmp(&a.tokens_per_sec_per_gpu)
+    });
+    front.dedup_by(|a, b| a.parallel == b.parallel && a.batch_per_replica == b.batch_per_replica);
+    front
+}
+
+/// The best point that meets the targets: most tokens/s per GPU for throughput, most
+/// tokens/s per user for latency (ties: fewer GPUs per replica, then less PP).
+pub fn choose(points: &[ParetoPoint], objective: Objective) -> Option<&ParetoPoint> {
+    points.iter().filter(|p| p.meets_sla).max_by(|a, b| {
+        let primary = match objective {
+            Objective::Throughput => a
+                .tokens_per_sec_per_gpu
+                .total_cmp(&b.tokens_per_sec_per_gpu),
+            Objective::Latency => a
+                .tokens_per_sec_per_user
+                .total_cmp(&b.tokens_per_sec_per_user),
+        };
+        primary
+            .then((b.parallel.tp * b.parallel.pp).cmp(&(a.parallel.tp * a.parallel.pp)))
+            .then(b.parallel.pp.cmp(&a.parallel.pp))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(gpu: f64, user: f64) -> ParetoPoint {
+        ParetoPoint {
+            parallel: Parallel {
+                tp: 1,
+                pp: 1,
+                ep: 1,
+                dp: 1,
+            },
+            batch_per_replica: gpu as u64,
+            ttft_secs: 0.1,
+            tpot_secs: 1.0 / user,
+            tokens_per_sec_per_user: user,
+            tokens_per_sec_per_gpu: gpu,
+            kv_capacity_seqs: 8,
+            meets_sla: user >= 20.0,
+        }
+    }
+
+    #[test]
+    fn the_frontier_drops_dominated_points_and_choose_respects_the_targets() {
+        let points = vec![
+            point(100.0, 50.0),
+            point(200.0, 30.0),
+            point(150.0, 20.0), // dominated by (200, 30)
+            point(400.0, 10.0),
+        ];
+        let front = frontier(&points);
+        let gpu: Vec<f64> = front.iter().map(|p| p.tokens_per_sec_per_gpu).collect();
+        assert_eq!(gpu, [400.0, 200.0, 100.0]);
+        // (400, 10) misses the 20 tokens/s/user target: throughput takes (200, 30).
+        let best = choose(&points, Objective::Throughput).expect("a point meets it");
+        assert_eq!(best.tokens_per_sec_per_gpu, 200.0);
+        let fastest = choose(&points, Objective::Latency).expect("a point meets it");
+        assert_eq!(fastest.tokens_per_sec_per_user, 50.0);
+        assert_eq!(batches(6), [1, 2, 4, 6]);
+        assert_eq!(batches(1), [1]);
+    }
+}
