@@ -770,10 +770,21 @@ fn explain(
             .iter()
             .any(|c| pred(&c.parallel) && c.verdict.is_ok())
     };
-    let one_gpu = fits(&|p| p.tp == 1 && p.pp == 1);
+    // One GPU holds the whole model only without expert sharding: with EP each GPU holds
+    // 1/EP of the experts, so the model needs EP GPUs.
+    let one_gpu = fits(&|p| p.tp == 1 && p.pp == 1 && p.ep == 1);
+    let experts_sharded = candidates
+        .iter()
+        .filter(|c| c.parallel.tp == 1 && c.parallel.pp == 1 && c.parallel.ep > 1)
+        .find(|c| c.verdict.is_ok())
+        .map(|c| c.parallel.ep);
     let one_node = fits(&|p| p.pp == 1);
     lines.push(if one_gpu {
         "fits one GPU with room for the KV cache → replicate: DP over the GPUs (TP only if it wins on the objective)".to_string()
+    } else if let Some(ep) = experts_sharded {
+        format!(
+            "does not fit one GPU; fits without TP when its experts are sharded over EP{ep} (each GPU holds 1/{ep} of them) → attention data-parallel, experts expert-parallel (TP only if it wins on the objective)"
+        )
     } else if one_node {
         format!("does not fit one GPU; fits with TP inside a node → TP ≤ {} (× DP for the remaining GPUs)", cluster.min_gpus_per_host())
     } else if cluster.hosts.len() == 1 {

@@ -256,8 +256,13 @@ fn pareto_table(plan: &Plan) -> String {
     out.push_str(&table.to_string());
     if plan.pareto.len() > MAX_PARETO_ROWS {
         out.push_str(&format!(
-            "\n… {} more points on the frontier (see `--json`)",
-            plan.pareto.len() - MAX_PARETO_ROWS
+            "\n… {} more point{} on the frontier (see `--json`)",
+            plan.pareto.len() - MAX_PARETO_ROWS,
+            if plan.pareto.len() - MAX_PARETO_ROWS == 1 {
+                ""
+            } else {
+                "s"
+            }
         ));
     }
     out

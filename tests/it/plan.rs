@@ -931,6 +931,23 @@ fn latency_targets_choose_the_best_point_that_meets_them_or_say_how_close_it_get
             assert!(row["tpot_secs"].as_f64().expect("tpot") > 0.050, "{row}");
         }
     }
+    // 627 GiB of weights do not "fit one GPU": the experts are sharded over EP16.
+    let explain: Vec<&str> = plan["explain"]
+        .as_array()
+        .expect("explain")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        !explain.iter().any(|l| l.starts_with("fits one GPU")),
+        "{explain:#?}"
+    );
+    assert!(
+        explain
+            .iter()
+            .any(|l| l.contains("experts are sharded over EP16")),
+        "{explain:#?}"
+    );
     // A TTFT target tighter than any prefill: "no", with the closest figures.
     let (code, answer) = with(&["--ttft-ms", "1"]);
     assert_eq!(code, 1, "{answer}");
