@@ -1,4 +1,6 @@
-//! Planning speed: `deepseek-v3` on `128x8xh100-sxm` (1024 GPUs) with the full search.
+//! Planning speed: `deepseek-v3` on `128x8xh100-sxm` (1024 GPUs) with the full search: every
+//! layout, the Pareto points of every batch for 2048/512-token requests within TPOT ≤ 50 ms,
+//! and the disaggregated prefill/decode candidates.
 //! Prints figures; the target (under 100 ms) is checked by reading them, not by a test.
 #![allow(clippy::print_stdout)]
 
@@ -9,7 +11,16 @@ fn main() {
     let spec = infer::model::profile("deepseek-v3")
         .expect("profile `deepseek-v3` ships with infer")
         .1;
-    let settings = infer::plan::Settings::default();
+    let settings = infer::plan::Settings {
+        workload: infer::plan::sla::Workload {
+            isl_tokens: 2048,
+            osl_tokens: 512,
+            ttft_target_secs: None,
+            tpot_target_secs: Some(0.050),
+        },
+        disaggregate: true,
+        ..infer::plan::Settings::default()
+    };
     for cluster_name in ["16x8xh100-sxm", "128x8xh100-sxm"] {
         let cluster =
             infer::cluster::load(cluster_name, Path::new("/sys")).expect("shorthand parses");
@@ -22,7 +33,17 @@ fn main() {
         }
         let per_plan_ms = start.elapsed().as_secs_f64() * 1e3 / iterations as f64;
         let chosen = match &outcome {
-            infer::plan::Outcome::Feasible(plan) => plan.parallel.to_string(),
+            infer::plan::Outcome::Feasible(plan) => format!(
+                "{}; {} Pareto points; disaggregated: {}",
+                plan.parallel,
+                plan.pareto.len(),
+                plan.disaggregated
+                    .as_ref()
+                    .map_or("none fits".to_string(), |d| format!(
+                        "{} × {} prefill + {} × {} decode",
+                        d.prefill_workers, d.prefill, d.decode_workers, d.decode
+                    ))
+            ),
             infer::plan::Outcome::Infeasible(_) => "infeasible".to_string(),
         };
         println!(

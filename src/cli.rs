@@ -413,6 +413,11 @@ pub struct PlanSettingsArgs {
     /// Time-per-output-token target, milliseconds (what a user sees between tokens).
     #[arg(long, value_name = "MS")]
     pub tpot_ms: Option<f64>,
+
+    /// Also show the best prefill/decode disaggregated split of the GPUs (shown anyway when
+    /// it beats aggregated serving; the comparison is always among the reasons).
+    #[arg(long)]
+    pub disaggregate: bool,
 }
 
 /// `--engine`.

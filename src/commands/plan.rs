@@ -146,5 +146,6 @@ pub fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
             ttft_target_secs: target("--ttft-ms", args.ttft_ms)?,
             tpot_target_secs: target("--tpot-ms", args.tpot_ms)?,
         },
+        disaggregate: args.disaggregate,
     })
 }

@@ -164,23 +164,7 @@ pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
         bytes_per_sec: hardware.pcie_gb_per_sec / 2.0 * 1e9,
         latency_secs: PCIE_LATENCY_SECS,
     };
-    // RDMA only where every host's HCAs are known (a probed or imported topology); without
-    // them NCCL falls back to TCP sockets, and so does the cost.
-    let rdma = cluster
-        .hosts
-        .iter()
-        .all(|h| !super::env::nearest_active_hcas(&h.topology.nics, &[]).is_empty());
-    let network = if rdma {
-        Link {
-            bytes_per_sec: hardware.nic_gb_per_sec * 1e9,
-            latency_secs: NETWORK_LATENCY_SECS,
-        }
-    } else {
-        Link {
-            bytes_per_sec: hardware.nic_gb_per_sec.min(TCP_GB_PER_SEC) * 1e9,
-            latency_secs: TCP_LATENCY_SECS,
-        }
-    };
+    let network = network_link(cluster);
     let link_for = |code: Option<LinkCode>| match code {
         None => network,
         Some(LinkCode::SelfLink | LinkCode::NvLink(_)) if hardware.nvlink_gb_per_sec > 0.0 => {
@@ -223,4 +207,25 @@ fn pp_groups_cross(pp_groups: &[Vec<u64>], ranks: &[RankPlacement]) -> bool {
         g.windows(2)
             .any(|w| ranks[w[0] as usize].host != ranks[w[1] as usize].host)
     })
+}
+
+/// The link between hosts: the NIC's RDMA rate where every host's HCAs are known (a probed
+/// or imported topology); without them NCCL falls back to TCP sockets, and so does the cost.
+pub fn network_link(cluster: &Cluster) -> Link {
+    let hardware = cluster.slowest_hardware();
+    let rdma = cluster
+        .hosts
+        .iter()
+        .all(|h| !super::env::nearest_active_hcas(&h.topology.nics, &[]).is_empty());
+    if rdma {
+        Link {
+            bytes_per_sec: hardware.nic_gb_per_sec * 1e9,
+            latency_secs: NETWORK_LATENCY_SECS,
+        }
+    } else {
+        Link {
+            bytes_per_sec: hardware.nic_gb_per_sec.min(TCP_GB_PER_SEC) * 1e9,
+            latency_secs: TCP_LATENCY_SECS,
+        }
+    }
 }

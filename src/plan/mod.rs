@@ -57,6 +57,8 @@ pub struct Settings {
     pub dp: Option<u64>,
     /// The traffic (`--isl/--osl`) and latency targets (`--ttft-ms/--tpot-ms`).
     pub workload: sla::Workload,
+    /// Show the disaggregated (prefill/decode) deployment even when aggregated serving wins.
+    pub disaggregate: bool,
 }
 
 impl Default for Settings {
@@ -72,6 +74,7 @@ impl Default for Settings {
             ep: None,
             dp: None,
             workload: sla::Workload::default(),
+            disaggregate: false,
         }
     }
 }
@@ -160,6 +163,10 @@ pub struct Plan {
     /// With targets: the point chosen (the best that meets them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sla_choice: Option<sla::ParetoPoint>,
+    /// The best prefill/decode split of the same GPUs, when `--disaggregate` asked for it
+    /// or it beats aggregated serving.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disaggregated: Option<sla::Disaggregated>,
 }
 
 /// No layout works. `message` says why with the numbers, `hint` what to change.
@@ -387,6 +394,55 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             best.parallel.pp
         ));
     }
+    // Disaggregated: one replica of each feasible layout whose experts stay inside it, as a
+    // prefill or a decode worker, the GPUs split between the two pools.
+    let mut shapes: Vec<Parallel> = Vec::new();
+    let workers: Vec<sla::WorkerCosts<'_>> = ranked
+        .iter()
+        .filter(|c| c.parallel.ep == 1 || (c.parallel.ep == c.parallel.tp && c.parallel.dp == 1))
+        .filter_map(|c| {
+            let worker = Parallel {
+                dp: 1,
+                ..c.parallel
+            };
+            if shapes.contains(&worker) {
+                return None;
+            }
+            shapes.push(worker);
+            c.verdict
+                .as_ref()
+                .ok()
+                .map(|(_, stages, layout)| sla::WorkerCosts {
+                    parallel: worker,
+                    stages,
+                    links: &layout.links,
+                })
+        })
+        .collect();
+    let transfer = if cluster.hosts.len() > 1 {
+        layout::network_link(cluster)
+    } else if hardware.nvlink_gb_per_sec > 0.0 {
+        cost::Link {
+            bytes_per_sec: hardware.nvlink_gb_per_sec / 2.0 * 1e9,
+            latency_secs: cost::NVLINK_LATENCY_SECS,
+        }
+    } else {
+        cost::Link {
+            bytes_per_sec: hardware.pcie_gb_per_sec * 1e9,
+            latency_secs: cost::PCIE_LATENCY_SECS,
+        }
+    };
+    let disaggregated = sla::disaggregate(
+        spec,
+        &workers,
+        dtype,
+        hardware,
+        &transfer,
+        n_gpus,
+        &settings.workload,
+        settings.objective,
+    );
+    let aggregated_best = sla::choose(&points, settings.objective).cloned();
     let mut explain = explain(
         spec,
         cluster,
@@ -397,6 +453,44 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         &ranked,
         fits_without_pp,
     );
+    let mut show_disaggregated = None;
+    if let (Some(d), Some(a)) = (&disaggregated, &aggregated_best) {
+        let (d_value, a_value, what) = match settings.objective {
+            Objective::Throughput => (
+                d.tokens_per_sec_per_gpu,
+                a.tokens_per_sec_per_gpu,
+                "tokens/s per GPU",
+            ),
+            Objective::Latency => (
+                d.tokens_per_sec_per_user,
+                a.tokens_per_sec_per_user,
+                "tokens/s per user",
+            ),
+        };
+        let wins = d_value > a_value;
+        explain.push(format!(
+            "disaggregated: {} prefill worker{} of {} and {} decode worker{} of {} (batch {}, P:D GPUs {:.2}) give {:.0} {what} against aggregated serving's {:.0}: {} by {:.0}%",
+            d.prefill_workers,
+            if d.prefill_workers == 1 { "" } else { "s" },
+            d.prefill,
+            d.decode_workers,
+            if d.decode_workers == 1 { "" } else { "s" },
+            d.decode,
+            d.batch_per_decode_worker,
+            d.prefill_to_decode_gpus,
+            d_value,
+            a_value,
+            if wins { "disaggregated wins" } else { "aggregated wins" },
+            ((d_value - a_value).abs() / d_value.min(a_value).max(f64::MIN_POSITIVE)) * 100.0
+        ));
+        if wins || settings.disaggregate {
+            show_disaggregated = Some(d.clone());
+        }
+    } else if settings.disaggregate {
+        warnings.push(
+            "no disaggregated deployment fits: no prefill and decode worker pair fits the GPUs and meets the targets".into(),
+        );
+    }
     if let Some(point) = &sla_choice {
         explain.push(format!(
             "for {} prompt and {} output tokens per request{}: {} at {} sequences per replica gives TTFT {:.0} ms, TPOT {:.1} ms, {:.0} tokens/s per GPU, the most {} of the {} layout-and-batch points that meet the targets",
@@ -451,6 +545,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         workload: settings.workload,
         pareto,
         sla_choice,
+        disaggregated: show_disaggregated,
     }))
 }
 

@@ -165,6 +165,24 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
         out.push_str("\n\n");
         out.push_str(&pareto_table(plan));
     }
+    if let Some(d) = &plan.disaggregated {
+        out.push_str(&format!(
+            "\n\ndisaggregated (prefill/decode): {} × {} prefill + {} × {} decode workers on {} GPUs, batch {} per decode worker\n  TTFT {:.0} ms (KV transfer {:.1} ms), TPOT {:.1} ms, {:.1} tokens/s per user, {:.0} tokens/s per GPU, P:D GPUs {:.2}{}",
+            d.prefill_workers,
+            d.prefill,
+            d.decode_workers,
+            d.decode,
+            d.gpus,
+            d.batch_per_decode_worker,
+            d.ttft_secs * 1e3,
+            d.kv_transfer_secs * 1e3,
+            d.tpot_secs * 1e3,
+            d.tokens_per_sec_per_user,
+            d.tokens_per_sec_per_gpu,
+            d.prefill_to_decode_gpus,
+            if plan.workload.has_targets() { ", meets the targets" } else { "" }
+        ));
+    }
     out.push_str("\n\nwhy");
     for line in &plan.explain {
         out.push_str(&format!("\n  {line}"));

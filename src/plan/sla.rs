@@ -189,6 +189,157 @@ pub fn choose(points: &[ParetoPoint], objective: Objective) -> Option<&ParetoPoi
     })
 }
 
+/// A disaggregated deployment: prefill workers run the prompts, decode workers receive
+/// their KV caches and generate. `--json` `disaggregated`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Disaggregated {
+    /// One prefill worker's layout (TP × PP; DP counts the workers) and how many.
+    pub prefill: Parallel,
+    pub prefill_workers: u64,
+    pub decode: Parallel,
+    pub decode_workers: u64,
+    /// Sequences each decode worker decodes together.
+    pub batch_per_decode_worker: u64,
+    /// GPUs used (prefill + decode workers).
+    pub gpus: u64,
+    /// One prompt's prefill, its KV cache's transfer, and the decode step it joins.
+    pub ttft_secs: f64,
+    /// One decode step: decode workers never run a prefill.
+    pub tpot_secs: f64,
+    pub tokens_per_sec_per_user: f64,
+    pub tokens_per_sec_per_gpu: f64,
+    /// Seconds to move one request's KV cache (`isl` tokens) from its prefill worker.
+    pub kv_transfer_secs: f64,
+    /// Prefill GPUs over decode GPUs.
+    pub prefill_to_decode_gpus: f64,
+    pub meets_sla: bool,
+}
+
+/// A worker shape for disaggregation: one replica's layout (experts not sharded across
+/// replicas) with its costs.
+pub struct WorkerCosts<'a> {
+    /// TP × PP of one worker (`dp` and `ep` 1, or `ep = tp` inside it).
+    pub parallel: Parallel,
+    pub stages: &'a [StageMemory],
+    pub links: &'a Links,
+}
+
+/// The best disaggregated deployment on `n_gpus` GPUs that meets the targets: for every
+/// prefill shape A and decode shape B (each one replica of a feasible layout) and every
+/// decode batch `b`, the split of the GPUs that balances the prefill rate `x / P_A` (requests/s)
+/// with the decode rate `y · b / (osl · D_B(b))`, `x · |A| + y · |B| ≤ n_gpus`; served
+/// requests/s = the smaller rate; tokens/s per GPU = that × `osl` over the GPUs used. TTFT =
+/// `P_A + isl · kv_bytes_per_token / transfer + D_B(b)`; TPOT = `D_B(b)`. Chosen by the
+/// objective like [`choose`]. `None` when no pair fits or meets the targets.
+#[allow(clippy::too_many_arguments)]
+pub fn disaggregate(
+    spec: &ModelSpec,
+    workers: &[WorkerCosts<'_>],
+    dtype: Dtype,
+    hardware: &HardwareSpec,
+    transfer: &cost::Link,
+    n_gpus: u64,
+    workload: &Workload,
+    objective: Objective,
+) -> Option<Disaggregated> {
+    let isl = workload.isl_tokens.max(1);
+    let osl = workload.osl_tokens.max(1);
+    let context = isl + osl / 2;
+    let prefills: Vec<(Parallel, f64, f64)> = workers
+        .iter()
+        .map(|w| {
+            let p = cost::prefill_secs(spec, &w.parallel, w.stages, dtype, hardware, w.links, isl);
+            // The whole model's KV bytes per token: each stage's per-GPU bytes × its TP GPUs.
+            let kv_per_token: u64 = w
+                .stages
+                .iter()
+                .map(|s| s.kv_bytes_per_token * w.parallel.tp)
+                .sum();
+            let transfer_secs =
+                (isl * kv_per_token) as f64 / transfer.bytes_per_sec + transfer.latency_secs;
+            (w.parallel, p, transfer_secs)
+        })
+        .collect();
+    let mut best: Option<Disaggregated> = None;
+    for decode in workers {
+        let g_d = decode.parallel.tp * decode.parallel.pp;
+        let kv_tokens = decode.stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
+        let capacity = (kv_tokens / (isl + osl)).min(MAX_NUM_SEQS);
+        if capacity == 0 {
+            continue;
+        }
+        for batch in batches(capacity) {
+            let step = cost::decode_step_secs(
+                spec,
+                &decode.parallel,
+                decode.stages,
+                dtype,
+                hardware,
+                decode.links,
+                batch,
+                context,
+            );
+            // Requests/s one decode worker finishes at this batch.
+            let decode_rate = batch as f64 / (osl as f64 * step);
+            for &(prefill, prefill_secs, transfer_secs) in &prefills {
+                let g_p = prefill.tp * prefill.pp;
+                if g_p + g_d > n_gpus {
+                    continue;
+                }
+                // Balance x / P = y · r with x·g_p + y·g_d = n: x* = n / (g_p + g_d / (P · r)).
+                let x_star =
+                    n_gpus as f64 / (g_p as f64 + g_d as f64 / (prefill_secs * decode_rate));
+                for x in [x_star.floor() as u64, x_star.ceil() as u64] {
+                    let x = x.max(1);
+                    if x * g_p + g_d > n_gpus {
+                        continue;
+                    }
+                    let y = (n_gpus - x * g_p) / g_d;
+                    if y == 0 {
+                        continue;
+                    }
+                    let served = (x as f64 / prefill_secs).min(y as f64 * decode_rate);
+                    let gpus = x * g_p + y * g_d;
+                    let ttft = prefill_secs + transfer_secs + step;
+                    let candidate = Disaggregated {
+                        prefill,
+                        prefill_workers: x,
+                        decode: decode.parallel,
+                        decode_workers: y,
+                        batch_per_decode_worker: batch,
+                        gpus,
+                        ttft_secs: ttft,
+                        tpot_secs: step,
+                        tokens_per_sec_per_user: 1.0 / step,
+                        tokens_per_sec_per_gpu: served * osl as f64 / gpus as f64,
+                        kv_transfer_secs: transfer_secs,
+                        prefill_to_decode_gpus: (x * g_p) as f64 / (y * g_d) as f64,
+                        meets_sla: workload.ttft_target_secs.is_none_or(|t| ttft <= t)
+                            && workload.tpot_target_secs.is_none_or(|t| step <= t),
+                    };
+                    if !candidate.meets_sla {
+                        continue;
+                    }
+                    let better = best.as_ref().is_none_or(|b| match objective {
+                        Objective::Throughput => {
+                            candidate.tokens_per_sec_per_gpu > b.tokens_per_sec_per_gpu
+                        }
+                        Objective::Latency => {
+                            candidate.tokens_per_sec_per_user > b.tokens_per_sec_per_user
+                                || (candidate.tokens_per_sec_per_user == b.tokens_per_sec_per_user
+                                    && candidate.tokens_per_sec_per_gpu > b.tokens_per_sec_per_gpu)
+                        }
+                    });
+                    if better {
+                        best = Some(candidate);
+                    }
+                }
+            }
+        }
+    }
+    best
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

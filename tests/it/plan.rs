@@ -961,3 +961,49 @@ fn latency_targets_choose_the_best_point_that_meets_them_or_say_how_close_it_get
     let output = run(&["plan", "--model", "llama-3.1-8b", "--tpot-ms", "-5"]);
     assert_eq!(output.status.code(), Some(2));
 }
+
+#[test]
+fn disaggregated_prefill_share_grows_with_prompts_and_shrinks_with_outputs() {
+    let split = |isl: &str, osl: &str| -> f64 {
+        let (code, plan) = plan_json(&[
+            "--model",
+            "llama-3.1-8b",
+            "--cluster",
+            "4x8xh100-sxm",
+            "--isl",
+            isl,
+            "--osl",
+            osl,
+            "--disaggregate",
+        ]);
+        assert_eq!(code, 0);
+        let d = &plan["disaggregated"];
+        let (x, y) = (
+            d["prefill_workers"].as_u64().expect("x"),
+            d["decode_workers"].as_u64().expect("y"),
+        );
+        let gpus = |p: &Value| p["tp"].as_u64().expect("tp") * p["pp"].as_u64().expect("pp");
+        let used = x * gpus(&d["prefill"]) + y * gpus(&d["decode"]);
+        assert_eq!(d["gpus"], used, "{d}");
+        assert!(used <= 32, "{d}");
+        // The comparison with aggregated serving is among the reasons, with both figures.
+        assert!(
+            plan["explain"]
+                .as_array()
+                .expect("explain")
+                .iter()
+                .any(
+                    |l| l.as_str().is_some_and(|l| l.starts_with("disaggregated: ")
+                        && l.contains("against aggregated serving's"))
+                ),
+            "{plan:#}"
+        );
+        d["prefill_to_decode_gpus"].as_f64().expect("ratio")
+    };
+    let short = split("500", "500");
+    let medium = split("2000", "500");
+    let long = split("8000", "500");
+    assert!(short < medium && medium < long, "{short} {medium} {long}");
+    let chatty = split("2000", "2000");
+    assert!(chatty < medium, "{chatty} {medium}");
+}
