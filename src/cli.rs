@@ -330,6 +330,13 @@ pub struct PlanArgs {
     #[arg(long, value_enum, value_name = "E")]
     pub engine: Option<EngineArg>,
 
+    /// An all-reduce table measured on the hosts (nccl-tests' `all_reduce_perf` output, or
+    /// `infer bench allreduce`'s): its peak bus bandwidth and small-message time replace the
+    /// datasheet's link inside a host or between hosts (as the table's ranks were placed).
+    /// Repeatable: one table per kind of link.
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Vec<PathBuf>,
+
     /// With `--engine`: write one run script per node into DIR (`node0-HOST.sh`, …) and a
     /// `launch.json`.
     #[arg(long, value_name = "DIR", requires = "engine")]

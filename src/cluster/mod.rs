@@ -108,6 +108,7 @@ fn shorthand(text: &str) -> Result<Option<Cluster>> {
     Ok(Some(Cluster {
         description: text.to_string(),
         hosts,
+        measured: Default::default(),
     }))
 }
 
@@ -188,6 +189,7 @@ fn local(sysfs_root: &Path) -> Result<Cluster> {
             hardware,
             topology: host,
         }],
+        measured: Default::default(),
     })
 }
 
@@ -489,5 +491,6 @@ fn inventory(path: &Path) -> Result<Cluster> {
     Ok(Cluster {
         description: path.display().to_string(),
         hosts,
+        measured: Default::default(),
     })
 }

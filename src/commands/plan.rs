@@ -1,7 +1,7 @@
 //! `infer plan`: load the model spec and the cluster (the I/O edge), run the pure planner,
 //! print the plan or the reason it is infeasible.
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail};
 
 use crate::cli::{ObjectiveArg, PlanArgs, PlanSettingsArgs};
 use crate::plan::model::Dtype;
@@ -14,7 +14,32 @@ use crate::{ExitStatus, cluster, engines, model};
 pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let settings = settings(&args.settings)?;
     // Every argument is checked before the default model is fetched (93 MB on first use).
-    let cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
+    let mut cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
+    for path in &args.calibration {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the calibration `{}`", path.display()))?;
+        let name = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        let measured = crate::plan::calibration::parse_allreduce_table(&name, &text)?;
+        let slot = match measured.scope {
+            crate::plan::calibration::Scope::IntraHost => &mut cluster.measured.intra_host,
+            crate::plan::calibration::Scope::InterHost => &mut cluster.measured.inter_host,
+        };
+        if let Some(earlier) = slot {
+            bail!(
+                "{} and {} both measured links {}: give one table per kind of link",
+                earlier.source,
+                measured.source,
+                match measured.scope {
+                    crate::plan::calibration::Scope::IntraHost => "inside a host",
+                    crate::plan::calibration::Scope::InterHost => "between hosts",
+                }
+            );
+        }
+        *slot = Some(measured);
+    }
     let spec = model::spec(args.model.as_deref(), &mut |line| printer.note(line))?;
     match plan(&spec, &cluster, &settings) {
         Outcome::Feasible(plan) => {

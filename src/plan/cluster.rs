@@ -53,6 +53,8 @@ pub struct Cluster {
     /// How the user named it (`2x8xh100-sxm`, `local`, a file path).
     pub description: String,
     pub hosts: Vec<ClusterHost>,
+    /// Measured links that replace the datasheet figures (`--calibration`).
+    pub measured: super::calibration::Calibration,
 }
 
 impl Cluster {

@@ -165,13 +165,18 @@ pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
         latency_secs: PCIE_LATENCY_SECS,
     };
     let network = network_link(cluster);
-    let link_for = |code: Option<LinkCode>| match code {
-        None => network,
-        Some(LinkCode::SelfLink | LinkCode::NvLink(_)) if hardware.nvlink_gb_per_sec > 0.0 => {
+    let measured_intra = cluster.measured.intra_host.as_ref().map(|m| m.link());
+    let link_for = |code: Option<LinkCode>| match (code, measured_intra) {
+        (None, _) => network,
+        // A measured all-reduce inside a host replaces the datasheet's link.
+        (Some(_), Some(measured)) => measured,
+        (Some(LinkCode::SelfLink | LinkCode::NvLink(_)), None)
+            if hardware.nvlink_gb_per_sec > 0.0 =>
+        {
             nvlink
         }
-        Some(LinkCode::Sys) => sys,
-        Some(_) => pcie,
+        (Some(LinkCode::Sys), None) => sys,
+        (Some(_), None) => pcie,
     };
     let ep_link = if ep_crosses_hosts {
         network
@@ -209,9 +214,13 @@ fn pp_groups_cross(pp_groups: &[Vec<u64>], ranks: &[RankPlacement]) -> bool {
     })
 }
 
-/// The link between hosts: the NIC's RDMA rate where every host's HCAs are known (a probed
-/// or imported topology); without them NCCL falls back to TCP sockets, and so does the cost.
+/// The link between hosts: a measured one (`--calibration`), else the NIC's RDMA rate where
+/// every host's HCAs are known (a probed or imported topology); without them NCCL falls back
+/// to TCP sockets, and so does the cost.
 pub fn network_link(cluster: &Cluster) -> Link {
+    if let Some(measured) = &cluster.measured.inter_host {
+        return measured.link();
+    }
     let hardware = cluster.slowest_hardware();
     let rdma = cluster
         .hosts

@@ -7,6 +7,7 @@
 //! hold the model), scores the rest with the roofline model of [`cost`] and picks by
 //! objective.
 
+pub mod calibration;
 pub mod cluster;
 pub mod cost;
 pub mod env;
@@ -453,6 +454,19 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         &ranked,
         fits_without_pp,
     );
+    for (measured, what) in [
+        (&cluster.measured.intra_host, "inside a host"),
+        (&cluster.measured.inter_host, "between hosts"),
+    ] {
+        if let Some(m) = measured {
+            explain.push(format!(
+                "measured, not datasheet: links {what} cost {:.1} GB/s and {:.0} µs per collective, from {} (--calibration)",
+                m.bytes_per_sec / 1e9,
+                m.latency_secs * 1e6,
+                m.source
+            ));
+        }
+    }
     let mut show_disaggregated = None;
     if let (Some(d), Some(a)) = (&disaggregated, &aggregated_best) {
         let (d_value, a_value, what) = match settings.objective {

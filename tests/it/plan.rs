@@ -1007,3 +1007,107 @@ fn disaggregated_prefill_share_grows_with_prompts_and_shrinks_with_outputs() {
     let chatty = split("2000", "2000");
     assert!(chatty < medium, "{chatty} {medium}");
 }
+
+/// nccl-tests' `all_reduce_perf` output as users paste it (out-of-place and in-place
+/// columns), ranks on `hosts`.
+fn nccl_tests_table(hosts: [&str; 2], small_us: f64, peak_busbw: f64) -> String {
+    format!(
+        "\
+# nThread 1 nGpus 1 minBytes 8 maxBytes 134217728 step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0
+#
+# Using devices
+#  Rank  0 Group  0 Pid  41211 on {a:>8} device  0 [0x18] NVIDIA H100 80GB HBM3
+#  Rank  1 Group  0 Pid  52001 on {b:>8} device  0 [0x18] NVIDIA H100 80GB HBM3
+#
+#                                                              out-of-place                       in-place
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+           8             2     float     sum      -1 {small_us:>8.2}    0.00    0.00      0 {small_us:>8.2}    0.00    0.00      0
+   134217728      33554432     float     sum      -1   9999.0   13.42 {peak_busbw:>7.2}      0   9999.0   13.42 {peak_busbw:>7.2}      0
+# Out of bounds values : 0 OK
+",
+        a = hosts[0],
+        b = hosts[1]
+    )
+}
+
+#[test]
+fn calibration_tables_replace_the_datasheet_links_and_the_plan_says_so() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let network = dir.path().join("two-hosts.txt");
+    std::fs::write(
+        &network,
+        nccl_tests_table(["node-a", "node-b"], 31.5, 35.31),
+    )
+    .expect("write");
+    let slow_node = dir.path().join("one-host.txt");
+    std::fs::write(
+        &slow_node,
+        nccl_tests_table(["node-a", "node-a"], 120.0, 10.0),
+    )
+    .expect("write");
+    let base = [
+        "--model",
+        "llama-3.1-405b",
+        "--cluster",
+        "2x8xh100-sxm",
+        "--tp",
+        "8",
+        "--pp",
+        "2",
+    ];
+    let tpot = |calibration: &[&std::path::Path]| -> (f64, Vec<String>) {
+        let mut args: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+        for path in calibration {
+            args.push("--calibration".into());
+            args.push(path.display().to_string());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, plan) = plan_json(&args);
+        assert_eq!(code, 0);
+        let explain = plan["explain"]
+            .as_array()
+            .expect("explain")
+            .iter()
+            .filter_map(|l| l.as_str().map(str::to_string))
+            .collect();
+        (
+            plan["estimate"]["tpot_secs"].as_f64().expect("tpot"),
+            explain,
+        )
+    };
+    let (datasheet, _) = tpot(&[]);
+    // 35 GB/s RDMA between the hosts instead of TCP's 12.5 GB/s: the PP hop is cheaper.
+    let (rdma, explain) = tpot(&[&network]);
+    assert!(rdma < datasheet, "{rdma} vs {datasheet}");
+    assert!(
+        explain.iter().any(
+            |l| l.contains("links between hosts cost 35.3 GB/s and 32 µs")
+                && l.contains("`two-hosts.txt`, 2 ranks on 2 hosts")
+        ),
+        "{explain:#?}"
+    );
+    // A slow link inside the host (10 GB/s, 120 µs instead of NVLink): TP costs more.
+    let (slow, explain) = tpot(&[&network, &slow_node]);
+    assert!(slow > rdma, "{slow} vs {rdma}");
+    assert!(
+        explain
+            .iter()
+            .any(|l| l.contains("links inside a host cost 10.0 GB/s")),
+        "{explain:#?}"
+    );
+    // Two tables for the same kind of link: bad input.
+    let output = run(&[
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--cluster",
+        "1x8xh100-sxm",
+        "--calibration",
+        &network.display().to_string(),
+        "--calibration",
+        &network.display().to_string(),
+    ]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("one table per kind of link"));
+}
