@@ -506,6 +506,46 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         );
     }
     if let Some(point) = &sla_choice {
+        // With targets the runners-up lost on the targets, not on the raw objective.
+        let best_within = |parallel: &Parallel| {
+            points
+                .iter()
+                .filter(|p| p.parallel == *parallel && p.meets_sla)
+                .map(|p| match settings.objective {
+                    Objective::Throughput => p.tokens_per_sec_per_gpu,
+                    Objective::Latency => p.tokens_per_sec_per_user,
+                })
+                .fold(None, |best: Option<f64>, v| {
+                    Some(best.map_or(v, |b| b.max(v)))
+                })
+        };
+        let chosen_value = match settings.objective {
+            Objective::Throughput => point.tokens_per_sec_per_gpu,
+            Objective::Latency => point.tokens_per_sec_per_user,
+        };
+        let unit = match settings.objective {
+            Objective::Throughput => "tokens/s per GPU",
+            Objective::Latency => "tokens/s per user",
+        };
+        explain.retain(|line| !line.starts_with("  not "));
+        let mut at = explain
+            .iter()
+            .position(|line| line.starts_with("chosen: "))
+            .map_or(explain.len(), |i| i + 1);
+        for runner_up in ranked.iter().skip(1).take(3) {
+            let line = match best_within(&runner_up.parallel) {
+                Some(value) => format!(
+                    "  not {}: at most {value:.0} {unit} within the targets vs {chosen_value:.0}",
+                    runner_up.parallel
+                ),
+                None => format!(
+                    "  not {}: no batch of it meets the targets",
+                    runner_up.parallel
+                ),
+            };
+            explain.insert(at, line);
+            at += 1;
+        }
         explain.push(format!(
             "for {} prompt and {} output tokens per request{}: {} at {} sequences per replica gives TTFT {:.0} ms, TPOT {:.1} ms, {:.0} tokens/s per GPU, the most {} of the {} layout-and-batch points that meet the targets",
             settings.workload.isl_tokens,

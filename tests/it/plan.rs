@@ -1111,3 +1111,181 @@ fn calibration_tables_replace_the_datasheet_links_and_the_plan_says_so() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("one table per kind of link"));
 }
+
+/// The number after `prefix` in `line` (up to the next space, `)`, `;` or `,`).
+fn number_after(line: &str, prefix: &str) -> Option<f64> {
+    let rest = &line[line.find(prefix)? + prefix.len()..];
+    let text: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    text.parse().ok()
+}
+
+/// Every sentence of `--explain`'s reasons, for every model profile on several clusters
+/// (and with latency targets), checked against the plan's own numbers: each claim is
+/// computed from what it states.
+#[test]
+fn every_reason_is_true_of_the_plans_own_numbers() {
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/cluster.toml");
+    let examples = examples.display().to_string();
+    let clusters = [
+        "1x8xh100-sxm",
+        "2x8xh100-sxm",
+        "1x2xl40s",
+        "4x8xh200-sxm",
+        &examples,
+    ];
+    let mut checked = 0;
+    for (profile, _) in MODEL_PROFILES {
+        for cluster in clusters {
+            for extra in [
+                &[][..],
+                &["--isl", "2048", "--osl", "512", "--tpot-ms", "60"][..],
+            ] {
+                let mut args = vec!["--model", profile, "--cluster", cluster];
+                args.extend(extra);
+                let (code, plan) = plan_json(&args);
+                if code != 0 {
+                    continue;
+                }
+                checked += 1;
+                let case = format!("{profile} on {cluster} {extra:?}");
+                let gib = |bytes: &Value| bytes.as_f64().expect("bytes") / (1u64 << 30) as f64;
+                let estimate = &plan["estimate"];
+                let lines: Vec<&str> = plan["explain"]
+                    .as_array()
+                    .expect("explain")
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .collect();
+                let usable = gib(&plan["memory"][0]["usable_bytes"]);
+                let feasible = |pred: &dyn Fn(&Value) -> bool| {
+                    let alternatives = plan["alternatives"].as_array().expect("alternatives");
+                    pred(&plan["parallel"])
+                        || alternatives
+                            .iter()
+                            .any(|a| a["feasible"] == true && pred(&a["parallel"]))
+                };
+                let degree = |p: &Value, k: &str| p[k].as_u64().expect("degree");
+                for line in &lines {
+                    if line.contains(" B parameters (") {
+                        let params = number_after(line, ": ").expect("params");
+                        assert!(
+                            (params - plan["params"].as_f64().expect("p") / 1e9).abs() < 0.006,
+                            "{case}: {line}"
+                        );
+                        let weights = number_after(line, "active per token), ").expect("weights");
+                        assert!(
+                            (weights - gib(&plan["weights_bytes"])).abs() < 0.06,
+                            "{case}: {line}"
+                        );
+                    } else if line.starts_with("one ") && line.contains(" holds ") {
+                        let holds = number_after(line, " holds ").expect("holds");
+                        assert!((holds - usable).abs() < 0.06, "{case}: {line} vs {usable}");
+                    } else if line.starts_with("fits one GPU") {
+                        // The whole model (no sharding of any kind) fits one GPU's usable memory.
+                        assert!(gib(&plan["weights_bytes"]) < usable, "{case}: {line}");
+                        assert!(
+                            feasible(&|p| degree(p, "tp") == 1
+                                && degree(p, "pp") == 1
+                                && degree(p, "ep") == 1),
+                            "{case}: {line}"
+                        );
+                    } else if line.starts_with("does not fit one GPU") {
+                        assert!(
+                            !feasible(&|p| degree(p, "tp") == 1
+                                && degree(p, "pp") == 1
+                                && degree(p, "ep") == 1),
+                            "{case}: {line}"
+                        );
+                        if let Some(ep) = number_after(line, "sharded over EP") {
+                            assert!(
+                                feasible(&|p| degree(p, "tp") == 1
+                                    && degree(p, "pp") == 1
+                                    && degree(p, "ep") == ep as u64),
+                                "{case}: {line}"
+                            );
+                        }
+                        if line.contains("fits with TP inside a node") {
+                            assert!(feasible(&|p| degree(p, "pp") == 1), "{case}: {line}");
+                        }
+                    } else if line.starts_with("does not fit TP inside one node")
+                        || line.starts_with("does not fit with TP alone")
+                    {
+                        assert!(!feasible(&|p| degree(p, "pp") == 1), "{case}: {line}");
+                        assert!(degree(&plan["parallel"], "pp") > 1, "{case}: {line}");
+                    } else if let Some(rest) = line.strip_prefix("chosen: ") {
+                        let layout = rest.split(" for ").next().expect("layout");
+                        let parallel = &plan["parallel"];
+                        assert!(
+                            layout.starts_with(&format!(
+                                "TP{} × PP{} × DP{}",
+                                degree(parallel, "tp"),
+                                degree(parallel, "pp"),
+                                degree(parallel, "dp")
+                            )),
+                            "{case}: {line}"
+                        );
+                        let tpot = number_after(line, "TPOT ").expect("tpot");
+                        assert!(
+                            (tpot - estimate["tpot_secs"].as_f64().expect("t") * 1e3).abs() < 0.006,
+                            "{case}: {line}"
+                        );
+                        let tokens = number_after(line, "batch 1; ").expect("tokens/s");
+                        assert!(
+                            (tokens - estimate["tokens_per_sec"].as_f64().expect("t")).abs() < 0.51,
+                            "{case}: {line}"
+                        );
+                        let batch = number_after(line, "tokens/s at ").expect("batch");
+                        assert_eq!(
+                            batch as u64, estimate["batch_per_replica"],
+                            "{case}: {line}"
+                        );
+                    } else if let Some(rest) = line.strip_prefix("  not ") {
+                        if let Some(less) =
+                            number_after(rest, "(").filter(|_| rest.contains("% less)"))
+                        {
+                            let theirs = number_after(rest, ": ").expect("theirs");
+                            let ours = number_after(rest, " vs ").expect("ours");
+                            assert!(
+                                theirs <= ours,
+                                "{case}: a runner-up said to do less does more: {line}"
+                            );
+                            assert!(
+                                (less - 100.0 * (1.0 - theirs / ours)).abs() < 1.0,
+                                "{case}: {line}"
+                            );
+                        } else if rest.contains("within the targets vs ") {
+                            let theirs = number_after(rest, "at most ").expect("theirs");
+                            let ours = number_after(rest, " vs ").expect("ours");
+                            assert!(theirs <= ours + 0.5, "{case}: {line}");
+                        } else if rest.contains("× slower)") {
+                            let theirs = number_after(rest, "TPOT ").expect("theirs");
+                            let ours = number_after(rest, " vs ").expect("ours");
+                            assert!(theirs >= ours - 0.005, "{case}: {line}");
+                        }
+                    } else if line.starts_with("KV cache must hold --max-model-len ") {
+                        let len = number_after(line, "--max-model-len ").expect("len") as u64;
+                        assert_eq!(len, plan["max_model_len"], "{case}: {line}");
+                        for stage in plan["memory"].as_array().expect("memory") {
+                            assert!(
+                                stage["kv_tokens"].as_u64().expect("kv") >= len,
+                                "{case}: {line}"
+                            );
+                        }
+                    } else if line.starts_with("for ") && line.contains(" prompt and ") {
+                        let choice = &plan["sla_choice"];
+                        let tpot = number_after(line, " ms, TPOT ").expect("tpot");
+                        assert!(
+                            (tpot - choice["tpot_secs"].as_f64().expect("t") * 1e3).abs() < 0.06,
+                            "{case}: {line}"
+                        );
+                        assert!(tpot <= 60.05, "{case}: {line}");
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked >= 40, "only {checked} plans were feasible");
+}
