@@ -528,12 +528,15 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             Objective::Latency => "tokens/s per user",
         };
         explain.retain(|line| !line.starts_with("  not "));
-        let mut at = explain
+        let at = explain
             .iter()
             .position(|line| line.starts_with("chosen: "))
             .map_or(explain.len(), |i| i + 1);
-        for runner_up in ranked.iter().skip(1).take(3) {
-            let line = match best_within(&runner_up.parallel) {
+        let runners_up: Vec<String> = ranked
+            .iter()
+            .skip(1)
+            .take(3)
+            .map(|runner_up| match best_within(&runner_up.parallel) {
                 Some(value) => format!(
                     "  not {}: at most {value:.0} {unit} within the targets vs {chosen_value:.0}",
                     runner_up.parallel
@@ -542,10 +545,9 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
                     "  not {}: no batch of it meets the targets",
                     runner_up.parallel
                 ),
-            };
-            explain.insert(at, line);
-            at += 1;
-        }
+            })
+            .collect();
+        explain.splice(at..at, runners_up);
         explain.push(format!(
             "for {} prompt and {} output tokens per request{}: {} at {} sequences per replica gives TTFT {:.0} ms, TPOT {:.1} ms, {:.0} tokens/s per GPU, the most {} of the {} layout-and-batch points that meet the targets",
             settings.workload.isl_tokens,
