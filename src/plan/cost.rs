@@ -11,6 +11,13 @@ use super::model::{Dtype, ModelSpec};
 
 /// Small-message latency of one collective over NVLink, seconds (nccl-tests
 /// `all_reduce_perf` at 8 B–64 KiB on 8×H100 NVSwitch: ≈ 8–12 µs).
+///
+/// Every collective the model counts — two all-reduces per layer for TP, a dispatch and a
+/// combine per MoE layer for EP, one send per stage boundary for PP — pays its link's
+/// latency once per call on top of its bytes. These latencies include NCCL's launch
+/// overhead: nccl-tests times a call from the host, kernel launch and proxy included, so
+/// its small-message times are the per-call floor (and `--calibration` replaces them with
+/// the hosts' own).
 pub const NVLINK_LATENCY_SECS: f64 = 8e-6;
 /// Same over PCIe/SHM inside a host, seconds.
 pub const PCIE_LATENCY_SECS: f64 = 15e-6;
