@@ -80,7 +80,10 @@ pub fn parse_allreduce_table(name: &str, text: &str) -> Result<MeasuredLink> {
                 has_redop = true;
             }
             if rest.contains("all-reduce") {
-                if rest.contains("spans hosts") || rest.contains("one per host") {
+                if rest.contains("spans hosts")
+                    || rest.contains("one per host")
+                    || rest.contains(" on hosts ")
+                {
                     header_scope = Some(Scope::InterHost);
                 } else if rest.contains("on this host") {
                     header_scope = Some(Scope::IntraHost);
@@ -188,6 +191,23 @@ mod tests {
         assert_eq!(link.scope, Scope::InterHost);
         assert!((link.bytes_per_sec - 0.78e9).abs() < 1.0);
         assert!((link.latency_secs - 48e-6).abs() < 1e-12);
+        // `infer bench allreduce --cluster`'s header.
+        let cluster = ours.replace(
+            "3 ranks, one per host (h0, h1, h2), TCP: the group spans hosts",
+            "4 processes on hosts h0, h1 over the data network (TCP)",
+        );
+        assert_eq!(
+            parse_allreduce_table("c", &cluster).expect("parses").scope,
+            Scope::InterHost
+        );
+        let local = ours.replace(
+            "3 ranks, one per host (h0, h1, h2), TCP: the group spans hosts",
+            "TCP ring over loopback, 2 processes on this host",
+        );
+        assert_eq!(
+            parse_allreduce_table("l", &local).expect("parses").scope,
+            Scope::IntraHost
+        );
         assert!(parse_allreduce_table("empty", "# nothing\n").is_err());
         let anonymous: String = NCCL_TESTS
             .lines()
