@@ -17,6 +17,7 @@ fn main() {
             osl_tokens: 512,
             ttft_target_secs: None,
             tpot_target_secs: Some(0.050),
+            requests_per_sec: None,
         },
         disaggregate: true,
         ..infer::plan::Settings::default()

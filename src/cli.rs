@@ -370,7 +370,8 @@ pub struct PlanSettingsArgs {
     #[arg(long, value_name = "C", default_value = "local")]
     pub cluster: String,
 
-    /// What to optimise: `latency` (TPOT of one sequence) or `throughput` (tokens/s).
+    /// What to optimise: `latency` (TPOT of one sequence), `throughput` (tokens/s), or
+    /// `cost` (the fewest GPUs that serve `--rps` within the targets).
     #[arg(long, value_enum, default_value_t = ObjectiveArg::Throughput)]
     pub objective: ObjectiveArg,
 
@@ -421,6 +422,11 @@ pub struct PlanSettingsArgs {
     #[arg(long, value_name = "MS")]
     pub tpot_ms: Option<f64>,
 
+    /// Requests per second to serve: the Pareto table then says how many GPUs each point
+    /// needs for it, and `--objective cost` picks the fewest.
+    #[arg(long, value_name = "R")]
+    pub rps: Option<f64>,
+
     /// Also show the best prefill/decode disaggregated split of the GPUs (shown anyway when
     /// it beats aggregated serving; the comparison is always among the reasons).
     #[arg(long)]
@@ -450,6 +456,7 @@ impl From<EngineArg> for crate::engines::EngineKind {
 pub enum ObjectiveArg {
     Latency,
     Throughput,
+    Cost,
 }
 
 /// `infer doctor`.

@@ -156,6 +156,7 @@ pub fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
         objective: match args.objective {
             ObjectiveArg::Latency => Objective::Latency,
             ObjectiveArg::Throughput => Objective::Throughput,
+            ObjectiveArg::Cost => Objective::Cost,
         },
         dtype: parse_dtype("--dtype", &args.dtype)?,
         kv_dtype,
@@ -170,6 +171,12 @@ pub fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
             osl_tokens: args.osl,
             ttft_target_secs: target("--ttft-ms", args.ttft_ms)?,
             tpot_target_secs: target("--tpot-ms", args.tpot_ms)?,
+            requests_per_sec: match args.rps {
+                Some(r) if !(r.is_finite() && r > 0.0) => {
+                    bail!("--rps must be a positive number of requests per second, got {r}")
+                }
+                rps => rps,
+            },
         },
         disaggregate: args.disaggregate,
     })

@@ -69,7 +69,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
                 "--all2all-backend".into(),
                 match request.objective {
                     Objective::Latency => "deepep_low_latency",
-                    Objective::Throughput => "deepep_high_throughput",
+                    Objective::Throughput | Objective::Cost => "deepep_high_throughput",
                 }
                 .into(),
             ]);

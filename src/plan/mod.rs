@@ -37,6 +37,9 @@ pub enum Objective {
     Latency,
     /// Most decode tokens per second over the cluster at full KV capacity.
     Throughput,
+    /// Fewest GPUs that serve `--rps` requests per second within the targets; without
+    /// `--rps`, the most tokens/s per GPU (every GPU of the cluster in use).
+    Cost,
 }
 
 /// The planner's inputs besides model and cluster (flags merged and validated).
@@ -312,7 +315,13 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
                 })
         })
         .collect();
-    let points = sla::points(spec, &costs, dtype, hardware, &settings.workload);
+    let mut points = sla::points(spec, &costs, dtype, hardware, &settings.workload);
+    // A point that needs more GPUs than the cluster has cannot serve `--rps` here.
+    for point in &mut points {
+        if point.gpus_for_rps.is_some_and(|g| g > n_gpus) {
+            point.meets_sla = false;
+        }
+    }
     let pareto = sla::frontier(&points);
     let sla_choice = if settings.workload.has_targets() {
         match sla::choose(&points, settings.objective) {
@@ -470,7 +479,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
     let mut show_disaggregated = None;
     if let (Some(d), Some(a)) = (&disaggregated, &aggregated_best) {
         let (d_value, a_value, what) = match settings.objective {
-            Objective::Throughput => (
+            Objective::Throughput | Objective::Cost => (
                 d.tokens_per_sec_per_gpu,
                 a.tokens_per_sec_per_gpu,
                 "tokens/s per GPU",
@@ -512,7 +521,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
                 .iter()
                 .filter(|p| p.parallel == *parallel && p.meets_sla)
                 .map(|p| match settings.objective {
-                    Objective::Throughput => p.tokens_per_sec_per_gpu,
+                    Objective::Throughput | Objective::Cost => p.tokens_per_sec_per_gpu,
                     Objective::Latency => p.tokens_per_sec_per_user,
                 })
                 .fold(None, |best: Option<f64>, v| {
@@ -520,11 +529,11 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
                 })
         };
         let chosen_value = match settings.objective {
-            Objective::Throughput => point.tokens_per_sec_per_gpu,
+            Objective::Throughput | Objective::Cost => point.tokens_per_sec_per_gpu,
             Objective::Latency => point.tokens_per_sec_per_user,
         };
         let unit = match settings.objective {
-            Objective::Throughput => "tokens/s per GPU",
+            Objective::Throughput | Objective::Cost => "tokens/s per GPU",
             Objective::Latency => "tokens/s per user",
         };
         explain.retain(|line| !line.starts_with("  not "));
@@ -536,20 +545,39 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             .iter()
             .skip(1)
             .take(3)
-            .map(|runner_up| match best_within(&runner_up.parallel) {
+            .map(|runner_up| match (settings.objective, point.gpus_for_rps) {
+                (Objective::Cost, Some(chosen_gpus)) => {
+                    let fewest = points
+                        .iter()
+                        .filter(|p| p.parallel == runner_up.parallel && p.meets_sla)
+                        .filter_map(|p| p.gpus_for_rps)
+                        .min();
+                    match fewest {
+                        Some(gpus) => format!(
+                            "  not {}: needs at least {gpus} GPUs for the rate within the targets vs {chosen_gpus}",
+                            runner_up.parallel
+                        ),
+                        None => format!(
+                            "  not {}: no batch of it meets the targets",
+                            runner_up.parallel
+                        ),
+                    }
+                }
+                _ => match best_within(&runner_up.parallel) {
                 Some(value) => format!(
                     "  not {}: at most {value:.0} {unit} within the targets vs {chosen_value:.0}",
                     runner_up.parallel
                 ),
-                None => format!(
-                    "  not {}: no batch of it meets the targets",
-                    runner_up.parallel
-                ),
+                    None => format!(
+                        "  not {}: no batch of it meets the targets",
+                        runner_up.parallel
+                    ),
+                },
             })
             .collect();
         explain.splice(at..at, runners_up);
         explain.push(format!(
-            "for {} prompt and {} output tokens per request{}: {} at {} sequences per replica gives TTFT {:.0} ms, TPOT {:.1} ms, {:.0} tokens/s per GPU, the most {} of the {} layout-and-batch points that meet the targets",
+            "for {} prompt and {} output tokens per request{}: {} at {} sequences per replica gives TTFT {:.0} ms, TPOT {:.1} ms, {:.0} tokens/s per GPU{}, the {} of the {} layout-and-batch points that meet the targets",
             settings.workload.isl_tokens,
             settings.workload.osl_tokens,
             targets_text(&settings.workload),
@@ -558,9 +586,16 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             point.ttft_secs * 1e3,
             point.tpot_secs * 1e3,
             point.tokens_per_sec_per_gpu,
-            match settings.objective {
-                Objective::Throughput => "tokens/s per GPU",
-                Objective::Latency => "tokens/s per user",
+            point.gpus_for_rps.map_or(String::new(), |g| format!(
+                ", and {g} of the cluster's {n_gpus} GPUs ({} replica{} of this layout) serve {} requests/s",
+                g / (point.parallel.tp * point.parallel.pp).max(1),
+                if g / (point.parallel.tp * point.parallel.pp).max(1) == 1 { "" } else { "s" },
+                settings.workload.requests_per_sec.unwrap_or_default()
+            )),
+            match (settings.objective, point.gpus_for_rps) {
+                (Objective::Cost, Some(_)) => "fewest GPUs",
+                (Objective::Throughput | Objective::Cost, _) => "most tokens/s per GPU",
+                (Objective::Latency, _) => "most tokens/s per user",
             },
             points.iter().filter(|p| p.meets_sla).count()
         ));
@@ -613,6 +648,9 @@ fn targets_text(workload: &sla::Workload) -> String {
     }
     if let Some(t) = workload.tpot_target_secs {
         parts.push(format!("TPOT ≤ {:.0} ms", t * 1e3));
+    }
+    if let Some(rps) = workload.requests_per_sec {
+        parts.push(format!("{rps} requests/s"));
     }
     if parts.is_empty() {
         String::new()
@@ -829,7 +867,7 @@ fn compare(a: &Candidate, b: &Candidate, objective: Objective) -> std::cmp::Orde
     };
     let primary = match objective {
         Objective::Latency => ea.tpot_secs.total_cmp(&eb.tpot_secs),
-        Objective::Throughput => eb.tokens_per_sec.total_cmp(&ea.tokens_per_sec),
+        Objective::Throughput | Objective::Cost => eb.tokens_per_sec.total_cmp(&ea.tokens_per_sec),
     };
     primary
         .then((a.parallel.tp * a.parallel.pp).cmp(&(b.parallel.tp * b.parallel.pp)))
@@ -863,7 +901,7 @@ fn describe(
                         best.tpot_secs * 1e3,
                         estimate.tpot_secs / best.tpot_secs
                     ),
-                    Objective::Throughput => format!(
+                    Objective::Throughput | Objective::Cost => format!(
                         "{:.0} tokens/s vs {:.0} ({:.0}% less)",
                         estimate.tokens_per_sec,
                         best.tokens_per_sec,
@@ -961,6 +999,7 @@ fn explain(
             match settings.objective {
                 Objective::Latency => "latency",
                 Objective::Throughput => "throughput",
+                Objective::Cost => "cost",
             },
             estimate.tpot_secs * 1e3,
             estimate.tokens_per_sec,

@@ -221,6 +221,9 @@ fn pareto_table(plan: &Plan) -> String {
     if let Some(t) = w.tpot_target_secs {
         targets.push(format!("TPOT ≤ {:.0} ms", t * 1e3));
     }
+    if let Some(rps) = w.requests_per_sec {
+        targets.push(format!("{rps} requests/s"));
+    }
     let mut out = format!(
         "pareto frontier: {} prompt + {} output tokens per request{}",
         w.isl_tokens,
@@ -243,6 +246,9 @@ fn pareto_table(plan: &Plan) -> String {
         "tok/s/GPU",
         "KV seqs",
     ];
+    if w.requests_per_sec.is_some() {
+        header.push("GPUs for rps");
+    }
     if w.has_targets() {
         header.push("SLA");
     }
@@ -265,6 +271,9 @@ fn pareto_table(plan: &Plan) -> String {
             format!("{:.0}", point.tokens_per_sec_per_gpu),
             point.kv_capacity_seqs.to_string(),
         ];
+        if let Some(gpus) = point.gpus_for_rps {
+            row.push(gpus.to_string());
+        }
         if w.has_targets() {
             row.push(if point.meets_sla { "✓" } else { "✗" }.to_string());
         }

@@ -36,6 +36,9 @@ pub struct Workload {
     pub ttft_target_secs: Option<f64>,
     /// Time-per-output-token target, seconds (`--tpot-ms`).
     pub tpot_target_secs: Option<f64>,
+    /// Requests per second to serve (`--rps`): sizes each point's GPUs.
+    #[serde(default)]
+    pub requests_per_sec: Option<f64>,
 }
 
 impl Default for Workload {
@@ -46,14 +49,17 @@ impl Default for Workload {
             osl_tokens: 256,
             ttft_target_secs: None,
             tpot_target_secs: None,
+            requests_per_sec: None,
         }
     }
 }
 
 impl Workload {
-    /// Whether any latency target is set.
+    /// Whether any target is set (a latency, or a request rate to serve).
     pub fn has_targets(&self) -> bool {
-        self.ttft_target_secs.is_some() || self.tpot_target_secs.is_some()
+        self.ttft_target_secs.is_some()
+            || self.tpot_target_secs.is_some()
+            || self.requests_per_sec.is_some()
     }
 }
 
@@ -73,6 +79,10 @@ pub struct ParetoPoint {
     pub kv_capacity_seqs: u64,
     /// Meets every target given (true when none is).
     pub meets_sla: bool,
+    /// With `--rps R`: the GPUs that serve `R` requests/s at this point — `⌈R / (b /
+    /// cycle)⌉` replicas (each of the `b` slots finishes a request per cycle) of `tp · pp`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus_for_rps: Option<u64>,
 }
 
 /// The inputs [`points`] needs of one feasible layout.
@@ -136,6 +146,10 @@ pub fn points(
             let replica_tokens_per_sec = (batch * osl) as f64 / cycle;
             let meets_sla = workload.ttft_target_secs.is_none_or(|t| ttft <= t)
                 && workload.tpot_target_secs.is_none_or(|t| tpot <= t);
+            let gpus_for_rps = workload.requests_per_sec.map(|rps| {
+                let replica_rps = batch as f64 / cycle;
+                (rps / replica_rps).ceil() as u64 * (layout.parallel.tp * layout.parallel.pp)
+            });
             out.push(ParetoPoint {
                 parallel: layout.parallel,
                 batch_per_replica: batch,
@@ -145,6 +159,7 @@ pub fn points(
                 tokens_per_sec_per_gpu: replica_tokens_per_sec / gpus_per_replica,
                 kv_capacity_seqs: capacity,
                 meets_sla,
+                gpus_for_rps,
             });
         }
     }
@@ -172,10 +187,20 @@ pub fn frontier(points: &[ParetoPoint]) -> Vec<ParetoPoint> {
 }
 
 /// The best point that meets the targets: most tokens/s per GPU for throughput, most
-/// tokens/s per user for latency (ties: fewer GPUs per replica, then less PP).
+/// tokens/s per user for latency, the fewest GPUs for `--rps` for cost (without `--rps`:
+/// most tokens/s per GPU); ties: fewer GPUs per replica, then less PP.
 pub fn choose(points: &[ParetoPoint], objective: Objective) -> Option<&ParetoPoint> {
     points.iter().filter(|p| p.meets_sla).max_by(|a, b| {
         let primary = match objective {
+            Objective::Cost => match (a.gpus_for_rps, b.gpus_for_rps) {
+                (Some(ga), Some(gb)) => gb.cmp(&ga).then(
+                    a.tokens_per_sec_per_user
+                        .total_cmp(&b.tokens_per_sec_per_user),
+                ),
+                _ => a
+                    .tokens_per_sec_per_gpu
+                    .total_cmp(&b.tokens_per_sec_per_gpu),
+            },
             Objective::Throughput => a
                 .tokens_per_sec_per_gpu
                 .total_cmp(&b.tokens_per_sec_per_gpu),
@@ -321,7 +346,7 @@ pub fn disaggregate(
                         continue;
                     }
                     let better = best.as_ref().is_none_or(|b| match objective {
-                        Objective::Throughput => {
+                        Objective::Throughput | Objective::Cost => {
                             candidate.tokens_per_sec_per_gpu > b.tokens_per_sec_per_gpu
                         }
                         Objective::Latency => {
@@ -359,6 +384,7 @@ mod tests {
             tokens_per_sec_per_gpu: gpu,
             kv_capacity_seqs: 8,
             meets_sla: user >= 20.0,
+            gpus_for_rps: None,
         }
     }
 

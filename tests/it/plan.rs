@@ -1142,6 +1142,18 @@ fn every_reason_is_true_of_the_plans_own_numbers() {
             for extra in [
                 &[][..],
                 &["--isl", "2048", "--osl", "512", "--tpot-ms", "60"][..],
+                &[
+                    "--isl",
+                    "2048",
+                    "--osl",
+                    "512",
+                    "--tpot-ms",
+                    "60",
+                    "--rps",
+                    "10",
+                    "--objective",
+                    "cost",
+                ][..],
             ] {
                 let mut args = vec!["--model", profile, "--cluster", cluster];
                 args.extend(extra);
@@ -1256,6 +1268,10 @@ fn every_reason_is_true_of_the_plans_own_numbers() {
                                 (less - 100.0 * (1.0 - theirs / ours)).abs() < 1.0,
                                 "{case}: {line}"
                             );
+                        } else if rest.contains(" GPUs for the rate within the targets vs ") {
+                            let theirs = number_after(rest, "needs at least ").expect("theirs");
+                            let ours = number_after(rest, " vs ").expect("ours");
+                            assert!(theirs >= ours, "{case}: {line}");
                         } else if rest.contains("within the targets vs ") {
                             let theirs = number_after(rest, "at most ").expect("theirs");
                             let ours = number_after(rest, " vs ").expect("ours");
@@ -1282,6 +1298,18 @@ fn every_reason_is_true_of_the_plans_own_numbers() {
                             "{case}: {line}"
                         );
                         assert!(tpot <= 60.05, "{case}: {line}");
+                        if let Some(gpus) = number_after(line, "per GPU, and ") {
+                            // The fewest GPUs: no point that meets the targets needs fewer.
+                            assert_eq!(gpus as u64, choice["gpus_for_rps"], "{case}: {line}");
+                            for row in plan["pareto"].as_array().expect("pareto") {
+                                if row["meets_sla"] == true {
+                                    assert!(
+                                        row["gpus_for_rps"].as_u64().expect("gpus") >= gpus as u64,
+                                        "{case}: {row}"
+                                    );
+                                }
+                            }
+                        }
                     }
                 }
             }
