@@ -174,28 +174,43 @@ fn stage_secs(
         4.0 * (batch * context) as f64 * (spec.n_heads * spec.head_dim) as f64 / tp as f64 * layers;
     let compute_secs =
         (2.0 * active_params_here * batch as f64 + attention_flops) / (tflops * 1e12);
-    // Two all-reduces per layer (after attention and after the MLP), ring algorithm:
-    // 2(n−1)/n of the message crosses each link (nccl-tests' bus-bandwidth factor).
+    memory_secs.max(compute_secs) + collective_secs(spec, parallel, stage, links, batch)
+}
+
+/// The collectives of one stage over `tokens` tokens' activations (a decode batch or a
+/// prompt): two ring all-reduces per layer over TP (after attention and after the MLP;
+/// 2(n−1)/n of the message crosses each link, nccl-tests' bus-bandwidth factor), and a
+/// dispatch and a combine all-to-all per MoE layer over EP (each token's hidden state to
+/// its top-k experts, (ep−1)/ep of them on other ranks); each call also pays its link's
+/// latency.
+fn collective_secs(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    stage: &StageMemory,
+    links: &Links,
+    tokens: u64,
+) -> f64 {
+    let Parallel { tp, ep, .. } = *parallel;
+    let layers = stage.n_layers as f64;
+    let message = (tokens * spec.hidden_size * 2) as f64;
     let allreduce_secs = if tp > 1 {
-        let message = (batch * spec.hidden_size * 2) as f64;
         2.0 * layers
             * (2.0 * (tp - 1) as f64 / tp as f64 * message / links.tp.bytes_per_sec
                 + links.tp.latency_secs)
     } else {
         0.0
     };
-    // Dispatch and combine all-to-alls per MoE layer: each token's hidden state goes to its
-    // top-k experts, (ep−1)/ep of them on other ranks.
     let all_to_all_secs = match &spec.moe {
         Some(moe) if ep > 1 => {
-            let message = (batch * moe.n_experts_per_token * spec.hidden_size * 2) as f64
-                * (ep - 1) as f64
-                / ep as f64;
-            2.0 * n_moe_layers_here * (message / links.ep.bytes_per_sec + links.ep.latency_secs)
+            let n_moe_layers_here = (stage.first_layer..stage.first_layer + stage.n_layers)
+                .filter(|&l| l >= moe.n_dense_layers)
+                .count() as f64;
+            let bytes = message * moe.n_experts_per_token as f64 * (ep - 1) as f64 / ep as f64;
+            2.0 * n_moe_layers_here * (bytes / links.ep.bytes_per_sec + links.ep.latency_secs)
         }
         _ => 0.0,
     };
-    memory_secs.max(compute_secs) + allreduce_secs + all_to_all_secs
+    allreduce_secs + all_to_all_secs
 }
 
 /// Sending one micro-batch's activations to the next stage.
@@ -240,7 +255,7 @@ pub fn prefill_secs(
     links: &Links,
     prompt_tokens: u64,
 ) -> f64 {
-    let Parallel { tp, ep, pp, .. } = *parallel;
+    let Parallel { tp, pp, .. } = *parallel;
     let tokens = prompt_tokens.max(1) as f64;
     let tflops = if matches!(dtype, Dtype::Fp8 | Dtype::Mxfp4) {
         hardware.fp8_tflops
@@ -258,27 +273,8 @@ pub fn prefill_secs(
             let compute_secs =
                 (2.0 * active_params_here * tokens + attention_flops) / (tflops * 1e12);
             let memory_secs = stage.weights_bytes as f64 / (hardware.hbm_gb_per_sec * 1e9);
-            let message = tokens * (spec.hidden_size * 2) as f64;
-            let allreduce_secs = if tp > 1 {
-                2.0 * layers
-                    * (2.0 * (tp - 1) as f64 / tp as f64 * message / links.tp.bytes_per_sec
-                        + links.tp.latency_secs)
-            } else {
-                0.0
-            };
-            let all_to_all_secs = match &spec.moe {
-                Some(moe) if ep > 1 => {
-                    let n_moe_layers_here = (stage.first_layer..stage.first_layer + stage.n_layers)
-                        .filter(|&l| l >= moe.n_dense_layers)
-                        .count() as f64;
-                    let bytes =
-                        message * moe.n_experts_per_token as f64 * (ep - 1) as f64 / ep as f64;
-                    2.0 * n_moe_layers_here
-                        * (bytes / links.ep.bytes_per_sec + links.ep.latency_secs)
-                }
-                _ => 0.0,
-            };
-            compute_secs.max(memory_secs) + allreduce_secs + all_to_all_secs
+            compute_secs.max(memory_secs)
+                + collective_secs(spec, parallel, stage, links, prompt_tokens.max(1))
         })
         .sum();
     let hops = (pp - 1) as f64
