@@ -582,6 +582,22 @@ fn assemble(
     }
 }
 
+/// The head's `--host H --port P` (vLLM and SGLang spell them alike) and the port it
+/// reserves.
+fn serve_http(request: &EngineRequest, argv: &mut Vec<String>, ports: &mut Vec<ReservedPort>) {
+    argv.extend([
+        "--host".into(),
+        request.http_host.clone(),
+        "--port".into(),
+        request.ports.http.to_string(),
+    ]);
+    ports.push(ReservedPort {
+        port: request.ports.http,
+        bind: request.http_host.clone(),
+        purpose: "OpenAI-compatible HTTP API".into(),
+    });
+}
+
 /// The flags shared by vLLM and SGLang for the plan's dtypes and memory.
 fn dtype_flags(request: &EngineRequest, args: &mut Vec<String>, sglang: bool) {
     if let Some(method) = &request.quantization {

@@ -17,7 +17,7 @@ use anyhow::{Result, bail};
 
 use super::{
     EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, SGLANG_TESTED, Version,
-    assemble, common_env, dtype_flags,
+    assemble, common_env, dtype_flags, serve_http,
 };
 
 /// The first SGLang with `--attn-dp-size` (its 0.5.21 wheel has no such flag).
@@ -107,17 +107,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
         }
         argv.extend(["--nccl-port".into(), request.ports.nccl.to_string()]);
         if i == 0 {
-            argv.extend([
-                "--host".into(),
-                request.http_host.clone(),
-                "--port".into(),
-                request.ports.http.to_string(),
-            ]);
-            ports.push(ReservedPort {
-                port: request.ports.http,
-                bind: request.http_host.clone(),
-                purpose: "OpenAI-compatible HTTP API".into(),
-            });
+            serve_http(request, &mut argv, &mut ports);
             ports.push(ReservedPort {
                 port: request.ports.nccl,
                 bind: "0.0.0.0".into(),

@@ -19,7 +19,7 @@ use anyhow::{Result, bail};
 
 use super::{
     EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, VLLM_TESTED, Version,
-    assemble, common_env, dtype_flags,
+    assemble, common_env, dtype_flags, serve_http,
 };
 use crate::plan::Objective;
 
@@ -145,17 +145,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
             }
         }
         if i == 0 {
-            argv.extend([
-                "--host".into(),
-                request.http_host.clone(),
-                "--port".into(),
-                request.ports.http.to_string(),
-            ]);
-            ports.push(ReservedPort {
-                port: request.ports.http,
-                bind: request.http_host.clone(),
-                purpose: "OpenAI-compatible HTTP API".into(),
-            });
+            serve_http(request, &mut argv, &mut ports);
         }
         let mut env = common_env(request, node);
         if nodes > 1 && node.address.parse::<std::net::IpAddr>().is_ok() {

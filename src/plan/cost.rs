@@ -85,13 +85,8 @@ pub fn estimate(
     let kv_tokens = stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
     let batch = (kv_tokens / context.max(1)).clamp(1, super::memory::MAX_NUM_SEQS);
     let pp = parallel.pp;
-    let tpot = |b: u64| -> f64 {
-        stages
-            .iter()
-            .map(|s| stage_secs(spec, parallel, s, dtype, hardware, links, b, context))
-            .sum::<f64>()
-            + (pp - 1) as f64 * hop_secs(spec, links, b)
-    };
+    let tpot =
+        |b: u64| decode_step_secs(spec, parallel, stages, dtype, hardware, links, b, context);
     let tpot_secs = tpot(1);
     let tpot_at_batch_secs = tpot(batch);
     // With PP, `m = pp` micro-batches keep the stages busy (vLLM runs one virtual engine per
@@ -163,11 +158,7 @@ fn stage_secs(
     }
     let kv_bytes = (batch * context * stage.kv_bytes_per_token) as f64;
     let memory_secs = (weight_bytes + kv_bytes) / (hardware.hbm_gb_per_sec * 1e9);
-    let tflops = if matches!(dtype, Dtype::Fp8 | Dtype::Mxfp4) {
-        hardware.fp8_tflops
-    } else {
-        hardware.bf16_tflops
-    };
+    let tflops = tensor_tflops(hardware, dtype);
     let active_params_here =
         spec.active_params() as f64 * layers / spec.n_layers as f64 / tp as f64;
     let attention_flops =
@@ -211,6 +202,16 @@ fn collective_secs(
         _ => 0.0,
     };
     allreduce_secs + all_to_all_secs
+}
+
+/// Dense tensor-core TFLOPS for `dtype`'s matrix products (FP8 and MXFP4 run on the FP8
+/// units, everything else at bf16 rate).
+fn tensor_tflops(hardware: &HardwareSpec, dtype: Dtype) -> f64 {
+    if matches!(dtype, Dtype::Fp8 | Dtype::Mxfp4) {
+        hardware.fp8_tflops
+    } else {
+        hardware.bf16_tflops
+    }
 }
 
 /// Sending one micro-batch's activations to the next stage.
@@ -257,11 +258,7 @@ pub fn prefill_secs(
 ) -> f64 {
     let Parallel { tp, pp, .. } = *parallel;
     let tokens = prompt_tokens.max(1) as f64;
-    let tflops = if matches!(dtype, Dtype::Fp8 | Dtype::Mxfp4) {
-        hardware.fp8_tflops
-    } else {
-        hardware.bf16_tflops
-    };
+    let tflops = tensor_tflops(hardware, dtype);
     let stage_times: f64 = stages
         .iter()
         .map(|stage| {
