@@ -193,6 +193,10 @@ pub struct BenchAllreduceArgs {
     /// `--world` processes spread evenly over its hosts, all-reducing over the data network.
     #[arg(long, value_name = "HOSTS_TOML")]
     pub cluster: Option<PathBuf>,
+    /// Print JSON (`tables[]` with `scope`, `transport`, `rows[]`) instead of the tables:
+    /// what `infer plan --calibration` reads.
+    #[arg(long)]
+    pub json: bool,
     #[command(flatten)]
     pub ssh: SshArgs,
 }
@@ -278,6 +282,10 @@ pub struct BenchDecodeArgs {
     /// Timed repetitions (the best is reported, after one warm-up).
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub runs: usize,
+    /// Print JSON (tokens/s, the decode step's time, the weight bytes it read, the device)
+    /// instead of the table: what `infer plan --calibration` reads.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `infer topo`.

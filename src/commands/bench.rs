@@ -82,6 +82,34 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
         }
     }
     let peak_rss_bytes = peak_rss_bytes()?;
+    if args.json {
+        let batch = args.batch.max(1);
+        let decode_step_secs = batch as f64 / best_decode;
+        let decode_weight_bytes = engine.model.decode_weight_bytes() as u64;
+        return printer
+            .json(&crate::plan::calibration::DecodeReport {
+                bench: "decode".into(),
+                model: std::path::Path::new(&engine.name)
+                    .file_name()
+                    .map_or_else(|| engine.name.clone(), |n| n.to_string_lossy().into_owned()),
+                device: "cpu".into(),
+                device_name: cpu_name(),
+                threads: engine.threads(),
+                numerics: crate::runtime::quant::Numerics::from(args.numerics)
+                    .name()
+                    .into(),
+                batch,
+                prompt_tokens: prompt.len(),
+                decode_tokens: args.decode_tokens,
+                prefill_tokens_per_sec: best_prefill,
+                decode_tokens_per_sec: best_decode,
+                decode_step_secs,
+                decode_weight_bytes,
+                weight_bytes_per_sec: decode_weight_bytes as f64 / decode_step_secs,
+                peak_rss_bytes,
+            })
+            .map(|()| ExitStatus::Success);
+    }
     printer.data(&format!(
         "model       {}\nthreads     {}\nnumerics    {}\nprefill     {best_prefill:.1} tok/s ({} prompt tokens, best of {})\ndecode      {best_decode:.1} tok/s (batch {}, {} tokens each after the prompt, best of {})\npeak RSS    {:.1} MB",
         engine.name,
@@ -95,6 +123,19 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
         peak_rss_bytes as f64 / 1e6
     ));
     Ok(ExitStatus::Success)
+}
+
+/// The processor's name (`/proc/cpuinfo`'s first `model name`), `unknown CPU` without one.
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, name)| name.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 /// Peak resident set size of this process (`VmHWM` in `/proc/self/status`), bytes.
@@ -113,6 +154,7 @@ fn peak_rss_bytes() -> Result<u64> {
     Ok(kib * 1024)
 }
 
+use crate::plan::calibration::Scope;
 use crate::runtime::comm::{AllreduceRow, time_all_reduce as allreduce_sizes};
 
 /// What rank 0 reports at the end.
@@ -182,6 +224,31 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     }
     let report: AllreduceReport =
         serde_json::from_slice(&outputs[0].stdout).context("rank 0 printed no report")?;
+    if args.json {
+        let mut tables = vec![json_table(
+            "TCP ring over loopback",
+            Scope::IntraHost,
+            args.world,
+            Vec::new(),
+            &report.tcp_rows,
+        )];
+        if !report.shm_rows.is_empty() {
+            tables.push(json_table(
+                &report.shm_transport,
+                Scope::IntraHost,
+                args.world,
+                Vec::new(),
+                &report.shm_rows,
+            ));
+        }
+        return printer
+            .json(&crate::plan::calibration::AllreduceReport {
+                bench: "allreduce".into(),
+                tables,
+                stream_bytes_per_sec: report.stream_bytes_per_sec,
+            })
+            .map(|()| ExitStatus::Success);
+    }
     let stream = report.stream_bytes_per_sec / 1e9;
     let mut table = allreduce_table(
         &format!(
@@ -265,6 +332,26 @@ fn allreduce_cluster(
         serde_json::from_slice(&bytes).context("rank 0 wrote a malformed report")?;
     let stream = report.stream_bytes_per_sec / 1e9;
     hosts.sort();
+    if args.json {
+        let scope = if hosts.len() > 1 {
+            Scope::InterHost
+        } else {
+            Scope::IntraHost
+        };
+        return printer
+            .json(&crate::plan::calibration::AllreduceReport {
+                bench: "allreduce".into(),
+                tables: vec![json_table(
+                    &report.transport,
+                    scope,
+                    args.world,
+                    hosts,
+                    &report.rows,
+                )],
+                stream_bytes_per_sec: report.stream_bytes_per_sec,
+            })
+            .map(|()| ExitStatus::Success);
+    }
     let mut table = allreduce_table(
         &format!(
             "{} processes on hosts {} over the data network ({})",
@@ -281,6 +368,31 @@ fn allreduce_cluster(
     ));
     printer.data(&table);
     Ok(ExitStatus::Success)
+}
+
+/// One transport's rows as `infer bench allreduce --json` prints them.
+fn json_table(
+    transport: &str,
+    scope: Scope,
+    world: usize,
+    hosts: Vec<String>,
+    rows: &[AllreduceRow],
+) -> crate::plan::calibration::AllreduceTable {
+    crate::plan::calibration::AllreduceTable {
+        transport: transport.to_string(),
+        scope,
+        world_size: world,
+        hosts,
+        rows: rows
+            .iter()
+            .map(|r| crate::plan::calibration::AllreduceJsonRow {
+                bytes: r.bytes as u64,
+                time_secs: r.time_secs,
+                algbw_bytes_per_sec: r.algbw_bytes_per_sec(),
+                busbw_bytes_per_sec: r.busbw_bytes_per_sec(world),
+            })
+            .collect(),
+    }
 }
 
 /// One nccl-tests style table (size, count, type, time, algbw, busbw) with its busbw at

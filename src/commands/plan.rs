@@ -22,23 +22,8 @@ pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
             || path.display().to_string(),
             |n| n.to_string_lossy().into_owned(),
         );
-        let measured = crate::plan::calibration::parse_allreduce_table(&name, &text)?;
-        let slot = match measured.scope {
-            crate::plan::calibration::Scope::IntraHost => &mut cluster.measured.intra_host,
-            crate::plan::calibration::Scope::InterHost => &mut cluster.measured.inter_host,
-        };
-        if let Some(earlier) = slot {
-            bail!(
-                "{} and {} both measured links {}: give one table per kind of link",
-                earlier.source,
-                measured.source,
-                match measured.scope {
-                    crate::plan::calibration::Scope::IntraHost => "inside a host",
-                    crate::plan::calibration::Scope::InterHost => "between hosts",
-                }
-            );
-        }
-        *slot = Some(measured);
+        let measured = crate::plan::calibration::parse(&name, &text)?;
+        crate::plan::calibration::calibrate(&mut cluster, &name, measured)?;
     }
     let spec = model::spec(args.model.as_deref(), &mut |line| printer.note(line))?;
     match plan(&spec, &cluster, &settings) {

@@ -8,10 +8,17 @@
 //! measured links inside one host or between hosts comes from nccl-tests' `#  Rank … on
 //! HOST device …` lines (one host or several) or `infer bench allreduce`'s header ("on
 //! this host", "spans hosts").
+//!
+//! Or the JSON `infer bench allreduce --json` prints ([`AllreduceReport`]: the same rows,
+//! with the scope stated), or the JSON `infer bench decode --json` prints ([`DecodeReport`]:
+//! a decode step's time and the weight bytes it read, on one device). A decode measurement
+//! on one of the cluster's GPU models replaces that model's datasheet HBM bandwidth with the
+//! bandwidth the engine achieved ([`calibrate`]).
 
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
+use super::cluster::Cluster;
 use super::cost::Link;
 
 /// Where a measured link runs.
@@ -46,11 +53,257 @@ impl MeasuredLink {
     }
 }
 
-/// Measurements that replace the datasheet figures: at most one per scope.
+/// A decode step measured on one GPU model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredDecode {
+    /// The hardware profile it ran on (`h100-sxm`).
+    pub hardware_id: String,
+    /// The device's own name (`NVIDIA H100 80GB HBM3`).
+    pub device_name: String,
+    /// Weight bytes one decode step read over the step's time, bytes/s: what the plan uses
+    /// as that GPU's HBM bandwidth.
+    pub bytes_per_sec: f64,
+    /// The profile's datasheet figure it replaces, bytes/s.
+    pub datasheet_bytes_per_sec: f64,
+    /// Where it came from (the file name, the model, the batch).
+    pub source: String,
+}
+
+/// Measurements that replace the datasheet figures: at most one per scope, one decode
+/// measurement per GPU model.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Calibration {
     pub intra_host: Option<MeasuredLink>,
     pub inter_host: Option<MeasuredLink>,
+    #[serde(default)]
+    pub decode: Vec<MeasuredDecode>,
+}
+
+/// `infer bench allreduce --json`: one table per transport measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllreduceReport {
+    /// Always `"allreduce"`: what the file is.
+    pub bench: String,
+    pub tables: Vec<AllreduceTable>,
+    /// One plain TCP stream between two of the processes, bytes/s.
+    pub stream_bytes_per_sec: f64,
+}
+
+/// One transport's all-reduce sizes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllreduceTable {
+    /// What carried it (`TCP ring over loopback`, `shared memory`, `TCP`).
+    pub transport: String,
+    pub scope: Scope,
+    /// Processes in the group.
+    pub world_size: usize,
+    /// The hosts they ran on (empty: this host).
+    pub hosts: Vec<String>,
+    pub rows: Vec<AllreduceJsonRow>,
+}
+
+/// One message size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllreduceJsonRow {
+    pub bytes: u64,
+    /// Time of one all-reduce, seconds.
+    pub time_secs: f64,
+    /// `bytes / time_secs`, bytes/s.
+    pub algbw_bytes_per_sec: f64,
+    /// `algbw · 2(n−1)/n`, bytes/s (nccl-tests' `doc/PERFORMANCE.md`).
+    pub busbw_bytes_per_sec: f64,
+}
+
+/// `infer bench decode --json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecodeReport {
+    /// Always `"decode"`: what the file is.
+    pub bench: String,
+    /// The model's name.
+    pub model: String,
+    /// `cpu` or `cuda`.
+    pub device: String,
+    /// The processor's or the GPU's name (`/proc/cpuinfo`'s model name, NVML's name).
+    pub device_name: String,
+    pub threads: usize,
+    pub numerics: String,
+    /// Sequences per decode step.
+    pub batch: usize,
+    pub prompt_tokens: usize,
+    /// Tokens decoded per sequence in the timed loop.
+    pub decode_tokens: usize,
+    pub prefill_tokens_per_sec: f64,
+    /// Tokens of all sequences per second.
+    pub decode_tokens_per_sec: f64,
+    /// Time of one decode step of the whole batch, seconds.
+    pub decode_step_secs: f64,
+    /// Weight bytes one decode step reads (every layer's matrices and the LM head; the
+    /// embedding only looks up rows), bytes.
+    pub decode_weight_bytes: u64,
+    /// `decode_weight_bytes / decode_step_secs`, bytes/s (KV cache reads not counted).
+    pub weight_bytes_per_sec: f64,
+    pub peak_rss_bytes: u64,
+}
+
+/// One measurement read from a `--calibration` file.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Measurement {
+    Link(MeasuredLink),
+    Decode(DecodeReport),
+}
+
+/// Reads a calibration file: JSON from `infer bench allreduce --json` or `infer bench
+/// decode --json`, else an all-reduce table ([`parse_allreduce_table`]).
+///
+/// Errors: JSON of another shape, or what [`parse_allreduce_table`] refuses.
+pub fn parse(name: &str, text: &str) -> Result<Measurement> {
+    if !text.trim_start().starts_with('{') {
+        return parse_allreduce_table(name, text).map(Measurement::Link);
+    }
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| anyhow::anyhow!("`{name}` is not valid JSON: {e}"))?;
+    match value.get("bench").and_then(|b| b.as_str()) {
+        Some("allreduce") => {
+            let report: AllreduceReport = serde_json::from_value(value).map_err(|e| {
+                anyhow::anyhow!("`{name}` is not `infer bench allreduce --json` output: {e}")
+            })?;
+            link_from_report(name, &report).map(Measurement::Link)
+        }
+        Some("decode") => {
+            let report: DecodeReport = serde_json::from_value(value).map_err(|e| {
+                anyhow::anyhow!("`{name}` is not `infer bench decode --json` output: {e}")
+            })?;
+            if !(report.weight_bytes_per_sec > 0.0 && report.weight_bytes_per_sec.is_finite()) {
+                bail!("`{name}`: `weight_bytes_per_sec` must be positive");
+            }
+            Ok(Measurement::Decode(report))
+        }
+        _ => bail!(
+            "`{name}` is JSON but not a benchmark's (`\"bench\": \"allreduce\"` or `\"decode\"`): give `infer bench \
+             allreduce --json`, `infer bench decode --json` or an nccl-tests table"
+        ),
+    }
+}
+
+/// The link of `report`'s fastest table (ranks use the fastest transport they have: shared
+/// memory over the TCP ring on one host).
+fn link_from_report(name: &str, report: &AllreduceReport) -> Result<MeasuredLink> {
+    let peak = |t: &AllreduceTable| {
+        t.rows
+            .iter()
+            .map(|r| r.busbw_bytes_per_sec)
+            .fold(0.0, f64::max)
+    };
+    let Some(table) = report
+        .tables
+        .iter()
+        .filter(|t| !t.rows.is_empty())
+        .max_by(|a, b| peak(a).total_cmp(&peak(b)))
+    else {
+        bail!("`{name}` has no all-reduce rows");
+    };
+    let smallest = table
+        .rows
+        .iter()
+        .min_by_key(|r| r.bytes)
+        .expect("the table has rows");
+    let bytes_per_sec = peak(table);
+    if !(bytes_per_sec > 0.0 && smallest.time_secs > 0.0) {
+        bail!("`{name}`: the table's bus bandwidths and times must be positive");
+    }
+    let place = if table.hosts.is_empty() {
+        "this host".to_string()
+    } else {
+        format!("hosts {}", table.hosts.join(", "))
+    };
+    Ok(MeasuredLink {
+        scope: table.scope,
+        bytes_per_sec,
+        latency_secs: smallest.time_secs,
+        source: format!(
+            "`{name}`, {} ranks on {place} ({})",
+            table.world_size, table.transport
+        ),
+    })
+}
+
+/// Adds `measurement` (read from the file `name`) to `cluster`: a link fills its scope's slot; a
+/// decode measurement replaces the HBM bandwidth of every host with the measured GPU model.
+///
+/// Errors: two links of one scope, two decode measurements of one GPU model, a decode
+/// measured on a CPU or on a GPU model the cluster does not have.
+pub fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurement) -> Result<()> {
+    match measurement {
+        Measurement::Link(measured) => {
+            let (slot, what) = match measured.scope {
+                Scope::IntraHost => (&mut cluster.measured.intra_host, "inside a host"),
+                Scope::InterHost => (&mut cluster.measured.inter_host, "between hosts"),
+            };
+            if let Some(earlier) = slot {
+                bail!(
+                    "{} and {} both measured links {what}: give one table per kind of link",
+                    earlier.source,
+                    measured.source
+                );
+            }
+            *slot = Some(measured);
+        }
+        Measurement::Decode(report) => {
+            let gpus: Vec<&str> = {
+                let mut names: Vec<&str> = cluster
+                    .hosts
+                    .iter()
+                    .map(|h| h.hardware.name.as_str())
+                    .collect();
+                names.dedup();
+                names
+            };
+            let hardware_id = match report.device.as_str() {
+                "cuda" => super::cluster::hardware_for_gpu_name(&report.device_name),
+                _ => None,
+            };
+            let Some(hardware_id) =
+                hardware_id.filter(|id| cluster.hosts.iter().any(|h| h.hardware_id == *id))
+            else {
+                bail!(
+                    "the decode measurement ran on {} `{}`, not on this cluster's GPUs ({}): run `infer bench decode --json` \
+                     on one of them",
+                    if report.device == "cuda" {
+                        "the GPU"
+                    } else {
+                        "the CPU"
+                    },
+                    report.device_name,
+                    gpus.join(", ")
+                );
+            };
+            if cluster
+                .measured
+                .decode
+                .iter()
+                .any(|d| d.hardware_id == hardware_id)
+            {
+                bail!("two decode measurements of {hardware_id}: give one per GPU model");
+            }
+            let mut datasheet = 0.0;
+            for host in cluster
+                .hosts
+                .iter_mut()
+                .filter(|h| h.hardware_id == hardware_id)
+            {
+                datasheet = host.hardware.hbm_gb_per_sec * 1e9;
+                host.hardware.hbm_gb_per_sec = report.weight_bytes_per_sec / 1e9;
+            }
+            cluster.measured.decode.push(MeasuredDecode {
+                hardware_id: hardware_id.to_string(),
+                device_name: report.device_name.clone(),
+                bytes_per_sec: report.weight_bytes_per_sec,
+                datasheet_bytes_per_sec: datasheet,
+                source: format!("`{name}`, {} at batch {}", report.model, report.batch),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Reads one all-reduce table (`name` names it in the plan and in errors).
@@ -216,5 +469,102 @@ mod tests {
             .join("\n");
         let error = parse_allreduce_table("anon", &anonymous).expect_err("scope unknown");
         assert!(error.to_string().contains("Rank"), "{error}");
+    }
+
+    #[test]
+    fn json_reports_and_what_is_refused() {
+        let row = |bytes: u64, time_secs: f64, busbw: f64| AllreduceJsonRow {
+            bytes,
+            time_secs,
+            algbw_bytes_per_sec: busbw,
+            busbw_bytes_per_sec: busbw,
+        };
+        let report = AllreduceReport {
+            bench: "allreduce".into(),
+            tables: vec![
+                AllreduceTable {
+                    transport: "TCP ring over loopback".into(),
+                    scope: Scope::IntraHost,
+                    world_size: 2,
+                    hosts: Vec::new(),
+                    rows: vec![row(8, 50e-6, 1e5), row(1 << 20, 1e-3, 1e9)],
+                },
+                AllreduceTable {
+                    transport: "shared memory".into(),
+                    scope: Scope::IntraHost,
+                    world_size: 2,
+                    hosts: Vec::new(),
+                    rows: vec![row(8, 2e-6, 4e6), row(1 << 20, 1e-4, 9e9)],
+                },
+            ],
+            stream_bytes_per_sec: 3e9,
+        };
+        let text = serde_json::to_string(&report).expect("serializes");
+        // The fastest table is the one ranks use.
+        let Measurement::Link(link) = parse("ar.json", &text).expect("parses") else {
+            panic!("a link");
+        };
+        assert_eq!(link.scope, Scope::IntraHost);
+        assert_eq!(link.bytes_per_sec, 9e9);
+        assert_eq!(link.latency_secs, 2e-6);
+        assert_eq!(
+            link.source,
+            "`ar.json`, 2 ranks on this host (shared memory)"
+        );
+        let error = parse("x.json", r#"{"bench": "serve"}"#).expect_err("not ours");
+        assert!(error.to_string().contains("not a benchmark's"), "{error}");
+        let error = parse("x.json", r#"{"bench": "decode"}"#).expect_err("fields missing");
+        assert!(
+            error.to_string().contains("infer bench decode --json"),
+            "{error}"
+        );
+        assert!(parse("x.json", "{ not json").is_err());
+
+        let decode = DecodeReport {
+            bench: "decode".into(),
+            model: "m.gguf".into(),
+            device: "cuda".into(),
+            device_name: "NVIDIA L4".into(),
+            threads: 1,
+            numerics: "exact".into(),
+            batch: 1,
+            prompt_tokens: 16,
+            decode_tokens: 8,
+            prefill_tokens_per_sec: 1.0,
+            decode_tokens_per_sec: 100.0,
+            decode_step_secs: 0.01,
+            decode_weight_bytes: 1_000_000_000,
+            weight_bytes_per_sec: 2e11,
+            peak_rss_bytes: 0,
+        };
+        let mut cluster =
+            crate::cluster::load("2x4xl4", std::path::Path::new("/sys")).expect("a shorthand");
+        let datasheet = cluster.hosts[0].hardware.hbm_gb_per_sec;
+        calibrate(&mut cluster, "l4.json", Measurement::Decode(decode.clone())).expect("an L4");
+        assert!(
+            cluster
+                .hosts
+                .iter()
+                .all(|h| h.hardware.hbm_gb_per_sec == 200.0)
+        );
+        assert_eq!(
+            cluster.measured.decode[0].datasheet_bytes_per_sec,
+            datasheet * 1e9
+        );
+        let again = calibrate(&mut cluster, "l4.json", Measurement::Decode(decode.clone()));
+        assert!(
+            again
+                .expect_err("twice")
+                .to_string()
+                .contains("one per GPU model")
+        );
+        let mut h100 = decode;
+        h100.device_name = "NVIDIA H100 80GB HBM3".into();
+        let error = calibrate(&mut cluster, "h.json", Measurement::Decode(h100))
+            .expect_err("not this cluster's GPU");
+        assert!(
+            error.to_string().contains("not on this cluster's GPUs"),
+            "{error}"
+        );
     }
 }

@@ -98,3 +98,23 @@ impl Cluster {
             .hardware
     }
 }
+
+/// Maps an NVML GPU name to a hardware profile id.
+pub fn hardware_for_gpu_name(name: &str) -> Option<&'static str> {
+    let name = name.to_ascii_uppercase();
+    let table: &[(&[&str], &str)] = &[
+        (&["H200"], "h200-sxm"),
+        (&["H100", "PCIE"], "h100-pcie"),
+        (&["H100"], "h100-sxm"),
+        (&["A100", "PCIE"], "a100-pcie-80g"),
+        (&["A100"], "a100-sxm-80g"),
+        (&["L40S"], "l40s"),
+        (&["L4"], "l4"),
+        (&["RTX PRO 6000"], "rtx-pro-6000"),
+        (&["B200"], "b200"),
+    ];
+    table
+        .iter()
+        .find(|(words, _)| words.iter().all(|w| name.contains(w)))
+        .map(|(_, id)| *id)
+}

@@ -476,6 +476,16 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             ));
         }
     }
+    for m in &cluster.measured.decode {
+        explain.push(format!(
+            "measured, not datasheet: {} GPUs read weights at {:.0} GB/s in a decode step ({:.0}% of the datasheet's {:.0} GB/s), from {} (--calibration)",
+            m.hardware_id,
+            m.bytes_per_sec / 1e9,
+            100.0 * m.bytes_per_sec / m.datasheet_bytes_per_sec,
+            m.datasheet_bytes_per_sec / 1e9,
+            m.source
+        ));
+    }
     let mut show_disaggregated = None;
     if let (Some(d), Some(a)) = (&disaggregated, &aggregated_best) {
         let (d_value, a_value, what) = match settings.objective {

@@ -667,6 +667,42 @@ impl Llama {
         self.output.set_numerics(numerics);
     }
 
+    /// Weight bytes one decode step of one sequence reads: every layer's attention
+    /// matrices, its dense MLP or its router and `top_k` of its experts (the ones held),
+    /// and the LM head; the token embedding only looks up a row. Bytes.
+    pub fn decode_weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let attention = [&l.wq, &l.wk, &l.wv, &l.wo]
+                    .iter()
+                    .map(|w| w.size_bytes())
+                    .sum::<usize>();
+                let ffn = match &l.moe {
+                    Some(moe) => {
+                        let held: Vec<usize> = moe
+                            .experts
+                            .iter()
+                            .flatten()
+                            .map(|e| e.gate.size_bytes() + e.up.size_bytes() + e.down.size_bytes())
+                            .collect();
+                        let per_expert = held.iter().sum::<usize>() / held.len().max(1);
+                        moe.router.size_bytes() + per_expert * moe.top_k.min(held.len())
+                    }
+                    None => l.w_gate.size_bytes() + l.w_up.size_bytes() + l.w_down.size_bytes(),
+                };
+                attention + ffn
+            })
+            .sum();
+        let head = if self.shard.is_last {
+            self.output.size_bytes()
+        } else {
+            0
+        };
+        layers + head
+    }
+
     /// A fresh cache for one sequence, drawing blocks from the model's pool.
     pub fn new_cache(&self) -> KvCache {
         self.kv_pool.new_cache()

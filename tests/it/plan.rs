@@ -1317,3 +1317,150 @@ fn every_reason_is_true_of_the_plans_own_numbers() {
     }
     assert!(checked >= 40, "only {checked} plans were feasible");
 }
+
+/// `infer bench allreduce --json` and `infer bench decode --json`, run for real, read back
+/// by `--calibration`: the measured shared-memory link replaces NVLink inside a host; a
+/// decode measured on this CPU is refused for a GPU plan; the same report as an H100 would
+/// print it (the device fields are the only change: the CPU engine cannot run on one)
+/// replaces the H100's HBM bandwidth, and a decode-bound TPOT scales by exactly the ratio.
+#[test]
+fn bench_json_reports_calibrate_the_plan() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let allreduce = dir.path().join("allreduce.json");
+    let output = run(&[
+        "bench",
+        "allreduce",
+        "--json",
+        "--world",
+        "2",
+        "--max-bytes",
+        "262144",
+    ]);
+    std::fs::write(&allreduce, stdout_ok(&output)).expect("write");
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(&allreduce).expect("read")).expect("json");
+    assert_eq!(report["bench"], "allreduce");
+    let peak = report["tables"]
+        .as_array()
+        .expect("tables")
+        .iter()
+        .flat_map(|t| t["rows"].as_array().expect("rows"))
+        .map(|r| r["busbw_bytes_per_sec"].as_f64().expect("busbw"))
+        .fold(0.0, f64::max);
+    let tp8 = [
+        "--model",
+        "llama-3.1-70b",
+        "--cluster",
+        "1x8xh100-sxm",
+        "--tp",
+        "8",
+    ];
+    let with = |extra: &[&str]| -> (f64, Vec<String>) {
+        let mut args = tp8.to_vec();
+        args.extend_from_slice(extra);
+        let (code, plan) = plan_json(&args);
+        assert_eq!(code, 0, "{plan}");
+        let explain = plan["explain"]
+            .as_array()
+            .expect("explain")
+            .iter()
+            .filter_map(|l| l.as_str().map(str::to_string))
+            .collect();
+        (
+            plan["estimate"]["tpot_secs"].as_f64().expect("tpot"),
+            explain,
+        )
+    };
+    let (datasheet, _) = with(&[]);
+    let (measured, explain) = with(&["--calibration", &allreduce.display().to_string()]);
+    // Two CPU processes' link (microseconds per call, a few GB/s) replaces NVLink's
+    // figures: TP 8's 160 all-reduces per step cost something else.
+    assert!(
+        (measured - datasheet).abs() > 1e-6,
+        "{measured} vs {datasheet}"
+    );
+    let stated = format!("links inside a host cost {:.1} GB/s", peak / 1e9);
+    assert!(
+        explain
+            .iter()
+            .any(|l| l.contains(&stated) && l.contains("`allreduce.json`, 2 ranks on this host")),
+        "{stated}: {explain:#?}"
+    );
+
+    let decode = dir.path().join("decode.json");
+    let output = run(&[
+        "bench",
+        "decode",
+        "--json",
+        "--runs",
+        "1",
+        "--prompt-tokens",
+        "16",
+        "--decode-tokens",
+        "8",
+    ]);
+    std::fs::write(&decode, stdout_ok(&output)).expect("write");
+    let mut report: Value =
+        serde_json::from_slice(&std::fs::read(&decode).expect("read")).expect("json");
+    assert_eq!(report["device"], "cpu");
+    let step = report["decode_step_secs"].as_f64().expect("step");
+    let weights = report["decode_weight_bytes"].as_f64().expect("bytes");
+    let rate = report["weight_bytes_per_sec"].as_f64().expect("rate");
+    assert!((rate - weights / step).abs() / rate < 1e-9, "{report}");
+    // SmolLM2-135M Q4_1: 30 layers of 576-wide attention and 1536-wide MLP plus the tied
+    // 49152 × 576 head, ~5 bits a weight: 60–130 MB.
+    assert!((60e6..130e6).contains(&weights), "{weights}");
+    let one_gpu = [
+        "--model",
+        "llama-3.1-8b",
+        "--cluster",
+        "1x8xh100-sxm",
+        "--tp",
+        "1",
+    ];
+    let output = run(&[
+        &["plan"][..],
+        &one_gpu,
+        &["--calibration", &decode.display().to_string()],
+    ]
+    .concat());
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("ran on the CPU") && stderr.contains("infer bench decode --json"),
+        "{stderr}"
+    );
+
+    report["device"] = "cuda".into();
+    report["device_name"] = "NVIDIA H100 80GB HBM3".into();
+    report["weight_bytes_per_sec"] = 2.5e12.into();
+    let h100 = dir.path().join("h100-decode.json");
+    std::fs::write(&h100, report.to_string()).expect("write");
+    let tpot = |extra: &[&str]| -> (f64, Vec<String>) {
+        let mut args = one_gpu.to_vec();
+        args.extend_from_slice(extra);
+        let (code, plan) = plan_json(&args);
+        assert_eq!(code, 0, "{plan}");
+        let explain = plan["explain"]
+            .as_array()
+            .expect("explain")
+            .iter()
+            .filter_map(|l| l.as_str().map(str::to_string))
+            .collect();
+        (
+            plan["estimate"]["tpot_secs"].as_f64().expect("tpot"),
+            explain,
+        )
+    };
+    let (datasheet, _) = tpot(&[]);
+    let (measured, explain) = tpot(&["--calibration", &h100.display().to_string()]);
+    // TP 1: no collective, the step is weights and KV over HBM: 3350 / 2500 slower.
+    let ratio = measured / datasheet;
+    assert!((ratio - 3350.0 / 2500.0).abs() < 1e-9, "{ratio}");
+    assert!(
+        explain.iter().any(|l| l.contains(
+            "h100-sxm GPUs read weights at 2500 GB/s in a decode step (75% of the datasheet's 3350 GB/s)"
+        ) && l.contains("`h100-decode.json`")),
+        "{explain:#?}"
+    );
+}
