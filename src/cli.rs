@@ -607,6 +607,41 @@ pub struct UpArgs {
     #[arg(long, value_name = "C")]
     pub cluster: Option<String>,
 
+    /// Run one node of a multi-node launch, as torchrun does: start the same command on
+    /// every node with its own `--node-rank` (by hand, pdsh or a scheduler; `infer plan
+    /// --emit DIR` writes the per-node scripts). The world splits evenly over the nodes in
+    /// rank order; node 0 hosts the rendezvous store and rank 0's HTTP server. Every node
+    /// needs the same `INFER_RUN_TOKEN` (a shared secret) and the model at the same path.
+    #[arg(
+        long,
+        value_name = "N",
+        conflicts_with_all = ["cluster", "engine"],
+        requires_all = ["node_rank", "master_addr"]
+    )]
+    pub nnodes: Option<usize>,
+
+    /// With `--nnodes`: this node's place, 0 to N−1.
+    #[arg(long, value_name = "R", requires = "nnodes")]
+    pub node_rank: Option<usize>,
+
+    /// With `--nnodes`: node 0's data-network address (where its store listens).
+    #[arg(long, value_name = "ADDR", requires = "nnodes")]
+    pub master_addr: Option<String>,
+
+    /// With `--nnodes`: the rendezvous store's port on node 0.
+    #[arg(
+        long,
+        value_name = "PORT",
+        default_value_t = 29500,
+        requires = "nnodes"
+    )]
+    pub master_port: u16,
+
+    /// With `--nnodes`: this node's data-network address, where its ranks' collectives
+    /// listen. Default: the address this host reaches `--master-addr` from.
+    #[arg(long, value_name = "ADDR", requires = "nnodes")]
+    pub bind_addr: Option<std::net::IpAddr>,
+
     #[command(flatten)]
     pub ssh: SshArgs,
 

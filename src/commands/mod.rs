@@ -38,7 +38,12 @@ pub fn report_progress(
         } => progress.update(
             *world_size as u64,
             &format!(
-                "started {world_size} ranks (pids {}); logs and manifest.json in {}",
+                "started {} (pids {}); logs and manifest.json in {}",
+                if pids.len() == *world_size {
+                    format!("{world_size} ranks")
+                } else {
+                    format!("{} of the {world_size} ranks here", pids.len())
+                },
                 pids.iter()
                     .map(u32::to_string)
                     .collect::<Vec<_>>()

@@ -77,6 +77,19 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         },
         push_model: args.ssh.push_model,
         run_dir: args.run_dir.clone(),
+        node: match (args.nnodes, args.node_rank, &args.master_addr) {
+            (Some(nnodes), Some(node_rank), Some(master_addr)) => {
+                Some(crate::launch::serving::NodeSettings::resolve(
+                    nnodes,
+                    node_rank,
+                    master_addr,
+                    args.master_port,
+                    args.bind_addr,
+                    std::env::var("INFER_RUN_TOKEN").ok(),
+                )?)
+            }
+            _ => None,
+        },
     };
     // A bar while the gang starts (on a terminal), plain lines once serving.
     let mut bar: Option<ui::Progress> = None;

@@ -220,6 +220,9 @@ pub struct Placement {
 pub enum StoreLocation {
     /// In this process, on loopback (every rank on this host).
     Local,
+    /// In this process, listening on this address (node 0 of `infer up --nnodes`: the
+    /// other nodes' launchers and ranks connect to it).
+    Listen(std::net::SocketAddr),
     /// On another host (rank 0's, run by its agent): `ranks` is `MASTER_ADDR:MASTER_PORT`
     /// as ranks reach it, `launcher` where this process reaches it (a forwarded port).
     Remote {
@@ -404,8 +407,29 @@ impl Gang {
         store: StoreLocation,
         token: &str,
     ) -> Result<Gang> {
+        let world = spec.dp * spec.tp * spec.pp;
+        Gang::start_part(spawner, spec, job, store, token, 0..world)
+    }
+
+    /// [`Gang::start_on`] starting only `ranks` of the world: one node's share when each
+    /// node runs its own launcher (`infer up --nnodes`); the gang still counts and watches
+    /// every rank's loading and heartbeat through the store.
+    ///
+    /// Errors: the store, the run directory or a rank process cannot start; `ranks` outside
+    /// the world.
+    pub fn start_part(
+        spawner: &dyn Spawner,
+        spec: &LaunchSpec,
+        job: &Job,
+        store: StoreLocation,
+        token: &str,
+        part: std::ops::Range<usize>,
+    ) -> Result<Gang> {
         spec.check_layout()?;
         let world = spec.dp * spec.tp * spec.pp;
+        if part.is_empty() || part.end > world {
+            bail!("ranks {part:?} are not part of a world of {world}");
+        }
         if !spec.placement.is_empty() && spec.placement.len() != world {
             bail!(
                 "the placement names {} ranks for a world of {world}",
@@ -418,12 +442,21 @@ impl Gang {
                 let address = server.address();
                 (Some(server), address, address)
             }
+            StoreLocation::Listen(address) => {
+                let server = StoreServer::start(&address.to_string(), token).with_context(|| {
+                    format!(
+                        "cannot listen on {address} for the rendezvous store: node 0 must own --master-addr, and the port must be free"
+                    )
+                })?;
+                let address = server.address();
+                (Some(server), address, address)
+            }
             StoreLocation::Remote { ranks, launcher } => (None, ranks, launcher),
         };
         let run_dir = create_run_dir(spec.run_dir.as_deref())?;
         let (line_sender, lines) = std::sync::mpsc::channel();
-        let mut ranks = Vec::with_capacity(world);
-        for rank in 0..world {
+        let mut ranks = Vec::with_capacity(part.len());
+        for rank in part {
             match spawn_rank(
                 spawner,
                 rank,
@@ -476,6 +509,11 @@ impl Gang {
     /// serving, where no rank finishes on its own.
     pub fn fail_on_any_exit(&mut self) {
         self.every_exit_fails = true;
+    }
+
+    /// This launcher's connection to the gang's rendezvous store.
+    pub fn store(&mut self) -> &mut StoreClient {
+        &mut self.client
     }
 
     /// The run directory (rank logs, `manifest.json`).
@@ -635,6 +673,13 @@ impl Gang {
         if let Some(process) = self.ranks.iter_mut().find(|r| r.rank == rank) {
             process.child.signal(signal);
         }
+    }
+
+    /// Whether every rank this launcher started has exited.
+    pub fn every_rank_exited(&mut self) -> bool {
+        self.ranks
+            .iter_mut()
+            .all(|r| !matches!(r.child.try_wait(), Ok(None)))
     }
 
     /// Whether rank `rank` has exited (an unknown rank counts as exited).

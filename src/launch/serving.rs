@@ -51,6 +51,82 @@ pub struct UpSettings {
     pub push_model: bool,
     /// The run directory (`--run-dir`); `None`: a new one under the cache's `runs/`.
     pub run_dir: Option<PathBuf>,
+    /// This process is one node of a multi-node launch (`--nnodes`).
+    pub node: Option<NodeSettings>,
+}
+
+/// One node of a launch whose nodes each run `infer up --nnodes N --node-rank R`
+/// (torchrun's model: no SSH; a scheduler, pdsh or the user starts every node).
+#[derive(Clone, Debug)]
+pub struct NodeSettings {
+    pub nnodes: usize,
+    pub node_rank: usize,
+    /// Node 0's store, as every node reaches it (`MASTER_ADDR:MASTER_PORT`).
+    pub master: SocketAddr,
+    /// Where this node's ranks' collectives listen (`INFER_BIND_ADDR`).
+    pub bind_addr: std::net::IpAddr,
+    /// The secret every node shares (`INFER_RUN_TOKEN`).
+    pub token: String,
+}
+
+impl NodeSettings {
+    /// The node's settings from its flags: `master_addr` resolved (IPv4 first), the bind
+    /// address found from the route to it when not given.
+    ///
+    /// Errors: `node_rank` ≥ `nnodes`, a master address that does not resolve, no route to
+    /// it, a token that is missing or empty.
+    pub fn resolve(
+        nnodes: usize,
+        node_rank: usize,
+        master_addr: &str,
+        master_port: u16,
+        bind_addr: Option<std::net::IpAddr>,
+        token: Option<String>,
+    ) -> Result<NodeSettings> {
+        use std::net::ToSocketAddrs;
+        if nnodes == 0 || node_rank >= nnodes {
+            bail!(
+                "--node-rank must be 0 to --nnodes − 1 ({}), got {node_rank}",
+                nnodes.saturating_sub(1)
+            );
+        }
+        let token = token.filter(|t| !t.is_empty()).context(
+            "--nnodes: set `INFER_RUN_TOKEN` to one secret shared by every node (e.g. `openssl rand -hex 16`): node 0's store admits only ranks that present it",
+        )?;
+        let addresses: Vec<SocketAddr> = (master_addr, master_port)
+            .to_socket_addrs()
+            .with_context(|| format!("--master-addr `{master_addr}` does not resolve"))?
+            .collect();
+        let master = addresses
+            .iter()
+            .find(|a| a.is_ipv4())
+            .or_else(|| addresses.first())
+            .copied()
+            .with_context(|| format!("--master-addr `{master_addr}` has no address"))?;
+        let bind_addr = match bind_addr {
+            Some(address) => address,
+            None => {
+                // The source address of the route to node 0 (no packet is sent).
+                let probe = std::net::UdpSocket::bind(if master.is_ipv4() {
+                    "0.0.0.0:0"
+                } else {
+                    "[::]:0"
+                })
+                .context("cannot open a socket to find this node's address")?;
+                probe.connect(master).with_context(|| {
+                    format!("no route from this host to --master-addr {master}: give --bind-addr")
+                })?;
+                probe.local_addr()?.ip()
+            }
+        };
+        Ok(NodeSettings {
+            nnodes,
+            node_rank,
+            master,
+            bind_addr,
+            token,
+        })
+    }
 }
 
 /// What [`up`] reports besides the gang's [`Progress`].
@@ -78,8 +154,23 @@ pub enum UpEvent {
 pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
     let started = Instant::now();
     let layout = resolve_layout(settings, events)?;
-    crate::serve::http::check_bind(&settings.host, settings.port)?;
-    if layout.world_size() > 1 || inventory(settings).is_some() {
+    if let Some(node) = &settings.node
+        && layout.world_size() % node.nnodes != 0
+    {
+        bail!(
+            "--nnodes {} does not divide the world of {} ranks (dp {} × pp {} × tp {}): every node runs the same number of ranks",
+            node.nnodes,
+            layout.world_size(),
+            layout.dp,
+            layout.pp,
+            layout.tp
+        );
+    }
+    // Only node 0 serves HTTP (rank 0 runs there).
+    if settings.node.as_ref().is_none_or(|n| n.node_rank == 0) {
+        crate::serve::http::check_bind(&settings.host, settings.port)?;
+    }
+    if layout.world_size() > 1 || inventory(settings).is_some() || settings.node.is_some() {
         return launch(settings, &layout, started, events);
     }
     crate::serve::http::serve_one_process(
@@ -338,7 +429,10 @@ fn launch(
         ep: layout.ep,
         model: Some(settings.model.clone()),
         threads_per_rank: match (settings.threads, &inventory) {
-            (0, None) => (cores / world).max(1),
+            (0, None) => {
+                let nodes = settings.node.as_ref().map_or(1, |n| n.nnodes);
+                (cores * nodes / world).max(1)
+            }
             // On a cluster, 0 means each host's cores over its ranks.
             (threads, _) => threads,
         },
@@ -346,11 +440,29 @@ fn launch(
         timeout: Duration::from_secs(60),
         extra_env,
         layout_from: layout.from.clone(),
-        placement: Vec::new(),
+        placement: match &settings.node {
+            Some(node) => node_placement(node, world),
+            None => Vec::new(),
+        },
         run_dir: settings.run_dir.clone(),
     };
     let signals = Arc::new(AtomicUsize::new(0));
     watch_signals(Arc::clone(&signals))?;
+    if let Some(node) = &settings.node {
+        // Bad layouts fail as themselves, before any store is involved.
+        spec.check_layout()?;
+        let share = world / node.nnodes;
+        let first = node.node_rank * share;
+        events(UpEvent::Note(format!(
+            "node {} of {}: ranks {first}–{} of {world} on this host (collectives on {}); rendezvous store at {}{}",
+            node.node_rank,
+            node.nnodes,
+            first + share - 1,
+            node.bind_addr,
+            node.master,
+            if node.node_rank == 0 { " (here)" } else { "" }
+        )));
+    }
     let mut report = |event: Progress| events(UpEvent::Gang(event));
     let mut cluster = match &inventory {
         Some(file) => {
@@ -368,9 +480,42 @@ fn launch(
         }
         None => None,
     };
-    let mut local_gang = match &cluster {
-        Some(_) => None,
-        None => Some(Gang::start(&spec, &Job::Serve)?),
+    let mut local_gang = match (&cluster, &settings.node) {
+        (Some(_), _) => None,
+        (None, Some(node)) => {
+            let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+            let share = world / node.nnodes;
+            let first = node.node_rank * share;
+            let store = if node.node_rank == 0 {
+                super::StoreLocation::Listen(node.master)
+            } else {
+                super::StoreLocation::Remote {
+                    ranks: node.master,
+                    launcher: node.master,
+                }
+            };
+            Some(
+                Gang::start_part(
+                    &super::LocalSpawner { exe },
+                    &spec,
+                    &Job::Serve,
+                    store,
+                    &node.token,
+                    first..first + share,
+                )
+                .with_context(|| {
+                    if node.node_rank > 0 {
+                        format!(
+                            "node {} cannot join node 0's store at {}: start node 0 first, with the same INFER_RUN_TOKEN",
+                            node.node_rank, node.master
+                        )
+                    } else {
+                        "node 0 cannot start its ranks".to_string()
+                    }
+                })?,
+            )
+        }
+        (None, None) => Some(Gang::start(&spec, &Job::Serve)?),
     };
     let gang = match (&mut cluster, &mut local_gang) {
         (Some(run), _) => &mut run.gang,
@@ -408,6 +553,9 @@ fn launch(
         ready_secs: started.elapsed().as_secs_f64(),
     });
     let mut report = |event: Progress| events(UpEvent::Gang(event));
+    if let Some(node) = settings.node.as_ref().filter(|n| n.node_rank > 0) {
+        return follow_node_zero(gang, node, &is_stopped, events);
+    }
     // Serve until told to stop; the gang's rank 0 never sets this key.
     gang.wait_for("never", &is_stopped, &mut report)?;
     // Rank 0 drains: it stops accepting, gives requests in flight the shutdown timeout,
@@ -416,13 +564,99 @@ fn launch(
         "stopping: rank 0 finishes the requests in flight for up to {:.0} s (--shutdown-timeout), then cancels them; Ctrl-C again stops at once",
         settings.shutdown_timeout.as_secs_f64()
     )));
+    let grace = settings.shutdown_timeout + Duration::from_secs(3);
+    if settings.node.is_some() {
+        // The other nodes' ranks exit with rank 0: tell their launchers it is a stop.
+        gang.store()
+            .set(SHUTDOWN_KEY, grace.as_secs_f64().to_string().as_bytes())?;
+    }
     gang.signal_rank(0, rustix::process::Signal::TERM);
-    let deadline = Instant::now() + settings.shutdown_timeout + Duration::from_secs(3);
+    let deadline = Instant::now() + grace;
     while Instant::now() < deadline && signals.load(Ordering::SeqCst) < 2 && !gang.rank_exited(0) {
         std::thread::sleep(Duration::from_millis(20));
     }
+    if let Some(node) = &settings.node {
+        // Keep the store up until every other node has seen the stop (at most 3 s).
+        let others = (node.nnodes - 1) as i64;
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline
+            && gang.store().add(SHUTDOWN_ACK_KEY, 0).unwrap_or(others) < others
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
     gang.stop();
     Ok(())
+}
+
+/// Set by node 0's launcher in the store when it stops (the value: the seconds its drain
+/// may take); the other nodes' launchers then let their ranks exit with rank 0.
+const SHUTDOWN_KEY: &str = "launcher/shutdown";
+/// Counts the other nodes that have seen [`SHUTDOWN_KEY`].
+const SHUTDOWN_ACK_KEY: &str = "launcher/shutdown/acks";
+
+/// A node other than 0 of `infer up --nnodes`, once serving: watches its ranks until node
+/// 0 stops the gang (its ranks exit with rank 0: a clean stop), a rank fails (the error), or
+/// this node is told to stop (its ranks stop; the others fail with them, as a gang).
+fn follow_node_zero(
+    gang: &mut Gang,
+    node: &NodeSettings,
+    is_stopped: &dyn Fn() -> bool,
+    events: &mut dyn FnMut(UpEvent),
+) -> Result<()> {
+    let outcome = gang.wait_for(SHUTDOWN_KEY, is_stopped, &mut |event| {
+        events(UpEvent::Gang(event))
+    });
+    // A rank can see rank 0 leave before this launcher sees the key: ask the store again.
+    let stopping = match &outcome {
+        Ok(value) => value.clone(),
+        Err(_) => gang
+            .store()
+            .get(SHUTDOWN_KEY, Duration::from_millis(300))
+            .ok(),
+    };
+    match stopping {
+        Some(value) => {
+            let _ = gang.store().add(SHUTDOWN_ACK_KEY, 1);
+            let grace: f64 = String::from_utf8_lossy(&value).parse().unwrap_or(8.0);
+            events(UpEvent::Note(
+                "node 0 is stopping the gang: this node's ranks stop with rank 0".into(),
+            ));
+            let deadline = Instant::now() + Duration::from_secs_f64(grace.clamp(0.0, 600.0));
+            while Instant::now() < deadline && !gang.every_rank_exited() {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            gang.stop();
+            Ok(())
+        }
+        None => {
+            gang.stop();
+            outcome.map(|_| ()).with_context(|| {
+                format!(
+                    "node {} stopped its ranks: a rank failed, or node 0's store at {} went away (node 0 stopped or unreachable)",
+                    node.node_rank, node.master
+                )
+            })
+        }
+    }
+}
+
+/// Every rank's placement for one node of `infer up --nnodes`: consecutive shares of the
+/// world per node; this node's ranks' collectives listen on its bind address.
+fn node_placement(node: &NodeSettings, world: usize) -> Vec<super::Placement> {
+    let share = world / node.nnodes;
+    (0..world)
+        .map(|rank| super::Placement {
+            host: format!("node{}", rank / share),
+            local_rank: rank % share,
+            local_world_size: share,
+            env: if rank / share == node.node_rank {
+                vec![("INFER_BIND_ADDR".to_string(), node.bind_addr.to_string())]
+            } else {
+                Vec::new()
+            },
+        })
+        .collect()
 }
 
 /// Counts SIGINTs and SIGTERMs into `signals` (a thread with its own small runtime).
