@@ -333,8 +333,9 @@ pub struct PlanArgs {
     #[arg(long)]
     pub explain: bool,
 
-    /// Write the command line and environment of every node for this engine (vLLM, SGLang
-    /// or llama.cpp) with the plan's layout, instead of the one-line vLLM equivalent.
+    /// Write the command line and environment of every node for this engine (`infer`'s own,
+    /// vLLM, SGLang or llama.cpp) with the plan's layout, instead of the one-line vLLM
+    /// equivalent.
     #[arg(long, value_enum, value_name = "E")]
     pub engine: Option<EngineArg>,
 
@@ -345,9 +346,9 @@ pub struct PlanArgs {
     #[arg(long, value_name = "FILE")]
     pub calibration: Vec<PathBuf>,
 
-    /// With `--engine`: write one run script per node into DIR (`node0-HOST.sh`, …) and a
-    /// `launch.json`.
-    #[arg(long, value_name = "DIR", requires = "engine")]
+    /// Write one run script per node into DIR (`node0-HOST.sh`, …) and a `launch.json`, for
+    /// `--engine` (default: `infer`'s own engine, `infer up --nnodes` on every node).
+    #[arg(long, value_name = "DIR")]
     pub emit: Option<PathBuf>,
 
     /// With `--engine`: what the engine loads (a Hugging Face id or a path present on every
@@ -444,6 +445,8 @@ pub struct PlanSettingsArgs {
 /// `--engine`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum EngineArg {
+    /// infer's own engine (`infer up`, node by node with `--nnodes`).
+    Infer,
     Vllm,
     Sglang,
     Llamacpp,
@@ -452,6 +455,7 @@ pub enum EngineArg {
 impl From<EngineArg> for crate::engines::EngineKind {
     fn from(engine: EngineArg) -> Self {
         match engine {
+            EngineArg::Infer => crate::engines::EngineKind::Infer,
             EngineArg::Vllm => crate::engines::EngineKind::Vllm,
             EngineArg::Sglang => crate::engines::EngineKind::Sglang,
             EngineArg::Llamacpp => crate::engines::EngineKind::Llamacpp,
@@ -657,7 +661,8 @@ pub struct UpArgs {
 
     /// Launch this engine instead of `infer`'s own: `vllm`, `sglang` or `llamacpp`
     /// (`llama-server`, with `ggml-rpc-server` on the other hosts). Its processes run with
-    /// the same preflight, per-host network settings and gang semantics as ranks.
+    /// the same preflight, per-host network settings and gang semantics as ranks. `infer`
+    /// is the default (the same as leaving it out).
     #[arg(long, value_enum, value_name = "E")]
     pub engine: Option<EngineArg>,
 

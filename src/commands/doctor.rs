@@ -11,6 +11,12 @@ use crate::ui::Printer;
 
 /// Runs `infer doctor`. Errors: an unreadable log or topology, a malformed topology.
 pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
+    if args.engine == Some(crate::cli::EngineArg::Infer) {
+        bail!(
+            "--engine infer: `infer doctor --cluster hosts.toml` checks infer itself on every host already (an agent of \
+             another build is reported); leave --engine out"
+        );
+    }
     if args.model.is_none() && crate::cluster::is_inventory(&args.settings.cluster) {
         return cluster(args, printer);
     }

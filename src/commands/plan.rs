@@ -28,15 +28,22 @@ pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let spec = model::spec(args.model.as_deref(), &mut |line| printer.note(line))?;
     match plan(&spec, &cluster, &settings) {
         Outcome::Feasible(plan) => {
-            let launch = match args.engine {
+            // `--emit` alone writes infer's own engine's scripts.
+            let engine = args
+                .engine
+                .or(args.emit.as_ref().map(|_| crate::cli::EngineArg::Infer));
+            let launch = match engine {
                 Some(engine) => {
-                    let mut request = engines::request_from_plan(
-                        engine.into(),
-                        &plan,
-                        &spec,
-                        &cluster,
-                        args.engine_model.as_deref(),
-                    );
+                    let engine: engines::EngineKind = engine.into();
+                    // infer's ranks load the GGUF file `--model` named, when it named one.
+                    let model = args
+                        .engine_model
+                        .as_deref()
+                        .or(args.model.as_deref().filter(|m| {
+                            engine == engines::EngineKind::Infer && m.ends_with(".gguf")
+                        }));
+                    let mut request =
+                        engines::request_from_plan(engine, &plan, &spec, &cluster, model);
                     if let Some(port) = args.engine_port {
                         request.ports.http = port;
                     }

@@ -29,7 +29,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
             "--device cuda: this build has no CUDA backend yet; run CPU ranks with `--device cpu`"
         );
     }
-    if let Some(engine) = args.engine {
+    if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
         return run_engine(args, engine.into(), printer);
     }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;

@@ -7,6 +7,7 @@
 //! never rely on it), and `tests/it/engines.rs` parses the generated lines with the real
 //! parsers of the pinned versions ([`VLLM_TESTED`], [`SGLANG_TESTED`]).
 
+pub mod infer;
 pub mod llamacpp;
 pub mod sglang;
 pub mod vllm;
@@ -26,10 +27,11 @@ pub const VLLM_TESTED: &str = "0.33.0";
 /// The SGLang version whose parser the tests run (`sglang==0.5.23` from PyPI).
 pub const SGLANG_TESTED: &str = "0.5.23";
 
-/// An engine `infer` can launch besides its own.
+/// An engine `infer` can launch: its own (node by node, [`infer`]) or another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
+    Infer,
     Vllm,
     Sglang,
     Llamacpp,
@@ -38,6 +40,7 @@ pub enum EngineKind {
 impl fmt::Display for EngineKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            EngineKind::Infer => "infer",
             EngineKind::Vllm => "vllm",
             EngineKind::Sglang => "sglang",
             EngineKind::Llamacpp => "llamacpp",
@@ -122,6 +125,11 @@ impl EnginePorts {
     /// 30000 / 20000 / 20100, llama.cpp 8080 / 50052 (`rpc-server`'s default).
     pub fn default_for(engine: EngineKind) -> EnginePorts {
         match engine {
+            EngineKind::Infer => EnginePorts {
+                http: infer::HTTP_PORT,
+                dist: infer::STORE_PORT,
+                nccl: 0,
+            },
             EngineKind::Vllm => EnginePorts {
                 http: 8000,
                 dist: 29501,
@@ -233,6 +241,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     }
     check_even_split(request)?;
     let mut launch = match request.engine {
+        EngineKind::Infer => infer::generate(request)?,
         EngineKind::Vllm => vllm::generate(request)?,
         EngineKind::Sglang => sglang::generate(request)?,
         EngineKind::Llamacpp => llamacpp::generate(request)?,
@@ -461,6 +470,12 @@ pub fn script(launch: &EngineLaunch, node: &NodeLaunch) -> String {
             (EngineKind::Llamacpp, NodeRole::Head) => {
                 "# Start the rpc-server nodes first, then this one.\n"
             }
+            (EngineKind::Infer, NodeRole::Head) => {
+                "# Start this node first (it hosts the store), then the others within a minute.\n"
+            }
+            (EngineKind::Infer, NodeRole::Worker) => {
+                "# Start node 0 first, then this one within a minute.\n"
+            }
             (_, NodeRole::Head) => {
                 "# Start the worker nodes first (any order), then this one; all must run.\n"
             }
@@ -477,6 +492,12 @@ pub fn script(launch: &EngineLaunch, node: &NodeLaunch) -> String {
         out.push_str(&format!("# serves {}\n", launch.endpoint));
     }
     out.push_str("set -euo pipefail\n");
+    if launch.engine == EngineKind::Infer && launch.nodes.len() > 1 {
+        // The shared secret stays out of the file.
+        out.push_str(
+            ": \"${INFER_RUN_TOKEN:?set INFER_RUN_TOKEN to one secret shared by every node}\"\n",
+        );
+    }
     for (key, value) in &node.env {
         out.push_str(&format!("export {key}={}\n", shell_quote(value)));
     }
@@ -528,7 +549,11 @@ pub fn render(launch: &EngineLaunch) -> String {
         ));
     }
     if launch.nodes.len() > 1 {
-        out.push_str("\n  start the workers first, then the head\n");
+        out.push_str(if launch.engine == EngineKind::Infer {
+            "\n  start node 0 first (it hosts the store), then the others\n"
+        } else {
+            "\n  start the workers first, then the head\n"
+        });
     }
     for note in &launch.notes {
         out.push_str(&format!("note: {note}\n"));

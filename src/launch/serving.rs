@@ -155,7 +155,7 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
     let started = Instant::now();
     let layout = resolve_layout(settings, events)?;
     if let Some(node) = &settings.node
-        && layout.world_size() % node.nnodes != 0
+        && !layout.world_size().is_multiple_of(node.nnodes)
     {
         bail!(
             "--nnodes {} does not divide the world of {} ranks (dp {} × pp {} × tp {}): every node runs the same number of ranks",

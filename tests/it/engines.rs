@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -447,6 +448,44 @@ fn layouts_an_engine_cannot_express_are_refused_with_the_reason() {
                 "llamacpp",
             ],
             "GGUF",
+        ),
+        // infer's own ranks load GGUF files too (`--emit` alone means infer's engine).
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--cluster",
+                "1x8xh100-sxm",
+                "--tp",
+                "1",
+                "--dp",
+                "1",
+                "--emit",
+                "/nonexistent/never-written",
+            ],
+            "--engine-model /path/model.gguf",
+        ),
+        // infer shards experts over each replica's TP group only.
+        (
+            &[
+                "plan",
+                "--model",
+                "mixtral-8x7b",
+                "--cluster",
+                "1x8xh100-sxm",
+                "--tp",
+                "2",
+                "--dp",
+                "4",
+                "--ep",
+                "4",
+                "--engine",
+                "infer",
+                "--engine-model",
+                "/models/mixtral.gguf",
+            ],
+            "`--ep 2` or `--ep 1`",
         ),
     ];
     for (args, reason) in cases {
@@ -923,4 +962,215 @@ fn llama_server_lines_pass_llama_servers_own_parser() {
     let mut wrong = argv[1..].to_vec();
     wrong.push("--split-moed".into());
     assert!(!parse(&wrong).status.success());
+}
+
+/// `infer plan --emit DIR` (no `--engine`: infer's own) for two single-GPU hosts with PP 2,
+/// then each node's script run in its own network namespace as a user would run it on each
+/// host (no SSH: `infer up --nnodes 2 --node-rank R`). The script as written asks for the
+/// CUDA backend, which this build lacks: it exits 2 saying so. With `--device cpu` swapped
+/// in, the two nodes rendezvous at node 0's store over the data network, serve the same
+/// greedy completion as one process, and Ctrl-C on node 0 stops both nodes cleanly.
+#[test]
+fn emitted_infer_scripts_run_one_node_each_across_hosts() {
+    let Some(cluster) = super::cluster::TestCluster::start(2, 1) else {
+        return;
+    };
+    let model = infer::model::default::ensure(&mut |_| {}).expect("the default model");
+    let inventory = cluster.dir.join("plan-hosts.toml");
+    let mut text = String::new();
+    for host in &cluster.hosts {
+        text.push_str(&format!(
+            "[[hosts]]\nname = \"{}\"\naddress = \"{}\"\ngpus = 1\nhardware = \"l4\"\n\n",
+            host.name, host.data
+        ));
+    }
+    std::fs::write(&inventory, text).expect("inventory");
+    let emit = cluster.dir.join("emit");
+    let output = run(&[
+        "plan",
+        "--model",
+        &model.display().to_string(),
+        "--cluster",
+        &inventory.display().to_string(),
+        "--pp",
+        "2",
+        "--emit",
+        &emit.display().to_string(),
+    ]);
+    let stdout = stdout_ok(&output);
+    assert!(stdout.contains("infer launch: 2 nodes"), "{stdout}");
+    let script = |node: usize| emit.join(format!("node{node}-h{node}.sh"));
+    let node1 = std::fs::read_to_string(script(1)).expect("node 1's script");
+    for expected in [
+        "--nnodes 2".to_string(),
+        "--node-rank 1".into(),
+        format!("--master-addr {}", cluster.hosts[0].data),
+        "--master-port 29500".into(),
+        format!("--bind-addr {}", cluster.hosts[1].data),
+        "INFER_RUN_TOKEN:?".into(),
+    ] {
+        assert!(
+            node1.replace(" \\\n  ", " ").contains(&expected),
+            "{expected}:\n{node1}"
+        );
+    }
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_infer"))
+        .parent()
+        .expect("bin dir")
+        .to_path_buf();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run_node = |node: usize, script: &Path| {
+        Command::new("ip")
+            .args(["netns", "exec", &cluster.hosts[node].namespace, "bash"])
+            .arg(script)
+            .env("PATH", &path)
+            .env("INFER_RUN_TOKEN", "a-shared-test-secret")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run the script")
+    };
+    // As written: the CUDA backend is asked for, and this build says it has none.
+    let output = run_node(0, &script(0)).wait_with_output().expect("node 0");
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("no CUDA backend"), "{stderr}");
+    // CPU ranks: the same lines with `--device cpu`, and a port free on the test machine.
+    let port = free_port();
+    let cpu = |node: usize| {
+        let text = std::fs::read_to_string(script(node))
+            .expect("script")
+            .replace("--device cuda", "--device cpu")
+            .replace("--port 8000", &format!("--port {port}"));
+        let path = emit.join(format!("cpu-node{node}.sh"));
+        std::fs::write(&path, text).expect("write");
+        path
+    };
+    let (cpu0, cpu1) = (cpu(0), cpu(1));
+    let mut nodes = [run_node(0, &cpu0), run_node(1, &cpu1)];
+    let url = format!(
+        "http://{}:{port}/v1/completions",
+        cluster.hosts[0].management
+    );
+    let body = serde_json::json!({
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 0,
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let answer: Value = loop {
+        match ureq::post(&url).send_json(&body) {
+            Ok(mut reply) => break reply.body_mut().read_json().expect("JSON"),
+            Err(error) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "node 0 never served {url}: {error}"
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
+    // Rank 1 (node 1) joined rank 0 (node 0) over the data network.
+    cluster.assert_data_connection(1, 0);
+    // One process on this host gives the same greedy text.
+    let local = super::run(&[
+        "generate",
+        "--json",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+    ]);
+    let local: Value = serde_json::from_slice(&local.stdout).expect("generate JSON");
+    assert_eq!(answer["choices"][0]["text"], local["text"], "{answer}");
+    // Ctrl-C on node 0: it drains and stops; node 1's ranks stop with rank 0; both exit 0.
+    signal(nodes[0].id(), rustix::process::Signal::INT);
+    for (node, child) in nodes.iter_mut().enumerate() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "node {node} did not stop");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut stderr = String::new();
+        if let Some(mut pipe) = child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
+        }
+        assert!(status.success(), "node {node}: {status}\n{stderr}");
+        if node == 1 {
+            assert!(stderr.contains("node 0 is stopping the gang"), "{stderr}");
+        }
+    }
+    for host in &cluster.hosts {
+        let pids = Command::new("ip")
+            .args(["netns", "pids", &host.namespace])
+            .output()
+            .expect("ip netns pids");
+        let left: Vec<String> = String::from_utf8_lossy(&pids.stdout)
+            .lines()
+            .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/cmdline")).ok())
+            .filter(|cmd| {
+                let argv: Vec<&str> = cmd.split('\0').collect();
+                argv[0].ends_with("/infer") || argv[0] == "infer"
+            })
+            .collect();
+        assert!(left.is_empty(), "left running on {}: {left:?}", host.name);
+    }
+}
+
+/// `infer up --nnodes` refuses bad input before starting anything: no shared token, a node
+/// rank outside the nodes, a world the nodes do not split evenly.
+#[test]
+fn up_nnodes_refuses_bad_input_with_the_fix() {
+    let up = |args: &[&str], token: Option<&str>| {
+        let mut command = super::infer();
+        command.args(["up", "--port", "0"]).args(args);
+        command.env_remove("INFER_RUN_TOKEN");
+        if let Some(token) = token {
+            command.env("INFER_RUN_TOKEN", token);
+        }
+        let output = command.output().expect("run infer");
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let node = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--pp", "2"];
+    let (code, stderr) = up(&[&node[..], &["--node-rank", "0"]].concat(), None);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("set `INFER_RUN_TOKEN`"), "{stderr}");
+    let (code, stderr) = up(&[&node[..], &["--node-rank", "2"]].concat(), Some("t"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--node-rank must be 0 to --nnodes − 1 (1)"),
+        "{stderr}"
+    );
+    let odd = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--tp",
+        "3",
+    ];
+    let (code, stderr) = up(&odd, Some("t"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("does not divide the world of 3 ranks"),
+        "{stderr}"
+    );
+    // The flags need each other.
+    let (code, stderr) = up(&["--nnodes", "2"], Some("t"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--node-rank"), "{stderr}");
 }

@@ -1,0 +1,142 @@
+//! `infer`'s own engine, launched node by node as torchrun launches: every node runs
+//! `infer up --nnodes N --node-rank R --master-addr HEAD --master-port P` with the plan's
+//! layout; node 0 hosts the rendezvous store and rank 0's HTTP server, each node starts its
+//! share of the ranks (the world split evenly, in rank order).
+//!
+//! The nodes share one secret, `INFER_RUN_TOKEN`: it is never written into a script (each
+//! script requires it from the environment). `infer up` shards experts over each replica's
+//! TP group: an EP degree other than 1 or TP is refused, as are models that are not GGUF
+//! files (what the ranks load).
+
+use anyhow::{Result, bail};
+
+use super::{EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, Version, common_env};
+
+/// `infer up`'s default HTTP port, and torchrun's `--master-port` default for the store.
+pub const HTTP_PORT: u16 = 8000;
+/// The rendezvous store's port on node 0 (`--master-port`; torchrun's default).
+pub const STORE_PORT: u16 = 29500;
+
+/// One `infer up` line per node.
+///
+/// Errors: EP other than 1 or TP, a model that is not a `.gguf` path, nodes with different
+/// numbers of ranks.
+pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+    let p = request.parallel;
+    if p.ep > 1 && p.ep != p.tp {
+        bail!(
+            "infer's engine shards experts over each replica's TP group; the layout has EP {} with TP {}\nhint: plan \
+             with `--ep {}` or `--ep 1`",
+            p.ep,
+            p.tp,
+            p.tp
+        );
+    }
+    if !request.model.ends_with(".gguf") {
+        bail!(
+            "infer's ranks load GGUF files; `{}` is not one\nhint: give `--engine-model /path/model.gguf` (the same path \
+             on every node)",
+            request.model
+        );
+    }
+    let nnodes = request.nodes.len();
+    let world = (p.dp * p.pp * p.tp) as usize;
+    if !world.is_multiple_of(nnodes) {
+        bail!(
+            "`infer up --nnodes` runs the same number of ranks on every node; {world} ranks do not split over {nnodes} nodes"
+        );
+    }
+    let head = &request.nodes[0];
+    let version = Version::parse(env!("CARGO_PKG_VERSION")).unwrap_or(Version(0, 0, 0));
+    let nodes = request
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(rank, node)| {
+            let mut argv: Vec<String> = vec![
+                "infer".into(),
+                "up".into(),
+                "--model".into(),
+                request.model.clone(),
+                "--tp".into(),
+                p.tp.to_string(),
+                "--pp".into(),
+                p.pp.to_string(),
+                "--dp".into(),
+                p.dp.to_string(),
+            ];
+            if p.ep > 1 {
+                argv.extend(["--ep".into(), p.ep.to_string()]);
+            }
+            argv.extend([
+                "--device".into(),
+                if request.gpu { "cuda" } else { "cpu" }.into(),
+            ]);
+            if let Some(name) = &request.served_model_name {
+                argv.extend(["--served-model-name".into(), name.clone()]);
+            }
+            if request.max_model_len_tokens > 0 {
+                argv.extend([
+                    "--max-model-len".into(),
+                    request.max_model_len_tokens.to_string(),
+                ]);
+            }
+            let mut ports = Vec::new();
+            if rank == 0 {
+                super::serve_http(request, &mut argv, &mut ports);
+            }
+            if nnodes > 1 {
+                argv.extend([
+                    "--nnodes".into(),
+                    nnodes.to_string(),
+                    "--node-rank".into(),
+                    rank.to_string(),
+                    "--master-addr".into(),
+                    head.address.clone(),
+                    "--master-port".into(),
+                    request.ports.dist.to_string(),
+                ]);
+                // The node's data address, where its ranks' collectives listen (else
+                // `infer up` takes the address of its route to node 0).
+                if node.address.parse::<std::net::IpAddr>().is_ok() {
+                    argv.extend(["--bind-addr".into(), node.address.clone()]);
+                }
+                if rank == 0 {
+                    ports.push(ReservedPort {
+                        port: request.ports.dist,
+                        bind: head.address.clone(),
+                        purpose: "the rendezvous store (--master-port)".into(),
+                    });
+                }
+            }
+            NodeLaunch {
+                host: node.host.clone(),
+                node_rank: rank,
+                role: if rank == 0 {
+                    NodeRole::Head
+                } else {
+                    NodeRole::Worker
+                },
+                argv,
+                env: common_env(request, node),
+                ports,
+            }
+        })
+        .collect();
+    let mut notes = Vec::new();
+    if nnodes > 1 {
+        notes.push(
+            "every node needs the same `INFER_RUN_TOKEN` in its environment (e.g. `export INFER_RUN_TOKEN=$(openssl rand \
+             -hex 16)` once, copied to each node): node 0's store admits only ranks that present it"
+                .to_string(),
+        );
+    }
+    if request.gpu {
+        notes.push(
+            "`--device cuda`: infer's CUDA backend is not in this build yet (`infer up --device cuda` says so and exits 2); \
+             the same lines with `--device cpu` run CPU ranks"
+                .to_string(),
+        );
+    }
+    Ok(super::assemble(request, version, None, nodes, notes))
+}
