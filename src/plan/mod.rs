@@ -213,8 +213,86 @@ pub const KV_BLOCK_TOKENS: u64 = 16;
 /// Plans `spec` on `cluster`. When the weights fit but no layout's KV cache holds the
 /// model's whole context (and `--max-model-len` was not given), plans with the longest
 /// context that fits, rounded down to [`KV_BLOCK_TOKENS`], and says so; an explicit
-/// `--max-model-len` is honoured or refused.
+/// `--max-model-len` is honoured or refused. With `--objective cost` and `--rps`, the plan
+/// uses only the GPUs its chosen point needs (that many replicas), not the whole cluster.
 pub fn plan(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome {
+    match plan_fitting(spec, cluster, settings) {
+        Outcome::Feasible(plan) => Outcome::Feasible(right_size(spec, cluster, settings, plan)),
+        infeasible => infeasible,
+    }
+}
+
+/// With `--objective cost` and `--rps`: the chosen point's layout with only the replicas
+/// `--rps` needs (its `gpus_for_rps`), planned again with those degrees pinned; its ranks,
+/// groups, environment, memory and estimate replace the whole-cluster ones. Unchanged when
+/// the point needs the whole cluster, or when EP spans replicas (then a replica is not
+/// independent of the others).
+fn right_size(
+    spec: &ModelSpec,
+    cluster: &Cluster,
+    settings: &Settings,
+    mut plan: Box<Plan>,
+) -> Box<Plan> {
+    let Some(gpus) = plan
+        .sla_choice
+        .as_ref()
+        .filter(|_| settings.objective == Objective::Cost)
+        .and_then(|point| point.gpus_for_rps)
+    else {
+        return plan;
+    };
+    let p = plan.parallel;
+    let replica = (p.tp * p.pp).max(1);
+    let dp = (gpus / replica).max(1);
+    if dp >= p.dp || p.ep > p.tp {
+        return plan;
+    }
+    let pinned = Settings {
+        tp: Some(p.tp),
+        pp: Some(p.pp),
+        ep: Some(p.ep),
+        dp: Some(dp),
+        max_model_len_tokens: Some(plan.max_model_len),
+        workload: sla::Workload {
+            requests_per_sec: None,
+            ttft_target_secs: None,
+            tpot_target_secs: None,
+            ..settings.workload
+        },
+        ..settings.clone()
+    };
+    let Outcome::Feasible(sized) = plan_with_context(spec, cluster, &pinned) else {
+        return plan;
+    };
+    plan.explain.push(format!(
+        "the plan uses {} of the cluster's {} GPUs ({dp} replica{} of TP{} × PP{}): what {} requests/s need (--objective cost); the others stay free",
+        sized.world_size,
+        cluster.n_gpus(),
+        if dp == 1 { "" } else { "s" },
+        p.tp,
+        p.pp,
+        settings.workload.requests_per_sec.unwrap_or_default()
+    ));
+    // The chosen layout's line, from the right-sized plan's own numbers.
+    if let (Some(at), Some(line)) = (
+        plan.explain.iter().position(|l| l.starts_with("chosen: ")),
+        sized.explain.iter().find(|l| l.starts_with("chosen: ")),
+    ) {
+        plan.explain[at] = line.clone();
+    }
+    plan.parallel = sized.parallel;
+    plan.world_size = sized.world_size;
+    plan.ranks = sized.ranks;
+    plan.groups = sized.groups;
+    plan.memory = sized.memory;
+    plan.estimate = sized.estimate;
+    plan.env = sized.env;
+    plan.vllm_command = sized.vllm_command;
+    plan
+}
+
+/// [`plan`] before right-sizing: the model's whole context, else the longest that fits.
+fn plan_fitting(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome {
     let outcome = plan_with_context(spec, cluster, settings);
     let Outcome::Infeasible(infeasible) = &outcome else {
         return outcome;
@@ -978,7 +1056,23 @@ fn explain(
         .find(|c| c.verdict.is_ok())
         .map(|c| c.parallel.ep);
     let one_node = fits(&|p| p.pp == 1);
-    lines.push(if one_gpu {
+    let pinned: Vec<String> = [
+        ("tp", settings.tp),
+        ("pp", settings.pp),
+        ("dp", settings.dp),
+        ("ep", settings.ep),
+    ]
+    .iter()
+    .filter_map(|(flag, value)| value.map(|v| format!("{} {v} (--{flag})", flag.to_uppercase())))
+    .collect();
+    lines.push(if !pinned.is_empty() {
+        // The candidates are only the pinned layouts: what fits elsewhere is unknown here.
+        format!(
+            "{} pinned by the flags: only layouts with {} were searched",
+            pinned.join(", "),
+            if pinned.len() == 1 { "it" } else { "them" }
+        )
+    } else if one_gpu {
         "fits one GPU with room for the KV cache → replicate: DP over the GPUs (TP only if it wins on the objective)".to_string()
     } else if let Some(ep) = experts_sharded {
         format!(

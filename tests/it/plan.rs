@@ -1290,6 +1290,24 @@ fn every_reason_is_true_of_the_plans_own_numbers() {
                                 "{case}: {line}"
                             );
                         }
+                    } else if let Some(rest) = line.strip_prefix("the plan uses ") {
+                        // Right-sized for --rps: the plan's ranks are the GPUs the point
+                        // needs, whole replicas of its layout.
+                        let uses = number_after(rest, "").expect("uses");
+                        assert_eq!(uses as u64, plan["world_size"], "{case}: {line}");
+                        assert_eq!(
+                            plan["ranks"].as_array().expect("ranks").len() as u64,
+                            uses as u64,
+                            "{case}: {line}"
+                        );
+                        let needs = plan["sla_choice"]["gpus_for_rps"].as_u64().expect("gpus");
+                        let replica =
+                            degree(&plan["parallel"], "tp") * degree(&plan["parallel"], "pp");
+                        assert_eq!(uses as u64, needs / replica * replica, "{case}: {line}");
+                        assert!(
+                            uses < number_after(rest, "of the cluster's ").expect("of"),
+                            "{case}: {line}"
+                        );
                     } else if line.starts_with("for ") && line.contains(" prompt and ") {
                         let choice = &plan["sla_choice"];
                         let tpot = number_after(line, " ms, TPOT ").expect("tpot");
