@@ -6,6 +6,7 @@
 
 pub mod chat;
 pub mod comm;
+pub mod cuda;
 pub mod engine;
 pub mod executor;
 pub mod gguf;

@@ -4,6 +4,7 @@
 
 mod cluster;
 mod collectives;
+mod cuda;
 mod distributed;
 mod doctor;
 mod engine;

@@ -1,0 +1,173 @@
+//! The CUDA backend, checked without a GPU: NVRTC from PyPI compiles every kernel to CUBIN for
+//! each architecture we support, ptxas' resources stay within what the launch can use, and
+//! each kernel's parameters are the ones its Rust launch description passes.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use infer::runtime::cuda::kernels::FAMILIES;
+use infer::runtime::cuda::nvrtc::{Nvrtc, ptx_entries};
+
+use super::engines::{cached_dir, recipe_hash, test_cache};
+
+/// NVRTC from PyPI, pinned: it compiles without a GPU or a driver (FACTS.md).
+const NVRTC_WHEEL: &str = "nvidia-cuda-nvrtc-cu12==12.9.86";
+
+/// The directory holding `libnvrtc.so.12`: the wheel downloaded once (`pip download
+/// --no-deps`) and unzipped into the test cache.
+pub fn nvrtc_lib_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = test_cache().join(format!("nvrtc-{}", recipe_hash(NVRTC_WHEEL.as_bytes())));
+        let dir = cached_dir(&dir, |staging| {
+            std::fs::create_dir_all(staging).expect("staging dir");
+            let status = Command::new("python3")
+                .args(["-m", "pip", "download", "--quiet", "--no-deps", "--dest"])
+                .arg(staging)
+                .arg(NVRTC_WHEEL)
+                .status()
+                .expect("python3 -m pip");
+            assert!(status.success(), "pip download {NVRTC_WHEEL} failed");
+            let unzip = "import sys, zipfile, glob\n\
+                         for wheel in glob.glob(sys.argv[1] + '/*.whl'):\n    \
+                         zipfile.ZipFile(wheel).extractall(sys.argv[1])\n";
+            let status = Command::new("python3")
+                .args(["-c", unzip])
+                .arg(staging)
+                .status()
+                .expect("python3");
+            assert!(status.success(), "unzipping the NVRTC wheel failed");
+            for wheel in std::fs::read_dir(staging).expect("staging").flatten() {
+                if wheel.path().extension().is_some_and(|e| e == "whl") {
+                    let _ = std::fs::remove_file(wheel.path());
+                }
+            }
+        });
+        dir.join("nvidia/cuda_nvrtc/lib")
+    })
+}
+
+fn nvrtc() -> &'static Nvrtc {
+    static NVRTC: OnceLock<Nvrtc> = OnceLock::new();
+    NVRTC.get_or_init(|| {
+        Nvrtc::open(&[nvrtc_lib_dir().to_path_buf()]).expect("NVRTC from the wheel opens")
+    })
+}
+
+/// Registers per thread × threads per block within the 64 K registers of an SM's file
+/// (every architecture from sm_80 to sm_90 has 65536 32-bit registers per SM; CUDA C
+/// Programming Guide, "Compute Capabilities" table).
+const REGISTERS_PER_SM: u32 = 65536;
+/// Static shared memory a block may declare without opting in (48 KiB, same table).
+const STATIC_SHARED_BYTES: u32 = 48 << 10;
+
+#[test]
+fn every_kernel_compiles_to_cubin_for_each_architecture_within_its_resources() {
+    let nvrtc = nvrtc();
+    assert!(nvrtc.version.0 >= 12, "NVRTC {:?}", nvrtc.version);
+    let mut compiled_kernels = 0;
+    for &arch in infer::runtime::cuda::TESTED_ARCHS {
+        for family in FAMILIES {
+            let compiled = nvrtc
+                .compile(family.file, family.source, arch)
+                .unwrap_or_else(|e| panic!("{e:#}"));
+            // A CUBIN is an ELF file (`\x7fELF`), for this exact architecture.
+            assert_eq!(
+                &compiled.cubin[..4],
+                b"\x7fELF",
+                "{} sm_{arch}",
+                family.file
+            );
+            let entries = ptx_entries(&compiled.ptx);
+            assert_eq!(
+                entries.len(),
+                family.kernels.len(),
+                "{} sm_{arch}: the source's kernels are the described ones: {:?}",
+                family.file,
+                entries.keys()
+            );
+            for kernel in family.kernels {
+                let case = format!("{} sm_{arch}", kernel.name);
+                let params = entries
+                    .get(kernel.name)
+                    .unwrap_or_else(|| panic!("{case}: not in the PTX"));
+                let described: Vec<&str> = kernel.params.iter().map(|p| p.ptx_type()).collect();
+                assert_eq!(params, &described, "{case}: parameters");
+                let resources = compiled
+                    .resources
+                    .get(kernel.name)
+                    .unwrap_or_else(|| panic!("{case}: ptxas said nothing:\n{}", compiled.log));
+                assert!(
+                    resources.registers > 0,
+                    "{case}: {resources:?}\n{}",
+                    compiled.log
+                );
+                assert_eq!(
+                    resources.spill_store_bytes, 0,
+                    "{case}: spills {resources:?}"
+                );
+                assert_eq!(
+                    resources.spill_load_bytes, 0,
+                    "{case}: spills {resources:?}"
+                );
+                assert!(
+                    resources.registers * kernel.block_threads <= REGISTERS_PER_SM,
+                    "{case}: {} registers × {} threads",
+                    resources.registers,
+                    kernel.block_threads
+                );
+                assert!(
+                    resources.shared_bytes <= STATIC_SHARED_BYTES,
+                    "{case}: {resources:?}"
+                );
+                compiled_kernels += 1;
+            }
+        }
+    }
+    let kernels: usize = FAMILIES.iter().map(|f| f.kernels.len()).sum();
+    assert_eq!(
+        compiled_kernels,
+        kernels * infer::runtime::cuda::TESTED_ARCHS.len()
+    );
+}
+
+/// A compilation error names the file and carries NVRTC's log; the disk cache hits on the
+/// same source and misses on any change.
+#[test]
+fn compile_errors_are_reported_and_the_cache_keys_on_the_source() {
+    let nvrtc = nvrtc();
+    let error = nvrtc
+        .compile(
+            "broken.cu",
+            "extern \"C\" __global__ void k() { undeclared(); }",
+            80,
+        )
+        .err()
+        .expect("does not compile");
+    let text = format!("{error:#}");
+    assert!(
+        text.contains("broken.cu") && text.contains("undeclared"),
+        "{text}"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let family = &FAMILIES[0];
+    let (first, hit) = nvrtc
+        .compile_cached(dir.path(), family.file, family.source, 86)
+        .expect("compiles");
+    assert!(!hit);
+    let (again, hit) = nvrtc
+        .compile_cached(dir.path(), family.file, family.source, 86)
+        .expect("cached");
+    assert!(hit);
+    assert_eq!(first, again);
+    let changed = format!("{}\n// changed\n", family.source);
+    let (_, hit) = nvrtc
+        .compile_cached(dir.path(), family.file, &changed, 86)
+        .expect("compiles");
+    assert!(!hit, "a changed source misses the cache");
+    let (_, hit) = nvrtc
+        .compile_cached(dir.path(), family.file, family.source, 90)
+        .expect("compiles");
+    assert!(!hit, "another architecture misses the cache");
+}
