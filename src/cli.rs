@@ -32,6 +32,10 @@ pub enum Command {
     /// Measurements that print figures (decode tokens/s, …).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// The single-GPU CI check: the GPU, driver and NVRTC, every kernel compiled for this
+    /// GPU, the model on the GPU against the CPU engine; a pass/fail table, exit 0 or 1
+    /// (2 without a GPU).
+    Smoke(SmokeArgs),
     /// Internal: one rank process, configured by its environment (`RANK`, `WORLD_SIZE`,
     /// `MASTER_ADDR`, `MASTER_PORT`, `INFER_*`).
     #[command(hide = true)]
@@ -67,6 +71,18 @@ pub struct SshArgs {
     pub push_model: bool,
 }
 
+/// `infer smoke`.
+#[derive(Debug, Args)]
+pub struct SmokeArgs {
+    /// The backend to check (only `cuda` has checks).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cuda)]
+    pub device: DeviceArg,
+    /// Print the report as JSON (`driver`, `nvrtc`, `checks[]` with `name`, `passed`,
+    /// `detail`).
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// `infer generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -74,6 +90,9 @@ pub struct GenerateArgs {
     /// SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
     #[arg(long, short = 'm', value_name = "M")]
     pub model: Option<String>,
+    /// Where the model runs: `cpu` (the quantized CPU kernels) or `cuda`.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
 
     /// The prompt text.
     #[arg(long, short = 'p', value_name = "P")]
@@ -261,6 +280,9 @@ pub struct BenchDecodeArgs {
     /// A `.gguf` file or model directory. Default: the embedded SmolLM2 model.
     #[arg(long, value_name = "M")]
     pub model: Option<String>,
+    /// Where the model runs: `cpu` (the quantized CPU kernels) or `cuda`.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
     /// Worker threads (0: one per core).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub threads: usize,

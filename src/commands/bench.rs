@@ -23,6 +23,9 @@ pub fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
 }
 
 fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
+    if args.device == crate::cli::DeviceArg::Cuda {
+        crate::runtime::cuda::device::require_backend()?;
+    }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     let engine = Engine::load(&path, args.threads, args.numerics.into())?;
     // A prompt of ordinary text, repeated to the requested length.

@@ -8,6 +8,7 @@ pub mod doctor;
 pub mod generate;
 pub mod plan;
 pub mod rank;
+pub mod smoke;
 pub mod topo;
 pub mod up;
 

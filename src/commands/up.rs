@@ -25,9 +25,8 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         bail!("--max-batch must be at least 1 (the most sequences decoded together)");
     }
     if args.device == DeviceArg::Cuda {
-        bail!(
-            "--device cuda: this build has no CUDA backend yet; run CPU ranks with `--device cpu`"
-        );
+        // Before any rank starts: no driver, no GPU, or no backend for the model yet.
+        crate::runtime::cuda::device::require_backend()?;
     }
     if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
         return run_engine(args, engine.into(), printer);

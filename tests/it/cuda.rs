@@ -171,3 +171,74 @@ fn compile_errors_are_reported_and_the_cache_keys_on_the_source() {
         .expect("compiles");
     assert!(!hit, "another architecture misses the cache");
 }
+
+/// `--device cuda` without a driver (this machine) is bad input with the fix, exit 2, for
+/// every command that takes it, and before anything starts; `infer smoke` says it needs a
+/// GPU. (On a host with a driver the same commands stop at what the backend lacks.)
+#[test]
+fn device_cuda_without_a_driver_exits_2_naming_the_driver() {
+    let has_driver = infer::runtime::cuda::libraries::open(
+        infer::runtime::cuda::libraries::DRIVER,
+        &infer::runtime::cuda::libraries::search_dirs(),
+    )
+    .is_ok();
+    for args in [
+        &["generate", "--device", "cuda", "--prompt", "hi"][..],
+        &["bench", "decode", "--device", "cuda"],
+        &["up", "--device", "cuda", "--tp", "3", "--port", "0"],
+        &["smoke"],
+        &["smoke", "--json"],
+    ] {
+        let output = super::run(args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(output.stdout.is_empty(), "{args:?}: nothing on stdout");
+        if has_driver {
+            assert!(
+                stderr.contains("does not run the model on the GPU yet")
+                    || stderr.contains("sees no GPU"),
+                "{args:?}: {stderr}"
+            );
+        } else {
+            assert!(
+                stderr.contains("no NVIDIA driver (libcuda.so.1) on this host; use --device cpu"),
+                "{args:?}: {stderr}"
+            );
+        }
+        if args[0] == "smoke" {
+            assert!(
+                stderr.contains("infer smoke needs an NVIDIA GPU"),
+                "{stderr}"
+            );
+        }
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
+/// A library is opened by full path from the first directory that has it (what lets
+/// cudarc find pip's `libnvrtc.so.12` by name afterwards), and a missing one is an error,
+/// never a panic.
+#[test]
+fn libraries_open_from_the_given_directories_or_say_why_not() {
+    use infer::runtime::cuda::libraries::open;
+    let libm_dir = [
+        "/lib/x86_64-linux-gnu",
+        "/usr/lib/x86_64-linux-gnu",
+        "/lib64",
+        "/usr/lib64",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .find(|d| d.join("libm.so.6").is_file())
+    .expect("libm.so.6 is somewhere");
+    let empty = tempfile::tempdir().expect("tempdir");
+    let found =
+        open("libm.so.6", &[empty.path().to_path_buf(), libm_dir.clone()]).expect("libm opens");
+    assert_eq!(found, Some(libm_dir.join("libm.so.6")));
+    let error = open("libinfer-missing-test.so.7", &[empty.path().to_path_buf()])
+        .expect_err("no such library");
+    assert!(
+        error.to_string().contains("libinfer-missing-test.so.7"),
+        "{error}"
+    );
+}

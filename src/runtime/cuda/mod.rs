@@ -6,9 +6,11 @@
 //! library is opened at run time, after [`libraries`] has found it (cudarc panics on a
 //! missing library; we report it instead).
 
+pub mod device;
 pub mod kernels;
 pub mod libraries;
 pub mod nvrtc;
+pub mod smoke;
 
 /// The architectures the tests compile every kernel for (A100, A10/A40/RTX 30, L4/L40S/RTX
 /// 40, H100/H200).

@@ -1,0 +1,102 @@
+//! The GPUs this host's driver sees, through the driver API (opened only after
+//! [`super::libraries::open_driver`] found `libcuda.so.1`: without a driver this is an error,
+//! never a panic).
+
+use anyhow::{Result, bail};
+use cudarc::driver::{result, sys};
+use serde::Serialize;
+
+/// One GPU as the driver reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Gpu {
+    /// CUDA ordinal (after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: usize,
+    pub name: String,
+    /// `(major, minor)`: 8.0 is sm_80.
+    pub compute_capability: (i32, i32),
+    pub memory_bytes: u64,
+}
+
+impl Gpu {
+    /// The CUBIN architecture number (`80` for 8.0, `90` for 9.0).
+    pub fn arch(&self) -> u32 {
+        (self.compute_capability.0 * 10 + self.compute_capability.1) as u32
+    }
+}
+
+/// What the driver says.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Driver {
+    /// The CUDA version the driver supports, `(major, minor)` (`cuDriverGetVersion`).
+    pub cuda_version: (i32, i32),
+    pub gpus: Vec<Gpu>,
+}
+
+/// The driver's CUDA version and every visible GPU.
+///
+/// Errors: no driver on this host ("use --device cpu"), a driver that fails to initialise
+/// (its error), no GPU visible.
+pub fn probe() -> Result<Driver> {
+    super::libraries::open_driver()?;
+    let check = |what: &str, outcome: std::result::Result<(), result::DriverError>| -> Result<()> {
+        outcome.map_err(|e| anyhow::anyhow!("the NVIDIA driver failed at {what}: {e:?}"))
+    };
+    check("cuInit", result::init())?;
+    let mut version = 0;
+    // SAFETY: the driver is loaded and initialised; the out-pointer is valid.
+    check(
+        "cuDriverGetVersion",
+        unsafe { sys::cuDriverGetVersion(&mut version) }.result(),
+    )?;
+    let count = result::device::get_count()
+        .map_err(|e| anyhow::anyhow!("the NVIDIA driver cannot count GPUs: {e:?}"))?;
+    if count <= 0 {
+        bail!(
+            "the NVIDIA driver sees no GPU (CUDA_VISIBLE_DEVICES={:?}); use --device cpu",
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default()
+        );
+    }
+    let mut gpus = Vec::new();
+    for ordinal in 0..count {
+        let device =
+            result::device::get(ordinal).map_err(|e| anyhow::anyhow!("GPU {ordinal}: {e:?}"))?;
+        let name = result::device::get_name(device).unwrap_or_else(|_| "unknown GPU".into());
+        let attribute = |a| {
+            // SAFETY: `device` is a valid handle from `cuDeviceGet`.
+            unsafe { result::device::get_attribute(device, a) }.unwrap_or(0)
+        };
+        let major =
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+        let minor =
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+        // SAFETY: as above.
+        let memory_bytes = unsafe { result::device::total_mem(device) }.unwrap_or(0) as u64;
+        gpus.push(Gpu {
+            ordinal: ordinal as usize,
+            name,
+            compute_capability: (major, minor),
+            memory_bytes,
+        });
+    }
+    Ok(Driver {
+        cuda_version: (version / 1000, version % 1000 / 10),
+        gpus,
+    })
+}
+
+/// What `--device cuda` needs before anything starts: a driver and a GPU, then the
+/// backend, which this build does not have for the model yet.
+///
+/// Errors: always — no driver or no GPU (the probe's message), else that the engine's ops
+/// do not run on the GPU in this build (what does: `infer smoke`'s kernel compilation).
+pub fn require_backend() -> Result<Driver> {
+    let driver = probe()?;
+    bail!(
+        "this build's CUDA backend compiles its kernels for {} (`infer smoke` checks them) but does not run the model on \
+         the GPU yet; use --device cpu",
+        driver.gpus.first().map_or_else(
+            || "the GPU".to_string(),
+            |g| format!("{} (sm_{})", g.name, g.arch())
+        )
+    )
+}
