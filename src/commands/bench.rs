@@ -24,7 +24,7 @@ pub fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
 
 fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.device == crate::cli::DeviceArg::Cuda {
-        crate::runtime::cuda::device::require_backend()?;
+        crate::runtime::cuda::device::require_backend(&super::cuda_lib_dirs())?;
     }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     let engine = Engine::load(&path, args.threads, args.numerics.into())?;

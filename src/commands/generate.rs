@@ -23,7 +23,7 @@ struct Output<'a> {
 /// Runs `infer generate`. Errors: bad flags, a model that does not load, a prompt too long.
 pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.device == crate::cli::DeviceArg::Cuda {
-        crate::runtime::cuda::device::require_backend()?;
+        crate::runtime::cuda::device::require_backend(&super::cuda_lib_dirs())?;
     }
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", args.top_p);

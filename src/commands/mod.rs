@@ -66,3 +66,9 @@ pub fn report_progress(
         Progress::RankLine { .. } => {}
     }
 }
+
+/// Where NVIDIA's libraries are looked for first, from this process's environment
+/// ([`crate::runtime::cuda::libraries::search_dirs`]).
+fn cuda_lib_dirs() -> Vec<std::path::PathBuf> {
+    crate::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name))
+}

@@ -16,8 +16,8 @@ pub fn run(args: &SmokeArgs, printer: &Printer) -> Result<ExitStatus> {
         );
     }
     let cache = crate::model::default::cache_dir()?.join("kernels");
-    let report =
-        crate::runtime::cuda::smoke::run(&cache).context("infer smoke needs an NVIDIA GPU")?;
+    let report = crate::runtime::cuda::smoke::run(&cache, &super::cuda_lib_dirs())
+        .context("infer smoke needs an NVIDIA GPU")?;
     if args.json {
         printer.json(&report)?;
     } else {

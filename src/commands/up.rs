@@ -26,7 +26,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     if args.device == DeviceArg::Cuda {
         // Before any rank starts: no driver, no GPU, or no backend for the model yet.
-        crate::runtime::cuda::device::require_backend()?;
+        crate::runtime::cuda::device::require_backend(&super::cuda_lib_dirs())?;
     }
     if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
         return run_engine(args, engine.into(), printer);

@@ -179,7 +179,7 @@ fn compile_errors_are_reported_and_the_cache_keys_on_the_source() {
 fn device_cuda_without_a_driver_exits_2_naming_the_driver() {
     let has_driver = infer::runtime::cuda::libraries::open(
         infer::runtime::cuda::libraries::DRIVER,
-        &infer::runtime::cuda::libraries::search_dirs(),
+        &infer::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name)),
     )
     .is_ok();
     for args in [
@@ -241,4 +241,287 @@ fn libraries_open_from_the_given_directories_or_say_why_not() {
         error.to_string().contains("libinfer-missing-test.so.7"),
         "{error}"
     );
+}
+
+/// The kernels built for the host once per test process.
+fn host() -> &'static infer::runtime::cuda::host::HostKernels {
+    static HOST: OnceLock<(tempfile::TempDir, infer::runtime::cuda::host::HostKernels)> =
+        OnceLock::new();
+    &HOST
+        .get_or_init(|| {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let kernels = infer::runtime::cuda::host::HostKernels::build(
+                dir.path(),
+                &std::env::var("CXX").unwrap_or_else(|_| "c++".into()),
+            )
+            .unwrap_or_else(|e| panic!("{e:#}"));
+            (dir, kernels)
+        })
+        .1
+}
+
+/// Normalized mean squared error, llama.cpp's `test-backend-ops` measure:
+/// `Σ (a − b)² / Σ b²`.
+fn nmse(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let error: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    error / norm.max(f64::MIN_POSITIVE)
+}
+
+/// test-backend-ops' tolerances: products 5e-4, everything else 1e-7.
+const NMSE_PRODUCTS: f64 = 5e-4;
+const NMSE_OTHERS: f64 = 1e-7;
+
+/// Deterministic values in [−1, 1) (a 64-bit LCG; the seed names the case).
+fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn ptr<T>(v: &mut [T]) -> infer::runtime::cuda::host::HostArg {
+    infer::runtime::cuda::host::HostArg::Ptr(v.as_mut_ptr().cast())
+}
+
+/// Q8_0 rows (34-byte blocks: an f16 scale, 32 int8 quants) of `values(seed)`.
+fn q8_0_rows(seed: u64, rows: usize, cols: usize) -> Vec<u8> {
+    let quants = values(seed, rows * cols);
+    let scales = values(seed + 1, rows * cols / 32);
+    let mut bytes = Vec::new();
+    for (b, block) in quants.chunks(32).enumerate() {
+        let d = half::f16::from_f32(0.001 + scales[b].abs() * 0.02);
+        bytes.extend_from_slice(&d.to_bits().to_le_bytes());
+        bytes.extend(block.iter().map(|v| ((v * 127.0).round() as i8) as u8));
+    }
+    bytes
+}
+
+#[test]
+fn host_harness_runs_the_kernels_like_the_cpu_backend() {
+    use infer::runtime::cuda::host::HostArg::{F32, U32};
+    use infer::runtime::quant::{GgmlType, dequantize_row};
+    let host = host();
+    // RMSNorm over 3 rows of 576 (SmolLM2's width): not a multiple of the 256 threads.
+    let (rows, cols) = (3usize, 576usize);
+    let mut x = values(1, rows * cols);
+    let mut w = values(2, cols);
+    let mut y = vec![0f32; rows * cols];
+    unsafe {
+        host.launch(
+            "rms_norm_f32",
+            [rows as u32, 1, 1],
+            [256, 1, 1],
+            &[
+                ptr(&mut y),
+                ptr(&mut x),
+                ptr(&mut w),
+                U32(cols as u32),
+                F32(1e-5),
+            ],
+        )
+    }
+    .expect("launch");
+    let mut cpu = vec![0f32; rows * cols];
+    infer::runtime::llama::rms_norm(&x, &w, 1e-5, &mut cpu);
+    assert!(nmse(&y, &cpu) <= NMSE_OTHERS, "rms_norm {}", nmse(&y, &cpu));
+
+    // SwiGLU over 1000 values (a partial last block).
+    let n = 1000;
+    let (mut gate, mut up) = (values(3, n), values(4, n));
+    let mut out = vec![0f32; n];
+    unsafe {
+        host.launch(
+            "swiglu_f32",
+            [n.div_ceil(256) as u32, 1, 1],
+            [256, 1, 1],
+            &[ptr(&mut out), ptr(&mut gate), ptr(&mut up), U32(n as u32)],
+        )
+    }
+    .expect("launch");
+    let cpu: Vec<f32> = gate
+        .iter()
+        .zip(&up)
+        .map(|(g, u)| infer::runtime::mathfn::silu(*g) * u)
+        .collect();
+    assert!(
+        nmse(&out, &cpu) <= NMSE_OTHERS,
+        "swiglu {}",
+        nmse(&out, &cpu)
+    );
+
+    // RoPE, both pairings: 3 tokens × 5 heads × 64, positions 0, 7, 4095.
+    let (tokens, heads, head_dim) = (3usize, 5usize, 64usize);
+    let mut positions: Vec<i32> = vec![0, 7, 4095];
+    let mut inv_freqs: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / head_dim as f32))
+        .collect();
+    for (kernel, neox) in [("rope_interleaved_f32", false), ("rope_neox_f32", true)] {
+        let original = values(5, tokens * heads * head_dim);
+        let mut x = original.clone();
+        let pairs = tokens * heads * head_dim / 2;
+        unsafe {
+            host.launch(
+                kernel,
+                [pairs.div_ceil(256) as u32, 1, 1],
+                [256, 1, 1],
+                &[
+                    ptr(&mut x),
+                    ptr(&mut positions),
+                    ptr(&mut inv_freqs),
+                    U32(tokens as u32),
+                    U32(heads as u32),
+                    U32(head_dim as u32),
+                ],
+            )
+        }
+        .expect("launch");
+        let mut reference = original.clone();
+        for (t, &position) in positions.iter().enumerate() {
+            for h in 0..heads {
+                let base = (t * heads + h) * head_dim;
+                for (i, &inv_freq) in inv_freqs.iter().enumerate() {
+                    let (a, b) = if neox {
+                        (base + i, base + i + head_dim / 2)
+                    } else {
+                        (base + 2 * i, base + 2 * i + 1)
+                    };
+                    let angle = position as f64 * inv_freq as f64;
+                    let (x0, x1) = (original[a] as f64, original[b] as f64);
+                    reference[a] = (x0 * angle.cos() - x1 * angle.sin()) as f32;
+                    reference[b] = (x0 * angle.sin() + x1 * angle.cos()) as f32;
+                }
+            }
+        }
+        assert!(
+            nmse(&x, &reference) <= NMSE_OTHERS,
+            "{kernel} {}",
+            nmse(&x, &reference)
+        );
+    }
+
+    // Embedding rows of a Q8_0 table (5 rows of 96) for ids 4, 0, 4.
+    let (vocab, dim) = (5usize, 96usize);
+    let mut table = q8_0_rows(6, vocab, dim);
+    let mut ids: Vec<i32> = vec![4, 0, 4];
+    let mut rows_out = vec![0f32; ids.len() * dim];
+    unsafe {
+        host.launch(
+            "get_rows_q8_0",
+            [ids.len() as u32, dim.div_ceil(256) as u32, 1],
+            [256, 1, 1],
+            &[
+                ptr(&mut rows_out),
+                ptr(&mut table),
+                ptr(&mut ids),
+                U32(dim as u32),
+            ],
+        )
+    }
+    .expect("launch");
+    let row_bytes = dim / 32 * 34;
+    for (k, &id) in ids.iter().enumerate() {
+        let mut cpu = vec![0f32; dim];
+        dequantize_row(
+            GgmlType::Q8_0,
+            &table[id as usize * row_bytes..(id as usize + 1) * row_bytes],
+            &mut cpu,
+        );
+        assert_eq!(
+            &rows_out[k * dim..(k + 1) * dim],
+            &cpu[..],
+            "row {k}: exact"
+        );
+    }
+
+    // Q8_0 weights × Q8_1 activations (dp4a): 7 rows × 96 columns, against the f64 product
+    // of the dequantized rows.
+    let (n_rows, n_cols) = (7usize, 96usize);
+    let mut weights = q8_0_rows(7, n_rows, n_cols);
+    let mut activations = values(8, n_cols);
+    let mut quantized = vec![0u8; n_cols / 32 * 40];
+    unsafe {
+        host.launch(
+            "quantize_q8_1",
+            [(n_cols / 32) as u32, 1, 1],
+            [32, 1, 1],
+            &[
+                ptr(&mut quantized),
+                ptr(&mut activations),
+                U32(n_cols as u32),
+            ],
+        )
+    }
+    .expect("launch");
+    let mut product = vec![0f32; n_rows];
+    unsafe {
+        host.launch(
+            "mul_mat_vec_q8_0_q8_1",
+            [n_rows as u32, 1, 1],
+            [128, 1, 1],
+            &[
+                ptr(&mut product),
+                ptr(&mut weights),
+                ptr(&mut quantized),
+                U32(n_cols as u32),
+            ],
+        )
+    }
+    .expect("launch");
+    let row_bytes = n_cols / 32 * 34;
+    let reference: Vec<f32> = (0..n_rows)
+        .map(|r| {
+            let mut row = vec![0f32; n_cols];
+            dequantize_row(
+                GgmlType::Q8_0,
+                &weights[r * row_bytes..(r + 1) * row_bytes],
+                &mut row,
+            );
+            row.iter()
+                .zip(&activations)
+                .map(|(w, x)| *w as f64 * *x as f64)
+                .sum::<f64>() as f32
+        })
+        .collect();
+    assert!(
+        nmse(&product, &reference) <= NMSE_PRODUCTS,
+        "mul_mat_vec_q8_0_q8_1 {} {product:?} vs {reference:?}",
+        nmse(&product, &reference)
+    );
+
+    // Greedy sampling with a tie: the lowest index wins, as the CPU's argmax.
+    let vocab = 1000;
+    let mut logits = values(9, 2 * vocab);
+    logits[vocab + 10] = 5.0;
+    logits[vocab + 900] = 5.0;
+    let mut chosen = vec![0i32; 2];
+    unsafe {
+        host.launch(
+            "argmax_f32",
+            [2, 1, 1],
+            [256, 1, 1],
+            &[ptr(&mut chosen), ptr(&mut logits), U32(vocab as u32)],
+        )
+    }
+    .expect("launch");
+    for row in 0..2 {
+        let cpu = infer::runtime::sampling::argmax(&logits[row * vocab..(row + 1) * vocab]);
+        assert_eq!(chosen[row] as u32, cpu, "row {row}");
+    }
+    assert_eq!(chosen[1], 10);
+
+    // Arguments that are not the kernel's parameters are refused before anything runs.
+    let error = unsafe { host.launch("argmax_f32", [1, 1, 1], [256, 1, 1], &[U32(1)]) }
+        .expect_err("wrong arguments");
+    assert!(error.to_string().contains("argmax_f32"), "{error}");
 }

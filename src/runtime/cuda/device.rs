@@ -32,12 +32,13 @@ pub struct Driver {
     pub gpus: Vec<Gpu>,
 }
 
-/// The driver's CUDA version and every visible GPU.
+/// The driver's CUDA version and every visible GPU; the driver is looked for in `dirs`
+/// first ([`super::libraries::search_dirs`]).
 ///
 /// Errors: no driver on this host ("use --device cpu"), a driver that fails to initialise
 /// (its error), no GPU visible.
-pub fn probe() -> Result<Driver> {
-    super::libraries::open_driver()?;
+pub fn probe(dirs: &[std::path::PathBuf]) -> Result<Driver> {
+    super::libraries::open_driver(dirs)?;
     let check = |what: &str, outcome: std::result::Result<(), result::DriverError>| -> Result<()> {
         outcome.map_err(|e| anyhow::anyhow!("the NVIDIA driver failed at {what}: {e:?}"))
     };
@@ -52,8 +53,7 @@ pub fn probe() -> Result<Driver> {
         .map_err(|e| anyhow::anyhow!("the NVIDIA driver cannot count GPUs: {e:?}"))?;
     if count <= 0 {
         bail!(
-            "the NVIDIA driver sees no GPU (CUDA_VISIBLE_DEVICES={:?}); use --device cpu",
-            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default()
+            "the NVIDIA driver sees no GPU (check CUDA_VISIBLE_DEVICES and `nvidia-smi`); use --device cpu"
         );
     }
     let mut gpus = Vec::new();
@@ -89,8 +89,8 @@ pub fn probe() -> Result<Driver> {
 ///
 /// Errors: always — no driver or no GPU (the probe's message), else that the engine's ops
 /// do not run on the GPU in this build (what does: `infer smoke`'s kernel compilation).
-pub fn require_backend() -> Result<Driver> {
-    let driver = probe()?;
+pub fn require_backend(dirs: &[std::path::PathBuf]) -> Result<Driver> {
+    let driver = probe(dirs)?;
     bail!(
         "this build's CUDA backend compiles its kernels for {} (`infer smoke` checks them) but does not run the model on \
          the GPU yet; use --device cpu",

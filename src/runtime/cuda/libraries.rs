@@ -26,21 +26,22 @@ pub const NCCL: &str = "libnccl.so.2";
 /// Directories searched for NVIDIA libraries, in order: `INFER_CUDA_LIB_DIRS` and
 /// `LD_LIBRARY_PATH` (colon-separated), every `nvidia/*/lib` of the Python environments
 /// found (`$VIRTUAL_ENV`, `$CONDA_PREFIX`, `~/.local`, `/usr/local`, `/usr`), then
-/// `/usr/local/cuda/lib64`. Directories that do not exist are left out.
-pub fn search_dirs() -> Vec<PathBuf> {
+/// `/usr/local/cuda/lib64`. Directories that do not exist are left out. `var` reads an
+/// environment variable (the caller's environment: `runtime/` reads none itself).
+pub fn search_dirs(var: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = Vec::new();
-    for var in ["INFER_CUDA_LIB_DIRS", "LD_LIBRARY_PATH"] {
-        if let Some(value) = std::env::var_os(var) {
+    for name in ["INFER_CUDA_LIB_DIRS", "LD_LIBRARY_PATH"] {
+        if let Some(value) = var(name) {
             dirs.extend(std::env::split_paths(&value).filter(|p| !p.as_os_str().is_empty()));
         }
     }
     let mut prefixes: Vec<PathBuf> = Vec::new();
-    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
-        if let Some(value) = std::env::var_os(var) {
+    for name in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(value) = var(name) {
             prefixes.push(PathBuf::from(value));
         }
     }
-    if let Some(home) = std::env::var_os("HOME") {
+    if let Some(home) = var("HOME") {
         prefixes.push(Path::new(&home).join(".local"));
     }
     prefixes.extend([PathBuf::from("/usr/local"), PathBuf::from("/usr")]);
@@ -129,11 +130,11 @@ pub fn open(soname: &str, dirs: &[PathBuf]) -> Result<Option<PathBuf>> {
     }
 }
 
-/// Opens the driver API.
+/// Opens the driver API from `dirs` (then the system loader's paths).
 ///
 /// Errors: no driver on this host, with what to do instead.
-pub fn open_driver() -> Result<()> {
-    open(DRIVER, &search_dirs())
+pub fn open_driver(dirs: &[PathBuf]) -> Result<()> {
+    open(DRIVER, dirs)
         .map(|_| ())
         .map_err(|_| anyhow::anyhow!("no NVIDIA driver ({DRIVER}) on this host; use --device cpu"))
 }

@@ -7,6 +7,7 @@
 //! missing library; we report it instead).
 
 pub mod device;
+pub mod host;
 pub mod kernels;
 pub mod libraries;
 pub mod nvrtc;

@@ -47,11 +47,12 @@ const NOT_BUILT: &[&str] = &[
     "infer up --device cuda answers a chat request",
 ];
 
-/// Runs the checks on GPU 0, compiling kernels into `cache_dir`.
+/// Runs the checks on GPU 0, compiling kernels into `cache_dir`, with NVIDIA's libraries
+/// looked for in `dirs` first.
 ///
 /// Errors: no driver or no GPU (then there is nothing to check: exit 2).
-pub fn run(cache_dir: &std::path::Path) -> Result<Report> {
-    let driver = probe()?;
+pub fn run(cache_dir: &std::path::Path, dirs: &[PathBuf]) -> Result<Report> {
+    let driver = probe(dirs)?;
     let gpu = driver.gpus[0].clone();
     let mut checks = vec![Check {
         name: "GPU and driver".into(),
@@ -67,7 +68,7 @@ pub fn run(cache_dir: &std::path::Path) -> Result<Report> {
             if driver.gpus.len() == 1 { "" } else { "s" }
         ),
     }];
-    let nvrtc = match Nvrtc::open(&super::libraries::search_dirs()) {
+    let nvrtc = match Nvrtc::open(dirs) {
         Ok(nvrtc) => {
             checks.push(Check {
                 name: "NVRTC".into(),

@@ -1,0 +1,160 @@
+//! The host harness: the same kernel sources ([`super::kernels::FAMILIES`]) compiled by the
+//! system's C++ compiler against `host_prelude.h` (CUDA's built-ins on CPU threads: one thread
+//! per CUDA thread, a barrier for `__syncthreads`, `__dp4a` and friends in plain C++), so the
+//! kernels' arithmetic is checked against the CPU backend here, without a GPU. It checks what
+//! a kernel computes, not how fast or how it uses the memory hierarchy (`infer smoke` runs
+//! them on the GPU).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+
+use anyhow::{Context, Result, bail};
+
+use super::kernels::{FAMILIES, Kernel, Param};
+
+const PRELUDE: &str = include_str!("host_prelude.h");
+
+/// One kernel argument.
+#[derive(Clone, Copy, Debug)]
+pub enum HostArg {
+    /// A pointer to host memory standing for device memory.
+    Ptr(*mut u8),
+    U32(u32),
+    F32(f32),
+}
+
+/// The kernels compiled for the host and loaded.
+pub struct HostKernels {
+    library: libloading::Library,
+    /// Where the sources and the library were written.
+    pub dir: PathBuf,
+}
+
+/// One grid at a time: `__shared__` arrays are function statics in the harness.
+static LAUNCH: Mutex<()> = Mutex::new(());
+
+type Launcher = unsafe extern "C" fn(*const u32, *const u32, *const *mut std::ffi::c_void);
+
+impl HostKernels {
+    /// Writes every family with its launchers into `dir`, compiles them with `compiler`
+    /// (`c++`, or the caller's `$CXX`) as C++20 into one shared library and loads it.
+    ///
+    /// Errors: no C++ compiler, a kernel source the harness cannot compile (the compiler's
+    /// output), a library that does not load.
+    pub fn build(dir: &Path, compiler: &str) -> Result<HostKernels> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create `{}`", dir.display()))?;
+        std::fs::write(dir.join("host_prelude.h"), PRELUDE)?;
+        let mut units = Vec::new();
+        for family in FAMILIES {
+            let mut unit = format!("#include \"host_prelude.h\"\n{}\n", family.source);
+            for kernel in family.kernels {
+                unit.push_str(&launcher(kernel));
+            }
+            let path = dir.join(format!("{}.cpp", family.file.trim_end_matches(".cu")));
+            std::fs::write(&path, unit)?;
+            units.push(path);
+        }
+        let library = dir.join("libinfer_host_kernels.so");
+        let output = Command::new(compiler)
+            .args(["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-o"])
+            .arg(&library)
+            .args(&units)
+            .output()
+            .with_context(|| {
+                format!("the host harness needs a C++20 compiler: `{compiler}` did not run (`apt-get install g++`)")
+            })?;
+        if !output.status.success() {
+            bail!(
+                "`{compiler}` could not compile the kernels for the host:\n{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        // SAFETY: the library was just built from our sources; loading runs no user code.
+        let library = unsafe { libloading::Library::new(&library) }
+            .with_context(|| format!("cannot load `{}`", library.display()))?;
+        Ok(HostKernels {
+            library,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// Runs kernel `name` over `grid` × `block` threads with `args`.
+    ///
+    /// Errors: an unknown kernel, arguments that are not its parameters (count and kinds).
+    ///
+    /// # Safety
+    /// Every pointer must point at memory large enough for what the kernel reads and
+    /// writes at these grid and block sizes, as on a GPU.
+    pub unsafe fn launch(
+        &self,
+        name: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[HostArg],
+    ) -> Result<()> {
+        let kernel = FAMILIES
+            .iter()
+            .flat_map(|f| f.kernels)
+            .find(|k| k.name == name)
+            .with_context(|| format!("no kernel `{name}`"))?;
+        let kinds: Vec<Param> = args
+            .iter()
+            .map(|a| match a {
+                HostArg::Ptr(_) => Param::Ptr,
+                HostArg::U32(_) => Param::U32,
+                HostArg::F32(_) => Param::F32,
+            })
+            .collect();
+        if kinds != kernel.params {
+            bail!("`{name}` takes {:?}, given {kinds:?}", kernel.params);
+        }
+        // Each argument's value, addressed as the launcher reads it (CUDA's `void** args`).
+        let mut values: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| {
+                let mut v = [0u8; 8];
+                match *a {
+                    HostArg::Ptr(p) => v.copy_from_slice(&(p as usize as u64).to_ne_bytes()),
+                    HostArg::U32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                    HostArg::F32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                }
+                v
+            })
+            .collect();
+        let pointers: Vec<*mut std::ffi::c_void> =
+            values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+        let symbol = format!("infer_host_launch_{name}");
+        // SAFETY: the symbol was generated by `launcher` with this signature.
+        let launch: libloading::Symbol<Launcher> =
+            unsafe { self.library.get(symbol.as_bytes()) }
+                .with_context(|| format!("`{symbol}` is missing from the harness"))?;
+        let _one_at_a_time = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the arguments match the kernel's parameters (checked above); the caller
+        // vouches for the memory.
+        unsafe { launch(grid.as_ptr(), block.as_ptr(), pointers.as_ptr()) };
+        Ok(())
+    }
+}
+
+/// The C++ launcher of `kernel`: reads each argument from CUDA-style `void** args` and runs
+/// the kernel over the grid.
+fn launcher(kernel: &Kernel) -> String {
+    let args: Vec<String> = kernel
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match p {
+            Param::Ptr => format!("InferHostPtr{{*(void**)args[{i}]}}"),
+            Param::U32 => format!("*(unsigned int*)args[{i}]"),
+            Param::F32 => format!("*(float*)args[{i}]"),
+        })
+        .collect();
+    format!(
+        "extern \"C\" void infer_host_launch_{name}(const unsigned int* grid, const unsigned int* block, void** args) {{\n    \
+         infer_host_run(grid, block, [&] {{ {name}({args}); }});\n}}\n",
+        name = kernel.name,
+        args = args.join(", ")
+    )
+}
