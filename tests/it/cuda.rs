@@ -444,10 +444,10 @@ fn host_harness_runs_the_kernels_like_the_cpu_backend() {
         );
     }
 
-    // Q8_0 weights × Q8_1 activations (dp4a): 7 rows × 96 columns, against the f64 product
-    // of the dequantized rows.
-    let (n_rows, n_cols) = (7usize, 96usize);
-    let mut weights = q8_0_rows(7, n_rows, n_cols);
+    // Every quantized type × Q8_1 activations (dp4a): 5 rows × 8448 columns (33 super-blocks
+    // of 256: 264 blocks of 32 per row, more than the 128 threads), against the f64 product
+    // of the CPU backend's dequantized rows.
+    let (n_rows, n_cols) = (5usize, 8448usize);
     let mut activations = values(8, n_cols);
     let mut quantized = vec![0u8; n_cols / 32 * 40];
     unsafe {
@@ -463,41 +463,62 @@ fn host_harness_runs_the_kernels_like_the_cpu_backend() {
         )
     }
     .expect("launch");
-    let mut product = vec![0f32; n_rows];
-    unsafe {
-        host.launch(
-            "mul_mat_vec_q8_0_q8_1",
-            [n_rows as u32, 1, 1],
-            [128, 1, 1],
-            &[
-                ptr(&mut product),
-                ptr(&mut weights),
-                ptr(&mut quantized),
-                U32(n_cols as u32),
-            ],
-        )
+    // (type, kernel, block bytes, values per block, offsets of the f16 scales in a block)
+    let types: [(GgmlType, &str, usize, usize, &[usize]); 5] = [
+        (GgmlType::Q4_0, "mul_mat_vec_q4_0_q8_1", 18, 32, &[0]),
+        (GgmlType::Q4_1, "mul_mat_vec_q4_1_q8_1", 20, 32, &[0, 2]),
+        (GgmlType::Q8_0, "mul_mat_vec_q8_0_q8_1", 34, 32, &[0]),
+        (GgmlType::Q4K, "mul_mat_vec_q4_k_q8_1", 144, 256, &[0, 2]),
+        (GgmlType::Q6K, "mul_mat_vec_q6_k_q8_1", 210, 256, &[208]),
+    ];
+    for (seed, (ty, kernel, block_bytes, block_values, scales)) in types.into_iter().enumerate() {
+        let row_bytes = n_cols / block_values * block_bytes;
+        // Random quants; sane f16 scales (2^-10 to 2^-6) where the format keeps them.
+        let mut weights: Vec<u8> = values(20 + seed as u64, n_rows * row_bytes)
+            .iter()
+            .map(|v| ((v + 1.0) * 127.5) as u8)
+            .collect();
+        let scale_values = values(40 + seed as u64, weights.len() / block_bytes * scales.len());
+        for (k, block) in weights.chunks_mut(block_bytes).enumerate() {
+            for (s, &offset) in scales.iter().enumerate() {
+                let scale = half::f16::from_f32(
+                    (1.0 / 1024.0) * (1.0 + 15.0 * scale_values[k * scales.len() + s].abs()),
+                );
+                block[offset..offset + 2].copy_from_slice(&scale.to_bits().to_le_bytes());
+            }
+        }
+        let mut product = vec![0f32; n_rows];
+        unsafe {
+            host.launch(
+                kernel,
+                [n_rows as u32, 1, 1],
+                [128, 1, 1],
+                &[
+                    ptr(&mut product),
+                    ptr(&mut weights),
+                    ptr(&mut quantized),
+                    U32(n_cols as u32),
+                    U32(row_bytes as u32),
+                ],
+            )
+        }
+        .expect("launch");
+        let reference: Vec<f32> = (0..n_rows)
+            .map(|r| {
+                let mut row = vec![0f32; n_cols];
+                dequantize_row(ty, &weights[r * row_bytes..(r + 1) * row_bytes], &mut row);
+                row.iter()
+                    .zip(&activations)
+                    .map(|(w, x)| *w as f64 * *x as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        let error = nmse(&product, &reference);
+        assert!(
+            error <= NMSE_PRODUCTS && error > 0.0,
+            "{kernel}: NMSE {error}: {product:?} vs {reference:?}"
+        );
     }
-    .expect("launch");
-    let row_bytes = n_cols / 32 * 34;
-    let reference: Vec<f32> = (0..n_rows)
-        .map(|r| {
-            let mut row = vec![0f32; n_cols];
-            dequantize_row(
-                GgmlType::Q8_0,
-                &weights[r * row_bytes..(r + 1) * row_bytes],
-                &mut row,
-            );
-            row.iter()
-                .zip(&activations)
-                .map(|(w, x)| *w as f64 * *x as f64)
-                .sum::<f64>() as f32
-        })
-        .collect();
-    assert!(
-        nmse(&product, &reference) <= NMSE_PRODUCTS,
-        "mul_mat_vec_q8_0_q8_1 {} {product:?} vs {reference:?}",
-        nmse(&product, &reference)
-    );
 
     // Greedy sampling with a tie: the lowest index wins, as the CPU's argmax.
     let vocab = 1000;

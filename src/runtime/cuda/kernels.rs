@@ -108,8 +108,28 @@ pub const FAMILIES: &[Family] = &[
                 block_threads: 32,
             },
             Kernel {
+                name: "mul_mat_vec_q4_0_q8_1",
+                params: &[Ptr, Ptr, Ptr, U32, U32],
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_q4_1_q8_1",
+                params: &[Ptr, Ptr, Ptr, U32, U32],
+                block_threads: 128,
+            },
+            Kernel {
                 name: "mul_mat_vec_q8_0_q8_1",
-                params: &[Ptr, Ptr, Ptr, U32],
+                params: &[Ptr, Ptr, Ptr, U32, U32],
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_q4_k_q8_1",
+                params: &[Ptr, Ptr, Ptr, U32, U32],
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_q6_k_q8_1",
+                params: &[Ptr, Ptr, Ptr, U32, U32],
                 block_threads: 128,
             },
         ],
