@@ -520,6 +520,93 @@ fn host_harness_runs_the_kernels_like_the_cpu_backend() {
         );
     }
 
+    // Paged attention, GQA (6 query heads on 2 KV heads, head_dim 64), blocks scattered over
+    // the pool: two decode queries (37 and 600 positions: two tiles of 512) and four prefill
+    // queries of the first sequence with their causal lengths, against f64 attention.
+    let (n_heads, n_kv_heads, head_dim, n_blocks) = (6usize, 2usize, 64usize, 60usize);
+    let block_len = 16usize;
+    let kv_values = n_blocks * n_kv_heads * block_len * head_dim;
+    let to_f16 = |v: &[f32]| -> Vec<u16> {
+        v.iter()
+            .map(|x| half::f16::from_f32(*x).to_bits())
+            .collect()
+    };
+    let mut k_cache = to_f16(&values(50, kv_values));
+    let mut v_cache = to_f16(&values(51, kv_values));
+    let max_blocks = 38usize;
+    // Sequence 0 holds blocks 59, 3, 17; sequence 1 every block from 58 down, skipping those.
+    let mut tables = vec![0i32; 2 * max_blocks];
+    tables[..3].copy_from_slice(&[59, 3, 17]);
+    let others: Vec<i32> = (0..59)
+        .rev()
+        .filter(|b| *b != 3 && *b != 17)
+        .take(38)
+        .collect();
+    tables[max_blocks..].copy_from_slice(&others);
+    let mut table_rows: Vec<i32> = vec![0, 1, 0, 0, 0, 0];
+    let mut context_lens: Vec<i32> = vec![37, 600, 34, 35, 36, 37];
+    let n_queries = table_rows.len();
+    let mut queries = values(52, n_queries * n_heads * head_dim);
+    let mut attended = vec![0f32; queries.len()];
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    unsafe {
+        host.launch(
+            "paged_attention_f16kv",
+            [n_heads as u32, n_queries as u32, 1],
+            [128, 1, 1],
+            &[
+                ptr(&mut attended),
+                ptr(&mut queries),
+                ptr(&mut k_cache),
+                ptr(&mut v_cache),
+                ptr(&mut tables),
+                ptr(&mut table_rows),
+                ptr(&mut context_lens),
+                U32(max_blocks as u32),
+                U32(n_heads as u32),
+                U32(n_kv_heads as u32),
+                U32(head_dim as u32),
+                F32(scale),
+            ],
+        )
+    }
+    .expect("launch");
+    let f16_at = |cache: &[u16], block: i32, kv_head: usize, position: usize, d: usize| {
+        let index = ((block as usize * n_kv_heads + kv_head) * block_len + position % block_len)
+            * head_dim
+            + d;
+        half::f16::from_bits(cache[index]).to_f64()
+    };
+    let mut reference = vec![0f32; attended.len()];
+    for query in 0..n_queries {
+        let table = &tables[table_rows[query] as usize * max_blocks..][..max_blocks];
+        for head in 0..n_heads {
+            let kv_head = head / (n_heads / n_kv_heads);
+            let q = &queries[(query * n_heads + head) * head_dim..][..head_dim];
+            let len = context_lens[query] as usize;
+            let scores: Vec<f64> = (0..len)
+                .map(|p| {
+                    let block = table[p / block_len];
+                    (0..head_dim)
+                        .map(|d| q[d] as f64 * f16_at(&k_cache, block, kv_head, p, d))
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for d in 0..head_dim {
+                let value: f64 = (0..len)
+                    .map(|p| weights[p] * f16_at(&v_cache, table[p / block_len], kv_head, p, d))
+                    .sum();
+                reference[(query * n_heads + head) * head_dim + d] = (value / total) as f32;
+            }
+        }
+    }
+    let error = nmse(&attended, &reference);
+    assert!(error <= NMSE_OTHERS, "paged_attention_f16kv NMSE {error}");
+
     // Greedy sampling with a tie: the lowest index wins, as the CPU's argmax.
     let vocab = 1000;
     let mut logits = values(9, 2 * vocab);

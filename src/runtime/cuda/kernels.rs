@@ -135,6 +135,15 @@ pub const FAMILIES: &[Family] = &[
         ],
     },
     Family {
+        file: "attention.cu",
+        source: include_str!("kernels/attention.cu"),
+        kernels: &[Kernel {
+            name: "paged_attention_f16kv",
+            params: &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, F32],
+            block_threads: 128,
+        }],
+    },
+    Family {
         file: "sampling.cu",
         source: include_str!("kernels/sampling.cu"),
         kernels: &[Kernel {
