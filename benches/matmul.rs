@@ -6,8 +6,8 @@
 
 use std::time::Instant;
 
-use infer::runtime::quant::{GgmlType, Numerics};
-use infer::runtime::weights::Weight;
+use infer::runtime::cpu::quant::{GgmlType, Numerics};
+use infer::runtime::model::weights::Weight;
 
 /// Deterministic pseudo-random bytes (xorshift64).
 fn bytes(n: usize, mut state: u64) -> Vec<u8> {

@@ -704,14 +704,14 @@ pub struct UpArgs {
 }
 
 /// `--numerics`: how the quantized matrix products round (see
-/// `runtime::quant::Numerics`).
+/// `runtime::cpu::quant::Numerics`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum NumericsArg {
     Exact,
     Fast,
 }
 
-impl From<NumericsArg> for crate::runtime::quant::Numerics {
+impl From<NumericsArg> for crate::runtime::cpu::quant::Numerics {
     fn from(arg: NumericsArg) -> Self {
         match arg {
             NumericsArg::Exact => Self::Exact,

@@ -6,9 +6,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 
 use crate::cli::{BenchAllreduceArgs, BenchAllreduceWorkerArgs, BenchCommand, BenchDecodeArgs};
-use crate::runtime::engine::Engine;
-use crate::runtime::llama::SequenceInput;
-use crate::runtime::sampling::argmax;
+use crate::runtime::exec::engine::Engine;
+use crate::runtime::model::llama::SequenceInput;
+use crate::runtime::model::sampling::argmax;
 use crate::ui::Printer;
 use crate::{ExitStatus, model};
 
@@ -98,7 +98,7 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
                 device: "cpu".into(),
                 device_name: cpu_name(),
                 threads: engine.threads(),
-                numerics: crate::runtime::quant::Numerics::from(args.numerics)
+                numerics: crate::runtime::cpu::quant::Numerics::from(args.numerics)
                     .name()
                     .into(),
                 batch,
@@ -117,7 +117,7 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
         "model       {}\nthreads     {}\nnumerics    {}\nprefill     {best_prefill:.1} tok/s ({} prompt tokens, best of {})\ndecode      {best_decode:.1} tok/s (batch {}, {} tokens each after the prompt, best of {})\npeak RSS    {:.1} MB",
         engine.name,
         engine.threads(),
-        crate::runtime::quant::Numerics::from(args.numerics).name(),
+        crate::runtime::cpu::quant::Numerics::from(args.numerics).name(),
         prompt.len(),
         args.runs.max(1),
         args.batch.max(1),
@@ -158,7 +158,7 @@ fn peak_rss_bytes() -> Result<u64> {
 }
 
 use crate::plan::calibration::Scope;
-use crate::runtime::comm::{AllreduceRow, time_all_reduce as allreduce_sizes};
+use crate::runtime::collectives::{AllreduceRow, time_all_reduce as allreduce_sizes};
 
 /// What rank 0 reports at the end.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -301,7 +301,7 @@ fn allreduce_cluster(
         ep: 1,
         model: None,
         threads_per_rank: 1,
-        numerics: crate::runtime::quant::Numerics::Exact,
+        numerics: crate::runtime::cpu::quant::Numerics::Exact,
         timeout: std::time::Duration::from_secs(120),
         extra_env: Vec::new(),
         layout_from: "infer bench allreduce --cluster".into(),
@@ -315,7 +315,7 @@ fn allreduce_cluster(
         },
         push_model: args.ssh.push_model,
     };
-    let job = crate::runtime::worker::Job::AllReduce {
+    let job = crate::runtime::exec::worker::Job::AllReduce {
         max_bytes: args.max_bytes,
     };
     let progress = printer.progress(2 * args.world as u64);
@@ -331,7 +331,7 @@ fn allreduce_cluster(
         super::report_progress(&progress, &event, false)
     })?;
     progress.finish();
-    let report: crate::runtime::worker::AllreduceBench =
+    let report: crate::runtime::exec::worker::AllreduceBench =
         serde_json::from_slice(&bytes).context("rank 0 wrote a malformed report")?;
     let stream = report.stream_bytes_per_sec / 1e9;
     hosts.sort();
@@ -403,7 +403,7 @@ fn json_table(
 fn allreduce_table(title: &str, rows: &[AllreduceRow], world: usize, stream_gbps: f64) -> String {
     let mut table = format!(
         "# all-reduce (sum, float32): {title}\n{}",
-        crate::runtime::comm::nccl_tests_table(rows, world)
+        crate::runtime::collectives::nccl_tests_table(rows, world)
     );
     if let Some(row) = rows.iter().find(|r| r.bytes == 16 << 20) {
         let busbw = row.busbw_bytes_per_sec(world) / 1e9;
@@ -419,8 +419,8 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
     use std::io::{Read, Write};
     use std::time::Duration;
 
-    use crate::runtime::comm::{Comm, TcpComm};
-    use crate::runtime::shm::ShmComm;
+    use crate::runtime::collectives::shm::ShmComm;
+    use crate::runtime::collectives::{Comm, TcpComm};
     let token = std::env::var("INFER_RUN_TOKEN").context("`INFER_RUN_TOKEN` is not set")?;
     let timeout = Duration::from_secs(60);
     let mut store =

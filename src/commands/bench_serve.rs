@@ -74,7 +74,7 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     let max_batch = args.concurrency.iter().copied().max().unwrap_or(1).max(16);
     command.args(["--max-batch", &max_batch.to_string()]);
     command.args(["--tp", &args.tp.to_string(), "--pp", &args.pp.to_string()]);
-    let numerics = crate::runtime::quant::Numerics::from(args.numerics).name();
+    let numerics = crate::runtime::cpu::quant::Numerics::from(args.numerics).name();
     command.args(["--numerics", numerics]);
     if let Some(model) = &args.model {
         command.args(["--model", model]);

@@ -5,9 +5,9 @@ use anyhow::{Result, bail};
 use serde::Serialize;
 
 use crate::cli::GenerateArgs;
-use crate::runtime::chat::ChatMessage;
-use crate::runtime::engine::{Engine, Generation};
-use crate::runtime::sampling::SamplingParams;
+use crate::runtime::exec::engine::{Engine, Generation};
+use crate::runtime::model::chat::ChatMessage;
+use crate::runtime::model::sampling::SamplingParams;
 use crate::ui::Printer;
 use crate::{ExitStatus, model};
 
@@ -120,8 +120,8 @@ fn distributed(
     path: &std::path::Path,
     printer: &Printer,
 ) -> Result<ExitStatus> {
-    use crate::runtime::gguf::Header;
-    use crate::runtime::tokenizer::Tokenizer;
+    use crate::runtime::formats::gguf::Header;
+    use crate::runtime::model::tokenizer::Tokenizer;
     super::require_gguf_for_ranks(path)?;
     let header = Header::read_file(path)?;
     let tokenizer = Tokenizer::from_gguf(&header)?;
@@ -131,7 +131,7 @@ fn distributed(
             .as_deref()
             .ok_or_else(|| anyhow::anyhow!("the model has no chat template"))?;
         let token = |id: Option<u32>| id.and_then(|i| tokenizer.token(i)).unwrap_or_default();
-        crate::runtime::chat::render(
+        crate::runtime::model::chat::render(
             template,
             &[ChatMessage {
                 role: "user".into(),
@@ -154,7 +154,7 @@ fn distributed(
             context as usize,
         );
     }
-    let job = crate::runtime::worker::Job::Generate {
+    let job = crate::runtime::exec::worker::Job::Generate {
         prompt_tokens,
         params: sampling_params(args),
     };

@@ -1,13 +1,13 @@
 //! `infer rank` (hidden): one rank process. Reads its configuration from the environment the
-//! launcher set and runs [`crate::runtime::worker::run_rank`].
+//! launcher set and runs [`crate::runtime::exec::worker::run_rank`].
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 
 use crate::ExitStatus;
-use crate::runtime::quant::Numerics;
-use crate::runtime::worker::{RankConfig, run_rank};
+use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::exec::worker::{RankConfig, run_rank};
 
 fn var(name: &str) -> Result<String> {
     std::env::var(name).with_context(|| {

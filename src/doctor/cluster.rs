@@ -64,7 +64,7 @@ pub struct AllreduceProbe {
     /// What carried it (TCP when the group spans hosts).
     pub transport: String,
     /// One row per message size.
-    pub rows: Vec<crate::runtime::comm::AllreduceRow>,
+    pub rows: Vec<crate::runtime::collectives::AllreduceRow>,
     /// The slowest data link of the group (sysfs `speed`), if any rate is known.
     pub slowest_link: Option<LinkRate>,
     /// Why it did not run or failed.

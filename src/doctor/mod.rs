@@ -170,7 +170,8 @@ pub fn render(report: &Report) -> String {
                 probe.hosts.len(),
                 probe.hosts.join(", "),
                 probe.transport,
-                crate::runtime::comm::nccl_tests_table(&probe.rows, probe.hosts.len()).trim_end()
+                crate::runtime::collectives::nccl_tests_table(&probe.rows, probe.hosts.len())
+                    .trim_end()
             )
         })
         .unwrap_or_default();

@@ -14,8 +14,8 @@ use super::ssh::{SshOptions, SshTarget, default_identity_files, default_known_ho
 use super::ssh_config;
 use super::{Gang, LaunchSpec, Placement, Progress, StoreLocation};
 use crate::cluster::InventoryEntry;
-use crate::runtime::engine::Generation;
-use crate::runtime::worker::Job;
+use crate::runtime::exec::engine::Generation;
+use crate::runtime::exec::worker::Job;
 
 /// How to reach and use the hosts of an inventory.
 #[derive(Clone, Debug)]
@@ -644,7 +644,7 @@ fn allreduce_probe(
     store: (std::net::SocketAddr, std::net::SocketAddr),
     token: &str,
     progress: &mut dyn FnMut(Progress),
-) -> Result<crate::runtime::worker::AllreduceBench> {
+) -> Result<crate::runtime::exec::worker::AllreduceBench> {
     let placement = names
         .iter()
         .zip(data)
@@ -667,7 +667,7 @@ fn allreduce_probe(
         ep: 1,
         model: None,
         threads_per_rank: 1,
-        numerics: crate::runtime::quant::Numerics::Exact,
+        numerics: crate::runtime::cpu::quant::Numerics::Exact,
         timeout: std::time::Duration::from_secs(30),
         extra_env: Vec::new(),
         layout_from: "infer doctor --cluster --bandwidth".into(),

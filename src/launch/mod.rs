@@ -24,9 +24,9 @@ pub mod ssh;
 pub mod ssh_config;
 
 use crate::rendezvous::{StoreClient, StoreServer, random_token};
-use crate::runtime::engine::Generation;
-use crate::runtime::quant::Numerics;
-use crate::runtime::worker::Job;
+use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::exec::engine::Generation;
+use crate::runtime::exec::worker::Job;
 
 /// How long a rank may go without a heartbeat before the gang is stopped.
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -191,12 +191,12 @@ impl LaunchSpec {
                 model.display()
             );
         }
-        let header = crate::runtime::gguf::Header::read_file(model)?;
+        let header = crate::runtime::formats::gguf::Header::read_file(model)?;
         let name = model.file_name().map_or_else(
             || model.display().to_string(),
             |n| n.to_string_lossy().into_owned(),
         );
-        crate::runtime::llama::LayoutLimits::from_header(&header, &name)?
+        crate::runtime::model::llama::LayoutLimits::from_header(&header, &name)?
             .check(self.tp, self.pp, self.ep)
     }
 }

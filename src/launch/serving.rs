@@ -13,8 +13,8 @@ use anyhow::{Context, Result, bail};
 
 use super::{Gang, LaunchSpec, Progress};
 use crate::model;
-use crate::runtime::quant::Numerics;
-use crate::runtime::worker::Job;
+use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::exec::worker::Job;
 use crate::serve::http::OneProcessEvent;
 
 /// Everything `infer up` was asked for, validated (no clap types).

@@ -1,12 +1,12 @@
 //! Planning specs from GGUF files: the shape from `<arch>.*` metadata and the exact weight
-//! bytes from the tensor infos. The format itself lives in [`crate::runtime::gguf`].
+//! bytes from the tensor infos. The format itself lives in [`crate::runtime::formats::gguf`].
 
 use std::path::Path;
 
 use anyhow::{Result, bail};
 
 use crate::plan::model::{Architecture, Dtype, ModelSpec, MoeSpec};
-use crate::runtime::gguf::{Header, Value};
+use crate::runtime::formats::gguf::{Header, Value};
 
 /// Builds a planning spec from a GGUF file's header: shape from `<arch>.*` metadata, exact
 /// weight bytes from the tensor infos.

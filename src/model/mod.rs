@@ -100,7 +100,7 @@ pub fn load(model: &str) -> Result<ModelSpec> {
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
     {
-        let header = crate::runtime::gguf::Header::read_file(path)?;
+        let header = crate::runtime::formats::gguf::Header::read_file(path)?;
         return gguf::spec_from_header(&header, path)
             .with_context(|| format!("failed to plan for `{}`", path.display()));
     }

@@ -1,25 +1,20 @@
-//! The engine core that rank processes run: model formats, quantized CPU kernels, the
-//! Llama-family forward pass, tokenizer, chat template and sampling.
+//! The engine core that rank processes run, by part:
 //!
-//! It knows nothing of clap, TOML or SSH: it receives a model path, its settings and (later)
-//! its rank, shard and peers.
+//! - [`formats`]: model files (GGUF, safetensors);
+//! - [`model`]: the Llama family (dense and MoE), its weights, tokenizer, chat template and
+//!   sampling;
+//! - [`cpu`]: the quantized CPU kernels and their thread team;
+//! - [`cuda`]: the CUDA backend's kernels, NVRTC, the driver probe and the host harness;
+//! - [`collectives`]: all-reduce and friends over TCP and shared memory;
+//! - [`exec`]: running a model: the one-process engine, the executor of steps, rank
+//!   workers, the paged KV cache.
+//!
+//! It knows nothing of clap, TOML or SSH: it receives a model path, its settings and its
+//! rank, shard and peers.
 
-pub mod chat;
-pub mod comm;
+pub mod collectives;
+pub mod cpu;
 pub mod cuda;
-pub mod engine;
-pub mod executor;
-pub mod gguf;
-pub mod kv;
-pub mod llama;
-pub mod mathfn;
-pub mod moe;
-pub mod packed;
-pub mod quant;
-pub mod safetensors;
-pub mod sampling;
-pub mod shm;
-pub mod team;
-pub mod tokenizer;
-pub mod weights;
-pub mod worker;
+pub mod exec;
+pub mod formats;
+pub mod model;

@@ -14,12 +14,12 @@ use super::router::Router;
 use super::scheduler::Scheduler;
 use super::{AppState, Gate, router};
 use crate::rendezvous::StoreClient;
-use crate::runtime::engine::Engine;
-use crate::runtime::executor::Executor;
-use crate::runtime::gguf::Header;
-use crate::runtime::quant::Numerics;
-use crate::runtime::tokenizer::Tokenizer;
-use crate::runtime::worker::ReplicaDriver;
+use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::exec::engine::Engine;
+use crate::runtime::exec::executor::Executor;
+use crate::runtime::exec::worker::ReplicaDriver;
+use crate::runtime::formats::gguf::Header;
+use crate::runtime::model::tokenizer::Tokenizer;
 
 /// What the one-process server needs.
 pub struct OneProcess<'a> {

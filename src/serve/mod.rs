@@ -22,10 +22,10 @@ use serde_json::{Value, json};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::runtime::chat::{ChatMessage, render};
-use crate::runtime::engine::FinishReason;
-use crate::runtime::sampling::SamplingParams;
-use crate::runtime::tokenizer::Tokenizer;
+use crate::runtime::exec::engine::FinishReason;
+use crate::runtime::model::chat::{ChatMessage, render};
+use crate::runtime::model::sampling::SamplingParams;
+use crate::runtime::model::tokenizer::Tokenizer;
 use scheduler::{Event, Request};
 
 /// What the handlers share.

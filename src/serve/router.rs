@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
 use super::scheduler::{Event, Metrics, MetricsSnapshot, Request, Scheduler};
-use crate::runtime::sampling::SamplingParams;
+use crate::runtime::model::sampling::SamplingParams;
 
 /// Prompt tokens hashed for prefix affinity.
 const AFFINITY_PREFIX_TOKENS: usize = 32;

@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::runtime::engine::{Engine, FinishReason};
-use crate::runtime::executor::{Executor, LocalExecutor, StepEntry};
-use crate::runtime::kv::blocks_for;
-use crate::runtime::sampling::SamplingParams;
-use crate::runtime::tokenizer::TextStream;
+use crate::runtime::exec::engine::{Engine, FinishReason};
+use crate::runtime::exec::executor::{Executor, LocalExecutor, StepEntry};
+use crate::runtime::exec::kv::blocks_for;
+use crate::runtime::model::sampling::SamplingParams;
+use crate::runtime::model::tokenizer::TextStream;
 
 /// A generation request.
 pub struct Request {

@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use infer::rendezvous::{StoreClient, StoreServer, random_token};
-use infer::runtime::comm::{Comm, TcpComm};
-use infer::runtime::shm::ShmComm;
+use infer::runtime::collectives::shm::ShmComm;
+use infer::runtime::collectives::{Comm, TcpComm};
 
 /// Which all-reduce a test group uses.
 #[derive(Clone, Copy, Debug)]

@@ -309,8 +309,8 @@ fn q8_0_rows(seed: u64, rows: usize, cols: usize) -> Vec<u8> {
 
 #[test]
 fn host_harness_runs_the_kernels_like_the_cpu_backend() {
+    use infer::runtime::cpu::quant::{GgmlType, dequantize_row};
     use infer::runtime::cuda::host::HostArg::{F32, U32};
-    use infer::runtime::quant::{GgmlType, dequantize_row};
     let host = host();
     // RMSNorm over 3 rows of 576 (SmolLM2's width): not a multiple of the 256 threads.
     let (rows, cols) = (3usize, 576usize);
@@ -333,7 +333,7 @@ fn host_harness_runs_the_kernels_like_the_cpu_backend() {
     }
     .expect("launch");
     let mut cpu = vec![0f32; rows * cols];
-    infer::runtime::llama::rms_norm(&x, &w, 1e-5, &mut cpu);
+    infer::runtime::model::llama::rms_norm(&x, &w, 1e-5, &mut cpu);
     assert!(nmse(&y, &cpu) <= NMSE_OTHERS, "rms_norm {}", nmse(&y, &cpu));
 
     // SwiGLU over 1000 values (a partial last block).
@@ -352,7 +352,7 @@ fn host_harness_runs_the_kernels_like_the_cpu_backend() {
     let cpu: Vec<f32> = gate
         .iter()
         .zip(&up)
-        .map(|(g, u)| infer::runtime::mathfn::silu(*g) * u)
+        .map(|(g, u)| infer::runtime::cpu::mathfn::silu(*g) * u)
         .collect();
     assert!(
         nmse(&out, &cpu) <= NMSE_OTHERS,
@@ -623,7 +623,7 @@ fn host_harness_runs_the_kernels_like_the_cpu_backend() {
     }
     .expect("launch");
     for row in 0..2 {
-        let cpu = infer::runtime::sampling::argmax(&logits[row * vocab..(row + 1) * vocab]);
+        let cpu = infer::runtime::model::sampling::argmax(&logits[row * vocab..(row + 1) * vocab]);
         assert_eq!(chosen[row] as u32, cpu, "row {row}");
     }
     assert_eq!(chosen[1], 10);

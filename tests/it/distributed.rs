@@ -203,14 +203,14 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         // The spawner starts nothing real: no model to check.
         model: None,
         threads_per_rank: 1,
-        numerics: infer::runtime::quant::Numerics::Exact,
+        numerics: infer::runtime::cpu::quant::Numerics::Exact,
         timeout: Duration::from_secs(5),
         extra_env: Vec::new(),
         layout_from: "a test".into(),
         placement: Vec::new(),
         run_dir: None,
     };
-    let job = infer::runtime::worker::Job::Serve;
+    let job = infer::runtime::exec::worker::Job::Serve;
     let mut serving =
         infer::launch::Gang::start_with(&ExitingSpawner, &spec, &job).expect("gang starts");
     serving.fail_on_any_exit();

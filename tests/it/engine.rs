@@ -4,10 +4,10 @@
 
 use std::sync::OnceLock;
 
-use infer::runtime::engine::Engine;
-use infer::runtime::llama::{Llama, SequenceInput};
-use infer::runtime::quant::Numerics;
-use infer::runtime::sampling::argmax;
+use infer::runtime::cpu::quant::Numerics;
+use infer::runtime::exec::engine::Engine;
+use infer::runtime::model::llama::{Llama, SequenceInput};
+use infer::runtime::model::sampling::argmax;
 use serde_json::Value;
 
 use crate::synthetic::{Shape, weights, write_gguf, write_hf};
@@ -83,7 +83,7 @@ fn greedy_tokens_match_llama_cpp() {
         assert_eq!(prompt_tokens, ids(&case["prompt_tokens"]), "{prompt}");
         let expected = ids(&case["greedy_tokens"]);
         let margins = margins(&case);
-        let params = infer::runtime::sampling::SamplingParams {
+        let params = infer::runtime::model::sampling::SamplingParams {
             max_tokens: expected.len(),
             ..Default::default()
         };
@@ -184,7 +184,7 @@ fn tokenizer_round_trips_special_tokens_and_non_ascii() {
 fn chat_template_renders_smollm2_format() {
     let engine = smollm2();
     let prompt = engine
-        .chat_prompt(&[infer::runtime::chat::ChatMessage {
+        .chat_prompt(&[infer::runtime::model::chat::ChatMessage {
             role: "user".into(),
             content: "Hi there".into(),
         }])
@@ -284,8 +284,8 @@ fn safetensors_and_gguf_of_the_same_weights_agree() {
         write_hf(dir.path(), &shape, &w);
         let gguf = dir.path().join("model.gguf");
         write_gguf(&gguf, &shape, &w);
-        let hf_model =
-            infer::runtime::safetensors::load_llama(dir.path()).expect("safetensors loads");
+        let hf_model = infer::runtime::formats::safetensors::load_llama(dir.path())
+            .expect("safetensors loads");
         let gguf_model = Llama::open_gguf(&gguf).expect("GGUF loads");
         let tokens = [1u32, 5, 9, 33, 70, 2, 44, 17];
         let logits = |model: &Llama| {
@@ -434,8 +434,10 @@ fn broken_model_files_are_clear_errors() {
         + 16;
     raw[at..at + 4].copy_from_slice(&10u32.to_le_bytes());
     std::fs::write(&q2k, raw).expect("write");
-    let stderr = infer::runtime::weights::Weight::from_gguf(
-        &std::sync::Arc::new(infer::runtime::gguf::GgufFile::open(&q2k).expect("header reads")),
+    let stderr = infer::runtime::model::weights::Weight::from_gguf(
+        &std::sync::Arc::new(
+            infer::runtime::formats::gguf::GgufFile::open(&q2k).expect("header reads"),
+        ),
         "token_embd.weight",
     )
     .expect_err("Q2_K is unsupported")
@@ -590,8 +592,8 @@ fn tokenizer_json_directory_matches_the_gguf_tokenizer() {
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": false, "chat_template": template
     });
     std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).expect("write");
-    let from_dir =
-        infer::runtime::tokenizer::Tokenizer::from_dir(dir.path()).expect("tokenizer.json loads");
+    let from_dir = infer::runtime::model::tokenizer::Tokenizer::from_dir(dir.path())
+        .expect("tokenizer.json loads");
     for text in [
         "def fibonacci(n):",
         "1, 2, 3, 4, 5,",
@@ -622,13 +624,13 @@ fn tokenizer_json_directory_matches_the_gguf_tokenizer() {
     write_hf(dir.path(), &shape, &weights(&shape, 5));
     let hf = Engine::load(dir.path(), 1, Numerics::Exact).expect("HF directory loads");
     let prompt = hf
-        .chat_prompt(&[infer::runtime::chat::ChatMessage {
+        .chat_prompt(&[infer::runtime::model::chat::ChatMessage {
             role: "user".into(),
             content: "Hi".into(),
         }])
         .expect("template");
     assert!(prompt.ends_with("<|im_start|>assistant\n"), "{prompt}");
-    let params = infer::runtime::sampling::SamplingParams {
+    let params = infer::runtime::model::sampling::SamplingParams {
         max_tokens: 4,
         ..Default::default()
     };

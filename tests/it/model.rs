@@ -2,7 +2,7 @@
 //! the real GGUF header reader. Uses the real SmolLM2-135M-Instruct Q4_1 file.
 
 use infer::model::default;
-use infer::runtime::gguf::Header;
+use infer::runtime::formats::gguf::Header;
 
 use crate::infer;
 

@@ -555,7 +555,7 @@ fn gguf_file_is_planned_from_its_header() {
 
 /// A GGUF v3 header for a 1-layer, 32-wide llama with two tensors.
 fn tiny_gguf() -> Vec<u8> {
-    use infer::runtime::gguf::{TensorInfo, Value, encode_header};
+    use infer::runtime::formats::gguf::{TensorInfo, Value, encode_header};
     let metadata = [
         ("general.architecture", Value::String("llama".into())),
         ("general.name", Value::String("tiny".into())),

@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use infer::rendezvous::{StoreClient, StoreServer, random_token};
-use infer::runtime::comm::{Comm, TcpComm};
-use infer::runtime::llama::{Llama, SequenceInput, StageOutput};
-use infer::runtime::sampling::argmax;
-use infer::runtime::shm::ShmComm;
+use infer::runtime::collectives::shm::ShmComm;
+use infer::runtime::collectives::{Comm, TcpComm};
+use infer::runtime::model::llama::{Llama, SequenceInput, StageOutput};
+use infer::runtime::model::sampling::argmax;
 
 fn smollm2() -> Llama {
     let path = infer::model::default::ensure(&mut |_| {}).expect("model");

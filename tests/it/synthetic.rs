@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use infer::runtime::gguf::{TensorInfo, Value, encode_header};
+use infer::runtime::formats::gguf::{TensorInfo, Value, encode_header};
 
 /// Shape of a synthetic model.
 #[derive(Clone, Copy)]

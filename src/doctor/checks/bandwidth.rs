@@ -170,7 +170,7 @@ fn pair_findings(pairs: &[PairBandwidth]) -> Vec<Finding> {
 mod tests {
     use super::*;
     use crate::doctor::cluster::LinkRate;
-    use crate::runtime::comm::AllreduceRow;
+    use crate::runtime::collectives::AllreduceRow;
 
     /// A 3-host probe whose 64 MiB all-reduce took `secs`, the slowest link 10 Gbit/s.
     fn probe(secs: f64) -> AllreduceProbe {

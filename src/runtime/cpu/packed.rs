@@ -6,7 +6,7 @@
 //! AVX-512 the kernels take each group as two halves of eight rows in 256-bit vectors
 //! (`vpmaddubsw` + `vpmaddwd`).
 //!
-//! The arithmetic is exactly that of the one-row reference [`super::quant::dot_q8`]
+//! The arithmetic is exactly that of the one-row reference [`crate::runtime::cpu::quant::dot_q8`]
 //! (tested bit for bit, for any number of tokens and across tensor-parallel splits), which
 //! is llama.cpp's AVX2 order: per block, each row's eight four-element integer sums, each
 //! converted and fused-multiply-added with the scale `d_w · d_x` into its own lane
@@ -34,7 +34,7 @@
 //! not a tensor-parallel continuation) keeps its accumulators in registers and stores only
 //! the sixteen finished sums per token.
 
-use super::quant::{BlockQ8, DotState, GgmlType, Numerics};
+use crate::runtime::cpu::quant::{BlockQ8, DotState, GgmlType, Numerics};
 
 /// Rows per packed group: the lanes of one 512-bit f32 vector.
 pub const GROUP_ROWS: usize = 16;
@@ -189,7 +189,7 @@ impl Packed {
     /// The finished dot products of group `g`'s rows with up to [`MAX_TOKENS`]
     /// tokens (`out[t]` for `x[t]`): [`continue_group`](Packed::continue_group) from zero
     /// states, then [`finish_group`], without the states ever leaving the registers. Same
-    /// bits as that pair, and as [`super::quant::dot_q8`] per row. `ahead`: a group to bring
+    /// bits as that pair, and as [`crate::runtime::cpu::quant::dot_q8`] per row. `ahead`: a group to bring
     /// into the cache meanwhile (worth it when a group serves several tokens: the hardware
     /// prefetcher then sees re-reads of one group rather than a stream, and each next group
     /// would start with a run of cache misses); past the last group it is ignored.
@@ -229,10 +229,10 @@ impl Packed {
         ahead: Option<usize>,
         io: impl Fn(&'a mut [T]) -> avx2::Io<'a>,
     ) -> bool {
-        if !super::quant::has_avx2() {
+        if !crate::runtime::cpu::quant::has_avx2() {
             return false;
         }
-        let vnni = super::quant::has_vnni();
+        let vnni = crate::runtime::cpu::quant::has_vnni();
         let per_call = tokens_per_call(vnni, numerics);
         let calls = x.len().div_ceil(per_call);
         // The calls share the prefetching of the `ahead` group evenly, each spreading its
@@ -295,7 +295,7 @@ impl Packed {
             for r in 0..GROUP_ROWS {
                 let row = self.unpacked_row(records, r);
                 let mut one: DotState = std::array::from_fn(|k| state[k][r]);
-                super::quant::dot_q8_continue(self.ty, &row, x, &mut one, numerics);
+                crate::runtime::cpu::quant::dot_q8_continue(self.ty, &row, x, &mut one, numerics);
                 for (k, value) in one.iter().enumerate() {
                     state[k][r] = *value;
                 }
@@ -328,7 +328,7 @@ impl Packed {
     }
 }
 
-/// The finished dot products of a group's rows ([`super::quant::dot_state_finish`]).
+/// The finished dot products of a group's rows ([`crate::runtime::cpu::quant::dot_state_finish`]).
 /// Written as whole-vector additions in `hsum8`'s order (plain loops over the rows
 /// vectorise; the lane-by-lane closure would not).
 #[allow(clippy::needless_range_loop)]
@@ -346,7 +346,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{BlockQ8, Chunk, GROUP_ROWS, GroupState, Prefetch};
-    use crate::runtime::quant::{GgmlType, Numerics};
+    use crate::runtime::cpu::quant::{GgmlType, Numerics};
 
     const Q4_0: u8 = 0;
     const Q4_1: u8 = 1;
@@ -849,7 +849,7 @@ mod avx2 {
         }
     }
 
-    /// The [`Numerics::Fast`] order ([`super::super::quant::dot_q8`]): per block and token,
+    /// The [`Numerics::Fast`] order ([`crate::runtime::cpu::quant::dot_q8`]): per block and token,
     /// each row's whole integer sum (the eight lanes' products added in integers, from
     /// `−c · q_sum` for weights stored with an offset `c`), converted once and
     /// fused-multiply-added with the scale into one accumulator per token. A state keeps it
@@ -926,8 +926,8 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::quant::tests::bytes;
-    use crate::runtime::quant::{dot_q8, quantize_row_q8};
+    use crate::runtime::cpu::quant::tests::bytes;
+    use crate::runtime::cpu::quant::{dot_q8, quantize_row_q8};
 
     /// `n_rows` rows of `ty` with random quants (every byte value, `Q8_0`'s −128 included)
     /// and varied finite scales.
@@ -1045,9 +1045,9 @@ mod tests {
                         products(&packed, &tokens, None, fresh, numerics),
                     ));
                     #[cfg(target_arch = "x86_64")]
-                    if crate::runtime::quant::has_avx2() {
+                    if crate::runtime::cpu::quant::has_avx2() {
                         for vnni in [false, true] {
-                            if vnni && !crate::runtime::quant::has_vnni() {
+                            if vnni && !crate::runtime::cpu::quant::has_vnni() {
                                 continue;
                             }
                             let per_call = tokens_per_call(vnni, numerics);

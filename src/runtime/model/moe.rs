@@ -6,11 +6,11 @@
 
 use anyhow::{Context, Result, bail};
 
-use super::comm::Comm;
-use super::gguf::GgufFile;
-use super::llama::{Expert, LlamaConfig, MoeFfn};
-use super::mathfn::swiglu;
-use super::weights::Weight;
+use crate::runtime::collectives::Comm;
+use crate::runtime::cpu::mathfn::swiglu;
+use crate::runtime::formats::gguf::GgufFile;
+use crate::runtime::model::llama::{Expert, LlamaConfig, MoeFfn};
+use crate::runtime::model::weights::Weight;
 
 /// Loads layer `layer`'s MoE block from GGUF's stacked tensors (`ffn_gate_inp`,
 /// `ffn_{gate,up,down}_exps`). Errors: missing tensors or shapes that disagree with the config.

@@ -15,16 +15,16 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
-use super::comm::{Comm, TcpComm};
-use super::executor::{Executor, Sampled, StepEntry, generate, sample};
-use super::gguf::GgufFile;
-use super::kv::KvPool;
-use super::llama::{KvCache, Llama, SequenceInput, StageOutput};
-use super::quant::Numerics;
-use super::sampling::{Sampler, SamplingParams};
-use super::shm::ShmComm;
-use super::tokenizer::Tokenizer;
 use crate::rendezvous::StoreClient;
+use crate::runtime::collectives::shm::ShmComm;
+use crate::runtime::collectives::{Comm, TcpComm};
+use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, generate, sample};
+use crate::runtime::exec::kv::KvPool;
+use crate::runtime::formats::gguf::GgufFile;
+use crate::runtime::model::llama::{KvCache, Llama, SequenceInput, StageOutput};
+use crate::runtime::model::sampling::{Sampler, SamplingParams};
+use crate::runtime::model::tokenizer::Tokenizer;
 
 /// What a rank is told by its environment (set explicitly by the launcher).
 #[derive(Clone, Debug)]
@@ -68,7 +68,7 @@ pub struct RankConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Job {
-    /// Generate once from `prompt_tokens`; the driver stores the [`Generation`](super::engine::Generation) under `result`.
+    /// Generate once from `prompt_tokens`; the driver stores the [`Generation`](crate::runtime::exec::engine::Generation) under `result`.
     Generate {
         prompt_tokens: Vec<u32>,
         params: SamplingParams,
@@ -84,7 +84,7 @@ pub enum Job {
 /// What [`Job::AllReduce`] measures.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AllreduceBench {
-    pub rows: Vec<super::comm::AllreduceRow>,
+    pub rows: Vec<crate::runtime::collectives::AllreduceRow>,
     /// What carried the all-reduce (`ShmComm::transport`).
     pub transport: String,
     /// One TCP stream between the last rank and rank 0, bytes/s.
@@ -115,7 +115,7 @@ pub fn stage_layers(n_layers: usize, pp: usize, stage: usize) -> (usize, usize) 
 }
 
 /// Runs one rank until its job is over. Rank 0 (the driver) runs a [`Job::Generate`] itself
-/// and stores the [`Generation`](super::engine::Generation) as JSON under `result`; for [`Job::Serve`] it calls `serve`
+/// and stores the [`Generation`](crate::runtime::exec::engine::Generation) as JSON under `result`; for [`Job::Serve`] it calls `serve`
 /// with its [`ReplicaDriver`] and the store, and the job lasts as long as `serve` does. The
 /// other ranks follow the driver's steps.
 ///
@@ -247,7 +247,7 @@ fn bench_all_reduce(
     max_bytes: usize,
 ) -> Result<()> {
     use std::io::{Read, Write};
-    let rows = super::comm::time_all_reduce(group, max_bytes)?;
+    let rows = crate::runtime::collectives::time_all_reduce(group, max_bytes)?;
     let transport = group.transport();
     let last = config.world_size - 1;
     let total: usize = 256 << 20;
@@ -310,8 +310,8 @@ pub struct Member {
     /// Only on the sampling rank (last stage, tp rank 0).
     samplers: HashMap<u64, Sampler>,
     pool: rayon::ThreadPool,
-    /// The forward pass's parallel loops ([`super::team`]), as many threads as `pool`.
-    team: super::team::Team,
+    /// The forward pass's parallel loops ([`crate::runtime::cpu::team`]), as many threads as `pool`.
+    team: crate::runtime::cpu::team::Team,
     timeout: Duration,
 }
 
@@ -389,7 +389,7 @@ impl Member {
                 ep_comm,
                 caches: HashMap::new(),
                 samplers: HashMap::new(),
-                team: super::team::Team::new(pool.current_num_threads())
+                team: crate::runtime::cpu::team::Team::new(pool.current_num_threads())
                     .map_err(|e| anyhow!("thread team: {e}"))?,
                 pool,
                 timeout: config.timeout,

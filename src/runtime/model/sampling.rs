@@ -144,7 +144,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 /// `log softmax(logits)[token]`: the token's log-probability, in nats. The exponentials
-/// use the vectorised [`crate::runtime::mathfn::expf`] (≤ 2 ulp) summed in 8 f32 lanes:
+/// use the vectorised [`crate::runtime::cpu::mathfn::expf`] (≤ 2 ulp) summed in 8 f32 lanes:
 /// this runs for every generated token over the whole vocabulary.
 pub fn logprob(logits: &[f32], token: u32) -> f32 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
@@ -174,20 +174,20 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
-crate::runtime::mathfn::multiversion! {
+crate::runtime::cpu::mathfn::multiversion! {
     /// `Σ e^(l − shift)` over `logits`, in 8 lanes.
     fn sum_exp_shifted(logits: &[f32], shift: f32) -> f32 {
         let mut lanes = [0f32; 8];
         let mut chunks = logits.chunks_exact(8);
         for chunk in &mut chunks {
             for (lane, &l) in lanes.iter_mut().zip(chunk) {
-                *lane += crate::runtime::mathfn::expf(l - shift);
+                *lane += crate::runtime::cpu::mathfn::expf(l - shift);
             }
         }
         let tail: f32 = chunks
             .remainder()
             .iter()
-            .map(|&l| crate::runtime::mathfn::expf(l - shift))
+            .map(|&l| crate::runtime::cpu::mathfn::expf(l - shift))
             .sum();
         lanes.iter().sum::<f32>() + tail
     }

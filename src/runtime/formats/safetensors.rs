@@ -9,9 +9,9 @@ use anyhow::{Context, Result, anyhow, bail};
 use safetensors::{Dtype as StDtype, SafeTensors};
 use serde_json::Value;
 
-use super::llama::{Layer, Llama, Llama3Scaling, LlamaConfig, RopeStyle};
-use super::quant::GgmlType;
-use super::weights::Weight;
+use crate::runtime::cpu::quant::GgmlType;
+use crate::runtime::model::llama::{Layer, Llama, Llama3Scaling, LlamaConfig, RopeStyle};
+use crate::runtime::model::weights::Weight;
 
 /// Loads the Llama-family checkpoint in `dir`.
 ///

@@ -1,6 +1,6 @@
 //! The step interface between a scheduler and whatever runs the model: one engine in this
 //! process ([`LocalExecutor`]) or a replica of rank processes driven by its rank 0
-//! ([`crate::runtime::worker::ReplicaDriver`]). A step is a batch of sequences, each with
+//! ([`crate::runtime::exec::worker::ReplicaDriver`]). A step is a batch of sequences, each with
 //! the new tokens to append (a prompt, or the last sampled token); the executor keeps each
 //! sequence's KV cache and sampler between steps and returns one sampled token per
 //! sequence. Generation bookkeeping (text, stop strings, limits) stays with the caller.
@@ -12,11 +12,11 @@ use std::time::Instant;
 use anyhow::{Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
-use super::engine::{Engine, FinishReason, Generation, Timings};
-use super::kv::KvPool;
-use super::llama::{KvCache, SequenceInput};
-use super::sampling::{Sampler, SamplingParams, logprob};
-use super::tokenizer::{TextStream, Tokenizer};
+use crate::runtime::exec::engine::{Engine, FinishReason, Generation, Timings};
+use crate::runtime::exec::kv::KvPool;
+use crate::runtime::model::llama::{KvCache, SequenceInput};
+use crate::runtime::model::sampling::{Sampler, SamplingParams, logprob};
+use crate::runtime::model::tokenizer::{TextStream, Tokenizer};
 
 /// One sequence of a step.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -168,7 +168,7 @@ pub fn sample(sampler: &mut Sampler, logits: &[f32]) -> Sampled {
         token,
         logprob: params.logprobs.then(|| logprob(logits, token)),
         top: if params.logprobs {
-            super::sampling::top_logprobs(logits, params.top_logprobs)
+            crate::runtime::model::sampling::top_logprobs(logits, params.top_logprobs)
         } else {
             Vec::new()
         },

@@ -28,7 +28,7 @@ use anyhow::{Context, Result, bail};
 use memmap2::MmapMut;
 use rustix::thread::futex;
 
-use super::comm::{Comm, TcpComm, chunk};
+use crate::runtime::collectives::{Comm, TcpComm, chunk};
 
 /// Bytes of one member's slot: an all-reduce moves through the segment in pieces of this
 /// size, double-buffered. 1 MiB keeps a piece in a Zen 4 / Sapphire Rapids L2 while

@@ -6,17 +6,17 @@ use std::sync::{Arc, OnceLock};
 use anyhow::{Result, bail};
 use rayon::prelude::*;
 
-use super::gguf::GgufFile;
-use super::packed::{GROUP_ROWS, GroupState, Packed};
-use super::quant::{
+use crate::runtime::cpu::packed::{GROUP_ROWS, GroupState, Packed};
+use crate::runtime::cpu::quant::{
     BlockQ8, DotState, GgmlType, Numerics, dequantize_row, dot_f32, has_avx2, has_q8_kernel,
     quantize_row_q8,
 };
-use super::team;
+use crate::runtime::cpu::team;
+use crate::runtime::formats::gguf::GgufFile;
 
 /// Tokens whose dot products with one packed group of rows are computed together (each
 /// unpacked weight block reused `TILE` times; see [`Packed::continue_group`]).
-const TILE: usize = super::packed::MAX_TOKENS;
+const TILE: usize = crate::runtime::cpu::packed::MAX_TOKENS;
 
 /// Where a matrix's bytes live.
 #[derive(Clone)]
@@ -225,7 +225,7 @@ impl Weight {
     ///
     /// Runs on the current rayon pool, each task taking a contiguous range of output rows.
     /// `Q4_0`, `Q4_1` and `Q8_0` give, for every row and token, exactly the bits of
-    /// [`super::quant::dot_q8`] (in the order [`Weight::set_numerics`] chose) whatever `n_tokens` is.
+    /// [`crate::runtime::cpu::quant::dot_q8`] (in the order [`Weight::set_numerics`] chose) whatever `n_tokens` is.
     pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
         matmul_many(&[self], x, n_tokens, &mut [out]);
     }
@@ -271,7 +271,7 @@ impl Weight {
     }
 
     /// Continues dot products split over ranks at block boundaries (the row-parallel half of
-    /// tensor parallelism, see [`super::quant::DotState`]): `states[r * n_tokens + t]`
+    /// tensor parallelism, see [`crate::runtime::cpu::quant::DotState`]): `states[r * n_tokens + t]`
     /// (`(n_rows, n_tokens)`) continues with `W[r] · x[t]` over this shard's columns.
     ///
     /// Errors: a type without an integer kernel (`Q4_0`, `Q4_1`, `Q8_0` have one).
@@ -295,7 +295,9 @@ impl Weight {
                     for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
                         let row = self.row(chunk * chunk_rows + i);
                         for (state, xq) in per_token.iter_mut().zip(&quantized) {
-                            super::quant::dot_q8_continue(self.ty, row, xq, state, numerics);
+                            crate::runtime::cpu::quant::dot_q8_continue(
+                                self.ty, row, xq, state, numerics,
+                            );
                         }
                     }
                 });
@@ -349,7 +351,8 @@ impl Weight {
                     for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
                         let row = self.row(chunk * chunk_rows + i);
                         for (value, xq) in per_token.iter_mut().zip(&quantized) {
-                            *value = super::quant::dot_q8(self.ty, row, xq, self.numerics);
+                            *value =
+                                crate::runtime::cpu::quant::dot_q8(self.ty, row, xq, self.numerics);
                         }
                     }
                 });
@@ -512,11 +515,11 @@ fn continue_groups(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::quant::{DotState, Numerics, dot_q8, dot_state_finish};
+    use crate::runtime::cpu::quant::{DotState, Numerics, dot_q8, dot_state_finish};
 
     /// A `Q4_1` matrix of random nibbles with varied scales and minimums.
     fn q4_1(n_rows: usize, n_cols: usize, seed: u64) -> Weight {
-        let mut bytes = crate::runtime::quant::tests::bytes(n_rows * n_cols / 32 * 20, seed);
+        let mut bytes = crate::runtime::cpu::quant::tests::bytes(n_rows * n_cols / 32 * 20, seed);
         for (i, block) in bytes.chunks_exact_mut(20).enumerate() {
             let d = half::f16::from_f32(0.01 + 0.001 * (i % 7) as f32);
             let m = half::f16::from_f32(-0.05 - 0.01 * (i % 3) as f32);

@@ -12,17 +12,17 @@ use anyhow::{Context, Result, bail};
 use half::f16;
 use rayon::prelude::*;
 
-use super::comm::Comm;
-use super::gguf::{GgufFile, Value};
-pub use super::kv::KvCache;
-use super::kv::KvPool;
-use super::mathfn::{multiversion, softmax, swiglu};
-use super::quant::{
+use crate::runtime::collectives::Comm;
+use crate::runtime::cpu::mathfn::{multiversion, softmax, swiglu};
+use crate::runtime::cpu::quant::{
     Numerics, attention_scores, attention_scores_decode, prefetch_rows, round_through_f16,
     weighted_sum_f16_heads, weighted_sum_f16_heads_decode,
 };
-use super::team;
-use super::weights::{Weight, matmul_many};
+use crate::runtime::cpu::team;
+pub use crate::runtime::exec::kv::KvCache;
+use crate::runtime::exec::kv::KvPool;
+use crate::runtime::formats::gguf::{GgufFile, Value};
+use crate::runtime::model::weights::{Weight, matmul_many};
 
 /// How rotary embeddings pair the dimensions of a head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,7 +82,10 @@ impl LayoutLimits {
     /// Reads the limits from a GGUF header; messages call the model `name`.
     ///
     /// Errors: a header without the architecture's head, layer or MLP sizes.
-    pub fn from_header(header: &super::gguf::Header, name: &str) -> Result<LayoutLimits> {
+    pub fn from_header(
+        header: &crate::runtime::formats::gguf::Header,
+        name: &str,
+    ) -> Result<LayoutLimits> {
         let arch = header.str("general.architecture")?;
         let int = |name: &str| header.u64(&format!("{arch}.{name}")).map(|v| v as usize);
         let n_heads = int("attention.head_count")?;
@@ -373,7 +376,7 @@ impl Llama {
                     matrix(&name("ffn_down.weight"), c.hidden_size, c.intermediate_size)?
                 },
                 moe: if moe {
-                    Some(super::moe::load_gguf(file, i, c)?)
+                    Some(crate::runtime::model::moe::load_gguf(file, i, c)?)
                 } else {
                     None
                 },
@@ -871,7 +874,7 @@ impl Llama {
             rms_norm_tokens(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
             if let Some(moe) = &layer.moe {
                 // Expert outputs are complete on every rank: no TP all-reduce here.
-                let out = super::moe::forward(moe, &normed, n, ep.as_deref_mut())?;
+                let out = crate::runtime::model::moe::forward(moe, &normed, n, ep.as_deref_mut())?;
                 for (a, b) in x.iter_mut().zip(&out) {
                     *a += b;
                 }
@@ -1047,14 +1050,14 @@ fn row_parallel(
         weight.matmul(input, n_tokens, out);
         return Ok(());
     };
-    if !super::quant::has_q8_kernel(weight.ty) {
+    if !crate::runtime::cpu::quant::has_q8_kernel(weight.ty) {
         weight.matmul(input, n_tokens, out);
         return comm.all_reduce_sum(out);
     }
     let (rank, size) = (comm.rank(), comm.size());
     let count = weight.n_rows * n_tokens;
-    const STATE_BYTES: usize = size_of::<super::quant::DotState>();
-    let mut states: Vec<super::quant::DotState> = if rank == 0 {
+    const STATE_BYTES: usize = size_of::<crate::runtime::cpu::quant::DotState>();
+    let mut states: Vec<crate::runtime::cpu::quant::DotState> = if rank == 0 {
         vec![[0.0; 9]; count]
     } else {
         let bytes = comm.recv(rank - 1)?;
@@ -1080,7 +1083,7 @@ fn row_parallel(
         // States are `(n_rows, n_tokens)`; `out` is `(n_tokens, n_rows)`.
         for (r, per_token) in states.chunks_exact(n_tokens).enumerate() {
             for (t, state) in per_token.iter().enumerate() {
-                out[t * weight.n_rows + r] = super::quant::dot_state_finish(state);
+                out[t * weight.n_rows + r] = crate::runtime::cpu::quant::dot_state_finish(state);
             }
         }
         result = bytemuck::cast_slice(out).to_vec();

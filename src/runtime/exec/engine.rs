@@ -7,14 +7,14 @@ use std::sync::Arc;
 use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 
-use super::chat::{ChatMessage, render};
-use super::executor::LocalExecutor;
-use super::gguf::GgufFile;
-use super::llama::Llama;
-use super::quant::Numerics;
-use super::sampling::SamplingParams;
-use super::team::Team;
-use super::tokenizer::Tokenizer;
+use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::cpu::team::Team;
+use crate::runtime::exec::executor::LocalExecutor;
+use crate::runtime::formats::gguf::GgufFile;
+use crate::runtime::model::chat::{ChatMessage, render};
+use crate::runtime::model::llama::Llama;
+use crate::runtime::model::sampling::SamplingParams;
+use crate::runtime::model::tokenizer::Tokenizer;
 
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,7 +57,7 @@ pub struct Engine {
     /// How the model was named (a path).
     pub name: String,
     pool: rayon::ThreadPool,
-    /// The forward pass's parallel loops ([`super::team`]), as many threads as `pool`.
+    /// The forward pass's parallel loops ([`crate::runtime::cpu::team`]), as many threads as `pool`.
     team: Team,
 }
 
@@ -69,7 +69,7 @@ impl Engine {
     pub fn load(path: &Path, threads: usize, numerics: Numerics) -> Result<Engine> {
         let (mut model, tokenizer) = if path.is_dir() {
             (
-                super::safetensors::load_llama(path)?,
+                crate::runtime::formats::safetensors::load_llama(path)?,
                 Tokenizer::from_dir(path)?,
             )
         } else {
@@ -135,7 +135,7 @@ impl Engine {
         params: &SamplingParams,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<Generation> {
-        super::executor::generate(
+        crate::runtime::exec::executor::generate(
             &mut LocalExecutor::new(self),
             prompt_tokens,
             params,

@@ -42,7 +42,7 @@ impl GgmlType {
             13 => GgmlType::Q5K,
             14 => GgmlType::Q6K,
             other => {
-                let name = crate::runtime::gguf::ggml_type(other)
+                let name = crate::runtime::formats::gguf::ggml_type(other)
                     .map_or(format!("type id {other}"), |(_, _, n)| n.to_string());
                 bail!(
                     "tensor `{tensor}` has type {name}, which the engine does not support (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)"
@@ -360,7 +360,7 @@ impl Numerics {
 /// lanes stay zero), the offsets as above.
 ///
 /// The row has `x.len()` blocks; the matrix products run the packed kernels of
-/// [`super::packed`], which give exactly these bits.
+/// [`crate::runtime::cpu::packed`], which give exactly these bits.
 pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8], numerics: Numerics) -> f32 {
     let mut state = [0f32; 9];
     dot_q8_continue(ty, row, x, &mut state, numerics);
@@ -579,7 +579,7 @@ pub(crate) fn reduce32(a: &[f32; 32]) -> f32 {
     (t[0] + t[1]) + (t[2] + t[3])
 }
 
-crate::runtime::mathfn::multiversion! {
+crate::runtime::cpu::mathfn::multiversion! {
     /// [`attention_scores`] for a sequence's single new token, as llama.cpp computes `kq`
     /// when the batch holds one token (tinyBLAS only takes two or more; `ggml_vec_dot_f16`
     /// then runs): each score sums its `width` products in 32 lane classes (`reduce32`).
@@ -615,7 +615,7 @@ crate::runtime::mathfn::multiversion! {
     }
 }
 
-crate::runtime::mathfn::multiversion! {
+crate::runtime::cpu::mathfn::multiversion! {
     /// [`weighted_sum_f16_heads`] for a sequence's single new token, as llama.cpp's
     /// `ggml_vec_dot_f16` computes `kqv` then: position `p` goes to lane class `p mod 32`
     /// (each class a fused-multiply-add chain in position order), the classes summed by

@@ -159,7 +159,7 @@ pub struct KvCache {
     pub n_tokens: usize,
     /// Positions of the sequence's prompt, computed together in its first step; every later
     /// position was a decode step of one token. Attention sums in the order llama.cpp uses
-    /// for each ([`super::llama::Llama::forward_stage`]). `None` until the first step, which
+    /// for each ([`crate::runtime::model::llama::Llama::forward_stage`]). `None` until the first step, which
     /// sets it to its own length; a sequence recomputed after preemption (prompt and
     /// generated tokens in one step) sets it first, so its recomputed positions get the
     /// bits its decode steps had.

@@ -1,0 +1,4 @@
+//! Model file formats.
+
+pub mod gguf;
+pub mod safetensors;

@@ -1,0 +1,8 @@
+//! The Llama-family model: layers and MoE blocks, weights, tokenizer, chat template, sampling.
+
+pub mod chat;
+pub mod llama;
+pub mod moe;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;
