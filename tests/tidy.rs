@@ -97,3 +97,25 @@ fn documents_cited_in_src_exist() {
         "comments cite documents that are not in the repository: {missing:?}"
     );
 }
+
+/// The runtime's layers do not import each other both ways: the executor's step interface
+/// knows no engine, the MoE block no decoder, the math functions no quantized kernels (the
+/// shared pieces live below both: `exec::executor`'s generation types, `model::config`,
+/// `cpu::simd`).
+#[test]
+fn runtime_modules_have_no_import_circles() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/runtime");
+    for (file, forbidden) in [
+        ("exec/executor.rs", "exec::engine"),
+        ("model/moe.rs", "model::llama"),
+        ("cpu/mathfn.rs", "cpu::quant"),
+        ("cpu/simd.rs", "cpu::quant"),
+        ("model/config.rs", "model::llama"),
+    ] {
+        let text = std::fs::read_to_string(root.join(file)).expect("source file");
+        assert!(
+            !text.contains(forbidden),
+            "src/runtime/{file} refers to `{forbidden}`, which depends on it"
+        );
+    }
+}

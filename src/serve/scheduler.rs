@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::runtime::exec::engine::LocalExecutor;
 use crate::runtime::exec::engine::{Engine, FinishReason};
-use crate::runtime::exec::executor::{Executor, LocalExecutor, StepEntry};
+use crate::runtime::exec::executor::{Executor, StepEntry};
 use crate::runtime::exec::kv::blocks_for;
 use crate::runtime::model::sampling::SamplingParams;
 use crate::runtime::model::tokenizer::TextStream;

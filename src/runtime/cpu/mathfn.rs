@@ -5,7 +5,7 @@
 //! attention scores.
 
 /// Defines `fn $name` twice: once as written, and once compiled with AVX2, FMA and F16C
-/// enabled, called when the CPU has them ([`crate::runtime::cpu::quant::has_avx2`]). Without the features,
+/// enabled, called when the CPU has them ([`crate::runtime::cpu::simd::has_avx2`]). Without the features,
 /// `f32::mul_add` and `round_ties_even` are libm calls (`fmaf`, `rintf`) in the hot loops;
 /// with them they are single instructions and the loops vectorise. Both versions give the
 /// same bits: these operations are exactly rounded either way.
@@ -21,7 +21,7 @@ macro_rules! multiversion {
                 fn fast($($arg: $ty),*) $(-> $ret)? {
                     portable($($arg),*)
                 }
-                if $crate::runtime::cpu::quant::has_avx2() {
+                if $crate::runtime::cpu::simd::has_avx2() {
                     // SAFETY: the CPU has every feature `fast` was compiled for.
                     return unsafe { fast($($arg),*) };
                 }
@@ -173,7 +173,7 @@ multiversion! {
                 *v = expf(*v - max);
                 *lane = *v;
             }
-            total += crate::runtime::cpu::quant::hsum8(&lanes) as f64;
+            total += crate::runtime::cpu::simd::hsum8(&lanes) as f64;
         }
         let inverse = (1.0 / total) as f32;
         for v in scores.iter_mut() {

@@ -3,4 +3,5 @@
 pub mod mathfn;
 pub mod packed;
 pub mod quant;
+pub mod simd;
 pub mod team;

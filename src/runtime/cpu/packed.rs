@@ -229,10 +229,10 @@ impl Packed {
         ahead: Option<usize>,
         io: impl Fn(&'a mut [T]) -> avx2::Io<'a>,
     ) -> bool {
-        if !crate::runtime::cpu::quant::has_avx2() {
+        if !crate::runtime::cpu::simd::has_avx2() {
             return false;
         }
-        let vnni = crate::runtime::cpu::quant::has_vnni();
+        let vnni = crate::runtime::cpu::simd::has_vnni();
         let per_call = tokens_per_call(vnni, numerics);
         let calls = x.len().div_ceil(per_call);
         // The calls share the prefetching of the `ahead` group evenly, each spreading its
@@ -1045,9 +1045,9 @@ mod tests {
                         products(&packed, &tokens, None, fresh, numerics),
                     ));
                     #[cfg(target_arch = "x86_64")]
-                    if crate::runtime::cpu::quant::has_avx2() {
+                    if crate::runtime::cpu::simd::has_avx2() {
                         for vnni in [false, true] {
-                            if vnni && !crate::runtime::cpu::quant::has_vnni() {
+                            if vnni && !crate::runtime::cpu::simd::has_vnni() {
                                 continue;
                             }
                             let per_call = tokens_per_call(vnni, numerics);

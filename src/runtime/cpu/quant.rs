@@ -6,6 +6,7 @@
 //! arithmetic against 8-bit activations (AVX2 + FMA + F16C when the CPU has them, detected at
 //! run time; a portable loop otherwise). Other types are dequantized a row at a time.
 
+use super::simd::{has_avx2, has_vnni, hsum8};
 use anyhow::{Result, bail};
 use half::{bf16, f16};
 
@@ -259,47 +260,6 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-/// Whether the integer kernels may use AVX2/FMA/F16C on this CPU (detected once).
-pub fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static DETECTED: OnceLock<bool> = OnceLock::new();
-        *DETECTED.get_or_init(|| {
-            std::env::var_os("INFER_NO_SIMD").is_none()
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// Whether the integer kernels may use AVX-512 (F, BW, VL and VNNI: `vpdpbusd` on 512-bit
-/// vectors, and the 32 vector registers for 256-bit ones); `INFER_NO_VNNI` turns it off.
-pub fn has_vnni() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static DETECTED: OnceLock<bool> = OnceLock::new();
-        *DETECTED.get_or_init(|| {
-            has_avx2()
-                && std::env::var_os("INFER_NO_VNNI").is_none()
-                && is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("avx512vl")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// Whether `ty` has an integer kernel against [`BlockQ8`] activations.
 pub fn has_q8_kernel(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
@@ -430,13 +390,6 @@ fn nibble(qs: &[u8], e: usize) -> i32 {
     } else {
         (qs[e - 16] >> 4) as i32
     }
-}
-
-/// The horizontal sum of 8 lanes in the order of the AVX2 kernels (and of llamafile's
-/// tinyBLAS): low half + high half, then lanes 0+2 and 1+3, then those two.
-pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
-    let half = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
-    (half[0] + half[2]) + (half[1] + half[3])
 }
 
 /// `Σ a[i]·b[i]` for f16 `a` and f32 `b` (attention scores over an f16 KV cache), as

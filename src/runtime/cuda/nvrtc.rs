@@ -1,7 +1,7 @@
 //! Compiling the kernels with NVRTC to a CUBIN for one exact architecture (never PTX: PTX
-//! from a newer NVRTC does not load on an older driver — FACTS.md), with what ptxas reports
-//! about each kernel's resources, cached on disk by source, NVRTC version, architecture and
-//! options.
+//! from a newer NVRTC does not load on an older driver — ../shared/FACTS.md), with what
+//! ptxas reports about each kernel's resources, cached on disk by source, NVRTC version,
+//! architecture and options.
 
 use std::collections::HashMap;
 use std::ffi::CString;

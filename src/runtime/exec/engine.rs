@@ -4,51 +4,22 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, anyhow};
-use serde::{Deserialize, Serialize};
+use anyhow::{Context, Result, anyhow, bail};
 
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::cpu::team::Team;
-use crate::runtime::exec::executor::LocalExecutor;
+use std::collections::HashMap;
+
+use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, sample};
+pub use crate::runtime::exec::executor::{FinishReason, Generation, Timings};
+use crate::runtime::exec::kv::KvPool;
 use crate::runtime::formats::gguf::GgufFile;
 use crate::runtime::model::chat::{ChatMessage, render};
 use crate::runtime::model::llama::Llama;
+use crate::runtime::model::llama::{KvCache, SequenceInput};
+use crate::runtime::model::sampling::Sampler;
 use crate::runtime::model::sampling::SamplingParams;
 use crate::runtime::model::tokenizer::Tokenizer;
-
-/// Why generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// An end-of-sequence token or a stop string.
-    Stop,
-    /// `max_tokens` reached (or the context is full).
-    Length,
-}
-
-/// The result of one generation, with timings. `infer generate --json` output.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Generation {
-    pub prompt_tokens: Vec<u32>,
-    /// Generated token ids (the stop token excluded).
-    pub tokens: Vec<u32>,
-    pub text: String,
-    pub finish_reason: FinishReason,
-    pub timings: Timings,
-}
-
-/// Wall-clock timings of a generation.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Timings {
-    /// Time to process the prompt and produce the first token (TTFT), seconds.
-    pub prefill_secs: f64,
-    /// Time of the remaining decode steps, seconds.
-    pub decode_secs: f64,
-    /// Prompt tokens per second of the prefill.
-    pub prefill_tokens_per_sec: f64,
-    /// Generated tokens per second after the first (1 / TPOT).
-    pub decode_tokens_per_sec: f64,
-}
 
 /// A loaded model ready to generate.
 pub struct Engine {
@@ -141,5 +112,87 @@ impl Engine {
             params,
             on_text,
         )
+    }
+}
+
+/// An [`Executor`] over one [`Engine`] in this process.
+pub struct LocalExecutor<'e> {
+    engine: &'e Engine,
+    sequences: HashMap<u64, (KvCache, Sampler)>,
+}
+
+impl<'e> LocalExecutor<'e> {
+    /// An executor with no sequences.
+    pub fn new(engine: &'e Engine) -> LocalExecutor<'e> {
+        LocalExecutor {
+            engine,
+            sequences: HashMap::new(),
+        }
+    }
+}
+
+impl Executor for LocalExecutor<'_> {
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
+        for seq in release {
+            self.sequences.remove(seq);
+        }
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let engine = self.engine;
+        let sequences = &mut self.sequences;
+        for entry in entries {
+            if let Some(params) = &entry.params {
+                let mut sampler = Sampler::new(params);
+                sampler.skip(entry.sampled_before);
+                let mut cache = engine.model.new_cache();
+                cache.prompt_tokens = Some(entry.tokens.len().saturating_sub(entry.sampled_before));
+                sequences.insert(entry.seq, (cache, sampler));
+            } else if !sequences.contains_key(&entry.seq) {
+                bail!("sequence {} is unknown to the engine", entry.seq);
+            }
+        }
+        engine.install(|| {
+            // Take each entry's state out so the batch can borrow them all mutably.
+            let mut states: Vec<(KvCache, Sampler)> = entries
+                .iter()
+                .map(|e| sequences.remove(&e.seq).expect("checked above"))
+                .collect();
+            let result = {
+                let mut batch: Vec<SequenceInput<'_>> = entries
+                    .iter()
+                    .zip(states.iter_mut())
+                    .map(|(entry, (cache, _))| SequenceInput {
+                        tokens: &entry.tokens,
+                        cache,
+                        all_logits: false,
+                    })
+                    .collect();
+                engine.model.forward(&mut batch)
+            };
+            let sampled = result.map(|logits| {
+                states
+                    .iter_mut()
+                    .zip(&logits)
+                    .map(|((_, sampler), logits)| sample(sampler, logits))
+                    .collect()
+            });
+            for (entry, state) in entries.iter().zip(states) {
+                sequences.insert(entry.seq, state);
+            }
+            sampled
+        })
+    }
+
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.engine.tokenizer
+    }
+
+    fn max_context_tokens(&self) -> usize {
+        self.engine.model.config.max_context_tokens
+    }
+
+    fn kv_pool(&self) -> &Arc<KvPool> {
+        self.engine.model.kv_pool()
     }
 }

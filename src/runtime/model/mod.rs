@@ -1,6 +1,7 @@
 //! The Llama-family model: layers and MoE blocks, weights, tokenizer, chat template, sampling.
 
 pub mod chat;
+pub mod config;
 pub mod llama;
 pub mod moe;
 pub mod sampling;

@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 use crate::runtime::collectives::Comm;
 use crate::runtime::cpu::mathfn::swiglu;
 use crate::runtime::formats::gguf::GgufFile;
-use crate::runtime::model::llama::{Expert, LlamaConfig, MoeFfn};
+use crate::runtime::model::config::LlamaConfig;
 use crate::runtime::model::weights::Weight;
 
 /// Loads layer `layer`'s MoE block from GGUF's stacked tensors (`ffn_gate_inp`,
@@ -206,4 +206,23 @@ pub fn forward<'c>(
         }
     }
     Ok(out)
+}
+
+/// A Mixtral-style MoE block: a router picks `top_k` experts per token, their SwiGLU
+/// outputs are summed with softmax weights over the selected router logits. With expert
+/// parallelism a rank holds only `experts[first..first + n]`; the others are `None`.
+#[derive(Clone, Debug)]
+pub struct MoeFfn {
+    /// Router `(n_experts, hidden)`.
+    pub router: Weight,
+    pub experts: Vec<Option<Expert>>,
+    pub top_k: usize,
+}
+
+/// One expert's SwiGLU MLP.
+#[derive(Clone, Debug)]
+pub struct Expert {
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
 }

@@ -8,9 +8,9 @@ use rayon::prelude::*;
 
 use crate::runtime::cpu::packed::{GROUP_ROWS, GroupState, Packed};
 use crate::runtime::cpu::quant::{
-    BlockQ8, DotState, GgmlType, Numerics, dequantize_row, dot_f32, has_avx2, has_q8_kernel,
-    quantize_row_q8,
+    BlockQ8, DotState, GgmlType, Numerics, dequantize_row, dot_f32, has_q8_kernel, quantize_row_q8,
 };
+use crate::runtime::cpu::simd::has_avx2;
 use crate::runtime::cpu::team;
 use crate::runtime::formats::gguf::GgufFile;
 
