@@ -158,3 +158,28 @@ fn launcher(kernel: &Kernel) -> String {
         args = args.join(", ")
     )
 }
+
+impl super::checks::Runner for HostKernels {
+    fn launch(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &mut [super::checks::Arg<'_>],
+    ) -> Result<()> {
+        use super::checks::Arg;
+        let host_args: Vec<HostArg> = args
+            .iter_mut()
+            .map(|arg| match arg {
+                // The kernels never write their `const` inputs.
+                Arg::In(bytes) => HostArg::Ptr(bytes.as_ptr() as *mut u8),
+                Arg::Out(bytes) => HostArg::Ptr(bytes.as_mut_ptr()),
+                Arg::U32(v) => HostArg::U32(*v),
+                Arg::F32(v) => HostArg::F32(*v),
+            })
+            .collect();
+        // SAFETY: every buffer is a live slice sized by the check for its grid, as device
+        // buffers would be.
+        unsafe { HostKernels::launch(self, kernel, grid, block, &host_args) }
+    }
+}

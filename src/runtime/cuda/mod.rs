@@ -6,7 +6,9 @@
 //! library is opened at run time, after [`libraries`] has found it (cudarc panics on a
 //! missing library; we report it instead).
 
+pub mod checks;
 pub mod device;
+pub mod gpu;
 pub mod host;
 pub mod kernels;
 pub mod libraries;

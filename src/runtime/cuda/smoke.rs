@@ -1,9 +1,10 @@
 //! `infer smoke`: what a user's single-GPU CI job runs. Each check is a row that passes or
 //! fails with its detail; the command exits 1 when any fails. What this build checks on a
-//! GPU: the driver and GPU, NVRTC, and every kernel compiled for the GPU's exact
-//! architecture within its resources. The checks of the model on the GPU (ops against the
-//! CPU backend, generation, TP over the fallback collectives, `infer up --device cuda`) are
-//! listed and fail with "not built yet" until the backend runs them.
+//! GPU: the driver and GPU, NVRTC, every kernel compiled for the GPU's exact architecture
+//! within its resources, and every kernel run on the GPU against the CPU backend
+//! ([`super::checks`]). The checks of the model on the GPU (generation, TP over the fallback
+//! collectives, `infer up --device cuda`) are listed and fail with "not built yet" until
+//! the backend runs the model.
 
 use std::path::PathBuf;
 
@@ -40,7 +41,6 @@ impl Report {
 
 /// The checks the backend does not run yet (each fails, named).
 const NOT_BUILT: &[&str] = &[
-    "every op against the CPU backend (test-backend-ops tolerances)",
     "32 greedy tokens of SmolLM2 equal the CPU engine's",
     "two runs bit-identical",
     "TP 2 on one GPU through the fallback collectives",
@@ -97,6 +97,20 @@ pub fn run(cache_dir: &std::path::Path, dirs: &[PathBuf]) -> Result<Report> {
     if let Some(nvrtc) = &nvrtc {
         for family in FAMILIES {
             checks.push(compile_check(nvrtc, family, gpu.arch(), cache_dir));
+        }
+        // Every op on the GPU against the CPU backend (test-backend-ops tolerances).
+        match super::gpu::GpuRunner::new(gpu.ordinal, gpu.arch(), nvrtc, cache_dir) {
+            Ok(runner) => {
+                checks.extend(super::checks::run_all(&runner).into_iter().map(|c| Check {
+                    name: format!("op {} vs CPU", c.name),
+                    ..c
+                }))
+            }
+            Err(error) => checks.push(Check {
+                name: "load the kernels on the GPU".into(),
+                passed: false,
+                detail: format!("{error:#}"),
+            }),
         }
     }
     for name in NOT_BUILT {

@@ -1,0 +1,135 @@
+//! The kernels on a real GPU through cudarc: every family's CUBIN (NVRTC, cached) loaded
+//! into a context on one device, and a [`Runner`] that copies a check's buffers to the
+//! device, launches, and copies the results back. What `infer smoke` runs the op checks
+//! with. Never run on silicon where this was written (no GPU there): the same checks run
+//! on the host harness in the tests.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, anyhow};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+
+use super::checks::{Arg, Runner};
+use super::kernels::FAMILIES;
+use super::nvrtc::Nvrtc;
+
+/// Every kernel loaded on one GPU.
+pub struct GpuRunner {
+    _context: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl GpuRunner {
+    /// Compiles (or takes from `cache_dir`) every family for `sm_<arch>` and loads it on
+    /// GPU `ordinal`. The driver must have been opened ([`super::device::probe`]).
+    ///
+    /// Errors: a compilation, module or function that fails to load (the driver's error).
+    pub fn new(ordinal: usize, arch: u32, nvrtc: &Nvrtc, cache_dir: &Path) -> Result<GpuRunner> {
+        let context = CudaContext::new(ordinal)
+            .map_err(|e| anyhow!("cannot create a context on GPU {ordinal}: {e:?}"))?;
+        let stream = context.default_stream();
+        let mut functions = HashMap::new();
+        for family in FAMILIES {
+            let (cubin, _) = nvrtc.compile_cached(cache_dir, family.file, family.source, arch)?;
+            let module = context
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .map_err(|e| {
+                    anyhow!(
+                        "the driver cannot load {} for sm_{arch}: {e:?}",
+                        family.file
+                    )
+                })?;
+            for kernel in family.kernels {
+                let function = module.load_function(kernel.name).map_err(|e| {
+                    anyhow!("`{}` is not in {}'s CUBIN: {e:?}", kernel.name, family.file)
+                })?;
+                functions.insert(kernel.name, function);
+            }
+        }
+        Ok(GpuRunner {
+            _context: context,
+            stream,
+            functions,
+        })
+    }
+}
+
+impl Runner for GpuRunner {
+    fn launch(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &mut [Arg<'_>],
+    ) -> Result<()> {
+        let function = self
+            .functions
+            .get(kernel)
+            .with_context(|| format!("no kernel `{kernel}`"))?;
+        let device = |e: cudarc::driver::DriverError| anyhow!("`{kernel}`: {e:?}");
+        // Device copies of the buffers, in argument order.
+        let mut buffers: Vec<CudaSlice<u8>> = Vec::new();
+        for arg in args.iter() {
+            match arg {
+                Arg::In(bytes) => buffers.push(self.stream.clone_htod(*bytes).map_err(device)?),
+                Arg::Out(bytes) => buffers.push(self.stream.clone_htod(&**bytes).map_err(device)?),
+                Arg::U32(_) | Arg::F32(_) => {}
+            }
+        }
+        let values: Vec<(u32, f32)> = args
+            .iter()
+            .map(|arg| match arg {
+                Arg::U32(v) => (*v, 0.0),
+                Arg::F32(v) => (0, *v),
+                _ => (0, 0.0),
+            })
+            .collect();
+        {
+            let mut builder = self.stream.launch_builder(function);
+            let mut next = 0;
+            for (arg, value) in args.iter().zip(&values) {
+                match arg {
+                    Arg::In(_) | Arg::Out(_) => {
+                        builder.arg(&buffers[next]);
+                        next += 1;
+                    }
+                    Arg::U32(_) => {
+                        builder.arg(&value.0);
+                    }
+                    Arg::F32(_) => {
+                        builder.arg(&value.1);
+                    }
+                }
+            }
+            let config = LaunchConfig {
+                grid_dim: (grid[0], grid[1], grid[2]),
+                block_dim: (block[0], block[1], block[2]),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments follow the kernel's launch description (the checks are
+            // written against it; the tests compare it with the PTX), and every buffer is
+            // sized for the grid.
+            unsafe { builder.launch(config) }.map_err(device)?;
+        }
+        self.stream.synchronize().map_err(device)?;
+        let mut next = 0;
+        for arg in args.iter_mut() {
+            match arg {
+                Arg::In(_) => next += 1,
+                Arg::Out(bytes) => {
+                    self.stream
+                        .memcpy_dtoh(&buffers[next], &mut **bytes)
+                        .map_err(device)?;
+                    next += 1;
+                }
+                Arg::U32(_) | Arg::F32(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
