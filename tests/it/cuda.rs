@@ -70,7 +70,7 @@ fn every_kernel_compiles_to_cubin_for_each_architecture_within_its_resources() {
     for &arch in infer::runtime::cuda::TESTED_ARCHS {
         for family in FAMILIES {
             let compiled = nvrtc
-                .compile(family.file, family.source, arch)
+                .compile(family.file, &family.full_source(), arch)
                 .unwrap_or_else(|e| panic!("{e:#}"));
             // A CUBIN is an ELF file (`\x7fELF`), for this exact architecture.
             assert_eq!(
@@ -152,22 +152,23 @@ fn compile_errors_are_reported_and_the_cache_keys_on_the_source() {
     );
     let dir = tempfile::tempdir().expect("tempdir");
     let family = &FAMILIES[0];
+    let source = family.full_source();
     let (first, hit) = nvrtc
-        .compile_cached(dir.path(), family.file, family.source, 86)
+        .compile_cached(dir.path(), family.file, &source, 86)
         .expect("compiles");
     assert!(!hit);
     let (again, hit) = nvrtc
-        .compile_cached(dir.path(), family.file, family.source, 86)
+        .compile_cached(dir.path(), family.file, &source, 86)
         .expect("cached");
     assert!(hit);
     assert_eq!(first, again);
-    let changed = format!("{}\n// changed\n", family.source);
+    let changed = format!("{source}\n// changed\n");
     let (_, hit) = nvrtc
         .compile_cached(dir.path(), family.file, &changed, 86)
         .expect("compiles");
     assert!(!hit, "a changed source misses the cache");
     let (_, hit) = nvrtc
-        .compile_cached(dir.path(), family.file, family.source, 90)
+        .compile_cached(dir.path(), family.file, &source, 90)
         .expect("compiles");
     assert!(!hit, "another architecture misses the cache");
 }

@@ -1336,6 +1336,23 @@ fn every_reason_is_true_of_the_plans_own_numbers() {
     assert!(checked >= 40, "only {checked} plans were feasible");
 }
 
+/// The batch-1 TPOT and the reasons of a feasible `infer plan base… extra… --json`.
+fn tpot_and_reasons(base: &[&str], extra: &[&str]) -> (f64, Vec<String>) {
+    let args = [base, extra].concat();
+    let (code, plan) = plan_json(&args);
+    assert_eq!(code, 0, "{plan}");
+    let explain = plan["explain"]
+        .as_array()
+        .expect("explain")
+        .iter()
+        .filter_map(|l| l.as_str().map(str::to_string))
+        .collect();
+    (
+        plan["estimate"]["tpot_secs"].as_f64().expect("tpot"),
+        explain,
+    )
+}
+
 /// `infer bench allreduce --json` and `infer bench decode --json`, run for real, read back
 /// by `--calibration`: the measured shared-memory link replaces NVLink inside a host; a
 /// decode measured on this CPU is refused for a GPU plan; the same report as an H100 would
@@ -1373,22 +1390,7 @@ fn bench_json_reports_calibrate_the_plan() {
         "--tp",
         "8",
     ];
-    let with = |extra: &[&str]| -> (f64, Vec<String>) {
-        let mut args = tp8.to_vec();
-        args.extend_from_slice(extra);
-        let (code, plan) = plan_json(&args);
-        assert_eq!(code, 0, "{plan}");
-        let explain = plan["explain"]
-            .as_array()
-            .expect("explain")
-            .iter()
-            .filter_map(|l| l.as_str().map(str::to_string))
-            .collect();
-        (
-            plan["estimate"]["tpot_secs"].as_f64().expect("tpot"),
-            explain,
-        )
-    };
+    let with = |extra: &[&str]| tpot_and_reasons(&tp8, extra);
     let (datasheet, _) = with(&[]);
     let (measured, explain) = with(&["--calibration", &allreduce.display().to_string()]);
     // Two CPU processes' link (microseconds per call, a few GB/s) replaces NVLink's
@@ -1454,22 +1456,7 @@ fn bench_json_reports_calibrate_the_plan() {
     report["weight_bytes_per_sec"] = 2.5e12.into();
     let h100 = dir.path().join("h100-decode.json");
     std::fs::write(&h100, report.to_string()).expect("write");
-    let tpot = |extra: &[&str]| -> (f64, Vec<String>) {
-        let mut args = one_gpu.to_vec();
-        args.extend_from_slice(extra);
-        let (code, plan) = plan_json(&args);
-        assert_eq!(code, 0, "{plan}");
-        let explain = plan["explain"]
-            .as_array()
-            .expect("explain")
-            .iter()
-            .filter_map(|l| l.as_str().map(str::to_string))
-            .collect();
-        (
-            plan["estimate"]["tpot_secs"].as_f64().expect("tpot"),
-            explain,
-        )
-    };
+    let tpot = |extra: &[&str]| tpot_and_reasons(&one_gpu, extra);
     let (datasheet, _) = tpot(&[]);
     let (measured, explain) = tpot(&["--calibration", &h100.display().to_string()]);
     // TP 1: no collective, the step is weights and KV over HBM: 3350 / 2500 slower.

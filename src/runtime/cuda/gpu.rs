@@ -35,7 +35,8 @@ impl GpuRunner {
         let stream = context.default_stream();
         let mut functions = HashMap::new();
         for family in FAMILIES {
-            let (cubin, _) = nvrtc.compile_cached(cache_dir, family.file, family.source, arch)?;
+            let (cubin, _) =
+                nvrtc.compile_cached(cache_dir, family.file, &family.full_source(), arch)?;
             let module = context
                 .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
                 .map_err(|e| {

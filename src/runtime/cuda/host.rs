@@ -48,7 +48,7 @@ impl HostKernels {
         std::fs::write(dir.join("host_prelude.h"), PRELUDE)?;
         let mut units = Vec::new();
         for family in FAMILIES {
-            let mut unit = format!("#include \"host_prelude.h\"\n{}\n", family.source);
+            let mut unit = format!("#include \"host_prelude.h\"\n{}\n", family.full_source());
             for kernel in family.kernels {
                 unit.push_str(&launcher(kernel));
             }

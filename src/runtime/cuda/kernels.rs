@@ -1,4 +1,5 @@
-//! The CUDA kernels: CUDA C sources in `kernels/` (header-free, one file per op family),
+//! The CUDA kernels: CUDA C sources in `kernels/` (header-free, one file per op family, each
+//! compiled after the shared helpers of `kernels/common.cuh`),
 //! embedded in the binary, and the launch description of every kernel — its parameters in
 //! order and the block size its code assumes — which the tests check against what NVRTC
 //! compiled (the PTX `.entry` parameter lists).
@@ -43,6 +44,17 @@ pub struct Family {
     pub source: &'static str,
     pub kernels: &'static [Kernel],
 }
+
+impl Family {
+    /// What is compiled: [`COMMON`] followed by the family's own source.
+    pub fn full_source(&self) -> String {
+        format!("{COMMON}\n{}", self.source)
+    }
+}
+
+/// The device helpers every family shares (`kernels/common.cuh`: f16 bits to float,
+/// unaligned loads), prepended to each family's source.
+pub const COMMON: &str = include_str!("kernels/common.cuh");
 
 use Param::{F32, Ptr, U32};
 

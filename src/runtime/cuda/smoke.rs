@@ -135,7 +135,8 @@ fn compile_check(
     cache_dir: &std::path::Path,
 ) -> Check {
     let name = format!("compile {} for sm_{arch}", family.file);
-    let compiled = match nvrtc.compile(family.file, family.source, arch) {
+    let source = family.full_source();
+    let compiled = match nvrtc.compile(family.file, &source, arch) {
         Ok(compiled) => compiled,
         Err(error) => {
             return Check {
@@ -165,7 +166,7 @@ fn compile_check(
     }
     // The same CUBIN goes to the cache the backend loads from.
     let cache = PathBuf::from(cache_dir);
-    if let Err(error) = nvrtc.compile_cached(&cache, family.file, family.source, arch) {
+    if let Err(error) = nvrtc.compile_cached(&cache, family.file, &source, arch) {
         passed = false;
         parts.push(format!("cache: {error:#}"));
     }

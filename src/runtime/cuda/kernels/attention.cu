@@ -15,19 +15,6 @@
 #define ATTN_TILE 512
 #define KV_BLOCK 16
 
-__device__ __forceinline__ float half_to_float_attn(unsigned short h) {
-    const unsigned int sign = (h & 0x8000u) << 16;
-    const unsigned int exponent = (h >> 10) & 0x1fu;
-    const unsigned int mantissa = h & 0x3ffu;
-    if (exponent == 0) {
-        const float value = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -value : value;
-    }
-    const unsigned int bits = exponent == 31 ? (sign | 0x7f800000u | (mantissa << 13))
-                                             : (sign | ((exponent + 112) << 23) | (mantissa << 13));
-    return __int_as_float((int)bits);
-}
-
 // Block-wide reduction of `value` (max or sum) through `scratch`; every thread gets it.
 __device__ __forceinline__ float block_reduce(float value, float* scratch, bool is_max) {
     scratch[threadIdx.x] = value;
@@ -77,7 +64,7 @@ extern "C" __global__ void paged_attention_f16kv(
                  position % KV_BLOCK) * head_dim;
             float dot = 0.0f;
             for (unsigned int d = 0; d < head_dim; d++) {
-                dot += q_shared[d] * half_to_float_attn(k_cache[slot + d]);
+                dot += q_shared[d] * half_to_float(k_cache[slot + d]);
             }
             weights[p] = dot * scale;
             tile_max = fmaxf(tile_max, weights[p]);
@@ -101,7 +88,7 @@ extern "C" __global__ void paged_attention_f16kv(
                     (((unsigned long long)table[position / KV_BLOCK] * n_kv_heads + kv_head) *
                          KV_BLOCK +
                      position % KV_BLOCK) * head_dim;
-                tile_acc += weights[p] * half_to_float_attn(v_cache[slot + threadIdx.x]);
+                tile_acc += weights[p] * half_to_float(v_cache[slot + threadIdx.x]);
             }
             acc = acc * correction + tile_acc;
         }

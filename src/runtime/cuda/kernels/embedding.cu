@@ -3,24 +3,6 @@
 // (34 bytes per 32 values: an IEEE half scale d, then 32 int8 q; value = d * q).
 // Launch: grid (n_ids, ceil(dim / 256)), block (256).
 
-// IEEE 754 binary16 bits to float, without cuda_fp16.h (header-free kernels).
-__device__ __forceinline__ float half_bits_to_float(unsigned short h) {
-    const unsigned int sign = (h & 0x8000u) << 16;
-    const unsigned int exponent = (h >> 10) & 0x1fu;
-    const unsigned int mantissa = h & 0x3ffu;
-    unsigned int bits;
-    if (exponent == 0) {
-        // Zero or subnormal: mantissa * 2^-24.
-        const float value = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -value : value;
-    } else if (exponent == 31) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    }
-    return __int_as_float((int)bits);
-}
-
 extern "C" __global__ void get_rows_f32(float* __restrict__ out, const float* __restrict__ table,
                                         const int* __restrict__ ids, unsigned int dim) {
     const unsigned int t = blockIdx.x;
@@ -40,6 +22,6 @@ extern "C" __global__ void get_rows_q8_0(float* __restrict__ out,
     }
     const unsigned long long row_bytes = (unsigned long long)(dim / 32) * 34;
     const unsigned char* block = table + (unsigned long long)ids[t] * row_bytes + (i / 32) * 34;
-    const float d = half_bits_to_float((unsigned short)(block[0] | (block[1] << 8)));
+    const float d = half_at(block);
     out[(unsigned long long)t * dim + i] = d * (float)(signed char)block[2 + i % 32];
 }

@@ -13,11 +13,10 @@ __device__ __forceinline__ void rotate(float* a, float* b, float angle) {
     *b = x0 * s + x1 * c;
 }
 
-extern "C" __global__ void rope_interleaved_f32(float* __restrict__ x,
-                                                const int* __restrict__ positions,
-                                                const float* __restrict__ inv_freqs,
-                                                unsigned int n_tokens, unsigned int n_heads,
-                                                unsigned int head_dim) {
+// Rotates the pair this thread owns; `neox` picks the pairing.
+__device__ __forceinline__ void rope_pair(float* x, const int* positions, const float* inv_freqs,
+                                          unsigned int n_tokens, unsigned int n_heads,
+                                          unsigned int head_dim, bool neox) {
     const unsigned int half = head_dim / 2;
     const unsigned long long pair = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (pair >= (unsigned long long)n_tokens * n_heads * half) {
@@ -27,21 +26,25 @@ extern "C" __global__ void rope_interleaved_f32(float* __restrict__ x,
     const unsigned long long head = pair / half;
     const unsigned int token = head / n_heads;
     float* h = x + head * head_dim;
-    rotate(&h[2 * i], &h[2 * i + 1], (float)positions[token] * inv_freqs[i]);
+    const float angle = (float)positions[token] * inv_freqs[i];
+    if (neox) {
+        rotate(&h[i], &h[i + half], angle);
+    } else {
+        rotate(&h[2 * i], &h[2 * i + 1], angle);
+    }
+}
+
+extern "C" __global__ void rope_interleaved_f32(float* __restrict__ x,
+                                                const int* __restrict__ positions,
+                                                const float* __restrict__ inv_freqs,
+                                                unsigned int n_tokens, unsigned int n_heads,
+                                                unsigned int head_dim) {
+    rope_pair(x, positions, inv_freqs, n_tokens, n_heads, head_dim, false);
 }
 
 extern "C" __global__ void rope_neox_f32(float* __restrict__ x, const int* __restrict__ positions,
                                          const float* __restrict__ inv_freqs,
                                          unsigned int n_tokens, unsigned int n_heads,
                                          unsigned int head_dim) {
-    const unsigned int half = head_dim / 2;
-    const unsigned long long pair = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (pair >= (unsigned long long)n_tokens * n_heads * half) {
-        return;
-    }
-    const unsigned int i = pair % half;
-    const unsigned long long head = pair / half;
-    const unsigned int token = head / n_heads;
-    float* h = x + head * head_dim;
-    rotate(&h[i], &h[i + half], (float)positions[token] * inv_freqs[i]);
+    rope_pair(x, positions, inv_freqs, n_tokens, n_heads, head_dim, true);
 }
