@@ -969,7 +969,8 @@ fn llama_server_lines_pass_llama_servers_own_parser() {
 /// host (no SSH: `infer up --nnodes 2 --node-rank R`). The script as written asks for the
 /// CUDA backend, which this build lacks: it exits 2 saying so. With `--device cpu` swapped
 /// in, the two nodes rendezvous at node 0's store over the data network, serve the same
-/// greedy completion as one process, and Ctrl-C on node 0 stops both nodes cleanly.
+/// greedy completion as one process, and Ctrl-C on node 0 stops both nodes cleanly; started
+/// again, a rank killed on node 1 takes both nodes down (non-zero, naming it), nothing left.
 #[test]
 fn emitted_infer_scripts_run_one_node_each_across_hosts() {
     let Some(cluster) = super::cluster::TestCluster::start(2, 1) else {
@@ -1045,42 +1046,90 @@ fn emitted_infer_scripts_run_one_node_each_across_hosts() {
             || stderr.contains("does not run the model on the GPU yet"),
         "{stderr}"
     );
-    // CPU ranks: the same lines with `--device cpu`, and a port free on the test machine.
-    let port = free_port();
-    let cpu = |node: usize| {
+    // CPU ranks: the same lines with `--device cpu`, and ports free on the test machine.
+    let cpu = |node: usize, phase: &str, port: u16, store_port: u16| {
         let text = std::fs::read_to_string(script(node))
             .expect("script")
             .replace("--device cuda", "--device cpu")
-            .replace("--port 8000", &format!("--port {port}"));
-        let path = emit.join(format!("cpu-node{node}.sh"));
+            .replace("--port 8000", &format!("--port {port}"))
+            .replace(
+                "--master-port 29500",
+                &format!("--master-port {store_port}"),
+            );
+        let path = emit.join(format!("cpu-{phase}-node{node}.sh"));
         std::fs::write(&path, text).expect("write");
         path
     };
-    let (cpu0, cpu1) = (cpu(0), cpu(1));
-    let mut nodes = [run_node(0, &cpu0), run_node(1, &cpu1)];
-    let url = format!(
-        "http://{}:{port}/v1/completions",
-        cluster.hosts[0].management
-    );
     let body = serde_json::json!({
         "model": "SmolLM2-135M-Instruct.Q4_1",
         "prompt": "The capital of France is",
         "max_tokens": 8,
         "temperature": 0,
     });
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let answer: Value = loop {
-        match ureq::post(&url).send_json(&body) {
-            Ok(mut reply) => break reply.body_mut().read_json().expect("JSON"),
-            Err(error) => {
-                assert!(
-                    Instant::now() < deadline,
-                    "node 0 never served {url}: {error}"
-                );
-                std::thread::sleep(Duration::from_millis(200));
+    let serve = |port: u16| -> Value {
+        let url = format!(
+            "http://{}:{port}/v1/completions",
+            cluster.hosts[0].management
+        );
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match ureq::post(&url).send_json(&body) {
+                Ok(mut reply) => break reply.body_mut().read_json().expect("JSON"),
+                Err(error) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "node 0 never served {url}: {error}"
+                    );
+                    std::thread::sleep(Duration::from_millis(200));
+                }
             }
         }
     };
+    // Waits for a node's script to exit: its status and stderr.
+    let finish = |node: usize, child: &mut std::process::Child| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "node {node} did not stop");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut stderr = String::new();
+        if let Some(mut pipe) = child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
+        }
+        (status, stderr)
+    };
+    // `infer` processes (pid, argv) in a host's namespace.
+    let infer_processes = |host: usize| -> Vec<(u32, Vec<String>)> {
+        let pids = Command::new("ip")
+            .args(["netns", "pids", &cluster.hosts[host].namespace])
+            .output()
+            .expect("ip netns pids");
+        String::from_utf8_lossy(&pids.stdout)
+            .lines()
+            .filter_map(|pid| {
+                let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).ok()?;
+                let argv: Vec<String> = cmd.split('\0').map(str::to_string).collect();
+                let is_infer = argv[0].ends_with("/infer") || argv[0] == "infer";
+                Some((pid.trim().parse().ok()?, argv)).filter(|_| is_infer)
+            })
+            .collect()
+    };
+    let nothing_left = || {
+        for host in 0..cluster.hosts.len() {
+            let left = infer_processes(host);
+            assert!(left.is_empty(), "left running on h{host}: {left:?}");
+        }
+    };
+
+    let port = free_port();
+    let mut nodes = [
+        run_node(0, &cpu(0, "stop", port, 29500)),
+        run_node(1, &cpu(1, "stop", port, 29500)),
+    ];
+    let answer = serve(port);
     // Rank 1 (node 1) joined rank 0 (node 0) over the data network.
     cluster.assert_data_connection(1, 0);
     // One process on this host gives the same greedy text.
@@ -1097,38 +1146,37 @@ fn emitted_infer_scripts_run_one_node_each_across_hosts() {
     // Ctrl-C on node 0: it drains and stops; node 1's ranks stop with rank 0; both exit 0.
     signal(nodes[0].id(), rustix::process::Signal::INT);
     for (node, child) in nodes.iter_mut().enumerate() {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait") {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "node {node} did not stop");
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let mut stderr = String::new();
-        if let Some(mut pipe) = child.stderr.take() {
-            let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
-        }
+        let (status, stderr) = finish(node, child);
         assert!(status.success(), "node {node}: {status}\n{stderr}");
         if node == 1 {
             assert!(stderr.contains("node 0 is stopping the gang"), "{stderr}");
         }
     }
-    for host in &cluster.hosts {
-        let pids = Command::new("ip")
-            .args(["netns", "pids", &host.namespace])
-            .output()
-            .expect("ip netns pids");
-        let left: Vec<String> = String::from_utf8_lossy(&pids.stdout)
-            .lines()
-            .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/cmdline")).ok())
-            .filter(|cmd| {
-                let argv: Vec<&str> = cmd.split('\0').collect();
-                argv[0].ends_with("/infer") || argv[0] == "infer"
-            })
-            .collect();
-        assert!(left.is_empty(), "left running on {}: {left:?}", host.name);
+    nothing_left();
+
+    // A rank killed on node 1 takes both nodes down, non-zero, naming it.
+    let port = free_port();
+    let mut nodes = [
+        run_node(0, &cpu(0, "kill", port, 29501)),
+        run_node(1, &cpu(1, "kill", port, 29501)),
+    ];
+    serve(port);
+    let (rank, _) = infer_processes(1)
+        .into_iter()
+        .find(|(_, argv)| argv.get(1).is_some_and(|a| a == "rank"))
+        .expect("node 1 runs a rank");
+    signal(rank, rustix::process::Signal::KILL);
+    for (node, child) in nodes.iter_mut().enumerate() {
+        let (status, stderr) = finish(node, child);
+        assert!(
+            !status.success(),
+            "node {node} exited 0 after a rank died\n{stderr}"
+        );
+        if node == 1 {
+            assert!(stderr.contains("rank 1 exited with signal: 9"), "{stderr}");
+        }
     }
+    nothing_left();
 }
 
 /// `infer up --nnodes` refuses bad input before starting anything: no shared token, a node
