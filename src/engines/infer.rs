@@ -112,11 +112,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
             NodeLaunch {
                 host: node.host.clone(),
                 node_rank: rank,
-                role: if rank == 0 {
-                    NodeRole::Head
-                } else {
-                    NodeRole::Worker
-                },
+                role: NodeRole::of(rank),
                 argv,
                 env: common_env(request, node),
                 ports,

@@ -195,6 +195,17 @@ pub enum NodeRole {
     Worker,
 }
 
+impl NodeRole {
+    /// The role of node `node_rank`: node 0 is the head.
+    pub fn of(node_rank: usize) -> NodeRole {
+        if node_rank == 0 {
+            NodeRole::Head
+        } else {
+            NodeRole::Worker
+        }
+    }
+}
+
 /// A port a node's engine listens on, and what for (checked free in preflight).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReservedPort {

@@ -137,11 +137,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
         launches.push(NodeLaunch {
             host: node.host.clone(),
             node_rank: i,
-            role: if i == 0 {
-                NodeRole::Head
-            } else {
-                NodeRole::Worker
-            },
+            role: NodeRole::of(i),
             argv,
             env,
             ports,

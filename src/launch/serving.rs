@@ -70,6 +70,12 @@ pub struct NodeSettings {
 }
 
 impl NodeSettings {
+    /// The ranks this node runs out of `world`: its consecutive, even share.
+    pub fn ranks(&self, world: usize) -> std::ops::Range<usize> {
+        let share = world / self.nnodes;
+        self.node_rank * share..(self.node_rank + 1) * share
+    }
+
     /// The node's settings from its flags: `master_addr` resolved (IPv4 first), the bind
     /// address found from the route to it when not given.
     ///
@@ -451,13 +457,13 @@ fn launch(
     if let Some(node) = &settings.node {
         // Bad layouts fail as themselves, before any store is involved.
         spec.check_layout()?;
-        let share = world / node.nnodes;
-        let first = node.node_rank * share;
+        let ranks = node.ranks(world);
         events(UpEvent::Note(format!(
-            "node {} of {}: ranks {first}–{} of {world} on this host (collectives on {}); rendezvous store at {}{}",
+            "node {} of {}: ranks {}–{} of {world} on this host (collectives on {}); rendezvous store at {}{}",
             node.node_rank,
             node.nnodes,
-            first + share - 1,
+            ranks.start,
+            ranks.end - 1,
             node.bind_addr,
             node.master,
             if node.node_rank == 0 { " (here)" } else { "" }
@@ -484,8 +490,6 @@ fn launch(
         (Some(_), _) => None,
         (None, Some(node)) => {
             let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
-            let share = world / node.nnodes;
-            let first = node.node_rank * share;
             let store = if node.node_rank == 0 {
                 super::StoreLocation::Listen(node.master)
             } else {
@@ -501,7 +505,7 @@ fn launch(
                     &Job::Serve,
                     store,
                     &node.token,
-                    first..first + share,
+                    node.ranks(world),
                 )
                 .with_context(|| {
                     if node.node_rank > 0 {
@@ -650,7 +654,7 @@ fn node_placement(node: &NodeSettings, world: usize) -> Vec<super::Placement> {
             host: format!("node{}", rank / share),
             local_rank: rank % share,
             local_world_size: share,
-            env: if rank / share == node.node_rank {
+            env: if node.ranks(world).contains(&rank) {
                 vec![("INFER_BIND_ADDR".to_string(), node.bind_addr.to_string())]
             } else {
                 Vec::new()

@@ -202,29 +202,25 @@ fn link_from_report(name: &str, report: &AllreduceReport) -> Result<MeasuredLink
     else {
         bail!("`{name}` has no all-reduce rows");
     };
-    let smallest = table
-        .rows
-        .iter()
-        .min_by_key(|r| r.bytes)
-        .expect("the table has rows");
-    let bytes_per_sec = peak(table);
-    if !(bytes_per_sec > 0.0 && smallest.time_secs > 0.0) {
-        bail!("`{name}`: the table's bus bandwidths and times must be positive");
-    }
     let place = if table.hosts.is_empty() {
         "this host".to_string()
     } else {
         format!("hosts {}", table.hosts.join(", "))
     };
-    Ok(MeasuredLink {
-        scope: table.scope,
-        bytes_per_sec,
-        latency_secs: smallest.time_secs,
-        source: format!(
+    let rows: Vec<(u64, f64, f64)> = table
+        .rows
+        .iter()
+        .map(|r| (r.bytes, r.time_secs, r.busbw_bytes_per_sec))
+        .collect();
+    link_from_rows(
+        name,
+        table.scope,
+        &rows,
+        format!(
             "`{name}`, {} ranks on {place} ({})",
             table.world_size, table.transport
         ),
-    })
+    )
 }
 
 /// Adds `measurement` (read from the file `name`) to `cluster`: a link fills its scope's slot; a
@@ -370,11 +366,11 @@ pub fn parse_allreduce_table(name: &str, text: &str) -> Result<MeasuredLink> {
         (1, _) => Scope::IntraHost,
         (_, _) => Scope::InterHost,
     };
-    let smallest = rows.iter().min_by_key(|r| r.0).expect("rows is not empty");
-    let peak = rows.iter().map(|r| r.2).fold(0.0, f64::max);
-    if !(peak > 0.0 && smallest.1 > 0.0) {
-        bail!("`{name}`: the table's bus bandwidths and times must be positive");
-    }
+    // In the shared units: bytes, seconds, bytes/s.
+    let rows: Vec<(u64, f64, f64)> = rows
+        .iter()
+        .map(|&(bytes, time_us, busbw_gbs)| (bytes, time_us * 1e-6, busbw_gbs * 1e9))
+        .collect();
     let source = if hosts.is_empty() {
         format!("`{name}`")
     } else {
@@ -384,10 +380,30 @@ pub fn parse_allreduce_table(name: &str, text: &str) -> Result<MeasuredLink> {
             if hosts.len() == 1 { "" } else { "s" }
         )
     };
+    link_from_rows(name, scope, &rows, source)
+}
+
+/// The link of an all-reduce table's `(bytes, time_secs, busbw_bytes_per_sec)` rows: its
+/// highest bus bandwidth and the time of its smallest message.
+///
+/// Errors: no rows, a bandwidth or time that is not positive.
+fn link_from_rows(
+    name: &str,
+    scope: Scope,
+    rows: &[(u64, f64, f64)],
+    source: String,
+) -> Result<MeasuredLink> {
+    let Some(smallest) = rows.iter().min_by_key(|r| r.0) else {
+        bail!("`{name}` has no all-reduce rows");
+    };
+    let peak = rows.iter().map(|r| r.2).fold(0.0, f64::max);
+    if !(peak > 0.0 && smallest.1 > 0.0) {
+        bail!("`{name}`: the table's bus bandwidths and times must be positive");
+    }
     Ok(MeasuredLink {
         scope,
-        bytes_per_sec: peak * 1e9,
-        latency_secs: smallest.1 * 1e-6,
+        bytes_per_sec: peak,
+        latency_secs: smallest.1,
         source,
     })
 }

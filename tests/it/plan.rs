@@ -1057,24 +1057,13 @@ fn calibration_tables_replace_the_datasheet_links_and_the_plan_says_so() {
         "2",
     ];
     let tpot = |calibration: &[&std::path::Path]| -> (f64, Vec<String>) {
-        let mut args: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+        let mut extra: Vec<String> = Vec::new();
         for path in calibration {
-            args.push("--calibration".into());
-            args.push(path.display().to_string());
+            extra.push("--calibration".into());
+            extra.push(path.display().to_string());
         }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let (code, plan) = plan_json(&args);
-        assert_eq!(code, 0);
-        let explain = plan["explain"]
-            .as_array()
-            .expect("explain")
-            .iter()
-            .filter_map(|l| l.as_str().map(str::to_string))
-            .collect();
-        (
-            plan["estimate"]["tpot_secs"].as_f64().expect("tpot"),
-            explain,
-        )
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        tpot_and_reasons(&base, &extra)
     };
     let (datasheet, _) = tpot(&[]);
     // 35 GB/s RDMA between the hosts instead of TCP's 12.5 GB/s: the PP hop is cheaper.
