@@ -153,6 +153,16 @@ pub fn run_all(runner: &dyn Runner) -> Vec<Check> {
     ] {
         record(kernel, mul_mat_vec(runner, ty, kernel));
     }
+    for (ty, kernel) in [
+        (GgmlType::F32, "mul_mat_vec_f32"),
+        (GgmlType::F16, "mul_mat_vec_f16"),
+        (GgmlType::Bf16, "mul_mat_vec_bf16"),
+    ] {
+        record(kernel, mul_mat_vec_float(runner, ty, kernel));
+    }
+    record("add_f32 1000", add(runner));
+    record("scale_add_rows_f32 3 of 5×300", scale_add_rows(runner));
+    record("store_kv_f16", store_kv(runner));
     record("paged_attention_f16kv", attention(runner));
     record("argmax_f32", argmax(runner));
     checks
@@ -331,26 +341,27 @@ fn get_rows_q8_0(runner: &dyn Runner) -> Result<Check> {
 
 fn mul_mat_vec(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check> {
     // 5 rows × 8448 columns (33 super-blocks of 256; 264 blocks of 32 per row, more than the
-    // 128 threads), against the f64 product of the CPU's dequantized rows.
-    let (n_rows, n_cols) = (5usize, 8448usize);
-    let activations = values(8, n_cols);
-    let mut quantized = vec![0u8; n_cols / 32 * 40];
+    // 128 threads) times 3 activation rows, against the f64 products of the CPU's
+    // dequantized rows.
+    let (n_rows, n_cols, n_tokens) = (5usize, 8448usize, 3usize);
+    let activations = values(8, n_tokens * n_cols);
+    let mut quantized = vec![0u8; n_tokens * n_cols / 32 * 40];
     runner.launch(
         "quantize_q8_1",
-        [(n_cols / 32) as u32, 1, 1],
+        [(n_tokens * n_cols / 32) as u32, 1, 1],
         [32, 1, 1],
         &mut [
             Arg::Out(&mut quantized),
             Arg::In(&f32s(&activations)),
-            Arg::U32(n_cols as u32),
+            Arg::U32((n_tokens * n_cols) as u32),
         ],
     )?;
     let weights = random_rows(ty, 20 + ty as u64, n_rows, n_cols);
     let row_bytes = weights.len() / n_rows;
-    let mut product = vec![0u8; n_rows * 4];
+    let mut product = vec![0u8; n_tokens * n_rows * 4];
     runner.launch(
         kernel,
-        [n_rows as u32, 1, 1],
+        [n_rows as u32, n_tokens as u32, 1],
         [128, 1, 1],
         &mut [
             Arg::Out(&mut product),
@@ -360,21 +371,194 @@ fn mul_mat_vec(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check>
             Arg::U32(row_bytes as u32),
         ],
     )?;
-    let reference: Vec<f32> = (0..n_rows)
-        .map(|r| {
-            let mut row = vec![0f32; n_cols];
-            dequantize_row(ty, &weights[r * row_bytes..(r + 1) * row_bytes], &mut row);
-            row.iter()
-                .zip(&activations)
-                .map(|(w, x)| *w as f64 * *x as f64)
-                .sum::<f64>() as f32
-        })
-        .collect();
+    let reference = reference_products(ty, &weights, &activations, n_rows, n_cols);
     Ok(check(
         kernel,
         nmse(&to_f32s(&product), &reference),
         NMSE_PRODUCTS,
     ))
+}
+
+/// `(n_tokens, n_rows)` f64 products of the CPU's dequantized rows with each activation row.
+fn reference_products(
+    ty: GgmlType,
+    weights: &[u8],
+    activations: &[f32],
+    n_rows: usize,
+    n_cols: usize,
+) -> Vec<f32> {
+    let row_bytes = weights.len() / n_rows;
+    let rows: Vec<Vec<f32>> = (0..n_rows)
+        .map(|r| {
+            let mut row = vec![0f32; n_cols];
+            dequantize_row(ty, &weights[r * row_bytes..(r + 1) * row_bytes], &mut row);
+            row
+        })
+        .collect();
+    activations
+        .chunks_exact(n_cols)
+        .flat_map(|x| {
+            rows.iter().map(move |row| {
+                row.iter()
+                    .zip(x)
+                    .map(|(w, x)| *w as f64 * *x as f64)
+                    .sum::<f64>() as f32
+            })
+        })
+        .collect()
+}
+
+fn mul_mat_vec_float(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check> {
+    // 7 rows × 300 columns (not a multiple of the 128 threads) times 2 activation rows.
+    let (n_rows, n_cols, n_tokens) = (7usize, 300usize, 2usize);
+    let activations = values(30, n_tokens * n_cols);
+    let w = values(31 + ty as u64, n_rows * n_cols);
+    let weights: Vec<u8> = match ty {
+        GgmlType::F16 => bytes_of(&w, |v| f16::from_f32(v).to_le_bytes().to_vec()),
+        GgmlType::Bf16 => bytes_of(&w, |v| half::bf16::from_f32(v).to_le_bytes().to_vec()),
+        _ => f32s(&w),
+    };
+    let mut product = vec![0u8; n_tokens * n_rows * 4];
+    runner.launch(
+        kernel,
+        [n_rows as u32, n_tokens as u32, 1],
+        [128, 1, 1],
+        &mut [
+            Arg::Out(&mut product),
+            Arg::In(&weights),
+            Arg::In(&f32s(&activations)),
+            Arg::U32(n_cols as u32),
+        ],
+    )?;
+    let reference = reference_products(ty, &weights, &activations, n_rows, n_cols);
+    Ok(check(
+        kernel,
+        nmse(&to_f32s(&product), &reference),
+        NMSE_PRODUCTS,
+    ))
+}
+
+fn add(runner: &dyn Runner) -> Result<Check> {
+    let n = 1000;
+    let (x, y) = (values(40, n), values(41, n));
+    let mut out = f32s(&x);
+    runner.launch(
+        "add_f32",
+        [n.div_ceil(256) as u32, 1, 1],
+        [256, 1, 1],
+        &mut [Arg::Out(&mut out), Arg::In(&f32s(&y)), Arg::U32(n as u32)],
+    )?;
+    let cpu: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    Ok(check(
+        "add_f32 1000",
+        nmse(&to_f32s(&out), &cpu),
+        NMSE_OTHERS,
+    ))
+}
+
+fn scale_add_rows(runner: &dyn Runner) -> Result<Check> {
+    // Rows for tokens 4, 0 and 2 of a 5 × 300 residual stream, each with its weight.
+    let (n_tokens, dim) = (5usize, 300usize);
+    let x = values(42, n_tokens * dim);
+    let ids: Vec<i32> = vec![4, 0, 2];
+    let rows = values(43, ids.len() * dim);
+    let weights: Vec<f32> = vec![0.25, 0.5, 0.75];
+    let mut out = f32s(&x);
+    runner.launch(
+        "scale_add_rows_f32",
+        [ids.len() as u32, dim.div_ceil(256) as u32, 1],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut out),
+            Arg::In(&f32s(&rows)),
+            Arg::In(&i32s(&ids)),
+            Arg::In(&f32s(&weights)),
+            Arg::U32(dim as u32),
+        ],
+    )?;
+    let mut cpu = x.clone();
+    for (r, &id) in ids.iter().enumerate() {
+        for i in 0..dim {
+            cpu[id as usize * dim + i] += weights[r] * rows[r * dim + i];
+        }
+    }
+    Ok(check(
+        "scale_add_rows_f32 3 of 5×300",
+        nmse(&to_f32s(&out), &cpu),
+        NMSE_OTHERS,
+    ))
+}
+
+fn store_kv(runner: &dyn Runner) -> Result<Check> {
+    // Three tokens into slots 5, 16 and 47 of a 3-block pool (2 KV heads × 80): every value
+    // rounded as the CPU backend's cache rounds it (`half::f16::from_f32`), bit for bit,
+    // with the awkward cases among them: ties, subnormals, overflow, infinities, NaN.
+    let (n_kv_heads, head_dim, n_blocks) = (2usize, 80usize, 3usize);
+    let width = n_kv_heads * head_dim;
+    let slots: Vec<i32> = vec![5, 16, 47];
+    let mut k = values(44, slots.len() * width);
+    let v: Vec<f32> = values(45, slots.len() * width)
+        .iter()
+        .map(|x| x * 70000.0)
+        .collect();
+    let awkward = [
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        -1e9,
+        f32::INFINITY,
+        f32::NAN,
+        6.0e-8,
+        2.98e-8,
+        2.9802322e-8,
+        1.0e-6,
+        -3.0e-5,
+        6.1e-5,
+        0.0,
+        -0.0,
+    ];
+    k[..awkward.len()].copy_from_slice(&awkward);
+    let cache_bytes = n_blocks * n_kv_heads * 16 * head_dim * 2;
+    let (mut k_cache, mut v_cache) = (vec![0u8; cache_bytes], vec![0u8; cache_bytes]);
+    runner.launch(
+        "store_kv_f16",
+        [slots.len() as u32, width.div_ceil(256) as u32, 1],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut k_cache),
+            Arg::Out(&mut v_cache),
+            Arg::In(&f32s(&k)),
+            Arg::In(&f32s(&v)),
+            Arg::In(&i32s(&slots)),
+            Arg::U32(n_kv_heads as u32),
+            Arg::U32(head_dim as u32),
+        ],
+    )?;
+    let mut wrong = 0;
+    for (t, &slot) in slots.iter().enumerate() {
+        let (block, offset) = (slot as usize / 16, slot as usize % 16);
+        for i in 0..width {
+            let (head, d) = (i / head_dim, i % head_dim);
+            let at = 2 * (((block * n_kv_heads + head) * 16 + offset) * head_dim + d);
+            for (cache, source) in [(&k_cache, &k), (&v_cache, &v)] {
+                let got = u16::from_ne_bytes([cache[at], cache[at + 1]]);
+                if got != f16::from_f32(source[t * width + i]).to_bits() {
+                    wrong += 1;
+                }
+            }
+        }
+    }
+    Ok(Check {
+        name: "store_kv_f16".into(),
+        passed: wrong == 0,
+        detail: if wrong == 0 {
+            "every value in its slot, rounded as the CPU's cache, bit for bit".into()
+        } else {
+            format!("{wrong} values differ from the CPU cache's")
+        },
+    })
 }
 
 fn attention(runner: &dyn Runner) -> Result<Check> {

@@ -72,11 +72,23 @@ pub const FAMILIES: &[Family] = &[
     Family {
         file: "activation.cu",
         source: include_str!("kernels/activation.cu"),
-        kernels: &[Kernel {
-            name: "swiglu_f32",
-            params: &[Ptr, Ptr, Ptr, U32],
-            block_threads: 256,
-        }],
+        kernels: &[
+            Kernel {
+                name: "swiglu_f32",
+                params: &[Ptr, Ptr, Ptr, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "add_f32",
+                params: &[Ptr, Ptr, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "scale_add_rows_f32",
+                params: &[Ptr, Ptr, Ptr, Ptr, U32],
+                block_threads: 256,
+            },
+        ],
     },
     Family {
         file: "rope.cu",
@@ -144,16 +156,38 @@ pub const FAMILIES: &[Family] = &[
                 params: &[Ptr, Ptr, Ptr, U32, U32],
                 block_threads: 128,
             },
+            Kernel {
+                name: "mul_mat_vec_f32",
+                params: &[Ptr, Ptr, Ptr, U32],
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_f16",
+                params: &[Ptr, Ptr, Ptr, U32],
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_bf16",
+                params: &[Ptr, Ptr, Ptr, U32],
+                block_threads: 128,
+            },
         ],
     },
     Family {
         file: "attention.cu",
         source: include_str!("kernels/attention.cu"),
-        kernels: &[Kernel {
-            name: "paged_attention_f16kv",
-            params: &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, F32],
-            block_threads: 128,
-        }],
+        kernels: &[
+            Kernel {
+                name: "paged_attention_f16kv",
+                params: &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, F32],
+                block_threads: 128,
+            },
+            Kernel {
+                name: "store_kv_f16",
+                params: &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32],
+                block_threads: 256,
+            },
+        ],
     },
     Family {
         file: "sampling.cu",

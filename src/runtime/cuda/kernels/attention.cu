@@ -98,3 +98,28 @@ extern "C" __global__ void paged_attention_f16kv(
         out[row + threadIdx.x] = context > 0 ? acc / running_sum : 0.0f;
     }
 }
+
+// Writes new tokens' keys and values into their cache slots (vLLM's reshape_and_cache), as
+// f16 rounded to nearest even. k, v: [n_tokens, n_kv_heads, head_dim] f32; slots:
+// [n_tokens] int, each block * 16 + offset. Launch: grid (n_tokens, ceil(n_kv_heads *
+// head_dim / 256)), block (256).
+extern "C" __global__ void store_kv_f16(unsigned short* __restrict__ k_cache,
+                                        unsigned short* __restrict__ v_cache,
+                                        const float* __restrict__ k, const float* __restrict__ v,
+                                        const int* __restrict__ slots, unsigned int n_kv_heads,
+                                        unsigned int head_dim) {
+    const unsigned int t = blockIdx.x;
+    const unsigned int i = blockIdx.y * blockDim.x + threadIdx.x;
+    const unsigned int width = n_kv_heads * head_dim;
+    if (i >= width) {
+        return;
+    }
+    const int slot = slots[t];
+    const unsigned int head = i / head_dim;
+    const unsigned int d = i % head_dim;
+    const unsigned long long at =
+        (((unsigned long long)(slot / KV_BLOCK) * n_kv_heads + head) * KV_BLOCK + slot % KV_BLOCK) *
+            head_dim + d;
+    k_cache[at] = float_to_half(k[(unsigned long long)t * width + i]);
+    v_cache[at] = float_to_half(v[(unsigned long long)t * width + i]);
+}

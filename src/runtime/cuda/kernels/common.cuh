@@ -26,3 +26,62 @@ __device__ __forceinline__ float half_at(const unsigned char* p) {
 __device__ __forceinline__ int load_int(const unsigned char* p) {
     return (int)(p[0] | (p[1] << 8) | (p[2] << 16) | ((unsigned int)p[3] << 24));
 }
+
+// Float to IEEE 754 binary16 bits, rounding to nearest, ties to even (as `__float2half_rn`
+// and the CPU backend's `half::f16::from_f32`): overflow to infinity, subnormals kept.
+__device__ __forceinline__ unsigned short float_to_half(float f) {
+    const unsigned int x = __float_as_uint(f);
+    const unsigned int sign = (x >> 16) & 0x8000u;
+    const unsigned int abs = x & 0x7fffffffu;
+    if (abs >= 0x7f800000u) {  // infinity or NaN (kept quiet)
+        return (unsigned short)(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+    }
+    if (abs >= 0x477ff000u) {  // 65520 and up round to infinity
+        return (unsigned short)(sign | 0x7c00u);
+    }
+    unsigned int h;
+    unsigned int rest;
+    unsigned int halfway;
+    if (abs < 0x38800000u) {  // below 2^-14: a subnormal half, mantissa * 2^-24
+        const unsigned int e = abs >> 23;
+        if (e < 102) {
+            return (unsigned short)sign;
+        }
+        const unsigned int m = (abs & 0x7fffffu) | 0x800000u;
+        const unsigned int shift = 126 - e;
+        h = m >> shift;
+        rest = m & ((1u << shift) - 1u);
+        halfway = 1u << (shift - 1u);
+    } else {  // normal: rebias the exponent (127 - 15), keep 10 mantissa bits
+        h = (abs - 0x38000000u) >> 13;
+        rest = abs & 0x1fffu;
+        halfway = 0x1000u;
+    }
+    if (rest > halfway || (rest == halfway && (h & 1u))) {
+        h++;
+    }
+    return (unsigned short)(sign | h);
+}
+
+// Sum and maximum over the 32 lanes of a warp by butterfly shuffles: every lane gets the
+// result. Every lane of the warp must call them.
+__device__ __forceinline__ float warp_reduce_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+__device__ __forceinline__ int warp_reduce_sum_int(int v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_reduce_max(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    return v;
+}

@@ -5,9 +5,14 @@
 // quantize_q8_1: x [n_values] f32 (n_values a multiple of 32) -> xq [n_values / 32] blocks
 //   of { float d; float s; signed char q[32]; } (40 bytes). Launch: grid (n_values / 32),
 //   block (32).
-// mul_mat_vec_<type>_q8_1: y[r] = row r of w (row_bytes bytes, GGML's <type> blocks) · x, for
-//   one activation row of n_cols values. One thread per 32 weights at a time.
-//   Launch: grid (n_rows), block (128).
+// mul_mat_vec_<type>_q8_1: y[t, r] = row r of w (row_bytes bytes, GGML's <type> blocks) ·
+//   activation row t (n_cols values, quantized: xq holds n_cols / 32 blocks per row). One
+//   thread per 32 weights at a time; the block's partial sums meet by warp shuffles, then
+//   through shared memory. y: [n_tokens, n_rows] f32. Launch: grid (n_rows, n_tokens),
+//   block (128).
+// mul_mat_vec_{f32,f16,bf16}: the same product for unquantized weights (rows of n_cols
+//   values) and f32 activations x: [n_tokens, n_cols]. Launch: grid (n_rows, n_tokens),
+//   block (128).
 // GGML's block layouts (ggml-common.h): Q4_0 {half d; u8 qs[16]} (value = d (q - 8)); Q4_1
 // {half d, m; u8 qs[16]} (d q + m); Q8_0 {half d; i8 qs[32]}; Q4_K per 256 {half d, dmin;
 // u8 scales[12]; u8 qs[128]} (d sc_j q - dmin m_j, 6-bit sc/m per 32); Q6_K per 256
@@ -114,32 +119,32 @@ __device__ __forceinline__ float dot_q6_k(const unsigned char* row, unsigned int
 
 extern "C" __global__ void quantize_q8_1(block_q8_1* __restrict__ xq, const float* __restrict__ x,
                                          unsigned int n_values) {
-    __shared__ float amax[32];
-    __shared__ int qsum[32];
     const unsigned long long i = (unsigned long long)blockIdx.x * 32 + threadIdx.x;
     const float v = i < n_values ? x[i] : 0.0f;
-    amax[threadIdx.x] = fabsf(v);
-    __syncthreads();
-    for (unsigned int s = 16; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            amax[threadIdx.x] = fmaxf(amax[threadIdx.x], amax[threadIdx.x + s]);
-        }
-        __syncthreads();
-    }
-    const float d = amax[0] / 127.0f;
+    const float d = warp_reduce_max(fabsf(v)) / 127.0f;
     const int q = d == 0.0f ? 0 : __float2int_rn(v / d);
     xq[blockIdx.x].q[threadIdx.x] = (signed char)q;
-    qsum[threadIdx.x] = q;
-    __syncthreads();
-    for (unsigned int s = 16; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            qsum[threadIdx.x] += qsum[threadIdx.x + s];
-        }
-        __syncthreads();
-    }
+    const int sum = warp_reduce_sum_int(q);
     if (threadIdx.x == 0) {
         xq[blockIdx.x].d = d;
-        xq[blockIdx.x].s = d * (float)qsum[0];
+        xq[blockIdx.x].s = d * (float)sum;
+    }
+}
+
+// The block's sum of every thread's `acc` (four warps), written by thread 0 to `out`.
+__device__ __forceinline__ void block_sum_to(float acc, float* out) {
+    __shared__ float warp_sums[MMV_THREADS / 32];
+    acc = warp_reduce_sum(acc);
+    if (threadIdx.x % 32 == 0) {
+        warp_sums[threadIdx.x / 32] = acc;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (int w = 0; w < MMV_THREADS / 32; w++) {
+            total += warp_sums[w];
+        }
+        *out = total;
     }
 }
 
@@ -147,23 +152,13 @@ extern "C" __global__ void quantize_q8_1(block_q8_1* __restrict__ xq, const floa
     extern "C" __global__ void NAME(float* __restrict__ y, const unsigned char* __restrict__ w, \
                                     const block_q8_1* __restrict__ xq, unsigned int n_cols,     \
                                     unsigned int row_bytes) {                                   \
-        __shared__ float partial[MMV_THREADS];                                                  \
         const unsigned char* row = w + (unsigned long long)blockIdx.x * row_bytes;              \
+        const block_q8_1* xt = xq + (unsigned long long)blockIdx.y * (n_cols / 32);             \
         float acc = 0.0f;                                                                       \
         for (unsigned int b = threadIdx.x; b < n_cols / 32; b += MMV_THREADS) {                 \
-            acc += DOT(row, b, &xq[b]);                                                         \
+            acc += DOT(row, b, &xt[b]);                                                         \
         }                                                                                       \
-        partial[threadIdx.x] = acc;                                                             \
-        __syncthreads();                                                                        \
-        for (unsigned int s = MMV_THREADS / 2; s > 0; s >>= 1) {                                \
-            if (threadIdx.x < s) {                                                              \
-                partial[threadIdx.x] += partial[threadIdx.x + s];                               \
-            }                                                                                   \
-            __syncthreads();                                                                    \
-        }                                                                                       \
-        if (threadIdx.x == 0) {                                                                 \
-            y[blockIdx.x] = partial[0];                                                         \
-        }                                                                                       \
+        block_sum_to(acc, &y[(unsigned long long)blockIdx.y * gridDim.x + blockIdx.x]);         \
     }
 
 MUL_MAT_VEC(mul_mat_vec_q4_0_q8_1, dot_q4_0)
@@ -171,3 +166,27 @@ MUL_MAT_VEC(mul_mat_vec_q4_1_q8_1, dot_q4_1)
 MUL_MAT_VEC(mul_mat_vec_q8_0_q8_1, dot_q8_0)
 MUL_MAT_VEC(mul_mat_vec_q4_k_q8_1, dot_q4_k)
 MUL_MAT_VEC(mul_mat_vec_q6_k_q8_1, dot_q6_k)
+
+__device__ __forceinline__ float load_f32(const float* w, unsigned long long i) { return w[i]; }
+__device__ __forceinline__ float load_f16(const unsigned short* w, unsigned long long i) {
+    return half_to_float(w[i]);
+}
+__device__ __forceinline__ float load_bf16(const unsigned short* w, unsigned long long i) {
+    return __uint_as_float((unsigned int)w[i] << 16);
+}
+
+#define MUL_MAT_VEC_FLOAT(NAME, TYPE, LOAD)                                                     \
+    extern "C" __global__ void NAME(float* __restrict__ y, const TYPE* __restrict__ w,         \
+                                    const float* __restrict__ x, unsigned int n_cols) {         \
+        const unsigned long long row = (unsigned long long)blockIdx.x * n_cols;                 \
+        const float* xt = x + (unsigned long long)blockIdx.y * n_cols;                          \
+        float acc = 0.0f;                                                                       \
+        for (unsigned int c = threadIdx.x; c < n_cols; c += MMV_THREADS) {                      \
+            acc += LOAD(w, row + c) * xt[c];                                                    \
+        }                                                                                       \
+        block_sum_to(acc, &y[(unsigned long long)blockIdx.y * gridDim.x + blockIdx.x]);         \
+    }
+
+MUL_MAT_VEC_FLOAT(mul_mat_vec_f32, float, load_f32)
+MUL_MAT_VEC_FLOAT(mul_mat_vec_f16, unsigned short, load_f16)
+MUL_MAT_VEC_FLOAT(mul_mat_vec_bf16, unsigned short, load_bf16)
