@@ -245,7 +245,7 @@ fn libraries_open_from_the_given_directories_or_say_why_not() {
 }
 
 /// The kernels built for the host once per test process.
-fn host() -> &'static infer::runtime::cuda::host::HostKernels {
+pub fn host() -> &'static infer::runtime::cuda::host::HostKernels {
     static HOST: OnceLock<(tempfile::TempDir, infer::runtime::cuda::host::HostKernels)> =
         OnceLock::new();
     &HOST
@@ -290,4 +290,140 @@ fn host_harness_runs_the_kernels_like_the_cpu_backend() {
     let error = unsafe { host.launch("argmax_f32", [1, 1, 1], [256, 1, 1], &[U32(1)]) }
         .expect_err("wrong arguments");
     assert!(error.to_string().contains("argmax_f32"), "{error}");
+}
+
+/// The family sources with `edit` applied to `file`'s (`from` must occur in it).
+fn sources_with(file: &str, from: &str, to: &str) -> Vec<(&'static str, String)> {
+    FAMILIES
+        .iter()
+        .map(|f| {
+            let source = f.full_source();
+            if f.file == file {
+                assert!(source.contains(from), "`{from}` is not in {file}");
+                (f.file, source.replacen(from, to, 1))
+            } else {
+                (f.file, source)
+            }
+        })
+        .collect()
+}
+
+/// A bug planted in the kernels, by name (`INFER_TEST_PLANT`): the rms_norm reduction's
+/// first `__syncthreads` removed, or the warp shuffles' first offset wrong (8 for 16).
+fn planted(name: &str) -> Vec<(&'static str, String)> {
+    match name {
+        "none" => sources_with("norm.cu", "", ""),
+        "no-syncthreads" => sources_with(
+            "norm.cu",
+            "partial[threadIdx.x] = sum;\n    __syncthreads();",
+            "partial[threadIdx.x] = sum;",
+        ),
+        "shuffle-offset" => {
+            // The shared helpers are prepended to every family: plant in matvec's copy.
+            sources_with("matvec.cu", "for (int offset = 16;", "for (int offset = 8;")
+        }
+        other => panic!("no planted bug `{other}`"),
+    }
+}
+
+/// Run by [`harness_under`] in a child process that preloads the sanitizer's runtime:
+/// builds the harness instrumented (`INFER_TEST_SANITIZER`) with the planted bug
+/// (`INFER_TEST_PLANT`) and runs every check; fails when any check fails.
+#[test]
+#[ignore = "run by the sanitizer tests in a child process that preloads the runtime"]
+fn sanitized_harness_child() {
+    use infer::runtime::cuda::host::{HostKernels, Sanitizer};
+    let sanitizer = match std::env::var("INFER_TEST_SANITIZER").as_deref() {
+        Ok("address") => Sanitizer::Address,
+        Ok("thread") => Sanitizer::Thread,
+        other => panic!("INFER_TEST_SANITIZER is {other:?}"),
+    };
+    let plant = std::env::var("INFER_TEST_PLANT").unwrap_or_else(|_| "none".into());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kernels = HostKernels::build_from(dir.path(), &cxx(), Some(sanitizer), &planted(&plant))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let checks = infer::runtime::cuda::checks::run_all(&kernels);
+    let failed: Vec<_> = checks.iter().filter(|c| !c.passed).collect();
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+fn cxx() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".into())
+}
+
+/// Runs [`sanitized_harness_child`] under `sanitizer` (`address`, `thread`) with `plant`:
+/// its exit status and output.
+fn harness_under(sanitizer: &str, plant: &str) -> std::process::Output {
+    let runtime = match sanitizer {
+        "address" => "libasan.so",
+        _ => "libtsan.so",
+    };
+    let path = Command::new(cxx())
+        .arg(format!("-print-file-name={runtime}"))
+        .output()
+        .expect("c++ runs");
+    let path = String::from_utf8_lossy(&path.stdout).trim().to_string();
+    assert!(
+        Path::new(&path).is_file(),
+        "`{}` has no {runtime} (`apt-get install g++` ships it): {path}",
+        cxx()
+    );
+    Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "cuda::sanitized_harness_child", "--ignored", "--nocapture"])
+        .env("INFER_TEST_SANITIZER", sanitizer)
+        .env("INFER_TEST_PLANT", plant)
+        .env("LD_PRELOAD", &path)
+        .env("ASAN_OPTIONS", "detect_leaks=0:halt_on_error=1")
+        .env("TSAN_OPTIONS", "halt_on_error=1:exitcode=66")
+        .output()
+        .expect("the test binary runs")
+}
+
+#[test]
+fn every_kernel_runs_clean_under_address_and_thread_sanitizers() {
+    for sanitizer in ["address", "thread"] {
+        let output = harness_under(sanitizer, "none");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success(),
+            "{sanitizer}: {}\n{stderr}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        assert!(!stderr.contains("Sanitizer"), "{sanitizer}: {stderr}");
+        // The child really ran the checks (it is not filtered out).
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(stdout.contains("1 passed"), "{sanitizer}: {stdout}");
+    }
+}
+
+#[test]
+fn a_planted_race_or_wrong_shuffle_fails_the_checks() {
+    // A missing __syncthreads: ThreadSanitizer reports the race between the block's threads.
+    let output = harness_under("thread", "no-syncthreads");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "the race went unnoticed: {stderr}");
+    assert!(
+        stderr.contains("ThreadSanitizer: data race"),
+        "no race reported: {stderr}"
+    );
+    // A wrong shuffle offset: the products' partial sums are added in the wrong pairs, so
+    // the checks fail on their numbers (no sanitizer needed: it is deterministic).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kernels = infer::runtime::cuda::host::HostKernels::build_from(
+        dir.path(),
+        &cxx(),
+        None,
+        &planted("shuffle-offset"),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let checks = infer::runtime::cuda::checks::run_all(&kernels);
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|c| !c.passed)
+        .map(|c| c.name.as_str())
+        .collect();
+    assert!(
+        failed.iter().any(|n| n.starts_with("mul_mat_vec")),
+        "the wrong shuffle went unnoticed: {checks:#?}"
+    );
 }

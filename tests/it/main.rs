@@ -2,6 +2,7 @@
 //! binary (or the library at its public edge) on real inputs: the fixtures in
 //! `../shared/fixtures/`, fake sysfs trees built in temp dirs, this machine.
 
+mod backend;
 mod cluster;
 mod collectives;
 mod cuda;

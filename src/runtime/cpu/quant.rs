@@ -537,7 +537,9 @@ crate::runtime::cpu::mathfn::multiversion! {
     /// when the batch holds one token (tinyBLAS only takes two or more; `ggml_vec_dot_f16`
     /// then runs): each score sums its `width` products in 32 lane classes (`reduce32`).
     /// `keys`: `n_positions` rows of `width`; `queries` `(heads, width)` (already rounded
-    /// to f16); `scores` `(heads, n_positions)`. `width` must be a multiple of 32.
+    /// to f16); `scores` `(heads, n_positions)`. When `width` is not a multiple of 32 (heads
+    /// of 16, 48, 80 dimensions), the products past the last whole 32 are added after the
+    /// reduction in f64, one by one, as `ggml_vec_dot_f16`'s leftover loop does.
     #[allow(clippy::needless_range_loop)]
     pub fn attention_scores_decode(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &mut [f32]) {
         let n_positions = keys.len();
@@ -555,14 +557,19 @@ crate::runtime::cpu::mathfn::multiversion! {
             for (k, v) in key.iter_mut().zip(row.iter()) {
                 *k = v.to_f32();
             }
+            let whole = width / 32 * 32;
             for (h, query) in queries.chunks_exact(width).enumerate() {
                 let mut a = [0f32; 32];
-                for (k32, q32) in key.chunks_exact(32).zip(query.chunks_exact(32)) {
+                for (k32, q32) in key[..whole].chunks_exact(32).zip(query.chunks_exact(32)) {
                     for i in 0..32 {
                         a[i] = k32[i].mul_add(q32[i], a[i]);
                     }
                 }
-                scores[h * n_positions + p] = reduce32(&a) * scale;
+                let mut sum = reduce32(&a) as f64;
+                for (k, q) in key[whole..].iter().zip(&query[whole..]) {
+                    sum += (k * q) as f64;
+                }
+                scores[h * n_positions + p] = sum as f32 * scale;
             }
         }
     }

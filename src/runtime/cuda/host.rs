@@ -24,6 +24,33 @@ pub enum HostArg {
     F32(f32),
 }
 
+/// A sanitizer the harness can be built with: AddressSanitizer finds reads and writes
+/// outside a kernel's buffers, ThreadSanitizer races between a block's threads (a missing
+/// `__syncthreads`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sanitizer {
+    Address,
+    Thread,
+}
+
+impl Sanitizer {
+    fn flag(self) -> &'static str {
+        match self {
+            Sanitizer::Address => "-fsanitize=address",
+            Sanitizer::Thread => "-fsanitize=thread",
+        }
+    }
+
+    /// The runtime library a process must preload to load a library built with it (GCC's
+    /// name; `c++ -print-file-name=<it>` gives its path).
+    pub fn runtime(self) -> &'static str {
+        match self {
+            Sanitizer::Address => "libasan.so",
+            Sanitizer::Thread => "libtsan.so",
+        }
+    }
+}
+
 /// The kernels compiled for the host and loaded.
 pub struct HostKernels {
     library: libloading::Library,
@@ -43,12 +70,35 @@ impl HostKernels {
     /// Errors: no C++ compiler, a kernel source the harness cannot compile (the compiler's
     /// output), a library that does not load.
     pub fn build(dir: &Path, compiler: &str) -> Result<HostKernels> {
+        let sources: Vec<(&str, String)> = FAMILIES
+            .iter()
+            .map(|f| (f.file, f.full_source()))
+            .collect();
+        HostKernels::build_from(dir, compiler, None, &sources)
+    }
+
+    /// [`HostKernels::build`] from given sources (`(family file, full source)`: the tests
+    /// plant bugs this way) and, with `sanitizer`, instrumented by it: such a library loads
+    /// only into a process that starts with the sanitizer's runtime
+    /// ([`Sanitizer::runtime`], `LD_PRELOAD`).
+    ///
+    /// Errors: those of [`HostKernels::build`], a file that is not a kernel family.
+    pub fn build_from(
+        dir: &Path,
+        compiler: &str,
+        sanitizer: Option<Sanitizer>,
+        sources: &[(&str, String)],
+    ) -> Result<HostKernels> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create `{}`", dir.display()))?;
         std::fs::write(dir.join("host_prelude.h"), PRELUDE)?;
         let mut units = Vec::new();
-        for family in FAMILIES {
-            let mut unit = format!("#include \"host_prelude.h\"\n{}\n", family.full_source());
+        for (file, source) in sources {
+            let family = FAMILIES
+                .iter()
+                .find(|f| f.file == *file)
+                .with_context(|| format!("`{file}` is not a kernel family"))?;
+            let mut unit = format!("#include \"host_prelude.h\"\n{source}\n");
             for kernel in family.kernels {
                 unit.push_str(&launcher(kernel));
             }
@@ -57,8 +107,13 @@ impl HostKernels {
             units.push(path);
         }
         let library = dir.join("libinfer_host_kernels.so");
-        let output = Command::new(compiler)
-            .args(["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-o"])
+        let mut command = Command::new(compiler);
+        command.args(["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]);
+        if let Some(sanitizer) = sanitizer {
+            command.args([sanitizer.flag(), "-g", "-fno-omit-frame-pointer"]);
+        }
+        let output = command
+            .arg("-o")
             .arg(&library)
             .args(&units)
             .output()
@@ -180,6 +235,95 @@ impl super::checks::Runner for HostKernels {
             .collect();
         // SAFETY: every buffer is a live slice sized by the check for its grid, as device
         // buffers would be.
+        unsafe { HostKernels::launch(self, kernel, grid, block, &host_args) }
+    }
+}
+
+/// Host memory standing for device memory: 64-byte aligned, zeroed, written by the kernels
+/// through its pointer.
+pub struct HostBuffer {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+impl HostBuffer {
+    /// A zeroed buffer of `len_bytes` (at least one byte is allocated).
+    pub fn zeroed(len_bytes: usize) -> Result<HostBuffer> {
+        let layout = std::alloc::Layout::from_size_align(len_bytes.max(1), 64)
+            .with_context(|| format!("cannot lay out {len_bytes} bytes"))?;
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(raw)
+            .with_context(|| format!("out of memory allocating {len_bytes} bytes"))?;
+        Ok(HostBuffer { ptr, layout })
+    }
+
+    /// The allocation's size in bytes.
+    pub fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// Whether the buffer is empty (never: at least one byte is allocated).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` owns `layout.size()` initialised bytes; no kernel runs while the
+        // caller holds this slice (launches are synchronous on the host).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl super::backend::Device for HostKernels {
+    type Buffer = HostBuffer;
+
+    fn name(&self) -> String {
+        "the host harness (CUDA kernels on CPU threads)".into()
+    }
+
+    fn alloc(&self, len_bytes: usize) -> Result<HostBuffer> {
+        HostBuffer::zeroed(len_bytes)
+    }
+
+    fn upload(&self, bytes: &[u8]) -> Result<HostBuffer> {
+        let buffer = HostBuffer::zeroed(bytes.len())?;
+        // SAFETY: the buffer holds at least `bytes.len()` bytes and is not shared yet.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buffer.ptr.as_ptr(), bytes.len()) };
+        Ok(buffer)
+    }
+
+    fn download(&self, buffer: &HostBuffer, len_bytes: usize) -> Result<Vec<u8>> {
+        match buffer.bytes().get(..len_bytes) {
+            Some(bytes) => Ok(bytes.to_vec()),
+            None => bail!("{len_bytes} bytes asked of a {}-byte buffer", buffer.len()),
+        }
+    }
+
+    fn launch(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[super::backend::DeviceArg<'_, HostBuffer>],
+    ) -> Result<()> {
+        use super::backend::DeviceArg;
+        let host_args: Vec<HostArg> = args
+            .iter()
+            .map(|arg| match arg {
+                DeviceArg::Buffer(buffer) => HostArg::Ptr(buffer.ptr.as_ptr()),
+                DeviceArg::U32(v) => HostArg::U32(*v),
+                DeviceArg::F32(v) => HostArg::F32(*v),
+            })
+            .collect();
+        // SAFETY: the backend sizes every buffer for the grid it launches, as on a GPU.
         unsafe { HostKernels::launch(self, kernel, grid, block, &host_args) }
     }
 }

@@ -49,21 +49,25 @@ inline unsigned int __float_as_uint(float f) {
 }
 
 // Warp shuffles through per-warp slots: each lane publishes its value in its slot, the block
-// meets at the barrier, each lane reads its partner's slot, and the block meets again before
-// the slots are reused. Every thread of the block must call it together (the kernels' shuffles
-// are all in convergent code); the mask is not consulted.
-inline unsigned int infer_host_shuffle_slots[1024];
+// meets at the barrier, and each lane reads its partner's slot. Consecutive shuffles use the
+// two halves of the slots in turn, so one barrier per shuffle suffices: a lane cannot write
+// a half again before every lane has passed the next shuffle's barrier, after its read.
+// Every thread of the block must call it together (the kernels' shuffles are all in
+// convergent code); the mask is not consulted.
+inline unsigned int infer_host_shuffle_slots[2][1024];
+inline thread_local unsigned int infer_host_shuffle_parity;
 template <class T>
 inline T __shfl_xor_sync(unsigned int, T value, int lane_mask) {
     static_assert(sizeof(T) == 4, "32-bit shuffles only");
     const unsigned int t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-    std::memcpy(&infer_host_shuffle_slots[t], &value, 4);
+    unsigned int* slots = infer_host_shuffle_slots[infer_host_shuffle_parity];
+    infer_host_shuffle_parity ^= 1u;
+    std::memcpy(&slots[t], &value, 4);
     __syncthreads();
     const unsigned int lane = t % 32;
     const unsigned int partner = t - lane + (lane ^ (unsigned int)lane_mask);
     T result;
-    std::memcpy(&result, &infer_host_shuffle_slots[partner], 4);
-    __syncthreads();
+    std::memcpy(&result, &slots[partner], 4);
     return result;
 }
 // Round to nearest, ties to even: the default rounding mode, as cvt.rni.

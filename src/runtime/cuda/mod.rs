@@ -6,6 +6,7 @@
 //! library is opened at run time, after [`libraries`] has found it (cudarc panics on a
 //! missing library; we report it instead).
 
+pub mod backend;
 pub mod checks;
 pub mod device;
 pub mod gpu;

@@ -2,5 +2,6 @@
 
 pub mod engine;
 pub mod executor;
+pub mod forward;
 pub mod kv;
 pub mod worker;

@@ -216,6 +216,12 @@ pub struct SequenceInput<'a> {
 }
 
 impl Llama {
+    /// RoPE's inverse frequency of each pair of a head, `(head_dim / 2)`: `θ^(−2i/head_dim)`
+    /// with any Llama-3 scaling and per-pair factors applied.
+    pub fn inv_freqs(&self) -> &[f32] {
+        &self.inv_freqs
+    }
+
     /// Loads a Llama-family GGUF file.
     ///
     /// Errors: an architecture other than llama/mistral/qwen2/qwen3 (named), a missing

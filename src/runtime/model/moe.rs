@@ -71,19 +71,26 @@ fn route(moe: &MoeFfn, x: &[f32], n_tokens: usize) -> Vec<Vec<(usize, f32)>> {
     moe.router.matmul(x, n_tokens, &mut logits);
     logits
         .chunks_exact(n_experts)
-        .map(|row| {
-            let mut order: Vec<usize> = (0..n_experts).collect();
-            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            order.truncate(moe.top_k);
-            let max = row[order[0]];
-            let exps: Vec<f32> = order.iter().map(|&e| (row[e] - max).exp()).collect();
-            let total: f32 = exps.iter().sum();
-            order
-                .into_iter()
-                .zip(exps)
-                .map(|(e, v)| (e, v / total))
-                .collect()
-        })
+        .map(|row| top_k_experts(row, moe.top_k))
+        .collect()
+}
+
+/// The `top_k` experts of one token's router logits (`(n_experts)`) and their weights:
+/// experts by descending logit (ties: lower index), weights the softmax of those logits.
+pub fn top_k_experts(logits: &[f32], top_k: usize) -> Vec<(usize, f32)> {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    order.truncate(top_k);
+    let Some(&first) = order.first() else {
+        return Vec::new();
+    };
+    let max = logits[first];
+    let exps: Vec<f32> = order.iter().map(|&e| (logits[e] - max).exp()).collect();
+    let total: f32 = exps.iter().sum();
+    order
+        .into_iter()
+        .zip(exps)
+        .map(|(e, v)| (e, v / total))
         .collect()
 }
 

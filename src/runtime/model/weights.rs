@@ -130,7 +130,8 @@ impl Weight {
         )
     }
 
-    fn bytes(&self) -> &[u8] {
+    /// Every row's encoded bytes, `n_rows × row_bytes`.
+    pub fn bytes(&self) -> &[u8] {
         match &self.storage {
             Storage::Mapped { file, offset, len } => &file.data()[*offset..*offset + *len],
             Storage::Owned(bytes) => bytes,

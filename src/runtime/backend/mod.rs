@@ -1,0 +1,207 @@
+//! The op set a model's forward pass runs on, whatever holds its buffers: the CPU
+//! ([`cpu::CpuBackend`]) or the CUDA kernels (`crate::runtime::cuda::backend::KernelBackend`, on a
+//! GPU or on the host harness). [`crate::runtime::exec::forward::BackendModel`] runs a
+//! Llama-family model over any of them.
+//!
+//! Buffers are opaque and written through shared references, as device memory is: the
+//! outputs of one call must not alias its inputs. Shapes are named in each op's doc; every
+//! activation is f32, row-major, one row per token. Errors are the backend's (a launch
+//! that fails, a type it has no kernel for, named).
+
+use anyhow::Result;
+
+use crate::runtime::cpu::quant::GgmlType;
+use crate::runtime::model::config::RopeStyle;
+
+pub mod cpu;
+
+/// Tokens per KV-cache block: 16, as vLLM's default and the CPU cache's
+/// (`exec::kv::BLOCK_TOKENS`); the CUDA kernels are written for it.
+pub const KV_BLOCK_TOKENS: usize = 16;
+
+/// The shapes of one [`Backend::attention`] call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionShape {
+    /// Query rows (tokens) in `q`.
+    pub n_queries: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Columns of the block table (the longest sequence's blocks).
+    pub max_blocks: usize,
+    /// Softmax scale, `1 / √head_dim` for Llama.
+    pub scale: f32,
+}
+
+/// What a forward pass needs from a device.
+pub trait Backend {
+    /// Memory on the device (bytes).
+    type Buffer;
+    /// A weight matrix `(n_rows, n_cols)` in a GGML encoding, resident on the device.
+    type Matrix;
+
+    /// Where the ops run, for messages ("cuda:0 (NVIDIA H100 80GB HBM3)", "cpu").
+    fn name(&self) -> String;
+    /// A buffer holding `bytes`.
+    fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer>;
+    /// A zeroed buffer of `len_bytes`.
+    fn zeros(&self, len_bytes: usize) -> Result<Self::Buffer>;
+    /// The first `len_bytes` of `buffer`.
+    fn download(&self, buffer: &Self::Buffer, len_bytes: usize) -> Result<Vec<u8>>;
+    /// A matrix of `ty` from its encoded rows. Errors: a length that does not match.
+    fn upload_matrix(
+        &self,
+        ty: GgmlType,
+        n_rows: usize,
+        n_cols: usize,
+        bytes: &[u8],
+    ) -> Result<Self::Matrix>;
+
+    /// Embedding lookup: `out (n_ids, n_cols)` = rows `ids (n_ids) i32` of `table`.
+    fn get_rows(
+        &self,
+        out: &Self::Buffer,
+        table: &Self::Matrix,
+        ids: &Self::Buffer,
+        n_ids: usize,
+    ) -> Result<()>;
+    /// Gathers rows of activations: `out (n_ids, dim)` = rows `ids (n_ids) i32` of `x`.
+    fn gather_rows(
+        &self,
+        out: &Self::Buffer,
+        x: &Self::Buffer,
+        ids: &Self::Buffer,
+        n_ids: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// RMSNorm of each row: `y (n_rows, n_cols)` = `x / √(mean(x²) + eps) · weight (n_cols)`.
+    fn rms_norm(
+        &self,
+        y: &Self::Buffer,
+        x: &Self::Buffer,
+        weight: &Self::Buffer,
+        n_rows: usize,
+        n_cols: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// `y (n_tokens, w.n_rows)` = `x (n_tokens, w.n_cols)` · `wᵀ`.
+    fn matmul(
+        &self,
+        y: &Self::Buffer,
+        w: &Self::Matrix,
+        x: &Self::Buffer,
+        n_tokens: usize,
+    ) -> Result<()>;
+    /// Rotary embedding in place on `x (n_tokens, n_heads, head_dim)`: pair `i` of a head at
+    /// `positions[t] (n_tokens) i32` turns by `positions[t] · inv_freqs[i] (head_dim / 2)`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &Self::Buffer,
+        positions: &Self::Buffer,
+        inv_freqs: &Self::Buffer,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        style: RopeStyle,
+    ) -> Result<()>;
+    /// `out (n)` = `silu(gate) · up`.
+    fn swiglu(
+        &self,
+        out: &Self::Buffer,
+        gate: &Self::Buffer,
+        up: &Self::Buffer,
+        n: usize,
+    ) -> Result<()>;
+    /// `x (n) += y (n)`.
+    fn add(&self, x: &Self::Buffer, y: &Self::Buffer, n: usize) -> Result<()>;
+    /// `x[ids[r], :] += weights[r] · rows[r, :]` for `rows (n_rows, dim)`, `ids (n_rows) i32`
+    /// (distinct), `weights (n_rows) f32`: the MoE combine of one expert.
+    fn scale_add_rows(
+        &self,
+        x: &Self::Buffer,
+        rows: &Self::Buffer,
+        ids: &Self::Buffer,
+        weights: &Self::Buffer,
+        n_rows: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// Writes `k, v (n_tokens, n_kv_heads, head_dim)` as f16 into their `slots (n_tokens)
+    /// i32` (`block · 16 + offset`) of one layer's caches `(n_blocks, n_kv_heads, 16,
+    /// head_dim)`.
+    #[allow(clippy::too_many_arguments)]
+    fn store_kv(
+        &self,
+        k_cache: &Self::Buffer,
+        v_cache: &Self::Buffer,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        slots: &Self::Buffer,
+        n_tokens: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()>;
+    /// Attention of `q (n_queries, n_heads, head_dim)` over one layer's paged caches: query
+    /// `t` reads the blocks of row `table_rows[t]` of `tables (n_rows, max_blocks) i32` and
+    /// attends to its first `context_lens[t]` positions; GQA maps head `h` to KV head
+    /// `h / (n_heads / n_kv_heads)`. `out` has `q`'s shape.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        out: &Self::Buffer,
+        q: &Self::Buffer,
+        k_cache: &Self::Buffer,
+        v_cache: &Self::Buffer,
+        tables: &Self::Buffer,
+        table_rows: &Self::Buffer,
+        context_lens: &Self::Buffer,
+        shape: &AttentionShape,
+    ) -> Result<()>;
+    /// Greedy sampling: `out (n_rows) i32` = the index of each row's largest logit in
+    /// `logits (n_rows, n_vocab)` (the lowest on ties).
+    fn argmax(
+        &self,
+        out: &Self::Buffer,
+        logits: &Self::Buffer,
+        n_rows: usize,
+        n_vocab: usize,
+    ) -> Result<()>;
+}
+
+/// `values` as native-endian bytes (what [`Backend::upload`] takes for f32 and i32 data).
+pub fn bytes_of<T: Copy + ToNeBytes>(values: &[T]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_ne_bytes_vec()).collect()
+}
+
+/// Native-endian encoding of the scalar types buffers hold.
+pub trait ToNeBytes {
+    fn to_ne_bytes_vec(self) -> Vec<u8>;
+}
+
+impl ToNeBytes for f32 {
+    fn to_ne_bytes_vec(self) -> Vec<u8> {
+        self.to_ne_bytes().to_vec()
+    }
+}
+
+impl ToNeBytes for i32 {
+    fn to_ne_bytes_vec(self) -> Vec<u8> {
+        self.to_ne_bytes().to_vec()
+    }
+}
+
+/// Native-endian f32 values of `bytes` (a whole number of 4-byte values).
+pub fn f32s_of(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// Native-endian i32 values of `bytes`.
+pub fn i32s_of(bytes: &[u8]) -> Vec<i32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}

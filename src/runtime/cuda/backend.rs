@@ -1,0 +1,458 @@
+//! [`Backend`] over the CUDA kernels ([`super::kernels`]) on any [`Device`] that runs them:
+//! a GPU (`super::gpu::GpuRunner`, through cudarc) or the host harness
+//! (`super::host::HostKernels`, the same sources on CPU threads). Each op is one or two
+//! kernel launches with the grid its source documents; buffers stay on the device
+//! between ops, and only what a caller downloads comes back.
+
+use anyhow::{Result, bail};
+
+use super::kernels::FAMILIES;
+use crate::runtime::backend::{AttentionShape, Backend};
+use crate::runtime::cpu::quant::GgmlType;
+use crate::runtime::model::config::RopeStyle;
+
+/// One kernel argument on a [`Device`].
+pub enum DeviceArg<'a, B> {
+    Buffer(&'a B),
+    U32(u32),
+    F32(f32),
+}
+
+/// Memory and kernel launches: what [`KernelBackend`] needs of a device.
+pub trait Device {
+    type Buffer;
+
+    /// Where the kernels run, for messages.
+    fn name(&self) -> String;
+    /// A zeroed buffer of `len_bytes`.
+    fn alloc(&self, len_bytes: usize) -> Result<Self::Buffer>;
+    /// A buffer holding `bytes`.
+    fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer>;
+    /// The first `len_bytes` of `buffer`, after every launch before it finished.
+    fn download(&self, buffer: &Self::Buffer, len_bytes: usize) -> Result<Vec<u8>>;
+    /// Runs `kernel` over `grid` × `block` threads.
+    ///
+    /// Errors: an unknown kernel, arguments that are not its parameters, a launch failure.
+    fn launch(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[DeviceArg<'_, Self::Buffer>],
+    ) -> Result<()>;
+}
+
+/// A device borrowed (one set of compiled kernels shared by several models).
+impl<D: Device> Device for &D {
+    type Buffer = D::Buffer;
+
+    fn name(&self) -> String {
+        (**self).name()
+    }
+
+    fn alloc(&self, len_bytes: usize) -> Result<Self::Buffer> {
+        (**self).alloc(len_bytes)
+    }
+
+    fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer> {
+        (**self).upload(bytes)
+    }
+
+    fn download(&self, buffer: &Self::Buffer, len_bytes: usize) -> Result<Vec<u8>> {
+        (**self).download(buffer, len_bytes)
+    }
+
+    fn launch(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[DeviceArg<'_, Self::Buffer>],
+    ) -> Result<()> {
+        (**self).launch(kernel, grid, block, args)
+    }
+}
+
+/// A weight matrix on a [`Device`].
+pub struct DeviceMatrix<B> {
+    pub buffer: B,
+    pub ty: GgmlType,
+    pub n_rows: usize,
+    pub n_cols: usize,
+}
+
+/// The CUDA kernels as a [`Backend`].
+pub struct KernelBackend<D: Device> {
+    pub device: D,
+}
+
+/// Bytes of one Q8_1 activation block (`float d, s; int8 q[32]`, `kernels/matvec.cu`).
+const Q8_1_BLOCK_BYTES: usize = 40;
+
+fn u32_of(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| anyhow::anyhow!("{what} {n} does not fit a kernel's 32 bits"))
+}
+
+fn blocks(n: usize, threads: usize) -> Result<u32> {
+    u32_of(n.div_ceil(threads).max(1), "grid size")
+}
+
+impl<D: Device> KernelBackend<D> {
+    pub fn new(device: D) -> KernelBackend<D> {
+        KernelBackend { device }
+    }
+
+    fn threads(kernel: &str) -> u32 {
+        FAMILIES
+            .iter()
+            .flat_map(|f| f.kernels)
+            .find(|k| k.name == kernel)
+            .map_or(256, |k| k.block_threads)
+    }
+
+    fn run(&self, kernel: &str, grid: [u32; 3], args: &[DeviceArg<'_, D::Buffer>]) -> Result<()> {
+        self.device
+            .launch(kernel, grid, [Self::threads(kernel), 1, 1], args)
+    }
+}
+
+impl<D: Device> Backend for KernelBackend<D> {
+    type Buffer = D::Buffer;
+    type Matrix = DeviceMatrix<D::Buffer>;
+
+    fn name(&self) -> String {
+        self.device.name()
+    }
+
+    fn upload(&self, bytes: &[u8]) -> Result<D::Buffer> {
+        self.device.upload(bytes)
+    }
+
+    fn zeros(&self, len_bytes: usize) -> Result<D::Buffer> {
+        self.device.alloc(len_bytes)
+    }
+
+    fn download(&self, buffer: &D::Buffer, len_bytes: usize) -> Result<Vec<u8>> {
+        self.device.download(buffer, len_bytes)
+    }
+
+    fn upload_matrix(
+        &self,
+        ty: GgmlType,
+        n_rows: usize,
+        n_cols: usize,
+        bytes: &[u8],
+    ) -> Result<Self::Matrix> {
+        let row_bytes = ty.row_bytes(n_cols)?;
+        if bytes.len() != row_bytes * n_rows {
+            bail!(
+                "a {ty:?} matrix of {n_rows}×{n_cols} needs {} bytes, got {}",
+                row_bytes * n_rows,
+                bytes.len()
+            );
+        }
+        Ok(DeviceMatrix {
+            buffer: self.device.upload(bytes)?,
+            ty,
+            n_rows,
+            n_cols,
+        })
+    }
+
+    fn get_rows(
+        &self,
+        out: &D::Buffer,
+        table: &Self::Matrix,
+        ids: &D::Buffer,
+        n_ids: usize,
+    ) -> Result<()> {
+        let kernel = match table.ty {
+            GgmlType::F32 => "get_rows_f32",
+            GgmlType::Q8_0 => "get_rows_q8_0",
+            other => bail!(
+                "the CUDA backend looks up embeddings in F32 or Q8_0 tables, not {other:?} (dequantize the table to F32 when uploading it)"
+            ),
+        };
+        use DeviceArg::{Buffer, U32};
+        self.run(
+            kernel,
+            [u32_of(n_ids, "rows")?, blocks(table.n_cols, 256)?, 1],
+            &[
+                Buffer(out),
+                Buffer(&table.buffer),
+                Buffer(ids),
+                U32(u32_of(table.n_cols, "columns")?),
+            ],
+        )
+    }
+
+    fn gather_rows(
+        &self,
+        out: &D::Buffer,
+        x: &D::Buffer,
+        ids: &D::Buffer,
+        n_ids: usize,
+        dim: usize,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        self.run(
+            "get_rows_f32",
+            [u32_of(n_ids, "rows")?, blocks(dim, 256)?, 1],
+            &[
+                Buffer(out),
+                Buffer(x),
+                Buffer(ids),
+                U32(u32_of(dim, "width")?),
+            ],
+        )
+    }
+
+    fn rms_norm(
+        &self,
+        y: &D::Buffer,
+        x: &D::Buffer,
+        weight: &D::Buffer,
+        n_rows: usize,
+        n_cols: usize,
+        eps: f32,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, F32, U32};
+        self.run(
+            "rms_norm_f32",
+            [u32_of(n_rows, "rows")?, 1, 1],
+            &[
+                Buffer(y),
+                Buffer(x),
+                Buffer(weight),
+                U32(u32_of(n_cols, "columns")?),
+                F32(eps),
+            ],
+        )
+    }
+
+    fn matmul(
+        &self,
+        y: &D::Buffer,
+        w: &Self::Matrix,
+        x: &D::Buffer,
+        n_tokens: usize,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        let grid = [u32_of(w.n_rows, "rows")?, u32_of(n_tokens, "tokens")?, 1];
+        let n_cols = u32_of(w.n_cols, "columns")?;
+        let float_kernel = match w.ty {
+            GgmlType::F32 => Some("mul_mat_vec_f32"),
+            GgmlType::F16 => Some("mul_mat_vec_f16"),
+            GgmlType::Bf16 => Some("mul_mat_vec_bf16"),
+            _ => None,
+        };
+        if let Some(kernel) = float_kernel {
+            return self.run(
+                kernel,
+                grid,
+                &[Buffer(y), Buffer(&w.buffer), Buffer(x), U32(n_cols)],
+            );
+        }
+        let kernel = match w.ty {
+            GgmlType::Q4_0 => "mul_mat_vec_q4_0_q8_1",
+            GgmlType::Q4_1 => "mul_mat_vec_q4_1_q8_1",
+            GgmlType::Q8_0 => "mul_mat_vec_q8_0_q8_1",
+            GgmlType::Q4K => "mul_mat_vec_q4_k_q8_1",
+            GgmlType::Q6K => "mul_mat_vec_q6_k_q8_1",
+            other => bail!(
+                "the CUDA backend has no matrix-vector kernel for {other:?} weights (it runs F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K)"
+            ),
+        };
+        // The activations as Q8_1 blocks, then the integer products.
+        let n_blocks = n_tokens * w.n_cols / 32;
+        let quantized = self.device.alloc(n_blocks * Q8_1_BLOCK_BYTES)?;
+        self.run(
+            "quantize_q8_1",
+            [u32_of(n_blocks, "blocks")?, 1, 1],
+            &[
+                Buffer(&quantized),
+                Buffer(x),
+                U32(u32_of(n_tokens * w.n_cols, "values")?),
+            ],
+        )?;
+        let row_bytes = u32_of(w.ty.row_bytes(w.n_cols)?, "row bytes")?;
+        self.run(
+            kernel,
+            grid,
+            &[
+                Buffer(y),
+                Buffer(&w.buffer),
+                Buffer(&quantized),
+                U32(n_cols),
+                U32(row_bytes),
+            ],
+        )
+    }
+
+    fn rope(
+        &self,
+        x: &D::Buffer,
+        positions: &D::Buffer,
+        inv_freqs: &D::Buffer,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        style: RopeStyle,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        let kernel = match style {
+            RopeStyle::Interleaved => "rope_interleaved_f32",
+            RopeStyle::Neox => "rope_neox_f32",
+        };
+        self.run(
+            kernel,
+            [blocks(n_tokens * n_heads * head_dim / 2, 256)?, 1, 1],
+            &[
+                Buffer(x),
+                Buffer(positions),
+                Buffer(inv_freqs),
+                U32(u32_of(n_tokens, "tokens")?),
+                U32(u32_of(n_heads, "heads")?),
+                U32(u32_of(head_dim, "head_dim")?),
+            ],
+        )
+    }
+
+    fn swiglu(&self, out: &D::Buffer, gate: &D::Buffer, up: &D::Buffer, n: usize) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        self.run(
+            "swiglu_f32",
+            [blocks(n, 256)?, 1, 1],
+            &[
+                Buffer(out),
+                Buffer(gate),
+                Buffer(up),
+                U32(u32_of(n, "values")?),
+            ],
+        )
+    }
+
+    fn add(&self, x: &D::Buffer, y: &D::Buffer, n: usize) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        self.run(
+            "add_f32",
+            [blocks(n, 256)?, 1, 1],
+            &[Buffer(x), Buffer(y), U32(u32_of(n, "values")?)],
+        )
+    }
+
+    fn scale_add_rows(
+        &self,
+        x: &D::Buffer,
+        rows: &D::Buffer,
+        ids: &D::Buffer,
+        weights: &D::Buffer,
+        n_rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        self.run(
+            "scale_add_rows_f32",
+            [u32_of(n_rows, "rows")?, blocks(dim, 256)?, 1],
+            &[
+                Buffer(x),
+                Buffer(rows),
+                Buffer(ids),
+                Buffer(weights),
+                U32(u32_of(dim, "width")?),
+            ],
+        )
+    }
+
+    fn store_kv(
+        &self,
+        k_cache: &D::Buffer,
+        v_cache: &D::Buffer,
+        k: &D::Buffer,
+        v: &D::Buffer,
+        slots: &D::Buffer,
+        n_tokens: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        self.run(
+            "store_kv_f16",
+            [
+                u32_of(n_tokens, "tokens")?,
+                blocks(n_kv_heads * head_dim, 256)?,
+                1,
+            ],
+            &[
+                Buffer(k_cache),
+                Buffer(v_cache),
+                Buffer(k),
+                Buffer(v),
+                Buffer(slots),
+                U32(u32_of(n_kv_heads, "KV heads")?),
+                U32(u32_of(head_dim, "head_dim")?),
+            ],
+        )
+    }
+
+    fn attention(
+        &self,
+        out: &D::Buffer,
+        q: &D::Buffer,
+        k_cache: &D::Buffer,
+        v_cache: &D::Buffer,
+        tables: &D::Buffer,
+        table_rows: &D::Buffer,
+        context_lens: &D::Buffer,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, F32, U32};
+        if shape.head_dim > 128 {
+            bail!(
+                "the CUDA attention kernel handles heads of up to 128 dimensions, not {}",
+                shape.head_dim
+            );
+        }
+        self.run(
+            "paged_attention_f16kv",
+            [
+                u32_of(shape.n_heads, "heads")?,
+                u32_of(shape.n_queries, "queries")?,
+                1,
+            ],
+            &[
+                Buffer(out),
+                Buffer(q),
+                Buffer(k_cache),
+                Buffer(v_cache),
+                Buffer(tables),
+                Buffer(table_rows),
+                Buffer(context_lens),
+                U32(u32_of(shape.max_blocks, "blocks per sequence")?),
+                U32(u32_of(shape.n_heads, "heads")?),
+                U32(u32_of(shape.n_kv_heads, "KV heads")?),
+                U32(u32_of(shape.head_dim, "head_dim")?),
+                F32(shape.scale),
+            ],
+        )
+    }
+
+    fn argmax(
+        &self,
+        out: &D::Buffer,
+        logits: &D::Buffer,
+        n_rows: usize,
+        n_vocab: usize,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        self.run(
+            "argmax_f32",
+            [u32_of(n_rows, "rows")?, 1, 1],
+            &[
+                Buffer(out),
+                Buffer(logits),
+                U32(u32_of(n_vocab, "vocabulary")?),
+            ],
+        )
+    }
+}

@@ -1,0 +1,479 @@
+//! A Llama-family model's forward pass over any [`Backend`]: the weights uploaded once, the
+//! keys and values in a paged f16 cache on the device (vLLM's layout, blocks of
+//! [`KV_BLOCK_TOKENS`]), each step a batch of sequences with their new tokens (prompts and
+//! decode steps mixed), the logits of each sequence's last token back on the host or
+//! sampled greedily on the device. What `--device cuda` runs on a GPU, and what the tests
+//! run through the host harness's kernels against the CPU engine.
+//!
+//! One device holds the whole model: tensor and pipeline shards over this path are not
+//! built (the CPU engine's `Llama::forward_stage` runs those).
+
+use anyhow::{Context, Result, bail};
+
+use crate::runtime::backend::{
+    AttentionShape, Backend, KV_BLOCK_TOKENS, bytes_of, f32s_of, i32s_of,
+};
+use crate::runtime::cpu::quant::GgmlType;
+use crate::runtime::model::config::LlamaConfig;
+use crate::runtime::model::llama::Llama;
+use crate::runtime::model::moe::top_k_experts;
+use crate::runtime::model::weights::Weight;
+
+/// One decoder layer on the device.
+struct DeviceLayer<B: Backend> {
+    attn_norm: B::Buffer,
+    wq: B::Matrix,
+    wk: B::Matrix,
+    wv: B::Matrix,
+    wo: B::Matrix,
+    ffn_norm: B::Buffer,
+    ffn: DeviceFfn<B>,
+}
+
+/// The MLP of a layer: dense SwiGLU, or a router over experts.
+enum DeviceFfn<B: Backend> {
+    Dense {
+        gate: B::Matrix,
+        up: B::Matrix,
+        down: B::Matrix,
+    },
+    Moe {
+        router: B::Matrix,
+        /// `(gate, up, down)` of each expert.
+        experts: Vec<(B::Matrix, B::Matrix, B::Matrix)>,
+        top_k: usize,
+        /// Each expert's intermediate width.
+        width: usize,
+    },
+}
+
+/// One sequence's place in the device cache: its blocks in position order and the
+/// positions already cached.
+#[derive(Debug, Default)]
+pub struct DeviceSequence {
+    blocks: Vec<usize>,
+    /// Positions whose keys and values are cached.
+    pub n_tokens: usize,
+}
+
+/// A model resident on a backend, with its KV cache.
+pub struct BackendModel<B: Backend> {
+    backend: B,
+    config: LlamaConfig,
+    embedding: B::Matrix,
+    layers: Vec<DeviceLayer<B>>,
+    output_norm: B::Buffer,
+    output: B::Matrix,
+    inv_freqs: B::Buffer,
+    /// Per layer, `(n_blocks, n_kv_heads, 16, head_dim)` f16.
+    k_cache: Vec<B::Buffer>,
+    v_cache: Vec<B::Buffer>,
+    n_blocks: usize,
+    free_blocks: Vec<usize>,
+}
+
+fn upload_weight<B: Backend>(backend: &B, weight: &Weight) -> Result<B::Matrix> {
+    backend.upload_matrix(weight.ty, weight.n_rows, weight.n_cols, weight.bytes())
+}
+
+fn upload_f32s<B: Backend>(backend: &B, values: &[f32]) -> Result<B::Buffer> {
+    backend.upload(&bytes_of(values))
+}
+
+impl<B: Backend> BackendModel<B> {
+    /// Uploads `model` to `backend` with a KV cache of `kv_cache_tokens` positions (whole
+    /// blocks of 16). An embedding table in a type other than F32 or Q8_0 is uploaded
+    /// dequantized to F32 (the lookup kernels read those two).
+    ///
+    /// Errors: a shard rather than a whole model, Q/K/V biases or Q/K norms (Qwen2/3: not
+    /// built for this path), experts held elsewhere, a type the backend has no kernel for
+    /// (named), a failed upload (the device's error).
+    pub fn new(backend: B, model: &Llama, kv_cache_tokens: usize) -> Result<BackendModel<B>> {
+        let shard = &model.shard;
+        if shard.tp != 1 || !shard.is_first || !shard.is_last {
+            bail!(
+                "the {} backend runs a whole model on one device; tensor- and pipeline-parallel shards run on the CPU engine",
+                backend.name()
+            );
+        }
+        let config = model.config.clone();
+        let table = &model.token_embedding;
+        let embedding = if matches!(table.ty, GgmlType::F32 | GgmlType::Q8_0) {
+            upload_weight(&backend, table)?
+        } else {
+            let values = table.to_f32();
+            backend.upload_matrix(
+                GgmlType::F32,
+                table.n_rows,
+                table.n_cols,
+                &bytes_of(&values),
+            )?
+        };
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for (index, layer) in model.layers.iter().enumerate() {
+            if layer.bias_q.is_some() || layer.q_norm.is_some() || layer.k_norm.is_some() {
+                bail!(
+                    "layer {index} has Q/K/V biases or Q/K norms (Qwen2/Qwen3), which the {} backend does not run yet; use --device cpu",
+                    backend.name()
+                );
+            }
+            let ffn = match &layer.moe {
+                None => DeviceFfn::Dense {
+                    gate: upload_weight(&backend, &layer.w_gate)?,
+                    up: upload_weight(&backend, &layer.w_up)?,
+                    down: upload_weight(&backend, &layer.w_down)?,
+                },
+                Some(moe) => {
+                    let mut experts = Vec::with_capacity(moe.experts.len());
+                    let mut width = 0;
+                    for (e, expert) in moe.experts.iter().enumerate() {
+                        let expert = expert.as_ref().with_context(|| {
+                            format!("expert {e} of layer {index} is held by another rank; the device path runs every expert")
+                        })?;
+                        width = expert.gate.n_rows;
+                        experts.push((
+                            upload_weight(&backend, &expert.gate)?,
+                            upload_weight(&backend, &expert.up)?,
+                            upload_weight(&backend, &expert.down)?,
+                        ));
+                    }
+                    DeviceFfn::Moe {
+                        router: upload_weight(&backend, &moe.router)?,
+                        experts,
+                        top_k: moe.top_k,
+                        width,
+                    }
+                }
+            };
+            layers.push(DeviceLayer {
+                attn_norm: upload_f32s(&backend, &layer.attn_norm)?,
+                wq: upload_weight(&backend, &layer.wq)?,
+                wk: upload_weight(&backend, &layer.wk)?,
+                wv: upload_weight(&backend, &layer.wv)?,
+                wo: upload_weight(&backend, &layer.wo)?,
+                ffn_norm: upload_f32s(&backend, &layer.ffn_norm)?,
+                ffn,
+            });
+        }
+        let n_blocks = kv_cache_tokens.div_ceil(KV_BLOCK_TOKENS).max(1);
+        let layer_cache_bytes =
+            n_blocks * config.n_kv_heads * KV_BLOCK_TOKENS * config.head_dim * 2;
+        let mut k_cache = Vec::with_capacity(layers.len());
+        let mut v_cache = Vec::with_capacity(layers.len());
+        for _ in 0..layers.len() {
+            k_cache.push(backend.zeros(layer_cache_bytes)?);
+            v_cache.push(backend.zeros(layer_cache_bytes)?);
+        }
+        Ok(BackendModel {
+            output_norm: upload_f32s(&backend, &model.output_norm)?,
+            output: upload_weight(&backend, &model.output)?,
+            inv_freqs: upload_f32s(&backend, model.inv_freqs())?,
+            embedding,
+            layers,
+            k_cache,
+            v_cache,
+            n_blocks,
+            free_blocks: (0..n_blocks).rev().collect(),
+            config,
+            backend,
+        })
+    }
+
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Gives `sequence`'s blocks back to the pool (the sequence is empty after).
+    pub fn release(&mut self, sequence: &mut DeviceSequence) {
+        self.free_blocks.append(&mut sequence.blocks);
+        sequence.n_tokens = 0;
+    }
+
+    /// Runs one step and returns each sequence's last-token logits `(vocab_size)`.
+    ///
+    /// Errors: those of [`BackendModel::step`].
+    pub fn forward(
+        &mut self,
+        batch: &mut [(&mut DeviceSequence, &[u32])],
+    ) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.config.vocab_size;
+        let (logits, n_rows) = self.step(batch)?;
+        let values = f32s_of(&self.backend.download(&logits, n_rows * vocab * 4)?);
+        Ok(values.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Runs one step and picks each sequence's next token greedily on the device (only the
+    /// token ids come back).
+    ///
+    /// Errors: those of [`BackendModel::step`].
+    pub fn forward_greedy(
+        &mut self,
+        batch: &mut [(&mut DeviceSequence, &[u32])],
+    ) -> Result<Vec<u32>> {
+        let (logits, n_rows) = self.step(batch)?;
+        let ids = self.backend.zeros(n_rows * 4)?;
+        self.backend
+            .argmax(&ids, &logits, n_rows, self.config.vocab_size)?;
+        Ok(i32s_of(&self.backend.download(&ids, n_rows * 4)?)
+            .into_iter()
+            .map(|id| id as u32)
+            .collect())
+    }
+
+    /// Greedy generation of `max_tokens` after `prompt` in a fresh sequence (its blocks
+    /// released after).
+    ///
+    /// Errors: an empty prompt, those of [`BackendModel::step`].
+    pub fn generate_greedy(&mut self, prompt: &[u32], max_tokens: usize) -> Result<Vec<u32>> {
+        let mut sequence = DeviceSequence::default();
+        let result = self.generate_in(&mut sequence, prompt, max_tokens);
+        self.release(&mut sequence);
+        result
+    }
+
+    fn generate_in(
+        &mut self,
+        sequence: &mut DeviceSequence,
+        prompt: &[u32],
+        max_tokens: usize,
+    ) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            bail!("the prompt has no tokens");
+        }
+        let mut tokens = Vec::with_capacity(max_tokens);
+        let mut input = prompt.to_vec();
+        while tokens.len() < max_tokens {
+            let next = self.forward_greedy(&mut [(&mut *sequence, &input)])?[0];
+            tokens.push(next);
+            input = vec![next];
+        }
+        Ok(tokens)
+    }
+
+    /// Takes the blocks every sequence of the batch needs, all or none.
+    fn reserve(&mut self, batch: &mut [(&mut DeviceSequence, &[u32])]) -> Result<()> {
+        let needed: usize = batch
+            .iter()
+            .map(|(s, new)| {
+                (s.n_tokens + new.len())
+                    .div_ceil(KV_BLOCK_TOKENS)
+                    .saturating_sub(s.blocks.len())
+            })
+            .sum();
+        if needed > self.free_blocks.len() {
+            bail!(
+                "the device KV cache is full ({} blocks of {KV_BLOCK_TOKENS} tokens, {} free, {needed} needed); raise --kv-cache-tokens",
+                self.n_blocks,
+                self.free_blocks.len()
+            );
+        }
+        for (sequence, new) in batch.iter_mut() {
+            while sequence.blocks.len() * KV_BLOCK_TOKENS < sequence.n_tokens + new.len() {
+                let block = self.free_blocks.pop().context("the free list ran dry")?;
+                sequence.blocks.push(block);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the batch through every layer: returns the logits buffer `(n_sequences,
+    /// vocab_size)` of each sequence's last new token.
+    ///
+    /// Errors: a sequence without new tokens, past the model's context or with a token
+    /// outside the vocabulary; a full cache (nothing is taken then); the backend's errors.
+    pub fn step(
+        &mut self,
+        batch: &mut [(&mut DeviceSequence, &[u32])],
+    ) -> Result<(B::Buffer, usize)> {
+        let c = self.config.clone();
+        let (hidden, head_dim) = (c.hidden_size, c.head_dim);
+        let (q_dim, kv_dim) = (c.n_heads * head_dim, c.n_kv_heads * head_dim);
+        if batch.is_empty() {
+            bail!("an empty batch");
+        }
+        for (index, (sequence, new)) in batch.iter().enumerate() {
+            if new.is_empty() {
+                bail!("sequence {index} of the batch has no new tokens");
+            }
+            if sequence.n_tokens + new.len() > c.max_context_tokens {
+                bail!(
+                    "sequence {index} would reach {} tokens; the model's context is {}",
+                    sequence.n_tokens + new.len(),
+                    c.max_context_tokens
+                );
+            }
+            if let Some(bad) = new.iter().find(|&&t| t as usize >= c.vocab_size) {
+                bail!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    c.vocab_size
+                );
+            }
+        }
+        self.reserve(batch)?;
+        let max_blocks = batch.iter().map(|(s, _)| s.blocks.len()).max().unwrap_or(1);
+        let (mut ids, mut positions, mut slots, mut rows, mut lens, mut last) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut tables = vec![0i32; batch.len() * max_blocks];
+        for (index, (sequence, new)) in batch.iter().enumerate() {
+            for (b, &block) in sequence.blocks.iter().enumerate() {
+                tables[index * max_blocks + b] = block as i32;
+            }
+            for (i, &token) in new.iter().enumerate() {
+                let position = sequence.n_tokens + i;
+                ids.push(token as i32);
+                positions.push(position as i32);
+                let block = sequence.blocks[position / KV_BLOCK_TOKENS];
+                slots.push((block * KV_BLOCK_TOKENS + position % KV_BLOCK_TOKENS) as i32);
+                rows.push(index as i32);
+                lens.push(position as i32 + 1);
+            }
+            last.push(ids.len() as i32 - 1);
+        }
+        let n = ids.len();
+        let be = &self.backend;
+        let upload_i32s = |values: &[i32]| be.upload(&bytes_of(values));
+        let (ids, positions, slots) = (
+            upload_i32s(&ids)?,
+            upload_i32s(&positions)?,
+            upload_i32s(&slots)?,
+        );
+        let (tables, rows, lens, last_rows) = (
+            upload_i32s(&tables)?,
+            upload_i32s(&rows)?,
+            upload_i32s(&lens)?,
+            upload_i32s(&last)?,
+        );
+        let f32_buffer = |values: usize| be.zeros(values * 4);
+        let x = f32_buffer(n * hidden)?;
+        be.get_rows(&x, &self.embedding, &ids, n)?;
+        let normed = f32_buffer(n * hidden)?;
+        let (q, k, v) = (
+            f32_buffer(n * q_dim)?,
+            f32_buffer(n * kv_dim)?,
+            f32_buffer(n * kv_dim)?,
+        );
+        let attention = f32_buffer(n * q_dim)?;
+        let projected = f32_buffer(n * hidden)?;
+        let shape = AttentionShape {
+            n_queries: n,
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim,
+            max_blocks,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            be.rms_norm(&normed, &x, &layer.attn_norm, n, hidden, c.rms_norm_eps)?;
+            be.matmul(&q, &layer.wq, &normed, n)?;
+            be.matmul(&k, &layer.wk, &normed, n)?;
+            be.matmul(&v, &layer.wv, &normed, n)?;
+            be.rope(
+                &q,
+                &positions,
+                &self.inv_freqs,
+                n,
+                c.n_heads,
+                head_dim,
+                c.rope_style,
+            )?;
+            be.rope(
+                &k,
+                &positions,
+                &self.inv_freqs,
+                n,
+                c.n_kv_heads,
+                head_dim,
+                c.rope_style,
+            )?;
+            let (k_cache, v_cache) = (&self.k_cache[l], &self.v_cache[l]);
+            be.store_kv(k_cache, v_cache, &k, &v, &slots, n, c.n_kv_heads, head_dim)?;
+            be.attention(
+                &attention, &q, k_cache, v_cache, &tables, &rows, &lens, &shape,
+            )?;
+            be.matmul(&projected, &layer.wo, &attention, n)?;
+            be.add(&x, &projected, n * hidden)?;
+            be.rms_norm(&normed, &x, &layer.ffn_norm, n, hidden, c.rms_norm_eps)?;
+            match &layer.ffn {
+                DeviceFfn::Dense { gate, up, down } => {
+                    let width = c.intermediate_size;
+                    let (g, u, a) = (
+                        f32_buffer(n * width)?,
+                        f32_buffer(n * width)?,
+                        f32_buffer(n * width)?,
+                    );
+                    be.matmul(&g, gate, &normed, n)?;
+                    be.matmul(&u, up, &normed, n)?;
+                    be.swiglu(&a, &g, &u, n * width)?;
+                    be.matmul(&projected, down, &a, n)?;
+                    be.add(&x, &projected, n * hidden)?;
+                }
+                DeviceFfn::Moe {
+                    router,
+                    experts,
+                    top_k,
+                    width,
+                } => {
+                    // The router's logits come to the host to pick each token's experts;
+                    // each expert then runs on its tokens' rows and adds them back weighted.
+                    let n_experts = experts.len();
+                    let logits = f32_buffer(n * n_experts)?;
+                    be.matmul(&logits, router, &normed, n)?;
+                    let logits = f32s_of(&be.download(&logits, n * n_experts * 4)?);
+                    let mut routed: Vec<(Vec<i32>, Vec<f32>)> = vec![(vec![], vec![]); n_experts];
+                    for (t, row) in logits.chunks_exact(n_experts).enumerate() {
+                        for (e, weight) in top_k_experts(row, *top_k) {
+                            routed[e].0.push(t as i32);
+                            routed[e].1.push(weight);
+                        }
+                    }
+                    for ((gate, up, down), (tokens, weights)) in experts.iter().zip(&routed) {
+                        let m = tokens.len();
+                        if m == 0 {
+                            continue;
+                        }
+                        let width = *width;
+                        let (token_ids, token_weights) =
+                            (upload_i32s(tokens)?, be.upload(&bytes_of(weights))?);
+                        let gathered = f32_buffer(m * hidden)?;
+                        be.gather_rows(&gathered, &normed, &token_ids, m, hidden)?;
+                        let (g, u, a) = (
+                            f32_buffer(m * width)?,
+                            f32_buffer(m * width)?,
+                            f32_buffer(m * width)?,
+                        );
+                        be.matmul(&g, gate, &gathered, m)?;
+                        be.matmul(&u, up, &gathered, m)?;
+                        be.swiglu(&a, &g, &u, m * width)?;
+                        let out = f32_buffer(m * hidden)?;
+                        be.matmul(&out, down, &a, m)?;
+                        be.scale_add_rows(&x, &out, &token_ids, &token_weights, m, hidden)?;
+                    }
+                }
+            }
+        }
+        for (sequence, new) in batch.iter_mut() {
+            sequence.n_tokens += new.len();
+        }
+        let n_rows = batch.len();
+        let selected = f32_buffer(n_rows * hidden)?;
+        be.gather_rows(&selected, &x, &last_rows, n_rows, hidden)?;
+        let final_normed = f32_buffer(n_rows * hidden)?;
+        be.rms_norm(
+            &final_normed,
+            &selected,
+            &self.output_norm,
+            n_rows,
+            hidden,
+            c.rms_norm_eps,
+        )?;
+        let logits = f32_buffer(n_rows * c.vocab_size)?;
+        be.matmul(&logits, &self.output, &final_normed, n_rows)?;
+        Ok((logits, n_rows))
+    }
+}
