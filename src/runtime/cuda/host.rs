@@ -70,10 +70,8 @@ impl HostKernels {
     /// Errors: no C++ compiler, a kernel source the harness cannot compile (the compiler's
     /// output), a library that does not load.
     pub fn build(dir: &Path, compiler: &str) -> Result<HostKernels> {
-        let sources: Vec<(&str, String)> = FAMILIES
-            .iter()
-            .map(|f| (f.file, f.full_source()))
-            .collect();
+        let sources: Vec<(&str, String)> =
+            FAMILIES.iter().map(|f| (f.file, f.full_source())).collect();
         HostKernels::build_from(dir, compiler, None, &sources)
     }
 
