@@ -24,7 +24,11 @@ pub fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
 
 fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.device == crate::cli::DeviceArg::Cuda {
-        crate::runtime::cuda::device::require_backend(&super::cuda_lib_dirs())?;
+        let driver = super::require_gpu()?;
+        anyhow::bail!(
+            "`infer bench decode --device cuda` is not built yet (the GPU, {}, is there: `infer generate --device cuda` runs the model on it); use --device cpu",
+            driver.gpus[0].name
+        );
     }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     let engine = Engine::load(&path, args.threads, args.numerics.into())?;

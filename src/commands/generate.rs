@@ -22,8 +22,14 @@ struct Output<'a> {
 
 /// Runs `infer generate`. Errors: bad flags, a model that does not load, a prompt too long.
 pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
-    if args.device == crate::cli::DeviceArg::Cuda {
-        crate::runtime::cuda::device::require_backend(&super::cuda_lib_dirs())?;
+    let cuda = args.device == crate::cli::DeviceArg::Cuda;
+    if cuda {
+        super::require_gpu()?;
+        if args.tp * args.pp > 1 || args.cluster.is_some() {
+            bail!(
+                "--device cuda runs the whole model on one GPU: TP/PP ranks on the CUDA backend are not built; use --device cpu for --tp/--pp/--cluster"
+            );
+        }
     }
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", args.top_p);
@@ -62,11 +68,33 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     );
     let params = sampling_params(args);
     let streaming = !args.json;
-    let generation = engine.generate(&prompt_tokens, &params, &mut |text| {
+    let mut on_text = |text: &str| {
         if streaming {
             printer.stream(text);
         }
-    })?;
+    };
+    let generation = if cuda {
+        // The weights go to the GPU; the tokenizer and the sampler stay here.
+        let kv_tokens = (prompt_tokens.len() + args.max_tokens + 16)
+            .min(engine.model.config.max_context_tokens + 16);
+        let cache = crate::model::default::cache_dir()?.join("kernels");
+        let model = crate::runtime::cuda::gpu::load_model(
+            &super::cuda_lib_dirs(),
+            &cache,
+            &engine.model,
+            kv_tokens,
+        )?;
+        let mut executor =
+            crate::runtime::exec::forward::BackendExecutor::new(model, engine.tokenizer.clone());
+        crate::runtime::exec::executor::generate(
+            &mut executor,
+            &prompt_tokens,
+            &params,
+            &mut on_text,
+        )?
+    } else {
+        engine.generate(&prompt_tokens, &params, &mut on_text)?
+    };
     if args.json {
         printer.json(&Output {
             model: &engine.name,

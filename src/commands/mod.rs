@@ -72,3 +72,16 @@ pub fn report_progress(
 fn cuda_lib_dirs() -> Vec<std::path::PathBuf> {
     crate::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name))
 }
+
+/// `--device cuda`'s first step, before anything starts: a driver and a GPU on this host.
+///
+/// Errors: no driver or no GPU, naming this host.
+fn require_gpu() -> anyhow::Result<crate::runtime::cuda::device::Driver> {
+    use anyhow::Context;
+    crate::runtime::cuda::device::probe(&cuda_lib_dirs()).with_context(|| {
+        format!(
+            "--device cuda on host `{}`",
+            crate::topology::probe::local_hostname()
+        )
+    })
+}

@@ -16,7 +16,10 @@ pub fn run(args: &SmokeArgs, printer: &Printer) -> Result<ExitStatus> {
         );
     }
     let cache = crate::model::default::cache_dir()?.join("kernels");
-    let report = crate::runtime::cuda::smoke::run(&cache, &super::cuda_lib_dirs())
+    // Nothing to check without a GPU: say so before fetching the model.
+    super::require_gpu().context("infer smoke needs an NVIDIA GPU")?;
+    let model = crate::model::weights_path(None, &mut |line| printer.note(line))?;
+    let report = crate::runtime::cuda::smoke::run(&cache, &super::cuda_lib_dirs(), &model)
         .context("infer smoke needs an NVIDIA GPU")?;
     if args.json {
         printer.json(&report)?;

@@ -25,8 +25,12 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         bail!("--max-batch must be at least 1 (the most sequences decoded together)");
     }
     if args.device == DeviceArg::Cuda {
-        // Before any rank starts: no driver, no GPU, or no backend for the model yet.
-        crate::runtime::cuda::device::require_backend(&super::cuda_lib_dirs())?;
+        // Before any rank starts: no driver or no GPU here, else what is not built.
+        let driver = super::require_gpu()?;
+        bail!(
+            "`infer up --device cuda` is not built yet: the server and its ranks run the CPU engine (the GPU, {}, is there: `infer generate --device cuda` runs the model on it); use --device cpu",
+            driver.gpus[0].name
+        );
     }
     if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
         return run_engine(args, engine.into(), printer);

@@ -84,7 +84,8 @@ fn interface_addresses() -> HashMap<String, Vec<String>> {
     addresses
 }
 
-fn local_hostname() -> String {
+/// This host's name (`/proc/sys/kernel/hostname`).
+pub fn local_hostname() -> String {
     fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|name| name.trim().to_string())
         .ok()

@@ -7,7 +7,7 @@ use infer::runtime::backend::Backend;
 use infer::runtime::backend::cpu::CpuBackend;
 use infer::runtime::cpu::quant::GgmlType;
 use infer::runtime::cuda::backend::KernelBackend;
-use infer::runtime::exec::forward::{BackendModel, DeviceSequence};
+use infer::runtime::exec::forward::{BackendModel, DeviceSequence, compare_with_cpu};
 use infer::runtime::model::config::{LlamaConfig, RopeStyle};
 use infer::runtime::model::llama::{Layer, Llama, SequenceInput};
 use infer::runtime::model::moe::{Expert, MoeFfn};
@@ -293,6 +293,18 @@ fn a_synthetic_llama_through_the_host_harness_kernels_gives_the_cpu_engines_toke
     let model = synthetic(None, RopeStyle::Interleaved);
     let error = agree_with_cpu(KernelBackend::new(harness), &model, 4, 1e-3);
     assert!(error > 0.0, "the NMSE is measured, not assumed");
+    // `infer smoke`'s model checks, as they run on a GPU: greedy steps teacher-forced on
+    // both sides agree where decided, and two runs give the same logits bit for bit.
+    let mut device =
+        BackendModel::new(KernelBackend::new(harness), &model, 64).expect("the model uploads");
+    let prompt = [3, 17, 42, 5];
+    let first = compare_with_cpu(&mut device, &model, &prompt, 3).expect("compared");
+    let second = compare_with_cpu(&mut device, &model, &prompt, 3).expect("compared");
+    assert!(
+        first.decided >= 3 && first.disagreements.is_empty(),
+        "{first:?}"
+    );
+    assert_eq!(first.device_logits, second.device_logits);
     let neox = synthetic(None, RopeStyle::Neox);
     agree_with_cpu(KernelBackend::new(harness), &neox, 2, 1e-3);
     // The CPU backend (the engine's own products, f32 elsewhere) on both.
@@ -355,4 +367,54 @@ fn the_cpu_engines_decode_step_equals_the_prompt_run_whole_with_16_dimension_hea
     let whole = forward(&prompt, &mut model.new_cache());
     let error = nmse(&decoded, &whole);
     assert!(error < 1e-9, "decode vs whole prompt: NMSE {error:e}");
+}
+
+#[test]
+fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines() {
+    use infer::runtime::exec::forward::BackendExecutor;
+    use infer::runtime::model::sampling::SamplingParams;
+    // A servable synthetic model (f32 weights, a tokenizer of single characters): what
+    // `infer generate --device cuda` runs, with the harness standing in for the GPU.
+    let shape = crate::synthetic::Shape {
+        hidden: 64,
+        intermediate: 96,
+        n_layers: 2,
+        n_heads: 2,
+        n_kv_heads: 1,
+        vocab: 60,
+        qkv_bias: false,
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("servable.gguf");
+    let weights = crate::synthetic::weights(&shape, 7);
+    crate::synthetic::write_gguf_with(
+        &path,
+        &shape,
+        &weights,
+        &crate::synthetic::tokenizer_metadata(shape.vocab),
+    );
+    let engine = infer::runtime::exec::engine::Engine::load(&path, 1, Default::default())
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let prompt = engine.tokenizer.encode("HELLO", false).expect("encodes");
+    let params = SamplingParams {
+        max_tokens: 6,
+        ..SamplingParams::default()
+    };
+    let cpu = engine.generate(&prompt, &params, &mut |_| {}).expect("cpu");
+    let model = BackendModel::new(KernelBackend::new(crate::cuda::host()), &engine.model, 64)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let mut executor = BackendExecutor::new(model, engine.tokenizer.clone());
+    let mut streamed = String::new();
+    let device =
+        infer::runtime::exec::executor::generate(&mut executor, &prompt, &params, &mut |t| {
+            streamed.push_str(t)
+        })
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(device.tokens, cpu.tokens, "{} vs {}", device.text, cpu.text);
+    assert_eq!(device.text, cpu.text);
+    assert_eq!(streamed, cpu.text);
+    assert_eq!(device.tokens.len(), 6);
+    // The sequence's blocks went back: the ledger the scheduler reads is empty again.
+    use infer::runtime::exec::executor::Executor;
+    assert_eq!(executor.kv_pool().used_blocks(), 0);
 }

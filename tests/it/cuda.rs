@@ -196,13 +196,18 @@ fn device_cuda_without_a_driver_exits_2_naming_the_driver() {
         assert!(output.stdout.is_empty(), "{args:?}: nothing on stdout");
         if has_driver {
             assert!(
-                stderr.contains("does not run the model on the GPU yet")
-                    || stderr.contains("sees no GPU"),
+                stderr.contains("is not built yet") || stderr.contains("sees no GPU"),
                 "{args:?}: {stderr}"
             );
         } else {
             assert!(
                 stderr.contains("no NVIDIA driver (libcuda.so.1) on this host; use --device cpu"),
+                "{args:?}: {stderr}"
+            );
+            // The host is named (what a cluster's launcher says of each host).
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
+            assert!(
+                stderr.contains(&format!("on host `{}`", host.trim())),
                 "{args:?}: {stderr}"
             );
         }

@@ -178,6 +178,16 @@ fn permute_rows(values: &[f32], n_heads: usize, n_cols: usize) -> Vec<f32> {
 
 /// Writes the same model as a GGUF v3 file at `path` (f32 tensors, 32-byte alignment).
 pub fn write_gguf(path: &Path, shape: &Shape, weights: &BTreeMap<String, (Vec<usize>, Vec<f32>)>) {
+    write_gguf_with(path, shape, weights, &[]);
+}
+
+/// [`write_gguf`] with extra metadata entries (a tokenizer: [`tokenizer_metadata`]).
+pub fn write_gguf_with(
+    path: &Path,
+    shape: &Shape,
+    weights: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    extra: &[(String, Value)],
+) {
     let arch = if shape.qkv_bias { "qwen2" } else { "llama" };
     let mut tensors: Vec<(String, Vec<u64>, Vec<f32>)> = Vec::new();
     let mut add = |gguf_name: String, hf_name: &str, permute_heads: Option<usize>| {
@@ -267,7 +277,7 @@ pub fn write_gguf(path: &Path, shape: &Shape, weights: &BTreeMap<String, (Vec<us
     }
     add("output_norm.weight".into(), "model.norm.weight", None);
     add("output.weight".into(), "lm_head.weight", None);
-    write_gguf_tensors(path, arch, shape, &tensors);
+    write_gguf_tensors_with(path, arch, shape, &tensors, extra);
 }
 
 /// Writes a GGUF file with Llama metadata for `shape` and the given f32 tensors.

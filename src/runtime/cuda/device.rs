@@ -83,20 +83,3 @@ pub fn probe(dirs: &[std::path::PathBuf]) -> Result<Driver> {
         gpus,
     })
 }
-
-/// What `--device cuda` needs before anything starts: a driver and a GPU, then the
-/// backend, which this build does not have for the model yet.
-///
-/// Errors: always — no driver or no GPU (the probe's message), else that the engine's ops
-/// do not run on the GPU in this build (what does: `infer smoke`'s kernel compilation).
-pub fn require_backend(dirs: &[std::path::PathBuf]) -> Result<Driver> {
-    let driver = probe(dirs)?;
-    bail!(
-        "this build's CUDA backend compiles its kernels for {} (`infer smoke` checks them) but does not run the model on \
-         the GPU yet; use --device cpu",
-        driver.gpus.first().map_or_else(
-            || "the GPU".to_string(),
-            |g| format!("{} (sm_{})", g.name, g.arch())
-        )
-    )
-}

@@ -216,3 +216,28 @@ impl super::backend::Device for GpuRunner {
         Ok(())
     }
 }
+
+/// Opens the first visible GPU (after `CUDA_VISIBLE_DEVICES`), compiles or takes from
+/// `cache_dir` every kernel for its architecture, and uploads `model` with a KV cache of
+/// `kv_cache_tokens` positions: the model `--device cuda` runs. NVIDIA's libraries are
+/// looked for in `dirs` first.
+///
+/// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), a
+/// kernel that does not compile or load, what the backend does not run (named), GPU memory.
+pub fn load_model(
+    dirs: &[std::path::PathBuf],
+    cache_dir: &Path,
+    model: &crate::runtime::model::llama::Llama,
+    kv_cache_tokens: usize,
+) -> Result<crate::runtime::exec::forward::BackendModel<super::backend::KernelBackend<GpuRunner>>> {
+    let driver = super::device::probe(dirs)?;
+    let gpu = &driver.gpus[0];
+    let nvrtc = Nvrtc::open(dirs)?;
+    let runner = GpuRunner::new(gpu.ordinal, gpu.arch(), &nvrtc, cache_dir)?;
+    crate::runtime::exec::forward::BackendModel::new(
+        super::backend::KernelBackend::new(runner),
+        model,
+        kv_cache_tokens,
+    )
+    .with_context(|| format!("cannot put the model on {} (sm_{})", gpu.name, gpu.arch()))
+}

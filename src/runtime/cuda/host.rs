@@ -273,6 +273,10 @@ impl HostBuffer {
     }
 }
 
+// SAFETY: the buffer owns its allocation outright (no aliasing handle escapes but through
+// `&self` launches, which the harness runs one at a time).
+unsafe impl Send for HostBuffer {}
+
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this layout.

@@ -1,10 +1,10 @@
 //! `infer smoke`: what a user's single-GPU CI job runs. Each check is a row that passes or
 //! fails with its detail; the command exits 1 when any fails. What this build checks on a
 //! GPU: the driver and GPU, NVRTC, every kernel compiled for the GPU's exact architecture
-//! within its resources, and every kernel run on the GPU against the CPU backend
-//! ([`super::checks`]). The checks of the model on the GPU (generation, TP over the fallback
-//! collectives, `infer up --device cuda`) are listed and fail with "not built yet" until
-//! the backend runs the model.
+//! within its resources, every kernel run on the GPU against the CPU backend
+//! ([`super::checks`]), and the model on the GPU: greedy steps of the embedded SmolLM2
+//! against the CPU engine, twice, bit for bit. The checks of what is not built (TP over the
+//! fallback collectives, `infer up --device cuda`) are listed and fail with "not built yet".
 
 use std::path::PathBuf;
 
@@ -14,6 +14,8 @@ use serde::Serialize;
 use super::device::{Driver, probe};
 use super::kernels::FAMILIES;
 use super::nvrtc::Nvrtc;
+use crate::runtime::exec::engine::Engine;
+use crate::runtime::exec::forward::{Comparison, compare_with_cpu};
 
 /// One check's outcome.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -41,17 +43,23 @@ impl Report {
 
 /// The checks the backend does not run yet (each fails, named).
 const NOT_BUILT: &[&str] = &[
-    "32 greedy tokens of SmolLM2 equal the CPU engine's",
-    "two runs bit-identical",
     "TP 2 on one GPU through the fallback collectives",
     "infer up --device cuda answers a chat request",
 ];
 
+/// Greedy decode steps compared with the CPU engine.
+const GREEDY_STEPS: usize = 32;
+
 /// Runs the checks on GPU 0, compiling kernels into `cache_dir`, with NVIDIA's libraries
-/// looked for in `dirs` first.
+/// looked for in `dirs` first; the model checks run `model` (a GGUF file: the embedded
+/// SmolLM2 in `infer smoke`).
 ///
 /// Errors: no driver or no GPU (then there is nothing to check: exit 2).
-pub fn run(cache_dir: &std::path::Path, dirs: &[PathBuf]) -> Result<Report> {
+pub fn run(
+    cache_dir: &std::path::Path,
+    dirs: &[PathBuf],
+    model: &std::path::Path,
+) -> Result<Report> {
     let driver = probe(dirs)?;
     let gpu = driver.gpus[0].clone();
     let mut checks = vec![Check {
@@ -113,11 +121,14 @@ pub fn run(cache_dir: &std::path::Path, dirs: &[PathBuf]) -> Result<Report> {
             }),
         }
     }
+    if nvrtc.is_some() {
+        checks.extend(model_checks(dirs, cache_dir, model));
+    }
     for name in NOT_BUILT {
         checks.push(Check {
             name: (*name).into(),
             passed: false,
-            detail: "not built yet: the CUDA backend does not run the model in this build".into(),
+            detail: "not built yet: the CUDA backend runs one model on one GPU (infer generate --device cuda), not ranks or the server".into(),
         });
     }
     Ok(Report {
@@ -174,5 +185,72 @@ fn compile_check(
         name,
         passed,
         detail: parts.join("; "),
+    }
+}
+
+/// The model on the GPU against the CPU engine: [`GREEDY_STEPS`] greedy steps of `model`
+/// teacher-forced on both (tokens equal where the CPU's top-1 margin exceeds 0.1), then the
+/// same steps again on the GPU, bit for bit.
+fn model_checks(
+    dirs: &[PathBuf],
+    cache_dir: &std::path::Path,
+    model: &std::path::Path,
+) -> Vec<Check> {
+    let greedy = format!("{GREEDY_STEPS} greedy tokens equal the CPU engine's");
+    let repeat = "two runs bit-identical".to_string();
+    let fail = |name: &str, error: anyhow::Error| Check {
+        name: name.to_string(),
+        passed: false,
+        detail: format!("{error:#}"),
+    };
+    let run = || -> Result<(Comparison, Comparison)> {
+        let engine = Engine::load(model, 0, crate::runtime::cpu::quant::Numerics::Exact)?;
+        let text = "The capital of France is";
+        let prompt = engine.tokenizer.encode(text, true)?;
+        let mut device = super::gpu::load_model(
+            dirs,
+            cache_dir,
+            &engine.model,
+            prompt.len() + GREEDY_STEPS + 32,
+        )?;
+        let first = engine
+            .install(|| compare_with_cpu(&mut device, &engine.model, &prompt, GREEDY_STEPS))?;
+        let second = engine
+            .install(|| compare_with_cpu(&mut device, &engine.model, &prompt, GREEDY_STEPS))?;
+        Ok((first, second))
+    };
+    match run() {
+        Err(error) => vec![
+            fail(&greedy, anyhow::anyhow!("{error:#}")),
+            fail(&repeat, error),
+        ],
+        Ok((first, second)) => vec![
+            Check {
+                name: greedy,
+                passed: first.disagreements.is_empty() && first.decided > 0,
+                detail: format!(
+                    "{} of {} steps decided (margin > 0.1), {} disagree{}; logits NMSE ≤ {:.2e}",
+                    first.decided,
+                    first.steps,
+                    first.disagreements.len(),
+                    first
+                        .disagreements
+                        .first()
+                        .map_or(String::new(), |(step, cpu, gpu)| format!(
+                            " (first at step {step}: CPU {cpu}, GPU {gpu})"
+                        )),
+                    first.worst_nmse
+                ),
+            },
+            Check {
+                name: repeat,
+                passed: first.device_logits == second.device_logits,
+                detail: if first.device_logits == second.device_logits {
+                    format!("{} steps' logits identical", first.steps)
+                } else {
+                    "the GPU's logits differ between two runs of the same steps".into()
+                },
+            },
+        ],
     }
 }

@@ -8,15 +8,22 @@
 //! One device holds the whole model: tensor and pipeline shards over this path are not
 //! built (the CPU engine's `Llama::forward_stage` runs those).
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use anyhow::{Context, Result, bail};
 
 use crate::runtime::backend::{
     AttentionShape, Backend, KV_BLOCK_TOKENS, bytes_of, f32s_of, i32s_of,
 };
 use crate::runtime::cpu::quant::GgmlType;
+use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, sample};
+use crate::runtime::exec::kv::{KvCache, KvPool};
 use crate::runtime::model::config::LlamaConfig;
 use crate::runtime::model::llama::Llama;
 use crate::runtime::model::moe::top_k_experts;
+use crate::runtime::model::sampling::Sampler;
+use crate::runtime::model::tokenizer::Tokenizer;
 use crate::runtime::model::weights::Weight;
 
 /// One decoder layer on the device.
@@ -82,7 +89,7 @@ fn upload_f32s<B: Backend>(backend: &B, values: &[f32]) -> Result<B::Buffer> {
 
 impl<B: Backend> BackendModel<B> {
     /// Uploads `model` to `backend` with a KV cache of `kv_cache_tokens` positions (whole
-    /// blocks of 16). An embedding table in a type other than F32 or Q8_0 is uploaded
+    /// blocks of 16, rounded down; at least one). An embedding table in a type other than F32 or Q8_0 is uploaded
     /// dequantized to F32 (the lookup kernels read those two).
     ///
     /// Errors: a shard rather than a whole model, Q/K/V biases or Q/K norms (Qwen2/3: not
@@ -155,7 +162,7 @@ impl<B: Backend> BackendModel<B> {
                 ffn,
             });
         }
-        let n_blocks = kv_cache_tokens.div_ceil(KV_BLOCK_TOKENS).max(1);
+        let n_blocks = (kv_cache_tokens / KV_BLOCK_TOKENS).max(1);
         let layer_cache_bytes =
             n_blocks * config.n_kv_heads * KV_BLOCK_TOKENS * config.head_dim * 2;
         let mut k_cache = Vec::with_capacity(layers.len());
@@ -476,4 +483,195 @@ impl<B: Backend> BackendModel<B> {
         be.matmul(&logits, &self.output, &final_normed, n_rows)?;
         Ok((logits, n_rows))
     }
+}
+
+/// An [`Executor`] over a [`BackendModel`]: what `--device cuda` generates and serves with.
+/// Logits come to the host and are sampled there (greedy, top-k, top-p, seeds, log-probs:
+/// the CPU engine's sampler). A ledger pool of the device cache's capacity (no memory of
+/// its own) counts blocks for the scheduler, and fills first, so a full device cache is the
+/// scheduler's usual preemption, never a failed step.
+pub struct BackendExecutor<B: Backend> {
+    model: BackendModel<B>,
+    tokenizer: Tokenizer,
+    ledger: Arc<KvPool>,
+    sequences: HashMap<u64, (DeviceSequence, KvCache, Sampler)>,
+}
+
+impl<B: Backend> BackendExecutor<B> {
+    /// An executor with no sequences; `tokenizer` is the model's.
+    pub fn new(model: BackendModel<B>, tokenizer: Tokenizer) -> BackendExecutor<B> {
+        let ledger = KvPool::new(0, 0, 0, Some(model.n_blocks * KV_BLOCK_TOKENS));
+        BackendExecutor {
+            model,
+            tokenizer,
+            ledger,
+            sequences: HashMap::new(),
+        }
+    }
+
+    /// The model on its backend.
+    pub fn model(&self) -> &BackendModel<B> {
+        &self.model
+    }
+}
+
+impl<B> Executor for BackendExecutor<B>
+where
+    B: Backend + Send,
+    B::Buffer: Send,
+    B::Matrix: Send,
+{
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
+        for seq in release {
+            if let Some((mut sequence, _, _)) = self.sequences.remove(seq) {
+                self.model.release(&mut sequence);
+            }
+        }
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        for entry in entries {
+            if let Some(params) = &entry.params {
+                let mut sampler = Sampler::new(params);
+                sampler.skip(entry.sampled_before);
+                if let Some((mut old, _, _)) = self.sequences.remove(&entry.seq) {
+                    self.model.release(&mut old);
+                }
+                let state = (DeviceSequence::default(), self.ledger.new_cache(), sampler);
+                self.sequences.insert(entry.seq, state);
+            } else if !self.sequences.contains_key(&entry.seq) {
+                bail!("sequence {} is unknown to the engine", entry.seq);
+            }
+        }
+        // Take each entry's state out so the batch can borrow them all mutably.
+        let mut states: Vec<(DeviceSequence, KvCache, Sampler)> = Vec::new();
+        for entry in entries {
+            let state = self
+                .sequences
+                .remove(&entry.seq)
+                .with_context(|| format!("sequence {} appears twice in the step", entry.seq))?;
+            states.push(state);
+        }
+        let result = (|| {
+            for ((sequence, ledger, _), entry) in states.iter_mut().zip(entries) {
+                ledger.reserve(sequence.n_tokens + entry.tokens.len())?;
+            }
+            let mut batch: Vec<(&mut DeviceSequence, &[u32])> = states
+                .iter_mut()
+                .zip(entries)
+                .map(|((sequence, _, _), entry)| (sequence, entry.tokens.as_slice()))
+                .collect();
+            self.model.forward(&mut batch)
+        })();
+        let sampled = result.map(|logits| {
+            states
+                .iter_mut()
+                .zip(&logits)
+                .map(|((_, _, sampler), logits)| sample(sampler, logits))
+                .collect()
+        });
+        for (entry, state) in entries.iter().zip(states) {
+            self.sequences.insert(entry.seq, state);
+        }
+        sampled
+    }
+
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    fn max_context_tokens(&self) -> usize {
+        self.model.config.max_context_tokens
+    }
+
+    fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.ledger
+    }
+}
+
+/// How a device model's greedy steps compare with the CPU engine's ([`compare_with_cpu`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Comparison {
+    /// Steps compared (the prompt's step, then one per decode step).
+    pub steps: usize,
+    /// Steps whose CPU top-1 margin exceeds 0.1 (where the tokens must agree).
+    pub decided: usize,
+    /// Decided steps whose top tokens differ, with `(step, cpu token, device token)`.
+    pub disagreements: Vec<(usize, u32, u32)>,
+    /// The largest normalized MSE of the device's logits against the CPU's.
+    pub worst_nmse: f64,
+    /// Every step's device logits, bit for bit (to compare two runs).
+    pub device_logits: Vec<Vec<u32>>,
+}
+
+/// Runs `prompt` and `steps` greedy decode steps on the CPU engine (`cpu`) and on `device`
+/// side by side, each fed the CPU's greedy token (teacher forcing, so one close call does
+/// not derail the rest): `infer smoke`'s "greedy tokens equal the CPU engine's where its
+/// top-1 margin > 0.1". The device sequence is released after.
+///
+/// Errors: an empty prompt, either side's forward pass.
+pub fn compare_with_cpu<B: Backend>(
+    device: &mut BackendModel<B>,
+    cpu: &Llama,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<Comparison> {
+    use crate::runtime::model::llama::SequenceInput;
+    use crate::runtime::model::sampling::argmax;
+    if prompt.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    let mut cache = cpu.new_cache();
+    let mut sequence = DeviceSequence::default();
+    let mut input = prompt.to_vec();
+    let mut comparison = Comparison {
+        steps: 0,
+        decided: 0,
+        disagreements: Vec::new(),
+        worst_nmse: 0.0,
+        device_logits: Vec::new(),
+    };
+    let outcome = (|| -> Result<()> {
+        for step in 0..=steps {
+            let expected = cpu
+                .forward(&mut [SequenceInput {
+                    tokens: &input,
+                    cache: &mut cache,
+                    all_logits: false,
+                }])?
+                .remove(0);
+            let got = device.forward(&mut [(&mut sequence, &input)])?.remove(0);
+            let error: f64 = got
+                .iter()
+                .zip(&expected)
+                .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+                .sum::<f64>()
+                / expected
+                    .iter()
+                    .map(|b| (*b as f64).powi(2))
+                    .sum::<f64>()
+                    .max(f64::MIN_POSITIVE);
+            comparison.worst_nmse = comparison.worst_nmse.max(error);
+            comparison.steps += 1;
+            let best = argmax(&expected);
+            let second = expected
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != best as usize)
+                .fold(f32::MIN, |m, (_, v)| m.max(*v));
+            if expected[best as usize] - second > 0.1 {
+                comparison.decided += 1;
+                if argmax(&got) != best {
+                    comparison.disagreements.push((step, best, argmax(&got)));
+                }
+            }
+            comparison
+                .device_logits
+                .push(got.iter().map(|v| v.to_bits()).collect());
+            input = vec![best];
+        }
+        Ok(())
+    })();
+    device.release(&mut sequence);
+    outcome.map(|()| comparison)
 }
