@@ -23,20 +23,18 @@ pub fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
 }
 
 fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
-    if args.device == crate::cli::DeviceArg::Cuda {
-        let driver = super::require_gpu()?;
-        anyhow::bail!(
-            "`infer bench decode --device cuda` is not built yet (the GPU, {}, is there: `infer generate --device cuda` runs the model on it); use --device cpu",
-            driver.gpus[0].name
-        );
-    }
+    let cuda = args.device == crate::cli::DeviceArg::Cuda;
+    let driver = if cuda {
+        Some(super::require_gpu()?)
+    } else {
+        None
+    };
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     let engine = Engine::load(&path, args.threads, args.numerics.into())?;
-    // A prompt of ordinary text, repeated to the requested length.
-    let text = "The quick brown fox jumps over the lazy dog while the engine measures its speed. "
-        .repeat(64);
-    let mut prompt = engine.tokenizer.encode(&text, false)?;
-    prompt.truncate(args.prompt_tokens.max(1));
+    if let Some(driver) = driver {
+        return decode_cuda(args, &engine, &driver, printer);
+    }
+    let prompt = bench_prompt(&engine, args.prompt_tokens)?;
     let (mut best_prefill, mut best_decode) = (0f64, 0f64);
     for run in 0..=args.runs.max(1) {
         let (prefill, decode) = engine.install(|| -> Result<(f64, f64)> {
@@ -114,6 +112,7 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
                 decode_weight_bytes,
                 weight_bytes_per_sec: decode_weight_bytes as f64 / decode_step_secs,
                 peak_rss_bytes,
+                gpu_memory_used_bytes: None,
             })
             .map(|()| ExitStatus::Success);
     }
@@ -129,6 +128,124 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
         args.runs.max(1),
         peak_rss_bytes as f64 / 1e6
     ));
+    Ok(ExitStatus::Success)
+}
+
+/// A prompt of ordinary text, `prompt_tokens` long (at least one token).
+fn bench_prompt(engine: &Engine, prompt_tokens: usize) -> Result<Vec<u32>> {
+    let text = "The quick brown fox jumps over the lazy dog while the engine measures its speed. "
+        .repeat(64);
+    let mut prompt = engine.tokenizer.encode(&text, false)?;
+    prompt.truncate(prompt_tokens.max(1));
+    Ok(prompt)
+}
+
+/// `infer bench decode --device cuda`: the model on GPU 0, decode at batch 1 and at
+/// `--batch` (16 unless given), the weight bandwidth a decode step achieves against the
+/// GPU's datasheet HBM bandwidth (its hardware profile), prefill, and the GPU memory in use.
+fn decode_cuda(
+    args: &BenchDecodeArgs,
+    engine: &Engine,
+    driver: &crate::runtime::cuda::device::Driver,
+    printer: &Printer,
+) -> Result<ExitStatus> {
+    let gpu = &driver.gpus[0];
+    let prompt = bench_prompt(engine, args.prompt_tokens)?;
+    let batches: Vec<usize> = if args.batch > 1 {
+        vec![1, args.batch]
+    } else {
+        vec![1, 16]
+    };
+    let largest = batches.iter().copied().max().unwrap_or(1);
+    let cache = model::default::cache_dir()?.join("kernels");
+    let mut device = crate::runtime::cuda::gpu::load_model(
+        &super::cuda_lib_dirs(),
+        &cache,
+        &engine.model,
+        largest * (prompt.len() + args.decode_tokens + 16),
+    )?;
+    let weight_bytes = engine.model.decode_weight_bytes() as u64;
+    let hbm_bytes_per_sec = crate::plan::cluster::hardware_for_gpu_name(&gpu.name)
+        .and_then(|id| crate::cluster::hardware(id).ok())
+        .map(|h| h.hbm_gb_per_sec * 1e9);
+    let mut rows = Vec::new();
+    for &batch in &batches {
+        let mut best: Option<crate::runtime::exec::forward::DecodeSpeed> = None;
+        // Run 0 warms up (module loads, first allocations).
+        for run in 0..=args.runs.max(1) {
+            let speed = crate::runtime::exec::forward::bench_decode(
+                &mut device,
+                &prompt,
+                batch,
+                args.decode_tokens,
+            )?;
+            if run > 0 && best.is_none_or(|b| speed.decode_tokens_per_sec > b.decode_tokens_per_sec)
+            {
+                best = Some(speed);
+            }
+        }
+        let speed = best.context("no timed run")?;
+        rows.push((batch, speed));
+    }
+    let memory_used_bytes = device.backend().device.memory_used_bytes()?;
+    if args.json {
+        let (batch, speed) = rows.last().copied().context("no batch measured")?;
+        return printer
+            .json(&crate::plan::calibration::DecodeReport {
+                bench: "decode".into(),
+                model: std::path::Path::new(&engine.name)
+                    .file_name()
+                    .map_or_else(|| engine.name.clone(), |n| n.to_string_lossy().into_owned()),
+                device: "cuda".into(),
+                device_name: gpu.name.clone(),
+                threads: 0,
+                numerics: "q8_1-dp4a".into(),
+                batch,
+                prompt_tokens: prompt.len(),
+                decode_tokens: args.decode_tokens,
+                prefill_tokens_per_sec: speed.prefill_tokens_per_sec,
+                decode_tokens_per_sec: speed.decode_tokens_per_sec,
+                decode_step_secs: speed.decode_step_secs,
+                decode_weight_bytes: weight_bytes,
+                weight_bytes_per_sec: weight_bytes as f64 / speed.decode_step_secs,
+                peak_rss_bytes: peak_rss_bytes()?,
+                gpu_memory_used_bytes: Some(memory_used_bytes),
+            })
+            .map(|()| ExitStatus::Success);
+    }
+    let mut lines = vec![
+        format!("model       {}", engine.name),
+        format!(
+            "device      cuda:{} ({}, sm_{})",
+            gpu.ordinal,
+            gpu.name,
+            gpu.arch()
+        ),
+        format!(
+            "prefill     {:.1} tok/s ({} prompt tokens, best of {})",
+            rows[0].1.prefill_tokens_per_sec,
+            prompt.len(),
+            args.runs.max(1)
+        ),
+    ];
+    for (batch, speed) in &rows {
+        let bandwidth = weight_bytes as f64 / speed.decode_step_secs;
+        lines.push(format!(
+            "decode      {:.1} tok/s at batch {batch}: {:.0} GB/s of weights{}",
+            speed.decode_tokens_per_sec,
+            bandwidth / 1e9,
+            hbm_bytes_per_sec.map_or(String::new(), |hbm| format!(
+                " ({:.0}% of the datasheet's {:.0} GB/s)",
+                100.0 * bandwidth / hbm,
+                hbm / 1e9
+            ))
+        ));
+    }
+    lines.push(format!(
+        "GPU memory  {:.2} GiB in use",
+        memory_used_bytes as f64 / (1u64 << 30) as f64
+    ));
+    printer.data(&lines.join("\n"));
     Ok(ExitStatus::Success)
 }
 

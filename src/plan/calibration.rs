@@ -143,6 +143,9 @@ pub struct DecodeReport {
     /// `decode_weight_bytes / decode_step_secs`, bytes/s (KV cache reads not counted).
     pub weight_bytes_per_sec: f64,
     pub peak_rss_bytes: u64,
+    /// GPU memory in use after the run (`--device cuda`), bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_used_bytes: Option<u64>,
 }
 
 /// One measurement read from a `--calibration` file.
@@ -552,6 +555,7 @@ mod tests {
             decode_weight_bytes: 1_000_000_000,
             weight_bytes_per_sec: 2e11,
             peak_rss_bytes: 0,
+            gpu_memory_used_bytes: None,
         };
         let mut cluster =
             crate::cluster::load("2x4xl4", std::path::Path::new("/sys")).expect("a shorthand");

@@ -80,7 +80,7 @@ fn encode(ty: GgmlType, values: &[f32], n_rows: usize, n_cols: usize) -> Weight 
 /// projections, BF16 output projection, F16 LM head. With `moe`, each layer's MLP is a
 /// router over `(n_experts, top_k)` experts of width 64 (Q8_0 gate/up, Q4_0 down).
 fn synthetic(moe: Option<(usize, usize)>, rope_style: RopeStyle) -> Llama {
-    let (hidden, intermediate, n_heads, n_kv_heads, vocab, n_layers) = (64, 96, 4, 2, 80, 2);
+    let (hidden, intermediate, n_heads, n_kv_heads, vocab, n_layers) = (64, 128, 4, 2, 80, 2);
     let head_dim = hidden / n_heads;
     let config = LlamaConfig {
         hidden_size: hidden,
@@ -342,7 +342,7 @@ fn the_device_model_refuses_what_it_does_not_run_and_a_full_cache_takes_nothing(
     let error = BackendModel::new(CpuBackend, &shard, 32)
         .err()
         .expect("a shard is refused");
-    assert!(error.to_string().contains("whole model"), "{error}");
+    assert!(error.to_string().contains("pipeline-parallel"), "{error}");
 }
 
 #[test]
@@ -417,4 +417,85 @@ fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines
     // The sequence's blocks went back: the ledger the scheduler reads is empty again.
     use infer::runtime::exec::executor::Executor;
     assert_eq!(executor.kv_pool().used_blocks(), 0);
+}
+
+#[test]
+fn the_decode_benchmark_on_the_harness_measures_and_gives_every_block_back() {
+    use infer::runtime::exec::forward::bench_decode;
+    let model = synthetic(None, RopeStyle::Interleaved);
+    let mut device = BackendModel::new(KernelBackend::new(crate::cuda::host()), &model, 64)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let speed =
+        bench_decode(&mut device, &[3, 17, 42, 5, 79], 3, 2).unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(speed.prefill_tokens_per_sec > 0.0 && speed.decode_tokens_per_sec > 0.0);
+    let per_step = 3.0 / speed.decode_tokens_per_sec;
+    assert!(
+        (per_step - speed.decode_step_secs).abs() < 1e-9 * per_step.max(1.0),
+        "{speed:?}"
+    );
+    // Every block came back (64 positions: 4 blocks).
+    assert_eq!(device.free_blocks(), 4);
+    // A batch the cache cannot hold (5 sequences, 4 blocks) is an error, not a hang or a
+    // partial run, and gives its blocks back too.
+    let error = bench_decode(&mut device, &[1, 2], 5, 1).expect_err("the cache is full");
+    assert!(error.to_string().contains("KV cache is full"), "{error}");
+    assert_eq!(device.free_blocks(), 4);
+}
+
+#[test]
+fn tp_2_shards_on_the_harness_sum_over_the_fallback_collectives_to_the_cpu_engines_logits() {
+    use crate::collectives::{Transport, with_group};
+    // `infer smoke`'s "TP 2 on one GPU through the fallback collectives", with the harness
+    // standing in for the GPU: each rank a Megatron shard (half the heads, half the MLP),
+    // its output and down projections summed over real TCP sockets and shared memory.
+    let model = synthetic(None, RopeStyle::Interleaved);
+    let prompt: Vec<u32> = vec![3, 17, 42, 5, 79, 0, 23];
+    let mut cache = model.new_cache();
+    let (mut inputs, mut expected) = (vec![prompt.clone()], Vec::new());
+    for _ in 0..3 {
+        let logits = model
+            .forward(&mut [SequenceInput {
+                tokens: inputs.last().expect("an input"),
+                cache: &mut cache,
+                all_logits: false,
+            }])
+            .expect("cpu step")
+            .remove(0);
+        inputs.push(vec![argmax(&logits)]);
+        expected.push(logits);
+    }
+    inputs.pop();
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let per_rank = with_group(2, transport, |comm| {
+            let shard = model.shard(comm.rank(), 2, 0, 2).expect("a TP 2 shard");
+            let mut device = BackendModel::new(KernelBackend::new(crate::cuda::host()), &shard, 64)
+                .unwrap_or_else(|e| panic!("{e:#}"));
+            // Without its group the shard refuses to run (it would give half sums).
+            let error = device
+                .forward(&mut [(&mut DeviceSequence::default(), &[1])])
+                .expect_err("no group");
+            assert!(error.to_string().contains("needs its TP group"), "{error}");
+            let mut sequence = DeviceSequence::default();
+            inputs
+                .iter()
+                .map(|input| {
+                    device
+                        .forward_tp(&mut [(&mut sequence, input)], Some(&mut *comm))
+                        .unwrap_or_else(|e| panic!("{e:#}"))
+                        .remove(0)
+                })
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(
+            per_rank[0], per_rank[1],
+            "{transport:?}: the ranks' logits differ"
+        );
+        for (step, (got, want)) in per_rank[0].iter().zip(&expected).enumerate() {
+            let error = nmse(got, want);
+            assert!(error <= 1e-3, "{transport:?} step {step}: NMSE {error:.2e}");
+            if margin(want) > 0.1 {
+                assert_eq!(argmax(got), argmax(want), "{transport:?} step {step}");
+            }
+        }
+    }
 }

@@ -11,14 +11,14 @@ use infer::runtime::collectives::{Comm, TcpComm};
 
 /// Which all-reduce a test group uses.
 #[derive(Clone, Copy, Debug)]
-enum Transport {
+pub(crate) enum Transport {
     Tcp,
     Shm,
 }
 
 /// Runs `body(comm)` on `n` threads that form group `group` over `transport`; returns each
 /// thread's result.
-fn with_group<T: Send>(
+pub(crate) fn with_group<T: Send>(
     n: usize,
     transport: Transport,
     body: impl Fn(&mut dyn Comm) -> T + Sync,

@@ -241,6 +241,16 @@ fn libraries_open_from_the_given_directories_or_say_why_not() {
     let found =
         open("libm.so.6", &[empty.path().to_path_buf(), libm_dir.clone()]).expect("libm opens");
     assert_eq!(found, Some(libm_dir.join("libm.so.6")));
+    // NVRTC missing (not in the given directory; this machine's loader has none either —
+    // the tests' copy lives in their cache): the message names the pip package.
+    if let Err(error) = infer::runtime::cuda::libraries::open_nvrtc(&[empty.path().to_path_buf()]) {
+        assert!(
+            error
+                .to_string()
+                .contains("pip install nvidia-cuda-nvrtc-cu12"),
+            "{error}"
+        );
+    }
     let error = open("libinfer-missing-test.so.7", &[empty.path().to_path_buf()])
         .expect_err("no such library");
     assert!(

@@ -141,6 +141,18 @@ impl GpuRunner {
     }
 }
 
+impl GpuRunner {
+    /// Device memory in use on this GPU (every process's), bytes: `total − free` of
+    /// `cuMemGetInfo`.
+    ///
+    /// Errors: the driver's.
+    pub fn memory_used_bytes(&self) -> Result<u64> {
+        let (free, total) = cudarc::driver::result::mem_get_info()
+            .map_err(|e| anyhow!("cannot read the GPU's memory use: {e:?}"))?;
+        Ok((total - free) as u64)
+    }
+}
+
 impl super::backend::Device for GpuRunner {
     type Buffer = CudaSlice<u8>;
 

@@ -5,8 +5,10 @@
 //! sampled greedily on the device. What `--device cuda` runs on a GPU, and what the tests
 //! run through the host harness's kernels against the CPU engine.
 //!
-//! One device holds the whole model: tensor and pipeline shards over this path are not
-//! built (the CPU engine's `Llama::forward_stage` runs those).
+//! One device holds every layer: a tensor-parallel shard sums its row-parallel outputs over
+//! the TP group's collectives through host memory (the fallback when NCCL is absent);
+//! pipeline stages over this path are not built (the CPU engine's `Llama::forward_stage`
+//! runs those).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,6 +18,7 @@ use anyhow::{Context, Result, bail};
 use crate::runtime::backend::{
     AttentionShape, Backend, KV_BLOCK_TOKENS, bytes_of, f32s_of, i32s_of,
 };
+use crate::runtime::collectives::Comm;
 use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, sample};
 use crate::runtime::exec::kv::{KvCache, KvPool};
@@ -77,6 +80,26 @@ pub struct BackendModel<B: Backend> {
     v_cache: Vec<B::Buffer>,
     n_blocks: usize,
     free_blocks: Vec<usize>,
+    /// Tensor-parallel position and degree of the shard (`(0, 1)`: the whole model).
+    tp_rank: usize,
+    tp: usize,
+}
+
+/// Sums `buffer` (`n` f32 values) across the TP group through host memory — the fallback
+/// collectives (TCP, shared memory) — and returns the summed buffer; unchanged without a
+/// group.
+fn all_reduce<B: Backend>(
+    backend: &B,
+    tp: &mut Option<&mut dyn Comm>,
+    buffer: B::Buffer,
+    n: usize,
+) -> Result<B::Buffer> {
+    let Some(comm) = tp else {
+        return Ok(buffer);
+    };
+    let mut values = f32s_of(&backend.download(&buffer, n * 4)?);
+    comm.all_reduce_sum(&mut values)?;
+    backend.upload(&bytes_of(&values))
 }
 
 fn upload_weight<B: Backend>(backend: &B, weight: &Weight) -> Result<B::Matrix> {
@@ -97,9 +120,9 @@ impl<B: Backend> BackendModel<B> {
     /// (named), a failed upload (the device's error).
     pub fn new(backend: B, model: &Llama, kv_cache_tokens: usize) -> Result<BackendModel<B>> {
         let shard = &model.shard;
-        if shard.tp != 1 || !shard.is_first || !shard.is_last {
+        if !shard.is_first || !shard.is_last {
             bail!(
-                "the {} backend runs a whole model on one device; tensor- and pipeline-parallel shards run on the CPU engine",
+                "the {} backend runs every layer of the model on one device; pipeline-parallel stages run on the CPU engine",
                 backend.name()
             );
         }
@@ -181,6 +204,8 @@ impl<B: Backend> BackendModel<B> {
             v_cache,
             n_blocks,
             free_blocks: (0..n_blocks).rev().collect(),
+            tp_rank: shard.tp_rank,
+            tp: shard.tp,
             config,
             backend,
         })
@@ -196,6 +221,11 @@ impl<B: Backend> BackendModel<B> {
         &self.config
     }
 
+    /// Blocks of the device cache no sequence holds.
+    pub fn free_blocks(&self) -> usize {
+        self.free_blocks.len()
+    }
+
     /// Gives `sequence`'s blocks back to the pool (the sequence is empty after).
     pub fn release(&mut self, sequence: &mut DeviceSequence) {
         self.free_blocks.append(&mut sequence.blocks);
@@ -209,8 +239,20 @@ impl<B: Backend> BackendModel<B> {
         &mut self,
         batch: &mut [(&mut DeviceSequence, &[u32])],
     ) -> Result<Vec<Vec<f32>>> {
+        self.forward_tp(batch, None)
+    }
+
+    /// [`BackendModel::forward`] of a tensor-parallel shard: every member of `tp` (this
+    /// shard's group, its rank the shard's) runs the same batch.
+    ///
+    /// Errors: those of [`BackendModel::step`].
+    pub fn forward_tp(
+        &mut self,
+        batch: &mut [(&mut DeviceSequence, &[u32])],
+        tp: Option<&mut dyn Comm>,
+    ) -> Result<Vec<Vec<f32>>> {
         let vocab = self.config.vocab_size;
-        let (logits, n_rows) = self.step(batch)?;
+        let (logits, n_rows) = self.step(batch, tp)?;
         let values = f32s_of(&self.backend.download(&logits, n_rows * vocab * 4)?);
         Ok(values.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
@@ -223,7 +265,7 @@ impl<B: Backend> BackendModel<B> {
         &mut self,
         batch: &mut [(&mut DeviceSequence, &[u32])],
     ) -> Result<Vec<u32>> {
-        let (logits, n_rows) = self.step(batch)?;
+        let (logits, n_rows) = self.step(batch, None)?;
         let ids = self.backend.zeros(n_rows * 4)?;
         self.backend
             .argmax(&ids, &logits, n_rows, self.config.vocab_size)?;
@@ -290,14 +332,30 @@ impl<B: Backend> BackendModel<B> {
     }
 
     /// Runs the batch through every layer: returns the logits buffer `(n_sequences,
-    /// vocab_size)` of each sequence's last new token.
+    /// vocab_size)` of each sequence's last new token. A tensor-parallel shard sums its
+    /// output and down projections over `tp` (Megatron-LM's two all-reduces per layer).
     ///
     /// Errors: a sequence without new tokens, past the model's context or with a token
-    /// outside the vocabulary; a full cache (nothing is taken then); the backend's errors.
+    /// outside the vocabulary; a full cache (nothing is taken then); a shard without its
+    /// group (or a group of another size or rank); the backend's or the group's errors.
     pub fn step(
         &mut self,
         batch: &mut [(&mut DeviceSequence, &[u32])],
+        mut tp: Option<&mut dyn Comm>,
     ) -> Result<(B::Buffer, usize)> {
+        let group = tp.as_ref().map(|comm| (comm.rank(), comm.size()));
+        if self.tp > 1 && group != Some((self.tp_rank, self.tp)) {
+            bail!(
+                "shard {} of a TP {} model needs its TP group (rank {} of {}), given {group:?}",
+                self.tp_rank,
+                self.tp,
+                self.tp_rank,
+                self.tp
+            );
+        }
+        if self.tp == 1 {
+            tp = None;
+        }
         let c = self.config.clone();
         let (hidden, head_dim) = (c.hidden_size, c.head_dim);
         let (q_dim, kv_dim) = (c.n_heads * head_dim, c.n_kv_heads * head_dim);
@@ -366,7 +424,7 @@ impl<B: Backend> BackendModel<B> {
             f32_buffer(n * kv_dim)?,
         );
         let attention = f32_buffer(n * q_dim)?;
-        let projected = f32_buffer(n * hidden)?;
+        let mut projected = f32_buffer(n * hidden)?;
         let shape = AttentionShape {
             n_queries: n,
             n_heads: c.n_heads,
@@ -404,6 +462,7 @@ impl<B: Backend> BackendModel<B> {
                 &attention, &q, k_cache, v_cache, &tables, &rows, &lens, &shape,
             )?;
             be.matmul(&projected, &layer.wo, &attention, n)?;
+            projected = all_reduce(be, &mut tp, projected, n * hidden)?;
             be.add(&x, &projected, n * hidden)?;
             be.rms_norm(&normed, &x, &layer.ffn_norm, n, hidden, c.rms_norm_eps)?;
             match &layer.ffn {
@@ -418,6 +477,7 @@ impl<B: Backend> BackendModel<B> {
                     be.matmul(&u, up, &normed, n)?;
                     be.swiglu(&a, &g, &u, n * width)?;
                     be.matmul(&projected, down, &a, n)?;
+                    projected = all_reduce(be, &mut tp, projected, n * hidden)?;
                     be.add(&x, &projected, n * hidden)?;
                 }
                 DeviceFfn::Moe {
@@ -674,4 +734,65 @@ pub fn compare_with_cpu<B: Backend>(
     })();
     device.release(&mut sequence);
     outcome.map(|()| comparison)
+}
+
+/// One timed run of [`bench_decode`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeSpeed {
+    /// Prompt tokens per second of one sequence's prefill.
+    pub prefill_tokens_per_sec: f64,
+    /// Tokens of all `batch` sequences per second of decode steps.
+    pub decode_tokens_per_sec: f64,
+    /// Seconds of one decode step of the whole batch.
+    pub decode_step_secs: f64,
+}
+
+/// `infer bench decode` on a [`BackendModel`]: prefills `prompt` once timed (then again,
+/// untimed, for each other sequence of the batch), then runs `decode_tokens` greedy decode
+/// steps of `batch` sequences, each step's ids picked on the device (only they come back,
+/// which also waits for the step). The sequences are released after.
+///
+/// Errors: an empty prompt or batch, a cache too small for `batch × (prompt +
+/// decode_tokens)` positions, the backend's errors.
+pub fn bench_decode<B: Backend>(
+    model: &mut BackendModel<B>,
+    prompt: &[u32],
+    batch: usize,
+    decode_tokens: usize,
+) -> Result<DecodeSpeed> {
+    use std::time::Instant;
+    if prompt.is_empty() || batch == 0 {
+        bail!("the benchmark needs a prompt and at least one sequence");
+    }
+    let mut sequences: Vec<DeviceSequence> =
+        (0..batch).map(|_| DeviceSequence::default()).collect();
+    let outcome = (|| -> Result<DecodeSpeed> {
+        let start = Instant::now();
+        let first = model.forward_greedy(&mut [(&mut sequences[0], prompt)])?[0];
+        let prefill_secs = start.elapsed().as_secs_f64();
+        for sequence in sequences.iter_mut().skip(1) {
+            model.forward_greedy(&mut [(sequence, prompt)])?;
+        }
+        let mut next = vec![first; batch];
+        let start = Instant::now();
+        for _ in 0..decode_tokens {
+            let inputs: Vec<[u32; 1]> = next.iter().map(|t| [*t]).collect();
+            let mut step: Vec<(&mut DeviceSequence, &[u32])> = sequences
+                .iter_mut()
+                .zip(&inputs)
+                .map(|(s, t)| (s, t.as_slice()))
+                .collect();
+            next = model.forward_greedy(&mut step)?;
+        }
+        let decode_secs = start.elapsed().as_secs_f64().max(1e-9);
+        Ok(DecodeSpeed {
+            prefill_tokens_per_sec: prompt.len() as f64 / prefill_secs.max(1e-9),
+            decode_tokens_per_sec: (batch * decode_tokens) as f64 / decode_secs,
+            decode_step_secs: decode_secs / decode_tokens.max(1) as f64,
+        })
+    })();
+    for sequence in &mut sequences {
+        model.release(sequence);
+    }
+    outcome
 }
