@@ -3,8 +3,9 @@
 //! GPU: the driver and GPU, NVRTC, every kernel compiled for the GPU's exact architecture
 //! within its resources, every kernel run on the GPU against the CPU backend
 //! ([`super::checks`]), and the model on the GPU: greedy steps of the embedded SmolLM2
-//! against the CPU engine, twice, bit for bit. The checks of what is not built (TP over the
-//! fallback collectives, `infer up --device cuda`) are listed and fail with "not built yet".
+//! against the CPU engine, twice, bit for bit, and as TP 3 shards on the one GPU summed over
+//! the fallback collectives. `infer up --device cuda`, not built, is listed and fails with
+//! "not built yet".
 
 use std::path::PathBuf;
 
@@ -42,10 +43,11 @@ impl Report {
 }
 
 /// The checks the backend does not run yet (each fails, named).
-const NOT_BUILT: &[&str] = &[
-    "TP 2 on one GPU through the fallback collectives",
-    "infer up --device cuda answers a chat request",
-];
+const NOT_BUILT: &[&str] = &["infer up --device cuda answers a chat request"];
+
+/// The tensor-parallel degree of the TP check: SmolLM2-135M's 9 heads on 3 KV heads split
+/// 3 ways, not 2.
+const SMOKE_TP: usize = 3;
 
 /// Greedy decode steps compared with the CPU engine.
 const GREEDY_STEPS: usize = 32;
@@ -203,7 +205,7 @@ fn model_checks(
         passed: false,
         detail: format!("{error:#}"),
     };
-    let run = || -> Result<(Comparison, Comparison)> {
+    let run = || -> Result<(Comparison, Comparison, Result<String>)> {
         let engine = Engine::load(model, 0, crate::runtime::cpu::quant::Numerics::Exact)?;
         let text = "The capital of France is";
         let prompt = engine.tokenizer.encode(text, true)?;
@@ -217,14 +219,17 @@ fn model_checks(
             .install(|| compare_with_cpu(&mut device, &engine.model, &prompt, GREEDY_STEPS))?;
         let second = engine
             .install(|| compare_with_cpu(&mut device, &engine.model, &prompt, GREEDY_STEPS))?;
-        Ok((first, second))
+        drop(device);
+        Ok((first, second, tp_check(dirs, cache_dir, &engine, &prompt)))
     };
+    let tp = format!("TP {SMOKE_TP} on one GPU through the fallback collectives");
     match run() {
         Err(error) => vec![
             fail(&greedy, anyhow::anyhow!("{error:#}")),
-            fail(&repeat, error),
+            fail(&repeat, anyhow::anyhow!("{error:#}")),
+            fail(&tp, error),
         ],
-        Ok((first, second)) => vec![
+        Ok((first, second, tp_outcome)) => vec![
             Check {
                 name: greedy,
                 passed: first.disagreements.is_empty() && first.decided > 0,
@@ -251,6 +256,96 @@ fn model_checks(
                     "the GPU's logits differ between two runs of the same steps".into()
                 },
             },
+            match tp_outcome {
+                Ok(detail) => Check {
+                    name: tp,
+                    passed: true,
+                    detail,
+                },
+                Err(error) => fail(&tp, error),
+            },
         ],
     }
+}
+
+/// [`SMOKE_TP`] shards of the model on the one GPU, one thread each, their row-parallel sums
+/// over TCP through a rendezvous store on the loopback: the shards' logits must agree with
+/// the CPU engine (as the greedy check) and with each other, bit for bit.
+fn tp_check(
+    dirs: &[PathBuf],
+    cache_dir: &std::path::Path,
+    engine: &Engine,
+    prompt: &[u32],
+) -> Result<String> {
+    use crate::rendezvous::{StoreClient, StoreServer, random_token};
+    use crate::runtime::collectives::TcpComm;
+    let timeout = std::time::Duration::from_secs(60);
+    let token = random_token();
+    let server = StoreServer::start("127.0.0.1:0", &token)?;
+    let address = server.address().to_string();
+    let members: Vec<u64> = (0..SMOKE_TP as u64).collect();
+    let outcomes: Vec<Result<Comparison>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..SMOKE_TP)
+            .map(|rank| {
+                let (address, token, members) = (&address, &token, &members);
+                scope.spawn(move || -> Result<Comparison> {
+                    let shard = engine
+                        .model
+                        .shard(rank, SMOKE_TP, 0, engine.model.layers.len())?;
+                    let mut device = super::gpu::load_model(
+                        dirs,
+                        cache_dir,
+                        &shard,
+                        prompt.len() + GREEDY_STEPS + 32,
+                    )?;
+                    let mut store =
+                        StoreClient::connect(address, token, Some(rank as u64), timeout)?;
+                    let mut comm = TcpComm::connect(
+                        &mut store,
+                        "smoke-tp",
+                        members,
+                        rank as u64,
+                        "127.0.0.1",
+                        timeout,
+                    )?;
+                    crate::runtime::exec::forward::compare_with_cpu_tp(
+                        &mut device,
+                        &engine.model,
+                        prompt,
+                        GREEDY_STEPS,
+                        Some(&mut comm),
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a TP rank's thread panicked")))
+            })
+            .collect()
+    });
+    let comparisons: Vec<Comparison> = outcomes.into_iter().collect::<Result<_>>()?;
+    let first = &comparisons[0];
+    if comparisons
+        .iter()
+        .any(|c| c.device_logits != first.device_logits)
+    {
+        anyhow::bail!(
+            "the {SMOKE_TP} shards' logits differ (the all-reduce must give every rank the same sum)"
+        );
+    }
+    if !first.disagreements.is_empty() || first.decided == 0 {
+        anyhow::bail!(
+            "{} of {} decided steps disagree with the CPU engine (first: {:?})",
+            first.disagreements.len(),
+            first.decided,
+            first.disagreements.first()
+        );
+    }
+    Ok(format!(
+        "{} shards agree bit for bit; {} of {} steps decided, none disagree; logits NMSE ≤ {:.2e}",
+        SMOKE_TP, first.decided, first.steps, first.worst_nmse
+    ))
 }

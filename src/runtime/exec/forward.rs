@@ -676,6 +676,20 @@ pub fn compare_with_cpu<B: Backend>(
     prompt: &[u32],
     steps: usize,
 ) -> Result<Comparison> {
+    compare_with_cpu_tp(device, cpu, prompt, steps, None)
+}
+
+/// [`compare_with_cpu`] for a tensor-parallel shard on `device` (every member of `tp` runs
+/// it together); `cpu` is the whole model.
+///
+/// Errors: those of [`compare_with_cpu`], the group's.
+pub fn compare_with_cpu_tp<B: Backend>(
+    device: &mut BackendModel<B>,
+    cpu: &Llama,
+    prompt: &[u32],
+    steps: usize,
+    mut tp: Option<&mut dyn Comm>,
+) -> Result<Comparison> {
     use crate::runtime::model::llama::SequenceInput;
     use crate::runtime::model::sampling::argmax;
     if prompt.is_empty() {
@@ -700,7 +714,12 @@ pub fn compare_with_cpu<B: Backend>(
                     all_logits: false,
                 }])?
                 .remove(0);
-            let got = device.forward(&mut [(&mut sequence, &input)])?.remove(0);
+            let got = device
+                .forward_tp(
+                    &mut [(&mut sequence, &input)],
+                    tp.as_mut().map(|c| &mut **c as &mut dyn Comm),
+                )?
+                .remove(0);
             let error: f64 = got
                 .iter()
                 .zip(&expected)
