@@ -19,7 +19,8 @@ pub fn run(args: &SmokeArgs, printer: &Printer) -> Result<ExitStatus> {
     // Nothing to check without a GPU: say so before fetching the model.
     super::require_gpu().context("infer smoke needs an NVIDIA GPU")?;
     let model = crate::model::weights_path(None, &mut |line| printer.note(line))?;
-    let report = crate::runtime::cuda::smoke::run(&cache, &super::cuda_lib_dirs(), &model)
+    let exe = std::env::current_exe().context("cannot find this executable to start `infer up`")?;
+    let report = crate::launch::smoke::run(&cache, &super::cuda_lib_dirs(), &model, &exe)
         .context("infer smoke needs an NVIDIA GPU")?;
     if args.json {
         printer.json(&report)?;

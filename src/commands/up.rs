@@ -24,14 +24,16 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.max_batch == 0 {
         bail!("--max-batch must be at least 1 (the most sequences decoded together)");
     }
-    if args.device == DeviceArg::Cuda {
-        // Before any rank starts: no driver or no GPU here, else what is not built.
-        let driver = super::require_gpu()?;
-        bail!(
-            "`infer up --device cuda` is not built yet: the server and its ranks run the CPU engine (the GPU, {}, is there: `infer generate --device cuda` runs the model on it); use --device cpu",
-            driver.gpus[0].name
-        );
-    }
+    let gpu = if args.device == DeviceArg::Cuda {
+        // Before anything starts: a driver and a GPU on this host.
+        super::require_gpu()?;
+        Some(crate::serve::http::GpuSettings {
+            lib_dirs: super::cuda_lib_dirs(),
+            kernel_cache: crate::model::default::cache_dir()?.join("kernels"),
+        })
+    } else {
+        None
+    };
     if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
         return run_engine(args, engine.into(), printer);
     }
@@ -93,6 +95,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
             }
             _ => None,
         },
+        gpu,
     };
     // A bar while the gang starts (on a terminal), plain lines once serving.
     let mut bar: Option<ui::Progress> = None;

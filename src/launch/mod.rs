@@ -20,6 +20,7 @@ pub mod engine;
 pub mod protocol;
 pub mod remote;
 pub mod serving;
+pub mod smoke;
 pub mod ssh;
 pub mod ssh_config;
 

@@ -53,6 +53,9 @@ pub struct UpSettings {
     pub run_dir: Option<PathBuf>,
     /// This process is one node of a multi-node launch (`--nnodes`).
     pub node: Option<NodeSettings>,
+    /// `--device cuda`: the model on this host's GPU (one process; ranks on GPUs are not
+    /// built).
+    pub gpu: Option<crate::serve::http::GpuSettings>,
 }
 
 /// One node of a launch whose nodes each run `infer up --nnodes N --node-rank R`
@@ -176,12 +179,19 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
     if settings.node.as_ref().is_none_or(|n| n.node_rank == 0) {
         crate::serve::http::check_bind(&settings.host, settings.port)?;
     }
-    if layout.world_size() > 1 || inventory(settings).is_some() || settings.node.is_some() {
+    let ranks = layout.world_size() > 1 || inventory(settings).is_some() || settings.node.is_some();
+    if settings.gpu.is_some() && ranks {
+        bail!(
+            "`infer up --device cuda` serves one process on one GPU in this build: rank processes on GPUs (--tp/--pp/--dp, --cluster, --nnodes) are not built; use --device cpu for those"
+        );
+    }
+    if ranks {
         return launch(settings, &layout, started, events);
     }
     crate::serve::http::serve_one_process(
         &crate::serve::http::OneProcess {
             model: &settings.model,
+            gpu: settings.gpu.as_ref(),
             model_id: &settings.model_id,
             host: &settings.host,
             port: settings.port,

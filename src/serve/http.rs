@@ -24,6 +24,8 @@ use crate::runtime::model::tokenizer::Tokenizer;
 /// What the one-process server needs.
 pub struct OneProcess<'a> {
     pub model: &'a Path,
+    /// Run the model on the GPU (`--device cuda`) instead of the CPU engine.
+    pub gpu: Option<&'a GpuSettings>,
     pub model_id: &'a str,
     pub host: &'a str,
     pub port: u16,
@@ -37,6 +39,15 @@ pub struct OneProcess<'a> {
     pub max_model_len: Option<usize>,
     /// How long requests in flight may finish after Ctrl-C before they are cancelled.
     pub shutdown_timeout: Duration,
+}
+
+/// Where `--device cuda` finds NVIDIA's libraries and keeps its compiled kernels.
+#[derive(Clone, Debug)]
+pub struct GpuSettings {
+    /// Directories searched first for `libcuda.so.1` and `libnvrtc.so.12`.
+    pub lib_dirs: Vec<std::path::PathBuf>,
+    /// The CUBIN cache.
+    pub kernel_cache: std::path::PathBuf,
 }
 
 /// `--shutdown-timeout`'s default: requests in flight get 5 s after Ctrl-C.
@@ -76,9 +87,27 @@ pub fn serve_one_process(
         .map_or(engine.model.config.max_context_tokens, |len| {
             len.min(engine.model.config.max_context_tokens)
         });
+    let scheduler = match settings.gpu {
+        None => Scheduler::start(engine, settings.max_batch),
+        Some(gpu) => {
+            // The weights go to the GPU (the mapped file is released after); the tokenizer
+            // and the sampler stay on the host.
+            let model = crate::runtime::cuda::gpu::load_model(
+                &gpu.lib_dirs,
+                &gpu.kernel_cache,
+                &engine.model,
+                settings.kv_cache_tokens,
+            )?;
+            let executor = crate::runtime::exec::forward::BackendExecutor::new(
+                model,
+                engine.tokenizer.clone(),
+            );
+            Scheduler::start_with(Box::new(executor), settings.max_batch)
+        }
+    };
     server.open(
         AppState {
-            scheduler: Router::local(Scheduler::start(engine, settings.max_batch)),
+            scheduler: Router::local(scheduler),
             model_id: settings.model_id.to_string(),
             tokenizer,
             max_context_tokens,

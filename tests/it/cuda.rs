@@ -463,3 +463,22 @@ fn a_planted_race_or_wrong_shuffle_fails_the_checks() {
         "the wrong shuffle went unnoticed: {checks:#?}"
     );
 }
+
+/// `infer smoke`'s serving row, run here with CPU ranks: the real binary serves, answers a
+/// chat request through the OpenAI API and stops cleanly on SIGTERM; with `--device cuda`
+/// on this GPU-less host the row fails with the server's own reason, and nothing is left.
+#[test]
+fn the_smoke_serving_row_starts_asks_and_stops_the_real_server() {
+    use infer::launch::smoke::chat_check;
+    use std::time::Duration;
+    let exe = Path::new(env!("CARGO_BIN_EXE_infer"));
+    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let row = chat_check(exe, &model, "cpu", Duration::from_secs(120));
+    assert!(row.passed, "{row:?}");
+    assert!(row.detail.contains("answered \""), "{row:?}");
+    assert!(row.detail.contains("stopped cleanly"), "{row:?}");
+    let row = chat_check(exe, &model, "cuda", Duration::from_secs(120));
+    assert!(!row.passed, "{row:?}");
+    assert!(row.detail.contains("exited before it was ready"), "{row:?}");
+    assert!(row.detail.contains("libcuda.so.1"), "{row:?}");
+}

@@ -4,8 +4,8 @@
 //! within its resources, every kernel run on the GPU against the CPU backend
 //! ([`super::checks`]), and the model on the GPU: greedy steps of the embedded SmolLM2
 //! against the CPU engine, twice, bit for bit, and as TP 3 shards on the one GPU summed over
-//! the fallback collectives. `infer up --device cuda`, not built, is listed and fails with
-//! "not built yet".
+//! the fallback collectives. (`launch::smoke` adds the serving row: `infer up --device
+//! cuda` answering a chat request.)
 
 use std::path::PathBuf;
 
@@ -41,9 +41,6 @@ impl Report {
         self.checks.iter().all(|c| c.passed)
     }
 }
-
-/// The checks the backend does not run yet (each fails, named).
-const NOT_BUILT: &[&str] = &["infer up --device cuda answers a chat request"];
 
 /// The tensor-parallel degree of the TP check: SmolLM2-135M's 9 heads on 3 KV heads split
 /// 3 ways, not 2.
@@ -125,13 +122,6 @@ pub fn run(
     }
     if nvrtc.is_some() {
         checks.extend(model_checks(dirs, cache_dir, model));
-    }
-    for name in NOT_BUILT {
-        checks.push(Check {
-            name: (*name).into(),
-            passed: false,
-            detail: "not built yet: the CUDA backend runs one model on one GPU (infer generate --device cuda), not ranks or the server".into(),
-        });
     }
     Ok(Report {
         driver,
