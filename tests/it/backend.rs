@@ -78,8 +78,10 @@ fn encode(ty: GgmlType, values: &[f32], n_rows: usize, n_cols: usize) -> Weight 
 /// A 2-layer Llama (hidden 64, 4 heads of 16 on 2 KV heads, vocabulary 80) whose matrices
 /// use every type the CUDA products read: Q8_0 embedding (the Q8_0 lookup), Q8_0/Q4_0/Q4_1
 /// projections, BF16 output projection, F16 LM head. With `moe`, each layer's MLP is a
-/// router over `(n_experts, top_k)` experts of width 64 (Q8_0 gate/up, Q4_0 down).
+/// router over `(n_experts, top_k)` experts of width 64 (Q8_0 gate/up, Q4_0 down). NeoX
+/// RoPE comes Qwen-style: Q/K/V biases and per-head Q/K norms.
 fn synthetic(moe: Option<(usize, usize)>, rope_style: RopeStyle) -> Llama {
+    let qwen = rope_style == RopeStyle::Neox;
     let (hidden, intermediate, n_heads, n_kv_heads, vocab, n_layers) = (64, 128, 4, 2, 80, 2);
     let head_dim = hidden / n_heads;
     let config = LlamaConfig {
@@ -133,17 +135,20 @@ fn synthetic(moe: Option<(usize, usize)>, rope_style: RopeStyle) -> Llama {
                 let empty = || Weight::from_f32(0, hidden, &[]).expect("empty");
                 (empty(), empty(), empty())
             };
+            let bias = |s: u64, n: usize| qwen.then(|| random(s, n, 0.3));
+            let head_norm =
+                |s: u64| qwen.then(|| random(s, head_dim, 0.2).iter().map(|v| 1.0 + v).collect());
             Layer {
                 attn_norm: norm(200 + l as u64),
                 wq: matrix(GgmlType::Q8_0, n_heads * head_dim, hidden, 0.4),
                 wk: matrix(GgmlType::Q4_0, kv_dim, hidden, 0.4),
                 wv: matrix(GgmlType::Q4_1, kv_dim, hidden, 0.4),
                 wo: matrix(GgmlType::Bf16, hidden, n_heads * head_dim, 0.3),
-                bias_q: None,
-                bias_k: None,
-                bias_v: None,
-                q_norm: None,
-                k_norm: None,
+                bias_q: bias(500 + l as u64, n_heads * head_dim),
+                bias_k: bias(510 + l as u64, kv_dim),
+                bias_v: bias(520 + l as u64, kv_dim),
+                q_norm: head_norm(530 + l as u64),
+                k_norm: head_norm(540 + l as u64),
                 ffn_norm: norm(300 + l as u64),
                 w_gate: gate,
                 w_up: up,
@@ -305,6 +310,7 @@ fn a_synthetic_llama_through_the_host_harness_kernels_gives_the_cpu_engines_toke
         "{first:?}"
     );
     assert_eq!(first.device_logits, second.device_logits);
+    // NeoX RoPE with Qwen's Q/K/V biases and per-head Q/K norms.
     let neox = synthetic(None, RopeStyle::Neox);
     agree_with_cpu(KernelBackend::new(harness), &neox, 2, 1e-3);
     // The CPU backend (the engine's own products, f32 elsewhere) on both.

@@ -203,6 +203,23 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn add_bias(
+        &self,
+        x: &CpuBuffer,
+        bias: &CpuBuffer,
+        n_rows: usize,
+        n_cols: usize,
+    ) -> Result<()> {
+        let (mut values, bias) = (x.f32s(), bias.f32s());
+        for row in values[..n_rows * n_cols].chunks_exact_mut(n_cols) {
+            for (v, b) in row.iter_mut().zip(&bias) {
+                *v += b;
+            }
+        }
+        x.set_f32s(&values);
+        Ok(())
+    }
+
     fn scale_add_rows(
         &self,
         x: &CpuBuffer,

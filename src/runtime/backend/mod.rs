@@ -115,6 +115,14 @@ pub trait Backend {
     ) -> Result<()>;
     /// `x (n) += y (n)`.
     fn add(&self, x: &Self::Buffer, y: &Self::Buffer, n: usize) -> Result<()>;
+    /// `x (n_rows, n_cols) += bias (n_cols)`, row by row.
+    fn add_bias(
+        &self,
+        x: &Self::Buffer,
+        bias: &Self::Buffer,
+        n_rows: usize,
+        n_cols: usize,
+    ) -> Result<()>;
     /// `x[ids[r], :] += weights[r] · rows[r, :]` for `rows (n_rows, dim)`, `ids (n_rows) i32`
     /// (distinct), `weights (n_rows) f32`: the MoE combine of one expert.
     fn scale_add_rows(

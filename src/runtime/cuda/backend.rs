@@ -341,6 +341,26 @@ impl<D: Device> Backend for KernelBackend<D> {
         )
     }
 
+    fn add_bias(
+        &self,
+        x: &D::Buffer,
+        bias: &D::Buffer,
+        n_rows: usize,
+        n_cols: usize,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        self.run(
+            "add_bias_f32",
+            [blocks(n_rows * n_cols, 256)?, 1, 1],
+            &[
+                Buffer(x),
+                Buffer(bias),
+                U32(u32_of(n_cols, "columns")?),
+                U32(u32_of(n_rows * n_cols, "values")?),
+            ],
+        )
+    }
+
     fn scale_add_rows(
         &self,
         x: &D::Buffer,

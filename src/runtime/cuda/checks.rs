@@ -161,6 +161,7 @@ pub fn run_all(runner: &dyn Runner) -> Vec<Check> {
         record(kernel, mul_mat_vec_float(runner, ty, kernel));
     }
     record("add_f32 1000", add(runner));
+    record("add_bias_f32 3×300", add_bias(runner));
     record("scale_add_rows_f32 3 of 5×300", scale_add_rows(runner));
     record("store_kv_f16", store_kv(runner));
     record("paged_attention_f16kv", attention(runner));
@@ -451,6 +452,34 @@ fn add(runner: &dyn Runner) -> Result<Check> {
     let cpu: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
     Ok(check(
         "add_f32 1000",
+        nmse(&to_f32s(&out), &cpu),
+        NMSE_OTHERS,
+    ))
+}
+
+fn add_bias(runner: &dyn Runner) -> Result<Check> {
+    // 3 rows of 300 (not a multiple of the 256 threads), one bias row added to each.
+    let (rows, cols) = (3usize, 300usize);
+    let (x, bias) = (values(46, rows * cols), values(47, cols));
+    let mut out = f32s(&x);
+    runner.launch(
+        "add_bias_f32",
+        [(rows * cols).div_ceil(256) as u32, 1, 1],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut out),
+            Arg::In(&f32s(&bias)),
+            Arg::U32(cols as u32),
+            Arg::U32((rows * cols) as u32),
+        ],
+    )?;
+    let cpu: Vec<f32> = x
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v + bias[i % cols])
+        .collect();
+    Ok(check(
+        "add_bias_f32 3×300",
         nmse(&to_f32s(&out), &cpu),
         NMSE_OTHERS,
     ))

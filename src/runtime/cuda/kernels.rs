@@ -84,6 +84,11 @@ pub const FAMILIES: &[Family] = &[
                 block_threads: 256,
             },
             Kernel {
+                name: "add_bias_f32",
+                params: &[Ptr, Ptr, U32, U32],
+                block_threads: 256,
+            },
+            Kernel {
                 name: "scale_add_rows_f32",
                 params: &[Ptr, Ptr, Ptr, Ptr, U32],
                 block_threads: 256,

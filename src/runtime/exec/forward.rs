@@ -32,6 +32,12 @@ use crate::runtime::model::weights::Weight;
 /// One decoder layer on the device.
 struct DeviceLayer<B: Backend> {
     attn_norm: B::Buffer,
+    /// Q/K/V biases (Qwen2) and per-head Q/K RMSNorm weights `(head_dim)` (Qwen3).
+    bias_q: Option<B::Buffer>,
+    bias_k: Option<B::Buffer>,
+    bias_v: Option<B::Buffer>,
+    q_norm: Option<B::Buffer>,
+    k_norm: Option<B::Buffer>,
     wq: B::Matrix,
     wk: B::Matrix,
     wv: B::Matrix,
@@ -115,8 +121,7 @@ impl<B: Backend> BackendModel<B> {
     /// blocks of 16, rounded down; at least one). An embedding table in a type other than F32 or Q8_0 is uploaded
     /// dequantized to F32 (the lookup kernels read those two).
     ///
-    /// Errors: a shard rather than a whole model, Q/K/V biases or Q/K norms (Qwen2/3: not
-    /// built for this path), experts held elsewhere, a type the backend has no kernel for
+    /// Errors: a pipeline stage rather than every layer, experts held elsewhere, a type the backend has no kernel for
     /// (named), a failed upload (the device's error).
     pub fn new(backend: B, model: &Llama, kv_cache_tokens: usize) -> Result<BackendModel<B>> {
         let shard = &model.shard;
@@ -141,12 +146,18 @@ impl<B: Backend> BackendModel<B> {
         };
         let mut layers = Vec::with_capacity(model.layers.len());
         for (index, layer) in model.layers.iter().enumerate() {
-            if layer.bias_q.is_some() || layer.q_norm.is_some() || layer.k_norm.is_some() {
-                bail!(
-                    "layer {index} has Q/K/V biases or Q/K norms (Qwen2/Qwen3), which the {} backend does not run yet; use --device cpu",
-                    backend.name()
-                );
-            }
+            let optional = |values: &Option<Vec<f32>>| -> Result<Option<B::Buffer>> {
+                values
+                    .as_deref()
+                    .map(|v| upload_f32s(&backend, v))
+                    .transpose()
+            };
+            let (bias_q, bias_k, bias_v) = (
+                optional(&layer.bias_q)?,
+                optional(&layer.bias_k)?,
+                optional(&layer.bias_v)?,
+            );
+            let (q_norm, k_norm) = (optional(&layer.q_norm)?, optional(&layer.k_norm)?);
             let ffn = match &layer.moe {
                 None => DeviceFfn::Dense {
                     gate: upload_weight(&backend, &layer.w_gate)?,
@@ -177,6 +188,11 @@ impl<B: Backend> BackendModel<B> {
             };
             layers.push(DeviceLayer {
                 attn_norm: upload_f32s(&backend, &layer.attn_norm)?,
+                bias_q,
+                bias_k,
+                bias_v,
+                q_norm,
+                k_norm,
                 wq: upload_weight(&backend, &layer.wq)?,
                 wk: upload_weight(&backend, &layer.wk)?,
                 wv: upload_weight(&backend, &layer.wv)?,
@@ -418,11 +434,13 @@ impl<B: Backend> BackendModel<B> {
         let x = f32_buffer(n * hidden)?;
         be.get_rows(&x, &self.embedding, &ids, n)?;
         let normed = f32_buffer(n * hidden)?;
-        let (q, k, v) = (
+        let (mut q, mut k, v) = (
             f32_buffer(n * q_dim)?,
             f32_buffer(n * kv_dim)?,
             f32_buffer(n * kv_dim)?,
         );
+        // Scratch for the per-head Q/K norms (Qwen3), swapped with `q`/`k` after each.
+        let (mut q_normed, mut k_normed) = (f32_buffer(n * q_dim)?, f32_buffer(n * kv_dim)?);
         let attention = f32_buffer(n * q_dim)?;
         let mut projected = f32_buffer(n * hidden)?;
         let shape = AttentionShape {
@@ -438,6 +456,38 @@ impl<B: Backend> BackendModel<B> {
             be.matmul(&q, &layer.wq, &normed, n)?;
             be.matmul(&k, &layer.wk, &normed, n)?;
             be.matmul(&v, &layer.wv, &normed, n)?;
+            for (x, bias, width) in [
+                (&q, &layer.bias_q, q_dim),
+                (&k, &layer.bias_k, kv_dim),
+                (&v, &layer.bias_v, kv_dim),
+            ] {
+                if let Some(bias) = bias {
+                    be.add_bias(x, bias, n, width)?;
+                }
+            }
+            // Per-head RMSNorm of Q and K (Qwen3): each head a row of head_dim.
+            if let Some(weight) = &layer.q_norm {
+                be.rms_norm(
+                    &q_normed,
+                    &q,
+                    weight,
+                    n * c.n_heads,
+                    head_dim,
+                    c.rms_norm_eps,
+                )?;
+                std::mem::swap(&mut q, &mut q_normed);
+            }
+            if let Some(weight) = &layer.k_norm {
+                be.rms_norm(
+                    &k_normed,
+                    &k,
+                    weight,
+                    n * c.n_kv_heads,
+                    head_dim,
+                    c.rms_norm_eps,
+                )?;
+                std::mem::swap(&mut k, &mut k_normed);
+            }
             be.rope(
                 &q,
                 &positions,
