@@ -94,9 +94,7 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
         return printer
             .json(&crate::plan::calibration::DecodeReport {
                 bench: "decode".into(),
-                model: std::path::Path::new(&engine.name)
-                    .file_name()
-                    .map_or_else(|| engine.name.clone(), |n| n.to_string_lossy().into_owned()),
+                model: model_file_name(&engine),
                 device: "cpu".into(),
                 device_name: cpu_name(),
                 threads: engine.threads(),
@@ -129,6 +127,13 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
         peak_rss_bytes as f64 / 1e6
     ));
     Ok(ExitStatus::Success)
+}
+
+/// The model file's name (what a decode report names), else the engine's name.
+fn model_file_name(engine: &Engine) -> String {
+    std::path::Path::new(&engine.name)
+        .file_name()
+        .map_or_else(|| engine.name.clone(), |n| n.to_string_lossy().into_owned())
 }
 
 /// A prompt of ordinary text, `prompt_tokens` long (at least one token).
@@ -193,9 +198,7 @@ fn decode_cuda(
         return printer
             .json(&crate::plan::calibration::DecodeReport {
                 bench: "decode".into(),
-                model: std::path::Path::new(&engine.name)
-                    .file_name()
-                    .map_or_else(|| engine.name.clone(), |n| n.to_string_lossy().into_owned()),
+                model: model_file_name(engine),
                 device: "cuda".into(),
                 device_name: gpu.name.clone(),
                 threads: 0,

@@ -162,6 +162,22 @@ fn synthetic(moe: Option<(usize, usize)>, rope_style: RopeStyle) -> Llama {
     Llama::new(config, embedding, layers, output_norm, output, None)
 }
 
+/// One CPU engine step of `tokens` after what `cache` holds: the last token's logits.
+fn cpu_step(
+    model: &Llama,
+    tokens: &[u32],
+    cache: &mut infer::runtime::exec::kv::KvCache,
+) -> Vec<f32> {
+    model
+        .forward(&mut [SequenceInput {
+            tokens,
+            cache,
+            all_logits: false,
+        }])
+        .expect("cpu step")
+        .remove(0)
+}
+
 /// The top logit's lead over the second.
 fn margin(logits: &[f32]) -> f32 {
     let best = argmax(logits) as usize;
@@ -215,14 +231,7 @@ fn agree_with_cpu<B: Backend>(backend: B, model: &Llama, decode_steps: usize, li
         }
     };
     for step in 0..=decode_steps {
-        let cpu = model
-            .forward(&mut [SequenceInput {
-                tokens: &input,
-                cache: &mut cpu_cache,
-                all_logits: false,
-            }])
-            .expect("cpu step")
-            .remove(0);
+        let cpu = cpu_step(model, &input, &mut cpu_cache);
         let dev = device
             .forward(&mut [(&mut sequence, &input)])
             .unwrap_or_else(|e| panic!("{e:#}"))
@@ -264,14 +273,7 @@ fn agree_with_cpu<B: Backend>(backend: B, model: &Llama, decode_steps: usize, li
     let mut cpu_cache = model.new_cache();
     let (mut input, mut expected) = (prompt.clone(), Vec::new());
     for _ in 0..decode_steps {
-        let logits = model
-            .forward(&mut [SequenceInput {
-                tokens: &input,
-                cache: &mut cpu_cache,
-                all_logits: false,
-            }])
-            .expect("cpu step")
-            .remove(0);
+        let logits = cpu_step(model, &input, &mut cpu_cache);
         expected.push((argmax(&logits), margin(&logits)));
         input = vec![argmax(&logits)];
     }

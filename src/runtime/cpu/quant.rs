@@ -66,6 +66,20 @@ impl GgmlType {
         }
     }
 
+    /// Checks that `len_bytes` encode an `(n_rows, n_cols)` matrix of this type.
+    ///
+    /// Errors: `n_cols` not a whole number of blocks, or another length (both named).
+    pub fn check_matrix_bytes(self, n_rows: usize, n_cols: usize, len_bytes: usize) -> Result<()> {
+        let row_bytes = self.row_bytes(n_cols)?;
+        if len_bytes != row_bytes * n_rows {
+            bail!(
+                "a {self:?} matrix of {n_rows}×{n_cols} needs {} bytes, got {len_bytes}",
+                row_bytes * n_rows
+            );
+        }
+        Ok(())
+    }
+
     /// Bytes of a row of `n_cols` elements. Errors: `n_cols` not a whole number of blocks.
     pub fn row_bytes(self, n_cols: usize) -> Result<usize> {
         let (elements, bytes) = self.block();

@@ -143,14 +143,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         n_cols: usize,
         bytes: &[u8],
     ) -> Result<Self::Matrix> {
-        let row_bytes = ty.row_bytes(n_cols)?;
-        if bytes.len() != row_bytes * n_rows {
-            bail!(
-                "a {ty:?} matrix of {n_rows}×{n_cols} needs {} bytes, got {}",
-                row_bytes * n_rows,
-                bytes.len()
-            );
-        }
+        ty.check_matrix_bytes(n_rows, n_cols, bytes.len())?;
         Ok(DeviceMatrix {
             buffer: self.device.upload(bytes)?,
             ty,

@@ -101,14 +101,8 @@ impl Weight {
         n_cols: usize,
         bytes: Vec<u8>,
     ) -> Result<Weight> {
+        ty.check_matrix_bytes(n_rows, n_cols, bytes.len())?;
         let row_bytes = ty.row_bytes(n_cols)?;
-        if bytes.len() != row_bytes * n_rows {
-            bail!(
-                "a {ty:?} matrix of {n_rows}×{n_cols} needs {} bytes, got {}",
-                row_bytes * n_rows,
-                bytes.len()
-            );
-        }
         Ok(Weight {
             ty,
             n_rows,
