@@ -3,8 +3,8 @@
 //! harness (and through the CPU backend), step by step against the CPU engine.
 
 use half::{bf16, f16};
-use infer::runtime::backend::Backend;
 use infer::runtime::backend::cpu::CpuBackend;
+use infer::runtime::backend::{Backend, nmse};
 use infer::runtime::cpu::quant::GgmlType;
 use infer::runtime::cuda::backend::KernelBackend;
 use infer::runtime::exec::forward::{BackendModel, DeviceSequence, compare_with_cpu};
@@ -187,15 +187,6 @@ fn margin(logits: &[f32]) -> f32 {
         .filter(|(i, _)| *i != best)
         .fold(f32::MIN, |m, (_, v)| m.max(*v));
     logits[best] - second
-}
-
-fn nmse(a: &[f32], b: &[f32]) -> f64 {
-    let error: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    error / b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>()
 }
 
 /// Steps `model` on `backend` and on the CPU engine side by side, teacher-forced with the

@@ -177,39 +177,37 @@ pub trait Backend {
 }
 
 /// `values` as native-endian bytes (what [`Backend::upload`] takes for f32 and i32 data).
-pub fn bytes_of<T: Copy + ToNeBytes>(values: &[T]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_ne_bytes_vec()).collect()
+pub fn bytes_of<T: bytemuck::Pod>(values: &[T]) -> Vec<u8> {
+    bytemuck::cast_slice(values).to_vec()
 }
 
-/// Native-endian encoding of the scalar types buffers hold.
-pub trait ToNeBytes {
-    fn to_ne_bytes_vec(self) -> Vec<u8>;
-}
-
-impl ToNeBytes for f32 {
-    fn to_ne_bytes_vec(self) -> Vec<u8> {
-        self.to_ne_bytes().to_vec()
-    }
-}
-
-impl ToNeBytes for i32 {
-    fn to_ne_bytes_vec(self) -> Vec<u8> {
-        self.to_ne_bytes().to_vec()
-    }
-}
-
-/// Native-endian f32 values of `bytes` (a whole number of 4-byte values).
+/// Native-endian f32 values of `bytes` (a whole number of 4-byte values, any alignment).
 pub fn f32s_of(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(4)
-        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .map(bytemuck::pod_read_unaligned)
         .collect()
 }
 
-/// Native-endian i32 values of `bytes`.
+/// Native-endian i32 values of `bytes` (any alignment).
 pub fn i32s_of(bytes: &[u8]) -> Vec<i32> {
     bytes
         .chunks_exact(4)
-        .map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .map(bytemuck::pod_read_unaligned)
         .collect()
+}
+
+/// Normalized mean squared error, `Σ (a − b)² / Σ b²` (llama.cpp test-backend-ops'
+/// measure); infinite when the lengths differ.
+pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    let error: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    error / norm.max(f64::MIN_POSITIVE)
 }

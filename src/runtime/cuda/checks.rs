@@ -7,6 +7,7 @@ use anyhow::Result;
 use half::f16;
 
 use super::smoke::Check;
+use crate::runtime::backend::{bytes_of, f32s_of, nmse};
 use crate::runtime::cpu::quant::{GgmlType, dequantize_row};
 
 /// NMSE limit of matrix products (test-backend-ops).
@@ -36,20 +37,6 @@ pub trait Runner {
     ) -> Result<()>;
 }
 
-/// Normalized mean squared error, `Σ (a − b)² / Σ b²` (test-backend-ops' measure).
-pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
-    let error: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    if a.len() != b.len() {
-        return f64::INFINITY;
-    }
-    error / norm.max(f64::MIN_POSITIVE)
-}
-
 /// Deterministic values in [−1, 1) (a 64-bit LCG; the seed names the case).
 pub fn values(seed: u64, n: usize) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -60,25 +47,6 @@ pub fn values(seed: u64, n: usize) -> Vec<f32> {
                 .wrapping_add(1_442_695_040_888_963_407);
             ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
-        .collect()
-}
-
-fn bytes_of<T: Copy>(values: &[T], to: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
-    values.iter().flat_map(|v| to(*v)).collect()
-}
-
-fn f32s(values: &[f32]) -> Vec<u8> {
-    bytes_of(values, |v| v.to_ne_bytes().to_vec())
-}
-
-fn i32s(values: &[i32]) -> Vec<u8> {
-    bytes_of(values, |v| v.to_ne_bytes().to_vec())
-}
-
-fn to_f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
 }
 
@@ -180,8 +148,8 @@ fn rms_norm(runner: &dyn Runner) -> Result<Check> {
         [256, 1, 1],
         &mut [
             Arg::Out(&mut y),
-            Arg::In(&f32s(&x)),
-            Arg::In(&f32s(&w)),
+            Arg::In(&bytes_of(&x)),
+            Arg::In(&bytes_of(&w)),
             Arg::U32(cols as u32),
             Arg::F32(1e-5),
         ],
@@ -190,7 +158,7 @@ fn rms_norm(runner: &dyn Runner) -> Result<Check> {
     crate::runtime::model::llama::rms_norm(&x, &w, 1e-5, &mut cpu);
     Ok(check(
         "rms_norm_f32 3×576",
-        nmse(&to_f32s(&y), &cpu),
+        nmse(&f32s_of(&y), &cpu),
         NMSE_OTHERS,
     ))
 }
@@ -205,8 +173,8 @@ fn swiglu(runner: &dyn Runner) -> Result<Check> {
         [256, 1, 1],
         &mut [
             Arg::Out(&mut out),
-            Arg::In(&f32s(&gate)),
-            Arg::In(&f32s(&up)),
+            Arg::In(&bytes_of(&gate)),
+            Arg::In(&bytes_of(&up)),
             Arg::U32(n as u32),
         ],
     )?;
@@ -217,7 +185,7 @@ fn swiglu(runner: &dyn Runner) -> Result<Check> {
         .collect();
     Ok(check(
         "swiglu_f32 1000",
-        nmse(&to_f32s(&out), &cpu),
+        nmse(&f32s_of(&out), &cpu),
         NMSE_OTHERS,
     ))
 }
@@ -230,7 +198,7 @@ fn rope(runner: &dyn Runner, kernel: &str, neox: bool) -> Result<Check> {
         .map(|i| 10000f32.powf(-2.0 * i as f32 / head_dim as f32))
         .collect();
     let original = values(5, tokens * heads * head_dim);
-    let mut x = f32s(&original);
+    let mut x = bytes_of(&original);
     let pairs = tokens * heads * head_dim / 2;
     runner.launch(
         kernel,
@@ -238,8 +206,8 @@ fn rope(runner: &dyn Runner, kernel: &str, neox: bool) -> Result<Check> {
         [256, 1, 1],
         &mut [
             Arg::Out(&mut x),
-            Arg::In(&i32s(&positions)),
-            Arg::In(&f32s(&inv_freqs)),
+            Arg::In(&bytes_of(&positions)),
+            Arg::In(&bytes_of(&inv_freqs)),
             Arg::U32(tokens as u32),
             Arg::U32(heads as u32),
             Arg::U32(head_dim as u32),
@@ -262,7 +230,7 @@ fn rope(runner: &dyn Runner, kernel: &str, neox: bool) -> Result<Check> {
             }
         }
     }
-    Ok(check(kernel, nmse(&to_f32s(&x), &reference), NMSE_OTHERS))
+    Ok(check(kernel, nmse(&f32s_of(&x), &reference), NMSE_OTHERS))
 }
 
 fn get_rows_f32(runner: &dyn Runner) -> Result<Check> {
@@ -277,8 +245,8 @@ fn get_rows_f32(runner: &dyn Runner) -> Result<Check> {
         [256, 1, 1],
         &mut [
             Arg::Out(&mut out),
-            Arg::In(&f32s(&table)),
-            Arg::In(&i32s(&ids)),
+            Arg::In(&bytes_of(&table)),
+            Arg::In(&bytes_of(&ids)),
             Arg::U32(dim as u32),
         ],
     )?;
@@ -286,7 +254,7 @@ fn get_rows_f32(runner: &dyn Runner) -> Result<Check> {
         .iter()
         .flat_map(|&id| table[id as usize * dim..(id as usize + 1) * dim].to_vec())
         .collect();
-    let got = to_f32s(&out);
+    let got = f32s_of(&out);
     Ok(Check {
         name: "get_rows_f32 7×300".into(),
         passed: got == expected,
@@ -311,7 +279,7 @@ fn get_rows_q8_0(runner: &dyn Runner) -> Result<Check> {
         &mut [
             Arg::Out(&mut out),
             Arg::In(&table),
-            Arg::In(&i32s(&ids)),
+            Arg::In(&bytes_of(&ids)),
             Arg::U32(dim as u32),
         ],
     )?;
@@ -325,7 +293,7 @@ fn get_rows_q8_0(runner: &dyn Runner) -> Result<Check> {
             &mut cpu[k * dim..(k + 1) * dim],
         );
     }
-    let got = to_f32s(&out);
+    let got = f32s_of(&out);
     Ok(Check {
         name: "get_rows_q8_0 5×96".into(),
         passed: got == cpu,
@@ -353,7 +321,7 @@ fn mul_mat_vec(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check>
         [32, 1, 1],
         &mut [
             Arg::Out(&mut quantized),
-            Arg::In(&f32s(&activations)),
+            Arg::In(&bytes_of(&activations)),
             Arg::U32((n_tokens * n_cols) as u32),
         ],
     )?;
@@ -375,7 +343,7 @@ fn mul_mat_vec(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check>
     let reference = reference_products(ty, &weights, &activations, n_rows, n_cols);
     Ok(check(
         kernel,
-        nmse(&to_f32s(&product), &reference),
+        nmse(&f32s_of(&product), &reference),
         NMSE_PRODUCTS,
     ))
 }
@@ -415,9 +383,15 @@ fn mul_mat_vec_float(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<
     let activations = values(30, n_tokens * n_cols);
     let w = values(31 + ty as u64, n_rows * n_cols);
     let weights: Vec<u8> = match ty {
-        GgmlType::F16 => bytes_of(&w, |v| f16::from_f32(v).to_le_bytes().to_vec()),
-        GgmlType::Bf16 => bytes_of(&w, |v| half::bf16::from_f32(v).to_le_bytes().to_vec()),
-        _ => f32s(&w),
+        GgmlType::F16 => w
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        GgmlType::Bf16 => w
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        _ => bytes_of(&w),
     };
     let mut product = vec![0u8; n_tokens * n_rows * 4];
     runner.launch(
@@ -427,14 +401,14 @@ fn mul_mat_vec_float(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<
         &mut [
             Arg::Out(&mut product),
             Arg::In(&weights),
-            Arg::In(&f32s(&activations)),
+            Arg::In(&bytes_of(&activations)),
             Arg::U32(n_cols as u32),
         ],
     )?;
     let reference = reference_products(ty, &weights, &activations, n_rows, n_cols);
     Ok(check(
         kernel,
-        nmse(&to_f32s(&product), &reference),
+        nmse(&f32s_of(&product), &reference),
         NMSE_PRODUCTS,
     ))
 }
@@ -442,17 +416,21 @@ fn mul_mat_vec_float(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<
 fn add(runner: &dyn Runner) -> Result<Check> {
     let n = 1000;
     let (x, y) = (values(40, n), values(41, n));
-    let mut out = f32s(&x);
+    let mut out = bytes_of(&x);
     runner.launch(
         "add_f32",
         [n.div_ceil(256) as u32, 1, 1],
         [256, 1, 1],
-        &mut [Arg::Out(&mut out), Arg::In(&f32s(&y)), Arg::U32(n as u32)],
+        &mut [
+            Arg::Out(&mut out),
+            Arg::In(&bytes_of(&y)),
+            Arg::U32(n as u32),
+        ],
     )?;
     let cpu: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
     Ok(check(
         "add_f32 1000",
-        nmse(&to_f32s(&out), &cpu),
+        nmse(&f32s_of(&out), &cpu),
         NMSE_OTHERS,
     ))
 }
@@ -461,14 +439,14 @@ fn add_bias(runner: &dyn Runner) -> Result<Check> {
     // 3 rows of 300 (not a multiple of the 256 threads), one bias row added to each.
     let (rows, cols) = (3usize, 300usize);
     let (x, bias) = (values(46, rows * cols), values(47, cols));
-    let mut out = f32s(&x);
+    let mut out = bytes_of(&x);
     runner.launch(
         "add_bias_f32",
         [(rows * cols).div_ceil(256) as u32, 1, 1],
         [256, 1, 1],
         &mut [
             Arg::Out(&mut out),
-            Arg::In(&f32s(&bias)),
+            Arg::In(&bytes_of(&bias)),
             Arg::U32(cols as u32),
             Arg::U32((rows * cols) as u32),
         ],
@@ -480,7 +458,7 @@ fn add_bias(runner: &dyn Runner) -> Result<Check> {
         .collect();
     Ok(check(
         "add_bias_f32 3×300",
-        nmse(&to_f32s(&out), &cpu),
+        nmse(&f32s_of(&out), &cpu),
         NMSE_OTHERS,
     ))
 }
@@ -492,16 +470,16 @@ fn scale_add_rows(runner: &dyn Runner) -> Result<Check> {
     let ids: Vec<i32> = vec![4, 0, 2];
     let rows = values(43, ids.len() * dim);
     let weights: Vec<f32> = vec![0.25, 0.5, 0.75];
-    let mut out = f32s(&x);
+    let mut out = bytes_of(&x);
     runner.launch(
         "scale_add_rows_f32",
         [ids.len() as u32, dim.div_ceil(256) as u32, 1],
         [256, 1, 1],
         &mut [
             Arg::Out(&mut out),
-            Arg::In(&f32s(&rows)),
-            Arg::In(&i32s(&ids)),
-            Arg::In(&f32s(&weights)),
+            Arg::In(&bytes_of(&rows)),
+            Arg::In(&bytes_of(&ids)),
+            Arg::In(&bytes_of(&weights)),
             Arg::U32(dim as u32),
         ],
     )?;
@@ -513,7 +491,7 @@ fn scale_add_rows(runner: &dyn Runner) -> Result<Check> {
     }
     Ok(check(
         "scale_add_rows_f32 3 of 5×300",
-        nmse(&to_f32s(&out), &cpu),
+        nmse(&f32s_of(&out), &cpu),
         NMSE_OTHERS,
     ))
 }
@@ -558,9 +536,9 @@ fn store_kv(runner: &dyn Runner) -> Result<Check> {
         &mut [
             Arg::Out(&mut k_cache),
             Arg::Out(&mut v_cache),
-            Arg::In(&f32s(&k)),
-            Arg::In(&f32s(&v)),
-            Arg::In(&i32s(&slots)),
+            Arg::In(&bytes_of(&k)),
+            Arg::In(&bytes_of(&v)),
+            Arg::In(&bytes_of(&slots)),
             Arg::U32(n_kv_heads as u32),
             Arg::U32(head_dim as u32),
         ],
@@ -624,12 +602,12 @@ fn attention(runner: &dyn Runner) -> Result<Check> {
         [128, 1, 1],
         &mut [
             Arg::Out(&mut out),
-            Arg::In(&f32s(&queries)),
+            Arg::In(&bytes_of(&queries)),
             Arg::In(&u16s(&k_cache)),
             Arg::In(&u16s(&v_cache)),
-            Arg::In(&i32s(&tables)),
-            Arg::In(&i32s(&table_rows)),
-            Arg::In(&i32s(&context_lens)),
+            Arg::In(&bytes_of(&tables)),
+            Arg::In(&bytes_of(&table_rows)),
+            Arg::In(&bytes_of(&context_lens)),
             Arg::U32(max_blocks as u32),
             Arg::U32(n_heads as u32),
             Arg::U32(n_kv_heads as u32),
@@ -676,7 +654,7 @@ fn attention(runner: &dyn Runner) -> Result<Check> {
     }
     Ok(check(
         "paged_attention_f16kv",
-        nmse(&to_f32s(&out), &reference),
+        nmse(&f32s_of(&out), &reference),
         NMSE_OTHERS,
     ))
 }
@@ -695,7 +673,7 @@ fn argmax(runner: &dyn Runner) -> Result<Check> {
         [256, 1, 1],
         &mut [
             Arg::Out(&mut chosen),
-            Arg::In(&f32s(&logits)),
+            Arg::In(&bytes_of(&logits)),
             Arg::U32(vocab as u32),
         ],
     )?;

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 
 use crate::runtime::backend::{
-    AttentionShape, Backend, KV_BLOCK_TOKENS, bytes_of, f32s_of, i32s_of,
+    AttentionShape, Backend, KV_BLOCK_TOKENS, bytes_of, f32s_of, i32s_of, nmse,
 };
 use crate::runtime::collectives::Comm;
 use crate::runtime::cpu::quant::GgmlType;
@@ -770,17 +770,7 @@ pub fn compare_with_cpu_tp<B: Backend>(
                     tp.as_mut().map(|c| &mut **c as &mut dyn Comm),
                 )?
                 .remove(0);
-            let error: f64 = got
-                .iter()
-                .zip(&expected)
-                .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
-                .sum::<f64>()
-                / expected
-                    .iter()
-                    .map(|b| (*b as f64).powi(2))
-                    .sum::<f64>()
-                    .max(f64::MIN_POSITIVE);
-            comparison.worst_nmse = comparison.worst_nmse.max(error);
+            comparison.worst_nmse = comparison.worst_nmse.max(nmse(&got, &expected));
             comparison.steps += 1;
             let best = argmax(&expected);
             let second = expected
