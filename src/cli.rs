@@ -593,6 +593,19 @@ pub struct UpArgs {
     )]
     pub max_batch: usize,
 
+    /// Most tokens one engine step computes: one per decoding sequence, then chunks of
+    /// waiting prompts (chunked prefill: a long prompt is prefilled over several steps, so
+    /// running decodes never wait for all of it). At least `--max-batch`; default 512 (or
+    /// `--max-batch` when larger).
+    #[arg(long, value_name = "TOKENS")]
+    pub max_num_batched_tokens: Option<usize>,
+
+    /// Do not reuse the KV blocks of prompt prefixes seen before (automatic prefix caching
+    /// is on by default: a request whose prompt starts like an earlier one's — a system
+    /// prompt, a conversation's earlier turns — computes only the rest).
+    #[arg(long, visible_alias = "no-enable-prefix-caching")]
+    pub no_prefix_cache: bool,
+
     /// Require `Authorization: Bearer <key>` on every API request.
     #[arg(long, value_name = "KEY", env = "INFER_API_KEY")]
     pub api_key: Option<String>,

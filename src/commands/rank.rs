@@ -46,6 +46,7 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
             Ok(_) => Some(number("INFER_KV_CACHE_TOKENS")?),
             Err(_) => None,
         },
+        prefix_cache: std::env::var("INFER_PREFIX_CACHE").is_ok_and(|v| v == "1"),
         shm: std::env::var("INFER_SHM_DISABLE").map_or(true, |v| v != "1"),
         bind_addr: std::env::var("INFER_BIND_ADDR").unwrap_or_else(|_| "127.0.0.1".into()),
         host_ranks: {

@@ -24,6 +24,16 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.max_batch == 0 {
         bail!("--max-batch must be at least 1 (the most sequences decoded together)");
     }
+    let mut limits = crate::serve::scheduler::Limits::with_max_batch(args.max_batch);
+    if let Some(tokens) = args.max_num_batched_tokens {
+        if tokens < args.max_batch {
+            bail!(
+                "--max-num-batched-tokens ({tokens}) must be at least --max-batch ({}): every running sequence decodes one token per step",
+                args.max_batch
+            );
+        }
+        limits.max_batched_tokens = tokens;
+    }
     let gpu = if args.device == DeviceArg::Cuda {
         // Before anything starts: a driver and a GPU on this host.
         super::require_gpu()?;
@@ -74,7 +84,8 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         port: args.port,
         threads: args.threads,
         numerics: args.numerics.into(),
-        max_batch: args.max_batch,
+        limits,
+        prefix_cache: !args.no_prefix_cache,
         kv_cache_tokens: args.kv_cache_tokens,
         api_key: args.api_key.clone(),
         ssh: crate::launch::ssh::SshOptions {

@@ -44,8 +44,11 @@ pub struct UpSettings {
     /// Threads per rank (0: the host's cores over its ranks).
     pub threads: usize,
     pub numerics: Numerics,
-    pub max_batch: usize,
+    /// Most sequences running at once and tokens per step, on every replica.
+    pub limits: crate::serve::scheduler::Limits,
     pub kv_cache_tokens: usize,
+    /// Whether replicas reuse cached prompt prefixes (`--no-prefix-cache` turns it off).
+    pub prefix_cache: bool,
     pub api_key: Option<String>,
     pub ssh: super::ssh::SshOptions,
     pub push_model: bool,
@@ -197,8 +200,9 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
             port: settings.port,
             threads: settings.threads,
             numerics: settings.numerics,
-            max_batch: settings.max_batch,
+            limits: settings.limits,
             kv_cache_tokens: settings.kv_cache_tokens,
+            prefix_cache: settings.prefix_cache,
             api_key: settings.api_key.clone(),
             max_model_len: settings.max_model_len,
             shutdown_timeout: settings.shutdown_timeout,
@@ -420,7 +424,15 @@ fn launch(
         ("INFER_HTTP_PORT".to_string(), http_port),
         (
             "INFER_MAX_BATCH".to_string(),
-            settings.max_batch.to_string(),
+            settings.limits.max_batch.to_string(),
+        ),
+        (
+            "INFER_MAX_NUM_BATCHED_TOKENS".to_string(),
+            settings.limits.max_batched_tokens.to_string(),
+        ),
+        (
+            "INFER_PREFIX_CACHE".to_string(),
+            if settings.prefix_cache { "1" } else { "0" }.to_string(),
         ),
         ("INFER_MODEL_ID".to_string(), settings.model_id.clone()),
         (

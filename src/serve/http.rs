@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 
 use super::router::Router;
-use super::scheduler::Scheduler;
+use super::scheduler::{Limits, Scheduler};
 use super::{AppState, Gate, router};
 use crate::rendezvous::StoreClient;
 use crate::runtime::cpu::quant::Numerics;
@@ -32,8 +32,11 @@ pub struct OneProcess<'a> {
     /// Worker threads (0: one per core).
     pub threads: usize,
     pub numerics: Numerics,
-    pub max_batch: usize,
+    /// Most sequences running at once and tokens per step.
+    pub limits: Limits,
     pub kv_cache_tokens: usize,
+    /// Reuse the KV blocks of cached prompt prefixes (the CPU engine; not on the GPU yet).
+    pub prefix_cache: bool,
     pub api_key: Option<String>,
     /// Longest prompt plus completion, tokens (`None`: the model's context).
     pub max_model_len: Option<usize>,
@@ -77,6 +80,10 @@ pub fn serve_one_process(
     events(OneProcessEvent::Listening(server.address()));
     let mut engine = Engine::load(settings.model, settings.threads, settings.numerics)?;
     engine.model.set_kv_capacity(Some(settings.kv_cache_tokens));
+    engine
+        .model
+        .kv_pool()
+        .set_prefix_cache(settings.prefix_cache);
     let tokenizer = if settings.model.is_dir() {
         Tokenizer::from_dir(settings.model)?
     } else {
@@ -88,7 +95,7 @@ pub fn serve_one_process(
             len.min(engine.model.config.max_context_tokens)
         });
     let scheduler = match settings.gpu {
-        None => Scheduler::start(engine, settings.max_batch),
+        None => Scheduler::start(engine, settings.limits),
         Some(gpu) => {
             // The weights go to the GPU (the mapped file is released after); the tokenizer
             // and the sampler stay on the host.
@@ -102,7 +109,7 @@ pub fn serve_one_process(
                 model,
                 engine.tokenizer.clone(),
             );
-            Scheduler::start_with(Box::new(executor), settings.max_batch)
+            Scheduler::start_with(Box::new(executor), settings.limits)
         }
     };
     server.open(
@@ -144,6 +151,15 @@ pub fn serve_driver(
     let max_batch: usize = var("INFER_MAX_BATCH")?
         .parse()
         .context("INFER_MAX_BATCH is not a number")?;
+    let limits = match std::env::var("INFER_MAX_NUM_BATCHED_TOKENS") {
+        Ok(tokens) => Limits {
+            max_batch,
+            max_batched_tokens: tokens
+                .parse()
+                .context("INFER_MAX_NUM_BATCHED_TOKENS is not a number")?,
+        },
+        Err(_) => Limits::with_max_batch(max_batch),
+    };
     let dp: usize = var("INFER_DP")?
         .parse()
         .context("INFER_DP is not a number")?;
@@ -151,7 +167,7 @@ pub fn serve_driver(
     let replica = driver.replica_index();
     let timeout = driver.timeout();
     if replica > 0 {
-        let scheduler = Scheduler::start_with(Box::new(driver), max_batch);
+        let scheduler = Scheduler::start_with(Box::new(driver), limits);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -196,7 +212,7 @@ pub fn serve_driver(
             },
             api_key: std::env::var("INFER_API_KEY").ok(),
             access_log: access_log(),
-            scheduler: Router::local(Scheduler::start_with(Box::new(driver), max_batch)),
+            scheduler: Router::local(Scheduler::start_with(Box::new(driver), limits)),
         },
         &remotes,
         &token,

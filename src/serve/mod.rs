@@ -273,11 +273,27 @@ async fn metrics(Ready(state, _): Ready) -> Response {
             "counter",
             m.preemptions_total,
         ),
+        (
+            "infer_prefix_cache_queries_total",
+            "Prompt tokens of admitted sequences looked up in the prefix cache.",
+            "counter",
+            m.prefix_cache_queries_total,
+        ),
+        (
+            "infer_prefix_cache_hits_total",
+            "Prompt tokens whose KV blocks the prefix cache supplied.",
+            "counter",
+            m.prefix_cache_hits_total,
+        ),
     ];
     let mut text = format!(
         "# HELP infer_kv_cache_usage_ratio Fraction of the KV-cache blocks in use (0 to 1).\n# TYPE infer_kv_cache_usage_ratio gauge\ninfer_kv_cache_usage_ratio {}\n",
         m.kv_blocks_used as f64 / m.kv_blocks_total.max(1) as f64
     );
+    text.push_str(&format!(
+        "# HELP infer_prefix_cache_hit_rate Fraction of the looked-up prompt tokens found in the prefix cache (0 to 1).\n# TYPE infer_prefix_cache_hit_rate gauge\ninfer_prefix_cache_hit_rate {}\n",
+        m.prefix_cache_hits_total as f64 / m.prefix_cache_queries_total.max(1) as f64
+    ));
     for (name, help, kind, value) in series {
         text.push_str(&format!(
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
@@ -840,6 +856,8 @@ struct Choice {
     tokens: Vec<TokenOut>,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Prompt tokens the prefix cache supplied.
+    cached_tokens: usize,
     /// When its first token arrived.
     first_token_at: Option<Instant>,
 }
@@ -864,6 +882,7 @@ async fn collect(mut events: UnboundedReceiverStream<Event>) -> Result<Choice, A
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
             } => {
                 return Ok(Choice {
                     text,
@@ -871,6 +890,7 @@ async fn collect(mut events: UnboundedReceiverStream<Event>) -> Result<Choice, A
                     tokens,
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens,
                     first_token_at,
                 });
             }
@@ -923,15 +943,23 @@ async fn collect_each(
     Ok(choices)
 }
 
-/// OpenAI's usage: the prompt counted once, the completions of every choice summed.
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's usage: the prompt counted once, the completions of every choice summed, and
+/// the prompt tokens served from the prefix cache (`prompt_tokens_details.cached_tokens`:
+/// the most any choice found, as the prompt is counted once).
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
 }
 
 fn usage_of(choices: &[Choice]) -> Value {
     usage(
         choices.first().map_or(0, |c| c.prompt_tokens),
         choices.iter().map(|c| c.completion_tokens).sum(),
+        choices.iter().map(|c| c.cached_tokens).max().unwrap_or(0),
     )
 }
 
@@ -1021,7 +1049,7 @@ fn stream_choices(
                 return;
             }
         }
-        let (mut prompt, mut completion, mut done) = (0, 0, 0);
+        let (mut prompt, mut completion, mut cached, mut done) = (0, 0, 0, 0);
         let mut first_token_at = None;
         let cancelled = cancel.cancelled();
         tokio::pin!(cancelled);
@@ -1043,11 +1071,13 @@ fn stream_choices(
             if let Event::Done {
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
                 ..
             } = &event
             {
                 prompt = *prompt_tokens;
                 completion += completion_tokens;
+                cached = cached.max(*cached_tokens);
                 done += 1;
             }
             if let Some(value) = chunk(index, &event)
@@ -1073,7 +1103,9 @@ fn stream_choices(
             }
             if include_usage
                 && finished
-                && sender.send(usage_chunk(usage(prompt, completion))).is_err()
+                && sender
+                    .send(usage_chunk(usage(prompt, completion, cached)))
+                    .is_err()
             {
                 return;
             }

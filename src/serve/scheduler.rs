@@ -1,8 +1,9 @@
 //! Continuous batching on one engine: a dedicated thread owns the model; every step it
-//! admits waiting requests (up to `max_batch` running), runs one forward over all running
-//! sequences — new prompts (prefill) and one new token of each running sequence (decode)
-//! in the same batch — samples, and streams each sequence's new text to its requester.
-//! Finished or abandoned sequences leave the batch at once.
+//! admits waiting requests (up to `max_batch` running), runs one forward over the running
+//! sequences within a token budget — one new token of each decoding sequence first, then
+//! chunks of prompts (chunked prefill), new prompts starting after their longest cached
+//! prefix — samples, and streams each sequence's new text to its requester. Finished or
+//! abandoned sequences leave the batch at once.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +47,10 @@ pub enum Event {
         finish_reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Prompt tokens whose KV blocks came from the prefix cache (OpenAI's
+        /// `usage.prompt_tokens_details.cached_tokens`).
+        #[serde(default)]
+        cached_tokens: usize,
     },
     /// The engine failed on this request.
     Error(String),
@@ -65,6 +70,10 @@ pub struct Metrics {
     pub kv_blocks_total: AtomicU64,
     /// Sequences preempted (their KV blocks freed, recomputed later) because blocks ran out.
     pub preemptions_total: AtomicU64,
+    /// Tokens of admitted sequences looked up in the prefix cache, and those found there
+    /// (vLLM's `prefix_cache_queries` and `prefix_cache_hits`).
+    pub prefix_cache_queries_total: AtomicU64,
+    pub prefix_cache_hits_total: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
 }
@@ -159,6 +168,10 @@ pub struct MetricsSnapshot {
     pub kv_blocks_used: u64,
     pub kv_blocks_total: u64,
     pub preemptions_total: u64,
+    #[serde(default)]
+    pub prefix_cache_queries_total: u64,
+    #[serde(default)]
+    pub prefix_cache_hits_total: u64,
     pub ttft: HistogramSnapshot,
     pub tpot: HistogramSnapshot,
 }
@@ -175,6 +188,8 @@ impl MetricsSnapshot {
         self.kv_blocks_used += other.kv_blocks_used;
         self.kv_blocks_total += other.kv_blocks_total;
         self.preemptions_total += other.preemptions_total;
+        self.prefix_cache_queries_total += other.prefix_cache_queries_total;
+        self.prefix_cache_hits_total += other.prefix_cache_hits_total;
         self.ttft.add(&other.ttft);
         self.tpot.add(&other.tpot);
     }
@@ -194,6 +209,8 @@ impl Metrics {
             kv_blocks_used: load(&self.kv_blocks_used),
             kv_blocks_total: load(&self.kv_blocks_total),
             preemptions_total: load(&self.preemptions_total),
+            prefix_cache_queries_total: load(&self.prefix_cache_queries_total),
+            prefix_cache_hits_total: load(&self.prefix_cache_hits_total),
             ttft: self.ttft.snapshot(),
             tpot: self.tpot.snapshot(),
         }
@@ -209,22 +226,47 @@ pub struct Scheduler {
     pub failure: tokio::sync::watch::Receiver<Option<String>>,
 }
 
+/// How much one step may run (vLLM's `--max-num-seqs` and `--max-num-batched-tokens`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Most sequences running at once; later requests wait, in arrival order.
+    pub max_batch: usize,
+    /// Most tokens one step computes: one per decoding sequence plus chunks of prompts.
+    /// A longer prompt is prefilled over several steps, so it never stalls the decodes
+    /// for long. At least `max_batch` (raised to it).
+    pub max_batched_tokens: usize,
+}
+
+/// `--max-num-batched-tokens`' default: a step of 512 tokens, sized for a CPU replica.
+/// SmolLM2-135M prefills 512 tokens on 2 cores in roughly the time of a few decode steps
+/// of 16 sequences (`infer bench serve` shows the trade); vLLM uses 2048 and more on GPUs.
+pub const DEFAULT_MAX_BATCHED_TOKENS: usize = 512;
+
+impl Limits {
+    /// `max_batch` sequences and the default token budget.
+    pub fn with_max_batch(max_batch: usize) -> Limits {
+        Limits {
+            max_batch,
+            max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS.max(max_batch),
+        }
+    }
+}
+
 impl Scheduler {
-    /// Starts the scheduling thread, which owns `engine`, with at most `max_batch`
-    /// sequences running at once (others wait, in arrival order).
-    pub fn start(engine: Engine, max_batch: usize) -> Scheduler {
-        Scheduler::spawn(max_batch, move |run| run(&mut LocalExecutor::new(&engine)))
+    /// Starts the scheduling thread, which owns `engine`, within `limits`.
+    pub fn start(engine: Engine, limits: Limits) -> Scheduler {
+        Scheduler::spawn(limits, move |run| run(&mut LocalExecutor::new(&engine)))
     }
 
     /// Starts the scheduling thread over `executor` (a replica's driver).
-    pub fn start_with(executor: Box<dyn Executor + 'static>, max_batch: usize) -> Scheduler {
+    pub fn start_with(executor: Box<dyn Executor + 'static>, limits: Limits) -> Scheduler {
         let mut executor = executor;
-        Scheduler::spawn(max_batch, move |run| run(executor.as_mut()))
+        Scheduler::spawn(limits, move |run| run(executor.as_mut()))
     }
 
     /// Spawns the thread; `with_executor` makes the executor inside it and calls the loop.
     fn spawn(
-        max_batch: usize,
+        limits: Limits,
         with_executor: impl FnOnce(&mut dyn FnMut(&mut dyn Executor) -> Result<()>) -> Result<()>
         + Send
         + 'static,
@@ -237,7 +279,7 @@ impl Scheduler {
             .name("scheduler".into())
             .spawn(move || {
                 let result = with_executor(&mut |executor| {
-                    run(executor, &receiver, max_batch.max(1), &thread_metrics)
+                    run(executor, &receiver, limits, &thread_metrics)
                 });
                 if let Err(error) = result {
                     let _ = failed.send(Some(format!("{error:#}")));
@@ -270,11 +312,14 @@ struct Running {
     request: Request,
     /// Whether the executor has no state for this sequence (new, or preempted since).
     new: bool,
-    /// Tokens to feed at the next step (the prompt, then the last sampled token; after a
-    /// preemption, the prompt and every token generated so far).
+    /// Tokens not yet run: the prompt (or what is left of it after the chunks run so far),
+    /// then the last sampled token; after a preemption, the prompt and every token
+    /// generated so far.
     pending: Vec<u32>,
     /// Positions the executor holds in this sequence's KV cache.
     cached_tokens: usize,
+    /// Prompt tokens the prefix cache supplied on the sequence's first admission.
+    prefix_hit_tokens: Option<usize>,
     generated: Vec<u32>,
     stream: TextStream,
     text: String,
@@ -283,45 +328,61 @@ struct Running {
 }
 
 impl Running {
-    /// KV blocks this sequence holds now, and will hold after its next step.
-    fn blocks(&self) -> (usize, usize) {
-        (
-            blocks_for(self.cached_tokens),
-            blocks_for(self.cached_tokens + self.pending.len()),
-        )
-    }
-
     /// Drops the executor's state: the sequence will start over from its prompt and the
-    /// tokens generated so far (recomputation, as vLLM preempts by default).
+    /// tokens generated so far (recomputation, as vLLM preempts by default; blocks still in
+    /// the prefix cache are adopted, not recomputed).
     fn preempt(&mut self) {
         self.new = true;
         self.cached_tokens = 0;
         self.pending = self.request.prompt_tokens.clone();
         self.pending.extend(&self.generated);
     }
+
+    /// KV blocks the next `chunk` pending tokens add to what the sequence holds.
+    fn growth(&self, chunk: usize) -> usize {
+        blocks_for(self.cached_tokens + chunk) - blocks_for(self.cached_tokens)
+    }
+}
+
+/// What one sequence runs in a step.
+struct Planned {
+    /// Index into the running sequences.
+    index: usize,
+    /// Leading pending tokens adopted from the prefix cache (first step only).
+    prefix: usize,
+    /// Pending tokens computed after the prefix.
+    chunk: usize,
 }
 
 /// The scheduling loop. Returns when every [`Scheduler`] handle is gone, or with the error
 /// of an executor whose errors are fatal.
 ///
-/// Each step it plans KV blocks from the executor's pool: the running sequences' growth
-/// first, preempting the most recently admitted ones (their blocks freed, themselves put
-/// back at the head of the queue) while that does not fit; then admits waiting sequences in
-/// arrival order while their blocks fit and the batch has room. A request is never dropped;
-/// only a sequence that cannot grow even alone finishes early with `length`.
+/// Each step spends a budget of `limits.max_batched_tokens` tokens as vLLM's chunked
+/// prefill does: first one token per decoding sequence, then chunks of the prompts in
+/// progress (oldest first), then new sequences in arrival order while blocks, batch room
+/// and budget last — a new sequence's prompt starts after the longest prefix the pool's
+/// prefix cache holds, and only its last chunk samples a token. KV blocks are planned from
+/// the executor's pool: the running sequences' growth first, preempting the most recently
+/// admitted ones (their blocks released at once, themselves put back at the head of the
+/// queue) while that does not fit. A request is never dropped; only a sequence that cannot
+/// grow even alone finishes early with `length`.
 fn run(
     executor: &mut dyn Executor,
     receiver: &mpsc::Receiver<Request>,
-    max_batch: usize,
+    limits: Limits,
     metrics: &Metrics,
 ) -> Result<()> {
     let mut running: Vec<Running> = Vec::new();
     let mut waiting: VecDeque<Running> = VecDeque::new();
-    // Sequences to drop at the next step, with the blocks they hold.
-    let mut release: Vec<(u64, usize)> = Vec::new();
+    // Sequences to drop at the next step.
+    let mut release: Vec<u64> = Vec::new();
     let mut next_seq = 0u64;
     let max_context = executor.max_context_tokens();
     let pool = Arc::clone(executor.kv_pool());
+    let (max_batch, budget) = (
+        limits.max_batch.max(1),
+        limits.max_batched_tokens.max(limits.max_batch).max(1),
+    );
     metrics
         .kv_blocks_total
         .store(pool.capacity_blocks() as u64, Ordering::SeqCst);
@@ -332,6 +393,7 @@ fn run(
             new: true,
             pending: request.prompt_tokens.clone(),
             cached_tokens: 0,
+            prefix_hit_tokens: None,
             generated: Vec::new(),
             stream: TextStream::default(),
             text: String::new(),
@@ -340,19 +402,19 @@ fn run(
             request,
         }
     };
+    let store_kv_metrics = || {
+        let used = pool.used_blocks();
+        metrics
+            .kv_cache_bytes
+            .store((used * pool.block_bytes()) as u64, Ordering::SeqCst);
+        metrics.kv_blocks_used.store(used as u64, Ordering::SeqCst);
+    };
     loop {
         // Wait when idle (telling the executor we are alive), then take what has arrived.
         while running.is_empty() && waiting.is_empty() {
             if !release.is_empty() {
-                let seqs: Vec<u64> = release.drain(..).map(|(seq, _)| seq).collect();
-                executor.step(&[], &seqs)?;
-                metrics
-                    .kv_blocks_used
-                    .store(pool.used_blocks() as u64, Ordering::SeqCst);
-                metrics.kv_cache_bytes.store(
-                    (pool.used_blocks() * pool.block_bytes()) as u64,
-                    Ordering::SeqCst,
-                );
+                executor.step(&[], &std::mem::take(&mut release))?;
+                store_kv_metrics();
             }
             match receiver.recv_timeout(Duration::from_secs(1)) {
                 Ok(request) => waiting.push_back(receive(request)),
@@ -364,19 +426,32 @@ fn run(
             waiting.push_back(receive(request));
         }
 
-        // Plan the blocks of this step.
-        let mut free = pool.free_blocks() + release.iter().map(|(_, b)| b).sum::<usize>();
-        let growth = |r: &Running| {
-            let (now, after) = r.blocks();
-            after - now
-        };
-        let mut needed: usize = running.iter().map(growth).sum();
+        // The running sequences' share of the budget: decodes, then prompt chunks.
+        let mut chunks: Vec<usize> = running
+            .iter()
+            .map(|r| usize::from(r.pending.len() == 1))
+            .collect();
+        let mut left = budget - chunks.iter().sum::<usize>();
+        for (chunk, r) in chunks.iter_mut().zip(&running) {
+            if r.pending.len() > 1 {
+                *chunk = r.pending.len().min(left);
+                left -= *chunk;
+            }
+        }
+        // Their blocks, preempting while short. The pool's counts are exact once the
+        // finished sequences' blocks are back (shared prefix blocks stay with their users).
+        if !release.is_empty() {
+            executor.step(&[], &std::mem::take(&mut release))?;
+        }
+        let mut needed: usize = running.iter().zip(&chunks).map(|(r, &c)| r.growth(c)).sum();
+        let mut free = pool.free_blocks();
         while needed > free && running.len() > 1 {
             let mut victim = running.pop().expect("more than one running");
-            needed -= growth(&victim);
-            let held = victim.blocks().0;
-            free += held;
-            release.push((victim.seq, held));
+            let chunk = chunks.pop().expect("one chunk per running sequence");
+            needed -= victim.growth(chunk);
+            left += chunk;
+            executor.step(&[], &[victim.seq])?;
+            free = pool.free_blocks();
             victim.preempt();
             metrics.preemptions_total.fetch_add(1, Ordering::SeqCst);
             metrics.waiting.fetch_add(1, Ordering::SeqCst);
@@ -385,68 +460,106 @@ fn run(
         if needed > free {
             // One sequence alone has filled the pool: it cannot grow.
             let mut alone = running.pop().expect("one running");
-            release.push((alone.seq, alone.blocks().0));
+            release.push(alone.seq);
             finish(&mut alone, FinishReason::Length);
             continue;
         }
         free -= needed;
-        while running.len() < max_batch {
+        let mut plan: Vec<Planned> = chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, chunk)| **chunk > 0)
+            .map(|(index, &chunk)| Planned {
+                index,
+                prefix: 0,
+                chunk,
+            })
+            .collect();
+
+        // Admit waiting sequences while batch room, budget and blocks last.
+        while running.len() < max_batch && left > 0 {
             let Some(candidate) = waiting.front() else {
                 break;
             };
-            let blocks = candidate.blocks().1;
-            if blocks > pool.capacity_blocks() {
+            let total = candidate.pending.len();
+            if blocks_for(total) > pool.capacity_blocks() {
                 let hopeless = waiting.pop_front().expect("front exists");
                 metrics.waiting.fetch_sub(1, Ordering::SeqCst);
                 let _ = hopeless.request.events.send(Event::Error(format!(
-                    "the prompt needs {blocks} KV blocks; the cache holds {}",
+                    "the prompt needs {} KV blocks; the cache holds {}",
+                    blocks_for(total),
                     pool.capacity_blocks()
                 )));
                 continue;
             }
+            // The last pending token is always computed: its logits give the next token.
+            let hit = pool.cached_prefix(
+                &candidate.pending[..total - 1],
+                candidate.request.prompt_tokens.len(),
+            );
+            let chunk = (total - hit.tokens).min(left);
+            let blocks = blocks_for(hit.tokens + chunk) - hit.held_blocks;
             if blocks > free {
                 break;
             }
             free -= blocks;
-            let admitted = waiting.pop_front().expect("front exists");
+            left -= chunk;
+            let mut admitted = waiting.pop_front().expect("front exists");
             metrics.waiting.fetch_sub(1, Ordering::SeqCst);
-            if admitted.generated.is_empty() {
+            if pool.prefix_cache() {
+                metrics
+                    .prefix_cache_queries_total
+                    .fetch_add(total as u64, Ordering::SeqCst);
+                metrics
+                    .prefix_cache_hits_total
+                    .fetch_add(hit.tokens as u64, Ordering::SeqCst);
+            }
+            if admitted.prefix_hit_tokens.is_none() {
+                admitted.prefix_hit_tokens = Some(hit.tokens);
                 metrics.prompt_tokens_total.fetch_add(
                     admitted.request.prompt_tokens.len() as u64,
                     Ordering::SeqCst,
                 );
             }
+            plan.push(Planned {
+                index: running.len(),
+                prefix: hit.tokens,
+                chunk,
+            });
             running.push(admitted);
         }
         metrics
             .running
             .store(running.len() as u64, Ordering::SeqCst);
-        if running.is_empty() {
-            // Nothing fits until released blocks come back.
-            let seqs: Vec<u64> = release.drain(..).map(|(seq, _)| seq).collect();
-            executor.step(&[], &seqs)?;
+        if plan.is_empty() {
+            // Nothing fits: every running sequence was preempted or finished.
             continue;
         }
 
-        let entries: Vec<StepEntry> = running
-            .iter_mut()
-            .map(|r| {
-                r.cached_tokens += r.pending.len();
+        let entries: Vec<StepEntry> = plan
+            .iter()
+            .map(|p| {
+                let r = &mut running[p.index];
+                let prefix_tokens: Vec<u32> = r.pending.drain(..p.prefix).collect();
+                let tokens: Vec<u32> = r.pending.drain(..p.chunk).collect();
+                r.cached_tokens += p.prefix + p.chunk;
                 StepEntry {
                     seq: r.seq,
-                    tokens: std::mem::take(&mut r.pending),
+                    tokens,
                     params: std::mem::take(&mut r.new).then(|| r.request.params.clone()),
                     sampled_before: r.generated.len(),
+                    prompt_tokens: r.request.prompt_tokens.len(),
+                    prefix_tokens,
+                    sample: r.pending.is_empty(),
                 }
             })
             .collect();
-        let seqs: Vec<u64> = release.drain(..).map(|(seq, _)| seq).collect();
-        let sampled = match executor.step(&entries, &seqs) {
+        let sampled = match executor.step(&entries, &[]) {
             Ok(sampled) => sampled,
             Err(error) => {
                 for r in running.drain(..) {
                     let _ = r.request.events.send(Event::Error(format!("{error:#}")));
-                    release.push((r.seq, 0));
+                    release.push(r.seq);
                 }
                 if executor.errors_are_fatal() {
                     return Err(error);
@@ -456,7 +569,11 @@ fn run(
         };
         let now = Instant::now();
         let mut finished = Vec::new();
-        for (index, (r, sampled)) in running.iter_mut().zip(&sampled).enumerate() {
+        for (p, sampled) in plan.iter().zip(&sampled) {
+            let Some(sampled) = sampled else {
+                continue;
+            };
+            let (index, r) = (p.index, &mut running[p.index]);
             let token = sampled.token;
             if r.first_token_at.is_none() {
                 r.first_token_at = Some(now);
@@ -525,15 +642,18 @@ fn run(
                 r.pending = vec![token];
             }
         }
+        // A request whose client went away while its prompt was still running goes too.
+        for (index, r) in running.iter().enumerate() {
+            if r.request.events.is_closed() && !finished.contains(&index) {
+                finished.push(index);
+            }
+        }
+        finished.sort_unstable();
         for index in finished.into_iter().rev() {
             let done = running.remove(index);
-            release.push((done.seq, done.blocks().0));
+            release.push(done.seq);
         }
-        let used = pool.used_blocks();
-        metrics
-            .kv_cache_bytes
-            .store((used * pool.block_bytes()) as u64, Ordering::SeqCst);
-        metrics.kv_blocks_used.store(used as u64, Ordering::SeqCst);
+        store_kv_metrics();
         metrics
             .running
             .store(running.len() as u64, Ordering::SeqCst);
@@ -546,6 +666,7 @@ fn finish(sequence: &mut Running, reason: FinishReason) {
         finish_reason: reason,
         prompt_tokens: sequence.request.prompt_tokens.len(),
         completion_tokens: sequence.generated.len(),
+        cached_tokens: sequence.prefix_hit_tokens.unwrap_or(0),
     });
 }
 

@@ -15,6 +15,7 @@ mod kernels;
 mod model;
 mod plan;
 mod readme;
+mod scheduling;
 pub mod serve;
 mod sharding;
 mod synthetic;

@@ -229,7 +229,8 @@ fn completions_match_generate_and_report_usage(layout: &[&str]) {
     assert_eq!(body["choices"][0]["text"], generate["text"]);
     assert_eq!(
         body["usage"],
-        json!({"prompt_tokens": 14, "completion_tokens": 16, "total_tokens": 30})
+        json!({"prompt_tokens": 14, "completion_tokens": 16, "total_tokens": 30,
+               "prompt_tokens_details": {"cached_tokens": 0}})
     );
     assert_eq!(body["choices"][0]["finish_reason"], "length");
     assert_eq!(

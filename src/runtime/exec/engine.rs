@@ -10,7 +10,7 @@ use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::cpu::team::Team;
 use std::collections::HashMap;
 
-use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, sample};
+use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, first_step_cache, sample};
 pub use crate::runtime::exec::executor::{FinishReason, Generation, Timings};
 use crate::runtime::exec::kv::KvPool;
 use crate::runtime::formats::gguf::GgufFile;
@@ -132,7 +132,7 @@ impl<'e> LocalExecutor<'e> {
 }
 
 impl Executor for LocalExecutor<'_> {
-    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
         for seq in release {
             self.sequences.remove(seq);
         }
@@ -145,8 +145,7 @@ impl Executor for LocalExecutor<'_> {
             if let Some(params) = &entry.params {
                 let mut sampler = Sampler::new(params);
                 sampler.skip(entry.sampled_before);
-                let mut cache = engine.model.new_cache();
-                cache.prompt_tokens = Some(entry.tokens.len().saturating_sub(entry.sampled_before));
+                let cache = first_step_cache(engine.model.kv_pool(), entry)?;
                 sequences.insert(entry.seq, (cache, sampler));
             } else if !sequences.contains_key(&entry.seq) {
                 bail!("sequence {} is unknown to the engine", entry.seq);
@@ -174,7 +173,10 @@ impl Executor for LocalExecutor<'_> {
                 states
                     .iter_mut()
                     .zip(&logits)
-                    .map(|((_, sampler), logits)| sample(sampler, logits))
+                    .zip(entries)
+                    .map(|(((_, sampler), logits), entry)| {
+                        entry.sample.then(|| sample(sampler, logits))
+                    })
                     .collect()
             });
             for (entry, state) in entries.iter().zip(states) {

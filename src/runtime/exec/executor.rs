@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Result, anyhow};
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::exec::kv::KvPool;
+use crate::runtime::exec::kv::{KvCache, KvPool};
 use crate::runtime::model::sampling::{Sampler, SamplingParams, logprob};
 use crate::runtime::model::tokenizer::{TextStream, Tokenizer};
 
@@ -54,15 +54,57 @@ pub struct Timings {
 pub struct StepEntry {
     /// The sequence's id, unique while it is alive.
     pub seq: u64,
-    /// New tokens appended after the positions already cached.
+    /// New tokens appended after the positions already cached: a prompt or a chunk of it,
+    /// or the last sampled token.
     pub tokens: Vec<u32>,
     /// Set on the sequence's first step: a fresh KV cache and sampler are made for it.
     pub params: Option<SamplingParams>,
     /// With `params`: tokens this sequence sampled before it was preempted (its prompt and
-    /// those tokens are `tokens` now). The new sampler skips their random draws, so seeded
-    /// sampling continues exactly as if the sequence had never been preempted.
+    /// those tokens are `prefix_tokens` and `tokens` now). The new sampler skips their
+    /// random draws, so seeded sampling continues exactly as if the sequence had never been
+    /// preempted.
     #[serde(default)]
     pub sampled_before: usize,
+    /// With `params`: the length of the sequence's prompt, tokens (positions past it were
+    /// generated). It decides the order each position's attention sums in, so a prompt run
+    /// in chunks, partly from the prefix cache or recomputed after preemption gives the
+    /// bits of one whole prefill ([`crate::runtime::exec::kv::KvCache::prompt_tokens`]).
+    pub prompt_tokens: usize,
+    /// With `params`: the sequence's first tokens, whose KV blocks come from the pool's
+    /// prefix cache instead of being computed (whole blocks; `tokens` follow them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prefix_tokens: Vec<u32>,
+    /// Whether to sample a token after this step. `false` for a chunk of a prompt that
+    /// continues next step: no token, and the sampler's random stream is untouched.
+    pub sample: bool,
+}
+
+impl StepEntry {
+    /// A sequence's first step: its whole `prompt` at once, sampled after.
+    pub fn prompt(seq: u64, prompt: &[u32], params: &SamplingParams) -> StepEntry {
+        StepEntry {
+            seq,
+            tokens: prompt.to_vec(),
+            params: Some(params.clone()),
+            sampled_before: 0,
+            prompt_tokens: prompt.len(),
+            prefix_tokens: Vec::new(),
+            sample: true,
+        }
+    }
+
+    /// A decode step: the token sampled last, sampled after.
+    pub fn decode(seq: u64, token: u32) -> StepEntry {
+        StepEntry {
+            seq,
+            tokens: vec![token],
+            params: None,
+            sampled_before: 0,
+            prompt_tokens: 0,
+            prefix_tokens: Vec::new(),
+            sample: true,
+        }
+    }
 }
 
 /// The token sampled for one sequence, with its log-probability (nats).
@@ -79,12 +121,13 @@ pub struct Sampled {
 
 /// Runs steps of a batch of sequences.
 pub trait Executor: Send {
-    /// Drops the state of the sequences in `release`, then runs `entries` (prefills and
-    /// decodes together) and returns one [`Sampled`] per entry, in order.
+    /// Drops the state of the sequences in `release`, then runs `entries` (prefills, chunks
+    /// of prompts and decodes together) and returns, per entry in order, the token sampled
+    /// after it (`None` where the entry's `sample` is false).
     ///
     /// Errors: an entry for an unknown sequence without `params`, a sequence past the
-    /// context, a failed forward pass or collective.
-    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>>;
+    /// context, a prefix the pool does not cache, a failed forward pass or collective.
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>>;
 
     /// Called while there is nothing to run (at least once a second), so that a replica's
     /// other ranks know the driver is alive. Errors: a lost peer.
@@ -107,6 +150,17 @@ pub trait Executor: Send {
     /// The KV block pool of the driver's own shard. Every rank of a replica has one of the
     /// same capacity holding the same sequences, so its counts speak for the replica.
     fn kv_pool(&self) -> &Arc<KvPool>;
+}
+
+/// The KV cache of a sequence's first step (`entry.params` set), drawing from `pool`: its
+/// prompt length fixed and its cached prefix adopted.
+///
+/// Errors: a prefix the pool does not cache (see [`KvCache::adopt_prefix`]).
+pub fn first_step_cache(pool: &Arc<KvPool>, entry: &StepEntry) -> Result<KvCache> {
+    let mut cache = pool.new_cache();
+    cache.prompt_tokens = Some(entry.prompt_tokens);
+    cache.adopt_prefix(&entry.prefix_tokens)?;
+    Ok(cache)
 }
 
 /// Samples the next token from `logits` (`(vocab_size)`) with its log-probability.
@@ -150,17 +204,13 @@ pub fn generate(
     let mut tokens = Vec::new();
     let mut text = String::new();
     let mut finish_reason = FinishReason::Length;
-    let mut entry = StepEntry {
-        seq: SEQ,
-        tokens: prompt_tokens.to_vec(),
-        params: Some(params.clone()),
-        sampled_before: 0,
-    };
+    let mut entry = StepEntry::prompt(SEQ, prompt_tokens, params);
     let mut stream = TextStream::default();
     while tokens.len() < params.max_tokens {
         let sampled = executor.step(std::slice::from_ref(&entry), &[])?;
         let next = sampled
             .first()
+            .and_then(Option::as_ref)
             .ok_or_else(|| anyhow!("the executor returned no token"))?
             .token;
         first_token_at.get_or_insert_with(Instant::now);
@@ -190,12 +240,7 @@ pub fn generate(
         if prompt_tokens.len() + tokens.len() >= max_context {
             break;
         }
-        entry = StepEntry {
-            seq: SEQ,
-            tokens: vec![next],
-            params: None,
-            sampled_before: 0,
-        };
+        entry = StepEntry::decode(SEQ, next);
     }
     executor.step(&[], &[SEQ])?;
     let end = Instant::now();

@@ -631,7 +631,7 @@ where
     B::Buffer: Send,
     B::Matrix: Send,
 {
-    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
         for seq in release {
             if let Some((mut sequence, _, _)) = self.sequences.remove(seq) {
                 self.model.release(&mut sequence);
@@ -642,6 +642,10 @@ where
         }
         for entry in entries {
             if let Some(params) = &entry.params {
+                if !entry.prefix_tokens.is_empty() {
+                    // The ledger pool never turns its prefix cache on.
+                    bail!("the device KV cache has no prefix cache");
+                }
                 let mut sampler = Sampler::new(params);
                 sampler.skip(entry.sampled_before);
                 if let Some((mut old, _, _)) = self.sequences.remove(&entry.seq) {
@@ -677,7 +681,10 @@ where
             states
                 .iter_mut()
                 .zip(&logits)
-                .map(|((_, _, sampler), logits)| sample(sampler, logits))
+                .zip(entries)
+                .map(|(((_, _, sampler), logits), entry)| {
+                    entry.sample.then(|| sample(sampler, logits))
+                })
                 .collect()
         });
         for (entry, state) in entries.iter().zip(states) {

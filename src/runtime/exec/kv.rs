@@ -4,10 +4,22 @@
 //! `p / BLOCK_TOKENS` at slot `p % BLOCK_TOKENS`, so no sequence needs contiguous memory and
 //! a finished sequence's blocks go straight back to the pool for the next one.
 //!
+//! **Prefix caching** (vLLM's automatic prefix caching): when the pool's prefix cache is on,
+//! every full block is content-addressed — its key hashes its parent block's key, its
+//! tokens, and how many of its positions were computed in prompt (prefill) order, the one
+//! thing besides the tokens that changes the bits of a position's keys and values
+//! ([`crate::runtime::model::llama::Llama::forward_stage`]). A new sequence adopts the longest chain of
+//! cached blocks that starts its tokens ([`KvCache::adopt_prefix`]) and computes only the
+//! rest; since those blocks hold exactly the bits its own prefill would have produced, the
+//! output is the same bit for bit. Blocks nobody holds stay cached and are evicted least
+//! recently used first (a chain's tail before its head) when the pool needs memory.
+//!
 //! Every rank of a replica has a pool of the same capacity and sees the same sequence of
 //! allocations (the driver's steps), so the driver's pool speaks for all of them: the
-//! scheduler plans admissions and preemptions from it alone.
+//! scheduler plans admissions, preemptions and prefix hits from it alone.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Result, bail};
@@ -40,6 +52,13 @@ impl std::fmt::Display for KvExhausted {
 
 impl std::error::Error for KvExhausted {}
 
+/// One block's memory: `(n_layers, 2, n_kv_heads, BLOCK_TOKENS, head_dim)` f16. Shared
+/// (read-only) while it is in the prefix cache; written only while one cache owns it alone.
+type Block = Arc<[f16]>;
+
+/// The key of the chain's first block's parent.
+const ROOT_KEY: u64 = 0xcbf2_9ce4_8422_2325;
+
 /// A pool of KV blocks for one model shard. One block holds, for every layer, the keys and
 /// then the values of [`BLOCK_TOKENS`] positions, head by head:
 /// `(n_layers, 2, n_kv_heads, BLOCK_TOKENS, head_dim)` f16 (llama.cpp's default cache type),
@@ -50,14 +69,47 @@ pub struct KvPool {
     head_dim: usize,
     /// Most blocks alive at once; `usize::MAX` for an unbounded pool.
     capacity_blocks: usize,
+    /// Whether full blocks are registered in (and adopted from) the prefix cache.
+    prefix_cache: AtomicBool,
     state: Mutex<PoolState>,
 }
 
 #[derive(Default)]
 struct PoolState {
-    /// Blocks returned by finished sequences, reused before new memory is touched.
-    free: Vec<Box<[f16]>>,
-    in_use: usize,
+    /// Memory of blocks nobody holds and nothing caches, reused before new memory is touched.
+    free: Vec<Block>,
+    /// Distinct blocks held by live caches.
+    referenced: usize,
+    /// Blocks with memory: held, cached, or in `free`.
+    allocated: usize,
+    /// The prefix cache: full blocks by key.
+    cached: HashMap<u64, CachedBlock>,
+    /// Ticks of the LRU order.
+    clock: u64,
+    /// Cached blocks evicted so far.
+    evictions: u64,
+}
+
+/// A block in the prefix cache: its memory and what its key was made of (compared on every
+/// hit, so a hash collision can never hand out another prefix's keys and values).
+struct CachedBlock {
+    block: Block,
+    parent: u64,
+    tokens: [u32; BLOCK_TOKENS],
+    prefill_positions: usize,
+    /// Live caches holding it.
+    users: usize,
+    /// When its last user let go (the LRU order).
+    last_used: u64,
+}
+
+/// The longest cached prefix of a token sequence ([`KvPool::cached_prefix`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixHit {
+    /// Tokens covered by cached blocks (a multiple of [`BLOCK_TOKENS`]).
+    pub tokens: usize,
+    /// How many of those blocks live caches hold already: adopting them takes no capacity.
+    pub held_blocks: usize,
 }
 
 impl std::fmt::Debug for KvPool {
@@ -71,10 +123,42 @@ impl std::fmt::Debug for KvPool {
     }
 }
 
+/// Positions of block `index` computed in prompt order for a sequence whose prompt has
+/// `prompt_tokens` tokens: a one-token prompt runs in decode order, like every generated
+/// token ([`crate::runtime::model::llama::Llama::forward_stage`]).
+fn prefill_positions(prompt_tokens: usize, index: usize) -> usize {
+    if prompt_tokens <= 1 {
+        0
+    } else {
+        prompt_tokens
+            .saturating_sub(index * BLOCK_TOKENS)
+            .min(BLOCK_TOKENS)
+    }
+}
+
+/// A full block's key: FNV-1a (64-bit) over its parent's key, its prompt-order positions
+/// and its tokens, the chained hash vLLM's prefix cache uses (with FNV instead of SHA-256:
+/// hits compare the content too).
+fn block_key(parent: u64, prefill_positions: usize, tokens: &[u32]) -> u64 {
+    let mut hash = ROOT_KEY;
+    let mut eat = |bytes: &[u8]| {
+        for &byte in bytes {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    eat(&parent.to_le_bytes());
+    eat(&(prefill_positions as u64).to_le_bytes());
+    for token in tokens {
+        eat(&token.to_le_bytes());
+    }
+    hash
+}
+
 impl KvPool {
     /// A pool for `n_layers` layers of `n_kv_heads` heads (this shard's) of `head_dim`, with
     /// room for `capacity_tokens` positions (rounded down to whole blocks; `None`: no limit).
-    /// Memory is taken as blocks are first used, not up front.
+    /// Memory is taken as blocks are first used, not up front. The prefix cache starts off.
     pub fn new(
         n_layers: usize,
         n_kv_heads: usize,
@@ -86,6 +170,7 @@ impl KvPool {
             n_kv_heads,
             head_dim,
             capacity_blocks: capacity_tokens.map_or(usize::MAX, |t| t / BLOCK_TOKENS),
+            prefix_cache: AtomicBool::new(false),
             state: Mutex::new(PoolState::default()),
         })
     }
@@ -95,9 +180,25 @@ impl KvPool {
         KvCache {
             pool: Arc::clone(self),
             blocks: Vec::new(),
+            keys: Vec::new(),
+            chain: Vec::new(),
+            tokens: Vec::new(),
             n_tokens: 0,
             prompt_tokens: None,
         }
+    }
+
+    /// Turns the prefix cache on or off for blocks filled from now on. Only a bounded pool
+    /// caches (an unbounded one would never evict); returns whether the cache is on.
+    pub fn set_prefix_cache(&self, enabled: bool) -> bool {
+        let on = enabled && self.capacity_blocks != usize::MAX;
+        self.prefix_cache.store(on, Ordering::SeqCst);
+        on
+    }
+
+    /// Whether full blocks are cached for reuse.
+    pub fn prefix_cache(&self) -> bool {
+        self.prefix_cache.load(Ordering::SeqCst)
     }
 
     /// Capacity in blocks (`usize::MAX` when unbounded).
@@ -105,14 +206,25 @@ impl KvPool {
         self.capacity_blocks
     }
 
-    /// Blocks held by live caches.
+    /// Blocks held by live caches (a block several caches share counts once).
     pub fn used_blocks(&self) -> usize {
-        self.lock().in_use
+        self.lock().referenced
     }
 
-    /// Blocks that can still be handed out.
+    /// Blocks that can still be handed out (cached blocks nobody holds are evicted on demand,
+    /// so they count as free).
     pub fn free_blocks(&self) -> usize {
         self.capacity_blocks.saturating_sub(self.used_blocks())
+    }
+
+    /// Blocks in the prefix cache, held or not.
+    pub fn cached_blocks(&self) -> usize {
+        self.lock().cached.len()
+    }
+
+    /// Cached blocks evicted so far to make room.
+    pub fn evictions(&self) -> u64 {
+        self.lock().evictions
     }
 
     /// Bytes of one block.
@@ -129,40 +241,88 @@ impl KvPool {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn take(&self) -> Result<Box<[f16]>, KvExhausted> {
+    /// The longest chain of cached full blocks that starts `tokens`, for a sequence whose
+    /// prompt has `prompt_tokens` tokens (the blocks must have been computed in the order
+    /// this sequence's own prefill would use). Changes nothing; a miss when the cache is off.
+    pub fn cached_prefix(&self, tokens: &[u32], prompt_tokens: usize) -> PrefixHit {
+        let mut hit = PrefixHit::default();
+        if !self.prefix_cache() {
+            return hit;
+        }
+        let state = self.lock();
+        let mut parent = ROOT_KEY;
+        for (index, block_tokens) in tokens.chunks_exact(BLOCK_TOKENS).enumerate() {
+            let prefill = prefill_positions(prompt_tokens, index);
+            let key = block_key(parent, prefill, block_tokens);
+            match state.cached.get(&key) {
+                Some(cached) if cached.matches(parent, prefill, block_tokens) => {
+                    hit.tokens += BLOCK_TOKENS;
+                    hit.held_blocks += usize::from(cached.users > 0);
+                    parent = key;
+                }
+                _ => break,
+            }
+        }
+        hit
+    }
+
+    /// A block for a cache: free memory, new memory while under capacity, else the least
+    /// recently used cached block nobody holds.
+    fn take(&self) -> Result<Block, KvExhausted> {
         let mut state = self.lock();
-        if state.in_use >= self.capacity_blocks {
+        if state.referenced >= self.capacity_blocks {
             return Err(KvExhausted {
                 capacity_blocks: self.capacity_blocks,
             });
         }
-        state.in_use += 1;
-        Ok(state
-            .free
-            .pop()
-            .unwrap_or_else(|| vec![f16::ZERO; self.block_elements()].into_boxed_slice()))
+        state.referenced += 1;
+        if let Some(block) = state.free.pop() {
+            return Ok(block);
+        }
+        if state.allocated >= self.capacity_blocks {
+            let victim = state
+                .cached
+                .iter()
+                .filter(|(_, c)| c.users == 0)
+                .min_by_key(|(_, c)| c.last_used)
+                .map(|(key, _)| *key);
+            if let Some(cached) = victim.and_then(|key| state.cached.remove(&key)) {
+                state.evictions += 1;
+                return Ok(cached.block);
+            }
+        }
+        state.allocated += 1;
+        Ok(vec![f16::ZERO; self.block_elements()].into())
     }
+}
 
-    fn give_back(&self, blocks: Vec<Box<[f16]>>) {
-        let mut state = self.lock();
-        state.in_use -= blocks.len();
-        state.free.extend(blocks);
+impl CachedBlock {
+    fn matches(&self, parent: u64, prefill_positions: usize, tokens: &[u32]) -> bool {
+        self.parent == parent
+            && self.prefill_positions == prefill_positions
+            && self.tokens[..] == *tokens
     }
 }
 
 /// One sequence's KV cache: its block table and how many positions are stored. Dropping it
-/// returns its blocks to the pool.
+/// returns its blocks to the pool (cached ones stay cached until evicted).
 pub struct KvCache {
     pool: Arc<KvPool>,
-    blocks: Vec<Box<[f16]>>,
+    blocks: Vec<Block>,
+    /// Per block: its key in the pool's prefix cache, when it is registered there.
+    keys: Vec<Option<u64>>,
+    /// The chained key of every full block, registered or not.
+    chain: Vec<u64>,
+    /// The tokens whose positions are stored.
+    tokens: Vec<u32>,
     /// Positions stored.
     pub n_tokens: usize,
-    /// Positions of the sequence's prompt, computed together in its first step; every later
-    /// position was a decode step of one token. Attention sums in the order llama.cpp uses
-    /// for each ([`crate::runtime::model::llama::Llama::forward_stage`]). `None` until the first step, which
-    /// sets it to its own length; a sequence recomputed after preemption (prompt and
-    /// generated tokens in one step) sets it first, so its recomputed positions get the
-    /// bits its decode steps had.
+    /// Positions of the sequence's prompt: they are computed in prompt order, every later
+    /// position in decode order (attention sums in the order llama.cpp uses for each,
+    /// [`crate::runtime::model::llama::Llama::forward_stage`]). `None` until the first step, which
+    /// sets it to its own length; a sequence prefilled in chunks, or recomputed after
+    /// preemption (prompt and generated tokens together), sets it first, so every position
+    /// gets the bits it would have had.
     pub prompt_tokens: Option<usize>,
 }
 
@@ -179,7 +339,29 @@ impl std::fmt::Debug for KvCache {
 
 impl Drop for KvCache {
     fn drop(&mut self) {
-        self.pool.give_back(std::mem::take(&mut self.blocks));
+        let mut state = self.pool.lock();
+        // Last blocks first: a chain's tail is evicted before its head.
+        for (block, key) in self.blocks.drain(..).zip(self.keys.drain(..)).rev() {
+            let cached = key.and_then(|key| state.cached.get_mut(&key));
+            let released = match cached {
+                Some(cached) => {
+                    cached.users -= 1;
+                    cached.users == 0
+                }
+                None => {
+                    state.free.push(block);
+                    true
+                }
+            };
+            if released {
+                state.referenced -= 1;
+                state.clock += 1;
+                let clock = state.clock;
+                if let Some(cached) = key.and_then(|key| state.cached.get_mut(&key)) {
+                    cached.last_used = clock;
+                }
+            }
+        }
     }
 }
 
@@ -191,8 +373,93 @@ impl KvCache {
     pub fn reserve(&mut self, n_tokens: usize) -> Result<()> {
         while self.blocks.len() < blocks_for(n_tokens) {
             self.blocks.push(self.pool.take()?);
+            self.keys.push(None);
         }
         Ok(())
+    }
+
+    /// Starts this empty cache with the cached blocks of `tokens` (whole blocks, found by
+    /// [`KvPool::cached_prefix`] with this cache's `prompt_tokens`): their positions are
+    /// stored without computing anything.
+    ///
+    /// Errors: a cache that is not empty or has no `prompt_tokens`, a partial block, a block
+    /// not (or no longer) cached — on a replica's rank, a pool out of step with the driver's.
+    pub fn adopt_prefix(&mut self, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let Some(prompt_tokens) = self.prompt_tokens else {
+            bail!("a cached prefix needs the sequence's prompt length first");
+        };
+        if self.n_tokens != 0 || !tokens.len().is_multiple_of(BLOCK_TOKENS) {
+            bail!(
+                "a cached prefix must start an empty cache with whole blocks ({} tokens given, {} stored)",
+                tokens.len(),
+                self.n_tokens
+            );
+        }
+        let mut state = self.pool.lock();
+        let mut parent = ROOT_KEY;
+        for (index, block_tokens) in tokens.chunks_exact(BLOCK_TOKENS).enumerate() {
+            let prefill = prefill_positions(prompt_tokens, index);
+            let key = block_key(parent, prefill, block_tokens);
+            let Some(cached) = state
+                .cached
+                .get_mut(&key)
+                .filter(|c| c.matches(parent, prefill, block_tokens))
+            else {
+                bail!(
+                    "block {index} of the cached prefix is not in the prefix cache (this rank's KV pool is out of step with the driver's)"
+                );
+            };
+            cached.users += 1;
+            let newly_held = cached.users == 1;
+            self.blocks.push(Arc::clone(&cached.block));
+            if newly_held {
+                state.referenced += 1;
+            }
+            self.keys.push(Some(key));
+            self.chain.push(key);
+            parent = key;
+        }
+        drop(state);
+        self.tokens.extend_from_slice(tokens);
+        self.n_tokens = tokens.len();
+        Ok(())
+    }
+
+    /// Records `tokens` as stored after their positions were written (every layer of the
+    /// step): counts them, fixes `prompt_tokens` on the first step, and registers each
+    /// block this fills in the prefix cache (when the pool's is on and no other block with
+    /// the same key is there).
+    pub fn commit(&mut self, tokens: &[u32]) {
+        let prompt_tokens = *self.prompt_tokens.get_or_insert(tokens.len());
+        self.tokens.extend_from_slice(tokens);
+        self.n_tokens += tokens.len();
+        let caching = self.pool.prefix_cache();
+        while self.chain.len() < self.n_tokens / BLOCK_TOKENS {
+            let index = self.chain.len();
+            let parent = index.checked_sub(1).map_or(ROOT_KEY, |p| self.chain[p]);
+            let block_tokens = &self.tokens[index * BLOCK_TOKENS..(index + 1) * BLOCK_TOKENS];
+            let prefill = prefill_positions(prompt_tokens, index);
+            let key = block_key(parent, prefill, block_tokens);
+            self.chain.push(key);
+            if !caching || self.keys[index].is_some() {
+                continue;
+            }
+            let mut state = self.pool.lock();
+            if let std::collections::hash_map::Entry::Vacant(slot) = state.cached.entry(key) {
+                slot.insert(CachedBlock {
+                    block: Arc::clone(&self.blocks[index]),
+                    parent,
+                    tokens: std::array::from_fn(|i| block_tokens[i]),
+                    prefill_positions: prefill,
+                    users: 1,
+                    last_used: 0,
+                });
+                self.keys[index] = Some(key);
+            }
+        }
     }
 
     /// The block and offset of `(layer, keys or values, kv_head, position)`.
@@ -218,7 +485,8 @@ impl KvCache {
     /// Stores `keys` and `values` (`(count, n_kv_heads · head_dim)` f32, rounded to f16) of `layer` at
     /// positions `first..first + count`, which [`KvCache::reserve`] has made room for.
     ///
-    /// Errors: a position beyond the reserved blocks.
+    /// Errors: a position beyond the reserved blocks, or in a block shared through the
+    /// prefix cache (those are full and never written).
     pub fn store(
         &mut self,
         layer: usize,
@@ -246,8 +514,14 @@ impl KvCache {
             for (rows, values) in [(k, false), (v, true)] {
                 for (head, row) in rows.chunks_exact(head_dim).enumerate() {
                     let (block, at) = self.offset(layer, values, head, first + i);
+                    let Some(memory) = Arc::get_mut(&mut self.blocks[block]) else {
+                        bail!(
+                            "KV position {} lies in a block shared through the prefix cache",
+                            first + i
+                        );
+                    };
                     // Round to nearest even, F16C eight at a time where the CPU has it.
-                    self.blocks[block][at..at + head_dim].convert_from_f32_slice(row);
+                    memory[at..at + head_dim].convert_from_f32_slice(row);
                 }
             }
         }
@@ -309,6 +583,91 @@ mod tests {
             cache
                 .store(0, 2 * BLOCK_TOKENS, &keys[..4], &values[..4])
                 .is_err()
+        );
+    }
+
+    /// A cache holding `tokens` (a prompt of their length) in a pool of `pool`'s.
+    fn filled(pool: &Arc<KvPool>, tokens: &[u32]) -> KvCache {
+        let mut cache = pool.new_cache();
+        cache.prompt_tokens = Some(tokens.len());
+        cache.reserve(tokens.len()).expect("room");
+        cache.commit(tokens);
+        cache
+    }
+
+    #[test]
+    fn full_prompt_blocks_are_shared_counted_once_and_evicted_tail_first() {
+        let pool = KvPool::new(1, 1, 2, Some(6 * BLOCK_TOKENS));
+        assert!(pool.set_prefix_cache(true));
+        let prompt: Vec<u32> = (0..2 * BLOCK_TOKENS as u32 + 3).collect();
+        let a = filled(&pool, &prompt);
+        assert_eq!((pool.used_blocks(), pool.cached_blocks()), (3, 2));
+        let hit = pool.cached_prefix(&prompt, prompt.len());
+        assert_eq!(
+            hit,
+            PrefixHit {
+                tokens: 2 * BLOCK_TOKENS,
+                held_blocks: 2
+            }
+        );
+        // The same tokens as a prompt of another length: block 1 was computed in another
+        // order for it (a longer prompt reaches into it), so only block 0 matches... and a
+        // one-token prompt (decode order everywhere) matches nothing.
+        assert_eq!(
+            pool.cached_prefix(&prompt, BLOCK_TOKENS + 4).tokens,
+            BLOCK_TOKENS
+        );
+        assert_eq!(pool.cached_prefix(&prompt, 1).tokens, 0);
+        let mut b = pool.new_cache();
+        b.prompt_tokens = Some(prompt.len());
+        b.adopt_prefix(&prompt[..2 * BLOCK_TOKENS]).expect("cached");
+        assert_eq!(b.n_tokens, 2 * BLOCK_TOKENS);
+        assert_eq!(pool.used_blocks(), 3, "shared blocks count once");
+        b.reserve(prompt.len()).expect("room");
+        assert!(
+            b.store(0, BLOCK_TOKENS, &[1.0, 2.0], &[3.0, 4.0]).is_err(),
+            "a shared block is never written"
+        );
+        b.store(0, 2 * BLOCK_TOKENS, &[1.0, 2.0], &[3.0, 4.0])
+            .expect("its own block");
+        drop(a);
+        assert_eq!(pool.used_blocks(), 3, "b still holds the shared blocks");
+        drop(b);
+        assert_eq!((pool.used_blocks(), pool.cached_blocks()), (0, 2));
+        assert_eq!(
+            pool.free_blocks(),
+            6,
+            "cached blocks nobody holds count as free"
+        );
+        // Filling the pool evicts the chain's tail (block 1) before its head.
+        let other: Vec<u32> = (1000..1000 + 5 * BLOCK_TOKENS as u32).collect();
+        let c = filled(&pool, &other);
+        assert_eq!(pool.evictions(), 1);
+        assert_eq!(
+            pool.cached_prefix(&prompt, prompt.len()).tokens,
+            BLOCK_TOKENS
+        );
+        drop(c);
+        let mut d = pool.new_cache();
+        d.prompt_tokens = Some(prompt.len());
+        assert!(
+            d.adopt_prefix(&prompt[..2 * BLOCK_TOKENS]).is_err(),
+            "block 1 is gone"
+        );
+    }
+
+    #[test]
+    fn a_pool_caches_only_when_bounded_and_asked() {
+        let unbounded = KvPool::new(1, 1, 2, None);
+        assert!(!unbounded.set_prefix_cache(true));
+        let tokens: Vec<u32> = (0..BLOCK_TOKENS as u32).collect();
+        drop(filled(&unbounded, &tokens));
+        assert_eq!(unbounded.cached_blocks(), 0);
+        let off = KvPool::new(1, 1, 2, Some(4 * BLOCK_TOKENS));
+        drop(filled(&off, &tokens));
+        assert_eq!(
+            (off.cached_blocks(), off.cached_prefix(&tokens, 16).tokens),
+            (0, 0)
         );
     }
 }

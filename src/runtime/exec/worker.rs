@@ -19,7 +19,9 @@ use crate::rendezvous::StoreClient;
 use crate::runtime::collectives::shm::ShmComm;
 use crate::runtime::collectives::{Comm, TcpComm};
 use crate::runtime::cpu::quant::Numerics;
-use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, generate, sample};
+use crate::runtime::exec::executor::{
+    Executor, Sampled, StepEntry, first_step_cache, generate, sample,
+};
 use crate::runtime::exec::kv::KvPool;
 use crate::runtime::formats::gguf::GgufFile;
 use crate::runtime::model::llama::{KvCache, Llama, SequenceInput, StageOutput};
@@ -50,6 +52,10 @@ pub struct RankConfig {
     pub timeout: Duration,
     /// Positions the rank's KV pool holds (`None`: no limit).
     pub kv_cache_tokens: Option<usize>,
+    /// Whether the KV pool caches full blocks for prefix reuse (`INFER_PREFIX_CACHE`; only
+    /// a bounded pool does). The same on every rank of a replica: the driver's steps adopt
+    /// cached prefixes that every rank's pool must hold.
+    pub prefix_cache: bool,
     /// Whether groups on this host all-reduce through shared memory (`INFER_SHM_DISABLE=1`
     /// turns it off, as `NCCL_SHM_DISABLE` does for NCCL).
     pub shm: bool,
@@ -346,6 +352,7 @@ impl Member {
             .shard(tp_rank, tp, first_layer, n_layers)
             .with_context(|| format!("rank {global_rank}: building its shard"))?;
         shard.set_kv_capacity(config.kv_cache_tokens);
+        shard.kv_pool().set_prefix_cache(config.prefix_cache);
         match config.ep {
             1 => {}
             ep if ep == tp => shard
@@ -404,7 +411,7 @@ impl Member {
     }
 
     /// Runs this rank's stage of one step; the sampling rank returns the sampled tokens.
-    fn run_step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
+    fn run_step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
         for seq in release {
             self.caches.remove(seq);
             self.samplers.remove(seq);
@@ -412,8 +419,8 @@ impl Member {
         let is_sampler = self.rank == self.sampler_rank();
         for entry in entries {
             if let Some(params) = &entry.params {
-                let mut cache = self.shard.new_cache();
-                cache.prompt_tokens = Some(entry.tokens.len().saturating_sub(entry.sampled_before));
+                let cache = first_step_cache(self.shard.kv_pool(), entry)
+                    .with_context(|| format!("rank {}", self.global_rank))?;
                 self.caches.insert(entry.seq, cache);
                 if is_sampler {
                     let mut sampler = Sampler::new(params);
@@ -476,6 +483,9 @@ impl Member {
                 .iter()
                 .zip(&logits)
                 .map(|(entry, logits)| {
+                    if !entry.sample {
+                        return Ok(None);
+                    }
                     let sampler = self.samplers.get_mut(&entry.seq).ok_or_else(|| {
                         anyhow!(
                             "rank {}: no sampler for sequence {}",
@@ -483,7 +493,7 @@ impl Member {
                             entry.seq
                         )
                     })?;
-                    Ok(sample(sampler, logits))
+                    Ok(Some(sample(sampler, logits)))
                 })
                 .collect(),
             StageOutput::Logits(_) => Ok(Vec::new()),
@@ -545,7 +555,7 @@ impl ReplicaDriver {
 }
 
 impl Executor for ReplicaDriver {
-    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Sampled>> {
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
         self.broadcast(&Message::Step {
             entries: entries.into(),
             release: release.into(),
@@ -556,7 +566,7 @@ impl Executor for ReplicaDriver {
             return Ok(own);
         }
         let bytes = self.member.replica.recv(sampler_rank)?;
-        let sampled: Vec<Sampled> = serde_json::from_slice(&bytes)
+        let sampled: Vec<Option<Sampled>> = serde_json::from_slice(&bytes)
             .with_context(|| format!("malformed tokens from rank {sampler_rank}"))?;
         if sampled.len() != entries.len() {
             bail!(

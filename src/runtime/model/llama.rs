@@ -849,11 +849,7 @@ impl Llama {
             }
         }
         for sequence in batch.iter_mut() {
-            sequence
-                .cache
-                .prompt_tokens
-                .get_or_insert(sequence.tokens.len());
-            sequence.cache.n_tokens += sequence.tokens.len();
+            sequence.cache.commit(sequence.tokens);
         }
 
         if !self.shard.is_last {

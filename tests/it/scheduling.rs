@@ -1,0 +1,357 @@
+//! The scheduler over the real SmolLM2 engine in this process: chunked prefill under a
+//! token budget and the prefix cache (adoption, eviction, preemption) give exactly the
+//! tokens of whole, uncached prompts; every step is recorded to check what ran.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use infer::runtime::cpu::quant::Numerics;
+use infer::runtime::exec::engine::{Engine, LocalExecutor};
+use infer::runtime::exec::executor::{Executor, Sampled, StepEntry};
+use infer::runtime::exec::kv::{BLOCK_TOKENS, KvPool};
+use infer::runtime::model::chat::ChatMessage;
+use infer::runtime::model::sampling::SamplingParams;
+use infer::runtime::model::tokenizer::Tokenizer;
+use infer::serve::scheduler::{Event, Limits, Request, Scheduler};
+
+/// A fresh SmolLM2 engine (2 threads) with a KV pool of `capacity_tokens`, leaked so an
+/// executor can borrow it for the scheduler thread's lifetime.
+fn engine(capacity_tokens: Option<usize>) -> &'static Engine {
+    let path =
+        infer::model::default::ensure(&mut |_| {}).expect("the default model can be fetched");
+    let mut engine = Engine::load(&path, 2, Numerics::Exact).expect("SmolLM2 loads");
+    engine.model.set_kv_capacity(capacity_tokens);
+    Box::leak(Box::new(engine))
+}
+
+/// One step as the executor saw it: `(seq, prefix tokens adopted, tokens computed,
+/// sampled)` per entry, and the sequences released first.
+#[derive(Clone, Debug)]
+struct StepRecord {
+    entries: Vec<(u64, usize, usize, bool)>,
+    release: Vec<u64>,
+}
+
+/// The engine's executor, recording every step.
+struct Recording {
+    inner: LocalExecutor<'static>,
+    steps: Arc<Mutex<Vec<StepRecord>>>,
+}
+
+impl Executor for Recording {
+    fn step(
+        &mut self,
+        entries: &[StepEntry],
+        release: &[u64],
+    ) -> anyhow::Result<Vec<Option<Sampled>>> {
+        self.steps.lock().expect("steps").push(StepRecord {
+            entries: entries
+                .iter()
+                .map(|e| (e.seq, e.prefix_tokens.len(), e.tokens.len(), e.sample))
+                .collect(),
+            release: release.to_vec(),
+        });
+        self.inner.step(entries, release)
+    }
+
+    fn tokenizer(&self) -> &Tokenizer {
+        self.inner.tokenizer()
+    }
+
+    fn max_context_tokens(&self) -> usize {
+        self.inner.max_context_tokens()
+    }
+
+    fn kv_pool(&self) -> &Arc<KvPool> {
+        self.inner.kv_pool()
+    }
+}
+
+fn start(engine: &'static Engine, limits: Limits) -> (Scheduler, Arc<Mutex<Vec<StepRecord>>>) {
+    let steps = Arc::new(Mutex::new(Vec::new()));
+    let executor = Recording {
+        inner: LocalExecutor::new(engine),
+        steps: Arc::clone(&steps),
+    };
+    (Scheduler::start_with(Box::new(executor), limits), steps)
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        ..SamplingParams::default()
+    }
+}
+
+/// What a request got back: its tokens and the prompt tokens the prefix cache supplied.
+#[derive(Debug)]
+struct Outcome {
+    tokens: Vec<u32>,
+    cached_tokens: usize,
+}
+
+type Pending = tokio::sync::mpsc::UnboundedReceiver<Event>;
+
+fn submit(scheduler: &Scheduler, prompt: &[u32], params: &SamplingParams) -> Pending {
+    let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+    scheduler
+        .submit(Request {
+            prompt_tokens: prompt.to_vec(),
+            params: params.clone(),
+            events,
+            received_at: Instant::now(),
+        })
+        .expect("the scheduler runs");
+    receiver
+}
+
+fn wait(mut receiver: Pending) -> Outcome {
+    let mut tokens = Vec::new();
+    while let Some(event) = receiver.blocking_recv() {
+        match event {
+            Event::Token { id, .. } => tokens.push(id),
+            Event::Done { cached_tokens, .. } => {
+                return Outcome {
+                    tokens,
+                    cached_tokens,
+                };
+            }
+            Event::Error(message) => panic!("request failed: {message}"),
+        }
+    }
+    panic!("the scheduler stopped")
+}
+
+/// The tokens `Engine::generate` gives for `prompt` (whole prefill, no prefix cache).
+fn reference(engine: &Engine, prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
+    let cached = engine.model.kv_pool().prefix_cache();
+    engine.model.kv_pool().set_prefix_cache(false);
+    let tokens = engine
+        .generate(prompt, params, &mut |_| {})
+        .expect("generate")
+        .tokens;
+    engine.model.kv_pool().set_prefix_cache(cached);
+    tokens
+}
+
+fn chat(engine: &Engine, messages: &[(&str, &str)]) -> Vec<u32> {
+    let messages: Vec<ChatMessage> = messages
+        .iter()
+        .map(|(role, content)| ChatMessage {
+            role: role.to_string(),
+            content: content.to_string(),
+        })
+        .collect();
+    let text = engine.chat_prompt(&messages).expect("template");
+    engine.tokenizer.encode(&text, false).expect("encode")
+}
+
+const SYSTEM: &str = "You are a careful assistant for a team that runs inference on racks of GPU \
+servers. Answer in one short sentence, name units, and never invent numbers you were not given. \
+When a question is about bandwidth, remember that HBM is faster than NVLink, which is faster than \
+PCIe, InfiniBand and Ethernet, in that order.";
+
+const QUESTIONS: [&str; 8] = [
+    "What is a KV cache?",
+    "Why does tensor parallelism need a fast link?",
+    "What does TTFT measure?",
+    "Name one way to reduce decode latency.",
+    "What is prefill?",
+    "Is Ethernet faster than NVLink?",
+    "What is a rank?",
+    "What does an all-reduce do?",
+];
+
+#[test]
+fn chunked_prefill_gives_the_tokens_of_whole_prompts_with_decodes_first_and_steps_within_budget() {
+    let engine = engine(None);
+    let prompts: Vec<Vec<u32>> = (0..5)
+        .map(|i| {
+            let mut turns = vec![("system", SYSTEM), ("user", QUESTIONS[i])];
+            if i % 2 == 1 {
+                turns.remove(0);
+            }
+            chat(engine, &turns)
+        })
+        .collect();
+    let params = greedy(10);
+    let expected: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| reference(engine, p, &params))
+        .collect();
+    let budget = 16;
+    let (scheduler, steps) = start(
+        engine,
+        Limits {
+            max_batch: 4,
+            max_batched_tokens: budget,
+        },
+    );
+    let pending: Vec<Pending> = prompts
+        .iter()
+        .map(|p| submit(&scheduler, p, &params))
+        .collect();
+    for (index, (receiver, expected)) in pending.into_iter().zip(&expected).enumerate() {
+        assert_eq!(&wait(receiver).tokens, expected, "prompt {index}");
+    }
+
+    let steps = steps.lock().expect("steps").clone();
+    let mut decoding: HashSet<u64> = HashSet::new();
+    let mut chunks = 0;
+    for (number, step) in steps.iter().enumerate() {
+        for seq in &step.release {
+            decoding.remove(seq);
+        }
+        let total: usize = step.entries.iter().map(|e| e.2).sum();
+        assert!(
+            total <= budget,
+            "step {number} ran {total} tokens: {step:?}"
+        );
+        let present: HashSet<u64> = step.entries.iter().map(|e| e.0).collect();
+        if !step.entries.is_empty() {
+            assert!(
+                decoding.is_subset(&present),
+                "step {number} left out a decoding sequence: {step:?} (decoding {decoding:?})"
+            );
+        }
+        for &(seq, _, tokens, sample) in &step.entries {
+            if sample {
+                decoding.insert(seq);
+            } else {
+                chunks += 1;
+                assert_eq!(tokens, total.min(tokens), "step {number}");
+            }
+        }
+    }
+    // Every prompt is longer than the budget: each ran in several chunks.
+    assert!(prompts.iter().all(|p| p.len() > budget));
+    assert!(
+        chunks >= prompts.len(),
+        "only {chunks} unsampled prompt chunks"
+    );
+}
+
+#[test]
+fn the_prefix_cache_serves_a_shared_system_prompt_and_changes_no_token() {
+    let engine = engine(Some(8192));
+    let prompts: Vec<Vec<u32>> = QUESTIONS
+        .iter()
+        .map(|q| chat(engine, &[("system", SYSTEM), ("user", q)]))
+        .collect();
+    let shared = prompts[0]
+        .iter()
+        .zip(&prompts[1])
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(
+        shared >= 4 * BLOCK_TOKENS,
+        "the system prompt spans {shared} tokens"
+    );
+    let params = greedy(8);
+    let expected: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| reference(engine, p, &params))
+        .collect();
+    assert!(engine.model.kv_pool().set_prefix_cache(true));
+    let (scheduler, steps) = start(engine, Limits::with_max_batch(4));
+    let mut cached = Vec::new();
+    for (index, (prompt, expected)) in prompts.iter().zip(&expected).enumerate() {
+        let outcome = wait(submit(&scheduler, prompt, &params));
+        assert_eq!(&outcome.tokens, expected, "question {index}");
+        cached.push(outcome.cached_tokens);
+    }
+    assert_eq!(cached[0], 0, "nothing is cached before the first request");
+    for (index, &hit) in cached.iter().enumerate().skip(1) {
+        assert!(
+            hit >= shared / BLOCK_TOKENS * BLOCK_TOKENS && hit % BLOCK_TOKENS == 0,
+            "question {index}: {hit} cached tokens of a {shared}-token shared prefix"
+        );
+        assert!(
+            hit < prompts[index].len(),
+            "question {index}: the last token is computed"
+        );
+    }
+    // The executor adopted exactly what the requests report, and computed only the rest.
+    let steps = steps.lock().expect("steps").clone();
+    let adopted: Vec<usize> = steps
+        .iter()
+        .flat_map(|s| s.entries.iter().filter(|e| e.1 > 0).map(|e| e.1))
+        .collect();
+    assert_eq!(adopted, cached[1..].to_vec());
+    let metrics = scheduler.metrics.snapshot();
+    assert_eq!(
+        metrics.prefix_cache_hits_total,
+        cached.iter().sum::<usize>() as u64
+    );
+    assert_eq!(
+        metrics.prefix_cache_queries_total,
+        prompts.iter().map(Vec::len).sum::<usize>() as u64
+    );
+
+    // A follow-up turn: the first conversation's prompt, its answer, a new question. The
+    // answer's positions were decode steps, which a whole prefill computes in another
+    // order: only the blocks of the first prompt are reused, and the tokens stay exact.
+    let answer = engine.tokenizer.decode(&expected[0], true).expect("decode");
+    let follow_up = chat(
+        engine,
+        &[
+            ("system", SYSTEM),
+            ("user", QUESTIONS[0]),
+            ("assistant", answer.as_str()),
+            ("user", "And where does it live?"),
+        ],
+    );
+    let expected_follow_up = reference(engine, &follow_up, &params);
+    let outcome = wait(submit(&scheduler, &follow_up, &params));
+    assert_eq!(outcome.tokens, expected_follow_up);
+    assert!(
+        outcome.cached_tokens >= shared / BLOCK_TOKENS * BLOCK_TOKENS
+            && outcome.cached_tokens <= prompts[0].len(),
+        "{} cached tokens (first prompt {})",
+        outcome.cached_tokens,
+        prompts[0].len()
+    );
+}
+
+#[test]
+fn evicted_and_preempted_prefixes_are_recomputed_exactly() {
+    // 10 blocks: two sequences' worth; the cache must evict to admit new prompts and
+    // preempt when concurrent sequences grow.
+    let engine = engine(Some(10 * BLOCK_TOKENS));
+    let prompts: Vec<Vec<u32>> = QUESTIONS
+        .iter()
+        .map(|q| chat(engine, &[("system", SYSTEM), ("user", q)]))
+        .collect();
+    assert!(prompts.iter().all(|p| p.len() < 6 * BLOCK_TOKENS));
+    let params = greedy(20);
+    let expected: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| reference(engine, p, &params))
+        .collect();
+    assert!(engine.model.kv_pool().set_prefix_cache(true));
+    let (scheduler, _steps) = start(engine, Limits::with_max_batch(4));
+    // Four at once, twice: preemption; then one by one: eviction.
+    for (round, prompts) in prompts.chunks(4).enumerate() {
+        let pending: Vec<Pending> = prompts
+            .iter()
+            .map(|p| submit(&scheduler, p, &params))
+            .collect();
+        for (index, receiver) in pending.into_iter().enumerate() {
+            let question = round * 4 + index;
+            assert_eq!(
+                wait(receiver).tokens,
+                expected[question],
+                "question {question}, concurrent"
+            );
+        }
+    }
+    for (index, (prompt, expected)) in prompts.iter().zip(&expected).enumerate() {
+        let outcome = wait(submit(&scheduler, prompt, &params));
+        assert_eq!(&outcome.tokens, expected, "question {index}, alone");
+    }
+    let metrics = scheduler.metrics.snapshot();
+    assert!(metrics.preemptions_total > 0, "{metrics:?}");
+    assert!(engine.model.kv_pool().evictions() > 0);
+    assert!(metrics.prefix_cache_hits_total > 0, "{metrics:?}");
+}
