@@ -285,6 +285,12 @@ async fn metrics(Ready(state, _): Ready) -> Response {
             "counter",
             m.prefix_cache_hits_total,
         ),
+        (
+            "infer_prefix_cache_evictions_total",
+            "Cached KV blocks evicted (least recently used first) to make room.",
+            "counter",
+            m.prefix_cache_evictions_total,
+        ),
     ];
     let mut text = format!(
         "# HELP infer_kv_cache_usage_ratio Fraction of the KV-cache blocks in use (0 to 1).\n# TYPE infer_kv_cache_usage_ratio gauge\ninfer_kv_cache_usage_ratio {}\n",

@@ -74,6 +74,8 @@ pub struct Metrics {
     /// (vLLM's `prefix_cache_queries` and `prefix_cache_hits`).
     pub prefix_cache_queries_total: AtomicU64,
     pub prefix_cache_hits_total: AtomicU64,
+    /// Cached blocks evicted to make room (the pool's count).
+    pub prefix_cache_evictions_total: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
 }
@@ -172,6 +174,8 @@ pub struct MetricsSnapshot {
     pub prefix_cache_queries_total: u64,
     #[serde(default)]
     pub prefix_cache_hits_total: u64,
+    #[serde(default)]
+    pub prefix_cache_evictions_total: u64,
     pub ttft: HistogramSnapshot,
     pub tpot: HistogramSnapshot,
 }
@@ -190,6 +194,7 @@ impl MetricsSnapshot {
         self.preemptions_total += other.preemptions_total;
         self.prefix_cache_queries_total += other.prefix_cache_queries_total;
         self.prefix_cache_hits_total += other.prefix_cache_hits_total;
+        self.prefix_cache_evictions_total += other.prefix_cache_evictions_total;
         self.ttft.add(&other.ttft);
         self.tpot.add(&other.tpot);
     }
@@ -211,6 +216,7 @@ impl Metrics {
             preemptions_total: load(&self.preemptions_total),
             prefix_cache_queries_total: load(&self.prefix_cache_queries_total),
             prefix_cache_hits_total: load(&self.prefix_cache_hits_total),
+            prefix_cache_evictions_total: load(&self.prefix_cache_evictions_total),
             ttft: self.ttft.snapshot(),
             tpot: self.tpot.snapshot(),
         }
@@ -408,6 +414,9 @@ fn run(
             .kv_cache_bytes
             .store((used * pool.block_bytes()) as u64, Ordering::SeqCst);
         metrics.kv_blocks_used.store(used as u64, Ordering::SeqCst);
+        metrics
+            .prefix_cache_evictions_total
+            .store(pool.evictions(), Ordering::SeqCst);
     };
     loop {
         // Wait when idle (telling the executor we are alive), then take what has arrived.

@@ -14,6 +14,7 @@ mod fake_sysfs;
 mod kernels;
 mod model;
 mod plan;
+mod prefix;
 mod readme;
 mod scheduling;
 pub mod serve;
