@@ -259,6 +259,29 @@ pub struct BenchServeArgs {
     /// Pipeline-parallel degree of the server (`infer up --pp`).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub pp: usize,
+    /// What the streams send: `chat` (short prompts), `mixed` (short prompts, and every
+    /// eighth request a ~2k-token prompt) or `shared-prefix` (one ~500-token system text
+    /// before every question, as with a long system prompt).
+    #[arg(long, value_enum, default_value_t = Workload::Chat)]
+    pub workload: Workload,
+    /// The server's token budget per step (`infer up --max-num-batched-tokens`); a value
+    /// above any prompt's length turns chunked prefill off, for comparison.
+    #[arg(long, value_name = "TOKENS")]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Serve with the prefix cache off (`infer up --no-prefix-cache`), for comparison.
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+}
+
+/// `infer bench serve --workload`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Workload {
+    /// Short prompts (a dozen tokens).
+    Chat,
+    /// Short prompts, and every eighth request a prompt of about 2,000 tokens.
+    Mixed,
+    /// A ~500-token shared system text, then a short question.
+    SharedPrefix,
 }
 
 /// `infer bench allreduce-worker` (hidden).
@@ -595,8 +618,8 @@ pub struct UpArgs {
 
     /// Most tokens one engine step computes: one per decoding sequence, then chunks of
     /// waiting prompts (chunked prefill: a long prompt is prefilled over several steps, so
-    /// running decodes never wait for all of it). At least `--max-batch`; default 512 (or
-    /// `--max-batch` when larger).
+    /// running decodes never wait for all of it). At least `--max-batch`; default 32 per
+    /// core of this host, 64 to 4096 (or `--max-batch` when larger).
     #[arg(long, value_name = "TOKENS")]
     pub max_num_batched_tokens: Option<usize>,
 

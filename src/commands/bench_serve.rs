@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::ExitStatus;
-use crate::cli::BenchServeArgs;
+use crate::cli::{BenchServeArgs, Workload};
 use crate::ui::Printer;
 
 /// Prompts the clients cycle through (ordinary text, so generation runs to `max_tokens`
@@ -28,8 +28,54 @@ const PROMPTS: [&str; 4] = [
     "In the morning the market opens early, and",
 ];
 
+/// The shared system text of `--workload shared-prefix` (about 500 tokens once repeated).
+const SYSTEM_TEXT: &str = "You are the operations assistant of a company that serves language \
+models on its own GPU servers. The servers sit in racks of eight, each with eight GPUs joined by \
+NVLink, and the racks talk over InfiniBand. Engineers ask you about capacity, latency and \
+failures. Answer plainly, give units, and say when you do not know. ";
+
+/// A prompt of `--workload mixed`'s long requests: about 2,000 tokens, different from the
+/// first token on (so no prefix cache serves it), ending with a question.
+fn long_prompt(streams: usize, stream: usize, round: usize) -> String {
+    let mut text = format!("Report {streams}/{stream}-{round}. ");
+    for section in 0..40 {
+        text.push_str(&format!(
+            "Section {section}: the cluster ran {} jobs at {} percent utilisation, with {} \
+             restarts and a median queue time of {} minutes, while the network carried {} \
+             terabytes. ",
+            100 + section * 7 + stream,
+            40 + (section * 13 + round) % 50,
+            section % 5,
+            3 + section % 11,
+            20 + section * 3,
+        ));
+    }
+    text.push_str("Summarise the report in one sentence:");
+    text
+}
+
+/// The prompt stream `stream` of `streams` sends in round `round` of `rounds`, and whether
+/// it is a long one.
+fn prompt_for(
+    workload: Workload,
+    (streams, stream): (usize, usize),
+    (rounds, round): (usize, usize),
+) -> (String, bool) {
+    let short = PROMPTS[(stream + round) % PROMPTS.len()];
+    match workload {
+        Workload::Chat => (short.to_string(), false),
+        Workload::Mixed if (stream * rounds + round) % 8 == 7 => {
+            (long_prompt(streams, stream, round), true)
+        }
+        Workload::Mixed => (short.to_string(), false),
+        Workload::SharedPrefix => (format!("{}\n\nTask: {short}", SYSTEM_TEXT.repeat(6)), false),
+    }
+}
+
 /// One finished request as the client saw it.
 struct Sample {
+    /// A long prompt of `--workload mixed` (reported apart).
+    long: bool,
     /// Seconds from sending the request to the first token's chunk.
     ttft_secs: f64,
     /// Mean seconds between token chunks after the first; `None` with one token.
@@ -74,6 +120,12 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     let max_batch = args.concurrency.iter().copied().max().unwrap_or(1).max(16);
     command.args(["--max-batch", &max_batch.to_string()]);
     command.args(["--tp", &args.tp.to_string(), "--pp", &args.pp.to_string()]);
+    if let Some(tokens) = args.max_num_batched_tokens {
+        command.args(["--max-num-batched-tokens", &tokens.to_string()]);
+    }
+    if args.no_prefix_cache {
+        command.arg("--no-prefix-cache");
+    }
     let numerics = crate::runtime::cpu::quant::Numerics::from(args.numerics).name();
     command.args(["--numerics", numerics]);
     if let Some(model) = &args.model {
@@ -111,7 +163,7 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
         .context("cannot start the client runtime")?;
     // One warm-up request page-faults the weights in.
     client
-        .block_on(request(&address, PROMPTS[0], 8))
+        .block_on(request(&address, PROMPTS[0], 8, false))
         .context("warm-up request failed")?;
     let mut rows = vec![format!(
         "time to ready  {ready_secs:.2} s (process start to listening, {})",
@@ -127,6 +179,22 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
         }
     )];
     rows.push(format!("numerics       {numerics}"));
+    rows.push(format!(
+        "scheduling     {} tokens per step, prefix cache {}, workload {}",
+        args.max_num_batched_tokens.map_or_else(
+            || format!(
+                "{} (default)",
+                crate::serve::scheduler::Limits::for_this_host(max_batch).max_batched_tokens
+            ),
+            |t| t.to_string()
+        ),
+        if args.no_prefix_cache { "off" } else { "on" },
+        match args.workload {
+            Workload::Chat => "chat",
+            Workload::Mixed => "mixed (every 8th request ~2k tokens; TTFT/TPOT of the short ones)",
+            Workload::SharedPrefix => "shared-prefix (~500-token system text)",
+        }
+    ));
     rows.push(format!(
         "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8}",
         "streams", "tok/s", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "tokens"
@@ -154,8 +222,14 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     for (&streams, (rates, samples)) in args.concurrency.iter().zip(&measured) {
         let tokens_per_sec = percentile(rates, 0.5);
         let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
-        let ttft: Vec<f64> = samples.iter().map(|s| s.ttft_secs).collect();
-        let tpot: Vec<f64> = samples.iter().filter_map(|s| s.tpot_secs).collect();
+        let short = || samples.iter().filter(|s| !s.long);
+        let ttft: Vec<f64> = short().map(|s| s.ttft_secs).collect();
+        let tpot: Vec<f64> = short().filter_map(|s| s.tpot_secs).collect();
+        let long_ttft: Vec<f64> = samples
+            .iter()
+            .filter(|s| s.long)
+            .map(|s| s.ttft_secs)
+            .collect();
         rows.push(format!(
             "{streams:>7} {tokens_per_sec:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {tokens:>8}",
             percentile(&ttft, 0.50) * 1e3,
@@ -163,6 +237,15 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
             percentile(&tpot, 0.50) * 1e3,
             percentile(&tpot, 0.99) * 1e3,
         ));
+        if !long_ttft.is_empty() {
+            rows.push(format!(
+                "{:>7} {} long prompts: ttft p50 {:.1}ms, max {:.1}ms",
+                "",
+                long_ttft.len(),
+                percentile(&long_ttft, 0.5) * 1e3,
+                percentile(&long_ttft, 1.0) * 1e3
+            ));
+        }
         if let (Some(one), true) = (&single_stream, streams > 1) {
             let mut line = format!(
                 "{:>7} {:>9.2}x of one stream",
@@ -184,6 +267,25 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
             args.repeat
         ));
     }
+    let metrics = client
+        .block_on(get_text(&address, "/metrics"))
+        .context("cannot read /metrics")?;
+    let value = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let (hits, queries) = (
+        value("infer_prefix_cache_hits_total"),
+        value("infer_prefix_cache_queries_total"),
+    );
+    rows.push(format!(
+        "prefix cache   {hits:.0} of {queries:.0} prompt tokens served from the cache ({:.1}%), {:.0} preemptions",
+        100.0 * hits / queries.max(1.0),
+        value("infer_preemptions_total"),
+    ));
     drop(server);
     printer.data(&rows.join("\n"));
     Ok(ExitStatus::Success)
@@ -203,12 +305,12 @@ fn sweep_point(
         let handles: Vec<_> = (0..streams)
             .map(|i| {
                 let address = address.to_string();
-                let (max_tokens, rounds) = (args.max_tokens, args.rounds);
+                let (max_tokens, rounds, workload) = (args.max_tokens, args.rounds, args.workload);
                 tokio::spawn(async move {
                     let mut samples = Vec::with_capacity(rounds);
                     for round in 0..rounds {
-                        let prompt = PROMPTS[(i + round) % PROMPTS.len()];
-                        samples.push(request(&address, prompt, max_tokens).await?);
+                        let (prompt, long) = prompt_for(workload, (streams, i), (rounds, round));
+                        samples.push(request(&address, &prompt, max_tokens, long).await?);
                     }
                     anyhow::Ok(samples)
                 })
@@ -238,16 +340,47 @@ fn percentile(values: &[f64], q: f64) -> f64 {
 
 /// Sends one streaming `/v1/completions` request and times its chunks. Errors: no
 /// connection, a non-200 answer, an error event, or no answer within 300 s.
-async fn request(address: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
+async fn request(address: &str, prompt: &str, max_tokens: usize, long: bool) -> Result<Sample> {
     tokio::time::timeout(
         Duration::from_secs(300),
-        stream_completion(address, prompt, max_tokens),
+        stream_completion(address, prompt, max_tokens, long),
     )
     .await
     .context("no complete answer within 300 s")?
 }
 
-async fn stream_completion(address: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
+/// The body of `GET path`. Errors: no connection, a non-200 answer.
+async fn get_text(address: &str, path: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .with_context(|| format!("cannot connect to {address}"))?;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .context("a response without a body")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!(
+            "GET {path} answered {}",
+            head.lines().next().unwrap_or_default()
+        );
+    }
+    Ok(body.to_string())
+}
+
+async fn stream_completion(
+    address: &str,
+    prompt: &str,
+    max_tokens: usize,
+    long: bool,
+) -> Result<Sample> {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let body = serde_json::json!({
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true,
@@ -302,6 +435,7 @@ async fn stream_completion(address: &str, prompt: &str, max_tokens: usize) -> Re
     let tpot_secs = (token_times.len() > 1)
         .then(|| (token_times[token_times.len() - 1] - ttft_secs) / (token_times.len() - 1) as f64);
     Ok(Sample {
+        long,
         ttft_secs,
         tpot_secs,
         completion_tokens,

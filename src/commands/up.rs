@@ -24,7 +24,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.max_batch == 0 {
         bail!("--max-batch must be at least 1 (the most sequences decoded together)");
     }
-    let mut limits = crate::serve::scheduler::Limits::with_max_batch(args.max_batch);
+    let mut limits = crate::serve::scheduler::Limits::for_this_host(args.max_batch);
     if let Some(tokens) = args.max_num_batched_tokens {
         if tokens < args.max_batch {
             bail!(

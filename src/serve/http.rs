@@ -158,7 +158,7 @@ pub fn serve_driver(
                 .parse()
                 .context("INFER_MAX_NUM_BATCHED_TOKENS is not a number")?,
         },
-        Err(_) => Limits::with_max_batch(max_batch),
+        Err(_) => Limits::for_this_host(max_batch),
     };
     let dp: usize = var("INFER_DP")?
         .parse()

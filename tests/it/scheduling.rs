@@ -232,6 +232,49 @@ fn chunked_prefill_gives_the_tokens_of_whole_prompts_with_decodes_first_and_step
     );
 }
 
+/// A short prompt that arrives with a long one is not held back for the long one's whole
+/// prefill: while it waits, prompts in progress take at most half of the budget.
+#[test]
+fn a_short_prompt_gets_past_a_long_prompts_chunks() {
+    let engine = engine(None);
+    let long: Vec<u32> = std::iter::repeat_n(chat(engine, &[("system", SYSTEM)]), 5)
+        .flatten()
+        .collect();
+    let short = chat(engine, &[("user", QUESTIONS[0])]);
+    let params = greedy(4);
+    let expected = [
+        reference(engine, &long, &params),
+        reference(engine, &short, &params),
+    ];
+    let (scheduler, steps) = start(
+        engine,
+        Limits {
+            max_batch: 4,
+            max_batched_tokens: 32,
+        },
+    );
+    let pending = [
+        submit(&scheduler, &long, &params),
+        submit(&scheduler, &short, &params),
+    ];
+    for (receiver, expected) in pending.into_iter().zip(&expected) {
+        assert_eq!(&wait(receiver).tokens, expected);
+    }
+    let steps = steps.lock().expect("steps").clone();
+    let first_sample = |seq: u64| {
+        steps
+            .iter()
+            .position(|s| s.entries.iter().any(|e| e.0 == seq && e.3))
+            .expect("sampled")
+    };
+    let (long_first, short_first) = (first_sample(1), first_sample(2));
+    assert!(long.len() > 10 * 32, "{} tokens", long.len());
+    assert!(
+        short_first <= 3 && short_first < long_first,
+        "the short prompt sampled first at step {short_first}, the long one at {long_first}"
+    );
+}
+
 #[test]
 fn the_prefix_cache_serves_a_shared_system_prompt_and_changes_no_token() {
     let engine = engine(Some(8192));
@@ -254,7 +297,7 @@ fn the_prefix_cache_serves_a_shared_system_prompt_and_changes_no_token() {
         .map(|p| reference(engine, p, &params))
         .collect();
     assert!(engine.model.kv_pool().set_prefix_cache(true));
-    let (scheduler, steps) = start(engine, Limits::with_max_batch(4));
+    let (scheduler, steps) = start(engine, Limits::with_max_batch(4, 2));
     let mut cached = Vec::new();
     for (index, (prompt, expected)) in prompts.iter().zip(&expected).enumerate() {
         let outcome = wait(submit(&scheduler, prompt, &params));
@@ -330,7 +373,7 @@ fn evicted_and_preempted_prefixes_are_recomputed_exactly() {
         .map(|p| reference(engine, p, &params))
         .collect();
     assert!(engine.model.kv_pool().set_prefix_cache(true));
-    let (scheduler, _steps) = start(engine, Limits::with_max_batch(4));
+    let (scheduler, _steps) = start(engine, Limits::with_max_batch(4, 2));
     // Four at once, twice: preemption; then one by one: eviction.
     for (round, prompts) in prompts.chunks(4).enumerate() {
         let pending: Vec<Pending> = prompts

@@ -605,6 +605,38 @@ fn bench_serve_prints_a_row_per_concurrency() {
     }
     assert!(stdout.contains("x of one stream (sweeps: "), "{stdout}");
     assert!(stdout.contains("median of 2 sweeps"), "{stdout}");
+
+    // The shared-prefix workload is served from the prefix cache after the first request;
+    // with `--no-prefix-cache` nothing is.
+    let hit_rate = |extra: &[&str]| -> f64 {
+        let args = [
+            &[
+                "bench",
+                "serve",
+                "--workload",
+                "shared-prefix",
+                "--concurrency",
+                "2",
+            ][..],
+            &["--max-tokens", "2", "--rounds", "2", "--threads", "2"],
+            extra,
+        ]
+        .concat();
+        let output = run(&args);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{stdout}");
+        let row = stdout
+            .lines()
+            .find(|l| l.starts_with("prefix cache"))
+            .unwrap_or_else(|| panic!("no prefix cache row:\n{stdout}"));
+        row.split('(')
+            .nth(1)
+            .and_then(|r| r.split('%').next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no hit rate in {row}"))
+    };
+    assert!(hit_rate(&[]) > 50.0);
+    assert_eq!(hit_rate(&["--no-prefix-cache"]), 0.0);
 }
 
 /// SIGTERM stops the server cleanly: exit 0, the port closed, no rank process left.
