@@ -320,6 +320,15 @@ async fn metrics(Ready(state, _): Ready) -> Response {
                 "infer_dp_requests_routed_total{{replica=\"{replica}\"}} {count}\n"
             ));
         }
+        text.push_str("# HELP infer_router_decisions_total Requests routed to each replica, by the cache-aware policy's reason.\n# TYPE infer_router_decisions_total counter\n");
+        for (replica, counts) in state.scheduler.decisions().iter().enumerate() {
+            for (reason, count) in router::RouteReason::ALL.iter().zip(counts) {
+                text.push_str(&format!(
+                    "infer_router_decisions_total{{replica=\"{replica}\",reason=\"{}\"}} {count}\n",
+                    reason.name()
+                ));
+            }
+        }
     }
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }

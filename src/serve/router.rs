@@ -1,12 +1,16 @@
 //! Data parallelism behind one HTTP endpoint: rank 0's [`Router`] spreads requests over the
-//! DP replicas by load (requests in flight on each), preferring the replica that served the
-//! same prompt prefix (its KV cache and CPU caches are warm) unless that replica is busier.
-//! Replica 0 is the scheduler in this process; every other replica's driver runs its own
-//! scheduler and talks to the router over one TCP connection ([`serve_remote`]), in
-//! length-prefixed JSON frames, after proving it knows the run's token.
+//! DP replicas with SGLang's cache-aware policy: it keeps an approximate radix tree of the
+//! prompts it sent to each replica (the chained keys of their 16-token blocks, what a
+//! replica's prefix cache can reuse) and, while the load is balanced, sends a request to
+//! the replica whose tree matches the longest prefix of its prompt when that covers at
+//! least [`CACHE_THRESHOLD`] of it, else to the least loaded replica; once the load is
+//! imbalanced ([`BALANCE_ABS_THRESHOLD`], [`BALANCE_REL_THRESHOLD`]) every request goes to
+//! the least loaded one. Replica 0 is the scheduler in this process; every other replica's
+//! driver runs its own scheduler and talks to the router over one TCP connection
+//! ([`serve_remote`]), in length-prefixed JSON frames, after proving it knows the run's
+//! token.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -21,11 +25,140 @@ use tokio::sync::watch;
 use super::scheduler::{Event, Metrics, MetricsSnapshot, Request, Scheduler};
 use crate::runtime::model::sampling::SamplingParams;
 
-/// Prompt tokens hashed for prefix affinity.
-const AFFINITY_PREFIX_TOKENS: usize = 32;
-/// How many more requests in flight the affine replica may have than the least loaded one
-/// and still be chosen.
-const AFFINITY_SLACK: u64 = 2;
+/// The share of a prompt's tokens a replica's tree must match for the prompt to go there
+/// while the load is balanced (SGLang router's `--cache-threshold`, default 0.5).
+pub const CACHE_THRESHOLD: f64 = 0.5;
+/// The load (requests in flight) is imbalanced when the busiest replica has more than this
+/// many more requests than the least busy one… (SGLang's `--balance-abs-threshold` is 32 for
+/// GPU replicas running hundreds of sequences; ours run 16 by default.)
+pub const BALANCE_ABS_THRESHOLD: u64 = 4;
+/// …and more than this many times as many (SGLang's `--balance-rel-threshold`).
+pub const BALANCE_REL_THRESHOLD: f64 = 1.5;
+/// Blocks each replica's tree remembers; the least recently used go first beyond it.
+const TREE_MAX_BLOCKS: usize = 1 << 16;
+/// Tokens per tree node: the KV block size, the unit a replica's prefix cache reuses.
+const TREE_BLOCK_TOKENS: usize = crate::runtime::exec::kv::BLOCK_TOKENS;
+
+/// Why the router sent a request where it did (`infer_router_decisions_total{reason}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteReason {
+    /// Balanced load, and the replica's tree matched at least [`CACHE_THRESHOLD`].
+    PrefixMatch,
+    /// Balanced load, no replica matched enough: the least loaded (the smallest tree on a tie).
+    LeastLoaded,
+    /// Imbalanced load: the least loaded, whatever it has cached.
+    Imbalanced,
+}
+
+impl RouteReason {
+    /// Every reason, in the order of [`RouteReason::name`]'s labels.
+    pub const ALL: [RouteReason; 3] = [
+        RouteReason::PrefixMatch,
+        RouteReason::LeastLoaded,
+        RouteReason::Imbalanced,
+    ];
+
+    /// The `reason` label.
+    pub fn name(self) -> &'static str {
+        match self {
+            RouteReason::PrefixMatch => "prefix_match",
+            RouteReason::LeastLoaded => "least_loaded",
+            RouteReason::Imbalanced => "imbalanced",
+        }
+    }
+}
+
+/// What the policy knows of one replica for one request.
+#[derive(Clone, Copy, Debug)]
+struct ReplicaView {
+    in_flight: u64,
+    /// Prompt tokens its tree matches from the start.
+    matched_tokens: usize,
+    /// Blocks its tree holds.
+    tree_blocks: usize,
+}
+
+/// The cache-aware policy: with an imbalanced load the least loaded replica; else the
+/// longest match if it covers [`CACHE_THRESHOLD`] of the `prompt_tokens`; else the least
+/// loaded (ties: the smallest tree, the most room for new prefixes; then the lowest index).
+fn decide(replicas: &[ReplicaView], prompt_tokens: usize) -> (usize, RouteReason) {
+    let (min, max) = (
+        replicas.iter().map(|r| r.in_flight).min().unwrap_or(0),
+        replicas.iter().map(|r| r.in_flight).max().unwrap_or(0),
+    );
+    let least = (0..replicas.len())
+        .min_by_key(|&i| (replicas[i].in_flight, replicas[i].tree_blocks))
+        .unwrap_or(0);
+    if max - min > BALANCE_ABS_THRESHOLD && max as f64 > min as f64 * BALANCE_REL_THRESHOLD {
+        return (least, RouteReason::Imbalanced);
+    }
+    let best = (0..replicas.len())
+        .max_by_key(|&i| {
+            (
+                replicas[i].matched_tokens,
+                std::cmp::Reverse(replicas[i].in_flight),
+                std::cmp::Reverse(i),
+            )
+        })
+        .unwrap_or(0);
+    let matched = replicas.get(best).map_or(0, |r| r.matched_tokens);
+    if matched > 0 && matched as f64 >= CACHE_THRESHOLD * prompt_tokens as f64 {
+        (best, RouteReason::PrefixMatch)
+    } else {
+        (least, RouteReason::LeastLoaded)
+    }
+}
+
+/// The router's approximate radix trees, one per replica: the chained key of every
+/// 16-token block of the prompts sent there (a path of the tree), with when it was last
+/// sent. Approximate: a replica may have evicted blocks its tree still shows.
+#[derive(Default)]
+struct PrefixTrees {
+    trees: Vec<HashMap<u64, u64>>,
+    clock: u64,
+}
+
+/// The chained keys of the whole 16-token blocks of `tokens` (FNV-1a, 64-bit).
+fn block_path(tokens: &[u32]) -> Vec<u64> {
+    let mut parent = 0xcbf2_9ce4_8422_2325u64;
+    tokens
+        .chunks_exact(TREE_BLOCK_TOKENS)
+        .map(|block| {
+            let mut hash = parent;
+            for byte in block.iter().flat_map(|t| t.to_le_bytes()) {
+                hash ^= u64::from(byte);
+                hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+            parent = hash;
+            hash
+        })
+        .collect()
+}
+
+impl PrefixTrees {
+    /// Tokens of `path`'s prompt that replica `replica`'s tree matches from the start.
+    fn matched_tokens(&self, replica: usize, path: &[u64]) -> usize {
+        let tree = &self.trees[replica];
+        path.iter().take_while(|key| tree.contains_key(key)).count() * TREE_BLOCK_TOKENS
+    }
+
+    /// Records `path` as sent to `replica`, forgetting its oldest blocks past
+    /// [`TREE_MAX_BLOCKS`].
+    fn insert(&mut self, replica: usize, path: &[u64]) {
+        self.clock += 1;
+        let clock = self.clock;
+        let tree = &mut self.trees[replica];
+        for &key in path {
+            tree.insert(key, clock);
+        }
+        if tree.len() > TREE_MAX_BLOCKS {
+            let mut ages: Vec<u64> = tree.values().copied().collect();
+            ages.sort_unstable();
+            let cutoff = ages[ages.len() - TREE_MAX_BLOCKS * 3 / 4];
+            tree.retain(|_, age| *age >= cutoff);
+        }
+    }
+}
 /// Largest frame accepted, bytes.
 const MAX_FRAME_BYTES: usize = 64 << 20;
 
@@ -91,6 +224,9 @@ pub struct Router {
     in_flight: Vec<Arc<AtomicU64>>,
     /// Requests routed so far per replica, for `/metrics`.
     routed: Vec<AtomicU64>,
+    /// Requests routed so far per replica and [`RouteReason`] (in `RouteReason::ALL` order).
+    decisions: Vec<[AtomicU64; 3]>,
+    trees: Mutex<PrefixTrees>,
     next_id: AtomicU64,
     /// The local scheduler's metrics (its engine, its KV cache).
     pub metrics: Arc<Metrics>,
@@ -109,6 +245,11 @@ impl Router {
             remotes: Vec::new(),
             in_flight: vec![Arc::new(AtomicU64::new(0))],
             routed: vec![AtomicU64::new(0)],
+            decisions: vec![Default::default()],
+            trees: Mutex::new(PrefixTrees {
+                trees: vec![HashMap::new()],
+                clock: 0,
+            }),
             next_id: AtomicU64::new(0),
             remote_failure,
             fail: Arc::new(fail),
@@ -228,6 +369,12 @@ impl Router {
             });
             self.in_flight.push(Arc::new(AtomicU64::new(0)));
             self.routed.push(AtomicU64::new(0));
+            self.decisions.push(Default::default());
+            self.trees
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .trees
+                .push(HashMap::new());
         }
         Ok(())
     }
@@ -288,23 +435,36 @@ impl Router {
             .collect()
     }
 
-    /// The replica for a prompt: the least loaded, unless the prompt's prefix replica has
-    /// at most [`AFFINITY_SLACK`] more requests in flight.
-    fn choose(&self, prompt_tokens: &[u32]) -> usize {
+    /// Requests routed to each replica so far, per [`RouteReason`] (`RouteReason::ALL` order).
+    pub fn decisions(&self) -> Vec<[u64; 3]> {
+        self.decisions
+            .iter()
+            .map(|d| std::array::from_fn(|i| d[i].load(Ordering::SeqCst)))
+            .collect()
+    }
+
+    /// The replica for a prompt, and why (SGLang's cache-aware policy, see the module
+    /// docs); the prompt's blocks join that replica's tree.
+    fn choose(&self, prompt_tokens: &[u32]) -> (usize, RouteReason) {
         let loads: Vec<u64> = self
             .in_flight
             .iter()
             .map(|l| l.load(Ordering::SeqCst))
             .collect();
-        let least = (0..loads.len()).min_by_key(|&i| loads[i]).unwrap_or(0);
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        prompt_tokens[..prompt_tokens.len().min(AFFINITY_PREFIX_TOKENS)].hash(&mut hasher);
-        let affine = (hasher.finish() % loads.len() as u64) as usize;
-        if loads[affine] <= loads[least] + AFFINITY_SLACK {
-            affine
-        } else {
-            least
-        }
+        let mut trees = self.trees.lock().unwrap_or_else(|e| e.into_inner());
+        let path = block_path(prompt_tokens);
+        let replicas: Vec<ReplicaView> = loads
+            .iter()
+            .enumerate()
+            .map(|(i, &in_flight)| ReplicaView {
+                in_flight,
+                matched_tokens: trees.matched_tokens(i, &path),
+                tree_blocks: trees.trees[i].len(),
+            })
+            .collect();
+        let choice = decide(&replicas, prompt_tokens.len());
+        trees.insert(choice.0, &path);
+        choice
     }
 
     /// Routes a request. Must run inside the HTTP runtime (it spawns the task that counts
@@ -315,10 +475,15 @@ impl Router {
         if let Some(error) = self.failure() {
             return Err(format!("the engine has failed: {error}"));
         }
-        let replica = self.choose(&request.prompt_tokens);
+        let (replica, reason) = self.choose(&request.prompt_tokens);
         let in_flight = Arc::clone(&self.in_flight[replica]);
         in_flight.fetch_add(1, Ordering::SeqCst);
         self.routed[replica].fetch_add(1, Ordering::SeqCst);
+        let reason_index = RouteReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .unwrap_or(0);
+        self.decisions[replica][reason_index].fetch_add(1, Ordering::SeqCst);
         // Relay events to the client, counting the request out when it ends.
         let client = request.events;
         let (events, mut relay) = unbounded_channel::<Event>();
@@ -469,4 +634,74 @@ async fn read_frame<T: for<'de> Deserialize<'de>>(
         .await
         .context("the connection closed mid-frame")?;
     serde_json::from_slice(&bytes).context("malformed frame")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(in_flight: u64, matched_tokens: usize, tree_blocks: usize) -> ReplicaView {
+        ReplicaView {
+            in_flight,
+            matched_tokens,
+            tree_blocks,
+        }
+    }
+
+    #[test]
+    fn balanced_load_follows_the_longest_match_above_the_threshold() {
+        let replicas = [view(1, 0, 10), view(2, 64, 10)];
+        assert_eq!(decide(&replicas, 100), (1, RouteReason::PrefixMatch));
+        // 32 of 100 tokens is under half: the least loaded.
+        let replicas = [view(1, 0, 10), view(2, 32, 10)];
+        assert_eq!(decide(&replicas, 100), (0, RouteReason::LeastLoaded));
+        // Equal loads and no match: the smaller tree.
+        let replicas = [view(0, 0, 10), view(0, 0, 3)];
+        assert_eq!(decide(&replicas, 20), (1, RouteReason::LeastLoaded));
+    }
+
+    #[test]
+    fn an_imbalanced_load_goes_to_the_least_loaded_whatever_it_caches() {
+        let replicas = [view(5, 96, 10), view(0, 0, 10)];
+        assert_eq!(decide(&replicas, 100), (1, RouteReason::Imbalanced));
+        // 4 more is within the absolute threshold; 10 against 5 exceeds both thresholds,
+        // 20 against 15 only the absolute one.
+        let replicas = [view(4, 96, 10), view(0, 0, 10)];
+        assert_eq!(decide(&replicas, 100), (0, RouteReason::PrefixMatch));
+        let replicas = [view(10, 96, 10), view(5, 0, 10)];
+        assert_eq!(decide(&replicas, 100), (1, RouteReason::Imbalanced));
+        let replicas = [view(20, 96, 10), view(15, 0, 10)];
+        assert_eq!(decide(&replicas, 100), (0, RouteReason::PrefixMatch));
+    }
+
+    #[test]
+    fn trees_match_whole_blocks_from_the_start_and_forget_the_oldest() {
+        let mut trees = PrefixTrees {
+            trees: vec![HashMap::new(), HashMap::new()],
+            clock: 0,
+        };
+        let prompt: Vec<u32> = (0..40).collect();
+        trees.insert(1, &block_path(&prompt));
+        assert_eq!(trees.matched_tokens(1, &block_path(&prompt)), 32);
+        assert_eq!(trees.matched_tokens(0, &block_path(&prompt)), 0);
+        let mut other = prompt.clone();
+        other[20] = 999;
+        assert_eq!(trees.matched_tokens(1, &block_path(&other)), 16);
+        other[0] = 999;
+        assert_eq!(
+            trees.matched_tokens(1, &block_path(&other)),
+            0,
+            "a path, not a set"
+        );
+        for i in 0..TREE_MAX_BLOCKS as u32 {
+            let prompt: Vec<u32> = (0..16).map(|t| t + 1000 * (i + 1)).collect();
+            trees.insert(1, &block_path(&prompt));
+        }
+        assert!(trees.trees[1].len() <= TREE_MAX_BLOCKS);
+        assert_eq!(
+            trees.matched_tokens(1, &block_path(&prompt)),
+            0,
+            "the oldest went"
+        );
+    }
 }

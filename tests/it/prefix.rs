@@ -176,3 +176,97 @@ fn bad_scheduling_flags_exit_2() {
         "{stderr}"
     );
 }
+
+/// `(replica, count)` of `infer_dp_requests_routed_total` and the `reason`'s
+/// `infer_router_decisions_total` per replica.
+fn routed(metrics: &str, replicas: usize) -> Vec<f64> {
+    (0..replicas)
+        .map(|r| {
+            metric(
+                metrics,
+                &format!("infer_dp_requests_routed_total{{replica=\"{r}\"}}"),
+            )
+        })
+        .collect()
+}
+
+/// `--dp 2`: two conversations, turns interleaved, each stick to one replica while the load
+/// is balanced — and that replica's prefix cache serves their earlier turns — while a flood
+/// of one conversation spills to the other replica.
+#[test]
+fn cache_aware_routing_keeps_conversations_on_their_replica_and_spills_a_flood() {
+    let server = Server::start(&["--dp", "2"]);
+    let systems = [
+        SYSTEM.to_string(),
+        "You are a terse librarian who answers questions about books, authors and reading \
+         habits. Keep every answer under twenty words and never recommend more than one book."
+            .to_string(),
+    ];
+    let mut conversations: Vec<Vec<Value>> = systems
+        .iter()
+        .map(|s| vec![json!({"role": "system", "content": s})])
+        .collect();
+    let questions = [
+        ["What is a KV cache?", "Who wrote Dune?"],
+        ["Where does it live?", "When was it published?"],
+        ["How big is it?", "Is there a sequel?"],
+    ];
+    let mut homes: [Option<usize>; 2] = [None, None];
+    for (turn, pair) in questions.iter().enumerate() {
+        for (c, question) in pair.iter().enumerate() {
+            conversations[c].push(json!({"role": "user", "content": question}));
+            let before = routed(&server.metrics(), 2);
+            let (status, reply) = server.post(
+                "/v1/chat/completions",
+                &json!({"messages": conversations[c], "max_tokens": 8, "temperature": 0}),
+            );
+            assert_eq!(status, 200, "{reply}");
+            let after = routed(&server.metrics(), 2);
+            let replica = (0..2)
+                .find(|&r| after[r] > before[r])
+                .expect("routed somewhere");
+            assert_eq!(
+                *homes[c].get_or_insert(replica),
+                replica,
+                "conversation {c}, turn {turn}"
+            );
+            let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .expect("cached_tokens");
+            if turn > 0 {
+                assert!(
+                    cached >= 48,
+                    "conversation {c}, turn {turn}: {cached} cached"
+                );
+            }
+            let answer = reply["choices"][0]["message"]["content"].clone();
+            conversations[c].push(json!({"role": "assistant", "content": answer}));
+        }
+    }
+    assert_ne!(homes[0], homes[1], "the two conversations share a replica");
+    let metrics = server.metrics();
+    let prefix_matches: f64 = (0..2)
+        .map(|r| {
+            metric(
+                &metrics,
+                &format!("infer_router_decisions_total{{replica=\"{r}\",reason=\"prefix_match\"}}"),
+            )
+        })
+        .sum();
+    assert_eq!(prefix_matches, 4.0, "{metrics}");
+
+    // A flood of conversation 0's next turn: the load tips, and the rest spills over.
+    conversations[0].push(json!({"role": "user", "content": "Summarise our chat."}));
+    let body = json!({"messages": conversations[0], "max_tokens": 16, "temperature": 0});
+    let bodies = vec![body; 12];
+    for (status, reply) in server.post_all("/v1/chat/completions", &bodies) {
+        assert_eq!(status, 200, "{reply}");
+    }
+    let other = 1 - homes[0].expect("home");
+    let metrics = server.metrics();
+    let spilled = metric(
+        &metrics,
+        &format!("infer_router_decisions_total{{replica=\"{other}\",reason=\"imbalanced\"}}"),
+    );
+    assert!(spilled > 0.0, "{metrics}");
+}
