@@ -398,3 +398,77 @@ fn evicted_and_preempted_prefixes_are_recomputed_exactly() {
     assert!(engine.model.kv_pool().evictions() > 0);
     assert!(metrics.prefix_cache_hits_total > 0, "{metrics:?}");
 }
+
+/// The KV hand-off of prefill/decode disaggregation: a prompt prefilled against one pool,
+/// its keys and values exported in two layer ranges (as a prefill would stream them) and
+/// imported into another pool, decodes there bit for bit as it would have where it was
+/// prefilled; the bytes are exactly the prompt's KV size, and the receiving pool caches
+/// the imported blocks for later prompts.
+#[test]
+fn a_prompts_kv_moved_to_another_pool_decodes_bit_for_bit() {
+    use infer::runtime::model::llama::SequenceInput;
+    use infer::runtime::model::sampling::argmax;
+    let engine = engine(None);
+    let model = &engine.model;
+    let c = &model.config;
+    let prompt = chat(engine, &[("system", SYSTEM), ("user", QUESTIONS[3])]);
+    let step = |cache: &mut infer::runtime::exec::kv::KvCache, tokens: &[u32]| {
+        let mut batch = [SequenceInput {
+            tokens,
+            cache,
+            all_logits: false,
+        }];
+        engine
+            .install(|| model.forward(&mut batch))
+            .expect("forward")
+            .remove(0)
+    };
+    let mut here = model.new_cache();
+    let logits = step(&mut here, &prompt);
+    let first = argmax(&logits);
+
+    let layers = model.layers.len();
+    let halves = [0..layers / 2, layers / 2..layers];
+    let transfers: Vec<_> = halves
+        .iter()
+        .map(|range| here.export_layers(range.clone()).expect("export"))
+        .collect();
+    let kv_bytes: usize = transfers.iter().map(|t| t.kv_bytes()).sum();
+    assert_eq!(
+        kv_bytes,
+        prompt.len() * layers * 2 * c.n_kv_heads * c.head_dim * 2
+    );
+    let decode_pool = KvPool::new(layers, c.n_kv_heads, c.head_dim, Some(4096));
+    assert!(decode_pool.set_prefix_cache(true));
+    let mut there = decode_pool.new_cache();
+    for transfer in &transfers {
+        there.import_layers(transfer).expect("import");
+    }
+    there.finish_import();
+    assert_eq!(there.n_tokens, prompt.len());
+    assert_eq!(
+        decode_pool.cached_prefix(&prompt, prompt.len()).tokens,
+        prompt.len() / BLOCK_TOKENS * BLOCK_TOKENS
+    );
+
+    let (mut a, mut b) = (first, first);
+    for i in 0..12 {
+        let (la, lb) = (step(&mut here, &[a]), step(&mut there, &[b]));
+        assert!(
+            la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "decode step {i}: the logits differ"
+        );
+        (a, b) = (argmax(&la), argmax(&lb));
+    }
+
+    // Another geometry refuses the transfer, saying why.
+    let other = KvPool::new(layers, c.n_kv_heads + 1, c.head_dim, None);
+    let error = other
+        .new_cache()
+        .import_layers(&transfers[0])
+        .expect_err("another geometry");
+    assert!(
+        error.to_string().contains("must shard the model alike"),
+        "{error}"
+    );
+}

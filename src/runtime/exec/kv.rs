@@ -304,6 +304,30 @@ impl CachedBlock {
     }
 }
 
+/// A sequence's keys and values for some layers of one shard, as a prefill replica hands
+/// them to a decode replica (prefill/decode disaggregation): the sequence's tokens and
+/// prompt length (so the decode side computes and caches exactly as the prefill side
+/// would have), and the f16 bits `(layers, 2, n_kv_heads, n_tokens, head_dim)` — keys then
+/// values, position-major per head, whatever the block layout of either side.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct KvTransfer {
+    pub tokens: Vec<u32>,
+    pub prompt_tokens: usize,
+    /// The shard's layers carried (indices of the shard's own layers).
+    pub layers: std::ops::Range<usize>,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// f16 bit patterns.
+    pub values: Vec<u16>,
+}
+
+impl KvTransfer {
+    /// Bytes of keys and values carried.
+    pub fn kv_bytes(&self) -> usize {
+        self.values.len() * 2
+    }
+}
+
 /// One sequence's KV cache: its block table and how many positions are stored. Dropping it
 /// returns its blocks to the pool (cached ones stay cached until evicted).
 pub struct KvCache {
@@ -531,6 +555,108 @@ impl KvCache {
     /// Blocks held.
     pub fn n_blocks(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// The stored positions of layers `layers` (of this shard) as a [`KvTransfer`]: what a
+    /// prefill replica sends a decode replica, layer by layer as its prefill produces them
+    /// or all at once. Errors: a layer range outside the pool's layers.
+    pub fn export_layers(&self, layers: std::ops::Range<usize>) -> Result<KvTransfer> {
+        let pool = &self.pool;
+        if layers.start > layers.end || layers.end > pool.n_layers {
+            bail!(
+                "layers {}..{} are outside this pool's {} layers",
+                layers.start,
+                layers.end,
+                pool.n_layers
+            );
+        }
+        let rows = layers.len() * 2 * pool.n_kv_heads;
+        let mut values = Vec::with_capacity(rows * self.n_tokens * pool.head_dim);
+        for layer in layers.clone() {
+            for values_half in [false, true] {
+                for head in 0..pool.n_kv_heads {
+                    for position in 0..self.n_tokens {
+                        let (block, at) = self.offset(layer, values_half, head, position);
+                        values.extend_from_slice(&self.blocks[block][at..at + pool.head_dim]);
+                    }
+                }
+            }
+        }
+        Ok(KvTransfer {
+            tokens: self.tokens.clone(),
+            prompt_tokens: self.prompt_tokens.unwrap_or(self.n_tokens),
+            layers,
+            n_kv_heads: pool.n_kv_heads,
+            head_dim: pool.head_dim,
+            values: values.iter().map(|v| v.to_bits()).collect(),
+        })
+    }
+
+    /// Writes `transfer`'s layers into this cache: the first transfer of a sequence starts
+    /// an empty cache (reserving its blocks and fixing its prompt length), later ones must
+    /// carry the same tokens; once every layer has arrived, [`KvCache::finish_import`]
+    /// counts the positions as stored.
+    ///
+    /// Errors: a transfer for another geometry, other tokens, layers outside the pool, a
+    /// full pool ([`KvExhausted`]).
+    pub fn import_layers(&mut self, transfer: &KvTransfer) -> Result<()> {
+        let pool = Arc::clone(&self.pool);
+        let n = transfer.tokens.len();
+        if transfer.n_kv_heads != pool.n_kv_heads
+            || transfer.head_dim != pool.head_dim
+            || transfer.layers.end > pool.n_layers
+            || transfer.layers.start > transfer.layers.end
+        {
+            bail!(
+                "a KV transfer of layers {}..{} × {} KV heads × {} dims does not fit this shard ({} layers × {} KV heads × {} dims): the two replicas must shard the model alike",
+                transfer.layers.start,
+                transfer.layers.end,
+                transfer.n_kv_heads,
+                transfer.head_dim,
+                pool.n_layers,
+                pool.n_kv_heads,
+                pool.head_dim
+            );
+        }
+        let expected = transfer.layers.len() * 2 * pool.n_kv_heads * n * pool.head_dim;
+        if transfer.values.len() != expected {
+            bail!(
+                "a KV transfer carries {} values, expected {expected}",
+                transfer.values.len()
+            );
+        }
+        if self.tokens.is_empty() && self.n_tokens == 0 {
+            self.prompt_tokens = Some(transfer.prompt_tokens);
+            self.reserve(n)?;
+            self.tokens = transfer.tokens.clone();
+        } else if self.tokens != transfer.tokens {
+            bail!("a KV transfer for other tokens than the cache's");
+        }
+        let mut chunks = transfer.values.chunks_exact(pool.head_dim);
+        for layer in transfer.layers.clone() {
+            for values_half in [false, true] {
+                for head in 0..pool.n_kv_heads {
+                    for position in 0..n {
+                        let (block, at) = self.offset(layer, values_half, head, position);
+                        let row = chunks.next().expect("length checked above");
+                        let Some(memory) = Arc::get_mut(&mut self.blocks[block]) else {
+                            bail!("KV position {position} lies in a shared block");
+                        };
+                        for (slot, bits) in memory[at..at + pool.head_dim].iter_mut().zip(row) {
+                            *slot = f16::from_bits(*bits);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts the imported positions as stored (and registers their full blocks in the
+    /// prefix cache), after [`KvCache::import_layers`] brought every layer.
+    pub fn finish_import(&mut self) {
+        let tokens = std::mem::take(&mut self.tokens);
+        self.commit(&tokens);
     }
 
     /// Bytes held (whole blocks).
