@@ -6,23 +6,8 @@
 
 use serde_json::{Value, json};
 
+use crate::scheduling::{QUESTIONS, SYSTEM};
 use crate::serve::Server;
-
-const SYSTEM: &str = "You are a careful assistant for a team that runs inference on racks of GPU \
-servers. Answer in one short sentence, name units, and never invent numbers you were not given. \
-When a question is about bandwidth, remember that HBM is faster than NVLink, which is faster than \
-PCIe, InfiniBand and Ethernet, in that order.";
-
-const QUESTIONS: [&str; 8] = [
-    "What is a KV cache?",
-    "Why does tensor parallelism need a fast link?",
-    "What does TTFT measure?",
-    "Name one way to reduce decode latency.",
-    "What is prefill?",
-    "Is Ethernet faster than NVLink?",
-    "What is a rank?",
-    "What does an all-reduce do?",
-];
 
 fn bodies() -> Vec<Value> {
     QUESTIONS

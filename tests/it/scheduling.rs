@@ -147,12 +147,14 @@ fn chat(engine: &Engine, messages: &[(&str, &str)]) -> Vec<u32> {
     engine.tokenizer.encode(&text, false).expect("encode")
 }
 
-const SYSTEM: &str = "You are a careful assistant for a team that runs inference on racks of GPU \
+/// A system prompt of several KV blocks, shared by the prefix-cache tests.
+pub const SYSTEM: &str = "You are a careful assistant for a team that runs inference on racks of GPU \
 servers. Answer in one short sentence, name units, and never invent numbers you were not given. \
 When a question is about bandwidth, remember that HBM is faster than NVLink, which is faster than \
 PCIe, InfiniBand and Ethernet, in that order.";
 
-const QUESTIONS: [&str; 8] = [
+/// Questions asked after [`SYSTEM`].
+pub const QUESTIONS: [&str; 8] = [
     "What is a KV cache?",
     "Why does tensor parallelism need a fast link?",
     "What does TTFT measure?",
