@@ -652,6 +652,16 @@ pub struct UpArgs {
     #[arg(long, visible_alias = "data-parallel-size", value_name = "N")]
     pub dp: Option<usize>,
 
+    /// Prefill/decode disaggregation: this many replicas (each `--tp × --pp` ranks) run
+    /// prompts and hand each request's KV cache to one of `--decode` replicas, which
+    /// generate the rest (with `--decode`; instead of `--dp`).
+    #[arg(long, value_name = "N", requires = "decode", conflicts_with = "dp")]
+    pub prefill: Option<usize>,
+
+    /// Decode replicas of a disaggregated deployment (with `--prefill`).
+    #[arg(long, value_name = "M", requires = "prefill")]
+    pub decode: Option<usize>,
+
     /// Expert-parallel degree for MoE models (default 1). Experts are sharded over each
     /// replica's TP group, so it must equal `--tp`.
     #[arg(long, value_name = "N")]

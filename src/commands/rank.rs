@@ -47,6 +47,10 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
             Err(_) => None,
         },
         prefix_cache: std::env::var("INFER_PREFIX_CACHE").is_ok_and(|v| v == "1"),
+        pd_prefill_replicas: match std::env::var("INFER_PD_PREFILL") {
+            Ok(_) => Some(number("INFER_PD_PREFILL")?),
+            Err(_) => None,
+        },
         shm: std::env::var("INFER_SHM_DISABLE").map_or(true, |v| v != "1"),
         bind_addr: std::env::var("INFER_BIND_ADDR").unwrap_or_else(|_| "127.0.0.1".into()),
         host_ranks: {

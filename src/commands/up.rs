@@ -47,6 +47,23 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
         return run_engine(args, engine.into(), printer);
     }
+    let pd_prefill = match (args.prefill, args.decode) {
+        (Some(prefill), Some(decode)) => {
+            if prefill == 0 || decode == 0 {
+                bail!("--prefill and --decode must each be at least 1, got {prefill} and {decode}");
+            }
+            if args.plan.is_some() || args.cluster.is_some() || args.nnodes.is_some() {
+                bail!(
+                    "--prefill/--decode launch on this host in this build; not with --plan, --cluster or --nnodes"
+                );
+            }
+            if gpu.is_some() {
+                bail!("--prefill/--decode run CPU ranks in this build; use --device cpu");
+            }
+            Some((prefill, decode))
+        }
+        _ => None,
+    };
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     if let Some(len) = args.max_model_len {
         let context = model::load(&path.display().to_string())?.max_position_embeddings;
@@ -76,7 +93,10 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         model: path,
         tp: args.tp,
         pp: args.pp,
-        dp: args.dp,
+        dp: pd_prefill
+            .map(|(prefill, decode)| prefill + decode)
+            .or(args.dp),
+        pd_prefill: pd_prefill.map(|(prefill, _)| prefill),
         ep: args.ep,
         plan: args.plan.clone(),
         cluster: args.cluster.clone(),

@@ -49,6 +49,9 @@ pub struct UpSettings {
     pub kv_cache_tokens: usize,
     /// Whether replicas reuse cached prompt prefixes (`--no-prefix-cache` turns it off).
     pub prefix_cache: bool,
+    /// Prefill/decode disaggregation: the first this many of the `dp` replicas prefill,
+    /// the others decode (`INFER_PD_PREFILL`).
+    pub pd_prefill: Option<usize>,
     pub api_key: Option<String>,
     pub ssh: super::ssh::SshOptions,
     pub push_model: bool,
@@ -442,6 +445,9 @@ fn launch(
     ];
     if let Some(key) = &settings.api_key {
         extra_env.push(("INFER_API_KEY".to_string(), key.clone()));
+    }
+    if let Some(prefill) = settings.pd_prefill {
+        extra_env.push(("INFER_PD_PREFILL".to_string(), prefill.to_string()));
     }
     extra_env.push((
         "INFER_SHUTDOWN_TIMEOUT_SECS".to_string(),

@@ -212,7 +212,17 @@ pub fn serve_driver(
             },
             api_key: std::env::var("INFER_API_KEY").ok(),
             access_log: access_log(),
-            scheduler: Router::local(Scheduler::start_with(Box::new(driver), limits)),
+            scheduler: {
+                let router = Router::local(Scheduler::start_with(Box::new(driver), limits));
+                match std::env::var("INFER_PD_PREFILL") {
+                    Ok(prefill) => router.disaggregated(
+                        prefill
+                            .parse()
+                            .context("INFER_PD_PREFILL is not a number")?,
+                    ),
+                    Err(_) => router,
+                }
+            },
         },
         &remotes,
         &token,

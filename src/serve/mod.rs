@@ -286,6 +286,30 @@ async fn metrics(Ready(state, _): Ready) -> Response {
             m.prefix_cache_hits_total,
         ),
         (
+            "infer_pd_kv_bytes_sent_total",
+            "Prefill/decode disaggregation: KV bytes prefill replicas sent to decode replicas (by each driver rank's shard).",
+            "counter",
+            m.pd_kv_bytes_sent_total,
+        ),
+        (
+            "infer_pd_kv_send_microseconds_total",
+            "Prefill/decode disaggregation: time spent sending those KV bytes, microseconds.",
+            "counter",
+            m.pd_kv_send_micros_total,
+        ),
+        (
+            "infer_pd_handoffs_total",
+            "Prefill/decode disaggregation: requests a prefill replica handed to a decode replica.",
+            "counter",
+            m.pd_handoffs_total,
+        ),
+        (
+            "infer_pd_decode_prefill_tokens_total",
+            "Prefill/decode disaggregation: prompt tokens a decode replica computed itself (recomputation after preemption).",
+            "counter",
+            m.pd_decode_prefill_tokens_total,
+        ),
+        (
             "infer_prefix_cache_evictions_total",
             "Cached KV blocks evicted (least recently used first) to make room.",
             "counter",
@@ -828,6 +852,7 @@ fn submit(
             params,
             events,
             received_at: Instant::now(),
+            pd: None,
         })
         .map_err(|e| error(StatusCode::SERVICE_UNAVAILABLE, "server_error", e))?;
     Ok(UnboundedReceiverStream::new(receiver))
@@ -916,6 +941,8 @@ async fn collect(mut events: UnboundedReceiverStream<Event>) -> Result<Choice, A
                     message,
                 ));
             }
+            // The router turns a hand-off into the decode replica's events.
+            Event::HandedOff { .. } => {}
         }
     }
     Err(error(
@@ -1302,6 +1329,7 @@ async fn completions_inner(
                 Event::Error(message) => {
                     Some(json!({"error": {"message": message, "type": "server_error"}}))
                 }
+                Event::HandedOff { .. } => None,
             },
             move |usage| json!({"id": id2, "object": "text_completion", "created": now(), "model": model2, "choices": [], "usage": usage}),
         ));
@@ -1406,6 +1434,7 @@ async fn chat_inner(
                 Event::Error(message) => {
                     Some(json!({"error": {"message": message, "type": "server_error"}}))
                 }
+                Event::HandedOff { .. } => None,
             },
             move |usage| json!({"id": id2, "object": "chat.completion.chunk", "created": now(), "model": model2, "choices": [], "usage": usage}),
         ));

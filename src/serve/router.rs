@@ -22,7 +22,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
-use super::scheduler::{Event, Metrics, MetricsSnapshot, Request, Scheduler};
+use super::scheduler::{Event, Metrics, MetricsSnapshot, PdStage, Request, Scheduler};
 use crate::runtime::model::sampling::SamplingParams;
 
 /// The share of a prompt's tokens a replica's tree must match for the prompt to go there
@@ -172,6 +172,8 @@ enum ToReplica {
         id: u64,
         prompt_tokens: Vec<u32>,
         params: SamplingParams,
+        #[serde(default)]
+        pd: Option<PdStage>,
     },
     Cancel {
         id: u64,
@@ -227,7 +229,9 @@ pub struct Router {
     /// Requests routed so far per replica and [`RouteReason`] (in `RouteReason::ALL` order).
     decisions: Vec<[AtomicU64; 3]>,
     trees: Mutex<PrefixTrees>,
-    next_id: AtomicU64,
+    next_id: Arc<AtomicU64>,
+    /// Prefill/decode disaggregation: replicas `0..n` prefill, the others decode.
+    prefill_replicas: Option<usize>,
     /// The local scheduler's metrics (its engine, its KV cache).
     pub metrics: Arc<Metrics>,
     /// Becomes `Some(error)` when a remote replica fails for good.
@@ -250,9 +254,30 @@ impl Router {
                 trees: vec![HashMap::new()],
                 clock: 0,
             }),
-            next_id: AtomicU64::new(0),
+            next_id: Arc::new(AtomicU64::new(0)),
+            prefill_replicas: None,
             remote_failure,
             fail: Arc::new(fail),
+        }
+    }
+
+    /// Disaggregates prefill and decode: replicas `0..prefill` (the local one among them)
+    /// run prompts and hand each request to one of the others, which decode.
+    pub fn disaggregated(mut self, prefill: usize) -> Router {
+        self.prefill_replicas = Some(prefill);
+        self
+    }
+
+    /// A clonable way to submit to `replica`.
+    fn target(&self, replica: usize) -> Target {
+        match replica {
+            0 => Target::Local(self.local.clone()),
+            r => Target::Remote {
+                replica: r,
+                frames: self.remotes[r - 1].frames.clone(),
+                pending: Arc::clone(&self.remotes[r - 1].pending),
+                next_id: Arc::clone(&self.next_id),
+            },
         }
     }
 
@@ -339,7 +364,10 @@ impl Router {
                         }
                         Err(error) => break error,
                     };
-                    let done = matches!(event, Event::Done { .. } | Event::Error(_));
+                    let done = matches!(
+                        event,
+                        Event::Done { .. } | Event::Error(_) | Event::HandedOff { .. }
+                    );
                     let mut pending = reader_pending.lock().unwrap_or_else(|e| e.into_inner());
                     let delivered = pending
                         .get(&id)
@@ -443,28 +471,44 @@ impl Router {
             .collect()
     }
 
-    /// The replica for a prompt, and why (SGLang's cache-aware policy, see the module
-    /// docs); the prompt's blocks join that replica's tree.
-    fn choose(&self, prompt_tokens: &[u32]) -> (usize, RouteReason) {
-        let loads: Vec<u64> = self
-            .in_flight
-            .iter()
-            .map(|l| l.load(Ordering::SeqCst))
-            .collect();
+    /// The replica among `candidates` for a prompt, and why (SGLang's cache-aware policy,
+    /// see the module docs); the prompt's blocks join that replica's tree.
+    fn choose(
+        &self,
+        prompt_tokens: &[u32],
+        candidates: std::ops::Range<usize>,
+    ) -> (usize, RouteReason) {
         let mut trees = self.trees.lock().unwrap_or_else(|e| e.into_inner());
         let path = block_path(prompt_tokens);
-        let replicas: Vec<ReplicaView> = loads
-            .iter()
-            .enumerate()
-            .map(|(i, &in_flight)| ReplicaView {
-                in_flight,
+        let replicas: Vec<ReplicaView> = candidates
+            .clone()
+            .map(|i| ReplicaView {
+                in_flight: self.in_flight[i].load(Ordering::SeqCst),
                 matched_tokens: trees.matched_tokens(i, &path),
                 tree_blocks: trees.trees[i].len(),
             })
             .collect();
-        let choice = decide(&replicas, prompt_tokens.len());
-        trees.insert(choice.0, &path);
-        choice
+        let (offset, reason) = decide(&replicas, prompt_tokens.len());
+        let replica = candidates.start + offset;
+        trees.insert(replica, &path);
+        (replica, reason)
+    }
+
+    /// The least loaded decode replica (the lowest index on a tie).
+    fn choose_decode(&self, prefill: usize) -> usize {
+        (prefill..self.in_flight.len())
+            .min_by_key(|&i| self.in_flight[i].load(Ordering::SeqCst))
+            .unwrap_or(prefill)
+    }
+
+    /// Counts a request into `replica`'s routing metrics for `reason`.
+    fn count(&self, replica: usize, reason: RouteReason) {
+        self.routed[replica].fetch_add(1, Ordering::SeqCst);
+        let reason_index = RouteReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .unwrap_or(0);
+        self.decisions[replica][reason_index].fetch_add(1, Ordering::SeqCst);
     }
 
     /// Routes a request. Must run inside the HTTP runtime (it spawns the task that counts
@@ -475,50 +519,130 @@ impl Router {
         if let Some(error) = self.failure() {
             return Err(format!("the engine has failed: {error}"));
         }
-        let (replica, reason) = self.choose(&request.prompt_tokens);
+        let replicas = self.in_flight.len();
+        let (replica, reason) = match self.prefill_replicas {
+            Some(prefill) => self.choose(&request.prompt_tokens, 0..prefill),
+            None => self.choose(&request.prompt_tokens, 0..replicas),
+        };
         let in_flight = Arc::clone(&self.in_flight[replica]);
         in_flight.fetch_add(1, Ordering::SeqCst);
-        self.routed[replica].fetch_add(1, Ordering::SeqCst);
-        let reason_index = RouteReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .unwrap_or(0);
-        self.decisions[replica][reason_index].fetch_add(1, Ordering::SeqCst);
-        // Relay events to the client, counting the request out when it ends.
+        self.count(replica, reason);
+        // With disaggregation: where the request goes after its first token.
+        let decode = self.prefill_replicas.map(|prefill| {
+            let decode = self.choose_decode(prefill);
+            let transfer = self.next_id.fetch_add(1, Ordering::SeqCst);
+            (decode, transfer)
+        });
+        let pd = decode.map(|(replica, transfer)| PdStage::Prefill { replica, transfer });
+        // Relay events to the client, counting the request out when it ends; a hand-off
+        // moves the request (and its count) to the decode replica.
         let client = request.events;
         let (events, mut relay) = unbounded_channel::<Event>();
+        // The decode replica counts the request from now, so concurrent requests spread
+        // over the decode replicas before their prompts are done.
+        let handoff = decode.map(|(replica, _)| {
+            self.in_flight[replica].fetch_add(1, Ordering::SeqCst);
+            self.count(replica, RouteReason::LeastLoaded);
+            (
+                self.target(replica),
+                Arc::clone(&self.in_flight[replica]),
+                request.prompt_tokens.clone(),
+                request.params.clone(),
+            )
+        });
+        let received_at = request.received_at;
         tokio::spawn(async move {
+            // The counts this request still holds: its prefill replica's until the
+            // hand-off, its decode replica's until the end.
+            let mut held: Vec<Arc<AtomicU64>> = vec![in_flight];
+            held.extend(handoff.as_ref().map(|h| Arc::clone(&h.1)));
             while let Some(event) = relay.recv().await {
+                if let (
+                    Event::HandedOff {
+                        first_token,
+                        cached_tokens,
+                    },
+                    Some((target, _, prompt_tokens, params)),
+                    Some((_, transfer)),
+                ) = (&event, &handoff, decode)
+                {
+                    held.remove(0).fetch_sub(1, Ordering::SeqCst);
+                    let (events, next) = unbounded_channel::<Event>();
+                    relay = next;
+                    let submitted = target.submit(Request {
+                        prompt_tokens: prompt_tokens.clone(),
+                        params: params.clone(),
+                        events,
+                        received_at,
+                        pd: Some(PdStage::Decode {
+                            transfer,
+                            first_token: *first_token,
+                            cached_tokens: *cached_tokens,
+                        }),
+                    });
+                    if let Err(error) = submitted {
+                        let _ = client.send(Event::Error(error));
+                        break;
+                    }
+                    continue;
+                }
                 let done = matches!(event, Event::Done { .. } | Event::Error(_));
                 if client.send(event).is_err() || done {
                     break;
                 }
             }
-            in_flight.fetch_sub(1, Ordering::SeqCst);
+            for count in held {
+                count.fetch_sub(1, Ordering::SeqCst);
+            }
         });
-        if replica == 0 {
-            return self.local.submit(Request {
-                prompt_tokens: request.prompt_tokens,
-                params: request.params,
-                events,
-                received_at: request.received_at,
-            });
+        self.target(replica).submit(Request {
+            prompt_tokens: request.prompt_tokens,
+            params: request.params,
+            events,
+            received_at,
+            pd,
+        })
+    }
+}
+
+/// Where a request can be submitted: the local scheduler or a remote replica's driver.
+#[derive(Clone)]
+enum Target {
+    Local(Scheduler),
+    Remote {
+        replica: usize,
+        frames: UnboundedSender<ToReplica>,
+        pending: Pending,
+        next_id: Arc<AtomicU64>,
+    },
+}
+
+impl Target {
+    /// Submits `request`. Errors: the replica has stopped.
+    fn submit(&self, request: Request) -> Result<(), String> {
+        match self {
+            Target::Local(scheduler) => scheduler.submit(request),
+            Target::Remote {
+                replica,
+                frames,
+                pending,
+                next_id,
+            } => {
+                let id = next_id.fetch_add(1, Ordering::SeqCst);
+                pending
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id, request.events);
+                frames
+                    .send(ToReplica::Submit {
+                        id,
+                        prompt_tokens: request.prompt_tokens,
+                        params: request.params,
+                        pd: request.pd,
+                    })
+                    .map_err(|_| format!("DP replica {replica} has stopped"))
+            }
         }
-        let remote = &self.remotes[replica - 1];
-        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
-        remote
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, events);
-        remote
-            .frames
-            .send(ToReplica::Submit {
-                id,
-                prompt_tokens: request.prompt_tokens,
-                params: request.params,
-            })
-            .map_err(|_| format!("DP replica {replica} has stopped"))
     }
 }
 
@@ -559,12 +683,15 @@ pub async fn serve_remote(
                 let _ = frames.send(FromReplica::Metrics(scheduler.metrics.snapshot()));
             }
             frame = read_frame::<ToReplica>(&mut reader) => match frame? {
-                ToReplica::Submit { id, prompt_tokens, params } => {
+                ToReplica::Submit { id, prompt_tokens, params, pd } => {
                     let (events, mut receiver) = unbounded_channel::<Event>();
                     let relay_frames = frames.clone();
                     let relay = tokio::spawn(async move {
                         while let Some(event) = receiver.recv().await {
-                            let done = matches!(event, Event::Done { .. } | Event::Error(_));
+                            let done = matches!(
+                                event,
+                                Event::Done { .. } | Event::Error(_) | Event::HandedOff { .. }
+                            );
                             if relay_frames.send(FromReplica::Event { id, event }).is_err() || done {
                                 break;
                             }
@@ -577,6 +704,7 @@ pub async fn serve_remote(
                         params,
                         events,
                         received_at: Instant::now(),
+                        pd,
                     }) {
                         let _ = frames.send(FromReplica::Event { id, event: Event::Error(error) });
                     }

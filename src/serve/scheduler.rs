@@ -15,7 +15,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::runtime::exec::engine::LocalExecutor;
 use crate::runtime::exec::engine::{Engine, FinishReason};
-use crate::runtime::exec::executor::{Executor, StepEntry};
+use crate::runtime::exec::executor::{Executor, Handoff, StepEntry};
 use crate::runtime::exec::kv::blocks_for;
 use crate::runtime::model::sampling::SamplingParams;
 use crate::runtime::model::tokenizer::TextStream;
@@ -27,6 +27,24 @@ pub struct Request {
     /// Where the events of this request go; dropping the receiver cancels it.
     pub events: UnboundedSender<Event>,
     pub received_at: Instant,
+    /// Its stage under prefill/decode disaggregation (`None`: colocated, all here).
+    pub pd: Option<PdStage>,
+}
+
+/// A request's stage under prefill/decode disaggregation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum PdStage {
+    /// Prefill here, sample the first token, send the KV to decode replica `replica` as
+    /// transfer `transfer`, then answer [`Event::HandedOff`] instead of decoding.
+    Prefill { replica: usize, transfer: u64 },
+    /// Decode here from KV transfer `transfer`: the prompt's KV arrives from the prefill
+    /// replica, which sampled `first_token` and whose prefix cache supplied
+    /// `cached_tokens`.
+    Decode {
+        transfer: u64,
+        first_token: u32,
+        cached_tokens: usize,
+    },
 }
 
 /// What a request hears back.
@@ -54,6 +72,12 @@ pub enum Event {
     },
     /// The engine failed on this request.
     Error(String),
+    /// A prefill replica is done with the request: its first token was sent, its KV is on
+    /// the way to the decode replica, which continues from `first_token`.
+    HandedOff {
+        first_token: u32,
+        cached_tokens: usize,
+    },
 }
 
 /// Counters and histograms for `/metrics` (Prometheus text).
@@ -76,6 +100,13 @@ pub struct Metrics {
     pub prefix_cache_hits_total: AtomicU64,
     /// Cached blocks evicted to make room (the pool's count).
     pub prefix_cache_evictions_total: AtomicU64,
+    /// Prefill/decode disaggregation: KV bytes sent to decode replicas and the seconds spent
+    /// sending them (by the driver rank's shard), requests handed off, and prompt tokens a
+    /// decode replica computed itself (recomputation after a preemption; 0 otherwise).
+    pub pd_kv_bytes_sent_total: AtomicU64,
+    pub pd_kv_send_micros_total: AtomicU64,
+    pub pd_handoffs_total: AtomicU64,
+    pub pd_decode_prefill_tokens_total: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
 }
@@ -176,6 +207,14 @@ pub struct MetricsSnapshot {
     pub prefix_cache_hits_total: u64,
     #[serde(default)]
     pub prefix_cache_evictions_total: u64,
+    #[serde(default)]
+    pub pd_kv_bytes_sent_total: u64,
+    #[serde(default)]
+    pub pd_kv_send_micros_total: u64,
+    #[serde(default)]
+    pub pd_handoffs_total: u64,
+    #[serde(default)]
+    pub pd_decode_prefill_tokens_total: u64,
     pub ttft: HistogramSnapshot,
     pub tpot: HistogramSnapshot,
 }
@@ -195,6 +234,10 @@ impl MetricsSnapshot {
         self.prefix_cache_queries_total += other.prefix_cache_queries_total;
         self.prefix_cache_hits_total += other.prefix_cache_hits_total;
         self.prefix_cache_evictions_total += other.prefix_cache_evictions_total;
+        self.pd_kv_bytes_sent_total += other.pd_kv_bytes_sent_total;
+        self.pd_kv_send_micros_total += other.pd_kv_send_micros_total;
+        self.pd_handoffs_total += other.pd_handoffs_total;
+        self.pd_decode_prefill_tokens_total += other.pd_decode_prefill_tokens_total;
         self.ttft.add(&other.ttft);
         self.tpot.add(&other.tpot);
     }
@@ -217,6 +260,10 @@ impl Metrics {
             prefix_cache_queries_total: load(&self.prefix_cache_queries_total),
             prefix_cache_hits_total: load(&self.prefix_cache_hits_total),
             prefix_cache_evictions_total: load(&self.prefix_cache_evictions_total),
+            pd_kv_bytes_sent_total: load(&self.pd_kv_bytes_sent_total),
+            pd_kv_send_micros_total: load(&self.pd_kv_send_micros_total),
+            pd_handoffs_total: load(&self.pd_handoffs_total),
+            pd_decode_prefill_tokens_total: load(&self.pd_decode_prefill_tokens_total),
             ttft: self.ttft.snapshot(),
             tpot: self.tpot.snapshot(),
         }
@@ -318,7 +365,10 @@ impl Scheduler {
             return Err(format!("the engine has failed: {error}"));
         }
         self.metrics.waiting.fetch_add(1, Ordering::SeqCst);
-        self.metrics.requests_total.fetch_add(1, Ordering::SeqCst);
+        // A decode replica continues a request its prefill replica already counted.
+        if !matches!(request.pd, Some(PdStage::Decode { .. })) {
+            self.metrics.requests_total.fetch_add(1, Ordering::SeqCst);
+        }
         self.sender
             .send(request)
             .map_err(|_| "the engine has stopped".to_string())
@@ -339,6 +389,9 @@ struct Running {
     cached_tokens: usize,
     /// Prompt tokens the prefix cache supplied on the sequence's first admission.
     prefix_hit_tokens: Option<usize>,
+    /// A decode replica's sequence whose prompt KV comes as this transfer (until its first
+    /// step takes it).
+    import: Option<u64>,
     generated: Vec<u32>,
     stream: TextStream,
     text: String,
@@ -407,21 +460,42 @@ fn run(
     metrics
         .kv_blocks_total
         .store(pool.capacity_blocks() as u64, Ordering::SeqCst);
+    let tokenizer = executor.tokenizer().clone();
     let mut receive = |request: Request| {
         next_seq += 1;
-        Running {
+        let mut running = Running {
             seq: next_seq,
             new: true,
             pending: request.prompt_tokens.clone(),
             cached_tokens: 0,
             prefix_hit_tokens: None,
+            import: None,
             generated: Vec::new(),
             stream: TextStream::default(),
             text: String::new(),
             first_token_at: None,
             last_token_at: Instant::now(),
             request,
+        };
+        if let Some(PdStage::Decode {
+            transfer,
+            first_token,
+            cached_tokens,
+        }) = running.request.pd
+        {
+            // The prefill replica sent the first token (and observed the TTFT): continue
+            // after it, its text already counted for stop strings.
+            running.import = Some(transfer);
+            running.pending = vec![first_token];
+            running.generated = vec![first_token];
+            running.text = running
+                .stream
+                .push(&tokenizer, first_token)
+                .unwrap_or_default();
+            running.prefix_hit_tokens = Some(cached_tokens);
+            running.first_token_at = Some(running.request.received_at);
         }
+        running
     };
     let store_kv_metrics = || {
         let used = pool.used_blocks();
@@ -514,7 +588,11 @@ fn run(
             let Some(candidate) = waiting.front() else {
                 break;
             };
-            let total = candidate.pending.len();
+            // An imported sequence holds its prompt's positions and computes one token.
+            let imported = candidate
+                .import
+                .map(|_| candidate.request.prompt_tokens.len());
+            let total = candidate.pending.len() + imported.unwrap_or(0);
             if blocks_for(total) > pool.capacity_blocks() {
                 let hopeless = waiting.pop_front().expect("front exists");
                 metrics.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -526,12 +604,15 @@ fn run(
                 continue;
             }
             // The last pending token is always computed: its logits give the next token.
-            let hit = pool.cached_prefix(
-                &candidate.pending[..total - 1],
-                candidate.request.prompt_tokens.len(),
-            );
-            let chunk = (total - hit.tokens).min(left);
-            let blocks = blocks_for(hit.tokens + chunk) - hit.held_blocks;
+            let hit = match imported {
+                Some(_) => Default::default(),
+                None => pool.cached_prefix(
+                    &candidate.pending[..total - 1],
+                    candidate.request.prompt_tokens.len(),
+                ),
+            };
+            let chunk = (candidate.pending.len() - hit.tokens).min(left);
+            let blocks = blocks_for(imported.unwrap_or(hit.tokens) + chunk) - hit.held_blocks;
             if blocks > free {
                 break;
             }
@@ -575,7 +656,25 @@ fn run(
                 let r = &mut running[p.index];
                 let prefix_tokens: Vec<u32> = r.pending.drain(..p.prefix).collect();
                 let tokens: Vec<u32> = r.pending.drain(..p.chunk).collect();
-                r.cached_tokens += p.prefix + p.chunk;
+                let import = r.import.take();
+                r.cached_tokens +=
+                    p.prefix + p.chunk + import.map_or(0, |_| r.request.prompt_tokens.len());
+                let sample = r.pending.is_empty();
+                let handoff = match r.request.pd {
+                    Some(PdStage::Prefill { replica, transfer })
+                        if sample && r.generated.is_empty() =>
+                    {
+                        Some(Handoff { replica, transfer })
+                    }
+                    _ => None,
+                };
+                // A decode replica's sequence that starts without its KV: recomputation.
+                if r.new && import.is_none() && matches!(r.request.pd, Some(PdStage::Decode { .. }))
+                {
+                    metrics
+                        .pd_decode_prefill_tokens_total
+                        .fetch_add(tokens.len() as u64, Ordering::SeqCst);
+                }
                 StepEntry {
                     seq: r.seq,
                     tokens,
@@ -583,7 +682,9 @@ fn run(
                     sampled_before: r.generated.len(),
                     prompt_tokens: r.request.prompt_tokens.len(),
                     prefix_tokens,
-                    sample: r.pending.is_empty(),
+                    sample,
+                    handoff,
+                    import,
                 }
             })
             .collect();
@@ -671,6 +772,14 @@ fn run(
             {
                 finish(r, FinishReason::Length);
                 finished.push(index);
+            } else if matches!(r.request.pd, Some(PdStage::Prefill { .. })) {
+                // Its KV went to the decode replica with this step: that one goes on.
+                let _ = r.request.events.send(Event::HandedOff {
+                    first_token: token,
+                    cached_tokens: r.prefix_hit_tokens.unwrap_or(0),
+                });
+                metrics.pd_handoffs_total.fetch_add(1, Ordering::SeqCst);
+                finished.push(index);
             } else {
                 r.pending = vec![token];
             }
@@ -687,6 +796,13 @@ fn run(
             release.push(done.seq);
         }
         store_kv_metrics();
+        let (kv_bytes, kv_secs) = executor.kv_sent();
+        metrics
+            .pd_kv_bytes_sent_total
+            .store(kv_bytes, Ordering::SeqCst);
+        metrics
+            .pd_kv_send_micros_total
+            .store((kv_secs * 1e6) as u64, Ordering::SeqCst);
         metrics
             .running
             .store(running.len() as u64, Ordering::SeqCst);

@@ -13,6 +13,7 @@ mod engines;
 mod fake_sysfs;
 mod kernels;
 mod model;
+mod pd;
 mod plan;
 mod prefix;
 mod readme;

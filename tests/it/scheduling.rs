@@ -101,6 +101,7 @@ fn submit(scheduler: &Scheduler, prompt: &[u32], params: &SamplingParams) -> Pen
             params: params.clone(),
             events,
             received_at: Instant::now(),
+            pd: None,
         })
         .expect("the scheduler runs");
     receiver
@@ -118,6 +119,7 @@ fn wait(mut receiver: Pending) -> Outcome {
                 };
             }
             Event::Error(message) => panic!("request failed: {message}"),
+            Event::HandedOff { .. } => panic!("a colocated request was handed off"),
         }
     }
     panic!("the scheduler stopped")

@@ -142,6 +142,11 @@ impl Executor for LocalExecutor<'_> {
         let engine = self.engine;
         let sequences = &mut self.sequences;
         for entry in entries {
+            if entry.handoff.is_some() || entry.import.is_some() {
+                bail!(
+                    "prefill/decode disaggregation runs on rank processes (infer up --prefill N --decode M)"
+                );
+            }
             if let Some(params) = &entry.params {
                 let mut sampler = Sampler::new(params);
                 sampler.skip(entry.sampled_before);

@@ -77,6 +77,25 @@ pub struct StepEntry {
     /// Whether to sample a token after this step. `false` for a chunk of a prompt that
     /// continues next step: no token, and the sampler's random stream is untouched.
     pub sample: bool,
+    /// On a prefill replica, with the step that samples the prompt's first token: every
+    /// rank sends its shard's keys and values of the sequence to the same rank of the
+    /// decode replica (prefill/decode disaggregation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff: Option<Handoff>,
+    /// With `params`, on a decode replica: the id of the KV transfer that holds the
+    /// sequence's prompt (every rank takes its shard's part from its inbox instead of
+    /// computing it); `tokens` is then the first token, sampled by the prefill replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub import: Option<u64>,
+}
+
+/// Where a prefill replica sends a sequence's KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handoff {
+    /// The decode replica's data-parallel rank.
+    pub replica: usize,
+    /// The transfer's id, unique in the run (the router's request id).
+    pub transfer: u64,
 }
 
 impl StepEntry {
@@ -90,6 +109,8 @@ impl StepEntry {
             prompt_tokens: prompt.len(),
             prefix_tokens: Vec::new(),
             sample: true,
+            handoff: None,
+            import: None,
         }
     }
 
@@ -103,6 +124,8 @@ impl StepEntry {
             prompt_tokens: 0,
             prefix_tokens: Vec::new(),
             sample: true,
+            handoff: None,
+            import: None,
         }
     }
 }
@@ -143,6 +166,12 @@ pub trait Executor: Send {
 
     /// The model's tokenizer (EOS ids, detokenization).
     fn tokenizer(&self) -> &Tokenizer;
+
+    /// KV bytes this executor's driver rank sent to decode replicas so far, and the seconds
+    /// spent sending them (prefill/decode disaggregation; 0 elsewhere).
+    fn kv_sent(&self) -> (u64, f64) {
+        (0, 0.0)
+    }
 
     /// The model's context length, tokens.
     fn max_context_tokens(&self) -> usize;

@@ -641,6 +641,11 @@ where
             return Ok(Vec::new());
         }
         for entry in entries {
+            if entry.handoff.is_some() || entry.import.is_some() {
+                bail!(
+                    "prefill/decode disaggregation runs on rank processes (infer up --prefill N --decode M)"
+                );
+            }
             if let Some(params) = &entry.params {
                 if !entry.prefix_tokens.is_empty() {
                     // The ledger pool never turns its prefix cache on.

@@ -3,5 +3,6 @@
 pub mod engine;
 pub mod executor;
 pub mod forward;
+pub mod handoff;
 pub mod kv;
 pub mod worker;

@@ -20,8 +20,9 @@ use crate::runtime::collectives::shm::ShmComm;
 use crate::runtime::collectives::{Comm, TcpComm};
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::executor::{
-    Executor, Sampled, StepEntry, first_step_cache, generate, sample,
+    Executor, Handoff, Sampled, StepEntry, first_step_cache, generate, sample,
 };
+use crate::runtime::exec::handoff::{Inbox, Outbox};
 use crate::runtime::exec::kv::KvPool;
 use crate::runtime::formats::gguf::GgufFile;
 use crate::runtime::model::llama::{KvCache, Llama, SequenceInput, StageOutput};
@@ -64,6 +65,9 @@ pub struct RankConfig {
     /// Where this rank's collectives listen: its host's data-network address
     /// (`INFER_BIND_ADDR`; `127.0.0.1` when every rank is on one host).
     pub bind_addr: String,
+    /// Prefill/decode disaggregation (`INFER_PD_PREFILL`): the first this many DP replicas
+    /// prefill, the others decode; `None`: every replica does both.
+    pub pd_prefill_replicas: Option<usize>,
     /// The global ranks on this rank's host: `RANK - LOCAL_RANK` and the next
     /// `LOCAL_WORLD_SIZE - 1` (the launcher places a host's ranks consecutively). Only
     /// groups inside it may use shared memory.
@@ -294,6 +298,20 @@ fn bench_all_reduce(
     Ok(())
 }
 
+/// A rank's end of prefill/decode disaggregation.
+enum PdLink {
+    /// Colocated serving: every replica prefills and decodes.
+    None,
+    /// A prefill replica's rank: sends its shard's KV to the same rank of each decode
+    /// replica (their inbox addresses by DP rank).
+    Prefill {
+        outbox: Outbox,
+        peers: HashMap<usize, String>,
+    },
+    /// A decode replica's rank: receives its shard's KV.
+    Decode(Inbox),
+}
+
 /// One rank's part of a replica: its shard, its groups, and the per-sequence state it keeps
 /// between steps (KV caches; samplers on the sampling rank).
 pub struct Member {
@@ -313,6 +331,8 @@ pub struct Member {
     /// The TP group again, for the MoE all-to-all, when experts are sharded.
     ep_comm: Option<ShmComm>,
     caches: HashMap<u64, KvCache>,
+    /// This rank's end of the KV hand-off between prefill and decode replicas.
+    pd: PdLink,
     /// Only on the sampling rank (last stage, tp rank 0).
     samplers: HashMap<u64, Sampler>,
     pool: rayon::ThreadPool,
@@ -381,6 +401,29 @@ impl Member {
         } else {
             None
         };
+        // Decode ranks publish their inbox before prefill ranks wait for them.
+        let pd = match config.pd_prefill_replicas {
+            None => PdLink::None,
+            Some(prefill) if dp_rank >= prefill => {
+                let inbox = Inbox::bind(&config.bind_addr, &config.token)?;
+                store.set(
+                    &format!("pd/{dp_rank}/{rank}"),
+                    inbox.address().to_string().as_bytes(),
+                )?;
+                PdLink::Decode(inbox)
+            }
+            Some(prefill) => {
+                let mut peers = HashMap::new();
+                for decode in prefill..dp {
+                    let address = store.get(&format!("pd/{decode}/{rank}"), config.timeout)?;
+                    peers.insert(decode, String::from_utf8_lossy(&address).into_owned());
+                }
+                PdLink::Prefill {
+                    outbox: Outbox::new(&config.token),
+                    peers,
+                }
+            }
+        };
         Ok((
             Member {
                 rank,
@@ -395,6 +438,7 @@ impl Member {
                 replica,
                 ep_comm,
                 caches: HashMap::new(),
+                pd,
                 samplers: HashMap::new(),
                 team: crate::runtime::cpu::team::Team::new(pool.current_num_threads())
                     .map_err(|e| anyhow!("thread team: {e}"))?,
@@ -419,8 +463,11 @@ impl Member {
         let is_sampler = self.rank == self.sampler_rank();
         for entry in entries {
             if let Some(params) = &entry.params {
-                let cache = first_step_cache(self.shard.kv_pool(), entry)
-                    .with_context(|| format!("rank {}", self.global_rank))?;
+                let cache = match entry.import {
+                    Some(transfer) => self.import(transfer)?,
+                    None => first_step_cache(self.shard.kv_pool(), entry)
+                        .with_context(|| format!("rank {}", self.global_rank))?,
+                };
                 self.caches.insert(entry.seq, cache);
                 if is_sampler {
                     let mut sampler = Sampler::new(params);
@@ -473,7 +520,13 @@ impl Member {
         for (entry, cache) in entries.iter().zip(caches) {
             self.caches.insert(entry.seq, cache);
         }
-        match output? {
+        let output = output?;
+        for entry in entries {
+            if let Some(handoff) = entry.handoff {
+                self.hand_off(entry.seq, handoff)?;
+            }
+        }
+        match output {
             StageOutput::Hidden(hidden) => {
                 self.pp_comm
                     .send(pp_rank + 1, bytemuck::cast_slice(&hidden))?;
@@ -498,6 +551,52 @@ impl Member {
                 .collect(),
             StageOutput::Logits(_) => Ok(Vec::new()),
         }
+    }
+
+    /// The KV cache of a sequence prefilled elsewhere: this shard's part of transfer
+    /// `transfer`, from the inbox. Errors: not a decode replica, the parts do not arrive
+    /// within the timeout, a transfer of another shape.
+    fn import(&mut self, transfer: u64) -> Result<KvCache> {
+        let PdLink::Decode(inbox) = &self.pd else {
+            bail!(
+                "rank {}: a KV import on a replica that is not a decode replica",
+                self.global_rank
+            );
+        };
+        let parts = inbox
+            .take(transfer, self.shard.layers.len(), self.timeout)
+            .with_context(|| format!("rank {}", self.global_rank))?;
+        let mut cache = self.shard.new_cache();
+        for part in &parts {
+            cache.import_layers(part)?;
+        }
+        cache.finish_import();
+        Ok(cache)
+    }
+
+    /// Sends this shard's KV of sequence `seq` to the same rank of the decode replica.
+    /// Errors: not a prefill replica, an unknown replica or sequence, a failed send.
+    fn hand_off(&mut self, seq: u64, handoff: Handoff) -> Result<()> {
+        let PdLink::Prefill { outbox, peers } = &mut self.pd else {
+            bail!(
+                "rank {}: a KV hand-off on a replica that is not a prefill replica",
+                self.global_rank
+            );
+        };
+        let address = peers.get(&handoff.replica).with_context(|| {
+            format!(
+                "rank {}: replica {} is not a decode replica",
+                self.global_rank, handoff.replica
+            )
+        })?;
+        let cache = self
+            .caches
+            .get(&seq)
+            .with_context(|| format!("rank {}: sequence {seq} is unknown", self.global_rank))?;
+        let transfer = cache.export_layers(0..self.shard.layers.len())?;
+        outbox
+            .send(address, handoff.transfer, &transfer)
+            .with_context(|| format!("rank {}", self.global_rank))
     }
 
     /// A follower's loop: receive the driver's messages and run them until `Done`.
@@ -580,6 +679,13 @@ impl Executor for ReplicaDriver {
 
     fn idle(&mut self) -> Result<()> {
         self.broadcast(&Message::Idle)
+    }
+
+    fn kv_sent(&self) -> (u64, f64) {
+        match &self.member.pd {
+            PdLink::Prefill { outbox, .. } => (outbox.kv_bytes_sent, outbox.send_secs),
+            _ => (0, 0.0),
+        }
     }
 
     fn errors_are_fatal(&self) -> bool {

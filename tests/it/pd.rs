@@ -1,0 +1,228 @@
+//! Prefill/decode disaggregation through `infer up --prefill N --decode M` (real rank
+//! processes, real HTTP, the official `openai` client): prompts run on prefill replicas,
+//! whose ranks send their shard's KV straight to the same rank of a decode replica, which
+//! generates the rest — the tokens colocated serving gives, greedy and seeded, streaming
+//! and not; the KV bytes are exactly the prompts' KV size and decode replicas compute no
+//! prompt.
+
+use serde_json::{Value, json};
+
+use crate::scheduling::{QUESTIONS, SYSTEM};
+use crate::serve::Server;
+
+/// SmolLM2's KV bytes per position: 30 layers × (keys, values) × 3 KV heads × 64 dims × f16.
+const KV_BYTES_PER_TOKEN: u64 = 30 * 2 * 3 * 64 * 2;
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
+/// The requests every layout answers: completions and chat, greedy and seeded.
+fn bodies() -> Vec<(&'static str, Value)> {
+    vec![
+        (
+            "/v1/completions",
+            json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 7}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}],
+                   "max_tokens": 12, "temperature": 0}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 10, "temperature": 0.8, "seed": 3}),
+        ),
+    ]
+}
+
+/// What a reply says: its text and usage.
+fn answer(reply: &Value) -> (Value, Value) {
+    let choice = &reply["choices"][0];
+    let text = if choice["text"].is_null() {
+        choice["message"]["content"].clone()
+    } else {
+        choice["text"].clone()
+    };
+    (text, reply["usage"].clone())
+}
+
+/// The text of a streamed request, joined from its chunks.
+fn streamed(server: &Server, path: &str, body: &Value) -> String {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let response = ureq::post(&format!("{}{path}", server.url))
+        .send_json(&body)
+        .expect("stream");
+    let text = response.into_body().read_to_string().expect("SSE");
+    let mut out = String::new();
+    for line in text.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).expect("chunk JSON");
+        assert!(chunk.get("error").is_none(), "{chunk}");
+        let choice = &chunk["choices"][0];
+        if let Some(piece) = choice["text"]
+            .as_str()
+            .or_else(|| choice["delta"]["content"].as_str())
+        {
+            out.push_str(piece);
+        }
+    }
+    out
+}
+
+fn colocated_answers() -> Vec<(Value, Value)> {
+    let server = Server::start(&[]);
+    bodies()
+        .iter()
+        .map(|(path, body)| {
+            let (status, reply) = server.post(path, body);
+            assert_eq!(status, 200, "{reply}");
+            answer(&reply)
+        })
+        .collect()
+}
+
+fn disaggregated_serving_gives_the_colocated_tokens(layout: &[&str]) {
+    let reference = colocated_answers();
+    let server = Server::start(layout);
+    let mut prompt_tokens = 0;
+    for ((path, body), expected) in bodies().iter().zip(&reference) {
+        let (status, reply) = server.post(path, body);
+        assert_eq!(status, 200, "{reply}");
+        let got = answer(&reply);
+        assert_eq!(got.0, expected.0, "{path} {body}");
+        assert_eq!(
+            got.1["completion_tokens"], expected.1["completion_tokens"],
+            "{body}"
+        );
+        assert_eq!(
+            got.1["prompt_tokens"], expected.1["prompt_tokens"],
+            "{body}"
+        );
+        prompt_tokens += got.1["prompt_tokens"].as_u64().expect("prompt_tokens");
+        assert_eq!(
+            streamed(&server, path, body),
+            expected.0.as_str().expect("text"),
+            "streamed {body}"
+        );
+    }
+    let metrics = server.metrics();
+    // Every request was handed off twice (plain and streamed), each with its prompt's KV.
+    let requests = (2 * bodies().len()) as f64;
+    assert_eq!(
+        metric(&metrics, "infer_pd_handoffs_total"),
+        requests,
+        "{metrics}"
+    );
+    let tp: u64 = layout
+        .windows(2)
+        .find(|w| w[0] == "--tp")
+        .map_or(1, |w| w[1].parse().expect("tp"));
+    // The counter is the driver ranks' shards: 1/tp of the heads under TP.
+    assert_eq!(
+        metric(&metrics, "infer_pd_kv_bytes_sent_total"),
+        (2 * prompt_tokens * KV_BYTES_PER_TOKEN / tp) as f64,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
+        0.0,
+        "{metrics}"
+    );
+}
+
+#[test]
+fn one_prefill_and_one_decode_replica_give_the_colocated_tokens() {
+    disaggregated_serving_gives_the_colocated_tokens(&["--prefill", "1", "--decode", "1"]);
+}
+
+/// With two decode replicas, concurrent requests are spread over both (least loaded), and
+/// every answer is still the colocated one.
+#[test]
+fn two_decode_replicas_give_the_colocated_tokens() {
+    let layout = ["--prefill", "1", "--decode", "2"];
+    disaggregated_serving_gives_the_colocated_tokens(&layout);
+    let reference = colocated_answers();
+    let server = Server::start(&layout);
+    let bodies = bodies();
+    let greedy: Vec<Value> = [0, 2, 0, 2, 0, 2]
+        .iter()
+        .map(|&i| bodies[i].1.clone())
+        .collect();
+    let paths = ["/v1/completions", "/v1/chat/completions"];
+    for (path, index) in paths.iter().zip([0, 2]) {
+        let same: Vec<Value> = greedy
+            .iter()
+            .filter(|b| *b == &bodies[index].1)
+            .cloned()
+            .collect();
+        for (status, reply) in server.post_all(path, &same) {
+            assert_eq!(status, 200, "{reply}");
+            assert_eq!(answer(&reply).0, reference[index].0, "{reply}");
+        }
+    }
+    let metrics = server.metrics();
+    for replica in [1, 2] {
+        let routed = metric(
+            &metrics,
+            &format!("infer_dp_requests_routed_total{{replica=\"{replica}\"}}"),
+        );
+        assert!(
+            routed > 0.0,
+            "decode replica {replica} got nothing:\n{metrics}"
+        );
+    }
+}
+
+#[test]
+fn tp3_on_both_roles_gives_the_colocated_tokens() {
+    disaggregated_serving_gives_the_colocated_tokens(&[
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--tp",
+        "3",
+    ]);
+}
+
+#[test]
+fn the_official_openai_client_works_against_a_disaggregated_deployment() {
+    let server = Server::start(&["--prefill", "1", "--decode", "1"]);
+    let got = crate::serve::run_openai_client(&server.url);
+    let generate = crate::serve::generate_counting();
+    assert_eq!(got["completion_text"], generate["text"], "{got}");
+    assert_eq!(got["streamed_text"], generate["text"], "{got}");
+    assert_eq!(got["stream_usage"]["completion_tokens"], 16, "{got}");
+    assert!(got["chat_chunks"].as_u64().unwrap_or(0) > 2, "{got}");
+}
+
+#[test]
+fn bad_disaggregation_flags_exit_2() {
+    for (args, expected) in [
+        (&["--prefill", "1"][..], "--decode"),
+        (&["--prefill", "0", "--decode", "1"][..], "at least 1"),
+        (
+            &["--prefill", "1", "--decode", "1", "--dp", "2"][..],
+            "--dp",
+        ),
+    ] {
+        let output = crate::run(&[&["up", "--port", "0"][..], args].concat());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
