@@ -642,6 +642,11 @@ impl Gang {
                     self.every_exit_fails,
                     self.store_address,
                 )?;
+                // A rank that stored the result and exited between the wait above and
+                // this check succeeded: look once more before calling it a failure.
+                if let Ok(bytes) = self.client.get(key, Duration::from_millis(500)) {
+                    return Ok(Some(bytes));
+                }
                 return Err(anyhow!("every rank exited without `{key}`"));
             }
         }
