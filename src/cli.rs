@@ -271,6 +271,13 @@ pub struct BenchServeArgs {
     /// Serve with the prefix cache off (`infer up --no-prefix-cache`), for comparison.
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Serve disaggregated: this many prefill replicas (`infer up --prefill`, with
+    /// `--decode`), each `--tp × --pp` ranks.
+    #[arg(long, value_name = "N", requires = "decode")]
+    pub prefill: Option<usize>,
+    /// Decode replicas of a disaggregated server (`infer up --decode`, with `--prefill`).
+    #[arg(long, value_name = "M", requires = "prefill")]
+    pub decode: Option<usize>,
 }
 
 /// `infer bench serve --workload`.

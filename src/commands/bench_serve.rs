@@ -126,6 +126,14 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.no_prefix_cache {
         command.arg("--no-prefix-cache");
     }
+    if let (Some(prefill), Some(decode)) = (args.prefill, args.decode) {
+        command.args([
+            "--prefill",
+            &prefill.to_string(),
+            "--decode",
+            &decode.to_string(),
+        ]);
+    }
     let numerics = crate::runtime::cpu::quant::Numerics::from(args.numerics).name();
     command.args(["--numerics", numerics]);
     if let Some(model) = &args.model {
@@ -165,9 +173,15 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     client
         .block_on(request(&address, PROMPTS[0], 8, false))
         .context("warm-up request failed")?;
+    let replicas = args.prefill.zip(args.decode);
     let mut rows = vec![format!(
         "time to ready  {ready_secs:.2} s (process start to listening, {})",
-        if args.tp * args.pp > 1 {
+        if let Some((prefill, decode)) = replicas {
+            format!(
+                "disaggregated: {prefill} prefill + {decode} decode replicas of tp {} × pp {}",
+                args.tp, args.pp
+            )
+        } else if args.tp * args.pp > 1 {
             format!(
                 "{} rank processes, tp {} × pp {}",
                 args.tp * args.pp,

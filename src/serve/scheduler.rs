@@ -620,7 +620,8 @@ fn run(
             left -= chunk;
             let mut admitted = waiting.pop_front().expect("front exists");
             metrics.waiting.fetch_sub(1, Ordering::SeqCst);
-            if pool.prefix_cache() {
+            // (An imported sequence looked nothing up: its prefill replica did.)
+            if pool.prefix_cache() && imported.is_none() {
                 metrics
                     .prefix_cache_queries_total
                     .fetch_add(total as u64, Ordering::SeqCst);

@@ -226,3 +226,44 @@ fn bad_disaggregation_flags_exit_2() {
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
 }
+
+/// `infer bench serve --prefill 1 --decode 1` measures a disaggregated server and says so.
+#[test]
+fn bench_serve_measures_a_disaggregated_server() {
+    let output = crate::run(&[
+        "bench",
+        "serve",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "3",
+        "--rounds",
+        "1",
+        "--threads",
+        "2",
+    ]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        stdout.contains("disaggregated: 1 prefill + 1 decode replicas"),
+        "{stdout}"
+    );
+    let row = stdout
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("2"))
+        .unwrap_or_else(|| panic!("no row for 2 streams:\n{stdout}"));
+    let tokens: usize = row
+        .split_whitespace()
+        .last()
+        .and_then(|t| t.parse().ok())
+        .expect("tokens column");
+    assert!((2..=6).contains(&tokens), "{row}");
+}
