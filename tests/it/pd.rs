@@ -246,24 +246,11 @@ fn bench_serve_measures_a_disaggregated_server() {
         "--threads",
         "2",
     ]);
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = crate::serve::bench_serve_stdout(&output);
     assert!(
         stdout.contains("disaggregated: 1 prefill + 1 decode replicas"),
         "{stdout}"
     );
-    let row = stdout
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some("2"))
-        .unwrap_or_else(|| panic!("no row for 2 streams:\n{stdout}"));
-    let tokens: usize = row
-        .split_whitespace()
-        .last()
-        .and_then(|t| t.parse().ok())
-        .expect("tokens column");
-    assert!((2..=6).contains(&tokens), "{row}");
+    let tokens = crate::serve::bench_serve_tokens(&stdout, 2);
+    assert!((2..=6).contains(&tokens), "{stdout}");
 }

@@ -581,26 +581,13 @@ fn bench_serve_prints_a_row_per_concurrency() {
         "--threads",
         "2",
     ]);
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = bench_serve_stdout(&output);
     assert!(stdout.contains("time to ready"), "{stdout}");
     for streams in [1, 3] {
-        let row = stdout
-            .lines()
-            .find(|l| l.split_whitespace().next() == Some(&streams.to_string()))
-            .unwrap_or_else(|| panic!("no row for {streams} streams:\n{stdout}"));
-        let tokens: usize = row
-            .split_whitespace()
-            .last()
-            .and_then(|t| t.parse().ok())
-            .expect("tokens column");
+        let tokens = bench_serve_tokens(&stdout, streams);
         assert!(
             (2 * 2 * streams..=2 * 2 * 4 * streams).contains(&tokens),
-            "{row}"
+            "{stdout}"
         );
     }
     assert!(stdout.contains("x of one stream (sweeps: "), "{stdout}");
@@ -637,6 +624,29 @@ fn bench_serve_prints_a_row_per_concurrency() {
     };
     assert!(hit_rate(&[]) > 50.0);
     assert_eq!(hit_rate(&["--no-prefix-cache"]), 0.0);
+}
+
+/// The stdout of a successful `infer bench serve` run (a failure shows both streams).
+pub fn bench_serve_stdout(output: &std::process::Output) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// The tokens column of `infer bench serve`'s row for `streams` streams.
+pub fn bench_serve_tokens(stdout: &str, streams: usize) -> usize {
+    let row = stdout
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(&streams.to_string()))
+        .unwrap_or_else(|| panic!("no row for {streams} streams:\n{stdout}"));
+    row.split_whitespace()
+        .last()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no tokens column in {row}"))
 }
 
 /// SIGTERM stops the server cleanly: exit 0, the port closed, no rank process left.
