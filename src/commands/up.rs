@@ -52,9 +52,16 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
             if prefill == 0 || decode == 0 {
                 bail!("--prefill and --decode must each be at least 1, got {prefill} and {decode}");
             }
-            if args.plan.is_some() || args.cluster.is_some() || args.nnodes.is_some() {
+            if args.plan.is_some() {
                 bail!(
-                    "--prefill/--decode launch on this host in this build; not with --plan, --cluster or --nnodes"
+                    "--prefill/--decode give the layout themselves (with --tp/--pp for each replica); drop --plan"
+                );
+            }
+            if let Some(cluster) = args.cluster.as_deref().filter(|c| {
+                !crate::cluster::is_inventory(c) && !c.ends_with(".toml") && !c.contains('/')
+            }) {
+                bail!(
+                    "--prefill/--decode run on an inventory's hosts (`--cluster hosts.toml`), not on the planned cluster `{cluster}`"
                 );
             }
             if gpu.is_some() {

@@ -26,7 +26,7 @@ use crate::runtime::exec::engine::FinishReason;
 use crate::runtime::model::chat::{ChatMessage, render};
 use crate::runtime::model::sampling::SamplingParams;
 use crate::runtime::model::tokenizer::Tokenizer;
-use scheduler::{Event, Request};
+use scheduler::{Event, HistogramSnapshot, MetricsSnapshot, Request};
 
 /// What the handlers share.
 pub struct AppState {
@@ -217,7 +217,11 @@ async fn models(Ready(state, _): Ready, headers: HeaderMap) -> Response {
 
 async fn metrics(Ready(state, _): Ready) -> Response {
     // Every replica's metrics added up, the remote replicas' asked for now.
-    let m = state.scheduler.metrics_now().await;
+    let replicas = state.scheduler.replica_metrics_now().await;
+    let mut m = MetricsSnapshot::default();
+    for replica in &replicas {
+        m.add(replica);
+    }
     let series = [
         (
             "infer_requests_running",
@@ -310,6 +314,12 @@ async fn metrics(Ready(state, _): Ready) -> Response {
             m.pd_decode_prefill_tokens_total,
         ),
         (
+            "infer_pd_transfer_failures_total",
+            "Prefill/decode disaggregation: requests failed because their KV transfer failed.",
+            "counter",
+            m.pd_transfer_failures_total,
+        ),
+        (
             "infer_prefix_cache_evictions_total",
             "Cached KV blocks evicted (least recently used first) to make room.",
             "counter",
@@ -337,6 +347,9 @@ async fn metrics(Ready(state, _): Ready) -> Response {
         "infer_time_per_output_token_seconds",
         "Time per output token after the first.",
     ));
+    if let Some(prefill) = state.scheduler.prefill_replicas() {
+        text.push_str(&render_roles(&replicas, prefill));
+    }
     if state.scheduler.replicas() > 1 {
         text.push_str("# HELP infer_dp_requests_routed_total Requests routed to each data-parallel replica.\n# TYPE infer_dp_requests_routed_total counter\n");
         for (replica, count) in state.scheduler.routed().iter().enumerate() {
@@ -355,6 +368,55 @@ async fn metrics(Ready(state, _): Ready) -> Response {
         }
     }
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// Prefill/decode disaggregation's metrics by role (`role="prefill"`: replicas
+/// `0..prefill`, `role="decode"`: the others): requests waiting and running, and the TTFT
+/// and TPOT histograms. A prefill replica observes each request's TTFT; a decode replica its
+/// TPOT, the first decoded token's measured from the hand-off (so it includes the KV
+/// import).
+fn render_roles(replicas: &[MetricsSnapshot], prefill: usize) -> String {
+    let mut roles = [MetricsSnapshot::default(), MetricsSnapshot::default()];
+    for (index, replica) in replicas.iter().enumerate() {
+        roles[usize::from(index >= prefill)].add(replica);
+    }
+    let names = ["prefill", "decode"];
+    let mut text = String::new();
+    for (name, help, value) in [
+        (
+            "infer_pd_requests_waiting",
+            "Requests waiting to join a batch, by prefill/decode role.",
+            (|m: &MetricsSnapshot| m.waiting) as fn(&MetricsSnapshot) -> u64,
+        ),
+        (
+            "infer_pd_requests_running",
+            "Sequences in the running batches, by prefill/decode role.",
+            |m: &MetricsSnapshot| m.running,
+        ),
+    ] {
+        text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n"));
+        for (role, m) in names.iter().zip(&roles) {
+            text.push_str(&format!("{name}{{role=\"{role}\"}} {}\n", value(m)));
+        }
+    }
+    for (name, help, histogram) in [
+        (
+            "infer_pd_time_to_first_token_seconds",
+            "Time to first token, by prefill/decode role (prefill replicas sample first tokens).",
+            (|m: &MetricsSnapshot| &m.ttft) as fn(&MetricsSnapshot) -> &HistogramSnapshot,
+        ),
+        (
+            "infer_pd_time_per_output_token_seconds",
+            "Time per output token after the first, by prefill/decode role (a decode replica's first token counts from the hand-off).",
+            |m: &MetricsSnapshot| &m.tpot,
+        ),
+    ] {
+        text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} histogram\n"));
+        for (role, m) in names.iter().zip(&roles) {
+            text.push_str(&histogram(m).render_labelled(name, &format!("role=\"{role}\"")));
+        }
+    }
+    text
 }
 
 fn now() -> u64 {

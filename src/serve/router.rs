@@ -417,10 +417,10 @@ impl Router {
         total
     }
 
-    /// Every replica's metrics added up, the remote ones asked for now (a `/metrics`
+    /// Every replica's metrics, by replica, the remote ones asked for now (a `/metrics`
     /// scrape sees the state after the requests it just saw finish); a replica that does
     /// not answer within `METRICS_WAIT` (1 s) counts with its last report.
-    pub async fn metrics_now(&self) -> MetricsSnapshot {
+    pub async fn replica_metrics_now(&self) -> Vec<MetricsSnapshot> {
         let mut answers = Vec::with_capacity(self.remotes.len());
         for remote in &self.remotes {
             let id = self.next_id.fetch_add(1, Ordering::SeqCst);
@@ -433,21 +433,31 @@ impl Router {
             let _ = remote.frames.send(ToReplica::Metrics { id });
             answers.push((id, receiver));
         }
-        let mut total = self.metrics.snapshot();
+        let mut all = vec![self.metrics.snapshot()];
         for (remote, (id, receiver)) in self.remotes.iter().zip(answers) {
-            match tokio::time::timeout(METRICS_WAIT, receiver).await {
-                Ok(Ok(snapshot)) => total.add(&snapshot),
+            all.push(match tokio::time::timeout(METRICS_WAIT, receiver).await {
+                Ok(Ok(snapshot)) => snapshot,
                 _ => {
                     remote
                         .waiters
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .remove(&id);
-                    total.add(&remote.metrics.lock().unwrap_or_else(|e| e.into_inner()));
+                    remote
+                        .metrics
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone()
                 }
-            }
+            });
         }
-        total
+        all
+    }
+
+    /// With prefill/decode disaggregation, how many of the replicas (the first ones)
+    /// prefill.
+    pub fn prefill_replicas(&self) -> Option<usize> {
+        self.prefill_replicas
     }
 
     /// Data-parallel replicas behind this router.

@@ -5,7 +5,7 @@
 //! prefix — samples, and streams each sequence's new text to its requester. Finished or
 //! abandoned sequences leave the batch at once.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -107,6 +107,9 @@ pub struct Metrics {
     pub pd_kv_send_micros_total: AtomicU64,
     pub pd_handoffs_total: AtomicU64,
     pub pd_decode_prefill_tokens_total: AtomicU64,
+    /// Requests failed because their KV transfer failed (a send that could not reach the
+    /// decode replica, or KV that never arrived there).
+    pub pd_transfer_failures_total: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
 }
@@ -186,6 +189,25 @@ impl HistogramSnapshot {
         ));
         out
     }
+
+    /// The sample lines of metric `name` with `labels` (`role="decode"`) on each, without
+    /// the `# HELP`/`# TYPE` lines (one family, several label sets).
+    pub fn render_labelled(&self, name: &str, labels: &str) -> String {
+        let mut out = String::new();
+        for (i, bound) in BUCKETS_SECS.iter().enumerate() {
+            // (An empty snapshot has no bucket counts: zeros.)
+            let count = self.buckets.get(i).copied().unwrap_or(0);
+            out.push_str(&format!(
+                "{name}_bucket{{{labels},le=\"{bound}\"}} {count}\n"
+            ));
+        }
+        out.push_str(&format!(
+            "{name}_bucket{{{labels},le=\"+Inf\"}} {count}\n{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {count}\n",
+            self.sum_secs,
+            count = self.count
+        ));
+        out
+    }
 }
 
 /// Every counter and histogram of [`Metrics`] at one moment; remote DP replicas send theirs
@@ -215,6 +237,8 @@ pub struct MetricsSnapshot {
     pub pd_handoffs_total: u64,
     #[serde(default)]
     pub pd_decode_prefill_tokens_total: u64,
+    #[serde(default)]
+    pub pd_transfer_failures_total: u64,
     pub ttft: HistogramSnapshot,
     pub tpot: HistogramSnapshot,
 }
@@ -238,6 +262,7 @@ impl MetricsSnapshot {
         self.pd_kv_send_micros_total += other.pd_kv_send_micros_total;
         self.pd_handoffs_total += other.pd_handoffs_total;
         self.pd_decode_prefill_tokens_total += other.pd_decode_prefill_tokens_total;
+        self.pd_transfer_failures_total += other.pd_transfer_failures_total;
         self.ttft.add(&other.ttft);
         self.tpot.add(&other.tpot);
     }
@@ -264,6 +289,7 @@ impl Metrics {
             pd_kv_send_micros_total: load(&self.pd_kv_send_micros_total),
             pd_handoffs_total: load(&self.pd_handoffs_total),
             pd_decode_prefill_tokens_total: load(&self.pd_decode_prefill_tokens_total),
+            pd_transfer_failures_total: load(&self.pd_transfer_failures_total),
             ttft: self.ttft.snapshot(),
             tpot: self.tpot.snapshot(),
         }
@@ -704,11 +730,29 @@ fn run(
         };
         let now = Instant::now();
         let mut finished = Vec::new();
+        // A failed KV transfer fails its request with an error, never a hang.
+        let failures: HashMap<u64, String> =
+            executor.take_transfer_failures().into_iter().collect();
         for (p, sampled) in plan.iter().zip(&sampled) {
+            let (index, r) = (p.index, &mut running[p.index]);
+            if let Some(why) = failures.get(&r.seq) {
+                // (A prefill whose first token ends the request needs no transfer.)
+                let ends_here = sampled.as_ref().is_some_and(|s| {
+                    executor.tokenizer().eos_ids.contains(&s.token)
+                        || r.request.params.max_tokens <= 1
+                });
+                if !ends_here {
+                    let _ = r.request.events.send(Event::Error(why.clone()));
+                    metrics
+                        .pd_transfer_failures_total
+                        .fetch_add(1, Ordering::SeqCst);
+                    finished.push(index);
+                    continue;
+                }
+            }
             let Some(sampled) = sampled else {
                 continue;
             };
-            let (index, r) = (p.index, &mut running[p.index]);
             let token = sampled.token;
             if r.first_token_at.is_none() {
                 r.first_token_at = Some(now);

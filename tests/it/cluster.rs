@@ -1615,3 +1615,144 @@ fn doctor_over_the_cluster_checks_a_plan_against_the_hosts() {
         "{errors:?}"
     );
 }
+
+/// Prefill/decode disaggregation across two hosts: `infer up --cluster hosts.toml --prefill 1
+/// --decode 1` runs the prefill replica on h0 and the decode replica on h1, whose KV
+/// arrives over the data network; answers equal `infer generate`'s, the decode replica
+/// computes no prompt, and `/metrics` reports by role. A KV transfer that fails (h1's
+/// inbox port rejected by a firewall rule) fails its request with an OpenAI error within
+/// seconds, the server goes on, and answers again once the rule is gone; killing the decode
+/// rank stops the gang, naming it.
+#[test]
+fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a_failed_transfer() {
+    use crate::pd::{KV_BYTES_PER_TOKEN, metric};
+    use crate::serve::{Server, generate_counting};
+    use serde_json::json;
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let inventory = cluster.inventory.display().to_string();
+    let mut server = Server::start(&["--cluster", &inventory, "--prefill", "1", "--decode", "1"]);
+    let manifest = manifest_of(&server.startup);
+    assert_eq!(manifest["ranks"][0]["host"], "h0");
+    assert_eq!(manifest["ranks"][1]["host"], "h1");
+    let reference = generate_counting();
+    let body = json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0});
+    let bodies = vec![body.clone(); 3];
+    let mut prompt_tokens = 0;
+    for (status, reply) in server.post_all("/v1/completions", &bodies) {
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
+        prompt_tokens += reply["usage"]["prompt_tokens"].as_u64().expect("usage");
+    }
+    // The prefill rank on h0 keeps its connection to the decode rank's inbox on h1.
+    cluster.assert_data_connection(0, 1);
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_pd_handoffs_total"),
+        3.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_kv_bytes_sent_total"),
+        (prompt_tokens * KV_BYTES_PER_TOKEN) as f64,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
+        0.0,
+        "{metrics}"
+    );
+    // By role: first tokens on the prefill replica, the other 15 on the decode replica.
+    for (name, value) in [
+        (
+            "infer_pd_time_to_first_token_seconds_count{role=\"prefill\"}",
+            3.0,
+        ),
+        (
+            "infer_pd_time_to_first_token_seconds_count{role=\"decode\"}",
+            0.0,
+        ),
+        (
+            "infer_pd_time_per_output_token_seconds_count{role=\"prefill\"}",
+            0.0,
+        ),
+        (
+            "infer_pd_time_per_output_token_seconds_count{role=\"decode\"}",
+            45.0,
+        ),
+        ("infer_pd_requests_waiting{role=\"prefill\"}", 0.0),
+        ("infer_pd_requests_running{role=\"decode\"}", 0.0),
+    ] {
+        assert_eq!(metric(&metrics, name), value, "{name}:\n{metrics}");
+    }
+    // The decode rank's inbox, from its log; a firewall rule on h1 resets every packet to it.
+    let log_path = manifest["ranks"][1]["log"].as_str().expect("rank 1's log");
+    let log = std::fs::read_to_string(log_path).expect("rank 1's log");
+    let inbox = log
+        .split("KV inbox on ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no inbox address in rank 1's log:\n{log}"));
+    let port = inbox.rsplit(':').next().expect("port").to_string();
+    let firewall = |action: &str| {
+        let status = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &cluster.hosts[1].namespace,
+                "iptables",
+                action,
+            ])
+            .args(["INPUT", "-p", "tcp", "--dport", &port])
+            .args(["-j", "REJECT", "--reject-with", "tcp-reset"])
+            .status()
+            .expect("iptables (apt-get install iptables)");
+        assert!(status.success(), "iptables {action}");
+    };
+    firewall("-A");
+    for attempt in 0..3 {
+        let started = Instant::now();
+        let (status, reply) = server.post("/v1/completions", &body);
+        assert_eq!(status, 500, "attempt {attempt}: {reply}");
+        assert_eq!(reply["error"]["type"], "server_error", "{reply}");
+        let message = reply["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("KV transfer"), "{reply}");
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "attempt {attempt} took {:?}",
+            started.elapsed()
+        );
+    }
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_pd_transfer_failures_total"),
+        3.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_requests_running{role=\"decode\"}"),
+        0.0,
+        "{metrics}"
+    );
+    firewall("-D");
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
+    // A killed decode rank takes the gang down, named.
+    let ranks = server.rank_pids();
+    let victim = manifest["ranks"][1]["pid"].as_u64().expect("pid") as i32;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(victim).expect("pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill the decode rank");
+    let (status, rest) = server.wait_for_gang_exit(&ranks);
+    assert_eq!(status.code(), Some(2), "{rest}");
+    assert!(
+        rest.contains("rank 1 on `h1`") && rest.contains("signal: 9"),
+        "{rest}"
+    );
+}

@@ -11,9 +11,9 @@ use crate::scheduling::{QUESTIONS, SYSTEM};
 use crate::serve::Server;
 
 /// SmolLM2's KV bytes per position: 30 layers × (keys, values) × 3 KV heads × 64 dims × f16.
-const KV_BYTES_PER_TOKEN: u64 = 30 * 2 * 3 * 64 * 2;
+pub const KV_BYTES_PER_TOKEN: u64 = 30 * 2 * 3 * 64 * 2;
 
-fn metric(text: &str, name: &str) -> f64 {
+pub fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(&format!("{name} ")))
         .and_then(|v| v.parse().ok())
@@ -218,6 +218,21 @@ fn bad_disaggregation_flags_exit_2() {
         (
             &["--prefill", "1", "--decode", "1", "--dp", "2"][..],
             "--dp",
+        ),
+        (
+            &["--prefill", "1", "--decode", "1", "--plan", "plan.json"][..],
+            "drop --plan",
+        ),
+        (
+            &[
+                "--prefill",
+                "1",
+                "--decode",
+                "1",
+                "--cluster",
+                "2x8xh100-sxm",
+            ][..],
+            "inventory",
         ),
     ] {
         let output = crate::run(&[&["up", "--port", "0"][..], args].concat());

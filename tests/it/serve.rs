@@ -100,7 +100,7 @@ impl Server {
 
     /// Waits for `infer up` to exit after a rank was killed: returns its status and the rest
     /// of its stderr, after checking that no rank process is left.
-    fn wait_for_gang_exit(&mut self, ranks: &[u32]) -> (std::process::ExitStatus, String) {
+    pub fn wait_for_gang_exit(&mut self, ranks: &[u32]) -> (std::process::ExitStatus, String) {
         let status = self.child.wait().expect("wait");
         let rest = self
             .rest

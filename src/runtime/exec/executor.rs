@@ -173,6 +173,15 @@ pub trait Executor: Send {
         (0, 0.0)
     }
 
+    /// The sequences of the last [`Executor::step`] whose KV transfer failed, with why:
+    /// a hand-off a prefill replica could not send (the sequence's token was sampled, but
+    /// no decode replica can go on with it), or an import whose KV never arrived (the
+    /// entry did not run; its token is `None`). Every rank of the replica agrees on the
+    /// set. Taking empties it. Only prefill/decode disaggregation fails a transfer.
+    fn take_transfer_failures(&mut self) -> Vec<(u64, String)> {
+        Vec::new()
+    }
+
     /// The model's context length, tokens.
     fn max_context_tokens(&self) -> usize;
 

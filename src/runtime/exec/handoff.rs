@@ -25,6 +25,10 @@ use crate::runtime::exec::kv::KvTransfer;
 /// Transfers nobody claims within this long are dropped (a prefill whose first token ended
 /// the request still sends its KV; the decode side never asks for it).
 const STALE_AFTER: Duration = Duration::from_secs(120);
+/// How long a send may take to connect, and to hand each write to the kernel, before it
+/// fails (a decode host that went away or a link that drops everything): the prefill
+/// replica fails that request and goes on.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest header accepted, bytes.
 const MAX_HEADER_BYTES: usize = 64 << 20;
 /// Largest token accepted, bytes.
@@ -248,8 +252,12 @@ impl Outbox {
 
     fn try_send(&mut self, address: &str, id: u64, transfer: &KvTransfer) -> Result<()> {
         if !self.peers.contains_key(address) {
-            let stream = TcpStream::connect(address)?;
+            let peer: SocketAddr = address
+                .parse()
+                .with_context(|| format!("`{address}` is not an inbox address"))?;
+            let stream = TcpStream::connect_timeout(&peer, SEND_TIMEOUT)?;
             stream.set_nodelay(true)?;
+            stream.set_write_timeout(Some(SEND_TIMEOUT))?;
             let mut writer = BufWriter::with_capacity(1 << 20, stream);
             writer.write_all(&(self.token.len() as u32).to_le_bytes())?;
             writer.write_all(self.token.as_bytes())?;

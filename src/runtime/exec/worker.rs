@@ -150,7 +150,7 @@ pub fn run_rank(
     let (mut member, file) = Member::join(config, model, &mut store)?;
     let info = member.shard.shard;
     log(&format!(
-        "dp rank {}/{}, tp rank {}/{}, pp rank {}/{}: layers {}..{}, {:.1} MiB of weights, loaded and connected in {:.2} s",
+        "dp rank {}/{}, tp rank {}/{}, pp rank {}/{}: layers {}..{}, {:.1} MiB of weights, loaded and connected in {:.2} s{}",
         member.dp_rank,
         config.dp,
         info.tp_rank,
@@ -160,7 +160,12 @@ pub fn run_rank(
         info.first_layer,
         info.first_layer + member.shard.layers.len(),
         member.shard.weight_bytes() as f64 / (1 << 20) as f64,
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        match &member.pd {
+            PdLink::None => String::new(),
+            PdLink::Decode(inbox) => format!("; decode replica, KV inbox on {}", inbox.address()),
+            PdLink::Prefill { .. } => "; prefill replica".to_string(),
+        }
     ));
     store.barrier("loaded", config.world_size, config.timeout)?;
     let job: Job =
@@ -298,6 +303,12 @@ fn bench_all_reduce(
     Ok(())
 }
 
+/// How long a decode rank waits for a sequence's KV. Its prefill ranks handed it to their
+/// kernels in the step that sampled the first token, before the router submitted the
+/// sequence here, so it is in flight (milliseconds, even for long prompts across hosts) or
+/// lost. The wait holds up the replica's step, so it is short.
+const IMPORT_WAIT: Duration = Duration::from_secs(5);
+
 /// A rank's end of prefill/decode disaggregation.
 enum PdLink {
     /// Colocated serving: every replica prefills and decodes.
@@ -335,6 +346,9 @@ pub struct Member {
     pd: PdLink,
     /// Only on the sampling rank (last stage, tp rank 0).
     samplers: HashMap<u64, Sampler>,
+    /// Sequences of the last step whose KV transfer failed on some rank of the replica, with
+    /// why (the same set on every rank; the driver reports it).
+    transfer_failures: Vec<(u64, String)>,
     pool: rayon::ThreadPool,
     /// The forward pass's parallel loops ([`crate::runtime::cpu::team`]), as many threads as `pool`.
     team: crate::runtime::cpu::team::Team,
@@ -440,6 +454,7 @@ impl Member {
                 caches: HashMap::new(),
                 pd,
                 samplers: HashMap::new(),
+                transfer_failures: Vec::new(),
                 team: crate::runtime::cpu::team::Team::new(pool.current_num_threads())
                     .map_err(|e| anyhow!("thread team: {e}"))?,
                 pool,
@@ -461,10 +476,19 @@ impl Member {
             self.samplers.remove(seq);
         }
         let is_sampler = self.rank == self.sampler_rank();
+        self.transfer_failures.clear();
+        // Imports whose KV did not arrive here, with why.
+        let mut missing: HashMap<u64, String> = HashMap::new();
         for entry in entries {
             if let Some(params) = &entry.params {
                 let cache = match entry.import {
-                    Some(transfer) => self.import(transfer)?,
+                    Some(transfer) => match self.import(transfer) {
+                        Ok(cache) => cache,
+                        Err(error) => {
+                            missing.insert(entry.seq, format!("{error:#}"));
+                            continue;
+                        }
+                    },
                     None => first_step_cache(self.shard.kv_pool(), entry)
                         .with_context(|| format!("rank {}", self.global_rank))?,
                 };
@@ -482,6 +506,103 @@ impl Member {
                 );
             }
         }
+        // Every rank drops the imports that failed on any rank of the replica: the forward
+        // pass's collectives need the same batch everywhere.
+        let imports: Vec<u64> = entries
+            .iter()
+            .filter(|e| e.params.is_some() && e.import.is_some())
+            .map(|e| e.seq)
+            .collect();
+        let failed = self.agree_on_failures(&imports, &missing)?;
+        for seq in &failed {
+            self.caches.remove(seq);
+            self.samplers.remove(seq);
+        }
+        let all = entries;
+        let live: Vec<StepEntry>;
+        let entries: &[StepEntry] = if failed.is_empty() {
+            all
+        } else {
+            live = all
+                .iter()
+                .filter(|e| !failed.contains(&e.seq))
+                .cloned()
+                .collect();
+            &live
+        };
+        let mut sampled = self.run_live(entries)?;
+        // Hand-offs after the stage's own work (its hidden state already went on), so no
+        // stage waits on them; a failed send fails its sequence, not the replica.
+        let handoffs: Vec<(u64, Handoff)> = entries
+            .iter()
+            .filter_map(|e| e.handoff.map(|h| (e.seq, h)))
+            .collect();
+        let mut unsent = HashMap::new();
+        for (seq, handoff) in &handoffs {
+            if let Err(error) = self.hand_off(*seq, *handoff) {
+                unsent.insert(*seq, format!("{error:#}"));
+            }
+        }
+        let handoff_seqs: Vec<u64> = handoffs.iter().map(|(seq, _)| *seq).collect();
+        self.agree_on_failures(&handoff_seqs, &unsent)?;
+        if failed.is_empty() || self.rank != self.sampler_rank() {
+            return Ok(sampled);
+        }
+        // The sampling rank answers for every entry of the driver's step (even when none
+        // ran): back in its order, `None` for the entries that did not run.
+        let mut out = Vec::with_capacity(all.len());
+        let mut ran = sampled.drain(..);
+        for entry in all {
+            out.push(if failed.contains(&entry.seq) {
+                None
+            } else {
+                ran.next().flatten()
+            });
+        }
+        Ok(out)
+    }
+
+    /// Which of `seqs` failed on any rank of the replica (`local`: those that failed here,
+    /// with why), agreed through the replica group; they are added to the step's transfer
+    /// failures with a reason. Nothing is exchanged when `seqs` is empty (every rank knows
+    /// that from the step). Errors: a lost peer.
+    fn agree_on_failures(
+        &mut self,
+        seqs: &[u64],
+        local: &HashMap<u64, String>,
+    ) -> Result<Vec<u64>> {
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut flags: Vec<f32> = seqs
+            .iter()
+            .map(|s| if local.contains_key(s) { 1.0 } else { 0.0 })
+            .collect();
+        self.replica.all_reduce_sum(&mut flags)?;
+        let size = self.replica.size();
+        let mut failed = Vec::new();
+        for (seq, ranks) in seqs.iter().zip(flags) {
+            if ranks == 0.0 {
+                continue;
+            }
+            let why = match local.get(seq) {
+                Some(own) => own.clone(),
+                None => "(on another rank of the replica)".to_string(),
+            };
+            self.transfer_failures.push((
+                *seq,
+                format!(
+                    "the KV transfer between the prefill and decode replicas failed on {ranks} of the replica's {size} ranks: {why}"
+                ),
+            ));
+            failed.push(*seq);
+        }
+        Ok(failed)
+    }
+
+    /// Runs the forward pass of `entries` (every one known to this rank) and samples.
+    fn run_live(&mut self, entries: &[StepEntry]) -> Result<Vec<Option<Sampled>>> {
+        let is_sampler = self.rank == self.sampler_rank();
         if entries.is_empty() {
             return Ok(Vec::new());
         }
@@ -520,13 +641,7 @@ impl Member {
         for (entry, cache) in entries.iter().zip(caches) {
             self.caches.insert(entry.seq, cache);
         }
-        let output = output?;
-        for entry in entries {
-            if let Some(handoff) = entry.handoff {
-                self.hand_off(entry.seq, handoff)?;
-            }
-        }
-        match output {
+        match output? {
             StageOutput::Hidden(hidden) => {
                 self.pp_comm
                     .send(pp_rank + 1, bytemuck::cast_slice(&hidden))?;
@@ -564,7 +679,11 @@ impl Member {
             );
         };
         let parts = inbox
-            .take(transfer, self.shard.layers.len(), self.timeout)
+            .take(
+                transfer,
+                self.shard.layers.len(),
+                self.timeout.min(IMPORT_WAIT),
+            )
             .with_context(|| format!("rank {}", self.global_rank))?;
         let mut cache = self.shard.new_cache();
         for part in &parts {
@@ -662,6 +781,13 @@ impl Executor for ReplicaDriver {
         let own = self.member.run_step(entries, release)?;
         let sampler_rank = self.member.sampler_rank();
         if sampler_rank == 0 {
+            if own.len() != entries.len() {
+                bail!(
+                    "rank 0 sampled {} tokens for {} sequences",
+                    own.len(),
+                    entries.len()
+                );
+            }
             return Ok(own);
         }
         let bytes = self.member.replica.recv(sampler_rank)?;
@@ -690,6 +816,10 @@ impl Executor for ReplicaDriver {
 
     fn errors_are_fatal(&self) -> bool {
         true
+    }
+
+    fn take_transfer_failures(&mut self) -> Vec<(u64, String)> {
+        std::mem::take(&mut self.member.transfer_failures)
     }
 
     fn tokenizer(&self) -> &Tokenizer {
