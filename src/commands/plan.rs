@@ -50,7 +50,21 @@ pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
                     if let Some(port) = args.dist_port {
                         request.ports.dist = port;
                     }
-                    Some(engines::generate(&request)?)
+                    match (&plan.disaggregated, args.settings.disaggregate) {
+                        (Some(d), true) if engine != engines::EngineKind::Infer => {
+                            engines::disagg::use_every_gpu(&mut request, &cluster);
+                            Some(engines::disagg::generate(
+                                &request,
+                                &engines::disagg::PdLayout::of(d),
+                            )?)
+                        }
+                        (None, true) if engine != engines::EngineKind::Infer => {
+                            anyhow::bail!(
+                                "--disaggregate --engine {engine}: no disaggregated deployment fits this cluster and these targets (see `--explain`); drop --disaggregate for the aggregated launch"
+                            )
+                        }
+                        _ => Some(engines::generate(&request)?),
+                    }
                 }
                 None => None,
             };

@@ -116,6 +116,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
                 argv,
                 env: common_env(request, node),
                 ports,
+                pd: None,
             }
         })
         .collect();

@@ -94,6 +94,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
             bind: request.http_host.clone(),
             purpose: "OpenAI-compatible HTTP API".into(),
         }],
+        pd: None,
     }];
     for (i, node) in request.nodes.iter().enumerate().skip(1) {
         let mut argv: Vec<String> = vec![
@@ -120,6 +121,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
                 bind: node.address.clone(),
                 purpose: "llama.cpp RPC server (unauthenticated: data network only)".into(),
             }],
+            pd: None,
         });
     }
     launches[0].env.remove("HF_HUB_OFFLINE");

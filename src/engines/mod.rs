@@ -7,6 +7,7 @@
 //! never rely on it), and `tests/it/engines.rs` parses the generated lines with the real
 //! parsers of the pinned versions ([`VLLM_TESTED`], [`SGLANG_TESTED`]).
 
+pub mod disagg;
 pub mod infer;
 pub mod llamacpp;
 pub mod sglang;
@@ -227,6 +228,10 @@ pub struct NodeLaunch {
     /// Environment besides the host's own, sorted by name.
     pub env: BTreeMap<String, String>,
     pub ports: Vec<ReservedPort>,
+    /// In a prefill/decode disaggregated deployment ([`disagg`]): which worker (or the
+    /// router) this process belongs to; `node_rank` is then its node within that worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pd: Option<disagg::PdPart>,
 }
 
 /// The whole launch: one [`NodeLaunch`] per node, the head first.
@@ -464,34 +469,24 @@ pub fn command_line(node: &NodeLaunch) -> String {
 /// the engine, with a header naming the node, the ports it takes and the start order.
 pub fn script(launch: &EngineLaunch, node: &NodeLaunch) -> String {
     let mut out = String::from("#!/usr/bin/env bash\n");
-    out.push_str(&format!(
-        "# {} node {} of {} ({}, {}), written by `infer plan --engine {} --emit`.\n",
-        launch.engine,
-        node.node_rank,
-        launch.nodes.len(),
-        node.host,
-        match node.role {
-            NodeRole::Head => "head",
-            NodeRole::Worker => "worker",
-        },
-        launch.engine
-    ));
-    if launch.nodes.len() > 1 {
-        out.push_str(match (launch.engine, node.role) {
-            (EngineKind::Llamacpp, NodeRole::Head) => {
-                "# Start the rpc-server nodes first, then this one.\n"
-            }
-            (EngineKind::Infer, NodeRole::Head) => {
-                "# Start this node first (it hosts the store), then the others within a minute.\n"
-            }
-            (EngineKind::Infer, NodeRole::Worker) => {
-                "# Start node 0 first, then this one within a minute.\n"
-            }
-            (_, NodeRole::Head) => {
-                "# Start the worker nodes first (any order), then this one; all must run.\n"
-            }
-            (_, NodeRole::Worker) => "# Start this before the head node.\n",
-        });
+    match &node.pd {
+        Some(part) => {
+            out.push_str(&format!(
+                "# {} {} of a prefill/decode deployment: node {} ({}), written by `infer plan --engine {} --disaggregate --emit`.\n",
+                launch.engine,
+                part.name(),
+                node.node_rank,
+                node.host,
+                launch.engine
+            ));
+            out.push_str(match part.role {
+                disagg::PdRole::Router => {
+                    "# Start every prefill and decode worker first, then this router.\n"
+                }
+                _ => "# Start the workers (a worker's other nodes before its node 0), then the router.\n",
+            });
+        }
+        None => out.push_str(&script_header(launch, node)),
     }
     for port in &node.ports {
         out.push_str(&format!(
@@ -531,6 +526,42 @@ pub fn script(launch: &EngineLaunch, node: &NodeLaunch) -> String {
     out
 }
 
+/// The header lines of a plain (not disaggregated) launch's node script: which node, and
+/// the start order.
+fn script_header(launch: &EngineLaunch, node: &NodeLaunch) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "# {} node {} of {} ({}, {}), written by `infer plan --engine {} --emit`.\n",
+        launch.engine,
+        node.node_rank,
+        launch.nodes.len(),
+        node.host,
+        match node.role {
+            NodeRole::Head => "head",
+            NodeRole::Worker => "worker",
+        },
+        launch.engine
+    ));
+    if launch.nodes.len() > 1 {
+        out.push_str(match (launch.engine, node.role) {
+            (EngineKind::Llamacpp, NodeRole::Head) => {
+                "# Start the rpc-server nodes first, then this one.\n"
+            }
+            (EngineKind::Infer, NodeRole::Head) => {
+                "# Start this node first (it hosts the store), then the others within a minute.\n"
+            }
+            (EngineKind::Infer, NodeRole::Worker) => {
+                "# Start node 0 first, then this one within a minute.\n"
+            }
+            (_, NodeRole::Head) => {
+                "# Start the worker nodes first (any order), then this one; all must run.\n"
+            }
+            (_, NodeRole::Worker) => "# Start this before the head node.\n",
+        });
+    }
+    out
+}
+
 /// The human report of a launch: the endpoint, then each node's role, ports and command
 /// line, then the notes.
 pub fn render(launch: &EngineLaunch) -> String {
@@ -544,7 +575,9 @@ pub fn render(launch: &EngineLaunch) -> String {
     for node in &launch.nodes {
         let ports: Vec<String> = node.ports.iter().map(|p| p.port.to_string()).collect();
         out.push_str(&format!(
-            "\n  node {} {} ({}{}):\n    {}\n",
+            "\n  {}node {} {} ({}{}):\n    {}\n",
+            node.pd
+                .map_or(String::new(), |part| format!("{} ", part.name())),
             node.node_rank,
             node.host,
             match node.role {
@@ -559,7 +592,9 @@ pub fn render(launch: &EngineLaunch) -> String {
             command_line(node)
         ));
     }
-    if launch.nodes.len() > 1 {
+    if launch.nodes.iter().any(|n| n.pd.is_some()) {
+        out.push_str("\n  start every prefill and decode worker (a worker's other nodes before its node 0), then the router\n");
+    } else if launch.nodes.len() > 1 {
         out.push_str(if launch.engine == EngineKind::Infer {
             "\n  start node 0 first (it hosts the store), then the others\n"
         } else {
@@ -585,7 +620,10 @@ pub fn script_name(node: &NodeLaunch) -> String {
             }
         })
         .collect();
-    format!("node{}-{host}.sh", node.node_rank)
+    match &node.pd {
+        Some(part) => format!("{}-node{}-{host}.sh", part.name(), node.node_rank),
+        None => format!("node{}-{host}.sh", node.node_rank),
+    }
 }
 
 /// The launch of `nodes`, served from the head's HTTP port, with a note when the flags

@@ -159,6 +159,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
             argv,
             env,
             ports,
+            pd: None,
         });
     }
     Ok(assemble(

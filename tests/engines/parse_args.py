@@ -1,8 +1,10 @@
 """Parse engine command lines with the engines' own argument parsers, without a GPU.
 
 Used by tests/it/engines.rs. Reads JSON from stdin: {"vllm": [argv, ...], "sglang": [argv,
-...]} where each argv is what `infer` generated (`vllm serve MODEL ...` or `python3 -m
-sglang.launch_server ...`). Prints one JSON object: for each engine, its version and, for
+...], "vllm_router": [...], "sglang_router": [...]} where each argv is what `infer`
+generated (`vllm serve MODEL ...`, `python3 -m sglang.launch_server ...`, `vllm-router ...`,
+`python3 -m sglang_router.launch_router ...`; the routers' parsed URLs are returned as
+`prefill_urls` and `decode_urls`). Prints one JSON object: for each engine, its version and, for
 each argv, {"ok", "error", "problems", "values"}:
 
 - the real parser of the installed engine (vLLM: `make_arg_parser` under a `serve`
@@ -289,6 +291,11 @@ def check(parser, args, validate=None):
             except Exception as error:  # noqa: BLE001
                 result["problems"].append(f"{flag} {text}: its type rejects it ({error})")
                 continue
+        if isinstance(action, argparse._AppendAction):
+            # Repeated flags with several words each (the routers' `--prefill URL PORT`):
+            # the router's own reading of them is checked by its validator.
+            result["values"][action.dest] = _plain(value)
+            continue
         if value != expected:
             result["problems"].append(f"{flag} {text}: parsed as {value!r}, expected {expected!r}")
         result["values"][action.dest] = _plain(value)
@@ -330,6 +337,32 @@ def sglang_parser():
     return parser
 
 
+def router_parser(package):
+    """The PD router's parser (`sglang_router` or `vllm_router`), as its `launch_router`
+    builds it but with abbreviations off, and a validator that reads the arguments as the
+    router does (`RouterArgs.from_cli_args`, its `_validate_router_args`)."""
+    module = importlib.import_module(f"{package}.router_args")
+    router_args = module.RouterArgs
+    parser = argparse.ArgumentParser(prog=package, allow_abbrev=False)
+    router_args.add_cli_args(parser, use_router_prefix=False, exclude_host_port=False)
+    read = {}
+
+    def validate(namespace):
+        args = router_args.from_cli_args(namespace)
+        args._validate_router_args()
+        read["prefill_urls"] = _plain(args.prefill_urls)
+        read["decode_urls"] = _plain(args.decode_urls)
+
+    return parser, validate, read
+
+
+# The routers' command lines: (what `infer` writes before the flags, the package).
+ROUTERS = {
+    "sglang_router": (["python3", "-m", "sglang_router.launch_router"], "sglang_router"),
+    "vllm_router": (["vllm-router"], "vllm_router"),
+}
+
+
 def main():
     request = json.load(sys.stdin)
     answer = {}
@@ -363,6 +396,19 @@ def main():
                 continue
             results.append(check(parser, argv[3:]))
         answer["sglang"] = {"version": _real_version("sglang"), "results": results}
+    for name, (program, package) in ROUTERS.items():
+        if not request.get(name):
+            continue
+        results = []
+        for argv in request[name]:
+            if argv[: len(program)] != program:
+                results.append({"ok": False, "error": f"not a `{' '.join(program)}` line", "problems": [], "values": {}})
+                continue
+            parser, validate, read = router_parser(package)
+            result = check(parser, argv[len(program):], validate)
+            result["values"].update(read)
+            results.append(result)
+        answer[name] = {"version": _real_version(package.replace("_", "-")), "results": results}
     json.dump(answer, sys.stdout)
 
 

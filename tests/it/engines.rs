@@ -94,6 +94,12 @@ fn parser_venv() -> &'static Path {
 
 /// Parses every argv with the real parsers; returns the harness's answer.
 fn parse_with_engines(vllm: &[Vec<String>], sglang: &[Vec<String>]) -> Value {
+    parse_request(&serde_json::json!({ "vllm": vllm, "sglang": sglang }))
+}
+
+/// Runs the parser harness on `request` (`{"vllm": [argv…], "sglang": …, "vllm_router": …,
+/// "sglang_router": …}`); returns its answer.
+fn parse_request(request: &Value) -> Value {
     use std::io::Write;
     let venv = parser_venv();
     let mut child = Command::new(venv.join("bin/python"))
@@ -103,7 +109,6 @@ fn parse_with_engines(vllm: &[Vec<String>], sglang: &[Vec<String>]) -> Value {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start the parser harness");
-    let request = serde_json::json!({ "vllm": vllm, "sglang": sglang });
     child
         .stdin
         .take()
@@ -1226,4 +1231,177 @@ fn up_nnodes_refuses_bad_input_with_the_fix() {
     let (code, stderr) = up(&["--nnodes", "2"], Some("t"));
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--node-rank"), "{stderr}");
+}
+
+/// `infer plan --disaggregate --engine vllm|sglang`: the planner's prefill/decode split as
+/// real deployments — every worker's line and the PD router's pass the pinned engines' and
+/// routers' own parsers; workers take disjoint GPUs and ports on each host; the router
+/// names every worker's endpoint (SGLang: with its bootstrap port); `--emit` writes one
+/// script per process; an engine without PD is refused with the reason.
+#[test]
+fn disaggregated_deployments_pass_the_real_engine_and_router_parsers() {
+    let args = [
+        "plan",
+        "--model",
+        "llama-3.1-70b",
+        "--cluster",
+        "examples/cluster.toml",
+        "--isl",
+        "8000",
+        "--osl",
+        "500",
+        "--disaggregate",
+    ];
+    let mut lines: std::collections::HashMap<&str, Vec<Vec<String>>> = Default::default();
+    for engine in ["vllm", "sglang"] {
+        let mut full: Vec<&str> = args.to_vec();
+        full.extend(["--engine", engine, "--json"]);
+        let plan: Value = serde_json::from_str(&stdout_ok(&run_plan(&full))).expect("plan JSON");
+        let split = &plan["disaggregated"];
+        let nodes = plan["launch"]["nodes"].as_array().expect("launch.nodes");
+        let role = |n: &Value| n["pd"]["role"].as_str().expect("pd.role").to_string();
+        assert_eq!(
+            role(&nodes[0]),
+            "router",
+            "{engine}: the router comes first"
+        );
+        assert_eq!(nodes[0]["host"], "gpu-node-1");
+        let count = |r: &str| nodes.iter().filter(|n| role(n) == r).count() as u64;
+        assert_eq!(
+            count("prefill"),
+            split["prefill_workers"].as_u64().expect("count")
+        );
+        assert_eq!(
+            count("decode"),
+            split["decode_workers"].as_u64().expect("count")
+        );
+        // No port or GPU is taken twice on a host.
+        let mut taken = std::collections::HashSet::new();
+        let mut gpus = std::collections::HashSet::new();
+        for node in nodes {
+            for port in node["ports"].as_array().expect("ports") {
+                assert!(
+                    taken.insert((node["host"].clone(), port["port"].clone())),
+                    "{engine}: port {} twice on {}",
+                    port["port"],
+                    node["host"]
+                );
+            }
+            if let Some(list) = node["env"]["CUDA_VISIBLE_DEVICES"].as_str() {
+                for gpu in list.split(',') {
+                    assert!(
+                        gpus.insert((node["host"].clone(), gpu.to_string())),
+                        "{engine}: GPU {gpu} twice on {}",
+                        node["host"]
+                    );
+                }
+            }
+        }
+        let workers: Vec<&Value> = nodes.iter().filter(|n| role(n) != "router").collect();
+        for worker in &workers {
+            let words = argv(worker);
+            match engine {
+                "vllm" => {
+                    assert!(
+                        words.contains(&"--kv-transfer-config".to_string()),
+                        "{words:?}"
+                    );
+                    assert!(worker["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"].is_string());
+                }
+                _ => {
+                    let at = words
+                        .iter()
+                        .position(|w| w == "--disaggregation-mode")
+                        .expect("--disaggregation-mode");
+                    assert_eq!(words[at + 1], role(worker), "{words:?}");
+                }
+            }
+        }
+        lines.insert(engine, workers.iter().map(|n| argv(n)).collect());
+        lines.insert(
+            if engine == "vllm" {
+                "vllm_router"
+            } else {
+                "sglang_router"
+            },
+            vec![argv(&nodes[0])],
+        );
+        // The scripts: one per process, the router's named for it.
+        let dir = tempfile::tempdir().expect("temp dir");
+        let emit = dir.path().display().to_string();
+        let mut with_emit: Vec<&str> = args.to_vec();
+        with_emit.extend(["--engine", engine, "--emit", &emit]);
+        stdout_ok(&run_plan(&with_emit));
+        let mut scripts: Vec<String> = std::fs::read_dir(dir.path())
+            .expect("emitted")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".sh"))
+            .collect();
+        scripts.sort();
+        assert_eq!(scripts.len(), nodes.len(), "{scripts:?}");
+        assert!(
+            scripts.contains(&"router-node0-gpu-node-1.sh".to_string()),
+            "{scripts:?}"
+        );
+        assert!(
+            scripts.contains(&"decode0-node0-gpu-node-2.sh".to_string()),
+            "{scripts:?}"
+        );
+    }
+    // The real parsers: the engines' and the routers'.
+    let request = serde_json::json!({
+        "vllm": lines["vllm"], "sglang": lines["sglang"],
+        "vllm_router": lines["vllm_router"], "sglang_router": lines["sglang_router"],
+    });
+    let answer = parse_request(&request);
+    assert_eq!(answer["vllm_router"]["version"], "0.1.17");
+    assert_eq!(answer["sglang_router"]["version"], "0.3.2");
+    for name in ["vllm", "sglang", "vllm_router", "sglang_router"] {
+        for result in answer[name]["results"].as_array().expect("results") {
+            assert!(
+                result["ok"] == true && result["problems"].as_array().is_some_and(Vec::is_empty),
+                "{name} refused a line: {result:#}"
+            );
+        }
+    }
+    let vllm = &answer["vllm"]["results"][0]["values"];
+    assert!(
+        vllm["kv_transfer_config"]
+            .as_str()
+            .is_some_and(|c| c.contains("NixlConnector") && c.contains("prefill0")),
+        "{vllm}"
+    );
+    // The routers read the workers the plan placed: prefill on gpu-node-1, decode on -2.
+    let router = &answer["vllm_router"]["results"][0]["values"];
+    assert_eq!(router["vllm_pd_disaggregation"], true, "{router}");
+    assert_eq!(
+        router["prefill_urls"][0][0], "http://10.0.0.11:8001",
+        "{router}"
+    );
+    assert!(
+        router["decode_urls"]
+            .as_array()
+            .is_some_and(|d| !d.is_empty()
+                && d.iter().all(|u| u
+                    .as_str()
+                    .is_some_and(|u| u.starts_with("http://10.0.0.12:")))),
+        "{router}"
+    );
+    let router = &answer["sglang_router"]["results"][0]["values"];
+    assert_eq!(router["pd_disaggregation"], true, "{router}");
+    assert_eq!(
+        router["prefill_urls"][0][0], "http://10.0.0.11:30001",
+        "{router}"
+    );
+    assert_eq!(router["prefill_urls"][0][1], 8998, "{router}");
+    let sglang = &answer["sglang"]["results"][0]["values"];
+    assert_eq!(sglang["disaggregation_mode"], "prefill");
+    assert_eq!(sglang["disaggregation_bootstrap_port"], 8998);
+    // llama.cpp has no disaggregation to launch.
+    let mut full: Vec<&str> = args.to_vec();
+    full.extend(["--engine", "llamacpp"]);
+    let output = run_plan(&full);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("vLLM and SGLang"), "{stderr}");
 }
