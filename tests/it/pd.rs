@@ -269,3 +269,89 @@ fn bench_serve_measures_a_disaggregated_server() {
     let tokens = crate::serve::bench_serve_tokens(&stdout, 2);
     assert!((2..=6).contains(&tokens), "{stdout}");
 }
+
+/// `--nnodes 2` with `--prefill 1 --decode 1` (torchrun's model; both nodes on this host):
+/// node 0 runs the prefill replica and serves, node 1 the decode replica; the answer is
+/// `infer generate`'s, handed off once, and Ctrl-C on node 0 stops both nodes with exit 0.
+#[test]
+fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let store_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string();
+    let node = |rank: &str| {
+        let mut command = crate::infer();
+        command
+            .args(["up", "--threads", "1", "--nnodes", "2", "--node-rank", rank])
+            .args(["--master-addr", "127.0.0.1", "--master-port", &store_port])
+            .args(["--prefill", "1", "--decode", "1"])
+            .env("INFER_RUN_TOKEN", "pd-nnodes-test")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if rank == "0" {
+            command.args(["--port", "0"]);
+        }
+        command.spawn().expect("start a node")
+    };
+    let mut head = node("0");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let mut other = node("1");
+    let mut lines = BufReader::new(head.stderr.take().expect("stderr"));
+    let mut startup = String::new();
+    let url = loop {
+        let mut line = String::new();
+        assert!(
+            lines.read_line(&mut line).expect("read") > 0,
+            "node 0 exited before serving:\n{startup}"
+        );
+        startup.push_str(&line);
+        if let Some(rest) = line.split(" on http://").nth(1) {
+            break format!(
+                "http://{}",
+                rest.split_whitespace().next().expect("address")
+            );
+        }
+    };
+    let drain = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut lines, &mut rest);
+        rest
+    });
+    let reference = crate::serve::generate_counting();
+    let reply: Value = ureq::post(&format!("{url}/v1/completions"))
+        .send_json(json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0}))
+        .expect("completion")
+        .into_body()
+        .read_json()
+        .expect("JSON");
+    assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
+    let metrics = ureq::get(&format!("{url}/metrics"))
+        .call()
+        .expect("metrics")
+        .into_body()
+        .read_to_string()
+        .expect("text");
+    assert_eq!(
+        metric(&metrics, "infer_pd_handoffs_total"),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
+        0.0,
+        "{metrics}"
+    );
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(head.id() as i32).expect("pid"),
+        rustix::process::Signal::INT,
+    )
+    .expect("SIGINT");
+    let status = head.wait().expect("node 0 exits");
+    let rest = drain.join().expect("stderr");
+    assert_eq!(status.code(), Some(0), "{startup}{rest}");
+    assert_eq!(other.wait().expect("node 1 exits").code(), Some(0));
+}
