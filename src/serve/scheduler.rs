@@ -179,30 +179,30 @@ impl HistogramSnapshot {
 
     /// Prometheus text lines for metric `name`.
     pub fn render(&self, name: &str, help: &str) -> String {
-        let mut out = format!("# HELP {name} {help}\n# TYPE {name} histogram\n");
-        for (bound, count) in BUCKETS_SECS.iter().zip(&self.buckets) {
-            out.push_str(&format!("{name}_bucket{{le=\"{bound}\"}} {count}\n"));
-        }
-        out.push_str(&format!(
-            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}\n",
-            self.count, self.sum_secs, self.count
-        ));
-        out
+        format!(
+            "# HELP {name} {help}\n# TYPE {name} histogram\n{}",
+            self.render_labelled(name, "")
+        )
     }
 
-    /// The sample lines of metric `name` with `labels` (`role="decode"`) on each, without
-    /// the `# HELP`/`# TYPE` lines (one family, several label sets).
+    /// The sample lines of metric `name` with `labels` (`role="decode"`, or none) on each,
+    /// without the `# HELP`/`# TYPE` lines (one family, several label sets).
     pub fn render_labelled(&self, name: &str, labels: &str) -> String {
+        let (bucket_prefix, braces) = if labels.is_empty() {
+            (String::new(), String::new())
+        } else {
+            (format!("{labels},"), format!("{{{labels}}}"))
+        };
         let mut out = String::new();
         for (i, bound) in BUCKETS_SECS.iter().enumerate() {
             // (An empty snapshot has no bucket counts: zeros.)
             let count = self.buckets.get(i).copied().unwrap_or(0);
             out.push_str(&format!(
-                "{name}_bucket{{{labels},le=\"{bound}\"}} {count}\n"
+                "{name}_bucket{{{bucket_prefix}le=\"{bound}\"}} {count}\n"
             ));
         }
         out.push_str(&format!(
-            "{name}_bucket{{{labels},le=\"+Inf\"}} {count}\n{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {count}\n",
+            "{name}_bucket{{{bucket_prefix}le=\"+Inf\"}} {count}\n{name}_sum{braces} {}\n{name}_count{braces} {count}\n",
             self.sum_secs,
             count = self.count
         ));

@@ -275,7 +275,6 @@ fn bench_serve_measures_a_disaggregated_server() {
 /// `infer generate`'s, handed off once, and Ctrl-C on node 0 stops both nodes with exit 0.
 #[test]
 fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
-    use std::io::{BufRead, BufReader};
     use std::process::Stdio;
     infer::model::default::ensure(&mut |_| {}).expect("model");
     let store_port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -289,52 +288,30 @@ fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
             .args(["up", "--threads", "1", "--nnodes", "2", "--node-rank", rank])
             .args(["--master-addr", "127.0.0.1", "--master-port", &store_port])
             .args(["--prefill", "1", "--decode", "1"])
-            .env("INFER_RUN_TOKEN", "pd-nnodes-test")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+            .env("INFER_RUN_TOKEN", "pd-nnodes-test");
         if rank == "0" {
             command.args(["--port", "0"]);
         }
-        command.spawn().expect("start a node")
+        command
     };
-    let mut head = node("0");
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    let mut other = node("1");
-    let mut lines = BufReader::new(head.stderr.take().expect("stderr"));
-    let mut startup = String::new();
-    let url = loop {
-        let mut line = String::new();
-        assert!(
-            lines.read_line(&mut line).expect("read") > 0,
-            "node 0 exited before serving:\n{startup}"
-        );
-        startup.push_str(&line);
-        if let Some(rest) = line.split(" on http://").nth(1) {
-            break format!(
-                "http://{}",
-                rest.split_whitespace().next().expect("address")
-            );
-        }
-    };
-    let drain = std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = std::io::Read::read_to_string(&mut lines, &mut rest);
-        rest
+    // Node 0 first (it hosts the store); node 1 joins half a second later.
+    let mut second = node("1");
+    let joining = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        second
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start node 1")
     });
+    let mut head = Server::start_command(node("0"));
+    let mut other = joining.join().expect("node 1 started");
     let reference = crate::serve::generate_counting();
-    let reply: Value = ureq::post(&format!("{url}/v1/completions"))
-        .send_json(json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0}))
-        .expect("completion")
-        .into_body()
-        .read_json()
-        .expect("JSON");
+    let body = json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0});
+    let (status, reply) = head.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
-    let metrics = ureq::get(&format!("{url}/metrics"))
-        .call()
-        .expect("metrics")
-        .into_body()
-        .read_to_string()
-        .expect("text");
+    let metrics = head.metrics();
     assert_eq!(
         metric(&metrics, "infer_pd_handoffs_total"),
         1.0,
@@ -345,13 +322,13 @@ fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
         0.0,
         "{metrics}"
     );
+    let ranks = head.rank_pids();
     rustix::process::kill_process(
-        rustix::process::Pid::from_raw(head.id() as i32).expect("pid"),
+        rustix::process::Pid::from_raw(head.child.id() as i32).expect("pid"),
         rustix::process::Signal::INT,
     )
     .expect("SIGINT");
-    let status = head.wait().expect("node 0 exits");
-    let rest = drain.join().expect("stderr");
-    assert_eq!(status.code(), Some(0), "{startup}{rest}");
+    let (status, rest) = head.wait_for_gang_exit(&ranks);
+    assert_eq!(status.code(), Some(0), "{}{rest}", head.startup);
     assert_eq!(other.wait().expect("node 1 exits").code(), Some(0));
 }

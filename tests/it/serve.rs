@@ -29,10 +29,17 @@ pub struct Server {
 
 impl Server {
     pub fn start(extra: &[&str]) -> Server {
-        infer::model::default::ensure(&mut |_| {}).expect("model");
-        let mut child = infer()
+        let mut command = infer();
+        command
             .args(["up", "--port", "0", "--threads", "2"])
-            .args(extra)
+            .args(extra);
+        Server::start_command(command)
+    }
+
+    /// Starts `command` (an `infer up` line) and waits until it serves.
+    pub fn start_command(mut command: std::process::Command) -> Server {
+        infer::model::default::ensure(&mut |_| {}).expect("model");
+        let mut child = command
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -545,7 +545,7 @@ impl Member {
         }
         let handoff_seqs: Vec<u64> = handoffs.iter().map(|(seq, _)| *seq).collect();
         self.agree_on_failures(&handoff_seqs, &unsent)?;
-        if failed.is_empty() || self.rank != self.sampler_rank() {
+        if failed.is_empty() || !is_sampler {
             return Ok(sampled);
         }
         // The sampling rank answers for every entry of the driver's step (even when none
