@@ -866,3 +866,48 @@ fn finish(sequence: &mut Running, reason: FinishReason) {
 
 /// Requests served so far, for ids.
 pub static REQUEST_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_render_prometheus_samples_with_and_without_labels() {
+        let histogram = Histogram::default();
+        histogram.observe(0.003);
+        histogram.observe(0.2);
+        let snapshot = histogram.snapshot();
+        let plain = snapshot.render("t_seconds", "Help.");
+        assert!(plain.starts_with("# HELP t_seconds Help.\n# TYPE t_seconds histogram\n"));
+        assert!(
+            plain.contains("t_seconds_bucket{le=\"0.0025\"} 0\n"),
+            "{plain}"
+        );
+        assert!(
+            plain.contains("t_seconds_bucket{le=\"0.005\"} 1\n"),
+            "{plain}"
+        );
+        assert!(
+            plain.contains("t_seconds_bucket{le=\"+Inf\"} 2\n"),
+            "{plain}"
+        );
+        assert!(plain.contains("\nt_seconds_sum 0.203"), "{plain}");
+        assert!(plain.ends_with("\nt_seconds_count 2\n"), "{plain}");
+        let labelled = snapshot.render_labelled("t_seconds", "role=\"decode\"");
+        assert!(
+            labelled.contains("t_seconds_bucket{role=\"decode\",le=\"0.25\"} 2\n"),
+            "{labelled}"
+        );
+        assert!(
+            labelled.ends_with("t_seconds_count{role=\"decode\"} 2\n"),
+            "{labelled}"
+        );
+        // An empty snapshot (a role no replica has) renders zeros in every bucket.
+        let empty = HistogramSnapshot::default().render_labelled("t_seconds", "role=\"x\"");
+        assert_eq!(empty.lines().count(), BUCKETS_SECS.len() + 3, "{empty}");
+        assert!(
+            empty.contains("t_seconds_bucket{role=\"x\",le=\"10\"} 0\n"),
+            "{empty}"
+        );
+    }
+}
