@@ -302,6 +302,12 @@ async fn metrics(Ready(state, _): Ready) -> Response {
             m.pd_kv_send_micros_total,
         ),
         (
+            "infer_pd_kv_parts_sent_total",
+            "Prefill/decode disaggregation: KV parts sent, each a chunk of a prompt's positions as the prefill computed it (by each driver rank's shard).",
+            "counter",
+            m.pd_kv_parts_sent_total,
+        ),
+        (
             "infer_pd_handoffs_total",
             "Prefill/decode disaggregation: requests a prefill replica handed to a decode replica.",
             "counter",

@@ -105,6 +105,8 @@ pub struct Metrics {
     /// decode replica computed itself (recomputation after a preemption; 0 otherwise).
     pub pd_kv_bytes_sent_total: AtomicU64,
     pub pd_kv_send_micros_total: AtomicU64,
+    /// KV parts sent (a chunk of a prompt's positions, every layer of the shard).
+    pub pd_kv_parts_sent_total: AtomicU64,
     pub pd_handoffs_total: AtomicU64,
     pub pd_decode_prefill_tokens_total: AtomicU64,
     /// Requests failed because their KV transfer failed (a send that could not reach the
@@ -234,6 +236,8 @@ pub struct MetricsSnapshot {
     #[serde(default)]
     pub pd_kv_send_micros_total: u64,
     #[serde(default)]
+    pub pd_kv_parts_sent_total: u64,
+    #[serde(default)]
     pub pd_handoffs_total: u64,
     #[serde(default)]
     pub pd_decode_prefill_tokens_total: u64,
@@ -260,6 +264,7 @@ impl MetricsSnapshot {
         self.prefix_cache_evictions_total += other.prefix_cache_evictions_total;
         self.pd_kv_bytes_sent_total += other.pd_kv_bytes_sent_total;
         self.pd_kv_send_micros_total += other.pd_kv_send_micros_total;
+        self.pd_kv_parts_sent_total += other.pd_kv_parts_sent_total;
         self.pd_handoffs_total += other.pd_handoffs_total;
         self.pd_decode_prefill_tokens_total += other.pd_decode_prefill_tokens_total;
         self.pd_transfer_failures_total += other.pd_transfer_failures_total;
@@ -287,6 +292,7 @@ impl Metrics {
             prefix_cache_evictions_total: load(&self.prefix_cache_evictions_total),
             pd_kv_bytes_sent_total: load(&self.pd_kv_bytes_sent_total),
             pd_kv_send_micros_total: load(&self.pd_kv_send_micros_total),
+            pd_kv_parts_sent_total: load(&self.pd_kv_parts_sent_total),
             pd_handoffs_total: load(&self.pd_handoffs_total),
             pd_decode_prefill_tokens_total: load(&self.pd_decode_prefill_tokens_total),
             pd_transfer_failures_total: load(&self.pd_transfer_failures_total),
@@ -687,10 +693,10 @@ fn run(
                 r.cached_tokens +=
                     p.prefix + p.chunk + import.map_or(0, |_| r.request.prompt_tokens.len());
                 let sample = r.pending.is_empty();
+                // Every chunk of a prefill replica's prompt streams its KV to the decode
+                // replica; the sampling one finishes the transfer.
                 let handoff = match r.request.pd {
-                    Some(PdStage::Prefill { replica, transfer })
-                        if sample && r.generated.is_empty() =>
-                    {
+                    Some(PdStage::Prefill { replica, transfer }) if r.generated.is_empty() => {
                         Some(Handoff { replica, transfer })
                     }
                     _ => None,
@@ -841,13 +847,16 @@ fn run(
             release.push(done.seq);
         }
         store_kv_metrics();
-        let (kv_bytes, kv_secs) = executor.kv_sent();
+        let sent = executor.kv_sent();
         metrics
             .pd_kv_bytes_sent_total
-            .store(kv_bytes, Ordering::SeqCst);
+            .store(sent.bytes, Ordering::SeqCst);
+        metrics
+            .pd_kv_parts_sent_total
+            .store(sent.parts, Ordering::SeqCst);
         metrics
             .pd_kv_send_micros_total
-            .store((kv_secs * 1e6) as u64, Ordering::SeqCst);
+            .store((sent.secs * 1e6) as u64, Ordering::SeqCst);
         metrics
             .running
             .store(running.len() as u64, Ordering::SeqCst);

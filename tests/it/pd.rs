@@ -332,3 +332,38 @@ fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
     assert_eq!(status.code(), Some(0), "{}{rest}", head.startup);
     assert_eq!(other.wait().expect("node 1 exits").code(), Some(0));
 }
+
+/// A long prompt prefilled in chunks streams its KV chunk by chunk (each part sent while
+/// the next chunk computes): with 16-token steps the hand-off is one part per chunk, the
+/// bytes are still exactly the prompt's KV (nothing sent twice), and the answer is colocated
+/// serving's.
+#[test]
+fn a_chunked_prompt_streams_its_kv_chunk_by_chunk() {
+    let steps = ["--max-num-batched-tokens", "16", "--max-batch", "4"];
+    let body = json!({"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[1]}],
+                      "max_tokens": 8, "temperature": 0});
+    let colocated = Server::start(&steps);
+    let (status, expected) = colocated.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{expected}");
+    drop(colocated);
+    let server = Server::start(&[&steps[..], &["--prefill", "1", "--decode", "1"]].concat());
+    let (status, reply) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(answer(&reply).0, answer(&expected).0, "{reply}");
+    let prompt_tokens = reply["usage"]["prompt_tokens"].as_u64().expect("usage");
+    assert!(
+        prompt_tokens > 64,
+        "a prompt of several chunks: {prompt_tokens}"
+    );
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_pd_kv_parts_sent_total"),
+        prompt_tokens.div_ceil(16) as f64,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_kv_bytes_sent_total"),
+        (prompt_tokens * KV_BYTES_PER_TOKEN) as f64,
+        "{metrics}"
+    );
+}

@@ -432,11 +432,15 @@ fn a_prompts_kv_moved_to_another_pool_decodes_bit_for_bit() {
     let first = argmax(&logits);
 
     let layers = model.layers.len();
-    let halves = [0..layers / 2, layers / 2..layers];
-    let transfers: Vec<_> = halves
+    // In four parts (two layer ranges × two position ranges), imported out of order, one
+    // of them twice (a recomputed chunk sends identical values again).
+    let (halves, cut) = ([0..layers / 2, layers / 2..layers], prompt.len() / 3);
+    let mut transfers: Vec<_> = halves
         .iter()
-        .map(|range| here.export_layers(range.clone()).expect("export"))
+        .flat_map(|range| [(range.clone(), 0..cut), (range.clone(), cut..prompt.len())])
+        .map(|(layers, positions)| here.export(layers, positions).expect("export"))
         .collect();
+    transfers.reverse();
     let kv_bytes: usize = transfers.iter().map(|t| t.kv_bytes()).sum();
     assert_eq!(
         kv_bytes,
@@ -445,8 +449,8 @@ fn a_prompts_kv_moved_to_another_pool_decodes_bit_for_bit() {
     let decode_pool = KvPool::new(layers, c.n_kv_heads, c.head_dim, Some(4096));
     assert!(decode_pool.set_prefix_cache(true));
     let mut there = decode_pool.new_cache();
-    for transfer in &transfers {
-        there.import_layers(transfer).expect("import");
+    for transfer in transfers.iter().chain(&transfers[1..2]) {
+        there.import(transfer).expect("import");
     }
     there.finish_import();
     assert_eq!(there.n_tokens, prompt.len());
@@ -469,7 +473,7 @@ fn a_prompts_kv_moved_to_another_pool_decodes_bit_for_bit() {
     let other = KvPool::new(layers, c.n_kv_heads + 1, c.head_dim, None);
     let error = other
         .new_cache()
-        .import_layers(&transfers[0])
+        .import(&transfers[0])
         .expect_err("another geometry");
     assert!(
         error.to_string().contains("must shard the model alike"),

@@ -77,9 +77,10 @@ pub struct StepEntry {
     /// Whether to sample a token after this step. `false` for a chunk of a prompt that
     /// continues next step: no token, and the sampler's random stream is untouched.
     pub sample: bool,
-    /// On a prefill replica, with the step that samples the prompt's first token: every
-    /// rank sends its shard's keys and values of the sequence to the same rank of the
-    /// decode replica (prefill/decode disaggregation).
+    /// On a prefill replica, with every chunk of the prompt: every rank queues its shard's
+    /// keys and values of the positions it just computed for the same rank of the decode
+    /// replica (sent while the next chunk computes); with the chunk that samples the first
+    /// token it waits until all of them went (prefill/decode disaggregation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handoff: Option<Handoff>,
     /// With `params`, on a decode replica: the id of the KV transfer that holds the
@@ -130,6 +131,16 @@ impl StepEntry {
     }
 }
 
+/// KV a prefill replica's driver rank sent to decode replicas: bytes, parts (a chunk of a
+/// prompt's positions for every layer of the shard) and the seconds spent sending them
+/// (on the sending thread, overlapping the prefill).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KvSent {
+    pub bytes: u64,
+    pub parts: u64,
+    pub secs: f64,
+}
+
 /// The token sampled for one sequence, with its log-probability (nats).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Sampled {
@@ -167,10 +178,10 @@ pub trait Executor: Send {
     /// The model's tokenizer (EOS ids, detokenization).
     fn tokenizer(&self) -> &Tokenizer;
 
-    /// KV bytes this executor's driver rank sent to decode replicas so far, and the seconds
-    /// spent sending them (prefill/decode disaggregation; 0 elsewhere).
-    fn kv_sent(&self) -> (u64, f64) {
-        (0, 0.0)
+    /// What this executor's driver rank sent to decode replicas so far (prefill/decode
+    /// disaggregation; nothing elsewhere).
+    fn kv_sent(&self) -> KvSent {
+        KvSent::default()
     }
 
     /// The sequences of the last [`Executor::step`] whose KV transfer failed, with why:

@@ -304,14 +304,18 @@ impl CachedBlock {
     }
 }
 
-/// A sequence's keys and values for some layers of one shard, as a prefill replica hands
-/// them to a decode replica (prefill/decode disaggregation): the sequence's tokens and
-/// prompt length (so the decode side computes and caches exactly as the prefill side
-/// would have), and the f16 bits `(layers, 2, n_kv_heads, n_tokens, head_dim)` — keys then
-/// values, position-major per head, whatever the block layout of either side.
+/// A sequence's keys and values for some layers and positions of one shard, as a prefill
+/// replica hands them to a decode replica (prefill/decode disaggregation) while its prefill
+/// produces them: the tokens at those positions, the prompt length (so the decode side
+/// computes and caches exactly as the prefill side would have; the transfer of a sequence
+/// is complete when its parts cover every layer at positions `0..prompt_tokens`), and the
+/// f16 bits `(layers, 2, n_kv_heads, n_tokens, head_dim)` — keys then values,
+/// position-major per head, whatever the block layout of either side.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct KvTransfer {
+    /// The tokens at positions `first_position..first_position + tokens.len()`.
     pub tokens: Vec<u32>,
+    pub first_position: usize,
     pub prompt_tokens: usize,
     /// The shard's layers carried (indices of the shard's own layers).
     pub layers: std::ops::Range<usize>,
@@ -557,10 +561,15 @@ impl KvCache {
         self.blocks.len()
     }
 
-    /// The stored positions of layers `layers` (of this shard) as a [`KvTransfer`]: what a
-    /// prefill replica sends a decode replica, layer by layer as its prefill produces them
-    /// or all at once. Errors: a layer range outside the pool's layers.
-    pub fn export_layers(&self, layers: std::ops::Range<usize>) -> Result<KvTransfer> {
+    /// The stored `positions` of layers `layers` (of this shard) as a [`KvTransfer`]: what
+    /// a prefill replica sends a decode replica, chunk by chunk and layer by layer as its
+    /// prefill produces them. Errors: a layer range outside the pool's layers, positions
+    /// not stored yet.
+    pub fn export(
+        &self,
+        layers: std::ops::Range<usize>,
+        positions: std::ops::Range<usize>,
+    ) -> Result<KvTransfer> {
         let pool = &self.pool;
         if layers.start > layers.end || layers.end > pool.n_layers {
             bail!(
@@ -570,12 +579,20 @@ impl KvCache {
                 pool.n_layers
             );
         }
+        if positions.start > positions.end || positions.end > self.n_tokens {
+            bail!(
+                "positions {}..{} are not all stored ({} are)",
+                positions.start,
+                positions.end,
+                self.n_tokens
+            );
+        }
         let rows = layers.len() * 2 * pool.n_kv_heads;
-        let mut values = Vec::with_capacity(rows * self.n_tokens * pool.head_dim);
+        let mut values = Vec::with_capacity(rows * positions.len() * pool.head_dim);
         for layer in layers.clone() {
             for values_half in [false, true] {
                 for head in 0..pool.n_kv_heads {
-                    for position in 0..self.n_tokens {
+                    for position in positions.clone() {
                         let (block, at) = self.offset(layer, values_half, head, position);
                         values.extend_from_slice(&self.blocks[block][at..at + pool.head_dim]);
                     }
@@ -583,7 +600,8 @@ impl KvCache {
             }
         }
         Ok(KvTransfer {
-            tokens: self.tokens.clone(),
+            tokens: self.tokens[positions.clone()].to_vec(),
+            first_position: positions.start,
             prompt_tokens: self.prompt_tokens.unwrap_or(self.n_tokens),
             layers,
             n_kv_heads: pool.n_kv_heads,
@@ -592,14 +610,16 @@ impl KvCache {
         })
     }
 
-    /// Writes `transfer`'s layers into this cache: the first transfer of a sequence starts
-    /// an empty cache (reserving its blocks and fixing its prompt length), later ones must
-    /// carry the same tokens; once every layer has arrived, [`KvCache::finish_import`]
-    /// counts the positions as stored.
+    /// Writes `transfer`'s layers and positions into this cache: the first part of a
+    /// sequence starts an empty cache (reserving its prompt's blocks and fixing its prompt
+    /// length), later ones must carry the same prompt length; parts may come in any order
+    /// and may repeat (a recomputed prefill sends identical values again). Once the parts
+    /// cover every layer at every prompt position, [`KvCache::finish_import`] counts the
+    /// positions as stored.
     ///
-    /// Errors: a transfer for another geometry, other tokens, layers outside the pool, a
+    /// Errors: a transfer for another geometry or prompt, layers or positions outside it, a
     /// full pool ([`KvExhausted`]).
-    pub fn import_layers(&mut self, transfer: &KvTransfer) -> Result<()> {
+    pub fn import(&mut self, transfer: &KvTransfer) -> Result<()> {
         let pool = Arc::clone(&self.pool);
         let n = transfer.tokens.len();
         if transfer.n_kv_heads != pool.n_kv_heads
@@ -625,18 +645,28 @@ impl KvCache {
                 transfer.values.len()
             );
         }
+        if transfer.first_position + n > transfer.prompt_tokens {
+            bail!(
+                "a KV transfer of positions {}..{} for a prompt of {}",
+                transfer.first_position,
+                transfer.first_position + n,
+                transfer.prompt_tokens
+            );
+        }
         if self.tokens.is_empty() && self.n_tokens == 0 {
             self.prompt_tokens = Some(transfer.prompt_tokens);
-            self.reserve(n)?;
-            self.tokens = transfer.tokens.clone();
-        } else if self.tokens != transfer.tokens {
-            bail!("a KV transfer for other tokens than the cache's");
+            self.reserve(transfer.prompt_tokens)?;
+            self.tokens = vec![0; transfer.prompt_tokens];
+        } else if self.prompt_tokens != Some(transfer.prompt_tokens) || self.n_tokens != 0 {
+            bail!("a KV transfer for another prompt than the cache's");
         }
+        let first = transfer.first_position;
+        self.tokens[first..first + n].copy_from_slice(&transfer.tokens);
         let mut chunks = transfer.values.chunks_exact(pool.head_dim);
         for layer in transfer.layers.clone() {
             for values_half in [false, true] {
                 for head in 0..pool.n_kv_heads {
-                    for position in 0..n {
+                    for position in first..first + n {
                         let (block, at) = self.offset(layer, values_half, head, position);
                         let row = chunks.next().expect("length checked above");
                         let Some(memory) = Arc::get_mut(&mut self.blocks[block]) else {
@@ -653,7 +683,7 @@ impl KvCache {
     }
 
     /// Counts the imported positions as stored (and registers their full blocks in the
-    /// prefix cache), after [`KvCache::import_layers`] brought every layer.
+    /// prefix cache), after [`KvCache::import`] brought every layer and position.
     pub fn finish_import(&mut self) {
         let tokens = std::mem::take(&mut self.tokens);
         self.commit(&tokens);

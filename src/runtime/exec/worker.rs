@@ -20,7 +20,7 @@ use crate::runtime::collectives::shm::ShmComm;
 use crate::runtime::collectives::{Comm, TcpComm};
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::executor::{
-    Executor, Handoff, Sampled, StepEntry, first_step_cache, generate, sample,
+    Executor, Handoff, KvSent, Sampled, StepEntry, first_step_cache, generate, sample,
 };
 use crate::runtime::exec::handoff::{Inbox, Outbox};
 use crate::runtime::exec::kv::KvPool;
@@ -346,6 +346,9 @@ pub struct Member {
     pd: PdLink,
     /// Only on the sampling rank (last stage, tp rank 0).
     samplers: HashMap<u64, Sampler>,
+    /// Prefill replicas: prompt positions of each sequence already queued for its decode
+    /// replica.
+    handed: HashMap<u64, usize>,
     /// Sequences of the last step whose KV transfer failed on some rank of the replica, with
     /// why (the same set on every rank; the driver reports it).
     transfer_failures: Vec<(u64, String)>,
@@ -433,7 +436,7 @@ impl Member {
                     peers.insert(decode, String::from_utf8_lossy(&address).into_owned());
                 }
                 PdLink::Prefill {
-                    outbox: Outbox::new(&config.token),
+                    outbox: Outbox::new(&config.token)?,
                     peers,
                 }
             }
@@ -454,6 +457,7 @@ impl Member {
                 caches: HashMap::new(),
                 pd,
                 samplers: HashMap::new(),
+                handed: HashMap::new(),
                 transfer_failures: Vec::new(),
                 team: crate::runtime::cpu::team::Team::new(pool.current_num_threads())
                     .map_err(|e| anyhow!("thread team: {e}"))?,
@@ -474,6 +478,8 @@ impl Member {
         for seq in release {
             self.caches.remove(seq);
             self.samplers.remove(seq);
+            // (Recomputed after a preemption, its prompt is sent again from position 0.)
+            self.handed.remove(seq);
         }
         let is_sampler = self.rank == self.sampler_rank();
         self.transfer_failures.clear();
@@ -533,18 +539,23 @@ impl Member {
         let mut sampled = self.run_live(entries)?;
         // Hand-offs after the stage's own work (its hidden state already went on), so no
         // stage waits on them; a failed send fails its sequence, not the replica.
-        let handoffs: Vec<(u64, Handoff)> = entries
-            .iter()
-            .filter_map(|e| e.handoff.map(|h| (e.seq, h)))
-            .collect();
-        let mut unsent = HashMap::new();
-        for (seq, handoff) in &handoffs {
-            if let Err(error) = self.hand_off(*seq, *handoff) {
-                unsent.insert(*seq, format!("{error:#}"));
+        // Each chunk of a prompt's KV is queued as soon as this stage computed it (sent while
+        // the next chunk computes); the step that samples the first token queues the rest
+        // and waits until all of it went.
+        let (mut finals, mut unsent) = (Vec::new(), HashMap::new());
+        for entry in entries {
+            let Some(handoff) = entry.handoff else {
+                continue;
+            };
+            self.stream_kv(entry.seq, handoff)?;
+            if entry.sample {
+                finals.push(entry.seq);
+                if let Err(error) = self.finish_handoff(entry.seq, handoff) {
+                    unsent.insert(entry.seq, format!("{error:#}"));
+                }
             }
         }
-        let handoff_seqs: Vec<u64> = handoffs.iter().map(|(seq, _)| *seq).collect();
-        self.agree_on_failures(&handoff_seqs, &unsent)?;
+        self.agree_on_failures(&finals, &unsent)?;
         if failed.is_empty() || !is_sampler {
             return Ok(sampled);
         }
@@ -687,15 +698,17 @@ impl Member {
             .with_context(|| format!("rank {}", self.global_rank))?;
         let mut cache = self.shard.new_cache();
         for part in &parts {
-            cache.import_layers(part)?;
+            cache.import(part)?;
         }
         cache.finish_import();
         Ok(cache)
     }
 
-    /// Sends this shard's KV of sequence `seq` to the same rank of the decode replica.
-    /// Errors: not a prefill replica, an unknown replica or sequence, a failed send.
-    fn hand_off(&mut self, seq: u64, handoff: Handoff) -> Result<()> {
+    /// Queues this shard's KV of sequence `seq` at the positions computed since the last
+    /// call (every layer) for the same rank of the decode replica.
+    ///
+    /// Errors: not a prefill replica, an unknown replica or sequence.
+    fn stream_kv(&mut self, seq: u64, handoff: Handoff) -> Result<()> {
         let PdLink::Prefill { outbox, peers } = &mut self.pd else {
             bail!(
                 "rank {}: a KV hand-off on a replica that is not a prefill replica",
@@ -712,9 +725,23 @@ impl Member {
             .caches
             .get(&seq)
             .with_context(|| format!("rank {}: sequence {seq} is unknown", self.global_rank))?;
-        let transfer = cache.export_layers(0..self.shard.layers.len())?;
+        let from = self.handed.get(&seq).copied().unwrap_or(0);
+        if cache.n_tokens > from {
+            let part = cache.export(0..self.shard.layers.len(), from..cache.n_tokens)?;
+            outbox.send(address, handoff.transfer, part);
+            self.handed.insert(seq, cache.n_tokens);
+        }
+        Ok(())
+    }
+
+    /// Waits until every part of `seq`'s hand-off went. Errors: a part could not be sent.
+    fn finish_handoff(&mut self, seq: u64, handoff: Handoff) -> Result<()> {
+        self.handed.remove(&seq);
+        let PdLink::Prefill { outbox, .. } = &mut self.pd else {
+            bail!("rank {}: not a prefill replica", self.global_rank);
+        };
         outbox
-            .send(address, handoff.transfer, &transfer)
+            .finish(handoff.transfer)
             .with_context(|| format!("rank {}", self.global_rank))
     }
 
@@ -807,10 +834,10 @@ impl Executor for ReplicaDriver {
         self.broadcast(&Message::Idle)
     }
 
-    fn kv_sent(&self) -> (u64, f64) {
+    fn kv_sent(&self) -> KvSent {
         match &self.member.pd {
-            PdLink::Prefill { outbox, .. } => (outbox.kv_bytes_sent, outbox.send_secs),
-            _ => (0, 0.0),
+            PdLink::Prefill { outbox, .. } => outbox.sent(),
+            _ => KvSent::default(),
         }
     }
 
