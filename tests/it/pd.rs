@@ -11,7 +11,9 @@ use crate::scheduling::{QUESTIONS, SYSTEM};
 use crate::serve::Server;
 
 /// SmolLM2's KV bytes per position: 30 layers × (keys, values) × 3 KV heads × 64 dims × f16.
-pub const KV_BYTES_PER_TOKEN: u64 = 30 * 2 * 3 * 64 * 2;
+pub const KV_BYTES_PER_TOKEN: u64 = SMOLLM2_LAYERS * 2 * 3 * 64 * 2;
+/// SmolLM2-135M's layers.
+const SMOLLM2_LAYERS: u64 = 30;
 
 pub fn metric(text: &str, name: &str) -> f64 {
     text.lines()
@@ -127,14 +129,17 @@ fn disaggregated_serving_gives_the_colocated_tokens(layout: &[&str]) {
         requests,
         "{metrics}"
     );
-    let tp: u64 = layout
-        .windows(2)
-        .find(|w| w[0] == "--tp")
-        .map_or(1, |w| w[1].parse().expect("tp"));
-    // The counter is the driver ranks' shards: 1/tp of the heads under TP.
+    let degree = |flag: &str| -> u64 {
+        layout
+            .windows(2)
+            .find(|w| w[0] == flag)
+            .map_or(1, |w| w[1].parse().expect("degree"))
+    };
+    // The counter is the driver ranks' shards: 1/tp of the heads under TP, 1/pp of the
+    // layers under PP.
     assert_eq!(
         metric(&metrics, "infer_pd_kv_bytes_sent_total"),
-        (2 * prompt_tokens * KV_BYTES_PER_TOKEN / tp) as f64,
+        (2 * prompt_tokens * KV_BYTES_PER_TOKEN / degree("--tp") / degree("--pp")) as f64,
         "{metrics}"
     );
     assert_eq!(
@@ -196,6 +201,20 @@ fn tp3_on_both_roles_gives_the_colocated_tokens() {
         "1",
         "--tp",
         "3",
+    ]);
+}
+
+/// PP 2 on both roles: each stage streams its own layers to the same stage of the decode
+/// replica.
+#[test]
+fn pp2_on_both_roles_gives_the_colocated_tokens() {
+    disaggregated_serving_gives_the_colocated_tokens(&[
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--pp",
+        "2",
     ]);
 }
 
@@ -333,10 +352,10 @@ fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
     assert_eq!(other.wait().expect("node 1 exits").code(), Some(0));
 }
 
-/// A long prompt prefilled in chunks streams its KV chunk by chunk (each part sent while
-/// the next chunk computes): with 16-token steps the hand-off is one part per chunk, the
-/// bytes are still exactly the prompt's KV (nothing sent twice), and the answer is colocated
-/// serving's.
+/// A long prompt prefilled in chunks streams its KV chunk by chunk and layer by layer
+/// (each part sent while the next layer and the next chunk compute): with 16-token steps
+/// the hand-off is one part per layer of each chunk, the bytes are still exactly the
+/// prompt's KV (nothing sent twice), and the answer is colocated serving's.
 #[test]
 fn a_chunked_prompt_streams_its_kv_chunk_by_chunk() {
     let steps = ["--max-num-batched-tokens", "16", "--max-batch", "4"];
@@ -358,7 +377,7 @@ fn a_chunked_prompt_streams_its_kv_chunk_by_chunk() {
     let metrics = server.metrics();
     assert_eq!(
         metric(&metrics, "infer_pd_kv_parts_sent_total"),
-        prompt_tokens.div_ceil(16) as f64,
+        (prompt_tokens.div_ceil(16) * SMOLLM2_LAYERS) as f64,
         "{metrics}"
     );
     assert_eq!(

@@ -570,6 +570,44 @@ impl KvCache {
         layers: std::ops::Range<usize>,
         positions: std::ops::Range<usize>,
     ) -> Result<KvTransfer> {
+        if positions.start > positions.end || positions.end > self.n_tokens {
+            bail!(
+                "positions {}..{} are not all stored ({} are)",
+                positions.start,
+                positions.end,
+                self.n_tokens
+            );
+        }
+        self.export_positions(layers, positions.clone(), self.tokens[positions].to_vec())
+    }
+
+    /// The keys and values of layers `layers` that a forward pass in progress stored for
+    /// `tokens` at positions `n_tokens..n_tokens + tokens.len()`, before it commits them
+    /// (see `Llama::forward_stage_observed`). Errors: a layer range outside the pool's
+    /// layers, positions beyond the blocks held.
+    pub fn export_pending(
+        &self,
+        layers: std::ops::Range<usize>,
+        tokens: &[u32],
+    ) -> Result<KvTransfer> {
+        let positions = self.n_tokens..self.n_tokens + tokens.len();
+        if positions.end > self.blocks.len() * BLOCK_TOKENS {
+            bail!(
+                "positions {}..{} lie beyond the {} blocks held",
+                positions.start,
+                positions.end,
+                self.blocks.len()
+            );
+        }
+        self.export_positions(layers, positions, tokens.to_vec())
+    }
+
+    fn export_positions(
+        &self,
+        layers: std::ops::Range<usize>,
+        positions: std::ops::Range<usize>,
+        tokens: Vec<u32>,
+    ) -> Result<KvTransfer> {
         let pool = &self.pool;
         if layers.start > layers.end || layers.end > pool.n_layers {
             bail!(
@@ -577,14 +615,6 @@ impl KvCache {
                 layers.start,
                 layers.end,
                 pool.n_layers
-            );
-        }
-        if positions.start > positions.end || positions.end > self.n_tokens {
-            bail!(
-                "positions {}..{} are not all stored ({} are)",
-                positions.start,
-                positions.end,
-                self.n_tokens
             );
         }
         let rows = layers.len() * 2 * pool.n_kv_heads;
@@ -600,7 +630,7 @@ impl KvCache {
             }
         }
         Ok(KvTransfer {
-            tokens: self.tokens[positions.clone()].to_vec(),
+            tokens,
             first_position: positions.start,
             prompt_tokens: self.prompt_tokens.unwrap_or(self.n_tokens),
             layers,

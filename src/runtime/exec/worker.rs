@@ -539,15 +539,13 @@ impl Member {
         let mut sampled = self.run_live(entries)?;
         // Hand-offs after the stage's own work (its hidden state already went on), so no
         // stage waits on them; a failed send fails its sequence, not the replica.
-        // Each chunk of a prompt's KV is queued as soon as this stage computed it (sent while
-        // the next chunk computes); the step that samples the first token queues the rest
-        // and waits until all of it went.
+        // The step's KV went out layer by layer during the forward pass; the step that
+        // samples the first token waits until all of its sequence's parts went.
         let (mut finals, mut unsent) = (Vec::new(), HashMap::new());
         for entry in entries {
             let Some(handoff) = entry.handoff else {
                 continue;
             };
-            self.stream_kv(entry.seq, handoff)?;
             if entry.sample {
                 finals.push(entry.seq);
                 if let Err(error) = self.finish_handoff(entry.seq, handoff) {
@@ -617,6 +615,20 @@ impl Member {
         if entries.is_empty() {
             return Ok(Vec::new());
         }
+        // Prefill replicas: what is stored but not yet sent (a prefix the prefix cache
+        // supplied) goes first; the step's new positions go layer by layer as the forward
+        // pass stores them, each layer's while the next one computes.
+        let mut streams: Vec<Option<(String, u64)>> = Vec::with_capacity(entries.len());
+        for entry in entries {
+            streams.push(match entry.handoff {
+                Some(handoff) => {
+                    let address = self.inbox_address(handoff)?;
+                    self.send_unsent(entry.seq, &address, handoff.transfer)?;
+                    Some((address, handoff.transfer))
+                }
+                None => None,
+            });
+        }
         let pp_rank = self.pp_rank;
         let hidden_in = if pp_rank > 0 {
             Some(bytes_to_f32(&self.pp_comm.recv(pp_rank - 1)?))
@@ -643,13 +655,52 @@ impl Member {
                 None
             };
             let ep: Option<&mut dyn Comm> = self.ep_comm.as_mut().map(|c| c as &mut dyn Comm);
+            let mut outbox = match &mut self.pd {
+                PdLink::Prefill { outbox, .. } => Some(outbox),
+                _ => None,
+            };
+            let mut export_error = None;
+            let mut stored = |layer: usize, batch: &[SequenceInput<'_>]| {
+                let Some(outbox) = outbox.as_mut() else {
+                    return;
+                };
+                for (stream, sequence) in streams.iter().zip(batch) {
+                    let Some((address, transfer)) = stream else {
+                        continue;
+                    };
+                    match sequence
+                        .cache
+                        .export_pending(layer..layer + 1, sequence.tokens)
+                    {
+                        Ok(part) => outbox.send(address, *transfer, part),
+                        Err(error) => {
+                            export_error.get_or_insert(error);
+                        }
+                    }
+                }
+            };
             let shard = &self.shard;
             let team = &self.team;
-            self.pool.install(|| {
-                team.enter(|| shard.forward_stage(hidden_in.as_deref(), &mut batch, comm, ep))
-            })
+            let output = self.pool.install(|| {
+                team.enter(|| {
+                    shard.forward_stage_observed(
+                        hidden_in.as_deref(),
+                        &mut batch,
+                        comm,
+                        ep,
+                        &mut stored,
+                    )
+                })
+            });
+            match export_error {
+                Some(error) => Err(error),
+                None => output,
+            }
         };
         for (entry, cache) in entries.iter().zip(caches) {
+            if entry.handoff.is_some() {
+                self.handed.insert(entry.seq, cache.n_tokens);
+            }
             self.caches.insert(entry.seq, cache);
         }
         match output? {
@@ -704,23 +755,14 @@ impl Member {
         Ok(cache)
     }
 
-    /// Queues this shard's KV of sequence `seq` at the positions computed since the last
-    /// call (every layer) for the same rank of the decode replica.
+    /// Queues this shard's KV of sequence `seq` at the stored positions not sent yet
+    /// (every layer) for the inbox at `address`, as part of transfer `transfer`.
     ///
-    /// Errors: not a prefill replica, an unknown replica or sequence.
-    fn stream_kv(&mut self, seq: u64, handoff: Handoff) -> Result<()> {
-        let PdLink::Prefill { outbox, peers } = &mut self.pd else {
-            bail!(
-                "rank {}: a KV hand-off on a replica that is not a prefill replica",
-                self.global_rank
-            );
+    /// Errors: not a prefill replica, an unknown sequence.
+    fn send_unsent(&mut self, seq: u64, address: &str, transfer: u64) -> Result<()> {
+        let PdLink::Prefill { outbox, .. } = &mut self.pd else {
+            bail!("rank {}: not a prefill replica", self.global_rank);
         };
-        let address = peers.get(&handoff.replica).with_context(|| {
-            format!(
-                "rank {}: replica {} is not a decode replica",
-                self.global_rank, handoff.replica
-            )
-        })?;
         let cache = self
             .caches
             .get(&seq)
@@ -728,10 +770,22 @@ impl Member {
         let from = self.handed.get(&seq).copied().unwrap_or(0);
         if cache.n_tokens > from {
             let part = cache.export(0..self.shard.layers.len(), from..cache.n_tokens)?;
-            outbox.send(address, handoff.transfer, part);
+            outbox.send(address, transfer, part);
             self.handed.insert(seq, cache.n_tokens);
         }
         Ok(())
+    }
+
+    /// The inbox of this rank's peer in the hand-off's decode replica. Errors: not a prefill
+    /// replica, a replica that is not a decode replica.
+    fn inbox_address(&self, handoff: Handoff) -> Result<String> {
+        let PdLink::Prefill { peers, .. } = &self.pd else {
+            bail!("rank {}: not a prefill replica", self.global_rank);
+        };
+        peers
+            .get(&handoff.replica)
+            .cloned()
+            .with_context(|| not_a_decode_replica(self.global_rank, handoff.replica))
     }
 
     /// Waits until every part of `seq`'s hand-off went. Errors: a part could not be sent.
@@ -860,6 +914,10 @@ impl Executor for ReplicaDriver {
     fn kv_pool(&self) -> &Arc<KvPool> {
         self.member.shard.kv_pool()
     }
+}
+
+fn not_a_decode_replica(rank: usize, replica: usize) -> String {
+    format!("rank {rank}: replica {replica} is not a decode replica")
 }
 
 fn bytes_to_f32(bytes: &[u8]) -> Vec<f32> {

@@ -704,8 +704,26 @@ impl Llama {
         &self,
         hidden_in: Option<&[f32]>,
         batch: &mut [SequenceInput<'_>],
+        tp: Option<&mut dyn Comm>,
+        ep: Option<&mut dyn Comm>,
+    ) -> Result<StageOutput> {
+        self.forward_stage_observed(hidden_in, batch, tp, ep, &mut |_, _| {})
+    }
+
+    /// [`Llama::forward_stage`], calling `stored(layer, batch)` as soon as each layer (an
+    /// index among this shard's layers) has stored the batch's new keys and values — at
+    /// positions `cache.n_tokens..cache.n_tokens + tokens.len()` of each sequence, not yet
+    /// committed ([`KvCache::export_pending`] reads them) — so that they can be sent on
+    /// while the later layers compute (prefill/decode disaggregation).
+    ///
+    /// Errors: those of [`Llama::forward_stage`].
+    pub fn forward_stage_observed(
+        &self,
+        hidden_in: Option<&[f32]>,
+        batch: &mut [SequenceInput<'_>],
         mut tp: Option<&mut dyn Comm>,
         mut ep: Option<&mut dyn Comm>,
+        stored: &mut dyn FnMut(usize, &[SequenceInput<'_>]),
     ) -> Result<StageOutput> {
         let c = &self.config;
         let (hidden, head_dim) = (c.hidden_size, c.head_dim);
@@ -805,6 +823,7 @@ impl Llama {
                 )?;
                 offset += count;
             }
+            stored(layer_idx, batch);
             let spans: Vec<(usize, &KvCache, bool)> = batch
                 .iter()
                 .flat_map(|s| {
