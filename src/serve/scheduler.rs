@@ -748,10 +748,12 @@ fn run(
                         || r.request.params.max_tokens <= 1
                 });
                 if !ends_here {
-                    let _ = r.request.events.send(Event::Error(why.clone()));
+                    // Counted before the client hears of it, so a scrape after the error
+                    // sees it.
                     metrics
                         .pd_transfer_failures_total
                         .fetch_add(1, Ordering::SeqCst);
+                    let _ = r.request.events.send(Event::Error(why.clone()));
                     finished.push(index);
                     continue;
                 }
@@ -825,11 +827,11 @@ fn run(
                 finished.push(index);
             } else if matches!(r.request.pd, Some(PdStage::Prefill { .. })) {
                 // Its KV went to the decode replica with this step: that one goes on.
+                metrics.pd_handoffs_total.fetch_add(1, Ordering::SeqCst);
                 let _ = r.request.events.send(Event::HandedOff {
                     first_token: token,
                     cached_tokens: r.prefix_hit_tokens.unwrap_or(0),
                 });
-                metrics.pd_handoffs_total.fetch_add(1, Ordering::SeqCst);
                 finished.push(index);
             } else {
                 r.pending = vec![token];
