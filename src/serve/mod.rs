@@ -302,6 +302,12 @@ async fn metrics(Ready(state, _): Ready) -> Response {
             m.pd_kv_send_micros_total,
         ),
         (
+            "infer_pd_kv_bytes_sent_shm_total",
+            "Prefill/decode disaggregation: of the KV bytes sent, those that went through a shared ring in /dev/shm (prefill and decode rank on one host); the rest went over TCP.",
+            "counter",
+            m.pd_kv_bytes_sent_shm_total,
+        ),
+        (
             "infer_pd_kv_parts_sent_total",
             "Prefill/decode disaggregation: KV parts sent, each a chunk of a prompt's positions as the prefill computed it (by each driver rank's shard).",
             "counter",

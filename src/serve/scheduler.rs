@@ -107,6 +107,9 @@ pub struct Metrics {
     pub pd_kv_send_micros_total: AtomicU64,
     /// KV parts sent (a chunk of a prompt's positions, every layer of the shard).
     pub pd_kv_parts_sent_total: AtomicU64,
+    /// Of the KV bytes sent, those that went through shared memory (decode rank on the
+    /// prefill rank's host).
+    pub pd_kv_bytes_sent_shm_total: AtomicU64,
     pub pd_handoffs_total: AtomicU64,
     pub pd_decode_prefill_tokens_total: AtomicU64,
     /// Requests failed because their KV transfer failed (a send that could not reach the
@@ -238,6 +241,8 @@ pub struct MetricsSnapshot {
     #[serde(default)]
     pub pd_kv_parts_sent_total: u64,
     #[serde(default)]
+    pub pd_kv_bytes_sent_shm_total: u64,
+    #[serde(default)]
     pub pd_handoffs_total: u64,
     #[serde(default)]
     pub pd_decode_prefill_tokens_total: u64,
@@ -265,6 +270,7 @@ impl MetricsSnapshot {
         self.pd_kv_bytes_sent_total += other.pd_kv_bytes_sent_total;
         self.pd_kv_send_micros_total += other.pd_kv_send_micros_total;
         self.pd_kv_parts_sent_total += other.pd_kv_parts_sent_total;
+        self.pd_kv_bytes_sent_shm_total += other.pd_kv_bytes_sent_shm_total;
         self.pd_handoffs_total += other.pd_handoffs_total;
         self.pd_decode_prefill_tokens_total += other.pd_decode_prefill_tokens_total;
         self.pd_transfer_failures_total += other.pd_transfer_failures_total;
@@ -293,6 +299,7 @@ impl Metrics {
             pd_kv_bytes_sent_total: load(&self.pd_kv_bytes_sent_total),
             pd_kv_send_micros_total: load(&self.pd_kv_send_micros_total),
             pd_kv_parts_sent_total: load(&self.pd_kv_parts_sent_total),
+            pd_kv_bytes_sent_shm_total: load(&self.pd_kv_bytes_sent_shm_total),
             pd_handoffs_total: load(&self.pd_handoffs_total),
             pd_decode_prefill_tokens_total: load(&self.pd_decode_prefill_tokens_total),
             pd_transfer_failures_total: load(&self.pd_transfer_failures_total),
@@ -856,6 +863,9 @@ fn run(
         metrics
             .pd_kv_parts_sent_total
             .store(sent.parts, Ordering::SeqCst);
+        metrics
+            .pd_kv_bytes_sent_shm_total
+            .store(sent.shm_bytes, Ordering::SeqCst);
         metrics
             .pd_kv_send_micros_total
             .store((sent.secs * 1e6) as u64, Ordering::SeqCst);

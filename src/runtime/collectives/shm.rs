@@ -119,7 +119,7 @@ impl ShmComm {
         let mut created: Option<PathBuf> = None;
         let mut why = String::new();
         if position == 0 {
-            match create_file(bytes) {
+            match create_segment_file("infer-shm", bytes) {
                 Ok(path) => {
                     announced = path.to_string_lossy().into_owned().into_bytes();
                     created = Some(path);
@@ -158,17 +158,25 @@ impl ShmComm {
     }
 }
 
-/// Creates a zero-filled file of `bytes` in `/dev/shm` (tmpfs), or the temporary
-/// directory when there is none; returns its path.
-fn create_file(bytes: usize) -> Result<PathBuf> {
+/// Where shared segments live: `/dev/shm` (tmpfs), or the temporary directory when there
+/// is none.
+pub(crate) fn segment_directory() -> PathBuf {
     let directory = PathBuf::from("/dev/shm");
-    let directory = if directory.is_dir() {
+    if directory.is_dir() {
         directory
     } else {
         std::env::temp_dir()
-    };
-    let path = directory.join(format!(
-        "infer-shm-{}-{:016x}",
+    }
+}
+
+/// Creates a zero-filled file of `bytes` in [`segment_directory`], readable and writable
+/// by this user only, named `<prefix>-<pid>-<random>`; returns its path.
+///
+/// Errors: the file cannot be created or its pages reserved (a full `/dev/shm`).
+pub(crate) fn create_segment_file(prefix: &str, bytes: usize) -> Result<PathBuf> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = segment_directory().join(format!(
+        "{prefix}-{}-{:016x}",
         std::process::id(),
         rand::random::<u64>()
     ));
@@ -176,6 +184,7 @@ fn create_file(bytes: usize) -> Result<PathBuf> {
         .read(true)
         .write(true)
         .create_new(true)
+        .mode(0o600)
         .open(&path)
         .with_context(|| format!("cannot create {}", path.display()))?;
     // Reserve the pages now (as NCCL does for its `/dev/shm` segments): a merely truncated

@@ -137,6 +137,8 @@ impl StepEntry {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct KvSent {
     pub bytes: u64,
+    /// Of `bytes`, those that went through a shared ring (the decode rank on this host).
+    pub shm_bytes: u64,
     pub parts: u64,
     pub secs: f64,
 }

@@ -5,21 +5,38 @@
 //! rank's keys and values, and several transfers of one sequence (layer ranges, as a
 //! prefill produces them) may arrive in any order.
 //!
-//! Wire format: a connection opens with the run token (`u32` LE length, bytes); then
-//! frames of a transfer id (`u64` LE), a JSON header (`u32` LE length: tokens, prompt
-//! length, layers, geometry) and the f16 bits (`u64` LE count of `u16` LE values) — binary,
-//! since the bits are nearly all of the bytes. A connection that presents another token is
-//! closed before anything of it is read.
+//! Wire format: a connection opens with the run token (`u32` LE length, bytes) and the name
+//! of a shared segment the sender offers (`u32` LE length, bytes; empty: none); then frames
+//! of a transfer id (`u64` LE), a JSON header (`u32` LE length: tokens, prompt length,
+//! layers, geometry), a kind byte and the f16 bits — binary, since the bits are nearly all of
+//! the bytes. A connection that presents another token is closed before anything of it is
+//! read.
+//!
+//! On one host the bits go through shared memory, as NCCL's SHM transport moves intra-node
+//! traffic (never loopback TCP): a prefill rank whose decode peer runs on the same host
+//! (the launcher's placement says so) creates a ring segment in `/dev/shm` and offers its
+//! name; the inbox maps it, unlinks it (so nothing is left behind if either side dies) and
+//! answers one byte (1: mapped, 0: not, and the connection carries the bits inline). A
+//! shared frame then carries the bits' offset in the ring, their count and how far the
+//! ring advanced; the inbox copies them out and answers the total advance so far, which
+//! frees that room for the sender. The TCP connection stays the doorbell and the framing:
+//! one copy in, one copy out, instead of the socket's copies through the kernel.
+//!
+//! Frame kinds: `0` inline (`u64` LE count of values, then `u16` LE values); `1` shared
+//! (`u64` LE offset in bytes, count of values, advance in bytes).
 
 use std::collections::HashMap;
+use std::collections::HashSet;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
+use memmap2::{Mmap, MmapMut};
 
+use crate::runtime::collectives::shm::{create_segment_file, segment_directory};
 use crate::runtime::exec::executor::KvSent;
 use crate::runtime::exec::kv::KvTransfer;
 
@@ -34,6 +51,24 @@ pub const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_HEADER_BYTES: usize = 64 << 20;
 /// Largest token accepted, bytes.
 const MAX_TOKEN_BYTES: usize = 4096;
+/// Largest segment name accepted, bytes.
+const MAX_NAME_BYTES: usize = 255;
+/// Name prefix of the ring segments in `/dev/shm` (followed by the sender's pid and a
+/// random number).
+const SEGMENT_PREFIX: &str = "infer-kv";
+/// Bytes of a ring segment, one per (prefill rank, decode rank) pair on one host. 16 MiB
+/// holds a 2,048-token chunk's KV of 8 SmolLM2 layers (6 KiB a token) and fits Docker's
+/// default 64 MiB `/dev/shm` with room to spare; a part larger than a quarter of the ring
+/// is split ([`KvTransfer::split`]) so several are in flight.
+pub const RING_BYTES: usize = 16 << 20;
+/// Every part starts on a cache line of the ring.
+const RING_ALIGN: u64 = 64;
+/// The sender reads the inbox's answers when this many are unread, so they never fill the
+/// socket's buffers (8 bytes each) while the sender still has room in the ring.
+const MAX_UNREAD_ACKS: usize = 1024;
+/// Frame kinds.
+const INLINE: u8 = 0;
+const SHARED: u8 = 1;
 
 /// What a frame's header says; the values follow it.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -171,11 +206,24 @@ impl Drop for Inbox {
 /// malformed frame, a lost connection.
 fn receive(stream: TcpStream, token: &str, state: &Shared) -> Result<()> {
     stream.set_nodelay(true)?;
+    let mut answers = stream.try_clone()?;
     let mut reader = BufReader::with_capacity(1 << 20, stream);
     let presented = read_bytes(&mut reader, MAX_TOKEN_BYTES)?;
     if presented != token.as_bytes() {
         bail!("a peer presented another run token");
     }
+    let offered = read_bytes(&mut reader, MAX_NAME_BYTES)?;
+    let ring = if offered.is_empty() {
+        None
+    } else {
+        // A segment that cannot be mapped here (another mount namespace, another host
+        // after all) leaves the bits inline.
+        let mapped = map_offered_segment(&offered);
+        answers.write_all(&[u8::from(mapped.is_ok())])?;
+        mapped.ok()
+    };
+    // Bytes of the ring released so far (what the sender may reuse).
+    let mut released = 0u64;
     loop {
         let mut id = [0u8; 8];
         if reader.read_exact(&mut id).is_err() {
@@ -184,16 +232,52 @@ fn receive(stream: TcpStream, token: &str, state: &Shared) -> Result<()> {
         let id = u64::from_le_bytes(id);
         let header: Header = serde_json::from_slice(&read_bytes(&mut reader, MAX_HEADER_BYTES)?)
             .context("a malformed KV transfer header")?;
-        let mut count = [0u8; 8];
-        reader.read_exact(&mut count)?;
-        let count = u64::from_le_bytes(count) as usize;
         let expected =
             header.layers.len() * 2 * header.n_kv_heads * header.tokens.len() * header.head_dim;
-        if count != expected {
-            bail!("a KV transfer announces {count} values for a shape of {expected}");
-        }
-        let mut bytes = vec![0u8; count * 2];
-        reader.read_exact(&mut bytes)?;
+        let mut kind = [0u8; 1];
+        reader.read_exact(&mut kind)?;
+        let values = match kind[0] {
+            INLINE => {
+                let count = read_u64(&mut reader)? as usize;
+                if count != expected {
+                    bail!("a KV transfer announces {count} values for a shape of {expected}");
+                }
+                let mut bytes = vec![0u8; count * 2];
+                reader.read_exact(&mut bytes)?;
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                    .collect()
+            }
+            SHARED => {
+                let Some(ring) = &ring else {
+                    bail!("a KV part in shared memory on a connection without a segment");
+                };
+                let offset = read_u64(&mut reader)? as usize;
+                let count = read_u64(&mut reader)? as usize;
+                let advance = read_u64(&mut reader)?;
+                if count != expected {
+                    bail!("a KV transfer announces {count} values for a shape of {expected}");
+                }
+                let end = offset.checked_add(count * 2).unwrap_or(usize::MAX);
+                if offset % 2 != 0 || end > ring.len() {
+                    bail!(
+                        "a KV part at bytes {offset}..{end} of a {}-byte segment",
+                        ring.len()
+                    );
+                }
+                // The sender wrote the bits before the frame that names them (the socket's
+                // system calls order the two).
+                fence(Ordering::Acquire);
+                let mut values = vec![0u16; count];
+                bytemuck::cast_slice_mut::<u16, u8>(&mut values)
+                    .copy_from_slice(&ring[offset..end]);
+                released += advance;
+                answers.write_all(&released.to_le_bytes())?;
+                values
+            }
+            other => bail!("a KV frame of unknown kind {other}"),
+        };
         let transfer = KvTransfer {
             tokens: header.tokens,
             first_position: header.first_position,
@@ -201,10 +285,7 @@ fn receive(stream: TcpStream, token: &str, state: &Shared) -> Result<()> {
             layers: header.layers,
             n_kv_heads: header.n_kv_heads,
             head_dim: header.head_dim,
-            values: bytes
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                .collect(),
+            values,
         };
         let (lock, arrived) = &**state;
         let mut inbox = lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -219,6 +300,34 @@ fn receive(stream: TcpStream, token: &str, state: &Shared) -> Result<()> {
             .push(transfer);
         arrived.notify_all();
     }
+}
+
+/// Maps the ring segment a sender offers, by name in [`segment_directory`], and unlinks it:
+/// both ends hold it now, and it goes when both have unmapped it, however they end.
+///
+/// Errors: a name that is not a KV segment's, a file that is not there or cannot be mapped.
+fn map_offered_segment(name: &[u8]) -> Result<Mmap> {
+    let name = std::str::from_utf8(name).context("a segment name that is not UTF-8")?;
+    let valid = name
+        .strip_prefix(SEGMENT_PREFIX)
+        .is_some_and(|rest| rest.chars().all(|c| c == '-' || c.is_ascii_hexdigit()));
+    ensure!(valid, "`{name}` is not a KV segment's name");
+    let path = segment_directory().join(name);
+    let file =
+        std::fs::File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+    // SAFETY: the segment is private to this connection (created exclusively, mode 0600, by
+    // a peer that presented the run token) and read only where the protocol says the
+    // sender is done writing.
+    let map =
+        unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+    let _ = std::fs::remove_file(&path);
+    Ok(map)
+}
+
+fn read_u64(reader: &mut impl Read) -> Result<u64> {
+    let mut bytes = [0u8; 8];
+    reader.read_exact(&mut bytes)?;
+    Ok(u64::from_le_bytes(bytes))
 }
 
 fn read_bytes(reader: &mut impl Read, limit: usize) -> Result<Vec<u8>> {
@@ -248,30 +357,44 @@ type SendShared = Arc<(Mutex<SendState>, Condvar)>;
 /// One part to send.
 struct Job {
     address: String,
+    /// Whether the inbox runs on this host (offer it a shared segment).
+    local: bool,
     id: u64,
     transfer: KvTransfer,
 }
 
 /// A prefill rank's sending end: a thread that sends the queued parts in order, over one
-/// connection per decode rank (opened on first use and kept), while the rank computes the
-/// rest of the prefill; counts what it sends. Dropping it lets the thread finish the queue.
+/// connection per decode rank (opened on first use and kept; through a shared ring when the
+/// decode rank runs on this host), while the rank computes the rest of the prefill; counts
+/// what it sends. Dropping it lets the thread finish the queue.
 pub struct Outbox {
     jobs: Option<std::sync::mpsc::Sender<Job>>,
     state: SendShared,
+    /// Inbox addresses on this host.
+    local: HashSet<String>,
+    ring_bytes: usize,
 }
 
 impl Outbox {
-    /// An outbox presenting `token` to every inbox.
+    /// An outbox presenting `token` to every inbox, with rings of [`RING_BYTES`].
     ///
     /// Errors: the sending thread cannot start.
     pub fn new(token: &str) -> Result<Outbox> {
+        Outbox::with_ring_bytes(token, RING_BYTES)
+    }
+
+    /// An outbox whose shared rings hold `ring_bytes` each (at least 4 KiB).
+    ///
+    /// Errors: the sending thread cannot start.
+    pub fn with_ring_bytes(token: &str, ring_bytes: usize) -> Result<Outbox> {
+        let ring_bytes = ring_bytes.max(4096);
         let (jobs, queue) = std::sync::mpsc::channel::<Job>();
         let state: SendShared = Arc::default();
         let (shared, token) = (Arc::clone(&state), token.to_string());
         std::thread::Builder::new()
             .name("kv-outbox".into())
             .spawn(move || {
-                let mut peers: HashMap<String, BufWriter<TcpStream>> = HashMap::new();
+                let mut peers: HashMap<String, Peer> = HashMap::new();
                 for job in queue {
                     let (lock, done) = &*shared;
                     let skip = lock
@@ -282,21 +405,25 @@ impl Outbox {
                     let started = Instant::now();
                     // A transfer that already failed sends nothing more.
                     let result = if skip {
-                        Ok(())
+                        Ok(false)
                     } else {
-                        send_part(&mut peers, &token, &job)
+                        send_part(&mut peers, &token, ring_bytes, &job)
                     };
                     if result.is_err() {
                         peers.remove(&job.address);
                     }
                     let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
                     match result {
-                        Ok(()) if !skip => {
-                            state.sent.bytes += job.transfer.kv_bytes() as u64;
+                        Ok(shared) if !skip => {
+                            let bytes = job.transfer.kv_bytes() as u64;
+                            state.sent.bytes += bytes;
+                            if shared {
+                                state.sent.shm_bytes += bytes;
+                            }
                             state.sent.parts += 1;
                             state.sent.secs += started.elapsed().as_secs_f64();
                         }
-                        Ok(()) => {}
+                        Ok(_) => {}
                         Err(error) => {
                             state.failed.entry(job.id).or_insert_with(|| {
                                 format!(
@@ -319,28 +446,47 @@ impl Outbox {
         Ok(Outbox {
             jobs: Some(jobs),
             state,
+            local: HashSet::new(),
+            ring_bytes,
         })
     }
 
+    /// Says that the inbox at `address` runs on this host: the connection to it offers a
+    /// shared ring (the bits go inline if the inbox cannot map it).
+    pub fn on_this_host(&mut self, address: &str) {
+        self.local.insert(address.to_string());
+    }
+
     /// Queues `transfer` as part of transfer `id` for the inbox at `address`; it is sent
-    /// while the caller goes on. [`Outbox::finish`] says whether every part went.
+    /// while the caller goes on (in parts of a quarter ring at most, through shared
+    /// memory). [`Outbox::finish`] says whether every part went.
     pub fn send(&mut self, address: &str, id: u64, transfer: KvTransfer) {
+        let local = self.local.contains(address);
+        let parts = if local {
+            transfer.split(self.ring_bytes / 4)
+        } else {
+            vec![transfer]
+        };
         let (lock, _) = &*self.state;
         *lock
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .pending
             .entry(id)
-            .or_default() += 1;
-        let job = Job {
-            address: address.to_string(),
-            id,
-            transfer,
-        };
-        let sent = self
-            .jobs
-            .as_ref()
-            .is_some_and(|jobs| jobs.send(job).is_ok());
+            .or_default() += parts.len();
+        let mut sent = true;
+        for transfer in parts {
+            let job = Job {
+                address: address.to_string(),
+                local,
+                id,
+                transfer,
+            };
+            sent &= self
+                .jobs
+                .as_ref()
+                .is_some_and(|jobs| jobs.send(job).is_ok());
+        }
         if !sent {
             let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
             state.pending.remove(&id);
@@ -379,26 +525,143 @@ impl Drop for Outbox {
     }
 }
 
-/// Sends one part over `peers`' connection to its inbox, opening it first if needed.
+/// A sender's connection to one inbox.
+struct Peer {
+    writer: BufWriter<TcpStream>,
+    /// The shared ring, when the inbox mapped one.
+    ring: Option<Ring>,
+}
+
+/// The sender's side of a shared ring: bytes are written at `written` (modulo the size) and
+/// reused once the inbox's answers say they were `released`.
+struct Ring {
+    map: MmapMut,
+    /// The connection's reading side, where the inbox's answers arrive.
+    answers: TcpStream,
+    written: u64,
+    released: u64,
+    /// Answers on their way and not read yet (one per shared frame).
+    unread: usize,
+}
+
+impl Ring {
+    /// Copies `values` into the ring, first waiting (each answer within [`SEND_TIMEOUT`])
+    /// until the inbox has released room; returns the offset of the bits and how far the
+    /// ring advanced (the bits, rounded up to [`RING_ALIGN`], after any skip to the start).
+    ///
+    /// Errors: the part is larger than the ring, the inbox does not answer in time.
+    fn put(&mut self, values: &[u16]) -> Result<(u64, u64)> {
+        let size = self.map.len() as u64;
+        let bytes = bytemuck::cast_slice::<u16, u8>(values);
+        let rounded = (bytes.len() as u64).next_multiple_of(RING_ALIGN);
+        ensure!(
+            rounded <= size,
+            "a KV part of {} bytes is larger than the {size}-byte ring",
+            bytes.len()
+        );
+        let at = self.written % size;
+        // A part never wraps: it skips the ring's tail instead.
+        let skip = if at + rounded > size { size - at } else { 0 };
+        let advance = skip + rounded;
+        while size - (self.written - self.released) < advance || self.unread >= MAX_UNREAD_ACKS {
+            ensure!(self.unread > 0, "the KV ring's accounting is inconsistent");
+            let released = read_u64(&mut self.answers)
+                .context("waiting for the decode rank to free room in the shared KV ring")?;
+            self.unread -= 1;
+            self.released = self.released.max(released);
+        }
+        let offset = (at + skip) % size;
+        self.map[offset as usize..offset as usize + bytes.len()].copy_from_slice(bytes);
+        fence(Ordering::Release);
+        self.written += advance;
+        self.unread += 1;
+        Ok((offset, advance))
+    }
+}
+
+/// Opens a connection to the inbox at `address`, offering a ring of `ring_bytes` when
+/// `local`; a ring that cannot be made or mapped leaves the connection inline.
+///
+/// Errors: the address is not one, the inbox cannot be reached or does not answer.
+fn connect(address: &str, token: &str, local: bool, ring_bytes: usize) -> Result<Peer> {
+    let peer: SocketAddr = address
+        .parse()
+        .with_context(|| format!("`{address}` is not an inbox address"))?;
+    let stream = TcpStream::connect_timeout(&peer, SEND_TIMEOUT)?;
+    stream.set_nodelay(true)?;
+    stream.set_write_timeout(Some(SEND_TIMEOUT))?;
+    stream.set_read_timeout(Some(SEND_TIMEOUT))?;
+    let mut answers = stream.try_clone()?;
+    let mut writer = BufWriter::with_capacity(1 << 20, stream);
+    writer.write_all(&(token.len() as u32).to_le_bytes())?;
+    writer.write_all(token.as_bytes())?;
+    // A ring that cannot be made (a full `/dev/shm`) leaves the bits inline.
+    let segment = if local {
+        create_segment_file(SEGMENT_PREFIX, ring_bytes).ok()
+    } else {
+        None
+    };
+    let name = segment
+        .as_ref()
+        .and_then(|path| path.file_name())
+        .map_or(String::new(), |name| name.to_string_lossy().into_owned());
+    writer.write_all(&(name.len() as u32).to_le_bytes())?;
+    writer.write_all(name.as_bytes())?;
+    writer.flush()?;
+    let Some(path) = segment else {
+        return Ok(Peer { writer, ring: None });
+    };
+    let mapped = (|| -> Result<Option<MmapMut>> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)?;
+        // SAFETY: the segment was created exclusively for this connection; the inbox reads
+        // only the parts the frames name, after they are written.
+        let map = unsafe { MmapMut::map_mut(&file)? };
+        let mut answer = [0u8; 1];
+        answers
+            .read_exact(&mut answer)
+            .context("the inbox did not answer the offer of a shared ring")?;
+        Ok((answer[0] == 1).then_some(map))
+    })();
+    // The inbox unlinked it once mapped; when it did not, nobody else will.
+    let _ = std::fs::remove_file(&path);
+    let ring = mapped?.map(|map| Ring {
+        map,
+        answers,
+        written: 0,
+        released: 0,
+        unread: 0,
+    });
+    Ok(Peer { writer, ring })
+}
+
+/// Sends one part over `peers`' connection to its inbox, opening it first if needed;
+/// returns whether the bits went through shared memory.
 fn send_part(
-    peers: &mut HashMap<String, BufWriter<TcpStream>>,
+    peers: &mut HashMap<String, Peer>,
     token: &str,
+    ring_bytes: usize,
     job: &Job,
-) -> Result<()> {
+) -> Result<bool> {
     let (address, transfer) = (&job.address, &job.transfer);
     if !peers.contains_key(address) {
-        let peer: SocketAddr = address
-            .parse()
-            .with_context(|| format!("`{address}` is not an inbox address"))?;
-        let stream = TcpStream::connect_timeout(&peer, SEND_TIMEOUT)?;
-        stream.set_nodelay(true)?;
-        stream.set_write_timeout(Some(SEND_TIMEOUT))?;
-        let mut writer = BufWriter::with_capacity(1 << 20, stream);
-        writer.write_all(&(token.len() as u32).to_le_bytes())?;
-        writer.write_all(token.as_bytes())?;
-        peers.insert(address.to_string(), writer);
+        let peer = connect(address, token, job.local, ring_bytes)?;
+        peers.insert(address.to_string(), peer);
     }
-    let writer = peers.get_mut(address).expect("inserted above");
+    let peer = peers.get_mut(address).expect("inserted above");
+    // Into the ring first: waiting for room there must not hold a half-written frame.
+    let shared = match &mut peer.ring {
+        Some(ring)
+            if (transfer.kv_bytes() as u64).next_multiple_of(RING_ALIGN)
+                <= ring.map.len() as u64 =>
+        {
+            Some(ring.put(&transfer.values)?)
+        }
+        _ => None,
+    };
+    let writer = &mut peer.writer;
     let header = serde_json::to_vec(&Header {
         tokens: transfer.tokens.clone(),
         first_position: transfer.first_position,
@@ -410,15 +673,23 @@ fn send_part(
     writer.write_all(&job.id.to_le_bytes())?;
     writer.write_all(&(header.len() as u32).to_le_bytes())?;
     writer.write_all(&header)?;
-    writer.write_all(&(transfer.values.len() as u64).to_le_bytes())?;
-    let bytes: Vec<u8> = transfer
-        .values
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
-    writer.write_all(&bytes)?;
+    if let Some((offset, advance)) = shared {
+        writer.write_all(&[SHARED])?;
+        writer.write_all(&offset.to_le_bytes())?;
+        writer.write_all(&(transfer.values.len() as u64).to_le_bytes())?;
+        writer.write_all(&advance.to_le_bytes())?;
+    } else {
+        writer.write_all(&[INLINE])?;
+        writer.write_all(&(transfer.values.len() as u64).to_le_bytes())?;
+        let bytes: Vec<u8> = transfer
+            .values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        writer.write_all(&bytes)?;
+    }
     writer.flush()?;
-    Ok(())
+    Ok(shared.is_some())
 }
 
 #[cfg(test)]
@@ -472,14 +743,75 @@ mod tests {
         let taken = inbox.take(7, 5, Duration::from_secs(5)).expect("complete");
         assert_eq!(taken, parts.to_vec());
         assert_eq!(
-            outbox.sent().bytes,
-            parts.iter().map(|p| p.kv_bytes() as u64).sum::<u64>()
+            (outbox.sent().bytes, outbox.sent().shm_bytes),
+            (parts.iter().map(|p| p.kv_bytes() as u64).sum::<u64>(), 0),
+            "an inbox not said to be on this host gets every bit over TCP"
         );
         // Taken once: a second take waits and fails.
         let error = inbox
             .take(7, 5, Duration::from_millis(100))
             .expect_err("already taken");
         assert!(error.to_string().contains("within"), "{error}");
+    }
+
+    /// Files of this process's rings left in the segment directory.
+    fn rings_left() -> usize {
+        let prefix = format!("{SEGMENT_PREFIX}-{}-", std::process::id());
+        std::fs::read_dir(segment_directory())
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok())
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn a_decode_rank_on_this_host_gets_the_bits_through_a_shared_ring() {
+        let inbox = Inbox::bind("127.0.0.1", "secret").expect("bind");
+        let address = inbox.address().to_string();
+        // An 8 KiB ring: parts of at most 2 KiB, and 96 KB of KV go round it many times,
+        // so the sender waits for the inbox to free room.
+        let mut outbox = Outbox::with_ring_bytes("secret", 8192).expect("outbox");
+        outbox.on_this_host(&address);
+        let prompt = 300;
+        let whole = |seed: u16| KvTransfer {
+            tokens: (0..prompt as u32).collect(),
+            first_position: 0,
+            prompt_tokens: prompt,
+            layers: 0..5,
+            n_kv_heads: 2,
+            head_dim: 4,
+            values: (0..5 * 2 * 2 * prompt as u16 * 4)
+                .map(|v| v.wrapping_mul(31).wrapping_add(seed))
+                .collect(),
+        };
+        // Two transfers interleaved, then a small one that needs no split.
+        outbox.send(&address, 1, whole(1));
+        outbox.send(&address, 2, whole(2));
+        outbox.send(&address, 3, part(0..5, 0..6));
+        for id in 1..=3 {
+            outbox.finish(id).expect("sent");
+        }
+        let sent = outbox.sent();
+        let total = (2 * whole(0).kv_bytes() + part(0..5, 0..6).kv_bytes()) as u64;
+        assert_eq!((sent.bytes, sent.shm_bytes), (total, total));
+        // 2 KiB parts of 64 positions × one layer: 5 × 5 for each long transfer.
+        assert_eq!(sent.parts, 2 * 25 + 1);
+        for id in 1..=2 {
+            let taken = inbox.take(id, 5, Duration::from_secs(5)).expect("complete");
+            assert_eq!(taken, whole(id as u16).split(2048), "transfer {id}");
+        }
+        assert_eq!(
+            inbox.take(3, 5, Duration::from_secs(5)).expect("complete"),
+            vec![part(0..5, 0..6)]
+        );
+        assert_eq!(
+            rings_left(),
+            0,
+            "the ring is unlinked once both ends map it"
+        );
     }
 
     #[test]

@@ -330,6 +330,62 @@ impl KvTransfer {
     pub fn kv_bytes(&self) -> usize {
         self.values.len() * 2
     }
+
+    /// Splits the transfer into parts of at most `max_bytes` each (one position of one
+    /// layer at least, whatever the limit): by layer ranges while a whole layer fits, else
+    /// each layer by position ranges. The parts cover what `self` covers, with the same
+    /// bits, so an inbox takes them as it would take `self`.
+    pub fn split(self, max_bytes: usize) -> Vec<KvTransfer> {
+        let n_tokens = self.tokens.len();
+        if self.kv_bytes() <= max_bytes || n_tokens == 0 || self.layers.is_empty() {
+            return vec![self];
+        }
+        // Values of one layer's keys and values at one position, and at every position.
+        let position_values = 2 * self.n_kv_heads * self.head_dim;
+        let layer_values = position_values * n_tokens;
+        let part = |layers: std::ops::Range<usize>, positions: std::ops::Range<usize>| {
+            let mut values = Vec::with_capacity(layers.len() * position_values * positions.len());
+            for layer in layers.clone() {
+                let at = (layer - self.layers.start) * layer_values;
+                // `(2, n_kv_heads)` rows of `(n_tokens, head_dim)` each.
+                for row in self.values[at..at + layer_values].chunks_exact(n_tokens * self.head_dim)
+                {
+                    values.extend_from_slice(
+                        &row[positions.start * self.head_dim..positions.end * self.head_dim],
+                    );
+                }
+            }
+            KvTransfer {
+                tokens: self.tokens[positions.clone()].to_vec(),
+                first_position: self.first_position + positions.start,
+                prompt_tokens: self.prompt_tokens,
+                layers,
+                n_kv_heads: self.n_kv_heads,
+                head_dim: self.head_dim,
+                values,
+            }
+        };
+        let layers_per_part = max_bytes / (layer_values * 2);
+        if layers_per_part > 0 {
+            return self
+                .layers
+                .clone()
+                .step_by(layers_per_part)
+                .map(|l| part(l..(l + layers_per_part).min(self.layers.end), 0..n_tokens))
+                .collect();
+        }
+        let positions_per_part = (max_bytes / (position_values * 2)).max(1);
+        let mut parts = Vec::new();
+        for layer in self.layers.clone() {
+            for p in (0..n_tokens).step_by(positions_per_part) {
+                parts.push(part(
+                    layer..layer + 1,
+                    p..(p + positions_per_part).min(n_tokens),
+                ));
+            }
+        }
+        parts
+    }
 }
 
 /// One sequence's KV cache: its block table and how many positions are stored. Dropping it
@@ -855,5 +911,76 @@ mod tests {
             (off.cached_blocks(), off.cached_prefix(&tokens, 16).tokens),
             (0, 0)
         );
+    }
+
+    /// The value a transfer holds for (layer, k/v, head, position, dim): all distinct.
+    fn coded(layer: usize, kv: usize, head: usize, position: usize, dim: usize) -> u16 {
+        (((layer * 2 + kv) * 3 + head) * 64 + position * 4 + dim) as u16
+    }
+
+    #[test]
+    fn a_split_transfer_carries_the_same_bits_at_the_same_layers_and_positions() {
+        let (heads, dim, first) = (3, 4, 5);
+        let (layers, positions) = (2..6, first..first + 11);
+        let mut values = Vec::new();
+        for layer in layers.clone() {
+            for kv in 0..2 {
+                for head in 0..heads {
+                    for position in positions.clone() {
+                        values.extend((0..dim).map(|d| coded(layer, kv, head, position, d)));
+                    }
+                }
+            }
+        }
+        let whole = KvTransfer {
+            tokens: positions.clone().map(|p| 1000 + p as u32).collect(),
+            first_position: first,
+            prompt_tokens: 40,
+            layers: layers.clone(),
+            n_kv_heads: heads,
+            head_dim: dim,
+            values,
+        };
+        let layer_bytes = 2 * heads * 11 * dim * 2;
+        // Whole layers (two per part), then positions inside a layer, then the floor of
+        // one position of one layer.
+        for (max_bytes, n_parts) in [
+            (whole.kv_bytes(), 1),
+            (2 * layer_bytes + 1, 2),
+            (layer_bytes / 2, 4 * 3),
+            (1, 4 * 11),
+        ] {
+            let parts = whole.clone().split(max_bytes);
+            assert_eq!(parts.len(), n_parts, "limit {max_bytes}");
+            let mut seen = std::collections::HashSet::new();
+            for part in &parts {
+                assert!(part.kv_bytes() <= max_bytes.max(2 * heads * dim * 2));
+                let n = part.tokens.len();
+                assert_eq!(part.values.len(), part.layers.len() * 2 * heads * n * dim);
+                let mut at = part.values.iter();
+                for layer in part.layers.clone() {
+                    for kv in 0..2 {
+                        for head in 0..heads {
+                            for position in part.first_position..part.first_position + n {
+                                for d in 0..dim {
+                                    assert_eq!(
+                                        at.next(),
+                                        Some(&coded(layer, kv, head, position, d))
+                                    );
+                                }
+                                if kv == 0 && head == 0 {
+                                    assert!(seen.insert((layer, position)), "repeated");
+                                    assert_eq!(
+                                        part.tokens[position - part.first_position],
+                                        1000 + position as u32
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            assert_eq!(seen.len(), 4 * 11, "every layer at every position");
+        }
     }
 }

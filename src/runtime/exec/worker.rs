@@ -164,7 +164,10 @@ pub fn run_rank(
         match &member.pd {
             PdLink::None => String::new(),
             PdLink::Decode(inbox) => format!("; decode replica, KV inbox on {}", inbox.address()),
-            PdLink::Prefill { .. } => "; prefill replica".to_string(),
+            PdLink::Prefill { peers, local, .. } => format!(
+                "; prefill replica, KV to decode replicas {}",
+                describe_kv_routes(peers, local)
+            ),
         }
     ));
     store.barrier("loaded", config.world_size, config.timeout)?;
@@ -191,6 +194,24 @@ pub fn run_rank(
         Job::Serve => serve(driver, &mut store),
         Job::AllReduce { .. } => unreachable!("every rank took the benchmark above"),
     }
+}
+
+/// How a prefill rank's KV reaches each decode replica: "1 through shared memory, 2 over
+/// TCP to 10.0.0.2:4711".
+fn describe_kv_routes(peers: &HashMap<usize, String>, local: &[usize]) -> String {
+    let mut replicas: Vec<_> = peers.iter().collect();
+    replicas.sort();
+    replicas
+        .into_iter()
+        .map(|(decode, address)| {
+            if local.contains(decode) {
+                format!("{decode} through shared memory")
+            } else {
+                format!("{decode} over TCP to {address}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Connects this rank to `group` of `members` (global ranks). Groups inside this host
@@ -327,6 +348,8 @@ enum PdLink {
     Prefill {
         outbox: Outbox,
         peers: HashMap<usize, String>,
+        /// The decode replicas (DP ranks) whose peer rank runs on this host.
+        local: Vec<usize>,
     },
     /// A decode replica's rank: receives its shard's KV.
     Decode(Inbox),
@@ -440,13 +463,25 @@ impl Member {
             }
             Some(prefill) => {
                 let mut peers = HashMap::new();
+                let mut outbox = Outbox::new(&config.token)?;
+                let mut local = Vec::new();
                 for decode in prefill..dp {
                     let address = store.get(&format!("pd/{decode}/{rank}"), config.timeout)?;
-                    peers.insert(decode, String::from_utf8_lossy(&address).into_owned());
+                    let address = String::from_utf8_lossy(&address).into_owned();
+                    // The launcher's placement says which decode ranks share this host: their
+                    // KV goes through a shared ring, as the groups inside a host all-reduce
+                    // through shared memory.
+                    let decode_rank = (decode * tp * pp + rank) as u64;
+                    if config.shm && config.host_ranks.contains(&decode_rank) {
+                        outbox.on_this_host(&address);
+                        local.push(decode);
+                    }
+                    peers.insert(decode, address);
                 }
                 PdLink::Prefill {
-                    outbox: Outbox::new(&config.token)?,
+                    outbox,
                     peers,
+                    local,
                 }
             }
         };
