@@ -1660,6 +1660,13 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
         (prompt_tokens * KV_BYTES_PER_TOKEN) as f64,
         "{metrics}"
     );
+    // Another host: nothing through shared memory (the launcher's placement decides, even
+    // though these namespaces share one /dev/shm).
+    assert_eq!(
+        metric(&metrics, "infer_pd_kv_bytes_sent_shm_total"),
+        0.0,
+        "{metrics}"
+    );
     assert_eq!(
         metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
         0.0,
@@ -1697,6 +1704,13 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
         .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("no inbox address in rank 1's log:\n{log}"));
     let port = inbox.rsplit(':').next().expect("port").to_string();
+    let prefill_log =
+        std::fs::read_to_string(manifest["ranks"][0]["log"].as_str().expect("rank 0's log"))
+            .expect("rank 0's log");
+    assert!(
+        prefill_log.contains(&format!("KV to decode replicas 1 over TCP to {inbox}")),
+        "rank 0's log:\n{prefill_log}"
+    );
     let firewall = |action: &str| {
         let status = Command::new("ip")
             .args([

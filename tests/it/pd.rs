@@ -97,9 +97,33 @@ fn colocated_answers() -> Vec<(Value, Value)> {
         .collect()
 }
 
-fn disaggregated_serving_gives_the_colocated_tokens(layout: &[&str]) {
+/// The ranks' logs, in rank order, from the run's manifest.
+pub fn rank_logs(server: &Server) -> Vec<String> {
+    let manifest = server.manifest();
+    manifest["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|rank| {
+            let path = rank["log"].as_str().expect("log");
+            std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))
+        })
+        .collect()
+}
+
+/// Serves `layout` (on this host; with `INFER_SHM_DISABLE=1` unless `shm`) and checks the
+/// answers, the hand-offs, the KV bytes and how they went (a shared ring on this host, or
+/// TCP when shared memory is off).
+fn disaggregated_serving_gives_the_colocated_tokens(layout: &[&str], shm: bool) {
     let reference = colocated_answers();
-    let server = Server::start(layout);
+    let mut command = crate::infer();
+    command
+        .args(["up", "--port", "0", "--threads", "2"])
+        .args(layout);
+    if !shm {
+        command.env("INFER_SHM_DISABLE", "1");
+    }
+    let server = Server::start_command(command);
     let mut prompt_tokens = 0;
     for ((path, body), expected) in bodies().iter().zip(&reference) {
         let (status, reply) = server.post(path, body);
@@ -137,11 +161,27 @@ fn disaggregated_serving_gives_the_colocated_tokens(layout: &[&str]) {
     };
     // The counter is the driver ranks' shards: 1/tp of the heads under TP, 1/pp of the
     // layers under PP.
+    let kv_bytes =
+        (2 * prompt_tokens * KV_BYTES_PER_TOKEN / degree("--tp") / degree("--pp")) as f64;
     assert_eq!(
         metric(&metrics, "infer_pd_kv_bytes_sent_total"),
-        (2 * prompt_tokens * KV_BYTES_PER_TOKEN / degree("--tp") / degree("--pp")) as f64,
+        kv_bytes,
         "{metrics}"
     );
+    // Both roles run on this host: every byte went through a shared ring, unless shared
+    // memory is off.
+    assert_eq!(
+        metric(&metrics, "infer_pd_kv_bytes_sent_shm_total"),
+        if shm { kv_bytes } else { 0.0 },
+        "{metrics}"
+    );
+    let route = if shm {
+        "KV to decode replicas 1 through shared memory"
+    } else {
+        "KV to decode replicas 1 over TCP to 127.0.0.1:"
+    };
+    let logs = rank_logs(&server);
+    assert!(logs[0].contains(route), "rank 0's log:\n{}", logs[0]);
     assert_eq!(
         metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
         0.0,
@@ -151,7 +191,7 @@ fn disaggregated_serving_gives_the_colocated_tokens(layout: &[&str]) {
 
 #[test]
 fn one_prefill_and_one_decode_replica_give_the_colocated_tokens() {
-    disaggregated_serving_gives_the_colocated_tokens(&["--prefill", "1", "--decode", "1"]);
+    disaggregated_serving_gives_the_colocated_tokens(&["--prefill", "1", "--decode", "1"], true);
 }
 
 /// With two decode replicas, concurrent requests are spread over both (least loaded), and
@@ -159,7 +199,7 @@ fn one_prefill_and_one_decode_replica_give_the_colocated_tokens() {
 #[test]
 fn two_decode_replicas_give_the_colocated_tokens() {
     let layout = ["--prefill", "1", "--decode", "2"];
-    disaggregated_serving_gives_the_colocated_tokens(&layout);
+    disaggregated_serving_gives_the_colocated_tokens(&layout, true);
     let reference = colocated_answers();
     let server = Server::start(&layout);
     let bodies = bodies();
@@ -192,30 +232,24 @@ fn two_decode_replicas_give_the_colocated_tokens() {
     }
 }
 
+/// TP 3 on both roles, with shared memory off (`INFER_SHM_DISABLE=1`): the KV goes over
+/// loopback TCP, shard to shard.
 #[test]
 fn tp3_on_both_roles_gives_the_colocated_tokens() {
-    disaggregated_serving_gives_the_colocated_tokens(&[
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--tp",
-        "3",
-    ]);
+    disaggregated_serving_gives_the_colocated_tokens(
+        &["--prefill", "1", "--decode", "1", "--tp", "3"],
+        false,
+    );
 }
 
 /// PP 2 on both roles: each stage streams its own layers to the same stage of the decode
 /// replica.
 #[test]
 fn pp2_on_both_roles_gives_the_colocated_tokens() {
-    disaggregated_serving_gives_the_colocated_tokens(&[
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--pp",
-        "2",
-    ]);
+    disaggregated_serving_gives_the_colocated_tokens(
+        &["--prefill", "1", "--decode", "1", "--pp", "2"],
+        true,
+    );
 }
 
 #[test]
