@@ -259,8 +259,8 @@ fn receive(stream: TcpStream, token: &str, state: &Shared) -> Result<()> {
                 if count != expected {
                     bail!("a KV transfer announces {count} values for a shape of {expected}");
                 }
-                let end = offset.checked_add(count * 2).unwrap_or(usize::MAX);
-                if offset % 2 != 0 || end > ring.len() {
+                let end = offset.saturating_add(count.saturating_mul(2));
+                if !offset.is_multiple_of(2) || end > ring.len() {
                     bail!(
                         "a KV part at bytes {offset}..{end} of a {}-byte segment",
                         ring.len()
