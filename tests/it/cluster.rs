@@ -1620,8 +1620,9 @@ fn doctor_over_the_cluster_checks_a_plan_against_the_hosts() {
 /// --decode 1` runs the prefill replica on h0 and the decode replica on h1, whose KV
 /// arrives over the data network; answers equal `infer generate`'s, the decode replica
 /// computes no prompt, and `/metrics` reports by role. A KV transfer that fails (h1's
-/// inbox port rejected by a firewall rule) fails its request with an OpenAI error within
-/// seconds, the server goes on, and answers again once the rule is gone; killing the decode
+/// inbox port dropping packets, which the decode side detects, or resetting them, which
+/// the prefill side detects) fails its request with an OpenAI error within seconds, the
+/// server goes on, and answers again once the rule is gone; killing the decode
 /// rank stops the gang, naming it.
 #[test]
 fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a_failed_transfer() {
@@ -1711,7 +1712,7 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
         prefill_log.contains(&format!("KV to decode replicas 1 over TCP to {inbox}")),
         "rank 0's log:\n{prefill_log}"
     );
-    let firewall = |action: &str| {
+    let rule = |action: &str, target: &[&str]| {
         let status = Command::new("ip")
             .args([
                 "netns",
@@ -1720,12 +1721,36 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
                 "iptables",
                 action,
             ])
-            .args(["INPUT", "-p", "tcp", "--dport", &port])
-            .args(["-j", "REJECT", "--reject-with", "tcp-reset"])
+            .args(["INPUT", "-p", "tcp", "--dport", &port, "-j"])
+            .args(target)
             .status()
             .expect("iptables (apt-get install iptables)");
-        assert!(status.success(), "iptables {action}");
+        assert!(status.success(), "iptables {action} {target:?}");
     };
+    // First a link that silently drops everything: the prefill rank's few KiB of KV (a
+    // one-token prompt) sit in its socket's send buffer, so it sees nothing wrong and
+    // samples the first token; the decode rank waits for KV that never comes and gives up
+    // after 5 s (`IMPORT_WAIT`), and its replica drops the request with an error.
+    rule("-A", &["DROP"]);
+    let started = Instant::now();
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "1", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(status, 500, "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("layer positions arrived within 5 s"),
+        "the decode side's wait should fail it: {reply}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    rule("-D", &["DROP"]);
+    // Then a link that resets every packet: the prefill rank's send fails at once.
+    let firewall = |action: &str| rule(action, &["REJECT", "--reject-with", "tcp-reset"]);
     firewall("-A");
     for attempt in 0..3 {
         let started = Instant::now();
@@ -1743,7 +1768,7 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
     let metrics = server.metrics();
     assert_eq!(
         metric(&metrics, "infer_pd_transfer_failures_total"),
-        3.0,
+        4.0,
         "{metrics}"
     );
     // Nothing is left running on either role (the gauges settle after each step).
