@@ -58,7 +58,14 @@ pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
                                 &engines::disagg::PdLayout::of(d),
                             )?)
                         }
-                        (None, true) if engine != engines::EngineKind::Infer => {
+                        (Some(d), true) => {
+                            engines::disagg::use_every_gpu(&mut request, &cluster);
+                            Some(engines::infer::generate_disaggregated(
+                                &request,
+                                &engines::disagg::PdLayout::of(d),
+                            )?)
+                        }
+                        (None, true) => {
                             anyhow::bail!(
                                 "--disaggregate --engine {engine}: no disaggregated deployment fits this cluster and these targets (see `--explain`); drop --disaggregate for the aggregated launch"
                             )

@@ -130,10 +130,63 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     }
     if request.gpu {
         notes.push(
-            "`--device cuda`: infer's CUDA backend is not in this build yet (`infer up --device cuda` says so and exits 2); \
-             the same lines with `--device cpu` run CPU ranks"
+            "`--device cuda`: infer's rank processes run on CPU in this build (`infer up --device cuda` serves one process on \
+             one GPU, and exits 2 when ranks are asked for); the same lines with `--device cpu` run CPU ranks"
                 .to_string(),
         );
     }
     Ok(super::assemble(request, version, None, nodes, notes))
+}
+
+/// The planner's disaggregated deployment as `infer up --prefill N --decode M` lines: its
+/// workers become prefill and decode replicas of one TP × PP shape (infer's ranks move KV
+/// shard to shard), on as many of the hosts as their GPUs need (`request.nodes` holds every
+/// host with all its GPUs, [`super::disagg::use_every_gpu`]).
+///
+/// Errors: prefill and decode workers of different shapes, ranks that do not split evenly
+/// over whole hosts, and [`generate`]'s.
+pub fn generate_disaggregated(
+    request: &EngineRequest,
+    layout: &super::disagg::PdLayout,
+) -> Result<EngineLaunch> {
+    let (a, b) = (layout.prefill, layout.decode);
+    if (a.tp, a.pp, a.ep) != (b.tp, b.pp, b.ep) {
+        bail!(
+            "infer's ranks move KV shard to shard and need one TP × PP on both roles; the plan has prefill workers of {a} and decode workers of {b}\nhint: `--engine vllm` or `--engine sglang` runs different shapes"
+        );
+    }
+    let (prefill, decode) = (layout.prefill_workers as u64, layout.decode_workers as u64);
+    let world = (prefill + decode) * a.tp * a.pp;
+    let per_host = request.nodes.first().map_or(0, |n| n.gpus_on_host as u64);
+    let mut pd = request.clone();
+    pd.parallel = crate::plan::Parallel {
+        dp: prefill + decode,
+        ..a
+    };
+    if request.gpu && per_host > 0 {
+        let hosts = world.div_ceil(per_host) as usize;
+        if hosts > pd.nodes.len() {
+            bail!(
+                "{world} ranks need {hosts} hosts of {per_host} GPUs; the cluster has {}",
+                pd.nodes.len()
+            );
+        }
+        pd.nodes.truncate(hosts);
+    }
+    let mut launch = generate(&pd)?;
+    for node in &mut launch.nodes {
+        // `--dp N+M` becomes the roles.
+        if let Some(at) = node.argv.iter().position(|a| a == "--dp") {
+            node.argv.splice(
+                at..at + 2,
+                [
+                    "--prefill".to_string(),
+                    prefill.to_string(),
+                    "--decode".to_string(),
+                    decode.to_string(),
+                ],
+            );
+        }
+    }
+    Ok(launch)
 }

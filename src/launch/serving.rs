@@ -241,6 +241,9 @@ struct Layout {
     ep: usize,
     /// Where it came from: the flags, a plan file, or a plan for a cluster.
     from: String,
+    /// Prefill/decode disaggregation: the first this many of the `dp` replicas prefill,
+    /// the others decode (`--prefill/--decode`, or a plan's disaggregated deployment).
+    pd_prefill: Option<usize>,
 }
 
 impl Layout {
@@ -280,6 +283,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
                 dp: entries.len(),
                 ep: 1,
                 from: format!("one replica per host of `{}`", file.display()),
+                pd_prefill: None,
             }
         } else {
             let spec = model::load(&path.display().to_string())?;
@@ -294,6 +298,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
                         dp: p.dp as usize,
                         ep: p.ep as usize,
                         from: format!("the plan for `{}`", file.display()),
+                        pd_prefill: None,
                     }
                 }
                 crate::plan::Outcome::Infeasible(infeasible) => bail!(
@@ -334,6 +339,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
                 Some(file) => format!("the --tp/--pp/--dp/--ep flags on `{}`", file.display()),
                 None => "the --tp/--pp/--dp/--ep flags".into(),
             },
+            pd_prefill: args.pd_prefill,
         }
     };
     if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.ep == 0 {
@@ -350,7 +356,11 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
 }
 
 /// The layout of `plan`, which must place every rank on one host (a plan over several
-/// hosts is launched from their inventory). CPU ranks run it on this host.
+/// hosts is launched from their inventory): its disaggregated deployment when it has one
+/// (prefill and decode replicas), else its aggregated layout. CPU ranks run it on this
+/// host.
+///
+/// Errors: ranks on several hosts; a disaggregated deployment whose roles differ in shape.
 fn layout_of(
     plan: &crate::plan::Plan,
     what: &str,
@@ -366,6 +376,35 @@ fn layout_of(
             hosts.join(", ")
         );
     }
+    if let Some(d) = &plan.disaggregated {
+        // The planner's disaggregated deployment (it wins, or `--disaggregate` asked for
+        // it): its workers become prefill and decode replicas. KV moves shard to shard, so
+        // both roles need one shape.
+        let (a, b) = (&d.prefill, &d.decode);
+        if (a.tp, a.pp, a.ep) != (b.tp, b.pp, b.ep) {
+            bail!(
+                "{what} disaggregates with prefill workers of {a} and decode workers of {b}: infer's ranks move KV shard to shard and need one TP × PP on both roles\nhint: run it with `infer plan --engine vllm|sglang --disaggregate --emit DIR`, or give the layout yourself: `infer up --prefill N --decode M --tp T`"
+            );
+        }
+        let layout = Layout {
+            tp: a.tp as usize,
+            pp: a.pp as usize,
+            dp: (d.prefill_workers + d.decode_workers) as usize,
+            ep: a.ep as usize,
+            from: format!("{what} (disaggregated)"),
+            pd_prefill: Some(d.prefill_workers as usize),
+        };
+        events(UpEvent::Note(format!(
+            "{what}: disaggregated, {} prefill + {} decode replicas of tp {} × pp {} (ep {}), {} ranks; running them as CPU ranks on this host",
+            d.prefill_workers,
+            d.decode_workers,
+            layout.tp,
+            layout.pp,
+            layout.ep,
+            layout.world_size()
+        )));
+        return Ok(layout);
+    }
     let p = &plan.parallel;
     let layout = Layout {
         tp: p.tp as usize,
@@ -373,6 +412,7 @@ fn layout_of(
         dp: p.dp as usize,
         ep: p.ep as usize,
         from: what.to_string(),
+        pd_prefill: None,
     };
     events(UpEvent::Note(format!(
         "{what}: tp {} × pp {} × dp {} (ep {}), {} ranks; running them as CPU ranks on this host",
@@ -446,7 +486,7 @@ fn launch(
     if let Some(key) = &settings.api_key {
         extra_env.push(("INFER_API_KEY".to_string(), key.clone()));
     }
-    if let Some(prefill) = settings.pd_prefill {
+    if let Some(prefill) = layout.pd_prefill {
         extra_env.push(("INFER_PD_PREFILL".to_string(), prefill.to_string()));
     }
     extra_env.push((

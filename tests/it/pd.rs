@@ -420,3 +420,87 @@ fn a_chunked_prompt_streams_its_kv_chunk_by_chunk() {
         "{metrics}"
     );
 }
+
+/// A plan whose disaggregated deployment `infer plan --disaggregate` chose (one prefill and
+/// one decode worker on two H100s): `infer plan --engine infer --emit` writes it as `infer
+/// up --prefill 1 --decode 1`, and `infer up --plan plan.json` runs it as prefill and decode
+/// replicas of CPU ranks here — the colocated answer, handed off once. A plan whose roles
+/// differ in shape is refused with the reason.
+#[test]
+fn a_disaggregated_plan_runs_as_prefill_and_decode_replicas() {
+    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let model = model.display().to_string();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let plan_args = [
+        "plan",
+        "--model",
+        &model,
+        "--cluster",
+        "1x2xh100-sxm",
+        "--disaggregate",
+    ];
+    let output = crate::run(&[&plan_args[..], &["--json"]].concat());
+    assert!(output.status.success(), "{output:?}");
+    let mut plan: Value = serde_json::from_slice(&output.stdout).expect("plan JSON");
+    assert_eq!(plan["disaggregated"]["prefill_workers"], 1, "{plan}");
+    assert_eq!(plan["disaggregated"]["decode_workers"], 1, "{plan}");
+    let plan_path = dir.path().join("plan.json");
+    std::fs::write(&plan_path, serde_json::to_vec(&plan).expect("JSON")).expect("write");
+
+    let emit = dir.path().join("emit");
+    let emit_str = emit.display().to_string();
+    let output =
+        crate::run(&[&plan_args[..], &["--engine", "infer", "--emit", &emit_str]].concat());
+    assert!(output.status.success(), "{output:?}");
+    let launch: Value =
+        serde_json::from_slice(&std::fs::read(emit.join("launch.json")).expect("launch.json"))
+            .expect("launch JSON");
+    let argv: Vec<&str> = launch["nodes"][0]["argv"]
+        .as_array()
+        .expect("argv")
+        .iter()
+        .map(|a| a.as_str().expect("string"))
+        .collect();
+    let roles = argv
+        .windows(4)
+        .any(|w| w == ["--prefill", "1", "--decode", "1"]);
+    assert!(roles && !argv.contains(&"--dp"), "{argv:?}");
+
+    let reference = crate::serve::generate_counting();
+    let plan_str = plan_path.display().to_string();
+    let server = Server::start(&["--plan", &plan_str]);
+    assert!(
+        server
+            .startup
+            .contains("disaggregated, 1 prefill + 1 decode replicas of tp 1 × pp 1"),
+        "{}",
+        server.startup
+    );
+    let body = json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0});
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_pd_handoffs_total"),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
+        0.0,
+        "{metrics}"
+    );
+    drop(server);
+
+    // Decode workers of TP 2 against prefill workers of TP 1: not one shape.
+    plan["disaggregated"]["decode"]["tp"] = Value::from(2);
+    std::fs::write(&plan_path, serde_json::to_vec(&plan).expect("JSON")).expect("write");
+    let output = crate::run(&["up", "--port", "0", "--plan", &plan_str]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("need one TP × PP on both roles") && stderr.contains("hint:"),
+        "{stderr}"
+    );
+}
