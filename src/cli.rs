@@ -661,7 +661,8 @@ pub struct UpArgs {
 
     /// Prefill/decode disaggregation: this many replicas (each `--tp × --pp` ranks) run
     /// prompts and hand each request's KV cache to one of `--decode` replicas, which
-    /// generate the rest (with `--decode`; instead of `--dp`).
+    /// generate the rest (with `--decode`; instead of `--dp`). With `--engine vllm|sglang`:
+    /// prefill workers of `--tp × --pp` GPUs behind the engine's PD router.
     #[arg(long, value_name = "N", requires = "decode", conflicts_with = "dp")]
     pub prefill: Option<usize>,
 

@@ -199,6 +199,20 @@ fn run_engine(
             "--plan with --engine: give the layout as --tp/--pp/--dp/--ep, or use `infer plan --engine {engine} --emit DIR`"
         );
     }
+    let pd = match (args.prefill, args.decode) {
+        (Some(prefill), Some(decode)) => {
+            if prefill == 0 || decode == 0 {
+                bail!("--prefill and --decode must each be at least 1, got {prefill} and {decode}");
+            }
+            if engine == EngineKind::Llamacpp {
+                bail!(
+                    "--prefill/--decode with --engine llamacpp: llama.cpp has no prefill/decode disaggregation; use --engine vllm, sglang or infer"
+                );
+            }
+            Some((prefill, decode))
+        }
+        _ => None,
+    };
     let cluster = match args.cluster.as_deref() {
         None | Some("local") => None,
         Some(c) if crate::cluster::is_inventory(c) => Some(std::path::PathBuf::from(c)),
@@ -241,6 +255,7 @@ fn run_engine(
         pp: args.pp.map(|n| n as u64),
         dp: args.dp.map(|n| n as u64),
         ep: args.ep.map(|n| n as u64),
+        pd,
         max_model_len_tokens: args.max_model_len.map(|n| n as u64),
         ssh: crate::launch::ssh::SshOptions {
             accept_new: args.ssh.ssh_accept_new,

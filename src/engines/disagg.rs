@@ -116,6 +116,19 @@ pub fn use_every_gpu(request: &mut EngineRequest, cluster: &crate::plan::cluster
 /// role, more GPUs than the hosts have, a layout the engine cannot run (from the engine's
 /// own generator).
 pub fn generate(base: &EngineRequest, layout: &PdLayout) -> Result<EngineLaunch> {
+    generate_with_router_bind(base, layout, &base.http_host)
+}
+
+/// [`generate`] with the router bound to `router_bind` while the workers bind
+/// `base.http_host` (`infer up` across hosts: the workers on every address, so the router
+/// reaches them, the router on the first host's loopback, which the launcher forwards).
+///
+/// Errors: as [`generate`].
+pub fn generate_with_router_bind(
+    base: &EngineRequest,
+    layout: &PdLayout,
+    router_bind: &str,
+) -> Result<EngineLaunch> {
     if !matches!(base.engine, EngineKind::Vllm | EngineKind::Sglang) {
         bail!(
             "infer launches prefill/decode disaggregation for vLLM and SGLang (and its own engine: `infer up --prefill N --decode M`), not {}",
@@ -175,7 +188,7 @@ pub fn generate(base: &EngineRequest, layout: &PdLayout) -> Result<EngineLaunch>
             workers.push((part, launch));
         }
     }
-    let router = router(base, head, &workers);
+    let router = router(base, head, &workers, router_bind);
     let mut notes = Vec::new();
     let mut nodes = vec![router];
     for (_, launch) in workers {
@@ -199,7 +212,7 @@ pub fn generate(base: &EngineRequest, layout: &PdLayout) -> Result<EngineLaunch>
         version,
         endpoint: format!(
             "http://{}:{}",
-            super::vllm::endpoint_host(&base.http_host, &head.address),
+            super::vllm::endpoint_host(router_bind, &head.address),
             base.ports.http
         ),
         nodes,
@@ -305,7 +318,12 @@ fn add_pd_flags(
 }
 
 /// The router in PD mode on the first host, at the base HTTP port.
-fn router(base: &EngineRequest, head: &NodeNet, workers: &[(PdPart, EngineLaunch)]) -> NodeLaunch {
+fn router(
+    base: &EngineRequest,
+    head: &NodeNet,
+    workers: &[(PdPart, EngineLaunch)],
+    bind: &str,
+) -> NodeLaunch {
     let mut argv: Vec<String> = match base.engine {
         EngineKind::Sglang => vec![
             "python3".into(),
@@ -333,7 +351,7 @@ fn router(base: &EngineRequest, head: &NodeNet, workers: &[(PdPart, EngineLaunch
     }
     argv.extend([
         "--host".into(),
-        base.http_host.clone(),
+        bind.to_string(),
         "--port".into(),
         base.ports.http.to_string(),
     ]);
@@ -345,7 +363,7 @@ fn router(base: &EngineRequest, head: &NodeNet, workers: &[(PdPart, EngineLaunch
         env: Default::default(),
         ports: vec![ReservedPort {
             port: base.ports.http,
-            bind: base.http_host.clone(),
+            bind: bind.to_string(),
             purpose: "OpenAI-compatible HTTP API (the PD router)".into(),
         }],
         pd: Some(PdPart {

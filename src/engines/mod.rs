@@ -865,6 +865,59 @@ mod tests {
         assert!(generate(&r).is_err());
     }
 
+    /// What `infer up --engine E --prefill 2 --decode 1 --tp 4` starts across two hosts:
+    /// workers listen on every address and are reached at their hosts' addresses, the
+    /// router on the first host's loopback (the launcher forwards it); workers sharing a
+    /// host get their own GPUs and ports.
+    #[test]
+    fn a_disaggregated_launch_binds_the_router_apart_from_the_workers() {
+        let worker = Parallel {
+            tp: 4,
+            pp: 1,
+            ep: 1,
+            dp: 1,
+        };
+        for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+            let mut base = request(engine, worker, false);
+            for node in &mut base.nodes {
+                node.gpus = (0..8).collect();
+            }
+            let layout = disagg::PdLayout {
+                prefill: worker,
+                prefill_workers: 2,
+                decode: worker,
+                decode_workers: 1,
+            };
+            let launch =
+                disagg::generate_with_router_bind(&base, &layout, "127.0.0.1").expect("launch");
+            let http = base.ports.http;
+            assert_eq!(
+                launch.endpoint,
+                format!("http://127.0.0.1:{http}"),
+                "{engine}"
+            );
+            let router = words(&launch, 0);
+            assert!(
+                router.contains(&format!("--host 127.0.0.1 --port {http}")),
+                "{router}"
+            );
+            assert_eq!(launch.nodes[0].ports[0].bind, "127.0.0.1");
+            // Two prefill workers on n0 (GPUs 0-3 and 4-7), the decode worker on n1.
+            for (address, port) in [("10.0.0.1", 1), ("10.0.0.1", 2), ("10.0.0.2", 3)] {
+                let worker = format!("http://{address}:{}", http + port);
+                assert!(router.contains(&worker), "{engine}: {worker} in {router}");
+            }
+            let hosts: Vec<&str> = launch.nodes.iter().map(|n| n.host.as_str()).collect();
+            assert_eq!(hosts, ["n0", "n0", "n0", "n1"], "{engine}");
+            assert_eq!(launch.nodes[1].env["CUDA_VISIBLE_DEVICES"], "0,1,2,3");
+            assert_eq!(launch.nodes[2].env["CUDA_VISIBLE_DEVICES"], "4,5,6,7");
+            for index in 1..launch.nodes.len() {
+                let line = words(&launch, index);
+                assert!(line.contains("--host 0.0.0.0"), "{engine}: {line}");
+            }
+        }
+    }
+
     #[test]
     fn shell_quoting_keeps_every_byte() {
         assert_eq!(shell_quote("--port"), "--port");

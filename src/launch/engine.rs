@@ -56,6 +56,9 @@ pub struct EngineUpSettings {
     pub pp: Option<u64>,
     pub dp: Option<u64>,
     pub ep: Option<u64>,
+    /// Prefill/decode disaggregation (vLLM, SGLang): this many prefill and decode workers,
+    /// each one engine server of `tp × pp` GPUs, behind the engine's router in PD mode.
+    pub pd: Option<(usize, usize)>,
     pub max_model_len_tokens: Option<u64>,
     pub ssh: super::ssh::SshOptions,
     pub run_dir: Option<PathBuf>,
@@ -233,8 +236,58 @@ fn probe_host(
         settings.engine_bin.as_deref(),
         index == 0,
     )?;
+    if index == 0 && settings.pd.is_some() {
+        probe_router(
+            &|argv, timeout| hosts.exec(index, argv, timeout),
+            host,
+            settings.engine,
+            settings.engine_bin.as_deref(),
+        )?;
+    }
     probe_model(hosts, index, settings, &mut found)?;
     Ok(found)
+}
+
+/// Checks that the engine's PD router runs on the first host: `vllm-router` (PyPI
+/// `vllm-router`), or the `sglang_router` module (PyPI `sglang-router`) of the interpreter
+/// SGLang runs on.
+///
+/// Errors: the router is missing or fails, with how to install it.
+fn probe_router(
+    exec: &dyn Fn(&[String], Duration) -> Result<super::Executed>,
+    host: &str,
+    engine: EngineKind,
+    engine_bin: Option<&Path>,
+) -> std::result::Result<(), String> {
+    let (argv, package) = match engine {
+        EngineKind::Sglang => (
+            vec![
+                program_path(engine_bin, "python3"),
+                "-c".into(),
+                "import sglang_router".into(),
+            ],
+            "sglang-router",
+        ),
+        _ => (
+            vec![program_path(engine_bin, "vllm-router"), "--help".into()],
+            "vllm-router",
+        ),
+    };
+    let ran = exec(&argv, PROBE_TIMEOUT).map_err(|e| format!("`{host}`: {e:#}"))?;
+    if ran.program.is_none() || ran.code != Some(0) {
+        let detail = ran.error.clone().unwrap_or_else(|| {
+            format!(
+                "`{}` exited with {:?}: {}",
+                argv.join(" "),
+                ran.code,
+                last_line(&ran.stderr)
+            )
+        });
+        return Err(format!(
+            "the PD router is not usable on `{host}`: {detail}\nhint: `pip install {package}` there (next to {engine}), or give `--engine-bin DIR`"
+        ));
+    }
+    Ok(())
 }
 
 /// Finds `engine`'s programs on `host` through `exec` (the head's, or a worker's), and
@@ -578,6 +631,22 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
     }
     let per_host = nodes.iter().map(|n| n.gpus_on_host).min().unwrap_or(0) as u64;
     let n_hosts = nodes.len() as u64;
+    // Disaggregated: each worker is `--tp × --pp` GPUs (1 × 1 unless given), placed by
+    // `disagg::generate` on the hosts' GPUs in order.
+    let pd_layout = settings.pd.map(|(prefill, decode)| {
+        let worker = crate::plan::Parallel {
+            tp: settings.tp.unwrap_or(1),
+            pp: settings.pp.unwrap_or(1),
+            dp: 1,
+            ep: settings.ep.unwrap_or(1),
+        };
+        engines::disagg::PdLayout {
+            prefill: worker,
+            prefill_workers: prefill,
+            decode: worker,
+            decode_workers: decode,
+        }
+    });
     let parallel = crate::plan::Parallel {
         tp: settings
             .tp
@@ -590,7 +659,7 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
         dp: settings.dp.unwrap_or(1),
         ep: settings.ep.unwrap_or(1),
     };
-    if gpu {
+    if gpu && pd_layout.is_none() {
         let per_node = (parallel.world_size() / n_hosts.max(1)) as usize;
         if !parallel.world_size().is_multiple_of(n_hosts) || per_node as u64 > per_host {
             bail!(
@@ -639,7 +708,30 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
     if let Some(port) = settings.dist_port {
         request.ports.dist = port;
     }
-    let launch = engines::generate(&request)?;
+    let launch = match &pd_layout {
+        None => engines::generate(&request)?,
+        Some(layout) => {
+            request.parallel = layout.prefill;
+            // Across hosts the workers listen on every address (the router on the first
+            // host reaches them over the data network) and the router on the first host's
+            // loopback, which the launcher forwards.
+            let router_bind = request.http_host.clone();
+            if matches!(hosts, Hosts::Remote { .. }) {
+                request.http_host = "0.0.0.0".into();
+            }
+            engines::disagg::generate_with_router_bind(&request, layout, &router_bind)?
+        }
+    };
+    // The host each process runs on (a disaggregated deployment runs several per host).
+    let host_of: Vec<usize> = launch
+        .nodes
+        .iter()
+        .map(|node| {
+            (0..hosts.len())
+                .find(|&i| hosts.name(i) == node.host)
+                .ok_or_else(|| anyhow::anyhow!("the launch names an unknown host `{}`", node.host))
+        })
+        .collect::<Result<_>>()?;
     for note in &launch.notes {
         events(UpEvent::Note(note.clone()));
     }
@@ -655,7 +747,7 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
             // This host's HTTP port was checked above.
             ports.retain(|(_, port)| *port != settings.port);
         }
-        for (address, port, error) in hosts.ports_taken(index, &ports)? {
+        for (address, port, error) in hosts.ports_taken(host_of[index], &ports)? {
             let purpose = node
                 .ports
                 .iter()
@@ -697,9 +789,7 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
     let local = super::LocalSpawner { exe };
     let spawner: Box<dyn super::Spawner + '_> = match &hosts {
         Hosts::Local { .. } => Box::new(local),
-        Hosts::Remote { cluster, .. } => {
-            Box::new(cluster.spawner((0..launch.nodes.len()).collect()))
-        }
+        Hosts::Remote { cluster, .. } => Box::new(cluster.spawner(host_of.clone())),
     };
     let labels: Vec<String> = launch
         .nodes
@@ -831,13 +921,23 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
     events(UpEvent::Ready {
         address: address.to_string(),
         world_size: launch.nodes.len(),
-        layout: format!(
-            "{} on {} node{}: {}",
-            settings.engine,
-            launch.nodes.len(),
-            if launch.nodes.len() == 1 { "" } else { "s" },
-            request.parallel
-        ),
+        layout: match &pd_layout {
+            Some(layout) => format!(
+                "{} prefill/decode: {} prefill + {} decode workers of {} behind the router, {} processes",
+                settings.engine,
+                layout.prefill_workers,
+                layout.decode_workers,
+                layout.prefill,
+                launch.nodes.len()
+            ),
+            None => format!(
+                "{} on {} node{}: {}",
+                settings.engine,
+                launch.nodes.len(),
+                if launch.nodes.len() == 1 { "" } else { "s" },
+                request.parallel
+            ),
+        },
         ready_secs: started.elapsed().as_secs_f64(),
     });
     // Serve until told to stop, or until any engine process exits.

@@ -818,6 +818,49 @@ fn up_engine_refuses_a_missing_engine_and_a_taken_port_before_starting() {
         "/nonexistent/bin",
     ]);
     assert_eq!(no_gpu.status.code(), Some(2));
+    // Prefill/decode disaggregation: llama.cpp has none; the counts must be at least 1;
+    // vLLM's PD deployment checks its engine (and router) on the hosts before anything starts.
+    for (args, expected) in [
+        (
+            &["--engine", "llamacpp", "--prefill", "1", "--decode", "1"][..],
+            "llama.cpp has no prefill/decode disaggregation",
+        ),
+        (
+            &[
+                "--engine",
+                "vllm",
+                "--model",
+                "org/m",
+                "--prefill",
+                "0",
+                "--decode",
+                "1",
+            ][..],
+            "at least 1",
+        ),
+        (
+            &[
+                "--engine",
+                "vllm",
+                "--model",
+                "org/m",
+                "--prefill",
+                "1",
+                "--decode",
+                "1",
+                "--engine-bin",
+                "/nonexistent/bin",
+            ][..],
+            "`vllm` is not usable on `localhost`",
+        ),
+    ] {
+        let port = free_port().to_string();
+        let output = super::run(&[&["up", "--port", &port][..], args].concat());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("started"), "{args:?}: {stderr}");
+    }
 }
 
 #[test]
