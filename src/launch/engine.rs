@@ -248,6 +248,22 @@ fn probe_host(
     Ok(found)
 }
 
+/// Why the probe `argv` that gave `ran` failed (the program missing, or a non-zero exit with
+/// its last line of stderr); `None` when it succeeded.
+fn failure(ran: &super::Executed, argv: &[String]) -> Option<String> {
+    if ran.program.is_some() && ran.code == Some(0) {
+        return None;
+    }
+    Some(ran.error.clone().unwrap_or_else(|| {
+        format!(
+            "`{}` exited with {:?}: {}",
+            argv.join(" "),
+            ran.code,
+            last_line(&ran.stderr)
+        )
+    }))
+}
+
 /// Checks that the engine's PD router runs on the first host: `vllm-router` (PyPI
 /// `vllm-router`), or the `sglang_router` module (PyPI `sglang-router`) of the interpreter
 /// SGLang runs on.
@@ -274,15 +290,7 @@ fn probe_router(
         ),
     };
     let ran = exec(&argv, PROBE_TIMEOUT).map_err(|e| format!("`{host}`: {e:#}"))?;
-    if ran.program.is_none() || ran.code != Some(0) {
-        let detail = ran.error.clone().unwrap_or_else(|| {
-            format!(
-                "`{}` exited with {:?}: {}",
-                argv.join(" "),
-                ran.code,
-                last_line(&ran.stderr)
-            )
-        });
+    if let Some(detail) = failure(&ran, &argv) {
         return Err(format!(
             "the PD router is not usable on `{host}`: {detail}\nhint: `pip install {package}` there (next to {engine}), or give `--engine-bin DIR`"
         ));
@@ -326,15 +334,7 @@ pub fn probe_engine(
             _ => vec![program.clone(), "--version".into()],
         };
         let ran = exec(&argv, PROBE_TIMEOUT).map_err(|e| format!("`{host}`: {e:#}"))?;
-        if ran.program.is_none() || ran.code != Some(0) {
-            let detail = ran.error.clone().unwrap_or_else(|| {
-                format!(
-                    "`{}` exited with {:?}: {}",
-                    argv.join(" "),
-                    ran.code,
-                    last_line(&ran.stderr)
-                )
-            });
+        if let Some(detail) = failure(&ran, &argv) {
             return Err(not_found(name, &detail));
         }
         if k == 0 || *name == "llama-server" {

@@ -109,6 +109,8 @@ pub fn serve_one_process(
                 model,
                 engine.tokenizer.clone(),
             );
+            use crate::runtime::exec::executor::Executor;
+            executor.kv_pool().set_prefix_cache(settings.prefix_cache);
             Scheduler::start_with(Box::new(executor), settings.limits)
         }
     };

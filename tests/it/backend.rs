@@ -368,12 +368,9 @@ fn the_cpu_engines_decode_step_equals_the_prompt_run_whole_with_16_dimension_hea
     assert!(error < 1e-9, "decode vs whole prompt: NMSE {error:e}");
 }
 
-#[test]
-fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines() {
-    use infer::runtime::exec::forward::BackendExecutor;
-    use infer::runtime::model::sampling::SamplingParams;
-    // A servable synthetic model (f32 weights, a tokenizer of single characters): what
-    // `infer generate --device cuda` runs, with the harness standing in for the GPU.
+/// A servable synthetic model (f32 weights, a tokenizer of single characters) written into
+/// `dir` and loaded: what `infer generate --device cuda` and `infer up --device cuda` run.
+fn servable_engine(dir: &std::path::Path) -> infer::runtime::exec::engine::Engine {
     let shape = crate::synthetic::Shape {
         hidden: 64,
         intermediate: 96,
@@ -383,8 +380,7 @@ fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines
         vocab: 60,
         qkv_bias: false,
     };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("servable.gguf");
+    let path = dir.join("servable.gguf");
     let weights = crate::synthetic::weights(&shape, 7);
     crate::synthetic::write_gguf_with(
         &path,
@@ -392,8 +388,17 @@ fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines
         &weights,
         &crate::synthetic::tokenizer_metadata(shape.vocab),
     );
-    let engine = infer::runtime::exec::engine::Engine::load(&path, 1, Default::default())
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    infer::runtime::exec::engine::Engine::load(&path, 1, Default::default())
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+#[test]
+fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines() {
+    use infer::runtime::exec::forward::BackendExecutor;
+    use infer::runtime::model::sampling::SamplingParams;
+    // What `infer generate --device cuda` runs, with the harness standing in for the GPU.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let engine = servable_engine(dir.path());
     let prompt = engine.tokenizer.encode("HELLO", false).expect("encodes");
     let params = SamplingParams {
         max_tokens: 6,
@@ -416,6 +421,110 @@ fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines
     // The sequence's blocks went back: the ledger the scheduler reads is empty again.
     use infer::runtime::exec::executor::Executor;
     assert_eq!(executor.kv_pool().used_blocks(), 0);
+}
+
+/// Prefix caching on the device path (`infer up --device cuda`), with the harness standing
+/// in for the GPU: the second of two prompts sharing a 32-token prefix adopts its two full
+/// blocks from the ledger's prefix cache (the device slots the first prompt wrote) and
+/// computes only the rest, and its greedy tokens equal those of the same prompt run whole
+/// with the prefix cache off, and the CPU engine's. A small cache evicts and stays correct.
+#[test]
+fn the_device_prefix_cache_reuses_blocks_and_gives_the_uncached_tokens() {
+    use infer::runtime::exec::executor::{Executor, StepEntry};
+    use infer::runtime::exec::forward::BackendExecutor;
+    use infer::runtime::model::sampling::SamplingParams;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let engine = servable_engine(dir.path());
+    let system = "THE SHARED SYSTEM TEXT OF THIRTY TWO CHARS!";
+    let encode = |question: &str| {
+        engine
+            .tokenizer
+            .encode(&format!("{system}{question}"), false)
+            .expect("encodes")
+    };
+    let params = SamplingParams {
+        max_tokens: 4,
+        ..SamplingParams::default()
+    };
+    let executor = |kv_tokens: usize, cached: bool| {
+        let model = BackendModel::new(
+            KernelBackend::new(crate::cuda::host()),
+            &engine.model,
+            kv_tokens,
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        let executor = BackendExecutor::new(model, engine.tokenizer.clone());
+        executor.kv_pool().set_prefix_cache(cached);
+        executor
+    };
+    // Runs `prompt` greedily as sequence `seq`, adopting the cached prefix the ledger
+    // offers (as the scheduler does); returns the tokens and the prefix's length.
+    let run = |executor: &mut BackendExecutor<_>, seq: u64, prompt: &[u32]| {
+        let hit = executor
+            .kv_pool()
+            .cached_prefix(&prompt[..prompt.len() - 1], prompt.len());
+        let mut entry = StepEntry::prompt(seq, &prompt[hit.tokens..], &params);
+        entry.prefix_tokens = prompt[..hit.tokens].to_vec();
+        entry.prompt_tokens = prompt.len();
+        let mut tokens = Vec::new();
+        for _ in 0..params.max_tokens {
+            let sampled = executor
+                .step(std::slice::from_ref(&entry), &[])
+                .unwrap_or_else(|e| panic!("{e:#}"));
+            let token = sampled[0].as_ref().expect("a token").token;
+            tokens.push(token);
+            entry = StepEntry::decode(seq, token);
+        }
+        (tokens, hit.tokens)
+    };
+    let (first, second) = (encode("WHO?"), encode("WHERE NOW?"));
+    assert!(first.len() > 32 && second.len() > 32);
+    let cpu = |prompt: &[u32]| {
+        engine
+            .generate(prompt, &params, &mut |_| {})
+            .expect("cpu")
+            .tokens
+    };
+    let (want_first, want_second) = (cpu(&first), cpu(&second));
+    // The second prompt run whole on the device with the cache off: the CPU engine's.
+    let mut plain = executor(256, false);
+    let (tokens, hit) = run(&mut plain, 1, &second);
+    assert_eq!((&tokens, hit), (&want_second, 0));
+
+    let mut cached = executor(256, true);
+    let (tokens, hit) = run(&mut cached, 1, &first);
+    assert_eq!((tokens, hit), (want_first.clone(), 0));
+    cached.step(&[], &[1]).expect("release");
+    let used = cached.kv_pool().used_blocks();
+    assert_eq!(used, 0, "released");
+    assert!(cached.kv_pool().cached_blocks() >= 2);
+    let (tokens, hit) = run(&mut cached, 2, &second);
+    assert_eq!(
+        hit, 32,
+        "two full blocks of the shared text come from the cache"
+    );
+    assert_eq!(tokens, want_second, "cached prefix, same tokens");
+    cached.step(&[], &[2]).expect("release");
+
+    // Three blocks of room, each prompt needs three: the second prompt's own third block,
+    // cached, is evicted for the first's, and both answers stay right.
+    let mut small = executor(48, true);
+    for (seq, (prompt, want)) in [(&second, &want_second), (&first, &want_first)]
+        .into_iter()
+        .enumerate()
+    {
+        let (tokens, _) = run(&mut small, seq as u64, prompt);
+        assert_eq!(&tokens, want, "sequence {seq}");
+        small.step(&[], &[seq as u64]).expect("release");
+    }
+    assert!(
+        small.kv_pool().evictions() > 0,
+        "the small cache evicted: prompts of {} and {} tokens, {:?}, {} cached",
+        first.len(),
+        second.len(),
+        small.kv_pool(),
+        small.kv_pool().cached_blocks()
+    );
 }
 
 #[test]

@@ -22,6 +22,16 @@ pub fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
 }
 
+/// One request went through a decode replica, which computed none of its prompt.
+fn handed_off_once(metrics: &str) {
+    assert_eq!(metric(metrics, "infer_pd_handoffs_total"), 1.0, "{metrics}");
+    assert_eq!(
+        metric(metrics, "infer_pd_decode_prefill_tokens_total"),
+        0.0,
+        "{metrics}"
+    );
+}
+
 /// The requests every layout answers: completions and chat, greedy and seeded.
 fn bodies() -> Vec<(&'static str, Value)> {
     vec![
@@ -364,17 +374,7 @@ fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
     let (status, reply) = head.post("/v1/completions", &body);
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
-    let metrics = head.metrics();
-    assert_eq!(
-        metric(&metrics, "infer_pd_handoffs_total"),
-        1.0,
-        "{metrics}"
-    );
-    assert_eq!(
-        metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
-        0.0,
-        "{metrics}"
-    );
+    handed_off_once(&head.metrics());
     let ranks = head.rank_pids();
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(head.child.id() as i32).expect("pid"),
@@ -480,17 +480,7 @@ fn a_disaggregated_plan_runs_as_prefill_and_decode_replicas() {
     let (status, reply) = server.post("/v1/completions", &body);
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
-    let metrics = server.metrics();
-    assert_eq!(
-        metric(&metrics, "infer_pd_handoffs_total"),
-        1.0,
-        "{metrics}"
-    );
-    assert_eq!(
-        metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
-        0.0,
-        "{metrics}"
-    );
+    handed_off_once(&server.metrics());
     drop(server);
 
     // Decode workers of TP 2 against prefill workers of TP 1: not one shape.

@@ -20,7 +20,7 @@ use crate::runtime::backend::{
 };
 use crate::runtime::collectives::Comm;
 use crate::runtime::cpu::quant::GgmlType;
-use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, sample};
+use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, first_step_cache, sample};
 use crate::runtime::exec::kv::{KvCache, KvPool};
 use crate::runtime::model::config::LlamaConfig;
 use crate::runtime::model::llama::Llama;
@@ -597,26 +597,55 @@ impl<B: Backend> BackendModel<B> {
 
 /// An [`Executor`] over a [`BackendModel`]: what `--device cuda` generates and serves with.
 /// Logits come to the host and are sampled there (greedy, top-k, top-p, seeds, log-probs:
-/// the CPU engine's sampler). A ledger pool of the device cache's capacity (no memory of
-/// its own) counts blocks for the scheduler, and fills first, so a full device cache is the
-/// scheduler's usual preemption, never a failed step.
+/// the CPU engine's sampler).
+///
+/// The device cache's blocks are allocated by a ledger [`KvPool`] of the same capacity
+/// (a few bytes a block, no KV of its own): each ledger block stands for one device block
+/// slot ([`KvCache::block_ids`] mapped once to a slot), so the scheduler's block counts,
+/// preemption and prefix cache (content-addressed full blocks, adopted instead of
+/// computed, evicted LRU) are the device cache's, exactly as on the CPU engine.
 pub struct BackendExecutor<B: Backend> {
     model: BackendModel<B>,
     tokenizer: Tokenizer,
     ledger: Arc<KvPool>,
+    /// Device block slot of each ledger block identity.
+    slots: HashMap<usize, usize>,
     sequences: HashMap<u64, (DeviceSequence, KvCache, Sampler)>,
 }
 
 impl<B: Backend> BackendExecutor<B> {
-    /// An executor with no sequences; `tokenizer` is the model's.
+    /// An executor with no sequences; `tokenizer` is the model's. Its prefix cache is off
+    /// until `kv_pool().set_prefix_cache(true)`.
     pub fn new(model: BackendModel<B>, tokenizer: Tokenizer) -> BackendExecutor<B> {
-        let ledger = KvPool::new(0, 0, 0, Some(model.n_blocks * KV_BLOCK_TOKENS));
+        // One layer, one head of one dimension: a block is 32 f16 of bookkeeping.
+        let ledger = KvPool::new(1, 1, 1, Some(model.n_blocks * KV_BLOCK_TOKENS));
         BackendExecutor {
             model,
             tokenizer,
             ledger,
+            slots: HashMap::new(),
             sequences: HashMap::new(),
         }
+    }
+
+    /// The device block slots of `cache`'s blocks (a new ledger block gets the next slot).
+    ///
+    /// Errors: more ledger blocks than device slots (the ledger's capacity is the device
+    /// cache's, so never).
+    fn device_blocks(&mut self, cache: &KvCache) -> Result<Vec<usize>> {
+        let n_blocks = self.model.n_blocks;
+        cache
+            .block_ids()
+            .into_iter()
+            .map(|id| {
+                let next = self.slots.len();
+                let slot = *self.slots.entry(id).or_insert(next);
+                if slot >= n_blocks {
+                    bail!("the KV ledger has more blocks than the device cache ({n_blocks})");
+                }
+                Ok(slot)
+            })
+            .collect()
     }
 
     /// The model on its backend.
@@ -632,10 +661,10 @@ where
     B::Matrix: Send,
 {
     fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
+        // A sequence's blocks go back to the ledger with its cache (full ones stay in the
+        // prefix cache); the device slots are the ledger's to reuse.
         for seq in release {
-            if let Some((mut sequence, _, _)) = self.sequences.remove(seq) {
-                self.model.release(&mut sequence);
-            }
+            self.sequences.remove(seq);
         }
         if entries.is_empty() {
             return Ok(Vec::new());
@@ -647,17 +676,17 @@ where
                 );
             }
             if let Some(params) = &entry.params {
-                if !entry.prefix_tokens.is_empty() {
-                    // The ledger pool never turns its prefix cache on.
-                    bail!("the device KV cache has no prefix cache");
-                }
                 let mut sampler = Sampler::new(params);
                 sampler.skip(entry.sampled_before);
-                if let Some((mut old, _, _)) = self.sequences.remove(&entry.seq) {
-                    self.model.release(&mut old);
-                }
-                let state = (DeviceSequence::default(), self.ledger.new_cache(), sampler);
-                self.sequences.insert(entry.seq, state);
+                self.sequences.remove(&entry.seq);
+                // The cached prefix's blocks hold its keys and values already.
+                let ledger = first_step_cache(&self.ledger, entry)?;
+                let sequence = DeviceSequence {
+                    blocks: Vec::new(),
+                    n_tokens: ledger.n_tokens,
+                };
+                self.sequences
+                    .insert(entry.seq, (sequence, ledger, sampler));
             } else if !self.sequences.contains_key(&entry.seq) {
                 bail!("sequence {} is unknown to the engine", entry.seq);
             }
@@ -674,13 +703,19 @@ where
         let result = (|| {
             for ((sequence, ledger, _), entry) in states.iter_mut().zip(entries) {
                 ledger.reserve(sequence.n_tokens + entry.tokens.len())?;
+                sequence.blocks = self.device_blocks(ledger)?;
             }
             let mut batch: Vec<(&mut DeviceSequence, &[u32])> = states
                 .iter_mut()
                 .zip(entries)
                 .map(|((sequence, _, _), entry)| (sequence, entry.tokens.as_slice()))
                 .collect();
-            self.model.forward(&mut batch)
+            let logits = self.model.forward(&mut batch)?;
+            // Stored: full blocks go into the prefix cache (when it is on).
+            for ((_, ledger, _), entry) in states.iter_mut().zip(entries) {
+                ledger.commit(&entry.tokens);
+            }
+            Ok(logits)
         })();
         let sampled = result.map(|logits| {
             states

@@ -462,6 +462,19 @@ impl KvCache {
         Ok(())
     }
 
+    /// The identities of this cache's blocks, in position order: stable for the pool's
+    /// life (a pool never frees block memory: freed blocks are reused, evicted ones
+    /// reassigned), two caches sharing a block (the prefix cache) see the same identity,
+    /// and a pool of capacity `n` blocks shows at most `n` identities. A device cache that
+    /// keeps its own memory maps them to its block slots (the ledger pool of
+    /// [`crate::runtime::exec::forward::BackendExecutor`]).
+    pub fn block_ids(&self) -> Vec<usize> {
+        self.blocks
+            .iter()
+            .map(|block| Arc::as_ptr(block).cast::<f16>() as usize)
+            .collect()
+    }
+
     /// Starts this empty cache with the cached blocks of `tokens` (whole blocks, found by
     /// [`KvPool::cached_prefix`] with this cache's `prompt_tokens`): their positions are
     /// stored without computing anything.
