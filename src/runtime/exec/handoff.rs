@@ -579,6 +579,19 @@ impl Ring {
     }
 }
 
+/// Maps the ring segment this sender just created at `path`.
+///
+/// Errors: the file cannot be opened or mapped.
+fn map_own_segment(path: &std::path::Path) -> Result<MmapMut> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    // SAFETY: the segment was created exclusively for this connection; the inbox reads
+    // only the parts the frames name, after they are written.
+    Ok(unsafe { MmapMut::map_mut(&file)? })
+}
+
 /// Opens a connection to the inbox at `address`, offering a ring of `ring_bytes` when
 /// `local`; a ring that cannot be made or mapped leaves the connection inline.
 ///
@@ -595,39 +608,40 @@ fn connect(address: &str, token: &str, local: bool, ring_bytes: usize) -> Result
     let mut writer = BufWriter::with_capacity(1 << 20, stream);
     writer.write_all(&(token.len() as u32).to_le_bytes())?;
     writer.write_all(token.as_bytes())?;
-    // A ring that cannot be made (a full `/dev/shm`) leaves the bits inline.
+    // Made and mapped here before the inbox hears its name: the inbox unlinks it as soon
+    // as it has mapped it. A ring that cannot be made (a full `/dev/shm`) leaves the bits
+    // inline.
     let segment = if local {
-        create_segment_file(SEGMENT_PREFIX, ring_bytes).ok()
+        create_segment_file(SEGMENT_PREFIX, ring_bytes)
+            .ok()
+            .and_then(|path| match map_own_segment(&path) {
+                Ok(map) => Some((path, map)),
+                Err(_) => {
+                    let _ = std::fs::remove_file(&path);
+                    None
+                }
+            })
     } else {
         None
     };
     let name = segment
         .as_ref()
-        .and_then(|path| path.file_name())
+        .and_then(|(path, _)| path.file_name())
         .map_or(String::new(), |name| name.to_string_lossy().into_owned());
     writer.write_all(&(name.len() as u32).to_le_bytes())?;
     writer.write_all(name.as_bytes())?;
     writer.flush()?;
-    let Some(path) = segment else {
+    let Some((path, map)) = segment else {
         return Ok(Peer { writer, ring: None });
     };
-    let mapped = (|| -> Result<Option<MmapMut>> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)?;
-        // SAFETY: the segment was created exclusively for this connection; the inbox reads
-        // only the parts the frames name, after they are written.
-        let map = unsafe { MmapMut::map_mut(&file)? };
-        let mut answer = [0u8; 1];
-        answers
-            .read_exact(&mut answer)
-            .context("the inbox did not answer the offer of a shared ring")?;
-        Ok((answer[0] == 1).then_some(map))
-    })();
+    let mut answer = [0u8; 1];
+    let answered = answers
+        .read_exact(&mut answer)
+        .context("the inbox did not answer the offer of a shared ring");
     // The inbox unlinked it once mapped; when it did not, nobody else will.
     let _ = std::fs::remove_file(&path);
-    let ring = mapped?.map(|map| Ring {
+    answered?;
+    let ring = (answer[0] == 1).then_some(Ring {
         map,
         answers,
         written: 0,
@@ -812,6 +826,27 @@ mod tests {
             0,
             "the ring is unlinked once both ends map it"
         );
+    }
+
+    /// The inbox maps and unlinks the offered ring as soon as it reads its name, so the
+    /// sender must have mapped it before offering it (a race that failed one connection in
+    /// a few): every one of many fresh connections gets its ring.
+    #[test]
+    fn every_fresh_connection_on_this_host_gets_its_ring() {
+        for attempt in 0..40 {
+            let inbox = Inbox::bind("127.0.0.1", "secret").expect("bind");
+            let address = inbox.address().to_string();
+            let mut outbox = Outbox::with_ring_bytes("secret", 8192).expect("outbox");
+            outbox.on_this_host(&address);
+            outbox.send(&address, 1, part(0..5, 0..6));
+            outbox
+                .finish(1)
+                .unwrap_or_else(|e| panic!("attempt {attempt}: {e:#}"));
+            let sent = outbox.sent();
+            assert_eq!(sent.shm_bytes, sent.bytes, "attempt {attempt}");
+            inbox.take(1, 5, Duration::from_secs(5)).expect("complete");
+        }
+        assert_eq!(rings_left(), 0);
     }
 
     #[test]
