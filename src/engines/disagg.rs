@@ -83,6 +83,20 @@ impl PdLayout {
             decode_workers: plan.decode_workers as usize,
         }
     }
+
+    /// The one worker shape of both roles, for infer's own ranks, which move KV shard to
+    /// shard (prefill rank at (tp, pp) to the same decode rank).
+    ///
+    /// Errors: prefill and decode workers of different TP, PP or EP.
+    pub fn one_shape(&self) -> Result<Parallel> {
+        let (a, b) = (self.prefill, self.decode);
+        if (a.tp, a.pp, a.ep) != (b.tp, b.pp, b.ep) {
+            bail!(
+                "infer's ranks move KV shard to shard and need one TP × PP on both roles; the plan has prefill workers of {a} and decode workers of {b}\nhint: `--engine vllm|sglang` runs different shapes (`infer plan --engine vllm --disaggregate --emit DIR`), or give the layout yourself: `infer up --prefill N --decode M --tp T`"
+            );
+        }
+        Ok(a)
+    }
 }
 
 /// Makes every GPU of every host of `cluster` available to the workers: the hosts the

@@ -22,6 +22,12 @@ pub const STORE_PORT: u16 = 29500;
 /// Errors: EP other than 1 or TP, a model that is not a `.gguf` path, nodes with different
 /// numbers of ranks.
 pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+    generate_with_roles(request, None)
+}
+
+/// [`generate`], with `roles` (prefill, decode replicas, whose sum is `request.parallel.dp`)
+/// given as `--prefill/--decode` instead of `--dp`.
+fn generate_with_roles(request: &EngineRequest, roles: Option<(u64, u64)>) -> Result<EngineLaunch> {
     let p = request.parallel;
     if p.ep > 1 && p.ep != p.tp {
         bail!(
@@ -62,9 +68,16 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
                 p.tp.to_string(),
                 "--pp".into(),
                 p.pp.to_string(),
-                "--dp".into(),
-                p.dp.to_string(),
             ];
+            match roles {
+                Some((prefill, decode)) => argv.extend([
+                    "--prefill".into(),
+                    prefill.to_string(),
+                    "--decode".into(),
+                    decode.to_string(),
+                ]),
+                None => argv.extend(["--dp".into(), p.dp.to_string()]),
+            }
             if p.ep > 1 {
                 argv.extend(["--ep".into(), p.ep.to_string()]);
             }
@@ -149,12 +162,7 @@ pub fn generate_disaggregated(
     request: &EngineRequest,
     layout: &super::disagg::PdLayout,
 ) -> Result<EngineLaunch> {
-    let (a, b) = (layout.prefill, layout.decode);
-    if (a.tp, a.pp, a.ep) != (b.tp, b.pp, b.ep) {
-        bail!(
-            "infer's ranks move KV shard to shard and need one TP × PP on both roles; the plan has prefill workers of {a} and decode workers of {b}\nhint: `--engine vllm` or `--engine sglang` runs different shapes"
-        );
-    }
+    let a = layout.one_shape()?;
     let (prefill, decode) = (layout.prefill_workers as u64, layout.decode_workers as u64);
     let world = (prefill + decode) * a.tp * a.pp;
     let per_host = request.nodes.first().map_or(0, |n| n.gpus_on_host as u64);
@@ -173,20 +181,5 @@ pub fn generate_disaggregated(
         }
         pd.nodes.truncate(hosts);
     }
-    let mut launch = generate(&pd)?;
-    for node in &mut launch.nodes {
-        // `--dp N+M` becomes the roles.
-        if let Some(at) = node.argv.iter().position(|a| a == "--dp") {
-            node.argv.splice(
-                at..at + 2,
-                [
-                    "--prefill".to_string(),
-                    prefill.to_string(),
-                    "--decode".to_string(),
-                    decode.to_string(),
-                ],
-            );
-        }
-    }
-    Ok(launch)
+    generate_with_roles(&pd, Some((prefill, decode)))
 }

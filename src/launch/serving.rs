@@ -380,12 +380,9 @@ fn layout_of(
         // The planner's disaggregated deployment (it wins, or `--disaggregate` asked for
         // it): its workers become prefill and decode replicas. KV moves shard to shard, so
         // both roles need one shape.
-        let (a, b) = (&d.prefill, &d.decode);
-        if (a.tp, a.pp, a.ep) != (b.tp, b.pp, b.ep) {
-            bail!(
-                "{what} disaggregates with prefill workers of {a} and decode workers of {b}: infer's ranks move KV shard to shard and need one TP × PP on both roles\nhint: run it with `infer plan --engine vllm|sglang --disaggregate --emit DIR`, or give the layout yourself: `infer up --prefill N --decode M --tp T`"
-            );
-        }
+        let a = crate::engines::disagg::PdLayout::of(d)
+            .one_shape()
+            .with_context(|| format!("{what} disaggregates"))?;
         let layout = Layout {
             tp: a.tp as usize,
             pp: a.pp as usize,
