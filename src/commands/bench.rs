@@ -431,6 +431,7 @@ fn allreduce_cluster(
         layout_from: "infer bench allreduce --cluster".into(),
         placement: Vec::new(),
         run_dir: None,
+        gpus: None,
     };
     let options = crate::launch::cluster::ClusterOptions {
         inventory: inventory.to_path_buf(),

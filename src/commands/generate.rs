@@ -23,14 +23,16 @@ struct Output<'a> {
 /// Runs `infer generate`. Errors: bad flags, a model that does not load, a prompt too long.
 pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     let cuda = args.device == crate::cli::DeviceArg::Cuda;
-    if cuda {
-        super::require_gpu()?;
-        if args.tp * args.pp > 1 || args.cluster.is_some() {
+    let device = if cuda {
+        if args.pp > 1 || args.cluster.is_some() {
             bail!(
-                "--device cuda runs the whole model on one GPU: TP/PP ranks on the CUDA backend are not built; use --device cpu for --tp/--pp/--cluster"
+                "--device cuda runs the model on one GPU or as --tp ranks on this host's GPUs: pipeline stages and other hosts on GPUs are not built; use --device cpu for --pp/--cluster"
             );
         }
-    }
+        Some(super::cuda_device()?)
+    } else {
+        None
+    };
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", args.top_p);
     }
@@ -48,7 +50,7 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     if args.tp * args.pp > 1 || args.cluster.is_some() {
-        return distributed(args, &path, printer);
+        return distributed(args, &path, device.map(|(_, gpus)| gpus), printer);
     }
     let engine = Engine::load(&path, args.threads, args.numerics.into())?;
     let prompt = if args.chat {
@@ -73,21 +75,19 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
             printer.stream(text);
         }
     };
-    let generation = if cuda {
+    let generation = if let Some((kernels, _)) = &device {
         // The weights go to the GPU; the tokenizer and the sampler stay here.
         let kv_tokens = (prompt_tokens.len() + args.max_tokens + 16)
             .min(engine.model.config.max_context_tokens + 16);
-        let cache = crate::model::default::cache_dir()?.join("kernels");
-        let model = crate::runtime::cuda::gpu::load_model(
-            &super::cuda_lib_dirs(),
-            &cache,
+        let mut loaded = crate::runtime::cuda::executor::load_executor(
+            kernels,
             &engine.model,
             kv_tokens,
+            engine.tokenizer.clone(),
+            None,
         )?;
-        let mut executor =
-            crate::runtime::exec::forward::BackendExecutor::new(model, engine.tokenizer.clone());
         crate::runtime::exec::executor::generate(
-            &mut executor,
+            &mut *loaded.executor,
             &prompt_tokens,
             &params,
             &mut on_text,
@@ -143,9 +143,11 @@ fn sampling_params(args: &GenerateArgs) -> SamplingParams {
 }
 
 /// `--tp/--pp` > 1: the same generation on `tp × pp` real rank processes.
+/// `gpus`: `--device cuda` ranks, with this many GPUs visible here (0: the host harness).
 fn distributed(
     args: &GenerateArgs,
     path: &std::path::Path,
+    gpus: Option<usize>,
     printer: &Printer,
 ) -> Result<ExitStatus> {
     use crate::runtime::formats::gguf::Header;
@@ -206,6 +208,7 @@ fn distributed(
         layout_from: "infer generate --tp/--pp".into(),
         placement: Vec::new(),
         run_dir: args.run_dir.clone(),
+        gpus: gpus.map(|visible| crate::launch::local_gpus(world, visible)),
     };
     let progress = printer.progress(2 * (args.tp * args.pp) as u64);
     let generation = match &args.cluster {

@@ -85,3 +85,42 @@ fn require_gpu() -> anyhow::Result<crate::runtime::cuda::device::Driver> {
         )
     })
 }
+
+/// `--device cuda` on `infer generate` and `infer up`, before anything starts: the kernels on
+/// this host's GPUs (a driver and a GPU must be here) or, with `INFER_CUDA_HOST_HARNESS=1`,
+/// on the host harness (the same sources on CPU threads, built by `$CXX` or `c++`: the device
+/// path checked on a machine without a GPU). Returns the device and the visible GPUs that
+/// rank processes are given (none for the harness: each rank's `CUDA_VISIBLE_DEVICES` is then
+/// its local rank, as it would be on a GPU host).
+///
+/// Errors: no driver or no GPU, naming this host; no cache directory.
+fn cuda_device() -> anyhow::Result<(crate::runtime::cuda::executor::KernelDevice, usize)> {
+    use crate::runtime::cuda::executor::KernelDevice;
+    let cache_dir = crate::model::default::cache_dir()?.join("kernels");
+    if let Some(harness) = host_harness(&cache_dir) {
+        return Ok((harness, 0));
+    }
+    let driver = require_gpu()?;
+    Ok((
+        KernelDevice::Gpu {
+            lib_dirs: cuda_lib_dirs(),
+            cache_dir,
+        },
+        driver.gpus.len(),
+    ))
+}
+
+/// The host harness, when `INFER_CUDA_HOST_HARNESS=1` asks for it: the kernels built by
+/// `$CXX` (else `c++`), the library cached under `cache_dir`.
+fn host_harness(
+    cache_dir: &std::path::Path,
+) -> Option<crate::runtime::cuda::executor::KernelDevice> {
+    std::env::var("INFER_CUDA_HOST_HARNESS")
+        .is_ok_and(|v| v == "1")
+        .then(
+            || crate::runtime::cuda::executor::KernelDevice::HostHarness {
+                compiler: std::env::var("CXX").unwrap_or_else(|_| "c++".into()),
+                cache_dir: cache_dir.to_path_buf(),
+            },
+        )
+}

@@ -64,6 +64,12 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
                 .context("`LOCAL_RANK` exceeds `RANK`")?;
             first..first + local_world
         },
+        device: match std::env::var("INFER_DEVICE").as_deref() {
+            Err(_) | Ok("cpu") => None,
+            Ok("cuda") => Some(rank_device()?),
+            Ok(other) => anyhow::bail!("`INFER_DEVICE` is `{other}`, not `cpu` or `cuda`"),
+        },
+        cuda_visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
         numerics: match std::env::var("INFER_NUMERICS") {
             Ok(name) => Numerics::from_name(&name)
                 .with_context(|| format!("`INFER_NUMERICS` is `{name}`, not `exact` or `fast`"))?,
@@ -78,7 +84,10 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
     };
     run_rank(
         &config,
-        &mut |line| printer.note(line),
+        &mut |line| match line.strip_prefix("warning: ") {
+            Some(warning) => printer.warn(warning),
+            None => printer.note(line),
+        },
         &mut |driver, store| {
             crate::serve::http::serve_driver(driver, store, server.take(), &mut |line| {
                 printer.note(line)
@@ -87,4 +96,19 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
     )
     .with_context(|| format!("rank {} failed", config.rank))?;
     Ok(ExitStatus::Success)
+}
+
+/// A `--device cuda` rank's kernels: the host harness under `INFER_CUDA_HOST_HARNESS=1`, else
+/// its first visible GPU (the launcher's `CUDA_VISIBLE_DEVICES`), NVIDIA's libraries looked
+/// for in `INFER_CUDA_LIB_DIRS` first (the launcher's search path).
+fn rank_device() -> Result<crate::runtime::cuda::executor::KernelDevice> {
+    use crate::runtime::cuda::executor::KernelDevice;
+    let cache_dir = crate::model::default::cache_dir()?.join("kernels");
+    if let Some(harness) = super::host_harness(&cache_dir) {
+        return Ok(harness);
+    }
+    Ok(KernelDevice::Gpu {
+        lib_dirs: super::cuda_lib_dirs(),
+        cache_dir,
+    })
 }

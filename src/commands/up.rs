@@ -36,11 +36,8 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let gpu = if args.device == DeviceArg::Cuda {
         // Before anything starts: a driver and a GPU on this host.
-        super::require_gpu()?;
-        Some(crate::serve::http::GpuSettings {
-            lib_dirs: super::cuda_lib_dirs(),
-            kernel_cache: crate::model::default::cache_dir()?.join("kernels"),
-        })
+        let (kernels, gpus) = super::cuda_device()?;
+        Some(crate::serve::http::GpuSettings { kernels, gpus })
     } else {
         None
     };

@@ -673,6 +673,7 @@ fn allreduce_probe(
         layout_from: "infer doctor --cluster --bandwidth".into(),
         placement,
         run_dir: None,
+        gpus: None,
     };
     let spawner = remote.spawner((0..names.len()).collect());
     let mut gang = Gang::start_on(

@@ -76,6 +76,23 @@ pub struct LaunchSpec {
     /// The run directory (rank logs, `manifest.json`; `--run-dir`); `None`: a new one under
     /// [`runs_dir`], the oldest beyond [`KEEP_RUNS`] removed.
     pub run_dir: Option<PathBuf>,
+    /// `--device cuda` ranks: each rank's `CUDA_VISIBLE_DEVICES` (indexed by rank; its host's
+    /// GPU, so the rank computes on its first visible GPU); `None`: CPU ranks, which see no GPU.
+    pub gpus: Option<Vec<String>>,
+}
+
+/// `CUDA_VISIBLE_DEVICES` of `world` device ranks on one host with `visible` GPUs: rank `r`
+/// gets GPU `r % visible` (ranks beyond the GPUs share them, and their collectives go through
+/// host memory); with `visible` 0 (the host harness) rank `r` gets `r`, as on a host with
+/// enough GPUs.
+pub fn local_gpus(world: usize, visible: usize) -> Vec<String> {
+    (0..world)
+        .map(|rank| match visible {
+            0 => rank,
+            n => rank % n,
+        })
+        .map(|gpu| gpu.to_string())
+        .collect()
 }
 
 /// How many run directories [`runs_dir`] keeps (`INFER_KEEP_RUNS` overrides): the newest,
@@ -761,8 +778,14 @@ fn spawn_rank(
             "INFER_TIMEOUT_SECS".into(),
             spec.timeout.as_secs().to_string(),
         ),
-        // CPU ranks: no GPU is visible.
-        ("CUDA_VISIBLE_DEVICES".into(), String::new()),
+        // CPU ranks see no GPU; a device rank sees its own.
+        (
+            "CUDA_VISIBLE_DEVICES".into(),
+            spec.gpus
+                .as_ref()
+                .and_then(|gpus| gpus.get(rank).cloned())
+                .unwrap_or_default(),
+        ),
         ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
         ("NO_COLOR".into(), "1".into()),
     ];
@@ -772,6 +795,23 @@ fn spawn_rank(
     // NCCL-style transport switches pass through, as torchrun's ranks inherit them.
     if let Ok(value) = std::env::var("INFER_SHM_DISABLE") {
         env.push(("INFER_SHM_DISABLE".into(), value));
+    }
+    if spec.gpus.is_some() {
+        env.push(("INFER_DEVICE".into(), "cuda".into()));
+        // What the rank's environment lacks to find NVIDIA's libraries (it gets PATH and HOME
+        // only), and the harness switch and compiler when this launcher has them.
+        let dirs = crate::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name));
+        if let Ok(joined) = std::env::join_paths(&dirs) {
+            env.push((
+                "INFER_CUDA_LIB_DIRS".into(),
+                joined.to_string_lossy().into_owned(),
+            ));
+        }
+        for name in ["INFER_CUDA_HOST_HARNESS", "CXX"] {
+            if let Ok(value) = std::env::var(name) {
+                env.push((name.into(), value));
+            }
+        }
     }
     if let Some(placement) = placement {
         env.extend(placement.env.iter().cloned());

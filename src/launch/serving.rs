@@ -187,9 +187,22 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
     }
     let ranks = layout.world_size() > 1 || inventory(settings).is_some() || settings.node.is_some();
     if settings.gpu.is_some() && ranks {
-        bail!(
-            "`infer up --device cuda` serves one process on one GPU in this build: rank processes on GPUs (--tp/--pp/--dp, --cluster, --nnodes) are not built; use --device cpu for those"
-        );
+        let unbuilt = if inventory(settings).is_some() || settings.node.is_some() {
+            Some("other hosts (--cluster, --nnodes)")
+        } else if layout.pp > 1 {
+            Some("pipeline stages (--pp)")
+        } else if layout.ep > 1 {
+            Some("expert parallelism (--ep)")
+        } else if layout.pd_prefill.is_some() {
+            Some("prefill/decode disaggregation")
+        } else {
+            None
+        };
+        if let Some(unbuilt) = unbuilt {
+            bail!(
+                "`infer up --device cuda` runs one process on one GPU, or --tp/--dp ranks on this host's GPUs: {unbuilt} on GPUs are not built in this build; use --device cpu for those"
+            );
+        }
     }
     if ranks {
         return launch(settings, &layout, started, events);
@@ -244,6 +257,9 @@ struct Layout {
     /// Prefill/decode disaggregation: the first this many of the `dp` replicas prefill,
     /// the others decode (`--prefill/--decode`, or a plan's disaggregated deployment).
     pd_prefill: Option<usize>,
+    /// A plan's GPU for each rank (its `cuda_visible_devices`, indexed by rank): where
+    /// `--device cuda` ranks compute.
+    gpus: Option<Vec<String>>,
 }
 
 impl Layout {
@@ -284,6 +300,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
                 ep: 1,
                 from: format!("one replica per host of `{}`", file.display()),
                 pd_prefill: None,
+                gpus: None,
             }
         } else {
             let spec = model::load(&path.display().to_string())?;
@@ -299,6 +316,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
                         ep: p.ep as usize,
                         from: format!("the plan for `{}`", file.display()),
                         pd_prefill: None,
+                        gpus: None,
                     }
                 }
                 crate::plan::Outcome::Infeasible(infeasible) => bail!(
@@ -340,6 +358,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
                 None => "the --tp/--pp/--dp/--ep flags".into(),
             },
             pd_prefill: args.pd_prefill,
+            gpus: None,
         }
     };
     if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.ep == 0 {
@@ -390,6 +409,7 @@ fn layout_of(
             ep: a.ep as usize,
             from: format!("{what} (disaggregated)"),
             pd_prefill: Some(d.prefill_workers as usize),
+            gpus: None,
         };
         events(UpEvent::Note(format!(
             "{what}: disaggregated, {} prefill + {} decode replicas of tp {} × pp {} (ep {}), {} ranks; running them as CPU ranks on this host",
@@ -410,9 +430,19 @@ fn layout_of(
         ep: p.ep as usize,
         from: what.to_string(),
         pd_prefill: None,
+        gpus: {
+            let mut ranks: Vec<_> = plan.ranks.iter().collect();
+            ranks.sort_by_key(|r| r.rank);
+            Some(
+                ranks
+                    .iter()
+                    .map(|r| r.cuda_visible_devices.clone())
+                    .collect(),
+            )
+        },
     };
     events(UpEvent::Note(format!(
-        "{what}: tp {} × pp {} × dp {} (ep {}), {} ranks; running them as CPU ranks on this host",
+        "{what}: tp {} × pp {} × dp {} (ep {}), {} ranks; running them on this host",
         layout.tp,
         layout.pp,
         layout.dp,
@@ -516,6 +546,13 @@ fn launch(
             None => Vec::new(),
         },
         run_dir: settings.run_dir.clone(),
+        gpus: settings.gpu.as_ref().map(|gpu| {
+            layout
+                .gpus
+                .clone()
+                .filter(|gpus| gpus.len() == world)
+                .unwrap_or_else(|| super::local_gpus(world, gpu.gpus))
+        }),
     };
     let signals = Arc::new(AtomicUsize::new(0));
     watch_signals(Arc::clone(&signals))?;

@@ -44,13 +44,13 @@ pub struct OneProcess<'a> {
     pub shutdown_timeout: Duration,
 }
 
-/// Where `--device cuda` finds NVIDIA's libraries and keeps its compiled kernels.
+/// `--device cuda`: where the kernels run, and how many GPUs this host shows its ranks.
 #[derive(Clone, Debug)]
 pub struct GpuSettings {
-    /// Directories searched first for `libcuda.so.1` and `libnvrtc.so.12`.
-    pub lib_dirs: Vec<std::path::PathBuf>,
-    /// The CUBIN cache.
-    pub kernel_cache: std::path::PathBuf,
+    pub kernels: crate::runtime::cuda::executor::KernelDevice,
+    /// GPUs visible here (0: the host harness); rank `r` of this host gets GPU
+    /// `local_rank % gpus` unless a plan places it.
+    pub gpus: usize,
 }
 
 /// `--shutdown-timeout`'s default: requests in flight get 5 s after Ctrl-C.
@@ -99,19 +99,18 @@ pub fn serve_one_process(
         Some(gpu) => {
             // The weights go to the GPU (the mapped file is released after); the tokenizer
             // and the sampler stay on the host.
-            let model = crate::runtime::cuda::gpu::load_model(
-                &gpu.lib_dirs,
-                &gpu.kernel_cache,
+            let loaded = crate::runtime::cuda::executor::load_executor(
+                &gpu.kernels,
                 &engine.model,
                 settings.kv_cache_tokens,
-            )?;
-            let executor = crate::runtime::exec::forward::BackendExecutor::new(
-                model,
                 engine.tokenizer.clone(),
-            );
-            use crate::runtime::exec::executor::Executor;
-            executor.kv_pool().set_prefix_cache(settings.prefix_cache);
-            Scheduler::start_with(Box::new(executor), settings.limits)
+                None,
+            )?;
+            loaded
+                .executor
+                .kv_pool()
+                .set_prefix_cache(settings.prefix_cache);
+            Scheduler::start_with(loaded.executor, settings.limits)
         }
     };
     server.open(

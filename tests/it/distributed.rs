@@ -209,6 +209,7 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         layout_from: "a test".into(),
         placement: Vec::new(),
         run_dir: None,
+        gpus: None,
     };
     let job = infer::runtime::exec::worker::Job::Serve;
     let mut serving =

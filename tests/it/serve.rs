@@ -89,20 +89,24 @@ impl Server {
     pub fn metrics(&self) -> String {
         match ureq::get(&format!("{}/metrics", self.url)).call() {
             Ok(response) => response.into_body().read_to_string().expect("text"),
-            Err(error) => {
-                let state = if crate::distributed::alive(self.child.id()) {
-                    "running"
-                } else {
-                    "exited"
-                };
-                std::thread::sleep(std::time::Duration::from_millis(200));
-                let log = self.log.lock().map(|l| l.clone()).unwrap_or_default();
-                panic!(
-                    "metrics: {error} (server {state})\nstartup:\n{}\nstderr since:\n{log}",
-                    self.startup
-                )
-            }
+            Err(error) => self.unreachable("metrics", &error),
         }
+    }
+
+    /// Panics with what a request to this server met, the server's state (running or
+    /// exited) and its stderr so far: a server that died says why.
+    fn unreachable(&self, what: &str, error: &dyn std::fmt::Display) -> ! {
+        let state = if crate::distributed::alive(self.child.id()) {
+            "running"
+        } else {
+            "exited"
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let log = self.log.lock().map(|l| l.clone()).unwrap_or_default();
+        panic!(
+            "{what}: {error} (server {state})\nstartup:\n{}\nstderr since:\n{log}",
+            self.startup
+        )
     }
 
     /// Waits for `infer up` to exit after a rank was killed: returns its status and the rest
@@ -171,7 +175,7 @@ impl Server {
             .http_status_as_error(false)
             .build()
             .send_json(body)
-            .expect("request");
+            .unwrap_or_else(|error| self.unreachable(&format!("POST {path}"), &error));
         let status = response.status().as_u16();
         (status, response.into_body().read_json().expect("JSON body"))
     }

@@ -10,10 +10,14 @@ use std::process::Command;
 use std::sync::Mutex;
 
 use anyhow::{Context, Result, bail};
+use sha2::{Digest, Sha256};
 
 use super::kernels::{FAMILIES, Kernel, Param};
 
 const PRELUDE: &str = include_str!("host_prelude.h");
+
+/// The harness library's file name.
+const LIBRARY: &str = "libinfer_host_kernels.so";
 
 /// One kernel argument.
 #[derive(Clone, Copy, Debug)]
@@ -87,6 +91,66 @@ impl HostKernels {
         sanitizer: Option<Sanitizer>,
         sources: &[(&str, String)],
     ) -> Result<HostKernels> {
+        let library = HostKernels::compile(dir, compiler, sanitizer, sources)?;
+        HostKernels::load(dir, &library)
+    }
+
+    /// [`HostKernels::build`] once per set of kernels: the library is kept in
+    /// `cache_dir/host-<key>/`, the key hashing the prelude, every family's source and the
+    /// compiler's name, and later processes load it from there. Processes building at once
+    /// (the ranks of one gang) each build in a directory of their own; the first rename wins
+    /// and the others load the winner's.
+    ///
+    /// Errors: those of [`HostKernels::build`], an unwritable cache directory.
+    pub fn build_cached(cache_dir: &Path, compiler: &str) -> Result<HostKernels> {
+        let sources: Vec<(&str, String)> =
+            FAMILIES.iter().map(|f| (f.file, f.full_source())).collect();
+        let mut hash = Sha256::new();
+        hash.update(PRELUDE.as_bytes());
+        for (file, source) in &sources {
+            hash.update(format!("\0{file}\0").as_bytes());
+            hash.update(source.as_bytes());
+        }
+        hash.update(format!("\0{compiler}").as_bytes());
+        let key: String = hash
+            .finalize()
+            .iter()
+            .take(16)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let dir = cache_dir.join(format!("host-{key}"));
+        let library = dir.join(LIBRARY);
+        if !library.is_file() {
+            let scratch = cache_dir.join(format!("host-{key}.tmp{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&scratch);
+            HostKernels::compile(&scratch, compiler, None, &sources)?;
+            // Another process's rename may have won: its library is the same.
+            if std::fs::rename(&scratch, &dir).is_err() {
+                let _ = std::fs::remove_dir_all(&scratch);
+            }
+        }
+        HostKernels::load(&dir, &library)
+    }
+
+    /// Loads a library [`HostKernels::compile`] built in `dir`.
+    fn load(dir: &Path, library: &Path) -> Result<HostKernels> {
+        // SAFETY: the library was built from our sources; loading runs no user code.
+        let library = unsafe { libloading::Library::new(library) }
+            .with_context(|| format!("cannot load `{}`", library.display()))?;
+        Ok(HostKernels {
+            library,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// Writes the sources with their launchers into `dir` and compiles them into
+    /// [`LIBRARY`] there; returns its path.
+    fn compile(
+        dir: &Path,
+        compiler: &str,
+        sanitizer: Option<Sanitizer>,
+        sources: &[(&str, String)],
+    ) -> Result<PathBuf> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create `{}`", dir.display()))?;
         std::fs::write(dir.join("host_prelude.h"), PRELUDE)?;
@@ -104,7 +168,7 @@ impl HostKernels {
             std::fs::write(&path, unit)?;
             units.push(path);
         }
-        let library = dir.join("libinfer_host_kernels.so");
+        let library = dir.join(LIBRARY);
         let mut command = Command::new(compiler);
         command.args(["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]);
         if let Some(sanitizer) = sanitizer {
@@ -124,13 +188,7 @@ impl HostKernels {
                 String::from_utf8_lossy(&output.stderr)
             );
         }
-        // SAFETY: the library was just built from our sources; loading runs no user code.
-        let library = unsafe { libloading::Library::new(&library) }
-            .with_context(|| format!("cannot load `{}`", library.display()))?;
-        Ok(HostKernels {
-            library,
-            dir: dir.to_path_buf(),
-        })
+        Ok(library)
     }
 
     /// Runs kernel `name` over `grid` × `block` threads with `args`.

@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod checks;
 pub mod device;
+pub mod executor;
 pub mod gpu;
 pub mod host;
 pub mod kernels;

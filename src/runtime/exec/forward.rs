@@ -611,6 +611,8 @@ pub struct BackendExecutor<B: Backend> {
     /// Device block slot of each ledger block identity.
     slots: HashMap<usize, usize>,
     sequences: HashMap<u64, (DeviceSequence, KvCache, Sampler)>,
+    /// The TP group of a tensor-parallel shard ([`BackendExecutor::with_tp_group`]).
+    tp: Option<Box<dyn Comm>>,
 }
 
 impl<B: Backend> BackendExecutor<B> {
@@ -625,7 +627,16 @@ impl<B: Backend> BackendExecutor<B> {
             ledger,
             slots: HashMap::new(),
             sequences: HashMap::new(),
+            tp: None,
         }
+    }
+
+    /// The executor of a tensor-parallel shard: every step's row-parallel outputs are summed
+    /// over `tp` (this shard's group, its rank the shard's), whose members run the same
+    /// steps in the same order (a replica's ranks follow their driver).
+    pub fn with_tp_group(mut self, tp: Box<dyn Comm>) -> BackendExecutor<B> {
+        self.tp = Some(tp);
+        self
     }
 
     /// The device block slots of `cache`'s blocks (a new ledger block gets the next slot).
@@ -710,7 +721,8 @@ where
                 .zip(entries)
                 .map(|((sequence, _, _), entry)| (sequence, entry.tokens.as_slice()))
                 .collect();
-            let logits = self.model.forward(&mut batch)?;
+            let tp = self.tp.as_deref_mut().map(|comm| comm as &mut dyn Comm);
+            let logits = self.model.forward_tp(&mut batch, tp)?;
             // Stored: full blocks go into the prefix cache (when it is on).
             for ((_, ledger, _), entry) in states.iter_mut().zip(entries) {
                 ledger.commit(&entry.tokens);

@@ -19,6 +19,7 @@ use crate::rendezvous::StoreClient;
 use crate::runtime::collectives::shm::ShmComm;
 use crate::runtime::collectives::{Comm, TcpComm};
 use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::cuda::executor::KernelDevice;
 use crate::runtime::exec::executor::{
     Executor, Handoff, KvSent, Sampled, StepEntry, first_step_cache, generate, sample,
 };
@@ -72,7 +73,17 @@ pub struct RankConfig {
     /// `LOCAL_WORLD_SIZE - 1` (the launcher places a host's ranks consecutively). Only
     /// groups inside it may use shared memory.
     pub host_ranks: std::ops::Range<u64>,
+    /// Where the forward pass runs: `None`, the CPU engine; a [`KernelDevice`] for
+    /// `--device cuda` ranks (TP and DP; one pipeline stage, no expert parallelism, no
+    /// prefill/decode disaggregation in this build).
+    pub device: Option<KernelDevice>,
+    /// The rank's `CUDA_VISIBLE_DEVICES` as its launcher set it (said in its first line).
+    pub cuda_visible_devices: Option<String>,
 }
+
+/// A device rank's KV cache when the launcher gives none (`infer generate`): the model's
+/// context, at most this many positions.
+pub const DEVICE_DEFAULT_KV_TOKENS: usize = 32_768;
 
 /// The job the launcher publishes under `job`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -149,6 +160,9 @@ pub fn run_rank(
     };
     let (mut member, file) = Member::join(config, model, &mut store)?;
     let info = member.shard.shard;
+    for line in std::mem::take(&mut member.device_lines) {
+        log(&line);
+    }
     log(&format!(
         "dp rank {}/{}, tp rank {}/{}, pp rank {}/{}: layers {}..{}, {:.1} MiB of weights, loaded and connected in {:.2} s{}",
         member.dp_rank,
@@ -367,7 +381,14 @@ pub struct Member {
     pp_rank: usize,
     pp: usize,
     shard: Llama,
-    tp_comm: ShmComm,
+    /// The TP group (`None` once a device executor took it).
+    tp_comm: Option<ShmComm>,
+    /// `--device cuda`: the shard on its device, running every step (the CPU shard above then
+    /// only describes it).
+    device: Option<Box<dyn Executor>>,
+    /// What a device rank says first (its device and `CUDA_VISIBLE_DEVICES`, then how its
+    /// all-reduces travel: a line starting "warning: " is a warning), taken by [`run_rank`].
+    device_lines: Vec<String>,
     pp_comm: ShmComm,
     /// Every rank of the replica; the driver is its rank 0.
     replica: ShmComm,
@@ -410,6 +431,21 @@ impl Member {
         let (rank, dp_rank) = (global_rank % (tp * pp), global_rank / (tp * pp));
         let base = (dp_rank * tp * pp) as u64;
         let (tp_rank, pp_rank) = (rank % tp, rank / tp);
+        if config.device.is_some() {
+            if pp > 1 {
+                bail!(
+                    "pipeline-parallel stages on GPUs are not built: --device cuda runs --tp and --dp ranks; use --device cpu for --pp {pp}"
+                );
+            }
+            if config.ep > 1 {
+                bail!("expert parallelism on GPUs is not built; use --device cpu for --ep");
+            }
+            if config.pd_prefill_replicas.is_some() {
+                bail!(
+                    "prefill/decode disaggregation on GPUs is not built; use --device cpu for --prefill/--decode"
+                );
+            }
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(config.threads)
             .build()
@@ -433,7 +469,9 @@ impl Member {
         }
         drop(whole);
         shard.set_numerics(config.numerics);
-        pool.install(|| shard.pack_weights());
+        if config.device.is_none() {
+            pool.install(|| shard.pack_weights());
+        }
 
         let tp_members: Vec<u64> = (0..tp).map(|t| base + (pp_rank * tp + t) as u64).collect();
         let pp_members: Vec<u64> = (0..pp).map(|s| base + (s * tp + tp_rank) as u64).collect();
@@ -442,13 +480,46 @@ impl Member {
         // use TCP over the data network (as NCCL uses SHM inside a node, NET across).
         let mut connect =
             |group: &str, members: &[u64]| connect_group(config, store, group, members);
-        let tp_comm = connect(&format!("dp{dp_rank}/tp/{pp_rank}"), &tp_members)?;
+        let mut tp_comm = Some(connect(&format!("dp{dp_rank}/tp/{pp_rank}"), &tp_members)?);
         let pp_comm = connect(&format!("dp{dp_rank}/pp/{tp_rank}"), &pp_members)?;
         let replica = connect(&format!("dp{dp_rank}/replica"), &all)?;
         let ep_comm = if config.ep > 1 {
             Some(connect(&format!("dp{dp_rank}/ep/{pp_rank}"), &tp_members)?)
         } else {
             None
+        };
+        let (device, device_lines) = match &config.device {
+            None => (None, Vec::new()),
+            Some(kernels) => {
+                let tp_group = if tp > 1 {
+                    tp_comm.take().map(|c| Box::new(c) as Box<dyn Comm>)
+                } else {
+                    None
+                };
+                let transport = tp_group.as_ref().map(|_| all_reduce_route(kernels, &shard));
+                let loaded = crate::runtime::cuda::executor::load_executor(
+                    kernels,
+                    &shard,
+                    config
+                        .kv_cache_tokens
+                        .unwrap_or(DEVICE_DEFAULT_KV_TOKENS)
+                        .min(shard.config.max_context_tokens.max(1) + 16),
+                    Tokenizer::from_gguf(&file.header)?,
+                    tp_group,
+                )
+                .with_context(|| format!("rank {global_rank}: putting its shard on the device"))?;
+                loaded
+                    .executor
+                    .kv_pool()
+                    .set_prefix_cache(config.prefix_cache);
+                let mut lines = vec![format!(
+                    "rank {global_rank} on {}, CUDA_VISIBLE_DEVICES={}",
+                    loaded.device,
+                    config.cuda_visible_devices.as_deref().unwrap_or("unset"),
+                )];
+                lines.extend(transport);
+                (Some(loaded.executor), lines)
+            }
         };
         // Decode ranks publish their inbox before prefill ranks wait for them.
         let pd = match config.pd_prefill_replicas {
@@ -495,6 +566,8 @@ impl Member {
                 pp,
                 shard,
                 tp_comm,
+                device,
+                device_lines,
                 pp_comm,
                 replica,
                 ep_comm,
@@ -519,6 +592,13 @@ impl Member {
 
     /// Runs this rank's stage of one step; the sampling rank returns the sampled tokens.
     fn run_step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
+        if let Some(device) = self.device.as_mut() {
+            // Every rank runs the step on its shard; the ledger, prefix cache and samplers
+            // evolve identically on each, and the driver's answer is the replica's.
+            return device
+                .step(entries, release)
+                .with_context(|| format!("rank {}", self.global_rank));
+        }
         for seq in release {
             self.caches.remove(seq);
             self.samplers.remove(seq);
@@ -693,11 +773,12 @@ impl Member {
                     all_logits: false,
                 })
                 .collect();
-            let comm: Option<&mut dyn Comm> = if self.tp > 1 {
-                Some(&mut self.tp_comm)
-            } else {
-                None
-            };
+            let tp = self.tp;
+            let comm: Option<&mut dyn Comm> = self
+                .tp_comm
+                .as_mut()
+                .filter(|_| tp > 1)
+                .map(|c| c as &mut dyn Comm);
             let ep: Option<&mut dyn Comm> = self.ep_comm.as_mut().map(|c| c as &mut dyn Comm);
             let mut outbox = match &mut self.pd {
                 PdLink::Prefill { outbox, .. } => Some(outbox),
@@ -962,7 +1043,10 @@ impl Executor for ReplicaDriver {
     }
 
     fn kv_pool(&self) -> &Arc<KvPool> {
-        self.member.shard.kv_pool()
+        match &self.member.device {
+            Some(device) => device.kv_pool(),
+            None => self.member.shard.kv_pool(),
+        }
     }
 }
 
@@ -975,4 +1059,36 @@ fn bytes_to_f32(bytes: &[u8]) -> Vec<f32> {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
+}
+
+/// How a device rank's TP all-reduces travel, for its log: through host memory (our TCP and
+/// shared-memory collectives) in this build, and why not NCCL (a warning on a GPU host).
+fn all_reduce_route(device: &KernelDevice, shard: &Llama) -> String {
+    let fallback = format!(
+        "TP all-reduces ({} a step) go through host memory (TCP, shared memory inside a host)",
+        2 * shard.layers.len()
+    );
+    match device {
+        KernelDevice::HostHarness { .. } => {
+            format!("{fallback}: the host harness has no NCCL")
+        }
+        KernelDevice::Gpu { lib_dirs, .. } => {
+            match crate::runtime::cuda::libraries::open(
+                crate::runtime::cuda::libraries::NCCL,
+                lib_dirs,
+            ) {
+                Err(_) => format!(
+                    "warning: NCCL ({}) not found, so {fallback}, far slower than NCCL over NVLink: `pip install nvidia-nccl-cu12`",
+                    crate::runtime::cuda::libraries::NCCL
+                ),
+                Ok(path) => format!(
+                    "warning: NCCL is installed ({}) but this build has no NCCL communicators, so {fallback}",
+                    path.map_or_else(
+                        || crate::runtime::cuda::libraries::NCCL.to_string(),
+                        |p| p.display().to_string()
+                    )
+                ),
+            }
+        }
+    }
 }

@@ -1,0 +1,95 @@
+//! A model (the whole of it, or one tensor-parallel shard) on the CUDA kernels as an
+//! [`Executor`]: what `--device cuda` generates and serves with, in one process or in each
+//! rank process of a TP replica.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+
+use super::backend::KernelBackend;
+use crate::runtime::collectives::Comm;
+use crate::runtime::exec::executor::Executor;
+use crate::runtime::exec::forward::{BackendExecutor, BackendModel};
+use crate::runtime::model::llama::Llama;
+use crate::runtime::model::tokenizer::Tokenizer;
+
+/// Where the CUDA kernels run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KernelDevice {
+    /// The first GPU this process sees (a rank's launcher gives it its own through
+    /// `CUDA_VISIBLE_DEVICES`); NVIDIA's libraries are looked for in `lib_dirs` first, and
+    /// CUBINs are cached in `cache_dir`.
+    Gpu {
+        lib_dirs: Vec<PathBuf>,
+        cache_dir: PathBuf,
+    },
+    /// The host harness ([`super::host`]): the same kernel sources built by the C++ compiler
+    /// `compiler` and run on CPU threads, the library cached in `cache_dir`. What
+    /// `INFER_CUDA_HOST_HARNESS=1` selects: the device path (rank processes, collectives,
+    /// serving) checked on a machine without a GPU, slowly.
+    HostHarness {
+        compiler: String,
+        cache_dir: PathBuf,
+    },
+}
+
+/// What [`load_executor`] put where.
+pub struct Loaded {
+    pub executor: Box<dyn Executor>,
+    /// The device, for messages ("cuda:0 (NVIDIA H100 80GB HBM3, sm_90)").
+    pub device: String,
+}
+
+/// Puts `model` (its TP shard when `tp` is given: this shard's group, which must run the
+/// same steps) on `device` with a KV cache of `kv_cache_tokens` positions, as an executor
+/// that samples on the host with `tokenizer`.
+///
+/// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), no
+/// C++ compiler for the harness, a kernel that does not compile or load, what the backend
+/// does not run (named), device memory.
+pub fn load_executor(
+    device: &KernelDevice,
+    model: &Llama,
+    kv_cache_tokens: usize,
+    tokenizer: Tokenizer,
+    tp: Option<Box<dyn Comm>>,
+) -> Result<Loaded> {
+    fn boxed<B>(mut executor: BackendExecutor<B>, tp: Option<Box<dyn Comm>>) -> Box<dyn Executor>
+    where
+        B: crate::runtime::backend::Backend + Send + 'static,
+        B::Buffer: Send,
+        B::Matrix: Send,
+    {
+        if let Some(tp) = tp {
+            executor = executor.with_tp_group(tp);
+        }
+        Box::new(executor)
+    }
+    match device {
+        KernelDevice::Gpu {
+            lib_dirs,
+            cache_dir,
+        } => {
+            let driver = super::device::probe(lib_dirs)?;
+            let gpu = &driver.gpus[0];
+            let model = super::gpu::load_model(lib_dirs, cache_dir, model, kv_cache_tokens)?;
+            Ok(Loaded {
+                executor: boxed(BackendExecutor::new(model, tokenizer), tp),
+                device: format!("cuda:{} ({}, sm_{})", gpu.ordinal, gpu.name, gpu.arch()),
+            })
+        }
+        KernelDevice::HostHarness {
+            compiler,
+            cache_dir,
+        } => {
+            let kernels = super::host::HostKernels::build_cached(cache_dir, compiler)?;
+            let model = BackendModel::new(KernelBackend::new(kernels), model, kv_cache_tokens)
+                .context("cannot put the model on the host harness")?;
+            Ok(Loaded {
+                executor: boxed(BackendExecutor::new(model, tokenizer), tp),
+                device: "the host harness (INFER_CUDA_HOST_HARNESS=1: CUDA kernels on CPU threads)"
+                    .into(),
+            })
+        }
+    }
+}

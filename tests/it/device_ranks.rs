@@ -1,0 +1,194 @@
+//! `--device cuda` rank processes, with the host harness standing in for the GPUs
+//! (`INFER_CUDA_HOST_HARNESS=1`: each rank runs the same CUDA kernel sources on CPU threads):
+//! real `infer rank` processes, each on the `CUDA_VISIBLE_DEVICES` its launcher gave it (read
+//! back from its log), its TP shard on its device, the all-reduces through the fallback
+//! collectives (with the reason said), giving the CPU engine's tokens.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+use crate::infer;
+
+/// A small Llama that splits two ways (4 heads, 2 KV heads), with a tokenizer of single
+/// characters, written into `dir`.
+fn model(dir: &Path) -> PathBuf {
+    let shape = crate::synthetic::Shape {
+        hidden: 64,
+        intermediate: 96,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab: 60,
+        qkv_bias: false,
+    };
+    let path = dir.join("tp2.gguf");
+    crate::synthetic::write_gguf_with(
+        &path,
+        &shape,
+        &crate::synthetic::weights(&shape, 11),
+        &crate::synthetic::tokenizer_metadata(shape.vocab),
+    );
+    path
+}
+
+/// `infer generate --json` of `model`, greedy, with `extra` flags: its JSON and stderr.
+fn generate(model: &Path, extra: &[&str], harness: bool) -> (Value, String) {
+    let mut command = infer();
+    if harness {
+        command.env("INFER_CUDA_HOST_HARNESS", "1");
+    }
+    let output = command
+        .args([
+            "generate",
+            "--json",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+        ])
+        .args(["--prompt", "HELLO THERE", "--model"])
+        .arg(model)
+        .args(extra)
+        .output()
+        .expect("run infer generate");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "{extra:?}:\n{stderr}");
+    let json = serde_json::from_slice(&output.stdout).expect("generate JSON");
+    (json, stderr)
+}
+
+fn rank_log(run_dir: &Path, rank: usize) -> String {
+    std::fs::read_to_string(run_dir.join(format!("rank{rank}.log")))
+        .unwrap_or_else(|e| panic!("rank{rank}.log: {e}"))
+}
+
+/// `infer generate --device cuda --tp 2`: two rank processes, each on its own GPU slot
+/// (`CUDA_VISIBLE_DEVICES` 0 and 1, as its log says), their shards' sums through host memory
+/// (the harness has no NCCL, and the rank says so), the CPU engine's greedy tokens — and the
+/// same as one process on the device.
+#[test]
+fn tp_2_device_ranks_give_the_cpu_engines_tokens() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = model(dir.path());
+    let (cpu, _) = generate(&model, &[], false);
+    let (one, _) = generate(&model, &["--device", "cuda"], true);
+    assert_eq!(one["tokens"], cpu["tokens"], "one device process");
+    let run_dir = dir.path().join("run");
+    let run = run_dir.to_str().expect("utf-8");
+    let (ranks, stderr) = generate(
+        &model,
+        &["--device", "cuda", "--tp", "2", "--run-dir", run],
+        true,
+    );
+    assert_eq!(ranks["tokens"], cpu["tokens"], "{stderr}");
+    assert_eq!(ranks["text"], cpu["text"]);
+    for rank in 0..2 {
+        let log = rank_log(&run_dir, rank);
+        assert!(
+            log.contains(&format!("rank {rank} on the host harness"))
+                && log.contains(&format!("CUDA_VISIBLE_DEVICES={rank}\n")),
+            "rank {rank}:\n{log}"
+        );
+        assert!(
+            log.contains("TP all-reduces (4 a step) go through host memory")
+                && log.contains("the host harness has no NCCL"),
+            "rank {rank}:\n{log}"
+        );
+    }
+    // Every rank saw its own slot in its environment, as the manifest records.
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(run_dir.join("manifest.json")).expect("manifest.json"),
+    )
+    .expect("manifest JSON");
+    let visible: Vec<String> = manifest["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| {
+            r["env"]["CUDA_VISIBLE_DEVICES"]
+                .as_str()
+                .unwrap_or("?")
+                .to_string()
+        })
+        .collect();
+    assert_eq!(visible, ["0", "1"], "{manifest:#}");
+}
+
+/// `infer up --device cuda --plan plan.json`: the plan's `cuda_visible_devices` per rank
+/// reaches the ranks (swapped in the file here, so that only the plan can explain it), the
+/// TP 2 replica serves the CPU engine's completion, and the pipeline-parallel and
+/// disaggregated layouts on GPUs are refused before anything starts.
+#[test]
+fn a_plans_gpus_reach_the_device_ranks_that_serve() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = model(dir.path());
+    let (cpu, _) = generate(&model, &[], false);
+    let output = crate::run(&[
+        "plan",
+        "--json",
+        "--model",
+        model.to_str().expect("utf-8"),
+        "--cluster",
+        "1x2xh100-sxm",
+        "--tp",
+        "2",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut plan: Value = serde_json::from_slice(&output.stdout).expect("plan JSON");
+    let ranks = plan["ranks"].as_array_mut().expect("ranks");
+    assert_eq!(ranks.len(), 2, "a TP 2 plan");
+    for rank in ranks.iter_mut() {
+        let gpu = rank["cuda_visible_devices"].as_str().expect("a GPU");
+        let swapped = if gpu == "0" { "1" } else { "0" };
+        rank["cuda_visible_devices"] = json!(swapped);
+    }
+    let plan_file = dir.path().join("plan.json");
+    std::fs::write(&plan_file, serde_json::to_vec(&plan).expect("JSON")).expect("write");
+    let run_dir = dir.path().join("run");
+    let mut command = infer();
+    command
+        .env("INFER_CUDA_HOST_HARNESS", "1")
+        .args(["up", "--port", "0", "--device", "cuda", "--model"])
+        .arg(&model)
+        .arg("--plan")
+        .arg(&plan_file)
+        .arg("--run-dir")
+        .arg(&run_dir);
+    let server = crate::serve::Server::start_command(command);
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "HELLO THERE", "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["text"], cpu["text"], "{reply}");
+    for (rank, gpu) in [(0, 1), (1, 0)] {
+        let log = rank_log(&run_dir, rank);
+        assert!(
+            log.contains(&format!("CUDA_VISIBLE_DEVICES={gpu}\n")),
+            "rank {rank} should be on the plan's GPU {gpu}:\n{log}"
+        );
+    }
+    drop(server);
+
+    for (flags, unbuilt) in [
+        (&["--pp", "2"][..], "pipeline stages (--pp)"),
+        (&["--prefill", "1", "--decode", "1"], "--prefill/--decode"),
+    ] {
+        let output = infer()
+            .env("INFER_CUDA_HOST_HARNESS", "1")
+            .args(["up", "--port", "0", "--device", "cuda", "--model"])
+            .arg(&model)
+            .args(flags)
+            .output()
+            .expect("run infer up");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert!(stderr.contains(unbuilt), "{flags:?}: {stderr}");
+        assert!(!stderr.contains("started"), "{flags:?}: {stderr}");
+    }
+}
