@@ -24,9 +24,9 @@ struct Output<'a> {
 pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     let cuda = args.device == crate::cli::DeviceArg::Cuda;
     let device = if cuda {
-        if args.pp > 1 || args.cluster.is_some() {
+        if args.cluster.is_some() {
             bail!(
-                "--device cuda runs the model on one GPU or as --tp ranks on this host's GPUs: pipeline stages and other hosts on GPUs are not built; use --device cpu for --pp/--cluster"
+                "--device cuda runs the model on one GPU or as --tp/--pp ranks on this host's GPUs: ranks on other hosts' GPUs are not built; use --device cpu for --cluster"
             );
         }
         Some(super::cuda_device()?)
@@ -84,7 +84,7 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
             &engine.model,
             kv_tokens,
             engine.tokenizer.clone(),
-            None,
+            Default::default(),
         )?;
         crate::runtime::exec::executor::generate(
             &mut *loaded.executor,

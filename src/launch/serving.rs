@@ -189,8 +189,6 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
     if settings.gpu.is_some() && ranks {
         let unbuilt = if inventory(settings).is_some() || settings.node.is_some() {
             Some("other hosts (--cluster, --nnodes)")
-        } else if layout.pp > 1 {
-            Some("pipeline stages (--pp)")
         } else if layout.ep > 1 {
             Some("expert parallelism (--ep)")
         } else if layout.pd_prefill.is_some() {
@@ -200,7 +198,7 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
         };
         if let Some(unbuilt) = unbuilt {
             bail!(
-                "`infer up --device cuda` runs one process on one GPU, or --tp/--dp ranks on this host's GPUs: {unbuilt} on GPUs are not built in this build; use --device cpu for those"
+                "`infer up --device cuda` runs one process on one GPU, or --tp/--pp/--dp ranks on this host's GPUs: {unbuilt} on GPUs are not built in this build; use --device cpu for those"
             );
         }
     }

@@ -104,7 +104,7 @@ pub fn serve_one_process(
                 &engine.model,
                 settings.kv_cache_tokens,
                 engine.tokenizer.clone(),
-                None,
+                Default::default(),
             )?;
             loaded
                 .executor

@@ -337,11 +337,57 @@ fn the_device_model_refuses_what_it_does_not_run_and_a_full_cache_takes_nothing(
         .forward(&mut [(&mut DeviceSequence::default(), &[80])])
         .expect_err("outside the vocabulary");
     assert!(error.to_string().contains("token id 80"), "{error}");
-    let shard = model.shard(0, 1, 0, 1).expect("the first stage of PP 2");
-    let error = BackendModel::new(CpuBackend, &shard, 32)
-        .err()
-        .expect("a shard is refused");
-    assert!(error.to_string().contains("pipeline-parallel"), "{error}");
+}
+
+/// Two pipeline stages of the device model (on the CPU backend and on the harness kernels):
+/// the first embeds and gives its hidden states, the second starts from them and gives the
+/// whole model's logits, bit for bit, prompt and decode steps alike; a stage asked for what
+/// it does not do says so.
+#[test]
+fn two_device_pipeline_stages_give_the_whole_models_logits() {
+    use infer::runtime::exec::forward::StageOut;
+    fn check<B: Backend>(make: &dyn Fn() -> B) {
+        let model = synthetic(None, RopeStyle::Interleaved);
+        let mut whole = BackendModel::new(make(), &model, 64).expect("whole");
+        let first = model.shard(0, 1, 0, 1).expect("stage 0 of PP 2");
+        let last = model.shard(0, 1, 1, 1).expect("stage 1 of PP 2");
+        let mut first = BackendModel::new(make(), &first, 64).expect("stage 0");
+        let mut last = BackendModel::new(make(), &last, 64).expect("stage 1");
+        let (mut a, mut b, mut c) = Default::default();
+        for input in [vec![3u32, 17, 42, 5, 79], vec![23], vec![8]] {
+            let (logits, _) = whole.step(&mut [(&mut a, &input)], None).expect("whole");
+            let want = whole.backend().download(&logits, 80 * 4).expect("download");
+            let hidden = match first
+                .step_stage(&mut [(&mut b, &input)], None, None)
+                .expect("stage 0")
+            {
+                StageOut::Hidden(hidden) => hidden,
+                StageOut::Logits(..) => panic!("stage 0 gave logits"),
+            };
+            let got = match last
+                .step_stage(&mut [(&mut c, &input)], None, Some(&hidden))
+                .expect("stage 1")
+            {
+                StageOut::Logits(logits, 1) => {
+                    last.backend().download(&logits, 80 * 4).expect("download")
+                }
+                _ => panic!("stage 1 gave no logits row"),
+            };
+            assert_eq!(got, want, "input {input:?}");
+        }
+        let error = first
+            .step(&mut [(&mut DeviceSequence::default(), &[1])], None)
+            .err()
+            .expect("no logits before the last stage");
+        assert!(error.to_string().contains("before the last"), "{error}");
+        let error = last
+            .step_stage(&mut [(&mut DeviceSequence::default(), &[1])], None, None)
+            .err()
+            .expect("a later stage needs hidden states");
+        assert!(error.to_string().contains("hidden states"), "{error}");
+    }
+    check(&|| CpuBackend);
+    check(&|| KernelBackend::new(crate::cuda::host()));
 }
 
 #[test]

@@ -113,12 +113,16 @@ fn tp_2_device_ranks_give_the_cpu_engines_tokens() {
         })
         .collect();
     assert_eq!(visible, ["0", "1"], "{manifest:#}");
+    // Two pipeline stages: the first embeds and hands its hidden states to the second, which
+    // samples; the same tokens again.
+    let (stages, stderr) = generate(&model, &["--device", "cuda", "--pp", "2"], true);
+    assert_eq!(stages["tokens"], cpu["tokens"], "{stderr}");
 }
 
 /// `infer up --device cuda --plan plan.json`: the plan's `cuda_visible_devices` per rank
 /// reaches the ranks (swapped in the file here, so that only the plan can explain it), the
-/// TP 2 replica serves the CPU engine's completion, and the pipeline-parallel and
-/// disaggregated layouts on GPUs are refused before anything starts.
+/// TP 2 replica serves the CPU engine's completion, and disaggregated layouts on GPUs are
+/// refused before anything starts.
 #[test]
 fn a_plans_gpus_reach_the_device_ranks_that_serve() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -175,10 +179,10 @@ fn a_plans_gpus_reach_the_device_ranks_that_serve() {
     }
     drop(server);
 
-    for (flags, unbuilt) in [
-        (&["--pp", "2"][..], "pipeline stages (--pp)"),
-        (&["--prefill", "1", "--decode", "1"], "--prefill/--decode"),
-    ] {
+    for (flags, unbuilt) in [(
+        &["--prefill", "1", "--decode", "1"][..],
+        "--prefill/--decode",
+    )] {
         let output = infer()
             .env("INFER_CUDA_HOST_HARNESS", "1")
             .args(["up", "--port", "0", "--device", "cuda", "--model"])

@@ -33,6 +33,15 @@ pub enum KernelDevice {
     },
 }
 
+/// The groups of a rank's shard ([`load_executor`]); `None`: no such parallelism.
+#[derive(Default)]
+pub struct Groups {
+    /// The TP group (members in TP rank order).
+    pub tp: Option<Box<dyn Comm>>,
+    /// The pipeline (members in stage order).
+    pub pp: Option<Box<dyn Comm>>,
+}
+
 /// What [`load_executor`] put where.
 pub struct Loaded {
     pub executor: Box<dyn Executor>,
@@ -40,9 +49,10 @@ pub struct Loaded {
     pub device: String,
 }
 
-/// Puts `model` (its TP shard when `tp` is given: this shard's group, which must run the
-/// same steps) on `device` with a KV cache of `kv_cache_tokens` positions, as an executor
-/// that samples on the host with `tokenizer`.
+/// Puts `model` (the whole model, or a TP shard of a pipeline stage) on `device` with a KV
+/// cache of `kv_cache_tokens` positions, as an executor that samples on the host with
+/// `tokenizer`. A TP shard sums over `groups.tp`, a pipeline stage passes hidden states along
+/// `groups.pp`; their members must run the same steps.
 ///
 /// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), no
 /// C++ compiler for the harness, a kernel that does not compile or load, what the backend
@@ -52,16 +62,19 @@ pub fn load_executor(
     model: &Llama,
     kv_cache_tokens: usize,
     tokenizer: Tokenizer,
-    tp: Option<Box<dyn Comm>>,
+    groups: Groups,
 ) -> Result<Loaded> {
-    fn boxed<B>(mut executor: BackendExecutor<B>, tp: Option<Box<dyn Comm>>) -> Box<dyn Executor>
+    fn boxed<B>(mut executor: BackendExecutor<B>, groups: Groups) -> Box<dyn Executor>
     where
         B: crate::runtime::backend::Backend + Send + 'static,
         B::Buffer: Send,
         B::Matrix: Send,
     {
-        if let Some(tp) = tp {
+        if let Some(tp) = groups.tp {
             executor = executor.with_tp_group(tp);
+        }
+        if let Some(pp) = groups.pp {
+            executor = executor.with_pp_group(pp);
         }
         Box::new(executor)
     }
@@ -74,7 +87,7 @@ pub fn load_executor(
             let gpu = &driver.gpus[0];
             let model = super::gpu::load_model(lib_dirs, cache_dir, model, kv_cache_tokens)?;
             Ok(Loaded {
-                executor: boxed(BackendExecutor::new(model, tokenizer), tp),
+                executor: boxed(BackendExecutor::new(model, tokenizer), groups),
                 device: format!("cuda:{} ({}, sm_{})", gpu.ordinal, gpu.name, gpu.arch()),
             })
         }
@@ -86,7 +99,7 @@ pub fn load_executor(
             let model = BackendModel::new(KernelBackend::new(kernels), model, kv_cache_tokens)
                 .context("cannot put the model on the host harness")?;
             Ok(Loaded {
-                executor: boxed(BackendExecutor::new(model, tokenizer), tp),
+                executor: boxed(BackendExecutor::new(model, tokenizer), groups),
                 device: "the host harness (INFER_CUDA_HOST_HARNESS=1: CUDA kernels on CPU threads)"
                     .into(),
             })

@@ -5,10 +5,10 @@
 //! sampled greedily on the device. What `--device cuda` runs on a GPU, and what the tests
 //! run through the host harness's kernels against the CPU engine.
 //!
-//! One device holds every layer: a tensor-parallel shard sums its row-parallel outputs over
-//! the TP group's collectives through host memory (the fallback when NCCL is absent);
-//! pipeline stages over this path are not built (the CPU engine's `Llama::forward_stage`
-//! runs those).
+//! A device holds the whole model or one shard of it: a tensor-parallel shard sums its
+//! row-parallel outputs over the TP group's collectives through host memory (the fallback
+//! when NCCL is absent); a pipeline stage takes the previous stage's hidden states and hands
+//! its own to the next (host memory again), the last stage giving the logits.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -63,6 +63,15 @@ enum DeviceFfn<B: Backend> {
     },
 }
 
+/// What a pipeline stage's step gives ([`BackendModel::step_stage`]).
+pub enum StageOut<B: Backend> {
+    /// The last stage: the logits buffer `(n_rows, vocab_size)`, one row per sequence.
+    Logits(B::Buffer, usize),
+    /// An earlier stage: every new token's hidden state `(n_tokens, hidden_size)`, for the
+    /// next stage.
+    Hidden(Vec<f32>),
+}
+
 /// One sequence's place in the device cache: its blocks in position order and the
 /// positions already cached.
 #[derive(Debug, Default)]
@@ -76,10 +85,12 @@ pub struct DeviceSequence {
 pub struct BackendModel<B: Backend> {
     backend: B,
     config: LlamaConfig,
-    embedding: B::Matrix,
+    /// The token embedding (first pipeline stage only).
+    embedding: Option<B::Matrix>,
     layers: Vec<DeviceLayer<B>>,
-    output_norm: B::Buffer,
-    output: B::Matrix,
+    /// The final norm and LM head (last pipeline stage only).
+    output_norm: Option<B::Buffer>,
+    output: Option<B::Matrix>,
     inv_freqs: B::Buffer,
     /// Per layer, `(n_blocks, n_kv_heads, 16, head_dim)` f16.
     k_cache: Vec<B::Buffer>,
@@ -125,24 +136,20 @@ impl<B: Backend> BackendModel<B> {
     /// (named), a failed upload (the device's error).
     pub fn new(backend: B, model: &Llama, kv_cache_tokens: usize) -> Result<BackendModel<B>> {
         let shard = &model.shard;
-        if !shard.is_first || !shard.is_last {
-            bail!(
-                "the {} backend runs every layer of the model on one device; pipeline-parallel stages run on the CPU engine",
-                backend.name()
-            );
-        }
         let config = model.config.clone();
         let table = &model.token_embedding;
-        let embedding = if matches!(table.ty, GgmlType::F32 | GgmlType::Q8_0) {
-            upload_weight(&backend, table)?
+        let embedding = if !shard.is_first {
+            None
+        } else if matches!(table.ty, GgmlType::F32 | GgmlType::Q8_0) {
+            Some(upload_weight(&backend, table)?)
         } else {
             let values = table.to_f32();
-            backend.upload_matrix(
+            Some(backend.upload_matrix(
                 GgmlType::F32,
                 table.n_rows,
                 table.n_cols,
                 &bytes_of(&values),
-            )?
+            )?)
         };
         let mut layers = Vec::with_capacity(model.layers.len());
         for (index, layer) in model.layers.iter().enumerate() {
@@ -211,8 +218,14 @@ impl<B: Backend> BackendModel<B> {
             v_cache.push(backend.zeros(layer_cache_bytes)?);
         }
         Ok(BackendModel {
-            output_norm: upload_f32s(&backend, &model.output_norm)?,
-            output: upload_weight(&backend, &model.output)?,
+            output_norm: shard
+                .is_last
+                .then(|| upload_f32s(&backend, &model.output_norm))
+                .transpose()?,
+            output: shard
+                .is_last
+                .then(|| upload_weight(&backend, &model.output))
+                .transpose()?,
             inv_freqs: upload_f32s(&backend, model.inv_freqs())?,
             embedding,
             layers,
@@ -357,8 +370,28 @@ impl<B: Backend> BackendModel<B> {
     pub fn step(
         &mut self,
         batch: &mut [(&mut DeviceSequence, &[u32])],
-        mut tp: Option<&mut dyn Comm>,
+        tp: Option<&mut dyn Comm>,
     ) -> Result<(B::Buffer, usize)> {
+        match self.step_stage(batch, tp, None)? {
+            StageOut::Logits(logits, n_rows) => Ok((logits, n_rows)),
+            StageOut::Hidden(_) => bail!(
+                "this device model is a pipeline stage before the last: it gives hidden states, not logits"
+            ),
+        }
+    }
+
+    /// [`BackendModel::step`] of a pipeline stage: the first stage embeds the batch's tokens,
+    /// a later one starts from `hidden_in (n_tokens, hidden_size)`, the previous stage's
+    /// [`StageOut::Hidden`]; the last gives the logits, the others their hidden states.
+    ///
+    /// Errors: those of [`BackendModel::step`]; hidden states given to the first stage, or
+    /// missing (or of another length) on a later one.
+    pub fn step_stage(
+        &mut self,
+        batch: &mut [(&mut DeviceSequence, &[u32])],
+        mut tp: Option<&mut dyn Comm>,
+        hidden_in: Option<&[f32]>,
+    ) -> Result<StageOut<B>> {
         let group = tp.as_ref().map(|comm| (comm.rank(), comm.size()));
         if self.tp > 1 && group != Some((self.tp_rank, self.tp)) {
             bail!(
@@ -431,8 +464,24 @@ impl<B: Backend> BackendModel<B> {
             upload_i32s(&last)?,
         );
         let f32_buffer = |values: usize| be.zeros(values * 4);
-        let x = f32_buffer(n * hidden)?;
-        be.get_rows(&x, &self.embedding, &ids, n)?;
+        let x = match (&self.embedding, hidden_in) {
+            (Some(embedding), None) => {
+                let x = f32_buffer(n * hidden)?;
+                be.get_rows(&x, embedding, &ids, n)?;
+                x
+            }
+            (None, Some(hidden_in)) if hidden_in.len() == n * hidden => {
+                be.upload(&bytes_of(hidden_in))?
+            }
+            (None, Some(hidden_in)) => bail!(
+                "the previous pipeline stage sent {} hidden values for {n} tokens of {hidden}",
+                hidden_in.len()
+            ),
+            (Some(_), Some(_)) => bail!("the first pipeline stage takes tokens, not hidden states"),
+            (None, None) => {
+                bail!("a pipeline stage after the first needs the previous stage's hidden states")
+            }
+        };
         let normed = f32_buffer(n * hidden)?;
         let (mut q, mut k, v) = (
             f32_buffer(n * q_dim)?,
@@ -577,6 +626,9 @@ impl<B: Backend> BackendModel<B> {
         for (sequence, new) in batch.iter_mut() {
             sequence.n_tokens += new.len();
         }
+        let (Some(output_norm), Some(output)) = (&self.output_norm, &self.output) else {
+            return Ok(StageOut::Hidden(f32s_of(&be.download(&x, n * hidden * 4)?)));
+        };
         let n_rows = batch.len();
         let selected = f32_buffer(n_rows * hidden)?;
         be.gather_rows(&selected, &x, &last_rows, n_rows, hidden)?;
@@ -584,14 +636,14 @@ impl<B: Backend> BackendModel<B> {
         be.rms_norm(
             &final_normed,
             &selected,
-            &self.output_norm,
+            output_norm,
             n_rows,
             hidden,
             c.rms_norm_eps,
         )?;
         let logits = f32_buffer(n_rows * c.vocab_size)?;
-        be.matmul(&logits, &self.output, &final_normed, n_rows)?;
-        Ok((logits, n_rows))
+        be.matmul(&logits, output, &final_normed, n_rows)?;
+        Ok(StageOut::Logits(logits, n_rows))
     }
 }
 
@@ -613,6 +665,9 @@ pub struct BackendExecutor<B: Backend> {
     sequences: HashMap<u64, (DeviceSequence, KvCache, Sampler)>,
     /// The TP group of a tensor-parallel shard ([`BackendExecutor::with_tp_group`]).
     tp: Option<Box<dyn Comm>>,
+    /// The pipeline of a stage ([`BackendExecutor::with_pp_group`]): hidden states come from
+    /// the member before and go to the member after.
+    pp: Option<Box<dyn Comm>>,
 }
 
 impl<B: Backend> BackendExecutor<B> {
@@ -628,7 +683,16 @@ impl<B: Backend> BackendExecutor<B> {
             slots: HashMap::new(),
             sequences: HashMap::new(),
             tp: None,
+            pp: None,
         }
+    }
+
+    /// The executor of a pipeline stage: member `stage` of `pp` (the stages in order, each
+    /// running the same steps). A stage before the last sends its hidden states on and
+    /// samples nothing ([`Executor::step`] gives no tokens there); the last samples.
+    pub fn with_pp_group(mut self, pp: Box<dyn Comm>) -> BackendExecutor<B> {
+        self.pp = Some(pp);
+        self
     }
 
     /// The executor of a tensor-parallel shard: every step's row-parallel outputs are summed
@@ -722,22 +786,46 @@ where
                 .map(|((sequence, _, _), entry)| (sequence, entry.tokens.as_slice()))
                 .collect();
             let tp = self.tp.as_deref_mut().map(|comm| comm as &mut dyn Comm);
-            let logits = self.model.forward_tp(&mut batch, tp)?;
+            let hidden_in = match self.pp.as_deref_mut() {
+                Some(pp) if pp.rank() > 0 => Some(f32s_of(&pp.recv(pp.rank() - 1)?)),
+                _ => None,
+            };
+            let logits = match self
+                .model
+                .step_stage(&mut batch, tp, hidden_in.as_deref())?
+            {
+                StageOut::Logits(logits, n_rows) => {
+                    let vocab = self.model.config.vocab_size;
+                    let values =
+                        f32s_of(&self.model.backend.download(&logits, n_rows * vocab * 4)?);
+                    Some(values.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+                }
+                StageOut::Hidden(hidden) => {
+                    let pp = self
+                        .pp
+                        .as_deref_mut()
+                        .context("a pipeline stage before the last has no next stage to send to")?;
+                    pp.send(pp.rank() + 1, &bytes_of(&hidden))?;
+                    None
+                }
+            };
             // Stored: full blocks go into the prefix cache (when it is on).
             for ((_, ledger, _), entry) in states.iter_mut().zip(entries) {
                 ledger.commit(&entry.tokens);
             }
             Ok(logits)
         })();
-        let sampled = result.map(|logits| {
-            states
+        let sampled = result.map(|logits: Option<Vec<Vec<f32>>>| match logits {
+            // A stage before the last samples nothing.
+            None => Vec::new(),
+            Some(logits) => states
                 .iter_mut()
                 .zip(&logits)
                 .zip(entries)
                 .map(|(((_, _, sampler), logits), entry)| {
                     entry.sample.then(|| sample(sampler, logits))
                 })
-                .collect()
+                .collect(),
         });
         for (entry, state) in entries.iter().zip(states) {
             self.sequences.insert(entry.seq, state);

@@ -74,8 +74,8 @@ pub struct RankConfig {
     /// groups inside it may use shared memory.
     pub host_ranks: std::ops::Range<u64>,
     /// Where the forward pass runs: `None`, the CPU engine; a [`KernelDevice`] for
-    /// `--device cuda` ranks (TP and DP; one pipeline stage, no expert parallelism, no
-    /// prefill/decode disaggregation in this build).
+    /// `--device cuda` ranks (TP, PP and DP; no expert parallelism, no prefill/decode
+    /// disaggregation in this build).
     pub device: Option<KernelDevice>,
     /// The rank's `CUDA_VISIBLE_DEVICES` as its launcher set it (said in its first line).
     pub cuda_visible_devices: Option<String>,
@@ -389,7 +389,8 @@ pub struct Member {
     /// What a device rank says first (its device and `CUDA_VISIBLE_DEVICES`, then how its
     /// all-reduces travel: a line starting "warning: " is a warning), taken by [`run_rank`].
     device_lines: Vec<String>,
-    pp_comm: ShmComm,
+    /// The pipeline (`None` once a device executor took it).
+    pp_comm: Option<ShmComm>,
     /// Every rank of the replica; the driver is its rank 0.
     replica: ShmComm,
     /// The TP group again, for the MoE all-to-all, when experts are sharded.
@@ -432,11 +433,6 @@ impl Member {
         let base = (dp_rank * tp * pp) as u64;
         let (tp_rank, pp_rank) = (rank % tp, rank / tp);
         if config.device.is_some() {
-            if pp > 1 {
-                bail!(
-                    "pipeline-parallel stages on GPUs are not built: --device cuda runs --tp and --dp ranks; use --device cpu for --pp {pp}"
-                );
-            }
             if config.ep > 1 {
                 bail!("expert parallelism on GPUs is not built; use --device cpu for --ep");
             }
@@ -481,7 +477,7 @@ impl Member {
         let mut connect =
             |group: &str, members: &[u64]| connect_group(config, store, group, members);
         let mut tp_comm = Some(connect(&format!("dp{dp_rank}/tp/{pp_rank}"), &tp_members)?);
-        let pp_comm = connect(&format!("dp{dp_rank}/pp/{tp_rank}"), &pp_members)?;
+        let mut pp_comm = Some(connect(&format!("dp{dp_rank}/pp/{tp_rank}"), &pp_members)?);
         let replica = connect(&format!("dp{dp_rank}/replica"), &all)?;
         let ep_comm = if config.ep > 1 {
             Some(connect(&format!("dp{dp_rank}/ep/{pp_rank}"), &tp_members)?)
@@ -491,12 +487,18 @@ impl Member {
         let (device, device_lines) = match &config.device {
             None => (None, Vec::new()),
             Some(kernels) => {
-                let tp_group = if tp > 1 {
-                    tp_comm.take().map(|c| Box::new(c) as Box<dyn Comm>)
-                } else {
-                    None
+                let groups = crate::runtime::cuda::executor::Groups {
+                    tp: tp_comm
+                        .take_if(|_| tp > 1)
+                        .map(|c| Box::new(c) as Box<dyn Comm>),
+                    pp: pp_comm
+                        .take_if(|_| pp > 1)
+                        .map(|c| Box::new(c) as Box<dyn Comm>),
                 };
-                let transport = tp_group.as_ref().map(|_| all_reduce_route(kernels, &shard));
+                let transport = groups
+                    .tp
+                    .as_ref()
+                    .map(|_| all_reduce_route(kernels, &shard));
                 let loaded = crate::runtime::cuda::executor::load_executor(
                     kernels,
                     &shard,
@@ -505,7 +507,7 @@ impl Member {
                         .unwrap_or(DEVICE_DEFAULT_KV_TOKENS)
                         .min(shard.config.max_context_tokens.max(1) + 16),
                     Tokenizer::from_gguf(&file.header)?,
-                    tp_group,
+                    groups,
                 )
                 .with_context(|| format!("rank {global_rank}: putting its shard on the device"))?;
                 loaded
@@ -583,6 +585,13 @@ impl Member {
             },
             file,
         ))
+    }
+
+    /// The pipeline group of a CPU rank. Errors: a device executor holds it.
+    fn pipeline(&mut self) -> Result<&mut ShmComm> {
+        self.pp_comm
+            .as_mut()
+            .context("the pipeline group belongs to the device executor")
     }
 
     /// The rank that samples: the last stage's tp rank 0.
@@ -755,7 +764,7 @@ impl Member {
         }
         let pp_rank = self.pp_rank;
         let hidden_in = if pp_rank > 0 {
-            Some(bytes_to_f32(&self.pp_comm.recv(pp_rank - 1)?))
+            Some(bytes_to_f32(&self.pipeline()?.recv(pp_rank - 1)?))
         } else {
             None
         };
@@ -836,7 +845,7 @@ impl Member {
         }
         match output? {
             StageOutput::Hidden(hidden) => {
-                self.pp_comm
+                self.pipeline()?
                     .send(pp_rank + 1, bytemuck::cast_slice(&hidden))?;
                 Ok(Vec::new())
             }
