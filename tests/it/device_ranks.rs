@@ -121,8 +121,8 @@ fn tp_2_device_ranks_give_the_cpu_engines_tokens() {
 
 /// `infer up --device cuda --plan plan.json`: the plan's `cuda_visible_devices` per rank
 /// reaches the ranks (swapped in the file here, so that only the plan can explain it), the
-/// TP 2 replica serves the CPU engine's completion, and disaggregated layouts on GPUs are
-/// refused before anything starts.
+/// TP 2 replica serves the CPU engine's completion, and disaggregated or expert-parallel
+/// layouts on GPUs are refused before anything starts.
 #[test]
 fn a_plans_gpus_reach_the_device_ranks_that_serve() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -179,10 +179,13 @@ fn a_plans_gpus_reach_the_device_ranks_that_serve() {
     }
     drop(server);
 
-    for (flags, unbuilt) in [(
-        &["--prefill", "1", "--decode", "1"][..],
-        "--prefill/--decode",
-    )] {
+    for (flags, unbuilt) in [
+        (
+            &["--prefill", "1", "--decode", "1"][..],
+            "--prefill/--decode",
+        ),
+        (&["--tp", "2", "--ep", "2"], "expert parallelism (--ep)"),
+    ] {
         let output = infer()
             .env("INFER_CUDA_HOST_HARNESS", "1")
             .args(["up", "--port", "0", "--device", "cuda", "--model"])
