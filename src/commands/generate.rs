@@ -24,12 +24,8 @@ struct Output<'a> {
 pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     let cuda = args.device == crate::cli::DeviceArg::Cuda;
     let device = if cuda {
-        if args.cluster.is_some() {
-            bail!(
-                "--device cuda runs the model on one GPU or as --tp/--pp ranks on this host's GPUs: ranks on other hosts' GPUs are not built; use --device cpu for --cluster"
-            );
-        }
-        Some(super::cuda_device()?)
+        // On an inventory's hosts, their agents report their GPUs.
+        Some(super::cuda_device(args.cluster.is_some())?)
     } else {
         None
     };

@@ -87,18 +87,30 @@ fn require_gpu() -> anyhow::Result<crate::runtime::cuda::device::Driver> {
 }
 
 /// `--device cuda` on `infer generate` and `infer up`, before anything starts: the kernels on
-/// this host's GPUs (a driver and a GPU must be here) or, with `INFER_CUDA_HOST_HARNESS=1`,
-/// on the host harness (the same sources on CPU threads, built by `$CXX` or `c++`: the device
-/// path checked on a machine without a GPU). Returns the device and the visible GPUs that
+/// this host's GPUs (a driver and a GPU must be here, unless the ranks run on an inventory's
+/// hosts, `remote`, whose agents report theirs) or, with `INFER_CUDA_HOST_HARNESS=1`, on the
+/// host harness (the same sources on CPU threads, built by `$CXX` or `c++`: the device path
+/// checked on a machine without a GPU). Returns the device and the visible GPUs that local
 /// rank processes are given (none for the harness: each rank's `CUDA_VISIBLE_DEVICES` is then
 /// its local rank, as it would be on a GPU host).
 ///
 /// Errors: no driver or no GPU, naming this host; no cache directory.
-fn cuda_device() -> anyhow::Result<(crate::runtime::cuda::executor::KernelDevice, usize)> {
+fn cuda_device(
+    remote: bool,
+) -> anyhow::Result<(crate::runtime::cuda::executor::KernelDevice, usize)> {
     use crate::runtime::cuda::executor::KernelDevice;
     let cache_dir = crate::model::default::cache_dir()?.join("kernels");
     if let Some(harness) = host_harness(&cache_dir) {
         return Ok((harness, 0));
+    }
+    if remote {
+        return Ok((
+            KernelDevice::Gpu {
+                lib_dirs: cuda_lib_dirs(),
+                cache_dir,
+            },
+            0,
+        ));
     }
     let driver = require_gpu()?;
     Ok((

@@ -36,7 +36,12 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let gpu = if args.device == DeviceArg::Cuda {
         // Before anything starts: a driver and a GPU on this host.
-        let (kernels, gpus) = super::cuda_device()?;
+        // (On an inventory's hosts, their agents report their GPUs instead.)
+        let remote = args
+            .cluster
+            .as_deref()
+            .is_some_and(crate::cluster::is_inventory);
+        let (kernels, gpus) = super::cuda_device(remote)?;
         Some(crate::serve::http::GpuSettings { kernels, gpus })
     } else {
         None

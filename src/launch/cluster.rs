@@ -168,6 +168,14 @@ pub fn start(
         &token,
     )?;
     let mut spec = spec.clone();
+    if spec.gpus.is_some() {
+        spec.gpus = Some(device_ranks_gpus(
+            &remote,
+            &entries,
+            &rank_hosts,
+            &placement,
+        )?);
+    }
     spec.placement = placement;
     let spawner = remote.spawner(rank_hosts);
     let mut gang = Gang::start_on(
@@ -206,6 +214,34 @@ pub fn start(
         remote,
         rank0_host: store_host,
     })
+}
+
+/// `--device cuda` ranks on an inventory's hosts: each rank's `CUDA_VISIBLE_DEVICES` from its
+/// local rank and the GPUs its host's agent found (NVML), before any rank starts.
+///
+/// Errors: a host of the gang without a GPU, named (unless `INFER_CUDA_HOST_HARNESS=1` runs
+/// the kernels on the hosts' CPUs).
+fn device_ranks_gpus(
+    remote: &RemoteCluster,
+    entries: &[InventoryEntry],
+    rank_hosts: &[usize],
+    placement: &[Placement],
+) -> Result<Vec<String>> {
+    let harness = std::env::var("INFER_CUDA_HOST_HARNESS").is_ok_and(|v| v == "1");
+    let mut gpus = Vec::with_capacity(rank_hosts.len());
+    for (&host, place) in rank_hosts.iter().zip(placement) {
+        let visible = remote.hosts[host].hello.topology.gpus.len();
+        if visible == 0 && !harness {
+            bail!(
+                "--device cuda: host `{}` ({}) has no GPU that NVML can see, and {} of the ranks would run there; use --device cpu, or leave the host out of the inventory",
+                entries[host].name,
+                remote.hosts[host].hello.hostname,
+                rank_hosts.iter().filter(|h| **h == host).count()
+            );
+        }
+        gpus.extend(super::gpus_by_local_rank([place.local_rank], visible));
+    }
+    Ok(gpus)
 }
 
 /// What [`connect_to_probe`] returns: the inventory, its SSH targets, the hosts that

@@ -86,10 +86,20 @@ pub struct LaunchSpec {
 /// host memory); with `visible` 0 (the host harness) rank `r` gets `r`, as on a host with
 /// enough GPUs.
 pub fn local_gpus(world: usize, visible: usize) -> Vec<String> {
-    (0..world)
-        .map(|rank| match visible {
-            0 => rank,
-            n => rank % n,
+    gpus_by_local_rank(0..world, visible)
+}
+
+/// [`local_gpus`] of ranks spread over hosts: each rank's `CUDA_VISIBLE_DEVICES` from its
+/// `LOCAL_RANK` and the GPUs its host shows (`local_rank % visible`; 0: `local_rank`).
+pub fn gpus_by_local_rank(
+    local_ranks: impl IntoIterator<Item = usize>,
+    visible: usize,
+) -> Vec<String> {
+    local_ranks
+        .into_iter()
+        .map(|local_rank| match visible {
+            0 => local_rank,
+            n => local_rank % n,
         })
         .map(|gpu| gpu.to_string())
         .collect()

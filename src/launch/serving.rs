@@ -187,9 +187,7 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
     }
     let ranks = layout.world_size() > 1 || inventory(settings).is_some() || settings.node.is_some();
     if settings.gpu.is_some() && ranks {
-        let unbuilt = if inventory(settings).is_some() || settings.node.is_some() {
-            Some("other hosts (--cluster, --nnodes)")
-        } else if layout.ep > 1 {
+        let unbuilt = if layout.ep > 1 {
             Some("expert parallelism (--ep)")
         } else if layout.pd_prefill.is_some() {
             Some("prefill/decode disaggregation")
@@ -198,7 +196,7 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
         };
         if let Some(unbuilt) = unbuilt {
             bail!(
-                "`infer up --device cuda` runs one process on one GPU, or --tp/--pp/--dp ranks on this host's GPUs: {unbuilt} on GPUs are not built in this build; use --device cpu for those"
+                "`infer up --device cuda` runs one process on one GPU, or --tp/--pp/--dp ranks on GPUs: {unbuilt} on GPUs are not built in this build; use --device cpu for those"
             );
         }
     }
@@ -544,12 +542,20 @@ fn launch(
             None => Vec::new(),
         },
         run_dir: settings.run_dir.clone(),
+        // A plan's GPUs; else each rank's by its local rank (an inventory's hosts: by what
+        // their agents report, when the cluster launch starts).
         gpus: settings.gpu.as_ref().map(|gpu| {
             layout
                 .gpus
                 .clone()
                 .filter(|gpus| gpus.len() == world)
-                .unwrap_or_else(|| super::local_gpus(world, gpu.gpus))
+                .unwrap_or_else(|| match &settings.node {
+                    Some(node) => super::gpus_by_local_rank(
+                        node_placement(node, world).iter().map(|p| p.local_rank),
+                        gpu.gpus,
+                    ),
+                    None => super::local_gpus(world, gpu.gpus),
+                })
         }),
     };
     let signals = Arc::new(AtomicUsize::new(0));

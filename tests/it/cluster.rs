@@ -1809,3 +1809,63 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
         "{rest}"
     );
 }
+
+/// `--device cuda` ranks on an inventory's hosts: a host without a GPU is named before any
+/// rank starts (the agents' NVML probes find none here); with the host harness standing in
+/// for the GPUs (`INFER_CUDA_HOST_HARNESS=1`), two pipeline stages on two hosts each take
+/// their host's first GPU slot, run the CUDA kernels there and give the CPU engine's tokens.
+#[test]
+fn device_ranks_on_two_hosts_need_a_gpu_on_each_and_give_the_cpu_engines_tokens() {
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = crate::device_ranks::model(dir.path());
+    let model = model.to_str().expect("utf-8");
+    let prompt = [
+        "--model",
+        model,
+        "--prompt",
+        "HELLO THERE",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+    ];
+    let reference = tokens_of(&generate(None, &prompt));
+    let args: Vec<&str> = prompt
+        .iter()
+        .chain(&["--device", "cuda", "--pp", "2"])
+        .copied()
+        .collect();
+    let output = generate(Some(&cluster.inventory), &args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("--device cuda: host `h0`") && text.contains("has no GPU that NVML can see"),
+        "{text}"
+    );
+    assert!(!text.contains("[h0 r0]"), "no rank started: {text}");
+
+    let mut command = infer();
+    let output = command
+        .env("INFER_CUDA_HOST_HARNESS", "1")
+        .args(["generate", "--json", "--cluster"])
+        .arg(&cluster.inventory)
+        .args(&args)
+        .output()
+        .expect("run infer");
+    assert_eq!(tokens_of(&output), reference);
+    let text = stderr(&output);
+    assert!(
+        text.contains("[h0 r0] rank 0 on the host harness")
+            && text.contains("[h1 r1] rank 1 on the host harness"),
+        "{text}"
+    );
+    let manifest = manifest_of(&text);
+    for rank in manifest["ranks"].as_array().expect("ranks") {
+        assert_eq!(rank["env"]["CUDA_VISIBLE_DEVICES"], "0", "{rank}");
+        assert_eq!(rank["env"]["INFER_DEVICE"], "cuda", "{rank}");
+    }
+}

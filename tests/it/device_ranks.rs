@@ -12,7 +12,7 @@ use crate::infer;
 
 /// A small Llama that splits two ways (4 heads, 2 KV heads), with a tokenizer of single
 /// characters, written into `dir`.
-fn model(dir: &Path) -> PathBuf {
+pub fn model(dir: &Path) -> PathBuf {
     let shape = crate::synthetic::Shape {
         hidden: 64,
         intermediate: 96,

@@ -6,7 +6,7 @@ mod backend;
 mod cluster;
 mod collectives;
 mod cuda;
-mod device_ranks;
+pub mod device_ranks;
 mod distributed;
 mod doctor;
 mod engine;
