@@ -48,6 +48,98 @@ pub fn nvrtc_lib_dir() -> &'static Path {
     })
 }
 
+/// NCCL from PyPI, pinned: what `--device cuda` TP ranks load (`libnccl.so.2`).
+const NCCL_WHEEL: &str = "nvidia-nccl-cu12==2.32.3";
+
+/// The directory holding `libnccl.so.2`: only that file of the wheel, unzipped into the test
+/// cache once.
+fn nccl_lib_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = test_cache().join(format!("nccl-{}", recipe_hash(NCCL_WHEEL.as_bytes())));
+        let dir = cached_dir(&dir, |staging| {
+            std::fs::create_dir_all(staging).expect("staging dir");
+            let status = Command::new("python3")
+                .args(["-m", "pip", "download", "--quiet", "--no-deps", "--dest"])
+                .arg(staging)
+                .arg(NCCL_WHEEL)
+                .status()
+                .expect("python3 -m pip");
+            assert!(status.success(), "pip download {NCCL_WHEEL} failed");
+            let unzip = "import sys, zipfile, glob, os\n\
+                         for wheel in glob.glob(sys.argv[1] + '/*.whl'):\n    \
+                         zipfile.ZipFile(wheel).extract('nvidia/nccl/lib/libnccl.so.2', sys.argv[1])\n    \
+                         os.remove(wheel)\n";
+            let status = Command::new("python3")
+                .args(["-c", unzip])
+                .arg(staging)
+                .status()
+                .expect("python3");
+            assert!(status.success(), "unzipping the NCCL wheel failed");
+        });
+        dir.join("nvidia/nccl/lib")
+    })
+}
+
+/// The NCCL binding against the real library from PyPI, on this machine without a GPU: a
+/// missing library names the pip package; the version is the wheel's; unique ids (which need
+/// no GPU) are 128 bytes that differ and survive the trip through bytes; joining a
+/// communicator fails with NCCL's own message rather than crashing (no CUDA device here) —
+/// what makes a rank fall back to the host collectives with a warning. The choice between
+/// NCCL and the fallback: a member without NCCL, or two members on one GPU, mean fallback.
+#[test]
+fn nccl_from_pypi_binds_makes_ids_and_fails_cleanly_without_a_gpu() {
+    use infer::runtime::collectives::nccl::{Nccl, UNIQUE_ID_BYTES, UniqueId, usable};
+    let empty = tempfile::tempdir().expect("tempdir");
+    if let Err(error) = Nccl::open(&[empty.path().to_path_buf()]) {
+        assert!(
+            error.to_string().contains("pip install nvidia-nccl-cu12"),
+            "{error}"
+        );
+    }
+    let nccl = Nccl::open(&[nccl_lib_dir().to_path_buf()]).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(nccl.version().expect("version"), (2, 32, 3));
+    let (a, b) = (
+        nccl.unique_id().expect("an id"),
+        nccl.unique_id().expect("another id"),
+    );
+    assert_eq!(a.to_bytes().len(), UNIQUE_ID_BYTES);
+    assert_ne!(a.to_bytes(), b.to_bytes(), "ids differ");
+    assert!(a.to_bytes().iter().any(|&byte| byte != 0));
+    let back = UniqueId::from_bytes(&a.to_bytes()).expect("128 bytes");
+    assert_eq!(back.to_bytes(), a.to_bytes());
+    assert!(UniqueId::from_bytes(&[0; 12]).is_err());
+    let has_driver = infer::runtime::cuda::libraries::open(
+        infer::runtime::cuda::libraries::DRIVER,
+        &infer::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name)),
+    )
+    .is_ok();
+    if !has_driver {
+        // SAFETY: no CUDA context exists here; NCCL finds no device and says so.
+        let error = unsafe { nccl.init_rank(1, &a, 0) }
+            .err()
+            .expect("no GPU, no communicator");
+        let text = error.to_string();
+        assert!(
+            text.contains("ncclCommInitRank failed") && text.contains("cuda"),
+            "{text}"
+        );
+    }
+    assert!(usable(&[(0, 0, 0x17, 0), (0, 0, 0x2a, 0)], 0).is_ok());
+    // The same PCI address on two hosts is two GPUs.
+    assert!(usable(&[(0, 0, 0x17, 0), (4, 0, 0x17, 0)], 0).is_ok());
+    let shared = usable(&[(0, 0, 0x17, 0), (0, 0, 0x17, 0)], 0).expect_err("one GPU");
+    assert!(
+        shared.contains("TP ranks 0 and 1 share one GPU (PCI 0000:17:00)"),
+        "{shared}"
+    );
+    let missing = usable(&[(0, 0, 0x17, 0), (0, 0, 0x2a, 0)], 1).expect_err("missing");
+    assert!(
+        missing.contains("1 of the group's 2 ranks found no NCCL"),
+        "{missing}"
+    );
+}
+
 fn nvrtc() -> &'static Nvrtc {
     static NVRTC: OnceLock<Nvrtc> = OnceLock::new();
     NVRTC.get_or_init(|| {

@@ -165,6 +165,15 @@ pub trait Backend {
         context_lens: &Self::Buffer,
         shape: &AttentionShape,
     ) -> Result<()>;
+    /// Sums `buffer`'s first `n` f32 across the device's own communicator (NCCL on a GPU that
+    /// joined its TP group's), in place; `false`: the device has none, and the caller sums
+    /// through host memory instead.
+    ///
+    /// Errors: the communicator's.
+    fn all_reduce_sum_in_place(&self, buffer: &Self::Buffer, n: usize) -> Result<bool> {
+        let _ = (buffer, n);
+        Ok(false)
+    }
     /// Greedy sampling: `out (n_rows) i32` = the index of each row's largest logit in
     /// `logits (n_rows, n_vocab)` (the lowest on ties).
     fn argmax(

@@ -30,6 +30,14 @@ pub trait Device {
     fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer>;
     /// The first `len_bytes` of `buffer`, after every launch before it finished.
     fn download(&self, buffer: &Self::Buffer, len_bytes: usize) -> Result<Vec<u8>>;
+    /// Sums `buffer`'s first `n` f32 across the device's communicator in place
+    /// ([`Backend::all_reduce_sum_in_place`]); `false`: it has none.
+    ///
+    /// Errors: the communicator's.
+    fn all_reduce_sum_in_place(&self, buffer: &Self::Buffer, n: usize) -> Result<bool> {
+        let _ = (buffer, n);
+        Ok(false)
+    }
     /// Runs `kernel` over `grid` × `block` threads.
     ///
     /// Errors: an unknown kernel, arguments that are not its parameters, a launch failure.
@@ -60,6 +68,10 @@ impl<D: Device> Device for &D {
 
     fn download(&self, buffer: &Self::Buffer, len_bytes: usize) -> Result<Vec<u8>> {
         (**self).download(buffer, len_bytes)
+    }
+
+    fn all_reduce_sum_in_place(&self, buffer: &Self::Buffer, n: usize) -> Result<bool> {
+        (**self).all_reduce_sum_in_place(buffer, n)
     }
 
     fn launch(
@@ -448,6 +460,10 @@ impl<D: Device> Backend for KernelBackend<D> {
                 F32(shape.scale),
             ],
         )
+    }
+
+    fn all_reduce_sum_in_place(&self, buffer: &Self::Buffer, n: usize) -> Result<bool> {
+        self.device.all_reduce_sum_in_place(buffer, n)
     }
 
     fn argmax(

@@ -40,6 +40,9 @@ pub struct Groups {
     pub tp: Option<Box<dyn Comm>>,
     /// The pipeline (members in stage order).
     pub pp: Option<Box<dyn Comm>>,
+    /// Tells this rank's host from the other members' (its first global rank): members on
+    /// different hosts may have GPUs of the same PCI address.
+    pub host_key: u64,
 }
 
 /// What [`load_executor`] put where.
@@ -47,6 +50,8 @@ pub struct Loaded {
     pub executor: Box<dyn Executor>,
     /// The device, for messages ("cuda:0 (NVIDIA H100 80GB HBM3, sm_90)").
     pub device: String,
+    /// How the TP group's all-reduces travel (a line starting "warning: " is a warning).
+    pub notes: Vec<String>,
 }
 
 /// Puts `model` (the whole model, or a TP shard of a pipeline stage) on `device` with a KV
@@ -83,12 +88,17 @@ pub fn load_executor(
             lib_dirs,
             cache_dir,
         } => {
-            let driver = super::device::probe(lib_dirs)?;
-            let gpu = &driver.gpus[0];
-            let model = super::gpu::load_model(lib_dirs, cache_dir, model, kv_cache_tokens)?;
+            let (mut runner, gpu) = super::gpu::open_first(lib_dirs, cache_dir)?;
+            let mut groups = groups;
+            let mut notes = Vec::new();
+            if let Some(tp) = groups.tp.as_deref_mut() {
+                notes.push(runner.join_nccl(tp, lib_dirs, groups.host_key)?);
+            }
+            let model = super::gpu::model_on(runner, &gpu, model, kv_cache_tokens)?;
             Ok(Loaded {
                 executor: boxed(BackendExecutor::new(model, tokenizer), groups),
                 device: format!("cuda:{} ({}, sm_{})", gpu.ordinal, gpu.name, gpu.arch()),
+                notes,
             })
         }
         KernelDevice::HostHarness {
@@ -98,10 +108,18 @@ pub fn load_executor(
             let kernels = super::host::HostKernels::build_cached(cache_dir, compiler)?;
             let model = BackendModel::new(KernelBackend::new(kernels), model, kv_cache_tokens)
                 .context("cannot put the model on the host harness")?;
+            let notes = match &groups.tp {
+                Some(_) => vec![
+                    "TP all-reduces go through host memory (TCP, shared memory inside a host): the host harness has no NCCL"
+                        .to_string(),
+                ],
+                None => Vec::new(),
+            };
             Ok(Loaded {
                 executor: boxed(BackendExecutor::new(model, tokenizer), groups),
                 device: "the host harness (INFER_CUDA_HOST_HARNESS=1: CUDA kernels on CPU threads)"
                     .into(),
+                notes,
             })
         }
     }

@@ -22,6 +22,8 @@ pub struct GpuRunner {
     _context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
+    /// The TP group's NCCL communicator, once joined ([`GpuRunner::join_nccl`]).
+    nccl: Option<crate::runtime::collectives::nccl::Comm>,
 }
 
 impl GpuRunner {
@@ -56,7 +58,94 @@ impl GpuRunner {
             _context: context,
             stream,
             functions,
+            nccl: None,
         })
+    }
+
+    /// Joins an NCCL communicator with the other GPUs of the TP group `tp` (whose host
+    /// collectives carry the decision and the unique id; `host_key` tells this rank's host
+    /// apart from the others'), so that [`super::backend::Device::all_reduce_sum_in_place`]
+    /// sums on the GPUs. When NCCL cannot be used — a member found none in `lib_dirs` (or
+    /// the loader's paths), two members share a GPU, or a member's init failed — every member
+    /// keeps the host collectives. Returns the line that says which, a warning when NCCL is
+    /// missing or failed.
+    ///
+    /// Errors: a lost member of `tp`.
+    pub fn join_nccl(
+        &mut self,
+        tp: &mut dyn crate::runtime::collectives::Comm,
+        lib_dirs: &[std::path::PathBuf],
+        host_key: u64,
+    ) -> Result<String> {
+        use crate::runtime::collectives::nccl::{Nccl, UniqueId, usable};
+        let host_memory =
+            "TP all-reduces go through host memory (TCP, shared memory inside a host)";
+        let nccl = Nccl::open(lib_dirs);
+        let device = self._context.cu_device();
+        let attribute = |a| {
+            // SAFETY: `device` is this context's device.
+            unsafe { cudarc::driver::result::device::get_attribute(device, a) }.unwrap_or(-1)
+        };
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let mine = [
+            (host_key % (1 << 24)) as f32,
+            attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID) as f32,
+            attribute(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID) as f32,
+            attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID) as f32,
+            if nccl.is_ok() { 1.0 } else { 0.0 },
+        ];
+        let mut all = vec![0.0f32; mine.len() * tp.size()];
+        tp.all_gather(&mine, &mut all)?;
+        let gpus: Vec<(u64, u32, u32, u32)> = all
+            .chunks_exact(mine.len())
+            .map(|m| (m[0] as u64, m[1] as u32, m[2] as u32, m[3] as u32))
+            .collect();
+        let missing = all.chunks_exact(mine.len()).filter(|m| m[4] == 0.0).count();
+        if let Err(why) = usable(&gpus, missing) {
+            let hint = match &nccl {
+                Err(error) => format!("; this rank: {error:#}"),
+                Ok(_) => String::new(),
+            };
+            return Ok(format!("warning: {host_memory}: {why}{hint}"));
+        }
+        let nccl = nccl?;
+        // Rank 0 makes the id and sends it (empty: it could not).
+        let mut id_bytes = if tp.rank() == 0 {
+            nccl.unique_id().map(|id| id.to_bytes()).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        tp.broadcast(&mut id_bytes, 0)?;
+        if id_bytes.is_empty() {
+            return Ok(format!(
+                "warning: {host_memory}: the TP group's rank 0 could not make an NCCL unique id"
+            ));
+        }
+        let id = UniqueId::from_bytes(&id_bytes)?;
+        let joined = self
+            ._context
+            .bind_to_thread()
+            .map_err(|e| anyhow!("{e:?}"))
+            // SAFETY: this GPU's context is current on this thread.
+            .and_then(|()| unsafe { nccl.init_rank(tp.size(), &id, tp.rank()) });
+        let mut failed = [if joined.is_err() { 1.0f32 } else { 0.0 }];
+        tp.all_reduce_sum(&mut failed)?;
+        match joined {
+            Ok(comm) if failed[0] == 0.0 => {
+                self.nccl = Some(comm);
+                let (major, minor, patch) = nccl.version().unwrap_or_default();
+                Ok(format!(
+                    "TP all-reduces through NCCL {major}.{minor}.{patch} on the GPUs"
+                ))
+            }
+            Ok(_) => Ok(format!(
+                "warning: {host_memory}: NCCL failed to start on {} of the group's ranks",
+                failed[0]
+            )),
+            Err(error) => Ok(format!(
+                "warning: {host_memory}: NCCL failed to start here: {error:#}"
+            )),
+        }
     }
 }
 
@@ -190,6 +279,29 @@ impl super::backend::Device for GpuRunner {
         Ok(bytes)
     }
 
+    fn all_reduce_sum_in_place(&self, buffer: &CudaSlice<u8>, n: usize) -> Result<bool> {
+        use cudarc::driver::DevicePtr;
+        let Some(comm) = &self.nccl else {
+            return Ok(false);
+        };
+        if buffer.len() < n * 4 {
+            anyhow::bail!(
+                "an all-reduce of {n} f32 over a {}-byte buffer",
+                buffer.len()
+            );
+        }
+        self._context
+            .bind_to_thread()
+            .map_err(Self::driver_error("cannot bind the GPU's context"))?;
+        let (pointer, _synced) = buffer.device_ptr(&self.stream);
+        // SAFETY: the buffer holds `n` f32 on this GPU and outlives the enqueued all-reduce
+        // (`_synced` records it on the stream); the stream is this context's.
+        unsafe {
+            comm.all_reduce_sum_f32(pointer, n, self.stream.cu_stream() as *mut std::ffi::c_void)
+        }?;
+        Ok(true)
+    }
+
     fn launch(
         &self,
         kernel: &str,
@@ -242,10 +354,34 @@ pub fn load_model(
     model: &crate::runtime::model::llama::Llama,
     kv_cache_tokens: usize,
 ) -> Result<crate::runtime::exec::forward::BackendModel<super::backend::KernelBackend<GpuRunner>>> {
+    let (runner, gpu) = open_first(dirs, cache_dir)?;
+    model_on(runner, &gpu, model, kv_cache_tokens)
+}
+
+/// The first visible GPU (after `CUDA_VISIBLE_DEVICES`) with every kernel loaded for its
+/// architecture (compiled, or taken from `cache_dir`), and what the driver says of it.
+///
+/// Errors: as [`load_model`].
+pub fn open_first(
+    dirs: &[std::path::PathBuf],
+    cache_dir: &Path,
+) -> Result<(GpuRunner, super::device::Gpu)> {
     let driver = super::device::probe(dirs)?;
-    let gpu = &driver.gpus[0];
+    let gpu = driver.gpus[0].clone();
     let nvrtc = Nvrtc::open(dirs)?;
     let runner = GpuRunner::new(gpu.ordinal, gpu.arch(), &nvrtc, cache_dir)?;
+    Ok((runner, gpu))
+}
+
+/// `model` uploaded to `runner`'s GPU with a KV cache of `kv_cache_tokens` positions.
+///
+/// Errors: what the backend does not run (named), GPU memory.
+pub fn model_on(
+    runner: GpuRunner,
+    gpu: &super::device::Gpu,
+    model: &crate::runtime::model::llama::Llama,
+    kv_cache_tokens: usize,
+) -> Result<crate::runtime::exec::forward::BackendModel<super::backend::KernelBackend<GpuRunner>>> {
     crate::runtime::exec::forward::BackendModel::new(
         super::backend::KernelBackend::new(runner),
         model,

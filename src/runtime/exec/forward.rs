@@ -102,7 +102,8 @@ pub struct BackendModel<B: Backend> {
     tp: usize,
 }
 
-/// Sums `buffer` (`n` f32 values) across the TP group through host memory — the fallback
+/// Sums `buffer` (`n` f32 values) across the TP group — on the device through its own
+/// communicator (NCCL) when it has one, else through host memory with the fallback
 /// collectives (TCP, shared memory) — and returns the summed buffer; unchanged without a
 /// group.
 fn all_reduce<B: Backend>(
@@ -114,6 +115,9 @@ fn all_reduce<B: Backend>(
     let Some(comm) = tp else {
         return Ok(buffer);
     };
+    if backend.all_reduce_sum_in_place(&buffer, n)? {
+        return Ok(buffer);
+    }
     let mut values = f32s_of(&backend.download(&buffer, n * 4)?);
     comm.all_reduce_sum(&mut values)?;
     backend.upload(&bytes_of(&values))

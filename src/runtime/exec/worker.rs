@@ -494,11 +494,8 @@ impl Member {
                     pp: pp_comm
                         .take_if(|_| pp > 1)
                         .map(|c| Box::new(c) as Box<dyn Comm>),
+                    host_key: config.host_ranks.start,
                 };
-                let transport = groups
-                    .tp
-                    .as_ref()
-                    .map(|_| all_reduce_route(kernels, &shard));
                 let loaded = crate::runtime::cuda::executor::load_executor(
                     kernels,
                     &shard,
@@ -519,7 +516,7 @@ impl Member {
                     loaded.device,
                     config.cuda_visible_devices.as_deref().unwrap_or("unset"),
                 )];
-                lines.extend(transport);
+                lines.extend(loaded.notes);
                 (Some(loaded.executor), lines)
             }
         };
@@ -1068,36 +1065,4 @@ fn bytes_to_f32(bytes: &[u8]) -> Vec<f32> {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
-}
-
-/// How a device rank's TP all-reduces travel, for its log: through host memory (our TCP and
-/// shared-memory collectives) in this build, and why not NCCL (a warning on a GPU host).
-fn all_reduce_route(device: &KernelDevice, shard: &Llama) -> String {
-    let fallback = format!(
-        "TP all-reduces ({} a step) go through host memory (TCP, shared memory inside a host)",
-        2 * shard.layers.len()
-    );
-    match device {
-        KernelDevice::HostHarness { .. } => {
-            format!("{fallback}: the host harness has no NCCL")
-        }
-        KernelDevice::Gpu { lib_dirs, .. } => {
-            match crate::runtime::cuda::libraries::open(
-                crate::runtime::cuda::libraries::NCCL,
-                lib_dirs,
-            ) {
-                Err(_) => format!(
-                    "warning: NCCL ({}) not found, so {fallback}, far slower than NCCL over NVLink: `pip install nvidia-nccl-cu12`",
-                    crate::runtime::cuda::libraries::NCCL
-                ),
-                Ok(path) => format!(
-                    "warning: NCCL is installed ({}) but this build has no NCCL communicators, so {fallback}",
-                    path.map_or_else(
-                        || crate::runtime::cuda::libraries::NCCL.to_string(),
-                        |p| p.display().to_string()
-                    )
-                ),
-            }
-        }
-    }
 }
