@@ -140,6 +140,76 @@ fn nccl_from_pypi_binds_makes_ids_and_fails_cleanly_without_a_gpu() {
     );
 }
 
+/// The NCCL decision of a TP group over real TCP collectives, with PyPI's NCCL on this
+/// machine without a GPU: every member's init fails (no CUDA device), and every member says
+/// so and keeps the host collectives; a member without NCCL, or two members on one GPU, make
+/// the whole group keep them without trying (the warning names why).
+#[test]
+fn a_tp_group_agrees_on_nccl_or_the_host_collectives_with_a_warning() {
+    use crate::collectives::{Transport, with_group};
+    use infer::runtime::collectives::nccl::{Nccl, negotiate};
+    let dir = nccl_lib_dir().to_path_buf();
+    let has_driver = infer::runtime::cuda::libraries::open(
+        infer::runtime::cuda::libraries::DRIVER,
+        &infer::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name)),
+    )
+    .is_ok();
+    let cases: [(&str, fn(usize) -> bool, fn(usize) -> (u32, u32, u32)); 3] = [
+        ("init fails", |_| true, |rank| (0, 0x17 + rank as u32, 0)),
+        (
+            "rank 1 lacks NCCL",
+            |rank| rank == 0,
+            |rank| (0, 0x17 + rank as u32, 0),
+        ),
+        ("one GPU", |_| true, |_| (0, 0x17, 0)),
+    ];
+    for (case, has_nccl, pci) in cases {
+        if case == "init fails" && has_driver {
+            continue;
+        }
+        let lines = with_group(2, Transport::Tcp, |comm| {
+            let rank = comm.rank();
+            let nccl = if has_nccl(rank) {
+                Nccl::open(std::slice::from_ref(&dir))
+            } else {
+                Err(anyhow::anyhow!("NCCL (libnccl.so.2) is not installed"))
+            };
+            let mut inits = 0;
+            let (joined, line) =
+                negotiate(comm, nccl, 0, pci(rank), &mut |nccl, id, size, rank| {
+                    inits += 1;
+                    // SAFETY: no CUDA context exists here; NCCL finds no device and says so.
+                    unsafe { nccl.init_rank(size, id, rank) }
+                })
+                .unwrap_or_else(|e| panic!("{case}: {e:#}"));
+            assert!(joined.is_none(), "{case}: no GPU, no communicator");
+            (line, inits)
+        });
+        for (rank, (line, inits)) in lines.iter().enumerate() {
+            assert!(
+                line.starts_with(
+                    "warning: TP all-reduces go through host memory (TCP, shared memory inside a host): "
+                ),
+                "{case}: {line}"
+            );
+            let (why, tried) = match case {
+                "init fails" => ("NCCL failed to start here: ncclCommInitRank failed", 1),
+                "rank 1 lacks NCCL" => ("1 of the group's 2 ranks found no NCCL", 0),
+                _ => ("TP ranks 0 and 1 share one GPU (PCI 0000:17:00)", 0),
+            };
+            assert!(line.contains(why), "{case}, rank {rank}: {line}");
+            assert_eq!(*inits, tried, "{case}, rank {rank}: init calls");
+        }
+        if case == "rank 1 lacks NCCL" {
+            assert!(
+                lines[1]
+                    .0
+                    .contains("this rank: NCCL (libnccl.so.2) is not installed")
+            );
+        }
+    }
+}
+
 fn nvrtc() -> &'static Nvrtc {
     static NVRTC: OnceLock<Nvrtc> = OnceLock::new();
     NVRTC.get_or_init(|| {

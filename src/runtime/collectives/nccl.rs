@@ -257,3 +257,93 @@ pub fn usable(gpus: &[(u64, u32, u32, u32)], missing: usize) -> std::result::Res
     }
     Ok(())
 }
+
+/// How a TP group's all-reduces travel when no device communicator is used.
+const HOST_MEMORY: &str =
+    "TP all-reduces go through host memory (TCP, shared memory inside a host)";
+
+/// Decides with the other members of the TP group `tp` (over its host collectives) whether
+/// the group uses NCCL, and joins the communicator if so: every member brings `nccl` (the
+/// library, or why it is missing), `host_key` (telling its host from the others') and the
+/// PCI address of its GPU; rank 0 makes the unique id and broadcasts it; `init` joins (a
+/// GPU rank binds its context and calls [`Nccl::init_rank`] with the id, size and rank).
+/// All members agree: NCCL for all, or the host collectives for all — when a member lacks
+/// NCCL, two share a GPU, rank 0 cannot make an id, or any member's init fails. Returns the
+/// communicator (`None`: the host collectives) and the line that says which; it starts with
+/// "warning: " when NCCL is not used.
+///
+/// Errors: a lost member of `tp`.
+pub fn negotiate(
+    tp: &mut dyn super::Comm,
+    nccl: Result<Nccl>,
+    host_key: u64,
+    pci: (u32, u32, u32),
+    init: &mut dyn FnMut(&Nccl, &UniqueId, usize, usize) -> Result<Comm>,
+) -> Result<(Option<Comm>, String)> {
+    // Every value below 2^24 is exact in f32.
+    let mine = [
+        (host_key % (1 << 24)) as f32,
+        pci.0 as f32,
+        pci.1 as f32,
+        pci.2 as f32,
+        if nccl.is_ok() { 1.0 } else { 0.0 },
+    ];
+    let mut all = vec![0.0f32; mine.len() * tp.size()];
+    tp.all_gather(&mine, &mut all)?;
+    let gpus: Vec<(u64, u32, u32, u32)> = all
+        .chunks_exact(mine.len())
+        .map(|m| (m[0] as u64, m[1] as u32, m[2] as u32, m[3] as u32))
+        .collect();
+    let missing = all.chunks_exact(mine.len()).filter(|m| m[4] == 0.0).count();
+    let nccl = match (usable(&gpus, missing), nccl) {
+        (Ok(()), Ok(nccl)) => nccl,
+        (Err(why), Err(error)) => {
+            return Ok((
+                None,
+                format!("warning: {HOST_MEMORY}: {why}; this rank: {error:#}"),
+            ));
+        }
+        (Err(why), Ok(_)) => return Ok((None, format!("warning: {HOST_MEMORY}: {why}"))),
+        (Ok(()), Err(error)) => return Err(error.context("the group counted NCCL here")),
+    };
+    // Rank 0 makes the id and sends it (empty: it could not).
+    let mut id = if tp.rank() == 0 {
+        nccl.unique_id().map(|id| id.to_bytes()).unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    tp.broadcast(&mut id, 0)?;
+    if id.is_empty() {
+        return Ok((
+            None,
+            format!(
+                "warning: {HOST_MEMORY}: the TP group's rank 0 could not make an NCCL unique id"
+            ),
+        ));
+    }
+    let id = UniqueId::from_bytes(&id)?;
+    let joined = init(&nccl, &id, tp.size(), tp.rank());
+    let mut failed = [if joined.is_err() { 1.0f32 } else { 0.0 }];
+    tp.all_reduce_sum(&mut failed)?;
+    Ok(match joined {
+        Ok(comm) if failed[0] == 0.0 => {
+            let (major, minor, patch) = nccl.version().unwrap_or_default();
+            (
+                Some(comm),
+                format!("TP all-reduces through NCCL {major}.{minor}.{patch} on the GPUs"),
+            )
+        }
+        Ok(_) => (
+            None,
+            format!(
+                "warning: {HOST_MEMORY}: NCCL failed to start on {} of the group's {} ranks",
+                failed[0],
+                tp.size()
+            ),
+        ),
+        Err(error) => (
+            None,
+            format!("warning: {HOST_MEMORY}: NCCL failed to start here: {error:#}"),
+        ),
+    })
+}

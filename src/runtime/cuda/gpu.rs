@@ -77,75 +77,31 @@ impl GpuRunner {
         lib_dirs: &[std::path::PathBuf],
         host_key: u64,
     ) -> Result<String> {
-        use crate::runtime::collectives::nccl::{Nccl, UniqueId, usable};
-        let host_memory =
-            "TP all-reduces go through host memory (TCP, shared memory inside a host)";
-        let nccl = Nccl::open(lib_dirs);
         let device = self._context.cu_device();
         let attribute = |a| {
             // SAFETY: `device` is this context's device.
-            unsafe { cudarc::driver::result::device::get_attribute(device, a) }.unwrap_or(-1)
+            unsafe { cudarc::driver::result::device::get_attribute(device, a) }.unwrap_or(-1) as u32
         };
         use cudarc::driver::sys::CUdevice_attribute as A;
-        let mine = [
-            (host_key % (1 << 24)) as f32,
-            attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID) as f32,
-            attribute(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID) as f32,
-            attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID) as f32,
-            if nccl.is_ok() { 1.0 } else { 0.0 },
-        ];
-        let mut all = vec![0.0f32; mine.len() * tp.size()];
-        tp.all_gather(&mine, &mut all)?;
-        let gpus: Vec<(u64, u32, u32, u32)> = all
-            .chunks_exact(mine.len())
-            .map(|m| (m[0] as u64, m[1] as u32, m[2] as u32, m[3] as u32))
-            .collect();
-        let missing = all.chunks_exact(mine.len()).filter(|m| m[4] == 0.0).count();
-        if let Err(why) = usable(&gpus, missing) {
-            let hint = match &nccl {
-                Err(error) => format!("; this rank: {error:#}"),
-                Ok(_) => String::new(),
-            };
-            return Ok(format!("warning: {host_memory}: {why}{hint}"));
-        }
-        let nccl = nccl?;
-        // Rank 0 makes the id and sends it (empty: it could not).
-        let mut id_bytes = if tp.rank() == 0 {
-            nccl.unique_id().map(|id| id.to_bytes()).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        tp.broadcast(&mut id_bytes, 0)?;
-        if id_bytes.is_empty() {
-            return Ok(format!(
-                "warning: {host_memory}: the TP group's rank 0 could not make an NCCL unique id"
-            ));
-        }
-        let id = UniqueId::from_bytes(&id_bytes)?;
-        let joined = self
-            ._context
-            .bind_to_thread()
-            .map_err(|e| anyhow!("{e:?}"))
-            // SAFETY: this GPU's context is current on this thread.
-            .and_then(|()| unsafe { nccl.init_rank(tp.size(), &id, tp.rank()) });
-        let mut failed = [if joined.is_err() { 1.0f32 } else { 0.0 }];
-        tp.all_reduce_sum(&mut failed)?;
-        match joined {
-            Ok(comm) if failed[0] == 0.0 => {
-                self.nccl = Some(comm);
-                let (major, minor, patch) = nccl.version().unwrap_or_default();
-                Ok(format!(
-                    "TP all-reduces through NCCL {major}.{minor}.{patch} on the GPUs"
-                ))
-            }
-            Ok(_) => Ok(format!(
-                "warning: {host_memory}: NCCL failed to start on {} of the group's ranks",
-                failed[0]
-            )),
-            Err(error) => Ok(format!(
-                "warning: {host_memory}: NCCL failed to start here: {error:#}"
-            )),
-        }
+        let pci = (
+            attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID),
+            attribute(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID),
+            attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID),
+        );
+        let context = Arc::clone(&self._context);
+        let (comm, line) = crate::runtime::collectives::nccl::negotiate(
+            tp,
+            crate::runtime::collectives::nccl::Nccl::open(lib_dirs),
+            host_key,
+            pci,
+            &mut |nccl, id, size, rank| {
+                context.bind_to_thread().map_err(|e| anyhow!("{e:?}"))?;
+                // SAFETY: this GPU's context is current on this thread.
+                unsafe { nccl.init_rank(size, id, rank) }
+            },
+        )?;
+        self.nccl = comm;
+        Ok(line)
     }
 }
 
