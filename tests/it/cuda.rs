@@ -154,7 +154,13 @@ fn a_tp_group_agrees_on_nccl_or_the_host_collectives_with_a_warning() {
         &infer::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name)),
     )
     .is_ok();
-    let cases: [(&str, fn(usize) -> bool, fn(usize) -> (u32, u32, u32)); 3] = [
+    /// (case, whether a rank has NCCL, each rank's GPU PCI address)
+    type Case = (
+        &'static str,
+        fn(usize) -> bool,
+        fn(usize) -> (u32, u32, u32),
+    );
+    let cases: [Case; 3] = [
         ("init fails", |_| true, |rank| (0, 0x17 + rank as u32, 0)),
         (
             "rank 1 lacks NCCL",
