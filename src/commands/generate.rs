@@ -46,7 +46,7 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
     if args.tp * args.pp > 1 || args.cluster.is_some() {
-        return distributed(args, &path, device.map(|(_, gpus)| gpus), printer);
+        return distributed(args, &path, device.as_ref(), printer);
     }
     let engine = Engine::load(&path, args.threads, args.numerics.into())?;
     let prompt = if args.chat {
@@ -139,13 +139,22 @@ fn sampling_params(args: &GenerateArgs) -> SamplingParams {
 }
 
 /// `--tp/--pp` > 1: the same generation on `tp × pp` real rank processes.
-/// `gpus`: `--device cuda` ranks, with this many GPUs visible here (0: the host harness).
+/// `device`: `--device cuda` ranks on these kernels, with this many GPUs visible here (0:
+/// the host harness).
 fn distributed(
     args: &GenerateArgs,
     path: &std::path::Path,
-    gpus: Option<usize>,
+    device: Option<&(crate::runtime::cuda::executor::KernelDevice, usize)>,
     printer: &Printer,
 ) -> Result<ExitStatus> {
+    let gpus = device.map(|(_, gpus)| *gpus);
+    let harness = matches!(
+        device,
+        Some((
+            crate::runtime::cuda::executor::KernelDevice::HostHarness { .. },
+            _
+        ))
+    );
     use crate::runtime::formats::gguf::Header;
     use crate::runtime::model::tokenizer::Tokenizer;
     super::require_gguf_for_ranks(path)?;
@@ -199,7 +208,7 @@ fn distributed(
         model: Some(path.to_path_buf()),
         threads_per_rank,
         numerics: args.numerics.into(),
-        timeout: std::time::Duration::from_secs(60),
+        timeout: crate::launch::rank_timeout(harness),
         extra_env: Vec::new(),
         layout_from: "infer generate --tp/--pp".into(),
         placement: Vec::new(),

@@ -81,6 +81,14 @@ pub struct LaunchSpec {
     pub gpus: Option<Vec<String>>,
 }
 
+/// The timeout of a gang's collectives and store waits (`INFER_TIMEOUT_SECS`): 60 s, or
+/// 600 s when the ranks run the CUDA kernels on the host harness (`harness`), which spawns a
+/// CPU thread per CUDA thread and takes seconds a step even on an idle machine, so a loaded
+/// one can keep a pipeline stage waiting past a minute.
+pub fn rank_timeout(harness: bool) -> Duration {
+    Duration::from_secs(if harness { 600 } else { 60 })
+}
+
 /// `CUDA_VISIBLE_DEVICES` of `world` device ranks on one host with `visible` GPUs: rank `r`
 /// gets GPU `r % visible` (ranks beyond the GPUs share them, and their collectives go through
 /// host memory); with `visible` 0 (the host harness) rank `r` gets `r`, as on a host with

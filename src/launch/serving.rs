@@ -534,7 +534,10 @@ fn launch(
             (threads, _) => threads,
         },
         numerics: settings.numerics,
-        timeout: Duration::from_secs(60),
+        timeout: super::rank_timeout(matches!(
+            settings.gpu.as_ref().map(|g| &g.kernels),
+            Some(crate::runtime::cuda::executor::KernelDevice::HostHarness { .. })
+        )),
         extra_env,
         layout_from: layout.from.clone(),
         placement: match &settings.node {

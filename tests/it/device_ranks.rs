@@ -45,7 +45,7 @@ fn generate(model: &Path, extra: &[&str], harness: bool) -> (Value, String) {
             "--temperature",
             "0",
             "--max-tokens",
-            "8",
+            "5",
         ])
         .args(["--prompt", "HELLO THERE", "--model"])
         .arg(model)
@@ -166,7 +166,7 @@ fn a_plans_gpus_reach_the_device_ranks_that_serve() {
     let server = crate::serve::Server::start_command(command);
     let (status, reply) = server.post(
         "/v1/completions",
-        &json!({"prompt": "HELLO THERE", "max_tokens": 8, "temperature": 0}),
+        &json!({"prompt": "HELLO THERE", "max_tokens": 5, "temperature": 0}),
     );
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["choices"][0]["text"], cpu["text"], "{reply}");
