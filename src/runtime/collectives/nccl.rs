@@ -1,7 +1,8 @@
 //! NCCL through its C API, opened at run time from the `libnccl.so.2` that
 //! [`crate::runtime::cuda::libraries`] finds (pip's `nvidia-nccl-cu12`, a CUDA toolkit, the
-//! system loader's paths). cudarc's NCCL module looks for `libnccl.so` only, which neither
-//! pip nor Debian ships (FACTS.md), so the few entry points a TP group needs are bound here:
+//! system loader's paths). cudarc's NCCL module looks for `libnccl.so` and other names but
+//! never `libnccl.so.2`, the only name pip and Debian ship (cudarc 0.19's
+//! `get_lib_name_candidates`), so the few entry points a TP group needs are bound here:
 //! version, unique id, communicator init and destroy, all-reduce, error strings.
 //!
 //! The unique id travels through our own collectives (the TP group's rank 0 makes it and
