@@ -76,6 +76,15 @@ impl Printer {
         eprintln!("{}: {text}", self.paint("warning", "33"));
     }
 
+    /// `line` as a warning when it starts with "warning: " (the runtime's convention for
+    /// the lines it returns), else as a note.
+    pub fn note_or_warn(&self, line: &str) {
+        match line.strip_prefix("warning: ") {
+            Some(warning) => self.warn(warning),
+            None => self.note(line),
+        }
+    }
+
     /// An error and its causes on stderr, in the layout
     /// `error: …` / `  caused by: …`, with any `hint: …` lines at the end.
     pub fn error(&self, error: &anyhow::Error) {

@@ -82,6 +82,9 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
             engine.tokenizer.clone(),
             Default::default(),
         )?;
+        for note in &loaded.notes {
+            printer.note_or_warn(note);
+        }
         crate::runtime::exec::executor::generate(
             &mut *loaded.executor,
             &prompt_tokens,

@@ -84,10 +84,7 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
     };
     run_rank(
         &config,
-        &mut |line| match line.strip_prefix("warning: ") {
-            Some(warning) => printer.warn(warning),
-            None => printer.note(line),
-        },
+        &mut |line| printer.note_or_warn(line),
         &mut |driver, store| {
             crate::serve::http::serve_driver(driver, store, server.take(), &mut |line| {
                 printer.note(line)

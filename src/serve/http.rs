@@ -106,6 +106,10 @@ pub fn serve_one_process(
                 engine.tokenizer.clone(),
                 Default::default(),
             )?;
+            let printer = crate::ui::Printer::from_env();
+            for note in &loaded.notes {
+                printer.note_or_warn(note);
+            }
             loaded
                 .executor
                 .kv_pool()

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+use infer::runtime::cuda::backend::Device;
 use infer::runtime::cuda::kernels::FAMILIES;
 use infer::runtime::cuda::nvrtc::{Nvrtc, ptx_entries};
 
@@ -452,6 +453,114 @@ fn host_harness_runs_the_kernels_like_the_cpu_backend() {
     let error = unsafe { host.launch("argmax_f32", [1, 1, 1], [256, 1, 1], &[U32(1)]) }
         .expect_err("wrong arguments");
     assert!(error.to_string().contains("argmax_f32"), "{error}");
+}
+
+/// The host harness, counting the GEMMs it is asked for, or saying it has none (as a GPU
+/// without cuBLAS).
+struct CountingGemms<'a> {
+    inner: &'a infer::runtime::cuda::host::HostKernels,
+    has_gemm: bool,
+    calls: std::cell::Cell<usize>,
+}
+
+impl infer::runtime::cuda::backend::Device for CountingGemms<'_> {
+    type Buffer = infer::runtime::cuda::host::HostBuffer;
+
+    fn name(&self) -> String {
+        format!("{} (counting GEMMs)", self.inner.name())
+    }
+    fn alloc(&self, len_bytes: usize) -> anyhow::Result<Self::Buffer> {
+        self.inner.alloc(len_bytes)
+    }
+    fn upload(&self, bytes: &[u8]) -> anyhow::Result<Self::Buffer> {
+        self.inner.upload(bytes)
+    }
+    fn download(&self, buffer: &Self::Buffer, len_bytes: usize) -> anyhow::Result<Vec<u8>> {
+        self.inner.download(buffer, len_bytes)
+    }
+    fn launch(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[infer::runtime::cuda::backend::DeviceArg<'_, Self::Buffer>],
+    ) -> anyhow::Result<()> {
+        Device::launch(self.inner, kernel, grid, block, args)
+    }
+    fn has_gemm(&self) -> bool {
+        self.has_gemm
+    }
+    fn gemm(
+        &self,
+        gemm: infer::runtime::cuda::backend::Gemm<'_, Self::Buffer>,
+    ) -> anyhow::Result<()> {
+        self.calls.set(self.calls.get() + 1);
+        self.inner.gemm(gemm)
+    }
+}
+
+/// Prefill and batches over `MAX_MATVEC_TOKENS` tokens: the weights dequantized to f16 (or
+/// taken as they are), the activations converted, one GEMM (cuBLAS on a GPU, a host loop
+/// here), within the products' NMSE of the CPU's for every weight type; smaller batches
+/// stay on the matrix-vector kernels, and so does every product on a device without a GEMM.
+#[test]
+fn batches_over_the_matvec_limit_run_one_gemm_like_the_cpu_backend() {
+    use infer::runtime::backend::{Backend, bytes_of, f32s_of, nmse};
+    use infer::runtime::cpu::quant::GgmlType;
+    use infer::runtime::cuda::backend::{KernelBackend, MAX_MATVEC_TOKENS};
+    use infer::runtime::cuda::checks::{NMSE_PRODUCTS, gemm_checks, random_rows, values};
+    let checks = gemm_checks(host());
+    assert_eq!(checks.len(), 8, "{checks:#?}");
+    for check in &checks {
+        assert!(check.passed, "{check:?}");
+        assert!(check.detail.starts_with("NMSE "), "{check:?}");
+    }
+    // A Q4_K product of 37 rows × 768 columns: how many GEMMs each batch takes.
+    let (n_rows, n_cols) = (37usize, 768usize);
+    let weights = random_rows(GgmlType::Q4K, 5, n_rows, n_cols);
+    let product = |device: &CountingGemms, n_tokens: usize| -> Vec<f32> {
+        let backend = KernelBackend::new(device);
+        let w = backend
+            .upload_matrix(GgmlType::Q4K, n_rows, n_cols, &weights)
+            .expect("uploads");
+        let x = backend
+            .upload(&bytes_of(&values(6, n_tokens * n_cols)))
+            .expect("uploads");
+        let y = backend.zeros(n_tokens * n_rows * 4).expect("allocates");
+        backend.matmul(&y, &w, &x, n_tokens).expect("multiplies");
+        f32s_of(
+            &backend
+                .download(&y, n_tokens * n_rows * 4)
+                .expect("downloads"),
+        )
+    };
+    let counting = |has_gemm| CountingGemms {
+        inner: host(),
+        has_gemm,
+        calls: std::cell::Cell::new(0),
+    };
+    let device = counting(true);
+    product(&device, MAX_MATVEC_TOKENS);
+    assert_eq!(device.calls.get(), 0, "{MAX_MATVEC_TOKENS} tokens: matvec");
+    let through_gemm = product(&device, MAX_MATVEC_TOKENS + 1);
+    assert_eq!(device.calls.get(), 1, "one GEMM for the whole batch");
+    let without = counting(false);
+    let through_matvec = product(&without, MAX_MATVEC_TOKENS + 1);
+    assert_eq!(without.calls.get(), 0);
+    let error = nmse(&through_gemm, &through_matvec);
+    assert!(
+        error > 0.0 && error <= NMSE_PRODUCTS,
+        "GEMM vs matvec: NMSE {error:e}"
+    );
+    // `infer smoke` on a GPU without cuBLAS: every GEMM check fails, saying why.
+    let checks = gemm_checks(&without);
+    assert!(
+        checks
+            .iter()
+            .all(|c| !c.passed && c.detail.contains("has no GEMM")),
+        "{checks:#?}"
+    );
+    assert!(!without.has_gemm() && device.has_gemm());
 }
 
 /// The family sources with `edit` applied to `file`'s (`from` must occur in it).

@@ -48,6 +48,74 @@ pub trait Device {
         block: [u32; 3],
         args: &[DeviceArg<'_, Self::Buffer>],
     ) -> Result<()>;
+    /// Whether [`Device::gemm`] runs here (a GPU with cuBLAS, the host harness); without
+    /// it, every product runs on the matrix-vector kernels.
+    fn has_gemm(&self) -> bool {
+        false
+    }
+    /// `y[t, r] = Σ_c w[r, c] · x[t, c]` with f32 accumulation: `w` [n_rows, n_cols] and
+    /// `x` [n_tokens, n_cols] both of `ty`, row-major; `y` [n_tokens, n_rows] f32.
+    ///
+    /// Errors: no GEMM here ([`Device::has_gemm`]), buffers too small, the library's error.
+    fn gemm(&self, gemm: Gemm<'_, Self::Buffer>) -> Result<()> {
+        let _ = gemm;
+        bail!("{} has no GEMM library", self.name())
+    }
+}
+
+/// The element type of a GEMM's inputs ([`Device::gemm`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmType {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl GemmType {
+    /// Bytes of one element.
+    pub fn bytes(self) -> usize {
+        match self {
+            GemmType::F32 => 4,
+            GemmType::F16 | GemmType::Bf16 => 2,
+        }
+    }
+}
+
+/// One product for [`Device::gemm`]: `y` [n_tokens, n_rows] f32 = `x` [n_tokens, n_cols] ·
+/// `w` [n_rows, n_cols]ᵀ, `w` and `x` of `ty`.
+pub struct Gemm<'a, B> {
+    pub y: &'a B,
+    pub w: &'a B,
+    pub x: &'a B,
+    pub ty: GemmType,
+    pub n_tokens: usize,
+    pub n_rows: usize,
+    pub n_cols: usize,
+}
+
+impl<B> Gemm<'_, B> {
+    /// Checks that buffers of `len_bytes` hold the product's operands.
+    ///
+    /// Errors: the operand that is too small.
+    pub fn check_sizes(&self, len_bytes: impl Fn(&B) -> usize) -> Result<()> {
+        let element = self.ty.bytes();
+        for (name, buffer, needed) in [
+            ("y", self.y, self.n_tokens * self.n_rows * 4),
+            ("w", self.w, self.n_rows * self.n_cols * element),
+            ("x", self.x, self.n_tokens * self.n_cols * element),
+        ] {
+            if len_bytes(buffer) < needed {
+                bail!(
+                    "GEMM operand {name} holds {} bytes, fewer than the {needed} of {} tokens × {} rows × {} columns",
+                    len_bytes(buffer),
+                    self.n_tokens,
+                    self.n_rows,
+                    self.n_cols
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A device borrowed (one set of compiled kernels shared by several models).
@@ -83,6 +151,14 @@ impl<D: Device> Device for &D {
     ) -> Result<()> {
         (**self).launch(kernel, grid, block, args)
     }
+
+    fn has_gemm(&self) -> bool {
+        (**self).has_gemm()
+    }
+
+    fn gemm(&self, gemm: Gemm<'_, Self::Buffer>) -> Result<()> {
+        (**self).gemm(gemm)
+    }
 }
 
 /// A weight matrix on a [`Device`].
@@ -97,6 +173,11 @@ pub struct DeviceMatrix<B> {
 pub struct KernelBackend<D: Device> {
     pub device: D,
 }
+
+/// The most tokens a product runs on the matrix-vector kernels when the device has a GEMM:
+/// larger batches (prefill) dequantize the weights to f16 and run one GEMM. llama.cpp's CUDA
+/// backend draws the same line (`MMVQ_MAX_BATCH_SIZE` = 8, `ggml-cuda/mmvq.cuh`).
+pub const MAX_MATVEC_TOKENS: usize = 8;
 
 /// Bytes of one Q8_1 activation block (`float d, s; int8 q[32]`, `kernels/matvec.cu`).
 const Q8_1_BLOCK_BYTES: usize = 40;
@@ -125,6 +206,75 @@ impl<D: Device> KernelBackend<D> {
     fn run(&self, kernel: &str, grid: [u32; 3], args: &[DeviceArg<'_, D::Buffer>]) -> Result<()> {
         self.device
             .launch(kernel, grid, [Self::threads(kernel), 1, 1], args)
+    }
+
+    /// [`Backend::matmul`] as one GEMM: quantized weights dequantized to f16 (a temporary
+    /// [n_rows, n_cols] buffer), activations rounded to the weights' type.
+    fn matmul_gemm(
+        &self,
+        y: &D::Buffer,
+        w: &DeviceMatrix<D::Buffer>,
+        x: &D::Buffer,
+        n_tokens: usize,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        let n_cols = u32_of(w.n_cols, "columns")?;
+        let dequantize = match w.ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => None,
+            GgmlType::Q4_0 => Some("dequantize_q4_0_f16"),
+            GgmlType::Q4_1 => Some("dequantize_q4_1_f16"),
+            GgmlType::Q8_0 => Some("dequantize_q8_0_f16"),
+            GgmlType::Q4K => Some("dequantize_q4_k_f16"),
+            GgmlType::Q6K => Some("dequantize_q6_k_f16"),
+            other => bail!(
+                "the CUDA backend has no GEMM for {other:?} weights (it runs F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K)"
+            ),
+        };
+        let ty = match w.ty {
+            GgmlType::F32 => GemmType::F32,
+            GgmlType::Bf16 => GemmType::Bf16,
+            _ => GemmType::F16,
+        };
+        let expanded = match dequantize {
+            Some(kernel) => {
+                let out = self.device.alloc(w.n_rows * w.n_cols * 2)?;
+                let row_bytes = u32_of(w.ty.row_bytes(w.n_cols)?, "row bytes")?;
+                self.run(
+                    kernel,
+                    [u32_of(w.n_rows, "rows")?, blocks(w.n_cols, 256)?, 1],
+                    &[Buffer(&out), Buffer(&w.buffer), U32(n_cols), U32(row_bytes)],
+                )?;
+                Some(out)
+            }
+            None => None,
+        };
+        let n_values = n_tokens * w.n_cols;
+        let converted = match ty {
+            GemmType::F32 => None,
+            GemmType::F16 | GemmType::Bf16 => {
+                let out = self.device.alloc(n_values * 2)?;
+                let kernel = if ty == GemmType::F16 {
+                    "convert_f32_f16"
+                } else {
+                    "convert_f32_bf16"
+                };
+                self.run(
+                    kernel,
+                    [blocks(n_values, 256)?, 1, 1],
+                    &[Buffer(&out), Buffer(x), U32(u32_of(n_values, "values")?)],
+                )?;
+                Some(out)
+            }
+        };
+        self.device.gemm(Gemm {
+            y,
+            w: expanded.as_ref().unwrap_or(&w.buffer),
+            x: converted.as_ref().unwrap_or(x),
+            ty,
+            n_tokens,
+            n_rows: w.n_rows,
+            n_cols: w.n_cols,
+        })
     }
 }
 
@@ -251,6 +401,9 @@ impl<D: Device> Backend for KernelBackend<D> {
             GgmlType::Bf16 => Some("mul_mat_vec_bf16"),
             _ => None,
         };
+        if n_tokens > MAX_MATVEC_TOKENS && self.device.has_gemm() {
+            return self.matmul_gemm(y, w, x, n_tokens);
+        }
         if let Some(kernel) = float_kernel {
             return self.run(
                 kernel,

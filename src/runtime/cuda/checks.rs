@@ -128,6 +128,23 @@ pub fn run_all(runner: &dyn Runner) -> Vec<Check> {
     ] {
         record(kernel, mul_mat_vec_float(runner, ty, kernel));
     }
+    for (ty, kernel) in [
+        (GgmlType::Q4_0, "dequantize_q4_0_f16"),
+        (GgmlType::Q4_1, "dequantize_q4_1_f16"),
+        (GgmlType::Q8_0, "dequantize_q8_0_f16"),
+        (GgmlType::Q4K, "dequantize_q4_k_f16"),
+        (GgmlType::Q6K, "dequantize_q6_k_f16"),
+    ] {
+        record(kernel, dequantize(runner, ty, kernel));
+    }
+    for bf16 in [false, true] {
+        let name = if bf16 {
+            "convert_f32_bf16"
+        } else {
+            "convert_f32_f16"
+        };
+        record(name, convert(runner, bf16));
+    }
     record("add_f32 1000", add(runner));
     record("add_bias_f32 3×300", add_bias(runner));
     record("scale_add_rows_f32 3 of 5×300", scale_add_rows(runner));
@@ -411,6 +428,193 @@ fn mul_mat_vec_float(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<
         nmse(&f32s_of(&product), &reference),
         NMSE_PRODUCTS,
     ))
+}
+
+fn dequantize(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check> {
+    // 3 rows of 768 values (3 super-blocks of 256; for the blocks of 32, 800: a partial
+    // second block of 256 threads), against the CPU's dequantized rows rounded to f16.
+    let (n_rows, n_cols) = (3usize, if ty.block().0 == 256 { 768 } else { 800 });
+    let weights = random_rows(ty, 50 + ty as u64, n_rows, n_cols);
+    let row_bytes = weights.len() / n_rows;
+    let mut out = vec![0u8; n_rows * n_cols * 2];
+    runner.launch(
+        kernel,
+        [n_rows as u32, n_cols.div_ceil(256) as u32, 1],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut out),
+            Arg::In(&weights),
+            Arg::U32(n_cols as u32),
+            Arg::U32(row_bytes as u32),
+        ],
+    )?;
+    let mut cpu = vec![0f32; n_rows * n_cols];
+    for (row, values) in weights.chunks_exact(row_bytes).zip(cpu.chunks_mut(n_cols)) {
+        dequantize_row(ty, row, values);
+    }
+    let expected: Vec<f32> = cpu.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
+    let got: Vec<f32> = out
+        .chunks_exact(2)
+        .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect();
+    Ok(check(
+        &format!("{kernel} {n_rows}×{n_cols}"),
+        nmse(&got, &expected),
+        NMSE_OTHERS,
+    ))
+}
+
+fn convert(runner: &dyn Runner, bf16: bool) -> Result<Check> {
+    // 1000 values (a partial fourth block) and the edges of rounding: ties, the largest
+    // half, what overflows it, subnormals, signed zero, infinities and NaN; bit for bit
+    // what the `half` crate (the CPU backend's conversions) gives.
+    let mut x = values(60, 1000);
+    x.extend([
+        0.0,
+        -0.0,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        65504.0,
+        65520.0,
+        -1e6,
+        6e-8,
+        3e-5,
+        1.0e-40,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        1.0 + 1.0 / 256.0,
+        3.0e38,
+    ]);
+    let kernel = if bf16 {
+        "convert_f32_bf16"
+    } else {
+        "convert_f32_f16"
+    };
+    let mut out = vec![0u8; x.len() * 2];
+    runner.launch(
+        kernel,
+        [x.len().div_ceil(256) as u32, 1, 1],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut out),
+            Arg::In(&bytes_of(&x)),
+            Arg::U32(x.len() as u32),
+        ],
+    )?;
+    let got: Vec<u16> = out
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    let expected: Vec<u16> = x
+        .iter()
+        .map(|v| {
+            if bf16 {
+                half::bf16::from_f32(*v).to_bits()
+            } else {
+                f16::from_f32(*v).to_bits()
+            }
+        })
+        .collect();
+    // NaN payloads may differ; any NaN is a NaN.
+    let is_nan = |bits: u16| {
+        if bf16 {
+            half::bf16::from_bits(bits).is_nan()
+        } else {
+            f16::from_bits(bits).is_nan()
+        }
+    };
+    let wrong: Vec<usize> = (0..x.len())
+        .filter(|&i| got[i] != expected[i] && !(is_nan(got[i]) && is_nan(expected[i])))
+        .collect();
+    Ok(Check {
+        name: format!("{kernel} {}", x.len()),
+        passed: wrong.is_empty(),
+        detail: match wrong.first() {
+            None => "the `half` crate's conversions, bit for bit".into(),
+            Some(&i) => format!(
+                "{} of {} differ; first: {} gave {:#06x}, not {:#06x}",
+                wrong.len(),
+                x.len(),
+                x[i],
+                got[i],
+                expected[i]
+            ),
+        },
+    })
+}
+
+/// The GEMM path of [`super::backend::KernelBackend`]'s products (more than
+/// [`super::backend::MAX_MATVEC_TOKENS`] tokens: weights dequantized to f16 or taken as
+/// they are, activations converted, then the device's GEMM: cuBLAS on a GPU) for every
+/// weight type, against the f64 products of the CPU's dequantized rows, within the
+/// products' NMSE limit. A device without a GEMM fails every check, saying so.
+pub fn gemm_checks<D: super::backend::Device>(device: &D) -> Vec<Check> {
+    use crate::runtime::backend::Backend;
+    let backend = super::backend::KernelBackend::new(device);
+    let n_tokens = super::backend::MAX_MATVEC_TOKENS + 4;
+    let mut checks = Vec::new();
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Bf16,
+    ] {
+        // 37 rows; 768 columns for the super-blocks of 256, 800 for the blocks of 32 (a
+        // partial block of the dequantize kernel's 256 threads), 300 for float weights.
+        let n_rows = 37;
+        let n_cols = match ty.block().0 {
+            256 => 768,
+            32 => 800,
+            _ => 300,
+        };
+        let name = format!("GEMM {ty:?} {n_tokens}×{n_rows}×{n_cols}");
+        if !device.has_gemm() {
+            checks.push(Check {
+                name,
+                passed: false,
+                detail: format!("{} has no GEMM", device.name()),
+            });
+            continue;
+        }
+        let weights = match ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
+                let w = values(70 + ty as u64, n_rows * n_cols);
+                match ty {
+                    GgmlType::F16 => w
+                        .iter()
+                        .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+                        .collect(),
+                    GgmlType::Bf16 => w
+                        .iter()
+                        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                        .collect(),
+                    _ => bytes_of(&w),
+                }
+            }
+            _ => random_rows(ty, 70 + ty as u64, n_rows, n_cols),
+        };
+        let activations = values(71, n_tokens * n_cols);
+        let run = || -> Result<Vec<f32>> {
+            let w = backend.upload_matrix(ty, n_rows, n_cols, &weights)?;
+            let x = backend.upload(&bytes_of(&activations))?;
+            let y = backend.zeros(n_tokens * n_rows * 4)?;
+            backend.matmul(&y, &w, &x, n_tokens)?;
+            Ok(f32s_of(&backend.download(&y, n_tokens * n_rows * 4)?))
+        };
+        checks.push(match run() {
+            Ok(got) => {
+                let reference = reference_products(ty, &weights, &activations, n_rows, n_cols);
+                check(&name, nmse(&got, &reference), NMSE_PRODUCTS)
+            }
+            Err(error) => failed(&name, error),
+        });
+    }
+    checks
 }
 
 fn add(runner: &dyn Runner) -> Result<Check> {

@@ -50,7 +50,8 @@ pub struct Loaded {
     pub executor: Box<dyn Executor>,
     /// The device, for messages ("cuda:0 (NVIDIA H100 80GB HBM3, sm_90)").
     pub device: String,
-    /// How the TP group's all-reduces travel (a line starting "warning: " is a warning).
+    /// Where large products run (cuBLAS or not) and how the TP group's all-reduces travel
+    /// (a line starting "warning: " is a warning).
     pub notes: Vec<String>,
 }
 
@@ -90,7 +91,7 @@ pub fn load_executor(
         } => {
             let (mut runner, gpu) = super::gpu::open_first(lib_dirs, cache_dir)?;
             let mut groups = groups;
-            let mut notes = Vec::new();
+            let mut notes = vec![runner.gemm_line().to_string()];
             if let Some(tp) = groups.tp.as_deref_mut() {
                 notes.push(runner.join_nccl(tp, lib_dirs, groups.host_key)?);
             }
@@ -108,13 +109,16 @@ pub fn load_executor(
             let kernels = super::host::HostKernels::build_cached(cache_dir, compiler)?;
             let model = BackendModel::new(KernelBackend::new(kernels), model, kv_cache_tokens)
                 .context("cannot put the model on the host harness")?;
-            let notes = match &groups.tp {
-                Some(_) => vec![
+            let mut notes = vec![format!(
+                "prefill and batches over {} tokens run on one GEMM each: a host loop standing in for cuBLAS, which needs a GPU",
+                super::backend::MAX_MATVEC_TOKENS
+            )];
+            if groups.tp.is_some() {
+                notes.push(
                     "TP all-reduces go through host memory (TCP, shared memory inside a host): the host harness has no NCCL"
                         .to_string(),
-                ],
-                None => Vec::new(),
-            };
+                );
+            }
             Ok(Loaded {
                 executor: boxed(BackendExecutor::new(model, tokenizer), groups),
                 device: "the host harness (INFER_CUDA_HOST_HARNESS=1: CUDA kernels on CPU threads)"

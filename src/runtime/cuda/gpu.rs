@@ -24,6 +24,10 @@ pub struct GpuRunner {
     functions: HashMap<&'static str, CudaFunction>,
     /// The TP group's NCCL communicator, once joined ([`GpuRunner::join_nccl`]).
     nccl: Option<crate::runtime::collectives::nccl::Comm>,
+    /// cuBLAS on this GPU's stream, once loaded ([`GpuRunner::load_cublas`]).
+    blas: Option<cudarc::cublas::CudaBlas>,
+    /// What [`GpuRunner::load_cublas`] said ("" before it ran).
+    gemm_line: String,
 }
 
 impl GpuRunner {
@@ -59,6 +63,8 @@ impl GpuRunner {
             stream,
             functions,
             nccl: None,
+            blas: None,
+            gemm_line: String::new(),
         })
     }
 
@@ -103,6 +109,76 @@ impl GpuRunner {
         self.nccl = comm;
         Ok(line)
     }
+}
+
+impl GpuRunner {
+    /// Loads cuBLAS (`libcublas.so.12`, from `lib_dirs` first, then the loader's paths) on
+    /// this GPU's stream, for the GEMMs of prefill and batches above
+    /// [`super::backend::MAX_MATVEC_TOKENS`] tokens. Returns the line that says where those
+    /// products run: a `warning: ` line, naming the pip package, when cuBLAS is missing or
+    /// does not start, and the matrix-vector kernels then run every product.
+    pub fn load_cublas(&mut self, lib_dirs: &[std::path::PathBuf]) -> String {
+        let line = self.open_cublas(lib_dirs);
+        self.gemm_line = line.clone();
+        line
+    }
+
+    /// Where products over [`super::backend::MAX_MATVEC_TOKENS`] tokens run, as
+    /// [`GpuRunner::load_cublas`] said ("" before it ran).
+    pub fn gemm_line(&self) -> &str {
+        &self.gemm_line
+    }
+
+    fn open_cublas(&mut self, lib_dirs: &[std::path::PathBuf]) -> String {
+        use super::libraries::{CUBLAS, open};
+        let found = match open(CUBLAS, lib_dirs) {
+            Ok(found) => found,
+            Err(error) => {
+                return format!(
+                    "warning: cuBLAS ({CUBLAS}) is not installed: `pip install nvidia-cublas-cu12`; prefill runs on the matrix-vector kernels, more slowly (the loader said: {error})"
+                );
+            }
+        };
+        let version = cublas_version();
+        match cudarc::cublas::CudaBlas::new(Arc::clone(&self.stream)) {
+            Ok(blas) => {
+                self.blas = Some(blas);
+                let from = found.map_or_else(
+                    || "the loader's paths".to_string(),
+                    |p| p.display().to_string(),
+                );
+                format!(
+                    "prefill and batches over {} tokens run on cuBLAS {version} ({from})",
+                    super::backend::MAX_MATVEC_TOKENS
+                )
+            }
+            Err(error) => format!(
+                "warning: cuBLAS {version} does not start on {}: {error:?}; prefill runs on the matrix-vector kernels, more slowly",
+                super::backend::Device::name(self)
+            ),
+        }
+    }
+}
+
+/// cuBLAS's version as `major.minor.patch` (`cublasGetProperty`, which needs no GPU), or
+/// "of unknown version". cuBLAS must have been opened ([`super::libraries::open`]).
+pub fn cublas_version() -> String {
+    use cudarc::cublas::sys::{cublasGetProperty, cublasStatus_t, libraryPropertyType};
+    let mut parts = Vec::new();
+    for property in [
+        libraryPropertyType::MAJOR_VERSION,
+        libraryPropertyType::MINOR_VERSION,
+        libraryPropertyType::PATCH_LEVEL,
+    ] {
+        let mut value = 0;
+        // SAFETY: cuBLAS is loaded (the caller opened it); `value` is a valid out-pointer.
+        let status = unsafe { cublasGetProperty(property, &mut value) };
+        if status != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return "of unknown version".into();
+        }
+        parts.push(value.to_string());
+    }
+    parts.join(".")
 }
 
 impl Runner for GpuRunner {
@@ -258,6 +334,77 @@ impl super::backend::Device for GpuRunner {
         Ok(true)
     }
 
+    fn has_gemm(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    fn gemm(&self, gemm: super::backend::Gemm<'_, CudaSlice<u8>>) -> Result<()> {
+        use super::backend::GemmType;
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+        };
+        use cudarc::driver::DevicePtr;
+        let Some(blas) = &self.blas else {
+            anyhow::bail!("cuBLAS is not loaded on {}", self.name());
+        };
+        gemm.check_sizes(CudaSlice::len)?;
+        let int = |n: usize, what: &str| {
+            i32::try_from(n).map_err(|_| anyhow!("{what} {n} does not fit cuBLAS's 32 bits"))
+        };
+        let (m, n, k) = (
+            int(gemm.n_rows, "rows")?,
+            int(gemm.n_tokens, "tokens")?,
+            int(gemm.n_cols, "columns")?,
+        );
+        let input = match gemm.ty {
+            GemmType::F32 => cudaDataType::CUDA_R_32F,
+            GemmType::F16 => cudaDataType::CUDA_R_16F,
+            GemmType::Bf16 => cudaDataType::CUDA_R_16BF,
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (y, _y_synced) = gemm.y.device_ptr(&self.stream);
+        let (w, _w_synced) = gemm.w.device_ptr(&self.stream);
+        let (x, _x_synced) = gemm.x.device_ptr(&self.stream);
+        // Column-major, as cuBLAS sees row-major buffers: y [n_tokens, n_rows] is
+        // yᵀ (n_rows × n_tokens, ld n_rows) = op(w) (n_rows × n_cols: w's row-major
+        // [n_rows, n_cols] is its n_cols × n_rows transpose, ld n_cols) · xᵀ (n_cols ×
+        // n_tokens, ld n_cols).
+        // SAFETY: the handle is on this GPU's stream; the three buffers hold the sizes
+        // checked above and stay alive until the GEMM is done (`_synced` records it on the
+        // stream); alpha and beta are f32, as CUBLAS_COMPUTE_32F reads them.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                (&alpha as *const f32).cast(),
+                w as *const std::ffi::c_void,
+                input,
+                k,
+                x as *const std::ffi::c_void,
+                input,
+                k,
+                (&beta as *const f32).cast(),
+                y as *mut std::ffi::c_void,
+                cudaDataType::CUDA_R_32F,
+                m,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| {
+            anyhow!(
+                "cuBLAS GEMM of {} tokens × {} rows × {} columns failed: {e:?}",
+                gemm.n_tokens,
+                gemm.n_rows,
+                gemm.n_cols
+            )
+        })
+    }
+
     fn launch(
         &self,
         kernel: &str,
@@ -315,7 +462,8 @@ pub fn load_model(
 }
 
 /// The first visible GPU (after `CUDA_VISIBLE_DEVICES`) with every kernel loaded for its
-/// architecture (compiled, or taken from `cache_dir`), and what the driver says of it.
+/// architecture (compiled, or taken from `cache_dir`) and cuBLAS when it is installed
+/// ([`GpuRunner::gemm_line`] says), and what the driver says of it.
 ///
 /// Errors: as [`load_model`].
 pub fn open_first(
@@ -325,7 +473,8 @@ pub fn open_first(
     let driver = super::device::probe(dirs)?;
     let gpu = driver.gpus[0].clone();
     let nvrtc = Nvrtc::open(dirs)?;
-    let runner = GpuRunner::new(gpu.ordinal, gpu.arch(), &nvrtc, cache_dir)?;
+    let mut runner = GpuRunner::new(gpu.ordinal, gpu.arch(), &nvrtc, cache_dir)?;
+    runner.load_cublas(dirs);
     Ok((runner, gpu))
 }
 

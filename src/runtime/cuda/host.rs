@@ -386,4 +386,50 @@ impl super::backend::Device for HostKernels {
         // SAFETY: the backend sizes every buffer for the grid it launches, as on a GPU.
         unsafe { HostKernels::launch(self, kernel, grid, block, &host_args) }
     }
+
+    fn has_gemm(&self) -> bool {
+        true
+    }
+
+    /// cuBLAS does not run without a GPU: the harness's GEMM is a plain loop with what
+    /// `cublasGemmEx` is asked for on one (inputs of `ty`, f32 accumulation and output),
+    /// so the dequantize and convert kernels and the backend's GEMM path are checked here.
+    fn gemm(&self, gemm: super::backend::Gemm<'_, HostBuffer>) -> Result<()> {
+        use super::backend::GemmType;
+        gemm.check_sizes(HostBuffer::len)?;
+        let decode = |bytes: &[u8], n: usize| -> Vec<f32> {
+            match gemm.ty {
+                GemmType::F32 => bytes[..n * 4]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                GemmType::F16 => bytes[..n * 2]
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                GemmType::Bf16 => bytes[..n * 2]
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+            }
+        };
+        let (n_tokens, n_rows, n_cols) = (gemm.n_tokens, gemm.n_rows, gemm.n_cols);
+        let w = decode(gemm.w.bytes(), n_rows * n_cols);
+        let x = decode(gemm.x.bytes(), n_tokens * n_cols);
+        let y: Vec<f32> = x
+            .chunks_exact(n_cols.max(1))
+            .take(n_tokens)
+            .flat_map(|xt| {
+                w.chunks_exact(n_cols.max(1))
+                    .take(n_rows)
+                    .map(move |row| row.iter().zip(xt).map(|(a, b)| a * b).sum::<f32>())
+            })
+            .collect();
+        // SAFETY: `y` holds at least n_tokens × n_rows f32 (checked above) and no kernel
+        // runs while this writes (the harness's launches are synchronous).
+        unsafe {
+            std::ptr::copy_nonoverlapping(y.as_ptr().cast::<u8>(), gemm.y.ptr.as_ptr(), y.len() * 4)
+        };
+        Ok(())
+    }
 }

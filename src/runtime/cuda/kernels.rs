@@ -179,6 +179,47 @@ pub const FAMILIES: &[Family] = &[
         ],
     },
     Family {
+        file: "dequantize.cu",
+        source: include_str!("kernels/dequantize.cu"),
+        kernels: &[
+            Kernel {
+                name: "dequantize_q4_0_f16",
+                params: &[Ptr, Ptr, U32, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "dequantize_q4_1_f16",
+                params: &[Ptr, Ptr, U32, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "dequantize_q8_0_f16",
+                params: &[Ptr, Ptr, U32, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "dequantize_q4_k_f16",
+                params: &[Ptr, Ptr, U32, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "dequantize_q6_k_f16",
+                params: &[Ptr, Ptr, U32, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "convert_f32_f16",
+                params: &[Ptr, Ptr, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "convert_f32_bf16",
+                params: &[Ptr, Ptr, U32],
+                block_threads: 256,
+            },
+        ],
+    },
+    Family {
         file: "attention.cu",
         source: include_str!("kernels/attention.cu"),
         kernels: &[

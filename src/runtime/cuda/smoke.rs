@@ -2,7 +2,8 @@
 //! fails with its detail; the command exits 1 when any fails. What this build checks on a
 //! GPU: the driver and GPU, NVRTC, every kernel compiled for the GPU's exact architecture
 //! within its resources, every kernel run on the GPU against the CPU backend
-//! ([`super::checks`]), and the model on the GPU: greedy steps of the embedded SmolLM2
+//! ([`super::checks`]), cuBLAS loaded and prefill's GEMM path for every weight type
+//! against the CPU's products, and the model on the GPU: greedy steps of the embedded SmolLM2
 //! against the CPU engine, twice, bit for bit, and as TP 3 shards on the one GPU summed over
 //! the fallback collectives. (`launch::smoke` adds the serving row: `infer up --device
 //! cuda` answering a chat request.)
@@ -107,11 +108,29 @@ pub fn run(
         }
         // Every op on the GPU against the CPU backend (test-backend-ops tolerances).
         match super::gpu::GpuRunner::new(gpu.ordinal, gpu.arch(), nvrtc, cache_dir) {
-            Ok(runner) => {
+            Ok(mut runner) => {
                 checks.extend(super::checks::run_all(&runner).into_iter().map(|c| Check {
                     name: format!("op {} vs CPU", c.name),
                     ..c
-                }))
+                }));
+                // Prefill's products: dequantize, convert, cuBLAS.
+                let line = runner.load_cublas(dirs);
+                let loaded = super::backend::Device::has_gemm(&runner);
+                checks.push(Check {
+                    name: "cuBLAS".into(),
+                    passed: loaded,
+                    detail: line.strip_prefix("warning: ").unwrap_or(&line).to_string(),
+                });
+                if loaded {
+                    checks.extend(
+                        super::checks::gemm_checks(&runner)
+                            .into_iter()
+                            .map(|c| Check {
+                                name: format!("op {} vs CPU", c.name),
+                                ..c
+                            }),
+                    );
+                }
             }
             Err(error) => checks.push(Check {
                 name: "load the kernels on the GPU".into(),
