@@ -199,3 +199,51 @@ fn a_plans_gpus_reach_the_device_ranks_that_serve() {
         assert!(!stderr.contains("started"), "{flags:?}: {stderr}");
     }
 }
+
+/// `infer up --device cuda --dp 2`: two replicas, each one rank on its own GPU slot (0 and
+/// 1, as their logs say), both behind rank 0's router; concurrent requests reach both, and
+/// every answer is the CPU engine's completion.
+#[test]
+fn dp_2_device_replicas_serve_the_cpu_engines_completions() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = model(dir.path());
+    let (cpu, _) = generate(&model, &[], false);
+    let run_dir = dir.path().join("run");
+    let mut command = infer();
+    command
+        .env("INFER_CUDA_HOST_HARNESS", "1")
+        .args([
+            "up", "--port", "0", "--device", "cuda", "--dp", "2", "--model",
+        ])
+        .arg(&model)
+        .arg("--run-dir")
+        .arg(&run_dir);
+    let server = crate::serve::Server::start_command(command);
+    let body = json!({"prompt": "HELLO THERE", "max_tokens": 5, "temperature": 0});
+    let bodies = vec![body; 4];
+    for (status, reply) in server.post_all("/v1/completions", &bodies) {
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["choices"][0]["text"], cpu["text"], "{reply}");
+    }
+    let metrics = server.metrics();
+    for replica in ["0", "1"] {
+        let routed: u64 = metrics
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "infer_dp_requests_routed_total{{replica=\"{replica}\"}} "
+                ))
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no count for replica {replica}:\n{metrics}"));
+        assert!(routed > 0, "replica {replica} got nothing:\n{metrics}");
+    }
+    for rank in 0..2 {
+        let log = rank_log(&run_dir, rank);
+        assert!(
+            log.contains(&format!("rank {rank} on the host harness"))
+                && log.contains(&format!("CUDA_VISIBLE_DEVICES={rank}\n")),
+            "rank {rank}:\n{log}"
+        );
+    }
+}
