@@ -16,9 +16,9 @@ use super::engines::{cached_dir, recipe_hash, test_cache};
 const NVRTC_WHEEL: &str = "nvidia-cuda-nvrtc-cu12==12.9.86";
 
 /// `wheel` (`name==version`) from PyPI, downloaded once (`pip download --no-deps`) and
-/// unzipped into the test cache under `label-<hash>`: every file, or only `member`. Returns
-/// the directory it was unzipped into.
-fn pypi_wheel(label: &str, wheel: &str, member: Option<&str>) -> PathBuf {
+/// unzipped into the test cache under `label-<hash>`: every file, or only `members`.
+/// Returns the directory it was unzipped into.
+fn pypi_wheel(label: &str, wheel: &str, members: &[&str]) -> PathBuf {
     let dir = test_cache().join(format!("{label}-{}", recipe_hash(wheel.as_bytes())));
     cached_dir(&dir, |staging| {
         std::fs::create_dir_all(staging).expect("staging dir");
@@ -32,12 +32,12 @@ fn pypi_wheel(label: &str, wheel: &str, member: Option<&str>) -> PathBuf {
         let unzip = "import sys, zipfile, glob, os\n\
                      for wheel in glob.glob(sys.argv[1] + '/*.whl'):\n    \
                      z = zipfile.ZipFile(wheel)\n    \
-                     z.extract(sys.argv[2], sys.argv[1]) if sys.argv[2] else z.extractall(sys.argv[1])\n    \
+                     z.extractall(sys.argv[1], sys.argv[2:] or None)\n    \
                      os.remove(wheel)\n";
         let status = Command::new("python3")
             .args(["-c", unzip])
             .arg(staging)
-            .arg(member.unwrap_or(""))
+            .args(members)
             .status()
             .expect("python3");
         assert!(status.success(), "unzipping {wheel} failed");
@@ -47,7 +47,7 @@ fn pypi_wheel(label: &str, wheel: &str, member: Option<&str>) -> PathBuf {
 /// The directory holding `libnvrtc.so.12` (the whole wheel, unzipped once).
 pub fn nvrtc_lib_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| pypi_wheel("nvrtc", NVRTC_WHEEL, None).join("nvidia/cuda_nvrtc/lib"))
+    DIR.get_or_init(|| pypi_wheel("nvrtc", NVRTC_WHEEL, &[]).join("nvidia/cuda_nvrtc/lib"))
 }
 
 /// NCCL from PyPI, pinned: what `--device cuda` TP ranks load (`libnccl.so.2`).
@@ -57,8 +57,49 @@ const NCCL_WHEEL: &str = "nvidia-nccl-cu12==2.32.3";
 fn nccl_lib_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        pypi_wheel("nccl", NCCL_WHEEL, Some("nvidia/nccl/lib/libnccl.so.2")).join("nvidia/nccl/lib")
+        pypi_wheel("nccl", NCCL_WHEEL, &["nvidia/nccl/lib/libnccl.so.2"]).join("nvidia/nccl/lib")
     })
+}
+
+/// cuBLAS from PyPI, pinned: what `--device cuda` runs prefill's GEMMs with.
+const CUBLAS_WHEEL: &str = "nvidia-cublas-cu12==12.9.1.4";
+
+/// The cuBLAS binding against the real library from PyPI (only `libcublas.so.12` and the
+/// `libcublasLt.so.12` it needs, of the 580 MB wheel), on this machine without a GPU: a
+/// missing library names the pip package; opened from its directory, cudarc's bindings
+/// then find it by name (no panic) and its version is the wheel's; creating a handle
+/// without a GPU is an error, not a crash — what `GpuRunner::load_cublas` turns into a
+/// warning, leaving prefill on the matrix-vector kernels.
+#[test]
+fn cublas_from_pypi_loads_reports_its_version_and_fails_cleanly_without_a_gpu() {
+    use infer::runtime::cuda::libraries::{CUBLAS, open_cublas};
+    let empty = tempfile::tempdir().expect("tempdir");
+    // Nothing else in this test binary opens cuBLAS, and this machine's loader has none
+    // (unless a CUDA toolkit was installed system-wide).
+    if let Err(error) = open_cublas(&[empty.path().to_path_buf()]) {
+        let text = format!("{error:#}");
+        assert!(
+            text.contains("pip install nvidia-cublas-cu12") && text.contains(CUBLAS),
+            "{text}"
+        );
+    }
+    let dir = pypi_wheel(
+        "cublas",
+        CUBLAS_WHEEL,
+        &[
+            "nvidia/cublas/lib/libcublas.so.12",
+            "nvidia/cublas/lib/libcublasLt.so.12",
+        ],
+    )
+    .join("nvidia/cublas/lib");
+    let found =
+        open_cublas(&[empty.path().to_path_buf(), dir.clone()]).unwrap_or_else(|e| panic!("{e:#}"));
+    if let Some(path) = found {
+        assert_eq!(path, dir.join(CUBLAS));
+    }
+    assert_eq!(infer::runtime::cuda::gpu::cublas_version(), "12.9.1");
+    let handle = cudarc::cublas::result::create_handle();
+    assert!(handle.is_err(), "a cuBLAS handle without a GPU: {handle:?}");
 }
 
 /// The NCCL binding against the real library from PyPI, on this machine without a GPU: a

@@ -130,12 +130,11 @@ impl GpuRunner {
     }
 
     fn open_cublas(&mut self, lib_dirs: &[std::path::PathBuf]) -> String {
-        use super::libraries::{CUBLAS, open};
-        let found = match open(CUBLAS, lib_dirs) {
+        let found = match super::libraries::open_cublas(lib_dirs) {
             Ok(found) => found,
             Err(error) => {
                 return format!(
-                    "warning: cuBLAS ({CUBLAS}) is not installed: `pip install nvidia-cublas-cu12`; prefill runs on the matrix-vector kernels, more slowly (the loader said: {error})"
+                    "warning: {error:#}; prefill runs on the matrix-vector kernels, more slowly"
                 );
             }
         };
@@ -161,7 +160,7 @@ impl GpuRunner {
 }
 
 /// cuBLAS's version as `major.minor.patch` (`cublasGetProperty`, which needs no GPU), or
-/// "of unknown version". cuBLAS must have been opened ([`super::libraries::open`]).
+/// "of unknown version". cuBLAS must have been opened ([`super::libraries::open_cublas`]).
 pub fn cublas_version() -> String {
     use cudarc::cublas::sys::{cublasGetProperty, cublasStatus_t, libraryPropertyType};
     let mut parts = Vec::new();

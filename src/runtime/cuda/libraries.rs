@@ -150,3 +150,16 @@ pub fn open_nvrtc(dirs: &[PathBuf]) -> Result<Option<PathBuf>> {
         )
     })
 }
+
+/// Opens cuBLAS from `dirs` (or the system loader's paths); it needs `libcublasLt.so.12`
+/// beside it, as the pip wheel and the toolkit ship them.
+///
+/// Errors: not found or not loadable, naming the package that provides it.
+pub fn open_cublas(dirs: &[PathBuf]) -> Result<Option<PathBuf>> {
+    open(CUBLAS, dirs).map_err(|error| {
+        anyhow::anyhow!(
+            "cuBLAS ({CUBLAS}) is not installed: `pip install nvidia-cublas-cu12` (or put a CUDA 12 toolkit's lib64 \
+             on LD_LIBRARY_PATH); the loader said: {error}"
+        )
+    })
+}
