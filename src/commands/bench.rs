@@ -169,6 +169,8 @@ fn decode_cuda(
         &engine.model,
         largest * (prompt.len() + args.decode_tokens + 16),
     )?;
+    // Whether prefill's products run on cuBLAS (its figure depends on it).
+    printer.note_or_warn(device.backend().device.gemm_line());
     let weight_bytes = engine.model.decode_weight_bytes() as u64;
     let hbm_bytes_per_sec = crate::plan::cluster::hardware_for_gpu_name(&gpu.name)
         .and_then(|id| crate::cluster::hardware(id).ok())

@@ -1,12 +1,12 @@
 //! `infer smoke`: what a user's single-GPU CI job runs. Each check is a row that passes or
 //! fails with its detail; the command exits 1 when any fails. What this build checks on a
-//! GPU: the driver and GPU, NVRTC, every kernel compiled for the GPU's exact architecture
-//! within its resources, every kernel run on the GPU against the CPU backend
-//! ([`super::checks`]), cuBLAS loaded and prefill's GEMM path for every weight type
-//! against the CPU's products, and the model on the GPU: greedy steps of the embedded SmolLM2
-//! against the CPU engine, twice, bit for bit, and as TP 3 shards on the one GPU summed over
-//! the fallback collectives. (`launch::smoke` adds the serving row: `infer up --device
-//! cuda` answering a chat request.)
+//! GPU: the driver and GPU, NVRTC, NCCL's version (optional), every kernel compiled for the
+//! GPU's exact architecture within its resources, every kernel run on the GPU against the
+//! CPU backend ([`super::checks`]), cuBLAS loaded and prefill's GEMM path for every weight
+//! type against the CPU's products, and the model on the GPU: greedy steps of the embedded
+//! SmolLM2 against the CPU engine, twice, bit for bit, and as TP 3 shards on the one GPU
+//! summed over the fallback collectives. (`launch::smoke` adds the serving row: `infer up
+//! --device cuda` answering a chat request.)
 
 use std::path::PathBuf;
 
@@ -33,6 +33,8 @@ pub struct Report {
     pub driver: Driver,
     /// NVRTC's version, `major.minor`, when it loaded.
     pub nvrtc: Option<String>,
+    /// NCCL's version, `major.minor.patch`, when it is installed.
+    pub nccl: Option<String>,
     pub checks: Vec<Check>,
 }
 
@@ -139,12 +141,46 @@ pub fn run(
             }),
         }
     }
+    // NCCL is optional (TP groups sum through host memory without it, with a warning):
+    // reported, and failed only when it is installed but does not answer.
+    let nccl = match crate::runtime::collectives::nccl::Nccl::open(dirs) {
+        Ok(library) => match library.version() {
+            Ok((major, minor, patch)) => {
+                let version = format!("{major}.{minor}.{patch}");
+                checks.push(Check {
+                    name: "NCCL".into(),
+                    passed: true,
+                    detail: format!("{version}: TP groups across GPUs sum through it"),
+                });
+                Some(version)
+            }
+            Err(error) => {
+                checks.push(Check {
+                    name: "NCCL".into(),
+                    passed: false,
+                    detail: format!("installed but does not answer: {error:#}"),
+                });
+                None
+            }
+        },
+        Err(error) => {
+            checks.push(Check {
+                name: "NCCL".into(),
+                passed: true,
+                detail: format!(
+                    "{error:#}; TP groups across GPUs will sum through host memory instead"
+                ),
+            });
+            None
+        }
+    };
     if nvrtc.is_some() {
         checks.extend(model_checks(dirs, cache_dir, model));
     }
     Ok(Report {
         driver,
         nvrtc: nvrtc.map(|n| format!("{}.{}", n.version.0, n.version.1)),
+        nccl,
         checks,
     })
 }
