@@ -296,17 +296,15 @@ pub fn negotiate(
         .map(|m| (m[0] as u64, m[1] as u32, m[2] as u32, m[3] as u32))
         .collect();
     let missing = all.chunks_exact(mine.len()).filter(|m| m[4] == 0.0).count();
-    let nccl = match (usable(&gpus, missing), nccl) {
-        (Ok(()), Ok(nccl)) => nccl,
-        (Err(why), Err(error)) => {
-            return Ok((
-                None,
-                format!("warning: {HOST_MEMORY}: {why}; this rank: {error:#}"),
-            ));
-        }
-        (Err(why), Ok(_)) => return Ok((None, format!("warning: {HOST_MEMORY}: {why}"))),
-        (Ok(()), Err(error)) => return Err(error.context("the group counted NCCL here")),
-    };
+    if let Err(why) = usable(&gpus, missing) {
+        let this_rank = match &nccl {
+            Err(error) => format!("; this rank: {error:#}"),
+            Ok(_) => String::new(),
+        };
+        return Ok((None, format!("warning: {HOST_MEMORY}: {why}{this_rank}")));
+    }
+    // Usable: no member is missing NCCL, this one (whose `Err` counts in `missing`) included.
+    let nccl = nccl?;
     // Rank 0 makes the id and sends it (empty: it could not).
     let mut id = if tp.rank() == 0 {
         nccl.unique_id().map(|id| id.to_bytes()).unwrap_or_default()

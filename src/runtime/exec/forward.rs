@@ -284,9 +284,16 @@ impl<B: Backend> BackendModel<B> {
         batch: &mut [(&mut DeviceSequence, &[u32])],
         tp: Option<&mut dyn Comm>,
     ) -> Result<Vec<Vec<f32>>> {
-        let vocab = self.config.vocab_size;
         let (logits, n_rows) = self.step(batch, tp)?;
-        let values = f32s_of(&self.backend.download(&logits, n_rows * vocab * 4)?);
+        self.download_logits(&logits, n_rows)
+    }
+
+    /// `logits` [n_rows, vocab] from the device, one row per vector.
+    ///
+    /// Errors: the device's.
+    fn download_logits(&self, logits: &B::Buffer, n_rows: usize) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.config.vocab_size;
+        let values = f32s_of(&self.backend.download(logits, n_rows * vocab * 4)?);
         Ok(values.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 
@@ -799,10 +806,7 @@ where
                 .step_stage(&mut batch, tp, hidden_in.as_deref())?
             {
                 StageOut::Logits(logits, n_rows) => {
-                    let vocab = self.model.config.vocab_size;
-                    let values =
-                        f32s_of(&self.model.backend.download(&logits, n_rows * vocab * 4)?);
-                    Some(values.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+                    Some(self.model.download_logits(&logits, n_rows)?)
                 }
                 StageOut::Hidden(hidden) => {
                     let pp = self
