@@ -391,15 +391,22 @@ fn two_device_pipeline_stages_give_the_whole_models_logits() {
         for input in [vec![3u32, 17, 42, 5, 79], vec![23], vec![8]] {
             let (logits, _) = whole.step(&mut [(&mut a, &input)], None).expect("whole");
             let want = whole.backend().download(&logits, 80 * 4).expect("download");
-            let hidden = match first
+            let (hidden, n) = match first
                 .step_stage(&mut [(&mut b, &input)], None, None)
                 .expect("stage 0")
             {
-                StageOut::Hidden(hidden) => hidden,
+                StageOut::Hidden(hidden, n) => (hidden, n),
                 StageOut::Logits(..) => panic!("stage 0 gave logits"),
             };
+            assert_eq!(n, input.len());
+            // Through host memory, as between two hosts' stages without NCCL.
+            let bytes = first
+                .backend()
+                .download(&hidden, n * 64 * 4)
+                .expect("download");
+            let hidden = last.backend().upload(&bytes).expect("upload");
             let got = match last
-                .step_stage(&mut [(&mut c, &input)], None, Some(&hidden))
+                .step_stage(&mut [(&mut c, &input)], None, Some((hidden, n)))
                 .expect("stage 1")
             {
                 StageOut::Logits(logits, 1) => {
@@ -419,6 +426,20 @@ fn two_device_pipeline_stages_give_the_whole_models_logits() {
             .err()
             .expect("a later stage needs hidden states");
         assert!(error.to_string().contains("hidden states"), "{error}");
+        // Hidden states of another number of tokens than the batch's.
+        let mut fresh = DeviceSequence::default();
+        let wrong = last.backend().zeros(2 * 64 * 4).expect("zeros");
+        let error = last
+            .step_stage(&mut [(&mut fresh, &[1])], None, Some((wrong, 2)))
+            .err()
+            .expect("hidden states of another batch");
+        assert!(
+            error
+                .to_string()
+                .contains("hidden states of 2 tokens for a batch of 1"),
+            "{error}"
+        );
+        last.release(&mut fresh);
     }
     check(&|| CpuBackend);
     check(&|| KernelBackend::new(crate::cuda::host()));

@@ -103,7 +103,8 @@ fn cublas_from_pypi_loads_reports_its_version_and_fails_cleanly_without_a_gpu() 
 }
 
 /// The NCCL binding against the real library from PyPI, on this machine without a GPU: a
-/// missing library names the pip package; the version is the wheel's; unique ids (which need
+/// missing library names the pip package; every entry point used (all-reduce, send and
+/// receive among them) binds; the version is the wheel's; unique ids (which need
 /// no GPU) are 128 bytes that differ and survive the trip through bytes; joining a
 /// communicator fails with NCCL's own message rather than crashing (no CUDA device here) —
 /// what makes a rank fall back to the host collectives with a warning. The choice between
@@ -146,29 +147,36 @@ fn nccl_from_pypi_binds_makes_ids_and_fails_cleanly_without_a_gpu() {
             "{text}"
         );
     }
-    assert!(usable(&[(0, 0, 0x17, 0), (0, 0, 0x2a, 0)], 0).is_ok());
+    use infer::runtime::collectives::nccl::GroupKind::{Pipeline, Tp};
+    assert!(usable(Tp, &[(0, 0, 0x17, 0), (0, 0, 0x2a, 0)], 0).is_ok());
     // The same PCI address on two hosts is two GPUs.
-    assert!(usable(&[(0, 0, 0x17, 0), (4, 0, 0x17, 0)], 0).is_ok());
-    let shared = usable(&[(0, 0, 0x17, 0), (0, 0, 0x17, 0)], 0).expect_err("one GPU");
+    assert!(usable(Tp, &[(0, 0, 0x17, 0), (4, 0, 0x17, 0)], 0).is_ok());
+    let shared = usable(Tp, &[(0, 0, 0x17, 0), (0, 0, 0x17, 0)], 0).expect_err("one GPU");
     assert!(
         shared.contains("TP ranks 0 and 1 share one GPU (PCI 0000:17:00)"),
         "{shared}"
     );
-    let missing = usable(&[(0, 0, 0x17, 0), (0, 0, 0x2a, 0)], 1).expect_err("missing");
+    let shared = usable(Pipeline, &[(0, 0, 0x17, 0), (0, 0, 0x17, 0)], 0).expect_err("one GPU");
+    assert!(
+        shared.contains("pipeline stages 0 and 1 share one GPU (PCI 0000:17:00)"),
+        "{shared}"
+    );
+    let missing = usable(Tp, &[(0, 0, 0x17, 0), (0, 0, 0x2a, 0)], 1).expect_err("missing");
     assert!(
         missing.contains("1 of the group's 2 ranks found no NCCL"),
         "{missing}"
     );
 }
 
-/// The NCCL decision of a TP group over real TCP collectives, with PyPI's NCCL on this
-/// machine without a GPU: every member's init fails (no CUDA device), and every member says
-/// so and keeps the host collectives; a member without NCCL, or two members on one GPU, make
-/// the whole group keep them without trying (the warning names why).
+/// The NCCL decision of a TP group, and of a pipeline, over real TCP collectives, with
+/// PyPI's NCCL on this machine without a GPU: every member's init fails (no CUDA device),
+/// and every member says so and keeps the host collectives; a member without NCCL, or two
+/// members on one GPU, make the whole group keep them without trying (the warning names
+/// why).
 #[test]
 fn a_tp_group_agrees_on_nccl_or_the_host_collectives_with_a_warning() {
     use crate::collectives::{Transport, with_group};
-    use infer::runtime::collectives::nccl::{Nccl, negotiate};
+    use infer::runtime::collectives::nccl::{GroupKind, Nccl, negotiate};
     let dir = nccl_lib_dir().to_path_buf();
     let has_driver = infer::runtime::cuda::libraries::open(
         infer::runtime::cuda::libraries::DRIVER,
@@ -190,7 +198,14 @@ fn a_tp_group_agrees_on_nccl_or_the_host_collectives_with_a_warning() {
         ),
         ("one GPU", |_| true, |_| (0, 0x17, 0)),
     ];
-    for (case, has_nccl, pci) in cases {
+    let kinds = [
+        (GroupKind::Tp, "TP all-reduces", "TP ranks"),
+        (GroupKind::Pipeline, "pipeline hand-offs", "pipeline stages"),
+    ];
+    for ((case, has_nccl, pci), (kind, traffic, members)) in cases
+        .into_iter()
+        .flat_map(|case| kinds.map(|kind| (case, kind)))
+    {
         if case == "init fails" && has_driver {
             continue;
         }
@@ -202,27 +217,34 @@ fn a_tp_group_agrees_on_nccl_or_the_host_collectives_with_a_warning() {
                 Err(anyhow::anyhow!("NCCL (libnccl.so.2) is not installed"))
             };
             let mut inits = 0;
-            let (joined, line) =
-                negotiate(comm, nccl, 0, pci(rank), &mut |nccl, id, size, rank| {
+            let (joined, line) = negotiate(
+                kind,
+                comm,
+                nccl,
+                0,
+                pci(rank),
+                &mut |nccl, id, size, rank| {
                     inits += 1;
                     // SAFETY: no CUDA context exists here; NCCL finds no device and says so.
                     unsafe { nccl.init_rank(size, id, rank) }
-                })
-                .unwrap_or_else(|e| panic!("{case}: {e:#}"));
+                },
+            )
+            .unwrap_or_else(|e| panic!("{case}: {e:#}"));
             assert!(joined.is_none(), "{case}: no GPU, no communicator");
             (line, inits)
         });
         for (rank, (line, inits)) in lines.iter().enumerate() {
             assert!(
-                line.starts_with(
-                    "warning: TP all-reduces go through host memory (TCP, shared memory inside a host): "
-                ),
+                line.starts_with(&format!(
+                    "warning: {traffic} go through host memory (TCP, shared memory inside a host): "
+                )),
                 "{case}: {line}"
             );
+            let shared = format!("{members} 0 and 1 share one GPU (PCI 0000:17:00)");
             let (why, tried) = match case {
                 "init fails" => ("NCCL failed to start here: ncclCommInitRank failed", 1),
                 "rank 1 lacks NCCL" => ("1 of the group's 2 ranks found no NCCL", 0),
-                _ => ("TP ranks 0 and 1 share one GPU (PCI 0000:17:00)", 0),
+                _ => (shared.as_str(), 0),
             };
             assert!(line.contains(why), "{case}, rank {rank}: {line}");
             assert_eq!(*inits, tried, "{case}, rank {rank}: init calls");

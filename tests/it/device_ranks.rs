@@ -115,8 +115,24 @@ fn tp_2_device_ranks_give_the_cpu_engines_tokens() {
     assert_eq!(visible, ["0", "1"], "{manifest:#}");
     // Two pipeline stages: the first embeds and hands its hidden states to the second, which
     // samples; the same tokens again.
-    let (stages, stderr) = generate(&model, &["--device", "cuda", "--pp", "2"], true);
+    let pp_dir = dir.path().join("pp");
+    let pp_run = pp_dir.to_str().expect("utf-8");
+    let (stages, stderr) = generate(
+        &model,
+        &["--device", "cuda", "--pp", "2", "--run-dir", pp_run],
+        true,
+    );
     assert_eq!(stages["tokens"], cpu["tokens"], "{stderr}");
+    // The hand-offs between the stages go through host memory, and each stage says why.
+    for rank in 0..2 {
+        let log = rank_log(&pp_dir, rank);
+        assert!(
+            log.contains("pipeline hand-offs go through host memory")
+                && log.contains("the host harness has no NCCL"),
+            "stage {rank}:
+{log}"
+        );
+    }
 }
 
 /// `infer up --device cuda --plan plan.json`: the plan's `cuda_visible_devices` per rank

@@ -174,6 +174,24 @@ pub trait Backend {
         let _ = (buffer, n);
         Ok(false)
     }
+    /// Sends `buffer`'s first `n` f32 (a pipeline stage's hidden states) to stage `stage`
+    /// over the device's own pipeline communicator (NCCL on a GPU that joined its
+    /// pipeline's); `false`: the device has none, and the caller sends through host memory.
+    /// Every member of the pipeline takes the same way (they agreed when joining).
+    ///
+    /// Errors: the communicator's.
+    fn send_to_stage(&self, buffer: &Self::Buffer, n: usize, stage: usize) -> Result<bool> {
+        let _ = (buffer, n, stage);
+        Ok(false)
+    }
+    /// Receives `n` f32 from stage `stage` into `buffer` over the device's own pipeline
+    /// communicator, as [`Backend::send_to_stage`] sends them; `false`: it has none.
+    ///
+    /// Errors: the communicator's.
+    fn recv_from_stage(&self, buffer: &Self::Buffer, n: usize, stage: usize) -> Result<bool> {
+        let _ = (buffer, n, stage);
+        Ok(false)
+    }
     /// Greedy sampling: `out (n_rows) i32` = the index of each row's largest logit in
     /// `logits (n_rows, n_vocab)` (the lowest on ties).
     fn argmax(

@@ -2,10 +2,11 @@
 //! [`crate::runtime::cuda::libraries`] finds (pip's `nvidia-nccl-cu12`, a CUDA toolkit, the
 //! system loader's paths). cudarc's NCCL module looks for `libnccl.so` and other names but
 //! never `libnccl.so.2`, the only name pip and Debian ship (cudarc 0.19's
-//! `get_lib_name_candidates`), so the few entry points a TP group needs are bound here:
-//! version, unique id, communicator init and destroy, all-reduce, error strings.
+//! `get_lib_name_candidates`), so the few entry points a TP group and a pipeline need are
+//! bound here: version, unique id, communicator init and destroy, all-reduce, send and
+//! receive (NCCL 2.7 and later), error strings.
 //!
-//! The unique id travels through our own collectives (the TP group's rank 0 makes it and
+//! The unique id travels through our own collectives (the group's rank 0 makes it and
 //! broadcasts it), as torch.distributed sends it through its store.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
@@ -70,6 +71,16 @@ struct Api {
         RawComm,
         *mut c_void,
     ) -> NcclResult,
+    send: unsafe extern "C" fn(
+        *const c_void,
+        usize,
+        c_int,
+        c_int,
+        RawComm,
+        *mut c_void,
+    ) -> NcclResult,
+    recv:
+        unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, *mut c_void) -> NcclResult,
     get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
 }
 
@@ -112,6 +123,8 @@ impl Nccl {
             comm_init_rank: symbol!("ncclCommInitRank"),
             comm_destroy: symbol!("ncclCommDestroy"),
             all_reduce: symbol!("ncclAllReduce"),
+            send: symbol!("ncclSend"),
+            recv: symbol!("ncclRecv"),
             get_error_string: symbol!("ncclGetErrorString"),
             _library: library,
         };
@@ -231,6 +244,62 @@ impl Comm {
     }
 }
 
+impl Comm {
+    /// Sends `count` f32 values at device address `buffer` to member `peer`, enqueued on
+    /// `stream` (the peer's matching [`Comm::recv_f32`] completes it).
+    ///
+    /// Errors: NCCL's.
+    ///
+    /// # Safety
+    /// As [`Comm::all_reduce_sum_f32`].
+    pub unsafe fn send_f32(
+        &self,
+        buffer: u64,
+        count: usize,
+        peer: usize,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: the caller's guarantees.
+        self.nccl.check("ncclSend", unsafe {
+            (self.nccl.api.send)(
+                buffer as *const c_void,
+                count,
+                NCCL_FLOAT32,
+                peer as c_int,
+                self.raw,
+                stream,
+            )
+        })
+    }
+
+    /// Receives `count` f32 values from member `peer` into device address `buffer`,
+    /// enqueued on `stream` (the kernels after it in stream order see them).
+    ///
+    /// Errors: NCCL's.
+    ///
+    /// # Safety
+    /// As [`Comm::all_reduce_sum_f32`].
+    pub unsafe fn recv_f32(
+        &self,
+        buffer: u64,
+        count: usize,
+        peer: usize,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: the caller's guarantees.
+        self.nccl.check("ncclRecv", unsafe {
+            (self.nccl.api.recv)(
+                buffer as *mut c_void,
+                count,
+                NCCL_FLOAT32,
+                peer as c_int,
+                self.raw,
+                stream,
+            )
+        })
+    }
+}
+
 impl Drop for Comm {
     fn drop(&mut self) {
         // SAFETY: `raw` came from `ncclCommInitRank` and is destroyed once.
@@ -238,10 +307,49 @@ impl Drop for Comm {
     }
 }
 
-/// Whether a TP group can use NCCL: every member found it, and no two members share a GPU
+/// What a group's NCCL communicator carries, for its messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupKind {
+    /// A TP group's all-reduces.
+    Tp,
+    /// A pipeline's hand-offs of hidden states from each stage to the next.
+    Pipeline,
+}
+
+impl GroupKind {
+    /// What the members are called ("TP ranks").
+    fn members(self) -> &'static str {
+        match self {
+            GroupKind::Tp => "TP ranks",
+            GroupKind::Pipeline => "pipeline stages",
+        }
+    }
+
+    /// What travels ("TP all-reduces").
+    fn traffic(self) -> &'static str {
+        match self {
+            GroupKind::Tp => "TP all-reduces",
+            GroupKind::Pipeline => "pipeline hand-offs",
+        }
+    }
+
+    /// How it travels without NCCL.
+    fn host_memory(self) -> String {
+        format!(
+            "{} go through host memory (TCP, shared memory inside a host)",
+            self.traffic()
+        )
+    }
+}
+
+/// Whether a group can use NCCL: every member found it, and no two members share a GPU
 /// (NCCL refuses a communicator with two ranks on one device). `gpus`: each member's
 /// `(host, PCI domain, bus, device)`; `missing`: members without NCCL. `Err` says why not.
-pub fn usable(gpus: &[(u64, u32, u32, u32)], missing: usize) -> std::result::Result<(), String> {
+pub fn usable(
+    kind: GroupKind,
+    gpus: &[(u64, u32, u32, u32)],
+    missing: usize,
+) -> std::result::Result<(), String> {
     if missing > 0 {
         return Err(format!(
             "{missing} of the group's {} ranks found no NCCL",
@@ -251,20 +359,19 @@ pub fn usable(gpus: &[(u64, u32, u32, u32)], missing: usize) -> std::result::Res
     for (i, a) in gpus.iter().enumerate() {
         if let Some(j) = gpus[..i].iter().position(|b| b == a) {
             return Err(format!(
-                "TP ranks {j} and {i} share one GPU (PCI {:04x}:{:02x}:{:02x}), which NCCL does not allow",
-                a.1, a.2, a.3
+                "{} {j} and {i} share one GPU (PCI {:04x}:{:02x}:{:02x}), which NCCL does not allow",
+                kind.members(),
+                a.1,
+                a.2,
+                a.3
             ));
         }
     }
     Ok(())
 }
 
-/// How a TP group's all-reduces travel when no device communicator is used.
-const HOST_MEMORY: &str =
-    "TP all-reduces go through host memory (TCP, shared memory inside a host)";
-
-/// Decides with the other members of the TP group `tp` (over its host collectives) whether
-/// the group uses NCCL, and joins the communicator if so: every member brings `nccl` (the
+/// Decides with the other members of `group` (a TP group or a pipeline, `kind`; over its
+/// host collectives) whether the group uses NCCL, and joins the communicator if so: every member brings `nccl` (the
 /// library, or why it is missing), `host_key` (telling its host from the others') and the
 /// PCI address of its GPU; rank 0 makes the unique id and broadcasts it; `init` joins (a
 /// GPU rank binds its context and calls [`Nccl::init_rank`] with the id, size and rank).
@@ -273,9 +380,10 @@ const HOST_MEMORY: &str =
 /// communicator (`None`: the host collectives) and the line that says which; it starts with
 /// "warning: " when NCCL is not used.
 ///
-/// Errors: a lost member of `tp`.
+/// Errors: a lost member of `group`.
 pub fn negotiate(
-    tp: &mut dyn super::Comm,
+    kind: GroupKind,
+    group: &mut dyn super::Comm,
     nccl: Result<Nccl>,
     host_key: u64,
     pci: (u32, u32, u32),
@@ -289,60 +397,62 @@ pub fn negotiate(
         pci.2 as f32,
         if nccl.is_ok() { 1.0 } else { 0.0 },
     ];
-    let mut all = vec![0.0f32; mine.len() * tp.size()];
-    tp.all_gather(&mine, &mut all)?;
+    let mut all = vec![0.0f32; mine.len() * group.size()];
+    group.all_gather(&mine, &mut all)?;
     let gpus: Vec<(u64, u32, u32, u32)> = all
         .chunks_exact(mine.len())
         .map(|m| (m[0] as u64, m[1] as u32, m[2] as u32, m[3] as u32))
         .collect();
     let missing = all.chunks_exact(mine.len()).filter(|m| m[4] == 0.0).count();
-    if let Err(why) = usable(&gpus, missing) {
+    let host_memory = kind.host_memory();
+    if let Err(why) = usable(kind, &gpus, missing) {
         let this_rank = match &nccl {
             Err(error) => format!("; this rank: {error:#}"),
             Ok(_) => String::new(),
         };
-        return Ok((None, format!("warning: {HOST_MEMORY}: {why}{this_rank}")));
+        return Ok((None, format!("warning: {host_memory}: {why}{this_rank}")));
     }
     // Usable: no member is missing NCCL, this one (whose `Err` counts in `missing`) included.
     let nccl = nccl?;
     // Rank 0 makes the id and sends it (empty: it could not).
-    let mut id = if tp.rank() == 0 {
+    let mut id = if group.rank() == 0 {
         nccl.unique_id().map(|id| id.to_bytes()).unwrap_or_default()
     } else {
         Vec::new()
     };
-    tp.broadcast(&mut id, 0)?;
+    group.broadcast(&mut id, 0)?;
     if id.is_empty() {
         return Ok((
             None,
-            format!(
-                "warning: {HOST_MEMORY}: the TP group's rank 0 could not make an NCCL unique id"
-            ),
+            format!("warning: {host_memory}: the group's rank 0 could not make an NCCL unique id"),
         ));
     }
     let id = UniqueId::from_bytes(&id)?;
-    let joined = init(&nccl, &id, tp.size(), tp.rank());
+    let joined = init(&nccl, &id, group.size(), group.rank());
     let mut failed = [if joined.is_err() { 1.0f32 } else { 0.0 }];
-    tp.all_reduce_sum(&mut failed)?;
+    group.all_reduce_sum(&mut failed)?;
     Ok(match joined {
         Ok(comm) if failed[0] == 0.0 => {
             let (major, minor, patch) = nccl.version().unwrap_or_default();
             (
                 Some(comm),
-                format!("TP all-reduces through NCCL {major}.{minor}.{patch} on the GPUs"),
+                format!(
+                    "{} through NCCL {major}.{minor}.{patch} on the GPUs",
+                    kind.traffic()
+                ),
             )
         }
         Ok(_) => (
             None,
             format!(
-                "warning: {HOST_MEMORY}: NCCL failed to start on {} of the group's {} ranks",
+                "warning: {host_memory}: NCCL failed to start on {} of the group's {} ranks",
                 failed[0],
-                tp.size()
+                group.size()
             ),
         ),
         Err(error) => (
             None,
-            format!("warning: {HOST_MEMORY}: NCCL failed to start here: {error:#}"),
+            format!("warning: {host_memory}: NCCL failed to start here: {error:#}"),
         ),
     })
 }

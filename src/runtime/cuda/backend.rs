@@ -38,6 +38,22 @@ pub trait Device {
         let _ = (buffer, n);
         Ok(false)
     }
+    /// Sends `buffer`'s first `n` f32 to pipeline stage `stage` over the device's pipeline
+    /// communicator ([`Backend::send_to_stage`]); `false`: it has none.
+    ///
+    /// Errors: the communicator's.
+    fn send_to_stage(&self, buffer: &Self::Buffer, n: usize, stage: usize) -> Result<bool> {
+        let _ = (buffer, n, stage);
+        Ok(false)
+    }
+    /// Receives `n` f32 from pipeline stage `stage` into `buffer`
+    /// ([`Backend::recv_from_stage`]); `false`: no pipeline communicator.
+    ///
+    /// Errors: the communicator's.
+    fn recv_from_stage(&self, buffer: &Self::Buffer, n: usize, stage: usize) -> Result<bool> {
+        let _ = (buffer, n, stage);
+        Ok(false)
+    }
     /// Runs `kernel` over `grid` × `block` threads.
     ///
     /// Errors: an unknown kernel, arguments that are not its parameters, a launch failure.
@@ -140,6 +156,14 @@ impl<D: Device> Device for &D {
 
     fn all_reduce_sum_in_place(&self, buffer: &Self::Buffer, n: usize) -> Result<bool> {
         (**self).all_reduce_sum_in_place(buffer, n)
+    }
+
+    fn send_to_stage(&self, buffer: &Self::Buffer, n: usize, stage: usize) -> Result<bool> {
+        (**self).send_to_stage(buffer, n, stage)
+    }
+
+    fn recv_from_stage(&self, buffer: &Self::Buffer, n: usize, stage: usize) -> Result<bool> {
+        (**self).recv_from_stage(buffer, n, stage)
     }
 
     fn launch(
@@ -617,6 +641,14 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn all_reduce_sum_in_place(&self, buffer: &Self::Buffer, n: usize) -> Result<bool> {
         self.device.all_reduce_sum_in_place(buffer, n)
+    }
+
+    fn send_to_stage(&self, buffer: &Self::Buffer, n: usize, stage: usize) -> Result<bool> {
+        self.device.send_to_stage(buffer, n, stage)
+    }
+
+    fn recv_from_stage(&self, buffer: &Self::Buffer, n: usize, stage: usize) -> Result<bool> {
+        self.device.recv_from_stage(buffer, n, stage)
     }
 
     fn argmax(

@@ -50,8 +50,8 @@ pub struct Loaded {
     pub executor: Box<dyn Executor>,
     /// The device, for messages ("cuda:0 (NVIDIA H100 80GB HBM3, sm_90)").
     pub device: String,
-    /// Where large products run (cuBLAS or not) and how the TP group's all-reduces travel
-    /// (a line starting "warning: " is a warning).
+    /// Where large products run (cuBLAS or not), how the TP group's all-reduces and the
+    /// pipeline's hand-offs travel (a line starting "warning: " is a warning).
     pub notes: Vec<String>,
 }
 
@@ -92,8 +92,14 @@ pub fn load_executor(
             let (mut runner, gpu) = super::gpu::open_first(lib_dirs, cache_dir)?;
             let mut groups = groups;
             let mut notes = vec![runner.gemm_line().to_string()];
+            // Every rank joins its TP group's communicator, then its pipeline's: the same
+            // order everywhere, so no init waits on a member busy with the other group.
+            use crate::runtime::collectives::nccl::GroupKind;
             if let Some(tp) = groups.tp.as_deref_mut() {
-                notes.push(runner.join_nccl(tp, lib_dirs, groups.host_key)?);
+                notes.push(runner.join_nccl(GroupKind::Tp, tp, lib_dirs, groups.host_key)?);
+            }
+            if let Some(pp) = groups.pp.as_deref_mut() {
+                notes.push(runner.join_nccl(GroupKind::Pipeline, pp, lib_dirs, groups.host_key)?);
             }
             let model = super::gpu::model_on(runner, &gpu, model, kv_cache_tokens)?;
             Ok(Loaded {
@@ -113,11 +119,15 @@ pub fn load_executor(
                 "prefill and batches over {} tokens run on one GEMM each: a host loop standing in for cuBLAS, which needs a GPU",
                 super::backend::MAX_MATVEC_TOKENS
             )];
-            if groups.tp.is_some() {
-                notes.push(
-                    "TP all-reduces go through host memory (TCP, shared memory inside a host): the host harness has no NCCL"
-                        .to_string(),
-                );
+            for (group, traffic) in [
+                (groups.tp.is_some(), "TP all-reduces"),
+                (groups.pp.is_some(), "pipeline hand-offs"),
+            ] {
+                if group {
+                    notes.push(format!(
+                        "{traffic} go through host memory (TCP, shared memory inside a host): the host harness has no NCCL"
+                    ));
+                }
             }
             Ok(Loaded {
                 executor: boxed(BackendExecutor::new(model, tokenizer), groups),

@@ -24,6 +24,8 @@ pub struct GpuRunner {
     functions: HashMap<&'static str, CudaFunction>,
     /// The TP group's NCCL communicator, once joined ([`GpuRunner::join_nccl`]).
     nccl: Option<crate::runtime::collectives::nccl::Comm>,
+    /// The pipeline's NCCL communicator (members in stage order), once joined.
+    pp_nccl: Option<crate::runtime::collectives::nccl::Comm>,
     /// cuBLAS on this GPU's stream, once loaded ([`GpuRunner::load_cublas`]).
     blas: Option<cudarc::cublas::CudaBlas>,
     /// What [`GpuRunner::load_cublas`] said ("" before it ran).
@@ -63,23 +65,31 @@ impl GpuRunner {
             stream,
             functions,
             nccl: None,
+            pp_nccl: None,
             blas: None,
             gemm_line: String::new(),
         })
     }
 
-    /// Joins an NCCL communicator with the other GPUs of the TP group `tp` (whose host
-    /// collectives carry the decision and the unique id; `host_key` tells this rank's host
-    /// apart from the others'), so that [`super::backend::Device::all_reduce_sum_in_place`]
-    /// sums on the GPUs. When NCCL cannot be used — a member found none in `lib_dirs` (or
-    /// the loader's paths), two members share a GPU, or a member's init failed — every member
+    /// Joins an NCCL communicator with the other GPUs of `group` (whose host collectives
+    /// carry the decision and the unique id; `host_key` tells this rank's host apart from
+    /// the others'): for a TP group ([`GroupKind::Tp`]),
+    /// [`super::backend::Device::all_reduce_sum_in_place`] then sums on the GPUs; for a
+    /// pipeline ([`GroupKind::Pipeline`], members in stage order),
+    /// [`super::backend::Device::send_to_stage`] and `recv_from_stage` pass hidden states
+    /// between the GPUs. When NCCL cannot be used — a member found none in `lib_dirs` (or the
+    /// loader's paths), two members share a GPU, or a member's init failed — every member
     /// keeps the host collectives. Returns the line that says which, a warning when NCCL is
     /// missing or failed.
     ///
-    /// Errors: a lost member of `tp`.
+    /// Errors: a lost member of `group`.
+    ///
+    /// [`GroupKind::Tp`]: crate::runtime::collectives::nccl::GroupKind::Tp
+    /// [`GroupKind::Pipeline`]: crate::runtime::collectives::nccl::GroupKind::Pipeline
     pub fn join_nccl(
         &mut self,
-        tp: &mut dyn crate::runtime::collectives::Comm,
+        kind: crate::runtime::collectives::nccl::GroupKind,
+        group: &mut dyn crate::runtime::collectives::Comm,
         lib_dirs: &[std::path::PathBuf],
         host_key: u64,
     ) -> Result<String> {
@@ -96,7 +106,8 @@ impl GpuRunner {
         );
         let context = Arc::clone(&self._context);
         let (comm, line) = crate::runtime::collectives::nccl::negotiate(
-            tp,
+            kind,
+            group,
             crate::runtime::collectives::nccl::Nccl::open(lib_dirs),
             host_key,
             pci,
@@ -106,7 +117,10 @@ impl GpuRunner {
                 unsafe { nccl.init_rank(size, id, rank) }
             },
         )?;
-        self.nccl = comm;
+        match kind {
+            crate::runtime::collectives::nccl::GroupKind::Tp => self.nccl = comm,
+            crate::runtime::collectives::nccl::GroupKind::Pipeline => self.pp_nccl = comm,
+        }
         Ok(line)
     }
 }
@@ -262,6 +276,42 @@ impl GpuRunner {
 }
 
 impl GpuRunner {
+    /// `n` f32 of `buffer` sent to (`send`) or received from pipeline stage `stage` through
+    /// the pipeline's NCCL communicator; `false`: there is none.
+    fn pipeline_transfer(
+        &self,
+        buffer: &CudaSlice<u8>,
+        n: usize,
+        stage: usize,
+        send: bool,
+    ) -> Result<bool> {
+        use cudarc::driver::DevicePtr;
+        let Some(comm) = &self.pp_nccl else {
+            return Ok(false);
+        };
+        if buffer.len() < n * 4 {
+            anyhow::bail!(
+                "a pipeline hand-off of {n} f32 over a {}-byte buffer",
+                buffer.len()
+            );
+        }
+        self._context
+            .bind_to_thread()
+            .map_err(Self::driver_error("cannot bind the GPU's context"))?;
+        let (pointer, _synced) = buffer.device_ptr(&self.stream);
+        let stream = self.stream.cu_stream() as *mut std::ffi::c_void;
+        // SAFETY: the buffer holds `n` f32 on this GPU and outlives the enqueued transfer
+        // (`_synced` records it on the stream); the stream is this context's.
+        unsafe {
+            if send {
+                comm.send_f32(pointer, n, stage, stream)
+            } else {
+                comm.recv_f32(pointer, n, stage, stream)
+            }
+        }?;
+        Ok(true)
+    }
+
     /// Device memory in use on this GPU (every process's), bytes: `total − free` of
     /// `cuMemGetInfo`.
     ///
@@ -331,6 +381,14 @@ impl super::backend::Device for GpuRunner {
             comm.all_reduce_sum_f32(pointer, n, self.stream.cu_stream() as *mut std::ffi::c_void)
         }?;
         Ok(true)
+    }
+
+    fn send_to_stage(&self, buffer: &CudaSlice<u8>, n: usize, stage: usize) -> Result<bool> {
+        self.pipeline_transfer(buffer, n, stage, true)
+    }
+
+    fn recv_from_stage(&self, buffer: &CudaSlice<u8>, n: usize, stage: usize) -> Result<bool> {
+        self.pipeline_transfer(buffer, n, stage, false)
     }
 
     fn has_gemm(&self) -> bool {

@@ -67,9 +67,9 @@ enum DeviceFfn<B: Backend> {
 pub enum StageOut<B: Backend> {
     /// The last stage: the logits buffer `(n_rows, vocab_size)`, one row per sequence.
     Logits(B::Buffer, usize),
-    /// An earlier stage: every new token's hidden state `(n_tokens, hidden_size)`, for the
-    /// next stage.
-    Hidden(Vec<f32>),
+    /// An earlier stage: every new token's hidden state `(n_tokens, hidden_size)` f32 on the
+    /// device, for the next stage, and `n_tokens`.
+    Hidden(B::Buffer, usize),
 }
 
 /// One sequence's place in the device cache: its blocks in position order and the
@@ -385,23 +385,25 @@ impl<B: Backend> BackendModel<B> {
     ) -> Result<(B::Buffer, usize)> {
         match self.step_stage(batch, tp, None)? {
             StageOut::Logits(logits, n_rows) => Ok((logits, n_rows)),
-            StageOut::Hidden(_) => bail!(
+            StageOut::Hidden(..) => bail!(
                 "this device model is a pipeline stage before the last: it gives hidden states, not logits"
             ),
         }
     }
 
     /// [`BackendModel::step`] of a pipeline stage: the first stage embeds the batch's tokens,
-    /// a later one starts from `hidden_in (n_tokens, hidden_size)`, the previous stage's
-    /// [`StageOut::Hidden`]; the last gives the logits, the others their hidden states.
+    /// a later one starts from `hidden_in`: a device buffer of `(n_tokens, hidden_size)` f32
+    /// and its `n_tokens`, the previous stage's [`StageOut::Hidden`] (received on this
+    /// device, or uploaded), which the stage adds its layers' outputs to in place; the last
+    /// gives the logits, the others their hidden states.
     ///
     /// Errors: those of [`BackendModel::step`]; hidden states given to the first stage, or
-    /// missing (or of another length) on a later one.
+    /// missing (or for another number of tokens) on a later one.
     pub fn step_stage(
         &mut self,
         batch: &mut [(&mut DeviceSequence, &[u32])],
         mut tp: Option<&mut dyn Comm>,
-        hidden_in: Option<&[f32]>,
+        hidden_in: Option<(B::Buffer, usize)>,
     ) -> Result<StageOut<B>> {
         let group = tp.as_ref().map(|comm| (comm.rank(), comm.size()));
         if self.tp > 1 && group != Some((self.tp_rank, self.tp)) {
@@ -481,12 +483,9 @@ impl<B: Backend> BackendModel<B> {
                 be.get_rows(&x, embedding, &ids, n)?;
                 x
             }
-            (None, Some(hidden_in)) if hidden_in.len() == n * hidden => {
-                be.upload(&bytes_of(hidden_in))?
-            }
-            (None, Some(hidden_in)) => bail!(
-                "the previous pipeline stage sent {} hidden values for {n} tokens of {hidden}",
-                hidden_in.len()
+            (None, Some((hidden_in, n_in))) if n_in == n => hidden_in,
+            (None, Some((_, n_in))) => bail!(
+                "the previous pipeline stage sent hidden states of {n_in} tokens for a batch of {n}"
             ),
             (Some(_), Some(_)) => bail!("the first pipeline stage takes tokens, not hidden states"),
             (None, None) => {
@@ -638,7 +637,7 @@ impl<B: Backend> BackendModel<B> {
             sequence.n_tokens += new.len();
         }
         let (Some(output_norm), Some(output)) = (&self.output_norm, &self.output) else {
-            return Ok(StageOut::Hidden(f32s_of(&be.download(&x, n * hidden * 4)?)));
+            return Ok(StageOut::Hidden(x, n));
         };
         let n_rows = batch.len();
         let selected = f32_buffer(n_rows * hidden)?;
@@ -797,23 +796,44 @@ where
                 .map(|((sequence, _, _), entry)| (sequence, entry.tokens.as_slice()))
                 .collect();
             let tp = self.tp.as_deref_mut().map(|comm| comm as &mut dyn Comm);
+            // A later stage's input: the previous stage's hidden states, over the GPUs'
+            // pipeline communicator when they share one, else through host memory.
+            let n_tokens: usize = entries.iter().map(|e| e.tokens.len()).sum();
             let hidden_in = match self.pp.as_deref_mut() {
-                Some(pp) if pp.rank() > 0 => Some(f32s_of(&pp.recv(pp.rank() - 1)?)),
+                Some(pp) if pp.rank() > 0 => {
+                    let values = n_tokens * self.model.config.hidden_size;
+                    let backend = &self.model.backend;
+                    let buffer = backend.zeros(values * 4)?;
+                    if backend.recv_from_stage(&buffer, values, pp.rank() - 1)? {
+                        Some((buffer, n_tokens))
+                    } else {
+                        let bytes = pp.recv(pp.rank() - 1)?;
+                        if bytes.len() != values * 4 {
+                            bail!(
+                                "the previous pipeline stage sent {} bytes of hidden states for {n_tokens} tokens of {}",
+                                bytes.len(),
+                                self.model.config.hidden_size
+                            );
+                        }
+                        Some((backend.upload(&bytes)?, n_tokens))
+                    }
+                }
                 _ => None,
             };
-            let logits = match self
-                .model
-                .step_stage(&mut batch, tp, hidden_in.as_deref())?
-            {
+            let logits = match self.model.step_stage(&mut batch, tp, hidden_in)? {
                 StageOut::Logits(logits, n_rows) => {
                     Some(self.model.download_logits(&logits, n_rows)?)
                 }
-                StageOut::Hidden(hidden) => {
+                StageOut::Hidden(hidden, n) => {
                     let pp = self
                         .pp
                         .as_deref_mut()
                         .context("a pipeline stage before the last has no next stage to send to")?;
-                    pp.send(pp.rank() + 1, &bytes_of(&hidden))?;
+                    let values = n * self.model.config.hidden_size;
+                    let backend = &self.model.backend;
+                    if !backend.send_to_stage(&hidden, values, pp.rank() + 1)? {
+                        pp.send(pp.rank() + 1, &backend.download(&hidden, values * 4)?)?;
+                    }
                     None
                 }
             };
