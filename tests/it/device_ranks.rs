@@ -137,8 +137,8 @@ fn tp_2_device_ranks_give_the_cpu_engines_tokens() {
 
 /// `infer up --device cuda --plan plan.json`: the plan's `cuda_visible_devices` per rank
 /// reaches the ranks (swapped in the file here, so that only the plan can explain it), the
-/// TP 2 replica serves the CPU engine's completion, and disaggregated or expert-parallel
-/// layouts on GPUs are refused before anything starts.
+/// TP 2 replica serves the CPU engine's completion, and disaggregated layouts on GPUs are
+/// refused before anything starts.
 #[test]
 fn a_plans_gpus_reach_the_device_ranks_that_serve() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -195,25 +195,18 @@ fn a_plans_gpus_reach_the_device_ranks_that_serve() {
     }
     drop(server);
 
-    for (flags, unbuilt) in [
-        (
-            &["--prefill", "1", "--decode", "1"][..],
-            "--prefill/--decode",
-        ),
-        (&["--tp", "2", "--ep", "2"], "expert parallelism (--ep)"),
-    ] {
-        let output = infer()
-            .env("INFER_CUDA_HOST_HARNESS", "1")
-            .args(["up", "--port", "0", "--device", "cuda", "--model"])
-            .arg(&model)
-            .args(flags)
-            .output()
-            .expect("run infer up");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{flags:?}: {stderr}");
-        assert!(stderr.contains(unbuilt), "{flags:?}: {stderr}");
-        assert!(!stderr.contains("started"), "{flags:?}: {stderr}");
-    }
+    // Disaggregated prefill/decode on GPUs: refused before anything starts.
+    let output = infer()
+        .env("INFER_CUDA_HOST_HARNESS", "1")
+        .args(["up", "--port", "0", "--device", "cuda", "--model"])
+        .arg(&model)
+        .args(["--prefill", "1", "--decode", "1"])
+        .output()
+        .expect("run infer up");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--prefill/--decode"), "{stderr}");
+    assert!(!stderr.contains("started"), "{stderr}");
 }
 
 /// `infer up --device cuda --dp 2`: two replicas, each one rank on its own GPU slot (0 and
@@ -259,6 +252,54 @@ fn dp_2_device_replicas_serve_the_cpu_engines_completions() {
         assert!(
             log.contains(&format!("rank {rank} on the host harness"))
                 && log.contains(&format!("CUDA_VISIBLE_DEVICES={rank}\n")),
+            "rank {rank}:\n{log}"
+        );
+    }
+}
+
+/// `infer up --device cuda --tp 2 --ep 2` on a Mixtral-style MoE: each rank holds half the
+/// experts (its log says which), runs its own on the tokens routed to them, and the TP
+/// group sums the outputs; the completion is the one device process's, which holds them
+/// all, and that gives the CPU engine's tokens. (Without the sum the completion differs.)
+#[test]
+fn ep_2_device_ranks_hold_half_the_experts_each_and_serve_the_whole_models_completion() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("moe.gguf");
+    let shape = crate::synthetic::Shape {
+        hidden: 64,
+        intermediate: 96,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab: 60,
+        qkv_bias: false,
+    };
+    crate::synthetic::write_gguf_moe(&model, &shape, 4, 2, 13);
+    let (one, _) = generate(&model, &["--device", "cuda"], true);
+    let (cpu, _) = generate(&model, &[], false);
+    assert_eq!(one["tokens"], cpu["tokens"], "one device process");
+    let run_dir = dir.path().join("run");
+    let mut command = infer();
+    command
+        .env("INFER_CUDA_HOST_HARNESS", "1")
+        .args([
+            "up", "--port", "0", "--device", "cuda", "--tp", "2", "--ep", "2",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .arg("--run-dir")
+        .arg(&run_dir);
+    let server = crate::serve::Server::start_command(command);
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "HELLO THERE", "max_tokens": 5, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["text"], one["text"], "{reply}");
+    for (rank, experts) in [(0, "experts 0-1 of 4"), (1, "experts 2-3 of 4")] {
+        let log = rank_log(&run_dir, rank);
+        assert!(
+            log.contains(&format!("{experts} on this rank")),
             "rank {rank}:\n{log}"
         );
     }

@@ -47,6 +47,13 @@ struct DeviceLayer<B: Backend> {
 }
 
 /// The MLP of a layer: dense SwiGLU, or a router over experts.
+/// One expert's `(gate, up, down)` on the device.
+type DeviceExpert<B> = (
+    <B as Backend>::Matrix,
+    <B as Backend>::Matrix,
+    <B as Backend>::Matrix,
+);
+
 enum DeviceFfn<B: Backend> {
     Dense {
         gate: B::Matrix,
@@ -55,8 +62,9 @@ enum DeviceFfn<B: Backend> {
     },
     Moe {
         router: B::Matrix,
-        /// `(gate, up, down)` of each expert.
-        experts: Vec<(B::Matrix, B::Matrix, B::Matrix)>,
+        /// `(gate, up, down)` of each expert; `None`: another rank of the TP group holds it
+        /// (expert parallelism), and the group sums the experts' outputs.
+        experts: Vec<Option<DeviceExpert<B>>>,
         top_k: usize,
         /// Each expert's intermediate width.
         width: usize,
@@ -136,7 +144,7 @@ impl<B: Backend> BackendModel<B> {
     /// blocks of 16, rounded down; at least one). An embedding table in a type other than F32 or Q8_0 is uploaded
     /// dequantized to F32 (the lookup kernels read those two).
     ///
-    /// Errors: a pipeline stage rather than every layer, experts held elsewhere, a type the backend has no kernel for
+    /// Errors: a layer that holds none of its experts, a type the backend has no kernel for
     /// (named), a failed upload (the device's error).
     pub fn new(backend: B, model: &Llama, kv_cache_tokens: usize) -> Result<BackendModel<B>> {
         let shard = &model.shard;
@@ -178,16 +186,20 @@ impl<B: Backend> BackendModel<B> {
                 Some(moe) => {
                     let mut experts = Vec::with_capacity(moe.experts.len());
                     let mut width = 0;
-                    for (e, expert) in moe.experts.iter().enumerate() {
-                        let expert = expert.as_ref().with_context(|| {
-                            format!("expert {e} of layer {index} is held by another rank; the device path runs every expert")
-                        })?;
+                    for expert in &moe.experts {
+                        let Some(expert) = expert else {
+                            experts.push(None);
+                            continue;
+                        };
                         width = expert.gate.n_rows;
-                        experts.push((
+                        experts.push(Some((
                             upload_weight(&backend, &expert.gate)?,
                             upload_weight(&backend, &expert.up)?,
                             upload_weight(&backend, &expert.down)?,
-                        ));
+                        )));
+                    }
+                    if experts.iter().all(Option::is_none) {
+                        bail!("layer {index} holds none of its experts");
                     }
                     DeviceFfn::Moe {
                         router: upload_weight(&backend, &moe.router)?,
@@ -597,7 +609,22 @@ impl<B: Backend> BackendModel<B> {
                 } => {
                     // The router's logits come to the host to pick each token's experts;
                     // each expert then runs on its tokens' rows and adds them back weighted.
+                    // With expert parallelism (experts held across the TP group, whose
+                    // members all have the same rows) each member adds its own experts'
+                    // outputs into zeros, and the group's all-reduce sums them.
                     let n_experts = experts.len();
+                    let sharded = experts.iter().any(Option::is_none);
+                    if sharded && tp.is_none() {
+                        bail!(
+                            "this shard holds only some experts (expert parallelism) but has no TP group to sum their outputs over"
+                        );
+                    }
+                    let partial = if sharded {
+                        Some(f32_buffer(n * hidden)?)
+                    } else {
+                        None
+                    };
+                    let target = partial.as_ref().unwrap_or(&x);
                     let logits = f32_buffer(n * n_experts)?;
                     be.matmul(&logits, router, &normed, n)?;
                     let logits = f32s_of(&be.download(&logits, n * n_experts * 4)?);
@@ -608,8 +635,11 @@ impl<B: Backend> BackendModel<B> {
                             routed[e].1.push(weight);
                         }
                     }
-                    for ((gate, up, down), (tokens, weights)) in experts.iter().zip(&routed) {
+                    for (expert, (tokens, weights)) in experts.iter().zip(&routed) {
                         let m = tokens.len();
+                        let Some((gate, up, down)) = expert else {
+                            continue;
+                        };
                         if m == 0 {
                             continue;
                         }
@@ -628,7 +658,11 @@ impl<B: Backend> BackendModel<B> {
                         be.swiglu(&a, &g, &u, m * width)?;
                         let out = f32_buffer(m * hidden)?;
                         be.matmul(&out, down, &a, m)?;
-                        be.scale_add_rows(&x, &out, &token_ids, &token_weights, m, hidden)?;
+                        be.scale_add_rows(target, &out, &token_ids, &token_weights, m, hidden)?;
+                    }
+                    if let Some(partial) = partial {
+                        let summed = all_reduce(be, &mut tp, partial, n * hidden)?;
+                        be.add(&x, &summed, n * hidden)?;
                     }
                 }
             }

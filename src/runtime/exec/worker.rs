@@ -74,8 +74,8 @@ pub struct RankConfig {
     /// groups inside it may use shared memory.
     pub host_ranks: std::ops::Range<u64>,
     /// Where the forward pass runs: `None`, the CPU engine; a [`KernelDevice`] for
-    /// `--device cuda` ranks (TP, PP and DP; no expert parallelism, no prefill/decode
-    /// disaggregation in this build).
+    /// `--device cuda` ranks (TP, PP, EP and DP; no prefill/decode disaggregation in this
+    /// build).
     pub device: Option<KernelDevice>,
     /// The rank's `CUDA_VISIBLE_DEVICES` as its launcher set it (said in its first line).
     pub cuda_visible_devices: Option<String>,
@@ -432,15 +432,10 @@ impl Member {
         let (rank, dp_rank) = (global_rank % (tp * pp), global_rank / (tp * pp));
         let base = (dp_rank * tp * pp) as u64;
         let (tp_rank, pp_rank) = (rank % tp, rank / tp);
-        if config.device.is_some() {
-            if config.ep > 1 {
-                bail!("expert parallelism on GPUs is not built; use --device cpu for --ep");
-            }
-            if config.pd_prefill_replicas.is_some() {
-                bail!(
-                    "prefill/decode disaggregation on GPUs is not built; use --device cpu for --prefill/--decode"
-                );
-            }
+        if config.device.is_some() && config.pd_prefill_replicas.is_some() {
+            bail!(
+                "prefill/decode disaggregation on GPUs is not built; use --device cpu for --prefill/--decode"
+            );
         }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(config.threads)
@@ -479,7 +474,8 @@ impl Member {
         let mut tp_comm = Some(connect(&format!("dp{dp_rank}/tp/{pp_rank}"), &tp_members)?);
         let mut pp_comm = Some(connect(&format!("dp{dp_rank}/pp/{tp_rank}"), &pp_members)?);
         let replica = connect(&format!("dp{dp_rank}/replica"), &all)?;
-        let ep_comm = if config.ep > 1 {
+        // The CPU engine's MoE all-to-all; device ranks sum over the TP group instead.
+        let ep_comm = if config.ep > 1 && config.device.is_none() {
             Some(connect(&format!("dp{dp_rank}/ep/{pp_rank}"), &tp_members)?)
         } else {
             None
@@ -517,6 +513,19 @@ impl Member {
                     config.cuda_visible_devices.as_deref().unwrap_or("unset"),
                 )];
                 lines.extend(loaded.notes);
+                if let Some(moe) = shard.layers.iter().find_map(|l| l.moe.as_ref())
+                    && config.ep > 1
+                {
+                    let held: Vec<usize> = (0..moe.experts.len())
+                        .filter(|&e| moe.experts[e].is_some())
+                        .collect();
+                    lines.push(format!(
+                        "experts {}-{} of {} on this rank (expert parallelism): the TP group sums their outputs",
+                        held.first().copied().unwrap_or(0),
+                        held.last().copied().unwrap_or(0),
+                        moe.experts.len()
+                    ));
+                }
                 (Some(loaded.executor), lines)
             }
         };
