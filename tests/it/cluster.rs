@@ -844,18 +844,7 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
         }
     }
     let metrics = server.metrics();
-    for replica in ["0", "1"] {
-        let routed: u64 = metrics
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(&format!(
-                    "infer_dp_requests_routed_total{{replica=\"{replica}\"}} "
-                ))
-            })
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no count for replica {replica}:\n{metrics}"));
-        assert!(routed > 0, "replica {replica} got nothing:\n{metrics}");
-    }
+    crate::serve::assert_every_replica_routed(&metrics, 2);
     // The router's connection to replica 1 runs between the data addresses.
     cluster.assert_data_connection(1, 0);
     // The collectives and the router need only the data network: with h1's management
@@ -1626,7 +1615,8 @@ fn doctor_over_the_cluster_checks_a_plan_against_the_hosts() {
 /// rank stops the gang, naming it.
 #[test]
 fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a_failed_transfer() {
-    use crate::pd::{KV_BYTES_PER_TOKEN, metric};
+    use crate::pd::KV_BYTES_PER_TOKEN;
+    use crate::serve::metric;
     use crate::serve::{Server, generate_counting};
     use serde_json::json;
     infer::model::default::ensure(&mut |_| {}).expect("model");

@@ -235,18 +235,7 @@ fn dp_2_device_replicas_serve_the_cpu_engines_completions() {
         assert_eq!(reply["choices"][0]["text"], cpu["text"], "{reply}");
     }
     let metrics = server.metrics();
-    for replica in ["0", "1"] {
-        let routed: u64 = metrics
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(&format!(
-                    "infer_dp_requests_routed_total{{replica=\"{replica}\"}} "
-                ))
-            })
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no count for replica {replica}:\n{metrics}"));
-        assert!(routed > 0, "replica {replica} got nothing:\n{metrics}");
-    }
+    crate::serve::assert_every_replica_routed(&metrics, 2);
     for rank in 0..2 {
         let log = rank_log(&run_dir, rank);
         assert!(

@@ -8,19 +8,12 @@
 use serde_json::{Value, json};
 
 use crate::scheduling::{QUESTIONS, SYSTEM};
-use crate::serve::Server;
+use crate::serve::{Server, metric};
 
 /// SmolLM2's KV bytes per position: 30 layers × (keys, values) × 3 KV heads × 64 dims × f16.
 pub const KV_BYTES_PER_TOKEN: u64 = SMOLLM2_LAYERS * 2 * 3 * 64 * 2;
 /// SmolLM2-135M's layers.
 const SMOLLM2_LAYERS: u64 = 30;
-
-pub fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
-}
 
 /// One request went through a decode replica, which computed none of its prompt.
 fn handed_off_once(metrics: &str) {

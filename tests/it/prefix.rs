@@ -7,7 +7,7 @@
 use serde_json::{Value, json};
 
 use crate::scheduling::{QUESTIONS, SYSTEM};
-use crate::serve::Server;
+use crate::serve::{Server, metric};
 
 fn bodies() -> Vec<Value> {
     QUESTIONS
@@ -17,14 +17,6 @@ fn bodies() -> Vec<Value> {
                    "max_tokens": 12, "temperature": 0})
         })
         .collect()
-}
-
-/// `name`'s value in Prometheus text.
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
 }
 
 /// Each question alone, in turn: `(answer, prompt tokens, cached tokens)`.

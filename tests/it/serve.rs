@@ -12,6 +12,26 @@ use serde_json::{Value, json};
 
 use crate::{infer, run};
 
+/// The value of the Prometheus sample `name` (with its labels) in `text`.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
+/// Every one of `replicas` DP replicas was routed a request, by the router's
+/// `infer_dp_requests_routed_total` in `metrics`.
+pub fn assert_every_replica_routed(metrics: &str, replicas: usize) {
+    for replica in 0..replicas {
+        let routed = metric(
+            metrics,
+            &format!("infer_dp_requests_routed_total{{replica=\"{replica}\"}}"),
+        );
+        assert!(routed > 0.0, "replica {replica} got nothing:\n{metrics}");
+    }
+}
+
 /// The tensor-parallel layout the issue names: three rank processes.
 const TP3: &[&str] = &["--tp", "3"];
 
@@ -1002,18 +1022,7 @@ fn data_parallel_replicas_share_the_load() {
     ] {
         assert!(metrics.contains(expected), "{expected}{metrics}");
     }
-    for replica in ["0", "1"] {
-        let routed: u64 = metrics
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(&format!(
-                    "infer_dp_requests_routed_total{{replica=\"{replica}\"}} "
-                ))
-            })
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no count for replica {replica}:\n{metrics}"));
-        assert!(routed > 0, "replica {replica} got nothing:\n{metrics}");
-    }
+    assert_every_replica_routed(&metrics, 2);
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(ranks[1] as i32).expect("pid"),
         rustix::process::Signal::KILL,

@@ -394,22 +394,26 @@ fn reference_products(
         .collect()
 }
 
+/// `values` encoded as `ty`: F16 or BF16 (rounded to nearest), else F32.
+fn float_rows(ty: GgmlType, values: &[f32]) -> Vec<u8> {
+    match ty {
+        GgmlType::F16 => values
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        GgmlType::Bf16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        _ => bytes_of(values),
+    }
+}
+
 fn mul_mat_vec_float(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check> {
     // 7 rows × 300 columns (not a multiple of the 128 threads) times 2 activation rows.
     let (n_rows, n_cols, n_tokens) = (7usize, 300usize, 2usize);
     let activations = values(30, n_tokens * n_cols);
-    let w = values(31 + ty as u64, n_rows * n_cols);
-    let weights: Vec<u8> = match ty {
-        GgmlType::F16 => w
-            .iter()
-            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        GgmlType::Bf16 => w
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect(),
-        _ => bytes_of(&w),
-    };
+    let weights = float_rows(ty, &values(31 + ty as u64, n_rows * n_cols));
     let mut product = vec![0u8; n_tokens * n_rows * 4];
     runner.launch(
         kernel,
@@ -583,18 +587,7 @@ pub fn gemm_checks<D: super::backend::Device>(device: &D) -> Vec<Check> {
         }
         let weights = match ty {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
-                let w = values(70 + ty as u64, n_rows * n_cols);
-                match ty {
-                    GgmlType::F16 => w
-                        .iter()
-                        .flat_map(|v| f16::from_f32(*v).to_le_bytes())
-                        .collect(),
-                    GgmlType::Bf16 => w
-                        .iter()
-                        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                        .collect(),
-                    _ => bytes_of(&w),
-                }
+                float_rows(ty, &values(70 + ty as u64, n_rows * n_cols))
             }
             _ => random_rows(ty, 70 + ty as u64, n_rows, n_cols),
         };
