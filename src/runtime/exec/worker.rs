@@ -393,7 +393,8 @@ pub struct Member {
     pp_comm: Option<ShmComm>,
     /// Every rank of the replica; the driver is its rank 0.
     replica: ShmComm,
-    /// The TP group again, for the MoE all-to-all, when experts are sharded.
+    /// The TP group again, for the CPU engine's MoE all-to-all, when experts are sharded
+    /// (device ranks sum their experts' outputs over the TP group instead).
     ep_comm: Option<ShmComm>,
     caches: HashMap<u64, KvCache>,
     /// This rank's end of the KV hand-off between prefill and decode replicas.
