@@ -66,9 +66,6 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
                     "--prefill/--decode run on an inventory's hosts (`--cluster hosts.toml`), not on the planned cluster `{cluster}`"
                 );
             }
-            if gpu.is_some() {
-                bail!("--prefill/--decode run CPU ranks in this build; use --device cpu");
-            }
             Some((prefill, decode))
         }
         _ => None,

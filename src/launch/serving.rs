@@ -186,11 +186,6 @@ pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> 
         crate::serve::http::check_bind(&settings.host, settings.port)?;
     }
     let ranks = layout.world_size() > 1 || inventory(settings).is_some() || settings.node.is_some();
-    if settings.gpu.is_some() && ranks && layout.pd_prefill.is_some() {
-        bail!(
-            "`infer up --device cuda` runs one process on one GPU, or --tp/--pp/--dp/--ep ranks on GPUs: prefill/decode disaggregation on GPUs is not built in this build; use --device cpu for --prefill/--decode"
-        );
-    }
     if ranks {
         return launch(settings, &layout, started, events);
     }

@@ -137,8 +137,7 @@ fn tp_2_device_ranks_give_the_cpu_engines_tokens() {
 
 /// `infer up --device cuda --plan plan.json`: the plan's `cuda_visible_devices` per rank
 /// reaches the ranks (swapped in the file here, so that only the plan can explain it), the
-/// TP 2 replica serves the CPU engine's completion, and disaggregated layouts on GPUs are
-/// refused before anything starts.
+/// TP 2 replica serves the CPU engine's completion.
 #[test]
 fn a_plans_gpus_reach_the_device_ranks_that_serve() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -193,20 +192,101 @@ fn a_plans_gpus_reach_the_device_ranks_that_serve() {
             "rank {rank} should be on the plan's GPU {gpu}:\n{log}"
         );
     }
-    drop(server);
+}
 
-    // Disaggregated prefill/decode on GPUs: refused before anything starts.
-    let output = infer()
-        .env("INFER_CUDA_HOST_HARNESS", "1")
-        .args(["up", "--port", "0", "--device", "cuda", "--model"])
-        .arg(&model)
-        .args(["--prefill", "1", "--decode", "1"])
-        .output()
-        .expect("run infer up");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("--prefill/--decode"), "{stderr}");
-    assert!(!stderr.contains("started"), "{stderr}");
+/// `infer up --device cuda --prefill 1 --decode 1`, then with `--tp 2` and `--pp 2` on both
+/// roles: the
+/// prompts run on the prefill replica's device in chunks of 16 tokens; after each chunk's
+/// step every rank copies its shard's new KV blocks out of the device cache and sends them
+/// to the same rank of the decode replica, which writes them into its own device cache and
+/// generates the rest. The completions (greedy and seeded, prompts of one to three chunks)
+/// are one device process's; the decode replica computes no prompt, and the KV bytes and
+/// parts are the prompts' (one part per chunk: every layer at once).
+#[test]
+fn prefill_and_decode_device_replicas_give_one_device_process_completions() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = model(dir.path());
+    let serve = |layout: &[&str]| {
+        let mut command = infer();
+        command
+            .env("INFER_CUDA_HOST_HARNESS", "1")
+            .args(["up", "--port", "0", "--device", "cuda"])
+            .args(["--max-num-batched-tokens", "16", "--model"])
+            .arg(&model)
+            .args(layout);
+        crate::serve::Server::start_command(command)
+    };
+    let bodies = [
+        json!({"prompt": "HELLO THERE", "max_tokens": 5, "temperature": 0}),
+        json!({"prompt": "THEQUICKBROWNFOXJUMPSOVERTHELAZYDOG0123456789", "max_tokens": 6, "temperature": 0}),
+        json!({"prompt": "ONCEUPONATIME", "max_tokens": 6, "temperature": 0.9, "seed": 7}),
+    ];
+    let answers = |server: &crate::serve::Server| -> Vec<(Value, u64)> {
+        bodies
+            .iter()
+            .map(|body| {
+                let (status, reply) = server.post("/v1/completions", body);
+                assert_eq!(status, 200, "{reply}");
+                let prompt_tokens = reply["usage"]["prompt_tokens"].as_u64().expect("usage");
+                (reply["choices"][0]["text"].clone(), prompt_tokens)
+            })
+            .collect()
+    };
+    let one = serve(&[]);
+    let expected = answers(&one);
+    drop(one);
+    assert!(
+        expected.iter().any(|(_, p)| *p > 32),
+        "a prompt of three chunks: {expected:?}"
+    );
+    // The synthetic model's KV bytes per position: 2 layers × (keys, values) × 2 KV heads ×
+    // 16 dims × f16.
+    let kv_bytes_per_token = 2 * 2 * 2 * 16 * 2;
+    for (tp, pp, layout) in [
+        (1, 1, &["--prefill", "1", "--decode", "1"][..]),
+        (2, 1, &["--prefill", "1", "--decode", "1", "--tp", "2"][..]),
+        (1, 2, &["--prefill", "1", "--decode", "1", "--pp", "2"][..]),
+    ] {
+        let server = serve(layout);
+        let got = answers(&server);
+        assert_eq!(got, expected, "{layout:?}");
+        let metrics = server.metrics();
+        let metric = |name: &str| crate::serve::metric(&metrics, name);
+        let prompt_tokens: u64 = got.iter().map(|(_, p)| p).sum();
+        let chunks: u64 = got.iter().map(|(_, p)| p.div_ceil(16)).sum();
+        assert_eq!(metric("infer_pd_handoffs_total"), 3.0, "{metrics}");
+        assert_eq!(
+            metric("infer_pd_decode_prefill_tokens_total"),
+            0.0,
+            "{metrics}"
+        );
+        // The counters are the driver rank's shard: half the KV heads under TP 2, half the
+        // layers under PP 2.
+        assert_eq!(
+            metric("infer_pd_kv_bytes_sent_total"),
+            (prompt_tokens * kv_bytes_per_token / tp / pp) as f64,
+            "{layout:?}: {metrics}"
+        );
+        assert_eq!(
+            metric("infer_pd_kv_parts_sent_total"),
+            chunks as f64,
+            "{layout:?}: {metrics}"
+        );
+        let logs = crate::pd::rank_logs(&server);
+        let replica = (tp * pp) as usize;
+        assert_eq!(logs.len(), 2 * replica, "{layout:?}");
+        for (rank, log) in logs.iter().enumerate() {
+            assert!(
+                log.contains(&format!("rank {rank} on the host harness")),
+                "rank {rank}:\n{log}"
+            );
+        }
+        assert!(
+            logs[2 * replica - 1].contains("decode replica, KV inbox on"),
+            "{}",
+            logs[2 * replica - 1]
+        );
+    }
 }
 
 /// `infer up --device cuda --dp 2`: two replicas, each one rank on its own GPU slot (0 and

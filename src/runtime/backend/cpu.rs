@@ -270,6 +270,42 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn read_kv_blocks(
+        &self,
+        out: &CpuBuffer,
+        cache: &CpuBuffer,
+        ids: &CpuBuffer,
+        n_ids: usize,
+        block_bytes: usize,
+    ) -> Result<()> {
+        let (cache, ids) = (cache.0.borrow(), ids.i32s());
+        let mut out = out.0.borrow_mut();
+        for (i, &id) in ids[..n_ids].iter().enumerate() {
+            let b = index(id, cache.len() / block_bytes, "KV block")?;
+            out[i * block_bytes..(i + 1) * block_bytes]
+                .copy_from_slice(&cache[b * block_bytes..(b + 1) * block_bytes]);
+        }
+        Ok(())
+    }
+
+    fn write_kv_blocks(
+        &self,
+        cache: &CpuBuffer,
+        rows: &CpuBuffer,
+        ids: &CpuBuffer,
+        n_ids: usize,
+        block_bytes: usize,
+    ) -> Result<()> {
+        let (rows, ids) = (rows.0.borrow(), ids.i32s());
+        let mut cache = cache.0.borrow_mut();
+        for (i, &id) in ids[..n_ids].iter().enumerate() {
+            let b = index(id, cache.len() / block_bytes, "KV block")?;
+            cache[b * block_bytes..(b + 1) * block_bytes]
+                .copy_from_slice(&rows[i * block_bytes..(i + 1) * block_bytes]);
+        }
+        Ok(())
+    }
+
     fn attention(
         &self,
         out: &CpuBuffer,

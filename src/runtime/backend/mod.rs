@@ -149,6 +149,34 @@ pub trait Backend {
         n_kv_heads: usize,
         head_dim: usize,
     ) -> Result<()>;
+    /// Copies whole blocks out of one layer's cache `(n_blocks, block_bytes)`, bit for bit:
+    /// `out (n_ids, block_bytes)` = blocks `ids (n_ids) i32` (a sequence's keys or values
+    /// handed to another replica). `block_bytes` is a multiple of 4 (a block is
+    /// `n_kv_heads · 16 · head_dim` f16).
+    ///
+    /// Errors: a block outside the cache.
+    fn read_kv_blocks(
+        &self,
+        out: &Self::Buffer,
+        cache: &Self::Buffer,
+        ids: &Self::Buffer,
+        n_ids: usize,
+        block_bytes: usize,
+    ) -> Result<()>;
+    /// Writes whole blocks into one layer's cache, bit for bit: blocks `ids (n_ids) i32`
+    /// (distinct) of `cache (n_blocks, block_bytes)` = `rows (n_ids, block_bytes)` (a
+    /// sequence's keys or values another replica computed). `block_bytes` as in
+    /// [`Backend::read_kv_blocks`].
+    ///
+    /// Errors: a block outside the cache.
+    fn write_kv_blocks(
+        &self,
+        cache: &Self::Buffer,
+        rows: &Self::Buffer,
+        ids: &Self::Buffer,
+        n_ids: usize,
+        block_bytes: usize,
+    ) -> Result<()>;
     /// Attention of `q (n_queries, n_heads, head_dim)` over one layer's paged caches: query
     /// `t` reads the blocks of row `table_rows[t]` of `tables (n_rows, max_blocks) i32` and
     /// attends to its first `context_lens[t]` positions; GQA maps head `h` to KV head

@@ -232,6 +232,34 @@ impl<D: Device> KernelBackend<D> {
             .launch(kernel, grid, [Self::threads(kernel), 1, 1], args)
     }
 
+    /// [`Backend::read_kv_blocks`] or [`Backend::write_kv_blocks`] (`kernel`): `to`'s blocks
+    /// (or rows) from `from`'s rows (or blocks), 32-bit words at a time.
+    fn copy_kv_blocks(
+        &self,
+        kernel: &str,
+        to: &D::Buffer,
+        from: &D::Buffer,
+        ids: &D::Buffer,
+        n_ids: usize,
+        block_bytes: usize,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        if !block_bytes.is_multiple_of(4) {
+            bail!("a KV block of {block_bytes} bytes is not whole 32-bit words");
+        }
+        let words = block_bytes / 4;
+        self.run(
+            kernel,
+            [u32_of(n_ids, "blocks")?, blocks(words, 256)?, 1],
+            &[
+                Buffer(to),
+                Buffer(from),
+                Buffer(ids),
+                U32(u32_of(words, "words")?),
+            ],
+        )
+    }
+
     /// [`Backend::matmul`] as one GEMM: quantized weights dequantized to f16 (a temporary
     /// [n_rows, n_cols] buffer), activations rounded to the weights' type.
     fn matmul_gemm(
@@ -595,6 +623,28 @@ impl<D: Device> Backend for KernelBackend<D> {
                 U32(u32_of(head_dim, "head_dim")?),
             ],
         )
+    }
+
+    fn read_kv_blocks(
+        &self,
+        out: &D::Buffer,
+        cache: &D::Buffer,
+        ids: &D::Buffer,
+        n_ids: usize,
+        block_bytes: usize,
+    ) -> Result<()> {
+        self.copy_kv_blocks("read_kv_blocks", out, cache, ids, n_ids, block_bytes)
+    }
+
+    fn write_kv_blocks(
+        &self,
+        cache: &D::Buffer,
+        rows: &D::Buffer,
+        ids: &D::Buffer,
+        n_ids: usize,
+        block_bytes: usize,
+    ) -> Result<()> {
+        self.copy_kv_blocks("write_kv_blocks", cache, rows, ids, n_ids, block_bytes)
     }
 
     fn attention(

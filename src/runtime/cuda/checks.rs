@@ -149,6 +149,8 @@ pub fn run_all(runner: &dyn Runner) -> Vec<Check> {
     record("add_bias_f32 3×300", add_bias(runner));
     record("scale_add_rows_f32 3 of 5×300", scale_add_rows(runner));
     record("store_kv_f16", store_kv(runner));
+    record("read_kv_blocks 3 of 5", read_kv_blocks(runner));
+    record("write_kv_blocks 2 of 5", write_kv_blocks(runner));
     record("paged_attention_f16kv", attention(runner));
     record("argmax_f32", argmax(runner));
     checks
@@ -761,6 +763,97 @@ fn store_kv(runner: &dyn Runner) -> Result<Check> {
             "every value in its slot, rounded as the CPU's cache, bit for bit".into()
         } else {
             format!("{wrong} values differ from the CPU cache's")
+        },
+    })
+}
+
+/// A 5-block pool of 2 KV heads × 16 × 40 dims (640 words a block: not a multiple of the
+/// 256 threads) filled with arbitrary bits (NaN patterns among them), and its block bytes.
+fn kv_pool_bits(seed: u64, n_blocks: usize) -> (Vec<u8>, usize) {
+    let block_bytes = 2 * 16 * 40 * 2;
+    let bits = values(seed, n_blocks * block_bytes / 4)
+        .iter()
+        .flat_map(|v| (v.to_bits().wrapping_mul(0x9e37_79b9) | 0x7c00).to_ne_bytes())
+        .collect();
+    (bits, block_bytes)
+}
+
+/// Block `b` of `bytes`, blocks of `block_bytes`.
+fn kv_block(bytes: &[u8], b: usize, block_bytes: usize) -> &[u8] {
+    &bytes[b * block_bytes..(b + 1) * block_bytes]
+}
+
+fn read_kv_blocks(runner: &dyn Runner) -> Result<Check> {
+    // Blocks 4, 0 and 2 of the pool read out in that order.
+    let (cache, block_bytes) = kv_pool_bits(60, 5);
+    let read: Vec<i32> = vec![4, 0, 2];
+    let mut out = vec![0u8; read.len() * block_bytes];
+    runner.launch(
+        "read_kv_blocks",
+        [read.len() as u32, (block_bytes / 4).div_ceil(256) as u32, 1],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut out),
+            Arg::In(&cache),
+            Arg::In(&bytes_of(&read)),
+            Arg::U32((block_bytes / 4) as u32),
+        ],
+    )?;
+    let wrong = read
+        .iter()
+        .enumerate()
+        .filter(|(i, b)| {
+            kv_block(&out, *i, block_bytes) != kv_block(&cache, **b as usize, block_bytes)
+        })
+        .count();
+    Ok(Check {
+        name: "read_kv_blocks 3 of 5".into(),
+        passed: wrong == 0,
+        detail: if wrong == 0 {
+            "whole blocks out, bit for bit".into()
+        } else {
+            format!("{wrong} of 3 blocks differ")
+        },
+    })
+}
+
+fn write_kv_blocks(runner: &dyn Runner) -> Result<Check> {
+    // Two rows written into blocks 3 and 1 of the pool; the other blocks keep their bits.
+    let (cache, block_bytes) = kv_pool_bits(61, 5);
+    let (rows, _) = kv_pool_bits(62, 2);
+    let write: Vec<i32> = vec![3, 1];
+    let mut written = cache.clone();
+    runner.launch(
+        "write_kv_blocks",
+        [
+            write.len() as u32,
+            (block_bytes / 4).div_ceil(256) as u32,
+            1,
+        ],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut written),
+            Arg::In(&rows),
+            Arg::In(&bytes_of(&write)),
+            Arg::U32((block_bytes / 4) as u32),
+        ],
+    )?;
+    let wrong = (0..5)
+        .filter(|&b| {
+            let expected = match write.iter().position(|w| *w as usize == b) {
+                Some(i) => kv_block(&rows, i, block_bytes),
+                None => kv_block(&cache, b, block_bytes),
+            };
+            kv_block(&written, b, block_bytes) != expected
+        })
+        .count();
+    Ok(Check {
+        name: "write_kv_blocks 2 of 5".into(),
+        passed: wrong == 0,
+        detail: if wrong == 0 {
+            "whole blocks in, bit for bit, the others untouched".into()
+        } else {
+            format!("{wrong} of 5 blocks differ")
         },
     })
 }

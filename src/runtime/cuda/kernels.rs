@@ -233,6 +233,16 @@ pub const FAMILIES: &[Family] = &[
                 params: &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32],
                 block_threads: 256,
             },
+            Kernel {
+                name: "read_kv_blocks",
+                params: &[Ptr, Ptr, Ptr, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "write_kv_blocks",
+                params: &[Ptr, Ptr, Ptr, U32],
+                block_threads: 256,
+            },
         ],
     },
     Family {

@@ -8,10 +8,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::exec::kv::{KvCache, KvPool};
+use crate::runtime::exec::kv::{KvCache, KvPool, KvTransfer};
 use crate::runtime::model::sampling::{Sampler, SamplingParams, logprob};
 use crate::runtime::model::tokenizer::{TextStream, Tokenizer};
 
@@ -193,6 +193,32 @@ pub trait Executor: Send {
     /// set. Taking empties it. Only prefill/decode disaggregation fails a transfer.
     fn take_transfer_failures(&mut self) -> Vec<(u64, String)> {
         Vec::new()
+    }
+
+    /// Starts sequence `entry.seq` (its first step: `params` and `import` set) from the KV
+    /// of its prompt that another replica computed, `parts` covering this shard's layers at
+    /// every prompt position (prefill/decode disaggregation on a device, whose cache the
+    /// executor keeps; a CPU rank imports into its own caches instead). The next
+    /// [`Executor::step`] with the entry then runs only its `tokens`.
+    ///
+    /// Errors: this executor does not import (the default), parts of another geometry or
+    /// prompt, a full cache.
+    fn import_kv(&mut self, entry: &StepEntry, parts: &[KvTransfer]) -> Result<()> {
+        let _ = parts;
+        bail!(
+            "sequence {}: this executor does not import KV (prefill/decode disaggregation runs on rank processes: infer up --prefill N --decode M)",
+            entry.seq
+        )
+    }
+
+    /// The keys and values sequence `seq` stored from position `from` on, every layer of this
+    /// shard, as a hand-off to a decode replica; `None` when nothing is stored past `from`.
+    ///
+    /// Errors: this executor does not export (the default), an unknown sequence, the
+    /// device's.
+    fn export_kv(&mut self, seq: u64, from: usize) -> Result<Option<KvTransfer>> {
+        let _ = from;
+        bail!("sequence {seq}: this executor does not export KV")
     }
 
     /// The model's context length, tokens.

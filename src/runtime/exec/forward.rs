@@ -21,7 +21,7 @@ use crate::runtime::backend::{
 use crate::runtime::collectives::Comm;
 use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, first_step_cache, sample};
-use crate::runtime::exec::kv::{KvCache, KvPool};
+use crate::runtime::exec::kv::{KvCache, KvPool, KvTransfer};
 use crate::runtime::model::config::LlamaConfig;
 use crate::runtime::model::llama::Llama;
 use crate::runtime::model::moe::top_k_experts;
@@ -355,6 +355,137 @@ impl<B: Backend> BackendModel<B> {
             input = vec![next];
         }
         Ok(tokens)
+    }
+
+    /// Bytes of one block of one layer's keys (or values): `(n_kv_heads, 16, head_dim)` f16.
+    fn kv_block_bytes(&self) -> usize {
+        self.config.n_kv_heads * KV_BLOCK_TOKENS * self.config.head_dim * 2
+    }
+
+    /// The keys and values `sequence` stored at `positions`, every layer of the model (or
+    /// shard), as f16 bits in the hand-off's layout `(n_layers, 2, n_kv_heads,
+    /// n_positions, head_dim)` (keys before values;
+    /// [`crate::runtime::exec::kv::KvTransfer`]): for each layer's keys and values, the
+    /// blocks that hold the positions are copied out whole on the device into one buffer
+    /// and downloaded, and the positions picked on the host.
+    ///
+    /// Errors: positions not stored, the backend's.
+    pub fn read_kv(
+        &self,
+        sequence: &DeviceSequence,
+        positions: std::ops::Range<usize>,
+    ) -> Result<Vec<u16>> {
+        if positions.start > positions.end || positions.end > sequence.n_tokens {
+            bail!(
+                "positions {}..{} are not all stored ({} are)",
+                positions.start,
+                positions.end,
+                sequence.n_tokens
+            );
+        }
+        let (n_kv_heads, head_dim) = (self.config.n_kv_heads, self.config.head_dim);
+        let n = positions.len();
+        let mut values = Vec::with_capacity(self.layers.len() * 2 * n_kv_heads * n * head_dim);
+        if n == 0 {
+            return Ok(values);
+        }
+        let first_block = positions.start / KV_BLOCK_TOKENS;
+        let held = &sequence.blocks[first_block..positions.end.div_ceil(KV_BLOCK_TOKENS)];
+        let ids: Vec<i32> = held.iter().map(|&b| b as i32).collect();
+        let ids_buffer = self.backend.upload(&bytes_of(&ids))?;
+        let block_bytes = self.kv_block_bytes();
+        let out = self.backend.zeros(held.len() * block_bytes)?;
+        for layer in 0..self.layers.len() {
+            for cache in [&self.k_cache[layer], &self.v_cache[layer]] {
+                self.backend
+                    .read_kv_blocks(&out, cache, &ids_buffer, held.len(), block_bytes)?;
+                let bytes = self.backend.download(&out, held.len() * block_bytes)?;
+                // `(n_held, n_kv_heads, 16, head_dim)` to `(n_kv_heads, n_positions, head_dim)`.
+                for head in 0..n_kv_heads {
+                    for position in positions.clone() {
+                        let (block, slot) = (
+                            position / KV_BLOCK_TOKENS - first_block,
+                            position % KV_BLOCK_TOKENS,
+                        );
+                        let at = ((block * n_kv_heads + head) * KV_BLOCK_TOKENS + slot) * head_dim;
+                        values.extend(
+                            bytes[2 * at..2 * (at + head_dim)]
+                                .chunks_exact(2)
+                                .map(|b| u16::from_ne_bytes([b[0], b[1]])),
+                        );
+                    }
+                }
+            }
+        }
+        Ok(values)
+    }
+
+    /// Writes `values` (f16 bits in [`BackendModel::read_kv`]'s layout, positions
+    /// `0..n_positions`, every layer) into `sequence`'s blocks, which hold nothing yet, and
+    /// counts the positions as stored: a sequence whose prompt another replica computed.
+    /// Whole blocks are written (the last one's tail zeroed): one upload and one copy kernel
+    /// for each layer's keys and for its values.
+    ///
+    /// Errors: a sequence with positions stored already, or without the blocks for
+    /// `n_positions`; `values` of another length; the backend's.
+    pub fn write_kv(
+        &mut self,
+        sequence: &mut DeviceSequence,
+        n_positions: usize,
+        values: &[u16],
+    ) -> Result<()> {
+        let (n_kv_heads, head_dim) = (self.config.n_kv_heads, self.config.head_dim);
+        let n_blocks = n_positions.div_ceil(KV_BLOCK_TOKENS);
+        if sequence.n_tokens != 0 || sequence.blocks.len() < n_blocks {
+            bail!(
+                "KV of {n_positions} positions goes into a sequence with none stored and {n_blocks} blocks (it has {} stored, {} blocks)",
+                sequence.n_tokens,
+                sequence.blocks.len()
+            );
+        }
+        let layer_values = 2 * n_kv_heads * n_positions * head_dim;
+        if values.len() != self.layers.len() * layer_values {
+            bail!(
+                "{} KV values for {} layers of {n_positions} positions (expected {})",
+                values.len(),
+                self.layers.len(),
+                self.layers.len() * layer_values
+            );
+        }
+        if n_positions == 0 {
+            return Ok(());
+        }
+        let ids: Vec<i32> = sequence.blocks[..n_blocks]
+            .iter()
+            .map(|&b| b as i32)
+            .collect();
+        let ids_buffer = self.backend.upload(&bytes_of(&ids))?;
+        let block_bytes = self.kv_block_bytes();
+        let mut rows = vec![0u8; n_blocks * block_bytes];
+        for layer in 0..self.layers.len() {
+            let layer_at = layer * layer_values;
+            for (half, cache) in [&self.k_cache[layer], &self.v_cache[layer]]
+                .into_iter()
+                .enumerate()
+            {
+                let half_values = &values[layer_at + half * layer_values / 2..][..layer_values / 2];
+                // `(n_kv_heads, n_positions, head_dim)` to `(n_blocks, n_kv_heads, 16, head_dim)`.
+                rows.fill(0);
+                for (row, chunk) in half_values.chunks_exact(head_dim).enumerate() {
+                    let (head, position) = (row / n_positions, row % n_positions);
+                    let (block, slot) = (position / KV_BLOCK_TOKENS, position % KV_BLOCK_TOKENS);
+                    let at = ((block * n_kv_heads + head) * KV_BLOCK_TOKENS + slot) * head_dim;
+                    for (d, bits) in chunk.iter().enumerate() {
+                        rows[2 * (at + d)..2 * (at + d) + 2].copy_from_slice(&bits.to_ne_bytes());
+                    }
+                }
+                let upload = self.backend.upload(&rows)?;
+                self.backend
+                    .write_kv_blocks(cache, &upload, &ids_buffer, n_blocks, block_bytes)?;
+            }
+        }
+        sequence.n_tokens = n_positions;
+        Ok(())
     }
 
     /// Takes the blocks every sequence of the batch needs, all or none.
@@ -789,12 +920,16 @@ where
             return Ok(Vec::new());
         }
         for entry in entries {
-            if entry.handoff.is_some() || entry.import.is_some() {
-                bail!(
-                    "prefill/decode disaggregation runs on rank processes (infer up --prefill N --decode M)"
-                );
-            }
-            if let Some(params) = &entry.params {
+            // A hand-off's KV goes out after the step ([`Executor::export_kv`], called by the
+            // rank); an import's came in before it ([`Executor::import_kv`]).
+            if entry.import.is_some() {
+                if !self.sequences.contains_key(&entry.seq) {
+                    bail!(
+                        "sequence {}: its KV was not imported before its first step (prefill/decode disaggregation runs on rank processes: infer up --prefill N --decode M)",
+                        entry.seq
+                    );
+                }
+            } else if let Some(params) = &entry.params {
                 let mut sampler = Sampler::new(params);
                 sampler.skip(entry.sampled_before);
                 self.sequences.remove(&entry.seq);
@@ -893,6 +1028,52 @@ where
             self.sequences.insert(entry.seq, state);
         }
         sampled
+    }
+
+    fn import_kv(&mut self, entry: &StepEntry, parts: &[KvTransfer]) -> Result<()> {
+        let params = entry
+            .params
+            .as_ref()
+            .with_context(|| format!("sequence {}: an import needs its first step", entry.seq))?;
+        let c = &self.model.config;
+        let whole = KvTransfer::assemble(parts, self.model.layers.len(), c.n_kv_heads, c.head_dim)?;
+        let n_positions = whole.tokens.len();
+        let mut ledger = self.ledger.new_cache();
+        ledger.prompt_tokens = Some(whole.prompt_tokens);
+        ledger.reserve(n_positions)?;
+        let mut sequence = DeviceSequence {
+            blocks: self.device_blocks(&ledger)?,
+            n_tokens: 0,
+        };
+        self.model
+            .write_kv(&mut sequence, n_positions, &whole.values)?;
+        // Stored: full blocks go into the prefix cache (when it is on).
+        ledger.commit(&whole.tokens);
+        let mut sampler = Sampler::new(params);
+        sampler.skip(entry.sampled_before);
+        self.sequences
+            .insert(entry.seq, (sequence, ledger, sampler));
+        Ok(())
+    }
+
+    fn export_kv(&mut self, seq: u64, from: usize) -> Result<Option<KvTransfer>> {
+        let (sequence, ledger, _) = self
+            .sequences
+            .get(&seq)
+            .with_context(|| format!("sequence {seq} is unknown to the engine"))?;
+        if from >= ledger.n_tokens {
+            return Ok(None);
+        }
+        let c = &self.model.config;
+        Ok(Some(KvTransfer {
+            tokens: ledger.tokens()[from..].to_vec(),
+            first_position: from,
+            prompt_tokens: ledger.prompt_tokens.unwrap_or(ledger.n_tokens),
+            layers: 0..self.model.layers.len(),
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            values: self.model.read_kv(sequence, from..ledger.n_tokens)?,
+        }))
     }
 
     fn tokenizer(&self) -> &Tokenizer {

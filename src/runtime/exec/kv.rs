@@ -331,6 +331,30 @@ impl KvTransfer {
         self.values.len() * 2
     }
 
+    /// One transfer of every layer at every prompt position from `parts` that cover them
+    /// (an [`crate::runtime::exec::handoff::Inbox::take`]'s), for a shard of `n_layers`
+    /// layers × `n_kv_heads` × `head_dim`: put together in a host cache, checked as
+    /// [`KvCache::import`] checks them. What a device rank writes into its own cache.
+    ///
+    /// Errors: no parts, those of [`KvCache::import`].
+    pub fn assemble(
+        parts: &[KvTransfer],
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<KvTransfer> {
+        if parts.is_empty() {
+            bail!("a KV transfer of no parts");
+        }
+        let pool = KvPool::new(n_layers, n_kv_heads, head_dim, None);
+        let mut cache = pool.new_cache();
+        for part in parts {
+            cache.import(part)?;
+        }
+        cache.finish_import();
+        cache.export(0..n_layers, 0..cache.n_tokens)
+    }
+
     /// Splits the transfer into parts of at most `max_bytes` each (one position of one
     /// layer at least, whatever the limit): by layer ranges while a whole layer fits, else
     /// each layer by position ranges. The parts cover what `self` covers, with the same
@@ -623,6 +647,11 @@ impl KvCache {
             }
         }
         Ok(())
+    }
+
+    /// The tokens whose positions are stored, in position order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens[..self.n_tokens.min(self.tokens.len())]
     }
 
     /// Blocks held.
@@ -995,5 +1024,54 @@ mod tests {
             }
             assert_eq!(seen.len(), 4 * 11, "every layer at every position");
         }
+    }
+
+    #[test]
+    fn split_parts_in_any_order_assemble_into_the_whole_prompt() {
+        let (layers, heads, dim, prompt) = (4, 3, 4, 2 * BLOCK_TOKENS + 3);
+        let mut values = Vec::new();
+        for layer in 0..layers {
+            for kv in 0..2 {
+                for head in 0..heads {
+                    for position in 0..prompt {
+                        values.extend((0..dim).map(|d| coded(layer, kv, head, position, d)));
+                    }
+                }
+            }
+        }
+        let whole = KvTransfer {
+            tokens: (0..prompt as u32).map(|p| 7 * p).collect(),
+            first_position: 0,
+            prompt_tokens: prompt,
+            layers: 0..layers,
+            n_kv_heads: heads,
+            head_dim: dim,
+            values,
+        };
+        // Parts of a layer's positions, last first.
+        let mut parts = whole.clone().split(whole.kv_bytes() / layers / 3);
+        assert!(parts.len() > layers, "{} parts", parts.len());
+        parts.reverse();
+        let assembled = KvTransfer::assemble(&parts, layers, heads, dim).expect("assemble");
+        assert_eq!(assembled.tokens, whole.tokens);
+        assert_eq!(
+            (
+                assembled.first_position,
+                assembled.prompt_tokens,
+                assembled.layers.clone()
+            ),
+            (0, prompt, 0..layers)
+        );
+        assert!(
+            assembled.values == whole.values,
+            "the same bits in the same places"
+        );
+        let error = KvTransfer::assemble(&[], layers, heads, dim).expect_err("no parts");
+        assert!(error.to_string().contains("no parts"), "{error}");
+        let error = KvTransfer::assemble(&parts, layers, 2, dim).expect_err("another geometry");
+        assert!(
+            error.to_string().contains("must shard the model alike"),
+            "{error}"
+        );
     }
 }

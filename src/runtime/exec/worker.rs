@@ -24,7 +24,7 @@ use crate::runtime::exec::executor::{
     Executor, Handoff, KvSent, Sampled, StepEntry, first_step_cache, generate, sample,
 };
 use crate::runtime::exec::handoff::{Inbox, Outbox};
-use crate::runtime::exec::kv::KvPool;
+use crate::runtime::exec::kv::{KvPool, KvTransfer};
 use crate::runtime::formats::gguf::GgufFile;
 use crate::runtime::model::llama::{KvCache, Llama, SequenceInput, StageOutput};
 use crate::runtime::model::sampling::{Sampler, SamplingParams};
@@ -74,8 +74,7 @@ pub struct RankConfig {
     /// groups inside it may use shared memory.
     pub host_ranks: std::ops::Range<u64>,
     /// Where the forward pass runs: `None`, the CPU engine; a [`KernelDevice`] for
-    /// `--device cuda` ranks (TP, PP, EP and DP; no prefill/decode disaggregation in this
-    /// build).
+    /// `--device cuda` ranks (TP, PP, EP, DP and prefill/decode disaggregation).
     pub device: Option<KernelDevice>,
     /// The rank's `CUDA_VISIBLE_DEVICES` as its launcher set it (said in its first line).
     pub cuda_visible_devices: Option<String>,
@@ -433,11 +432,6 @@ impl Member {
         let (rank, dp_rank) = (global_rank % (tp * pp), global_rank / (tp * pp));
         let base = (dp_rank * tp * pp) as u64;
         let (tp_rank, pp_rank) = (rank % tp, rank / tp);
-        if config.device.is_some() && config.pd_prefill_replicas.is_some() {
-            bail!(
-                "prefill/decode disaggregation on GPUs is not built; use --device cpu for --prefill/--decode"
-            );
-        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(config.threads)
             .build()
@@ -608,13 +602,6 @@ impl Member {
 
     /// Runs this rank's stage of one step; the sampling rank returns the sampled tokens.
     fn run_step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
-        if let Some(device) = self.device.as_mut() {
-            // Every rank runs the step on its shard; the ledger, prefix cache and samplers
-            // evolve identically on each, and the driver's answer is the replica's.
-            return device
-                .step(entries, release)
-                .with_context(|| format!("rank {}", self.global_rank));
-        }
         for seq in release {
             self.caches.remove(seq);
             self.samplers.remove(seq);
@@ -626,6 +613,16 @@ impl Member {
         // Imports whose KV did not arrive here, with why.
         let mut missing: HashMap<u64, String> = HashMap::new();
         for entry in entries {
+            if self.device.is_some() {
+                // The device executor keeps its sequences; an import's KV goes into its
+                // cache before the step.
+                if let (Some(_), Some(transfer)) = (&entry.params, entry.import)
+                    && let Err(error) = self.import_to_device(entry, transfer)
+                {
+                    missing.insert(entry.seq, format!("{error:#}"));
+                }
+                continue;
+            }
             if let Some(params) = &entry.params {
                 let cache = match entry.import {
                     Some(transfer) => match self.import(transfer) {
@@ -676,7 +673,11 @@ impl Member {
                 .collect();
             &live
         };
-        let mut sampled = self.run_live(entries)?;
+        let mut sampled = if self.device.is_some() {
+            self.run_on_device(entries, release, &failed)?
+        } else {
+            self.run_live(entries)?
+        };
         // Hand-offs after the stage's own work (its hidden state already went on), so no
         // stage waits on them; a failed send fails its sequence, not the replica.
         // The step's KV went out layer by layer during the forward pass; the step that
@@ -747,6 +748,52 @@ impl Member {
             failed.push(*seq);
         }
         Ok(failed)
+    }
+
+    /// Runs `entries` on the device executor, which first drops `release` and `failed`
+    /// (imports that failed on some rank), then queues the KV each hand-off's step stored
+    /// for its decode replica: after the step, every layer at once (the device's forward pass
+    /// runs ahead of the host, so its KV does not stream out layer by layer as a CPU
+    /// rank's does).
+    ///
+    /// Errors: the step's, an export's, a hand-off to a replica that does not decode.
+    fn run_on_device(
+        &mut self,
+        entries: &[StepEntry],
+        release: &[u64],
+        failed: &[u64],
+    ) -> Result<Vec<Option<Sampled>>> {
+        let global_rank = self.global_rank;
+        let mut streams = Vec::new();
+        for entry in entries {
+            if let Some(handoff) = entry.handoff {
+                streams.push((entry.seq, self.inbox_address(handoff)?, handoff.transfer));
+            }
+        }
+        let dropped: Vec<u64> = release.iter().chain(failed).copied().collect();
+        let device = self
+            .device
+            .as_mut()
+            .context("a device step on a rank without a device")?;
+        // Every rank runs the step on its shard; the ledger, prefix cache and samplers
+        // evolve identically on each, and the driver's answer is the replica's.
+        let sampled = device
+            .step(entries, &dropped)
+            .with_context(|| format!("rank {global_rank}"))?;
+        if let PdLink::Prefill { outbox, .. } = &mut self.pd {
+            for (seq, address, transfer) in streams {
+                let from = self.handed.get(&seq).copied().unwrap_or(0);
+                let part = device
+                    .export_kv(seq, from)
+                    .with_context(|| format!("rank {global_rank}"))?;
+                if let Some(part) = part {
+                    self.handed
+                        .insert(seq, part.first_position + part.tokens.len());
+                    outbox.send(&address, transfer, part);
+                }
+            }
+        }
+        Ok(sampled)
     }
 
     /// Runs the forward pass of `entries` (every one known to this rank) and samples.
@@ -881,25 +928,44 @@ impl Member {
     /// `transfer`, from the inbox. Errors: not a decode replica, the parts do not arrive
     /// within the timeout, a transfer of another shape.
     fn import(&mut self, transfer: u64) -> Result<KvCache> {
-        let PdLink::Decode(inbox) = &self.pd else {
-            bail!(
-                "rank {}: a KV import on a replica that is not a decode replica",
-                self.global_rank
-            );
-        };
-        let parts = inbox
-            .take(
-                transfer,
-                self.shard.layers.len(),
-                self.timeout.min(IMPORT_WAIT),
-            )
-            .with_context(|| format!("rank {}", self.global_rank))?;
+        let parts = self.take_parts(transfer)?;
         let mut cache = self.shard.new_cache();
         for part in &parts {
             cache.import(part)?;
         }
         cache.finish_import();
         Ok(cache)
+    }
+
+    /// This shard's parts of transfer `transfer`, from the inbox, once they cover every layer
+    /// and position. Errors: not a decode replica, the parts do not arrive within the
+    /// timeout.
+    fn take_parts(&self, transfer: u64) -> Result<Vec<KvTransfer>> {
+        let PdLink::Decode(inbox) = &self.pd else {
+            bail!(
+                "rank {}: a KV import on a replica that is not a decode replica",
+                self.global_rank
+            );
+        };
+        inbox
+            .take(
+                transfer,
+                self.shard.layers.len(),
+                self.timeout.min(IMPORT_WAIT),
+            )
+            .with_context(|| format!("rank {}", self.global_rank))
+    }
+
+    /// Starts sequence `entry.seq` on the device executor from this shard's parts of
+    /// transfer `transfer`. Errors: those of [`Member::take_parts`], the device's import.
+    fn import_to_device(&mut self, entry: &StepEntry, transfer: u64) -> Result<()> {
+        let parts = self.take_parts(transfer)?;
+        let global_rank = self.global_rank;
+        self.device
+            .as_mut()
+            .context("a device import on a rank without a device")?
+            .import_kv(entry, &parts)
+            .with_context(|| format!("rank {global_rank}"))
     }
 
     /// Queues this shard's KV of sequence `seq` at the stored positions not sent yet

@@ -123,3 +123,28 @@ extern "C" __global__ void store_kv_f16(unsigned short* __restrict__ k_cache,
     k_cache[at] = float_to_half(k[(unsigned long long)t * width + i]);
     v_cache[at] = float_to_half(v[(unsigned long long)t * width + i]);
 }
+
+// Whole blocks of one layer's cache in and out, bit for bit: a sequence's keys or values
+// handed between replicas (prefill/decode disaggregation). A block of the cache
+// [n_blocks, n_kv_heads, 16, head_dim] f16 is `words` = n_kv_heads * 8 * head_dim 32-bit
+// words. read_kv_blocks: out[i, :] = cache[ids[i], :]; write_kv_blocks: cache[ids[i], :] =
+// rows[i, :] (ids distinct). Launch: grid (n_ids, ceil(words / 256)), block (256).
+extern "C" __global__ void read_kv_blocks(unsigned int* __restrict__ out,
+                                          const unsigned int* __restrict__ cache,
+                                          const int* __restrict__ ids, unsigned int words) {
+    const unsigned int b = blockIdx.x;
+    const unsigned int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i < words) {
+        out[(unsigned long long)b * words + i] = cache[(unsigned long long)ids[b] * words + i];
+    }
+}
+
+extern "C" __global__ void write_kv_blocks(unsigned int* __restrict__ cache,
+                                           const unsigned int* __restrict__ rows,
+                                           const int* __restrict__ ids, unsigned int words) {
+    const unsigned int b = blockIdx.x;
+    const unsigned int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i < words) {
+        cache[(unsigned long long)ids[b] * words + i] = rows[(unsigned long long)b * words + i];
+    }
+}
