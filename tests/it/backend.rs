@@ -628,6 +628,139 @@ fn the_device_prefix_cache_reuses_blocks_and_gives_the_uncached_tokens() {
     );
 }
 
+/// Prefill/decode disaggregation between two device executors (the harness standing in for
+/// the GPUs): a prompt prefilled in two chunks on one, its KV exported after each chunk, is
+/// imported by the other (the parts in reverse order), which then decodes the tokens the
+/// first would have; an import of another geometry fails and holds no block, and a step of
+/// an import that never came is refused.
+#[test]
+fn kv_exported_by_one_device_executor_lets_another_decode_the_same_tokens() {
+    use infer::runtime::exec::executor::{Executor, StepEntry};
+    use infer::runtime::exec::forward::BackendExecutor;
+    use infer::runtime::model::sampling::SamplingParams;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let engine = servable_engine(dir.path());
+    let prompt = engine
+        .tokenizer
+        .encode("THE SHARED SYSTEM TEXT OF THIRTY TWO CHARS!WHO?", false)
+        .expect("encodes");
+    assert!(
+        prompt.len() > 32 && !prompt.len().is_multiple_of(16),
+        "{}",
+        prompt.len()
+    );
+    let params = SamplingParams {
+        max_tokens: 4,
+        ..SamplingParams::default()
+    };
+    let executor = || {
+        let model = BackendModel::new(KernelBackend::new(crate::cuda::host()), &engine.model, 256)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        BackendExecutor::new(model, engine.tokenizer.clone())
+    };
+    let step = |executor: &mut BackendExecutor<_>, entry: &StepEntry| {
+        executor
+            .step(std::slice::from_ref(entry), &[])
+            .unwrap_or_else(|e| panic!("{e:#}"))[0]
+            .as_ref()
+            .map(|s| s.token)
+    };
+    // The prefill side: two chunks, the KV of each exported after its step.
+    let mut prefill = executor();
+    let split = 20;
+    let mut first = StepEntry::prompt(1, &prompt[..split], &params);
+    first.prompt_tokens = prompt.len();
+    first.sample = false;
+    assert_eq!(step(&mut prefill, &first), None);
+    let part_1 = prefill
+        .export_kv(1, 0)
+        .expect("export")
+        .expect("20 positions");
+    let mut rest = StepEntry::decode(1, 0);
+    rest.tokens = prompt[split..].to_vec();
+    let token = step(&mut prefill, &rest).expect("the first token");
+    let part_2 = prefill
+        .export_kv(1, split)
+        .expect("export")
+        .expect("the rest");
+    assert!(
+        prefill
+            .export_kv(1, prompt.len())
+            .expect("export")
+            .is_none()
+    );
+    assert_eq!(
+        (
+            part_1.first_position,
+            part_1.tokens.len(),
+            part_2.first_position
+        ),
+        (0, split, split)
+    );
+    assert_eq!(part_2.tokens.len(), prompt.len() - split);
+    let mut want = vec![token];
+    for _ in 1..params.max_tokens {
+        let next = step(
+            &mut prefill,
+            &StepEntry::decode(1, *want.last().expect("a token")),
+        );
+        want.push(next.expect("a token"));
+    }
+    // The decode side: the parts in reverse order, then the first token on.
+    let mut decode = executor();
+    let mut imported = StepEntry::prompt(7, &[token], &params);
+    imported.prompt_tokens = prompt.len();
+    imported.sampled_before = 1;
+    imported.import = Some(99);
+    let mut never = imported.clone();
+    decode
+        .import_kv(&imported, &[part_2.clone(), part_1.clone()])
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let mut got = vec![token];
+    got.push(step(&mut decode, &imported).expect("a token"));
+    while got.len() < want.len() {
+        let next = step(
+            &mut decode,
+            &StepEntry::decode(7, *got.last().expect("a token")),
+        );
+        got.push(next.expect("a token"));
+    }
+    assert_eq!(
+        got, want,
+        "the decode executor continues the prefill's tokens"
+    );
+    assert!(
+        engine
+            .generate(&prompt, &params, &mut |_| {})
+            .expect("cpu")
+            .tokens
+            == want,
+        "and they are the CPU engine's"
+    );
+    // Parts of another geometry: refused, nothing held; an import that never came: refused.
+    let mut other = executor();
+    let mut wrong = part_1.clone();
+    wrong.n_kv_heads = 2;
+    wrong.values.extend(part_1.values.iter());
+    let error = other
+        .import_kv(&imported, &[wrong, part_2])
+        .expect_err("another geometry");
+    assert!(
+        format!("{error:#}").contains("must shard the model alike"),
+        "{error:#}"
+    );
+    assert_eq!(other.kv_pool().used_blocks(), 0);
+    never.seq = 8;
+    let error = other
+        .step(std::slice::from_ref(&never), &[])
+        .expect_err("not imported");
+    assert!(
+        format!("{error:#}").contains("was not imported"),
+        "{error:#}"
+    );
+    assert!(other.export_kv(3, 0).is_err(), "an unknown sequence");
+}
+
 #[test]
 fn the_decode_benchmark_on_the_harness_measures_and_gives_every_block_back() {
     use infer::runtime::exec::forward::bench_decode;
