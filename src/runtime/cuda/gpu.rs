@@ -269,6 +269,17 @@ impl Runner for GpuRunner {
     }
 }
 
+/// An NCCL operation on f32 in place on this GPU ([`GpuRunner::nccl_enqueue`]).
+#[derive(Clone, Copy)]
+enum NcclOp {
+    /// Sum across the TP group.
+    AllReduceSum,
+    /// To this pipeline stage.
+    Send(usize),
+    /// From this pipeline stage.
+    Recv(usize),
+}
+
 impl GpuRunner {
     fn driver_error(what: &str) -> impl Fn(cudarc::driver::DriverError) -> anyhow::Error + '_ {
         move |e| anyhow!("{what}: {e:?}")
@@ -276,37 +287,35 @@ impl GpuRunner {
 }
 
 impl GpuRunner {
-    /// `n` f32 of `buffer` sent to (`send`) or received from pipeline stage `stage` through
-    /// the pipeline's NCCL communicator; `false`: there is none.
-    fn pipeline_transfer(
-        &self,
-        buffer: &CudaSlice<u8>,
-        n: usize,
-        stage: usize,
-        send: bool,
-    ) -> Result<bool> {
+    /// Enqueues `op` on `n` f32 of `buffer` on this GPU's stream, through the TP group's
+    /// communicator (all-reduces) or the pipeline's (hand-offs); `false`: this GPU has no
+    /// such communicator, and the caller goes through host memory.
+    ///
+    /// Errors: a buffer shorter than `n` f32, the driver's or NCCL's.
+    fn nccl_enqueue(&self, op: NcclOp, buffer: &CudaSlice<u8>, n: usize) -> Result<bool> {
         use cudarc::driver::DevicePtr;
-        let Some(comm) = &self.pp_nccl else {
+        let (comm, what) = match op {
+            NcclOp::AllReduceSum => (&self.nccl, "an all-reduce"),
+            NcclOp::Send(_) | NcclOp::Recv(_) => (&self.pp_nccl, "a pipeline hand-off"),
+        };
+        let Some(comm) = comm else {
             return Ok(false);
         };
         if buffer.len() < n * 4 {
-            anyhow::bail!(
-                "a pipeline hand-off of {n} f32 over a {}-byte buffer",
-                buffer.len()
-            );
+            anyhow::bail!("{what} of {n} f32 over a {}-byte buffer", buffer.len());
         }
         self._context
             .bind_to_thread()
             .map_err(Self::driver_error("cannot bind the GPU's context"))?;
         let (pointer, _synced) = buffer.device_ptr(&self.stream);
         let stream = self.stream.cu_stream() as *mut std::ffi::c_void;
-        // SAFETY: the buffer holds `n` f32 on this GPU and outlives the enqueued transfer
+        // SAFETY: the buffer holds `n` f32 on this GPU and outlives the enqueued operation
         // (`_synced` records it on the stream); the stream is this context's.
         unsafe {
-            if send {
-                comm.send_f32(pointer, n, stage, stream)
-            } else {
-                comm.recv_f32(pointer, n, stage, stream)
+            match op {
+                NcclOp::AllReduceSum => comm.all_reduce_sum_f32(pointer, n, stream),
+                NcclOp::Send(stage) => comm.send_f32(pointer, n, stage, stream),
+                NcclOp::Recv(stage) => comm.recv_f32(pointer, n, stage, stream),
             }
         }?;
         Ok(true)
@@ -361,34 +370,15 @@ impl super::backend::Device for GpuRunner {
     }
 
     fn all_reduce_sum_in_place(&self, buffer: &CudaSlice<u8>, n: usize) -> Result<bool> {
-        use cudarc::driver::DevicePtr;
-        let Some(comm) = &self.nccl else {
-            return Ok(false);
-        };
-        if buffer.len() < n * 4 {
-            anyhow::bail!(
-                "an all-reduce of {n} f32 over a {}-byte buffer",
-                buffer.len()
-            );
-        }
-        self._context
-            .bind_to_thread()
-            .map_err(Self::driver_error("cannot bind the GPU's context"))?;
-        let (pointer, _synced) = buffer.device_ptr(&self.stream);
-        // SAFETY: the buffer holds `n` f32 on this GPU and outlives the enqueued all-reduce
-        // (`_synced` records it on the stream); the stream is this context's.
-        unsafe {
-            comm.all_reduce_sum_f32(pointer, n, self.stream.cu_stream() as *mut std::ffi::c_void)
-        }?;
-        Ok(true)
+        self.nccl_enqueue(NcclOp::AllReduceSum, buffer, n)
     }
 
     fn send_to_stage(&self, buffer: &CudaSlice<u8>, n: usize, stage: usize) -> Result<bool> {
-        self.pipeline_transfer(buffer, n, stage, true)
+        self.nccl_enqueue(NcclOp::Send(stage), buffer, n)
     }
 
     fn recv_from_stage(&self, buffer: &CudaSlice<u8>, n: usize, stage: usize) -> Result<bool> {
-        self.pipeline_transfer(buffer, n, stage, false)
+        self.nccl_enqueue(NcclOp::Recv(stage), buffer, n)
     }
 
     fn has_gemm(&self) -> bool {
