@@ -1859,3 +1859,125 @@ fn device_ranks_on_two_hosts_need_a_gpu_on_each_and_give_the_cpu_engines_tokens(
         assert_eq!(rank["env"]["INFER_DEVICE"], "cuda", "{rank}");
     }
 }
+
+/// Prefill/decode disaggregation of `--device cuda` ranks across two hosts, the host
+/// harness standing in for the GPUs: the prefill rank on h0 copies its KV blocks out of its
+/// device cache and sends them over the data network (TCP, not shared memory) to the decode
+/// rank on h1, which writes them into its own and gives the CPU engine's completion. KV that
+/// never arrives (h1's inbox port dropping packets) fails that request within seconds, the
+/// decode device drops the half-imported sequence, and the next request is answered again.
+#[test]
+fn device_ranks_disaggregate_across_two_hosts_and_survive_kv_that_never_arrives() {
+    use crate::serve::{Server, metric};
+    use serde_json::json;
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = crate::device_ranks::model(dir.path());
+    let model = model.to_str().expect("utf-8");
+    let output = generate(
+        None,
+        &[
+            "--model",
+            model,
+            "--prompt",
+            "HELLO THERE",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ],
+    );
+    tokens_of(&output);
+    let reference: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let mut command = infer();
+    command
+        .env("INFER_CUDA_HOST_HARNESS", "1")
+        .args(["up", "--port", "0", "--device", "cuda", "--model", model])
+        .arg("--cluster")
+        .arg(&cluster.inventory)
+        .args(["--prefill", "1", "--decode", "1"]);
+    let server = Server::start_command(command);
+    let manifest = manifest_of(&server.startup);
+    assert_eq!(manifest["ranks"][0]["host"], "h0");
+    assert_eq!(manifest["ranks"][1]["host"], "h1");
+    let body = json!({"prompt": "HELLO THERE", "max_tokens": 8, "temperature": 0});
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_pd_handoffs_total"),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
+        0.0,
+        "{metrics}"
+    );
+    assert!(
+        metric(&metrics, "infer_pd_kv_bytes_sent_total") > 0.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_kv_bytes_sent_shm_total"),
+        0.0,
+        "another host: {metrics}"
+    );
+    let log_of = |rank: usize| {
+        let path = manifest["ranks"][rank]["log"].as_str().expect("log");
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    let decode_log = log_of(1);
+    assert!(
+        decode_log.contains("rank 1 on the host harness"),
+        "{decode_log}"
+    );
+    let inbox = decode_log
+        .split("KV inbox on ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no inbox address in rank 1's log:\n{decode_log}"));
+    let prefill_log = log_of(0);
+    assert!(
+        prefill_log.contains(&format!("KV to decode replicas 1 over TCP to {inbox}")),
+        "rank 0's log:\n{prefill_log}"
+    );
+    let port = inbox.rsplit(':').next().expect("port").to_string();
+    let drop_packets = |action: &str| {
+        let status = Command::new("ip")
+            .args(["netns", "exec", &cluster.hosts[1].namespace, "iptables"])
+            .args([action, "INPUT", "-p", "tcp", "--dport", &port, "-j", "DROP"])
+            .status()
+            .expect("iptables (apt-get install iptables)");
+        assert!(status.success(), "iptables {action}");
+    };
+    drop_packets("-A");
+    let started = Instant::now();
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "H", "max_tokens": 4, "temperature": 0}),
+    );
+    drop_packets("-D");
+    assert_eq!(status, 500, "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("layer positions arrived within 5 s"),
+        "the decode side's wait should fail it: {reply}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
+    assert_eq!(
+        metric(&server.metrics(), "infer_pd_transfer_failures_total"),
+        1.0
+    );
+}
