@@ -185,6 +185,18 @@ impl TestCluster {
         Some(cluster)
     }
 
+    /// Adds (`-A`) or deletes (`-D`) an iptables rule in host `host`'s namespace that sends
+    /// incoming TCP to `port` to `target` (`DROP`, `REJECT --reject-with tcp-reset`, …).
+    pub fn port_rule(&self, host: usize, port: &str, action: &str, target: &[&str]) {
+        let status = Command::new("ip")
+            .args(["netns", "exec", &self.hosts[host].namespace, "iptables"])
+            .args([action, "INPUT", "-p", "tcp", "--dport", port, "-j"])
+            .args(target)
+            .status()
+            .expect("iptables (apt-get install iptables)");
+        assert!(status.success(), "iptables {action} {target:?}");
+    }
+
     /// Trusts every host's key in the inventory's `known_hosts`, as a user would have.
     pub fn trust_hosts(&self) {
         let listing = std::fs::read_to_string(self.dir.join("hosts.txt")).expect("hosts.txt");
@@ -1689,11 +1701,7 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
     // The decode rank's inbox, from its log; a firewall rule on h1 resets every packet to it.
     let log_path = manifest["ranks"][1]["log"].as_str().expect("rank 1's log");
     let log = std::fs::read_to_string(log_path).expect("rank 1's log");
-    let inbox = log
-        .split("KV inbox on ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no inbox address in rank 1's log:\n{log}"));
+    let inbox = kv_inbox_in(&log);
     let port = inbox.rsplit(':').next().expect("port").to_string();
     let prefill_log =
         std::fs::read_to_string(manifest["ranks"][0]["log"].as_str().expect("rank 0's log"))
@@ -1702,21 +1710,7 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
         prefill_log.contains(&format!("KV to decode replicas 1 over TCP to {inbox}")),
         "rank 0's log:\n{prefill_log}"
     );
-    let rule = |action: &str, target: &[&str]| {
-        let status = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &cluster.hosts[1].namespace,
-                "iptables",
-                action,
-            ])
-            .args(["INPUT", "-p", "tcp", "--dport", &port, "-j"])
-            .args(target)
-            .status()
-            .expect("iptables (apt-get install iptables)");
-        assert!(status.success(), "iptables {action} {target:?}");
-    };
+    let rule = |action: &str, target: &[&str]| cluster.port_rule(1, &port, action, target);
     // First a link that silently drops everything: the prefill rank's few KiB of KV (a
     // one-token prompt) sit in its socket's send buffer, so it sees nothing wrong and
     // samples the first token; the decode rank waits for KV that never comes and gives up
@@ -1936,25 +1930,14 @@ fn device_ranks_disaggregate_across_two_hosts_and_survive_kv_that_never_arrives(
         decode_log.contains("rank 1 on the host harness"),
         "{decode_log}"
     );
-    let inbox = decode_log
-        .split("KV inbox on ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no inbox address in rank 1's log:\n{decode_log}"));
+    let inbox = kv_inbox_in(&decode_log);
     let prefill_log = log_of(0);
     assert!(
         prefill_log.contains(&format!("KV to decode replicas 1 over TCP to {inbox}")),
         "rank 0's log:\n{prefill_log}"
     );
     let port = inbox.rsplit(':').next().expect("port").to_string();
-    let drop_packets = |action: &str| {
-        let status = Command::new("ip")
-            .args(["netns", "exec", &cluster.hosts[1].namespace, "iptables"])
-            .args([action, "INPUT", "-p", "tcp", "--dport", &port, "-j", "DROP"])
-            .status()
-            .expect("iptables (apt-get install iptables)");
-        assert!(status.success(), "iptables {action}");
-    };
+    let drop_packets = |action: &str| cluster.port_rule(1, &port, action, &["DROP"]);
     drop_packets("-A");
     let started = Instant::now();
     let (status, reply) = server.post(
@@ -1980,4 +1963,13 @@ fn device_ranks_disaggregate_across_two_hosts_and_survive_kv_that_never_arrives(
         metric(&server.metrics(), "infer_pd_transfer_failures_total"),
         1.0
     );
+}
+
+/// The address of the KV inbox a decode rank's log names ("…KV inbox on ADDR").
+fn kv_inbox_in(log: &str) -> String {
+    log.split("KV inbox on ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no inbox address in the decode rank's log:\n{log}"))
+        .to_string()
 }
