@@ -193,6 +193,9 @@ enum FromReplica {
     Metrics(MetricsSnapshot),
     /// The replica's metrics as asked by `ToReplica::Metrics { id }`.
     MetricsNow { id: u64, snapshot: MetricsSnapshot },
+    /// The replica stops serving, and why (its scheduler failed, a malformed frame): the
+    /// last frame before it closes the connection.
+    Stopped { reason: String },
 }
 
 /// How long a scrape waits for a remote replica's current metrics before using its last
@@ -350,6 +353,9 @@ impl Router {
                             *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) = snapshot;
                             continue;
                         }
+                        Ok(FromReplica::Stopped { reason }) => {
+                            break format!("DP replica {replica} stopped: {reason}");
+                        }
                         Ok(FromReplica::MetricsNow { id, snapshot }) => {
                             *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) =
                                 snapshot.clone();
@@ -362,7 +368,9 @@ impl Router {
                             }
                             continue;
                         }
-                        Err(error) => break error,
+                        Err(error) => {
+                            break format!("DP replica {replica} disconnected: {error:#}");
+                        }
                     };
                     let done = matches!(
                         event,
@@ -379,7 +387,6 @@ impl Router {
                         let _ = cancel.send(ToReplica::Cancel { id });
                     }
                 };
-                let error = format!("DP replica {replica} disconnected: {error:#}");
                 for (_, events) in reader_pending
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -658,7 +665,8 @@ impl Target {
 
 /// A remote replica's side: accepts the router's connection on `listener`, checks the run
 /// `token`, submits every request to `scheduler` and streams its events back, until the
-/// router goes away (an error: rank 0 is gone) or the scheduler fails.
+/// router goes away (an error: rank 0 is gone) or the scheduler fails; its last frame then
+/// says why, so that the router's error names the cause.
 ///
 /// Errors: a wrong token, a lost connection, a failed scheduler.
 pub async fn serve_remote(
@@ -671,20 +679,43 @@ pub async fn serve_remote(
         .await
         .context("no connection from the router")?;
     stream.set_nodelay(true)?;
-    let (mut reader, mut writer) = stream.into_split();
-    match read_frame::<ToReplica>(&mut reader).await? {
-        ToReplica::Hello { token: got } if got == token => {}
+    let (reader, mut writer) = stream.into_split();
+    let mut incoming = spawn_frame_reader::<ToReplica>(reader);
+    match incoming.recv().await {
+        Some(Ok(ToReplica::Hello { token: got })) if got == token => {}
         _ => bail!("{peer} did not present the run token; refused"),
     }
     let (frames, mut outgoing) = unbounded_channel::<FromReplica>();
-    tokio::spawn(async move {
+    let writer_task = tokio::spawn(async move {
         while let Some(frame) = outgoing.recv().await {
             if write_frame(&mut writer, &frame).await.is_err() {
                 break;
             }
         }
     });
-    let mut relays: HashMap<u64, tokio::task::AbortHandle> = HashMap::new();
+    let result = relay_requests(&mut incoming, &frames, &scheduler).await;
+    // Tell the router why, so that its error names the cause rather than a closed
+    // connection; the writer sends what is queued, then stops with the channel.
+    if let Err(error) = &result {
+        let _ = frames.send(FromReplica::Stopped {
+            reason: format!("{error:#}"),
+        });
+    }
+    drop(frames);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), writer_task).await;
+    result
+}
+
+/// [`serve_remote`]'s loop: runs the router's frames from `incoming` against `scheduler`,
+/// sending events and metrics into `frames`, until the router goes away or the scheduler
+/// fails (both errors).
+async fn relay_requests(
+    incoming: &mut tokio::sync::mpsc::UnboundedReceiver<Result<ToReplica>>,
+    frames: &UnboundedSender<FromReplica>,
+    scheduler: &Scheduler,
+) -> Result<()> {
+    let mut relays = Relays::default();
+    let relays = &mut relays.0;
     let mut failure = scheduler.failure.clone();
     let mut report = tokio::time::interval(METRICS_INTERVAL);
     loop {
@@ -692,7 +723,10 @@ pub async fn serve_remote(
             _ = report.tick() => {
                 let _ = frames.send(FromReplica::Metrics(scheduler.metrics.snapshot()));
             }
-            frame = read_frame::<ToReplica>(&mut reader) => match frame? {
+            // A channel receive is cancel-safe: a frame half read when the tick wins stays
+            // with the reader task (reading in this `select!` would drop its bytes and
+            // misread the rest of the stream).
+            frame = incoming.recv() => match frame.context("the frame reader stopped")?? {
                 ToReplica::Submit { id, prompt_tokens, params, pd } => {
                     let (events, mut receiver) = unbounded_channel::<Event>();
                     let relay_frames = frames.clone();
@@ -742,14 +776,48 @@ pub async fn serve_remote(
     }
 }
 
+/// The tasks relaying each request's events to the router, by request id; dropping it
+/// aborts them, so that nothing follows `FromReplica::Stopped`.
+#[derive(Default)]
+struct Relays(HashMap<u64, tokio::task::AbortHandle>);
+
+impl Drop for Relays {
+    fn drop(&mut self) {
+        for handle in self.0.values() {
+            handle.abort();
+        }
+    }
+}
+
+/// Reads frames from `reader` in a task of its own and passes them on, the error that ends
+/// the stream (a closed connection, a malformed frame) last. Receiving from the channel is
+/// cancel-safe where [`read_frame`] is not: a `select!` that drops a half-done
+/// `read_frame` loses the bytes it read.
+fn spawn_frame_reader<T: for<'de> Deserialize<'de> + Send + 'static>(
+    mut reader: tokio::net::tcp::OwnedReadHalf,
+) -> tokio::sync::mpsc::UnboundedReceiver<Result<T>> {
+    let (frames, incoming) = unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let frame = read_frame::<T>(&mut reader).await;
+            let failed = frame.is_err();
+            if frames.send(frame).is_err() || failed {
+                break;
+            }
+        }
+    });
+    incoming
+}
+
 async fn write_frame<T: Serialize>(
     writer: &mut tokio::net::tcp::OwnedWriteHalf,
     value: &T,
 ) -> Result<()> {
-    let bytes = serde_json::to_vec(value)?;
-    writer
-        .write_all(&(bytes.len() as u32).to_le_bytes())
-        .await?;
+    // One buffer, one write: the length and the body leave together.
+    let mut bytes = vec![0u8; 4];
+    serde_json::to_writer(&mut bytes, value)?;
+    let length = u32::try_from(bytes.len() - 4).context("a frame larger than 4 GiB")?;
+    bytes[..4].copy_from_slice(&length.to_le_bytes());
     writer.write_all(&bytes).await?;
     Ok(())
 }
@@ -777,6 +845,132 @@ async fn read_frame<T: for<'de> Deserialize<'de>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::exec::executor::{Executor, Sampled, StepEntry};
+    use crate::runtime::exec::kv::KvPool;
+    use crate::runtime::model::tokenizer::Tokenizer;
+    use crate::serve::scheduler::Limits;
+
+    /// An executor whose every step fails for good, as a replica that lost a rank does.
+    struct LostRank {
+        tokenizer: Tokenizer,
+        pool: Arc<KvPool>,
+    }
+
+    impl Executor for LostRank {
+        fn step(&mut self, _: &[StepEntry], _: &[u64]) -> Result<Vec<Option<Sampled>>> {
+            bail!("rank 3 closed its connection")
+        }
+        fn errors_are_fatal(&self) -> bool {
+            true
+        }
+        fn tokenizer(&self) -> &Tokenizer {
+            &self.tokenizer
+        }
+        fn max_context_tokens(&self) -> usize {
+            64
+        }
+        fn kv_pool(&self) -> &Arc<KvPool> {
+            &self.pool
+        }
+    }
+
+    /// Reads frames until one that `wanted` picks, within 10 s.
+    async fn next_frame<T>(
+        reader: &mut tokio::net::tcp::OwnedReadHalf,
+        mut wanted: impl FnMut(FromReplica) -> Option<T>,
+    ) -> Result<T> {
+        tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            loop {
+                if let Some(found) = wanted(read_frame::<FromReplica>(reader).await?) {
+                    return Ok(found);
+                }
+            }
+        })
+        .await
+        .context("no such frame within 10 s")?
+    }
+
+    /// A frame whose length prefix arrives over a second before its body (a loaded host,
+    /// two TCP segments) is read whole although the metrics tick fires in between twice; a
+    /// replica whose scheduler fails tells the router why before it closes the connection.
+    #[test]
+    fn a_remote_replica_reads_frames_split_across_ticks_and_says_why_it_stops() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(
+            dir.path().join("tokenizer.json"),
+            r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+                "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
+                "model":{"type":"WordLevel","vocab":{"a":0,"b":1},"unk_token":"a"}}"#,
+        )
+        .expect("write tokenizer.json");
+        let executor = LostRank {
+            tokenizer: Tokenizer::from_dir(dir.path()).expect("tokenizer"),
+            pool: KvPool::new(1, 1, 8, None),
+        };
+        let scheduler = Scheduler::start_with(
+            Box::new(executor),
+            Limits {
+                max_batch: 4,
+                max_batched_tokens: 16,
+            },
+        );
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let address = listener.local_addr().expect("address");
+            let replica =
+                tokio::spawn(async move { serve_remote(listener, "run-token", scheduler).await });
+            let stream = TcpStream::connect(address).await.expect("connect");
+            let (mut reader, mut writer) = stream.into_split();
+            let hello = ToReplica::Hello {
+                token: "run-token".into(),
+            };
+            write_frame(&mut writer, &hello).await.expect("hello");
+
+            let body = serde_json::to_vec(&ToReplica::Metrics { id: 7 }).expect("json");
+            let length = (body.len() as u32).to_le_bytes();
+            writer.write_all(&length).await.expect("length");
+            writer.flush().await.expect("flush");
+            tokio::time::sleep(METRICS_INTERVAL * 5 / 2).await;
+            writer.write_all(&body).await.expect("body");
+            let answered = next_frame(&mut reader, |frame| match frame {
+                FromReplica::MetricsNow { id, .. } => Some(id),
+                _ => None,
+            })
+            .await
+            .expect("the split request is answered");
+            assert_eq!(answered, 7);
+
+            let submit = ToReplica::Submit {
+                id: 1,
+                prompt_tokens: vec![0, 1, 0],
+                params: SamplingParams::default(),
+                pd: None,
+            };
+            write_frame(&mut writer, &submit).await.expect("submit");
+            let reason = next_frame(&mut reader, |frame| match frame {
+                FromReplica::Stopped { reason } => Some(reason),
+                _ => None,
+            })
+            .await
+            .expect("the replica says why it stops");
+            assert!(reason.contains("rank 3 closed its connection"), "{reason}");
+            let closed = next_frame(&mut reader, |_| None::<()>).await;
+            assert!(
+                format!("{:#}", closed.expect_err("no frame is wanted")).contains("closed"),
+                "the connection closes after `Stopped`"
+            );
+            let result = replica.await.expect("join");
+            let error = format!("{:#}", result.expect_err("serve_remote fails"));
+            assert!(error.contains("rank 3 closed its connection"), "{error}");
+        });
+    }
 
     fn view(in_flight: u64, matched_tokens: usize, tree_blocks: usize) -> ReplicaView {
         ReplicaView {
