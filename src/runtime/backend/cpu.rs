@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use anyhow::{Result, bail};
 use half::f16;
 
-use super::{AttentionShape, Backend, KV_BLOCK_TOKENS, f32s_of, i32s_of};
+use super::{AttentionShape, Backend, KV_BLOCK_TOKENS, f32s_of, i32s_of, kv_cache_offset};
 use crate::runtime::cpu::mathfn::silu;
 use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::model::config::RopeStyle;
@@ -260,8 +260,7 @@ impl Backend for CpuBackend {
                 let (block, offset) = (slot / KV_BLOCK_TOKENS, slot % KV_BLOCK_TOKENS);
                 for i in 0..width {
                     let (head, d) = (i / head_dim, i % head_dim);
-                    let at =
-                        ((block * n_kv_heads + head) * KV_BLOCK_TOKENS + offset) * head_dim + d;
+                    let at = kv_cache_offset(block, head, offset, n_kv_heads, head_dim) + d;
                     let bits = f16::from_f32(source[t * width + i]).to_bits();
                     cache[2 * at..2 * at + 2].copy_from_slice(&bits.to_ne_bytes());
                 }
@@ -340,9 +339,8 @@ impl Backend for CpuBackend {
                 let kv_head = h / group;
                 let query = &q[(t * n_heads + h) * head_dim..][..head_dim];
                 let slot = |p: usize| {
-                    ((table[p / KV_BLOCK_TOKENS] as usize * n_kv_heads + kv_head) * KV_BLOCK_TOKENS
-                        + p % KV_BLOCK_TOKENS)
-                        * head_dim
+                    let block = table[p / KV_BLOCK_TOKENS] as usize;
+                    kv_cache_offset(block, kv_head, p % KV_BLOCK_TOKENS, n_kv_heads, head_dim)
                 };
                 let scores: Vec<f32> = (0..context)
                     .map(|p| {

@@ -19,6 +19,20 @@ pub mod cpu;
 /// (`exec::kv::BLOCK_TOKENS`); the CUDA kernels are written for it.
 pub const KV_BLOCK_TOKENS: usize = 16;
 
+/// Where the `head_dim` values of `head` at `slot` (`0..KV_BLOCK_TOKENS`) of block `block`
+/// start in one layer's paged keys or values, laid out `(n_blocks, n_kv_heads,
+/// KV_BLOCK_TOKENS, head_dim)` f16 (what `store_kv` writes and `attention` reads), counted
+/// in f16 elements.
+pub fn kv_cache_offset(
+    block: usize,
+    head: usize,
+    slot: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+) -> usize {
+    ((block * n_kv_heads + head) * KV_BLOCK_TOKENS + slot) * head_dim
+}
+
 /// The shapes of one [`Backend::attention`] call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionShape {

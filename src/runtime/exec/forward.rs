@@ -16,7 +16,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 
 use crate::runtime::backend::{
-    AttentionShape, Backend, KV_BLOCK_TOKENS, bytes_of, f32s_of, i32s_of, nmse,
+    AttentionShape, Backend, KV_BLOCK_TOKENS, bytes_of, f32s_of, i32s_of, kv_cache_offset, nmse,
 };
 use crate::runtime::collectives::Comm;
 use crate::runtime::cpu::quant::GgmlType;
@@ -407,7 +407,7 @@ impl<B: Backend> BackendModel<B> {
                             position / KV_BLOCK_TOKENS - first_block,
                             position % KV_BLOCK_TOKENS,
                         );
-                        let at = ((block * n_kv_heads + head) * KV_BLOCK_TOKENS + slot) * head_dim;
+                        let at = kv_cache_offset(block, head, slot, n_kv_heads, head_dim);
                         values.extend(
                             bytes[2 * at..2 * (at + head_dim)]
                                 .chunks_exact(2)
@@ -474,7 +474,7 @@ impl<B: Backend> BackendModel<B> {
                 for (row, chunk) in half_values.chunks_exact(head_dim).enumerate() {
                     let (head, position) = (row / n_positions, row % n_positions);
                     let (block, slot) = (position / KV_BLOCK_TOKENS, position % KV_BLOCK_TOKENS);
-                    let at = ((block * n_kv_heads + head) * KV_BLOCK_TOKENS + slot) * head_dim;
+                    let at = kv_cache_offset(block, head, slot, n_kv_heads, head_dim);
                     for (d, bits) in chunk.iter().enumerate() {
                         rows[2 * (at + d)..2 * (at + d) + 2].copy_from_slice(&bits.to_ne_bytes());
                     }
