@@ -1794,6 +1794,30 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
     );
 }
 
+/// The greedy request the device-rank tests make of `device_ranks::model` (after `--model`).
+const DEVICE_PROMPT: [&str; 6] = [
+    "--prompt",
+    "HELLO THERE",
+    "--max-tokens",
+    "8",
+    "--temperature",
+    "0",
+];
+
+/// `device_ranks::model` written into `dir` (its path), with what `infer generate --json`
+/// of [`DEVICE_PROMPT`] gives on this host's CPU engine: the tokens device ranks must give.
+fn device_model_and_reference(dir: &Path) -> (String, Output) {
+    let model = crate::device_ranks::model(dir);
+    let model = model.to_str().expect("utf-8").to_string();
+    let args: Vec<&str> = ["--model", &model]
+        .iter()
+        .chain(&DEVICE_PROMPT)
+        .copied()
+        .collect();
+    let reference = generate(None, &args);
+    (model, reference)
+}
+
 /// `--device cuda` ranks on an inventory's hosts: a host without a GPU is named before any
 /// rank starts (the agents' NVML probes find none here); with the host harness standing in
 /// for the GPUs (`INFER_CUDA_HOST_HARNESS=1`), two pipeline stages on two hosts each take
@@ -1805,21 +1829,11 @@ fn device_ranks_on_two_hosts_need_a_gpu_on_each_and_give_the_cpu_engines_tokens(
     };
     cluster.trust_hosts();
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = crate::device_ranks::model(dir.path());
-    let model = model.to_str().expect("utf-8");
-    let prompt = [
-        "--model",
-        model,
-        "--prompt",
-        "HELLO THERE",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-    ];
-    let reference = tokens_of(&generate(None, &prompt));
-    let args: Vec<&str> = prompt
+    let (model, reference) = device_model_and_reference(dir.path());
+    let reference = tokens_of(&reference);
+    let args: Vec<&str> = ["--model", &model]
         .iter()
+        .chain(&DEVICE_PROMPT)
         .chain(&["--device", "cuda", "--pp", "2"])
         .copied()
         .collect();
@@ -1869,27 +1883,13 @@ fn device_ranks_disaggregate_across_two_hosts_and_survive_kv_that_never_arrives(
     };
     cluster.trust_hosts();
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = crate::device_ranks::model(dir.path());
-    let model = model.to_str().expect("utf-8");
-    let output = generate(
-        None,
-        &[
-            "--model",
-            model,
-            "--prompt",
-            "HELLO THERE",
-            "--max-tokens",
-            "8",
-            "--temperature",
-            "0",
-        ],
-    );
+    let (model, output) = device_model_and_reference(dir.path());
     tokens_of(&output);
     let reference: Value = serde_json::from_slice(&output.stdout).expect("JSON");
     let mut command = infer();
     command
         .env("INFER_CUDA_HOST_HARNESS", "1")
-        .args(["up", "--port", "0", "--device", "cuda", "--model", model])
+        .args(["up", "--port", "0", "--device", "cuda", "--model", &model])
         .arg("--cluster")
         .arg(&cluster.inventory)
         .args(["--prefill", "1", "--decode", "1"]);
