@@ -326,6 +326,10 @@ impl GpuRunner {
     ///
     /// Errors: the driver's.
     pub fn memory_used_bytes(&self) -> Result<u64> {
+        // `cuMemGetInfo` reads the calling thread's current context.
+        self._context
+            .bind_to_thread()
+            .map_err(Self::driver_error("cannot bind the GPU's context"))?;
         let (free, total) = cudarc::driver::result::mem_get_info()
             .map_err(|e| anyhow!("cannot read the GPU's memory use: {e:?}"))?;
         Ok((total - free) as u64)
