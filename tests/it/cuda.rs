@@ -451,13 +451,7 @@ fn libraries_open_from_the_given_directories_or_say_why_not() {
     assert_eq!(found, Some(libm_dir.join("libm.so.6")));
     // NVRTC missing, in a process of its own: in this one another test may have opened the
     // cache's copy already, and an open library is found again by name.
-    let child = Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "--exact",
-            "cuda::nvrtc_missing_child",
-            "--ignored",
-            "--nocapture",
-        ])
+    let child = child_test("nvrtc_missing_child")
         .env_remove("LD_LIBRARY_PATH")
         .env_remove("INFER_CUDA_LIB_DIRS")
         .output()
@@ -713,6 +707,19 @@ fn cxx() -> String {
     std::env::var("CXX").unwrap_or_else(|_| "c++".into())
 }
 
+/// This test binary, set to run only the ignored test `cuda::<name>` (a child a parent
+/// test starts in a process of its own).
+fn child_test(name: &str) -> Command {
+    let mut command = Command::new(std::env::current_exe().expect("test binary"));
+    command.args([
+        "--exact",
+        &format!("cuda::{name}"),
+        "--ignored",
+        "--nocapture",
+    ]);
+    command
+}
+
 /// Runs [`sanitized_harness_child`] under `sanitizer` (`address`, `thread`) with `plant`:
 /// its exit status and output.
 fn harness_under(sanitizer: &str, plant: &str) -> std::process::Output {
@@ -737,13 +744,7 @@ fn harness_under(sanitizer: &str, plant: &str) -> std::process::Output {
     let suppressions = tempfile::NamedTempFile::new().expect("temp file");
     let name = exe.file_name().expect("a file name").to_string_lossy();
     std::fs::write(suppressions.path(), format!("called_from_lib:{name}\n")).expect("written");
-    Command::new(&exe)
-        .args([
-            "--exact",
-            "cuda::sanitized_harness_child",
-            "--ignored",
-            "--nocapture",
-        ])
+    child_test("sanitized_harness_child")
         .env("INFER_TEST_SANITIZER", sanitizer)
         .env("INFER_TEST_PLANT", plant)
         .env("LD_PRELOAD", &path)
