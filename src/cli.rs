@@ -77,10 +77,15 @@ pub struct SmokeArgs {
     /// The backend to check (only `cuda` has checks).
     #[arg(long, value_enum, default_value_t = DeviceArg::Cuda)]
     pub device: DeviceArg,
-    /// Print the report as JSON (`driver`, `nvrtc`, `checks[]` with `name`, `passed`,
-    /// `detail`).
+    /// Print the report as JSON (`driver`, `nvrtc`, `nccl`, `libraries[]` with `library`,
+    /// `soname`, `path`, and `checks[]` with `name`, `passed`, `detail`).
     #[arg(long)]
     pub json: bool,
+    /// The GGUF model the model checks run (a machine without network: a file carried
+    /// there). Default: the embedded SmolLM2 from the cache, downloaded once if it is not
+    /// there.
+    #[arg(long, short = 'm', value_name = "PATH")]
+    pub model: Option<String>,
 }
 
 /// `infer generate`.

@@ -62,6 +62,37 @@ fn no_stubs_in_src() {
     assert!(stubs.is_empty(), "stubs in: {stubs:?}");
 }
 
+/// NVRTC and cuBLAS are bound by our own code (`runtime/cuda/{nvrtc,cublas}.rs`), never
+/// through cudarc, whose loader for them knows only CUDA 12 names and panics when none loads:
+/// `src/` names no `cudarc::cublas` and nothing of `cudarc::nvrtc` but its `Ptx` type (which
+/// carries a CUBIN to the driver), and cudarc's `cublas` feature is off.
+#[test]
+fn nvrtc_and_cublas_never_go_through_cudarc() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut offenders = Vec::new();
+    for path in all_files()
+        .into_iter()
+        .filter(|path| path.starts_with(root.join("src")))
+    {
+        let text = fs::read_to_string(&path).expect("readable source");
+        for (number, line) in text.lines().enumerate() {
+            let nvrtc = line
+                .match_indices("cudarc::nvrtc::")
+                .any(|(at, m)| !line[at + m.len()..].starts_with("Ptx"));
+            if nvrtc || line.contains("cudarc::cublas") {
+                offenders.push(format!("{}:{}: {line}", path.display(), number + 1));
+            }
+        }
+    }
+    assert!(offenders.is_empty(), "{offenders:#?}");
+    let manifest = fs::read_to_string(root.join("Cargo.toml")).expect("Cargo.toml");
+    let cudarc = manifest
+        .lines()
+        .find(|line| line.starts_with("cudarc"))
+        .expect("cudarc is a dependency");
+    assert!(!cudarc.contains("\"cublas\""), "{cudarc}");
+}
+
 #[test]
 fn documents_cited_in_src_exist() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -18,7 +18,11 @@ pub fn run(args: &SmokeArgs, printer: &Printer) -> Result<ExitStatus> {
     let cache = crate::model::default::cache_dir()?.join("kernels");
     // Nothing to check without a GPU: say so before fetching the model.
     super::require_gpu().context("infer smoke needs an NVIDIA GPU")?;
-    let model = crate::model::weights_path(None, &mut |line| printer.note(line))?;
+    let model = crate::model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))
+        .context(
+        "infer smoke needs a model to check the GPU with: pass --model PATH (a GGUF file, e.g. \
+             one carried to a machine without network)",
+    )?;
     let exe = std::env::current_exe().context("cannot find this executable to start `infer up`")?;
     let report = crate::launch::smoke::run(&cache, &super::cuda_lib_dirs(), &model, &exe)
         .context("infer smoke needs an NVIDIA GPU")?;

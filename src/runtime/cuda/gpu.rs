@@ -26,8 +26,8 @@ pub struct GpuRunner {
     nccl: Option<crate::runtime::collectives::nccl::Comm>,
     /// The pipeline's NCCL communicator (members in stage order), once joined.
     pp_nccl: Option<crate::runtime::collectives::nccl::Comm>,
-    /// cuBLAS on this GPU's stream, once loaded ([`GpuRunner::load_cublas`]).
-    blas: Option<cudarc::cublas::CudaBlas>,
+    /// cuBLAS and a handle on this GPU's stream, once loaded ([`GpuRunner::load_cublas`]).
+    blas: Option<(super::cublas::Cublas, super::cublas::Handle)>,
     /// What [`GpuRunner::load_cublas`] said ("" before it ran).
     gemm_line: String,
 }
@@ -126,13 +126,18 @@ impl GpuRunner {
 }
 
 impl GpuRunner {
-    /// Loads cuBLAS (`libcublas.so.12`, from `lib_dirs` first, then the loader's paths) on
-    /// this GPU's stream, for the GEMMs of prefill and batches above
+    /// Loads cuBLAS (CUDA 13's `libcublas.so.13` or CUDA 12's `.so.12`, whichever a driver
+    /// supporting CUDA `driver_cuda` runs, from `lib_dirs` first, then the loader's paths)
+    /// on this GPU's stream, for the GEMMs of prefill and batches above
     /// [`super::backend::MAX_MATVEC_TOKENS`] tokens. Returns the line that says where those
     /// products run: a `warning: ` line, naming the pip package, when cuBLAS is missing or
     /// does not start, and the matrix-vector kernels then run every product.
-    pub fn load_cublas(&mut self, lib_dirs: &[std::path::PathBuf]) -> String {
-        let line = self.open_cublas(lib_dirs);
+    pub fn load_cublas(
+        &mut self,
+        lib_dirs: &[std::path::PathBuf],
+        driver_cuda: (i32, i32),
+    ) -> String {
+        let line = self.open_cublas(lib_dirs, driver_cuda);
         self.gemm_line = line.clone();
         line
     }
@@ -143,55 +148,47 @@ impl GpuRunner {
         &self.gemm_line
     }
 
-    fn open_cublas(&mut self, lib_dirs: &[std::path::PathBuf]) -> String {
-        let found = match super::libraries::open_cublas(lib_dirs) {
-            Ok(found) => found,
+    /// Where cuBLAS came from, once loaded.
+    pub fn cublas_found(&self) -> Option<super::libraries::Found> {
+        self.blas.as_ref().map(|(cublas, _)| cublas.found())
+    }
+
+    fn open_cublas(&mut self, lib_dirs: &[std::path::PathBuf], driver_cuda: (i32, i32)) -> String {
+        let cublas = match super::cublas::Cublas::open(lib_dirs, Some(driver_cuda)) {
+            Ok(cublas) => cublas,
             Err(error) => {
                 return format!(
                     "warning: {error:#}; prefill runs on the matrix-vector kernels, more slowly"
                 );
             }
         };
-        let version = cublas_version();
-        match cudarc::cublas::CudaBlas::new(Arc::clone(&self.stream)) {
-            Ok(blas) => {
-                self.blas = Some(blas);
-                let from = found.map_or_else(
+        let version = cublas.version_string();
+        let handle = self
+            ._context
+            .bind_to_thread()
+            .map_err(|e| anyhow!("cannot bind the GPU's context: {e:?}"))
+            // SAFETY: the stream is this context's, bound to this thread just above.
+            .and_then(|()| unsafe {
+                cublas.create(self.stream.cu_stream() as *mut std::ffi::c_void)
+            });
+        match handle {
+            Ok(handle) => {
+                let from = cublas.path.as_ref().map_or_else(
                     || "the loader's paths".to_string(),
                     |p| p.display().to_string(),
                 );
+                self.blas = Some((cublas, handle));
                 format!(
                     "prefill and batches over {} tokens run on cuBLAS {version} ({from})",
                     super::backend::MAX_MATVEC_TOKENS
                 )
             }
             Err(error) => format!(
-                "warning: cuBLAS {version} does not start on {}: {error:?}; prefill runs on the matrix-vector kernels, more slowly",
+                "warning: cuBLAS {version} does not start on {}: {error:#}; prefill runs on the matrix-vector kernels, more slowly",
                 super::backend::Device::name(self)
             ),
         }
     }
-}
-
-/// cuBLAS's version as `major.minor.patch` (`cublasGetProperty`, which needs no GPU), or
-/// "of unknown version". cuBLAS must have been opened ([`super::libraries::open_cublas`]).
-pub fn cublas_version() -> String {
-    use cudarc::cublas::sys::{cublasGetProperty, cublasStatus_t, libraryPropertyType};
-    let mut parts = Vec::new();
-    for property in [
-        libraryPropertyType::MAJOR_VERSION,
-        libraryPropertyType::MINOR_VERSION,
-        libraryPropertyType::PATCH_LEVEL,
-    ] {
-        let mut value = 0;
-        // SAFETY: cuBLAS is loaded (the caller opened it); `value` is a valid out-pointer.
-        let status = unsafe { cublasGetProperty(property, &mut value) };
-        if status != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return "of unknown version".into();
-        }
-        parts.push(value.to_string());
-    }
-    parts.join(".")
 }
 
 impl Runner for GpuRunner {
@@ -391,11 +388,9 @@ impl super::backend::Device for GpuRunner {
 
     fn gemm(&self, gemm: super::backend::Gemm<'_, CudaSlice<u8>>) -> Result<()> {
         use super::backend::GemmType;
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
-        };
+        use super::cublas::{OP_N, OP_T, R_16BF, R_16F, R_32F};
         use cudarc::driver::DevicePtr;
-        let Some(blas) = &self.blas else {
+        let Some((cublas, handle)) = &self.blas else {
             anyhow::bail!("cuBLAS is not loaded on {}", self.name());
         };
         gemm.check_sizes(CudaSlice::len)?;
@@ -408,11 +403,10 @@ impl super::backend::Device for GpuRunner {
             int(gemm.n_cols, "columns")?,
         );
         let input = match gemm.ty {
-            GemmType::F32 => cudaDataType::CUDA_R_32F,
-            GemmType::F16 => cudaDataType::CUDA_R_16F,
-            GemmType::Bf16 => cudaDataType::CUDA_R_16BF,
+            GemmType::F32 => R_32F,
+            GemmType::F16 => R_16F,
+            GemmType::Bf16 => R_16BF,
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
         let (y, _y_synced) = gemm.y.device_ptr(&self.stream);
         let (w, _w_synced) = gemm.w.device_ptr(&self.stream);
         let (x, _x_synced) = gemm.x.device_ptr(&self.stream);
@@ -422,36 +416,22 @@ impl super::backend::Device for GpuRunner {
         // n_tokens, ld n_cols).
         // SAFETY: the handle is on this GPU's stream; the three buffers hold the sizes
         // checked above and stay alive until the GEMM is done (`_synced` records it on the
-        // stream); alpha and beta are f32, as CUBLAS_COMPUTE_32F reads them.
+        // stream).
         unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                m,
-                n,
-                k,
-                (&alpha as *const f32).cast(),
-                w as *const std::ffi::c_void,
+            cublas.gemm_ex(
+                handle,
+                (OP_T, OP_N),
+                (m, n, k),
+                (w as *const std::ffi::c_void, k),
+                (x as *const std::ffi::c_void, k),
                 input,
-                k,
-                x as *const std::ffi::c_void,
-                input,
-                k,
-                (&beta as *const f32).cast(),
-                y as *mut std::ffi::c_void,
-                cudaDataType::CUDA_R_32F,
-                m,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                (y as *mut std::ffi::c_void, m),
             )
         }
-        .map_err(|e| {
-            anyhow!(
-                "cuBLAS GEMM of {} tokens × {} rows × {} columns failed: {e:?}",
-                gemm.n_tokens,
-                gemm.n_rows,
-                gemm.n_cols
+        .with_context(|| {
+            format!(
+                "cuBLAS GEMM of {} tokens × {} rows × {} columns",
+                gemm.n_tokens, gemm.n_rows, gemm.n_cols
             )
         })
     }
@@ -523,9 +503,9 @@ pub fn open_first(
 ) -> Result<(GpuRunner, super::device::Gpu)> {
     let driver = super::device::probe(dirs)?;
     let gpu = driver.gpus[0].clone();
-    let nvrtc = Nvrtc::open(dirs)?;
+    let nvrtc = Nvrtc::open(dirs, Some(driver.cuda_version))?;
     let mut runner = GpuRunner::new(gpu.ordinal, gpu.arch(), &nvrtc, cache_dir)?;
-    runner.load_cublas(dirs);
+    runner.load_cublas(dirs, driver.cuda_version);
     Ok((runner, gpu))
 }
 

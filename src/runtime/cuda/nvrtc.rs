@@ -4,24 +4,60 @@
 //! architecture and options.
 
 use std::collections::HashMap;
-use std::ffi::CString;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use sha2::{Digest, Sha256};
 
-use cudarc::nvrtc::{result, sys};
+use super::libraries::{self, Found};
 
 /// Options every kernel is compiled with (besides the architecture): ptxas reports each
 /// kernel's registers, spills and shared memory in the log.
 pub const OPTIONS: &[&str] = &["--ptxas-options=--verbose", "--std=c++17"];
 
-/// NVRTC, opened from where it is installed ([`super::libraries::open_nvrtc`]).
+/// `nvrtcResult` (nvrtc.h): 0 is `NVRTC_SUCCESS`.
+type NvrtcResult = c_int;
+/// `nvrtcProgram`: an opaque handle.
+type Program = *mut c_void;
+
+/// The entry points we call, with their nvrtc.h signatures; every one exists in NVRTC 12.0
+/// through 13.0 (CUDA 13 removed only `nvrtcGetNVVM*`, which we do not use).
+struct Api {
+    version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> NvrtcResult,
+    get_error_string: unsafe extern "C" fn(NvrtcResult) -> *const c_char,
+    create_program: unsafe extern "C" fn(
+        *mut Program,
+        *const c_char,
+        *const c_char,
+        c_int,
+        *const *const c_char,
+        *const *const c_char,
+    ) -> NvrtcResult,
+    destroy_program: unsafe extern "C" fn(*mut Program) -> NvrtcResult,
+    compile_program: unsafe extern "C" fn(Program, c_int, *const *const c_char) -> NvrtcResult,
+    get_program_log_size: unsafe extern "C" fn(Program, *mut usize) -> NvrtcResult,
+    get_program_log: unsafe extern "C" fn(Program, *mut c_char) -> NvrtcResult,
+    get_ptx_size: unsafe extern "C" fn(Program, *mut usize) -> NvrtcResult,
+    get_ptx: unsafe extern "C" fn(Program, *mut c_char) -> NvrtcResult,
+    get_cubin_size: unsafe extern "C" fn(Program, *mut usize) -> NvrtcResult,
+    get_cubin: unsafe extern "C" fn(Program, *mut c_char) -> NvrtcResult,
+}
+
+/// NVRTC, opened from where it is installed (CUDA 13's `libnvrtc.so.13` or CUDA 12's
+/// `libnvrtc.so.12`, [`super::libraries`]) and bound by our own code.
 pub struct Nvrtc {
     /// Where the library came from (`None`: the system loader's paths).
     pub path: Option<PathBuf>,
+    /// The soname found (`libnvrtc.so.13`).
+    pub soname: String,
+    /// `libnvrtc-builtins.so.<major>.<minor>`, opened from NVRTC's own directory before any
+    /// compile (CUDA 13's wheel has no RUNPATH, and NVRTC opens it by bare name), when it
+    /// is there.
+    pub builtins: Option<PathBuf>,
     /// `major.minor`.
     pub version: (i32, i32),
+    api: Api,
 }
 
 /// What ptxas reports about one kernel.
@@ -47,21 +83,129 @@ pub struct Compiled {
     pub log: String,
 }
 
+/// Frees an NVRTC program when dropped.
+struct ProgramGuard<'a>(&'a Api, Program);
+
+impl Drop for ProgramGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by this API and is destroyed once, here.
+        let _ = unsafe { (self.0.destroy_program)(&mut self.1) };
+    }
+}
+
 impl Nvrtc {
-    /// Opens NVRTC from `dirs` (then the system loader's paths).
+    /// Opens NVRTC from `dirs` (then the system loader's paths): the newest soname that the
+    /// driver, supporting CUDA `driver_cuda` (`None`: not known), can run
+    /// ([`libraries::sonames_for_driver`]); binds its entry points; reads its version; and
+    /// opens its builtins library from the same directory.
     ///
-    /// Errors: NVRTC is not installed (the message names the pip package).
-    pub fn open(dirs: &[PathBuf]) -> Result<Nvrtc> {
-        let path = super::libraries::open_nvrtc(dirs)?;
+    /// Errors: NVRTC is not installed (the message names the pip package), an entry point
+    /// missing (named).
+    pub fn open(dirs: &[PathBuf], driver_cuda: Option<(i32, i32)>) -> Result<Nvrtc> {
+        let sonames = libraries::sonames_for_driver(libraries::NVRTC, driver_cuda);
+        let opened = libraries::open_first(&sonames, dirs, &|_| Vec::new()).map_err(|error| {
+            libraries::not_installed(
+                "NVRTC",
+                "nvidia-cuda-nvrtc-cu12",
+                &sonames,
+                driver_cuda,
+                &error,
+            )
+        })?;
+        let library = opened.library;
+        let shown = opened
+            .path
+            .as_ref()
+            .map_or(opened.soname.to_string(), |p| p.display().to_string());
+        macro_rules! symbol {
+            ($name:literal) => {
+                // SAFETY: the type is the entry point's signature in nvrtc.h (12.0-13.0).
+                *unsafe { library.get(concat!($name, "\0").as_bytes()) }
+                    .with_context(|| format!("`{shown}` has no `{}`", $name))?
+            };
+        }
+        let api = Api {
+            version: symbol!("nvrtcVersion"),
+            get_error_string: symbol!("nvrtcGetErrorString"),
+            create_program: symbol!("nvrtcCreateProgram"),
+            destroy_program: symbol!("nvrtcDestroyProgram"),
+            compile_program: symbol!("nvrtcCompileProgram"),
+            get_program_log_size: symbol!("nvrtcGetProgramLogSize"),
+            get_program_log: symbol!("nvrtcGetProgramLog"),
+            get_ptx_size: symbol!("nvrtcGetPTXSize"),
+            get_ptx: symbol!("nvrtcGetPTX"),
+            get_cubin_size: symbol!("nvrtcGetCUBINSize"),
+            get_cubin: symbol!("nvrtcGetCUBIN"),
+        };
         let (mut major, mut minor) = (0, 0);
-        // SAFETY: NVRTC is loaded (above); the out-pointers are valid.
-        unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
-            .result()
-            .map_err(|e| anyhow::anyhow!("nvrtcVersion failed: {e:?}"))?;
+        // SAFETY: bound above; the out-pointers are valid.
+        let status = unsafe { (api.version)(&mut major, &mut minor) };
+        if status != 0 {
+            bail!("nvrtcVersion of `{shown}` failed (nvrtcResult {status})");
+        }
+        let builtins = open_builtins(opened.path.as_deref(), (major, minor))?;
         Ok(Nvrtc {
-            path,
+            path: opened.path,
+            soname: opened.soname,
+            builtins,
             version: (major, minor),
+            api,
         })
+    }
+
+    /// Where NVRTC and its builtins came from, for `infer smoke`'s report.
+    pub fn found(&self) -> Vec<Found> {
+        let mut found = vec![Found {
+            library: "NVRTC".into(),
+            soname: self.soname.clone(),
+            path: self.path.clone(),
+        }];
+        if let Some(path) = &self.builtins {
+            found.push(Found {
+                library: "NVRTC builtins".into(),
+                soname: builtins_name(self.version),
+                path: Some(path.clone()),
+            });
+        }
+        found
+    }
+
+    /// NVRTC's text for `status`, with the code.
+    fn error(&self, status: NvrtcResult) -> String {
+        // SAFETY: NVRTC returns a static string (or null) for every result code.
+        let text = unsafe {
+            let text = (self.api.get_error_string)(status);
+            if text.is_null() {
+                "unknown error".to_string()
+            } else {
+                CStr::from_ptr(text).to_string_lossy().into_owned()
+            }
+        };
+        format!("{text} (nvrtcResult {status})")
+    }
+
+    /// Reads one of a program's outputs through its size and copy entry points.
+    fn output(
+        &self,
+        program: Program,
+        what: &str,
+        size: unsafe extern "C" fn(Program, *mut usize) -> NvrtcResult,
+        copy: unsafe extern "C" fn(Program, *mut c_char) -> NvrtcResult,
+    ) -> Result<Vec<u8>> {
+        let mut len = 0usize;
+        // SAFETY: `program` is live (the caller holds its guard); the out-pointer is valid.
+        let status = unsafe { size(program, &mut len) };
+        if status != 0 {
+            bail!("nvrtcGet{what}Size failed: {}", self.error(status));
+        }
+        let mut bytes = vec![0u8; len.max(1)];
+        // SAFETY: `bytes` holds the size NVRTC just reported.
+        let status = unsafe { copy(program, bytes.as_mut_ptr().cast()) };
+        if status != 0 {
+            bail!("nvrtcGet{what} failed: {}", self.error(status));
+        }
+        bytes.truncate(len);
+        Ok(bytes)
     }
 
     /// Compiles `source` (named `name` in messages) for `sm_<arch>` (`80`, `90`).
@@ -71,37 +215,61 @@ impl Nvrtc {
     pub fn compile(&self, name: &str, source: &str, arch: u32) -> Result<Compiled> {
         let source_c = CString::new(source).context("a kernel source has a NUL byte")?;
         let name_c = CString::new(name).context("a kernel name has a NUL byte")?;
-        let program = result::create_program(&source_c, Some(&name_c))
-            .map_err(|e| anyhow::anyhow!("nvrtcCreateProgram({name}) failed: {e:?}"))?;
+        let mut program: Program = std::ptr::null_mut();
+        // SAFETY: the strings are NUL-terminated and outlive the call; no headers.
+        let status = unsafe {
+            (self.api.create_program)(
+                &mut program,
+                source_c.as_ptr(),
+                name_c.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            )
+        };
+        if status != 0 {
+            bail!("nvrtcCreateProgram({name}) failed: {}", self.error(status));
+        }
+        let guard = ProgramGuard(&self.api, program);
         let mut options: Vec<String> = vec![format!("--gpu-architecture=sm_{arch}")];
         options.extend(OPTIONS.iter().map(|o| o.to_string()));
-        // SAFETY: `program` was created above and is destroyed below, once.
-        let compiled = unsafe { result::compile_program(program, &options) };
-        let log = unsafe { result::get_program_log(program) }
-            .map(|chars| c_chars_to_string(&chars))
-            .unwrap_or_default();
-        let outputs = compiled
-            .map_err(|e| anyhow::anyhow!("{e:?}"))
-            .and_then(|()| {
-                let ptx = unsafe { result::get_ptx(program) }
-                    .map(|chars| c_chars_to_string(&chars))
-                    .map_err(|e| anyhow::anyhow!("nvrtcGetPTX failed: {e:?}"))?;
-                let mut size = 0usize;
-                unsafe { sys::nvrtcGetCUBINSize(program, &mut size) }
-                    .result()
-                    .map_err(|e| anyhow::anyhow!("nvrtcGetCUBINSize failed: {e:?}"))?;
-                let mut cubin = vec![0u8; size];
-                unsafe { sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr().cast()) }
-                    .result()
-                    .map_err(|e| anyhow::anyhow!("nvrtcGetCUBIN failed: {e:?}"))?;
-                Ok((ptx, cubin))
-            });
-        // SAFETY: created above, not destroyed before.
-        let _ = unsafe { result::destroy_program(program) };
-        let (ptx, cubin) = match outputs {
-            Ok(outputs) => outputs,
-            Err(error) => bail!("NVRTC could not compile `{name}` for sm_{arch} ({error}):\n{log}"),
+        let options_c: Vec<CString> = options
+            .iter()
+            .map(|o| CString::new(o.as_str()))
+            .collect::<std::result::Result<_, _>>()
+            .context("an NVRTC option has a NUL byte")?;
+        let pointers: Vec<*const c_char> = options_c.iter().map(|o| o.as_ptr()).collect();
+        // SAFETY: the program is live; `pointers` holds `options_c.len()` valid C strings.
+        let compiled = unsafe {
+            (self.api.compile_program)(guard.1, pointers.len() as c_int, pointers.as_ptr())
         };
+        let log = self
+            .output(
+                guard.1,
+                "ProgramLog",
+                self.api.get_program_log_size,
+                self.api.get_program_log,
+            )
+            .map(|bytes| c_bytes_to_string(&bytes))
+            .unwrap_or_default();
+        if compiled != 0 {
+            bail!(
+                "NVRTC could not compile `{name}` for sm_{arch} ({}):\n{log}",
+                self.error(compiled)
+            );
+        }
+        let ptx = c_bytes_to_string(&self.output(
+            guard.1,
+            "PTX",
+            self.api.get_ptx_size,
+            self.api.get_ptx,
+        )?);
+        let cubin = self.output(
+            guard.1,
+            "CUBIN",
+            self.api.get_cubin_size,
+            self.api.get_cubin,
+        )?;
         Ok(Compiled {
             cubin,
             ptx,
@@ -109,7 +277,6 @@ impl Nvrtc {
             log,
         })
     }
-
     /// [`Nvrtc::compile`] through a cache in `dir`: the CUBIN is stored under the hash of the
     /// source, this NVRTC's version, the architecture and the options; a hit skips NVRTC.
     /// Returns the CUBIN and whether it came from the cache.
@@ -155,13 +322,37 @@ pub fn cache_key(source: &str, version: (i32, i32), arch: u32) -> String {
         .collect()
 }
 
-fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = chars
-        .iter()
-        .map(|&c| c as u8)
-        .take_while(|&b| b != 0)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
+/// The text of a NUL-terminated byte buffer from NVRTC.
+fn c_bytes_to_string(bytes: &[u8]) -> String {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
+/// `libnvrtc-builtins.so.<major>.<minor>`, the library NVRTC `version` opens by bare name
+/// during a compile.
+fn builtins_name(version: (i32, i32)) -> String {
+    format!("libnvrtc-builtins.so.{}.{}", version.0, version.1)
+}
+
+/// Opens NVRTC's builtins from the directory of `nvrtc` (when NVRTC came from a directory
+/// and the builtins are there), so that NVRTC's own `dlopen` of the bare name finds them
+/// loaded (glibc matches a loaded library by its soname). `None`: NVRTC came from the
+/// system loader's paths, which find its builtins too, or its directory has none (the
+/// first compile then says what NVRTC could not open).
+///
+/// Errors: the builtins exist but do not load.
+fn open_builtins(nvrtc: Option<&Path>, version: (i32, i32)) -> Result<Option<PathBuf>> {
+    let Some(dir) = nvrtc.and_then(Path::parent) else {
+        return Ok(None);
+    };
+    let path = dir.join(builtins_name(version));
+    if !path.is_file() {
+        return Ok(None);
+    }
+    libraries::open_first(&[&builtins_name(version)], &[dir.to_path_buf()], &|_| {
+        Vec::new()
+    })
+    .map(|opened| opened.path)
 }
 
 /// Each kernel's resources from ptxas' verbose lines:

@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use super::device::{Driver, probe};
 use super::kernels::FAMILIES;
+use super::libraries::Found;
 use super::nvrtc::Nvrtc;
 use crate::runtime::exec::engine::Engine;
 use crate::runtime::exec::forward::{Comparison, compare_with_cpu};
@@ -35,7 +36,27 @@ pub struct Report {
     pub nvrtc: Option<String>,
     /// NCCL's version, `major.minor.patch`, when it is installed.
     pub nccl: Option<String>,
+    /// Which file each NVIDIA library came from (the driver, NVRTC and its builtins,
+    /// cuBLAS, NCCL), for those that loaded.
+    pub libraries: Vec<Found>,
     pub checks: Vec<Check>,
+}
+
+/// Runs `body`, turning a panic inside it (a CUDA library or binding that panics instead of
+/// returning an error) into a failing row named `name`, so the report is still printed.
+fn guarded<T>(name: &str, body: impl FnOnce() -> T) -> std::result::Result<T, Check> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).map_err(|payload| {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Check {
+            name: name.to_string(),
+            passed: false,
+            detail: format!("panicked: {message}"),
+        }
+    })
 }
 
 impl Report {
@@ -64,6 +85,11 @@ pub fn run(
 ) -> Result<Report> {
     let driver = probe(dirs)?;
     let gpu = driver.gpus[0].clone();
+    let mut libraries = vec![Found {
+        library: "driver".into(),
+        soname: super::libraries::DRIVER.into(),
+        path: driver.library.clone(),
+    }];
     let mut checks = vec![Check {
         name: "GPU and driver".into(),
         passed: true,
@@ -78,111 +104,177 @@ pub fn run(
             if driver.gpus.len() == 1 { "" } else { "s" }
         ),
     }];
-    let nvrtc = match Nvrtc::open(dirs) {
-        Ok(nvrtc) => {
+    let opened = guarded("NVRTC", || Nvrtc::open(dirs, Some(driver.cuda_version)));
+    let nvrtc = match opened {
+        Ok(Ok(nvrtc)) => {
             checks.push(Check {
                 name: "NVRTC".into(),
                 passed: true,
                 detail: format!(
-                    "{}.{} from {}",
+                    "{}.{} from {}{}",
                     nvrtc.version.0,
                     nvrtc.version.1,
                     nvrtc.path.as_ref().map_or_else(
-                        || "the system loader's paths".into(),
+                        || format!("{} on the system loader's paths", nvrtc.soname),
                         |p| p.display().to_string()
-                    )
+                    ),
+                    nvrtc
+                        .builtins
+                        .as_ref()
+                        .map_or(String::new(), |p| format!(" (builtins {})", p.display()))
                 ),
             });
+            libraries.extend(nvrtc.found());
             Some(nvrtc)
         }
-        Err(error) => {
+        Ok(Err(error)) => {
             checks.push(Check {
                 name: "NVRTC".into(),
                 passed: false,
                 detail: format!("{error:#}"),
             });
+            None
+        }
+        Err(check) => {
+            checks.push(check);
             None
         }
     };
     if let Some(nvrtc) = &nvrtc {
         for family in FAMILIES {
-            checks.push(compile_check(nvrtc, family, gpu.arch(), cache_dir));
+            let name = format!("compile {} for sm_{}", family.file, gpu.arch());
+            checks.push(
+                guarded(&name, || {
+                    compile_check(nvrtc, family, gpu.arch(), cache_dir)
+                })
+                .unwrap_or_else(|check| check),
+            );
         }
-        // Every op on the GPU against the CPU backend (test-backend-ops tolerances).
-        match super::gpu::GpuRunner::new(gpu.ordinal, gpu.arch(), nvrtc, cache_dir) {
-            Ok(mut runner) => {
-                checks.extend(super::checks::run_all(&runner).into_iter().map(|c| Check {
-                    name: format!("op {} vs CPU", c.name),
-                    ..c
-                }));
-                // Prefill's products: dequantize, convert, cuBLAS.
-                let line = runner.load_cublas(dirs);
-                let loaded = super::backend::Device::has_gemm(&runner);
-                checks.push(Check {
-                    name: "cuBLAS".into(),
-                    passed: loaded,
-                    detail: line.strip_prefix("warning: ").unwrap_or(&line).to_string(),
-                });
-                if loaded {
-                    checks.extend(
-                        super::checks::gemm_checks(&runner)
-                            .into_iter()
-                            .map(|c| Check {
-                                name: format!("op {} vs CPU", c.name),
-                                ..c
-                            }),
-                    );
-                }
+        let gpu_rows = guarded("load the kernels on the GPU", || {
+            gpu_checks(&gpu, driver.cuda_version, nvrtc, cache_dir, dirs)
+        });
+        match gpu_rows {
+            Ok((rows, cublas)) => {
+                checks.extend(rows);
+                libraries.extend(cublas);
             }
-            Err(error) => checks.push(Check {
-                name: "load the kernels on the GPU".into(),
-                passed: false,
-                detail: format!("{error:#}"),
-            }),
+            Err(check) => checks.push(check),
         }
     }
-    // NCCL is optional (TP groups sum through host memory without it, with a warning):
-    // reported, and failed only when it is installed but does not answer.
-    let nccl = match crate::runtime::collectives::nccl::Nccl::open(dirs) {
-        Ok(library) => match library.version() {
-            Ok((major, minor, patch)) => {
-                let version = format!("{major}.{minor}.{patch}");
-                checks.push(Check {
-                    name: "NCCL".into(),
-                    passed: true,
-                    detail: format!("{version}: TP groups across GPUs sum through it"),
-                });
-                Some(version)
-            }
-            Err(error) => {
-                checks.push(Check {
-                    name: "NCCL".into(),
-                    passed: false,
-                    detail: format!("installed but does not answer: {error:#}"),
-                });
-                None
-            }
-        },
-        Err(error) => {
-            checks.push(Check {
-                name: "NCCL".into(),
-                passed: true,
-                detail: format!(
-                    "{error:#}; TP groups across GPUs will sum through host memory instead"
-                ),
-            });
+    let nccl = match guarded("NCCL", || nccl_check(dirs)) {
+        Ok((check, version, found)) => {
+            checks.push(check);
+            libraries.extend(found);
+            version
+        }
+        Err(check) => {
+            checks.push(check);
             None
         }
     };
     if nvrtc.is_some() {
-        checks.extend(model_checks(dirs, cache_dir, model));
+        let rows = guarded("the model on the GPU", || {
+            model_checks(dirs, cache_dir, model)
+        });
+        checks.extend(rows.unwrap_or_else(|check| vec![check]));
     }
     Ok(Report {
         driver,
         nvrtc: nvrtc.map(|n| format!("{}.{}", n.version.0, n.version.1)),
         nccl,
+        libraries,
         checks,
     })
+}
+
+/// Every op on the GPU against the CPU backend (test-backend-ops tolerances), then
+/// prefill's products (dequantize, convert, cuBLAS); with where cuBLAS came from.
+fn gpu_checks(
+    gpu: &super::device::Gpu,
+    driver_cuda: (i32, i32),
+    nvrtc: &Nvrtc,
+    cache_dir: &std::path::Path,
+    dirs: &[PathBuf],
+) -> (Vec<Check>, Option<Found>) {
+    let mut checks = Vec::new();
+    let mut runner = match super::gpu::GpuRunner::new(gpu.ordinal, gpu.arch(), nvrtc, cache_dir) {
+        Ok(runner) => runner,
+        Err(error) => {
+            checks.push(Check {
+                name: "load the kernels on the GPU".into(),
+                passed: false,
+                detail: format!("{error:#}"),
+            });
+            return (checks, None);
+        }
+    };
+    checks.extend(super::checks::run_all(&runner).into_iter().map(|c| Check {
+        name: format!("op {} vs CPU", c.name),
+        ..c
+    }));
+    let line = runner.load_cublas(dirs, driver_cuda);
+    let loaded = super::backend::Device::has_gemm(&runner);
+    checks.push(Check {
+        name: "cuBLAS".into(),
+        passed: loaded,
+        detail: line.strip_prefix("warning: ").unwrap_or(&line).to_string(),
+    });
+    if loaded {
+        checks.extend(
+            super::checks::gemm_checks(&runner)
+                .into_iter()
+                .map(|c| Check {
+                    name: format!("op {} vs CPU", c.name),
+                    ..c
+                }),
+        );
+    }
+    (checks, runner.cublas_found())
+}
+
+/// NCCL is optional (TP groups sum through host memory without it, with a warning):
+/// reported, and failed only when it is installed but does not answer. Returns the row,
+/// the version and where it came from.
+fn nccl_check(dirs: &[PathBuf]) -> (Check, Option<String>, Option<Found>) {
+    let name = "NCCL".to_string();
+    match crate::runtime::collectives::nccl::Nccl::open(dirs) {
+        Ok(library) => {
+            let found = Found {
+                library: "NCCL".into(),
+                soname: super::libraries::NCCL.into(),
+                path: library.path.clone(),
+            };
+            match library.version() {
+                Ok((major, minor, patch)) => {
+                    let version = format!("{major}.{minor}.{patch}");
+                    let check = Check {
+                        name,
+                        passed: true,
+                        detail: format!("{version}: TP groups across GPUs sum through it"),
+                    };
+                    (check, Some(version), Some(found))
+                }
+                Err(error) => {
+                    let check = Check {
+                        name,
+                        passed: false,
+                        detail: format!("installed but does not answer: {error:#}"),
+                    };
+                    (check, None, Some(found))
+                }
+            }
+        }
+        Err(error) => {
+            let check = Check {
+                name,
+                passed: true,
+                detail: format!(
+                    "{error:#}; TP groups across GPUs will sum through host memory instead"
+                ),
+            };
+            (check, None, None)
+        }
+    }
 }
 
 /// One family compiled for `arch`: registers and spills per kernel.
