@@ -175,6 +175,9 @@ pub struct GenerateArgs {
     pub cluster: Option<PathBuf>,
 
     #[command(flatten)]
+    pub load: LoadArgs,
+
+    #[command(flatten)]
     pub ssh: SshArgs,
 
     /// Where the run's rank logs and `manifest.json` go (a new or empty directory).
@@ -309,6 +312,57 @@ pub struct BenchAllreduceWorkerArgs {
     pub max_bytes: usize,
 }
 
+/// How a model's weights are loaded (`generate`, `bench decode`): vLLM's `--load-format`.
+#[derive(Debug, Args, Clone, Default)]
+pub struct LoadArgs {
+    /// `auto`: read the weights from `--model`; `dummy`: random weights of `--model`'s shape
+    /// (a profile name such as `llama-3.1-8b`, a `config.json` directory or a GGUF file),
+    /// generated on the fly with a fixed seed, never written to disk.
+    #[arg(long, value_enum, value_name = "FORMAT", default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// With `--load-format dummy`: the weight type (default `bf16`, a checkpoint's own).
+    #[arg(long, value_enum, value_name = "TYPE")]
+    pub dtype: Option<DummyDtypeArg>,
+    /// With `--load-format dummy`: keep only this many layers (a real-size model's shape
+    /// on a machine that cannot hold all of it).
+    #[arg(long, value_name = "N")]
+    pub num_layers: Option<usize>,
+}
+
+/// `--load-format`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LoadFormatArg {
+    #[default]
+    Auto,
+    Dummy,
+}
+
+/// `--dtype` of dummy weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DummyDtypeArg {
+    #[value(name = "q4_0")]
+    Q4_0,
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_k")]
+    Q4K,
+    F16,
+    Bf16,
+}
+
+impl From<DummyDtypeArg> for crate::runtime::model::dummy::DummyDtype {
+    fn from(arg: DummyDtypeArg) -> Self {
+        use crate::runtime::model::dummy::DummyDtype;
+        match arg {
+            DummyDtypeArg::Q4_0 => DummyDtype::Q4_0,
+            DummyDtypeArg::Q8_0 => DummyDtype::Q8_0,
+            DummyDtypeArg::Q4K => DummyDtype::Q4K,
+            DummyDtypeArg::F16 => DummyDtype::F16,
+            DummyDtypeArg::Bf16 => DummyDtype::Bf16,
+        }
+    }
+}
+
 /// `infer bench decode`.
 #[derive(Debug, Args)]
 pub struct BenchDecodeArgs {
@@ -343,6 +397,8 @@ pub struct BenchDecodeArgs {
     /// instead of the table: what `infer plan --calibration` reads.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub load: LoadArgs,
 }
 
 /// `infer topo`.

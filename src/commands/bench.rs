@@ -29,8 +29,10 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     } else {
         None
     };
-    let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
-    let engine = Engine::load(&path, args.threads, args.numerics.into())?;
+    let source = super::model_source(args.model.as_deref(), &args.load, &mut |line| {
+        printer.note(line)
+    })?;
+    let engine = Engine::from_source(&source, args.threads, args.numerics.into())?;
     if let Some(driver) = driver {
         return decode_cuda(args, &engine, &driver, printer);
     }
@@ -111,6 +113,8 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
                 weight_bytes_per_sec: decode_weight_bytes as f64 / decode_step_secs,
                 peak_rss_bytes,
                 gpu_memory_used_bytes: None,
+                hbm_bytes_per_sec: None,
+                batches: Vec::new(),
             })
             .map(|()| ExitStatus::Success);
     }
@@ -195,6 +199,20 @@ fn decode_cuda(
         rows.push((batch, speed));
     }
     let memory_used_bytes = device.backend().device.memory_used_bytes()?;
+    let batch_speeds: Vec<crate::plan::calibration::BatchSpeed> = rows
+        .iter()
+        .map(|(batch, speed)| {
+            let weight_bytes_per_sec = weight_bytes as f64 / speed.decode_step_secs;
+            crate::plan::calibration::BatchSpeed {
+                batch: *batch,
+                decode_tokens_per_sec: speed.decode_tokens_per_sec,
+                decode_step_secs: speed.decode_step_secs,
+                weight_bytes_per_sec,
+                hbm_fraction: hbm_bytes_per_sec.map(|hbm| weight_bytes_per_sec / hbm),
+                launches_per_step: speed.launches_per_step,
+            }
+        })
+        .collect();
     if args.json {
         let (batch, speed) = rows.last().copied().context("no batch measured")?;
         return printer
@@ -215,11 +233,17 @@ fn decode_cuda(
                 weight_bytes_per_sec: weight_bytes as f64 / speed.decode_step_secs,
                 peak_rss_bytes: peak_rss_bytes()?,
                 gpu_memory_used_bytes: Some(memory_used_bytes),
+                hbm_bytes_per_sec,
+                batches: batch_speeds,
             })
             .map(|()| ExitStatus::Success);
     }
     let mut lines = vec![
         format!("model       {}", engine.name),
+        format!(
+            "weights     {:.2} GB read per decode step",
+            weight_bytes as f64 / 1e9
+        ),
         format!(
             "device      cuda:{} ({}, sm_{})",
             gpu.ordinal,
@@ -236,14 +260,17 @@ fn decode_cuda(
     for (batch, speed) in &rows {
         let bandwidth = weight_bytes as f64 / speed.decode_step_secs;
         lines.push(format!(
-            "decode      {:.1} tok/s at batch {batch}: {:.0} GB/s of weights{}",
+            "decode      {:.1} tok/s at batch {batch}: {:.0} GB/s of weights{}{}",
             speed.decode_tokens_per_sec,
             bandwidth / 1e9,
             hbm_bytes_per_sec.map_or(String::new(), |hbm| format!(
                 " ({:.0}% of the datasheet's {:.0} GB/s)",
                 100.0 * bandwidth / hbm,
                 hbm / 1e9
-            ))
+            )),
+            speed
+                .launches_per_step
+                .map_or(String::new(), |n| format!(", {n:.0} launches a step"))
         ));
     }
     lines.push(format!(

@@ -4,12 +4,13 @@
 use anyhow::{Result, bail};
 use serde::Serialize;
 
+use crate::ExitStatus;
 use crate::cli::GenerateArgs;
 use crate::runtime::exec::engine::{Engine, Generation};
 use crate::runtime::model::chat::ChatMessage;
 use crate::runtime::model::sampling::SamplingParams;
+use crate::runtime::model::source::ModelSource;
 use crate::ui::Printer;
-use crate::{ExitStatus, model};
 
 /// `--json` output.
 #[derive(Serialize)]
@@ -44,11 +45,13 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1 (it counts the tokens to generate)");
     }
-    let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
+    let source = super::model_source(args.model.as_deref(), &args.load, &mut |line| {
+        printer.note(line)
+    })?;
     if args.tp * args.pp > 1 || args.cluster.is_some() {
-        return distributed(args, &path, device.as_ref(), printer);
+        return distributed(args, &source, device.as_ref(), printer);
     }
-    let engine = Engine::load(&path, args.threads, args.numerics.into())?;
+    let engine = Engine::from_source(&source, args.threads, args.numerics.into())?;
     let prompt = if args.chat {
         engine.chat_prompt(&[ChatMessage {
             role: "user".into(),
@@ -146,7 +149,7 @@ fn sampling_params(args: &GenerateArgs) -> SamplingParams {
 /// the host harness).
 fn distributed(
     args: &GenerateArgs,
-    path: &std::path::Path,
+    source: &ModelSource,
     device: Option<&(crate::runtime::cuda::executor::KernelDevice, usize)>,
     printer: &Printer,
 ) -> Result<ExitStatus> {
@@ -160,9 +163,17 @@ fn distributed(
     );
     use crate::runtime::formats::gguf::Header;
     use crate::runtime::model::tokenizer::Tokenizer;
-    super::require_gguf_for_ranks(path)?;
-    let header = Header::read_file(path)?;
-    let tokenizer = Tokenizer::from_gguf(&header)?;
+    // The tokenizer and the context, without loading the weights here.
+    let (tokenizer, context) = match source {
+        ModelSource::File(path) => {
+            super::require_gguf_for_ranks(path)?;
+            let header = Header::read_file(path)?;
+            let arch = header.str("general.architecture")?;
+            let context = header.u64(&format!("{arch}.context_length")).ok();
+            (Tokenizer::from_gguf(&header)?, context.map(|c| c as usize))
+        }
+        ModelSource::Dummy(dummy) => (dummy.tokenizer()?, Some(dummy.max_context_tokens)),
+    };
     let prompt = if args.chat {
         let template = tokenizer
             .chat_template
@@ -183,14 +194,8 @@ fn distributed(
         args.prompt.clone()
     };
     let prompt_tokens = tokenizer.encode(&prompt, true)?;
-    let arch = header.str("general.architecture")?;
-    if let Ok(context) = header.u64(&format!("{arch}.context_length")) {
-        warn_if_capped(
-            printer,
-            prompt_tokens.len(),
-            args.max_tokens,
-            context as usize,
-        );
+    if let Some(context) = context {
+        warn_if_capped(printer, prompt_tokens.len(), args.max_tokens, context);
     }
     let job = crate::runtime::exec::worker::Job::Generate {
         prompt_tokens,
@@ -208,7 +213,7 @@ fn distributed(
         pp: args.pp,
         dp: 1,
         ep: 1,
-        model: Some(path.to_path_buf()),
+        model: Some(source.clone()),
         threads_per_rank,
         numerics: args.numerics.into(),
         timeout: crate::launch::rank_timeout(harness),
@@ -239,7 +244,7 @@ fn distributed(
     progress.finish();
     if args.json {
         printer.json(&Output {
-            model: &path.display().to_string(),
+            model: &source.name(),
             prompt: &prompt,
             generation: &generation,
         })?;

@@ -67,6 +67,35 @@ pub fn report_progress(
     }
 }
 
+/// The weights `--model` and `--load-format` name: the file ([`crate::model::weights_path`])
+/// or random weights of the model's shape ([`crate::model::dummy`]).
+///
+/// Errors: `--dtype`/`--num-layers` without `--load-format dummy`, and those of the two.
+fn model_source(
+    model: Option<&str>,
+    load: &crate::cli::LoadArgs,
+    progress: &mut dyn FnMut(&str),
+) -> anyhow::Result<crate::runtime::model::source::ModelSource> {
+    use crate::runtime::model::source::ModelSource;
+    match load.load_format {
+        crate::cli::LoadFormatArg::Auto => {
+            if load.dtype.is_some() || load.num_layers.is_some() {
+                anyhow::bail!(
+                    "--dtype and --num-layers shape random weights: add --load-format dummy (a model file's weights keep their own type and layers)"
+                );
+            }
+            crate::model::weights_path(model, progress).map(ModelSource::File)
+        }
+        crate::cli::LoadFormatArg::Dummy => crate::model::dummy(
+            model,
+            load.dtype
+                .map_or(crate::runtime::model::dummy::DummyDtype::Bf16, Into::into),
+            load.num_layers,
+        )
+        .map(ModelSource::Dummy),
+    }
+}
+
 /// Where NVIDIA's libraries are looked for first, from this process's environment
 /// ([`crate::runtime::cuda::libraries::search_dirs`]).
 fn cuda_lib_dirs() -> Vec<std::path::PathBuf> {

@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use crate::ExitStatus;
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::worker::{RankConfig, run_rank};
+use crate::runtime::model::source::ModelSource;
 
 fn var(name: &str) -> Result<String> {
     std::env::var(name).with_context(|| {
@@ -39,7 +40,16 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
         },
         store_address: format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
         token: var("INFER_RUN_TOKEN")?,
-        model: std::env::var_os("INFER_MODEL").map(Into::into),
+        model: match (
+            std::env::var_os("INFER_MODEL"),
+            std::env::var("INFER_DUMMY_MODEL"),
+        ) {
+            (Some(path), _) => Some(ModelSource::File(path.into())),
+            (None, Ok(json)) => Some(ModelSource::Dummy(
+                serde_json::from_str(&json).context("`INFER_DUMMY_MODEL` is not a dummy model")?,
+            )),
+            (None, Err(_)) => None,
+        },
         threads: number("INFER_THREADS")?,
         timeout: Duration::from_secs(number("INFER_TIMEOUT_SECS")?),
         kv_cache_tokens: match std::env::var("INFER_KV_CACHE_TOKENS") {

@@ -110,7 +110,11 @@ pub fn start(
         &targets,
         &Preflight {
             ssh: options.ssh,
-            model: spec.model.clone(),
+            // Random weights are generated on every host: no file to check or push.
+            model: spec
+                .model
+                .as_ref()
+                .and_then(|m| m.path().map(std::path::Path::to_path_buf)),
             push_model: options.push_model,
             same_build: true,
         },

@@ -55,9 +55,10 @@ pub struct LaunchSpec {
     pub dp: usize,
     /// Expert parallelism: 1, or `tp` (experts sharded over each TP group).
     pub ep: usize,
-    /// The weights every rank loads; `None`: a gang of collectives only, no model (it runs
-    /// [`Job::AllReduce`] and nothing else).
-    pub model: Option<PathBuf>,
+    /// The weights every rank loads (a GGUF file, or random weights every rank generates
+    /// alike); `None`: a gang of collectives only, no model (it runs [`Job::AllReduce`] and
+    /// nothing else).
+    pub model: Option<crate::runtime::model::source::ModelSource>,
     /// Threads of each rank's pool.
     pub threads_per_rank: usize,
     /// How every rank's matrix products round (`INFER_NUMERICS`).
@@ -218,8 +219,21 @@ impl LaunchSpec {
                 self.ep
             );
         }
-        let Some(model) = &self.model else {
-            return Ok(());
+        let model = match &self.model {
+            None => return Ok(()),
+            Some(crate::runtime::model::source::ModelSource::Dummy(dummy)) => {
+                let config = dummy.config();
+                return crate::runtime::model::llama::LayoutLimits {
+                    name: dummy.name.clone(),
+                    n_layers: config.n_layers,
+                    n_heads: config.n_heads,
+                    n_kv_heads: config.n_kv_heads,
+                    intermediate_size: config.intermediate_size,
+                    n_experts: 0,
+                }
+                .check(self.tp, self.pp, self.ep);
+            }
+            Some(crate::runtime::model::source::ModelSource::File(path)) => path,
         };
         if model.is_dir() {
             bail!(
@@ -807,8 +821,17 @@ fn spawn_rank(
         ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
         ("NO_COLOR".into(), "1".into()),
     ];
-    if let Some(model) = &spec.model {
-        env.push(("INFER_MODEL".into(), model.display().to_string()));
+    match &spec.model {
+        Some(crate::runtime::model::source::ModelSource::File(model)) => {
+            env.push(("INFER_MODEL".into(), model.display().to_string()));
+        }
+        Some(crate::runtime::model::source::ModelSource::Dummy(dummy)) => {
+            env.push((
+                "INFER_DUMMY_MODEL".into(),
+                serde_json::to_string(dummy).context("cannot describe the dummy model")?,
+            ));
+        }
+        None => {}
     }
     // NCCL-style transport switches pass through, as torchrun's ranks inherit them.
     if let Ok(value) = std::env::var("INFER_SHM_DISABLE") {

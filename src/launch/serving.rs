@@ -510,7 +510,9 @@ fn launch(
         pp: layout.pp,
         dp: layout.dp,
         ep: layout.ep,
-        model: Some(settings.model.clone()),
+        model: Some(crate::runtime::model::source::ModelSource::File(
+            settings.model.clone(),
+        )),
         threads_per_rank: match (settings.threads, &inventory) {
             (0, None) => {
                 let nodes = settings.node.as_ref().map_or(1, |n| n.nnodes);

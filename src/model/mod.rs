@@ -157,3 +157,46 @@ pub fn weights_path(
         "`{model}` does not exist\nhint: pass a `.gguf` file or a Hugging Face model directory, or `--model smollm2` (or none) for the embedded SmolLM2"
     )
 }
+
+/// Random weights of `--model`'s shape (`--load-format dummy`): a profile name, a model
+/// directory or `config.json`, or a GGUF file (its header), in `dtype`, with `num_layers`
+/// layers when given (else the model's own), seed 0 (vLLM's default seed).
+///
+/// Errors: no `--model`, a model that does not resolve ([`load`]), a MoE or MLA model (random
+/// weights cover dense Llama-family models), `num_layers` 0.
+pub fn dummy(
+    model: Option<&str>,
+    dtype: crate::runtime::model::dummy::DummyDtype,
+    num_layers: Option<usize>,
+) -> Result<crate::runtime::model::dummy::DummyModel> {
+    let Some(model) = model else {
+        bail!(
+            "--load-format dummy needs --model: a profile name (`llama-3.1-8b`), a `config.json` directory or a GGUF file, whose shape the random weights take"
+        );
+    };
+    let spec = load(model)?;
+    if spec.moe.is_some() || spec.mla.is_some() {
+        bail!(
+            "`{}` is a {} model: --load-format dummy builds dense Llama-family models (try llama-3.1-8b, qwen3-8b)",
+            spec.name,
+            if spec.mla.is_some() { "MLA" } else { "MoE" }
+        );
+    }
+    if num_layers == Some(0) {
+        bail!("--num-layers must be at least 1");
+    }
+    let size = |n: u64| n as usize;
+    Ok(crate::runtime::model::dummy::DummyModel {
+        name: spec.name.clone(),
+        hidden_size: size(spec.hidden_size),
+        intermediate_size: size(spec.intermediate_size),
+        n_layers: num_layers.unwrap_or(size(spec.n_layers)),
+        n_heads: size(spec.n_heads),
+        n_kv_heads: size(spec.n_kv_heads),
+        head_dim: size(spec.head_dim),
+        vocab_size: size(spec.vocab_size),
+        max_context_tokens: size(spec.max_position_embeddings),
+        dtype,
+        seed: 0,
+    })
+}

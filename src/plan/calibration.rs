@@ -146,13 +146,40 @@ pub struct DecodeReport {
     /// GPU memory in use after the run (`--device cuda`), bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_memory_used_bytes: Option<u64>,
+    /// The GPU's datasheet HBM bandwidth (its hardware profile in `profiles/hardware/`),
+    /// bytes/s, when the GPU has a profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hbm_bytes_per_sec: Option<f64>,
+    /// Every batch measured, best run of each (`--device cuda`: batch 1 and 16); the
+    /// top-level figures are the last one's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub batches: Vec<BatchSpeed>,
+}
+
+/// One batch size of `infer bench decode --device cuda`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BatchSpeed {
+    /// Sequences per decode step.
+    pub batch: usize,
+    /// Tokens of all sequences per second.
+    pub decode_tokens_per_sec: f64,
+    /// Time of one decode step of the whole batch, seconds.
+    pub decode_step_secs: f64,
+    /// Weight bytes read per step over the step's time, bytes/s.
+    pub weight_bytes_per_sec: f64,
+    /// `weight_bytes_per_sec` over the datasheet's HBM bandwidth (0.7 is 70%), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hbm_fraction: Option<f64>,
+    /// Kernel launches (and GEMMs) per decode step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launches_per_step: Option<f64>,
 }
 
 /// One measurement read from a `--calibration` file.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Measurement {
     Link(MeasuredLink),
-    Decode(DecodeReport),
+    Decode(Box<DecodeReport>),
 }
 
 /// Reads a calibration file: JSON from `infer bench allreduce --json` or `infer bench
@@ -179,7 +206,7 @@ pub fn parse(name: &str, text: &str) -> Result<Measurement> {
             if !(report.weight_bytes_per_sec > 0.0 && report.weight_bytes_per_sec.is_finite()) {
                 bail!("`{name}`: `weight_bytes_per_sec` must be positive");
             }
-            Ok(Measurement::Decode(report))
+            Ok(Measurement::Decode(Box::new(report)))
         }
         _ => bail!(
             "`{name}` is JSON but not a benchmark's (`\"bench\": \"allreduce\"` or `\"decode\"`): give `infer bench \
@@ -556,11 +583,18 @@ mod tests {
             weight_bytes_per_sec: 2e11,
             peak_rss_bytes: 0,
             gpu_memory_used_bytes: None,
+            hbm_bytes_per_sec: None,
+            batches: Vec::new(),
         };
         let mut cluster =
             crate::cluster::load("2x4xl4", std::path::Path::new("/sys")).expect("a shorthand");
         let datasheet = cluster.hosts[0].hardware.hbm_gb_per_sec;
-        calibrate(&mut cluster, "l4.json", Measurement::Decode(decode.clone())).expect("an L4");
+        calibrate(
+            &mut cluster,
+            "l4.json",
+            Measurement::Decode(Box::new(decode.clone())),
+        )
+        .expect("an L4");
         assert!(
             cluster
                 .hosts
@@ -571,7 +605,11 @@ mod tests {
             cluster.measured.decode[0].datasheet_bytes_per_sec,
             datasheet * 1e9
         );
-        let again = calibrate(&mut cluster, "l4.json", Measurement::Decode(decode.clone()));
+        let again = calibrate(
+            &mut cluster,
+            "l4.json",
+            Measurement::Decode(Box::new(decode.clone())),
+        );
         assert!(
             again
                 .expect_err("twice")
@@ -580,7 +618,7 @@ mod tests {
         );
         let mut h100 = decode;
         h100.device_name = "NVIDIA H100 80GB HBM3".into();
-        let error = calibrate(&mut cluster, "h.json", Measurement::Decode(h100))
+        let error = calibrate(&mut cluster, "h.json", Measurement::Decode(Box::new(h100)))
             .expect_err("not this cluster's GPU");
         assert!(
             error.to_string().contains("not on this cluster's GPUs"),

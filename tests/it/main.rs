@@ -9,6 +9,7 @@ mod cuda;
 pub mod device_ranks;
 mod distributed;
 mod doctor;
+mod dummy;
 mod engine;
 mod engines;
 mod fake_sysfs;

@@ -56,6 +56,11 @@ pub trait Backend {
 
     /// Where the ops run, for messages ("cuda:0 (NVIDIA H100 80GB HBM3)", "cpu").
     fn name(&self) -> String;
+    /// Kernels launched (and library calls such as GEMMs enqueued) since the backend was
+    /// made, when it counts them; `None` where ops are not launches (the CPU backend).
+    fn launches(&self) -> Option<u64> {
+        None
+    }
     /// A buffer holding `bytes`.
     fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer>;
     /// A zeroed buffer of `len_bytes`.

@@ -196,6 +196,8 @@ pub struct DeviceMatrix<B> {
 /// The CUDA kernels as a [`Backend`].
 pub struct KernelBackend<D: Device> {
     pub device: D,
+    /// Kernels launched and GEMMs enqueued so far ([`Backend::launches`]).
+    launches: std::sync::atomic::AtomicU64,
 }
 
 /// The most tokens a product runs on the matrix-vector kernels when the device has a GEMM:
@@ -216,7 +218,15 @@ fn blocks(n: usize, threads: usize) -> Result<u32> {
 
 impl<D: Device> KernelBackend<D> {
     pub fn new(device: D) -> KernelBackend<D> {
-        KernelBackend { device }
+        KernelBackend {
+            device,
+            launches: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn count_launch(&self) {
+        self.launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn threads(kernel: &str) -> u32 {
@@ -228,6 +238,7 @@ impl<D: Device> KernelBackend<D> {
     }
 
     fn run(&self, kernel: &str, grid: [u32; 3], args: &[DeviceArg<'_, D::Buffer>]) -> Result<()> {
+        self.count_launch();
         self.device
             .launch(kernel, grid, [Self::threads(kernel), 1, 1], args)
     }
@@ -318,6 +329,7 @@ impl<D: Device> KernelBackend<D> {
                 Some(out)
             }
         };
+        self.count_launch();
         self.device.gemm(Gemm {
             y,
             w: expanded.as_ref().unwrap_or(&w.buffer),
@@ -336,6 +348,10 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn name(&self) -> String {
         self.device.name()
+    }
+
+    fn launches(&self) -> Option<u64> {
+        Some(self.launches.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<D::Buffer> {

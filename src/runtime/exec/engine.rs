@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::cpu::team::Team;
@@ -13,7 +13,6 @@ use std::collections::HashMap;
 use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, first_step_cache, sample};
 pub use crate::runtime::exec::executor::{FinishReason, Generation, Timings};
 use crate::runtime::exec::kv::KvPool;
-use crate::runtime::formats::gguf::GgufFile;
 use crate::runtime::model::chat::{ChatMessage, render};
 use crate::runtime::model::llama::Llama;
 use crate::runtime::model::llama::{KvCache, SequenceInput};
@@ -38,19 +37,22 @@ impl Engine {
     ///
     /// Errors: any load error of the model or tokenizer, naming the file.
     pub fn load(path: &Path, threads: usize, numerics: Numerics) -> Result<Engine> {
-        let (mut model, tokenizer) = if path.is_dir() {
-            (
-                crate::runtime::formats::safetensors::load_llama(path)?,
-                Tokenizer::from_dir(path)?,
-            )
-        } else {
-            let file = Arc::new(GgufFile::open(path)?);
-            let model = Llama::from_gguf(&file)
-                .with_context(|| format!("failed to load `{}`", path.display()))?;
-            let tokenizer = Tokenizer::from_gguf(&file.header)
-                .with_context(|| format!("failed to read the tokenizer of `{}`", path.display()))?;
-            (model, tokenizer)
-        };
+        Engine::from_source(
+            &crate::runtime::model::source::ModelSource::File(path.to_path_buf()),
+            threads,
+            numerics,
+        )
+    }
+
+    /// [`Engine::load`] of any [`ModelSource`](crate::runtime::model::source::ModelSource):
+    /// random weights are generated on the engine's threads.
+    ///
+    /// Errors: as [`Engine::load`]; a dummy shape the weight type cannot hold.
+    pub fn from_source(
+        source: &crate::runtime::model::source::ModelSource,
+        threads: usize,
+        numerics: Numerics,
+    ) -> Result<Engine> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("infer-worker-{i}"))
@@ -58,12 +60,13 @@ impl Engine {
             .map_err(|e| anyhow!("failed to start the thread pool: {e}"))?;
         let team = Team::new(pool.current_num_threads())
             .map_err(|e| anyhow!("failed to start the thread team: {e}"))?;
+        let (mut model, tokenizer) = pool.install(|| source.load())?;
         model.set_numerics(numerics);
         pool.install(|| model.pack_weights());
         Ok(Engine {
             model,
             tokenizer,
-            name: path.display().to_string(),
+            name: source.name(),
             pool,
             team,
         })

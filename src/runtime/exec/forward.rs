@@ -1194,6 +1194,8 @@ pub struct DecodeSpeed {
     pub decode_tokens_per_sec: f64,
     /// Seconds of one decode step of the whole batch.
     pub decode_step_secs: f64,
+    /// Kernel launches (and GEMMs) per decode step, where the backend counts them.
+    pub launches_per_step: Option<f64>,
 }
 
 /// `infer bench decode` on a [`BackendModel`]: prefills `prompt` once timed (then again,
@@ -1223,6 +1225,7 @@ pub fn bench_decode<B: Backend>(
             model.forward_greedy(&mut [(sequence, prompt)])?;
         }
         let mut next = vec![first; batch];
+        let launches_before = model.backend().launches();
         let start = Instant::now();
         for _ in 0..decode_tokens {
             let inputs: Vec<[u32; 1]> = next.iter().map(|t| [*t]).collect();
@@ -1234,10 +1237,17 @@ pub fn bench_decode<B: Backend>(
             next = model.forward_greedy(&mut step)?;
         }
         let decode_secs = start.elapsed().as_secs_f64().max(1e-9);
+        let launches_per_step = match (launches_before, model.backend().launches()) {
+            (Some(before), Some(after)) => {
+                Some(after.saturating_sub(before) as f64 / decode_tokens.max(1) as f64)
+            }
+            _ => None,
+        };
         Ok(DecodeSpeed {
             prefill_tokens_per_sec: prompt.len() as f64 / prefill_secs.max(1e-9),
             decode_tokens_per_sec: (batch * decode_tokens) as f64 / decode_secs,
             decode_step_secs: decode_secs / decode_tokens.max(1) as f64,
+            launches_per_step,
         })
     })();
     for sequence in &mut sequences {

@@ -8,7 +8,6 @@
 //! they drive a local engine.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,9 +45,9 @@ pub struct RankConfig {
     /// `MASTER_ADDR:MASTER_PORT`.
     pub store_address: String,
     pub token: String,
-    /// The weights (`INFER_MODEL`); `None`: this rank runs collectives only
-    /// ([`Job::AllReduce`]).
-    pub model: Option<PathBuf>,
+    /// The weights (`INFER_MODEL`, or random ones: `INFER_DUMMY_MODEL`); `None`: this rank
+    /// runs collectives only ([`Job::AllReduce`]).
+    pub model: Option<crate::runtime::model::source::ModelSource>,
     pub threads: usize,
     /// Timeout of every collective and store wait.
     pub timeout: Duration,
@@ -157,7 +156,7 @@ pub fn run_rank(
     let Some(model) = &config.model else {
         return run_collectives_only(config, &mut store, started, log);
     };
-    let (mut member, file) = Member::join(config, model, &mut store)?;
+    let (mut member, tokenizer) = Member::join(config, model, &mut store)?;
     let info = member.shard.shard;
     for line in std::mem::take(&mut member.device_lines) {
         log(&line);
@@ -192,7 +191,6 @@ pub fn run_rank(
     if member.rank != 0 {
         return member.follow();
     }
-    let tokenizer = Tokenizer::from_gguf(&file.header)?;
     let mut driver = ReplicaDriver { member, tokenizer };
     match job {
         Job::Generate {
@@ -416,9 +414,9 @@ impl Member {
     /// Loads this rank's shard and connects its TP, PP and replica groups.
     fn join(
         config: &RankConfig,
-        model: &std::path::Path,
+        model: &crate::runtime::model::source::ModelSource,
         store: &mut StoreClient,
-    ) -> Result<(Member, Arc<GgufFile>)> {
+    ) -> Result<(Member, Tokenizer)> {
         let (tp, pp, dp) = (config.tp, config.pp, config.dp);
         let global_rank = config.rank as usize;
         if dp * tp * pp != config.world_size as usize {
@@ -436,8 +434,17 @@ impl Member {
             .num_threads(config.threads)
             .build()
             .map_err(|e| anyhow!("thread pool: {e}"))?;
-        let file = Arc::new(GgufFile::open(model)?);
-        let whole = Llama::from_gguf(&file)?;
+        let (whole, tokenizer) = match model {
+            crate::runtime::model::source::ModelSource::File(path) => {
+                let file = Arc::new(GgufFile::open(path)?);
+                (
+                    Llama::from_gguf(&file)?,
+                    Tokenizer::from_gguf(&file.header)?,
+                )
+            }
+            // Every rank draws the same whole model, then keeps its shard.
+            dummy => pool.install(|| dummy.load())?,
+        };
         let (first_layer, n_layers) = stage_layers(whole.layers.len(), pp, pp_rank);
         let mut shard = whole
             .shard(tp_rank, tp, first_layer, n_layers)
@@ -494,7 +501,7 @@ impl Member {
                         .kv_cache_tokens
                         .unwrap_or(DEVICE_DEFAULT_KV_TOKENS)
                         .min(shard.config.max_context_tokens.max(1) + 16),
-                    Tokenizer::from_gguf(&file.header)?,
+                    tokenizer.clone(),
                     groups,
                 )
                 .with_context(|| format!("rank {global_rank}: putting its shard on the device"))?;
@@ -584,7 +591,7 @@ impl Member {
                 pool,
                 timeout: config.timeout,
             },
-            file,
+            tokenizer,
         ))
     }
 

@@ -2,8 +2,10 @@
 
 pub mod chat;
 pub mod config;
+pub mod dummy;
 pub mod llama;
 pub mod moe;
 pub mod sampling;
+pub mod source;
 pub mod tokenizer;
 pub mod weights;

@@ -167,6 +167,46 @@ impl Tokenizer {
         })
     }
 
+    /// A byte-level tokenizer of `vocab_size` ids with no merges, for models without one
+    /// (random weights, [`super::dummy`]): ids 0..256 are the 256 bytes in GPT-2's
+    /// byte-level alphabet (so any text encodes, one id per byte, and decodes back), and
+    /// every other id is the text `<|dummy_N|>`. No BOS, no end-of-sequence token, no chat
+    /// template.
+    ///
+    /// Errors: `vocab_size` under 256.
+    pub fn byte_level(vocab_size: usize) -> Result<Tokenizer> {
+        if vocab_size < 256 {
+            bail!("a byte-level tokenizer needs at least 256 ids, not {vocab_size}");
+        }
+        let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+        alphabet.sort_unstable();
+        let mut vocab: ahash::AHashMap<String, u32> = alphabet
+            .iter()
+            .enumerate()
+            .map(|(id, c)| (c.to_string(), id as u32))
+            .collect();
+        for id in alphabet.len()..vocab_size {
+            vocab.insert(format!("<|dummy_{id}|>"), id as u32);
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, Vec::new())
+            .build()
+            .map_err(|e| anyhow!("failed to build the byte-level tokenizer: {e}"))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(Sequence::new(vec![PreTokenizerWrapper::ByteLevel(
+            ByteLevel::new(false, true, false),
+        )])));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        Ok(Tokenizer {
+            vocab_size: inner.get_vocab_size(true),
+            inner,
+            bos_id: None,
+            eos_ids: Vec::new(),
+            add_bos: false,
+            chat_template: None,
+        })
+    }
+
     /// Loads `tokenizer.json` (and `tokenizer_config.json` for the chat template and BOS) from
     /// a Hugging Face model directory. Errors: missing or malformed files.
     pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
