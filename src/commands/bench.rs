@@ -32,10 +32,14 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     let source = super::model_source(args.model.as_deref(), &args.load, &mut |line| {
         printer.note(line)
     })?;
-    let engine = Engine::from_source(&source, args.threads, args.numerics.into())?;
     if let Some(driver) = driver {
-        return decode_cuda(args, &engine, &driver, printer);
+        // The GPU first: a context that cannot be made fails before minutes of loading.
+        let cache = model::default::cache_dir()?.join("kernels");
+        let opened = crate::runtime::cuda::gpu::open_first(&super::cuda_lib_dirs(), &cache)?;
+        let engine = Engine::from_source(&source, args.threads, args.numerics.into())?;
+        return decode_cuda(args, &engine, &driver, opened, printer);
     }
+    let engine = Engine::from_source(&source, args.threads, args.numerics.into())?;
     let prompt = bench_prompt(&engine, args.prompt_tokens)?;
     let (mut best_prefill, mut best_decode) = (0f64, 0f64);
     for run in 0..=args.runs.max(1) {
@@ -156,6 +160,10 @@ fn decode_cuda(
     args: &BenchDecodeArgs,
     engine: &Engine,
     driver: &crate::runtime::cuda::device::Driver,
+    (runner, opened_gpu): (
+        crate::runtime::cuda::gpu::GpuRunner,
+        crate::runtime::cuda::device::Gpu,
+    ),
     printer: &Printer,
 ) -> Result<ExitStatus> {
     let gpu = &driver.gpus[0];
@@ -166,10 +174,9 @@ fn decode_cuda(
         vec![1, 16]
     };
     let largest = batches.iter().copied().max().unwrap_or(1);
-    let cache = model::default::cache_dir()?.join("kernels");
-    let mut device = crate::runtime::cuda::gpu::load_model(
-        &super::cuda_lib_dirs(),
-        &cache,
+    let mut device = crate::runtime::cuda::gpu::model_on(
+        runner,
+        &opened_gpu,
         &engine.model,
         largest * (prompt.len() + args.decode_tokens + 16),
     )?;

@@ -199,8 +199,10 @@ enum FromReplica {
 }
 
 /// How long a scrape waits for a remote replica's current metrics before using its last
-/// report.
-const METRICS_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+/// report: half of Prometheus' default `scrape_timeout` (10 s), so a replica busy with a
+/// long step on a loaded host still answers with its current figures (1 s was not enough
+/// on a 2-core machine running the test suite: a stale "running 3" after every answer).
+const METRICS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Scrapes waiting for a remote replica's metrics, by request id.
 type MetricsWaiters = Arc<Mutex<HashMap<u64, tokio::sync::oneshot::Sender<MetricsSnapshot>>>>;

@@ -798,6 +798,134 @@ fn smoke_on_a_cuda_13_or_12_stack_passes_every_row_up_to_the_context_without_a_p
     assert!(library(&report, "NVRTC").is_none(), "{report:#}");
 }
 
+/// `scripts/gpu-check.sh`, the one call a GPU machine gets, end to end on this machine
+/// against the stand-in driver and CUDA 13's NVRTC in a venv found through `PATH`: within
+/// its budget, every step run (and failing where the stand-in refuses a context, the CPU
+/// generation passing), and exactly the two files it promises in the output folder — the
+/// summary with each step's exit code, and the archive with every step's output.
+#[test]
+fn the_gpu_check_script_runs_every_step_within_its_budget_and_writes_what_it_promises() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let venv = scratch.path().join("venv");
+    let bin = venv_with(&venv, &[nvrtc13_root()]);
+    let out = scratch.path().join("out");
+    let budget = 240;
+    let started = std::time::Instant::now();
+    let output = Command::new("bash")
+        .arg(root.join("scripts/gpu-check.sh"))
+        .arg(&out)
+        .env_clear()
+        .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
+        .env("HOME", scratch.path())
+        .env("INFER_CUDA_LIB_DIRS", standin_driver())
+        .env("INFER_BIN", env!("CARGO_BIN_EXE_infer"))
+        .env("MODEL", cut_smollm2())
+        .env("DUMMY_DTYPES", "q4_0")
+        .env("BUDGET", budget.to_string())
+        .output()
+        .expect("bash runs the script");
+    let elapsed = started.elapsed().as_secs();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        elapsed <= budget + 15,
+        "{elapsed} s for a budget of {budget} s"
+    );
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .expect("the output folder")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files, ["gpu-check.tgz", "summary.txt"]);
+    let summary = std::fs::read_to_string(out.join("summary.txt")).expect("summary");
+    for line in [
+        "smoke rc=1 ",
+        "generate_cuda rc=2 ",
+        "generate_cpu rc=0 ",
+        "bench_smollm2 rc=2 ",
+        "bench_llama8b_q4_0 rc=2 ",
+        "total ",
+    ] {
+        assert!(summary.contains(line), "`{line}` in:\n{summary}");
+    }
+    assert!(
+        summary.contains("smoke: ") && summary.contains("rows pass; failing: "),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("NVRTC: ") && summary.contains("nvidia/cu13/lib/libnvrtc.so.13"),
+        "{summary}"
+    );
+    let listing = Command::new("tar")
+        .arg("-tzf")
+        .arg(out.join("gpu-check.tgz"))
+        .output()
+        .expect("tar lists the archive");
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    for file in [
+        "machine.txt",
+        "libraries.txt",
+        "version.txt",
+        "summary.txt",
+        "smoke.out",
+        "smoke.err",
+        "generate_cuda.err",
+        "generate_cpu.out",
+        "bench_smollm2.err",
+        "bench_llama8b_q4_0.err",
+    ] {
+        assert!(
+            listing.contains(&format!("./{file}")),
+            "{file} in:\n{listing}"
+        );
+    }
+}
+
+/// `scripts/prepare-gpu-check.sh` with a given binary and the real SmolLM2: the stripped,
+/// gzipped binary that still runs, the model cut to 8 layers that still loads, and the
+/// size of what travels, checked against the 64 MiB a GPU machine accepts.
+#[test]
+fn the_prepare_script_ships_a_running_binary_and_a_cut_model_within_64_mib() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dest = tempfile::tempdir().expect("tempdir");
+    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let output = Command::new("bash")
+        .arg(root.join("scripts/prepare-gpu-check.sh"))
+        .env("BIN", env!("CARGO_BIN_EXE_infer"))
+        .env("MODEL", &model)
+        .env("DEST", dest.path())
+        .output()
+        .expect("bash runs the script");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("MiB of 64 MiB"), "{stdout}");
+    let binary = dest.path().join("infer");
+    let unpacked = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "gzip -dc '{0}.gz' > '{0}' && chmod +x '{0}' && '{0}' --version",
+            binary.display()
+        ))
+        .output()
+        .expect("sh runs");
+    assert!(
+        unpacked.status.success() && String::from_utf8_lossy(&unpacked.stdout).contains("infer"),
+        "{}",
+        String::from_utf8_lossy(&unpacked.stderr)
+    );
+    let cut = dest.path().join("smollm2-8l.gguf");
+    let llama =
+        infer::runtime::model::llama::Llama::open_gguf(&cut).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(llama.layers.len(), 8);
+    assert_eq!(llama.config.vocab_size, 49152);
+}
+
 /// The kernels built for the host once per test process.
 pub fn host() -> &'static infer::runtime::cuda::host::HostKernels {
     static HOST: OnceLock<(tempfile::TempDir, infer::runtime::cuda::host::HostKernels)> =

@@ -9,7 +9,7 @@
 //! The unique id travels through our own collectives (the group's rank 0 makes it and
 //! broadcasts it), as torch.distributed sends it through its store.
 
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -140,12 +140,7 @@ impl Nccl {
         }
         // SAFETY: NCCL returns a static string for every result code.
         let text = unsafe {
-            let text = (self.api.get_error_string)(result);
-            if text.is_null() {
-                "unknown error".to_string()
-            } else {
-                CStr::from_ptr(text).to_string_lossy().into_owned()
-            }
+            crate::runtime::cuda::libraries::error_text((self.api.get_error_string)(result))
         };
         bail!("{what} failed: {text} (ncclResult_t {result})")
     }

@@ -198,6 +198,9 @@ pub struct KernelBackend<D: Device> {
     pub device: D,
     /// Kernels launched and GEMMs enqueued so far ([`Backend::launches`]).
     launches: std::sync::atomic::AtomicU64,
+    /// The matrix-vector products' Q8_1 activations, with its length in bytes: one buffer
+    /// for every product rather than one allocation each.
+    q8_1_scratch: std::sync::Mutex<Option<(D::Buffer, usize)>>,
 }
 
 /// The most tokens a product runs on the matrix-vector kernels when the device has a GEMM:
@@ -221,6 +224,7 @@ impl<D: Device> KernelBackend<D> {
         KernelBackend {
             device,
             launches: std::sync::atomic::AtomicU64::new(0),
+            q8_1_scratch: std::sync::Mutex::new(None),
         }
     }
 
@@ -489,14 +493,24 @@ impl<D: Device> Backend for KernelBackend<D> {
                 "the CUDA backend has no matrix-vector kernel for {other:?} weights (it runs F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K)"
             ),
         };
-        // The activations as Q8_1 blocks, then the integer products.
+        // The activations as Q8_1 blocks, then the integer products. The blocks go to one
+        // scratch buffer reused by every product (grown to the largest asked): the kernels
+        // of a device run in order on its one stream, so a product's quantized input is read
+        // before the next product's quantize overwrites it.
         let n_blocks = n_tokens * w.n_cols / 32;
-        let quantized = self.device.alloc(n_blocks * Q8_1_BLOCK_BYTES)?;
+        let mut scratch = self.q8_1_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let needed = n_blocks * Q8_1_BLOCK_BYTES;
+        if scratch.as_ref().is_none_or(|(_, len)| *len < needed) {
+            *scratch = Some((self.device.alloc(needed)?, needed));
+        }
+        let Some((quantized, _)) = scratch.as_ref() else {
+            bail!("the Q8_1 scratch buffer was not allocated");
+        };
         self.run(
             "quantize_q8_1",
             [u32_of(n_blocks, "blocks")?, 1, 1],
             &[
-                Buffer(&quantized),
+                Buffer(quantized),
                 Buffer(x),
                 U32(u32_of(n_tokens * w.n_cols, "values")?),
             ],
@@ -508,7 +522,7 @@ impl<D: Device> Backend for KernelBackend<D> {
             &[
                 Buffer(y),
                 Buffer(&w.buffer),
-                Buffer(&quantized),
+                Buffer(quantized),
                 U32(n_cols),
                 U32(row_bytes),
             ],

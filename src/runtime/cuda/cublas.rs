@@ -6,7 +6,7 @@
 //! Every entry point used exists in cuBLAS 11.0 through 13.1 with the same signature and
 //! enum values (cublas_api.h, library_types.h); `cublasGetStatusString` since 11.4.2.
 
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
@@ -108,21 +108,15 @@ impl Cublas {
     ///
     /// Errors: not installed (naming the pip package), an entry point missing (named).
     pub fn open(dirs: &[PathBuf], driver_cuda: Option<(i32, i32)>) -> Result<Cublas> {
-        let sonames = libraries::sonames_for_driver(libraries::CUBLAS, driver_cuda);
-        let opened = libraries::open_first(&sonames, dirs, &companions).map_err(|error| {
-            libraries::not_installed(
-                "cuBLAS",
-                "nvidia-cublas-cu12",
-                &sonames,
-                driver_cuda,
-                &error,
-            )
-        })?;
+        let (opened, shown) = libraries::open_for_driver(
+            "cuBLAS",
+            "nvidia-cublas-cu12",
+            libraries::CUBLAS,
+            dirs,
+            driver_cuda,
+            &companions,
+        )?;
         let library = opened.library;
-        let shown = opened
-            .path
-            .as_ref()
-            .map_or(opened.soname.clone(), |p| p.display().to_string());
         macro_rules! symbol {
             ($name:literal) => {
                 // SAFETY: the type is the entry point's signature in cublas_api.h.
@@ -172,14 +166,7 @@ impl Cublas {
     /// cuBLAS's text for `status`, with the code.
     fn error(&self, status: Status) -> String {
         // SAFETY: cuBLAS returns a static string (or null) for every status.
-        let text = unsafe {
-            let text = (self.api.get_status_string)(status);
-            if text.is_null() {
-                "unknown error".to_string()
-            } else {
-                CStr::from_ptr(text).to_string_lossy().into_owned()
-            }
-        };
+        let text = unsafe { libraries::error_text((self.api.get_status_string)(status)) };
         format!("{text} (cublasStatus_t {status})")
     }
 

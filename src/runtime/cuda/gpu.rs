@@ -40,6 +40,11 @@ impl GpuRunner {
     pub fn new(ordinal: usize, arch: u32, nvrtc: &Nvrtc, cache_dir: &Path) -> Result<GpuRunner> {
         let context = CudaContext::new(ordinal)
             .map_err(|e| anyhow!("cannot create a context on GPU {ordinal}: {e:?}"))?;
+        // SAFETY: one stream — the context's default stream — carries every kernel, copy,
+        // GEMM and NCCL call on this GPU, so stream order alone orders every use of every
+        // buffer: cudarc's per-allocation events (two per buffer) add nothing but calls.
+        unsafe { context.disable_event_tracking() };
+        keep_freed_memory(&context);
         let stream = context.default_stream();
         let mut functions = HashMap::new();
         for family in FAMILIES {
@@ -122,6 +127,27 @@ impl GpuRunner {
             crate::runtime::collectives::nccl::GroupKind::Pipeline => self.pp_nccl = comm,
         }
         Ok(line)
+    }
+}
+
+/// Sets the release threshold of `context`'s device's default memory pool to the maximum,
+/// so that memory freed with `cuMemFreeAsync` stays in the pool for the next allocation
+/// instead of going back to the driver at every synchronisation (the default threshold is
+/// 0: CUDA Programming Guide, "Stream Ordered Memory Allocator", physical page caching
+/// behavior). Best effort: a driver that refuses keeps its default.
+fn keep_freed_memory(context: &Arc<CudaContext>) {
+    use cudarc::driver::result::{device, mem_pool};
+    use cudarc::driver::sys::CUmemPool_attribute;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: the device is this context's; the attribute's value is a cuuint64_t.
+    unsafe {
+        if let Ok(pool) = device::get_default_mem_pool(context.cu_device()) {
+            let _ = mem_pool::set_attribute(
+                pool,
+                CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            );
+        }
     }
 }
 

@@ -344,3 +344,43 @@ pub fn not_installed(
         tried.join(" or ")
     )
 }
+
+/// The newest of `candidates` that a driver supporting CUDA `driver_cuda` runs
+/// ([`sonames_for_driver`]), opened from `dirs` ([`open_first`]), and how messages name it
+/// (its path, else its soname).
+///
+/// Errors: none found: what to install for `what` ([`not_installed`], from its CUDA 12 pip
+/// package `cu12_package`); a file that does not load.
+pub fn open_for_driver(
+    what: &str,
+    cu12_package: &str,
+    candidates: &'static [&'static str],
+    dirs: &[PathBuf],
+    driver_cuda: Option<(i32, i32)>,
+    companions: &dyn Fn(&str) -> Vec<String>,
+) -> Result<(Opened, String)> {
+    let sonames = sonames_for_driver(candidates, driver_cuda);
+    let opened = open_first(&sonames, dirs, companions)
+        .map_err(|error| not_installed(what, cu12_package, &sonames, driver_cuda, &error))?;
+    let shown = opened
+        .path
+        .as_ref()
+        .map_or(opened.soname.clone(), |p| p.display().to_string());
+    Ok((opened, shown))
+}
+
+/// The text of a C string a library returns for an error code (static, or null: "unknown
+/// error").
+///
+/// # Safety
+/// `text` is null or points to a NUL-terminated string that outlives the call.
+pub unsafe fn error_text(text: *const std::ffi::c_char) -> String {
+    if text.is_null() {
+        "unknown error".to_string()
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::ffi::CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}

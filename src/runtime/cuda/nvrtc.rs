@@ -4,7 +4,7 @@
 //! architecture and options.
 
 use std::collections::HashMap;
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::{CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -102,21 +102,15 @@ impl Nvrtc {
     /// Errors: NVRTC is not installed (the message names the pip package), an entry point
     /// missing (named).
     pub fn open(dirs: &[PathBuf], driver_cuda: Option<(i32, i32)>) -> Result<Nvrtc> {
-        let sonames = libraries::sonames_for_driver(libraries::NVRTC, driver_cuda);
-        let opened = libraries::open_first(&sonames, dirs, &|_| Vec::new()).map_err(|error| {
-            libraries::not_installed(
-                "NVRTC",
-                "nvidia-cuda-nvrtc-cu12",
-                &sonames,
-                driver_cuda,
-                &error,
-            )
-        })?;
+        let (opened, shown) = libraries::open_for_driver(
+            "NVRTC",
+            "nvidia-cuda-nvrtc-cu12",
+            libraries::NVRTC,
+            dirs,
+            driver_cuda,
+            &|_| Vec::new(),
+        )?;
         let library = opened.library;
-        let shown = opened
-            .path
-            .as_ref()
-            .map_or(opened.soname.to_string(), |p| p.display().to_string());
         macro_rules! symbol {
             ($name:literal) => {
                 // SAFETY: the type is the entry point's signature in nvrtc.h (12.0-13.0).
@@ -173,14 +167,7 @@ impl Nvrtc {
     /// NVRTC's text for `status`, with the code.
     fn error(&self, status: NvrtcResult) -> String {
         // SAFETY: NVRTC returns a static string (or null) for every result code.
-        let text = unsafe {
-            let text = (self.api.get_error_string)(status);
-            if text.is_null() {
-                "unknown error".to_string()
-            } else {
-                CStr::from_ptr(text).to_string_lossy().into_owned()
-            }
-        };
+        let text = unsafe { libraries::error_text((self.api.get_error_string)(status)) };
         format!("{text} (nvrtcResult {status})")
     }
 
