@@ -784,6 +784,9 @@ pub struct UpArgs {
     pub bind_addr: Option<std::net::IpAddr>,
 
     #[command(flatten)]
+    pub load: LoadArgs,
+
+    #[command(flatten)]
     pub ssh: SshArgs,
 
     /// Where the run's rank logs and `manifest.json` go (a new or empty directory).

@@ -47,6 +47,11 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         None
     };
     if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
+        if args.load.load_format != crate::cli::LoadFormatArg::Auto {
+            bail!(
+                "--load-format dummy gives infer's own engine random weights; --engine {engine:?} loads its own (vLLM and SGLang have their own --load-format dummy)"
+            );
+        }
         return run_engine(args, engine.into(), printer);
     }
     let pd_prefill = match (args.prefill, args.decode) {
@@ -70,9 +75,11 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         }
         _ => None,
     };
-    let path = model::weights_path(args.model.as_deref(), &mut |line| printer.note(line))?;
+    let source = super::model_source(args.model.as_deref(), &args.load, &mut |line| {
+        printer.note(line)
+    })?;
     if let Some(len) = args.max_model_len {
-        let context = model::load(&path.display().to_string())?.max_position_embeddings;
+        let context = model::spec_of(&source)?.max_position_embeddings;
         if len == 0 || len as u64 > context {
             bail!(
                 "--max-model-len must be 1 to the model's context of {context} tokens, got {len}"
@@ -86,7 +93,18 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         model_id: args
             .served_model_name
             .clone()
-            .unwrap_or_else(|| model_id(&path)),
+            .unwrap_or_else(|| match &source {
+                crate::runtime::model::source::ModelSource::File(path) => model_id(path),
+                // A profile's name as it is; a file's or directory's stem.
+                crate::runtime::model::source::ModelSource::Dummy(dummy) => {
+                    let path = std::path::Path::new(&dummy.name);
+                    if path.exists() {
+                        model_id(path)
+                    } else {
+                        dummy.name.clone()
+                    }
+                }
+            }),
         max_model_len: args.max_model_len,
         shutdown_timeout: std::time::Duration::try_from_secs_f64(args.shutdown_timeout).map_err(
             |_| {
@@ -96,7 +114,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
                 )
             },
         )?,
-        model: path,
+        model: source,
         tp: args.tp,
         pp: args.pp,
         dp: pd_prefill

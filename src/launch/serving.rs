@@ -20,8 +20,8 @@ use crate::serve::http::OneProcessEvent;
 /// Everything `infer up` was asked for, validated (no clap types).
 #[derive(Clone, Debug)]
 pub struct UpSettings {
-    /// The weights (a `.gguf` file or a model directory).
-    pub model: PathBuf,
+    /// The weights (a `.gguf` file or a model directory, or random weights of a shape).
+    pub model: crate::runtime::model::source::ModelSource,
     /// The id `/v1/models` lists.
     pub model_id: String,
     /// Longest prompt plus completion, tokens (`--max-model-len`; `None`: the model's
@@ -256,7 +256,7 @@ impl Layout {
 /// plan, a plan file spanning several hosts (their inventory is needed), `--ep` other than
 /// 1 or `--tp`.
 fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<Layout> {
-    let (args, path) = (settings, settings.model.as_path());
+    let args = settings;
     let explicit = [args.tp, args.pp, args.dp, args.ep];
     let pinned = explicit.iter().any(Option::is_some);
     if let Some(cluster) = &settings.cluster
@@ -285,7 +285,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
                 gpus: None,
             }
         } else {
-            let spec = model::load(&path.display().to_string())?;
+            let spec = model::spec_of(&settings.model)?;
             let cluster =
                 crate::cluster::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
             match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
@@ -318,7 +318,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         })?;
         layout_of(&plan, &format!("the plan `{}`", file.display()), events)?
     } else if let Some(cluster) = args.cluster.as_ref().filter(|_| inventory.is_none()) {
-        let spec = model::load(&path.display().to_string())?;
+        let spec = model::spec_of(&settings.model)?;
         let cluster = crate::cluster::load(cluster, std::path::Path::new("/sys"))?;
         match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
             crate::plan::Outcome::Feasible(plan) => {
@@ -442,10 +442,10 @@ fn launch(
     started: Instant,
     events: &mut dyn FnMut(UpEvent),
 ) -> Result<()> {
-    if settings.model.is_dir() {
+    if let Some(dir) = settings.model.path().filter(|p| p.is_dir()) {
         bail!(
             "rank processes run GGUF models for now; `{}` is a directory",
-            settings.model.display()
+            dir.display()
         );
     }
     let world = layout.world_size();
@@ -510,9 +510,7 @@ fn launch(
         pp: layout.pp,
         dp: layout.dp,
         ep: layout.ep,
-        model: Some(crate::runtime::model::source::ModelSource::File(
-            settings.model.clone(),
-        )),
+        model: Some(settings.model.clone()),
         threads_per_rank: match (settings.threads, &inventory) {
             (0, None) => {
                 let nodes = settings.node.as_ref().map_or(1, |n| n.nnodes);

@@ -187,7 +187,8 @@ pub fn dummy(
     }
     let size = |n: u64| n as usize;
     Ok(crate::runtime::model::dummy::DummyModel {
-        name: spec.name.clone(),
+        // As given, so that the planner can read the same shape again (`spec_of`).
+        name: model.to_string(),
         hidden_size: size(spec.hidden_size),
         intermediate_size: size(spec.intermediate_size),
         n_layers: num_layers.unwrap_or(size(spec.n_layers)),
@@ -199,4 +200,21 @@ pub fn dummy(
         dtype,
         seed: 0,
     })
+}
+
+/// The planner's spec of the weights a launch runs: the file's, or the dummy model's shape
+/// (its `--model` read again, with its layer count).
+///
+/// Errors: as [`load`].
+pub fn spec_of(source: &crate::runtime::model::source::ModelSource) -> Result<ModelSpec> {
+    use crate::runtime::model::source::ModelSource;
+    match source {
+        ModelSource::File(path) => load(&path.display().to_string()),
+        ModelSource::Dummy(dummy) => {
+            let mut spec = load(&dummy.name)?;
+            spec.n_layers = dummy.n_layers as u64;
+            spec.file_weight_bytes = None;
+            Ok(spec)
+        }
+    }
 }

@@ -4,7 +4,6 @@
 //! [`serve_driver`] (what rank 0 and the other replicas' drivers run).
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,12 +17,10 @@ use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::engine::Engine;
 use crate::runtime::exec::executor::Executor;
 use crate::runtime::exec::worker::ReplicaDriver;
-use crate::runtime::formats::gguf::Header;
-use crate::runtime::model::tokenizer::Tokenizer;
 
 /// What the one-process server needs.
 pub struct OneProcess<'a> {
-    pub model: &'a Path,
+    pub model: &'a crate::runtime::model::source::ModelSource,
     /// Run the model on the GPU (`--device cuda`) instead of the CPU engine.
     pub gpu: Option<&'a GpuSettings>,
     pub model_id: &'a str,
@@ -78,17 +75,13 @@ pub fn serve_one_process(
     // Listen first: until the engine is ready every endpoint answers 503.
     let server = HttpServer::bind(settings.host, settings.port)?;
     events(OneProcessEvent::Listening(server.address()));
-    let mut engine = Engine::load(settings.model, settings.threads, settings.numerics)?;
+    let mut engine = Engine::from_source(settings.model, settings.threads, settings.numerics)?;
     engine.model.set_kv_capacity(Some(settings.kv_cache_tokens));
     engine
         .model
         .kv_pool()
         .set_prefix_cache(settings.prefix_cache);
-    let tokenizer = if settings.model.is_dir() {
-        Tokenizer::from_dir(settings.model)?
-    } else {
-        Tokenizer::from_gguf(&Header::read_file(settings.model)?)?
-    };
+    let tokenizer = engine.tokenizer.clone();
     let max_context_tokens = settings
         .max_model_len
         .map_or(engine.model.config.max_context_tokens, |len| {

@@ -150,3 +150,35 @@ fn bench_decode_of_a_dummy_model_reads_the_bytes_its_shape_implies() {
             .is_some_and(|t| t > 0.0)
     );
 }
+
+/// `infer up --load-format dummy` serves the random model through the OpenAI API, in one
+/// process and as TP 2 rank processes (8 KV heads split two ways), with the same greedy
+/// completion and the profile's name as the model id.
+#[test]
+fn up_serves_a_dummy_model_alike_in_one_process_and_on_tp2_ranks() {
+    let shape = [
+        "--load-format",
+        "dummy",
+        "--model",
+        "llama-3.1-8b",
+        "--dtype",
+        "q8_0",
+        "--num-layers",
+        "1",
+    ];
+    let mut completions = Vec::new();
+    for layout in [&[][..], &["--tp", "2"]] {
+        let mut args = shape.to_vec();
+        args.extend_from_slice(layout);
+        let server = crate::serve::Server::start(&args);
+        let (status, body) = server.post(
+            "/v1/completions",
+            &serde_json::json!({"model": "llama-3.1-8b", "prompt": "Hello", "max_tokens": 4, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{layout:?}: {body}");
+        assert_eq!(body["model"], "llama-3.1-8b", "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
+        completions.push(body["choices"][0]["text"].clone());
+    }
+    assert_eq!(completions[0], completions[1]);
+}
