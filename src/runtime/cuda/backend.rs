@@ -198,10 +198,17 @@ pub struct KernelBackend<D: Device> {
     pub device: D,
     /// Kernels launched and GEMMs enqueued so far ([`Backend::launches`]).
     launches: std::sync::atomic::AtomicU64,
-    /// The matrix-vector products' Q8_1 activations, with its length in bytes: one buffer
-    /// for every product rather than one allocation each.
-    q8_1_scratch: std::sync::Mutex<Option<(D::Buffer, usize)>>,
+    /// Scratch buffers reused by every product rather than allocated by each, with their
+    /// lengths in bytes: a matrix-vector product's activations as Q8_1 blocks, a GEMM's
+    /// weights dequantized to f16, a GEMM's activations converted to f16 or bf16. The
+    /// kernels of a device run in order on its one stream, so a product has read its scratch
+    /// before the next product's first kernel overwrites it.
+    scratch: std::sync::Mutex<Scratch<D::Buffer>>,
 }
+
+/// A [`KernelBackend`]'s scratch buffers with their lengths in bytes: `[Q8_1 activations,
+/// GEMM weights, GEMM activations]`.
+type Scratch<B> = [Option<(B, usize)>; 3];
 
 /// The most tokens a product runs on the matrix-vector kernels when the device has a GEMM:
 /// larger batches (prefill) dequantize the weights to f16 and run one GEMM. llama.cpp's CUDA
@@ -224,7 +231,30 @@ impl<D: Device> KernelBackend<D> {
         KernelBackend {
             device,
             launches: std::sync::atomic::AtomicU64::new(0),
-            q8_1_scratch: std::sync::Mutex::new(None),
+            scratch: std::sync::Mutex::new([None, None, None]),
+        }
+    }
+
+    /// The scratch buffers, locked: `[Q8_1 activations, GEMM weights, GEMM activations]`.
+    fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch<D::Buffer>> {
+        self.scratch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The scratch buffer in `slot`, grown to at least `len_bytes` (its contents are then
+    /// undefined, as a new allocation's).
+    ///
+    /// Errors: the device's allocation.
+    fn scratch_of<'s>(
+        &self,
+        slot: &'s mut Option<(D::Buffer, usize)>,
+        len_bytes: usize,
+    ) -> Result<&'s D::Buffer> {
+        if slot.as_ref().is_none_or(|(_, len)| *len < len_bytes) {
+            *slot = Some((self.device.alloc(len_bytes)?, len_bytes));
+        }
+        match slot {
+            Some((buffer, _)) => Ok(buffer),
+            None => bail!("a scratch buffer was not allocated"),
         }
     }
 
@@ -302,14 +332,16 @@ impl<D: Device> KernelBackend<D> {
             GgmlType::Bf16 => GemmType::Bf16,
             _ => GemmType::F16,
         };
+        let mut scratch = self.scratch();
+        let [_, weights_scratch, activations_scratch] = &mut *scratch;
         let expanded = match dequantize {
             Some(kernel) => {
-                let out = self.device.alloc(w.n_rows * w.n_cols * 2)?;
+                let out = self.scratch_of(weights_scratch, w.n_rows * w.n_cols * 2)?;
                 let row_bytes = u32_of(w.ty.row_bytes(w.n_cols)?, "row bytes")?;
                 self.run(
                     kernel,
                     [u32_of(w.n_rows, "rows")?, blocks(w.n_cols, 256)?, 1],
-                    &[Buffer(&out), Buffer(&w.buffer), U32(n_cols), U32(row_bytes)],
+                    &[Buffer(out), Buffer(&w.buffer), U32(n_cols), U32(row_bytes)],
                 )?;
                 Some(out)
             }
@@ -319,7 +351,7 @@ impl<D: Device> KernelBackend<D> {
         let converted = match ty {
             GemmType::F32 => None,
             GemmType::F16 | GemmType::Bf16 => {
-                let out = self.device.alloc(n_values * 2)?;
+                let out = self.scratch_of(activations_scratch, n_values * 2)?;
                 let kernel = if ty == GemmType::F16 {
                     "convert_f32_f16"
                 } else {
@@ -328,7 +360,7 @@ impl<D: Device> KernelBackend<D> {
                 self.run(
                     kernel,
                     [blocks(n_values, 256)?, 1, 1],
-                    &[Buffer(&out), Buffer(x), U32(u32_of(n_values, "values")?)],
+                    &[Buffer(out), Buffer(x), U32(u32_of(n_values, "values")?)],
                 )?;
                 Some(out)
             }
@@ -336,8 +368,8 @@ impl<D: Device> KernelBackend<D> {
         self.count_launch();
         self.device.gemm(Gemm {
             y,
-            w: expanded.as_ref().unwrap_or(&w.buffer),
-            x: converted.as_ref().unwrap_or(x),
+            w: expanded.unwrap_or(&w.buffer),
+            x: converted.unwrap_or(x),
             ty,
             n_tokens,
             n_rows: w.n_rows,
@@ -493,19 +525,12 @@ impl<D: Device> Backend for KernelBackend<D> {
                 "the CUDA backend has no matrix-vector kernel for {other:?} weights (it runs F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K)"
             ),
         };
-        // The activations as Q8_1 blocks, then the integer products. The blocks go to one
-        // scratch buffer reused by every product (grown to the largest asked): the kernels
-        // of a device run in order on its one stream, so a product's quantized input is read
-        // before the next product's quantize overwrites it.
+        // The activations as Q8_1 blocks (in the scratch every product reuses), then the
+        // integer products.
         let n_blocks = n_tokens * w.n_cols / 32;
-        let mut scratch = self.q8_1_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let needed = n_blocks * Q8_1_BLOCK_BYTES;
-        if scratch.as_ref().is_none_or(|(_, len)| *len < needed) {
-            *scratch = Some((self.device.alloc(needed)?, needed));
-        }
-        let Some((quantized, _)) = scratch.as_ref() else {
-            bail!("the Q8_1 scratch buffer was not allocated");
-        };
+        let mut scratch = self.scratch();
+        let [q8_1_scratch, _, _] = &mut *scratch;
+        let quantized = self.scratch_of(q8_1_scratch, n_blocks * Q8_1_BLOCK_BYTES)?;
         self.run(
             "quantize_q8_1",
             [u32_of(n_blocks, "blocks")?, 1, 1],
