@@ -756,7 +756,8 @@ fn assert_passes_up_to_the_context(
 /// only at the context, prints its JSON and exits 1; no panic. The same with CUDA 12's
 /// wheel alone; and with both wheels on a CUDA 12.2 driver (R535), which cannot run CUDA
 /// 13's libraries, NVRTC 12 is chosen — and with only CUDA 13's there, the NVRTC row fails
-/// saying which driver it needs, and the report is still printed.
+/// saying which driver it needs, and the report is still printed. Offline without `--model`
+/// and with nothing cached, smoke exits 2 naming `--model`.
 #[test]
 fn smoke_on_a_cuda_13_or_12_stack_passes_every_row_up_to_the_context_without_a_panic() {
     let venvs = tempfile::tempdir().expect("tempdir");
@@ -782,6 +783,25 @@ fn smoke_on_a_cuda_13_or_12_stack_passes_every_row_up_to_the_context_without_a_p
     let run = smoke_on(&bin_both, "12020");
     assert_passes_up_to_the_context(&run, &both, "libnvrtc.so.12", "12.9");
     assert_eq!(run.0["driver"]["cuda_version"], serde_json::json!([12, 2]));
+
+    // Offline, with no --model and nothing cached: exit 2 naming --model.
+    let home = tempfile::tempdir().expect("tempdir");
+    let offline = Command::new(env!("CARGO_BIN_EXE_infer"))
+        .env_clear()
+        .env("PATH", format!("{}:/usr/bin:/bin", bin13.display()))
+        .env("HOME", home.path())
+        .env("INFER_CACHE_DIR", home.path().join("cache"))
+        .env("INFER_CUDA_LIB_DIRS", standin_driver())
+        // Nothing listens on port 9 (discard) here: as a node without network, refused.
+        .env("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+        .args(["smoke", "--json"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("infer smoke runs");
+    let stderr = String::from_utf8_lossy(&offline.stderr);
+    assert_eq!(offline.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("pass --model PATH"), "{stderr}");
+    assert!(offline.stdout.is_empty(), "nothing on stdout");
 
     let (report, stderr, code) = smoke_on(&bin13, "12020");
     assert_eq!(code, Some(1), "{report:#}\n{stderr}");
