@@ -54,7 +54,7 @@ step() {
   nvidia-smi
   nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,memory.used --format=csv
   env | grep -E '^(CUDA|LD_LIBRARY_PATH|NVIDIA|PATH|VIRTUAL_ENV|CONDA_PREFIX)='
-  command -v nvcc compute-sanitizer python3
+  command -v nvcc compute-sanitizer python3 nsys ncu
 } > "$logs/machine.txt" 2>&1
 {
   python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
@@ -86,6 +86,9 @@ for dtype in ${DUMMY_DTYPES:-q4_0 q8_0 bf16}; do
   step "bench_llama8b_$dtype" 75 "$bin" bench decode --device cuda --load-format dummy \
     --model llama-3.1-8b --dtype "$dtype" --runs 2 --decode-tokens 64 --json
 done
+# GPU time per kernel of a Q4_0 decode (the bench's stderr; its top rows go in the summary).
+step profile_llama8b_q4_0 75 env INFER_CUDA_PROFILE=1 "$bin" bench decode --device cuda \
+  --load-format dummy --model llama-3.1-8b --dtype q4_0 --runs 1 --decode-tokens 32
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 if [ -n "$sanitizer" ]; then
   step memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 9 "$bin" generate --device cuda \
@@ -127,6 +130,9 @@ for path in sorted(logs.glob("bench_*.out")):
         print(f"{path.stem}: batch {row['batch']}: {row['decode_tokens_per_sec']:.1f} tok/s, "
               f"{row['weight_bytes_per_sec'] / 1e9:.0f} GB/s" +
               (f" = {100 * hbm:.0f}% of HBM" if hbm else "") +
-              (f", {row['launches_per_step']:.0f} launches/step" if row.get("launches_per_step") else ""))
+              (f", {row['launches_per_step']:.0f} launches/step" if row.get("launches_per_step") else "") +
+              (f", host issues a step in {1e3 * row['issue_step_secs']:.2f} of {1e3 * row['decode_step_secs']:.2f} ms"
+               if row.get("issue_step_secs") else ""))
 EOF
+grep -A 14 "GPU time per kernel" "$logs/profile_llama8b_q4_0.err" >> "$summary" 2>/dev/null
 echo "total $(($(date +%s) - start)) s of $budget" >> "$summary"

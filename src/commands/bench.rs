@@ -206,6 +206,21 @@ fn decode_cuda(
         rows.push((batch, speed));
     }
     let memory_used_bytes = device.backend().device.memory_used_bytes()?;
+    if let Some(rows) = device.backend().device.profile()? {
+        // INFER_CUDA_PROFILE: GPU time per kernel over every run above, on stderr.
+        let total_ms: f64 = rows.iter().map(|r| r.2).sum();
+        let mut table = vec![format!(
+            "GPU time per kernel (INFER_CUDA_PROFILE), every run: {total_ms:.1} ms"
+        )];
+        for (name, calls, ms) in &rows {
+            table.push(format!(
+                "  {name:<32} {calls:>8} launches {ms:>10.2} ms {:>9.1} µs each {:>5.1}%",
+                1e3 * ms / (*calls).max(1) as f64,
+                100.0 * ms / total_ms.max(1e-9)
+            ));
+        }
+        printer.note(&table.join("\n"));
+    }
     let batch_speeds: Vec<crate::plan::calibration::BatchSpeed> = rows
         .iter()
         .map(|(batch, speed)| {
@@ -217,6 +232,7 @@ fn decode_cuda(
                 weight_bytes_per_sec,
                 hbm_fraction: hbm_bytes_per_sec.map(|hbm| weight_bytes_per_sec / hbm),
                 launches_per_step: speed.launches_per_step,
+                issue_step_secs: Some(speed.issue_step_secs),
             }
         })
         .collect();
@@ -266,8 +282,13 @@ fn decode_cuda(
     ];
     for (batch, speed) in &rows {
         let bandwidth = weight_bytes as f64 / speed.decode_step_secs;
+        let issuing = format!(
+            ", {:.2} of {:.2} ms a step issuing it",
+            speed.issue_step_secs * 1e3,
+            speed.decode_step_secs * 1e3
+        );
         lines.push(format!(
-            "decode      {:.1} tok/s at batch {batch}: {:.0} GB/s of weights{}{}",
+            "decode      {:.1} tok/s at batch {batch}: {:.0} GB/s of weights{}{}{}",
             speed.decode_tokens_per_sec,
             bandwidth / 1e9,
             hbm_bytes_per_sec.map_or(String::new(), |hbm| format!(
@@ -277,7 +298,8 @@ fn decode_cuda(
             )),
             speed
                 .launches_per_step
-                .map_or(String::new(), |n| format!(", {n:.0} launches a step"))
+                .map_or(String::new(), |n| format!(", {n:.0} launches a step")),
+            issuing,
         ));
     }
     lines.push(format!(

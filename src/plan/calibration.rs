@@ -173,6 +173,10 @@ pub struct BatchSpeed {
     /// Kernel launches (and GEMMs) per decode step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launches_per_step: Option<f64>,
+    /// Seconds the host spends issuing one step's work; near `decode_step_secs`, the step
+    /// is bound by the host's launches rather than the GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issue_step_secs: Option<f64>,
 }
 
 /// One measurement read from a `--calibration` file.

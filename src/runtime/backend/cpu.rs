@@ -56,6 +56,10 @@ impl Backend for CpuBackend {
     type Buffer = CpuBuffer;
     type Matrix = Weight;
 
+    fn matrix_shape(&self, w: &Weight) -> (usize, usize) {
+        (w.n_rows, w.n_cols)
+    }
+
     fn name(&self) -> String {
         "cpu".into()
     }

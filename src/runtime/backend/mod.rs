@@ -111,6 +111,61 @@ pub trait Backend {
         x: &Self::Buffer,
         n_tokens: usize,
     ) -> Result<()>;
+    /// `(n_rows, n_cols)` of a matrix.
+    fn matrix_shape(&self, w: &Self::Matrix) -> (usize, usize);
+    /// `ys[m] (n_tokens, ws[m].n_rows)` = `x (n_tokens, n_cols)` · `ws[m]ᵀ` for each
+    /// `(ys[m], ws[m])` of `products`: several products of one input (Q, K and V), which a
+    /// backend may run as one. By default, one [`Backend::matmul`] each.
+    fn matmul_many(
+        &self,
+        products: &[(&Self::Buffer, &Self::Matrix)],
+        x: &Self::Buffer,
+        n_tokens: usize,
+    ) -> Result<()> {
+        for (y, w) in products {
+            self.matmul(y, w, x, n_tokens)?;
+        }
+        Ok(())
+    }
+    /// `residual (n_tokens, w.n_rows) += x (n_tokens, w.n_cols) · wᵀ`: a projection added to
+    /// the residual stream, which a backend may add as it computes it. `scratch` (as
+    /// `residual`) may be overwritten. By default, [`Backend::matmul`] into `scratch`, then
+    /// [`Backend::add`].
+    fn matmul_add(
+        &self,
+        residual: &Self::Buffer,
+        scratch: &Self::Buffer,
+        w: &Self::Matrix,
+        x: &Self::Buffer,
+        n_tokens: usize,
+    ) -> Result<()> {
+        self.matmul(scratch, w, x, n_tokens)?;
+        self.add(residual, scratch, n_tokens * self.matrix_shape(w).0)
+    }
+    /// `out (n_tokens, gate.n_rows)` = `silu(x · gateᵀ) · (x · upᵀ)`: the SwiGLU MLP's first
+    /// half, which a backend may compute without writing the two products out.
+    /// `gate_scratch` and `up_scratch` (as `out`) may be overwritten. By default, two
+    /// [`Backend::matmul`]s and [`Backend::swiglu`].
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_swiglu(
+        &self,
+        out: &Self::Buffer,
+        gate_scratch: &Self::Buffer,
+        up_scratch: &Self::Buffer,
+        gate: &Self::Matrix,
+        up: &Self::Matrix,
+        x: &Self::Buffer,
+        n_tokens: usize,
+    ) -> Result<()> {
+        self.matmul(gate_scratch, gate, x, n_tokens)?;
+        self.matmul(up_scratch, up, x, n_tokens)?;
+        self.swiglu(
+            out,
+            gate_scratch,
+            up_scratch,
+            n_tokens * self.matrix_shape(gate).0,
+        )
+    }
     /// Rotary embedding in place on `x (n_tokens, n_heads, head_dim)`: pair `i` of a head at
     /// `positions[t] (n_tokens) i32` turns by `positions[t] · inv_freqs[i] (head_dim / 2)`.
     #[allow(clippy::too_many_arguments)]

@@ -204,19 +204,87 @@ pub struct KernelBackend<D: Device> {
     /// kernels of a device run in order on its one stream, so a product has read its scratch
     /// before the next product's first kernel overwrites it.
     scratch: std::sync::Mutex<Scratch<D::Buffer>>,
+    /// The buffer (its handle's address) and value count whose Q8_1 blocks the Q8_1 scratch
+    /// holds, written by the RMSNorm just launched; any other launch clears it.
+    prequantized: std::sync::Mutex<Option<(usize, usize)>>,
 }
 
 /// A [`KernelBackend`]'s scratch buffers with their lengths in bytes: `[Q8_1 activations,
 /// GEMM weights, GEMM activations]`.
 type Scratch<B> = [Option<(B, usize)>; 3];
 
-/// The most tokens a product runs on the matrix-vector kernels when the device has a GEMM:
-/// larger batches (prefill) dequantize the weights to f16 and run one GEMM. llama.cpp's CUDA
-/// backend draws the same line (`MMVQ_MAX_BATCH_SIZE` = 8, `ggml-cuda/mmvq.cuh`).
+/// The most tokens a product of unquantized (F32, F16, BF16) weights runs on the
+/// matrix-vector kernels when the device has a GEMM: larger batches (prefill) run one GEMM.
+/// llama.cpp's CUDA backend draws the same line (`MMVQ_MAX_BATCH_SIZE` = 8,
+/// `ggml-cuda/mmvq.cuh`).
 pub const MAX_MATVEC_TOKENS: usize = 8;
 
-/// Bytes of one Q8_1 activation block (`float d, s; int8 q[32]`, `kernels/matvec.cu`).
+/// The most tokens a product of quantized weights runs on the matrix-vector kernels when the
+/// device has a GEMM. The kernels read each weight once per 8 tokens, so 32 tokens read the
+/// weights 4 times (2 GB of Llama-3.1-8B's 4.2 GB of Q4_0 weights a pass); a GEMM first
+/// writes them out as f16 (16 GB) and reads them back, which costs more below this.
+pub const MAX_MATVEC_TOKENS_QUANTIZED: usize = 32;
+
+/// Tokens one block of a `mul_mat_vec_*_x8` kernel takes (`MMV_TOKENS`,
+/// `kernels/matvec.cu`); the plain kernels take one.
+const MATVEC_TOKENS_PER_BLOCK: usize = 8;
+
+/// Rows one block of a `mul_mat_vec_*` kernel computes (`MMV_ROWS`, `kernels/matvec.cu`),
+/// and of a `mul_mat_vec_*_x8` kernel (`MMV_ROWS_X8`).
+const MATVEC_ROWS_PER_BLOCK: (usize, usize) = (4, 2);
+
+/// The fewest tokens that run on the `_x8` kernels: below, one block per token, each
+/// reading the weights the first block of its tile brought into L2.
+const MATVEC_X8_FROM_TOKENS: usize = 4;
+
+/// What a `mul_mat_vec_*` launch does with its products (`kernels/matvec.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MatVecMode {
+    /// `y_m = w_m · x` for each matrix.
+    Store = 0,
+    /// `y += w · x`.
+    Add = 1,
+    /// `y = silu(w0 · x) · (w1 · x)`.
+    Swiglu = 2,
+}
+
+/// GGML's blocks of a Q4_0, Q4_1 or Q8_0 matrix reordered as the CUDA kernels read them
+/// (`kernels/matvec.cu`, "Layouts"): every block's quants (16, 16 or 32 bytes), in row-major
+/// block order, then every block's scales (the half `d`, or `d` and `m` for Q4_1) in the same
+/// order. The same bytes, so the same size. Other types come back as they are.
+pub fn split_blocks(ty: GgmlType, bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    let (block_bytes, scale_bytes) = match ty {
+        GgmlType::Q4_0 => (18, 2),
+        GgmlType::Q4_1 => (20, 4),
+        GgmlType::Q8_0 => (34, 2),
+        _ => return std::borrow::Cow::Borrowed(bytes),
+    };
+    let n_blocks = bytes.len() / block_bytes;
+    let quant_bytes = block_bytes - scale_bytes;
+    let mut out = vec![0u8; bytes.len()];
+    let (quants, scales) = out.split_at_mut(n_blocks * quant_bytes);
+    for ((block, quant), scale) in bytes
+        .chunks_exact(block_bytes)
+        .zip(quants.chunks_exact_mut(quant_bytes))
+        .zip(scales.chunks_exact_mut(scale_bytes))
+    {
+        scale.copy_from_slice(&block[..scale_bytes]);
+        quant.copy_from_slice(&block[scale_bytes..]);
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// Bytes of one Q8_1 activation block (32 int8 q, then f32 d and s, held split:
+/// `kernels/matvec.cu`).
 const Q8_1_BLOCK_BYTES: usize = 40;
+
+/// The widest row `rms_norm_q8_1_f32` takes (`NORM_Q8_1_PASSES` × 1024, `kernels/norm.cu`).
+const RMS_NORM_Q8_1_MAX_COLS: usize = 8192;
+
+/// A buffer's identity while it lives: the address of its handle.
+fn buffer_key<B>(buffer: &B) -> usize {
+    buffer as *const B as usize
+}
 
 fn u32_of(n: usize, what: &str) -> Result<u32> {
     u32::try_from(n).map_err(|_| anyhow::anyhow!("{what} {n} does not fit a kernel's 32 bits"))
@@ -232,6 +300,7 @@ impl<D: Device> KernelBackend<D> {
             device,
             launches: std::sync::atomic::AtomicU64::new(0),
             scratch: std::sync::Mutex::new([None, None, None]),
+            prequantized: std::sync::Mutex::new(None),
         }
     }
 
@@ -258,6 +327,15 @@ impl<D: Device> KernelBackend<D> {
         }
     }
 
+    /// What the Q8_1 scratch holds the blocks of, if the last launch put them there
+    /// (`rms_norm_q8_1_f32`), clearing it: `(buffer address, values)`.
+    fn take_prequantized(&self) -> Option<(usize, usize)> {
+        self.prequantized
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+
     fn count_launch(&self) {
         self.launches
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -272,6 +350,7 @@ impl<D: Device> KernelBackend<D> {
     }
 
     fn run(&self, kernel: &str, grid: [u32; 3], args: &[DeviceArg<'_, D::Buffer>]) -> Result<()> {
+        self.take_prequantized();
         self.count_launch();
         self.device
             .launch(kernel, grid, [Self::threads(kernel), 1, 1], args)
@@ -302,6 +381,153 @@ impl<D: Device> KernelBackend<D> {
                 Buffer(ids),
                 U32(u32_of(words, "words")?),
             ],
+        )
+    }
+
+    /// Whether a product of `w` over `n_tokens` runs on the matrix-vector kernels (else one
+    /// GEMM): always without a GEMM on the device, else up to [`MAX_MATVEC_TOKENS`] tokens
+    /// for unquantized weights and [`MAX_MATVEC_TOKENS_QUANTIZED`] for quantized ones.
+    fn on_matvec(&self, w: &DeviceMatrix<D::Buffer>, n_tokens: usize) -> bool {
+        let limit = match w.ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => MAX_MATVEC_TOKENS,
+            _ => MAX_MATVEC_TOKENS_QUANTIZED,
+        };
+        n_tokens <= limit || !self.device.has_gemm()
+    }
+
+    /// One `mul_mat_vec_*` launch: up to three products of the same activations `x`
+    /// `(n_tokens, n_cols)` f32 with matrices of one type and width, each into its own `y`
+    /// (`(n_tokens, n_rows)` f32), as `mode` says (for [`MatVecMode::Swiglu`], the gate and
+    /// the up projection with the one output). Quantized weights take `x` quantized to Q8_1
+    /// first, in the scratch every product reuses.
+    ///
+    /// Errors: no product, more than three, or of mixed types or widths; a type without a
+    /// kernel, unquantized rows that are not a multiple of 8 values; the device's.
+    fn mat_vec(
+        &self,
+        products: &[(&D::Buffer, &DeviceMatrix<D::Buffer>)],
+        x: &D::Buffer,
+        n_tokens: usize,
+        mode: MatVecMode,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        let Some(&(_, first)) = products.first() else {
+            bail!("a matrix-vector launch without a product");
+        };
+        if products.len() > 3
+            || products
+                .iter()
+                .any(|(_, w)| (w.ty, w.n_cols) != (first.ty, first.n_cols))
+        {
+            bail!(
+                "one matrix-vector launch takes up to three matrices of one type and width, given {}",
+                products.len()
+            );
+        }
+        let (kernel, quantized) = match first.ty {
+            GgmlType::F32 => ("mul_mat_vec_f32", false),
+            GgmlType::F16 => ("mul_mat_vec_f16", false),
+            GgmlType::Bf16 => ("mul_mat_vec_bf16", false),
+            GgmlType::Q4_0 => ("mul_mat_vec_q4_0_q8_1", true),
+            GgmlType::Q4_1 => ("mul_mat_vec_q4_1_q8_1", true),
+            GgmlType::Q8_0 => ("mul_mat_vec_q8_0_q8_1", true),
+            GgmlType::Q4K => ("mul_mat_vec_q4_k_q8_1", true),
+            GgmlType::Q6K => ("mul_mat_vec_q6_k_q8_1", true),
+            other => bail!(
+                "the CUDA backend has no matrix-vector kernel for {other:?} weights (it runs F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K)"
+            ),
+        };
+        if !quantized && !first.n_cols.is_multiple_of(8) {
+            bail!(
+                "the CUDA backend's products of {:?} weights need rows of a multiple of 8 values, not {}",
+                first.ty,
+                first.n_cols
+            );
+        }
+        let n_cols = u32_of(first.n_cols, "columns")?;
+        let ready = self.take_prequantized() == Some((buffer_key(x), n_tokens * first.n_cols));
+        let mut scratch = self.scratch();
+        let [q8_1_scratch, _, _] = &mut *scratch;
+        let activations = if quantized && ready {
+            // The RMSNorm just launched wrote `x`'s blocks.
+            self.scratch_of(
+                q8_1_scratch,
+                n_tokens * first.n_cols / 32 * Q8_1_BLOCK_BYTES,
+            )?
+        } else if quantized {
+            // The activations as Q8_1 blocks, in the scratch every product reuses.
+            let n_blocks = n_tokens * first.n_cols / 32;
+            let quantized = self.scratch_of(q8_1_scratch, n_blocks * Q8_1_BLOCK_BYTES)?;
+            self.run(
+                "quantize_q8_1",
+                [u32_of(n_blocks, "blocks")?, 1, 1],
+                &[
+                    Buffer(quantized),
+                    Buffer(x),
+                    U32(u32_of(n_tokens * first.n_cols, "values")?),
+                ],
+            )?;
+            quantized
+        } else {
+            x
+        };
+        let x8 = n_tokens >= MATVEC_X8_FROM_TOKENS;
+        let (rows_per_tile, token_groups) = if x8 {
+            (
+                MATVEC_ROWS_PER_BLOCK.1,
+                n_tokens.div_ceil(MATVEC_TOKENS_PER_BLOCK),
+            )
+        } else {
+            (MATVEC_ROWS_PER_BLOCK.0, n_tokens)
+        };
+        let tiles = match mode {
+            MatVecMode::Swiglu => {
+                let [(_, gate), (_, up)] = products else {
+                    bail!("a fused SwiGLU takes the gate and the up projection");
+                };
+                if gate.n_rows != up.n_rows {
+                    bail!(
+                        "a fused SwiGLU of {} gate rows and {} up rows",
+                        gate.n_rows,
+                        up.n_rows
+                    );
+                }
+                gate.n_rows.div_ceil(rows_per_tile / 2)
+            }
+            MatVecMode::Store | MatVecMode::Add => products
+                .iter()
+                .map(|(_, w)| w.n_rows.div_ceil(rows_per_tile))
+                .sum(),
+        };
+        let mut args = Vec::with_capacity(13);
+        for m in 0..3 {
+            match products.get(m) {
+                Some((y, w)) => args.extend([
+                    Buffer(*y),
+                    Buffer(&w.buffer),
+                    U32(u32_of(w.n_rows, "rows")?),
+                ]),
+                // No matrix: its row count 0 keeps every block off it.
+                None => args.extend([Buffer(products[0].0), Buffer(&first.buffer), U32(0)]),
+            }
+        }
+        args.extend([
+            Buffer(activations),
+            U32(n_cols),
+            U32(u32_of(n_tokens, "tokens")?),
+            U32(mode as u32),
+        ]);
+        let kernel_x8;
+        let kernel = if x8 {
+            kernel_x8 = format!("{kernel}_x8");
+            &kernel_x8
+        } else {
+            kernel
+        };
+        self.run(
+            kernel,
+            [u32_of(tiles * token_groups, "blocks")?, 1, 1],
+            &args,
         )
     }
 
@@ -337,11 +563,11 @@ impl<D: Device> KernelBackend<D> {
         let expanded = match dequantize {
             Some(kernel) => {
                 let out = self.scratch_of(weights_scratch, w.n_rows * w.n_cols * 2)?;
-                let row_bytes = u32_of(w.ty.row_bytes(w.n_cols)?, "row bytes")?;
+                let n_rows = u32_of(w.n_rows, "rows")?;
                 self.run(
                     kernel,
-                    [u32_of(w.n_rows, "rows")?, blocks(w.n_cols, 256)?, 1],
-                    &[Buffer(out), Buffer(&w.buffer), U32(n_cols), U32(row_bytes)],
+                    [n_rows, blocks(w.n_cols, 256)?, 1],
+                    &[Buffer(out), Buffer(&w.buffer), U32(n_rows), U32(n_cols)],
                 )?;
                 Some(out)
             }
@@ -365,6 +591,7 @@ impl<D: Device> KernelBackend<D> {
                 Some(out)
             }
         };
+        self.take_prequantized();
         self.count_launch();
         self.device.gemm(Gemm {
             y,
@@ -381,6 +608,10 @@ impl<D: Device> KernelBackend<D> {
 impl<D: Device> Backend for KernelBackend<D> {
     type Buffer = D::Buffer;
     type Matrix = DeviceMatrix<D::Buffer>;
+
+    fn matrix_shape(&self, w: &Self::Matrix) -> (usize, usize) {
+        (w.n_rows, w.n_cols)
+    }
 
     fn name(&self) -> String {
         self.device.name()
@@ -411,7 +642,7 @@ impl<D: Device> Backend for KernelBackend<D> {
     ) -> Result<Self::Matrix> {
         ty.check_matrix_bytes(n_rows, n_cols, bytes.len())?;
         Ok(DeviceMatrix {
-            buffer: self.device.upload(bytes)?,
+            buffer: self.device.upload(&split_blocks(ty, bytes))?,
             ty,
             n_rows,
             n_cols,
@@ -425,23 +656,25 @@ impl<D: Device> Backend for KernelBackend<D> {
         ids: &D::Buffer,
         n_ids: usize,
     ) -> Result<()> {
-        let kernel = match table.ty {
-            GgmlType::F32 => "get_rows_f32",
-            GgmlType::Q8_0 => "get_rows_q8_0",
+        let (kernel, n_args) = match table.ty {
+            GgmlType::F32 => ("get_rows_f32", 4),
+            GgmlType::Q8_0 => ("get_rows_q8_0", 5),
             other => bail!(
                 "the CUDA backend looks up embeddings in F32 or Q8_0 tables, not {other:?} (dequantize the table to F32 when uploading it)"
             ),
         };
         use DeviceArg::{Buffer, U32};
+        let args = [
+            Buffer(out),
+            Buffer(&table.buffer),
+            Buffer(ids),
+            U32(u32_of(table.n_cols, "columns")?),
+            U32(u32_of(table.n_rows, "rows")?),
+        ];
         self.run(
             kernel,
             [u32_of(n_ids, "rows")?, blocks(table.n_cols, 256)?, 1],
-            &[
-                Buffer(out),
-                Buffer(&table.buffer),
-                Buffer(ids),
-                U32(u32_of(table.n_cols, "columns")?),
-            ],
+            &args[..n_args],
         )
     }
 
@@ -476,6 +709,28 @@ impl<D: Device> Backend for KernelBackend<D> {
         eps: f32,
     ) -> Result<()> {
         use DeviceArg::{Buffer, F32, U32};
+        if n_cols.is_multiple_of(32) && n_cols <= RMS_NORM_Q8_1_MAX_COLS {
+            // Its Q8_1 blocks too, for the quantized products that read `y` next.
+            let mut scratch = self.scratch();
+            let [q8_1_scratch, _, _] = &mut *scratch;
+            let quantized =
+                self.scratch_of(q8_1_scratch, n_rows * n_cols / 32 * Q8_1_BLOCK_BYTES)?;
+            self.run(
+                "rms_norm_q8_1_f32",
+                [u32_of(n_rows, "rows")?, 1, 1],
+                &[
+                    Buffer(y),
+                    Buffer(quantized),
+                    Buffer(x),
+                    Buffer(weight),
+                    U32(u32_of(n_cols, "columns")?),
+                    F32(eps),
+                ],
+            )?;
+            *self.prequantized.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((buffer_key(y), n_rows * n_cols));
+            return Ok(());
+        }
         self.run(
             "rms_norm_f32",
             [u32_of(n_rows, "rows")?, 1, 1],
@@ -496,62 +751,68 @@ impl<D: Device> Backend for KernelBackend<D> {
         x: &D::Buffer,
         n_tokens: usize,
     ) -> Result<()> {
-        use DeviceArg::{Buffer, U32};
-        let grid = [u32_of(w.n_rows, "rows")?, u32_of(n_tokens, "tokens")?, 1];
-        let n_cols = u32_of(w.n_cols, "columns")?;
-        let float_kernel = match w.ty {
-            GgmlType::F32 => Some("mul_mat_vec_f32"),
-            GgmlType::F16 => Some("mul_mat_vec_f16"),
-            GgmlType::Bf16 => Some("mul_mat_vec_bf16"),
-            _ => None,
-        };
-        if n_tokens > MAX_MATVEC_TOKENS && self.device.has_gemm() {
+        if !self.on_matvec(w, n_tokens) {
             return self.matmul_gemm(y, w, x, n_tokens);
         }
-        if let Some(kernel) = float_kernel {
-            return self.run(
-                kernel,
-                grid,
-                &[Buffer(y), Buffer(&w.buffer), Buffer(x), U32(n_cols)],
-            );
+        self.mat_vec(&[(y, w)], x, n_tokens, MatVecMode::Store)
+    }
+
+    fn matmul_many(
+        &self,
+        products: &[(&D::Buffer, &Self::Matrix)],
+        x: &D::Buffer,
+        n_tokens: usize,
+    ) -> Result<()> {
+        let shared = products.len() <= 3
+            && products.iter().all(|(_, w)| {
+                self.on_matvec(w, n_tokens)
+                    && w.ty == products[0].1.ty
+                    && w.n_cols == products[0].1.n_cols
+            });
+        if !shared {
+            for (y, w) in products {
+                self.matmul(y, w, x, n_tokens)?;
+            }
+            return Ok(());
         }
-        let kernel = match w.ty {
-            GgmlType::Q4_0 => "mul_mat_vec_q4_0_q8_1",
-            GgmlType::Q4_1 => "mul_mat_vec_q4_1_q8_1",
-            GgmlType::Q8_0 => "mul_mat_vec_q8_0_q8_1",
-            GgmlType::Q4K => "mul_mat_vec_q4_k_q8_1",
-            GgmlType::Q6K => "mul_mat_vec_q6_k_q8_1",
-            other => bail!(
-                "the CUDA backend has no matrix-vector kernel for {other:?} weights (it runs F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K)"
-            ),
-        };
-        // The activations as Q8_1 blocks (in the scratch every product reuses), then the
-        // integer products.
-        let n_blocks = n_tokens * w.n_cols / 32;
-        let mut scratch = self.scratch();
-        let [q8_1_scratch, _, _] = &mut *scratch;
-        let quantized = self.scratch_of(q8_1_scratch, n_blocks * Q8_1_BLOCK_BYTES)?;
-        self.run(
-            "quantize_q8_1",
-            [u32_of(n_blocks, "blocks")?, 1, 1],
-            &[
-                Buffer(quantized),
-                Buffer(x),
-                U32(u32_of(n_tokens * w.n_cols, "values")?),
-            ],
-        )?;
-        let row_bytes = u32_of(w.ty.row_bytes(w.n_cols)?, "row bytes")?;
-        self.run(
-            kernel,
-            grid,
-            &[
-                Buffer(y),
-                Buffer(&w.buffer),
-                Buffer(quantized),
-                U32(n_cols),
-                U32(row_bytes),
-            ],
-        )
+        self.mat_vec(products, x, n_tokens, MatVecMode::Store)
+    }
+
+    fn matmul_add(
+        &self,
+        residual: &D::Buffer,
+        scratch: &D::Buffer,
+        w: &Self::Matrix,
+        x: &D::Buffer,
+        n_tokens: usize,
+    ) -> Result<()> {
+        if !self.on_matvec(w, n_tokens) {
+            self.matmul_gemm(scratch, w, x, n_tokens)?;
+            return self.add(residual, scratch, n_tokens * w.n_rows);
+        }
+        self.mat_vec(&[(residual, w)], x, n_tokens, MatVecMode::Add)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_swiglu(
+        &self,
+        out: &D::Buffer,
+        gate_scratch: &D::Buffer,
+        up_scratch: &D::Buffer,
+        gate: &Self::Matrix,
+        up: &Self::Matrix,
+        x: &D::Buffer,
+        n_tokens: usize,
+    ) -> Result<()> {
+        let fused = self.on_matvec(gate, n_tokens)
+            && self.on_matvec(up, n_tokens)
+            && (gate.ty, gate.n_rows, gate.n_cols) == (up.ty, up.n_rows, up.n_cols);
+        if !fused {
+            self.matmul(gate_scratch, gate, x, n_tokens)?;
+            self.matmul(up_scratch, up, x, n_tokens)?;
+            return self.swiglu(out, gate_scratch, up_scratch, n_tokens * gate.n_rows);
+        }
+        self.mat_vec(&[(out, gate), (out, up)], x, n_tokens, MatVecMode::Swiglu)
     }
 
     fn rope(
@@ -714,9 +975,9 @@ impl<D: Device> Backend for KernelBackend<D> {
         shape: &AttentionShape,
     ) -> Result<()> {
         use DeviceArg::{Buffer, F32, U32};
-        if shape.head_dim > 128 {
+        if shape.head_dim > 128 || !shape.head_dim.is_multiple_of(8) {
             bail!(
-                "the CUDA attention kernel handles heads of up to 128 dimensions, not {}",
+                "the CUDA attention kernel handles heads of a multiple of 8 dimensions up to 128, not {}",
                 shape.head_dim
             );
         }

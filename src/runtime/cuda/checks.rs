@@ -6,6 +6,7 @@
 use anyhow::Result;
 use half::f16;
 
+use super::backend::split_blocks;
 use super::smoke::Check;
 use crate::runtime::backend::{bytes_of, f32s_of, nmse};
 use crate::runtime::cpu::quant::{GgmlType, dequantize_row};
@@ -101,6 +102,7 @@ pub fn run_all(runner: &dyn Runner) -> Vec<Check> {
         checks.push(outcome.unwrap_or_else(|e| failed(name, e)));
     };
     record("rms_norm_f32 3×576", rms_norm(runner));
+    record("rms_norm_q8_1_f32 3×576", rms_norm_q8_1(runner));
     record("swiglu_f32 1000", swiglu(runner));
     for neox in [false, true] {
         let name = if neox {
@@ -120,6 +122,8 @@ pub fn run_all(runner: &dyn Runner) -> Vec<Check> {
         (GgmlType::Q6K, "mul_mat_vec_q6_k_q8_1"),
     ] {
         record(kernel, mul_mat_vec(runner, ty, kernel));
+        let x8 = format!("{kernel}_x8");
+        record(&x8, mul_mat_vec(runner, ty, &x8));
     }
     for (ty, kernel) in [
         (GgmlType::F32, "mul_mat_vec_f32"),
@@ -127,6 +131,15 @@ pub fn run_all(runner: &dyn Runner) -> Vec<Check> {
         (GgmlType::Bf16, "mul_mat_vec_bf16"),
     ] {
         record(kernel, mul_mat_vec_float(runner, ty, kernel));
+        let x8 = format!("{kernel}_x8");
+        record(&x8, mul_mat_vec_float(runner, ty, &x8));
+    }
+    for (ty, kernel) in [
+        (GgmlType::Q4_0, "mul_mat_vec_q4_0_q8_1"),
+        (GgmlType::Q4_0, "mul_mat_vec_q4_0_q8_1_x8"),
+        (GgmlType::Bf16, "mul_mat_vec_bf16"),
+    ] {
+        record(kernel, mul_mat_vec_fused(runner, ty, kernel));
     }
     for (ty, kernel) in [
         (GgmlType::Q4_0, "dequantize_q4_0_f16"),
@@ -180,6 +193,45 @@ fn rms_norm(runner: &dyn Runner) -> Result<Check> {
         nmse(&f32s_of(&y), &cpu),
         NMSE_OTHERS,
     ))
+}
+
+fn rms_norm_q8_1(runner: &dyn Runner) -> Result<Check> {
+    // The same 3 rows of 576, normed and quantized in one kernel: the f32 rows as
+    // rms_norm_f32's, and the Q8_1 blocks exactly quantize_q8_1's of them.
+    let (rows, cols) = (3usize, 576usize);
+    let (x, w) = (values(1, rows * cols), values(2, cols));
+    let mut y = vec![0u8; rows * cols * 4];
+    let mut yq = vec![0u8; rows * cols / 32 * 40];
+    runner.launch(
+        "rms_norm_q8_1_f32",
+        [rows as u32, 1, 1],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut y),
+            Arg::Out(&mut yq),
+            Arg::In(&bytes_of(&x)),
+            Arg::In(&bytes_of(&w)),
+            Arg::U32(cols as u32),
+            Arg::F32(1e-5),
+        ],
+    )?;
+    let mut cpu = vec![0f32; rows * cols];
+    crate::runtime::model::llama::rms_norm(&x, &w, 1e-5, &mut cpu);
+    let normed = f32s_of(&y);
+    let same_blocks = yq == quantize_q8_1(runner, &normed)?;
+    let error = nmse(&normed, &cpu);
+    Ok(Check {
+        name: "rms_norm_q8_1_f32 3×576".into(),
+        passed: error <= NMSE_OTHERS && same_blocks,
+        detail: format!(
+            "NMSE {error:.2e} (limit {NMSE_OTHERS:.0e}); Q8_1 blocks {}",
+            if same_blocks {
+                "equal to quantize_q8_1's"
+            } else {
+                "differ from quantize_q8_1's"
+            }
+        ),
+    })
 }
 
 fn swiglu(runner: &dyn Runner) -> Result<Check> {
@@ -297,9 +349,10 @@ fn get_rows_q8_0(runner: &dyn Runner) -> Result<Check> {
         [256, 1, 1],
         &mut [
             Arg::Out(&mut out),
-            Arg::In(&table),
+            Arg::In(&split_blocks(GgmlType::Q8_0, &table)),
             Arg::In(&bytes_of(&ids)),
             Arg::U32(dim as u32),
+            Arg::U32(vocab as u32),
         ],
     )?;
     let row_bytes = dim / 32 * 34;
@@ -327,42 +380,186 @@ fn get_rows_q8_0(runner: &dyn Runner) -> Result<Check> {
     })
 }
 
-fn mul_mat_vec(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check> {
-    // 5 rows × 8448 columns (33 super-blocks of 256; 264 blocks of 32 per row, more than the
-    // 128 threads) times 3 activation rows, against the f64 products of the CPU's
-    // dequantized rows.
-    let (n_rows, n_cols, n_tokens) = (5usize, 8448usize, 3usize);
-    let activations = values(8, n_tokens * n_cols);
-    let mut quantized = vec![0u8; n_tokens * n_cols / 32 * 40];
+/// `activations` (`n_values` f32) as split Q8_1 blocks, by `quantize_q8_1`.
+fn quantize_q8_1(runner: &dyn Runner, activations: &[f32]) -> Result<Vec<u8>> {
+    let n_blocks = activations.len() / 32;
+    let mut quantized = vec![0u8; n_blocks * 40];
     runner.launch(
         "quantize_q8_1",
-        [(n_tokens * n_cols / 32) as u32, 1, 1],
+        [n_blocks as u32, 1, 1],
         [32, 1, 1],
         &mut [
             Arg::Out(&mut quantized),
-            Arg::In(&bytes_of(&activations)),
-            Arg::U32((n_tokens * n_cols) as u32),
+            Arg::In(&bytes_of(activations)),
+            Arg::U32(activations.len() as u32),
         ],
     )?;
-    let weights = random_rows(ty, 20 + ty as u64, n_rows, n_cols);
-    let row_bytes = weights.len() / n_rows;
-    let mut product = vec![0u8; n_tokens * n_rows * 4];
+    Ok(quantized)
+}
+
+/// Threads, rows and tokens of one block of the `mul_mat_vec_*` kernels (`MMV_THREADS`,
+/// `MMV_ROWS`, 1) and of the `_x8` ones (`MMV_THREADS`, `MMV_ROWS_X8`, `MMV_TOKENS` in
+/// `kernels/matvec.cu`).
+fn mmv_block(kernel: &str) -> (u32, usize, usize) {
+    if kernel.ends_with("_x8") {
+        (128, 2, 8)
+    } else {
+        (128, 4, 1)
+    }
+}
+
+/// One `mul_mat_vec_*` launch over up to three `(weights as the device holds them, n_rows)`
+/// with their outputs `ys` (in swiglu mode (2), `ys[0]` gets the result and the second
+/// product's output is not written), on `x` (split Q8_1 blocks, or f32).
+#[allow(clippy::too_many_arguments)]
+fn launch_mul_mat_vec(
+    runner: &dyn Runner,
+    kernel: &str,
+    ys: &mut [Vec<u8>],
+    weights: &[(&[u8], usize)],
+    x: &[u8],
+    n_cols: usize,
+    n_tokens: usize,
+    mode: u32,
+) -> Result<()> {
+    let (threads, rows_per_tile, tokens_per_block) = mmv_block(kernel);
+    let tiles: usize = if mode == 2 {
+        weights[0].1.div_ceil(rows_per_tile / 2)
+    } else {
+        weights
+            .iter()
+            .map(|(_, rows)| rows.div_ceil(rows_per_tile))
+            .sum()
+    };
+    let mut spare: Vec<Vec<u8>> = (ys.len()..3).map(|_| vec![0u8; 4]).collect();
+    let mut outs = ys.iter_mut().chain(spare.iter_mut());
+    let mut args = Vec::new();
+    for m in 0..3 {
+        let y = outs.next().expect("three outputs");
+        let (w, rows) = weights.get(m).copied().unwrap_or((weights[0].0, 0));
+        args.extend([Arg::Out(y), Arg::In(w), Arg::U32(rows as u32)]);
+    }
+    args.extend([
+        Arg::In(x),
+        Arg::U32(n_cols as u32),
+        Arg::U32(n_tokens as u32),
+        Arg::U32(mode),
+    ]);
     runner.launch(
         kernel,
-        [n_rows as u32, n_tokens as u32, 1],
-        [128, 1, 1],
-        &mut [
-            Arg::Out(&mut product),
-            Arg::In(&weights),
-            Arg::In(&quantized),
-            Arg::U32(n_cols as u32),
-            Arg::U32(row_bytes as u32),
-        ],
+        [(tiles * n_tokens.div_ceil(tokens_per_block)) as u32, 1, 1],
+        [threads, 1, 1],
+        &mut args,
+    )
+}
+
+fn mul_mat_vec(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check> {
+    // 5 rows (a partial tile) × 8448 columns (33 super-blocks of 256; 264 blocks of 32 per
+    // row, more than the 128 threads) times 2 activation rows, or for the `_x8` kernels 11
+    // (a block of 8 tokens and one of 3), against the f64 products of the CPU's dequantized
+    // rows.
+    let n_tokens = if kernel.ends_with("_x8") { 11 } else { 2 };
+    let (n_rows, n_cols) = (5usize, 8448usize);
+    let activations = values(8, n_tokens * n_cols);
+    let quantized = quantize_q8_1(runner, &activations)?;
+    let weights = random_rows(ty, 20 + ty as u64, n_rows, n_cols);
+    let mut product = vec![vec![0u8; n_tokens * n_rows * 4]];
+    launch_mul_mat_vec(
+        runner,
+        kernel,
+        &mut product,
+        &[(&split_blocks(ty, &weights), n_rows)],
+        &quantized,
+        n_cols,
+        n_tokens,
+        0,
     )?;
     let reference = reference_products(ty, &weights, &activations, n_rows, n_cols);
     Ok(check(
+        &format!("{kernel} {n_tokens}×{n_rows}×{n_cols}"),
+        nmse(&f32s_of(&product[0]), &reference),
+        NMSE_PRODUCTS,
+    ))
+}
+
+/// The fused forms of a `mul_mat_vec_*` kernel, against the CPU's f64 products: three
+/// matrices of one input in one launch (Q, K and V: 6, 3 and 9 rows), a product added to a
+/// residual, and SwiGLU of a gate and an up projection (7 rows each), for 2 tokens (5 for
+/// the `_x8` kernels).
+fn mul_mat_vec_fused(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check> {
+    let n_cols = 256usize;
+    let n_tokens = if kernel.ends_with("_x8") { 5 } else { 2 };
+    let activations = values(90, n_tokens * n_cols);
+    let quantized = !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16);
+    let x = if quantized {
+        quantize_q8_1(runner, &activations)?
+    } else {
+        bytes_of(&activations)
+    };
+    let encode = |seed: u64, rows: usize| match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
+            float_rows(ty, &values(seed, rows * n_cols))
+        }
+        _ => random_rows(ty, seed, rows, n_cols),
+    };
+    let reference = |w: &[u8], rows: usize| reference_products(ty, w, &activations, rows, n_cols);
+    let mut errors = Vec::new();
+    // Three products of one input.
+    let rows = [6usize, 3, 9];
+    let weights: Vec<Vec<u8>> = rows
+        .iter()
+        .enumerate()
+        .map(|(m, &r)| encode(91 + m as u64, r))
+        .collect();
+    let held: Vec<_> = weights.iter().map(|w| split_blocks(ty, w)).collect();
+    let mut ys: Vec<Vec<u8>> = rows.iter().map(|r| vec![0u8; n_tokens * r * 4]).collect();
+    let products: Vec<(&[u8], usize)> = held.iter().map(|w| &w[..]).zip(rows).collect();
+    launch_mul_mat_vec(runner, kernel, &mut ys, &products, &x, n_cols, n_tokens, 0)?;
+    for ((y, w), r) in ys.iter().zip(&weights).zip(rows) {
+        errors.push(nmse(&f32s_of(y), &reference(w, r)));
+    }
+    // Added to a residual.
+    let residual = values(95, n_tokens * 9);
+    let mut y = vec![bytes_of(&residual)];
+    launch_mul_mat_vec(
+        runner,
         kernel,
-        nmse(&f32s_of(&product), &reference),
+        &mut y,
+        &[(&held[2], 9)],
+        &x,
+        n_cols,
+        n_tokens,
+        1,
+    )?;
+    let expected: Vec<f32> = reference(&weights[2], 9)
+        .iter()
+        .zip(&residual)
+        .map(|(p, r)| p + r)
+        .collect();
+    errors.push(nmse(&f32s_of(&y[0]), &expected));
+    // SwiGLU of a gate and an up projection.
+    let (gate, up) = (encode(96, 7), encode(97, 7));
+    let mut y = vec![vec![0u8; n_tokens * 7 * 4], vec![0u8; 4]];
+    launch_mul_mat_vec(
+        runner,
+        kernel,
+        &mut y,
+        &[(&split_blocks(ty, &gate), 7), (&split_blocks(ty, &up), 7)],
+        &x,
+        n_cols,
+        n_tokens,
+        2,
+    )?;
+    let expected: Vec<f32> = reference(&gate, 7)
+        .iter()
+        .zip(reference(&up, 7))
+        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+        .collect();
+    errors.push(nmse(&f32s_of(&y[0]), &expected));
+    let worst = errors.iter().copied().fold(0.0, f64::max);
+    Ok(check(
+        &format!("{kernel} fused: QKV, += residual, SwiGLU"),
+        worst,
         NMSE_PRODUCTS,
     ))
 }
@@ -412,26 +609,27 @@ fn float_rows(ty: GgmlType, values: &[f32]) -> Vec<u8> {
 }
 
 fn mul_mat_vec_float(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check> {
-    // 7 rows × 300 columns (not a multiple of the 128 threads) times 2 activation rows.
-    let (n_rows, n_cols, n_tokens) = (7usize, 300usize, 2usize);
+    // 7 rows × 296 columns (37 units of 8 values: not a multiple of the 128 threads) times
+    // 2 activation rows, or 13 for the `_x8` kernels (a block of 8 tokens and one of 5).
+    let n_tokens = if kernel.ends_with("_x8") { 13 } else { 2 };
+    let (n_rows, n_cols) = (7usize, 296usize);
     let activations = values(30, n_tokens * n_cols);
     let weights = float_rows(ty, &values(31 + ty as u64, n_rows * n_cols));
-    let mut product = vec![0u8; n_tokens * n_rows * 4];
-    runner.launch(
+    let mut product = vec![vec![0u8; n_tokens * n_rows * 4]];
+    launch_mul_mat_vec(
+        runner,
         kernel,
-        [n_rows as u32, n_tokens as u32, 1],
-        [128, 1, 1],
-        &mut [
-            Arg::Out(&mut product),
-            Arg::In(&weights),
-            Arg::In(&bytes_of(&activations)),
-            Arg::U32(n_cols as u32),
-        ],
+        &mut product,
+        &[(&weights, n_rows)],
+        &bytes_of(&activations),
+        n_cols,
+        n_tokens,
+        0,
     )?;
     let reference = reference_products(ty, &weights, &activations, n_rows, n_cols);
     Ok(check(
-        kernel,
-        nmse(&f32s_of(&product), &reference),
+        &format!("{kernel} {n_tokens}×{n_rows}×{n_cols}"),
+        nmse(&f32s_of(&product[0]), &reference),
         NMSE_PRODUCTS,
     ))
 }
@@ -449,9 +647,9 @@ fn dequantize(runner: &dyn Runner, ty: GgmlType, kernel: &str) -> Result<Check> 
         [256, 1, 1],
         &mut [
             Arg::Out(&mut out),
-            Arg::In(&weights),
+            Arg::In(&split_blocks(ty, &weights)),
+            Arg::U32(n_rows as u32),
             Arg::U32(n_cols as u32),
-            Arg::U32(row_bytes as u32),
         ],
     )?;
     let mut cpu = vec![0f32; n_rows * n_cols];
@@ -551,14 +749,14 @@ fn convert(runner: &dyn Runner, bf16: bool) -> Result<Check> {
 }
 
 /// The GEMM path of [`super::backend::KernelBackend`]'s products (more than
-/// [`super::backend::MAX_MATVEC_TOKENS`] tokens: weights dequantized to f16 or taken as
+/// [`super::backend::MAX_MATVEC_TOKENS_QUANTIZED`] tokens: weights dequantized to f16 or taken as
 /// they are, activations converted, then the device's GEMM: cuBLAS on a GPU) for every
 /// weight type, against the f64 products of the CPU's dequantized rows, within the
 /// products' NMSE limit. A device without a GEMM fails every check, saying so.
 pub fn gemm_checks<D: super::backend::Device>(device: &D) -> Vec<Check> {
     use crate::runtime::backend::Backend;
     let backend = super::backend::KernelBackend::new(device);
-    let n_tokens = super::backend::MAX_MATVEC_TOKENS + 4;
+    let n_tokens = super::backend::MAX_MATVEC_TOKENS_QUANTIZED + 4;
     let mut checks = Vec::new();
     for ty in [
         GgmlType::Q4_0,
@@ -860,8 +1058,8 @@ fn write_kv_blocks(runner: &dyn Runner) -> Result<Check> {
 
 fn attention(runner: &dyn Runner) -> Result<Check> {
     // GQA (6 query heads on 2 KV heads, head_dim 64), blocks scattered over the pool: two
-    // decode queries (37 and 600 positions: two tiles of 512) and four prefill queries of
-    // the first sequence with their causal lengths, against f64 attention.
+    // decode queries (37 and 600 positions: warps with odd and even shares) and four prefill
+    // queries of the first sequence with their causal lengths, against f64 attention.
     let (n_heads, n_kv_heads, head_dim, n_blocks, block_len) = (6usize, 2usize, 64usize, 60, 16);
     let kv_values = n_blocks * n_kv_heads * block_len * head_dim;
     let to_f16 =
@@ -889,7 +1087,7 @@ fn attention(runner: &dyn Runner) -> Result<Check> {
     runner.launch(
         "paged_attention_f16kv",
         [n_heads as u32, n_queries as u32, 1],
-        [128, 1, 1],
+        [256, 1, 1],
         &mut [
             Arg::Out(&mut out),
             Arg::In(&bytes_of(&queries)),

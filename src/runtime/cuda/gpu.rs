@@ -30,6 +30,32 @@ pub struct GpuRunner {
     blas: Option<(super::cublas::Cublas, super::cublas::Handle)>,
     /// What [`GpuRunner::load_cublas`] said ("" before it ran).
     gemm_line: String,
+    /// Per-kernel GPU time, when `INFER_CUDA_PROFILE` is set ([`GpuRunner::profile`]).
+    profile: Option<std::sync::Mutex<Profile>>,
+}
+
+/// GPU time per kernel, measured with a pair of CUDA events around each launch (and each
+/// GEMM): the events pending, and the totals of those already read.
+#[derive(Default)]
+struct Profile {
+    pending: Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+    /// Name → (launches, milliseconds).
+    totals: HashMap<String, (u64, f64)>,
+}
+
+impl Profile {
+    /// Reads every pending pair's elapsed time into the totals (waiting for them).
+    fn settle(&mut self) -> Result<()> {
+        for (name, start, end) in self.pending.drain(..) {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| anyhow!("cannot time `{name}`: {e:?}"))?;
+            let entry = self.totals.entry(name).or_insert((0, 0.0));
+            entry.0 += 1;
+            entry.1 += f64::from(ms);
+        }
+        Ok(())
+    }
 }
 
 impl GpuRunner {
@@ -73,7 +99,51 @@ impl GpuRunner {
             pp_nccl: None,
             blas: None,
             gemm_line: String::new(),
+            profile: std::env::var_os("INFER_CUDA_PROFILE")
+                .filter(|v| !v.is_empty() && v != "0")
+                .map(|_| std::sync::Mutex::new(Profile::default())),
         })
+    }
+
+    /// Runs `enqueue` between two timing events when profiling (`INFER_CUDA_PROFILE`), and
+    /// books the pair under `name`.
+    fn timed(&self, name: &str, enqueue: impl FnOnce() -> Result<()>) -> Result<()> {
+        let Some(profile) = &self.profile else {
+            return enqueue();
+        };
+        let event = || {
+            self.stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| anyhow!("cannot record a timing event: {e:?}"))
+        };
+        let start = event()?;
+        enqueue()?;
+        let end = event()?;
+        let mut profile = profile.lock().unwrap_or_else(|e| e.into_inner());
+        profile.pending.push((name.to_string(), start, end));
+        if profile.pending.len() >= 4096 {
+            profile.settle()?;
+        }
+        Ok(())
+    }
+
+    /// GPU time per kernel since the runner was made, when `INFER_CUDA_PROFILE` was set:
+    /// `(kernel, launches, milliseconds)`, the longest total first; `None` without it.
+    ///
+    /// Errors: the driver's (it waits for every timed launch).
+    pub fn profile(&self) -> Result<Option<Vec<(String, u64, f64)>>> {
+        let Some(profile) = &self.profile else {
+            return Ok(None);
+        };
+        let mut profile = profile.lock().unwrap_or_else(|e| e.into_inner());
+        profile.settle()?;
+        let mut rows: Vec<(String, u64, f64)> = profile
+            .totals
+            .iter()
+            .map(|(name, (calls, ms))| (name.clone(), *calls, *ms))
+            .collect();
+        rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Ok(Some(rows))
     }
 
     /// Joins an NCCL communicator with the other GPUs of `group` (whose host collectives
@@ -443,7 +513,7 @@ impl super::backend::Device for GpuRunner {
         // SAFETY: the handle is on this GPU's stream; the three buffers hold the sizes
         // checked above and stay alive until the GEMM is done (`_synced` records it on the
         // stream).
-        unsafe {
+        self.timed("cublasGemmEx", || unsafe {
             cublas.gemm_ex(
                 handle,
                 (OP_T, OP_N),
@@ -453,7 +523,7 @@ impl super::backend::Device for GpuRunner {
                 input,
                 (y as *mut std::ffi::c_void, m),
             )
-        }
+        })
         .with_context(|| {
             format!(
                 "cuBLAS GEMM of {} tokens × {} rows × {} columns",
@@ -493,11 +563,14 @@ impl super::backend::Device for GpuRunner {
             block_dim: (block[0], block[1], block[2]),
             shared_mem_bytes: 0,
         };
-        // SAFETY: `KernelBackend` passes each kernel's parameters in its documented order
-        // (the tests compare the descriptions with the PTX) with buffers sized for the grid.
-        unsafe { builder.launch(config) }
-            .map_err(|e| anyhow!("`{kernel}` failed to launch: {e:?}"))?;
-        Ok(())
+        self.timed(kernel, || {
+            // SAFETY: `KernelBackend` passes each kernel's parameters in its documented order
+            // (the tests compare the descriptions with the PTX) with buffers sized for the
+            // grid.
+            unsafe { builder.launch(config) }
+                .map(|_| ())
+                .map_err(|e| anyhow!("`{kernel}` failed to launch: {e:?}"))
+        })
     }
 }
 

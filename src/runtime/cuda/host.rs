@@ -279,19 +279,46 @@ impl super::checks::Runner for HostKernels {
         args: &mut [super::checks::Arg<'_>],
     ) -> Result<()> {
         use super::checks::Arg;
+        // Each buffer copied into host memory aligned as device memory is (the kernels'
+        // 16-byte vector loads assume it), and the outputs copied back after.
+        let mut copies = Vec::new();
+        for arg in args.iter() {
+            if let Arg::In(bytes) = arg {
+                copies.push(super::backend::Device::upload(self, bytes)?);
+            } else if let Arg::Out(bytes) = arg {
+                copies.push(super::backend::Device::upload(self, bytes)?);
+            }
+        }
+        let mut next = 0;
         let host_args: Vec<HostArg> = args
-            .iter_mut()
+            .iter()
             .map(|arg| match arg {
-                // The kernels never write their `const` inputs.
-                Arg::In(bytes) => HostArg::Ptr(bytes.as_ptr() as *mut u8),
-                Arg::Out(bytes) => HostArg::Ptr(bytes.as_mut_ptr()),
+                Arg::In(_) | Arg::Out(_) => {
+                    next += 1;
+                    HostArg::Ptr(copies[next - 1].ptr.as_ptr())
+                }
                 Arg::U32(v) => HostArg::U32(*v),
                 Arg::F32(v) => HostArg::F32(*v),
             })
             .collect();
-        // SAFETY: every buffer is a live slice sized by the check for its grid, as device
+        // SAFETY: every buffer is a live copy sized by the check for its grid, as device
         // buffers would be.
-        unsafe { HostKernels::launch(self, kernel, grid, block, &host_args) }
+        unsafe { HostKernels::launch(self, kernel, grid, block, &host_args)? };
+        let mut copied = copies.iter();
+        for arg in args.iter_mut() {
+            match arg {
+                Arg::In(_) => {
+                    copied.next();
+                }
+                Arg::Out(bytes) => {
+                    if let Some(copy) = copied.next() {
+                        bytes.copy_from_slice(&copy.bytes()[..bytes.len()]);
+                    }
+                }
+                Arg::U32(_) | Arg::F32(_) => {}
+            }
+        }
+        Ok(())
     }
 }
 

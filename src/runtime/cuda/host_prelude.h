@@ -27,10 +27,13 @@ inline thread_local std::barrier<>* infer_host_barrier;
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __shared__ static
 
 inline void __syncthreads() { infer_host_barrier->arrive_and_wait(); }
+// A warp's barrier: the block's here (the kernels call it where every warp does).
+inline void __syncwarp(unsigned int = 0xffffffffu) { __syncthreads(); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __int_as_float(int i) {
     float f;

@@ -58,16 +58,29 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 
 use Param::{F32, Ptr, U32};
 
+/// The parameters of every `mul_mat_vec_*` kernel: `(y, w, n_rows)` for up to three
+/// matrices, then the activations, `n_cols`, `n_tokens` and the mode (`kernels/matvec.cu`).
+const MUL_MAT_VEC: &[Param] = &[
+    Ptr, Ptr, U32, Ptr, Ptr, U32, Ptr, Ptr, U32, Ptr, U32, U32, U32,
+];
+
 /// Every kernel family.
 pub const FAMILIES: &[Family] = &[
     Family {
         file: "norm.cu",
         source: include_str!("kernels/norm.cu"),
-        kernels: &[Kernel {
-            name: "rms_norm_f32",
-            params: &[Ptr, Ptr, Ptr, U32, F32],
-            block_threads: 256,
-        }],
+        kernels: &[
+            Kernel {
+                name: "rms_norm_f32",
+                params: &[Ptr, Ptr, Ptr, U32, F32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "rms_norm_q8_1_f32",
+                params: &[Ptr, Ptr, Ptr, Ptr, U32, F32],
+                block_threads: 256,
+            },
+        ],
     },
     Family {
         file: "activation.cu",
@@ -122,7 +135,7 @@ pub const FAMILIES: &[Family] = &[
             },
             Kernel {
                 name: "get_rows_q8_0",
-                params: &[Ptr, Ptr, Ptr, U32],
+                params: &[Ptr, Ptr, Ptr, U32, U32],
                 block_threads: 256,
             },
         ],
@@ -138,42 +151,82 @@ pub const FAMILIES: &[Family] = &[
             },
             Kernel {
                 name: "mul_mat_vec_q4_0_q8_1",
-                params: &[Ptr, Ptr, Ptr, U32, U32],
+                params: MUL_MAT_VEC,
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_q4_0_q8_1_x8",
+                params: MUL_MAT_VEC,
                 block_threads: 128,
             },
             Kernel {
                 name: "mul_mat_vec_q4_1_q8_1",
-                params: &[Ptr, Ptr, Ptr, U32, U32],
+                params: MUL_MAT_VEC,
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_q4_1_q8_1_x8",
+                params: MUL_MAT_VEC,
                 block_threads: 128,
             },
             Kernel {
                 name: "mul_mat_vec_q8_0_q8_1",
-                params: &[Ptr, Ptr, Ptr, U32, U32],
+                params: MUL_MAT_VEC,
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_q8_0_q8_1_x8",
+                params: MUL_MAT_VEC,
                 block_threads: 128,
             },
             Kernel {
                 name: "mul_mat_vec_q4_k_q8_1",
-                params: &[Ptr, Ptr, Ptr, U32, U32],
+                params: MUL_MAT_VEC,
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_q4_k_q8_1_x8",
+                params: MUL_MAT_VEC,
                 block_threads: 128,
             },
             Kernel {
                 name: "mul_mat_vec_q6_k_q8_1",
-                params: &[Ptr, Ptr, Ptr, U32, U32],
+                params: MUL_MAT_VEC,
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_q6_k_q8_1_x8",
+                params: MUL_MAT_VEC,
                 block_threads: 128,
             },
             Kernel {
                 name: "mul_mat_vec_f32",
-                params: &[Ptr, Ptr, Ptr, U32],
+                params: MUL_MAT_VEC,
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_f32_x8",
+                params: MUL_MAT_VEC,
                 block_threads: 128,
             },
             Kernel {
                 name: "mul_mat_vec_f16",
-                params: &[Ptr, Ptr, Ptr, U32],
+                params: MUL_MAT_VEC,
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_f16_x8",
+                params: MUL_MAT_VEC,
                 block_threads: 128,
             },
             Kernel {
                 name: "mul_mat_vec_bf16",
-                params: &[Ptr, Ptr, Ptr, U32],
+                params: MUL_MAT_VEC,
+                block_threads: 128,
+            },
+            Kernel {
+                name: "mul_mat_vec_bf16_x8",
+                params: MUL_MAT_VEC,
                 block_threads: 128,
             },
         ],
@@ -226,7 +279,7 @@ pub const FAMILIES: &[Family] = &[
             Kernel {
                 name: "paged_attention_f16kv",
                 params: &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, F32],
-                block_threads: 128,
+                block_threads: 256,
             },
             Kernel {
                 name: "store_kv_f16",

@@ -108,27 +108,103 @@ pub struct BackendModel<B: Backend> {
     /// Tensor-parallel position and degree of the shard (`(0, 1)`: the whole model).
     tp_rank: usize,
     tp: usize,
+    /// The steps' activation buffers, once a step has run (taken out during a step).
+    workspace: Option<Workspace<B>>,
+    /// Seconds spent in [`BackendModel::step_stage`] so far: issuing work, for a device
+    /// that runs it asynchronously.
+    issue_secs: f64,
 }
 
 /// Sums `buffer` (`n` f32 values) across the TP group — on the device through its own
-/// communicator (NCCL) when it has one, else through host memory with the fallback
-/// collectives (TCP, shared memory) — and returns the summed buffer; unchanged without a
-/// group.
+/// communicator (NCCL) when it has one, in place, else through host memory with the fallback
+/// collectives (TCP, shared memory), into a new buffer — and returns the new buffer, `None`
+/// when the sum is in `buffer` (summed in place, or no group).
 fn all_reduce<B: Backend>(
     backend: &B,
     tp: &mut Option<&mut dyn Comm>,
-    buffer: B::Buffer,
+    buffer: &B::Buffer,
     n: usize,
-) -> Result<B::Buffer> {
+) -> Result<Option<B::Buffer>> {
     let Some(comm) = tp else {
-        return Ok(buffer);
+        return Ok(None);
     };
-    if backend.all_reduce_sum_in_place(&buffer, n)? {
-        return Ok(buffer);
+    if backend.all_reduce_sum_in_place(buffer, n)? {
+        return Ok(None);
     }
-    let mut values = f32s_of(&backend.download(&buffer, n * 4)?);
+    let mut values = f32s_of(&backend.download(buffer, n * 4)?);
     comm.all_reduce_sum(&mut values)?;
-    backend.upload(&bytes_of(&values))
+    Ok(Some(backend.upload(&bytes_of(&values))?))
+}
+
+/// `x += w · input` (`x (n_tokens, hidden)`, the residual stream; `w (hidden, _)`): without a TP group, as
+/// one [`Backend::matmul_add`]; a TP shard's partial product goes to `projected` first and is
+/// summed across the group ([`all_reduce`]) before it is added.
+///
+/// Errors: the backend's or the group's.
+#[allow(clippy::too_many_arguments)]
+fn project_into_residual<B: Backend>(
+    be: &B,
+    tp: &mut Option<&mut dyn Comm>,
+    x: &B::Buffer,
+    projected: &B::Buffer,
+    w: &B::Matrix,
+    input: &B::Buffer,
+    n_tokens: usize,
+    hidden: usize,
+) -> Result<()> {
+    if tp.is_none() {
+        return be.matmul_add(x, projected, w, input, n_tokens);
+    }
+    be.matmul(projected, w, input, n_tokens)?;
+    let n = n_tokens * hidden;
+    let summed = all_reduce(be, tp, projected, n)?;
+    be.add(x, summed.as_ref().unwrap_or(projected), n)
+}
+
+/// The activation buffers of a step, reused by every step whose batch fits: one set per
+/// model, grown to the largest batch seen (never shrunk), so that a decode step allocates
+/// nothing per layer. Shapes for `tokens` rows of `(hidden)`, `(q_dim)`, `(kv_dim)` or
+/// `(intermediate)` f32.
+struct Workspace<B: Backend> {
+    /// Rows (tokens) every buffer holds.
+    tokens: usize,
+    normed: B::Buffer,
+    q: B::Buffer,
+    k: B::Buffer,
+    v: B::Buffer,
+    /// The per-head Q/K norms' outputs (Qwen3), swapped with `q`/`k` after each.
+    q_normed: B::Buffer,
+    k_normed: B::Buffer,
+    attention: B::Buffer,
+    projected: B::Buffer,
+    gate: B::Buffer,
+    up: B::Buffer,
+    activated: B::Buffer,
+}
+
+impl<B: Backend> Workspace<B> {
+    /// Zeroed buffers for `tokens` rows of `config`'s widths.
+    ///
+    /// Errors: the backend's allocation.
+    fn new(backend: &B, config: &LlamaConfig, tokens: usize) -> Result<Workspace<B>> {
+        let q_dim = config.n_heads * config.head_dim;
+        let kv_dim = config.n_kv_heads * config.head_dim;
+        let f32s = |width: usize| backend.zeros(tokens * width * 4);
+        Ok(Workspace {
+            tokens,
+            normed: f32s(config.hidden_size)?,
+            q: f32s(q_dim)?,
+            k: f32s(kv_dim)?,
+            v: f32s(kv_dim)?,
+            q_normed: f32s(q_dim)?,
+            k_normed: f32s(kv_dim)?,
+            attention: f32s(q_dim)?,
+            projected: f32s(config.hidden_size)?,
+            gate: f32s(config.intermediate_size)?,
+            up: f32s(config.intermediate_size)?,
+            activated: f32s(config.intermediate_size)?,
+        })
+    }
 }
 
 fn upload_weight<B: Backend>(backend: &B, weight: &Weight) -> Result<B::Matrix> {
@@ -251,6 +327,8 @@ impl<B: Backend> BackendModel<B> {
             free_blocks: (0..n_blocks).rev().collect(),
             tp_rank: shard.tp_rank,
             tp: shard.tp,
+            workspace: None,
+            issue_secs: 0.0,
             config,
             backend,
         })
@@ -545,6 +623,19 @@ impl<B: Backend> BackendModel<B> {
     pub fn step_stage(
         &mut self,
         batch: &mut [(&mut DeviceSequence, &[u32])],
+        tp: Option<&mut dyn Comm>,
+        hidden_in: Option<(B::Buffer, usize)>,
+    ) -> Result<StageOut<B>> {
+        let start = std::time::Instant::now();
+        let out = self.issue_step(batch, tp, hidden_in);
+        self.issue_secs += start.elapsed().as_secs_f64();
+        out
+    }
+
+    /// [`BackendModel::step_stage`], untimed.
+    fn issue_step(
+        &mut self,
+        batch: &mut [(&mut DeviceSequence, &[u32])],
         mut tp: Option<&mut dyn Comm>,
         hidden_in: Option<(B::Buffer, usize)>,
     ) -> Result<StageOut<B>> {
@@ -635,16 +726,10 @@ impl<B: Backend> BackendModel<B> {
                 bail!("a pipeline stage after the first needs the previous stage's hidden states")
             }
         };
-        let normed = f32_buffer(n * hidden)?;
-        let (mut q, mut k, v) = (
-            f32_buffer(n * q_dim)?,
-            f32_buffer(n * kv_dim)?,
-            f32_buffer(n * kv_dim)?,
-        );
-        // Scratch for the per-head Q/K norms (Qwen3), swapped with `q`/`k` after each.
-        let (mut q_normed, mut k_normed) = (f32_buffer(n * q_dim)?, f32_buffer(n * kv_dim)?);
-        let attention = f32_buffer(n * q_dim)?;
-        let mut projected = f32_buffer(n * hidden)?;
+        let mut ws = match self.workspace.take() {
+            Some(ws) if ws.tokens >= n => ws,
+            _ => Workspace::new(be, &c, n)?,
+        };
         let shape = AttentionShape {
             n_queries: n,
             n_heads: c.n_heads,
@@ -654,14 +739,16 @@ impl<B: Backend> BackendModel<B> {
             scale: 1.0 / (head_dim as f32).sqrt(),
         };
         for (l, layer) in self.layers.iter().enumerate() {
-            be.rms_norm(&normed, &x, &layer.attn_norm, n, hidden, c.rms_norm_eps)?;
-            be.matmul(&q, &layer.wq, &normed, n)?;
-            be.matmul(&k, &layer.wk, &normed, n)?;
-            be.matmul(&v, &layer.wv, &normed, n)?;
+            be.rms_norm(&ws.normed, &x, &layer.attn_norm, n, hidden, c.rms_norm_eps)?;
+            be.matmul_many(
+                &[(&ws.q, &layer.wq), (&ws.k, &layer.wk), (&ws.v, &layer.wv)],
+                &ws.normed,
+                n,
+            )?;
             for (x, bias, width) in [
-                (&q, &layer.bias_q, q_dim),
-                (&k, &layer.bias_k, kv_dim),
-                (&v, &layer.bias_v, kv_dim),
+                (&ws.q, &layer.bias_q, q_dim),
+                (&ws.k, &layer.bias_k, kv_dim),
+                (&ws.v, &layer.bias_v, kv_dim),
             ] {
                 if let Some(bias) = bias {
                     be.add_bias(x, bias, n, width)?;
@@ -670,28 +757,28 @@ impl<B: Backend> BackendModel<B> {
             // Per-head RMSNorm of Q and K (Qwen3): each head a row of head_dim.
             if let Some(weight) = &layer.q_norm {
                 be.rms_norm(
-                    &q_normed,
-                    &q,
+                    &ws.q_normed,
+                    &ws.q,
                     weight,
                     n * c.n_heads,
                     head_dim,
                     c.rms_norm_eps,
                 )?;
-                std::mem::swap(&mut q, &mut q_normed);
+                std::mem::swap(&mut ws.q, &mut ws.q_normed);
             }
             if let Some(weight) = &layer.k_norm {
                 be.rms_norm(
-                    &k_normed,
-                    &k,
+                    &ws.k_normed,
+                    &ws.k,
                     weight,
                     n * c.n_kv_heads,
                     head_dim,
                     c.rms_norm_eps,
                 )?;
-                std::mem::swap(&mut k, &mut k_normed);
+                std::mem::swap(&mut ws.k, &mut ws.k_normed);
             }
             be.rope(
-                &q,
+                &ws.q,
                 &positions,
                 &self.inv_freqs,
                 n,
@@ -700,7 +787,7 @@ impl<B: Backend> BackendModel<B> {
                 c.rope_style,
             )?;
             be.rope(
-                &k,
+                &ws.k,
                 &positions,
                 &self.inv_freqs,
                 n,
@@ -709,28 +796,50 @@ impl<B: Backend> BackendModel<B> {
                 c.rope_style,
             )?;
             let (k_cache, v_cache) = (&self.k_cache[l], &self.v_cache[l]);
-            be.store_kv(k_cache, v_cache, &k, &v, &slots, n, c.n_kv_heads, head_dim)?;
-            be.attention(
-                &attention, &q, k_cache, v_cache, &tables, &rows, &lens, &shape,
+            be.store_kv(
+                k_cache,
+                v_cache,
+                &ws.k,
+                &ws.v,
+                &slots,
+                n,
+                c.n_kv_heads,
+                head_dim,
             )?;
-            be.matmul(&projected, &layer.wo, &attention, n)?;
-            projected = all_reduce(be, &mut tp, projected, n * hidden)?;
-            be.add(&x, &projected, n * hidden)?;
-            be.rms_norm(&normed, &x, &layer.ffn_norm, n, hidden, c.rms_norm_eps)?;
+            be.attention(
+                &ws.attention,
+                &ws.q,
+                k_cache,
+                v_cache,
+                &tables,
+                &rows,
+                &lens,
+                &shape,
+            )?;
+            project_into_residual(
+                be,
+                &mut tp,
+                &x,
+                &ws.projected,
+                &layer.wo,
+                &ws.attention,
+                n,
+                hidden,
+            )?;
+            be.rms_norm(&ws.normed, &x, &layer.ffn_norm, n, hidden, c.rms_norm_eps)?;
             match &layer.ffn {
                 DeviceFfn::Dense { gate, up, down } => {
-                    let width = c.intermediate_size;
-                    let (g, u, a) = (
-                        f32_buffer(n * width)?,
-                        f32_buffer(n * width)?,
-                        f32_buffer(n * width)?,
-                    );
-                    be.matmul(&g, gate, &normed, n)?;
-                    be.matmul(&u, up, &normed, n)?;
-                    be.swiglu(&a, &g, &u, n * width)?;
-                    be.matmul(&projected, down, &a, n)?;
-                    projected = all_reduce(be, &mut tp, projected, n * hidden)?;
-                    be.add(&x, &projected, n * hidden)?;
+                    be.matmul_swiglu(&ws.activated, &ws.gate, &ws.up, gate, up, &ws.normed, n)?;
+                    project_into_residual(
+                        be,
+                        &mut tp,
+                        &x,
+                        &ws.projected,
+                        down,
+                        &ws.activated,
+                        n,
+                        hidden,
+                    )?;
                 }
                 DeviceFfn::Moe {
                     router,
@@ -757,7 +866,7 @@ impl<B: Backend> BackendModel<B> {
                     };
                     let target = partial.as_ref().unwrap_or(&x);
                     let logits = f32_buffer(n * n_experts)?;
-                    be.matmul(&logits, router, &normed, n)?;
+                    be.matmul(&logits, router, &ws.normed, n)?;
                     let logits = f32s_of(&be.download(&logits, n * n_experts * 4)?);
                     let mut routed: Vec<(Vec<i32>, Vec<f32>)> = vec![(vec![], vec![]); n_experts];
                     for (t, row) in logits.chunks_exact(n_experts).enumerate() {
@@ -778,7 +887,7 @@ impl<B: Backend> BackendModel<B> {
                         let (token_ids, token_weights) =
                             (upload_i32s(tokens)?, be.upload(&bytes_of(weights))?);
                         let gathered = f32_buffer(m * hidden)?;
-                        be.gather_rows(&gathered, &normed, &token_ids, m, hidden)?;
+                        be.gather_rows(&gathered, &ws.normed, &token_ids, m, hidden)?;
                         let (g, u, a) = (
                             f32_buffer(m * width)?,
                             f32_buffer(m * width)?,
@@ -792,12 +901,13 @@ impl<B: Backend> BackendModel<B> {
                         be.scale_add_rows(target, &out, &token_ids, &token_weights, m, hidden)?;
                     }
                     if let Some(partial) = partial {
-                        let summed = all_reduce(be, &mut tp, partial, n * hidden)?;
-                        be.add(&x, &summed, n * hidden)?;
+                        let summed = all_reduce(be, &mut tp, &partial, n * hidden)?;
+                        be.add(&x, summed.as_ref().unwrap_or(&partial), n * hidden)?;
                     }
                 }
             }
         }
+        self.workspace = Some(ws);
         for (sequence, new) in batch.iter_mut() {
             sequence.n_tokens += new.len();
         }
@@ -1196,6 +1306,10 @@ pub struct DecodeSpeed {
     pub decode_step_secs: f64,
     /// Kernel launches (and GEMMs) per decode step, where the backend counts them.
     pub launches_per_step: Option<f64>,
+    /// Seconds the host spends issuing one decode step's work (the forward pass up to its
+    /// logits, before it waits for them): near `decode_step_secs`, the step is bound by the
+    /// host's launches rather than the device.
+    pub issue_step_secs: f64,
 }
 
 /// `infer bench decode` on a [`BackendModel`]: prefills `prompt` once timed (then again,
@@ -1226,6 +1340,7 @@ pub fn bench_decode<B: Backend>(
         }
         let mut next = vec![first; batch];
         let launches_before = model.backend().launches();
+        let issued_before = model.issue_secs;
         let start = Instant::now();
         for _ in 0..decode_tokens {
             let inputs: Vec<[u32; 1]> = next.iter().map(|t| [*t]).collect();
@@ -1248,6 +1363,7 @@ pub fn bench_decode<B: Backend>(
             decode_tokens_per_sec: (batch * decode_tokens) as f64 / decode_secs,
             decode_step_secs: decode_secs / decode_tokens.max(1) as f64,
             launches_per_step,
+            issue_step_secs: (model.issue_secs - issued_before) / decode_tokens.max(1) as f64,
         })
     })();
     for sequence in &mut sequences {

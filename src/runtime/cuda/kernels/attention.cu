@@ -7,96 +7,145 @@
 //   backend's kv::BLOCK_TOKENS). block_tables: [n_rows, max_blocks] int, the blocks of each
 //   sequence in position order; table_rows: [n_queries] int, the row of each query's
 //   sequence; context_lens: [n_queries] int, positions each query attends (p < len).
-// GQA: query head h reads KV head h / (n_heads / n_kv_heads). Softmax of scale · q·k, online
-// over tiles of 512 positions (Milakov & Gimelshein 2018), so any context length fits.
-// Launch: grid (n_heads, n_queries), block (128); head_dim <= 128.
+// GQA: query head h reads KV head h / (n_heads / n_kv_heads). One block per (head, query).
+// The block takes the context in chunks of ATTN_WARPS * 32 positions, each warp 32 of them:
+// lane p scores position p (its whole key row, 16-byte loads, against q in shared memory),
+// the warp's softmax runs online over its chunks (Milakov & Gimelshein 2018), so any
+// context length fits, and lane l then adds dimensions l, l + 32, ... of the 32 values
+// rows, weighted (the weights through shared memory). The warps' maxima, sums and outputs
+// meet in shared memory at the end (flash-decoding's split-K combine, Dao et al. 2023,
+// within one block). Launch: grid (n_heads, n_queries), block (ATTN_WARPS * 32); head_dim a
+// multiple of 8, at most 128.
 
-#define ATTN_THREADS 128
-#define ATTN_TILE 512
+#define ATTN_WARPS 8
+#define ATTN_THREADS (ATTN_WARPS * 32)
+#define ATTN_MAX_DIM 128
+#define ATTN_MAX_DIMS (ATTN_MAX_DIM / 32)
 #define KV_BLOCK 16
 
-// Block-wide reduction of `value` (max or sum) through `scratch`; every thread gets it.
-__device__ __forceinline__ float block_reduce(float value, float* scratch, bool is_max) {
-    scratch[threadIdx.x] = value;
-    __syncthreads();
-    for (unsigned int s = ATTN_THREADS / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            const float other = scratch[threadIdx.x + s];
-            scratch[threadIdx.x] = is_max ? fmaxf(scratch[threadIdx.x], other)
-                                          : scratch[threadIdx.x] + other;
-        }
-        __syncthreads();
-    }
-    const float result = scratch[0];
-    __syncthreads();
-    return result;
+__device__ __forceinline__ unsigned long long kv_slot(const int* table, int position,
+                                                      unsigned int n_kv_heads,
+                                                      unsigned int kv_head,
+                                                      unsigned int head_dim) {
+    return (((unsigned long long)table[position / KV_BLOCK] * n_kv_heads + kv_head) * KV_BLOCK +
+            position % KV_BLOCK) * head_dim;
 }
 
-extern "C" __global__ void paged_attention_f16kv(
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2) paged_attention_f16kv(
     float* __restrict__ out, const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
     const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ table_rows, const int* __restrict__ context_lens,
     unsigned int max_blocks, unsigned int n_heads, unsigned int n_kv_heads, unsigned int head_dim,
     float scale) {
-    __shared__ float q_shared[ATTN_THREADS];
-    __shared__ float weights[ATTN_TILE];
-    __shared__ float scratch[ATTN_THREADS];
+    __shared__ float q_shared[ATTN_MAX_DIM];
+    __shared__ float weights[ATTN_WARPS][32];
+    __shared__ float warp_max[ATTN_WARPS];
+    __shared__ float warp_sum[ATTN_WARPS];
+    __shared__ float warp_out[ATTN_WARPS][ATTN_MAX_DIM];
     const unsigned int head = blockIdx.x;
     const unsigned int query = blockIdx.y;
+    const unsigned int warp = threadIdx.x / 32;
+    const unsigned int lane = threadIdx.x % 32;
     const unsigned int kv_head = head / (n_heads / n_kv_heads);
     const int* table = block_tables + (unsigned long long)table_rows[query] * max_blocks;
     const int context = context_lens[query];
     const unsigned long long row = ((unsigned long long)query * n_heads + head) * head_dim;
     if (threadIdx.x < head_dim) {
-        q_shared[threadIdx.x] = q[row + threadIdx.x];
+        q_shared[threadIdx.x] = q[row + threadIdx.x] * scale;
     }
     __syncthreads();
     float running_max = -3.402823466e38f;
     float running_sum = 0.0f;
-    float acc = 0.0f;  // output dimension threadIdx.x
-    for (int start = 0; start < context; start += ATTN_TILE) {
-        const int n = context - start < ATTN_TILE ? context - start : ATTN_TILE;
-        float tile_max = -3.402823466e38f;
-        for (int p = threadIdx.x; p < n; p += ATTN_THREADS) {
-            const int position = start + p;
-            const unsigned long long slot =
-                (((unsigned long long)table[position / KV_BLOCK] * n_kv_heads + kv_head) * KV_BLOCK +
-                 position % KV_BLOCK) * head_dim;
+    float acc[ATTN_MAX_DIMS];
+#pragma unroll
+    for (int j = 0; j < ATTN_MAX_DIMS; j++) {
+        acc[j] = 0.0f;
+    }
+    // Every warp takes the same number of steps (the harness's shuffles meet block-wide).
+    for (int chunk = 0; chunk < context; chunk += ATTN_THREADS) {
+        const int first = chunk + (int)warp * 32;
+        const int position = first + (int)lane;
+        float score = -3.402823466e38f;
+        if (position < context) {
+            const u32x4* k = (const u32x4*)(k_cache + kv_slot(table, position, n_kv_heads,
+                                                               kv_head, head_dim));
+            // Every 16-byte piece of the row loaded before any is used.
+            u32x4 row_k[ATTN_MAX_DIM / 8];
+#pragma unroll
+            for (unsigned int d = 0; d < ATTN_MAX_DIM / 8; d++) {
+                if (d < head_dim / 8) {
+                    row_k[d] = k[d];
+                }
+            }
             float dot = 0.0f;
-            for (unsigned int d = 0; d < head_dim; d++) {
-                dot += q_shared[d] * half_to_float(k_cache[slot + d]);
+#pragma unroll
+            for (unsigned int d = 0; d < ATTN_MAX_DIM / 8; d++) {
+                if (d >= head_dim / 8) {
+                    break;
+                }
+                const u32x4 h = row_k[d];
+                const unsigned int halves[4] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    dot += q_shared[8 * d + 2 * i] * half_to_float((unsigned short)(halves[i] & 0xffffu));
+                    dot += q_shared[8 * d + 2 * i + 1] * half_to_float((unsigned short)(halves[i] >> 16));
+                }
             }
-            weights[p] = dot * scale;
-            tile_max = fmaxf(tile_max, weights[p]);
+            score = dot;
         }
-        tile_max = block_reduce(tile_max, scratch, true);
-        const float new_max = fmaxf(running_max, tile_max);
-        float tile_sum = 0.0f;
-        for (int p = threadIdx.x; p < n; p += ATTN_THREADS) {
-            weights[p] = expf(weights[p] - new_max);
-            tile_sum += weights[p];
-        }
-        tile_sum = block_reduce(tile_sum, scratch, false);
+        const float chunk_max = warp_reduce_max(score);
+        const float new_max = fmaxf(running_max, chunk_max);
+        const float weight = position < context ? expf(score - new_max) : 0.0f;
         const float correction = expf(running_max - new_max);
-        running_sum = running_sum * correction + tile_sum;
+        running_sum = running_sum * correction + warp_reduce_sum(weight);
         running_max = new_max;
-        if (threadIdx.x < head_dim) {
-            float tile_acc = 0.0f;
-            for (int p = 0; p < n; p++) {
-                const int position = start + p;
-                const unsigned long long slot =
-                    (((unsigned long long)table[position / KV_BLOCK] * n_kv_heads + kv_head) *
-                         KV_BLOCK +
-                     position % KV_BLOCK) * head_dim;
-                tile_acc += weights[p] * half_to_float(v_cache[slot + threadIdx.x]);
-            }
-            acc = acc * correction + tile_acc;
+        weights[warp][lane] = weight;
+        __syncwarp();
+        const int n = context - first < 32 ? context - first : 32;
+#pragma unroll
+        for (int j = 0; j < ATTN_MAX_DIMS; j++) {
+            acc[j] *= correction;
         }
-        __syncthreads();
+#pragma unroll 8
+        for (int p = 0; p < n; p++) {
+            const unsigned short* v =
+                v_cache + kv_slot(table, first + p, n_kv_heads, kv_head, head_dim);
+            const float w = weights[warp][p];
+#pragma unroll
+            for (int j = 0; j < ATTN_MAX_DIMS; j++) {
+                const unsigned int d = j * 32 + lane;
+                if (d < head_dim) {
+                    acc[j] += w * half_to_float(v[d]);
+                }
+            }
+        }
+        __syncwarp();
     }
-    if (threadIdx.x < head_dim) {
-        out[row + threadIdx.x] = context > 0 ? acc / running_sum : 0.0f;
+    if (lane == 0) {
+        warp_max[warp] = running_max;
+        warp_sum[warp] = running_sum;
     }
+#pragma unroll
+    for (int j = 0; j < ATTN_MAX_DIMS; j++) {
+        warp_out[warp][j * 32 + lane] = acc[j];
+    }
+    __syncthreads();
+    if (threadIdx.x >= head_dim) {
+        return;
+    }
+    float max = -3.402823466e38f;
+    for (unsigned int w = 0; w < ATTN_WARPS; w++) {
+        max = fmaxf(max, warp_max[w]);
+    }
+    float sum = 0.0f;
+    float value = 0.0f;
+    for (unsigned int w = 0; w < ATTN_WARPS; w++) {
+        // A warp that had no position keeps sum 0 and adds nothing.
+        const float factor = warp_sum[w] > 0.0f ? expf(warp_max[w] - max) : 0.0f;
+        sum += warp_sum[w] * factor;
+        value += warp_out[w][threadIdx.x] * factor;
+    }
+    out[row + threadIdx.x] = context > 0 ? value / sum : 0.0f;
 }
 
 // Writes new tokens' keys and values into their cache slots (vLLM's reshape_and_cache), as

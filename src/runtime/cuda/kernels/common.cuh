@@ -2,8 +2,14 @@
 // compiled (NVRTC or the host harness): the kernels stay header-free (no cuda_fp16.h, which
 // NVRTC from PyPI cannot find without the runtime wheel).
 
-// IEEE 754 binary16 bits to float.
+// IEEE 754 binary16 bits to float (exact): the GPU's conversion instruction under NVRTC,
+// the same arithmetic in C++ on the host harness.
 __device__ __forceinline__ float half_to_float(unsigned short h) {
+#ifdef __CUDACC_RTC__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
     const unsigned int sign = (h & 0x8000u) << 16;
     const unsigned int exponent = (h >> 10) & 0x1fu;
     const unsigned int mantissa = h & 0x3ffu;
@@ -15,6 +21,7 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
     const unsigned int bits = exponent == 31 ? (sign | 0x7f800000u | (mantissa << 13))
                                              : (sign | ((exponent + 112) << 23) | (mantissa << 13));
     return __int_as_float((int)bits);
+#endif
 }
 
 // The little-endian half at p (GGML's block scales).
@@ -85,3 +92,15 @@ __device__ __forceinline__ float warp_reduce_max(float v) {
     }
     return v;
 }
+
+// 16- and 8-byte vectors for wide loads: a pointer cast to one must be aligned to its size
+// (every buffer starts 256-byte aligned, and the kernels' offsets are multiples of it).
+struct alignas(16) u32x4 {
+    unsigned int x, y, z, w;
+};
+struct alignas(16) f32x4 {
+    float x, y, z, w;
+};
+struct alignas(8) f32x2 {
+    float x, y;
+};

@@ -3,9 +3,10 @@
 // f16 rows, and f32 activations are rounded to the GEMM's input type, before one GEMM with
 // f32 accumulation (cuBLAS `cublasGemmEx` on a GPU).
 //
-// dequantize_<type>_f16: out[r, c] = value c of weight row r (row_bytes bytes of GGML's
-//   <type> blocks, n_cols values) as IEEE half bits. out: [n_rows, n_cols] u16.
-//   Launch: grid (n_rows, ceil(n_cols / 256)), block (256).
+// dequantize_<type>_f16: out[r, c] = value c of weight row r (n_cols values) as IEEE half
+//   bits, from the matrix as the backend holds it: Q4_0, Q4_1 and Q8_0 split (every block's
+//   quants, then every block's scales: `matvec.cu`), Q4_K and Q6_K in GGML's rows.
+//   out: [n_rows, n_cols] u16. Launch: grid (n_rows, ceil(n_cols / 256)), block (256).
 // convert_f32_{f16,bf16}: out[i] = x[i] rounded to nearest even. out: [n] u16.
 //   Launch: grid (ceil(n / 256)), block (256).
 // GGML's block layouts (ggml-common.h; dequantize_row_* in ggml-quants.c give the value
@@ -15,26 +16,41 @@
 // (odd j) nibbles of qs[32 (j / 2) ..], d sc_j q - dmin m_j; Q6_K per 256 {u8 ql[128],
 // qh[64]; i8 scales[16]; half d}: d sc (q - 32), a scale per 16.
 
-__device__ __forceinline__ float value_q4_0(const unsigned char* row, unsigned int c) {
-    const unsigned char* w = row + (c / 32) * 18;
+// Value c of row `row` of a split matrix of n_rows rows and n_cols values: `qbytes` of quants
+// per block of 32, then the scales.
+__device__ __forceinline__ float value_q4_0(const unsigned char* w, unsigned int n_rows,
+                                            unsigned int n_cols, unsigned int row,
+                                            unsigned int c) {
+    const unsigned long long n_blocks = n_cols / 32;
+    const unsigned long long block = row * n_blocks + c / 32;
+    const unsigned char* qs = w + block * 16;
     const unsigned int i = c % 32;
-    const int q = i < 16 ? (w[2 + i] & 0x0f) : (w[2 + i - 16] >> 4);
-    return half_at(w) * (float)(q - 8);
+    const int q = i < 16 ? (qs[i] & 0x0f) : (qs[i - 16] >> 4);
+    return half_at(w + n_rows * n_blocks * 16 + block * 2) * (float)(q - 8);
 }
 
-__device__ __forceinline__ float value_q4_1(const unsigned char* row, unsigned int c) {
-    const unsigned char* w = row + (c / 32) * 20;
+__device__ __forceinline__ float value_q4_1(const unsigned char* w, unsigned int n_rows,
+                                            unsigned int n_cols, unsigned int row,
+                                            unsigned int c) {
+    const unsigned long long n_blocks = n_cols / 32;
+    const unsigned long long block = row * n_blocks + c / 32;
+    const unsigned char* qs = w + block * 16;
     const unsigned int i = c % 32;
-    const int q = i < 16 ? (w[4 + i] & 0x0f) : (w[4 + i - 16] >> 4);
-    return half_at(w) * (float)q + half_at(w + 2);
+    const int q = i < 16 ? (qs[i] & 0x0f) : (qs[i - 16] >> 4);
+    const unsigned char* dm = w + n_rows * n_blocks * 16 + block * 4;
+    return half_at(dm) * (float)q + half_at(dm + 2);
 }
 
-__device__ __forceinline__ float value_q8_0(const unsigned char* row, unsigned int c) {
-    const unsigned char* w = row + (c / 32) * 34;
-    return half_at(w) * (float)(signed char)w[2 + c % 32];
+__device__ __forceinline__ float value_q8_0(const unsigned char* w, unsigned int n_rows,
+                                            unsigned int n_cols, unsigned int row,
+                                            unsigned int c) {
+    const unsigned long long n_blocks = n_cols / 32;
+    const unsigned long long block = row * n_blocks + c / 32;
+    const float d = half_at(w + n_rows * n_blocks * 32 + block * 2);
+    return d * (float)(signed char)w[block * 32 + c % 32];
 }
 
-__device__ __forceinline__ float value_q4_k(const unsigned char* row, unsigned int c) {
+__device__ __forceinline__ float value_q4_k_row(const unsigned char* row, unsigned int c) {
     const unsigned char* w = row + (c / 256) * 144;
     const unsigned int i = c % 256;
     const int j = (int)(i / 32);
@@ -51,7 +67,7 @@ __device__ __forceinline__ float value_q4_k(const unsigned char* row, unsigned i
     return half_at(w) * (float)sc * (float)q - half_at(w + 2) * (float)m;
 }
 
-__device__ __forceinline__ float value_q6_k(const unsigned char* row, unsigned int c) {
+__device__ __forceinline__ float value_q6_k_row(const unsigned char* row, unsigned int c) {
     const unsigned char* w = row + (c / 256) * 210;
     const unsigned int i = c % 256;
     const unsigned int half_block = i / 128;  // which 128 values
@@ -64,14 +80,27 @@ __device__ __forceinline__ float value_q6_k(const unsigned char* row, unsigned i
     return half_at(w + 208) * (float)scale * (float)q;
 }
 
+// GGML's super-blocks, row `row` of n_cols values.
+__device__ __forceinline__ float value_q4_k(const unsigned char* w, unsigned int n_rows,
+                                            unsigned int n_cols, unsigned int row,
+                                            unsigned int c) {
+    return value_q4_k_row(w + (unsigned long long)row * (n_cols / 256) * 144, c);
+}
+
+__device__ __forceinline__ float value_q6_k(const unsigned char* w, unsigned int n_rows,
+                                            unsigned int n_cols, unsigned int row,
+                                            unsigned int c) {
+    return value_q6_k_row(w + (unsigned long long)row * (n_cols / 256) * 210, c);
+}
+
 #define DEQUANTIZE_F16(NAME, VALUE)                                                             \
     extern "C" __global__ void NAME(unsigned short* __restrict__ out,                           \
-                                    const unsigned char* __restrict__ w, unsigned int n_cols,   \
-                                    unsigned int row_bytes) {                                   \
+                                    const unsigned char* __restrict__ w, unsigned int n_rows,   \
+                                    unsigned int n_cols) {                                      \
         const unsigned int c = blockIdx.y * blockDim.x + threadIdx.x;                           \
         if (c < n_cols) {                                                                       \
-            const unsigned char* row = w + (unsigned long long)blockIdx.x * row_bytes;          \
-            out[(unsigned long long)blockIdx.x * n_cols + c] = float_to_half(VALUE(row, c));    \
+            out[(unsigned long long)blockIdx.x * n_cols + c] =                                  \
+                float_to_half(VALUE(w, n_rows, n_cols, blockIdx.x, c));                         \
         }                                                                                       \
     }
 
