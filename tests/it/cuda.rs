@@ -1038,15 +1038,18 @@ impl infer::runtime::cuda::backend::Device for CountingGemms<'_> {
     }
 }
 
-/// Prefill and batches over `MAX_MATVEC_TOKENS` tokens: the weights dequantized to f16 (or
-/// taken as they are), the activations converted, one GEMM (cuBLAS on a GPU, a host loop
-/// here), within the products' NMSE of the CPU's for every weight type; smaller batches
-/// stay on the matrix-vector kernels, and so does every product on a device without a GEMM.
+/// Prefill and batches over `MAX_MATVEC_TOKENS_QUANTIZED` tokens (quantized weights) or
+/// `MAX_MATVEC_TOKENS` (unquantized): the weights dequantized to f16 (or taken as they are),
+/// the activations converted, one GEMM (cuBLAS on a GPU, a host loop here), within the
+/// products' NMSE of the CPU's for every weight type; smaller batches stay on the
+/// matrix-vector kernels, and so does every product on a device without a GEMM.
 #[test]
 fn batches_over_the_matvec_limit_run_one_gemm_like_the_cpu_backend() {
     use infer::runtime::backend::{Backend, bytes_of, f32s_of, nmse};
     use infer::runtime::cpu::quant::GgmlType;
-    use infer::runtime::cuda::backend::{KernelBackend, MAX_MATVEC_TOKENS};
+    use infer::runtime::cuda::backend::{
+        KernelBackend, MAX_MATVEC_TOKENS, MAX_MATVEC_TOKENS_QUANTIZED,
+    };
     use infer::runtime::cuda::checks::{NMSE_PRODUCTS, gemm_checks, random_rows, values};
     let checks = gemm_checks(host());
     assert_eq!(checks.len(), 8, "{checks:#?}");
@@ -1057,10 +1060,19 @@ fn batches_over_the_matvec_limit_run_one_gemm_like_the_cpu_backend() {
     // A Q4_K product of 37 rows × 768 columns: how many GEMMs each batch takes.
     let (n_rows, n_cols) = (37usize, 768usize);
     let weights = random_rows(GgmlType::Q4K, 5, n_rows, n_cols);
-    let product = |device: &CountingGemms, n_tokens: usize| -> Vec<f32> {
+    let bf16: Vec<u8> = values(7, n_rows * n_cols)
+        .iter()
+        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+        .collect();
+    let product_of = |device: &CountingGemms, ty: GgmlType, n_tokens: usize| -> Vec<f32> {
         let backend = KernelBackend::new(device);
+        let bytes = if ty == GgmlType::Bf16 {
+            &bf16
+        } else {
+            &weights
+        };
         let w = backend
-            .upload_matrix(GgmlType::Q4K, n_rows, n_cols, &weights)
+            .upload_matrix(ty, n_rows, n_cols, bytes)
             .expect("uploads");
         let x = backend
             .upload(&bytes_of(&values(6, n_tokens * n_cols)))
@@ -1078,13 +1090,27 @@ fn batches_over_the_matvec_limit_run_one_gemm_like_the_cpu_backend() {
         has_gemm,
         calls: std::cell::Cell::new(0),
     };
+    let product = |device: &CountingGemms, n_tokens| product_of(device, GgmlType::Q4K, n_tokens);
     let device = counting(true);
-    product(&device, MAX_MATVEC_TOKENS);
-    assert_eq!(device.calls.get(), 0, "{MAX_MATVEC_TOKENS} tokens: matvec");
-    let through_gemm = product(&device, MAX_MATVEC_TOKENS + 1);
+    product(&device, MAX_MATVEC_TOKENS_QUANTIZED);
+    assert_eq!(
+        device.calls.get(),
+        0,
+        "{MAX_MATVEC_TOKENS_QUANTIZED} tokens: matvec"
+    );
+    let through_gemm = product(&device, MAX_MATVEC_TOKENS_QUANTIZED + 1);
     assert_eq!(device.calls.get(), 1, "one GEMM for the whole batch");
+    // Unquantized weights go to the GEMM past MAX_MATVEC_TOKENS.
+    product_of(&device, GgmlType::Bf16, MAX_MATVEC_TOKENS);
+    assert_eq!(
+        device.calls.get(),
+        1,
+        "{MAX_MATVEC_TOKENS} BF16 tokens: matvec"
+    );
+    product_of(&device, GgmlType::Bf16, MAX_MATVEC_TOKENS + 1);
+    assert_eq!(device.calls.get(), 2, "BF16 past the limit: one GEMM");
     let without = counting(false);
-    let through_matvec = product(&without, MAX_MATVEC_TOKENS + 1);
+    let through_matvec = product(&without, MAX_MATVEC_TOKENS_QUANTIZED + 1);
     assert_eq!(without.calls.get(), 0);
     let error = nmse(&through_gemm, &through_matvec);
     assert!(

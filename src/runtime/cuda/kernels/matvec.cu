@@ -85,14 +85,24 @@ __device__ __forceinline__ int dot_nibbles(u32x4 v, const x_q8_1& x) {
     return sum;
 }
 
+// The activations the weight types below read: split Q8_1 blocks (quantized weights) or f32
+// in units of 8 (unquantized ones).
+struct q8_1_activations {
+    typedef x_q8_1 x_unit;
+    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
+                                                    unsigned long long n_x_units,
+                                                    unsigned long long index) {
+        return load_q8_1(x, n_x_units, index);
+    }
+};
+
 // Weight types: a `block` of W::COLS weights of one row, loaded by `load(w, n_rows, n_units,
 // row, unit)` (n_units: blocks per row), and its dot product with the activations' `x`
 // unit for the same columns (`load_x(x, n_x_units, index)`, index = token * n_units + unit,
 // n_x_units = n_tokens * n_units).
 
-struct w_q4_0 {
+struct w_q4_0 : q8_1_activations {
     static constexpr unsigned int COLS = 32;
-    typedef x_q8_1 x_unit;
     struct block {
         u32x4 q;
         float d;
@@ -107,20 +117,14 @@ struct w_q4_0 {
         k.d = half_to_float(((const unsigned short*)(w + n * 16))[i]);
         return k;
     }
-    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
-                                                    unsigned long long n_x_units,
-                                                    unsigned long long index) {
-        return load_q8_1(x, n_x_units, index);
-    }
     // sum d_w (q - 8) d_x q_x = d_w (d_x sum(q q_x) - 8 s_x)
     static __device__ __forceinline__ float dot(const block& k, const x_unit& x) {
         return k.d * (x.d * (float)dot_nibbles(k.q, x) - 8.0f * x.s);
     }
 };
 
-struct w_q4_1 {
+struct w_q4_1 : q8_1_activations {
     static constexpr unsigned int COLS = 32;
-    typedef x_q8_1 x_unit;
     struct block {
         u32x4 q;
         float d;
@@ -138,19 +142,13 @@ struct w_q4_1 {
         k.m = half_to_float((unsigned short)(dm >> 16));
         return k;
     }
-    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
-                                                    unsigned long long n_x_units,
-                                                    unsigned long long index) {
-        return load_q8_1(x, n_x_units, index);
-    }
     static __device__ __forceinline__ float dot(const block& k, const x_unit& x) {
         return k.d * x.d * (float)dot_nibbles(k.q, x) + k.m * x.s;
     }
 };
 
-struct w_q8_0 {
+struct w_q8_0 : q8_1_activations {
     static constexpr unsigned int COLS = 32;
-    typedef x_q8_1 x_unit;
     struct block {
         u32x4 a;
         u32x4 b;
@@ -166,11 +164,6 @@ struct w_q8_0 {
         k.b = ((const u32x4*)w)[2 * i + 1];
         k.d = half_to_float(((const unsigned short*)(w + n * 32))[i]);
         return k;
-    }
-    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
-                                                    unsigned long long n_x_units,
-                                                    unsigned long long index) {
-        return load_q8_1(x, n_x_units, index);
     }
     static __device__ __forceinline__ float dot(const block& k, const x_unit& x) {
         int sum = __dp4a((int)k.a.x, x.q[0], 0);
@@ -202,23 +195,22 @@ struct k_block {
     unsigned int b;
 };
 
-struct w_q4_k {
+// Rows of super-blocks of 256 values, SUPER_BYTES each.
+template <unsigned int SUPER_BYTES>
+struct k_weights : q8_1_activations {
     static constexpr unsigned int COLS = 32;
-    typedef x_q8_1 x_unit;
     typedef k_block block;
     static __device__ __forceinline__ block load(const unsigned char* __restrict__ w,
                                                  unsigned int n_rows, unsigned int n_units,
                                                  unsigned int row, unsigned int unit) {
         block k;
-        k.row = w + (unsigned long long)row * (n_units / 8) * 144;
+        k.row = w + (unsigned long long)row * (n_units / 8) * SUPER_BYTES;
         k.b = unit;
         return k;
     }
-    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
-                                                    unsigned long long n_x_units,
-                                                    unsigned long long index) {
-        return load_q8_1(x, n_x_units, index);
-    }
+};
+
+struct w_q4_k : k_weights<144> {
     static __device__ __forceinline__ float dot(const block& k, const x_unit& x) {
         const unsigned char* w = k.row + (k.b / 8) * 144;
         const int j = k.b % 8;
@@ -235,23 +227,7 @@ struct w_q4_k {
     }
 };
 
-struct w_q6_k {
-    static constexpr unsigned int COLS = 32;
-    typedef x_q8_1 x_unit;
-    typedef k_block block;
-    static __device__ __forceinline__ block load(const unsigned char* __restrict__ w,
-                                                 unsigned int n_rows, unsigned int n_units,
-                                                 unsigned int row, unsigned int unit) {
-        block k;
-        k.row = w + (unsigned long long)row * (n_units / 8) * 210;
-        k.b = unit;
-        return k;
-    }
-    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
-                                                    unsigned long long n_x_units,
-                                                    unsigned long long index) {
-        return load_q8_1(x, n_x_units, index);
-    }
+struct w_q6_k : k_weights<210> {
     static __device__ __forceinline__ float dot(const block& k, const x_unit& x) {
         const unsigned char* w = k.row + (k.b / 8) * 210;
         const int j = k.b % 8;
@@ -309,6 +285,15 @@ __device__ __forceinline__ x_f32x8 load_f32x8(const unsigned char* __restrict__ 
     return u;
 }
 
+struct f32_activations {
+    typedef x_f32x8 x_unit;
+    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
+                                                    unsigned long long n_x_units,
+                                                    unsigned long long index) {
+        return load_f32x8(x, index);
+    }
+};
+
 // 8 halves (f16 or bf16) of a row.
 struct half8_block {
     u32x4 h;
@@ -322,20 +307,18 @@ __device__ __forceinline__ half8_block load_half8(const unsigned char* __restric
     return k;
 }
 
-struct w_bf16 {
+// F16 and BF16 rows: 8 halves a unit.
+struct half8_weights : f32_activations {
     static constexpr unsigned int COLS = 8;
-    typedef x_f32x8 x_unit;
     typedef half8_block block;
     static __device__ __forceinline__ block load(const unsigned char* __restrict__ w,
                                                  unsigned int n_rows, unsigned int n_units,
                                                  unsigned int row, unsigned int unit) {
         return load_half8(w, n_units, row, unit);
     }
-    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
-                                                    unsigned long long n_x_units,
-                                                    unsigned long long index) {
-        return load_f32x8(x, index);
-    }
+};
+
+struct w_bf16 : half8_weights {
     static __device__ __forceinline__ float dot(const block& k, const x_unit& x) {
         const unsigned int h[4] = {k.h.x, k.h.y, k.h.z, k.h.w};
         float sum = 0.0f;
@@ -348,20 +331,7 @@ struct w_bf16 {
     }
 };
 
-struct w_f16 {
-    static constexpr unsigned int COLS = 8;
-    typedef x_f32x8 x_unit;
-    typedef half8_block block;
-    static __device__ __forceinline__ block load(const unsigned char* __restrict__ w,
-                                                 unsigned int n_rows, unsigned int n_units,
-                                                 unsigned int row, unsigned int unit) {
-        return load_half8(w, n_units, row, unit);
-    }
-    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
-                                                    unsigned long long n_x_units,
-                                                    unsigned long long index) {
-        return load_f32x8(x, index);
-    }
+struct w_f16 : half8_weights {
     static __device__ __forceinline__ float dot(const block& k, const x_unit& x) {
         const unsigned int h[4] = {k.h.x, k.h.y, k.h.z, k.h.w};
         float sum = 0.0f;
@@ -374,19 +344,13 @@ struct w_f16 {
     }
 };
 
-struct w_f32 {
+struct w_f32 : f32_activations {
     static constexpr unsigned int COLS = 8;
-    typedef x_f32x8 x_unit;
     typedef x_f32x8 block;
     static __device__ __forceinline__ block load(const unsigned char* __restrict__ w,
                                                  unsigned int n_rows, unsigned int n_units,
                                                  unsigned int row, unsigned int unit) {
         return load_f32x8(w, (unsigned long long)row * n_units + unit);
-    }
-    static __device__ __forceinline__ x_unit load_x(const unsigned char* __restrict__ x,
-                                                    unsigned long long n_x_units,
-                                                    unsigned long long index) {
-        return load_f32x8(x, index);
     }
     static __device__ __forceinline__ float dot(const block& k, const x_unit& x) {
         float sum = 0.0f;
