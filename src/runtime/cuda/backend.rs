@@ -424,15 +424,16 @@ impl<D: Device> KernelBackend<D> {
                 products.len()
             );
         }
-        let (kernel, quantized) = match first.ty {
-            GgmlType::F32 => ("mul_mat_vec_f32", false),
-            GgmlType::F16 => ("mul_mat_vec_f16", false),
-            GgmlType::Bf16 => ("mul_mat_vec_bf16", false),
-            GgmlType::Q4_0 => ("mul_mat_vec_q4_0_q8_1", true),
-            GgmlType::Q4_1 => ("mul_mat_vec_q4_1_q8_1", true),
-            GgmlType::Q8_0 => ("mul_mat_vec_q8_0_q8_1", true),
-            GgmlType::Q4K => ("mul_mat_vec_q4_k_q8_1", true),
-            GgmlType::Q6K => ("mul_mat_vec_q6_k_q8_1", true),
+        // (one token a block, 8 tokens a block, whether the activations are quantized)
+        let (kernel, kernel_x8, quantized) = match first.ty {
+            GgmlType::F32 => ("mul_mat_vec_f32", "mul_mat_vec_f32_x8", false),
+            GgmlType::F16 => ("mul_mat_vec_f16", "mul_mat_vec_f16_x8", false),
+            GgmlType::Bf16 => ("mul_mat_vec_bf16", "mul_mat_vec_bf16_x8", false),
+            GgmlType::Q4_0 => ("mul_mat_vec_q4_0_q8_1", "mul_mat_vec_q4_0_q8_1_x8", true),
+            GgmlType::Q4_1 => ("mul_mat_vec_q4_1_q8_1", "mul_mat_vec_q4_1_q8_1_x8", true),
+            GgmlType::Q8_0 => ("mul_mat_vec_q8_0_q8_1", "mul_mat_vec_q8_0_q8_1_x8", true),
+            GgmlType::Q4K => ("mul_mat_vec_q4_k_q8_1", "mul_mat_vec_q4_k_q8_1_x8", true),
+            GgmlType::Q6K => ("mul_mat_vec_q6_k_q8_1", "mul_mat_vec_q6_k_q8_1_x8", true),
             other => bail!(
                 "the CUDA backend has no matrix-vector kernel for {other:?} weights (it runs F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K)"
             ),
@@ -517,13 +518,7 @@ impl<D: Device> KernelBackend<D> {
             U32(u32_of(n_tokens, "tokens")?),
             U32(mode as u32),
         ]);
-        let kernel_x8;
-        let kernel = if x8 {
-            kernel_x8 = format!("{kernel}_x8");
-            &kernel_x8
-        } else {
-            kernel
-        };
+        let kernel = if x8 { kernel_x8 } else { kernel };
         self.run(
             kernel,
             [u32_of(tiles * token_groups, "blocks")?, 1, 1],

@@ -283,11 +283,12 @@ impl super::checks::Runner for HostKernels {
         // 16-byte vector loads assume it), and the outputs copied back after.
         let mut copies = Vec::new();
         for arg in args.iter() {
-            if let Arg::In(bytes) = arg {
-                copies.push(super::backend::Device::upload(self, bytes)?);
-            } else if let Arg::Out(bytes) = arg {
-                copies.push(super::backend::Device::upload(self, bytes)?);
-            }
+            let bytes: &[u8] = match arg {
+                Arg::In(bytes) => bytes,
+                Arg::Out(bytes) => bytes,
+                Arg::U32(_) | Arg::F32(_) => continue,
+            };
+            copies.push(super::backend::Device::upload(self, bytes)?);
         }
         let mut next = 0;
         let host_args: Vec<HostArg> = args
