@@ -223,6 +223,33 @@ pub trait Backend {
         n_kv_heads: usize,
         head_dim: usize,
     ) -> Result<()>;
+    /// [`Backend::rope`] on `q (n_queries, n_heads, head_dim)` and `k (n_queries, n_kv_heads,
+    /// head_dim)`, then [`Backend::store_kv`] of `k` and `v` into `caches` (keys, values):
+    /// a layer's new tokens made ready for attention. Devices that launch kernels do it in one.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_kv(
+        &self,
+        (q, k, v): (&Self::Buffer, &Self::Buffer, &Self::Buffer),
+        (k_cache, v_cache): (&Self::Buffer, &Self::Buffer),
+        positions: &Self::Buffer,
+        inv_freqs: &Self::Buffer,
+        slots: &Self::Buffer,
+        shape: &AttentionShape,
+        style: RopeStyle,
+    ) -> Result<()> {
+        let (n, head_dim) = (shape.n_queries, shape.head_dim);
+        self.rope(q, positions, inv_freqs, n, shape.n_heads, head_dim, style)?;
+        self.rope(
+            k,
+            positions,
+            inv_freqs,
+            n,
+            shape.n_kv_heads,
+            head_dim,
+            style,
+        )?;
+        self.store_kv(k_cache, v_cache, k, v, slots, n, shape.n_kv_heads, head_dim)
+    }
     /// Copies whole blocks out of one layer's cache `(n_blocks, block_bytes)`, bit for bit:
     /// `out (n_ids, block_bytes)` = blocks `ids (n_ids) i32` (a sequence's keys or values
     /// handed to another replica). `block_bytes` is a multiple of 4 (a block is

@@ -210,8 +210,8 @@ pub struct KernelBackend<D: Device> {
 }
 
 /// A [`KernelBackend`]'s scratch buffers with their lengths in bytes: `[Q8_1 activations,
-/// GEMM weights, GEMM activations]`.
-type Scratch<B> = [Option<(B, usize)>; 3];
+/// GEMM weights, GEMM activations, argmax partials]`.
+type Scratch<B> = [Option<(B, usize)>; 4];
 
 /// The most tokens a product of unquantized (F32, F16, BF16) weights runs on the
 /// matrix-vector kernels when the device has a GEMM: larger batches (prefill) run one GEMM.
@@ -281,6 +281,10 @@ const Q8_1_BLOCK_BYTES: usize = 40;
 /// The widest row `rms_norm_q8_1_f32` takes (`NORM_Q8_1_PASSES` × 1024, `kernels/norm.cu`).
 const RMS_NORM_Q8_1_MAX_COLS: usize = 8192;
 
+/// Blocks each row's logits are split over by `argmax_partial_f32` (`ARGMAX_SPLIT`,
+/// `kernels/sampling.cu`); each writes one (f32 value, i32 index) partial.
+const ARGMAX_SPLIT: usize = 64;
+
 /// A buffer's identity while it lives: the address of its handle.
 fn buffer_key<B>(buffer: &B) -> usize {
     buffer as *const B as usize
@@ -299,12 +303,13 @@ impl<D: Device> KernelBackend<D> {
         KernelBackend {
             device,
             launches: std::sync::atomic::AtomicU64::new(0),
-            scratch: std::sync::Mutex::new([None, None, None]),
+            scratch: std::sync::Mutex::new([None, None, None, None]),
             prequantized: std::sync::Mutex::new(None),
         }
     }
 
-    /// The scratch buffers, locked: `[Q8_1 activations, GEMM weights, GEMM activations]`.
+    /// The scratch buffers, locked: `[Q8_1 activations, GEMM weights, GEMM activations,
+    /// argmax partials]`.
     fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch<D::Buffer>> {
         self.scratch.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -448,7 +453,7 @@ impl<D: Device> KernelBackend<D> {
         let n_cols = u32_of(first.n_cols, "columns")?;
         let ready = self.take_prequantized() == Some((buffer_key(x), n_tokens * first.n_cols));
         let mut scratch = self.scratch();
-        let [q8_1_scratch, _, _] = &mut *scratch;
+        let [q8_1_scratch, _, _, _] = &mut *scratch;
         let activations = if quantized && ready {
             // The RMSNorm just launched wrote `x`'s blocks.
             self.scratch_of(
@@ -554,7 +559,7 @@ impl<D: Device> KernelBackend<D> {
             _ => GemmType::F16,
         };
         let mut scratch = self.scratch();
-        let [_, weights_scratch, activations_scratch] = &mut *scratch;
+        let [_, weights_scratch, activations_scratch, _] = &mut *scratch;
         let expanded = match dequantize {
             Some(kernel) => {
                 let out = self.scratch_of(weights_scratch, w.n_rows * w.n_cols * 2)?;
@@ -707,7 +712,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         if n_cols.is_multiple_of(32) && n_cols <= RMS_NORM_Q8_1_MAX_COLS {
             // Its Q8_1 blocks too, for the quantized products that read `y` next.
             let mut scratch = self.scratch();
-            let [q8_1_scratch, _, _] = &mut *scratch;
+            let [q8_1_scratch, _, _, _] = &mut *scratch;
             let quantized =
                 self.scratch_of(q8_1_scratch, n_rows * n_cols / 32 * Q8_1_BLOCK_BYTES)?;
             self.run(
@@ -936,6 +941,38 @@ impl<D: Device> Backend for KernelBackend<D> {
         )
     }
 
+    fn rope_store_kv(
+        &self,
+        (q, k, v): (&D::Buffer, &D::Buffer, &D::Buffer),
+        (k_cache, v_cache): (&D::Buffer, &D::Buffer),
+        positions: &D::Buffer,
+        inv_freqs: &D::Buffer,
+        slots: &D::Buffer,
+        shape: &AttentionShape,
+        style: RopeStyle,
+    ) -> Result<()> {
+        use DeviceArg::{Buffer, U32};
+        let pairs = (shape.n_heads + shape.n_kv_heads) * shape.head_dim / 2;
+        self.run(
+            "rope_store_kv_f16",
+            [u32_of(shape.n_queries, "tokens")?, blocks(pairs, 256)?, 1],
+            &[
+                Buffer(q),
+                Buffer(k),
+                Buffer(v),
+                Buffer(k_cache),
+                Buffer(v_cache),
+                Buffer(positions),
+                Buffer(inv_freqs),
+                Buffer(slots),
+                U32(u32_of(shape.n_heads, "heads")?),
+                U32(u32_of(shape.n_kv_heads, "KV heads")?),
+                U32(u32_of(shape.head_dim, "head_dim")?),
+                U32(u32::from(style == RopeStyle::Neox)),
+            ],
+        )
+    }
+
     fn read_kv_blocks(
         &self,
         out: &D::Buffer,
@@ -976,6 +1013,21 @@ impl<D: Device> Backend for KernelBackend<D> {
                 shape.head_dim
             );
         }
+        // Its Q8_1 blocks too when the output projection will read them (as RMSNorm's):
+        // a batch small enough for the matrix-vector kernels, whole blocks in each head.
+        let n_values = shape.n_queries * shape.n_heads * shape.head_dim;
+        let quantize = shape.head_dim.is_multiple_of(32)
+            && (shape.n_queries <= MAX_MATVEC_TOKENS_QUANTIZED || !self.device.has_gemm());
+        let mut scratch = self.scratch();
+        let [q8_1_scratch, _, _, _] = &mut *scratch;
+        let quantized = self.scratch_of(
+            q8_1_scratch,
+            if quantize {
+                n_values / 32 * Q8_1_BLOCK_BYTES
+            } else {
+                Q8_1_BLOCK_BYTES
+            },
+        )?;
         self.run(
             "paged_attention_f16kv",
             [
@@ -996,8 +1048,15 @@ impl<D: Device> Backend for KernelBackend<D> {
                 U32(u32_of(shape.n_kv_heads, "KV heads")?),
                 U32(u32_of(shape.head_dim, "head_dim")?),
                 F32(shape.scale),
+                Buffer(quantized),
+                U32(u32::from(quantize)),
             ],
-        )
+        )?;
+        if quantize {
+            *self.prequantized.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((buffer_key(out), n_values));
+        }
+        Ok(())
     }
 
     fn all_reduce_sum_in_place(&self, buffer: &Self::Buffer, n: usize) -> Result<bool> {
@@ -1020,14 +1079,23 @@ impl<D: Device> Backend for KernelBackend<D> {
         n_vocab: usize,
     ) -> Result<()> {
         use DeviceArg::{Buffer, U32};
+        let rows = u32_of(n_rows, "rows")?;
+        let mut scratch = self.scratch();
+        let [_, _, _, partials_scratch] = &mut *scratch;
+        let partials = self.scratch_of(partials_scratch, n_rows * ARGMAX_SPLIT * 8)?;
         self.run(
-            "argmax_f32",
-            [u32_of(n_rows, "rows")?, 1, 1],
+            "argmax_partial_f32",
+            [rows, ARGMAX_SPLIT as u32, 1],
             &[
-                Buffer(out),
+                Buffer(partials),
                 Buffer(logits),
                 U32(u32_of(n_vocab, "vocabulary")?),
             ],
+        )?;
+        self.run(
+            "argmax_combine_f32",
+            [rows, 1, 1],
+            &[Buffer(out), Buffer(partials)],
         )
     }
 }

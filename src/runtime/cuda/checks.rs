@@ -162,10 +162,13 @@ pub fn run_all(runner: &dyn Runner) -> Vec<Check> {
     record("add_bias_f32 3×300", add_bias(runner));
     record("scale_add_rows_f32 3 of 5×300", scale_add_rows(runner));
     record("store_kv_f16", store_kv(runner));
+    for neox in [false, true] {
+        record("rope_store_kv_f16", rope_store_kv(runner, neox));
+    }
     record("read_kv_blocks 3 of 5", read_kv_blocks(runner));
     record("write_kv_blocks 2 of 5", write_kv_blocks(runner));
     record("paged_attention_f16kv", attention(runner));
-    record("argmax_f32", argmax(runner));
+    record("argmax_partial_f32 + argmax_combine_f32", argmax(runner));
     checks
 }
 
@@ -965,6 +968,109 @@ fn store_kv(runner: &dyn Runner) -> Result<Check> {
     })
 }
 
+fn rope_store_kv(runner: &dyn Runner, neox: bool) -> Result<Check> {
+    // 3 tokens of 4 query heads and 2 KV heads × 64 at positions 0, 7 and 4095, into slots 5,
+    // 16 and 47 of a 3-block pool: the fused kernel's q, k and caches are the bits of
+    // rope_<style>_f32 on q and on k followed by store_kv_f16 (each checked on its own).
+    let (tokens, heads, kv_heads, head_dim, n_blocks) = (3usize, 4usize, 2usize, 64usize, 3);
+    let positions: Vec<i32> = vec![0, 7, 4095];
+    let slots: Vec<i32> = vec![5, 16, 47];
+    let inv_freqs: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 500000f32.powf(-2.0 * i as f32 / head_dim as f32))
+        .collect();
+    let (positions, slots, inv_freqs) =
+        (bytes_of(&positions), bytes_of(&slots), bytes_of(&inv_freqs));
+    let q0 = bytes_of(&values(61, tokens * heads * head_dim));
+    let k0 = bytes_of(&values(62, tokens * kv_heads * head_dim));
+    let v = bytes_of(&values(63, tokens * kv_heads * head_dim));
+    let cache_bytes = n_blocks * kv_heads * 16 * head_dim * 2;
+    let rope = if neox {
+        "rope_neox_f32"
+    } else {
+        "rope_interleaved_f32"
+    };
+    // The three kernels.
+    let (mut q, mut k) = (q0.clone(), k0.clone());
+    for (x, n_heads) in [(&mut q, heads), (&mut k, kv_heads)] {
+        runner.launch(
+            rope,
+            [(tokens * n_heads * head_dim / 2).div_ceil(256) as u32, 1, 1],
+            [256, 1, 1],
+            &mut [
+                Arg::Out(x),
+                Arg::In(&positions),
+                Arg::In(&inv_freqs),
+                Arg::U32(tokens as u32),
+                Arg::U32(n_heads as u32),
+                Arg::U32(head_dim as u32),
+            ],
+        )?;
+    }
+    let (mut k_cache, mut v_cache) = (vec![0u8; cache_bytes], vec![0u8; cache_bytes]);
+    runner.launch(
+        "store_kv_f16",
+        [tokens as u32, (kv_heads * head_dim).div_ceil(256) as u32, 1],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut k_cache),
+            Arg::Out(&mut v_cache),
+            Arg::In(&k),
+            Arg::In(&v),
+            Arg::In(&slots),
+            Arg::U32(kv_heads as u32),
+            Arg::U32(head_dim as u32),
+        ],
+    )?;
+    // The fused one.
+    let (mut fused_q, mut fused_k) = (q0, k0);
+    let (mut fused_k_cache, mut fused_v_cache) = (vec![0u8; cache_bytes], vec![0u8; cache_bytes]);
+    runner.launch(
+        "rope_store_kv_f16",
+        [
+            tokens as u32,
+            ((heads + kv_heads) * head_dim / 2).div_ceil(256) as u32,
+            1,
+        ],
+        [256, 1, 1],
+        &mut [
+            Arg::Out(&mut fused_q),
+            Arg::Out(&mut fused_k),
+            Arg::In(&v),
+            Arg::Out(&mut fused_k_cache),
+            Arg::Out(&mut fused_v_cache),
+            Arg::In(&positions),
+            Arg::In(&inv_freqs),
+            Arg::In(&slots),
+            Arg::U32(heads as u32),
+            Arg::U32(kv_heads as u32),
+            Arg::U32(head_dim as u32),
+            Arg::U32(u32::from(neox)),
+        ],
+    )?;
+    let differing: Vec<&str> = [
+        ("q", q == fused_q),
+        ("k", k == fused_k),
+        ("k cache", k_cache == fused_k_cache),
+        ("v cache", v_cache == fused_v_cache),
+    ]
+    .iter()
+    .filter(|(_, same)| !same)
+    .map(|(what, _)| *what)
+    .collect();
+    Ok(Check {
+        name: format!("rope_store_kv_f16 ({rope} + store_kv_f16)"),
+        passed: differing.is_empty(),
+        detail: if differing.is_empty() {
+            "q, k and both caches bit for bit those of the three kernels".into()
+        } else {
+            format!(
+                "differs from the three kernels in: {}",
+                differing.join(", ")
+            )
+        },
+    })
+}
+
 /// A 5-block pool of 2 KV heads × 16 × 40 dims (640 words a block: not a multiple of the
 /// 256 threads) filled with arbitrary bits (NaN patterns among them), and its block bytes.
 fn kv_pool_bits(seed: u64, n_blocks: usize) -> (Vec<u8>, usize) {
@@ -1084,6 +1190,7 @@ fn attention(runner: &dyn Runner) -> Result<Check> {
     let scale = 1.0 / (head_dim as f32).sqrt();
     let u16s = |v: &[u16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_ne_bytes()).collect() };
     let mut out = vec![0u8; queries.len() * 4];
+    let mut out_q = vec![0u8; queries.len() / 32 * 40];
     runner.launch(
         "paged_attention_f16kv",
         [n_heads as u32, n_queries as u32, 1],
@@ -1101,6 +1208,8 @@ fn attention(runner: &dyn Runner) -> Result<Check> {
             Arg::U32(n_kv_heads as u32),
             Arg::U32(head_dim as u32),
             Arg::F32(scale),
+            Arg::Out(&mut out_q),
+            Arg::U32(1),
         ],
     )?;
     let at = |cache: &[u16], block: i32, kv_head: usize, position: usize, d: usize| {
@@ -1140,30 +1249,45 @@ fn attention(runner: &dyn Runner) -> Result<Check> {
             }
         }
     }
-    Ok(check(
+    let mut outcome = check(
         "paged_attention_f16kv",
         nmse(&f32s_of(&out), &reference),
         NMSE_OTHERS,
-    ))
+    );
+    // Its Q8_1 blocks are quantize_q8_1's of its output, bit for bit.
+    if out_q != quantize_q8_1(runner, &f32s_of(&out))? {
+        outcome.passed = false;
+        outcome.detail += "; its Q8_1 blocks differ from quantize_q8_1's of its output";
+    }
+    Ok(outcome)
 }
 
 fn argmax(runner: &dyn Runner) -> Result<Check> {
-    // Two rows of 1000 logits; the second with a tie at 10 and 900: the lowest index wins,
-    // as the CPU's argmax.
-    let vocab = 1000;
-    let mut logits = values(9, 2 * vocab);
+    // Three rows of 1000 logits, each split over 64 blocks of 16: the second with a tie at 10
+    // and 900 (different blocks; the lowest index wins, as the CPU's argmax), the third with
+    // its largest the last logit.
+    let (rows, vocab, split) = (3usize, 1000usize, 64usize);
+    let mut logits = values(9, rows * vocab);
     logits[vocab + 10] = 5.0;
     logits[vocab + 900] = 5.0;
-    let mut chosen = vec![0u8; 8];
+    logits[2 * vocab + vocab - 1] = 6.0;
+    let mut partials = vec![0u8; rows * split * 8];
     runner.launch(
-        "argmax_f32",
-        [2, 1, 1],
+        "argmax_partial_f32",
+        [rows as u32, split as u32, 1],
         [256, 1, 1],
         &mut [
-            Arg::Out(&mut chosen),
+            Arg::Out(&mut partials),
             Arg::In(&bytes_of(&logits)),
             Arg::U32(vocab as u32),
         ],
+    )?;
+    let mut chosen = vec![0u8; rows * 4];
+    runner.launch(
+        "argmax_combine_f32",
+        [rows as u32, 1, 1],
+        [256, 1, 1],
+        &mut [Arg::Out(&mut chosen), Arg::In(&partials)],
     )?;
     let got: Vec<u32> = chosen
         .chunks_exact(4)
@@ -1174,8 +1298,8 @@ fn argmax(runner: &dyn Runner) -> Result<Check> {
         .map(crate::runtime::model::sampling::argmax)
         .collect();
     Ok(Check {
-        name: "argmax_f32".into(),
-        passed: got == cpu && got[1] == 10,
+        name: "argmax_partial_f32 + argmax_combine_f32".into(),
+        passed: got == cpu && got[1] == 10 && got[2] == 999,
         detail: format!("{got:?}, the CPU's {cpu:?}"),
     })
 }

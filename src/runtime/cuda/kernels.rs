@@ -278,12 +278,19 @@ pub const FAMILIES: &[Family] = &[
         kernels: &[
             Kernel {
                 name: "paged_attention_f16kv",
-                params: &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, F32],
+                params: &[
+                    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32, F32, Ptr, U32,
+                ],
                 block_threads: 256,
             },
             Kernel {
                 name: "store_kv_f16",
                 params: &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "rope_store_kv_f16",
+                params: &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32],
                 block_threads: 256,
             },
             Kernel {
@@ -301,10 +308,17 @@ pub const FAMILIES: &[Family] = &[
     Family {
         file: "sampling.cu",
         source: include_str!("kernels/sampling.cu"),
-        kernels: &[Kernel {
-            name: "argmax_f32",
-            params: &[Ptr, Ptr, U32],
-            block_threads: 256,
-        }],
+        kernels: &[
+            Kernel {
+                name: "argmax_partial_f32",
+                params: &[Ptr, Ptr, U32],
+                block_threads: 256,
+            },
+            Kernel {
+                name: "argmax_combine_f32",
+                params: &[Ptr, Ptr],
+                block_threads: 256,
+            },
+        ],
     },
 ];

@@ -777,34 +777,15 @@ impl<B: Backend> BackendModel<B> {
                 )?;
                 std::mem::swap(&mut ws.k, &mut ws.k_normed);
             }
-            be.rope(
-                &ws.q,
-                &positions,
-                &self.inv_freqs,
-                n,
-                c.n_heads,
-                head_dim,
-                c.rope_style,
-            )?;
-            be.rope(
-                &ws.k,
-                &positions,
-                &self.inv_freqs,
-                n,
-                c.n_kv_heads,
-                head_dim,
-                c.rope_style,
-            )?;
             let (k_cache, v_cache) = (&self.k_cache[l], &self.v_cache[l]);
-            be.store_kv(
-                k_cache,
-                v_cache,
-                &ws.k,
-                &ws.v,
+            be.rope_store_kv(
+                (&ws.q, &ws.k, &ws.v),
+                (k_cache, v_cache),
+                &positions,
+                &self.inv_freqs,
                 &slots,
-                n,
-                c.n_kv_heads,
-                head_dim,
+                &shape,
+                c.rope_style,
             )?;
             be.attention(
                 &ws.attention,

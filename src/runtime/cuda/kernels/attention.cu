@@ -14,8 +14,9 @@
 // context length fits, and lane l then adds dimensions l, l + 32, ... of the 32 values
 // rows, weighted (the weights through shared memory). The warps' maxima, sums and outputs
 // meet in shared memory at the end (flash-decoding's split-K combine, Dao et al. 2023,
-// within one block). Launch: grid (n_heads, n_queries), block (ATTN_WARPS * 32); head_dim a
-// multiple of 8, at most 128.
+// within one block). With `quantize` (head_dim a multiple of 32), out_q gets out's split Q8_1
+// blocks too (as quantize_q8_1 in matvec.cu). Launch: grid (n_heads, n_queries), block
+// (ATTN_WARPS * 32); head_dim a multiple of 8, at most 128.
 
 #define ATTN_WARPS 8
 #define ATTN_THREADS (ATTN_WARPS * 32)
@@ -36,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2) paged_attention_f1
     const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ table_rows, const int* __restrict__ context_lens,
     unsigned int max_blocks, unsigned int n_heads, unsigned int n_kv_heads, unsigned int head_dim,
-    float scale) {
+    float scale, unsigned char* __restrict__ out_q, unsigned int quantize) {
     __shared__ float q_shared[ATTN_MAX_DIM];
     __shared__ float weights[ATTN_WARPS][32];
     __shared__ float warp_max[ATTN_WARPS];
@@ -130,22 +131,45 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2) paged_attention_f1
         warp_out[warp][j * 32 + lane] = acc[j];
     }
     __syncthreads();
-    if (threadIdx.x >= head_dim) {
+    const bool mine = threadIdx.x < head_dim;
+    float result = 0.0f;
+    if (mine) {
+        float max = -3.402823466e38f;
+        for (unsigned int w = 0; w < ATTN_WARPS; w++) {
+            max = fmaxf(max, warp_max[w]);
+        }
+        float sum = 0.0f;
+        float value = 0.0f;
+        for (unsigned int w = 0; w < ATTN_WARPS; w++) {
+            // A warp that had no position keeps sum 0 and adds nothing.
+            const float factor = warp_sum[w] > 0.0f ? expf(warp_max[w] - max) : 0.0f;
+            sum += warp_sum[w] * factor;
+            value += warp_out[w][threadIdx.x] * factor;
+        }
+        result = context > 0 ? value / sum : 0.0f;
+        out[row + threadIdx.x] = result;
+    }
+    if (quantize == 0) {
         return;
     }
-    float max = -3.402823466e38f;
-    for (unsigned int w = 0; w < ATTN_WARPS; w++) {
-        max = fmaxf(max, warp_max[w]);
+    // The output's Q8_1 blocks (head_dim a multiple of 32: a warp's lanes are one block),
+    // as quantize_q8_1 makes them from `out`, split over the whole [n_queries, n_heads *
+    // head_dim] matrix: what the output projection reads next.
+    const float d = warp_reduce_max(fabsf(result)) / 127.0f;
+    const int q_value = d == 0.0f ? 0 : __float2int_rn(result / d);
+    const int q_sum = warp_reduce_sum_int(q_value);
+    if (!mine) {
+        return;
     }
-    float sum = 0.0f;
-    float value = 0.0f;
-    for (unsigned int w = 0; w < ATTN_WARPS; w++) {
-        // A warp that had no position keeps sum 0 and adds nothing.
-        const float factor = warp_sum[w] > 0.0f ? expf(warp_max[w] - max) : 0.0f;
-        sum += warp_sum[w] * factor;
-        value += warp_out[w][threadIdx.x] * factor;
+    const unsigned long long index = row + threadIdx.x;
+    out_q[index] = (unsigned char)(signed char)q_value;
+    if (lane == 0) {
+        const unsigned long long n_blocks = (unsigned long long)gridDim.y * n_heads * head_dim / 32;
+        f32x2 ds;
+        ds.x = d;
+        ds.y = d * (float)q_sum;
+        ((f32x2*)(out_q + n_blocks * 32))[index / 32] = ds;
     }
-    out[row + threadIdx.x] = context > 0 ? value / sum : 0.0f;
 }
 
 // Writes new tokens' keys and values into their cache slots (vLLM's reshape_and_cache), as
@@ -171,6 +195,50 @@ extern "C" __global__ void store_kv_f16(unsigned short* __restrict__ k_cache,
             head_dim + d;
     k_cache[at] = float_to_half(k[(unsigned long long)t * width + i]);
     v_cache[at] = float_to_half(v[(unsigned long long)t * width + i]);
+}
+
+// rope_store_kv_f16: rope_<style>_f32 on q [n_tokens, n_heads, head_dim] and k [n_tokens,
+// n_kv_heads, head_dim] in place, then store_kv_f16 of k and v: one launch for the three (a
+// thread per rotated pair; a key pair's thread also stores its two keys and the two values
+// of the same dimensions). The same arithmetic as the three, so the same bits. neox: 0
+// interleaved pairs, 1 NeoX. Launch: grid (n_tokens, ceil((n_heads + n_kv_heads) *
+// head_dim / 2 / 256)), block (256).
+extern "C" __global__ void rope_store_kv_f16(float* __restrict__ q, float* __restrict__ k,
+                                             const float* __restrict__ v,
+                                             unsigned short* __restrict__ k_cache,
+                                             unsigned short* __restrict__ v_cache,
+                                             const int* __restrict__ positions,
+                                             const float* __restrict__ inv_freqs,
+                                             const int* __restrict__ slots, unsigned int n_heads,
+                                             unsigned int n_kv_heads, unsigned int head_dim,
+                                             unsigned int neox) {
+    const unsigned int t = blockIdx.x;
+    const unsigned int half = head_dim / 2;
+    const unsigned int pair = blockIdx.y * blockDim.x + threadIdx.x;
+    if (pair >= (n_heads + n_kv_heads) * half) {
+        return;
+    }
+    const unsigned int head = pair / half;
+    const unsigned int i = pair % half;
+    const rope_pair at = rope_pair_of(i, head_dim, neox != 0);
+    const float angle = (float)positions[t] * inv_freqs[i];
+    if (head < n_heads) {
+        float* h = q + ((unsigned long long)t * n_heads + head) * head_dim;
+        rotate(&h[at.a], &h[at.b], angle);
+        return;
+    }
+    const unsigned int kv_head = head - n_heads;
+    const unsigned long long row = ((unsigned long long)t * n_kv_heads + kv_head) * head_dim;
+    float* h = k + row;
+    rotate(&h[at.a], &h[at.b], angle);
+    const int slot = slots[t];
+    const unsigned long long cached =
+        (((unsigned long long)(slot / KV_BLOCK) * n_kv_heads + kv_head) * KV_BLOCK +
+         slot % KV_BLOCK) * head_dim;
+    k_cache[cached + at.a] = float_to_half(h[at.a]);
+    k_cache[cached + at.b] = float_to_half(h[at.b]);
+    v_cache[cached + at.a] = float_to_half(v[row + at.a]);
+    v_cache[cached + at.b] = float_to_half(v[row + at.b]);
 }
 
 // Whole blocks of one layer's cache in and out, bit for bit: a sequence's keys or values

@@ -104,3 +104,28 @@ struct alignas(16) f32x4 {
 struct alignas(8) f32x2 {
     float x, y;
 };
+
+// Rotary position embedding of one pair (Su et al. 2021): (a, b) rotated by `angle` radians.
+// Shared by rope.cu and the fused rope_store_kv_f16 (attention.cu), so both round alike.
+__device__ __forceinline__ void rotate(float* a, float* b, float angle) {
+    float s, c;
+    sincosf(angle, &s, &c);
+    const float x0 = *a;
+    const float x1 = *b;
+    *a = x0 * c - x1 * s;
+    *b = x0 * s + x1 * c;
+}
+
+// The dimensions of a head that pair i (of head_dim / 2) rotates: (2i, 2i + 1), GGML's
+// normal mode (Llama), or (i, i + head_dim / 2), NeoX (GPT-NeoX, Qwen).
+struct rope_pair {
+    unsigned int a;
+    unsigned int b;
+};
+__device__ __forceinline__ rope_pair rope_pair_of(unsigned int i, unsigned int head_dim,
+                                                  bool neox) {
+    rope_pair at;
+    at.a = neox ? i : 2 * i;
+    at.b = neox ? i + head_dim / 2 : 2 * i + 1;
+    return at;
+}

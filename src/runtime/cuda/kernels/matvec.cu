@@ -529,10 +529,15 @@ __device__ __forceinline__ void mul_mat_vec(unsigned int tile, unsigned int t0,
 // <name>: one token per block, MMV_ROWS rows; the blocks of one tile's tokens are adjacent, so
 // all but the first read its weights from L2. <name>_x8: MMV_TOKENS tokens per block (each
 // weight read once per 8 tokens), MMV_ROWS_X8 rows (fewer, for the registers the tokens take).
-// The launch bounds ask for 4 resident blocks per SM (at most 128 registers):
-// without them ptxas picks fewer registers for sm_100 and sm_120 and spills.
-#define MUL_MAT_VEC(NAME, W)                                                                     \
-    extern "C" __global__ void __launch_bounds__(MMV_THREADS, 4) NAME(MUL_MAT_VEC_PARAMS) {     \
+// The launch bounds ask for MIN_BLOCKS resident blocks per SM of the plain kernel and 4 of
+// _x8 (at most 65536 / 128 / MIN_BLOCKS registers a thread): without them ptxas picks fewer
+// registers for sm_100 and sm_120 and spills. 8 (at most 64 registers, Q4_0, Q4_1 and the
+// unquantized types) puts a 4096-row matrix's 1024 blocks in one wave on a 132-SM H100 or
+// H200, where 7 left a second wave of 100 (Nsight Compute on H200: the 4096 x 14336 Q4_0
+// product at 50% of HBM bandwidth, 4096 x 4096 at 32%); Q8_0 takes 6 (80 registers: 64
+// spill) and the K-quants 4 (they need 128).
+#define MUL_MAT_VEC(NAME, W, MIN_BLOCKS)                                                         \
+    extern "C" __global__ void __launch_bounds__(MMV_THREADS, MIN_BLOCKS) NAME(MUL_MAT_VEC_PARAMS) {\
         mul_mat_vec<W, MMV_ROWS, 1>(blockIdx.x / n_tokens, blockIdx.x % n_tokens,               \
                                     MUL_MAT_VEC_ARGS);                                          \
     }                                                                                           \
@@ -548,11 +553,11 @@ __device__ __forceinline__ void mul_mat_vec(unsigned int tile, unsigned int t0,
         }                                                                                       \
     }
 
-MUL_MAT_VEC(mul_mat_vec_q4_0_q8_1, w_q4_0)
-MUL_MAT_VEC(mul_mat_vec_q4_1_q8_1, w_q4_1)
-MUL_MAT_VEC(mul_mat_vec_q8_0_q8_1, w_q8_0)
-MUL_MAT_VEC(mul_mat_vec_q4_k_q8_1, w_q4_k)
-MUL_MAT_VEC(mul_mat_vec_q6_k_q8_1, w_q6_k)
-MUL_MAT_VEC(mul_mat_vec_f32, w_f32)
-MUL_MAT_VEC(mul_mat_vec_f16, w_f16)
-MUL_MAT_VEC(mul_mat_vec_bf16, w_bf16)
+MUL_MAT_VEC(mul_mat_vec_q4_0_q8_1, w_q4_0, 8)
+MUL_MAT_VEC(mul_mat_vec_q4_1_q8_1, w_q4_1, 8)
+MUL_MAT_VEC(mul_mat_vec_q8_0_q8_1, w_q8_0, 6)
+MUL_MAT_VEC(mul_mat_vec_q4_k_q8_1, w_q4_k, 4)
+MUL_MAT_VEC(mul_mat_vec_q6_k_q8_1, w_q6_k, 4)
+MUL_MAT_VEC(mul_mat_vec_f32, w_f32, 8)
+MUL_MAT_VEC(mul_mat_vec_f16, w_f16, 8)
+MUL_MAT_VEC(mul_mat_vec_bf16, w_bf16, 8)

@@ -63,15 +63,19 @@ extern "C" __global__ void rms_norm_q8_1_f32(float* __restrict__ y,
     const f32x4* xr = (const f32x4*)(x + row * n_cols);
     const f32x4* wr = (const f32x4*)w;
     f32x4* yr = (f32x4*)(y + row * n_cols);
+    // The row and the weights, loaded at once (the weights before the reduction needs them).
     f32x4 v[NORM_Q8_1_PASSES];
+    f32x4 g[NORM_Q8_1_PASSES];
     float sum = 0.0f;
 #pragma unroll
     for (int p = 0; p < NORM_Q8_1_PASSES; p++) {
         const unsigned int i = p * NORM_THREADS + threadIdx.x;  // in units of 4 values
         if (4 * i < n_cols) {
             v[p] = xr[i];
+            g[p] = wr[i];
         } else {
             v[p].x = v[p].y = v[p].z = v[p].w = 0.0f;
+            g[p] = v[p];
         }
         sum += v[p].x * v[p].x + v[p].y * v[p].y + v[p].z * v[p].z + v[p].w * v[p].w;
     }
@@ -87,11 +91,10 @@ extern "C" __global__ void rms_norm_q8_1_f32(float* __restrict__ y,
         f32x4 out;
         out.x = out.y = out.z = out.w = 0.0f;
         if (inside) {
-            const f32x4 g = wr[i];
-            out.x = v[p].x * scale * g.x;
-            out.y = v[p].y * scale * g.y;
-            out.z = v[p].z * scale * g.z;
-            out.w = v[p].w * scale * g.w;
+            out.x = v[p].x * scale * g[p].x;
+            out.y = v[p].y * scale * g[p].y;
+            out.z = v[p].z * scale * g[p].z;
+            out.w = v[p].w * scale * g[p].w;
         }
         float m = fmaxf(fmaxf(fabsf(out.x), fabsf(out.y)), fmaxf(fabsf(out.z), fabsf(out.w)));
         for (int offset = 4; offset > 0; offset >>= 1) {
