@@ -5,8 +5,10 @@
 # smollm2-8l.gguf. Writes into OUT_DIR (the first argument, else $OUT) two files:
 #   summary.txt    each step's exit code and seconds, then the figures: GPU vs CPU greedy
 #                  tokens, decode tok/s, GB/s and % of the HBM datasheet, launches per step
+#                  and Nsight Compute's time per kernel of a decode step (when ncu exists)
 #   gpu-check.tgz  everything: machine facts, the libraries found, `infer smoke --json`, the
-#                  generations, every `bench decode --json`, sanitizer reports, the logs
+#                  generations, every `bench decode --json`, ncu's CSV, sanitizer reports, the
+#                  logs
 # Overridable: INFER_BIN (a binary to run instead of infer.gz), MODEL (instead of the cut
 # SmolLM2), BUDGET (seconds), DUMMY_DTYPES (default "q4_0 q8_0 bf16").
 set -u
@@ -89,6 +91,19 @@ done
 # GPU time per kernel of a Q4_0 decode (the bench's stderr; its top rows go in the summary).
 step profile_llama8b_q4_0 75 env INFER_CUDA_PROFILE=1 "$bin" bench decode --device cuda \
   --load-format dummy --model llama-3.1-8b --dtype q4_0 --runs 1 --decode-tokens 32
+# Nsight Compute, when the machine has it: each kernel's own GPU time and DRAM bytes read over
+# 400 launches of batch-1 Q4_0 decode (a 1-token prompt, so every launch is a decode step's;
+# the first 800, module loads and first steps, skipped), summed by kernel and grid below.
+ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+if [ -n "$ncu" ]; then
+  step ncu_llama8b_q4_0 90 "$ncu" --clock-control none --cache-control none --launch-skip 800 \
+    --launch-count 400 --csv --page raw \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread \
+    "$bin" bench decode --device cuda --load-format dummy --model llama-3.1-8b --dtype q4_0 \
+    --prompt-tokens 1 --decode-tokens 4 --runs 1 --json
+else
+  echo "ncu: not on this machine" >> "$summary"
+fi
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 if [ -n "$sanitizer" ]; then
   step memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 9 "$bin" generate --device cuda \
@@ -133,6 +148,31 @@ for path in sorted(logs.glob("bench_*.out")):
               (f", {row['launches_per_step']:.0f} launches/step" if row.get("launches_per_step") else "") +
               (f", host issues a step in {1e3 * row['issue_step_secs']:.2f} of {1e3 * row['decode_step_secs']:.2f} ms"
                if row.get("issue_step_secs") else ""))
+# Nsight Compute's rows (CSV among the bench's own output): time and GB/s by kernel and grid.
+import csv
+try:
+    rows = list(csv.reader((logs / "ncu_llama8b_q4_0.out").read_text().splitlines()))
+    head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+    column = {name: i for i, name in enumerate(rows[head])}
+    number = lambda text: float(text.replace(",", ""))
+    kernels = {}
+    for r in rows[head + 2:]:
+        if len(r) != len(rows[head]):
+            continue
+        key = (r[column["Kernel Name"]], r[column["launch__grid_size"]],
+               r[column["launch__registers_per_thread"]])
+        k = kernels.setdefault(key, [0, 0.0, 0.0])
+        k[0] += 1
+        k[1] += number(r[column["gpu__time_duration.sum"]])
+        k[2] += number(r[column["dram__bytes_read.sum"]])
+    total = sum(k[1] for k in kernels.values())
+    print(f"ncu: {sum(k[0] for k in kernels.values())} launches of batch-1 Q4_0 decode, "
+          f"{total / 1e3:.0f} µs of kernels")
+    for (name, grid, registers), (n, ns, read) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name[:28]:28} grid {grid:>7} {registers:>3} regs {n:4}x {ns / n / 1e3:7.2f} µs "
+              f"{read / n / 1e6:8.2f} MB read {read / ns if ns else 0:6.0f} GB/s")
+except (OSError, StopIteration, KeyError, ValueError):
+    pass
 EOF
 grep -A 14 "GPU time per kernel" "$logs/profile_llama8b_q4_0.err" >> "$summary" 2>/dev/null
 echo "total $(($(date +%s) - start)) s of $budget" >> "$summary"
