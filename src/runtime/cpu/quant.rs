@@ -411,6 +411,11 @@ fn nibble(qs: &[u8], e: usize) -> i32 {
 /// into lane `i mod 8`, the lanes summed by `hsum8`. The AVX2 and portable paths give
 /// identical results.
 pub fn dot_f16_f32(a: &[f16], b: &[f32]) -> f32 {
+    assert_eq!(
+        a.len(),
+        b.len(),
+        "dot_f16_f32: vectors of different lengths"
+    );
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && a.len().is_multiple_of(8) {
         // SAFETY: AVX2/FMA/F16C present; lengths are equal multiples of 8.
@@ -421,6 +426,32 @@ pub fn dot_f16_f32(a: &[f16], b: &[f32]) -> f32 {
         lanes[i % 8] = x.to_f32().mul_add(*y, lanes[i % 8]);
     }
     hsum8(&lanes)
+}
+
+/// Panics unless cached row `p` (a key or value row) has `width` elements: the length the
+/// SIMD paths below read and write by, as their SAFETY comments say.
+fn assert_row_width(p: usize, row: &[f16], width: usize) {
+    assert!(
+        row.len() == width,
+        "cached row {p} has {} elements, not the {width} of the output",
+        row.len()
+    );
+}
+
+/// [`assert_row_width`] for every row.
+fn assert_rows_width(rows: &[&[f16]], width: usize) {
+    for (p, row) in rows.iter().enumerate() {
+        assert_row_width(p, row, width);
+    }
+}
+
+/// Panics unless `weights` holds `heads` rows of `n_positions` (what the SIMD paths read).
+fn assert_weights_len(weights: &[f32], heads: usize, n_positions: usize) {
+    assert!(
+        weights.len() >= heads * n_positions,
+        "{} attention weights for {heads} heads of {n_positions} positions",
+        weights.len()
+    );
 }
 
 /// `out[d] = Σ_p f16(weights[p]) · values[p][d]`: attention's weighted sum of cached values,
@@ -434,6 +465,7 @@ pub fn weighted_sum_f16<'a>(
     let width = out.len();
     let mut lanes = vec![0f32; 8 * width];
     for (p, (w, row)) in weights.iter().zip(values).enumerate() {
+        assert_row_width(p, row, width);
         let w = f16::from_f32(*w).to_f32();
         let accumulator = &mut lanes[(p % 8) * width..(p % 8 + 1) * width];
         #[cfg(target_arch = "x86_64")]
@@ -460,6 +492,7 @@ pub fn attention_scores(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &m
     let n_positions = keys.len();
     let heads = scores.len() / n_positions.max(1);
     let width = queries.len() / heads.max(1);
+    assert_rows_width(keys, width);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && width.is_multiple_of(8) && heads <= 8 {
         // SAFETY: AVX2/FMA/F16C present; every key has `width` elements, a multiple of 8;
@@ -481,6 +514,8 @@ pub fn attention_scores(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &m
 pub fn weighted_sum_f16_heads(weights: &[f32], values: &[&[f16]], out: &mut [f32], heads: usize) {
     let width = out.len() / heads;
     let n_positions = values.len();
+    assert_rows_width(values, width);
+    assert_weights_len(weights, heads, n_positions);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && width.is_multiple_of(8) && heads <= 8 {
         let mut rounded = weights.to_vec();
@@ -559,6 +594,7 @@ crate::runtime::cpu::mathfn::multiversion! {
         let n_positions = keys.len();
         let heads = scores.len() / n_positions.max(1);
         let width = queries.len() / heads.max(1);
+        assert_rows_width(keys, width);
         #[cfg(target_arch = "x86_64")]
         if has_avx2() && width.is_multiple_of(32) {
             // SAFETY: AVX2/FMA/F16C present; every key has `width` elements, a multiple of
@@ -599,6 +635,8 @@ crate::runtime::cpu::mathfn::multiversion! {
     pub fn weighted_sum_f16_heads_decode(weights: &[f32], values: &[&[f16]], out: &mut [f32], heads: usize) {
         let width = out.len() / heads;
         let n_positions = values.len();
+        assert_rows_width(values, width);
+        assert_weights_len(weights, heads, n_positions);
         #[cfg(target_arch = "x86_64")]
         if has_avx2() && width.is_multiple_of(32) {
             let mut rounded = weights.to_vec();
@@ -1091,6 +1129,53 @@ mod avx2 {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// A cached row longer than the output (width 8, a row of 16) is refused before any
+    /// SIMD path writes past the output's accumulators.
+    #[test]
+    #[should_panic(expected = "cached row 1 has 16 elements, not the 8 of the output")]
+    fn a_value_row_longer_than_the_output_is_refused() {
+        let (short, long) = (vec![f16::ONE; 8], vec![f16::ONE; 16]);
+        let rows = [short.as_slice(), long.as_slice()];
+        let mut out = vec![0f32; 8];
+        weighted_sum_f16(&[0.5, 0.5], rows.iter().copied(), &mut out);
+    }
+
+    /// Keys shorter than the queries' width are refused by every score kernel, and the
+    /// weights must cover every head's positions.
+    #[test]
+    fn short_keys_and_missing_weights_are_refused() {
+        let (key, short) = (vec![f16::ONE; 32], vec![f16::ONE; 24]);
+        let keys = [key.as_slice(), short.as_slice()];
+        let queries = vec![1f32; 2 * 32];
+        for decode in [false, true] {
+            let outcome = std::panic::catch_unwind(|| {
+                let mut scores = vec![0f32; 2 * 2];
+                if decode {
+                    attention_scores_decode(&keys, &queries, 1.0, &mut scores);
+                } else {
+                    attention_scores(&keys, &queries, 1.0, &mut scores);
+                }
+            });
+            assert!(outcome.is_err(), "decode {decode}: a short key was read");
+        }
+        let values = [key.as_slice(), key.as_slice()];
+        for decode in [false, true] {
+            let outcome = std::panic::catch_unwind(|| {
+                let mut out = vec![0f32; 2 * 32];
+                // Two heads of two positions need four weights.
+                if decode {
+                    weighted_sum_f16_heads_decode(&[0.5; 3], &values, &mut out, 2);
+                } else {
+                    weighted_sum_f16_heads(&[0.5; 3], &values, &mut out, 2);
+                }
+            });
+            assert!(
+                outcome.is_err(),
+                "decode {decode}: missing weights were read"
+            );
+        }
+    }
 
     /// Deterministic pseudo-random bytes (xorshift), for blocks.
     pub(crate) fn bytes(n: usize, seed: u64) -> Vec<u8> {
