@@ -13,6 +13,19 @@ use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::model::llama::{Layer, Llama, Llama3Scaling, LlamaConfig, RopeStyle};
 use crate::runtime::model::weights::Weight;
 
+/// A tensor the checkpoint does not hold: optional ones (biases, Q/K norms, `lm_head`) are
+/// told apart from other errors by this type, not by their text.
+#[derive(Debug)]
+struct MissingTensor(String);
+
+impl std::fmt::Display for MissingTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the checkpoint has no tensor `{}`", self.0)
+    }
+}
+
+impl std::error::Error for MissingTensor {}
+
 /// Loads the Llama-family checkpoint in `dir`.
 ///
 /// Errors: missing or malformed `config.json`, an unsupported `model_type` (named), a
@@ -75,7 +88,7 @@ pub fn load_llama(dir: &Path) -> Result<Llama> {
     ) -> Result<Weight> {
         let (ty, shape, bytes) = tensors
             .remove(name)
-            .with_context(|| format!("the checkpoint has no tensor `{name}`"))?;
+            .ok_or_else(|| MissingTensor(name.to_string()))?;
         let (r, c) = match shape.as_slice() {
             [r, c] => (*r, *c),
             [c] => (1, *c),
@@ -105,7 +118,7 @@ pub fn load_llama(dir: &Path) -> Result<Llama> {
         let mut optional = |name: String, len: usize| -> Result<Option<Vec<f32>>> {
             match take_matrix(&name, 1, len) {
                 Ok(weight) => Ok(Some(weight.to_f32())),
-                Err(error) if error.to_string().contains("has no tensor") => Ok(None),
+                Err(error) if error.is::<MissingTensor>() => Ok(None),
                 Err(error) => Err(error),
             }
         };
@@ -164,7 +177,7 @@ pub fn load_llama(dir: &Path) -> Result<Llama> {
     let output = match take_matrix("lm_head.weight", c.vocab_size, c.hidden_size) {
         Ok(head) if !json["tie_word_embeddings"].as_bool().unwrap_or(false) => head,
         Ok(_) => token_embedding.clone(),
-        Err(error) if error.to_string().contains("has no tensor") => token_embedding.clone(),
+        Err(error) if error.is::<MissingTensor>() => token_embedding.clone(),
         Err(error) => return Err(error),
     };
     Ok(Llama::new(
