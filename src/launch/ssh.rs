@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result};
 use russh::client::{self, Handle};
 use russh::keys::{HashAlg, PrivateKeyWithHashAlg, PublicKey};
 
@@ -532,18 +532,4 @@ pub fn default_identity_files(home: &Path) -> Vec<PathBuf> {
 /// `~/.ssh/known_hosts`.
 pub fn default_known_hosts(home: &Path) -> PathBuf {
     home.join(".ssh/known_hosts")
-}
-
-/// Rejects what can never be a host: empty, or starting with `-` (it would read as an
-/// option to any `ssh` a user copies our commands into).
-pub fn check_host_string(host: &str) -> Result<()> {
-    if host.is_empty() {
-        bail!("an empty host address");
-    }
-    if host.starts_with('-') {
-        return Err(anyhow!(
-            "host `{host}` starts with `-`: refused (it would read as an option)"
-        ));
-    }
-    Ok(())
 }
