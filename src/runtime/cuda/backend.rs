@@ -393,11 +393,25 @@ impl<D: Device> KernelBackend<D> {
     /// GEMM): always without a GEMM on the device, else up to [`MAX_MATVEC_TOKENS`] tokens
     /// for unquantized weights and [`MAX_MATVEC_TOKENS_QUANTIZED`] for quantized ones.
     fn on_matvec(&self, w: &DeviceMatrix<D::Buffer>, n_tokens: usize) -> bool {
-        let limit = match w.ty {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => MAX_MATVEC_TOKENS,
-            _ => MAX_MATVEC_TOKENS_QUANTIZED,
+        let quantized = !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16);
+        self.tokens_on_matvec(n_tokens, quantized)
+    }
+
+    /// [`Self::on_matvec`] for any matrix of quantized (or unquantized) weights.
+    fn tokens_on_matvec(&self, n_tokens: usize, quantized: bool) -> bool {
+        let limit = if quantized {
+            MAX_MATVEC_TOKENS_QUANTIZED
+        } else {
+            MAX_MATVEC_TOKENS
         };
         n_tokens <= limit || !self.device.has_gemm()
+    }
+
+    /// Records that the Q8_1 scratch now holds the blocks of `y`'s first `n_values` values
+    /// (written by the launch just made), for the next product that reads `y`.
+    fn mark_prequantized(&self, y: &D::Buffer, n_values: usize) {
+        *self.prequantized.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((buffer_key(y), n_values));
     }
 
     /// One `mul_mat_vec_*` launch: up to three products of the same activations `x`
@@ -727,8 +741,7 @@ impl<D: Device> Backend for KernelBackend<D> {
                     F32(eps),
                 ],
             )?;
-            *self.prequantized.lock().unwrap_or_else(|e| e.into_inner()) =
-                Some((buffer_key(y), n_rows * n_cols));
+            self.mark_prequantized(y, n_rows * n_cols);
             return Ok(());
         }
         self.run(
@@ -1016,8 +1029,8 @@ impl<D: Device> Backend for KernelBackend<D> {
         // Its Q8_1 blocks too when the output projection will read them (as RMSNorm's):
         // a batch small enough for the matrix-vector kernels, whole blocks in each head.
         let n_values = shape.n_queries * shape.n_heads * shape.head_dim;
-        let quantize = shape.head_dim.is_multiple_of(32)
-            && (shape.n_queries <= MAX_MATVEC_TOKENS_QUANTIZED || !self.device.has_gemm());
+        let quantize =
+            shape.head_dim.is_multiple_of(32) && self.tokens_on_matvec(shape.n_queries, true);
         let mut scratch = self.scratch();
         let [q8_1_scratch, _, _, _] = &mut *scratch;
         let quantized = self.scratch_of(
@@ -1053,8 +1066,7 @@ impl<D: Device> Backend for KernelBackend<D> {
             ],
         )?;
         if quantize {
-            *self.prequantized.lock().unwrap_or_else(|e| e.into_inner()) =
-                Some((buffer_key(out), n_values));
+            self.mark_prequantized(out, n_values);
         }
         Ok(())
     }
