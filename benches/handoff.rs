@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use infer::runtime::exec::handoff::{Inbox, Outbox};
-use infer::runtime::exec::kv::KvTransfer;
+use infer::runtime::model::kv::KvTransfer;
 
 /// Layers a prefill rank sends in one part (as the worker does).
 const LAYERS_PER_PART: usize = 8;

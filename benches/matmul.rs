@@ -4,9 +4,10 @@
 //! call; the weights are random bytes with valid f16 scales.
 #![allow(clippy::print_stdout)]
 
+use infer::runtime::formats::ggml::GgmlType;
 use std::time::Instant;
 
-use infer::runtime::cpu::quant::{GgmlType, Numerics};
+use infer::runtime::cpu::quant::Numerics;
 use infer::runtime::model::weights::Weight;
 
 /// Deterministic pseudo-random bytes (xorshift64).

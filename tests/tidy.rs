@@ -129,24 +129,291 @@ fn documents_cited_in_src_exist() {
     );
 }
 
-/// The runtime's layers do not import each other both ways: the executor's step interface
-/// knows no engine, the MoE block no decoder, the math functions no quantized kernels (the
-/// shared pieces live below both: `exec::executor`'s generation types, `model::config`,
-/// `cpu::simd`).
+/// The layers of `src/`, bottom first: each unit (a folder of `src/`, a folder or file of
+/// `src/runtime/`, or a top-level file) with the units it may import. A unit may only name
+/// units listed before it, so the list is a DAG by construction; ARCHITECTURE.md draws it.
+/// `lib` is the crate root (`ExitStatus`, `run`).
+const LAYERS: &[(&str, &[&str])] = &[
+    ("topology", &[]),
+    ("rendezvous", &[]),
+    ("ui", &[]),
+    ("plan", &["topology"]),
+    ("runtime/formats", &[]),
+    ("runtime/libraries", &[]),
+    ("runtime/cpu", &["runtime/formats"]),
+    ("runtime/collectives", &["rendezvous", "runtime/libraries"]),
+    (
+        "runtime/model",
+        &["runtime/formats", "runtime/cpu", "runtime/collectives"],
+    ),
+    (
+        "runtime/backend",
+        &["runtime/formats", "runtime/cpu", "runtime/model"],
+    ),
+    (
+        "runtime/cuda",
+        &[
+            "runtime/formats",
+            "runtime/libraries",
+            "runtime/cpu",
+            "runtime/collectives",
+            "runtime/model",
+            "runtime/backend",
+        ],
+    ),
+    (
+        "runtime/exec",
+        &[
+            "rendezvous",
+            "runtime/formats",
+            "runtime/libraries",
+            "runtime/cpu",
+            "runtime/collectives",
+            "runtime/model",
+            "runtime/backend",
+            "runtime/cuda",
+        ],
+    ),
+    ("runtime", &[]),
+    ("model", &["plan", "runtime/formats", "runtime/model"]),
+    ("cluster", &["topology", "plan"]),
+    ("engines", &["topology", "plan"]),
+    ("doctor", &["topology", "plan", "runtime/collectives"]),
+    (
+        "serve",
+        &[
+            "rendezvous",
+            "ui",
+            "runtime/cpu",
+            "runtime/model",
+            "runtime/exec",
+        ],
+    ),
+    (
+        "launch",
+        &[
+            "topology",
+            "rendezvous",
+            "plan",
+            "runtime/formats",
+            "runtime/libraries",
+            "runtime/cpu",
+            "runtime/model",
+            "runtime/cuda",
+            "runtime/exec",
+            "model",
+            "cluster",
+            "engines",
+            "doctor",
+            "serve",
+        ],
+    ),
+    ("cli", &["runtime/cpu", "runtime/model", "engines"]),
+    ("commands", &["*"]),
+];
+
+/// The unit a module path (`runtime::cuda::gpu`, without `crate::`) belongs to.
+fn unit_of(segments: &[&str]) -> String {
+    const RUNTIME_PARTS: [&str; 8] = [
+        "backend",
+        "collectives",
+        "cpu",
+        "cuda",
+        "exec",
+        "formats",
+        "libraries",
+        "model",
+    ];
+    match segments {
+        ["runtime", part, ..] if RUNTIME_PARTS.contains(part) => format!("runtime/{part}"),
+        [first, ..] if LAYERS.iter().any(|(unit, _)| unit == first) => first.to_string(),
+        // Anything else after `crate::` is an item of the crate root.
+        _ => "lib".to_string(),
+    }
+}
+
+/// The source of `text` without its comments and without its test module (a
+/// `#[cfg(test)]` followed by a `mod`, which ends every file that has one).
+fn code_of(text: &str) -> String {
+    let mut code = String::new();
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        if line.trim() == "#[cfg(test)]"
+            && lines
+                .peek()
+                .is_some_and(|next| next.trim_start().starts_with("mod "))
+        {
+            break;
+        }
+        let line = match line.find("//") {
+            Some(at) if !line[..at].contains('"') => &line[..at],
+            _ => line,
+        };
+        code.push_str(line);
+        code.push('\n');
+    }
+    code
+}
+
+/// Every path a `use crate::…` names (braces expanded) and every inline `crate::…` path,
+/// as module segments after `crate::`.
+fn crate_paths(code: &str) -> Vec<Vec<String>> {
+    fn expand(tree: &str, prefix: &str, out: &mut Vec<String>) {
+        let tree = tree.trim();
+        let Some(open) = tree.find('{') else {
+            out.push(format!("{prefix}{tree}"));
+            return;
+        };
+        let head = &tree[..open];
+        let inner = tree[open + 1..]
+            .strip_suffix('}')
+            .unwrap_or(&tree[open + 1..]);
+        let (mut depth, mut start) = (0, 0);
+        for (at, c) in inner.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    expand(&inner[start..at], &format!("{prefix}{head}"), out);
+                    start = at + 1;
+                }
+                _ => {}
+            }
+        }
+        if !inner[start..].trim().is_empty() {
+            expand(&inner[start..], &format!("{prefix}{head}"), out);
+        }
+    }
+    let segments = |path: &str| -> Vec<String> {
+        path.split("::")
+            .map(|s| s.split_whitespace().next().unwrap_or("").to_string())
+            .filter(|s| !s.is_empty())
+            .collect()
+    };
+    let mut paths = Vec::new();
+    let mut rest = code.to_string();
+    // `use crate::…;` statements, which may span lines and nest braces.
+    while let Some(at) = rest.find("use crate::") {
+        let end = rest[at..].find(';').map_or(rest.len(), |e| at + e);
+        let mut expanded = Vec::new();
+        expand(&rest[at + "use crate::".len()..end], "", &mut expanded);
+        paths.extend(expanded.iter().map(|p| segments(p)));
+        rest.replace_range(at..end, "");
+    }
+    // Inline paths: `crate::a::b::Item`.
+    for (at, _) in rest.match_indices("crate::") {
+        if rest[..at]
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            continue;
+        }
+        let path: String = rest[at + "crate::".len()..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
+            .collect();
+        paths.push(segments(&path));
+    }
+    paths
+}
+
+/// No unit of `src/` imports a unit its layer does not list ([`LAYERS`]), and the list
+/// itself only points down: the folders form a DAG, and `use crate::…` or an inline
+/// `crate::…` path that closes a circle fails here.
 #[test]
-fn runtime_modules_have_no_import_circles() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/runtime");
-    for (file, forbidden) in [
-        ("exec/executor.rs", "exec::engine"),
-        ("model/moe.rs", "model::llama"),
-        ("cpu/mathfn.rs", "cpu::quant"),
-        ("cpu/simd.rs", "cpu::quant"),
-        ("model/config.rs", "model::llama"),
-    ] {
-        let text = std::fs::read_to_string(root.join(file)).expect("source file");
+fn the_layers_only_import_downwards() {
+    for (at, (unit, allowed)) in LAYERS.iter().enumerate() {
+        for dependency in allowed.iter().filter(|d| **d != "*") {
+            assert!(
+                LAYERS[..at].iter().any(|(u, _)| u == dependency),
+                "LAYERS: `{unit}` may import `{dependency}`, which is not listed below it"
+            );
+        }
+    }
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut offenders = Vec::new();
+    let mut units_seen = std::collections::BTreeSet::new();
+    for path in all_files().into_iter().filter(|p| p.starts_with(&src)) {
+        let relative = path.strip_prefix(&src).expect("under src");
+        let mut module: Vec<&str> = relative
+            .iter()
+            .map(|c| c.to_str().expect("UTF-8 path"))
+            .collect();
+        let file = module.pop().expect("a file name");
+        let stem = file.trim_end_matches(".rs");
+        if module.is_empty() && matches!(stem, "lib" | "main") {
+            continue;
+        }
+        if stem != "mod" {
+            module.push(stem);
+        }
+        let unit = unit_of(&module);
+        units_seen.insert(unit.clone());
+        let Some((_, allowed)) = LAYERS.iter().find(|(u, _)| *u == unit) else {
+            offenders.push(format!(
+                "{}: unit `{unit}` is not in LAYERS",
+                relative.display()
+            ));
+            continue;
+        };
+        let text = fs::read_to_string(&path).expect("readable source");
+        for imported in crate_paths(&code_of(&text)) {
+            let segments: Vec<&str> = imported.iter().map(String::as_str).collect();
+            let target = unit_of(&segments);
+            let lib_ok = target == "lib" && unit == "commands";
+            if target != unit
+                && !lib_ok
+                && !allowed.contains(&"*")
+                && !allowed.contains(&target.as_str())
+            {
+                offenders.push(format!(
+                    "src/{}: `{unit}` imports `crate::{}` of `{target}`",
+                    relative.display(),
+                    imported.join("::")
+                ));
+            }
+        }
+    }
+    offenders.sort();
+    offenders.dedup();
+    assert!(
+        offenders.is_empty(),
+        "imports against the layers (tests/tidy.rs LAYERS; move the shared piece down \
+         instead of adding an edge up):\n{}",
+        offenders.join("\n")
+    );
+    // Every unit listed is a real one, so the list stays the map of the tree.
+    for (unit, _) in LAYERS {
         assert!(
-            !text.contains(forbidden),
-            "src/runtime/{file} refers to `{forbidden}`, which depends on it"
+            units_seen.contains(*unit),
+            "LAYERS lists `{unit}`, which has no file"
         );
     }
+}
+
+/// The parser of the layer test sees what a `use` tree names.
+#[test]
+fn the_layer_parser_expands_use_trees_and_inline_paths() {
+    let code = "use crate::runtime::{cpu::quant::{A, B}, model::kv::KvPool};\n\
+                fn f() { let x = crate::plan::Plan::new(); }\n\
+                pub use crate::ui::Printer as P;\n";
+    let paths: Vec<String> = crate_paths(&code_of(code))
+        .into_iter()
+        .map(|p| p.join("::"))
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            "runtime::cpu::quant::A",
+            "runtime::cpu::quant::B",
+            "runtime::model::kv::KvPool",
+            "ui::Printer",
+            "plan::Plan::new"
+        ]
+    );
+    assert_eq!(unit_of(&["runtime", "cuda", "gpu"]), "runtime/cuda");
+    assert_eq!(unit_of(&["ExitStatus"]), "lib");
+    let without_tests = code_of("use crate::a;\n#[cfg(test)]\nmod tests {\n use crate::b;\n}\n");
+    assert!(!without_tests.contains("crate::b"), "{without_tests}");
 }

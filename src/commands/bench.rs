@@ -174,7 +174,7 @@ fn decode_cuda(
         vec![1, 16]
     };
     let largest = batches.iter().copied().max().unwrap_or(1);
-    let mut device = crate::runtime::cuda::gpu::model_on(
+    let mut device = crate::runtime::exec::kernel_executor::model_on(
         runner,
         &opened_gpu,
         &engine.model,

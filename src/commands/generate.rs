@@ -78,7 +78,7 @@ pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
         // The weights go to the GPU; the tokenizer and the sampler stay here.
         let kv_tokens = (prompt_tokens.len() + args.max_tokens + 16)
             .min(engine.model.config.max_context_tokens + 16);
-        let mut loaded = crate::runtime::cuda::executor::load_executor(
+        let mut loaded = crate::runtime::exec::kernel_executor::load_executor(
             kernels,
             &engine.model,
             kv_tokens,
@@ -150,14 +150,14 @@ fn sampling_params(args: &GenerateArgs) -> SamplingParams {
 fn distributed(
     args: &GenerateArgs,
     source: &ModelSource,
-    device: Option<&(crate::runtime::cuda::executor::KernelDevice, usize)>,
+    device: Option<&(crate::runtime::exec::kernel_executor::KernelDevice, usize)>,
     printer: &Printer,
 ) -> Result<ExitStatus> {
     let gpus = device.map(|(_, gpus)| *gpus);
     let harness = matches!(
         device,
         Some((
-            crate::runtime::cuda::executor::KernelDevice::HostHarness { .. },
+            crate::runtime::exec::kernel_executor::KernelDevice::HostHarness { .. },
             _
         ))
     );

@@ -97,9 +97,9 @@ fn model_source(
 }
 
 /// Where NVIDIA's libraries are looked for first, from this process's environment
-/// ([`crate::runtime::cuda::libraries::search_dirs`]).
+/// ([`crate::runtime::libraries::search_dirs`]).
 fn cuda_lib_dirs() -> Vec<std::path::PathBuf> {
-    crate::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name))
+    crate::runtime::libraries::search_dirs(&|name| std::env::var_os(name))
 }
 
 /// `--device cuda`'s first step, before anything starts: a driver and a GPU on this host.
@@ -126,8 +126,8 @@ fn require_gpu() -> anyhow::Result<crate::runtime::cuda::device::Driver> {
 /// Errors: no driver or no GPU, naming this host; no cache directory.
 fn cuda_device(
     remote: bool,
-) -> anyhow::Result<(crate::runtime::cuda::executor::KernelDevice, usize)> {
-    use crate::runtime::cuda::executor::KernelDevice;
+) -> anyhow::Result<(crate::runtime::exec::kernel_executor::KernelDevice, usize)> {
+    use crate::runtime::exec::kernel_executor::KernelDevice;
     let cache_dir = crate::model::default::cache_dir()?.join("kernels");
     if let Some(harness) = host_harness(&cache_dir) {
         return Ok((harness, 0));
@@ -155,11 +155,11 @@ fn cuda_device(
 /// `$CXX` (else `c++`), the library cached under `cache_dir`.
 fn host_harness(
     cache_dir: &std::path::Path,
-) -> Option<crate::runtime::cuda::executor::KernelDevice> {
+) -> Option<crate::runtime::exec::kernel_executor::KernelDevice> {
     std::env::var("INFER_CUDA_HOST_HARNESS")
         .is_ok_and(|v| v == "1")
         .then(
-            || crate::runtime::cuda::executor::KernelDevice::HostHarness {
+            || crate::runtime::exec::kernel_executor::KernelDevice::HostHarness {
                 compiler: std::env::var("CXX").unwrap_or_else(|_| "c++".into()),
                 cache_dir: cache_dir.to_path_buf(),
             },

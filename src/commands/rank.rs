@@ -108,8 +108,8 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
 /// A `--device cuda` rank's kernels: the host harness under `INFER_CUDA_HOST_HARNESS=1`, else
 /// its first visible GPU (the launcher's `CUDA_VISIBLE_DEVICES`), NVIDIA's libraries looked
 /// for in `INFER_CUDA_LIB_DIRS` first (the launcher's search path).
-fn rank_device() -> Result<crate::runtime::cuda::executor::KernelDevice> {
-    use crate::runtime::cuda::executor::KernelDevice;
+fn rank_device() -> Result<crate::runtime::exec::kernel_executor::KernelDevice> {
+    use crate::runtime::exec::kernel_executor::KernelDevice;
     let cache_dir = crate::model::default::cache_dir()?.join("kernels");
     if let Some(harness) = super::host_harness(&cache_dir) {
         return Ok(harness);

@@ -14,10 +14,10 @@ use crate::{ExitStatus, model};
 /// Runs `infer up`. Errors: bad flags, a model that does not load, an address that cannot
 /// be bound, a rank that fails (named, with its last log lines).
 pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
-    if args.kv_cache_tokens < crate::runtime::exec::kv::BLOCK_TOKENS {
+    if args.kv_cache_tokens < crate::runtime::model::kv::BLOCK_TOKENS {
         bail!(
             "--kv-cache-tokens must hold at least one block of {} tokens, got {}",
-            crate::runtime::exec::kv::BLOCK_TOKENS,
+            crate::runtime::model::kv::BLOCK_TOKENS,
             args.kv_cache_tokens
         );
     }

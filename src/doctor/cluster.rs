@@ -5,8 +5,8 @@
 
 use serde::Serialize;
 
-use crate::launch::protocol::Interface;
 use crate::topology::Host;
+use crate::topology::Interface;
 
 use super::Finding;
 

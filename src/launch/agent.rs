@@ -26,10 +26,10 @@ use sha2::Digest;
 
 use super::GRACE_PERIOD;
 use super::protocol::{
-    AgentHello, FromAgent, Interface, ToAgent, read_frame, valid_host_dir, valid_run_id,
-    write_frame,
+    AgentHello, FromAgent, ToAgent, read_frame, valid_host_dir, valid_run_id, write_frame,
 };
 use crate::rendezvous::StoreServer;
+use crate::topology::Interface;
 
 /// The frame writer shared by the main loop and the rank output threads.
 type Output = Arc<Mutex<std::io::Stdout>>;

@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 
-use super::protocol::Interface;
 use super::remote::{Preflight, RemoteCluster, RemoteHostSpec};
 use super::ssh::{SshOptions, SshTarget, default_identity_files, default_known_hosts};
 use super::ssh_config;
@@ -16,6 +15,7 @@ use super::{Gang, LaunchSpec, Placement, Progress, StoreLocation};
 use crate::cluster::InventoryEntry;
 use crate::runtime::exec::engine::Generation;
 use crate::runtime::exec::worker::Job;
+use crate::topology::Interface;
 
 /// How to reach and use the hosts of an inventory.
 #[derive(Clone, Debug)]

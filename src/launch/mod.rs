@@ -841,7 +841,7 @@ fn spawn_rank(
         env.push(("INFER_DEVICE".into(), "cuda".into()));
         // What the rank's environment lacks to find NVIDIA's libraries (it gets PATH and HOME
         // only), and the harness switch and compiler when this launcher has them.
-        let dirs = crate::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name));
+        let dirs = crate::runtime::libraries::search_dirs(&|name| std::env::var_os(name));
         if let Ok(joined) = std::env::join_paths(&dirs) {
             env.push((
                 "INFER_CUDA_LIB_DIRS".into(),

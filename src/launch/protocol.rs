@@ -185,7 +185,7 @@ pub struct AgentHello {
     /// Logical CPUs of the host.
     pub n_cpus: usize,
     /// Network interfaces with IPv4 addresses.
-    pub interfaces: Vec<Interface>,
+    pub interfaces: Vec<crate::topology::Interface>,
     /// The agent's run directory on the host (logs, process-group ids).
     pub run_dir: String,
     /// The host as `infer topo --json` sees it there (GPUs, NVLink, NICs, HCAs).
@@ -194,20 +194,6 @@ pub struct AgentHello {
     pub unix_time_ms: u64,
     /// The NCCL library a process there would load, if any.
     pub nccl: Option<crate::topology::nccl::NcclLibrary>,
-}
-
-/// A network interface as the agent sees it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Interface {
-    /// Interface name (`ens5`).
-    pub name: String,
-    /// IPv4 addresses with their prefix length (`10.0.2.11/24`).
-    pub ipv4: Vec<String>,
-    /// Operationally up.
-    pub up: bool,
-    /// Loopback, bridge, veth, VPN, tunnel… (see `topology::sysfs`).
-    pub is_virtual: bool,
-    pub mtu_bytes: Option<u32>,
 }
 
 /// Bytes as a base64 string in JSON.

@@ -522,7 +522,7 @@ fn launch(
         numerics: settings.numerics,
         timeout: super::rank_timeout(matches!(
             settings.gpu.as_ref().map(|g| &g.kernels),
-            Some(crate::runtime::cuda::executor::KernelDevice::HostHarness { .. })
+            Some(crate::runtime::exec::kernel_executor::KernelDevice::HostHarness { .. })
         )),
         extra_env,
         layout_from: layout.from.clone(),

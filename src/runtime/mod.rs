@@ -21,4 +21,5 @@ pub mod cpu;
 pub mod cuda;
 pub mod exec;
 pub mod formats;
+pub mod libraries;
 pub mod model;

@@ -44,7 +44,7 @@ pub struct OneProcess<'a> {
 /// `--device cuda`: where the kernels run, and how many GPUs this host shows its ranks.
 #[derive(Clone, Debug)]
 pub struct GpuSettings {
-    pub kernels: crate::runtime::cuda::executor::KernelDevice,
+    pub kernels: crate::runtime::exec::kernel_executor::KernelDevice,
     /// GPUs visible here (0: the host harness); rank `r` of this host gets GPU
     /// `local_rank % gpus` unless a plan places it.
     pub gpus: usize,
@@ -92,7 +92,7 @@ pub fn serve_one_process(
         Some(gpu) => {
             // The weights go to the GPU (the mapped file is released after); the tokenizer
             // and the sampler stay on the host.
-            let loaded = crate::runtime::cuda::executor::load_executor(
+            let loaded = crate::runtime::exec::kernel_executor::load_executor(
                 &gpu.kernels,
                 &engine.model,
                 settings.kv_cache_tokens,

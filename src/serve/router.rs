@@ -37,7 +37,7 @@ pub const BALANCE_REL_THRESHOLD: f64 = 1.5;
 /// Blocks each replica's tree remembers; the least recently used go first beyond it.
 const TREE_MAX_BLOCKS: usize = 1 << 16;
 /// Tokens per tree node: the KV block size, the unit a replica's prefix cache reuses.
-const TREE_BLOCK_TOKENS: usize = crate::runtime::exec::kv::BLOCK_TOKENS;
+const TREE_BLOCK_TOKENS: usize = crate::runtime::model::kv::BLOCK_TOKENS;
 
 /// Why the router sent a request where it did (`infer_router_decisions_total{reason}`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -848,7 +848,7 @@ async fn read_frame<T: for<'de> Deserialize<'de>>(
 mod tests {
     use super::*;
     use crate::runtime::exec::executor::{Executor, Sampled, StepEntry};
-    use crate::runtime::exec::kv::KvPool;
+    use crate::runtime::model::kv::KvPool;
     use crate::runtime::model::tokenizer::Tokenizer;
     use crate::serve::scheduler::Limits;
 

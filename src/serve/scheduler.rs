@@ -16,7 +16,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::runtime::exec::engine::LocalExecutor;
 use crate::runtime::exec::engine::{Engine, FinishReason};
 use crate::runtime::exec::executor::{Executor, Handoff, StepEntry};
-use crate::runtime::exec::kv::blocks_for;
+use crate::runtime::model::kv::blocks_for;
 use crate::runtime::model::sampling::SamplingParams;
 use crate::runtime::model::tokenizer::TextStream;
 

@@ -263,3 +263,17 @@ impl Topology {
         Ok(Topology { hosts: vec![host] })
     }
 }
+
+/// A network interface with its IPv4 addresses, as a host's agent reports it (`ip -4 addr`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Interface {
+    /// Interface name (`ens5`).
+    pub name: String,
+    /// IPv4 addresses with their prefix length (`10.0.2.11/24`).
+    pub ipv4: Vec<String>,
+    /// Operationally up.
+    pub up: bool,
+    /// Loopback, bridge, veth, VPN, tunnel… (see [`sysfs`]).
+    pub is_virtual: bool,
+    pub mtu_bytes: Option<u32>,
+}

@@ -5,9 +5,9 @@
 use half::{bf16, f16};
 use infer::runtime::backend::cpu::CpuBackend;
 use infer::runtime::backend::{Backend, nmse};
-use infer::runtime::cpu::quant::GgmlType;
 use infer::runtime::cuda::backend::KernelBackend;
 use infer::runtime::exec::forward::{BackendModel, DeviceSequence, compare_with_cpu};
+use infer::runtime::formats::ggml::GgmlType;
 use infer::runtime::model::config::{LlamaConfig, RopeStyle};
 use infer::runtime::model::llama::{Layer, Llama, SequenceInput};
 use infer::runtime::model::moe::{Expert, MoeFfn};
@@ -166,7 +166,7 @@ fn synthetic(moe: Option<(usize, usize)>, rope_style: RopeStyle) -> Llama {
 fn cpu_step(
     model: &Llama,
     tokens: &[u32],
-    cache: &mut infer::runtime::exec::kv::KvCache,
+    cache: &mut infer::runtime::model::kv::KvCache,
 ) -> Vec<f32> {
     model
         .forward(&mut [SequenceInput {

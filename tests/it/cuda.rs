@@ -2,6 +2,7 @@
 //! each architecture we support, ptxas' resources stay within what the launch can use, and
 //! each kernel's parameters are the ones its Rust launch description passes.
 
+use infer::runtime::formats::ggml::GgmlType;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -94,7 +95,7 @@ const CUBLAS_WHEEL: &str = "nvidia-cublas-cu12==12.9.1.4";
 #[test]
 fn cublas_from_pypi_loads_reports_its_version_and_fails_cleanly_without_a_gpu() {
     use infer::runtime::cuda::cublas::Cublas;
-    use infer::runtime::cuda::libraries::{CUBLAS, sonames_for_driver};
+    use infer::runtime::libraries::{CUBLAS, sonames_for_driver};
     assert_eq!(
         sonames_for_driver(CUBLAS, Some((12, 2))),
         ["libcublas.so.12"]
@@ -168,9 +169,9 @@ fn nccl_from_pypi_binds_makes_ids_and_fails_cleanly_without_a_gpu() {
     let back = UniqueId::from_bytes(&a.to_bytes()).expect("128 bytes");
     assert_eq!(back.to_bytes(), a.to_bytes());
     assert!(UniqueId::from_bytes(&[0; 12]).is_err());
-    let has_driver = infer::runtime::cuda::libraries::open(
-        infer::runtime::cuda::libraries::DRIVER,
-        &infer::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name)),
+    let has_driver = infer::runtime::libraries::open(
+        infer::runtime::libraries::DRIVER,
+        &infer::runtime::libraries::search_dirs(&|name| std::env::var_os(name)),
     )
     .is_ok();
     if !has_driver {
@@ -215,9 +216,9 @@ fn a_tp_group_agrees_on_nccl_or_the_host_collectives_with_a_warning() {
     use crate::collectives::{Transport, with_group};
     use infer::runtime::collectives::nccl::{GroupKind, Nccl, negotiate};
     let dir = nccl_lib_dir().to_path_buf();
-    let has_driver = infer::runtime::cuda::libraries::open(
-        infer::runtime::cuda::libraries::DRIVER,
-        &infer::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name)),
+    let has_driver = infer::runtime::libraries::open(
+        infer::runtime::libraries::DRIVER,
+        &infer::runtime::libraries::search_dirs(&|name| std::env::var_os(name)),
     )
     .is_ok();
     /// (case, whether a rank has NCCL, each rank's GPU PCI address)
@@ -455,9 +456,9 @@ fn compile_errors_are_reported_and_the_cache_keys_on_the_source() {
 /// GPU. (A host with a driver runs these commands for real, so there is nothing to check.)
 #[test]
 fn device_cuda_without_a_driver_exits_2_naming_the_driver() {
-    let has_driver = infer::runtime::cuda::libraries::open(
-        infer::runtime::cuda::libraries::DRIVER,
-        &infer::runtime::cuda::libraries::search_dirs(&|name| std::env::var_os(name)),
+    let has_driver = infer::runtime::libraries::open(
+        infer::runtime::libraries::DRIVER,
+        &infer::runtime::libraries::search_dirs(&|name| std::env::var_os(name)),
     )
     .is_ok();
     if has_driver {
@@ -500,7 +501,7 @@ fn device_cuda_without_a_driver_exits_2_naming_the_driver() {
 /// never a panic.
 #[test]
 fn libraries_open_from_the_given_directories_or_say_why_not() {
-    use infer::runtime::cuda::libraries::open;
+    use infer::runtime::libraries::open;
     let libm_dir = [
         "/lib/x86_64-linux-gnu",
         "/usr/lib/x86_64-linux-gnu",
@@ -1047,7 +1048,6 @@ impl infer::runtime::cuda::backend::Device for CountingGemms<'_> {
 #[test]
 fn batches_over_the_matvec_limit_run_one_gemm_like_the_cpu_backend() {
     use infer::runtime::backend::{Backend, bytes_of, f32s_of, nmse};
-    use infer::runtime::cpu::quant::GgmlType;
     use infer::runtime::cuda::backend::{
         KernelBackend, MAX_MATVEC_TOKENS, MAX_MATVEC_TOKENS_QUANTIZED,
     };

@@ -284,8 +284,8 @@ fn safetensors_and_gguf_of_the_same_weights_agree() {
         write_hf(dir.path(), &shape, &w);
         let gguf = dir.path().join("model.gguf");
         write_gguf(&gguf, &shape, &w);
-        let hf_model = infer::runtime::formats::safetensors::load_llama(dir.path())
-            .expect("safetensors loads");
+        let hf_model =
+            infer::runtime::model::safetensors::load_llama(dir.path()).expect("safetensors loads");
         let gguf_model = Llama::open_gguf(&gguf).expect("GGUF loads");
         let tokens = [1u32, 5, 9, 33, 70, 2, 44, 17];
         let logits = |model: &Llama| {

@@ -2,7 +2,8 @@
 //! type dequantizes to the reference values (`tests/fixtures/quant_reference.json`, made by
 //! `scripts/gen_quant_fixtures.py`), and the integer dot kernels agree with them.
 
-use infer::runtime::cpu::quant::{GgmlType, Numerics, dequantize_row, dot_q8, quantize_row_q8};
+use infer::runtime::cpu::quant::{Numerics, dequantize_row, dot_q8, quantize_row_q8};
+use infer::runtime::formats::ggml::GgmlType;
 use infer::runtime::model::weights::Weight;
 use serde_json::Value;
 

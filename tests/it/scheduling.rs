@@ -9,8 +9,8 @@ use std::time::Instant;
 use infer::runtime::cpu::quant::Numerics;
 use infer::runtime::exec::engine::{Engine, LocalExecutor};
 use infer::runtime::exec::executor::{Executor, Sampled, StepEntry};
-use infer::runtime::exec::kv::{BLOCK_TOKENS, KvPool};
 use infer::runtime::model::chat::ChatMessage;
+use infer::runtime::model::kv::{BLOCK_TOKENS, KvPool};
 use infer::runtime::model::sampling::SamplingParams;
 use infer::runtime::model::tokenizer::Tokenizer;
 use infer::serve::scheduler::{Event, Limits, Request, Scheduler};
@@ -416,7 +416,7 @@ fn a_prompts_kv_moved_to_another_pool_decodes_bit_for_bit() {
     let model = &engine.model;
     let c = &model.config;
     let prompt = chat(engine, &[("system", SYSTEM), ("user", QUESTIONS[3])]);
-    let step = |cache: &mut infer::runtime::exec::kv::KvCache, tokens: &[u32]| {
+    let step = |cache: &mut infer::runtime::model::kv::KvCache, tokens: &[u32]| {
         let mut batch = [SequenceInput {
             tokens,
             cache,

@@ -3,6 +3,7 @@
 //! the KV cache in f16. The reference the CUDA backend is compared with in the tests; the
 //! CPU engine proper is `model::llama::Llama::forward`, llama.cpp's numerics bit for bit.
 
+use crate::runtime::formats::ggml::GgmlType;
 use std::cell::RefCell;
 
 use anyhow::{Result, bail};
@@ -10,7 +11,6 @@ use half::f16;
 
 use super::{AttentionShape, Backend, KV_BLOCK_TOKENS, f32s_of, i32s_of, kv_cache_offset};
 use crate::runtime::cpu::mathfn::silu;
-use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::model::config::RopeStyle;
 use crate::runtime::model::weights::Weight;
 

@@ -8,15 +8,15 @@
 //! activation is f32, row-major, one row per token. Errors are the backend's (a launch
 //! that fails, a type it has no kernel for, named).
 
+use crate::runtime::formats::ggml::GgmlType;
 use anyhow::Result;
 
-use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::model::config::RopeStyle;
 
 pub mod cpu;
 
 /// Tokens per KV-cache block: 16, as vLLM's default and the CPU cache's
-/// (`exec::kv::BLOCK_TOKENS`); the CUDA kernels are written for it.
+/// (`model::kv::BLOCK_TOKENS`); the CUDA kernels are written for it.
 pub const KV_BLOCK_TOKENS: usize = 16;
 
 /// Where the `head_dim` values of `head` at `slot` (`0..KV_BLOCK_TOKENS`) of block `block`

@@ -1,5 +1,5 @@
 //! NCCL through its C API, opened at run time from the `libnccl.so.2` that
-//! [`crate::runtime::cuda::libraries`] finds (pip's `nvidia-nccl-cu12`, a CUDA toolkit, the
+//! [`crate::runtime::libraries`] finds (pip's `nvidia-nccl-cu12`, a CUDA toolkit, the
 //! system loader's paths). cudarc's NCCL module looks for `libnccl.so` and other names but
 //! never `libnccl.so.2`, the only name pip and Debian ship (cudarc 0.19's
 //! `get_lib_name_candidates`), so the few entry points a TP group and a pipeline need are
@@ -99,7 +99,7 @@ impl Nccl {
     /// Errors: no NCCL (with the pip package that provides it), a library without the
     /// entry points (named).
     pub fn open(dirs: &[PathBuf]) -> Result<Nccl> {
-        use crate::runtime::cuda::libraries::{NCCL, open};
+        use crate::runtime::libraries::{NCCL, open};
         let path = open(NCCL, dirs).map_err(|error| {
             anyhow::anyhow!(
                 "NCCL ({NCCL}) is not installed: `pip install nvidia-nccl-cu13` (CUDA 13) or `pip install nvidia-nccl-cu12`; the loader said: {error}"
@@ -139,9 +139,8 @@ impl Nccl {
             return Ok(());
         }
         // SAFETY: NCCL returns a static string for every result code.
-        let text = unsafe {
-            crate::runtime::cuda::libraries::error_text((self.api.get_error_string)(result))
-        };
+        let text =
+            unsafe { crate::runtime::libraries::error_text((self.api.get_error_string)(result)) };
         bail!("{what} failed: {text} (ncclResult_t {result})")
     }
 

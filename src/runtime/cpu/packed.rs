@@ -34,7 +34,8 @@
 //! not a tensor-parallel continuation) keeps its accumulators in registers and stores only
 //! the sixteen finished sums per token.
 
-use crate::runtime::cpu::quant::{BlockQ8, DotState, GgmlType, Numerics};
+use crate::runtime::cpu::quant::{BlockQ8, DotState, Numerics};
+use crate::runtime::formats::ggml::GgmlType;
 
 /// Rows per packed group: the lanes of one 512-bit f32 vector.
 pub const GROUP_ROWS: usize = 16;
@@ -346,7 +347,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{BlockQ8, Chunk, GROUP_ROWS, GroupState, Prefetch};
-    use crate::runtime::cpu::quant::{GgmlType, Numerics};
+    use crate::runtime::cpu::quant::Numerics;
+    use crate::runtime::formats::ggml::GgmlType;
 
     const Q4_0: u8 = 0;
     const Q4_1: u8 = 1;

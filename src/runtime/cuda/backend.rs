@@ -4,11 +4,11 @@
 //! kernel launches with the grid its source documents; buffers stay on the device
 //! between ops, and only what a caller downloads comes back.
 
+use crate::runtime::formats::ggml::GgmlType;
 use anyhow::{Result, bail};
 
 use super::kernels::FAMILIES;
 use crate::runtime::backend::{AttentionShape, Backend};
-use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::model::config::RopeStyle;
 
 /// One kernel argument on a [`Device`].

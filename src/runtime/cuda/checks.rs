@@ -3,13 +3,21 @@
 //! for everything else). The same checks run on any [`Runner`]: the host harness here
 //! (`host::HostKernels`, in the tests) and the GPU (`gpu::GpuRunner`, in `infer smoke`).
 
+use crate::runtime::formats::ggml::GgmlType;
 use anyhow::Result;
 use half::f16;
 
 use super::backend::split_blocks;
-use super::smoke::Check;
 use crate::runtime::backend::{bytes_of, f32s_of, nmse};
-use crate::runtime::cpu::quant::{GgmlType, dequantize_row};
+use crate::runtime::cpu::quant::dequantize_row;
+
+/// One check's outcome.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Check {
+    pub name: String,
+    pub passed: bool,
+    pub detail: String,
+}
 
 /// NMSE limit of matrix products (test-backend-ops).
 pub const NMSE_PRODUCTS: f64 = 5e-4;

@@ -1,5 +1,5 @@
 //! cuBLAS, bound by our own code (libloading) from CUDA 13's `libcublas.so.13` or CUDA 12's
-//! `libcublas.so.12`, whichever [`super::libraries`] finds first for this driver: prefill's
+//! `libcublas.so.12`, whichever [`crate::runtime::libraries`] finds first for this driver: prefill's
 //! GEMMs (`cublasGemmEx`). cudarc's cuBLAS binding is not used: its loader knows only CUDA
 //! 12 names and panics when none loads, and its handle's drop unwraps `cublasDestroy`.
 //!
@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 
-use super::libraries::{self, Found};
+use crate::runtime::libraries::{self, Found};
 
 /// `cublasStatus_t`: 0 is `CUBLAS_STATUS_SUCCESS`.
 type Status = c_int;

@@ -1,5 +1,5 @@
 //! The GPUs this host's driver sees, through the driver API (opened only after
-//! [`super::libraries::open_driver`] found `libcuda.so.1`: without a driver this is an error,
+//! [`crate::runtime::libraries::open_driver`] found `libcuda.so.1`: without a driver this is an error,
 //! never a panic).
 //!
 //! Driver support: cudarc is built against the CUDA 12.2 driver API (`cuda-12020`), and
@@ -9,7 +9,7 @@
 //! `cuMemcpy*Async_v2`, `cuMemsetD8Async`, `cuStreamSynchronize`, `cuEvent*`,
 //! `cuMemGetInfo_v2` — exists in every driver from R535 (CUDA 12.2) through R580 (CUDA 13.x),
 //! under the same versioned names. The libraries add their own floor: CUDA 12 NVRTC and
-//! cuBLAS run from R525, CUDA 13's need R580 ([`super::libraries::sonames_for_driver`]).
+//! cuBLAS run from R525, CUDA 13's need R580 ([`crate::runtime::libraries::sonames_for_driver`]).
 //! Kernels load as CUBIN for the GPU's exact architecture, never PTX, so no JIT needs a
 //! driver newer than the NVRTC that compiled them.
 
@@ -46,12 +46,12 @@ pub struct Driver {
 }
 
 /// The driver's CUDA version and every visible GPU; the driver is looked for in `dirs`
-/// first ([`super::libraries::search_dirs`]).
+/// first ([`crate::runtime::libraries::search_dirs`]).
 ///
 /// Errors: no driver on this host ("use --device cpu"), a driver that fails to initialise
 /// (its error), no GPU visible.
 pub fn probe(dirs: &[std::path::PathBuf]) -> Result<Driver> {
-    let library = super::libraries::open_driver(dirs)?;
+    let library = crate::runtime::libraries::open_driver(dirs)?;
     let check = |what: &str, outcome: std::result::Result<(), result::DriverError>| -> Result<()> {
         outcome.map_err(|e| anyhow::anyhow!("the NVIDIA driver failed at {what}: {e:?}"))
     };

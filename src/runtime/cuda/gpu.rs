@@ -245,7 +245,7 @@ impl GpuRunner {
     }
 
     /// Where cuBLAS came from, once loaded.
-    pub fn cublas_found(&self) -> Option<super::libraries::Found> {
+    pub fn cublas_found(&self) -> Option<crate::runtime::libraries::Found> {
         self.blas.as_ref().map(|(cublas, _)| cublas.found())
     }
 
@@ -574,28 +574,12 @@ impl super::backend::Device for GpuRunner {
     }
 }
 
-/// Opens the first visible GPU (after `CUDA_VISIBLE_DEVICES`), compiles or takes from
-/// `cache_dir` every kernel for its architecture, and uploads `model` with a KV cache of
-/// `kv_cache_tokens` positions: the model `--device cuda` runs. NVIDIA's libraries are
-/// looked for in `dirs` first.
-///
-/// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), a
-/// kernel that does not compile or load, what the backend does not run (named), GPU memory.
-pub fn load_model(
-    dirs: &[std::path::PathBuf],
-    cache_dir: &Path,
-    model: &crate::runtime::model::llama::Llama,
-    kv_cache_tokens: usize,
-) -> Result<crate::runtime::exec::forward::BackendModel<super::backend::KernelBackend<GpuRunner>>> {
-    let (runner, gpu) = open_first(dirs, cache_dir)?;
-    model_on(runner, &gpu, model, kv_cache_tokens)
-}
-
 /// The first visible GPU (after `CUDA_VISIBLE_DEVICES`) with every kernel loaded for its
 /// architecture (compiled, or taken from `cache_dir`) and cuBLAS when it is installed
 /// ([`GpuRunner::gemm_line`] says), and what the driver says of it.
 ///
-/// Errors: as [`load_model`].
+/// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), a
+/// kernel that does not compile or load.
 pub fn open_first(
     dirs: &[std::path::PathBuf],
     cache_dir: &Path,
@@ -606,21 +590,4 @@ pub fn open_first(
     let mut runner = GpuRunner::new(gpu.ordinal, gpu.arch(), &nvrtc, cache_dir)?;
     runner.load_cublas(dirs, driver.cuda_version);
     Ok((runner, gpu))
-}
-
-/// `model` uploaded to `runner`'s GPU with a KV cache of `kv_cache_tokens` positions.
-///
-/// Errors: what the backend does not run (named), GPU memory.
-pub fn model_on(
-    runner: GpuRunner,
-    gpu: &super::device::Gpu,
-    model: &crate::runtime::model::llama::Llama,
-    kv_cache_tokens: usize,
-) -> Result<crate::runtime::exec::forward::BackendModel<super::backend::KernelBackend<GpuRunner>>> {
-    crate::runtime::exec::forward::BackendModel::new(
-        super::backend::KernelBackend::new(runner),
-        model,
-        kv_cache_tokens,
-    )
-    .with_context(|| format!("cannot put the model on {} (sm_{})", gpu.name, gpu.arch()))
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use sha2::{Digest, Sha256};
 
-use super::libraries::{self, Found};
+use crate::runtime::libraries::{self, Found};
 
 /// Options every kernel is compiled with (besides the architecture): ptxas reports each
 /// kernel's registers, spills and shared memory in the log.
@@ -45,7 +45,7 @@ struct Api {
 }
 
 /// NVRTC, opened from where it is installed (CUDA 13's `libnvrtc.so.13` or CUDA 12's
-/// `libnvrtc.so.12`, [`super::libraries`]) and bound by our own code.
+/// `libnvrtc.so.12`, [`crate::runtime::libraries`]) and bound by our own code.
 pub struct Nvrtc {
     /// Where the library came from (`None`: the system loader's paths).
     pub path: Option<PathBuf>,

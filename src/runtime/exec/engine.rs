@@ -12,10 +12,11 @@ use std::collections::HashMap;
 
 use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, first_step_cache, sample};
 pub use crate::runtime::exec::executor::{FinishReason, Generation, Timings};
-use crate::runtime::exec::kv::KvPool;
 use crate::runtime::model::chat::{ChatMessage, render};
+use crate::runtime::model::kv::KvCache;
+use crate::runtime::model::kv::KvPool;
 use crate::runtime::model::llama::Llama;
-use crate::runtime::model::llama::{KvCache, SequenceInput};
+use crate::runtime::model::llama::SequenceInput;
 use crate::runtime::model::sampling::Sampler;
 use crate::runtime::model::sampling::SamplingParams;
 use crate::runtime::model::tokenizer::Tokenizer;

@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::exec::kv::{KvCache, KvPool, KvTransfer};
+use crate::runtime::model::kv::{KvCache, KvPool, KvTransfer};
 use crate::runtime::model::sampling::{Sampler, SamplingParams, logprob};
 use crate::runtime::model::tokenizer::{TextStream, Tokenizer};
 
@@ -68,7 +68,7 @@ pub struct StepEntry {
     /// With `params`: the length of the sequence's prompt, tokens (positions past it were
     /// generated). It decides the order each position's attention sums in, so a prompt run
     /// in chunks, partly from the prefix cache or recomputed after preemption gives the
-    /// bits of one whole prefill ([`crate::runtime::exec::kv::KvCache::prompt_tokens`]).
+    /// bits of one whole prefill ([`crate::runtime::model::kv::KvCache::prompt_tokens`]).
     pub prompt_tokens: usize,
     /// With `params`: the sequence's first tokens, whose KV blocks come from the pool's
     /// prefix cache instead of being computed (whole blocks; `tokens` follow them).

@@ -10,6 +10,7 @@
 //! when NCCL is absent); a pipeline stage takes the previous stage's hidden states and hands
 //! its own to the next (host memory again), the last stage giving the logits.
 
+use crate::runtime::formats::ggml::GgmlType;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -19,10 +20,9 @@ use crate::runtime::backend::{
     AttentionShape, Backend, KV_BLOCK_TOKENS, bytes_of, f32s_of, i32s_of, kv_cache_offset, nmse,
 };
 use crate::runtime::collectives::Comm;
-use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, first_step_cache, sample};
-use crate::runtime::exec::kv::{KvCache, KvPool, KvTransfer};
 use crate::runtime::model::config::LlamaConfig;
+use crate::runtime::model::kv::{KvCache, KvPool, KvTransfer};
 use crate::runtime::model::llama::Llama;
 use crate::runtime::model::moe::top_k_experts;
 use crate::runtime::model::sampling::Sampler;
@@ -443,7 +443,7 @@ impl<B: Backend> BackendModel<B> {
     /// The keys and values `sequence` stored at `positions`, every layer of the model (or
     /// shard), as f16 bits in the hand-off's layout `(n_layers, 2, n_kv_heads,
     /// n_positions, head_dim)` (keys before values;
-    /// [`crate::runtime::exec::kv::KvTransfer`]): for each layer's keys and values, the
+    /// [`crate::runtime::model::kv::KvTransfer`]): for each layer's keys and values, the
     /// blocks that hold the positions are copied out whole on the device into one buffer
     /// and downloaded, and the positions picked on the host.
     ///

@@ -38,7 +38,7 @@ use memmap2::{Mmap, MmapMut};
 
 use crate::runtime::collectives::shm::{create_segment_file, segment_directory};
 use crate::runtime::exec::executor::KvSent;
-use crate::runtime::exec::kv::KvTransfer;
+use crate::runtime::model::kv::KvTransfer;
 
 /// Transfers nobody claims within this long are dropped (a prefill whose first token ended
 /// the request still sends its KV; the decode side never asks for it).

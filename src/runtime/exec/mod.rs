@@ -4,5 +4,6 @@ pub mod engine;
 pub mod executor;
 pub mod forward;
 pub mod handoff;
-pub mod kv;
+pub mod kernel_executor;
+pub mod smoke;
 pub mod worker;

@@ -18,14 +18,15 @@ use crate::rendezvous::StoreClient;
 use crate::runtime::collectives::shm::ShmComm;
 use crate::runtime::collectives::{Comm, TcpComm};
 use crate::runtime::cpu::quant::Numerics;
-use crate::runtime::cuda::executor::KernelDevice;
 use crate::runtime::exec::executor::{
     Executor, Handoff, KvSent, Sampled, StepEntry, first_step_cache, generate, sample,
 };
 use crate::runtime::exec::handoff::{Inbox, Outbox};
-use crate::runtime::exec::kv::{KvPool, KvTransfer};
+use crate::runtime::exec::kernel_executor::KernelDevice;
 use crate::runtime::formats::gguf::GgufFile;
-use crate::runtime::model::llama::{KvCache, Llama, SequenceInput, StageOutput};
+use crate::runtime::model::kv::KvCache;
+use crate::runtime::model::kv::{KvPool, KvTransfer};
+use crate::runtime::model::llama::{Llama, SequenceInput, StageOutput};
 use crate::runtime::model::sampling::{Sampler, SamplingParams};
 use crate::runtime::model::tokenizer::Tokenizer;
 
@@ -485,7 +486,7 @@ impl Member {
         let (device, device_lines) = match &config.device {
             None => (None, Vec::new()),
             Some(kernels) => {
-                let groups = crate::runtime::cuda::executor::Groups {
+                let groups = crate::runtime::exec::kernel_executor::Groups {
                     tp: tp_comm
                         .take_if(|_| tp > 1)
                         .map(|c| Box::new(c) as Box<dyn Comm>),
@@ -494,7 +495,7 @@ impl Member {
                         .map(|c| Box::new(c) as Box<dyn Comm>),
                     host_key: config.host_ranks.start,
                 };
-                let loaded = crate::runtime::cuda::executor::load_executor(
+                let loaded = crate::runtime::exec::kernel_executor::load_executor(
                     kernels,
                     &shard,
                     config

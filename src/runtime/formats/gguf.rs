@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::io::{BufReader, Read};
 use std::path::Path;
 
+use super::ggml::type_info;
 use anyhow::{Context, Result, bail};
 
 /// `GGUF` little-endian.
@@ -83,7 +84,7 @@ impl TensorInfo {
     /// Bytes of the data. Errors: an unsupported type id, or a row not a whole number of blocks.
     pub fn n_bytes(&self) -> Result<u64> {
         let (block_elements, block_bytes, type_name) =
-            ggml_type(self.type_id).with_context(|| {
+            type_info(self.type_id).with_context(|| {
                 format!(
                     "tensor `{}` has unsupported ggml type id {}",
                     self.name, self.type_id
@@ -101,32 +102,10 @@ impl TensorInfo {
 
     /// The type's name (`Q4_1`), or `type <id>` when unknown.
     pub fn type_name(&self) -> String {
-        ggml_type(self.type_id).map_or(format!("type {}", self.type_id), |(_, _, name)| {
+        type_info(self.type_id).map_or(format!("type {}", self.type_id), |(_, _, name)| {
             name.to_string()
         })
     }
-}
-
-/// `(elements per block, bytes per block, name)` of a ggml type, from `ggml-common.h`.
-pub fn ggml_type(type_id: u32) -> Option<(u64, u64, &'static str)> {
-    Some(match type_id {
-        0 => (1, 4, "F32"),
-        1 => (1, 2, "F16"),
-        2 => (32, 18, "Q4_0"),
-        3 => (32, 20, "Q4_1"),
-        6 => (32, 22, "Q5_0"),
-        7 => (32, 24, "Q5_1"),
-        8 => (32, 34, "Q8_0"),
-        9 => (32, 36, "Q8_1"),
-        10 => (256, 84, "Q2_K"),
-        11 => (256, 110, "Q3_K"),
-        12 => (256, 144, "Q4_K"),
-        13 => (256, 176, "Q5_K"),
-        14 => (256, 210, "Q6_K"),
-        15 => (256, 292, "Q8_K"),
-        30 => (1, 2, "BF16"),
-        _ => return None,
-    })
 }
 
 /// A parsed GGUF header.

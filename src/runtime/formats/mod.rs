@@ -1,4 +1,4 @@
 //! Model file formats.
 
+pub mod ggml;
 pub mod gguf;
-pub mod safetensors;

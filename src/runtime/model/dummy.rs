@@ -14,11 +14,11 @@
 //! first 256 ids (GPT-2's byte-level alphabet, no merges) and names the rest
 //! `<|dummy_N|>`; it has no end-of-sequence token, so a generation runs to `max_tokens`.
 
+use crate::runtime::formats::ggml::GgmlType;
 use anyhow::{Result, bail};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::model::config::{LlamaConfig, RopeStyle};
 use crate::runtime::model::llama::{Layer, Llama};
 use crate::runtime::model::tokenizer::Tokenizer;

@@ -19,10 +19,10 @@ use crate::runtime::cpu::quant::{
     weighted_sum_f16_heads, weighted_sum_f16_heads_decode,
 };
 use crate::runtime::cpu::team;
-pub use crate::runtime::exec::kv::KvCache;
-use crate::runtime::exec::kv::KvPool;
 use crate::runtime::formats::gguf::{GgufFile, Value};
 pub use crate::runtime::model::config::{Llama3Scaling, LlamaConfig, RopeStyle};
+use crate::runtime::model::kv::KvCache;
+use crate::runtime::model::kv::KvPool;
 pub use crate::runtime::model::moe::{Expert, MoeFfn};
 use crate::runtime::model::weights::{Weight, matmul_many};
 

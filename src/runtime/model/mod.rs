@@ -3,8 +3,10 @@
 pub mod chat;
 pub mod config;
 pub mod dummy;
+pub mod kv;
 pub mod llama;
 pub mod moe;
+pub mod safetensors;
 pub mod sampling;
 pub mod source;
 pub mod tokenizer;

@@ -47,7 +47,7 @@ impl ModelSource {
     pub fn load(&self) -> Result<(Llama, Tokenizer)> {
         match self {
             ModelSource::File(path) if path.is_dir() => Ok((
-                crate::runtime::formats::safetensors::load_llama(path)?,
+                crate::runtime::model::safetensors::load_llama(path)?,
                 Tokenizer::from_dir(path)?,
             )),
             ModelSource::File(path) => {

@@ -1,6 +1,7 @@
 //! Weight matrices in their file encoding and the matrix product the forward pass is made
 //! of: `out = x · Wᵀ` for a batch of activation rows, split over threads by output rows.
 
+use crate::runtime::formats::ggml::GgmlType;
 use std::sync::{Arc, OnceLock};
 
 use anyhow::{Result, bail};
@@ -8,7 +9,7 @@ use rayon::prelude::*;
 
 use crate::runtime::cpu::packed::{GROUP_ROWS, GroupState, Packed};
 use crate::runtime::cpu::quant::{
-    BlockQ8, DotState, GgmlType, Numerics, dequantize_row, dot_f32, has_q8_kernel, quantize_row_q8,
+    BlockQ8, DotState, Numerics, dequantize_row, dot_f32, has_q8_kernel, quantize_row_q8,
 };
 use crate::runtime::cpu::simd::has_avx2;
 use crate::runtime::cpu::team;

@@ -2,7 +2,7 @@
 //! fails with its detail; the command exits 1 when any fails. What this build checks on a
 //! GPU: the driver and GPU, NVRTC, NCCL's version (optional), every kernel compiled for the
 //! GPU's exact architecture within its resources, every kernel run on the GPU against the
-//! CPU backend ([`super::checks`]), cuBLAS loaded and prefill's GEMM path for every weight
+//! CPU backend ([`crate::runtime::cuda::checks`]), cuBLAS loaded and prefill's GEMM path for every weight
 //! type against the CPU's products, and the model on the GPU: greedy steps of the embedded
 //! SmolLM2 against the CPU engine, twice, bit for bit, and as TP 3 shards on the one GPU
 //! summed over the fallback collectives. (`launch::smoke` adds the serving row: `infer up
@@ -13,20 +13,13 @@ use std::path::PathBuf;
 use anyhow::Result;
 use serde::Serialize;
 
-use super::device::{Driver, probe};
-use super::kernels::FAMILIES;
-use super::libraries::Found;
-use super::nvrtc::Nvrtc;
+use crate::runtime::cuda::checks::Check;
+use crate::runtime::cuda::device::{Driver, probe};
+use crate::runtime::cuda::kernels::FAMILIES;
+use crate::runtime::cuda::nvrtc::Nvrtc;
 use crate::runtime::exec::engine::Engine;
 use crate::runtime::exec::forward::{Comparison, compare_with_cpu};
-
-/// One check's outcome.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Check {
-    pub name: String,
-    pub passed: bool,
-    pub detail: String,
-}
+use crate::runtime::libraries::Found;
 
 /// Everything `infer smoke` found.
 #[derive(Clone, Debug, Serialize)]
@@ -87,7 +80,7 @@ pub fn run(
     let gpu = driver.gpus[0].clone();
     let mut libraries = vec![Found {
         library: "driver".into(),
-        soname: super::libraries::DRIVER.into(),
+        soname: crate::runtime::libraries::DRIVER.into(),
         path: driver.library.clone(),
     }];
     let mut checks = vec![Check {
@@ -190,14 +183,19 @@ pub fn run(
 /// Every op on the GPU against the CPU backend (test-backend-ops tolerances), then
 /// prefill's products (dequantize, convert, cuBLAS); with where cuBLAS came from.
 fn gpu_checks(
-    gpu: &super::device::Gpu,
+    gpu: &crate::runtime::cuda::device::Gpu,
     driver_cuda: (i32, i32),
     nvrtc: &Nvrtc,
     cache_dir: &std::path::Path,
     dirs: &[PathBuf],
 ) -> (Vec<Check>, Option<Found>) {
     let mut checks = Vec::new();
-    let mut runner = match super::gpu::GpuRunner::new(gpu.ordinal, gpu.arch(), nvrtc, cache_dir) {
+    let mut runner = match crate::runtime::cuda::gpu::GpuRunner::new(
+        gpu.ordinal,
+        gpu.arch(),
+        nvrtc,
+        cache_dir,
+    ) {
         Ok(runner) => runner,
         Err(error) => {
             checks.push(Check {
@@ -208,12 +206,16 @@ fn gpu_checks(
             return (checks, None);
         }
     };
-    checks.extend(super::checks::run_all(&runner).into_iter().map(|c| Check {
-        name: format!("op {} vs CPU", c.name),
-        ..c
-    }));
+    checks.extend(
+        crate::runtime::cuda::checks::run_all(&runner)
+            .into_iter()
+            .map(|c| Check {
+                name: format!("op {} vs CPU", c.name),
+                ..c
+            }),
+    );
     let line = runner.load_cublas(dirs, driver_cuda);
-    let loaded = super::backend::Device::has_gemm(&runner);
+    let loaded = crate::runtime::cuda::backend::Device::has_gemm(&runner);
     checks.push(Check {
         name: "cuBLAS".into(),
         passed: loaded,
@@ -221,7 +223,7 @@ fn gpu_checks(
     });
     if loaded {
         checks.extend(
-            super::checks::gemm_checks(&runner)
+            crate::runtime::cuda::checks::gemm_checks(&runner)
                 .into_iter()
                 .map(|c| Check {
                     name: format!("op {} vs CPU", c.name),
@@ -241,7 +243,7 @@ fn nccl_check(dirs: &[PathBuf]) -> (Check, Option<String>, Option<Found>) {
         Ok(library) => {
             let found = Found {
                 library: "NCCL".into(),
-                soname: super::libraries::NCCL.into(),
+                soname: crate::runtime::libraries::NCCL.into(),
                 path: library.path.clone(),
             };
             match library.version() {
@@ -280,7 +282,7 @@ fn nccl_check(dirs: &[PathBuf]) -> (Check, Option<String>, Option<Found>) {
 /// One family compiled for `arch`: registers and spills per kernel.
 fn compile_check(
     nvrtc: &Nvrtc,
-    family: &super::kernels::Family,
+    family: &crate::runtime::cuda::kernels::Family,
     arch: u32,
     cache_dir: &std::path::Path,
 ) -> Check {
@@ -346,7 +348,7 @@ fn model_checks(
         let engine = Engine::load(model, 0, crate::runtime::cpu::quant::Numerics::Exact)?;
         let text = "The capital of France is";
         let prompt = engine.tokenizer.encode(text, true)?;
-        let mut device = super::gpu::load_model(
+        let mut device = super::kernel_executor::load_model(
             dirs,
             cache_dir,
             &engine.model,
@@ -429,7 +431,7 @@ fn tp_check(
                     let shard = engine
                         .model
                         .shard(rank, SMOKE_TP, 0, engine.model.layers.len())?;
-                    let mut device = super::gpu::load_model(
+                    let mut device = super::kernel_executor::load_model(
                         dirs,
                         cache_dir,
                         &shard,

@@ -1,8 +1,8 @@
 //! Finding and opening NVIDIA's shared libraries where users keep them.
 //!
 //! We open every CUDA library ourselves, by full path, with libloading: the driver API
-//! (`libcuda.so.1`, which cudarc then finds by name), NVRTC ([`super::nvrtc`]), cuBLAS
-//! ([`super::cublas`]) and NCCL (`collectives/nccl.rs`). NVRTC and cuBLAS are bound by our own
+//! (`libcuda.so.1`, which cudarc then finds by name), NVRTC (`cuda::nvrtc`), cuBLAS
+//! (`cuda::cublas`) and NCCL (`collectives/nccl.rs`). NVRTC and cuBLAS are bound by our own
 //! code and never through cudarc: cudarc 0.19's loader knows only CUDA 12 names and panics
 //! when none loads (../shared/FACTS.md).
 //!

@@ -2,6 +2,7 @@
 //! Llama, Mistral, Qwen2 and Qwen3, loaded into the same [`Llama`] as GGUF files. Hugging
 //! Face Q/K weights are unpermuted, so these models use NeoX-style (rotate-half) RoPE.
 
+use crate::runtime::formats::ggml::GgmlType;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -9,7 +10,6 @@ use anyhow::{Context, Result, anyhow, bail};
 use safetensors::{Dtype as StDtype, SafeTensors};
 use serde_json::Value;
 
-use crate::runtime::cpu::quant::GgmlType;
 use crate::runtime::model::llama::{Layer, Llama, Llama3Scaling, LlamaConfig, RopeStyle};
 use crate::runtime::model::weights::Weight;
 

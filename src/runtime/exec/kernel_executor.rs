@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
-use super::backend::KernelBackend;
 use crate::runtime::collectives::Comm;
+use crate::runtime::cuda::backend::KernelBackend;
 use crate::runtime::exec::executor::Executor;
 use crate::runtime::exec::forward::{BackendExecutor, BackendModel};
 use crate::runtime::model::llama::Llama;
@@ -23,7 +23,7 @@ pub enum KernelDevice {
         lib_dirs: Vec<PathBuf>,
         cache_dir: PathBuf,
     },
-    /// The host harness ([`super::host`]): the same kernel sources built by the C++ compiler
+    /// The host harness ([`crate::runtime::cuda::host`]): the same kernel sources built by the C++ compiler
     /// `compiler` and run on CPU threads, the library cached in `cache_dir`. What
     /// `INFER_CUDA_HOST_HARNESS=1` selects: the device path (rank processes, collectives,
     /// serving) checked on a machine without a GPU, slowly.
@@ -89,7 +89,7 @@ pub fn load_executor(
             lib_dirs,
             cache_dir,
         } => {
-            let (mut runner, gpu) = super::gpu::open_first(lib_dirs, cache_dir)?;
+            let (mut runner, gpu) = crate::runtime::cuda::gpu::open_first(lib_dirs, cache_dir)?;
             let mut groups = groups;
             let mut notes = vec![runner.gemm_line().to_string()];
             // Every rank joins its TP group's communicator, then its pipeline's: the same
@@ -101,7 +101,7 @@ pub fn load_executor(
             if let Some(pp) = groups.pp.as_deref_mut() {
                 notes.push(runner.join_nccl(GroupKind::Pipeline, pp, lib_dirs, groups.host_key)?);
             }
-            let model = super::gpu::model_on(runner, &gpu, model, kv_cache_tokens)?;
+            let model = model_on(runner, &gpu, model, kv_cache_tokens)?;
             Ok(Loaded {
                 executor: boxed(BackendExecutor::new(model, tokenizer), groups),
                 device: format!("cuda:{} ({}, sm_{})", gpu.ordinal, gpu.name, gpu.arch()),
@@ -112,12 +112,13 @@ pub fn load_executor(
             compiler,
             cache_dir,
         } => {
-            let kernels = super::host::HostKernels::build_cached(cache_dir, compiler)?;
+            let kernels =
+                crate::runtime::cuda::host::HostKernels::build_cached(cache_dir, compiler)?;
             let model = BackendModel::new(KernelBackend::new(kernels), model, kv_cache_tokens)
                 .context("cannot put the model on the host harness")?;
             let mut notes = vec![format!(
                 "prefill and batches over {} tokens run on one GEMM each: a host loop standing in for cuBLAS, which needs a GPU",
-                super::backend::MAX_MATVEC_TOKENS
+                crate::runtime::cuda::backend::MAX_MATVEC_TOKENS
             )];
             for (group, traffic) in [
                 (groups.tp.is_some(), "TP all-reduces"),
@@ -137,4 +138,34 @@ pub fn load_executor(
             })
         }
     }
+}
+
+/// Opens the first visible GPU (after `CUDA_VISIBLE_DEVICES`), compiles or takes from
+/// `cache_dir` every kernel for its architecture, and uploads `model` with a KV cache of
+/// `kv_cache_tokens` positions: the model `--device cuda` runs. NVIDIA's libraries are
+/// looked for in `dirs` first.
+///
+/// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), a
+/// kernel that does not compile or load, what the backend does not run (named), GPU memory.
+pub fn load_model(
+    dirs: &[std::path::PathBuf],
+    cache_dir: &std::path::Path,
+    model: &crate::runtime::model::llama::Llama,
+    kv_cache_tokens: usize,
+) -> Result<BackendModel<KernelBackend<crate::runtime::cuda::gpu::GpuRunner>>> {
+    let (runner, gpu) = crate::runtime::cuda::gpu::open_first(dirs, cache_dir)?;
+    model_on(runner, &gpu, model, kv_cache_tokens)
+}
+
+/// `model` uploaded to `runner`'s GPU with a KV cache of `kv_cache_tokens` positions.
+///
+/// Errors: what the backend does not run (named), GPU memory.
+pub fn model_on(
+    runner: crate::runtime::cuda::gpu::GpuRunner,
+    gpu: &crate::runtime::cuda::device::Gpu,
+    model: &crate::runtime::model::llama::Llama,
+    kv_cache_tokens: usize,
+) -> Result<BackendModel<KernelBackend<crate::runtime::cuda::gpu::GpuRunner>>> {
+    BackendModel::new(KernelBackend::new(runner), model, kv_cache_tokens)
+        .with_context(|| format!("cannot put the model on {} (sm_{})", gpu.name, gpu.arch()))
 }
