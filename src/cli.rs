@@ -698,7 +698,7 @@ pub struct UpArgs {
     pub no_prefix_cache: bool,
 
     /// Require `Authorization: Bearer <key>` on every API request.
-    #[arg(long, value_name = "KEY", env = "INFER_API_KEY")]
+    #[arg(long, value_name = "KEY", env = crate::envvars::API_KEY)]
     pub api_key: Option<String>,
 
     /// Positions the KV cache holds over all running sequences, in blocks of 16 (memory is

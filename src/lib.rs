@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod commands;
 pub mod doctor;
 pub mod engines;
+pub mod envvars;
 pub mod launch;
 pub mod model;
 pub mod plan;

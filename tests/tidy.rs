@@ -226,7 +226,9 @@ fn unit_of(segments: &[&str]) -> String {
     ];
     match segments {
         ["runtime", part, ..] if RUNTIME_PARTS.contains(part) => format!("runtime/{part}"),
-        [first, ..] if LAYERS.iter().any(|(unit, _)| unit == first) => first.to_string(),
+        [first, ..] if *first == "envvars" || LAYERS.iter().any(|(unit, _)| unit == first) => {
+            first.to_string()
+        }
         // Anything else after `crate::` is an item of the crate root.
         _ => "lib".to_string(),
     }
@@ -349,6 +351,9 @@ fn the_layers_only_import_downwards() {
             module.push(stem);
         }
         let unit = unit_of(&module);
+        if unit == "envvars" {
+            continue;
+        }
         units_seen.insert(unit.clone());
         let Some((_, allowed)) = LAYERS.iter().find(|(u, _)| *u == unit) else {
             offenders.push(format!(
@@ -361,9 +366,11 @@ fn the_layers_only_import_downwards() {
         for imported in crate_paths(&code_of(&text)) {
             let segments: Vec<&str> = imported.iter().map(String::as_str).collect();
             let target = unit_of(&segments);
-            let lib_ok = target == "lib" && unit == "commands";
+            // The crate root serves only the commands; `envvars` (names of environment
+            // variables, no code) every layer.
+            let root_ok = (target == "lib" && unit == "commands") || target == "envvars";
             if target != unit
-                && !lib_ok
+                && !root_ok
                 && !allowed.contains(&"*")
                 && !allowed.contains(&target.as_str())
             {
@@ -416,4 +423,41 @@ fn the_layer_parser_expands_use_trees_and_inline_paths() {
     assert_eq!(unit_of(&["ExitStatus"]), "lib");
     let without_tests = code_of("use crate::a;\n#[cfg(test)]\nmod tests {\n use crate::b;\n}\n");
     assert!(!without_tests.contains("crate::b"), "{without_tests}");
+}
+
+/// The launcher→rank contract and every other `INFER_*` variable are named once: no code in
+/// `src/` outside `envvars.rs` (the names) and `runtime/exec/rank_env.rs` (the typed contract)
+/// spells an `INFER_` name, so every reader and writer goes through a constant.
+#[test]
+fn infer_variables_are_named_only_in_envvars() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let allowed = [src.join("envvars.rs"), src.join("runtime/exec/rank_env.rs")];
+    let mut offenders = Vec::new();
+    for path in all_files().into_iter().filter(|p| p.starts_with(&src)) {
+        if allowed.contains(&path) {
+            continue;
+        }
+        let text = fs::read_to_string(&path).expect("readable source");
+        for (number, line) in code_of(&text).lines().enumerate() {
+            let spelled = line.match_indices("INFER_").any(|(at, _)| {
+                line[at + "INFER_".len()..]
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_uppercase())
+            });
+            if spelled {
+                offenders.push(format!(
+                    "{}:{}: {}",
+                    path.display(),
+                    number + 1,
+                    line.trim()
+                ));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "`INFER_*` names spelled outside src/envvars.rs (use its constants):\n{}",
+        offenders.join("\n")
+    );
 }

@@ -210,7 +210,8 @@ fn decode_cuda(
         // INFER_CUDA_PROFILE: GPU time per kernel over every run above, on stderr.
         let total_ms: f64 = rows.iter().map(|r| r.2).sum();
         let mut table = vec![format!(
-            "GPU time per kernel (INFER_CUDA_PROFILE), every run: {total_ms:.1} ms"
+            "GPU time per kernel ({}), every run: {total_ms:.1} ms",
+            crate::envvars::CUDA_PROFILE
         )];
         for (name, calls, ms) in &rows {
             table.push(format!(
@@ -382,7 +383,7 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
                 "--max-bytes",
                 &args.max_bytes.to_string(),
             ])
-            .env("INFER_RUN_TOKEN", &token)
+            .env(crate::envvars::RUN_TOKEN, &token)
             .stdout(if rank == 0 {
                 Stdio::piped()
             } else {
@@ -485,7 +486,7 @@ fn allreduce_cluster(
         threads_per_rank: 1,
         numerics: crate::runtime::cpu::quant::Numerics::Exact,
         timeout: std::time::Duration::from_secs(120),
-        extra_env: Vec::new(),
+        serving: None,
         layout_from: "infer bench allreduce --cluster".into(),
         placement: Vec::new(),
         run_dir: None,
@@ -604,7 +605,8 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
 
     use crate::runtime::collectives::shm::ShmComm;
     use crate::runtime::collectives::{Comm, TcpComm};
-    let token = std::env::var("INFER_RUN_TOKEN").context("`INFER_RUN_TOKEN` is not set")?;
+    let token =
+        crate::runtime::exec::rank_env::run_token(&crate::runtime::exec::rank_env::process_env)?;
     let timeout = Duration::from_secs(60);
     let mut store =
         crate::rendezvous::StoreClient::connect(&args.store, &token, Some(args.rank), timeout)?;
@@ -617,8 +619,8 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
         "127.0.0.1",
         timeout,
     )?;
-    let mut comm = match std::env::var("INFER_SHM_DISABLE") {
-        Ok(v) if v == "1" => ShmComm::tcp_only(tcp, "INFER_SHM_DISABLE=1"),
+    let mut comm = match std::env::var(crate::envvars::SHM_DISABLE) {
+        Ok(v) if v == "1" => ShmComm::tcp_only(tcp, &format!("{}=1", crate::envvars::SHM_DISABLE)),
         _ => ShmComm::new(tcp),
     };
     let tcp_rows = allreduce_sizes(comm.tcp_mut(), args.max_bytes)?;

@@ -140,7 +140,7 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
         command.args(["--model", model]);
     }
     command
-        .env_remove("INFER_API_KEY")
+        .env_remove(crate::envvars::API_KEY)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());

@@ -217,7 +217,7 @@ fn distributed(
         threads_per_rank,
         numerics: args.numerics.into(),
         timeout: crate::launch::rank_timeout(harness),
-        extra_env: Vec::new(),
+        serving: None,
         layout_from: "infer generate --tp/--pp".into(),
         placement: Vec::new(),
         run_dir: args.run_dir.clone(),

@@ -156,7 +156,7 @@ fn cuda_device(
 fn host_harness(
     cache_dir: &std::path::Path,
 ) -> Option<crate::runtime::exec::kernel_executor::KernelDevice> {
-    std::env::var("INFER_CUDA_HOST_HARNESS")
+    std::env::var(crate::envvars::CUDA_HOST_HARNESS)
         .is_ok_and(|v| v == "1")
         .then(
             || crate::runtime::exec::kernel_executor::KernelDevice::HostHarness {

@@ -1,94 +1,47 @@
 //! `infer rank` (hidden): one rank process. Reads its configuration from the environment the
 //! launcher set and runs [`crate::runtime::exec::worker::run_rank`].
 
-use std::time::Duration;
-
 use anyhow::{Context, Result};
 
 use crate::ExitStatus;
-use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::exec::rank_env::{RankEnv, process_env, run_token};
 use crate::runtime::exec::worker::{RankConfig, run_rank};
-use crate::runtime::model::source::ModelSource;
-
-fn var(name: &str) -> Result<String> {
-    std::env::var(name).with_context(|| {
-        format!("`{name}` is not set: `infer rank` is started by `infer generate`/`infer up`")
-    })
-}
-
-fn number<T: std::str::FromStr>(name: &str) -> Result<T> {
-    var(name)?
-        .parse()
-        .ok()
-        .with_context(|| format!("`{name}` is not a number"))
-}
 
 /// Runs the rank described by the environment.
 pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
+    let env = RankEnv::from_env(&process_env)?;
+    let token = run_token(&process_env)?;
     let config = RankConfig {
-        rank: number("RANK")?,
-        world_size: number("WORLD_SIZE")?,
-        tp: number("INFER_TP")?,
-        pp: number("INFER_PP")?,
-        dp: match std::env::var("INFER_DP") {
-            Ok(_) => number("INFER_DP")?,
-            Err(_) => 1,
-        },
-        ep: match std::env::var("INFER_EP") {
-            Ok(_) => number("INFER_EP")?,
-            Err(_) => 1,
-        },
-        store_address: format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
-        token: var("INFER_RUN_TOKEN")?,
-        model: match (
-            std::env::var_os("INFER_MODEL"),
-            std::env::var("INFER_DUMMY_MODEL"),
-        ) {
-            (Some(path), _) => Some(ModelSource::File(path.into())),
-            (None, Ok(json)) => Some(ModelSource::Dummy(
-                serde_json::from_str(&json).context("`INFER_DUMMY_MODEL` is not a dummy model")?,
-            )),
-            (None, Err(_)) => None,
-        },
-        threads: number("INFER_THREADS")?,
-        timeout: Duration::from_secs(number("INFER_TIMEOUT_SECS")?),
-        kv_cache_tokens: match std::env::var("INFER_KV_CACHE_TOKENS") {
-            Ok(_) => Some(number("INFER_KV_CACHE_TOKENS")?),
-            Err(_) => None,
-        },
-        prefix_cache: std::env::var("INFER_PREFIX_CACHE").is_ok_and(|v| v == "1"),
-        pd_prefill_replicas: match std::env::var("INFER_PD_PREFILL") {
-            Ok(_) => Some(number("INFER_PD_PREFILL")?),
-            Err(_) => None,
-        },
-        shm: std::env::var("INFER_SHM_DISABLE").map_or(true, |v| v != "1"),
-        bind_addr: std::env::var("INFER_BIND_ADDR").unwrap_or_else(|_| "127.0.0.1".into()),
+        rank: env.rank as u64,
+        world_size: env.world_size as u64,
+        tp: env.tp,
+        pp: env.pp,
+        dp: env.dp,
+        ep: env.ep,
+        store_address: env.store.to_string(),
+        token: token.clone(),
+        model: env.model.clone(),
+        threads: env.threads,
+        timeout: env.timeout,
+        kv_cache_tokens: env.serving.as_ref().map(|s| s.kv_cache_tokens),
+        prefix_cache: env.serving.as_ref().is_some_and(|s| s.prefix_cache),
+        pd_prefill_replicas: env.serving.as_ref().and_then(|s| s.pd_prefill),
+        shm: !env.shm_disable,
+        bind_addr: env.bind_addr().to_string(),
         host_ranks: {
-            let (rank, local_rank, local_world): (u64, u64, u64) = (
-                number("RANK")?,
-                number("LOCAL_RANK")?,
-                number("LOCAL_WORLD_SIZE")?,
-            );
-            let first = rank
-                .checked_sub(local_rank)
-                .context("`LOCAL_RANK` exceeds `RANK`")?;
-            first..first + local_world
+            let ranks = env.host_ranks();
+            ranks.start as u64..ranks.end as u64
         },
-        device: match std::env::var("INFER_DEVICE").as_deref() {
-            Err(_) | Ok("cpu") => None,
-            Ok("cuda") => Some(rank_device()?),
-            Ok(other) => anyhow::bail!("`INFER_DEVICE` is `{other}`, not `cpu` or `cuda`"),
+        device: match &env.device {
+            None => None,
+            Some(_) => Some(rank_device()?),
         },
-        cuda_visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
-        numerics: match std::env::var("INFER_NUMERICS") {
-            Ok(name) => Numerics::from_name(&name)
-                .with_context(|| format!("`INFER_NUMERICS` is `{name}`, not `exact` or `fast`"))?,
-            Err(_) => Numerics::Exact,
-        },
+        cuda_visible_devices: Some(env.cuda_visible_devices.clone()),
+        numerics: env.numerics,
     };
     // Rank 0 of a serving gang listens before it loads, answering 503 meanwhile.
     let mut server = if config.rank == 0 {
-        crate::serve::http::bind_rank_http()?
+        crate::serve::http::bind_rank_http(env.serving.as_ref())?
     } else {
         None
     };
@@ -96,9 +49,14 @@ pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
         &config,
         &mut |line| printer.note_or_warn(line),
         &mut |driver, store| {
-            crate::serve::http::serve_driver(driver, store, server.take(), &mut |line| {
-                printer.note(line)
-            })
+            crate::serve::http::serve_driver(
+                driver,
+                store,
+                server.take(),
+                &env,
+                &token,
+                &mut |line| printer.note(line),
+            )
         },
     )
     .with_context(|| format!("rank {} failed", config.rank))?;

@@ -145,7 +145,7 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
                     master_addr,
                     args.master_port,
                     args.bind_addr,
-                    std::env::var("INFER_RUN_TOKEN").ok(),
+                    std::env::var(crate::envvars::RUN_TOKEN).ok(),
                 )?)
             }
             _ => None,

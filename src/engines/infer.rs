@@ -135,11 +135,11 @@ fn generate_with_roles(request: &EngineRequest, roles: Option<(u64, u64)>) -> Re
         .collect();
     let mut notes = Vec::new();
     if nnodes > 1 {
-        notes.push(
-            "every node needs the same `INFER_RUN_TOKEN` in its environment (e.g. `export INFER_RUN_TOKEN=$(openssl rand \
+        let token = crate::envvars::RUN_TOKEN;
+        notes.push(format!(
+            "every node needs the same `{token}` in its environment (e.g. `export {token}=$(openssl rand \
              -hex 16)` once, copied to each node): node 0's store admits only ranks that present it"
-                .to_string(),
-        );
+        ));
     }
     if request.gpu {
         notes.push(

@@ -500,9 +500,10 @@ pub fn script(launch: &EngineLaunch, node: &NodeLaunch) -> String {
     out.push_str("set -euo pipefail\n");
     if launch.engine == EngineKind::Infer && launch.nodes.len() > 1 {
         // The shared secret stays out of the file.
-        out.push_str(
-            ": \"${INFER_RUN_TOKEN:?set INFER_RUN_TOKEN to one secret shared by every node}\"\n",
-        );
+        let token = crate::envvars::RUN_TOKEN;
+        out.push_str(&format!(
+            ": \"${{{token}:?set {token} to one secret shared by every node}}\"\n"
+        ));
     }
     for (key, value) in &node.env {
         out.push_str(&format!("export {key}={}\n", shell_quote(value)));

@@ -113,7 +113,7 @@ pub fn kill_run(run_id: &str, host: Option<&str>) -> Result<usize> {
         .iter()
         .filter_map(|dir| std::fs::read_to_string(dir.join("pgids")).ok())
         .collect();
-    let marker = format!("INFER_RUN_ID={run_id}");
+    let marker = format!("{}={run_id}", crate::envvars::RUN_ID);
     let groups: Vec<i32> = text
         .lines()
         .filter_map(|line| line.split_whitespace().nth(1)?.parse().ok())
@@ -385,7 +385,7 @@ impl Agent {
         }
         let log = self.run_dir.join(format!("rank{rank}.log"));
         let mut env = env.to_vec();
-        env.push(("INFER_RUN_ID".into(), self.run_id.clone()));
+        env.push((crate::envvars::RUN_ID.into(), self.run_id.clone()));
         let output = Arc::clone(&self.output);
         let line = move |line| send(&output, &FromAgent::Line { rank, line });
         let child = match argv {

@@ -14,6 +14,7 @@ use super::ssh_config;
 use super::{Gang, LaunchSpec, Placement, Progress, StoreLocation};
 use crate::cluster::InventoryEntry;
 use crate::runtime::exec::engine::Generation;
+use crate::runtime::exec::rank_env::HostEnv;
 use crate::runtime::exec::worker::Job;
 use crate::topology::Interface;
 
@@ -140,28 +141,20 @@ pub fn start(
         // CPU ranks use no GPU: every active HCA of the host is as near as any.
         let hcas =
             crate::plan::env::nearest_active_hcas(&remote.hosts[host].hello.topology.nics, &[]);
-        let mut env: Vec<(String, String)> = vec![
-            ("NCCL_SOCKET_IFNAME".into(), format!("={}", interface.name)),
-            ("GLOO_SOCKET_IFNAME".into(), interface.name.clone()),
-            ("INFER_BIND_ADDR".into(), interface.address.to_string()),
-            ("INFER_HOST".into(), entries[host].name.clone()),
-            (
-                "INFER_THREADS".into(),
-                match spec.threads_per_rank {
-                    0 => threads.to_string(),
-                    n => n.to_string(),
-                },
-            ),
-        ];
-        if !hcas.is_empty() {
-            // `=`: exact names (a bare `mlx5_1` would also select `mlx5_10`).
-            env.push(("NCCL_IB_HCA".into(), format!("={}", hcas.join(","))));
-        }
         placement.push(Placement {
             host: entries[host].name.clone(),
             local_rank,
             local_world_size: on_host.len(),
-            env,
+            env: HostEnv {
+                name: Some(entries[host].name.clone()),
+                bind_addr: Some(interface.address.to_string()),
+                socket_ifname: Some(interface.name.clone()),
+                ib_hcas: hcas,
+            },
+            threads: Some(match spec.threads_per_rank {
+                0 => threads,
+                n => n,
+            }),
         });
     }
     let token = crate::rendezvous::random_token();
@@ -231,7 +224,7 @@ fn device_ranks_gpus(
     rank_hosts: &[usize],
     placement: &[Placement],
 ) -> Result<Vec<String>> {
-    let harness = std::env::var("INFER_CUDA_HOST_HARNESS").is_ok_and(|v| v == "1");
+    let harness = std::env::var(crate::envvars::CUDA_HOST_HARNESS).is_ok_and(|v| v == "1");
     let mut gpus = Vec::with_capacity(rank_hosts.len());
     for (&host, place) in rank_hosts.iter().zip(placement) {
         let visible = remote.hosts[host].hello.topology.gpus.len();
@@ -692,12 +685,13 @@ fn allreduce_probe(
             host: name.to_string(),
             local_rank: 0,
             local_world_size: 1,
-            env: vec![
-                ("NCCL_SOCKET_IFNAME".into(), format!("={interface}")),
-                ("GLOO_SOCKET_IFNAME".into(), interface.clone()),
-                ("INFER_BIND_ADDR".into(), address.clone()),
-                ("INFER_HOST".into(), name.to_string()),
-            ],
+            env: HostEnv {
+                name: Some(name.to_string()),
+                bind_addr: Some(address.clone()),
+                socket_ifname: Some(interface.clone()),
+                ib_hcas: Vec::new(),
+            },
+            threads: None,
         })
         .collect();
     let spec = LaunchSpec {
@@ -709,7 +703,7 @@ fn allreduce_probe(
         threads_per_rank: 1,
         numerics: crate::runtime::cpu::quant::Numerics::Exact,
         timeout: std::time::Duration::from_secs(30),
-        extra_env: Vec::new(),
+        serving: None,
         layout_from: "infer doctor --cluster --bandwidth".into(),
         placement,
         run_dir: None,

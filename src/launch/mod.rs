@@ -24,9 +24,11 @@ pub mod smoke;
 pub mod ssh;
 pub mod ssh_config;
 
+use crate::envvars;
 use crate::rendezvous::{StoreClient, StoreServer, random_token};
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::engine::Generation;
+use crate::runtime::exec::rank_env::{self, DeviceEnv, HostEnv, RankEnv, ServingEnv};
 use crate::runtime::exec::worker::Job;
 
 /// How long a rank may go without a heartbeat before the gang is stopped.
@@ -38,8 +40,8 @@ pub const GRACE_PERIOD: Duration = Duration::from_secs(2);
 /// key, and the credentials a rank may inherit from the usual tools (Hugging Face, OpenAI,
 /// vLLM). Named one by one: `INFER_KV_CACHE_TOKENS` holds a size, not a secret.
 pub const SECRET_ENV: &[&str] = &[
-    "INFER_RUN_TOKEN",
-    "INFER_API_KEY",
+    envvars::RUN_TOKEN,
+    envvars::API_KEY,
     "HF_TOKEN",
     "HUGGING_FACE_HUB_TOKEN",
     "OPENAI_API_KEY",
@@ -65,9 +67,9 @@ pub struct LaunchSpec {
     pub numerics: Numerics,
     /// Timeout of collectives and store waits inside the ranks.
     pub timeout: Duration,
-    /// Extra environment of every rank (`INFER_HTTP_*` for a serving rank 0), set after
-    /// the standard variables.
-    pub extra_env: Vec<(String, String)>,
+    /// `infer up`'s settings, which every rank of a serving gang gets (`None`: the gang
+    /// serves nothing).
+    pub serving: Option<ServingEnv>,
     /// Where the layout came from (flags, a plan file, a plan for a cluster), for the
     /// manifest.
     pub layout_from: String,
@@ -152,7 +154,7 @@ pub fn create_run_dir(dir: Option<&Path>) -> Result<PathBuf> {
     let root = runs_dir()?;
     std::fs::create_dir_all(&root)
         .with_context(|| format!("cannot create `{}`", root.display()))?;
-    let keep = std::env::var("INFER_KEEP_RUNS")
+    let keep = std::env::var(envvars::KEEP_RUNS)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(KEEP_RUNS);
@@ -260,9 +262,11 @@ pub struct Placement {
     pub local_rank: usize,
     /// Ranks on the host (`LOCAL_WORLD_SIZE`).
     pub local_world_size: usize,
-    /// The host's own settings: `NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`,
-    /// `INFER_BIND_ADDR` (its data-network address, where its collectives listen).
-    pub env: Vec<(String, String)>,
+    /// The host's own settings: its data interface and address (where the rank's
+    /// collectives listen), its HCAs.
+    pub env: HostEnv,
+    /// Threads of this rank's pool when its host decides them (`None`: the spec's).
+    pub threads: Option<usize>,
 }
 
 /// Where the rendezvous store runs.
@@ -793,71 +797,47 @@ fn spawn_rank(
     let placement = spec.placement.get(rank);
     let (local_rank, local_world) =
         placement.map_or((rank, world), |p| (p.local_rank, p.local_world_size));
-    let mut env: Vec<(String, String)> = vec![
-        ("RANK".into(), rank.to_string()),
-        ("WORLD_SIZE".into(), world.to_string()),
-        ("LOCAL_RANK".into(), local_rank.to_string()),
-        ("LOCAL_WORLD_SIZE".into(), local_world.to_string()),
-        ("MASTER_ADDR".into(), store.ip().to_string()),
-        ("MASTER_PORT".into(), store.port().to_string()),
-        ("INFER_TP".into(), spec.tp.to_string()),
-        ("INFER_PP".into(), spec.pp.to_string()),
-        ("INFER_DP".into(), spec.dp.to_string()),
-        ("INFER_EP".into(), spec.ep.to_string()),
-        ("INFER_THREADS".into(), spec.threads_per_rank.to_string()),
-        ("INFER_NUMERICS".into(), spec.numerics.name().into()),
-        (
-            "INFER_TIMEOUT_SECS".into(),
-            spec.timeout.as_secs().to_string(),
-        ),
-        // CPU ranks see no GPU; a device rank sees its own.
-        (
-            "CUDA_VISIBLE_DEVICES".into(),
-            spec.gpus
-                .as_ref()
-                .and_then(|gpus| gpus.get(rank).cloned())
-                .unwrap_or_default(),
-        ),
-        ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
-        ("NO_COLOR".into(), "1".into()),
-    ];
-    match &spec.model {
-        Some(crate::runtime::model::source::ModelSource::File(model)) => {
-            env.push(("INFER_MODEL".into(), model.display().to_string()));
-        }
-        Some(crate::runtime::model::source::ModelSource::Dummy(dummy)) => {
-            env.push((
-                "INFER_DUMMY_MODEL".into(),
-                serde_json::to_string(dummy).context("cannot describe the dummy model")?,
-            ));
-        }
-        None => {}
-    }
-    // NCCL-style transport switches pass through, as torchrun's ranks inherit them.
-    if let Ok(value) = std::env::var("INFER_SHM_DISABLE") {
-        env.push(("INFER_SHM_DISABLE".into(), value));
-    }
-    if spec.gpus.is_some() {
-        env.push(("INFER_DEVICE".into(), "cuda".into()));
+    let device = spec.gpus.as_ref().map(|_| {
         // What the rank's environment lacks to find NVIDIA's libraries (it gets PATH and HOME
         // only), and the harness switch and compiler when this launcher has them.
         let dirs = crate::runtime::libraries::search_dirs(&|name| std::env::var_os(name));
-        if let Ok(joined) = std::env::join_paths(&dirs) {
-            env.push((
-                "INFER_CUDA_LIB_DIRS".into(),
-                joined.to_string_lossy().into_owned(),
-            ));
+        DeviceEnv {
+            lib_dirs: std::env::join_paths(&dirs)
+                .ok()
+                .map(|joined| joined.to_string_lossy().into_owned()),
+            host_harness: std::env::var(envvars::CUDA_HOST_HARNESS).is_ok_and(|v| v == "1"),
+            cxx: std::env::var(rank_env::CXX).ok(),
         }
-        for name in ["INFER_CUDA_HOST_HARNESS", "CXX"] {
-            if let Ok(value) = std::env::var(name) {
-                env.push((name.into(), value));
-            }
-        }
-    }
-    if let Some(placement) = placement {
-        env.extend(placement.env.iter().cloned());
-    }
-    env.extend(spec.extra_env.iter().cloned());
+    });
+    let contract = RankEnv {
+        rank,
+        world_size: world,
+        local_rank,
+        local_world_size: local_world,
+        store,
+        tp: spec.tp,
+        pp: spec.pp,
+        dp: spec.dp,
+        ep: spec.ep,
+        threads: placement
+            .and_then(|p| p.threads)
+            .unwrap_or(spec.threads_per_rank),
+        numerics: spec.numerics,
+        timeout: spec.timeout,
+        model: spec.model.clone(),
+        // NCCL-style transport switches pass through, as torchrun's ranks inherit them.
+        shm_disable: std::env::var(envvars::SHM_DISABLE).is_ok_and(|v| v == "1"),
+        // CPU ranks see no GPU; a device rank sees its own.
+        cuda_visible_devices: spec
+            .gpus
+            .as_ref()
+            .and_then(|gpus| gpus.get(rank).cloned())
+            .unwrap_or_default(),
+        device,
+        host: placement.map(|p| p.env.clone()).unwrap_or_default(),
+        serving: spec.serving.clone(),
+    };
+    let env = contract.to_env()?;
     let child = spawner.spawn(rank, &env, token, &log, lines)?;
     Ok(RankProcess {
         rank,
@@ -924,7 +904,7 @@ pub fn start_rank_process(
     line: impl Fn(String) + Clone + Send + 'static,
 ) -> Result<Child> {
     let mut env = env.to_vec();
-    env.push(("INFER_RUN_TOKEN".into(), token.into()));
+    env.push((envvars::RUN_TOKEN.into(), token.into()));
     start_process(exe, &["rank".to_string()], &env, log, line)
         .with_context(|| format!("cannot start rank {rank} from `{}`", exe.display()))
 }

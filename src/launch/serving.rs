@@ -14,6 +14,7 @@ use anyhow::{Context, Result, bail};
 use super::{Gang, LaunchSpec, Progress};
 use crate::model;
 use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::exec::rank_env::{HostEnv, ServingEnv};
 use crate::runtime::exec::worker::Job;
 use crate::serve::http::OneProcessEvent;
 
@@ -105,9 +106,12 @@ impl NodeSettings {
                 nnodes.saturating_sub(1)
             );
         }
-        let token = token.filter(|t| !t.is_empty()).context(
-            "--nnodes: set `INFER_RUN_TOKEN` to one secret shared by every node (e.g. `openssl rand -hex 16`): node 0's store admits only ranks that present it",
-        )?;
+        let token = token.filter(|t| !t.is_empty()).with_context(|| {
+            format!(
+                "--nnodes: set `{}` to one secret shared by every node (e.g. `openssl rand -hex 16`): node 0's store admits only ranks that present it",
+                crate::envvars::RUN_TOKEN
+            )
+        })?;
         let addresses: Vec<SocketAddr> = (master_addr, master_port)
             .to_socket_addrs()
             .with_context(|| format!("--master-addr `{master_addr}` does not resolve"))?
@@ -468,43 +472,22 @@ fn launch(
         None => None,
     };
     let (http_host, http_port) = match &local_http {
-        Some(_) => ("127.0.0.1".to_string(), "0".to_string()),
-        None => (settings.host.clone(), settings.port.to_string()),
+        Some(_) => ("127.0.0.1".to_string(), 0),
+        None => (settings.host.clone(), settings.port),
     };
-    let mut extra_env = vec![
-        ("INFER_HTTP_HOST".to_string(), http_host),
-        ("INFER_HTTP_PORT".to_string(), http_port),
-        (
-            "INFER_MAX_BATCH".to_string(),
-            settings.limits.max_batch.to_string(),
-        ),
-        (
-            "INFER_MAX_NUM_BATCHED_TOKENS".to_string(),
-            settings.limits.max_batched_tokens.to_string(),
-        ),
-        (
-            "INFER_PREFIX_CACHE".to_string(),
-            if settings.prefix_cache { "1" } else { "0" }.to_string(),
-        ),
-        ("INFER_MODEL_ID".to_string(), settings.model_id.clone()),
-        (
-            "INFER_KV_CACHE_TOKENS".to_string(),
-            settings.kv_cache_tokens.to_string(),
-        ),
-    ];
-    if let Some(key) = &settings.api_key {
-        extra_env.push(("INFER_API_KEY".to_string(), key.clone()));
-    }
-    if let Some(prefill) = layout.pd_prefill {
-        extra_env.push(("INFER_PD_PREFILL".to_string(), prefill.to_string()));
-    }
-    extra_env.push((
-        "INFER_SHUTDOWN_TIMEOUT_SECS".to_string(),
-        settings.shutdown_timeout.as_secs_f64().to_string(),
-    ));
-    if let Some(len) = settings.max_model_len {
-        extra_env.push(("INFER_MAX_MODEL_LEN".to_string(), len.to_string()));
-    }
+    let serving = ServingEnv {
+        http_host,
+        http_port,
+        max_batch: settings.limits.max_batch,
+        max_num_batched_tokens: Some(settings.limits.max_batched_tokens),
+        prefix_cache: settings.prefix_cache,
+        model_id: settings.model_id.clone(),
+        kv_cache_tokens: settings.kv_cache_tokens,
+        api_key: settings.api_key.clone(),
+        pd_prefill: layout.pd_prefill,
+        shutdown_timeout: settings.shutdown_timeout,
+        max_model_len: settings.max_model_len,
+    };
     let spec = LaunchSpec {
         tp: layout.tp,
         pp: layout.pp,
@@ -524,7 +507,7 @@ fn launch(
             settings.gpu.as_ref().map(|g| &g.kernels),
             Some(crate::runtime::exec::kernel_executor::KernelDevice::HostHarness { .. })
         )),
-        extra_env,
+        serving: Some(serving),
         layout_from: layout.from.clone(),
         placement: match &settings.node {
             Some(node) => node_placement(node, world),
@@ -605,8 +588,10 @@ fn launch(
                 .with_context(|| {
                     if node.node_rank > 0 {
                         format!(
-                            "node {} cannot join node 0's store at {}: start node 0 first, with the same INFER_RUN_TOKEN",
-                            node.node_rank, node.master
+                            "node {} cannot join node 0's store at {}: start node 0 first, with the same {}",
+                            node.node_rank,
+                            node.master,
+                            crate::envvars::RUN_TOKEN
                         )
                     } else {
                         "node 0 cannot start its ranks".to_string()
@@ -749,11 +734,14 @@ fn node_placement(node: &NodeSettings, world: usize) -> Vec<super::Placement> {
             host: format!("node{}", rank / share),
             local_rank: rank % share,
             local_world_size: share,
-            env: if node.ranks(world).contains(&rank) {
-                vec![("INFER_BIND_ADDR".to_string(), node.bind_addr.to_string())]
-            } else {
-                Vec::new()
+            env: HostEnv {
+                bind_addr: node
+                    .ranks(world)
+                    .contains(&rank)
+                    .then(|| node.bind_addr.to_string()),
+                ..HostEnv::default()
             },
+            threads: None,
         })
         .collect()
 }

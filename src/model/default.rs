@@ -23,7 +23,7 @@ pub const SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373
 /// The cache directory: `$INFER_CACHE_DIR`, else `$XDG_CACHE_HOME/infer`, else
 /// `~/.cache/infer`. Errors: none of them can be determined.
 pub fn cache_dir() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("INFER_CACHE_DIR").filter(|d| !d.is_empty()) {
+    if let Some(dir) = std::env::var_os(crate::envvars::CACHE_DIR).filter(|d| !d.is_empty()) {
         return Ok(PathBuf::from(dir));
     }
     if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
@@ -31,7 +31,12 @@ pub fn cache_dir() -> Result<PathBuf> {
     }
     let home = std::env::var_os("HOME")
         .filter(|h| !h.is_empty())
-        .context("cannot find a cache directory: set `INFER_CACHE_DIR` or `HOME`")?;
+        .with_context(|| {
+            format!(
+                "cannot find a cache directory: set `{}` or `HOME`",
+                crate::envvars::CACHE_DIR
+            )
+        })?;
     Ok(PathBuf::from(home).join(".cache/infer"))
 }
 

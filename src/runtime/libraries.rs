@@ -163,7 +163,7 @@ fn wheel_dirs(prefix: &Path) -> Vec<PathBuf> {
 /// `runtime/` reads none itself).
 pub fn search_dirs(var: &dyn Fn(&str) -> Option<OsString>) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = Vec::new();
-    for name in ["INFER_CUDA_LIB_DIRS", "LD_LIBRARY_PATH"] {
+    for name in [crate::envvars::CUDA_LIB_DIRS, "LD_LIBRARY_PATH"] {
         if let Some(value) = var(name) {
             dirs.extend(std::env::split_paths(&value).filter(|p| !p.as_os_str().is_empty()));
         }
@@ -340,8 +340,9 @@ pub fn not_installed(
     };
     anyhow::anyhow!(
         "{what} ({}) is not installed: {install}, or put a CUDA toolkit's lib64 on \
-         LD_LIBRARY_PATH or INFER_CUDA_LIB_DIRS; {error}",
-        tried.join(" or ")
+         LD_LIBRARY_PATH or {}; {error}",
+        tried.join(" or "),
+        crate::envvars::CUDA_LIB_DIRS
     )
 }
 

@@ -16,6 +16,7 @@ use crate::rendezvous::StoreClient;
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::engine::Engine;
 use crate::runtime::exec::executor::Executor;
+use crate::runtime::exec::rank_env::{RankEnv, ServingEnv};
 use crate::runtime::exec::worker::ReplicaDriver;
 
 /// What the one-process server needs.
@@ -130,38 +131,35 @@ pub fn serve_one_process(
 
 /// The driver of a serving replica. Replica 0's driver (global rank 0) runs the scheduler
 /// over `driver`, connects the router to the other replicas' drivers (their addresses come
-/// from the store), opens `server` (bound at `INFER_HTTP_HOST:INFER_HTTP_PORT` before the
-/// shard loaded, see [`bind_rank_http`]), publishes its address under `ready`, and serves
-/// until SIGTERM (from the launcher) or until a replica fails. Any other replica's driver serves the router's requests instead
-/// ([`super::router::serve_remote`]).
+/// from the store), opens `server` (bound at `env`'s HTTP address before the shard loaded,
+/// see [`bind_rank_http`]), publishes its address under `ready`, and serves until SIGTERM
+/// (from the launcher) or until a replica fails. Any other replica's driver serves the
+/// router's requests instead ([`super::router::serve_remote`]). `token` is the run's.
 ///
-/// Errors: a missing `INFER_*` variable or server, a failed replica (a lost rank), a lost
-/// router.
+/// Errors: `env` without serving settings, no server on rank 0, a failed replica (a lost
+/// rank), a lost router.
 pub fn serve_driver(
     driver: ReplicaDriver,
     store: &mut StoreClient,
     server: Option<HttpServer>,
+    env: &RankEnv,
+    token: &str,
     note: &mut dyn FnMut(&str),
 ) -> Result<()> {
-    let var = |name: &str| {
-        std::env::var(name).with_context(|| format!("`{name}` is not set by the launcher"))
-    };
-    let max_batch: usize = var("INFER_MAX_BATCH")?
-        .parse()
-        .context("INFER_MAX_BATCH is not a number")?;
-    let limits = match std::env::var("INFER_MAX_NUM_BATCHED_TOKENS") {
-        Ok(tokens) => Limits {
-            max_batch,
-            max_batched_tokens: tokens
-                .parse()
-                .context("INFER_MAX_NUM_BATCHED_TOKENS is not a number")?,
+    let serving = env.serving.as_ref().with_context(|| {
+        format!(
+            "a serving rank needs `{}` and the other serving settings from its launcher",
+            crate::envvars::HTTP_PORT
+        )
+    })?;
+    let limits = match serving.max_num_batched_tokens {
+        Some(max_batched_tokens) => Limits {
+            max_batch: serving.max_batch,
+            max_batched_tokens,
         },
-        Err(_) => Limits::for_this_host(max_batch),
+        None => Limits::for_this_host(serving.max_batch),
     };
-    let dp: usize = var("INFER_DP")?
-        .parse()
-        .context("INFER_DP is not a number")?;
-    let token = var("INFER_RUN_TOKEN")?;
+    let dp = env.dp;
     let replica = driver.replica_index();
     let timeout = driver.timeout();
     if replica > 0 {
@@ -173,8 +171,8 @@ pub fn serve_driver(
             .context("failed to start the replica's runtime")?;
         return runtime.block_on(async {
             // The data-network address on a multi-host run, loopback otherwise.
-            let bind = std::env::var("INFER_BIND_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
-            let listener = tokio::net::TcpListener::bind((bind.as_str(), 0))
+            let bind = env.bind_addr();
+            let listener = tokio::net::TcpListener::bind((bind, 0))
                 .await
                 .with_context(|| format!("cannot listen for the router on `{bind}`"))?;
             store.set(
@@ -184,12 +182,12 @@ pub fn serve_driver(
             let mut terminate =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
             tokio::select! {
-                result = super::router::serve_remote(listener, &token, scheduler) => result,
+                result = super::router::serve_remote(listener, token, scheduler) => result,
                 _ = terminate.recv() => Ok(()),
             }
         });
     }
-    let server = server.context("rank 0 has no HTTP server: `INFER_HTTP_PORT` is not set")?;
+    let server = server.context("rank 0 has no HTTP server")?;
     let remotes = (1..dp)
         .map(|r| {
             let bytes = store.get(&format!("dp/{r}/router"), timeout)?;
@@ -198,39 +196,28 @@ pub fn serve_driver(
         .collect::<Result<Vec<String>>>()?;
     server.open(
         AppState {
-            model_id: var("INFER_MODEL_ID")?,
+            model_id: serving.model_id.clone(),
             tokenizer: driver.tokenizer().clone(),
-            // `INFER_MAX_MODEL_LEN` (`--max-model-len`), when set, caps the model's context.
-            max_context_tokens: match std::env::var("INFER_MAX_MODEL_LEN")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-            {
+            // `--max-model-len`, when set, caps the model's context.
+            max_context_tokens: match serving.max_model_len {
                 Some(len) => len.min(driver.max_context_tokens()),
                 None => driver.max_context_tokens(),
             },
-            api_key: std::env::var("INFER_API_KEY").ok(),
+            api_key: serving.api_key.clone(),
             access_log: access_log(),
             scheduler: {
                 let router = Router::local(Scheduler::start_with(Box::new(driver), limits));
-                match std::env::var("INFER_PD_PREFILL") {
-                    Ok(prefill) => router.disaggregated(
-                        prefill
-                            .parse()
-                            .context("INFER_PD_PREFILL is not a number")?,
-                    ),
-                    Err(_) => router,
+                match serving.pd_prefill {
+                    Some(prefill) => router.disaggregated(prefill),
+                    None => router,
                 }
             },
         },
         &remotes,
-        &token,
+        token,
     )?;
     store.set("ready", server.address().to_string().as_bytes())?;
-    let shutdown_timeout = std::env::var("INFER_SHUTDOWN_TIMEOUT_SECS")
-        .ok()
-        .and_then(|v| v.parse::<f64>().ok())
-        .map_or(DEFAULT_SHUTDOWN_TIMEOUT, Duration::from_secs_f64);
-    server.serve_until_stopped(shutdown_timeout, note)
+    server.serve_until_stopped(serving.shutdown_timeout, note)
 }
 
 /// The access log: a `note:` line on stderr per request (rank 0's reach the launcher's
@@ -241,20 +228,13 @@ fn access_log() -> Arc<dyn Fn(&str) + Send + Sync> {
 }
 
 /// Rank 0's HTTP server, bound before the shard loads so the port answers 503 meanwhile:
-/// `INFER_HTTP_HOST:INFER_HTTP_PORT` when the launcher set them (`None` otherwise).
+/// at `serving`'s host and port when the launcher serves (`None` otherwise).
 ///
 /// Errors: the address cannot be bound.
-pub fn bind_rank_http() -> Result<Option<HttpServer>> {
-    match (
-        std::env::var("INFER_HTTP_HOST"),
-        std::env::var("INFER_HTTP_PORT"),
-    ) {
-        (Ok(host), Ok(port)) => {
-            let port: u16 = port.parse().context("INFER_HTTP_PORT is not a port")?;
-            HttpServer::bind(&host, port).map(Some)
-        }
-        _ => Ok(None),
-    }
+pub fn bind_rank_http(serving: Option<&ServingEnv>) -> Result<Option<HttpServer>> {
+    serving
+        .map(|s| HttpServer::bind(&s.http_host, s.http_port))
+        .transpose()
 }
 
 /// The HTTP server of `infer up`: listening from [`HttpServer::bind`] (every endpoint

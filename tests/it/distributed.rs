@@ -205,7 +205,7 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         threads_per_rank: 1,
         numerics: infer::runtime::cpu::quant::Numerics::Exact,
         timeout: Duration::from_secs(5),
-        extra_env: Vec::new(),
+        serving: None,
         layout_from: "a test".into(),
         placement: Vec::new(),
         run_dir: None,

@@ -9,7 +9,7 @@ pub fn has_avx2() -> bool {
         use std::sync::OnceLock;
         static DETECTED: OnceLock<bool> = OnceLock::new();
         *DETECTED.get_or_init(|| {
-            std::env::var_os("INFER_NO_SIMD").is_none()
+            std::env::var_os(crate::envvars::NO_SIMD).is_none()
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
@@ -30,7 +30,7 @@ pub fn has_vnni() -> bool {
         static DETECTED: OnceLock<bool> = OnceLock::new();
         *DETECTED.get_or_init(|| {
             has_avx2()
-                && std::env::var_os("INFER_NO_VNNI").is_none()
+                && std::env::var_os(crate::envvars::NO_VNNI).is_none()
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")

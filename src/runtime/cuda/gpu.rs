@@ -99,7 +99,7 @@ impl GpuRunner {
             pp_nccl: None,
             blas: None,
             gemm_line: String::new(),
-            profile: std::env::var_os("INFER_CUDA_PROFILE")
+            profile: std::env::var_os(crate::envvars::CUDA_PROFILE)
                 .filter(|v| !v.is_empty() && v != "0")
                 .map(|_| std::sync::Mutex::new(Profile::default())),
         })

@@ -132,8 +132,10 @@ pub fn load_executor(
             }
             Ok(Loaded {
                 executor: boxed(BackendExecutor::new(model, tokenizer), groups),
-                device: "the host harness (INFER_CUDA_HOST_HARNESS=1: CUDA kernels on CPU threads)"
-                    .into(),
+                device: format!(
+                    "the host harness ({}=1: CUDA kernels on CPU threads)",
+                    crate::envvars::CUDA_HOST_HARNESS
+                ),
                 notes,
             })
         }

@@ -5,5 +5,6 @@ pub mod executor;
 pub mod forward;
 pub mod handoff;
 pub mod kernel_executor;
+pub mod rank_env;
 pub mod smoke;
 pub mod worker;

@@ -248,7 +248,7 @@ fn connect_group(
     )?;
     Ok(match (config.shm, on_this_host) {
         (true, true) => ShmComm::new(tcp),
-        (false, _) => ShmComm::tcp_only(tcp, "INFER_SHM_DISABLE=1"),
+        (false, _) => ShmComm::tcp_only(tcp, &format!("{}=1", crate::envvars::SHM_DISABLE)),
         (true, false) => ShmComm::tcp_only(tcp, "the group spans hosts"),
     })
 }
@@ -277,7 +277,8 @@ fn run_collectives_only(
         serde_json::from_slice(&store.get("job", config.timeout)?).context("malformed job")?;
     let Job::AllReduce { max_bytes } = job else {
         bail!(
-            "this rank was started without a model (`INFER_MODEL` unset): it can only run collectives"
+            "this rank was started without a model (`{}` unset): it can only run collectives",
+            crate::envvars::MODEL
         );
     };
     bench_all_reduce(&mut group, config, store, max_bytes)
