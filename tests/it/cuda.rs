@@ -991,6 +991,7 @@ fn host_harness_runs_the_kernels_like_the_cpu_backend() {
         assert!(!check.detail.starts_with("NMSE 0.00e0"), "{check:?}");
     }
     // Arguments that are not the kernel's parameters are refused before anything runs.
+    // SAFETY: the launch is refused before it reads any buffer (that is what is checked).
     let error = unsafe { host.launch("argmax_combine_f32", [1, 1, 1], [256, 1, 1], &[U32(1)]) }
         .expect_err("wrong arguments");
     assert!(error.to_string().contains("argmax_combine_f32"), "{error}");

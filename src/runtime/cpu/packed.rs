@@ -525,63 +525,93 @@ mod avx2 {
         type I = __m512i;
         #[inline(always)]
         unsafe fn zero() -> __m512 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_setzero_ps() }
         }
         #[inline(always)]
         unsafe fn load(p: *const f32) -> __m512 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_loadu_ps(p) }
         }
         #[inline(always)]
         unsafe fn store(p: *mut f32, v: __m512) {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_storeu_ps(p, v) }
         }
         #[inline(always)]
         unsafe fn splat(v: f32) -> __m512 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_set1_ps(v) }
         }
         #[inline(always)]
         unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_mul_ps(a, b) }
         }
         #[inline(always)]
         unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_fmadd_ps(a, b, c) }
         }
         #[inline(always)]
         unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_add_ps(a, b) }
         }
         #[inline(always)]
         unsafe fn convert(v: __m512i) -> __m512 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_cvtepi32_ps(v) }
         }
         #[inline(always)]
         unsafe fn load_bytes(p: *const u8) -> __m512i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_loadu_si512(p as *const _) }
         }
         #[inline(always)]
         unsafe fn splat_i(v: i32) -> __m512i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_set1_epi32(v) }
         }
         #[inline(always)]
         unsafe fn add_i(a: __m512i, b: __m512i) -> __m512i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_add_epi32(a, b) }
         }
         #[inline(always)]
         unsafe fn low_nibbles(v: __m512i) -> __m512i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_and_si512(v, _mm512_set1_epi8(0x0F)) }
         }
         #[inline(always)]
         unsafe fn high_nibbles(v: __m512i) -> __m512i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_and_si512(_mm512_srli_epi16::<4>(v), _mm512_set1_epi8(0x0F)) }
         }
         #[inline(always)]
         unsafe fn flip(v: __m512i) -> __m512i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_xor_si512(v, _mm512_set1_epi8(-128)) }
         }
         #[inline(always)]
         unsafe fn dot4(signed: bool, start: Option<__m512i>, w: __m512i, q: __m512i) -> __m512i {
             debug_assert!(!signed, "vpdpbusd takes unsigned weights");
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm512_dpbusd_epi32(start.unwrap_or(_mm512_setzero_si512()), w, q) }
         }
     }
@@ -593,62 +623,92 @@ mod avx2 {
         type I = __m256i;
         #[inline(always)]
         unsafe fn zero() -> __m256 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_setzero_ps() }
         }
         #[inline(always)]
         unsafe fn load(p: *const f32) -> __m256 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_loadu_ps(p) }
         }
         #[inline(always)]
         unsafe fn store(p: *mut f32, v: __m256) {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_storeu_ps(p, v) }
         }
         #[inline(always)]
         unsafe fn splat(v: f32) -> __m256 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_set1_ps(v) }
         }
         #[inline(always)]
         unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_mul_ps(a, b) }
         }
         #[inline(always)]
         unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_fmadd_ps(a, b, c) }
         }
         #[inline(always)]
         unsafe fn add(a: __m256, b: __m256) -> __m256 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_add_ps(a, b) }
         }
         #[inline(always)]
         unsafe fn convert(v: __m256i) -> __m256 {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_cvtepi32_ps(v) }
         }
         #[inline(always)]
         unsafe fn load_bytes(p: *const u8) -> __m256i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_loadu_si256(p as *const __m256i) }
         }
         #[inline(always)]
         unsafe fn splat_i(v: i32) -> __m256i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_set1_epi32(v) }
         }
         #[inline(always)]
         unsafe fn add_i(a: __m256i, b: __m256i) -> __m256i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_add_epi32(a, b) }
         }
         #[inline(always)]
         unsafe fn low_nibbles(v: __m256i) -> __m256i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_and_si256(v, _mm256_set1_epi8(0x0F)) }
         }
         #[inline(always)]
         unsafe fn high_nibbles(v: __m256i) -> __m256i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_and_si256(_mm256_srli_epi16::<4>(v), _mm256_set1_epi8(0x0F)) }
         }
         #[inline(always)]
         unsafe fn flip(v: __m256i) -> __m256i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe { _mm256_xor_si256(v, _mm256_set1_epi8(-128)) }
         }
         #[inline(always)]
         unsafe fn dot4(signed: bool, start: Option<__m256i>, w: __m256i, q: __m256i) -> __m256i {
+            // SAFETY: the `Width` contract: the CPU has this width's features (checked before
+            // dispatch) and pointers are valid for a whole vector.
             unsafe {
                 let ones = _mm256_set1_epi16(1);
                 let sums = if signed {
@@ -683,6 +743,8 @@ mod avx2 {
                 x: &[&[BlockQ8]],
                 io: *mut f32,
             ) {
+                // SAFETY: the target features above are the ones `$width` needs; the pointers are
+                // the caller's, under `$body`'s contract.
                 unsafe { $body::<$width, KIND, N, FRESH>(base, record_chunks, ahead, x, io) }
             }
         )*};
@@ -729,6 +791,8 @@ mod avx2 {
         pair: usize,
     ) -> ((usize, W::I), (usize, W::I)) {
         let first = first_quant_chunk(KIND);
+        // SAFETY: this function's contract: the CPU has `W`'s features and `chunk` gives pointers
+        // to whole chunks of one record.
         unsafe {
             if KIND == Q8_0 {
                 let (k0, k1) = (2 * pair, 2 * pair + 1);
@@ -769,6 +833,9 @@ mod avx2 {
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
+        // SAFETY: this function's contract: the CPU has `W`'s features; `base` holds the group's
+        // records of `record_chunks` chunks for every block of `x`, `io` one f32 per row per token
+        // (`N`), `ahead` lines that may be prefetched.
         unsafe {
             let mut acc = [[W::zero(); 8]; N];
             let mut offsets = [W::zero(); N];
@@ -865,6 +932,8 @@ mod avx2 {
         x: &[&[BlockQ8]],
         io: *mut f32,
     ) {
+        // SAFETY: as `body`'s: the CPU has `W`'s features; `base`, `io` and `ahead` as described
+        // there.
         unsafe {
             let mut acc = [W::zero(); N];
             let mut offsets = [W::zero(); N];

@@ -618,6 +618,7 @@ mod avx2 {
     pub unsafe fn quantize_row(x: &[f32], out: &mut Vec<BlockQ8>) {
         for chunk in x.chunks_exact(QK) {
             let chunk: &[f32; QK] = chunk.try_into().expect("32 values");
+            // SAFETY: `quantize_row`'s contract: the CPU has AVX2, FMA and F16C.
             out.push(unsafe { quantize_block(chunk) });
         }
     }
@@ -637,6 +638,8 @@ mod avx2 {
     /// round-to-nearest-even, eight values at a time.
     #[inline(always)]
     unsafe fn quantize_block(chunk: &[f32; QK]) -> BlockQ8 {
+        // SAFETY: the CPU has AVX2, FMA and F16C (this function's contract); the loads read the 32
+        // values of `chunk`.
         unsafe {
             let sign = _mm256_set1_ps(-0.0);
             let v: [__m256; 4] =
@@ -707,11 +710,15 @@ mod avx2 {
     pub unsafe fn dot_f16_f32(a: &[half::f16], b: &[f32]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for i in (0..a.len()).step_by(8) {
+            // SAFETY: the caller's contract: `a` and `b` have equal lengths, a multiple of 8, so
+            // eight halves from `i` are in `a`.
             let halves = unsafe { _mm_loadu_si128(a.as_ptr().add(i) as *const __m128i) };
             let x = _mm256_cvtph_ps(halves);
+            // SAFETY: as above, eight values from `i` are in `b`.
             let y = unsafe { _mm256_loadu_ps(b.as_ptr().add(i)) };
             acc = _mm256_fmadd_ps(x, y, acc);
         }
+        // SAFETY: the CPU has AVX2 (this function's contract).
         unsafe { hsum(acc) }
     }
 
@@ -734,16 +741,22 @@ mod avx2 {
             let mut acc0 = [_mm256_setzero_ps(); 8];
             let mut acc1 = [_mm256_setzero_ps(); 8];
             for i in (0..width).step_by(8) {
+                // SAFETY: every key has `width` halves, a multiple of 8 (the caller's contract), so
+                // eight from `i` are in `k0` and `k1`.
                 let x0 = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(k0.add(i) as *const __m128i) });
+                // SAFETY: as above, for `k1`.
                 let x1 = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(k1.add(i) as *const __m128i) });
                 for h in 0..heads {
+                    // SAFETY: `queries` holds `heads` rows of `width` (the caller's contract).
                     let y = unsafe { _mm256_loadu_ps(queries.as_ptr().add(h * width + i)) };
                     acc0[h] = _mm256_fmadd_ps(x0, y, acc0[h]);
                     acc1[h] = _mm256_fmadd_ps(x1, y, acc1[h]);
                 }
             }
             for h in 0..heads {
+                // SAFETY: the CPU has AVX2 (this function's contract).
                 scores[h * n_positions + p] = unsafe { hsum(acc0[h]) } * scale;
+                // SAFETY: the CPU has AVX2 (this function's contract).
                 scores[h * n_positions + p + 1] = unsafe { hsum(acc1[h]) } * scale;
             }
             p += 2;
@@ -752,13 +765,16 @@ mod avx2 {
             let key = keys[p].as_ptr();
             let mut acc = [_mm256_setzero_ps(); 8];
             for i in (0..width).step_by(8) {
+                // SAFETY: every key has `width` halves, a multiple of 8 (the caller's contract).
                 let x = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(key.add(i) as *const __m128i) });
                 for (h, acc) in acc.iter_mut().enumerate().take(heads) {
+                    // SAFETY: `queries` holds `heads` rows of `width` (the caller's contract).
                     let y = unsafe { _mm256_loadu_ps(queries.as_ptr().add(h * width + i)) };
                     *acc = _mm256_fmadd_ps(x, y, *acc);
                 }
             }
             for (h, acc) in acc.iter().enumerate().take(heads) {
+                // SAFETY: the CPU has AVX2 (this function's contract).
                 scores[h * n_positions + p] = unsafe { hsum(*acc) } * scale;
             }
         }
@@ -770,8 +786,10 @@ mod avx2 {
     pub unsafe fn round_through_f16(values: &mut [f32]) {
         let mut chunks = values.chunks_exact_mut(8);
         for chunk in &mut chunks {
+            // SAFETY: `chunk` holds exactly eight values.
             let v = unsafe { _mm256_loadu_ps(chunk.as_ptr()) };
             let rounded = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+            // SAFETY: as above, eight values to store into `chunk`.
             unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), rounded) };
         }
         for v in chunks.into_remainder() {
@@ -791,6 +809,8 @@ mod avx2 {
         heads: usize,
         width: usize,
     ) {
+        // SAFETY: the caller's contract (every value row `width` halves, a multiple of 8; `weights`
+        // `heads` rows of the positions; `out` `heads` rows of `width`) is `weighted_sum_lanes`'.
         unsafe {
             match heads {
                 1 => weighted_sum_lanes::<8>(weights, values, out, heads, width),
@@ -811,6 +831,8 @@ mod avx2 {
         heads: usize,
         width: usize,
     ) {
+        // SAFETY: the CPU has AVX-512 VL besides AVX2 (this function's contract), which
+        // `weighted_sum_lanes::<8>`'s registers need; the lengths as in `weighted_sum_heads`.
         unsafe { weighted_sum_lanes::<8>(weights, values, out, heads, width) }
     }
 
@@ -824,6 +846,8 @@ mod avx2 {
         heads: usize,
         width: usize,
     ) {
+        // SAFETY: the caller's contract: every value row has `width` halves, a multiple of 8;
+        // `weights` holds `heads` rows of the positions; `out` `heads` rows of `width`.
         unsafe {
             let n_positions = values.len();
             for c in (0..width).step_by(8) {
@@ -931,6 +955,7 @@ mod avx2 {
                             _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().add(8 * (c + i)) as _))
                         };
                         for h in 0..H {
+                            // SAFETY: each query has `width` values (the caller's contract).
                             let q = unsafe {
                                 _mm256_loadu_ps(queries.as_ptr().add(h * width + 8 * (c + i)))
                             };
@@ -1031,9 +1056,13 @@ mod avx2 {
     pub unsafe fn fma_f16_row(accumulator: &mut [f32], w: f32, v: &[half::f16]) {
         let weight = _mm256_set1_ps(w);
         for i in (0..v.len()).step_by(8) {
+            // SAFETY: `v` and `accumulator` have the same length, a multiple of 8 (the caller's
+            // contract).
             let halves = unsafe { _mm_loadu_si128(v.as_ptr().add(i) as *const __m128i) };
             let x = _mm256_cvtph_ps(halves);
+            // SAFETY: as above.
             let acc = unsafe { _mm256_loadu_ps(accumulator.as_ptr().add(i)) };
+            // SAFETY: as above, eight values of `accumulator` from `i`.
             unsafe {
                 _mm256_storeu_ps(
                     accumulator.as_mut_ptr().add(i),

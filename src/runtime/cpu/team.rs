@@ -270,6 +270,7 @@ fn work(s: &Shared) {
         // SAFETY: we are in the job, so the poster waits for us before it returns; `job`
         // stays as written until then.
         let (job, n_tasks) = unsafe { *s.job.get() };
+        // SAFETY: the job's closure outlives the job (the poster waits for every worker, as above).
         let job = unsafe { &*job };
         if catch_unwind(AssertUnwindSafe(|| claim(s, job, n_tasks))).is_err() {
             s.panicked.store(true, Ordering::Relaxed);

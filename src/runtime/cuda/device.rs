@@ -57,9 +57,9 @@ pub fn probe(dirs: &[std::path::PathBuf]) -> Result<Driver> {
     };
     check("cuInit", result::init())?;
     let mut version = 0;
-    // SAFETY: the driver is loaded and initialised; the out-pointer is valid.
     check(
         "cuDriverGetVersion",
+        // SAFETY: the driver is loaded and initialised; the out-pointer is valid.
         unsafe { sys::cuDriverGetVersion(&mut version) }.result(),
     )?;
     let count = result::device::get_count()

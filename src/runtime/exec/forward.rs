@@ -23,7 +23,7 @@ use crate::runtime::collectives::Comm;
 use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, first_step_cache, sample};
 use crate::runtime::model::config::LlamaConfig;
 use crate::runtime::model::kv::{KvCache, KvPool, KvTransfer};
-use crate::runtime::model::llama::Llama;
+use crate::runtime::model::llama::{Layer, Llama};
 use crate::runtime::model::moe::top_k_experts;
 use crate::runtime::model::sampling::Sampler;
 use crate::runtime::model::tokenizer::Tokenizer;
@@ -215,6 +215,71 @@ fn upload_f32s<B: Backend>(backend: &B, values: &[f32]) -> Result<B::Buffer> {
     backend.upload(&bytes_of(values))
 }
 
+/// Decoder layer `index` on the device: its norms, biases and matrices, and its MLP (dense,
+/// or an MoE router with the experts this shard holds).
+///
+/// Errors: the backend's uploads; an MoE layer that holds none of its experts.
+fn upload_layer<B: Backend>(backend: &B, index: usize, layer: &Layer) -> Result<DeviceLayer<B>> {
+    let optional = |values: &Option<Vec<f32>>| -> Result<Option<B::Buffer>> {
+        values
+            .as_deref()
+            .map(|v| upload_f32s(backend, v))
+            .transpose()
+    };
+    let (bias_q, bias_k, bias_v) = (
+        optional(&layer.bias_q)?,
+        optional(&layer.bias_k)?,
+        optional(&layer.bias_v)?,
+    );
+    let (q_norm, k_norm) = (optional(&layer.q_norm)?, optional(&layer.k_norm)?);
+    let ffn = match &layer.moe {
+        None => DeviceFfn::Dense {
+            gate: upload_weight(backend, &layer.w_gate)?,
+            up: upload_weight(backend, &layer.w_up)?,
+            down: upload_weight(backend, &layer.w_down)?,
+        },
+        Some(moe) => {
+            let mut experts = Vec::with_capacity(moe.experts.len());
+            let mut width = 0;
+            for expert in &moe.experts {
+                let Some(expert) = expert else {
+                    experts.push(None);
+                    continue;
+                };
+                width = expert.gate.n_rows;
+                experts.push(Some((
+                    upload_weight(backend, &expert.gate)?,
+                    upload_weight(backend, &expert.up)?,
+                    upload_weight(backend, &expert.down)?,
+                )));
+            }
+            if experts.iter().all(Option::is_none) {
+                bail!("layer {index} holds none of its experts");
+            }
+            DeviceFfn::Moe {
+                router: upload_weight(backend, &moe.router)?,
+                experts,
+                top_k: moe.top_k,
+                width,
+            }
+        }
+    };
+    Ok(DeviceLayer {
+        attn_norm: upload_f32s(backend, &layer.attn_norm)?,
+        bias_q,
+        bias_k,
+        bias_v,
+        q_norm,
+        k_norm,
+        wq: upload_weight(backend, &layer.wq)?,
+        wk: upload_weight(backend, &layer.wk)?,
+        wv: upload_weight(backend, &layer.wv)?,
+        wo: upload_weight(backend, &layer.wo)?,
+        ffn_norm: upload_f32s(backend, &layer.ffn_norm)?,
+        ffn,
+    })
+}
+
 impl<B: Backend> BackendModel<B> {
     /// Uploads `model` to `backend` with a KV cache of `kv_cache_tokens` positions (whole
     /// blocks of 16, rounded down; at least one). An embedding table in a type other than F32 or Q8_0 is uploaded
@@ -239,67 +304,12 @@ impl<B: Backend> BackendModel<B> {
                 &bytes_of(&values),
             )?)
         };
-        let mut layers = Vec::with_capacity(model.layers.len());
-        for (index, layer) in model.layers.iter().enumerate() {
-            let optional = |values: &Option<Vec<f32>>| -> Result<Option<B::Buffer>> {
-                values
-                    .as_deref()
-                    .map(|v| upload_f32s(&backend, v))
-                    .transpose()
-            };
-            let (bias_q, bias_k, bias_v) = (
-                optional(&layer.bias_q)?,
-                optional(&layer.bias_k)?,
-                optional(&layer.bias_v)?,
-            );
-            let (q_norm, k_norm) = (optional(&layer.q_norm)?, optional(&layer.k_norm)?);
-            let ffn = match &layer.moe {
-                None => DeviceFfn::Dense {
-                    gate: upload_weight(&backend, &layer.w_gate)?,
-                    up: upload_weight(&backend, &layer.w_up)?,
-                    down: upload_weight(&backend, &layer.w_down)?,
-                },
-                Some(moe) => {
-                    let mut experts = Vec::with_capacity(moe.experts.len());
-                    let mut width = 0;
-                    for expert in &moe.experts {
-                        let Some(expert) = expert else {
-                            experts.push(None);
-                            continue;
-                        };
-                        width = expert.gate.n_rows;
-                        experts.push(Some((
-                            upload_weight(&backend, &expert.gate)?,
-                            upload_weight(&backend, &expert.up)?,
-                            upload_weight(&backend, &expert.down)?,
-                        )));
-                    }
-                    if experts.iter().all(Option::is_none) {
-                        bail!("layer {index} holds none of its experts");
-                    }
-                    DeviceFfn::Moe {
-                        router: upload_weight(&backend, &moe.router)?,
-                        experts,
-                        top_k: moe.top_k,
-                        width,
-                    }
-                }
-            };
-            layers.push(DeviceLayer {
-                attn_norm: upload_f32s(&backend, &layer.attn_norm)?,
-                bias_q,
-                bias_k,
-                bias_v,
-                q_norm,
-                k_norm,
-                wq: upload_weight(&backend, &layer.wq)?,
-                wk: upload_weight(&backend, &layer.wk)?,
-                wv: upload_weight(&backend, &layer.wv)?,
-                wo: upload_weight(&backend, &layer.wo)?,
-                ffn_norm: upload_f32s(&backend, &layer.ffn_norm)?,
-                ffn,
-            });
-        }
+        let layers = model
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(index, layer)| upload_layer(&backend, index, layer))
+            .collect::<Result<Vec<DeviceLayer<B>>>>()?;
         let n_blocks = (kv_cache_tokens / KV_BLOCK_TOKENS).max(1);
         let layer_cache_bytes =
             n_blocks * config.n_kv_heads * KV_BLOCK_TOKENS * config.head_dim * 2;
@@ -632,14 +642,59 @@ impl<B: Backend> BackendModel<B> {
         out
     }
 
-    /// [`BackendModel::step_stage`], untimed.
+    /// [`BackendModel::step_stage`], untimed: checks the batch, reserves its KV blocks,
+    /// uploads its inputs, runs every layer of the stage and, on the last stage, the head.
     fn issue_step(
         &mut self,
         batch: &mut [(&mut DeviceSequence, &[u32])],
         mut tp: Option<&mut dyn Comm>,
         hidden_in: Option<(B::Buffer, usize)>,
     ) -> Result<StageOut<B>> {
-        let group = tp.as_ref().map(|comm| (comm.rank(), comm.size()));
+        self.check_batch(batch, tp.as_ref().map(|comm| (comm.rank(), comm.size())))?;
+        if self.tp == 1 {
+            tp = None;
+        }
+        self.reserve(batch)?;
+        let inputs = self.upload_inputs(batch)?;
+        let x = self.stage_input(&inputs, hidden_in)?;
+        let n = inputs.n_tokens;
+        let c = &self.config;
+        let mut ws = match self.workspace.take() {
+            Some(ws) if ws.tokens >= n => ws,
+            _ => Workspace::new(&self.backend, c, n)?,
+        };
+        let shape = AttentionShape {
+            n_queries: n,
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            max_blocks: inputs.max_blocks,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+        };
+        for l in 0..self.layers.len() {
+            self.attention_block(l, &mut ws, &x, &inputs, &shape, &mut tp)?;
+            self.ffn_block(&self.layers[l], &ws, &x, n, &mut tp)?;
+        }
+        self.workspace = Some(ws);
+        for (sequence, new) in batch.iter_mut() {
+            sequence.n_tokens += new.len();
+        }
+        match self.head_logits(&x, &inputs.last_rows, batch.len())? {
+            Some(logits) => Ok(StageOut::Logits(logits, batch.len())),
+            None => Ok(StageOut::Hidden(x, n)),
+        }
+    }
+
+    /// Checks a step's batch before anything is reserved: the TP group matches the shard
+    /// (`group`: its rank and size), and every sequence brings new tokens, in the vocabulary,
+    /// that fit the context.
+    ///
+    /// Errors: the first of those that fails, naming the sequence or token.
+    fn check_batch(
+        &self,
+        batch: &[(&mut DeviceSequence, &[u32])],
+        group: Option<(usize, usize)>,
+    ) -> Result<()> {
         if self.tp > 1 && group != Some((self.tp_rank, self.tp)) {
             bail!(
                 "shard {} of a TP {} model needs its TP group (rank {} of {}), given {group:?}",
@@ -649,12 +704,7 @@ impl<B: Backend> BackendModel<B> {
                 self.tp
             );
         }
-        if self.tp == 1 {
-            tp = None;
-        }
-        let c = self.config.clone();
-        let (hidden, head_dim) = (c.hidden_size, c.head_dim);
-        let (q_dim, kv_dim) = (c.n_heads * head_dim, c.n_kv_heads * head_dim);
+        let c = &self.config;
         if batch.is_empty() {
             bail!("an empty batch");
         }
@@ -676,7 +726,14 @@ impl<B: Backend> BackendModel<B> {
                 );
             }
         }
-        self.reserve(batch)?;
+        Ok(())
+    }
+
+    /// The batch's token ids, positions, KV slots, block tables and rows on the device
+    /// (sequences' blocks already reserved).
+    ///
+    /// Errors: the backend's uploads.
+    fn upload_inputs(&self, batch: &[(&mut DeviceSequence, &[u32])]) -> Result<StepInputs<B>> {
         let max_blocks = batch.iter().map(|(s, _)| s.blocks.len()).max().unwrap_or(1);
         let (mut ids, mut positions, mut slots, mut rows, mut lens, mut last) =
             (vec![], vec![], vec![], vec![], vec![], vec![]);
@@ -696,25 +753,35 @@ impl<B: Backend> BackendModel<B> {
             }
             last.push(ids.len() as i32 - 1);
         }
-        let n = ids.len();
-        let be = &self.backend;
-        let upload_i32s = |values: &[i32]| be.upload(&bytes_of(values));
-        let (ids, positions, slots) = (
-            upload_i32s(&ids)?,
-            upload_i32s(&positions)?,
-            upload_i32s(&slots)?,
-        );
-        let (tables, rows, lens, last_rows) = (
-            upload_i32s(&tables)?,
-            upload_i32s(&rows)?,
-            upload_i32s(&lens)?,
-            upload_i32s(&last)?,
-        );
-        let f32_buffer = |values: usize| be.zeros(values * 4);
-        let x = match (&self.embedding, hidden_in) {
+        let upload = |values: &[i32]| self.backend.upload(&bytes_of(values));
+        Ok(StepInputs {
+            n_tokens: ids.len(),
+            max_blocks,
+            ids: upload(&ids)?,
+            positions: upload(&positions)?,
+            slots: upload(&slots)?,
+            tables: upload(&tables)?,
+            rows: upload(&rows)?,
+            lens: upload(&lens)?,
+            last_rows: upload(&last)?,
+        })
+    }
+
+    /// The stage's input hidden states, `(n_tokens, hidden_size)` f32: the first stage's
+    /// embedding of the batch's tokens, or a later stage's `hidden_in`.
+    ///
+    /// Errors: hidden states given to the first stage, or missing (or for another number of
+    /// tokens) on a later one; the backend's.
+    fn stage_input(
+        &self,
+        inputs: &StepInputs<B>,
+        hidden_in: Option<(B::Buffer, usize)>,
+    ) -> Result<B::Buffer> {
+        let n = inputs.n_tokens;
+        Ok(match (&self.embedding, hidden_in) {
             (Some(embedding), None) => {
-                let x = f32_buffer(n * hidden)?;
-                be.get_rows(&x, embedding, &ids, n)?;
+                let x = self.backend.zeros(n * self.config.hidden_size * 4)?;
+                self.backend.get_rows(&x, embedding, &inputs.ids, n)?;
                 x
             }
             (None, Some((hidden_in, n_in))) if n_in == n => hidden_in,
@@ -725,180 +792,239 @@ impl<B: Backend> BackendModel<B> {
             (None, None) => {
                 bail!("a pipeline stage after the first needs the previous stage's hidden states")
             }
-        };
-        let mut ws = match self.workspace.take() {
-            Some(ws) if ws.tokens >= n => ws,
-            _ => Workspace::new(be, &c, n)?,
-        };
-        let shape = AttentionShape {
-            n_queries: n,
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim,
-            max_blocks,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-        };
-        for (l, layer) in self.layers.iter().enumerate() {
-            be.rms_norm(&ws.normed, &x, &layer.attn_norm, n, hidden, c.rms_norm_eps)?;
-            be.matmul_many(
-                &[(&ws.q, &layer.wq), (&ws.k, &layer.wk), (&ws.v, &layer.wv)],
-                &ws.normed,
-                n,
-            )?;
-            for (x, bias, width) in [
-                (&ws.q, &layer.bias_q, q_dim),
-                (&ws.k, &layer.bias_k, kv_dim),
-                (&ws.v, &layer.bias_v, kv_dim),
-            ] {
-                if let Some(bias) = bias {
-                    be.add_bias(x, bias, n, width)?;
-                }
+        })
+    }
+
+    /// Layer `l`'s attention half: RMSNorm, Q/K/V (biases, per-head Q/K norms), RoPE and the
+    /// KV store, paged attention, and the output projection added into the residual `x`
+    /// (`(n_tokens, hidden_size)` f32), summed over the TP group.
+    ///
+    /// Errors: the backend's and the group's.
+    fn attention_block(
+        &self,
+        l: usize,
+        ws: &mut Workspace<B>,
+        x: &B::Buffer,
+        inputs: &StepInputs<B>,
+        shape: &AttentionShape,
+        tp: &mut Option<&mut dyn Comm>,
+    ) -> Result<()> {
+        let (be, c, layer) = (&self.backend, &self.config, &self.layers[l]);
+        let (n, hidden, head_dim) = (inputs.n_tokens, c.hidden_size, c.head_dim);
+        let (q_dim, kv_dim) = (c.n_heads * head_dim, c.n_kv_heads * head_dim);
+        be.rms_norm(&ws.normed, x, &layer.attn_norm, n, hidden, c.rms_norm_eps)?;
+        be.matmul_many(
+            &[(&ws.q, &layer.wq), (&ws.k, &layer.wk), (&ws.v, &layer.wv)],
+            &ws.normed,
+            n,
+        )?;
+        for (x, bias, width) in [
+            (&ws.q, &layer.bias_q, q_dim),
+            (&ws.k, &layer.bias_k, kv_dim),
+            (&ws.v, &layer.bias_v, kv_dim),
+        ] {
+            if let Some(bias) = bias {
+                be.add_bias(x, bias, n, width)?;
             }
-            // Per-head RMSNorm of Q and K (Qwen3): each head a row of head_dim.
-            if let Some(weight) = &layer.q_norm {
-                be.rms_norm(
-                    &ws.q_normed,
-                    &ws.q,
-                    weight,
-                    n * c.n_heads,
-                    head_dim,
-                    c.rms_norm_eps,
-                )?;
-                std::mem::swap(&mut ws.q, &mut ws.q_normed);
-            }
-            if let Some(weight) = &layer.k_norm {
-                be.rms_norm(
-                    &ws.k_normed,
-                    &ws.k,
-                    weight,
-                    n * c.n_kv_heads,
-                    head_dim,
-                    c.rms_norm_eps,
-                )?;
-                std::mem::swap(&mut ws.k, &mut ws.k_normed);
-            }
-            let (k_cache, v_cache) = (&self.k_cache[l], &self.v_cache[l]);
-            be.rope_store_kv(
-                (&ws.q, &ws.k, &ws.v),
-                (k_cache, v_cache),
-                &positions,
-                &self.inv_freqs,
-                &slots,
-                &shape,
-                c.rope_style,
-            )?;
-            be.attention(
-                &ws.attention,
+        }
+        // Per-head RMSNorm of Q and K (Qwen3): each head a row of head_dim.
+        if let Some(weight) = &layer.q_norm {
+            be.rms_norm(
+                &ws.q_normed,
                 &ws.q,
-                k_cache,
-                v_cache,
-                &tables,
-                &rows,
-                &lens,
-                &shape,
+                weight,
+                n * c.n_heads,
+                head_dim,
+                c.rms_norm_eps,
             )?;
-            project_into_residual(
-                be,
-                &mut tp,
-                &x,
-                &ws.projected,
-                &layer.wo,
-                &ws.attention,
-                n,
-                hidden,
+            std::mem::swap(&mut ws.q, &mut ws.q_normed);
+        }
+        if let Some(weight) = &layer.k_norm {
+            be.rms_norm(
+                &ws.k_normed,
+                &ws.k,
+                weight,
+                n * c.n_kv_heads,
+                head_dim,
+                c.rms_norm_eps,
             )?;
-            be.rms_norm(&ws.normed, &x, &layer.ffn_norm, n, hidden, c.rms_norm_eps)?;
-            match &layer.ffn {
-                DeviceFfn::Dense { gate, up, down } => {
-                    be.matmul_swiglu(&ws.activated, &ws.gate, &ws.up, gate, up, &ws.normed, n)?;
-                    project_into_residual(
-                        be,
-                        &mut tp,
-                        &x,
-                        &ws.projected,
-                        down,
-                        &ws.activated,
-                        n,
-                        hidden,
-                    )?;
-                }
-                DeviceFfn::Moe {
-                    router,
-                    experts,
-                    top_k,
-                    width,
-                } => {
-                    // The router's logits come to the host to pick each token's experts;
-                    // each expert then runs on its tokens' rows and adds them back weighted.
-                    // With expert parallelism (experts held across the TP group, whose
-                    // members all have the same rows) each member adds its own experts'
-                    // outputs into zeros, and the group's all-reduce sums them.
-                    let n_experts = experts.len();
-                    let sharded = experts.iter().any(Option::is_none);
-                    if sharded && tp.is_none() {
-                        bail!(
-                            "this shard holds only some experts (expert parallelism) but has no TP group to sum their outputs over"
-                        );
-                    }
-                    let partial = if sharded {
-                        Some(f32_buffer(n * hidden)?)
-                    } else {
-                        None
-                    };
-                    let target = partial.as_ref().unwrap_or(&x);
-                    let logits = f32_buffer(n * n_experts)?;
-                    be.matmul(&logits, router, &ws.normed, n)?;
-                    let logits = f32s_of(&be.download(&logits, n * n_experts * 4)?);
-                    let mut routed: Vec<(Vec<i32>, Vec<f32>)> = vec![(vec![], vec![]); n_experts];
-                    for (t, row) in logits.chunks_exact(n_experts).enumerate() {
-                        for (e, weight) in top_k_experts(row, *top_k) {
-                            routed[e].0.push(t as i32);
-                            routed[e].1.push(weight);
-                        }
-                    }
-                    for (expert, (tokens, weights)) in experts.iter().zip(&routed) {
-                        let m = tokens.len();
-                        let Some((gate, up, down)) = expert else {
-                            continue;
-                        };
-                        if m == 0 {
-                            continue;
-                        }
-                        let width = *width;
-                        let (token_ids, token_weights) =
-                            (upload_i32s(tokens)?, be.upload(&bytes_of(weights))?);
-                        let gathered = f32_buffer(m * hidden)?;
-                        be.gather_rows(&gathered, &ws.normed, &token_ids, m, hidden)?;
-                        let (g, u, a) = (
-                            f32_buffer(m * width)?,
-                            f32_buffer(m * width)?,
-                            f32_buffer(m * width)?,
-                        );
-                        be.matmul(&g, gate, &gathered, m)?;
-                        be.matmul(&u, up, &gathered, m)?;
-                        be.swiglu(&a, &g, &u, m * width)?;
-                        let out = f32_buffer(m * hidden)?;
-                        be.matmul(&out, down, &a, m)?;
-                        be.scale_add_rows(target, &out, &token_ids, &token_weights, m, hidden)?;
-                    }
-                    if let Some(partial) = partial {
-                        let summed = all_reduce(be, &mut tp, &partial, n * hidden)?;
-                        be.add(&x, summed.as_ref().unwrap_or(&partial), n * hidden)?;
-                    }
-                }
+            std::mem::swap(&mut ws.k, &mut ws.k_normed);
+        }
+        let (k_cache, v_cache) = (&self.k_cache[l], &self.v_cache[l]);
+        be.rope_store_kv(
+            (&ws.q, &ws.k, &ws.v),
+            (k_cache, v_cache),
+            &inputs.positions,
+            &self.inv_freqs,
+            &inputs.slots,
+            shape,
+            c.rope_style,
+        )?;
+        be.attention(
+            &ws.attention,
+            &ws.q,
+            k_cache,
+            v_cache,
+            &inputs.tables,
+            &inputs.rows,
+            &inputs.lens,
+            shape,
+        )?;
+        project_into_residual(
+            be,
+            tp,
+            x,
+            &ws.projected,
+            &layer.wo,
+            &ws.attention,
+            n,
+            hidden,
+        )
+    }
+
+    /// A layer's feed-forward half: RMSNorm, then SwiGLU and the down projection added into
+    /// the residual `x` (dense), or the MoE block ([`BackendModel::moe_block`]).
+    ///
+    /// Errors: the backend's and the group's.
+    fn ffn_block(
+        &self,
+        layer: &DeviceLayer<B>,
+        ws: &Workspace<B>,
+        x: &B::Buffer,
+        n: usize,
+        tp: &mut Option<&mut dyn Comm>,
+    ) -> Result<()> {
+        let (be, c) = (&self.backend, &self.config);
+        be.rms_norm(
+            &ws.normed,
+            x,
+            &layer.ffn_norm,
+            n,
+            c.hidden_size,
+            c.rms_norm_eps,
+        )?;
+        match &layer.ffn {
+            DeviceFfn::Dense { gate, up, down } => {
+                be.matmul_swiglu(&ws.activated, &ws.gate, &ws.up, gate, up, &ws.normed, n)?;
+                project_into_residual(
+                    be,
+                    tp,
+                    x,
+                    &ws.projected,
+                    down,
+                    &ws.activated,
+                    n,
+                    c.hidden_size,
+                )
+            }
+            DeviceFfn::Moe { .. } => self.moe_block(&layer.ffn, &ws.normed, x, n, tp),
+        }
+    }
+
+    /// `ffn`'s MoE block over `normed` (`(n, hidden_size)` f32), added into `x`: the router's
+    /// logits come to the host to pick each token's `top_k` experts; each expert (of
+    /// `width` intermediate columns) then runs on its tokens' rows and adds them back
+    /// weighted. With expert parallelism (experts held across the TP group, whose members
+    /// all have the same rows) each member adds its own experts' outputs into zeros, and the
+    /// group's all-reduce sums them.
+    ///
+    /// Errors: a dense `ffn`; a shard with only some experts and no TP group; the backend's
+    /// and the group's.
+    fn moe_block(
+        &self,
+        ffn: &DeviceFfn<B>,
+        normed: &B::Buffer,
+        x: &B::Buffer,
+        n: usize,
+        tp: &mut Option<&mut dyn Comm>,
+    ) -> Result<()> {
+        let DeviceFfn::Moe {
+            router,
+            experts,
+            top_k,
+            width,
+        } = ffn
+        else {
+            bail!("a dense layer has no experts");
+        };
+        let (top_k, width) = (*top_k, *width);
+        let be = &self.backend;
+        let hidden = self.config.hidden_size;
+        let f32_buffer = |values: usize| be.zeros(values * 4);
+        let n_experts = experts.len();
+        let sharded = experts.iter().any(Option::is_none);
+        if sharded && tp.is_none() {
+            bail!(
+                "this shard holds only some experts (expert parallelism) but has no TP group to sum their outputs over"
+            );
+        }
+        let partial = if sharded {
+            Some(f32_buffer(n * hidden)?)
+        } else {
+            None
+        };
+        let target = partial.as_ref().unwrap_or(x);
+        let logits = f32_buffer(n * n_experts)?;
+        be.matmul(&logits, router, normed, n)?;
+        let logits = f32s_of(&be.download(&logits, n * n_experts * 4)?);
+        let mut routed: Vec<(Vec<i32>, Vec<f32>)> = vec![(vec![], vec![]); n_experts];
+        for (t, row) in logits.chunks_exact(n_experts).enumerate() {
+            for (e, weight) in top_k_experts(row, top_k) {
+                routed[e].0.push(t as i32);
+                routed[e].1.push(weight);
             }
         }
-        self.workspace = Some(ws);
-        for (sequence, new) in batch.iter_mut() {
-            sequence.n_tokens += new.len();
+        for (expert, (tokens, weights)) in experts.iter().zip(&routed) {
+            let m = tokens.len();
+            let Some((gate, up, down)) = expert else {
+                continue;
+            };
+            if m == 0 {
+                continue;
+            }
+            let (token_ids, token_weights) = (
+                be.upload(&bytes_of(tokens))?,
+                be.upload(&bytes_of(weights))?,
+            );
+            let gathered = f32_buffer(m * hidden)?;
+            be.gather_rows(&gathered, normed, &token_ids, m, hidden)?;
+            let (g, u, a) = (
+                f32_buffer(m * width)?,
+                f32_buffer(m * width)?,
+                f32_buffer(m * width)?,
+            );
+            be.matmul(&g, gate, &gathered, m)?;
+            be.matmul(&u, up, &gathered, m)?;
+            be.swiglu(&a, &g, &u, m * width)?;
+            let out = f32_buffer(m * hidden)?;
+            be.matmul(&out, down, &a, m)?;
+            be.scale_add_rows(target, &out, &token_ids, &token_weights, m, hidden)?;
         }
+        if let Some(partial) = partial {
+            let summed = all_reduce(be, tp, &partial, n * hidden)?;
+            be.add(x, summed.as_ref().unwrap_or(&partial), n * hidden)?;
+        }
+        Ok(())
+    }
+
+    /// The last stage's head: each sequence's last row of `x` (`last_rows`, `(n_rows)` i32)
+    /// normed and projected to `(n_rows, vocab_size)` f32 logits; `None` on an earlier stage.
+    ///
+    /// Errors: the backend's.
+    fn head_logits(
+        &self,
+        x: &B::Buffer,
+        last_rows: &B::Buffer,
+        n_rows: usize,
+    ) -> Result<Option<B::Buffer>> {
         let (Some(output_norm), Some(output)) = (&self.output_norm, &self.output) else {
-            return Ok(StageOut::Hidden(x, n));
+            return Ok(None);
         };
-        let n_rows = batch.len();
-        let selected = f32_buffer(n_rows * hidden)?;
-        be.gather_rows(&selected, &x, &last_rows, n_rows, hidden)?;
-        let final_normed = f32_buffer(n_rows * hidden)?;
+        let (be, c) = (&self.backend, &self.config);
+        let hidden = c.hidden_size;
+        let selected = be.zeros(n_rows * hidden * 4)?;
+        be.gather_rows(&selected, x, last_rows, n_rows, hidden)?;
+        let final_normed = be.zeros(n_rows * hidden * 4)?;
         be.rms_norm(
             &final_normed,
             &selected,
@@ -907,11 +1033,34 @@ impl<B: Backend> BackendModel<B> {
             hidden,
             c.rms_norm_eps,
         )?;
-        let logits = f32_buffer(n_rows * c.vocab_size)?;
+        let logits = be.zeros(n_rows * c.vocab_size * 4)?;
         be.matmul(&logits, output, &final_normed, n_rows)?;
-        Ok(StageOut::Logits(logits, n_rows))
+        Ok(Some(logits))
     }
 }
+
+/// The device buffers of one step's batch, every one i32: what each layer reads.
+struct StepInputs<B: Backend> {
+    /// Tokens in the batch (`n_tokens`), over every sequence.
+    n_tokens: usize,
+    /// Blocks of the longest block table (the tables' row width).
+    max_blocks: usize,
+    /// `(n_tokens)`: token ids, positions, KV-cache slots (`block · 16 + offset`), each
+    /// token's sequence (its row of `tables`), and its attention length (position + 1).
+    ids: B::Buffer,
+    positions: B::Buffer,
+    slots: B::Buffer,
+    rows: B::Buffer,
+    lens: B::Buffer,
+    /// `(n_sequences, max_blocks)`: each sequence's block table, zero-padded.
+    tables: B::Buffer,
+    /// `(n_sequences)`: each sequence's last token's row.
+    last_rows: B::Buffer,
+}
+
+/// A running sequence of a [`BackendExecutor`]: its device block table, its ledger cache
+/// (which allocates the device blocks), its sampler.
+type SequenceState = (DeviceSequence, KvCache, Sampler);
 
 /// An [`Executor`] over a [`BackendModel`]: what `--device cuda` generates and serves with.
 /// Logits come to the host and are sampled there (greedy, top-k, top-p, seeds, log-probs:
@@ -928,7 +1077,7 @@ pub struct BackendExecutor<B: Backend> {
     ledger: Arc<KvPool>,
     /// Device block slot of each ledger block identity.
     slots: HashMap<usize, usize>,
-    sequences: HashMap<u64, (DeviceSequence, KvCache, Sampler)>,
+    sequences: HashMap<u64, SequenceState>,
     /// The TP group of a tensor-parallel shard ([`BackendExecutor::with_tp_group`]).
     tp: Option<Box<dyn Comm>>,
     /// The pipeline of a stage ([`BackendExecutor::with_pp_group`]): hidden states come from
@@ -993,26 +1142,15 @@ impl<B: Backend> BackendExecutor<B> {
     pub fn model(&self) -> &BackendModel<B> {
         &self.model
     }
-}
 
-impl<B> Executor for BackendExecutor<B>
-where
-    B: Backend + Send,
-    B::Buffer: Send,
-    B::Matrix: Send,
-{
-    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
-        // A sequence's blocks go back to the ledger with its cache (full ones stay in the
-        // prefix cache); the device slots are the ledger's to reuse.
-        for seq in release {
-            self.sequences.remove(seq);
-        }
-        if entries.is_empty() {
-            return Ok(Vec::new());
-        }
+    /// Starts the entries' new sequences (a sampler, and a ledger cache that adopts the
+    /// cached prefix) and checks that the others are known (an import's KV came in before
+    /// the step, [`Executor::import_kv`]; a hand-off's goes out after it,
+    /// [`Executor::export_kv`]).
+    ///
+    /// Errors: an import's sequence without its KV, an unknown sequence, a full ledger.
+    fn admit(&mut self, entries: &[StepEntry]) -> Result<()> {
         for entry in entries {
-            // A hand-off's KV goes out after the step ([`Executor::export_kv`], called by the
-            // rank); an import's came in before it ([`Executor::import_kv`]).
             if entry.import.is_some() {
                 if !self.sequences.contains_key(&entry.seq) {
                     bail!(
@@ -1036,8 +1174,107 @@ where
                 bail!("sequence {} is unknown to the engine", entry.seq);
             }
         }
+        Ok(())
+    }
+
+    /// One step of `states` (each entry's sequence, ledger cache and sampler, in `entries`'
+    /// order): device blocks for the new positions, the stage's forward pass between its
+    /// pipeline neighbours, the ledger committed. Gives the logits on the last stage.
+    ///
+    /// Errors: a full ledger; the forward pass's; the pipeline's.
+    fn run_states(
+        &mut self,
+        states: &mut [SequenceState],
+        entries: &[StepEntry],
+    ) -> Result<Option<Vec<Vec<f32>>>> {
+        for ((sequence, ledger, _), entry) in states.iter_mut().zip(entries) {
+            ledger.reserve(sequence.n_tokens + entry.tokens.len())?;
+            sequence.blocks = self.device_blocks(ledger)?;
+        }
+        let n_tokens: usize = entries.iter().map(|e| e.tokens.len()).sum();
+        let hidden_in = self.receive_hidden(n_tokens)?;
+        let mut batch: Vec<(&mut DeviceSequence, &[u32])> = states
+            .iter_mut()
+            .zip(entries)
+            .map(|((sequence, _, _), entry)| (sequence, entry.tokens.as_slice()))
+            .collect();
+        let tp = self.tp.as_deref_mut().map(|comm| comm as &mut dyn Comm);
+        let logits = match self.model.step_stage(&mut batch, tp, hidden_in)? {
+            StageOut::Logits(logits, n_rows) => Some(self.model.download_logits(&logits, n_rows)?),
+            StageOut::Hidden(hidden, n) => {
+                self.send_hidden(&hidden, n)?;
+                None
+            }
+        };
+        // Stored: full blocks go into the prefix cache (when it is on).
+        for ((_, ledger, _), entry) in states.iter_mut().zip(entries) {
+            ledger.commit(&entry.tokens);
+        }
+        Ok(logits)
+    }
+
+    /// A later stage's input: the previous stage's hidden states for `n_tokens` tokens, over
+    /// the GPUs' pipeline communicator when they share one, else through host memory;
+    /// `None` on the first stage.
+    ///
+    /// Errors: a message of another size; the pipeline's.
+    fn receive_hidden(&mut self, n_tokens: usize) -> Result<Option<(B::Buffer, usize)>> {
+        let Some(pp) = self.pp.as_deref_mut().filter(|pp| pp.rank() > 0) else {
+            return Ok(None);
+        };
+        let values = n_tokens * self.model.config.hidden_size;
+        let backend = &self.model.backend;
+        let buffer = backend.zeros(values * 4)?;
+        if backend.recv_from_stage(&buffer, values, pp.rank() - 1)? {
+            return Ok(Some((buffer, n_tokens)));
+        }
+        let bytes = pp.recv(pp.rank() - 1)?;
+        if bytes.len() != values * 4 {
+            bail!(
+                "the previous pipeline stage sent {} bytes of hidden states for {n_tokens} tokens of {}",
+                bytes.len(),
+                self.model.config.hidden_size
+            );
+        }
+        Ok(Some((backend.upload(&bytes)?, n_tokens)))
+    }
+
+    /// Sends a stage's `(n, hidden_size)` hidden states to the next stage, device to device
+    /// when the GPUs share a communicator, else through host memory.
+    ///
+    /// Errors: no next stage; the pipeline's.
+    fn send_hidden(&mut self, hidden: &B::Buffer, n: usize) -> Result<()> {
+        let pp = self
+            .pp
+            .as_deref_mut()
+            .context("a pipeline stage before the last has no next stage to send to")?;
+        let values = n * self.model.config.hidden_size;
+        let backend = &self.model.backend;
+        if !backend.send_to_stage(hidden, values, pp.rank() + 1)? {
+            pp.send(pp.rank() + 1, &backend.download(hidden, values * 4)?)?;
+        }
+        Ok(())
+    }
+}
+
+impl<B> Executor for BackendExecutor<B>
+where
+    B: Backend + Send,
+    B::Buffer: Send,
+    B::Matrix: Send,
+{
+    fn step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
+        // A sequence's blocks go back to the ledger with its cache (full ones stay in the
+        // prefix cache); the device slots are the ledger's to reuse.
+        for seq in release {
+            self.sequences.remove(seq);
+        }
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.admit(entries)?;
         // Take each entry's state out so the batch can borrow them all mutably.
-        let mut states: Vec<(DeviceSequence, KvCache, Sampler)> = Vec::new();
+        let mut states: Vec<SequenceState> = Vec::new();
         for entry in entries {
             let state = self
                 .sequences
@@ -1045,64 +1282,7 @@ where
                 .with_context(|| format!("sequence {} appears twice in the step", entry.seq))?;
             states.push(state);
         }
-        let result = (|| {
-            for ((sequence, ledger, _), entry) in states.iter_mut().zip(entries) {
-                ledger.reserve(sequence.n_tokens + entry.tokens.len())?;
-                sequence.blocks = self.device_blocks(ledger)?;
-            }
-            let mut batch: Vec<(&mut DeviceSequence, &[u32])> = states
-                .iter_mut()
-                .zip(entries)
-                .map(|((sequence, _, _), entry)| (sequence, entry.tokens.as_slice()))
-                .collect();
-            let tp = self.tp.as_deref_mut().map(|comm| comm as &mut dyn Comm);
-            // A later stage's input: the previous stage's hidden states, over the GPUs'
-            // pipeline communicator when they share one, else through host memory.
-            let n_tokens: usize = entries.iter().map(|e| e.tokens.len()).sum();
-            let hidden_in = match self.pp.as_deref_mut() {
-                Some(pp) if pp.rank() > 0 => {
-                    let values = n_tokens * self.model.config.hidden_size;
-                    let backend = &self.model.backend;
-                    let buffer = backend.zeros(values * 4)?;
-                    if backend.recv_from_stage(&buffer, values, pp.rank() - 1)? {
-                        Some((buffer, n_tokens))
-                    } else {
-                        let bytes = pp.recv(pp.rank() - 1)?;
-                        if bytes.len() != values * 4 {
-                            bail!(
-                                "the previous pipeline stage sent {} bytes of hidden states for {n_tokens} tokens of {}",
-                                bytes.len(),
-                                self.model.config.hidden_size
-                            );
-                        }
-                        Some((backend.upload(&bytes)?, n_tokens))
-                    }
-                }
-                _ => None,
-            };
-            let logits = match self.model.step_stage(&mut batch, tp, hidden_in)? {
-                StageOut::Logits(logits, n_rows) => {
-                    Some(self.model.download_logits(&logits, n_rows)?)
-                }
-                StageOut::Hidden(hidden, n) => {
-                    let pp = self
-                        .pp
-                        .as_deref_mut()
-                        .context("a pipeline stage before the last has no next stage to send to")?;
-                    let values = n * self.model.config.hidden_size;
-                    let backend = &self.model.backend;
-                    if !backend.send_to_stage(&hidden, values, pp.rank() + 1)? {
-                        pp.send(pp.rank() + 1, &backend.download(&hidden, values * 4)?)?;
-                    }
-                    None
-                }
-            };
-            // Stored: full blocks go into the prefix cache (when it is on).
-            for ((_, ledger, _), entry) in states.iter_mut().zip(entries) {
-                ledger.commit(&entry.tokens);
-            }
-            Ok(logits)
-        })();
+        let result = self.run_states(&mut states, entries);
         let sampled = result.map(|logits: Option<Vec<Vec<f32>>>| match logits {
             // A stage before the last samples nothing.
             None => Vec::new(),

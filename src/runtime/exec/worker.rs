@@ -412,13 +412,206 @@ pub struct Member {
     timeout: Duration,
 }
 
-impl Member {
-    /// Loads this rank's shard and connects its TP, PP and replica groups.
-    fn join(
-        config: &RankConfig,
-        model: &crate::runtime::model::source::ModelSource,
-        store: &mut StoreClient,
-    ) -> Result<(Member, Tokenizer)> {
+/// Loads the whole model (`model`: a GGUF file, or dummy weights every rank draws alike)
+/// and keeps this rank's shard: its pipeline stage's layers, its TP slice, its experts under
+/// expert parallelism, the rank's numerics, and (CPU ranks) packed weights.
+///
+/// Errors: the file, a shard the model cannot be cut into, an `ep` other than 1 or `tp`.
+fn load_shard(
+    config: &RankConfig,
+    model: &crate::runtime::model::source::ModelSource,
+    at: &Position,
+    pool: &rayon::ThreadPool,
+) -> Result<(Llama, Tokenizer)> {
+    let (tp, pp, global_rank) = (config.tp, config.pp, at.global_rank);
+    let (whole, tokenizer) = match model {
+        crate::runtime::model::source::ModelSource::File(path) => {
+            let file = Arc::new(GgufFile::open(path)?);
+            (
+                Llama::from_gguf(&file)?,
+                Tokenizer::from_gguf(&file.header)?,
+            )
+        }
+        // Every rank draws the same whole model, then keeps its shard.
+        dummy => pool.install(|| dummy.load())?,
+    };
+    let (first_layer, n_layers) = stage_layers(whole.layers.len(), pp, at.pp_rank);
+    let mut shard = whole
+        .shard(at.tp_rank, tp, first_layer, n_layers)
+        .with_context(|| format!("rank {global_rank}: building its shard"))?;
+    shard.set_kv_capacity(config.kv_cache_tokens);
+    shard.kv_pool().set_prefix_cache(config.prefix_cache);
+    match config.ep {
+        1 => {}
+        ep if ep == tp => shard
+            .shard_experts(at.tp_rank, tp)
+            .with_context(|| format!("rank {global_rank}: sharding experts"))?,
+        ep => {
+            bail!("ep {ep} must be 1 or equal tp ({tp}): experts are sharded over the TP group")
+        }
+    }
+    drop(whole);
+    shard.set_numerics(config.numerics);
+    if config.device.is_none() {
+        pool.install(|| shard.pack_weights());
+    }
+    Ok((shard, tokenizer))
+}
+
+/// Connects the rank's TP, PP and replica groups (and the CPU engine's EP group). Groups
+/// inside this host all-reduce through shared memory; groups spanning hosts use TCP over the
+/// data network (as NCCL uses SHM inside a node, NET across).
+///
+/// Errors: a peer that does not join within the timeout, the store.
+fn connect_groups(config: &RankConfig, store: &mut StoreClient, at: &Position) -> Result<Groups> {
+    let (tp, pp, base, dp_rank) = (config.tp, config.pp, at.base, at.dp_rank);
+    let tp_members: Vec<u64> = (0..tp)
+        .map(|t| base + (at.pp_rank * tp + t) as u64)
+        .collect();
+    let pp_members: Vec<u64> = (0..pp)
+        .map(|s| base + (s * tp + at.tp_rank) as u64)
+        .collect();
+    let all: Vec<u64> = (0..(tp * pp) as u64).map(|r| base + r).collect();
+    let mut connect = |group: &str, members: &[u64]| connect_group(config, store, group, members);
+    Ok(Groups {
+        tp: connect(&format!("dp{dp_rank}/tp/{}", at.pp_rank), &tp_members)?,
+        pp: connect(&format!("dp{dp_rank}/pp/{}", at.tp_rank), &pp_members)?,
+        replica: connect(&format!("dp{dp_rank}/replica"), &all)?,
+        // The CPU engine's MoE all-to-all; device ranks sum over the TP group instead.
+        ep: if config.ep > 1 && config.device.is_none() {
+            Some(connect(
+                &format!("dp{dp_rank}/ep/{}", at.pp_rank),
+                &tp_members,
+            )?)
+        } else {
+            None
+        },
+    })
+}
+
+/// A `--device cuda` rank's executor: its shard on `kernels` with its TP and PP groups
+/// (taken from `comms` when they have more than one member), and the lines the rank says
+/// first (its device, how its collectives travel, the experts it holds).
+///
+/// Errors: the device's (no driver, no NVRTC, memory), naming the rank.
+fn device_executor(
+    config: &RankConfig,
+    kernels: &KernelDevice,
+    shard: &Llama,
+    tokenizer: &Tokenizer,
+    comms: (&mut Option<ShmComm>, &mut Option<ShmComm>),
+    global_rank: usize,
+) -> Result<(Box<dyn Executor>, Vec<String>)> {
+    let (tp, pp) = (config.tp, config.pp);
+    let groups = crate::runtime::exec::kernel_executor::Groups {
+        tp: comms
+            .0
+            .take_if(|_| tp > 1)
+            .map(|c| Box::new(c) as Box<dyn Comm>),
+        pp: comms
+            .1
+            .take_if(|_| pp > 1)
+            .map(|c| Box::new(c) as Box<dyn Comm>),
+        host_key: config.host_ranks.start,
+    };
+    let loaded = crate::runtime::exec::kernel_executor::load_executor(
+        kernels,
+        shard,
+        config
+            .kv_cache_tokens
+            .unwrap_or(DEVICE_DEFAULT_KV_TOKENS)
+            .min(shard.config.max_context_tokens.max(1) + 16),
+        tokenizer.clone(),
+        groups,
+    )
+    .with_context(|| format!("rank {global_rank}: putting its shard on the device"))?;
+    loaded
+        .executor
+        .kv_pool()
+        .set_prefix_cache(config.prefix_cache);
+    let mut lines = vec![format!(
+        "rank {global_rank} on {}, CUDA_VISIBLE_DEVICES={}",
+        loaded.device,
+        config.cuda_visible_devices.as_deref().unwrap_or("unset"),
+    )];
+    lines.extend(loaded.notes);
+    if let Some(moe) = shard.layers.iter().find_map(|l| l.moe.as_ref())
+        && config.ep > 1
+    {
+        let held: Vec<usize> = (0..moe.experts.len())
+            .filter(|&e| moe.experts[e].is_some())
+            .collect();
+        lines.push(format!(
+            "experts {}-{} of {} on this rank (expert parallelism): the TP group sums their outputs",
+            held.first().copied().unwrap_or(0),
+            held.last().copied().unwrap_or(0),
+            moe.experts.len()
+        ));
+    }
+    Ok((loaded.executor, lines))
+}
+
+/// The rank's end of prefill/decode disaggregation: a decode replica's rank binds its
+/// inbox and publishes it; a prefill replica's rank reads its peers' (the same position in
+/// every decode replica) and marks those on this host for the shared ring.
+///
+/// Errors: the inbox cannot bind; a peer that does not publish within the timeout.
+fn pd_link(config: &RankConfig, store: &mut StoreClient, at: &Position) -> Result<PdLink> {
+    let (tp, pp, rank, dp_rank) = (config.tp, config.pp, at.rank, at.dp_rank);
+    // Decode ranks publish their inbox before prefill ranks wait for them.
+    Ok(match config.pd_prefill_replicas {
+        None => PdLink::None,
+        Some(prefill) if dp_rank >= prefill => {
+            let inbox = Inbox::bind(&config.bind_addr, &config.token)?;
+            store.set(
+                &format!("pd/{dp_rank}/{rank}"),
+                inbox.address().to_string().as_bytes(),
+            )?;
+            PdLink::Decode(inbox)
+        }
+        Some(prefill) => {
+            let mut peers = HashMap::new();
+            let mut outbox = Outbox::new(&config.token)?;
+            let mut local = Vec::new();
+            for decode in prefill..config.dp {
+                let address = store.get(&format!("pd/{decode}/{rank}"), config.timeout)?;
+                let address = String::from_utf8_lossy(&address).into_owned();
+                // The launcher's placement says which decode ranks share this host: their
+                // KV goes through a shared ring, as the groups inside a host all-reduce
+                // through shared memory.
+                let decode_rank = (decode * tp * pp + rank) as u64;
+                if config.shm && config.host_ranks.contains(&decode_rank) {
+                    outbox.on_this_host(&address);
+                    local.push(decode);
+                }
+                peers.insert(decode, address);
+            }
+            PdLink::Prefill {
+                outbox,
+                peers,
+                local,
+            }
+        }
+    })
+}
+
+/// Where a rank sits: its replica, and its place inside it (vLLM's order: DP, PP, TP).
+struct Position {
+    global_rank: usize,
+    /// Position in the replica (0: the driver).
+    rank: usize,
+    dp_rank: usize,
+    tp_rank: usize,
+    pp_rank: usize,
+    /// The replica's first global rank.
+    base: u64,
+}
+
+impl Position {
+    /// `config`'s rank placed in its replica.
+    ///
+    /// Errors: `WORLD_SIZE` is not `dp × pp × tp`.
+    fn of(config: &RankConfig) -> Result<Position> {
         let (tp, pp, dp) = (config.tp, config.pp, config.dp);
         let global_rank = config.rank as usize;
         if dp * tp * pp != config.world_size as usize {
@@ -428,161 +621,72 @@ impl Member {
                 dp * tp * pp
             );
         }
-        // Position inside the replica, and the replica's first global rank.
         let (rank, dp_rank) = (global_rank % (tp * pp), global_rank / (tp * pp));
-        let base = (dp_rank * tp * pp) as u64;
-        let (tp_rank, pp_rank) = (rank % tp, rank / tp);
+        Ok(Position {
+            global_rank,
+            rank,
+            dp_rank,
+            tp_rank: rank % tp,
+            pp_rank: rank / tp,
+            base: (dp_rank * tp * pp) as u64,
+        })
+    }
+}
+
+/// A rank's groups, connected through the store.
+struct Groups {
+    tp: ShmComm,
+    pp: ShmComm,
+    replica: ShmComm,
+    /// The CPU engine's MoE all-to-all (the TP group again), when experts are sharded.
+    ep: Option<ShmComm>,
+}
+
+impl Member {
+    /// Loads this rank's shard and connects its TP, PP and replica groups.
+    fn join(
+        config: &RankConfig,
+        model: &crate::runtime::model::source::ModelSource,
+        store: &mut StoreClient,
+    ) -> Result<(Member, Tokenizer)> {
+        let at = Position::of(config)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(config.threads)
             .build()
             .map_err(|e| anyhow!("thread pool: {e}"))?;
-        let (whole, tokenizer) = match model {
-            crate::runtime::model::source::ModelSource::File(path) => {
-                let file = Arc::new(GgufFile::open(path)?);
-                (
-                    Llama::from_gguf(&file)?,
-                    Tokenizer::from_gguf(&file.header)?,
-                )
-            }
-            // Every rank draws the same whole model, then keeps its shard.
-            dummy => pool.install(|| dummy.load())?,
-        };
-        let (first_layer, n_layers) = stage_layers(whole.layers.len(), pp, pp_rank);
-        let mut shard = whole
-            .shard(tp_rank, tp, first_layer, n_layers)
-            .with_context(|| format!("rank {global_rank}: building its shard"))?;
-        shard.set_kv_capacity(config.kv_cache_tokens);
-        shard.kv_pool().set_prefix_cache(config.prefix_cache);
-        match config.ep {
-            1 => {}
-            ep if ep == tp => shard
-                .shard_experts(tp_rank, tp)
-                .with_context(|| format!("rank {global_rank}: sharding experts"))?,
-            ep => {
-                bail!("ep {ep} must be 1 or equal tp ({tp}): experts are sharded over the TP group")
-            }
-        }
-        drop(whole);
-        shard.set_numerics(config.numerics);
-        if config.device.is_none() {
-            pool.install(|| shard.pack_weights());
-        }
-
-        let tp_members: Vec<u64> = (0..tp).map(|t| base + (pp_rank * tp + t) as u64).collect();
-        let pp_members: Vec<u64> = (0..pp).map(|s| base + (s * tp + tp_rank) as u64).collect();
-        let all: Vec<u64> = (0..(tp * pp) as u64).map(|r| base + r).collect();
-        // Groups inside this host all-reduce through shared memory; groups spanning hosts
-        // use TCP over the data network (as NCCL uses SHM inside a node, NET across).
-        let mut connect =
-            |group: &str, members: &[u64]| connect_group(config, store, group, members);
-        let mut tp_comm = Some(connect(&format!("dp{dp_rank}/tp/{pp_rank}"), &tp_members)?);
-        let mut pp_comm = Some(connect(&format!("dp{dp_rank}/pp/{tp_rank}"), &pp_members)?);
-        let replica = connect(&format!("dp{dp_rank}/replica"), &all)?;
-        // The CPU engine's MoE all-to-all; device ranks sum over the TP group instead.
-        let ep_comm = if config.ep > 1 && config.device.is_none() {
-            Some(connect(&format!("dp{dp_rank}/ep/{pp_rank}"), &tp_members)?)
-        } else {
-            None
-        };
+        let (shard, tokenizer) = load_shard(config, model, &at, &pool)?;
+        let groups = connect_groups(config, store, &at)?;
+        let (mut tp_comm, mut pp_comm) = (Some(groups.tp), Some(groups.pp));
         let (device, device_lines) = match &config.device {
             None => (None, Vec::new()),
             Some(kernels) => {
-                let groups = crate::runtime::exec::kernel_executor::Groups {
-                    tp: tp_comm
-                        .take_if(|_| tp > 1)
-                        .map(|c| Box::new(c) as Box<dyn Comm>),
-                    pp: pp_comm
-                        .take_if(|_| pp > 1)
-                        .map(|c| Box::new(c) as Box<dyn Comm>),
-                    host_key: config.host_ranks.start,
-                };
-                let loaded = crate::runtime::exec::kernel_executor::load_executor(
+                let (executor, lines) = device_executor(
+                    config,
                     kernels,
                     &shard,
-                    config
-                        .kv_cache_tokens
-                        .unwrap_or(DEVICE_DEFAULT_KV_TOKENS)
-                        .min(shard.config.max_context_tokens.max(1) + 16),
-                    tokenizer.clone(),
-                    groups,
-                )
-                .with_context(|| format!("rank {global_rank}: putting its shard on the device"))?;
-                loaded
-                    .executor
-                    .kv_pool()
-                    .set_prefix_cache(config.prefix_cache);
-                let mut lines = vec![format!(
-                    "rank {global_rank} on {}, CUDA_VISIBLE_DEVICES={}",
-                    loaded.device,
-                    config.cuda_visible_devices.as_deref().unwrap_or("unset"),
-                )];
-                lines.extend(loaded.notes);
-                if let Some(moe) = shard.layers.iter().find_map(|l| l.moe.as_ref())
-                    && config.ep > 1
-                {
-                    let held: Vec<usize> = (0..moe.experts.len())
-                        .filter(|&e| moe.experts[e].is_some())
-                        .collect();
-                    lines.push(format!(
-                        "experts {}-{} of {} on this rank (expert parallelism): the TP group sums their outputs",
-                        held.first().copied().unwrap_or(0),
-                        held.last().copied().unwrap_or(0),
-                        moe.experts.len()
-                    ));
-                }
-                (Some(loaded.executor), lines)
-            }
-        };
-        // Decode ranks publish their inbox before prefill ranks wait for them.
-        let pd = match config.pd_prefill_replicas {
-            None => PdLink::None,
-            Some(prefill) if dp_rank >= prefill => {
-                let inbox = Inbox::bind(&config.bind_addr, &config.token)?;
-                store.set(
-                    &format!("pd/{dp_rank}/{rank}"),
-                    inbox.address().to_string().as_bytes(),
+                    &tokenizer,
+                    (&mut tp_comm, &mut pp_comm),
+                    at.global_rank,
                 )?;
-                PdLink::Decode(inbox)
-            }
-            Some(prefill) => {
-                let mut peers = HashMap::new();
-                let mut outbox = Outbox::new(&config.token)?;
-                let mut local = Vec::new();
-                for decode in prefill..dp {
-                    let address = store.get(&format!("pd/{decode}/{rank}"), config.timeout)?;
-                    let address = String::from_utf8_lossy(&address).into_owned();
-                    // The launcher's placement says which decode ranks share this host: their
-                    // KV goes through a shared ring, as the groups inside a host all-reduce
-                    // through shared memory.
-                    let decode_rank = (decode * tp * pp + rank) as u64;
-                    if config.shm && config.host_ranks.contains(&decode_rank) {
-                        outbox.on_this_host(&address);
-                        local.push(decode);
-                    }
-                    peers.insert(decode, address);
-                }
-                PdLink::Prefill {
-                    outbox,
-                    peers,
-                    local,
-                }
+                (Some(executor), lines)
             }
         };
+        let pd = pd_link(config, store, &at)?;
         Ok((
             Member {
-                rank,
-                global_rank,
-                dp_rank,
-                tp,
-                pp_rank,
-                pp,
+                rank: at.rank,
+                global_rank: at.global_rank,
+                dp_rank: at.dp_rank,
+                tp: config.tp,
+                pp_rank: at.pp_rank,
+                pp: config.pp,
                 shard,
                 tp_comm,
                 device,
                 device_lines,
                 pp_comm,
-                replica,
-                ep_comm,
+                replica: groups.replica,
+                ep_comm: groups.ep,
                 caches: HashMap::new(),
                 pd,
                 samplers: HashMap::new(),
@@ -811,20 +915,7 @@ impl Member {
         if entries.is_empty() {
             return Ok(Vec::new());
         }
-        // Prefill replicas: what is stored but not yet sent (a prefix the prefix cache
-        // supplied) goes first; the step's new positions go layer by layer as the forward
-        // pass stores them, each layer's while the next one computes.
-        let mut streams: Vec<Option<(String, u64)>> = Vec::with_capacity(entries.len());
-        for entry in entries {
-            streams.push(match entry.handoff {
-                Some(handoff) => {
-                    let address = self.inbox_address(handoff)?;
-                    self.send_unsent(entry.seq, &address, handoff.transfer)?;
-                    Some((address, handoff.transfer))
-                }
-                None => None,
-            });
-        }
+        let streams = self.open_streams(entries)?;
         let pp_rank = self.pp_rank;
         let hidden_in = if pp_rank > 0 {
             Some(bytes_to_f32(&self.pipeline()?.recv(pp_rank - 1)?))
@@ -835,71 +926,7 @@ impl Member {
             .iter()
             .map(|e| self.caches.remove(&e.seq).expect("checked above"))
             .collect();
-        let output = {
-            let mut batch: Vec<SequenceInput<'_>> = entries
-                .iter()
-                .zip(caches.iter_mut())
-                .map(|(entry, cache)| SequenceInput {
-                    tokens: &entry.tokens,
-                    cache,
-                    all_logits: false,
-                })
-                .collect();
-            let tp = self.tp;
-            let comm: Option<&mut dyn Comm> = self
-                .tp_comm
-                .as_mut()
-                .filter(|_| tp > 1)
-                .map(|c| c as &mut dyn Comm);
-            let ep: Option<&mut dyn Comm> = self.ep_comm.as_mut().map(|c| c as &mut dyn Comm);
-            let mut outbox = match &mut self.pd {
-                PdLink::Prefill { outbox, .. } => Some(outbox),
-                _ => None,
-            };
-            let mut export_error = None;
-            let (n_layers, mut first_unsent) = (self.shard.layers.len(), 0);
-            let mut stored = |layer: usize, batch: &[SequenceInput<'_>]| {
-                let Some(outbox) = outbox.as_mut() else {
-                    return;
-                };
-                if !(layer + 1).is_multiple_of(LAYERS_PER_PART) && layer + 1 != n_layers {
-                    return;
-                }
-                let layers = first_unsent..layer + 1;
-                first_unsent = layer + 1;
-                for (stream, sequence) in streams.iter().zip(batch) {
-                    let Some((address, transfer)) = stream else {
-                        continue;
-                    };
-                    match sequence
-                        .cache
-                        .export_pending(layers.clone(), sequence.tokens)
-                    {
-                        Ok(part) => outbox.send(address, *transfer, part),
-                        Err(error) => {
-                            export_error.get_or_insert(error);
-                        }
-                    }
-                }
-            };
-            let shard = &self.shard;
-            let team = &self.team;
-            let output = self.pool.install(|| {
-                team.enter(|| {
-                    shard.forward_stage_observed(
-                        hidden_in.as_deref(),
-                        &mut batch,
-                        comm,
-                        ep,
-                        &mut stored,
-                    )
-                })
-            });
-            match export_error {
-                Some(error) => Err(error),
-                None => output,
-            }
-        };
+        let output = self.forward_sending_kv(entries, &mut caches, hidden_in.as_deref(), &streams);
         for (entry, cache) in entries.iter().zip(caches) {
             if entry.handoff.is_some() {
                 self.handed.insert(entry.seq, cache.n_tokens);
@@ -930,6 +957,98 @@ impl Member {
                 })
                 .collect(),
             StageOutput::Logits(_) => Ok(Vec::new()),
+        }
+    }
+
+    /// Prefill replicas: for each entry handed to a decode replica, its peer's inbox address
+    /// and transfer id, after sending what is stored but not yet sent (a prefix the prefix
+    /// cache supplied); `None` for the other entries.
+    ///
+    /// Errors: an unknown decode replica; a failed send.
+    fn open_streams(&mut self, entries: &[StepEntry]) -> Result<Vec<Option<(String, u64)>>> {
+        let mut streams = Vec::with_capacity(entries.len());
+        for entry in entries {
+            streams.push(match entry.handoff {
+                Some(handoff) => {
+                    let address = self.inbox_address(handoff)?;
+                    self.send_unsent(entry.seq, &address, handoff.transfer)?;
+                    Some((address, handoff.transfer))
+                }
+                None => None,
+            });
+        }
+        Ok(streams)
+    }
+
+    /// This shard's forward pass over `entries` (their `caches` in the same order), on the
+    /// rank's pool and team; on a prefill replica each group of [`LAYERS_PER_PART`] layers'
+    /// new KV goes to its decode peer (`streams`) as soon as the pass has stored it, while
+    /// the next layers compute.
+    ///
+    /// Errors: the forward pass's; a part that cannot be exported.
+    fn forward_sending_kv(
+        &mut self,
+        entries: &[StepEntry],
+        caches: &mut [KvCache],
+        hidden_in: Option<&[f32]>,
+        streams: &[Option<(String, u64)>],
+    ) -> Result<StageOutput> {
+        let mut batch: Vec<SequenceInput<'_>> = entries
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(entry, cache)| SequenceInput {
+                tokens: &entry.tokens,
+                cache,
+                all_logits: false,
+            })
+            .collect();
+        let tp = self.tp;
+        let comm: Option<&mut dyn Comm> = self
+            .tp_comm
+            .as_mut()
+            .filter(|_| tp > 1)
+            .map(|c| c as &mut dyn Comm);
+        let ep: Option<&mut dyn Comm> = self.ep_comm.as_mut().map(|c| c as &mut dyn Comm);
+        let mut outbox = match &mut self.pd {
+            PdLink::Prefill { outbox, .. } => Some(outbox),
+            _ => None,
+        };
+        let mut export_error = None;
+        let (n_layers, mut first_unsent) = (self.shard.layers.len(), 0);
+        let mut stored = |layer: usize, batch: &[SequenceInput<'_>]| {
+            let Some(outbox) = outbox.as_mut() else {
+                return;
+            };
+            if !(layer + 1).is_multiple_of(LAYERS_PER_PART) && layer + 1 != n_layers {
+                return;
+            }
+            let layers = first_unsent..layer + 1;
+            first_unsent = layer + 1;
+            for (stream, sequence) in streams.iter().zip(batch) {
+                let Some((address, transfer)) = stream else {
+                    continue;
+                };
+                match sequence
+                    .cache
+                    .export_pending(layers.clone(), sequence.tokens)
+                {
+                    Ok(part) => outbox.send(address, *transfer, part),
+                    Err(error) => {
+                        export_error.get_or_insert(error);
+                    }
+                }
+            }
+        };
+        let shard = &self.shard;
+        let team = &self.team;
+        let output = self.pool.install(|| {
+            team.enter(|| {
+                shard.forward_stage_observed(hidden_in, &mut batch, comm, ep, &mut stored)
+            })
+        });
+        match export_error {
+            Some(error) => Err(error),
+            None => output,
         }
     }
 

@@ -228,120 +228,23 @@ impl Llama {
     /// tensor or metadata key, an unsupported tensor type (naming the tensor), or a tensor
     /// whose shape disagrees with the metadata (naming both).
     pub fn from_gguf(file: &Arc<GgufFile>) -> Result<Llama> {
-        let header = &file.header;
-        let arch = header.str("general.architecture")?;
-        if !matches!(arch, "llama" | "mistral" | "qwen2" | "qwen3") {
-            bail!(
-                "unsupported architecture `{arch}`: the engine runs llama, mistral, qwen2 and qwen3 GGUF files"
-            );
-        }
-        let key = |name: &str| format!("{arch}.{name}");
-        let int = |name: &str| header.u64(&key(name)).map(|v| v as usize);
-        let float = |name: &str, default: f32| match header.metadata.get(&key(name)) {
-            Some(Value::F32(v)) => *v,
-            Some(Value::F64(v)) => *v as f32,
-            _ => default,
-        };
-        let hidden_size = int("embedding_length")?;
-        let n_heads = int("attention.head_count")?;
-        let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);
-        let head_dim = int("attention.key_length").unwrap_or(hidden_size / n_heads.max(1));
-        let (embedding_info, _) = file.tensor("token_embd.weight")?;
-        let config = LlamaConfig {
-            hidden_size,
-            intermediate_size: int("feed_forward_length")?,
-            n_layers: int("block_count")?,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            vocab_size: embedding_info.dims.get(1).copied().unwrap_or(0) as usize,
-            rms_norm_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta: float("rope.freq_base", 10_000.0),
-            // llama.cpp's converter permutes Llama/Mistral Q/K for adjacent-pair RoPE; Qwen
-            // checkpoints are converted unpermuted and use NeoX-style RoPE.
-            rope_style: if matches!(arch, "qwen2" | "qwen3") {
-                RopeStyle::Neox
-            } else {
-                RopeStyle::Interleaved
-            },
-            rope_scaling: None,
-            max_context_tokens: int("context_length").unwrap_or(4096),
-            n_experts: int("expert_count").unwrap_or(0),
-            n_experts_used: int("expert_used_count").unwrap_or(0),
-        };
-        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Weight> {
-            let weight = Weight::from_gguf(file, name)?;
-            if (weight.n_rows, weight.n_cols) != (rows, cols) {
-                bail!(
-                    "tensor `{name}` is {}×{} but the metadata implies {rows}×{cols}",
-                    weight.n_rows,
-                    weight.n_cols
-                );
-            }
-            Ok(weight)
-        };
-        let vector =
-            |name: &str, len: usize| -> Result<Vec<f32>> { Ok(matrix(name, 1, len)?.to_f32()) };
-        let optional = |name: &str, len: usize| -> Result<Option<Vec<f32>>> {
-            if file.has_tensor(name) {
-                vector(name, len).map(Some)
-            } else {
-                Ok(None)
-            }
-        };
+        let config = gguf_config(file)?;
         let c = &config;
-        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-        let token_embedding = matrix("token_embd.weight", c.vocab_size, c.hidden_size)?;
-        let mut layers = Vec::with_capacity(c.n_layers);
-        for i in 0..c.n_layers {
-            let name = |suffix: &str| format!("blk.{i}.{suffix}");
-            let moe = file.has_tensor(&name("ffn_gate_inp.weight"));
-            let empty = Weight::from_f32(0, c.hidden_size, &[])?;
-            layers.push(Layer {
-                attn_norm: vector(&name("attn_norm.weight"), c.hidden_size)?,
-                wq: matrix(&name("attn_q.weight"), q_dim, c.hidden_size)?,
-                wk: matrix(&name("attn_k.weight"), kv_dim, c.hidden_size)?,
-                wv: matrix(&name("attn_v.weight"), kv_dim, c.hidden_size)?,
-                wo: matrix(&name("attn_output.weight"), c.hidden_size, q_dim)?,
-                bias_q: optional(&name("attn_q.bias"), q_dim)?,
-                bias_k: optional(&name("attn_k.bias"), kv_dim)?,
-                bias_v: optional(&name("attn_v.bias"), kv_dim)?,
-                q_norm: optional(&name("attn_q_norm.weight"), c.head_dim)?,
-                k_norm: optional(&name("attn_k_norm.weight"), c.head_dim)?,
-                ffn_norm: vector(&name("ffn_norm.weight"), c.hidden_size)?,
-                w_gate: if moe {
-                    empty.clone()
-                } else {
-                    matrix(&name("ffn_gate.weight"), c.intermediate_size, c.hidden_size)?
-                },
-                w_up: if moe {
-                    empty.clone()
-                } else {
-                    matrix(&name("ffn_up.weight"), c.intermediate_size, c.hidden_size)?
-                },
-                w_down: if moe {
-                    empty.clone()
-                } else {
-                    matrix(&name("ffn_down.weight"), c.hidden_size, c.intermediate_size)?
-                },
-                moe: if moe {
-                    Some(crate::runtime::model::moe::load_gguf(file, i, c)?)
-                } else {
-                    None
-                },
-            });
-        }
+        let token_embedding = gguf_matrix(file, "token_embd.weight", c.vocab_size, c.hidden_size)?;
+        let layers = (0..c.n_layers)
+            .map(|i| gguf_layer(file, c, i))
+            .collect::<Result<Vec<Layer>>>()?;
         let output = if file.has_tensor("output.weight") {
-            matrix("output.weight", c.vocab_size, c.hidden_size)?
+            gguf_matrix(file, "output.weight", c.vocab_size, c.hidden_size)?
         } else {
             token_embedding.clone()
         };
         let freq_factors = if file.has_tensor("rope_freqs.weight") {
-            Some(vector("rope_freqs.weight", c.head_dim / 2)?)
+            Some(gguf_matrix(file, "rope_freqs.weight", 1, c.head_dim / 2)?.to_f32())
         } else {
             None
         };
-        let output_norm = vector("output_norm.weight", c.hidden_size)?;
+        let output_norm = gguf_matrix(file, "output_norm.weight", 1, c.hidden_size)?.to_f32();
         Ok(Llama::new(
             config,
             token_embedding,
@@ -428,70 +331,20 @@ impl Llama {
                 self.layers.len()
             );
         }
-        let hd = c.head_dim;
-        let heads = c.n_heads / tp;
-        let (kv_first, kv_heads) = if c.n_kv_heads >= tp {
-            (tp_rank * c.n_kv_heads / tp, c.n_kv_heads / tp)
-        } else {
-            // Replicated: the one KV head this rank's query heads read.
-            (tp_rank * heads / (c.n_heads / c.n_kv_heads), 1)
-        };
-        let width = c.intermediate_size / tp;
-        let slice = |v: &Option<Vec<f32>>, first: usize, n: usize| {
-            v.as_ref().map(|v| v[first..first + n].to_vec())
-        };
-        let mut layers = Vec::with_capacity(n_layers);
-        for (index, layer) in self.layers[first_layer..first_layer + n_layers]
+        let cut = TpCut::new(c, tp_rank, tp);
+        let layers = self.layers[first_layer..first_layer + n_layers]
             .iter()
             .enumerate()
-        {
-            let context = || {
-                format!(
-                    "sharding layer {} for tp rank {tp_rank} of {tp}",
-                    first_layer + index
-                )
-            };
-            // The dense MLP's TP shard: gate/up by rows, down by columns. MoE layers keep
-            // whole experts (expert parallelism splits them instead).
-            let mlp_shard = |weight: &Weight, by_rows: bool| -> Result<Weight> {
-                if layer.moe.is_some() {
-                    Ok(weight.clone())
-                } else if by_rows {
-                    weight.rows(tp_rank * width, width).with_context(context)
-                } else {
-                    weight.cols(tp_rank * width, width).with_context(context)
-                }
-            };
-            layers.push(Layer {
-                attn_norm: layer.attn_norm.clone(),
-                wq: layer
-                    .wq
-                    .rows(tp_rank * heads * hd, heads * hd)
-                    .with_context(context)?,
-                wk: layer
-                    .wk
-                    .rows(kv_first * hd, kv_heads * hd)
-                    .with_context(context)?,
-                wv: layer
-                    .wv
-                    .rows(kv_first * hd, kv_heads * hd)
-                    .with_context(context)?,
-                wo: layer
-                    .wo
-                    .cols(tp_rank * heads * hd, heads * hd)
-                    .with_context(context)?,
-                bias_q: slice(&layer.bias_q, tp_rank * heads * hd, heads * hd),
-                bias_k: slice(&layer.bias_k, kv_first * hd, kv_heads * hd),
-                bias_v: slice(&layer.bias_v, kv_first * hd, kv_heads * hd),
-                q_norm: layer.q_norm.clone(),
-                k_norm: layer.k_norm.clone(),
-                ffn_norm: layer.ffn_norm.clone(),
-                w_gate: mlp_shard(&layer.w_gate, true)?,
-                w_up: mlp_shard(&layer.w_up, true)?,
-                w_down: mlp_shard(&layer.w_down, false)?,
-                moe: layer.moe.clone(),
-            });
-        }
+            .map(|(index, layer)| {
+                cut.layer(layer).with_context(|| {
+                    format!(
+                        "sharding layer {} for tp rank {tp_rank} of {tp}",
+                        first_layer + index
+                    )
+                })
+            })
+            .collect::<Result<Vec<Layer>>>()?;
+        let (heads, kv_heads, width) = (cut.heads, cut.kv_heads, cut.width);
         let mut config = c.clone();
         config.n_heads = heads;
         config.n_kv_heads = kv_heads;
@@ -725,9 +578,35 @@ impl Llama {
         mut ep: Option<&mut dyn Comm>,
         stored: &mut dyn FnMut(usize, &[SequenceInput<'_>]),
     ) -> Result<StageOutput> {
+        let positions = self.check_and_reserve(batch)?;
+        let tokens: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let mut x = self.stage_input(hidden_in, &tokens)?;
+        let mut scratch = Scratch::new(&self.config, tokens.len());
+        for (layer_idx, layer) in self.layers.iter().enumerate() {
+            self.store_layer_kv(layer_idx, &x, &positions, batch, &mut scratch)?;
+            stored(layer_idx, batch);
+            self.attend_layer(layer_idx, &mut x, batch, &mut scratch, &mut tp)?;
+            self.ffn_layer(layer, &mut x, &mut scratch, &mut tp, &mut ep)?;
+        }
+        for sequence in batch.iter_mut() {
+            sequence.cache.commit(sequence.tokens);
+        }
+        if !self.shard.is_last {
+            return Ok(StageOutput::Hidden(x));
+        }
+        Ok(StageOutput::Logits(self.head_logits(&x, batch)))
+    }
+
+    /// Checks that every sequence brings new tokens that fit the context, then takes every
+    /// KV block the step needs before computing anything, so a full pool fails the step
+    /// cleanly (the scheduler preempts and retries). Gives each new token's position.
+    ///
+    /// Errors: a sequence without new tokens or past the context (named); a full pool.
+    fn check_and_reserve(&self, batch: &mut [SequenceInput<'_>]) -> Result<Vec<usize>> {
         let c = &self.config;
-        let (hidden, head_dim) = (c.hidden_size, c.head_dim);
-        let (q_dim, kv_dim) = (c.n_heads * head_dim, c.n_kv_heads * head_dim);
         let mut positions = Vec::new();
         for (index, sequence) in batch.iter().enumerate() {
             if sequence.tokens.is_empty() {
@@ -742,17 +621,21 @@ impl Llama {
             }
             positions.extend((0..sequence.tokens.len()).map(|i| sequence.cache.n_tokens + i));
         }
-        // Take every block this step needs before computing anything, so a full pool fails
-        // the step cleanly (the scheduler preempts and retries).
         for sequence in batch.iter_mut() {
             let total = sequence.cache.n_tokens + sequence.tokens.len();
             sequence.cache.reserve(total)?;
         }
-        let tokens: Vec<u32> = batch
-            .iter()
-            .flat_map(|s| s.tokens.iter().copied())
-            .collect();
-        let n = tokens.len();
+        Ok(positions)
+    }
+
+    /// The stage's input, `(n_tokens, hidden_size)`: the first stage's embedding of
+    /// `tokens`, a later stage's copy of `hidden_in`.
+    ///
+    /// Errors: `hidden_in` missing or mis-sized on a later stage; a token outside the
+    /// vocabulary.
+    fn stage_input(&self, hidden_in: Option<&[f32]>, tokens: &[u32]) -> Result<Vec<f32>> {
+        let (c, n) = (&self.config, tokens.len());
+        let hidden = c.hidden_size;
         let mut x = vec![0f32; n * hidden];
         if !self.shard.is_first {
             let input = hidden_in
@@ -768,7 +651,7 @@ impl Llama {
         }
         for (row, &token) in x
             .chunks_exact_mut(hidden)
-            .zip(&tokens)
+            .zip(tokens)
             .filter(|_| self.shard.is_first)
         {
             if token as usize >= c.vocab_size {
@@ -779,102 +662,158 @@ impl Llama {
             }
             self.token_embedding.dequantize_row(token as usize, row);
         }
+        Ok(x)
+    }
 
-        let mut normed = vec![0f32; n * hidden];
-        let mut q = vec![0f32; n * q_dim];
-        let mut k = vec![0f32; n * kv_dim];
-        let mut v = vec![0f32; n * kv_dim];
-        let mut attention = vec![0f32; n * q_dim];
-        let mut projected = vec![0f32; n * hidden];
-        let mut gate = vec![0f32; n * c.intermediate_size];
-        let mut up = vec![0f32; n * c.intermediate_size];
-        for (layer_idx, layer) in self.layers.iter().enumerate() {
-            rms_norm_tokens(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
-            matmul_many(
-                &[&layer.wq, &layer.wk, &layer.wv],
-                &normed,
-                n,
-                &mut [&mut q, &mut k, &mut v],
-            );
-            add_bias(&mut q, layer.bias_q.as_deref());
-            add_bias(&mut k, layer.bias_k.as_deref());
-            add_bias(&mut v, layer.bias_v.as_deref());
-            if let Some(weight) = &layer.q_norm {
-                rms_norm(&q.clone(), weight, c.rms_norm_eps, &mut q);
-            }
-            if let Some(weight) = &layer.k_norm {
-                rms_norm(&k.clone(), weight, c.rms_norm_eps, &mut k);
-            }
-            for (t, &position) in positions.iter().enumerate() {
-                self.rope(&mut q[t * q_dim..(t + 1) * q_dim], position);
-                self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], position);
-            }
-            // Append this layer's keys and values, then attend: one parallel region over
-            // every (token, head) of the batch.
-            let mut offset = 0;
-            for sequence in batch.iter_mut() {
-                let count = sequence.tokens.len();
-                let cache = &mut *sequence.cache;
-                cache.store(
-                    layer_idx,
-                    cache.n_tokens,
-                    &k[offset * kv_dim..(offset + count) * kv_dim],
-                    &v[offset * kv_dim..(offset + count) * kv_dim],
-                )?;
-                offset += count;
-            }
-            stored(layer_idx, batch);
-            let spans: Vec<(usize, &KvCache, bool)> = batch
-                .iter()
-                .flat_map(|s| {
-                    let prompt = s.cache.prompt_tokens.unwrap_or(s.tokens.len());
-                    (0..s.tokens.len()).map(move |i| {
-                        let position = s.cache.n_tokens + i;
-                        (position, &*s.cache, prompt == 1 || position >= prompt)
-                    })
-                })
-                .collect();
-            self.attend(&q, &spans, layer_idx, &mut attention);
-            row_parallel(&layer.wo, &attention, n, &mut projected, tp.as_deref_mut())?;
-            for (a, b) in x.iter_mut().zip(&projected) {
-                *a += b;
-            }
-            rms_norm_tokens(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
-            if let Some(moe) = &layer.moe {
-                // Expert outputs are complete on every rank: no TP all-reduce here.
-                let out = crate::runtime::model::moe::forward(moe, &normed, n, ep.as_deref_mut())?;
-                for (a, b) in x.iter_mut().zip(&out) {
-                    *a += b;
-                }
-                continue;
-            }
-            matmul_many(
-                &[&layer.w_gate, &layer.w_up],
-                &normed,
-                n,
-                &mut [&mut gate, &mut up],
-            );
-            let width = c.intermediate_size;
-            if n > 1 {
-                team::for_each_chunk_mut(&mut gate, width, |t, gate| {
-                    swiglu(gate, &up[t * width..(t + 1) * width])
-                });
-            } else {
-                swiglu(&mut gate, &up);
-            }
-            row_parallel(&layer.w_down, &gate, n, &mut projected, tp.as_deref_mut())?;
-            for (a, b) in x.iter_mut().zip(&projected) {
-                *a += b;
-            }
+    /// Layer `layer_idx`'s attention inputs from the residual `x`: RMSNorm, Q/K/V (biases,
+    /// per-head norms), RoPE at `positions`; the batch's new keys and values are stored in
+    /// each sequence's cache (not yet committed), and Q stays in `s.q`.
+    ///
+    /// Errors: a KV store past the reserved blocks.
+    fn store_layer_kv(
+        &self,
+        layer_idx: usize,
+        x: &[f32],
+        positions: &[usize],
+        batch: &mut [SequenceInput<'_>],
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let (c, layer, n) = (&self.config, &self.layers[layer_idx], positions.len());
+        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        rms_norm_tokens(x, &layer.attn_norm, c.rms_norm_eps, &mut s.normed);
+        matmul_many(
+            &[&layer.wq, &layer.wk, &layer.wv],
+            &s.normed,
+            n,
+            &mut [&mut s.q, &mut s.k, &mut s.v],
+        );
+        add_bias(&mut s.q, layer.bias_q.as_deref());
+        add_bias(&mut s.k, layer.bias_k.as_deref());
+        add_bias(&mut s.v, layer.bias_v.as_deref());
+        if let Some(weight) = &layer.q_norm {
+            rms_norm(&s.q.clone(), weight, c.rms_norm_eps, &mut s.q);
         }
+        if let Some(weight) = &layer.k_norm {
+            rms_norm(&s.k.clone(), weight, c.rms_norm_eps, &mut s.k);
+        }
+        for (t, &position) in positions.iter().enumerate() {
+            self.rope(&mut s.q[t * q_dim..(t + 1) * q_dim], position);
+            self.rope(&mut s.k[t * kv_dim..(t + 1) * kv_dim], position);
+        }
+        // Append this layer's keys and values, then attend: one parallel region over
+        // every (token, head) of the batch.
+        let mut offset = 0;
         for sequence in batch.iter_mut() {
-            sequence.cache.commit(sequence.tokens);
+            let count = sequence.tokens.len();
+            let cache = &mut *sequence.cache;
+            cache.store(
+                layer_idx,
+                cache.n_tokens,
+                &s.k[offset * kv_dim..(offset + count) * kv_dim],
+                &s.v[offset * kv_dim..(offset + count) * kv_dim],
+            )?;
+            offset += count;
         }
+        Ok(())
+    }
 
-        if !self.shard.is_last {
-            return Ok(StageOutput::Hidden(x));
+    /// Layer `layer_idx`'s attention over each sequence's cache (its new positions stored
+    /// by [`Llama::store_layer_kv`]) and the output projection (summed over `tp`) added into
+    /// the residual `x`.
+    ///
+    /// Errors: a failed collective.
+    fn attend_layer(
+        &self,
+        layer_idx: usize,
+        x: &mut [f32],
+        batch: &[SequenceInput<'_>],
+        s: &mut Scratch,
+        tp: &mut Option<&mut dyn Comm>,
+    ) -> Result<()> {
+        let layer = &self.layers[layer_idx];
+        let n = x.len() / self.config.hidden_size;
+        let spans: Vec<(usize, &KvCache, bool)> = batch
+            .iter()
+            .flat_map(|s| {
+                let prompt = s.cache.prompt_tokens.unwrap_or(s.tokens.len());
+                (0..s.tokens.len()).map(move |i| {
+                    let position = s.cache.n_tokens + i;
+                    (position, &*s.cache, prompt == 1 || position >= prompt)
+                })
+            })
+            .collect();
+        self.attend(&s.q, &spans, layer_idx, &mut s.attention);
+        row_parallel(
+            &layer.wo,
+            &s.attention,
+            n,
+            &mut s.projected,
+            tp.as_deref_mut(),
+        )?;
+        for (a, b) in x.iter_mut().zip(&s.projected) {
+            *a += b;
         }
-        // Logits for the requested rows only: the LM head is the largest matrix.
+        Ok(())
+    }
+
+    /// A layer's feed-forward half on the residual `x`: RMSNorm, then SwiGLU and the down
+    /// projection (summed over `tp`), or the MoE block (tokens exchanged over `ep`), added
+    /// into `x`.
+    ///
+    /// Errors: a failed collective.
+    fn ffn_layer(
+        &self,
+        layer: &Layer,
+        x: &mut [f32],
+        s: &mut Scratch,
+        tp: &mut Option<&mut dyn Comm>,
+        ep: &mut Option<&mut dyn Comm>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let n = x.len() / c.hidden_size;
+        rms_norm_tokens(x, &layer.ffn_norm, c.rms_norm_eps, &mut s.normed);
+        if let Some(moe) = &layer.moe {
+            // Expert outputs are complete on every rank: no TP all-reduce here.
+            let out = crate::runtime::model::moe::forward(moe, &s.normed, n, ep.as_deref_mut())?;
+            for (a, b) in x.iter_mut().zip(&out) {
+                *a += b;
+            }
+            return Ok(());
+        }
+        matmul_many(
+            &[&layer.w_gate, &layer.w_up],
+            &s.normed,
+            n,
+            &mut [&mut s.gate, &mut s.up],
+        );
+        let width = c.intermediate_size;
+        if n > 1 {
+            let up = &s.up;
+            team::for_each_chunk_mut(&mut s.gate, width, |t, gate| {
+                swiglu(gate, &up[t * width..(t + 1) * width])
+            });
+        } else {
+            swiglu(&mut s.gate, &s.up);
+        }
+        row_parallel(
+            &layer.w_down,
+            &s.gate,
+            n,
+            &mut s.projected,
+            tp.as_deref_mut(),
+        )?;
+        for (a, b) in x.iter_mut().zip(&s.projected) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    /// The last stage's logits for the rows each sequence asks for (every new token's with
+    /// `all_logits`, else its last): those rows of `x` normed and through the LM head, the
+    /// largest matrix, so only them.
+    fn head_logits(&self, x: &[f32], batch: &[SequenceInput<'_>]) -> Vec<Vec<f32>> {
+        let c = &self.config;
+        let hidden = c.hidden_size;
         let mut rows = Vec::new();
         let mut offset = 0;
         for sequence in batch.iter() {
@@ -900,7 +839,7 @@ impl Llama {
         // (Not `vec![row; n]`, which would copy the first row into every other.)
         let mut logits: Vec<Vec<f32>> = rows.iter().map(|_| vec![0f32; c.vocab_size]).collect();
         self.output.matmul_per_token(&final_normed, &mut logits);
-        Ok(StageOutput::Logits(logits))
+        logits
     }
 
     /// Rotates every head of `x` (`(n_heads_in_x, head_dim)`) for `position`. Angles are
@@ -1114,6 +1053,233 @@ fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
             for (v, b) in row.iter_mut().zip(bias) {
                 *v += b;
             }
+        }
+    }
+}
+/// Where TP rank `tp_rank` of `tp` cuts a layer (Megatron): its query heads, its KV heads
+/// (replicated when there are fewer than `tp`), its slice of the dense MLP.
+struct TpCut {
+    tp_rank: usize,
+    head_dim: usize,
+    /// Query heads per rank.
+    heads: usize,
+    /// This rank's first KV head and how many it holds.
+    kv_first: usize,
+    kv_heads: usize,
+    /// The dense MLP's intermediate columns per rank.
+    width: usize,
+}
+
+impl TpCut {
+    /// The cut of `c` for `tp_rank` of `tp` (degrees already checked to divide).
+    fn new(c: &LlamaConfig, tp_rank: usize, tp: usize) -> TpCut {
+        let heads = c.n_heads / tp;
+        let (kv_first, kv_heads) = if c.n_kv_heads >= tp {
+            (tp_rank * c.n_kv_heads / tp, c.n_kv_heads / tp)
+        } else {
+            // Replicated: the one KV head this rank's query heads read.
+            (tp_rank * heads / (c.n_heads / c.n_kv_heads), 1)
+        };
+        TpCut {
+            tp_rank,
+            head_dim: c.head_dim,
+            heads,
+            kv_first,
+            kv_heads,
+            width: c.intermediate_size / tp,
+        }
+    }
+
+    /// `layer`'s shard: Q/K/V by rows and the output projection by columns at this rank's
+    /// heads, the dense MLP's gate/up by rows and down by columns; MoE layers keep whole
+    /// experts (expert parallelism splits them instead).
+    ///
+    /// Errors: a slice outside a matrix.
+    fn layer(&self, layer: &Layer) -> Result<Layer> {
+        let (hd, heads, kv_first, kv_heads) =
+            (self.head_dim, self.heads, self.kv_first, self.kv_heads);
+        let (q_first, width) = (self.tp_rank * heads * hd, self.width);
+        let slice = |v: &Option<Vec<f32>>, first: usize, n: usize| {
+            v.as_ref().map(|v| v[first..first + n].to_vec())
+        };
+        let mlp_shard = |weight: &Weight, by_rows: bool| -> Result<Weight> {
+            if layer.moe.is_some() {
+                Ok(weight.clone())
+            } else if by_rows {
+                weight.rows(self.tp_rank * width, width)
+            } else {
+                weight.cols(self.tp_rank * width, width)
+            }
+        };
+        Ok(Layer {
+            attn_norm: layer.attn_norm.clone(),
+            wq: layer.wq.rows(q_first, heads * hd)?,
+            wk: layer.wk.rows(kv_first * hd, kv_heads * hd)?,
+            wv: layer.wv.rows(kv_first * hd, kv_heads * hd)?,
+            wo: layer.wo.cols(q_first, heads * hd)?,
+            bias_q: slice(&layer.bias_q, q_first, heads * hd),
+            bias_k: slice(&layer.bias_k, kv_first * hd, kv_heads * hd),
+            bias_v: slice(&layer.bias_v, kv_first * hd, kv_heads * hd),
+            q_norm: layer.q_norm.clone(),
+            k_norm: layer.k_norm.clone(),
+            ffn_norm: layer.ffn_norm.clone(),
+            w_gate: mlp_shard(&layer.w_gate, true)?,
+            w_up: mlp_shard(&layer.w_up, true)?,
+            w_down: mlp_shard(&layer.w_down, false)?,
+            moe: layer.moe.clone(),
+        })
+    }
+}
+
+/// A GGUF file's [`LlamaConfig`] from its `{arch}.*` metadata and the embedding's shape.
+///
+/// Errors: an architecture other than llama/mistral/qwen2/qwen3 (named), a missing key.
+fn gguf_config(file: &GgufFile) -> Result<LlamaConfig> {
+    let header = &file.header;
+    let arch = header.str("general.architecture")?;
+    if !matches!(arch, "llama" | "mistral" | "qwen2" | "qwen3") {
+        bail!(
+            "unsupported architecture `{arch}`: the engine runs llama, mistral, qwen2 and qwen3 GGUF files"
+        );
+    }
+    let key = |name: &str| format!("{arch}.{name}");
+    let int = |name: &str| header.u64(&key(name)).map(|v| v as usize);
+    let float = |name: &str, default: f32| match header.metadata.get(&key(name)) {
+        Some(Value::F32(v)) => *v,
+        Some(Value::F64(v)) => *v as f32,
+        _ => default,
+    };
+    let hidden_size = int("embedding_length")?;
+    let n_heads = int("attention.head_count")?;
+    let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);
+    let head_dim = int("attention.key_length").unwrap_or(hidden_size / n_heads.max(1));
+    let (embedding_info, _) = file.tensor("token_embd.weight")?;
+    Ok(LlamaConfig {
+        hidden_size,
+        intermediate_size: int("feed_forward_length")?,
+        n_layers: int("block_count")?,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        vocab_size: embedding_info.dims.get(1).copied().unwrap_or(0) as usize,
+        rms_norm_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta: float("rope.freq_base", 10_000.0),
+        // llama.cpp's converter permutes Llama/Mistral Q/K for adjacent-pair RoPE; Qwen
+        // checkpoints are converted unpermuted and use NeoX-style RoPE.
+        rope_style: if matches!(arch, "qwen2" | "qwen3") {
+            RopeStyle::Neox
+        } else {
+            RopeStyle::Interleaved
+        },
+        rope_scaling: None,
+        max_context_tokens: int("context_length").unwrap_or(4096),
+        n_experts: int("expert_count").unwrap_or(0),
+        n_experts_used: int("expert_used_count").unwrap_or(0),
+    })
+}
+
+/// Tensor `name` of `file` as a `rows × cols` [`Weight`] (a vector is one row).
+///
+/// Errors: a missing tensor, an unsupported type (naming the tensor), a shape that
+/// disagrees with the metadata (naming both).
+fn gguf_matrix(file: &Arc<GgufFile>, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+    let weight = Weight::from_gguf(file, name)?;
+    if (weight.n_rows, weight.n_cols) != (rows, cols) {
+        bail!(
+            "tensor `{name}` is {}×{} but the metadata implies {rows}×{cols}",
+            weight.n_rows,
+            weight.n_cols
+        );
+    }
+    Ok(weight)
+}
+
+/// Decoder layer `i` of a GGUF file (`blk.{i}.*`): norms, attention, the optional Q/K/V
+/// biases and Q/K norms, and a dense MLP or an MoE block (when `ffn_gate_inp` is there).
+///
+/// Errors: those of [`gguf_matrix`] for a required tensor; the MoE block's.
+fn gguf_layer(file: &Arc<GgufFile>, c: &LlamaConfig, i: usize) -> Result<Layer> {
+    let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+    let name = |suffix: &str| format!("blk.{i}.{suffix}");
+    let matrix =
+        |suffix: &str, rows: usize, cols: usize| gguf_matrix(file, &name(suffix), rows, cols);
+    let vector =
+        |suffix: &str, len: usize| -> Result<Vec<f32>> { Ok(matrix(suffix, 1, len)?.to_f32()) };
+    let optional = |suffix: &str, len: usize| -> Result<Option<Vec<f32>>> {
+        if file.has_tensor(&name(suffix)) {
+            vector(suffix, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let moe = file.has_tensor(&name("ffn_gate_inp.weight"));
+    let empty = Weight::from_f32(0, c.hidden_size, &[])?;
+    Ok(Layer {
+        attn_norm: vector("attn_norm.weight", c.hidden_size)?,
+        wq: matrix("attn_q.weight", q_dim, c.hidden_size)?,
+        wk: matrix("attn_k.weight", kv_dim, c.hidden_size)?,
+        wv: matrix("attn_v.weight", kv_dim, c.hidden_size)?,
+        wo: matrix("attn_output.weight", c.hidden_size, q_dim)?,
+        bias_q: optional("attn_q.bias", q_dim)?,
+        bias_k: optional("attn_k.bias", kv_dim)?,
+        bias_v: optional("attn_v.bias", kv_dim)?,
+        q_norm: optional("attn_q_norm.weight", c.head_dim)?,
+        k_norm: optional("attn_k_norm.weight", c.head_dim)?,
+        ffn_norm: vector("ffn_norm.weight", c.hidden_size)?,
+        w_gate: if moe {
+            empty.clone()
+        } else {
+            matrix("ffn_gate.weight", c.intermediate_size, c.hidden_size)?
+        },
+        w_up: if moe {
+            empty.clone()
+        } else {
+            matrix("ffn_up.weight", c.intermediate_size, c.hidden_size)?
+        },
+        w_down: if moe {
+            empty.clone()
+        } else {
+            matrix("ffn_down.weight", c.hidden_size, c.intermediate_size)?
+        },
+        moe: if moe {
+            Some(crate::runtime::model::moe::load_gguf(file, i, c)?)
+        } else {
+            None
+        },
+    })
+}
+
+/// The forward pass's activations for one step of `n_tokens` rows, reused by every layer.
+struct Scratch {
+    /// `(n_tokens, hidden_size)`.
+    normed: Vec<f32>,
+    /// `(n_tokens, n_heads · head_dim)`.
+    q: Vec<f32>,
+    /// `(n_tokens, n_kv_heads · head_dim)`.
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// `(n_tokens, n_heads · head_dim)`.
+    attention: Vec<f32>,
+    /// `(n_tokens, hidden_size)`.
+    projected: Vec<f32>,
+    /// `(n_tokens, intermediate_size)`.
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+impl Scratch {
+    /// Zeroed activations of `n` tokens for `c`'s widths.
+    fn new(c: &LlamaConfig, n: usize) -> Scratch {
+        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        Scratch {
+            normed: vec![0f32; n * c.hidden_size],
+            q: vec![0f32; n * q_dim],
+            k: vec![0f32; n * kv_dim],
+            v: vec![0f32; n * kv_dim],
+            attention: vec![0f32; n * q_dim],
+            projected: vec![0f32; n * c.hidden_size],
+            gate: vec![0f32; n * c.intermediate_size],
+            up: vec![0f32; n * c.intermediate_size],
         }
     }
 }

@@ -38,8 +38,42 @@ pub fn load_llama(dir: &Path) -> Result<Llama> {
     let json: Value = serde_json::from_str(&text)
         .with_context(|| format!("`{}` is not valid JSON", config_path.display()))?;
     let config = config_from_json(&json)?;
+    let mut tensors = read_tensors(dir)?;
+    let c = config.clone();
+    let token_embedding = take(
+        &mut tensors,
+        "model.embed_tokens.weight",
+        c.vocab_size,
+        c.hidden_size,
+    )?;
+    let layers = (0..c.n_layers)
+        .map(|i| take_layer(&mut tensors, &c, i))
+        .collect::<Result<Vec<Layer>>>()?;
+    let output_norm = take(&mut tensors, "model.norm.weight", 1, c.hidden_size)?.to_f32();
+    let output = match take(&mut tensors, "lm_head.weight", c.vocab_size, c.hidden_size) {
+        Ok(head) if !json["tie_word_embeddings"].as_bool().unwrap_or(false) => head,
+        Ok(_) => token_embedding.clone(),
+        Err(error) if error.is::<MissingTensor>() => token_embedding.clone(),
+        Err(error) => return Err(error),
+    };
+    Ok(Llama::new(
+        config,
+        token_embedding,
+        layers,
+        output_norm,
+        output,
+        None,
+    ))
+}
 
-    let mut maps = Vec::new();
+/// A checkpoint's tensors by name: `(type, shape, bytes)`.
+type Tensors = HashMap<String, (GgmlType, Vec<usize>, Vec<u8>)>;
+
+/// Every tensor of every `*.safetensors` file in `dir` (mapped, then copied out).
+///
+/// Errors: no such files, a file that cannot be opened, mapped or parsed, a dtype other
+/// than F32, F16 or BF16 (naming the tensor).
+fn read_tensors(dir: &Path) -> Result<Tensors> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .with_context(|| format!("failed to list `{}`", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -49,19 +83,14 @@ pub fn load_llama(dir: &Path) -> Result<Llama> {
     if files.is_empty() {
         bail!("`{}` has no `*.safetensors` files", dir.display());
     }
+    let mut tensors = Tensors::new();
     for file in &files {
         let handle = std::fs::File::open(file)
             .with_context(|| format!("failed to open `{}`", file.display()))?;
         // SAFETY: read-only map of a file we only read.
-        maps.push((
-            file.clone(),
-            unsafe { memmap2::Mmap::map(&handle) }
-                .with_context(|| format!("failed to map `{}`", file.display()))?,
-        ));
-    }
-    let mut tensors: HashMap<String, (GgmlType, Vec<usize>, Vec<u8>)> = HashMap::new();
-    for (file, map) in &maps {
-        let parsed = SafeTensors::deserialize(map).map_err(|e| {
+        let map = unsafe { memmap2::Mmap::map(&handle) }
+            .with_context(|| format!("failed to map `{}`", file.display()))?;
+        let parsed = SafeTensors::deserialize(&map).map_err(|e| {
             anyhow!(
                 "`{}` is not a valid safetensors file: {e:?}",
                 file.display()
@@ -80,114 +109,76 @@ pub fn load_llama(dir: &Path) -> Result<Llama> {
             );
         }
     }
-    fn take(
-        tensors: &mut HashMap<String, (GgmlType, Vec<usize>, Vec<u8>)>,
-        name: &str,
-        rows: usize,
-        cols: usize,
-    ) -> Result<Weight> {
-        let (ty, shape, bytes) = tensors
-            .remove(name)
-            .ok_or_else(|| MissingTensor(name.to_string()))?;
-        let (r, c) = match shape.as_slice() {
-            [r, c] => (*r, *c),
-            [c] => (1, *c),
-            other => bail!("tensor `{name}` has shape {other:?}; a matrix was expected"),
-        };
-        if (r, c) != (rows, cols) {
-            bail!("tensor `{name}` is {r}×{c} but `config.json` implies {rows}×{cols}");
-        }
-        Weight::from_bytes(ty, rows, cols, bytes)
-    }
-    let mut take_matrix =
-        |name: &str, rows: usize, cols: usize| take(&mut tensors, name, rows, cols);
-    let c = config.clone();
-    let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-    let token_embedding = take_matrix("model.embed_tokens.weight", c.vocab_size, c.hidden_size)?;
-    let mut layers = Vec::with_capacity(c.n_layers);
-    for i in 0..c.n_layers {
-        let p = format!("model.layers.{i}");
-        let mut vector = |name: String, len: usize| -> Result<Vec<f32>> {
-            Ok(take_matrix(&name, 1, len)?.to_f32())
-        };
-        let attn_norm = vector(format!("{p}.input_layernorm.weight"), c.hidden_size)?;
-        let ffn_norm = vector(
-            format!("{p}.post_attention_layernorm.weight"),
-            c.hidden_size,
-        )?;
-        let mut optional = |name: String, len: usize| -> Result<Option<Vec<f32>>> {
-            match take_matrix(&name, 1, len) {
-                Ok(weight) => Ok(Some(weight.to_f32())),
-                Err(error) if error.is::<MissingTensor>() => Ok(None),
-                Err(error) => Err(error),
-            }
-        };
-        let bias_q = optional(format!("{p}.self_attn.q_proj.bias"), q_dim)?;
-        let bias_k = optional(format!("{p}.self_attn.k_proj.bias"), kv_dim)?;
-        let bias_v = optional(format!("{p}.self_attn.v_proj.bias"), kv_dim)?;
-        let q_norm = optional(format!("{p}.self_attn.q_norm.weight"), c.head_dim)?;
-        let k_norm = optional(format!("{p}.self_attn.k_norm.weight"), c.head_dim)?;
-        layers.push(Layer {
-            attn_norm,
-            wq: take_matrix(
-                &format!("{p}.self_attn.q_proj.weight"),
-                q_dim,
-                c.hidden_size,
-            )?,
-            wk: take_matrix(
-                &format!("{p}.self_attn.k_proj.weight"),
-                kv_dim,
-                c.hidden_size,
-            )?,
-            wv: take_matrix(
-                &format!("{p}.self_attn.v_proj.weight"),
-                kv_dim,
-                c.hidden_size,
-            )?,
-            wo: take_matrix(
-                &format!("{p}.self_attn.o_proj.weight"),
-                c.hidden_size,
-                q_dim,
-            )?,
-            bias_q,
-            bias_k,
-            bias_v,
-            q_norm,
-            k_norm,
-            ffn_norm,
-            w_gate: take_matrix(
-                &format!("{p}.mlp.gate_proj.weight"),
-                c.intermediate_size,
-                c.hidden_size,
-            )?,
-            w_up: take_matrix(
-                &format!("{p}.mlp.up_proj.weight"),
-                c.intermediate_size,
-                c.hidden_size,
-            )?,
-            w_down: take_matrix(
-                &format!("{p}.mlp.down_proj.weight"),
-                c.hidden_size,
-                c.intermediate_size,
-            )?,
-            moe: None,
-        });
-    }
-    let output_norm = take_matrix("model.norm.weight", 1, c.hidden_size)?.to_f32();
-    let output = match take_matrix("lm_head.weight", c.vocab_size, c.hidden_size) {
-        Ok(head) if !json["tie_word_embeddings"].as_bool().unwrap_or(false) => head,
-        Ok(_) => token_embedding.clone(),
-        Err(error) if error.is::<MissingTensor>() => token_embedding.clone(),
-        Err(error) => return Err(error),
+    Ok(tensors)
+}
+
+/// Removes tensor `name` from `tensors` as a `rows × cols` [`Weight`] (a vector is one row).
+///
+/// Errors: [`MissingTensor`]; a shape that is not a matrix or disagrees with
+/// `config.json` (naming both).
+fn take(tensors: &mut Tensors, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+    let (ty, shape, bytes) = tensors
+        .remove(name)
+        .ok_or_else(|| MissingTensor(name.to_string()))?;
+    let (r, c) = match shape.as_slice() {
+        [r, c] => (*r, *c),
+        [c] => (1, *c),
+        other => bail!("tensor `{name}` has shape {other:?}; a matrix was expected"),
     };
-    Ok(Llama::new(
-        config,
-        token_embedding,
-        layers,
-        output_norm,
-        output,
-        None,
-    ))
+    if (r, c) != (rows, cols) {
+        bail!("tensor `{name}` is {r}×{c} but `config.json` implies {rows}×{cols}");
+    }
+    Weight::from_bytes(ty, rows, cols, bytes)
+}
+
+/// Decoder layer `i` (`model.layers.{i}.*`): norms, attention and MLP weights, and the
+/// optional Q/K/V biases (Qwen2) and Q/K norms (Qwen3).
+///
+/// Errors: those of [`take`] for a required tensor.
+fn take_layer(tensors: &mut Tensors, c: &LlamaConfig, i: usize) -> Result<Layer> {
+    let (q_dim, kv_dim, hidden) = (
+        c.n_heads * c.head_dim,
+        c.n_kv_heads * c.head_dim,
+        c.hidden_size,
+    );
+    let p = format!("model.layers.{i}");
+    let mut matrix = |suffix: &str, rows: usize, cols: usize| {
+        take(tensors, &format!("{p}.{suffix}"), rows, cols)
+    };
+    let attn_norm = matrix("input_layernorm.weight", 1, hidden)?.to_f32();
+    let ffn_norm = matrix("post_attention_layernorm.weight", 1, hidden)?.to_f32();
+    let mut optional = |suffix: &str, len: usize| -> Result<Option<Vec<f32>>> {
+        match take(tensors, &format!("{p}.{suffix}"), 1, len) {
+            Ok(weight) => Ok(Some(weight.to_f32())),
+            Err(error) if error.is::<MissingTensor>() => Ok(None),
+            Err(error) => Err(error),
+        }
+    };
+    let bias_q = optional("self_attn.q_proj.bias", q_dim)?;
+    let bias_k = optional("self_attn.k_proj.bias", kv_dim)?;
+    let bias_v = optional("self_attn.v_proj.bias", kv_dim)?;
+    let q_norm = optional("self_attn.q_norm.weight", c.head_dim)?;
+    let k_norm = optional("self_attn.k_norm.weight", c.head_dim)?;
+    let mut matrix = |suffix: &str, rows: usize, cols: usize| {
+        take(tensors, &format!("{p}.{suffix}"), rows, cols)
+    };
+    Ok(Layer {
+        attn_norm,
+        wq: matrix("self_attn.q_proj.weight", q_dim, hidden)?,
+        wk: matrix("self_attn.k_proj.weight", kv_dim, hidden)?,
+        wv: matrix("self_attn.v_proj.weight", kv_dim, hidden)?,
+        wo: matrix("self_attn.o_proj.weight", hidden, q_dim)?,
+        bias_q,
+        bias_k,
+        bias_v,
+        q_norm,
+        k_norm,
+        ffn_norm,
+        w_gate: matrix("mlp.gate_proj.weight", c.intermediate_size, hidden)?,
+        w_up: matrix("mlp.up_proj.weight", c.intermediate_size, hidden)?,
+        w_down: matrix("mlp.down_proj.weight", hidden, c.intermediate_size)?,
+        moe: None,
+    })
 }
 
 /// `config.json` → [`LlamaConfig`] (NeoX RoPE; Llama 3 `rope_scaling` when present).

@@ -37,6 +37,64 @@ pub struct Tokenizer {
     pub chat_template: Option<String>,
 }
 
+/// The pre-tokenizer llama.cpp's `tokenizer.ggml.pre` name stands for (each the one its
+/// model's `tokenizer.json` spells).
+///
+/// Errors: a name not supported (listed), a bad regex.
+fn pre_tokenizer_for(pre: &str) -> Result<Sequence> {
+    let byte_level =
+        |use_regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
+        Ok(PreTokenizerWrapper::Split(
+            Split::new(
+                SplitPattern::Regex(pattern.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| anyhow!("bad pre-tokenizer regex: {e}"))?,
+        ))
+    };
+    Ok(match pre {
+        // SmolLM: digits one by one, then GPT-2's byte-level regex (its tokenizer.json).
+        "smollm" => Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            byte_level(true),
+        ]),
+        "gpt2" | "default" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
+        "llama-bpe" | "llama3" | "llama-v3" => {
+            Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)])
+        }
+        "qwen2" => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
+        other => bail!(
+            "pre-tokenizer `{other}` is not supported; supported: smollm, gpt2, llama-bpe, qwen2"
+        ),
+    })
+}
+
+/// The ids that end a generation: the header's EOS and EOT ids, and the usual end-of-turn
+/// tokens when the vocabulary (`tokens`) has them; sorted, without repeats.
+fn eos_ids_of(header: &Header, tokens: &[String]) -> Vec<u32> {
+    let id = |key: &str| {
+        header
+            .metadata
+            .get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as u32)
+    };
+    let mut eos_ids: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+    if let Some(eot) = id("tokenizer.ggml.eot_token_id") {
+        eos_ids.push(eot);
+    }
+    for end_of_turn in ["<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"] {
+        if let Some(position) = tokens.iter().position(|t| t == end_of_turn) {
+            eos_ids.push(position as u32);
+        }
+    }
+    eos_ids.sort_unstable();
+    eos_ids.dedup();
+    eos_ids
+}
+
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes.
     ///
@@ -93,34 +151,7 @@ impl Tokenizer {
             .get("tokenizer.ggml.pre")
             .and_then(Value::as_str)
             .unwrap_or("default");
-        let byte_level = |use_regex: bool| {
-            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex))
-        };
-        let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
-            Ok(PreTokenizerWrapper::Split(
-                Split::new(
-                    SplitPattern::Regex(pattern.to_string()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .map_err(|e| anyhow!("bad pre-tokenizer regex: {e}"))?,
-            ))
-        };
-        let pre_tokenizer = match pre {
-            // SmolLM: digits one by one, then GPT-2's byte-level regex (its tokenizer.json).
-            "smollm" => Sequence::new(vec![
-                PreTokenizerWrapper::Digits(Digits::new(true)),
-                byte_level(true),
-            ]),
-            "gpt2" | "default" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
-            "llama-bpe" | "llama3" | "llama-v3" => {
-                Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)])
-            }
-            "qwen2" => Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]),
-            other => bail!(
-                "pre-tokenizer `{other}` is not supported; supported: smollm, gpt2, llama-bpe, qwen2"
-            ),
-        };
+        let pre_tokenizer = pre_tokenizer_for(pre)?;
         inner.with_pre_tokenizer(Some(pre_tokenizer));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
         // Control (3) and user-defined (4) tokens match as whole strings before BPE.
@@ -139,17 +170,7 @@ impl Tokenizer {
                 .and_then(Value::as_u64)
                 .map(|v| v as u32)
         };
-        let mut eos_ids: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
-        if let Some(eot) = id("tokenizer.ggml.eot_token_id") {
-            eos_ids.push(eot);
-        }
-        for end_of_turn in ["<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"] {
-            if let Some(position) = tokens.iter().position(|t| t == end_of_turn) {
-                eos_ids.push(position as u32);
-            }
-        }
-        eos_ids.sort_unstable();
-        eos_ids.dedup();
+        let eos_ids = eos_ids_of(header, &tokens);
         Ok(Tokenizer {
             vocab_size: inner.get_vocab_size(true),
             inner,
