@@ -13,11 +13,12 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::runtime::collectives::Comm;
-use crate::runtime::cpu::mathfn::{multiversion, softmax, swiglu};
-use crate::runtime::cpu::quant::{
-    Numerics, attention_scores, attention_scores_decode, prefetch_rows, round_through_f16,
+use crate::runtime::cpu::attention::{
+    attention_scores, attention_scores_decode, prefetch_rows, round_through_f16,
     weighted_sum_f16_heads, weighted_sum_f16_heads_decode,
 };
+use crate::runtime::cpu::mathfn::{multiversion, softmax, swiglu};
+use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::cpu::team;
 use crate::runtime::formats::gguf::{GgufFile, Value};
 pub use crate::runtime::model::config::{Llama3Scaling, LlamaConfig, RopeStyle};
