@@ -113,11 +113,40 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.repeat == 0 {
         bail!("--repeat must be at least 1");
     }
+    let max_batch = args.concurrency.iter().copied().max().unwrap_or(1).max(16);
+    let numerics = crate::runtime::cpu::quant::Numerics::from(args.numerics).name();
+    let (server, address, ready_secs) = start_server(args, max_batch, numerics)?;
+
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the client runtime")?;
+    // One warm-up request page-faults the weights in.
+    client
+        .block_on(request(&address, PROMPTS[0], 8, false))
+        .context("warm-up request failed")?;
+    let mut rows = header_rows(args, ready_secs, numerics, max_batch);
+    let measured = measure(&client, &address, args)?;
+    rows.extend(result_rows(args, &measured));
+    rows.push(cache_row(&client, &address)?);
+    drop(server);
+    printer.data(&rows.join("\n"));
+    Ok(ExitStatus::Success)
+}
+
+/// Starts `infer up --port 0` with the benchmark's flags and waits until it listens.
+/// Returns the server (killed when dropped), its address and the seconds from process
+/// start to listening. Errors: the executable is not found, the process does not start,
+/// or it exits before it listens.
+fn start_server(
+    args: &BenchServeArgs,
+    max_batch: usize,
+    numerics: &str,
+) -> Result<(Server, String, f64)> {
     let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
     let started = Instant::now();
     let mut command = Command::new(exe);
     command.args(["up", "--port", "0", "--threads", &args.threads.to_string()]);
-    let max_batch = args.concurrency.iter().copied().max().unwrap_or(1).max(16);
     command.args(["--max-batch", &max_batch.to_string()]);
     command.args(["--tp", &args.tp.to_string(), "--pp", &args.pp.to_string()]);
     if let Some(tokens) = args.max_num_batched_tokens {
@@ -134,7 +163,6 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
             &decode.to_string(),
         ]);
     }
-    let numerics = crate::runtime::cpu::quant::Numerics::from(args.numerics).name();
     command.args(["--numerics", numerics]);
     if let Some(model) = &args.model {
         command.args(["--model", model]);
@@ -164,15 +192,17 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     let ready_secs = started.elapsed().as_secs_f64();
     // Keep draining the server's stderr so it never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
+    Ok((server, address, ready_secs))
+}
 
-    let client = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the client runtime")?;
-    // One warm-up request page-faults the weights in.
-    client
-        .block_on(request(&address, PROMPTS[0], 8, false))
-        .context("warm-up request failed")?;
+/// The report's first rows: the time to ready (seconds) and the layout, the numerics, the
+/// scheduling settings, and the results table's header.
+fn header_rows(
+    args: &BenchServeArgs,
+    ready_secs: f64,
+    numerics: &str,
+    max_batch: usize,
+) -> Vec<String> {
     let replicas = args.prefill.zip(args.decode);
     let mut rows = vec![format!(
         "time to ready  {ready_secs:.2} s (process start to listening, {})",
@@ -213,6 +243,16 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
         "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8}",
         "streams", "tok/s", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "tokens"
     ));
+    rows
+}
+
+/// Each concurrency's tokens/s of every sweep and every request's sample, in
+/// `args.concurrency`'s order. Errors: a request fails.
+fn measure(
+    client: &tokio::runtime::Runtime,
+    address: &str,
+    args: &BenchServeArgs,
+) -> Result<Vec<(Vec<f64>, Vec<Sample>)>> {
     // Every sweep measures each concurrency once, sweeps one after another, so slow and
     // fast spells of a shared machine fall on every concurrency alike.
     let mut measured: Vec<(Vec<f64>, Vec<Sample>)> = args
@@ -222,18 +262,25 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
         .collect();
     for _ in 0..args.repeat {
         for (&streams, (rates, all_samples)) in args.concurrency.iter().zip(measured.iter_mut()) {
-            let (tokens_per_sec, samples) = sweep_point(&client, &address, streams, args)?;
+            let (tokens_per_sec, samples) = sweep_point(client, address, streams, args)?;
             rates.push(tokens_per_sec);
             all_samples.extend(samples);
         }
     }
+    Ok(measured)
+}
+
+/// The results table's rows: per concurrency, tokens/s, TTFT and TPOT percentiles in
+/// milliseconds and tokens, with long prompts and the speed-up over one stream below.
+fn result_rows(args: &BenchServeArgs, measured: &[(Vec<f64>, Vec<Sample>)]) -> Vec<String> {
+    let mut rows = Vec::new();
     let single_stream: Option<Vec<f64>> = args
         .concurrency
         .iter()
-        .zip(&measured)
+        .zip(measured)
         .find(|(streams, _)| **streams == 1)
         .map(|(_, (rates, _))| rates.clone());
-    for (&streams, (rates, samples)) in args.concurrency.iter().zip(&measured) {
+    for (&streams, (rates, samples)) in args.concurrency.iter().zip(measured) {
         let tokens_per_sec = percentile(rates, 0.5);
         let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
         let short = || samples.iter().filter(|s| !s.long);
@@ -281,8 +328,14 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
             args.repeat
         ));
     }
+    rows
+}
+
+/// The prefix cache's row from the server's `/metrics`: prompt tokens served from the
+/// cache and preemptions. Errors: `/metrics` cannot be read.
+fn cache_row(client: &tokio::runtime::Runtime, address: &str) -> Result<String> {
     let metrics = client
-        .block_on(get_text(&address, "/metrics"))
+        .block_on(get_text(address, "/metrics"))
         .context("cannot read /metrics")?;
     let value = |name: &str| {
         metrics
@@ -295,14 +348,11 @@ pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
         value("infer_prefix_cache_hits_total"),
         value("infer_prefix_cache_queries_total"),
     );
-    rows.push(format!(
+    Ok(format!(
         "prefix cache   {hits:.0} of {queries:.0} prompt tokens served from the cache ({:.1}%), {:.0} preemptions",
         100.0 * hits / queries.max(1.0),
         value("infer_preemptions_total"),
-    ));
-    drop(server);
-    printer.data(&rows.join("\n"));
-    Ok(ExitStatus::Success)
+    ))
 }
 
 /// One concurrency of one sweep: `streams` client tasks, each sending `args.rounds`

@@ -14,6 +14,37 @@ use crate::{ExitStatus, model};
 /// Runs `infer up`. Errors: bad flags, a model that does not load, an address that cannot
 /// be bound, a rank that fails (named, with its last log lines).
 pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
+    let limits = scheduler_limits(args)?;
+    let gpu = gpu_settings(args)?;
+    if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
+        if args.load.load_format != crate::cli::LoadFormatArg::Auto {
+            bail!(
+                "--load-format dummy gives infer's own engine random weights; --engine {engine:?} loads its own (vLLM and SGLang have their own --load-format dummy)"
+            );
+        }
+        return run_engine(args, engine.into(), printer);
+    }
+    let pd_prefill = pd_replicas(args)?;
+    let source = super::model_source(args.model.as_deref(), &args.load, &mut |line| {
+        printer.note(line)
+    })?;
+    check_model_flags(args, &source)?;
+    let settings = up_settings(args, source, limits, gpu, pd_prefill)?;
+    let mut reporter = UpReporter {
+        printer,
+        model_id: &settings.model_id,
+        bar: None,
+        serving: false,
+    };
+    crate::launch::serving::up(&settings, &mut |event| reporter.report(event))?;
+    printer.note("stopped");
+    Ok(ExitStatus::Success)
+}
+
+/// The scheduler's limits from `--kv-cache-tokens`, `--max-batch` and
+/// `--max-num-batched-tokens`. Errors: a KV cache under one block of tokens, a batch of 0,
+/// or a step's token budget under the batch.
+fn scheduler_limits(args: &UpArgs) -> Result<crate::serve::scheduler::Limits> {
     if args.kv_cache_tokens < crate::runtime::model::kv::BLOCK_TOKENS {
         bail!(
             "--kv-cache-tokens must hold at least one block of {} tokens, got {}",
@@ -34,52 +65,61 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         }
         limits.max_batched_tokens = tokens;
     }
-    let gpu = if args.device == DeviceArg::Cuda {
-        // Before anything starts: a driver and a GPU on this host.
-        // (On an inventory's hosts, their agents report their GPUs instead.)
-        let remote = args
-            .cluster
-            .as_deref()
-            .is_some_and(crate::cluster::is_inventory);
-        let (kernels, gpus) = super::cuda_device(remote)?;
-        Some(crate::serve::http::GpuSettings { kernels, gpus })
-    } else {
-        None
-    };
-    if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
-        if args.load.load_format != crate::cli::LoadFormatArg::Auto {
-            bail!(
-                "--load-format dummy gives infer's own engine random weights; --engine {engine:?} loads its own (vLLM and SGLang have their own --load-format dummy)"
-            );
-        }
-        return run_engine(args, engine.into(), printer);
+    Ok(limits)
+}
+
+/// With `--device cuda`: this host's kernels and GPUs, checked before anything starts
+/// (`None` on the CPU). Errors: no driver or no GPU on this host (unless the ranks run on an
+/// inventory's hosts, whose agents report their GPUs instead).
+fn gpu_settings(args: &UpArgs) -> Result<Option<crate::serve::http::GpuSettings>> {
+    if args.device != DeviceArg::Cuda {
+        return Ok(None);
     }
-    let pd_prefill = match (args.prefill, args.decode) {
-        (Some(prefill), Some(decode)) => {
-            if prefill == 0 || decode == 0 {
-                bail!("--prefill and --decode must each be at least 1, got {prefill} and {decode}");
-            }
-            if args.plan.is_some() {
-                bail!(
-                    "--prefill/--decode give the layout themselves (with --tp/--pp for each replica); drop --plan"
-                );
-            }
-            if let Some(cluster) = args.cluster.as_deref().filter(|c| {
-                !crate::cluster::is_inventory(c) && !c.ends_with(".toml") && !c.contains('/')
-            }) {
-                bail!(
-                    "--prefill/--decode run on an inventory's hosts (`--cluster hosts.toml`), not on the planned cluster `{cluster}`"
-                );
-            }
-            Some((prefill, decode))
-        }
-        _ => None,
+    // Before anything starts: a driver and a GPU on this host.
+    // (On an inventory's hosts, their agents report their GPUs instead.)
+    let remote = args
+        .cluster
+        .as_deref()
+        .is_some_and(crate::cluster::is_inventory);
+    let (kernels, gpus) = super::cuda_device(remote)?;
+    Ok(Some(crate::serve::http::GpuSettings { kernels, gpus }))
+}
+
+/// `--prefill N --decode M` as (prefill replicas, decode replicas), `None` without them.
+/// Errors: a count of 0, `--plan` alongside, or a planned (not inventory) `--cluster`.
+fn pd_replicas(args: &UpArgs) -> Result<Option<(usize, usize)>> {
+    let (Some(prefill), Some(decode)) = (args.prefill, args.decode) else {
+        return Ok(None);
     };
-    let source = super::model_source(args.model.as_deref(), &args.load, &mut |line| {
-        printer.note(line)
-    })?;
+    if prefill == 0 || decode == 0 {
+        bail!("--prefill and --decode must each be at least 1, got {prefill} and {decode}");
+    }
+    if args.plan.is_some() {
+        bail!(
+            "--prefill/--decode give the layout themselves (with --tp/--pp for each replica); drop --plan"
+        );
+    }
+    if let Some(cluster) = args
+        .cluster
+        .as_deref()
+        .filter(|c| !crate::cluster::is_inventory(c) && !c.ends_with(".toml") && !c.contains('/'))
+    {
+        bail!(
+            "--prefill/--decode run on an inventory's hosts (`--cluster hosts.toml`), not on the planned cluster `{cluster}`"
+        );
+    }
+    Ok(Some((prefill, decode)))
+}
+
+/// Checks the flags that depend on the model: `--max-model-len` (tokens) within its context
+/// and a non-empty `--served-model-name`. Errors: either out of range, or a model whose
+/// spec does not read.
+fn check_model_flags(
+    args: &UpArgs,
+    source: &crate::runtime::model::source::ModelSource,
+) -> Result<()> {
     if let Some(len) = args.max_model_len {
-        let context = model::spec_of(&source)?.max_position_embeddings;
+        let context = model::spec_of(source)?.max_position_embeddings;
         if len == 0 || len as u64 > context {
             bail!(
                 "--max-model-len must be 1 to the model's context of {context} tokens, got {len}"
@@ -89,31 +129,22 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.served_model_name.as_deref().is_some_and(str::is_empty) {
         bail!("--served-model-name must not be empty");
     }
-    let settings = UpSettings {
-        model_id: args
-            .served_model_name
-            .clone()
-            .unwrap_or_else(|| match &source {
-                crate::runtime::model::source::ModelSource::File(path) => model_id(path),
-                // A profile's name as it is; a file's or directory's stem.
-                crate::runtime::model::source::ModelSource::Dummy(dummy) => {
-                    let path = std::path::Path::new(&dummy.name);
-                    if path.exists() {
-                        model_id(path)
-                    } else {
-                        dummy.name.clone()
-                    }
-                }
-            }),
+    Ok(())
+}
+
+/// The checked flags as [`UpSettings`]. Errors: a negative `--shutdown-timeout` (seconds) or
+/// `--nnodes/--node-rank/--master-addr` that do not resolve.
+fn up_settings(
+    args: &UpArgs,
+    source: crate::runtime::model::source::ModelSource,
+    limits: crate::serve::scheduler::Limits,
+    gpu: Option<crate::serve::http::GpuSettings>,
+    pd_prefill: Option<(usize, usize)>,
+) -> Result<UpSettings> {
+    Ok(UpSettings {
+        model_id: served_model_id(args, &source),
         max_model_len: args.max_model_len,
-        shutdown_timeout: std::time::Duration::try_from_secs_f64(args.shutdown_timeout).map_err(
-            |_| {
-                anyhow::anyhow!(
-                    "--shutdown-timeout must be 0 or more seconds, got {}",
-                    args.shutdown_timeout
-                )
-            },
-        )?,
+        shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         model: source,
         tp: args.tp,
         pp: args.pp,
@@ -137,70 +168,117 @@ pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         },
         push_model: args.ssh.push_model,
         run_dir: args.run_dir.clone(),
-        node: match (args.nnodes, args.node_rank, &args.master_addr) {
-            (Some(nnodes), Some(node_rank), Some(master_addr)) => {
-                Some(crate::launch::serving::NodeSettings::resolve(
-                    nnodes,
-                    node_rank,
-                    master_addr,
-                    args.master_port,
-                    args.bind_addr,
-                    std::env::var(crate::envvars::RUN_TOKEN).ok(),
-                )?)
-            }
-            _ => None,
-        },
+        node: node_settings(args)?,
         gpu,
-    };
-    // A bar while the gang starts (on a terminal), plain lines once serving.
-    let mut bar: Option<ui::Progress> = None;
-    let mut serving = false;
-    crate::launch::serving::up(&settings, &mut |event| match event {
-        UpEvent::Note(text) => printer.note(&text),
-        UpEvent::Listening(address) => printer.note(&format!(
-            "loading `{}`; http://{address} answers 503 until it is ready",
-            settings.model_id
-        )),
-        UpEvent::Gang(event) if serving => report_progress_plain(printer, &event),
-        UpEvent::Gang(event) => {
-            if let Progress::Started { world_size, .. } = &event
-                && bar.is_none()
-            {
-                bar = Some(printer.progress(2 * *world_size as u64 + 1));
-            }
-            match &bar {
-                Some(bar) => super::report_progress(bar, &event, true),
-                None => report_progress_plain(printer, &event),
-            }
-        }
-        UpEvent::Ready {
-            address,
-            world_size,
-            layout,
-            ready_secs,
-        } => {
-            if let Some(bar) = bar.take() {
-                if bar.is_bar() {
-                    bar.update(2 * world_size as u64 + 1, "ready");
+    })
+}
+
+/// The id `/v1/models` lists: `--served-model-name`, else a profile's name as it is, or a
+/// file's or directory's stem.
+fn served_model_id(args: &UpArgs, source: &crate::runtime::model::source::ModelSource) -> String {
+    args.served_model_name
+        .clone()
+        .unwrap_or_else(|| match source {
+            crate::runtime::model::source::ModelSource::File(path) => model_id(path),
+            // A profile's name as it is; a file's or directory's stem.
+            crate::runtime::model::source::ModelSource::Dummy(dummy) => {
+                let path = std::path::Path::new(&dummy.name);
+                if path.exists() {
+                    model_id(path)
+                } else {
+                    dummy.name.clone()
                 }
-                bar.finish();
             }
-            serving = true;
-            let message = match world_size {
-                1 => format!(
-                    "serving `{}` on http://{address} (ready in {ready_secs:.2} s); Ctrl-C stops",
-                    settings.model_id
-                ),
-                n => format!(
-                    "serving `{}` on http://{address} with {n} ranks ({layout}), ready in {ready_secs:.2} s; Ctrl-C stops",
-                    settings.model_id
-                ),
-            };
-            printer.note(&message);
+        })
+}
+
+/// `--shutdown-timeout` seconds as a duration. Errors: a negative or non-finite number.
+fn shutdown_timeout(shutdown_timeout_secs: f64) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(shutdown_timeout_secs).map_err(|_| {
+        anyhow::anyhow!("--shutdown-timeout must be 0 or more seconds, got {shutdown_timeout_secs}")
+    })
+}
+
+/// This node of a multi-node launch (`--nnodes`, `--node-rank`, `--master-addr`), `None`
+/// unless all three are given. Errors: a node rank out of range or an address that does
+/// not resolve.
+fn node_settings(args: &UpArgs) -> Result<Option<crate::launch::serving::NodeSettings>> {
+    match (args.nnodes, args.node_rank, &args.master_addr) {
+        (Some(nnodes), Some(node_rank), Some(master_addr)) => {
+            Ok(Some(crate::launch::serving::NodeSettings::resolve(
+                nnodes,
+                node_rank,
+                master_addr,
+                args.master_port,
+                args.bind_addr,
+                std::env::var(crate::envvars::RUN_TOKEN).ok(),
+            )?))
         }
-    })?;
-    printer.note("stopped");
-    Ok(ExitStatus::Success)
+        _ => Ok(None),
+    }
+}
+
+/// Prints `infer up`'s events: a bar while the gang starts (on a terminal), plain lines
+/// once serving.
+struct UpReporter<'a> {
+    printer: &'a Printer,
+    /// The id `/v1/models` lists, named in the notes.
+    model_id: &'a str,
+    /// The start-up bar, until the gang is ready.
+    bar: Option<ui::Progress>,
+    /// Whether the gang is ready (rank output then goes out as plain lines).
+    serving: bool,
+}
+
+impl UpReporter<'_> {
+    /// Prints one event.
+    fn report(&mut self, event: UpEvent) {
+        let printer = self.printer;
+        match event {
+            UpEvent::Note(text) => printer.note(&text),
+            UpEvent::Listening(address) => printer.note(&format!(
+                "loading `{}`; http://{address} answers 503 until it is ready",
+                self.model_id
+            )),
+            UpEvent::Gang(event) if self.serving => report_progress_plain(printer, &event),
+            UpEvent::Gang(event) => {
+                if let Progress::Started { world_size, .. } = &event
+                    && self.bar.is_none()
+                {
+                    self.bar = Some(printer.progress(2 * *world_size as u64 + 1));
+                }
+                match &self.bar {
+                    Some(bar) => super::report_progress(bar, &event, true),
+                    None => report_progress_plain(printer, &event),
+                }
+            }
+            UpEvent::Ready {
+                address,
+                world_size,
+                layout,
+                ready_secs,
+            } => {
+                if let Some(bar) = self.bar.take() {
+                    if bar.is_bar() {
+                        bar.update(2 * world_size as u64 + 1, "ready");
+                    }
+                    bar.finish();
+                }
+                self.serving = true;
+                let message = match world_size {
+                    1 => format!(
+                        "serving `{}` on http://{address} (ready in {ready_secs:.2} s); Ctrl-C stops",
+                        self.model_id
+                    ),
+                    n => format!(
+                        "serving `{}` on http://{address} with {n} ranks ({layout}), ready in {ready_secs:.2} s; Ctrl-C stops",
+                        self.model_id
+                    ),
+                };
+                printer.note(&message);
+            }
+        }
+    }
 }
 
 /// `infer up --engine E`: the flags become [`crate::launch::engine::EngineUpSettings`], and
@@ -278,14 +356,7 @@ fn run_engine(
             accept_new: args.ssh.ssh_accept_new,
         },
         run_dir: args.run_dir.clone(),
-        shutdown_timeout: std::time::Duration::try_from_secs_f64(args.shutdown_timeout).map_err(
-            |_| {
-                anyhow::anyhow!(
-                    "--shutdown-timeout must be 0 or more seconds, got {}",
-                    args.shutdown_timeout
-                )
-            },
-        )?,
+        shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
     };
     crate::launch::engine::up(&settings, &mut |event| match event {
