@@ -22,6 +22,9 @@ pub fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
     }
 }
 
+/// `infer bench decode`: prefill and decode tokens/s of the built-in engine on this host's
+/// CPU (or on GPU 0 with `--device cuda`) and the peak RSS in bytes. Errors: no GPU with
+/// `--device cuda`, a model that does not load, a forward pass that fails.
 fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     let cuda = args.device == crate::cli::DeviceArg::Cuda;
     let driver = if cuda {
@@ -43,49 +46,7 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     let prompt = bench_prompt(&engine, args.prompt_tokens)?;
     let (mut best_prefill, mut best_decode) = (0f64, 0f64);
     for run in 0..=args.runs.max(1) {
-        let (prefill, decode) = engine.install(|| -> Result<(f64, f64)> {
-            let mut cache = engine.model.new_cache();
-            let start = Instant::now();
-            let logits = engine.model.forward(&mut [SequenceInput {
-                tokens: &prompt,
-                cache: &mut cache,
-                all_logits: false,
-            }])?;
-            let prefill = prompt.len() as f64 / start.elapsed().as_secs_f64();
-            // The other sequences of the batch are prefilled with the same prompt, untimed.
-            let batch = args.batch.max(1);
-            let mut caches = vec![cache];
-            for _ in 1..batch {
-                let mut cache = engine.model.new_cache();
-                engine.model.forward(&mut [SequenceInput {
-                    tokens: &prompt,
-                    cache: &mut cache,
-                    all_logits: false,
-                }])?;
-                caches.push(cache);
-            }
-            let mut next = vec![argmax(&logits[0]); batch];
-            let start = Instant::now();
-            for _ in 0..args.decode_tokens {
-                let mut inputs: Vec<SequenceInput> = caches
-                    .iter_mut()
-                    .zip(&next)
-                    .map(|(cache, token)| SequenceInput {
-                        tokens: std::slice::from_ref(token),
-                        cache,
-                        all_logits: false,
-                    })
-                    .collect();
-                let logits = engine.model.forward(&mut inputs)?;
-                for (token, logits) in next.iter_mut().zip(&logits) {
-                    *token = argmax(logits);
-                }
-            }
-            Ok((
-                prefill,
-                (batch * args.decode_tokens) as f64 / start.elapsed().as_secs_f64(),
-            ))
-        })?;
+        let (prefill, decode) = engine.install(|| cpu_decode_run(args, &engine, &prompt))?;
         // Run 0 warms caches and page-faults the weights in.
         if run > 0 {
             best_prefill = best_prefill.max(prefill);
@@ -94,32 +55,14 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     }
     let peak_rss_bytes = peak_rss_bytes()?;
     if args.json {
-        let batch = args.batch.max(1);
-        let decode_step_secs = batch as f64 / best_decode;
-        let decode_weight_bytes = engine.model.decode_weight_bytes() as u64;
         return printer
-            .json(&crate::plan::calibration::DecodeReport {
-                bench: "decode".into(),
-                model: model_file_name(&engine),
-                device: "cpu".into(),
-                device_name: cpu_name(),
-                threads: engine.threads(),
-                numerics: crate::runtime::cpu::quant::Numerics::from(args.numerics)
-                    .name()
-                    .into(),
-                batch,
-                prompt_tokens: prompt.len(),
-                decode_tokens: args.decode_tokens,
-                prefill_tokens_per_sec: best_prefill,
-                decode_tokens_per_sec: best_decode,
-                decode_step_secs,
-                decode_weight_bytes,
-                weight_bytes_per_sec: decode_weight_bytes as f64 / decode_step_secs,
+            .json(&cpu_decode_report(
+                args,
+                &engine,
+                prompt.len(),
+                (best_prefill, best_decode),
                 peak_rss_bytes,
-                gpu_memory_used_bytes: None,
-                hbm_bytes_per_sec: None,
-                batches: Vec::new(),
-            })
+            ))
             .map(|()| ExitStatus::Success);
     }
     printer.data(&format!(
@@ -135,6 +78,89 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
         peak_rss_bytes as f64 / 1e6
     ));
     Ok(ExitStatus::Success)
+}
+
+/// One timed CPU run: prefills `prompt`, then decodes `--decode-tokens` at `--batch`.
+/// Returns (prefill tokens/s, decode tokens/s over the batch). Errors: a forward pass
+/// that fails.
+fn cpu_decode_run(args: &BenchDecodeArgs, engine: &Engine, prompt: &[u32]) -> Result<(f64, f64)> {
+    let mut cache = engine.model.new_cache();
+    let start = Instant::now();
+    let logits = engine.model.forward(&mut [SequenceInput {
+        tokens: prompt,
+        cache: &mut cache,
+        all_logits: false,
+    }])?;
+    let prefill = prompt.len() as f64 / start.elapsed().as_secs_f64();
+    // The other sequences of the batch are prefilled with the same prompt, untimed.
+    let batch = args.batch.max(1);
+    let mut caches = vec![cache];
+    for _ in 1..batch {
+        let mut cache = engine.model.new_cache();
+        engine.model.forward(&mut [SequenceInput {
+            tokens: prompt,
+            cache: &mut cache,
+            all_logits: false,
+        }])?;
+        caches.push(cache);
+    }
+    let mut next = vec![argmax(&logits[0]); batch];
+    let start = Instant::now();
+    for _ in 0..args.decode_tokens {
+        let mut inputs: Vec<SequenceInput> = caches
+            .iter_mut()
+            .zip(&next)
+            .map(|(cache, token)| SequenceInput {
+                tokens: std::slice::from_ref(token),
+                cache,
+                all_logits: false,
+            })
+            .collect();
+        let logits = engine.model.forward(&mut inputs)?;
+        for (token, logits) in next.iter_mut().zip(&logits) {
+            *token = argmax(logits);
+        }
+    }
+    Ok((
+        prefill,
+        (batch * args.decode_tokens) as f64 / start.elapsed().as_secs_f64(),
+    ))
+}
+
+/// The JSON report of a CPU decode bench from the best (prefill, decode) tokens/s and the
+/// peak RSS in bytes.
+fn cpu_decode_report(
+    args: &BenchDecodeArgs,
+    engine: &Engine,
+    prompt_tokens: usize,
+    (best_prefill, best_decode): (f64, f64),
+    peak_rss_bytes: u64,
+) -> crate::plan::calibration::DecodeReport {
+    let batch = args.batch.max(1);
+    let decode_step_secs = batch as f64 / best_decode;
+    let decode_weight_bytes = engine.model.decode_weight_bytes() as u64;
+    crate::plan::calibration::DecodeReport {
+        bench: "decode".into(),
+        model: model_file_name(engine),
+        device: "cpu".into(),
+        device_name: cpu_name(),
+        threads: engine.threads(),
+        numerics: crate::runtime::cpu::quant::Numerics::from(args.numerics)
+            .name()
+            .into(),
+        batch,
+        prompt_tokens,
+        decode_tokens: args.decode_tokens,
+        prefill_tokens_per_sec: best_prefill,
+        decode_tokens_per_sec: best_decode,
+        decode_step_secs,
+        decode_weight_bytes,
+        weight_bytes_per_sec: decode_weight_bytes as f64 / decode_step_secs,
+        peak_rss_bytes,
+        gpu_memory_used_bytes: None,
+        hbm_bytes_per_sec: None,
+        batches: Vec::new(),
+    }
 }
 
 /// The model file's name (what a decode report names), else the engine's name.
@@ -207,108 +233,164 @@ fn decode_cuda(
     }
     let memory_used_bytes = device.backend().device.memory_used_bytes()?;
     if let Some(rows) = device.backend().device.profile()? {
-        // INFER_CUDA_PROFILE: GPU time per kernel over every run above, on stderr.
-        let total_ms: f64 = rows.iter().map(|r| r.2).sum();
-        let mut table = vec![format!(
-            "GPU time per kernel ({}), every run: {total_ms:.1} ms",
-            crate::envvars::CUDA_PROFILE
-        )];
-        for (name, calls, ms) in &rows {
-            table.push(format!(
-                "  {name:<32} {calls:>8} launches {ms:>10.2} ms {:>9.1} µs each {:>5.1}%",
-                1e3 * ms / (*calls).max(1) as f64,
-                100.0 * ms / total_ms.max(1e-9)
-            ));
-        }
-        printer.note(&table.join("\n"));
+        printer.note(&kernel_profile_table(&rows));
     }
-    let batch_speeds: Vec<crate::plan::calibration::BatchSpeed> = rows
-        .iter()
-        .map(|(batch, speed)| {
-            let weight_bytes_per_sec = weight_bytes as f64 / speed.decode_step_secs;
-            crate::plan::calibration::BatchSpeed {
-                batch: *batch,
-                decode_tokens_per_sec: speed.decode_tokens_per_sec,
-                decode_step_secs: speed.decode_step_secs,
-                weight_bytes_per_sec,
-                hbm_fraction: hbm_bytes_per_sec.map(|hbm| weight_bytes_per_sec / hbm),
-                launches_per_step: speed.launches_per_step,
-                issue_step_secs: Some(speed.issue_step_secs),
-            }
-        })
-        .collect();
+    let measured = CudaDecode {
+        engine,
+        gpu,
+        prompt_tokens: prompt.len(),
+        rows,
+        weight_bytes,
+        hbm_bytes_per_sec,
+        memory_used_bytes,
+    };
     if args.json {
-        let (batch, speed) = rows.last().copied().context("no batch measured")?;
         return printer
-            .json(&crate::plan::calibration::DecodeReport {
-                bench: "decode".into(),
-                model: model_file_name(engine),
-                device: "cuda".into(),
-                device_name: gpu.name.clone(),
-                threads: 0,
-                numerics: "q8_1-dp4a".into(),
-                batch,
-                prompt_tokens: prompt.len(),
-                decode_tokens: args.decode_tokens,
-                prefill_tokens_per_sec: speed.prefill_tokens_per_sec,
-                decode_tokens_per_sec: speed.decode_tokens_per_sec,
-                decode_step_secs: speed.decode_step_secs,
-                decode_weight_bytes: weight_bytes,
-                weight_bytes_per_sec: weight_bytes as f64 / speed.decode_step_secs,
-                peak_rss_bytes: peak_rss_bytes()?,
-                gpu_memory_used_bytes: Some(memory_used_bytes),
-                hbm_bytes_per_sec,
-                batches: batch_speeds,
-            })
+            .json(&measured.json_report(args)?)
             .map(|()| ExitStatus::Success);
     }
-    let mut lines = vec![
-        format!("model       {}", engine.name),
-        format!(
-            "weights     {:.2} GB read per decode step",
-            weight_bytes as f64 / 1e9
-        ),
-        format!(
-            "device      cuda:{} ({}, sm_{})",
-            gpu.ordinal,
-            gpu.name,
-            gpu.arch()
-        ),
-        format!(
-            "prefill     {:.1} tok/s ({} prompt tokens, best of {})",
-            rows[0].1.prefill_tokens_per_sec,
-            prompt.len(),
-            args.runs.max(1)
-        ),
-    ];
-    for (batch, speed) in &rows {
-        let bandwidth = weight_bytes as f64 / speed.decode_step_secs;
-        let issuing = format!(
-            ", {:.2} of {:.2} ms a step issuing it",
-            speed.issue_step_secs * 1e3,
-            speed.decode_step_secs * 1e3
-        );
-        lines.push(format!(
-            "decode      {:.1} tok/s at batch {batch}: {:.0} GB/s of weights{}{}{}",
-            speed.decode_tokens_per_sec,
-            bandwidth / 1e9,
-            hbm_bytes_per_sec.map_or(String::new(), |hbm| format!(
-                " ({:.0}% of the datasheet's {:.0} GB/s)",
-                100.0 * bandwidth / hbm,
-                hbm / 1e9
-            )),
-            speed
-                .launches_per_step
-                .map_or(String::new(), |n| format!(", {n:.0} launches a step")),
-            issuing,
+    printer.data(&measured.text_lines(args).join("\n"));
+    Ok(ExitStatus::Success)
+}
+
+/// [`crate::envvars::CUDA_PROFILE`]'s table for stderr: GPU time per kernel (name, launches,
+/// milliseconds) over every run.
+fn kernel_profile_table(rows: &[(String, u64, f64)]) -> String {
+    // INFER_CUDA_PROFILE: GPU time per kernel over every run above, on stderr.
+    let total_ms: f64 = rows.iter().map(|r| r.2).sum();
+    let mut table = vec![format!(
+        "GPU time per kernel ({}), every run: {total_ms:.1} ms",
+        crate::envvars::CUDA_PROFILE
+    )];
+    for (name, calls, ms) in rows {
+        table.push(format!(
+            "  {name:<32} {calls:>8} launches {ms:>10.2} ms {:>9.1} µs each {:>5.1}%",
+            1e3 * ms / (*calls).max(1) as f64,
+            100.0 * ms / total_ms.max(1e-9)
         ));
     }
-    lines.push(format!(
-        "GPU memory  {:.2} GiB in use",
-        memory_used_bytes as f64 / (1u64 << 30) as f64
-    ));
-    printer.data(&lines.join("\n"));
-    Ok(ExitStatus::Success)
+    table.join("\n")
+}
+
+/// What `infer bench decode --device cuda` measured, for its report.
+struct CudaDecode<'a> {
+    engine: &'a Engine,
+    /// GPU 0 as the driver lists it.
+    gpu: &'a crate::runtime::cuda::device::Gpu,
+    prompt_tokens: usize,
+    /// The best timed run at each batch, smallest batch first.
+    rows: Vec<(usize, crate::runtime::exec::forward::DecodeSpeed)>,
+    /// Weight bytes a decode step reads.
+    weight_bytes: u64,
+    /// The GPU's datasheet HBM bandwidth (its hardware profile), if known.
+    hbm_bytes_per_sec: Option<f64>,
+    /// GPU memory in use after the runs.
+    memory_used_bytes: u64,
+}
+
+impl CudaDecode<'_> {
+    /// Each batch's speed and achieved weight bandwidth (bytes/s, and its fraction of HBM).
+    fn batch_speeds(&self) -> Vec<crate::plan::calibration::BatchSpeed> {
+        self.rows
+            .iter()
+            .map(|(batch, speed)| {
+                let weight_bytes_per_sec = self.weight_bytes as f64 / speed.decode_step_secs;
+                crate::plan::calibration::BatchSpeed {
+                    batch: *batch,
+                    decode_tokens_per_sec: speed.decode_tokens_per_sec,
+                    decode_step_secs: speed.decode_step_secs,
+                    weight_bytes_per_sec,
+                    hbm_fraction: self.hbm_bytes_per_sec.map(|hbm| weight_bytes_per_sec / hbm),
+                    launches_per_step: speed.launches_per_step,
+                    issue_step_secs: Some(speed.issue_step_secs),
+                }
+            })
+            .collect()
+    }
+
+    /// The `--json` report: the largest batch's figures and every batch's. Errors: no batch
+    /// measured, or the peak RSS cannot be read.
+    fn json_report(
+        &self,
+        args: &BenchDecodeArgs,
+    ) -> Result<crate::plan::calibration::DecodeReport> {
+        let batch_speeds = self.batch_speeds();
+        let (batch, speed) = self.rows.last().copied().context("no batch measured")?;
+        let weight_bytes = self.weight_bytes;
+        Ok(crate::plan::calibration::DecodeReport {
+            bench: "decode".into(),
+            model: model_file_name(self.engine),
+            device: "cuda".into(),
+            device_name: self.gpu.name.clone(),
+            threads: 0,
+            numerics: "q8_1-dp4a".into(),
+            batch,
+            prompt_tokens: self.prompt_tokens,
+            decode_tokens: args.decode_tokens,
+            prefill_tokens_per_sec: speed.prefill_tokens_per_sec,
+            decode_tokens_per_sec: speed.decode_tokens_per_sec,
+            decode_step_secs: speed.decode_step_secs,
+            decode_weight_bytes: weight_bytes,
+            weight_bytes_per_sec: weight_bytes as f64 / speed.decode_step_secs,
+            peak_rss_bytes: peak_rss_bytes()?,
+            gpu_memory_used_bytes: Some(self.memory_used_bytes),
+            hbm_bytes_per_sec: self.hbm_bytes_per_sec,
+            batches: batch_speeds,
+        })
+    }
+
+    /// The text report's lines: model, weight gigabytes, device, prefill, one decode line
+    /// per batch, GPU memory in GiB.
+    fn text_lines(&self, args: &BenchDecodeArgs) -> Vec<String> {
+        let (engine, gpu, rows) = (self.engine, self.gpu, &self.rows);
+        let (weight_bytes, hbm_bytes_per_sec) = (self.weight_bytes, self.hbm_bytes_per_sec);
+        let mut lines = vec![
+            format!("model       {}", engine.name),
+            format!(
+                "weights     {:.2} GB read per decode step",
+                weight_bytes as f64 / 1e9
+            ),
+            format!(
+                "device      cuda:{} ({}, sm_{})",
+                gpu.ordinal,
+                gpu.name,
+                gpu.arch()
+            ),
+            format!(
+                "prefill     {:.1} tok/s ({} prompt tokens, best of {})",
+                rows[0].1.prefill_tokens_per_sec,
+                self.prompt_tokens,
+                args.runs.max(1)
+            ),
+        ];
+        for (batch, speed) in rows {
+            let bandwidth = weight_bytes as f64 / speed.decode_step_secs;
+            let issuing = format!(
+                ", {:.2} of {:.2} ms a step issuing it",
+                speed.issue_step_secs * 1e3,
+                speed.decode_step_secs * 1e3
+            );
+            lines.push(format!(
+                "decode      {:.1} tok/s at batch {batch}: {:.0} GB/s of weights{}{}{}",
+                speed.decode_tokens_per_sec,
+                bandwidth / 1e9,
+                hbm_bytes_per_sec.map_or(String::new(), |hbm| format!(
+                    " ({:.0}% of the datasheet's {:.0} GB/s)",
+                    100.0 * bandwidth / hbm,
+                    hbm / 1e9
+                )),
+                speed
+                    .launches_per_step
+                    .map_or(String::new(), |n| format!(", {n:.0} launches a step")),
+                issuing,
+            ));
+        }
+        lines.push(format!(
+            "GPU memory  {:.2} GiB in use",
+            self.memory_used_bytes as f64 / (1u64 << 30) as f64
+        ));
+        lines
+    }
 }
 
 /// The processor's name (`/proc/cpuinfo`'s first `model name`), `unknown CPU` without one.
@@ -355,14 +437,31 @@ struct AllreduceReport {
     stream_bytes_per_sec: f64,
 }
 
+/// `infer bench allreduce`: all-reduce bandwidth of `--world` processes on this host (TCP
+/// ring and shared memory), or over an inventory's hosts with `--cluster`. Errors: a world
+/// under 2, a worker that fails or prints no report.
 fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus> {
-    use std::process::{Command, Stdio};
     if args.world < 2 {
         anyhow::bail!("--world must be at least 2 (a one-process all-reduce moves no data)");
     }
     if let Some(inventory) = &args.cluster {
         return allreduce_cluster(args, inventory, printer);
     }
+    let report = run_local_workers(args)?;
+    if args.json {
+        return printer
+            .json(&local_allreduce_json(args, &report))
+            .map(|()| ExitStatus::Success);
+    }
+    printer.data(&local_allreduce_text(args, &report));
+    Ok(ExitStatus::Success)
+}
+
+/// Starts `--world` `bench allreduce-worker` processes on this host around a rendezvous
+/// store and waits for them all. Returns rank 0's report. Errors: the store or a worker
+/// does not start, a worker exits with a failure, rank 0 prints no report.
+fn run_local_workers(args: &BenchAllreduceArgs) -> Result<AllreduceReport> {
+    use std::process::{Command, Stdio};
     let token = crate::rendezvous::random_token();
     let server = crate::rendezvous::StoreServer::start("127.0.0.1:0", &token)?;
     let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
@@ -410,31 +509,41 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     }
     let report: AllreduceReport =
         serde_json::from_slice(&outputs[0].stdout).context("rank 0 printed no report")?;
-    if args.json {
-        let mut tables = vec![json_table(
-            "TCP ring over loopback",
+    Ok(report)
+}
+
+/// The `--json` report of the local bench: the TCP table, and the shared-memory one when
+/// it was measured.
+fn local_allreduce_json(
+    args: &BenchAllreduceArgs,
+    report: &AllreduceReport,
+) -> crate::plan::calibration::AllreduceReport {
+    let mut tables = vec![json_table(
+        "TCP ring over loopback",
+        Scope::IntraHost,
+        args.world,
+        Vec::new(),
+        &report.tcp_rows,
+    )];
+    if !report.shm_rows.is_empty() {
+        tables.push(json_table(
+            &report.shm_transport,
             Scope::IntraHost,
             args.world,
             Vec::new(),
-            &report.tcp_rows,
-        )];
-        if !report.shm_rows.is_empty() {
-            tables.push(json_table(
-                &report.shm_transport,
-                Scope::IntraHost,
-                args.world,
-                Vec::new(),
-                &report.shm_rows,
-            ));
-        }
-        return printer
-            .json(&crate::plan::calibration::AllreduceReport {
-                bench: "allreduce".into(),
-                tables,
-                stream_bytes_per_sec: report.stream_bytes_per_sec,
-            })
-            .map(|()| ExitStatus::Success);
+            &report.shm_rows,
+        ));
     }
+    crate::plan::calibration::AllreduceReport {
+        bench: "allreduce".into(),
+        tables,
+        stream_bytes_per_sec: report.stream_bytes_per_sec,
+    }
+}
+
+/// The text report of the local bench: the TCP table, the shared-memory one (or why it
+/// was not measured), and one plain TCP stream's GB/s.
+fn local_allreduce_text(args: &BenchAllreduceArgs, report: &AllreduceReport) -> String {
     let stream = report.stream_bytes_per_sec / 1e9;
     let mut table = allreduce_table(
         &format!(
@@ -465,8 +574,7 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
     table.push_str(&format!(
         "\n# one plain TCP stream between two processes: {stream:.3} GB/s\n"
     ));
-    printer.data(&table);
-    Ok(ExitStatus::Success)
+    table
 }
 
 /// `bench allreduce --cluster`: `--world` rank processes with no model (collectives only),

@@ -153,46 +153,8 @@ fn distributed(
     device: Option<&(crate::runtime::exec::kernel_executor::KernelDevice, usize)>,
     printer: &Printer,
 ) -> Result<ExitStatus> {
-    let gpus = device.map(|(_, gpus)| *gpus);
-    let harness = matches!(
-        device,
-        Some((
-            crate::runtime::exec::kernel_executor::KernelDevice::HostHarness { .. },
-            _
-        ))
-    );
-    use crate::runtime::formats::gguf::Header;
-    use crate::runtime::model::tokenizer::Tokenizer;
-    // The tokenizer and the context, without loading the weights here.
-    let (tokenizer, context) = match source {
-        ModelSource::File(path) => {
-            super::require_gguf_for_ranks(path)?;
-            let header = Header::read_file(path)?;
-            let arch = header.str("general.architecture")?;
-            let context = header.u64(&format!("{arch}.context_length")).ok();
-            (Tokenizer::from_gguf(&header)?, context.map(|c| c as usize))
-        }
-        ModelSource::Dummy(dummy) => (dummy.tokenizer()?, Some(dummy.max_context_tokens)),
-    };
-    let prompt = if args.chat {
-        let template = tokenizer
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| anyhow::anyhow!("the model has no chat template"))?;
-        let token = |id: Option<u32>| id.and_then(|i| tokenizer.token(i)).unwrap_or_default();
-        crate::runtime::model::chat::render(
-            template,
-            &[ChatMessage {
-                role: "user".into(),
-                content: args.prompt.clone(),
-            }],
-            true,
-            &token(tokenizer.bos_id),
-            &token(tokenizer.eos_ids.first().copied()),
-        )?
-    } else {
-        args.prompt.clone()
-    };
+    let (tokenizer, context) = tokenizer_and_context(source)?;
+    let prompt = rank_prompt(args, &tokenizer)?;
     let prompt_tokens = tokenizer.encode(&prompt, true)?;
     if let Some(context) = context {
         warn_if_capped(printer, prompt_tokens.len(), args.max_tokens, context);
@@ -202,46 +164,8 @@ fn distributed(
         params: sampling_params(args),
     };
     let world = args.tp * args.pp;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads_per_rank = match (args.threads, &args.cluster) {
-        (0, None) => (cores / world).max(1),
-        // On a cluster, 0 means each host's cores over its ranks.
-        (threads, _) => threads,
-    };
-    let spec = crate::launch::LaunchSpec {
-        tp: args.tp,
-        pp: args.pp,
-        dp: 1,
-        ep: 1,
-        model: Some(source.clone()),
-        threads_per_rank,
-        numerics: args.numerics.into(),
-        timeout: crate::launch::rank_timeout(harness),
-        serving: None,
-        layout_from: "infer generate --tp/--pp".into(),
-        placement: Vec::new(),
-        run_dir: args.run_dir.clone(),
-        gpus: gpus.map(|visible| crate::launch::local_gpus(world, visible)),
-    };
-    let progress = printer.progress(2 * (args.tp * args.pp) as u64);
-    let generation = match &args.cluster {
-        Some(inventory) => {
-            let options = crate::launch::cluster::ClusterOptions {
-                inventory: inventory.clone(),
-                ssh: crate::launch::ssh::SshOptions {
-                    accept_new: args.ssh.ssh_accept_new,
-                },
-                push_model: args.ssh.push_model,
-            };
-            crate::launch::cluster::run_generation(&spec, &job, &options, &mut |event| {
-                super::report_progress(&progress, &event, true)
-            })?
-        }
-        None => crate::launch::run_generation(&spec, &job, &mut |event| {
-            super::report_progress(&progress, &event, false)
-        })?,
-    };
-    progress.finish();
+    let spec = rank_launch_spec(args, source, device);
+    let generation = run_ranks(args, &spec, &job, printer)?;
     if args.json {
         printer.json(&Output {
             model: &source.name(),
@@ -260,4 +184,122 @@ fn distributed(
         ));
     }
     Ok(ExitStatus::Success)
+}
+
+/// The model's tokenizer and its context in tokens (if the file gives one), without
+/// loading the weights here. Errors: a file the ranks cannot load (not GGUF), or a header
+/// or tokenizer that does not read.
+fn tokenizer_and_context(
+    source: &ModelSource,
+) -> Result<(crate::runtime::model::tokenizer::Tokenizer, Option<usize>)> {
+    use crate::runtime::formats::gguf::Header;
+    use crate::runtime::model::tokenizer::Tokenizer;
+    // The tokenizer and the context, without loading the weights here.
+    Ok(match source {
+        ModelSource::File(path) => {
+            super::require_gguf_for_ranks(path)?;
+            let header = Header::read_file(path)?;
+            let arch = header.str("general.architecture")?;
+            let context = header.u64(&format!("{arch}.context_length")).ok();
+            (Tokenizer::from_gguf(&header)?, context.map(|c| c as usize))
+        }
+        ModelSource::Dummy(dummy) => (dummy.tokenizer()?, Some(dummy.max_context_tokens)),
+    })
+}
+
+/// The prompt text the ranks tokenize: `--prompt` as it is, or with `--chat` rendered
+/// through the model's chat template as one user message. Errors: `--chat` with a model
+/// that has no chat template, or a template that does not render.
+fn rank_prompt(
+    args: &GenerateArgs,
+    tokenizer: &crate::runtime::model::tokenizer::Tokenizer,
+) -> Result<String> {
+    Ok(if args.chat {
+        let template = tokenizer
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| anyhow::anyhow!("the model has no chat template"))?;
+        let token = |id: Option<u32>| id.and_then(|i| tokenizer.token(i)).unwrap_or_default();
+        crate::runtime::model::chat::render(
+            template,
+            &[ChatMessage {
+                role: "user".into(),
+                content: args.prompt.clone(),
+            }],
+            true,
+            &token(tokenizer.bos_id),
+            &token(tokenizer.eos_ids.first().copied()),
+        )?
+    } else {
+        args.prompt.clone()
+    })
+}
+
+/// The gang of `--tp × --pp` ranks: threads per rank (0: this host's cores over its ranks,
+/// or each host's on a cluster), the rank timeout and the GPUs each rank sees.
+fn rank_launch_spec(
+    args: &GenerateArgs,
+    source: &ModelSource,
+    device: Option<&(crate::runtime::exec::kernel_executor::KernelDevice, usize)>,
+) -> crate::launch::LaunchSpec {
+    let gpus = device.map(|(_, gpus)| *gpus);
+    let harness = matches!(
+        device,
+        Some((
+            crate::runtime::exec::kernel_executor::KernelDevice::HostHarness { .. },
+            _
+        ))
+    );
+    let world = args.tp * args.pp;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads_per_rank = match (args.threads, &args.cluster) {
+        (0, None) => (cores / world).max(1),
+        // On a cluster, 0 means each host's cores over its ranks.
+        (threads, _) => threads,
+    };
+    crate::launch::LaunchSpec {
+        tp: args.tp,
+        pp: args.pp,
+        dp: 1,
+        ep: 1,
+        model: Some(source.clone()),
+        threads_per_rank,
+        numerics: args.numerics.into(),
+        timeout: crate::launch::rank_timeout(harness),
+        serving: None,
+        layout_from: "infer generate --tp/--pp".into(),
+        placement: Vec::new(),
+        run_dir: args.run_dir.clone(),
+        gpus: gpus.map(|visible| crate::launch::local_gpus(world, visible)),
+    }
+}
+
+/// Runs `job` on the gang `spec` (on `--cluster`'s hosts, else on this host) with a
+/// progress bar. Errors: a rank that does not start or fails.
+fn run_ranks(
+    args: &GenerateArgs,
+    spec: &crate::launch::LaunchSpec,
+    job: &crate::runtime::exec::worker::Job,
+    printer: &Printer,
+) -> Result<Generation> {
+    let progress = printer.progress(2 * (args.tp * args.pp) as u64);
+    let generation = match &args.cluster {
+        Some(inventory) => {
+            let options = crate::launch::cluster::ClusterOptions {
+                inventory: inventory.clone(),
+                ssh: crate::launch::ssh::SshOptions {
+                    accept_new: args.ssh.ssh_accept_new,
+                },
+                push_model: args.ssh.push_model,
+            };
+            crate::launch::cluster::run_generation(spec, job, &options, &mut |event| {
+                super::report_progress(&progress, &event, true)
+            })?
+        }
+        None => crate::launch::run_generation(spec, job, &mut |event| {
+            super::report_progress(&progress, &event, false)
+        })?,
+    };
+    progress.finish();
+    Ok(generation)
 }

@@ -14,94 +14,13 @@ use crate::{ExitStatus, cluster, engines, model};
 pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let settings = settings(&args.settings)?;
     // Every argument is checked before the default model is fetched (93 MB on first use).
-    let mut cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
-    for path in &args.calibration {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the calibration `{}`", path.display()))?;
-        let name = path.file_name().map_or_else(
-            || path.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        );
-        let measured = crate::plan::calibration::parse(&name, &text)?;
-        crate::plan::calibration::calibrate(&mut cluster, &name, measured)?;
-    }
+    let cluster = calibrated_cluster(args)?;
     let spec = model::spec(args.model.as_deref(), &mut |line| printer.note(line))?;
     match plan(&spec, &cluster, &settings) {
         Outcome::Feasible(plan) => {
-            // `--emit` alone writes infer's own engine's scripts.
-            let engine = args
-                .engine
-                .or(args.emit.as_ref().map(|_| crate::cli::EngineArg::Infer));
-            let launch = match engine {
-                Some(engine) => {
-                    let engine: engines::EngineKind = engine.into();
-                    // infer's ranks load the GGUF file `--model` named, when it named one.
-                    let model = args
-                        .engine_model
-                        .as_deref()
-                        .or(args.model.as_deref().filter(|m| {
-                            engine == engines::EngineKind::Infer && m.ends_with(".gguf")
-                        }));
-                    let mut request =
-                        engines::request_from_plan(engine, &plan, &spec, &cluster, model);
-                    if let Some(port) = args.engine_port {
-                        request.ports.http = port;
-                    }
-                    if let Some(port) = args.dist_port {
-                        request.ports.dist = port;
-                    }
-                    match (&plan.disaggregated, args.settings.disaggregate) {
-                        (Some(d), true) if engine != engines::EngineKind::Infer => {
-                            engines::disagg::use_every_gpu(&mut request, &cluster);
-                            Some(engines::disagg::generate(
-                                &request,
-                                &engines::disagg::PdLayout::of(d),
-                            )?)
-                        }
-                        (Some(d), true) => {
-                            engines::disagg::use_every_gpu(&mut request, &cluster);
-                            Some(engines::infer::generate_disaggregated(
-                                &request,
-                                &engines::disagg::PdLayout::of(d),
-                            )?)
-                        }
-                        (None, true) => {
-                            anyhow::bail!(
-                                "--disaggregate --engine {engine}: no disaggregated deployment fits this cluster and these targets (see `--explain`); drop --disaggregate for the aggregated launch"
-                            )
-                        }
-                        _ => Some(engines::generate(&request)?),
-                    }
-                }
-                None => None,
-            };
-            if args.json {
-                let mut value = serde_json::to_value(&plan)?;
-                if let (Some(launch), Some(object)) = (&launch, value.as_object_mut()) {
-                    object.insert("launch".into(), serde_json::to_value(launch)?);
-                }
-                printer.json(&value)?;
-            } else {
-                let mut text = render::render(&plan, args.explain);
-                if let Some(launch) = &launch {
-                    // The engine's own lines replace the one-line vLLM equivalent.
-                    if let Some(cut) = text.rfind("\n\nvllm equivalent:") {
-                        text.truncate(cut + 1);
-                    }
-                    text.push('\n');
-                    text.push_str(&engines::render(launch));
-                }
-                printer.data(&text);
-            }
-            if let (Some(launch), Some(dir)) = (&launch, &args.emit) {
-                let written = crate::launch::engine::emit(launch, dir)?;
-                printer.note(&format!(
-                    "wrote {} run script{} and launch.json into {}",
-                    written.len(),
-                    if written.len() == 1 { "" } else { "s" },
-                    dir.display()
-                ));
-            }
+            let launch = engine_launch(args, &plan, &spec, &cluster)?;
+            print_plan(args, &plan, launch.as_ref(), printer)?;
+            emit_launch(args, launch.as_ref(), printer)?;
             Ok(ExitStatus::Success)
         }
         Outcome::Infeasible(infeasible) => {
@@ -113,6 +32,128 @@ pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
             Ok(ExitStatus::No)
         }
     }
+}
+
+/// The cluster `--cluster` names, with every `--calibration` file's measurements applied.
+/// Errors: an unreadable cluster, a calibration that cannot be read or parsed or does not
+/// fit the cluster.
+fn calibrated_cluster(args: &PlanArgs) -> Result<crate::plan::cluster::Cluster> {
+    let mut cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
+    for path in &args.calibration {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the calibration `{}`", path.display()))?;
+        let name = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        let measured = crate::plan::calibration::parse(&name, &text)?;
+        crate::plan::calibration::calibrate(&mut cluster, &name, measured)?;
+    }
+    Ok(cluster)
+}
+
+/// The engine's launch for a feasible plan with `--engine` (or `--emit`), `None` without
+/// either. Errors: `--disaggregate` when no disaggregated deployment fits, or a launch the
+/// engine cannot express.
+fn engine_launch(
+    args: &PlanArgs,
+    plan: &crate::plan::Plan,
+    spec: &crate::plan::model::ModelSpec,
+    cluster: &crate::plan::cluster::Cluster,
+) -> Result<Option<engines::EngineLaunch>> {
+    // `--emit` alone writes infer's own engine's scripts.
+    let engine = args
+        .engine
+        .or(args.emit.as_ref().map(|_| crate::cli::EngineArg::Infer));
+    Ok(match engine {
+        Some(engine) => {
+            let engine: engines::EngineKind = engine.into();
+            // infer's ranks load the GGUF file `--model` named, when it named one.
+            let model = args.engine_model.as_deref().or(args
+                .model
+                .as_deref()
+                .filter(|m| engine == engines::EngineKind::Infer && m.ends_with(".gguf")));
+            let mut request = engines::request_from_plan(engine, plan, spec, cluster, model);
+            if let Some(port) = args.engine_port {
+                request.ports.http = port;
+            }
+            if let Some(port) = args.dist_port {
+                request.ports.dist = port;
+            }
+            match (&plan.disaggregated, args.settings.disaggregate) {
+                (Some(d), true) if engine != engines::EngineKind::Infer => {
+                    engines::disagg::use_every_gpu(&mut request, cluster);
+                    Some(engines::disagg::generate(
+                        &request,
+                        &engines::disagg::PdLayout::of(d),
+                    )?)
+                }
+                (Some(d), true) => {
+                    engines::disagg::use_every_gpu(&mut request, cluster);
+                    Some(engines::infer::generate_disaggregated(
+                        &request,
+                        &engines::disagg::PdLayout::of(d),
+                    )?)
+                }
+                (None, true) => {
+                    anyhow::bail!(
+                        "--disaggregate --engine {engine}: no disaggregated deployment fits this cluster and these targets (see `--explain`); drop --disaggregate for the aggregated launch"
+                    )
+                }
+                _ => Some(engines::generate(&request)?),
+            }
+        }
+        None => None,
+    })
+}
+
+/// Prints a feasible plan: JSON (with the launch under `launch`), or the rendered plan with
+/// the engine's lines in place of the one-line vLLM equivalent. Errors: JSON that does not
+/// serialize or print.
+fn print_plan(
+    args: &PlanArgs,
+    plan: &crate::plan::Plan,
+    launch: Option<&engines::EngineLaunch>,
+    printer: &Printer,
+) -> Result<()> {
+    if args.json {
+        let mut value = serde_json::to_value(plan)?;
+        if let (Some(launch), Some(object)) = (launch, value.as_object_mut()) {
+            object.insert("launch".into(), serde_json::to_value(launch)?);
+        }
+        printer.json(&value)?;
+    } else {
+        let mut text = render::render(plan, args.explain);
+        if let Some(launch) = launch {
+            // The engine's own lines replace the one-line vLLM equivalent.
+            if let Some(cut) = text.rfind("\n\nvllm equivalent:") {
+                text.truncate(cut + 1);
+            }
+            text.push('\n');
+            text.push_str(&engines::render(launch));
+        }
+        printer.data(&text);
+    }
+    Ok(())
+}
+
+/// With `--emit DIR`: writes the launch's run scripts and `launch.json` into `DIR`.
+/// Errors: a file that cannot be written.
+fn emit_launch(
+    args: &PlanArgs,
+    launch: Option<&engines::EngineLaunch>,
+    printer: &Printer,
+) -> Result<()> {
+    if let (Some(launch), Some(dir)) = (launch, &args.emit) {
+        let written = crate::launch::engine::emit(launch, dir)?;
+        printer.note(&format!(
+            "wrote {} run script{} and launch.json into {}",
+            written.len(),
+            if written.len() == 1 { "" } else { "s" },
+            dir.display()
+        ));
+    }
+    Ok(())
 }
 
 /// Flags → validated settings. Errors: an unknown dtype, a utilization outside (0, 1], a
