@@ -28,6 +28,23 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
 /// [`generate`], with `roles` (prefill, decode replicas, whose sum is `request.parallel.dp`)
 /// given as `--prefill/--decode` instead of `--dp`.
 fn generate_with_roles(request: &EngineRequest, roles: Option<(u64, u64)>) -> Result<EngineLaunch> {
+    check_layout(request)?;
+    let version = Version::parse(env!("CARGO_PKG_VERSION")).unwrap_or(Version(0, 0, 0));
+    let nodes = (0..request.nodes.len())
+        .map(|rank| node_launch(request, roles, rank))
+        .collect();
+    Ok(super::assemble(
+        request,
+        version,
+        None,
+        nodes,
+        notes(request),
+    ))
+}
+
+/// Checks that `infer up` can run the layout. Errors: EP other than 1 or TP, a model that
+/// is not a `.gguf` path, ranks that do not split evenly over the nodes.
+fn check_layout(request: &EngineRequest) -> Result<()> {
     let p = request.parallel;
     if p.ep > 1 && p.ep != p.tp {
         bail!(
@@ -52,87 +69,103 @@ fn generate_with_roles(request: &EngineRequest, roles: Option<(u64, u64)>) -> Re
             "`infer up --nnodes` runs the same number of ranks on every node; {world} ranks do not split over {nnodes} nodes"
         );
     }
+    Ok(())
+}
+
+/// The `infer up` line of node `rank`: the layout's flags, HTTP on node 0, and
+/// `--nnodes/--node-rank/--master-*/--bind-addr` over several nodes (node 0 reserving the
+/// store's port).
+fn node_launch(request: &EngineRequest, roles: Option<(u64, u64)>, rank: usize) -> NodeLaunch {
+    let nnodes = request.nodes.len();
     let head = &request.nodes[0];
-    let version = Version::parse(env!("CARGO_PKG_VERSION")).unwrap_or(Version(0, 0, 0));
-    let nodes = request
-        .nodes
-        .iter()
-        .enumerate()
-        .map(|(rank, node)| {
-            let mut argv: Vec<String> = vec![
-                "infer".into(),
-                "up".into(),
-                "--model".into(),
-                request.model.clone(),
-                "--tp".into(),
-                p.tp.to_string(),
-                "--pp".into(),
-                p.pp.to_string(),
-            ];
-            match roles {
-                Some((prefill, decode)) => argv.extend([
-                    "--prefill".into(),
-                    prefill.to_string(),
-                    "--decode".into(),
-                    decode.to_string(),
-                ]),
-                None => argv.extend(["--dp".into(), p.dp.to_string()]),
-            }
-            if p.ep > 1 {
-                argv.extend(["--ep".into(), p.ep.to_string()]);
-            }
-            argv.extend([
-                "--device".into(),
-                if request.gpu { "cuda" } else { "cpu" }.into(),
-            ]);
-            if let Some(name) = &request.served_model_name {
-                argv.extend(["--served-model-name".into(), name.clone()]);
-            }
-            if request.max_model_len_tokens > 0 {
-                argv.extend([
-                    "--max-model-len".into(),
-                    request.max_model_len_tokens.to_string(),
-                ]);
-            }
-            let mut ports = Vec::new();
-            if rank == 0 {
-                super::serve_http(request, &mut argv, &mut ports);
-            }
-            if nnodes > 1 {
-                argv.extend([
-                    "--nnodes".into(),
-                    nnodes.to_string(),
-                    "--node-rank".into(),
-                    rank.to_string(),
-                    "--master-addr".into(),
-                    head.address.clone(),
-                    "--master-port".into(),
-                    request.ports.dist.to_string(),
-                ]);
-                // The node's data address, where its ranks' collectives listen (else
-                // `infer up` takes the address of its route to node 0).
-                if node.address.parse::<std::net::IpAddr>().is_ok() {
-                    argv.extend(["--bind-addr".into(), node.address.clone()]);
-                }
-                if rank == 0 {
-                    ports.push(ReservedPort {
-                        port: request.ports.dist,
-                        bind: head.address.clone(),
-                        purpose: "the rendezvous store (--master-port)".into(),
-                    });
-                }
-            }
-            NodeLaunch {
-                host: node.host.clone(),
-                node_rank: rank,
-                role: NodeRole::of(rank),
-                argv,
-                env: common_env(request, node),
-                ports,
-                pd: None,
-            }
-        })
-        .collect();
+    let node = &request.nodes[rank];
+    let mut argv = layout_argv(request, roles);
+    let mut ports = Vec::new();
+    if rank == 0 {
+        super::serve_http(request, &mut argv, &mut ports);
+    }
+    if nnodes > 1 {
+        argv.extend([
+            "--nnodes".into(),
+            nnodes.to_string(),
+            "--node-rank".into(),
+            rank.to_string(),
+            "--master-addr".into(),
+            head.address.clone(),
+            "--master-port".into(),
+            request.ports.dist.to_string(),
+        ]);
+        // The node's data address, where its ranks' collectives listen (else
+        // `infer up` takes the address of its route to node 0).
+        if node.address.parse::<std::net::IpAddr>().is_ok() {
+            argv.extend(["--bind-addr".into(), node.address.clone()]);
+        }
+        if rank == 0 {
+            ports.push(ReservedPort {
+                port: request.ports.dist,
+                bind: head.address.clone(),
+                purpose: "the rendezvous store (--master-port)".into(),
+            });
+        }
+    }
+    NodeLaunch {
+        host: node.host.clone(),
+        node_rank: rank,
+        role: NodeRole::of(rank),
+        argv,
+        env: common_env(request, node),
+        ports,
+        pd: None,
+    }
+}
+
+/// The flags every node's `infer up` shares: the model, the degrees (`roles` as
+/// `--prefill/--decode`, else `--dp`), the device, the served name and the context in
+/// tokens.
+fn layout_argv(request: &EngineRequest, roles: Option<(u64, u64)>) -> Vec<String> {
+    let p = request.parallel;
+    let mut argv: Vec<String> = vec![
+        "infer".into(),
+        "up".into(),
+        "--model".into(),
+        request.model.clone(),
+        "--tp".into(),
+        p.tp.to_string(),
+        "--pp".into(),
+        p.pp.to_string(),
+    ];
+    match roles {
+        Some((prefill, decode)) => argv.extend([
+            "--prefill".into(),
+            prefill.to_string(),
+            "--decode".into(),
+            decode.to_string(),
+        ]),
+        None => argv.extend(["--dp".into(), p.dp.to_string()]),
+    }
+    if p.ep > 1 {
+        argv.extend(["--ep".into(), p.ep.to_string()]);
+    }
+    argv.extend([
+        "--device".into(),
+        if request.gpu { "cuda" } else { "cpu" }.into(),
+    ]);
+    if let Some(name) = &request.served_model_name {
+        argv.extend(["--served-model-name".into(), name.clone()]);
+    }
+    if request.max_model_len_tokens > 0 {
+        argv.extend([
+            "--max-model-len".into(),
+            request.max_model_len_tokens.to_string(),
+        ]);
+    }
+    argv
+}
+
+/// The launch's notes: the shared [`crate::envvars::RUN_TOKEN`] over several nodes, and what
+/// `--device cuda` means for the ranks.
+fn notes(request: &EngineRequest) -> Vec<String> {
+    let nnodes = request.nodes.len();
     let mut notes = Vec::new();
     if nnodes > 1 {
         let token = crate::envvars::RUN_TOKEN;
@@ -148,7 +181,7 @@ fn generate_with_roles(request: &EngineRequest, roles: Option<(u64, u64)>) -> Re
                 .to_string(),
         );
     }
-    Ok(super::assemble(request, version, None, nodes, notes))
+    notes
 }
 
 /// The planner's disaggregated deployment as `infer up --prefill N --decode M` lines: its

@@ -11,7 +11,8 @@
 use anyhow::{Result, bail};
 
 use super::{
-    EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, Version, assemble, common_env,
+    EngineLaunch, EngineRequest, NodeLaunch, NodeNet, NodeRole, ReservedPort, Version, assemble,
+    common_env,
 };
 
 /// All layers to the devices (the head's GPUs and the RPC servers).
@@ -21,6 +22,33 @@ const ALL_LAYERS: &str = "999";
 ///
 /// Errors: DP, EP, TP across hosts, a model that is not a GGUF file.
 pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+    let nodes = request.nodes.len();
+    check_layout(request)?;
+    let mut launches = vec![head_launch(request)];
+    for (i, node) in request.nodes.iter().enumerate().skip(1) {
+        launches.push(rpc_server_launch(request, i, node));
+    }
+    launches[0].env.remove("HF_HUB_OFFLINE");
+    let mut notes = Vec::new();
+    if nodes > 1 {
+        notes.push(format!(
+            "the RPC servers accept anyone who reaches port {} (llama.cpp's RPC has no authentication): they bind the data \
+             network only; keep it private",
+            request.ports.dist
+        ));
+    }
+    Ok(assemble(
+        request,
+        request.version.unwrap_or(Version(0, 0, 0)),
+        None,
+        launches,
+        notes,
+    ))
+}
+
+/// Checks that llama.cpp can serve the layout. Errors: DP, EP, TP across hosts, a model
+/// that is not a GGUF file.
+fn check_layout(request: &EngineRequest) -> Result<()> {
     let p = request.parallel;
     let nodes = request.nodes.len();
     if p.dp > 1 {
@@ -49,6 +77,13 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
             request.model
         );
     }
+    Ok(())
+}
+
+/// The head's `llama-server` line: the model, HTTP, the context in tokens, every layer on
+/// the devices (its GPUs and the RPC servers), `--split-mode row` for TP, and the alias.
+fn head_launch(request: &EngineRequest) -> NodeLaunch {
+    let p = request.parallel;
     let head = &request.nodes[0];
     let rpc: Vec<String> = request.nodes[1..]
         .iter()
@@ -83,7 +118,7 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     if let Some(name) = &request.served_model_name {
         argv.extend(["--alias".into(), name.clone()]);
     }
-    let mut launches = vec![NodeLaunch {
+    NodeLaunch {
         host: head.host.clone(),
         node_rank: 0,
         role: NodeRole::Head,
@@ -95,49 +130,36 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
             purpose: "OpenAI-compatible HTTP API".into(),
         }],
         pd: None,
-    }];
-    for (i, node) in request.nodes.iter().enumerate().skip(1) {
-        let mut argv: Vec<String> = vec![
-            "ggml-rpc-server".into(),
-            "--host".into(),
-            node.address.clone(),
-            "--port".into(),
-            request.ports.dist.to_string(),
-        ];
-        if !request.gpu && node.cpus > 0 {
-            // Its CPU device runs one thread unless told (`ggml-rpc-server --help`).
-            argv.extend(["--threads".into(), node.cpus.to_string()]);
-        }
-        let mut env = common_env(request, node);
-        env.remove("HF_HUB_OFFLINE");
-        launches.push(NodeLaunch {
-            host: node.host.clone(),
-            node_rank: i,
-            role: NodeRole::Worker,
-            argv,
-            env,
-            ports: vec![ReservedPort {
-                port: request.ports.dist,
-                bind: node.address.clone(),
-                purpose: "llama.cpp RPC server (unauthenticated: data network only)".into(),
-            }],
-            pd: None,
-        });
     }
-    launches[0].env.remove("HF_HUB_OFFLINE");
-    let mut notes = Vec::new();
-    if nodes > 1 {
-        notes.push(format!(
-            "the RPC servers accept anyone who reaches port {} (llama.cpp's RPC has no authentication): they bind the data \
-             network only; keep it private",
-            request.ports.dist
-        ));
+}
+
+/// Node `i`'s `ggml-rpc-server` line, bound to its data-network address (RPC has no
+/// authentication), with its CPU threads when it has no GPU.
+fn rpc_server_launch(request: &EngineRequest, i: usize, node: &NodeNet) -> NodeLaunch {
+    let mut argv: Vec<String> = vec![
+        "ggml-rpc-server".into(),
+        "--host".into(),
+        node.address.clone(),
+        "--port".into(),
+        request.ports.dist.to_string(),
+    ];
+    if !request.gpu && node.cpus > 0 {
+        // Its CPU device runs one thread unless told (`ggml-rpc-server --help`).
+        argv.extend(["--threads".into(), node.cpus.to_string()]);
     }
-    Ok(assemble(
-        request,
-        request.version.unwrap_or(Version(0, 0, 0)),
-        None,
-        launches,
-        notes,
-    ))
+    let mut env = common_env(request, node);
+    env.remove("HF_HUB_OFFLINE");
+    NodeLaunch {
+        host: node.host.clone(),
+        node_rank: i,
+        role: NodeRole::Worker,
+        argv,
+        env,
+        ports: vec![ReservedPort {
+            port: request.ports.dist,
+            bind: node.address.clone(),
+            purpose: "llama.cpp RPC server (unauthenticated: data network only)".into(),
+        }],
+        pd: None,
+    }
 }

@@ -34,10 +34,30 @@ const DERIVED_PORTS: u16 = 6;
 pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     let tested = Version::parse(SGLANG_TESTED).unwrap_or(Version(0, 0, 0));
     let version = request.version.unwrap_or(tested);
+    check_layout(request)?;
+    let common = common_argv(request, version);
+    let launches = (0..request.nodes.len())
+        .map(|i| node_launch(request, &common, i))
+        .collect();
+    Ok(assemble(
+        request,
+        version,
+        Some(("SGLang", SGLANG_TESTED)),
+        launches,
+        Vec::new(),
+    ))
+}
+
+/// Whether the layout is DeepSeek-style attention data parallelism (a MoE model with DP).
+fn attention_dp(request: &EngineRequest) -> bool {
+    request.is_moe && request.parallel.dp > 1
+}
+
+/// Checks that one SGLang server can run the layout. Errors: dense data parallelism across
+/// nodes, EP without a MoE model.
+fn check_layout(request: &EngineRequest) -> Result<()> {
     let p = request.parallel;
     let nodes = request.nodes.len();
-    let head = &request.nodes[0];
-    let attention_dp = request.is_moe && p.dp > 1;
     if p.dp > 1 && !request.is_moe && nodes > 1 {
         bail!(
             "SGLang serves a dense model's {} replicas across nodes as separate servers behind `sglang-router`; one \
@@ -48,6 +68,15 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     if p.ep > 1 && !request.is_moe {
         bail!("expert parallelism needs a mixture-of-experts model");
     }
+    Ok(())
+}
+
+/// The launch arguments every node shares: the model, the degrees as SGLang counts them
+/// (attention DP spelled for `version`), expert parallelism's backend, dtypes, the context
+/// in tokens and the served name.
+fn common_argv(request: &EngineRequest, version: Version) -> Vec<String> {
+    let p = request.parallel;
+    let attention_dp = attention_dp(request);
     let tp_size = if attention_dp { p.tp * p.dp } else { p.tp };
     let mut common: Vec<String> = vec![
         "python3".into(),
@@ -90,65 +119,74 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     if let Some(name) = &request.served_model_name {
         common.extend(["--served-model-name".into(), name.clone()]);
     }
+    common
+}
+
+/// Node `i`'s launch: the shared arguments plus `--nnodes/--node-rank/--dist-init-addr`
+/// over several nodes and `--nccl-port`; the head serves HTTP and reserves the ports.
+fn node_launch(request: &EngineRequest, common: &[String], i: usize) -> NodeLaunch {
+    let nodes = request.nodes.len();
+    let head = &request.nodes[0];
+    let node = &request.nodes[i];
     let dist_init = format!("{}:{}", head.address, request.ports.dist);
-    let mut launches = Vec::with_capacity(nodes);
-    for (i, node) in request.nodes.iter().enumerate() {
-        let mut argv = common.clone();
-        let mut ports = Vec::new();
-        if nodes > 1 {
-            argv.extend([
-                "--nnodes".into(),
-                nodes.to_string(),
-                "--node-rank".into(),
-                i.to_string(),
-                "--dist-init-addr".into(),
-                dist_init.clone(),
-            ]);
-        }
-        argv.extend(["--nccl-port".into(), request.ports.nccl.to_string()]);
-        if i == 0 {
-            serve_http(request, &mut argv, &mut ports);
-            ports.push(ReservedPort {
-                port: request.ports.nccl,
-                bind: "0.0.0.0".into(),
-                purpose: "torch.distributed (--nccl-port)".into(),
-            });
-            if nodes > 1 || attention_dp {
-                ports.push(ReservedPort {
-                    port: request.ports.dist,
-                    bind: head.address.clone(),
-                    purpose: "distributed init (--dist-init-addr)".into(),
-                });
-            }
-            if attention_dp {
-                for k in 1..=DERIVED_PORTS {
-                    ports.push(ReservedPort {
-                        port: request.ports.dist.saturating_add(k),
-                        bind: head.address.clone(),
-                        purpose: format!("SGLang ZMQ port derived from --dist-init-addr (+{k})"),
-                    });
-                }
-            }
-        }
-        let mut env = common_env(request, node);
-        if nodes > 1 && node.address.parse::<std::net::IpAddr>().is_ok() {
-            env.insert("SGLANG_HOST_IP".into(), node.address.clone());
-        }
-        launches.push(NodeLaunch {
-            host: node.host.clone(),
-            node_rank: i,
-            role: NodeRole::of(i),
-            argv,
-            env,
-            ports,
-            pd: None,
+    let mut argv = common.to_vec();
+    let mut ports = Vec::new();
+    if nodes > 1 {
+        argv.extend([
+            "--nnodes".into(),
+            nodes.to_string(),
+            "--node-rank".into(),
+            i.to_string(),
+            "--dist-init-addr".into(),
+            dist_init,
+        ]);
+    }
+    argv.extend(["--nccl-port".into(), request.ports.nccl.to_string()]);
+    if i == 0 {
+        head_ports(request, &mut argv, &mut ports);
+    }
+    let mut env = common_env(request, node);
+    if nodes > 1 && node.address.parse::<std::net::IpAddr>().is_ok() {
+        env.insert("SGLANG_HOST_IP".into(), node.address.clone());
+    }
+    NodeLaunch {
+        host: node.host.clone(),
+        node_rank: i,
+        role: NodeRole::of(i),
+        argv,
+        env,
+        ports,
+        pd: None,
+    }
+}
+
+/// The head's HTTP flags and reserved ports: HTTP, `--nccl-port`, the `--dist-init-addr`
+/// port (over several nodes or with attention DP), and the ports SGLang derives from it
+/// with attention DP.
+fn head_ports(request: &EngineRequest, argv: &mut Vec<String>, ports: &mut Vec<ReservedPort>) {
+    let nodes = request.nodes.len();
+    let head = &request.nodes[0];
+    let attention_dp = attention_dp(request);
+    serve_http(request, argv, ports);
+    ports.push(ReservedPort {
+        port: request.ports.nccl,
+        bind: "0.0.0.0".into(),
+        purpose: "torch.distributed (--nccl-port)".into(),
+    });
+    if nodes > 1 || attention_dp {
+        ports.push(ReservedPort {
+            port: request.ports.dist,
+            bind: head.address.clone(),
+            purpose: "distributed init (--dist-init-addr)".into(),
         });
     }
-    Ok(assemble(
-        request,
-        version,
-        Some(("SGLang", SGLANG_TESTED)),
-        launches,
-        Vec::new(),
-    ))
+    if attention_dp {
+        for k in 1..=DERIVED_PORTS {
+            ports.push(ReservedPort {
+                port: request.ports.dist.saturating_add(k),
+                bind: head.address.clone(),
+                purpose: format!("SGLang ZMQ port derived from --dist-init-addr (+{k})"),
+            });
+        }
+    }
 }

@@ -31,6 +31,27 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     let tested = Version::parse(VLLM_TESTED).unwrap_or(Version(0, 0, 0));
     let version = request.version.unwrap_or(tested);
     let p = request.parallel;
+    check_layout(request)?;
+    let replica = (p.tp * p.pp) as usize;
+    let per_node = request.nodes[0].gpus.len().max(1);
+    let common = common_argv(request);
+    let dp_local = if p.dp > 1 { per_node / replica } else { 0 };
+    let launches = (0..request.nodes.len())
+        .map(|i| node_launch(request, &common, i, dp_local))
+        .collect();
+    Ok(assemble(
+        request,
+        version,
+        Some(("vLLM", VLLM_TESTED)),
+        launches,
+        Vec::new(),
+    ))
+}
+
+/// Checks that vLLM can run the layout. Errors: an EP degree other than TP × DP, or a DP
+/// replica (TP × PP GPUs) that does not fit evenly inside one node.
+fn check_layout(request: &EngineRequest) -> Result<()> {
+    let p = request.parallel;
     let nodes = request.nodes.len();
     let head = &request.nodes[0];
     if p.ep > 1 && p.ep != p.tp * p.dp {
@@ -49,6 +70,13 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
              the layout {per_node}\nhint: plan with `--dp 1` (one replica over the nodes), or a TP × PP that divides the GPUs of a node"
         );
     }
+    Ok(())
+}
+
+/// The `vllm serve` arguments every node shares: the model, the degrees, expert
+/// parallelism's backend, dtypes, the context in tokens, memory and the served name.
+fn common_argv(request: &EngineRequest) -> Vec<String> {
+    let p = request.parallel;
     let mut common: Vec<String> = vec![
         "vllm".into(),
         "serve".into(),
@@ -89,86 +117,104 @@ pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     if let Some(name) = &request.served_model_name {
         common.extend(["--served-model-name".into(), name.clone()]);
     }
-    let dp_local = if p.dp > 1 { per_node / replica } else { 0 };
-    let mut launches = Vec::with_capacity(nodes);
-    for (i, node) in request.nodes.iter().enumerate() {
-        let role = if i == 0 {
-            NodeRole::Head
-        } else {
-            NodeRole::Worker
-        };
-        let mut argv = common.clone();
-        let mut ports = Vec::new();
-        if nodes > 1 {
-            if p.dp > 1 {
-                argv.extend([
-                    "--data-parallel-size-local".into(),
-                    dp_local.to_string(),
-                    "--data-parallel-address".into(),
-                    head.address.clone(),
-                    "--data-parallel-rpc-port".into(),
-                    request.ports.dist.to_string(),
-                ]);
-                if i > 0 {
-                    argv.extend([
-                        "--data-parallel-start-rank".into(),
-                        (i * dp_local).to_string(),
-                    ]);
-                } else {
-                    ports.push(ReservedPort {
-                        port: request.ports.dist,
-                        bind: head.address.clone(),
-                        purpose: "data-parallel RPC (--data-parallel-rpc-port)".into(),
-                    });
-                }
-            } else {
-                argv.extend([
-                    "--nnodes".into(),
-                    nodes.to_string(),
-                    "--node-rank".into(),
-                    i.to_string(),
-                    "--master-addr".into(),
-                    head.address.clone(),
-                    "--master-port".into(),
-                    request.ports.dist.to_string(),
-                ]);
-                if i == 0 {
-                    ports.push(ReservedPort {
-                        port: request.ports.dist,
-                        bind: head.address.clone(),
-                        purpose: "torch.distributed rendezvous (--master-port)".into(),
-                    });
-                }
-            }
-            if i > 0 {
-                argv.push("--headless".into());
-            }
-        }
-        if i == 0 {
-            serve_http(request, &mut argv, &mut ports);
-        }
-        let mut env = common_env(request, node);
-        if nodes > 1 && node.address.parse::<std::net::IpAddr>().is_ok() {
-            // Unset, vLLM takes the address of whatever interface routes to the internet.
-            env.insert("VLLM_HOST_IP".into(), node.address.clone());
-        }
-        launches.push(NodeLaunch {
-            host: node.host.clone(),
-            node_rank: i,
-            role,
-            argv,
-            env,
-            ports,
-            pd: None,
-        });
+    common
+}
+
+/// Node `i`'s launch: the shared arguments plus its place in the multi-node (or
+/// data-parallel) launch, the HTTP server on the head, and `VLLM_HOST_IP`. `dp_local`:
+/// DP replicas per node (0 without DP).
+fn node_launch(
+    request: &EngineRequest,
+    common: &[String],
+    i: usize,
+    dp_local: usize,
+) -> NodeLaunch {
+    let node = &request.nodes[i];
+    let role = if i == 0 {
+        NodeRole::Head
+    } else {
+        NodeRole::Worker
+    };
+    let mut argv = common.to_vec();
+    let mut ports = Vec::new();
+    if request.nodes.len() > 1 {
+        multi_node_flags(request, i, dp_local, &mut argv, &mut ports);
     }
-    Ok(assemble(
-        request,
-        version,
-        Some(("vLLM", VLLM_TESTED)),
-        launches,
-        Vec::new(),
-    ))
+    if i == 0 {
+        serve_http(request, &mut argv, &mut ports);
+    }
+    let mut env = common_env(request, node);
+    if request.nodes.len() > 1 && node.address.parse::<std::net::IpAddr>().is_ok() {
+        // Unset, vLLM takes the address of whatever interface routes to the internet.
+        env.insert("VLLM_HOST_IP".into(), node.address.clone());
+    }
+    NodeLaunch {
+        host: node.host.clone(),
+        node_rank: i,
+        role,
+        argv,
+        env,
+        ports,
+        pd: None,
+    }
+}
+
+/// Node `i`'s flags in a launch over several nodes: the data-parallel address and start
+/// rank with DP, else torch.distributed's `--nnodes/--node-rank/--master-*`; `--headless`
+/// off the head. The head reserves the rendezvous port.
+fn multi_node_flags(
+    request: &EngineRequest,
+    i: usize,
+    dp_local: usize,
+    argv: &mut Vec<String>,
+    ports: &mut Vec<ReservedPort>,
+) {
+    let p = request.parallel;
+    let nodes = request.nodes.len();
+    let head = &request.nodes[0];
+    if p.dp > 1 {
+        argv.extend([
+            "--data-parallel-size-local".into(),
+            dp_local.to_string(),
+            "--data-parallel-address".into(),
+            head.address.clone(),
+            "--data-parallel-rpc-port".into(),
+            request.ports.dist.to_string(),
+        ]);
+        if i > 0 {
+            argv.extend([
+                "--data-parallel-start-rank".into(),
+                (i * dp_local).to_string(),
+            ]);
+        } else {
+            ports.push(ReservedPort {
+                port: request.ports.dist,
+                bind: head.address.clone(),
+                purpose: "data-parallel RPC (--data-parallel-rpc-port)".into(),
+            });
+        }
+    } else {
+        argv.extend([
+            "--nnodes".into(),
+            nodes.to_string(),
+            "--node-rank".into(),
+            i.to_string(),
+            "--master-addr".into(),
+            head.address.clone(),
+            "--master-port".into(),
+            request.ports.dist.to_string(),
+        ]);
+        if i == 0 {
+            ports.push(ReservedPort {
+                port: request.ports.dist,
+                bind: head.address.clone(),
+                purpose: "torch.distributed rendezvous (--master-port)".into(),
+            });
+        }
+    }
+    if i > 0 {
+        argv.push("--headless".into());
+    }
 }
 
 /// The address clients use: the data address when the server binds every interface.
