@@ -56,6 +56,27 @@ pub fn probe_gpus() -> Result<GpuProbe> {
             )));
         }
     };
+    let mut gpus = identify_gpus(&nvml)?;
+    let (nvlinks, switch_links) = count_nvlinks(&nvml, &mut gpus)?;
+    let (gpu_links, p2p) = links_and_p2p(&nvml, &nvlinks, &switch_links)?;
+    Ok(GpuProbe::Found(NvmlGpus {
+        driver_version: nvml.sys_driver_version().ok(),
+        cuda_driver_version: nvml.sys_cuda_driver_version().ok().map(|v| {
+            format!(
+                "{}.{}",
+                nvml_wrapper::cuda_driver_version_major(v),
+                nvml_wrapper::cuda_driver_version_minor(v)
+            )
+        }),
+        gpus,
+        gpu_links,
+        p2p,
+    }))
+}
+
+/// Every GPU's identity, memory in bytes, PCI location and CPU/NUMA affinity (NVLink
+/// counts not yet known). Errors: NVML cannot count the GPUs or open one.
+fn identify_gpus(nvml: &Nvml) -> Result<Vec<Gpu>> {
     let n_gpus = nvml.device_count().context("NVML failed to count GPUs")? as usize;
     let mut gpus = Vec::with_capacity(n_gpus);
     for index in 0..n_gpus {
@@ -77,7 +98,14 @@ pub fn probe_gpus() -> Result<GpuProbe> {
             nvlinks_inactive: None,
         });
     }
+    Ok(gpus)
+}
 
+/// Counts active NVLinks per GPU pair (`[i][j]`: links from GPU `i` to GPU `j`) and links
+/// into NVSwitches per GPU, and records each GPU's active and inactive links. Errors: NVML
+/// cannot open a GPU.
+fn count_nvlinks(nvml: &Nvml, gpus: &mut [Gpu]) -> Result<(Vec<Vec<u32>>, Vec<u32>)> {
+    let n_gpus = gpus.len();
     // Count active NVLinks per GPU pair, and links into NVSwitches per GPU.
     let mut nvlinks = vec![vec![0u32; n_gpus]; n_gpus];
     let mut switch_links = vec![0u32; n_gpus];
@@ -114,7 +142,21 @@ pub fn probe_gpus() -> Result<GpuProbe> {
         gpus[index].nvlinks_active = Some(active);
         gpus[index].nvlinks_inactive = Some(inactive);
     }
+    Ok((nvlinks, switch_links))
+}
 
+/// One value per ordered GPU pair: `[i][j]` from GPU `i` to GPU `j`.
+type GpuMatrix<T> = Vec<Vec<T>>;
+
+/// The link code and P2P status of every GPU pair: NVLink (direct, else through the
+/// NVSwitch fabric) or the PCIe common ancestor. Errors: NVML cannot open a GPU or find a
+/// pair's common ancestor.
+fn links_and_p2p(
+    nvml: &Nvml,
+    nvlinks: &[Vec<u32>],
+    switch_links: &[u32],
+) -> Result<(GpuMatrix<LinkCode>, GpuMatrix<P2pStatus>)> {
+    let n_gpus = switch_links.len();
     let mut gpu_links = vec![vec![LinkCode::SelfLink; n_gpus]; n_gpus];
     let mut p2p = vec![vec![P2pStatus::SelfLink; n_gpus]; n_gpus];
     for i in 0..n_gpus {
@@ -136,31 +178,24 @@ pub fn probe_gpus() -> Result<GpuProbe> {
                 })?;
                 pcie_code(level)
             };
-            let a = nvml.device_by_index(i as u32)?;
-            let b = nvml.device_by_index(j as u32)?;
-            let read = a.p2p_status(&b, P2pCapabilitiesIndex::Read).ok();
-            let write = a.p2p_status(&b, P2pCapabilitiesIndex::Write).ok();
-            p2p[i][j] = match (read.map(from_nvml_p2p), write.map(from_nvml_p2p)) {
-                (Some(P2pStatus::Ok), Some(P2pStatus::Ok)) => P2pStatus::Ok,
-                (Some(P2pStatus::Ok), Some(other)) | (Some(other), _) => other,
-                (None, _) => P2pStatus::Unknown,
-            };
+            p2p[i][j] = p2p_status(nvml, i, j)?;
         }
     }
+    Ok((gpu_links, p2p))
+}
 
-    Ok(GpuProbe::Found(NvmlGpus {
-        driver_version: nvml.sys_driver_version().ok(),
-        cuda_driver_version: nvml.sys_cuda_driver_version().ok().map(|v| {
-            format!(
-                "{}.{}",
-                nvml_wrapper::cuda_driver_version_major(v),
-                nvml_wrapper::cuda_driver_version_minor(v)
-            )
-        }),
-        gpus,
-        gpu_links,
-        p2p,
-    }))
+/// GPU `i`'s P2P status towards GPU `j`: `OK` only when both reads and writes are, else
+/// the first that is not (`Unknown` when NVML cannot say). Errors: NVML cannot open either.
+fn p2p_status(nvml: &Nvml, i: usize, j: usize) -> Result<P2pStatus> {
+    let a = nvml.device_by_index(i as u32)?;
+    let b = nvml.device_by_index(j as u32)?;
+    let read = a.p2p_status(&b, P2pCapabilitiesIndex::Read).ok();
+    let write = a.p2p_status(&b, P2pCapabilitiesIndex::Write).ok();
+    Ok(match (read.map(from_nvml_p2p), write.map(from_nvml_p2p)) {
+        (Some(P2pStatus::Ok), Some(P2pStatus::Ok)) => P2pStatus::Ok,
+        (Some(P2pStatus::Ok), Some(other)) | (Some(other), _) => other,
+        (None, _) => P2pStatus::Unknown,
+    })
 }
 
 /// NVML's common-ancestor level in nvidia-smi's codes.

@@ -207,10 +207,42 @@ fn is_cpu_list(value: &str) -> bool {
     })
 }
 
+/// Each device row's (1-based line number, link cells), by row label.
+type DeviceRows<'a> = HashMap<&'a str, (usize, Vec<LinkCode>)>;
+
+/// The host a `Links` block describes: its GPUs (with their affinity), the GPU link matrix,
+/// NVLink domains and the NIC columns. Errors: a row twice, a ragged row, a GPU without a
+/// row, an `X` off the diagonal or an asymmetric matrix.
 fn build_host(block: &Block, lines: &[&str], origin: &str) -> Result<Host> {
+    let (device_rows, affinity_by_gpu) = read_rows(block, origin)?;
+    let gpu_links = gpu_link_matrix(block, &device_rows, origin)?;
+    let (nics, notes) = nics_from_columns(block, lines, &device_rows);
+    let gpus = gpus_with_affinity(affinity_by_gpu);
+    let nvlink_domains = nvlink_domains(&gpu_links);
+    Ok(Host {
+        hostname: origin.to_string(),
+        source: "nvidia-smi topo -m".to_string(),
+        driver_version: None,
+        cuda_driver_version: None,
+        gpus,
+        gpu_links,
+        p2p: None,
+        nvlink_domains,
+        nics,
+        notes,
+    })
+}
+
+/// The block's rows: each device row's link cells, and each GPU's affinity columns by
+/// name. Errors: a row label twice, a row whose cells do not parse or do not line up with
+/// the header.
+fn read_rows<'a>(
+    block: &'a Block,
+    origin: &str,
+) -> Result<(DeviceRows<'a>, Vec<HashMap<String, String>>)> {
     let n_devices = block.devices.len();
     let n_gpus = block.n_gpus;
-    let mut device_rows: HashMap<&str, (usize, Vec<LinkCode>)> = HashMap::new();
+    let mut device_rows: DeviceRows<'a> = HashMap::new();
     let mut affinity_by_gpu: Vec<HashMap<String, String>> = vec![HashMap::new(); n_gpus];
     for (line_idx, tokens) in &block.rows {
         let line_no = line_idx + 1;
@@ -248,6 +280,17 @@ fn build_host(block: &Block, lines: &[&str], origin: &str) -> Result<Host> {
         }
     }
 
+    Ok((device_rows, affinity_by_gpu))
+}
+
+/// The GPU × GPU link matrix from the GPU rows. Errors: a GPU the header names without a
+/// row, `X` off the diagonal (or missing on it), an asymmetric pair.
+fn gpu_link_matrix(
+    block: &Block,
+    device_rows: &DeviceRows<'_>,
+    origin: &str,
+) -> Result<Vec<Vec<LinkCode>>> {
+    let n_gpus = block.n_gpus;
     let mut gpu_links = Vec::with_capacity(n_gpus);
     for gpu_idx in 0..n_gpus {
         let label = format!("GPU{gpu_idx}");
@@ -276,6 +319,17 @@ fn build_host(block: &Block, lines: &[&str], origin: &str) -> Result<Host> {
         }
     }
 
+    Ok(gpu_links)
+}
+
+/// The NIC columns as NICs (named by the `NIC Legend` when it has them) with their links
+/// to every GPU, and a note naming NIC columns the legend lacks.
+fn nics_from_columns(
+    block: &Block,
+    lines: &[&str],
+    device_rows: &DeviceRows<'_>,
+) -> (Vec<Nic>, Vec<String>) {
+    let n_gpus = block.n_gpus;
     let legend = nic_legend(lines);
     let mut notes = Vec::new();
     let nic_columns = &block.devices[n_gpus..];
@@ -315,7 +369,12 @@ fn build_host(block: &Block, lines: &[&str], origin: &str) -> Result<Host> {
         })
         .collect();
 
-    let gpus = affinity_by_gpu
+    (nics, notes)
+}
+
+/// One GPU per row with its NUMA node and CPU affinity (`N/A`: none), nothing else known.
+fn gpus_with_affinity(affinity_by_gpu: Vec<HashMap<String, String>>) -> Vec<Gpu> {
+    affinity_by_gpu
         .into_iter()
         .enumerate()
         .map(|(index, affinity)| Gpu {
@@ -332,20 +391,7 @@ fn build_host(block: &Block, lines: &[&str], origin: &str) -> Result<Host> {
             nvlinks_active: None,
             nvlinks_inactive: None,
         })
-        .collect();
-    let nvlink_domains = nvlink_domains(&gpu_links);
-    Ok(Host {
-        hostname: origin.to_string(),
-        source: "nvidia-smi topo -m".to_string(),
-        driver_version: None,
-        cuda_driver_version: None,
-        gpus,
-        gpu_links,
-        p2p: None,
-        nvlink_domains,
-        nics,
-        notes,
-    })
+        .collect()
 }
 
 /// Parses the `n_devices` link cells after a row label.

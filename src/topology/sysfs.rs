@@ -60,27 +60,67 @@ pub fn probe_nics(
     gpus: &[Gpu],
     addresses: &HashMap<String, Vec<String>>,
 ) -> Result<Vec<Nic>> {
-    let n_numa_nodes = count_numa_nodes(root);
-    let gpu_paths: Option<Vec<(Vec<String>, Option<u32>)>> = gpus
-        .iter()
-        .map(|gpu| {
-            let bus_id = gpu.pci_bus_id.as_deref()?;
-            let path = fs::canonicalize(root.join("bus/pci/devices").join(bus_id)).ok()?;
-            Some((pci_chain(&path), gpu.numa_node))
-        })
-        .collect();
-    let distances = |chain: &[String], numa: Option<u32>| -> Vec<LinkCode> {
-        match (&gpu_paths, chain.is_empty()) {
+    let distances = GpuDistances::of(root, gpus);
+    let (mut nics, netdevs_of_hcas) = probe_hcas(root, &distances, addresses)?;
+    nics.extend(probe_interfaces(
+        root,
+        &distances,
+        addresses,
+        &netdevs_of_hcas,
+    )?);
+    Ok(nics)
+}
+
+/// Where the host's GPUs sit on the PCI tree, to give each NIC its link to every GPU.
+struct GpuDistances {
+    /// Each GPU's PCI chain (root port first) and NUMA node; `None` when a GPU has no bus id
+    /// or its device is not in sysfs.
+    gpu_paths: Option<Vec<(Vec<String>, Option<u32>)>>,
+    /// NUMA nodes on the host.
+    n_numa_nodes: usize,
+}
+
+impl GpuDistances {
+    /// The GPUs' places under `root` (normally `/sys`).
+    fn of(root: &Path, gpus: &[Gpu]) -> Self {
+        let n_numa_nodes = count_numa_nodes(root);
+        let gpu_paths = gpus
+            .iter()
+            .map(|gpu| {
+                let bus_id = gpu.pci_bus_id.as_deref()?;
+                let path = fs::canonicalize(root.join("bus/pci/devices").join(bus_id)).ok()?;
+                Some((pci_chain(&path), gpu.numa_node))
+            })
+            .collect();
+        GpuDistances {
+            gpu_paths,
+            n_numa_nodes,
+        }
+    }
+
+    /// The link code from a device at PCI `chain` on NUMA node `numa` to every GPU; empty
+    /// when the device or a GPU has no place on the PCI tree.
+    fn links(&self, chain: &[String], numa: Option<u32>) -> Vec<LinkCode> {
+        match (&self.gpu_paths, chain.is_empty()) {
             (Some(gpu_paths), false) => gpu_paths
                 .iter()
                 .map(|(gpu_chain, gpu_numa)| {
-                    pci_link_code(chain, gpu_chain, numa, *gpu_numa, n_numa_nodes)
+                    pci_link_code(chain, gpu_chain, numa, *gpu_numa, self.n_numa_nodes)
                 })
                 .collect(),
             _ => Vec::new(),
         }
-    };
+    }
+}
 
+/// Every RDMA device under `root/class/infiniband` (sorted by name) as a NIC carrying its
+/// netdev, and the netdevs those devices own. Errors: a sysfs directory that exists but
+/// cannot be listed.
+fn probe_hcas(
+    root: &Path,
+    distances: &GpuDistances,
+    addresses: &HashMap<String, Vec<String>>,
+) -> Result<(Vec<Nic>, Vec<String>)> {
     let mut nics = Vec::new();
     let mut netdevs_of_hcas = Vec::new();
     for hca in list_dir(&root.join("class/infiniband"))? {
@@ -124,10 +164,22 @@ pub fn probe_nics(
             pci_bus_id: chain.last().cloned(),
             numa_node,
             ports,
-            gpu_links: distances(&chain, numa_node),
+            gpu_links: distances.links(&chain, numa_node),
         });
     }
+    Ok((nics, netdevs_of_hcas))
+}
 
+/// The interfaces under `root/class/net` (sorted by name) that belong to none of the
+/// RDMA devices (`netdevs_of_hcas`). Errors: a sysfs directory that exists but cannot be
+/// listed.
+fn probe_interfaces(
+    root: &Path,
+    distances: &GpuDistances,
+    addresses: &HashMap<String, Vec<String>>,
+    netdevs_of_hcas: &[String],
+) -> Result<Vec<Nic>> {
+    let mut nics = Vec::new();
     for name in list_dir(&root.join("class/net"))? {
         if netdevs_of_hcas.contains(&name) {
             continue;
@@ -154,7 +206,7 @@ pub fn probe_nics(
             pci_bus_id: chain.last().cloned(),
             numa_node,
             ports: Vec::new(),
-            gpu_links: distances(&chain, numa_node),
+            gpu_links: distances.links(&chain, numa_node),
             name,
         });
     }
