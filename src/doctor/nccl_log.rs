@@ -177,8 +177,21 @@ fn split_header(line: &str) -> (Option<String>, &str) {
     (None, line)
 }
 
+/// Records what one line's body (after the level) says: versions, transports, settings,
+/// hints and failures.
 fn parse_body(log: &mut NcclLog, body: &str, evidence: Evidence) {
-    let lower = body.to_ascii_lowercase();
+    if parse_versions(log, body, &evidence)
+        || parse_transports(log, body, &evidence)
+        || parse_settings(log, body, &evidence)
+    {
+        return;
+    }
+    parse_hints_and_failures(log, body, evidence);
+}
+
+/// `NCCL version` (the first only) and `cudaDriverVersion`. Returns whether the line was
+/// one of them.
+fn parse_versions(log: &mut NcclLog, body: &str, evidence: &Evidence) -> bool {
     if let Some(rest) = body.strip_prefix("NCCL version ") {
         let version = rest.split_whitespace().next().unwrap_or(rest);
         let (number, cuda) = match version.split_once("+cuda") {
@@ -186,25 +199,32 @@ fn parse_body(log: &mut NcclLog, body: &str, evidence: Evidence) {
             None => (version.to_string(), None),
         };
         if log.version.is_none() {
-            log.version = Some((number, cuda, evidence));
+            log.version = Some((number, cuda, evidence.clone()));
         }
-        return;
+        return true;
     }
     if let Some(rest) = body.strip_prefix("cudaDriverVersion ") {
         if let Ok(version) = rest.trim().parse() {
-            log.cuda_driver_version.get_or_insert((version, evidence));
+            log.cuda_driver_version
+                .get_or_insert((version, evidence.clone()));
         }
-        return;
+        return true;
     }
+    false
+}
+
+/// Connections (`… via …`), the IB devices NCCL uses or their absence, and the socket
+/// and bootstrap interfaces. Returns whether the line was one of them.
+fn parse_transports(log: &mut NcclLog, body: &str, evidence: &Evidence) -> bool {
     if let Some(position) = body.find(" via ")
         && (body.starts_with("Channel ") || body.starts_with("Ring ") || body.contains("->"))
     {
         let via = body[position + 5..].trim();
         log.connections.push(Connection {
             transport: transport(via),
-            evidence,
+            evidence: evidence.clone(),
         });
-        return;
+        return true;
     }
     if let Some(rest) = body
         .strip_prefix("NET/IB : Using ")
@@ -213,11 +233,11 @@ fn parse_body(log: &mut NcclLog, body: &str, evidence: Evidence) {
         for device in bracketed_items(rest.split(';').next().unwrap_or(rest)) {
             log.ib_devices.push((device, evidence.clone()));
         }
-        return;
+        return true;
     }
     if body.starts_with("NET/IB : No device found") || body.starts_with("NET/IB: No device found") {
-        log.ib_not_found = Some(evidence);
-        return;
+        log.ib_not_found = Some(evidence.clone());
+        return true;
     }
     for prefix in [
         "NET/Socket : Using ",
@@ -238,12 +258,18 @@ fn parse_body(log: &mut NcclLog, body: &str, evidence: Evidence) {
                     log.socket_interfaces.push((name, evidence.clone()));
                 }
             }
-            return;
+            return true;
         }
     }
+    false
+}
+
+/// `Using network`, `NCCL_*` settings, virtual interfaces (no real sysfs path) and a rank
+/// that sees a single GPU (`CUDA Dev 0[n]`). Returns whether the line was one of them.
+fn parse_settings(log: &mut NcclLog, body: &str, evidence: &Evidence) -> bool {
     if let Some(rest) = body.strip_prefix("Using network ") {
-        log.network = Some((rest.trim().to_string(), evidence));
-        return;
+        log.network = Some((rest.trim().to_string(), evidence.clone()));
+        return true;
     }
     if let Some(rest) = body
         .strip_prefix("NCCL_")
@@ -254,29 +280,36 @@ fn parse_body(log: &mut NcclLog, body: &str, evidence: Evidence) {
             .or_else(|| rest.split_once(" set to "))
         {
             Some((name, value)) => (name, value.trim().trim_end_matches('.')),
-            None => return,
+            None => return true,
         };
         let name = format!("NCCL_{name}");
         if !log.env.iter().any(|(n, v, _)| *n == name && v == value) {
-            log.env.push((name, value.to_string(), evidence));
+            log.env.push((name, value.to_string(), evidence.clone()));
         }
-        return;
+        return true;
     }
     if let Some(rest) = body.strip_prefix("Could not find real path of /sys/class/net/") {
         let interface = rest.split('/').next().unwrap_or(rest).to_string();
         if !log.virtual_interfaces.iter().any(|(n, _)| *n == interface) {
-            log.virtual_interfaces.push((interface, evidence));
+            log.virtual_interfaces.push((interface, evidence.clone()));
         }
-        return;
+        return true;
     }
     if body.starts_with("CUDA Dev ") && log.single_visible_device.is_none() {
         // `CUDA Dev 0[4]`: CUDA device 0 is NVML device 4, so this rank sees a single GPU.
         let spec = body.trim_start_matches("CUDA Dev ");
         if spec.starts_with("0[") && !spec.starts_with("0[0]") {
-            log.single_visible_device = Some(evidence);
+            log.single_visible_device = Some(evidence.clone());
         }
-        return;
+        return true;
     }
+    false
+}
+
+/// Any other line: a hint that InfiniBand libraries are involved, and a failure (NCCL
+/// errors, refused connections, `failed`, but not the missing net plugin).
+fn parse_hints_and_failures(log: &mut NcclLog, body: &str, evidence: Evidence) {
+    let lower = body.to_ascii_lowercase();
     if lower.contains("libibverbs")
         || lower.contains("ibext")
         || lower.contains("hpc-x")

@@ -12,28 +12,8 @@ use crate::plan::model::{Architecture, Dtype, MlaSpec, ModelSpec, MoeSpec};
 ///
 /// Errors: an unsupported `model_type` (named), or a required key missing or not a number.
 pub fn spec_from_config(config: &Value, name: &str, serve_id: &str) -> Result<ModelSpec> {
-    let model_type = config
-        .get("model_type")
-        .and_then(Value::as_str)
-        .context("`config.json` has no `model_type`")?;
-    let architecture = match model_type {
-        "llama" => Architecture::Llama,
-        "mistral" => Architecture::Mistral,
-        "qwen2" => Architecture::Qwen2,
-        "qwen3" => Architecture::Qwen3,
-        "mixtral" => Architecture::Mixtral,
-        "qwen3_moe" => Architecture::Qwen3Moe,
-        "deepseek_v3" => Architecture::DeepseekV3,
-        "gpt_oss" => Architecture::GptOss,
-        other => bail!(
-            "unsupported architecture `{other}`; supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt_oss"
-        ),
-    };
-    let int = |key: &str| -> Result<u64> {
-        config.get(key).and_then(Value::as_u64).with_context(|| {
-            format!("`config.json` key `{key}` is missing or not a non-negative integer")
-        })
-    };
+    let architecture = architecture_of(config)?;
+    let int = |key: &str| required_int(config, key);
     let opt_int = |key: &str| config.get(key).and_then(Value::as_u64);
     let flag = |key: &str| config.get(key).and_then(Value::as_bool);
 
@@ -47,49 +27,9 @@ pub fn spec_from_config(config: &Value, name: &str, serve_id: &str) -> Result<Mo
     }
     let head_dim = opt_int("head_dim").unwrap_or(hidden_size / n_heads);
     let intermediate_size = int("intermediate_size")?;
-    let n_experts = opt_int("num_local_experts")
-        .or(opt_int("num_experts"))
-        .or(opt_int("n_routed_experts"));
-    let moe = match n_experts {
-        Some(n_experts) if n_experts > 0 => Some(MoeSpec {
-            n_experts,
-            n_experts_per_token: int("num_experts_per_tok")?,
-            expert_intermediate_size: opt_int("moe_intermediate_size").unwrap_or(intermediate_size),
-            n_shared_experts: opt_int("n_shared_experts").unwrap_or(0),
-            n_dense_layers: opt_int("first_k_dense_replace").unwrap_or(0),
-            expert_bias: architecture == Architecture::GptOss,
-        }),
-        _ => None,
-    };
-    let mla = match opt_int("kv_lora_rank") {
-        Some(kv_lora_rank) => Some(MlaSpec {
-            q_lora_rank: opt_int("q_lora_rank"),
-            kv_lora_rank,
-            qk_nope_head_dim: int("qk_nope_head_dim")?,
-            qk_rope_head_dim: int("qk_rope_head_dim")?,
-            v_head_dim: int("v_head_dim")?,
-        }),
-        None => None,
-    };
-    let quant_method = config
-        .pointer("/quantization_config/quant_method")
-        .and_then(Value::as_str);
-    let torch_dtype = config
-        .get("torch_dtype")
-        .and_then(Value::as_str)
-        .unwrap_or("bfloat16");
-    let (native_dtype, expert_dtype) = match quant_method {
-        Some("fp8") => (Dtype::Fp8, None),
-        Some("mxfp4") => (
-            torch_dtype.parse().unwrap_or(Dtype::Bf16),
-            Some(Dtype::Mxfp4),
-        ),
-        Some("awq" | "gptq") => (Dtype::Int4, None),
-        Some(other) => bail!(
-            "unsupported `quantization_config.quant_method` `{other}`; supported: fp8, mxfp4, awq, gptq"
-        ),
-        None => (torch_dtype.parse().unwrap_or(Dtype::Bf16), None),
-    };
+    let moe = moe_spec(config, architecture, intermediate_size)?;
+    let mla = mla_spec(config)?;
+    let (native_dtype, expert_dtype) = dtypes(config)?;
     let qkv_bias = match architecture {
         Architecture::Qwen2 => true,
         _ => flag("attention_bias").unwrap_or(false),
@@ -115,6 +55,103 @@ pub fn spec_from_config(config: &Value, name: &str, serve_id: &str) -> Result<Mo
         native_dtype,
         expert_dtype,
         file_weight_bytes: None,
+    })
+}
+
+/// The architecture `model_type` names. Errors: no `model_type`, or one not supported
+/// (named, with the supported list).
+fn architecture_of(config: &Value) -> Result<Architecture> {
+    let model_type = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .context("`config.json` has no `model_type`")?;
+    Ok(match model_type {
+        "llama" => Architecture::Llama,
+        "mistral" => Architecture::Mistral,
+        "qwen2" => Architecture::Qwen2,
+        "qwen3" => Architecture::Qwen3,
+        "mixtral" => Architecture::Mixtral,
+        "qwen3_moe" => Architecture::Qwen3Moe,
+        "deepseek_v3" => Architecture::DeepseekV3,
+        "gpt_oss" => Architecture::GptOss,
+        other => bail!(
+            "unsupported architecture `{other}`; supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt_oss"
+        ),
+    })
+}
+
+/// The non-negative integer at `key`. Errors: the key is missing or not one.
+fn required_int(config: &Value, key: &str) -> Result<u64> {
+    config.get(key).and_then(Value::as_u64).with_context(|| {
+        format!("`config.json` key `{key}` is missing or not a non-negative integer")
+    })
+}
+
+/// The mixture of experts, when the config has experts (`num_local_experts`,
+/// `num_experts` or `n_routed_experts` above 0); expert sizes default to
+/// `intermediate_size`. Errors: experts without `num_experts_per_tok`.
+fn moe_spec(
+    config: &Value,
+    architecture: Architecture,
+    intermediate_size: u64,
+) -> Result<Option<MoeSpec>> {
+    let int = |key: &str| required_int(config, key);
+    let opt_int = |key: &str| config.get(key).and_then(Value::as_u64);
+    let n_experts = opt_int("num_local_experts")
+        .or(opt_int("num_experts"))
+        .or(opt_int("n_routed_experts"));
+    Ok(match n_experts {
+        Some(n_experts) if n_experts > 0 => Some(MoeSpec {
+            n_experts,
+            n_experts_per_token: int("num_experts_per_tok")?,
+            expert_intermediate_size: opt_int("moe_intermediate_size").unwrap_or(intermediate_size),
+            n_shared_experts: opt_int("n_shared_experts").unwrap_or(0),
+            n_dense_layers: opt_int("first_k_dense_replace").unwrap_or(0),
+            expert_bias: architecture == Architecture::GptOss,
+        }),
+        _ => None,
+    })
+}
+
+/// Multi-head latent attention, when the config has `kv_lora_rank`. Errors: MLA without
+/// its head dimensions.
+fn mla_spec(config: &Value) -> Result<Option<MlaSpec>> {
+    let int = |key: &str| required_int(config, key);
+    let opt_int = |key: &str| config.get(key).and_then(Value::as_u64);
+    Ok(match opt_int("kv_lora_rank") {
+        Some(kv_lora_rank) => Some(MlaSpec {
+            q_lora_rank: opt_int("q_lora_rank"),
+            kv_lora_rank,
+            qk_nope_head_dim: int("qk_nope_head_dim")?,
+            qk_rope_head_dim: int("qk_rope_head_dim")?,
+            v_head_dim: int("v_head_dim")?,
+        }),
+        None => None,
+    })
+}
+
+/// The weights' dtype and the experts' (when they differ), from
+/// `quantization_config.quant_method` and `torch_dtype` (bf16 when absent or unknown).
+/// Errors: a quantization method not supported (named).
+fn dtypes(config: &Value) -> Result<(Dtype, Option<Dtype>)> {
+    let quant_method = config
+        .pointer("/quantization_config/quant_method")
+        .and_then(Value::as_str);
+    let torch_dtype = config
+        .get("torch_dtype")
+        .and_then(Value::as_str)
+        .unwrap_or("bfloat16");
+    Ok(match quant_method {
+        Some("fp8") => (Dtype::Fp8, None),
+        Some("mxfp4") => (
+            torch_dtype.parse().unwrap_or(Dtype::Bf16),
+            Some(Dtype::Mxfp4),
+        ),
+        Some("awq" | "gptq") => (Dtype::Int4, None),
+        Some(other) => bail!(
+            "unsupported `quantization_config.quant_method` `{other}`; supported: fp8, mxfp4, awq, gptq"
+        ),
+        None => (torch_dtype.parse().unwrap_or(Dtype::Bf16), None),
     })
 }
 

@@ -39,58 +39,9 @@ pub fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
         .chain(socket_only)
         .map(|e| cite(&log.origin, e))
         .collect();
-    // Evidence that the hosts have RDMA hardware or software.
-    let mut rdma = Vec::new();
-    rdma.extend(log.ib_hints.iter().map(|e| cite(&log.origin, e)));
-    // HCAs NCCL listed earlier in the same log.
-    rdma.extend(log.ib_devices.iter().map(|(_, e)| cite(&log.origin, e)));
-    rdma.extend(
-        log.socket_interfaces
-            .iter()
-            .filter(|(name, _)| name.starts_with("ib"))
-            .map(|(_, e)| cite(&log.origin, e)),
-    );
-    if let Some(topology) = topology {
-        for host in &topology.hosts {
-            for nic in host
-                .nics
-                .iter()
-                .filter(|n| matches!(n.kind, NicKind::Ib | NicKind::Roce))
-            {
-                rdma.push(format!(
-                    "topology: host `{}` has HCA `{}` ({:?}, {})",
-                    host.hostname,
-                    nic.name,
-                    nic.kind,
-                    nic.state.as_deref().unwrap_or("state unknown")
-                ));
-            }
-        }
-    }
+    let rdma = rdma_evidence(log, topology);
     let no_device = log.ib_not_found.as_ref();
-    let cause = if log
-        .env
-        .iter()
-        .any(|(name, value, _)| name == "NCCL_IB_DISABLE" && value == "1")
-    {
-        "`NCCL_IB_DISABLE=1` is set: unset it"
-    } else if log
-        .ib_hints
-        .iter()
-        .any(|e| e.text.to_ascii_lowercase().contains("libibverbs"))
-    {
-        "NCCL could not load libibverbs: install `rdma-core`/`libibverbs1` in the image"
-    } else if no_device.is_some() && rdma.is_empty() {
-        "NCCL found no RDMA device: on bare metal install the HCA driver (MLNX_OFED / rdma-core) and pass \
-         `/dev/infiniband` into the container (`--device /dev/infiniband --cap-add IPC_LOCK`); on AWS use EFA \
-         with the aws-ofi-nccl plugin (`FI_PROVIDER=efa`); on GCP, gIB or TCPXO; otherwise inter-node traffic stays on TCP"
-    } else if no_device.is_some() {
-        "NCCL found no IB device: pass `/dev/infiniband` into the container (`--device /dev/infiniband --cap-add IPC_LOCK`) \
-         or install the HCA driver (MLNX_OFED / rdma-core)"
-    } else {
-        "NCCL did not use IB: check that `/dev/infiniband` exists in the container, libibverbs is installed, and \
-         `NCCL_IB_DISABLE` is unset; `NCCL_DEBUG_SUBSYS=INIT,NET` shows why"
-    };
+    let cause = fix_hint(log, !rdma.is_empty());
     let (severity, message) = if !rdma.is_empty() {
         (
             Severity::Error,
@@ -129,6 +80,69 @@ pub fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
         evidence,
         hint: cause.to_string(),
     }]
+}
+
+/// Evidence that the hosts have RDMA hardware or software: IB library hints, HCAs NCCL
+/// listed, `ib*` socket interfaces, and the topology's IB/RoCE NICs.
+fn rdma_evidence(log: &NcclLog, topology: Option<&Topology>) -> Vec<String> {
+    let mut rdma = Vec::new();
+    rdma.extend(log.ib_hints.iter().map(|e| cite(&log.origin, e)));
+    // HCAs NCCL listed earlier in the same log.
+    rdma.extend(log.ib_devices.iter().map(|(_, e)| cite(&log.origin, e)));
+    rdma.extend(
+        log.socket_interfaces
+            .iter()
+            .filter(|(name, _)| name.starts_with("ib"))
+            .map(|(_, e)| cite(&log.origin, e)),
+    );
+    if let Some(topology) = topology {
+        for host in &topology.hosts {
+            for nic in host
+                .nics
+                .iter()
+                .filter(|n| matches!(n.kind, NicKind::Ib | NicKind::Roce))
+            {
+                rdma.push(format!(
+                    "topology: host `{}` has HCA `{}` ({:?}, {})",
+                    host.hostname,
+                    nic.name,
+                    nic.kind,
+                    nic.state.as_deref().unwrap_or("state unknown")
+                ));
+            }
+        }
+    }
+    rdma
+}
+
+/// How to get NCCL off TCP, by the most specific cause the log shows: `NCCL_IB_DISABLE=1`,
+/// libibverbs missing, no RDMA device (`rdma_found`: other evidence shows RDMA hardware or
+/// software), or IB simply not used.
+fn fix_hint(log: &NcclLog, rdma_found: bool) -> &'static str {
+    let no_device = log.ib_not_found.as_ref();
+    if log
+        .env
+        .iter()
+        .any(|(name, value, _)| name == "NCCL_IB_DISABLE" && value == "1")
+    {
+        "`NCCL_IB_DISABLE=1` is set: unset it"
+    } else if log
+        .ib_hints
+        .iter()
+        .any(|e| e.text.to_ascii_lowercase().contains("libibverbs"))
+    {
+        "NCCL could not load libibverbs: install `rdma-core`/`libibverbs1` in the image"
+    } else if no_device.is_some() && !rdma_found {
+        "NCCL found no RDMA device: on bare metal install the HCA driver (MLNX_OFED / rdma-core) and pass \
+         `/dev/infiniband` into the container (`--device /dev/infiniband --cap-add IPC_LOCK`); on AWS use EFA \
+         with the aws-ofi-nccl plugin (`FI_PROVIDER=efa`); on GCP, gIB or TCPXO; otherwise inter-node traffic stays on TCP"
+    } else if no_device.is_some() {
+        "NCCL found no IB device: pass `/dev/infiniband` into the container (`--device /dev/infiniband --cap-add IPC_LOCK`) \
+         or install the HCA driver (MLNX_OFED / rdma-core)"
+    } else {
+        "NCCL did not use IB: check that `/dev/infiniband` exists in the container, libibverbs is installed, and \
+         `NCCL_IB_DISABLE` is unset; `NCCL_DEBUG_SUBSYS=INIT,NET` shows why"
+    }
 }
 
 #[cfg(test)]
