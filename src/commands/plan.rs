@@ -47,7 +47,7 @@ fn calibrated_cluster(args: &PlanArgs) -> Result<crate::plan::cluster::Cluster> 
             |n| n.to_string_lossy().into_owned(),
         );
         let measured = crate::plan::calibration::parse(&name, &text)?;
-        crate::plan::calibration::calibrate(&mut cluster, &name, measured)?;
+        crate::plan::cluster::calibrate(&mut cluster, &name, measured)?;
     }
     Ok(cluster)
 }

@@ -13,13 +13,10 @@
 //! with the scope stated), or the JSON `infer bench decode --json` prints ([`DecodeReport`]:
 //! a decode step's time and the weight bytes it read, on one device). A decode measurement
 //! on one of the cluster's GPU models replaces that model's datasheet HBM bandwidth with the
-//! bandwidth the engine achieved ([`calibrate`]).
+//! bandwidth the engine achieved ([`calibrate`](super::cluster::calibrate)).
 
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
-
-use super::cluster::Cluster;
-use super::cost::Link;
 
 /// Where a measured link runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,7 +28,8 @@ pub enum Scope {
     InterHost,
 }
 
-/// One measured link.
+/// One measured link; [`MeasuredLink::link`] (in [`cost`](super::cost)) is the cost model's view
+/// of it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MeasuredLink {
     pub scope: Scope,
@@ -41,16 +39,6 @@ pub struct MeasuredLink {
     pub latency_secs: f64,
     /// Where it came from (the file name) and what it measured (`8 ranks on 1 host`).
     pub source: String,
-}
-
-impl MeasuredLink {
-    /// The cost model's link.
-    pub fn link(&self) -> Link {
-        Link {
-            bytes_per_sec: self.bytes_per_sec,
-            latency_secs: self.latency_secs,
-        }
-    }
 }
 
 /// A decode step measured on one GPU model.
@@ -257,85 +245,6 @@ fn link_from_report(name: &str, report: &AllreduceReport) -> Result<MeasuredLink
     )
 }
 
-/// Adds `measurement` (read from the file `name`) to `cluster`: a link fills its scope's slot; a
-/// decode measurement replaces the HBM bandwidth of every host with the measured GPU model.
-///
-/// Errors: two links of one scope, two decode measurements of one GPU model, a decode
-/// measured on a CPU or on a GPU model the cluster does not have.
-pub fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurement) -> Result<()> {
-    match measurement {
-        Measurement::Link(measured) => {
-            let (slot, what) = match measured.scope {
-                Scope::IntraHost => (&mut cluster.measured.intra_host, "inside a host"),
-                Scope::InterHost => (&mut cluster.measured.inter_host, "between hosts"),
-            };
-            if let Some(earlier) = slot {
-                bail!(
-                    "{} and {} both measured links {what}: give one table per kind of link",
-                    earlier.source,
-                    measured.source
-                );
-            }
-            *slot = Some(measured);
-        }
-        Measurement::Decode(report) => {
-            let gpus: Vec<&str> = {
-                let mut names: Vec<&str> = cluster
-                    .hosts
-                    .iter()
-                    .map(|h| h.hardware.name.as_str())
-                    .collect();
-                names.dedup();
-                names
-            };
-            let hardware_id = match report.device.as_str() {
-                "cuda" => super::cluster::hardware_for_gpu_name(&report.device_name),
-                _ => None,
-            };
-            let Some(hardware_id) =
-                hardware_id.filter(|id| cluster.hosts.iter().any(|h| h.hardware_id == *id))
-            else {
-                bail!(
-                    "the decode measurement ran on {} `{}`, not on this cluster's GPUs ({}): run `infer bench decode --json` \
-                     on one of them",
-                    if report.device == "cuda" {
-                        "the GPU"
-                    } else {
-                        "the CPU"
-                    },
-                    report.device_name,
-                    gpus.join(", ")
-                );
-            };
-            if cluster
-                .measured
-                .decode
-                .iter()
-                .any(|d| d.hardware_id == hardware_id)
-            {
-                bail!("two decode measurements of {hardware_id}: give one per GPU model");
-            }
-            let mut datasheet = 0.0;
-            for host in cluster
-                .hosts
-                .iter_mut()
-                .filter(|h| h.hardware_id == hardware_id)
-            {
-                datasheet = host.hardware.hbm_gb_per_sec * 1e9;
-                host.hardware.hbm_gb_per_sec = report.weight_bytes_per_sec / 1e9;
-            }
-            cluster.measured.decode.push(MeasuredDecode {
-                hardware_id: hardware_id.to_string(),
-                device_name: report.device_name.clone(),
-                bytes_per_sec: report.weight_bytes_per_sec,
-                datasheet_bytes_per_sec: datasheet,
-                source: format!("`{name}`, {} at batch {}", report.model, report.batch),
-            });
-        }
-    }
-    Ok(())
-}
-
 /// Reads one all-reduce table (`name` names it in the plan and in errors).
 ///
 /// Errors: no data rows, or no way to tell whether it ran inside one host or across hosts.
@@ -445,6 +354,7 @@ fn link_from_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::cluster::calibrate;
 
     /// nccl-tests' layout (out-of-place and in-place columns), two hosts.
     const NCCL_TESTS: &str = "\

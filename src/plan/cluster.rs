@@ -1,8 +1,11 @@
 //! The cluster the planner places ranks on: hosts, their GPU hardware figures and their
-//! topology. Pure data; `crate::cluster` builds it from `local`, an inventory or a shorthand.
+//! topology. Pure data; `crate::cluster` builds it from `local`, an inventory or a shorthand,
+//! and [`calibrate`] puts a `--calibration` measurement in it.
 
+use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
+use super::calibration::{Calibration, MeasuredDecode, Measurement, Scope};
 use crate::topology::Host;
 
 /// Per-GPU hardware figures from `profiles/hardware/<id>.toml`. Bandwidths are dense
@@ -54,7 +57,7 @@ pub struct Cluster {
     pub description: String,
     pub hosts: Vec<ClusterHost>,
     /// Measured links that replace the datasheet figures (`--calibration`).
-    pub measured: super::calibration::Calibration,
+    pub measured: Calibration,
 }
 
 impl Cluster {
@@ -97,6 +100,85 @@ impl Cluster {
             .expect("a cluster has at least one host")
             .hardware
     }
+}
+
+/// Adds `measurement` (read from the file `name`) to `cluster`: a link fills its scope's slot; a
+/// decode measurement replaces the HBM bandwidth of every host with the measured GPU model.
+///
+/// Errors: two links of one scope, two decode measurements of one GPU model, a decode
+/// measured on a CPU or on a GPU model the cluster does not have.
+pub fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurement) -> Result<()> {
+    match measurement {
+        Measurement::Link(measured) => {
+            let (slot, what) = match measured.scope {
+                Scope::IntraHost => (&mut cluster.measured.intra_host, "inside a host"),
+                Scope::InterHost => (&mut cluster.measured.inter_host, "between hosts"),
+            };
+            if let Some(earlier) = slot {
+                bail!(
+                    "{} and {} both measured links {what}: give one table per kind of link",
+                    earlier.source,
+                    measured.source
+                );
+            }
+            *slot = Some(measured);
+        }
+        Measurement::Decode(report) => {
+            let gpus: Vec<&str> = {
+                let mut names: Vec<&str> = cluster
+                    .hosts
+                    .iter()
+                    .map(|h| h.hardware.name.as_str())
+                    .collect();
+                names.dedup();
+                names
+            };
+            let hardware_id = match report.device.as_str() {
+                "cuda" => hardware_for_gpu_name(&report.device_name),
+                _ => None,
+            };
+            let Some(hardware_id) =
+                hardware_id.filter(|id| cluster.hosts.iter().any(|h| h.hardware_id == *id))
+            else {
+                bail!(
+                    "the decode measurement ran on {} `{}`, not on this cluster's GPUs ({}): run `infer bench decode --json` \
+                     on one of them",
+                    if report.device == "cuda" {
+                        "the GPU"
+                    } else {
+                        "the CPU"
+                    },
+                    report.device_name,
+                    gpus.join(", ")
+                );
+            };
+            if cluster
+                .measured
+                .decode
+                .iter()
+                .any(|d| d.hardware_id == hardware_id)
+            {
+                bail!("two decode measurements of {hardware_id}: give one per GPU model");
+            }
+            let mut datasheet = 0.0;
+            for host in cluster
+                .hosts
+                .iter_mut()
+                .filter(|h| h.hardware_id == hardware_id)
+            {
+                datasheet = host.hardware.hbm_gb_per_sec * 1e9;
+                host.hardware.hbm_gb_per_sec = report.weight_bytes_per_sec / 1e9;
+            }
+            cluster.measured.decode.push(MeasuredDecode {
+                hardware_id: hardware_id.to_string(),
+                device_name: report.device_name.clone(),
+                bytes_per_sec: report.weight_bytes_per_sec,
+                datasheet_bytes_per_sec: datasheet,
+                source: format!("`{name}`, {} at batch {}", report.model, report.batch),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Maps an NVML GPU name to a hardware profile id.

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::Parallel;
+use super::calibration::MeasuredLink;
 use super::cluster::HardwareSpec;
 use super::memory::StageMemory;
 use super::model::{Dtype, ModelSpec};
@@ -41,6 +42,16 @@ pub const TYPICAL_CONTEXT_TOKENS: u64 = 2048;
 pub struct Link {
     pub bytes_per_sec: f64,
     pub latency_secs: f64,
+}
+
+impl MeasuredLink {
+    /// The cost model's link.
+    pub fn link(&self) -> Link {
+        Link {
+            bytes_per_sec: self.bytes_per_sec,
+            latency_secs: self.latency_secs,
+        }
+    }
 }
 
 /// Links of each group kind for a placed layout.
