@@ -5,13 +5,13 @@
 use std::collections::BTreeMap;
 
 use super::cluster::ClusterHost;
-use super::layout::RankPlacement;
 use crate::topology::{Nic, NicKind};
 
-/// Environment for one host's ranks, and warnings about what could not be chosen.
+/// Environment for the ranks on `host`, which use its GPUs `gpus` (NVML indices), and
+/// warnings about what could not be chosen.
 pub fn host_env(
     host: &ClusterHost,
-    ranks: &[RankPlacement],
+    gpus: &[usize],
     multi_host: bool,
     warnings: &mut Vec<String>,
 ) -> BTreeMap<String, String> {
@@ -21,11 +21,6 @@ pub fn host_env(
     if !multi_host {
         return env;
     }
-    let gpus: Vec<usize> = ranks
-        .iter()
-        .filter(|r| r.host == host.name)
-        .map(|r| r.gpu)
-        .collect();
     // A shorthand host has no NICs to choose from: the plan says so once, as a note.
     let synthetic = is_synthetic(host);
     match socket_interface(host) {
@@ -39,7 +34,7 @@ pub fn host_env(
             host.name
         )),
     }
-    let hcas = nearest_active_hcas(&host.topology.nics, &gpus);
+    let hcas = nearest_active_hcas(&host.topology.nics, gpus);
     if hcas.is_empty() && !synthetic {
         warnings.push(format!(
             "no active InfiniBand/RoCE HCA known on host `{}`: inter-node NCCL traffic will use TCP sockets (NET/Socket), \

@@ -460,9 +460,15 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         .iter()
         .filter(|h| layout.ranks.iter().any(|r| r.host == h.name))
         .map(|h| {
+            let gpus: Vec<usize> = layout
+                .ranks
+                .iter()
+                .filter(|r| r.host == h.name)
+                .map(|r| r.gpu)
+                .collect();
             (
                 h.name.clone(),
-                env::host_env(h, &layout.ranks, multi_host, &mut warnings),
+                env::host_env(h, &gpus, multi_host, &mut warnings),
             )
         })
         .collect();
