@@ -6,6 +6,7 @@ use comfy_table::presets::UTF8_FULL_CONDENSED;
 
 use super::memory::gib;
 use super::model::{Dtype, ModelSpec};
+use super::sla::Disaggregated;
 use super::{Infeasible, Parallel, Plan};
 
 /// Rank rows shown in text before "… N more"; `--json` always has all of them.
@@ -49,7 +50,27 @@ pub fn vllm_command(
 
 /// The text report of a plan; `explain_all` adds every alternative considered.
 pub fn render(plan: &Plan, explain_all: bool) -> String {
-    let mut out = String::new();
+    let mut out = summary_table(plan);
+    out.push_str("\n\nmemory per GPU\n");
+    out.push_str(&memory_table(plan));
+    out.push_str("\n\nranks\n");
+    out.push_str(&ranks_table(plan));
+    out.push_str(&groups_text(plan));
+    out.push_str(&env_text(plan));
+    if !plan.pareto.is_empty() {
+        out.push_str("\n\n");
+        out.push_str(&pareto_table(plan));
+    }
+    if let Some(d) = &plan.disaggregated {
+        out.push_str(&disaggregated_text(d, plan.workload.has_targets()));
+    }
+    out.push_str(&why_text(plan, explain_all));
+    out.push_str(&format!("\n\nvllm equivalent:\n  {}\n", plan.vllm_command));
+    out
+}
+
+/// The one-row summary table: model, cluster, layout, dtypes, context, TPOT and tokens/s.
+fn summary_table(plan: &Plan) -> String {
     let mut summary = Table::new();
     summary.load_style(UTF8_FULL_CONDENSED);
     summary.set_header([
@@ -75,8 +96,11 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
             plan.estimate.tokens_per_sec, plan.estimate.batch_per_replica
         ),
     ]);
-    out.push_str(&summary.to_string());
-    out.push_str("\n\nmemory per GPU\n");
+    summary.to_string()
+}
+
+/// The memory of one GPU of each PP stage, in GiB, with its KV tokens and concurrency.
+fn memory_table(plan: &Plan) -> String {
     let mut memory = Table::new();
     memory.load_style(UTF8_FULL_CONDENSED);
     memory.set_header([
@@ -105,8 +129,11 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
             format!("{:.1} GiB", gib(stage.usable_bytes)),
         ]);
     }
-    out.push_str(&memory.to_string());
-    out.push_str("\n\nranks\n");
+    memory.to_string()
+}
+
+/// The first [`MAX_RANK_ROWS`] ranks as a table, then how many more there are.
+fn ranks_table(plan: &Plan) -> String {
     let mut ranks = Table::new();
     ranks.load_style(UTF8_FULL_CONDENSED);
     ranks.set_header([
@@ -133,13 +160,18 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
             rank.cuda_visible_devices.clone(),
         ]);
     }
-    out.push_str(&ranks.to_string());
+    let mut out = ranks.to_string();
     if plan.ranks.len() > MAX_RANK_ROWS {
         out.push_str(&format!(
             "\n… {} more ranks (see `--json`)",
             plan.ranks.len() - MAX_RANK_ROWS
         ));
     }
+    out
+}
+
+/// The `groups` section: the first eight TP, PP, DP (and, with EP, EP) groups of each kind.
+fn groups_text(plan: &Plan) -> String {
     let groups = |name: &str, groups: &[Vec<u64>]| {
         let shown: Vec<String> = groups.iter().take(8).map(|g| format!("{g:?}")).collect();
         let more = if groups.len() > 8 {
@@ -149,41 +181,54 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
         };
         format!("\n  {name}: {}{more}", shown.join(" "))
     };
-    out.push_str("\n\ngroups");
+    let mut out = String::from("\n\ngroups");
     out.push_str(&groups("tp", &plan.groups.tp));
     out.push_str(&groups("pp", &plan.groups.pp));
     out.push_str(&groups("dp", &plan.groups.dp));
     if plan.parallel.ep > 1 {
         out.push_str(&groups("ep", &plan.groups.ep));
     }
-    out.push_str("\n\nenvironment per host");
+    out
+}
+
+/// The `environment per host` section: each host's variables on one line.
+fn env_text(plan: &Plan) -> String {
+    let mut out = String::from("\n\nenvironment per host");
     for (host, env) in &plan.env {
         let vars: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         out.push_str(&format!("\n  {host}: {}", vars.join(" ")));
     }
-    if !plan.pareto.is_empty() {
-        out.push_str("\n\n");
-        out.push_str(&pareto_table(plan));
-    }
-    if let Some(d) = &plan.disaggregated {
-        out.push_str(&format!(
-            "\n\ndisaggregated (prefill/decode): {} × {} prefill + {} × {} decode workers on {} GPUs, batch {} per decode worker\n  TTFT {:.0} ms (KV transfer {:.1} ms), TPOT {:.1} ms, {:.1} tokens/s per user, {:.0} tokens/s per GPU, P:D GPUs {:.2}{}",
-            d.prefill_workers,
-            d.prefill,
-            d.decode_workers,
-            d.decode,
-            d.gpus,
-            d.batch_per_decode_worker,
-            d.ttft_secs * 1e3,
-            d.kv_transfer_secs * 1e3,
-            d.tpot_secs * 1e3,
-            d.tokens_per_sec_per_user,
-            d.tokens_per_sec_per_gpu,
-            d.prefill_to_decode_gpus,
-            if plan.workload.has_targets() { ", meets the targets" } else { "" }
-        ));
-    }
-    out.push_str("\n\nwhy");
+    out
+}
+
+/// The disaggregated deployment's paragraph; `meets_targets` adds that it meets them.
+fn disaggregated_text(d: &Disaggregated, meets_targets: bool) -> String {
+    format!(
+        "\n\ndisaggregated (prefill/decode): {} × {} prefill + {} × {} decode workers on {} GPUs, batch {} per decode worker\n  TTFT {:.0} ms (KV transfer {:.1} ms), TPOT {:.1} ms, {:.1} tokens/s per user, {:.0} tokens/s per GPU, P:D GPUs {:.2}{}",
+        d.prefill_workers,
+        d.prefill,
+        d.decode_workers,
+        d.decode,
+        d.gpus,
+        d.batch_per_decode_worker,
+        d.ttft_secs * 1e3,
+        d.kv_transfer_secs * 1e3,
+        d.tpot_secs * 1e3,
+        d.tokens_per_sec_per_user,
+        d.tokens_per_sec_per_gpu,
+        d.prefill_to_decode_gpus,
+        if meets_targets {
+            ", meets the targets"
+        } else {
+            ""
+        }
+    )
+}
+
+/// The `why` section, every layout considered (with `explain_all`), then the warnings and
+/// notes, one a line.
+fn why_text(plan: &Plan, explain_all: bool) -> String {
+    let mut out = String::from("\n\nwhy");
     for line in &plan.explain {
         out.push_str(&format!("\n  {line}"));
     }
@@ -203,7 +248,6 @@ pub fn render(plan: &Plan, explain_all: bool) -> String {
     for note in &plan.notes {
         out.push_str(&format!("\nnote: {note}"));
     }
-    out.push_str(&format!("\n\nvllm equivalent:\n  {}\n", plan.vllm_command));
     out
 }
 
