@@ -78,6 +78,34 @@ fn gpu_slots(cluster: &Cluster) -> Vec<(usize, usize)> {
 
 /// Places `parallel` on the first `world_size` GPU slots of `cluster` and builds its groups.
 pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
+    let ranks = place_ranks(parallel, cluster);
+    let groups = groups(parallel);
+    let worst = |group: &[u64]| worst_link(cluster, &ranks, group);
+    let tp_worst_link = groups
+        .tp
+        .iter()
+        .map(|g| worst(g))
+        .try_fold(LinkCode::SelfLink, |acc, w| w.map(|w| acc.max(w)));
+    let ep_crosses_hosts = groups.ep.iter().any(|g| worst(g).is_none());
+    let pp_crosses_hosts = pp_groups_cross(&groups.pp, &ranks);
+    let ep_worst_link = if ep_crosses_hosts {
+        None
+    } else {
+        groups.ep.iter().filter_map(|g| worst(g)).max()
+    };
+    let links = group_links(cluster, tp_worst_link, ep_worst_link, pp_crosses_hosts);
+    Layout {
+        ranks,
+        groups,
+        tp_worst_link,
+        ep_crosses_hosts,
+        pp_crosses_hosts,
+        links,
+    }
+}
+
+/// Every rank of `parallel` on the GPU slots of `cluster` in order, with its coordinates.
+fn place_ranks(parallel: &Parallel, cluster: &Cluster) -> Vec<RankPlacement> {
     let slots = gpu_slots(cluster);
     let world = parallel.world_size();
     let mut ranks = Vec::with_capacity(world as usize);
@@ -102,7 +130,11 @@ pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
         });
         per_host[host_idx] += 1;
     }
-    let p = parallel;
+    ranks
+}
+
+/// The TP, PP, DP and EP process groups of `p`, as lists of global ranks.
+fn groups(p: &Parallel) -> Groups {
     let tp_groups: Vec<Vec<u64>> = (0..p.dp)
         .flat_map(|d| (0..p.pp).map(move |s| (0..p.tp).map(|t| rank_of(p, d, s, t)).collect()))
         .collect();
@@ -123,34 +155,46 @@ pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
                 .collect::<Vec<_>>()
         })
         .collect();
+    Groups {
+        tp: tp_groups,
+        pp: pp_groups,
+        dp: dp_groups,
+        ep: ep_groups,
+    }
+}
 
+/// The worst link between two GPUs of `group` (global ranks placed as `ranks`); `None` when
+/// the group spans hosts.
+fn worst_link(cluster: &Cluster, ranks: &[RankPlacement], group: &[u64]) -> Option<LinkCode> {
     let host_of = |rank: u64| &ranks[rank as usize].host;
-    let worst = |group: &[u64]| -> Option<LinkCode> {
-        let first_host = host_of(group[0]);
-        if group.iter().any(|&r| host_of(r) != first_host) {
-            return None;
-        }
-        let host = cluster
-            .hosts
-            .iter()
-            .find(|h| &h.name == first_host)
-            .expect("rank hosts come from the cluster");
-        let mut worst = LinkCode::SelfLink;
-        for &a in group {
-            for &b in group {
-                worst = worst
-                    .max(host.topology.gpu_links[ranks[a as usize].gpu][ranks[b as usize].gpu]);
-            }
-        }
-        Some(worst)
-    };
-    let tp_worst_link = tp_groups
+    let first_host = host_of(group[0]);
+    if group.iter().any(|&r| host_of(r) != first_host) {
+        return None;
+    }
+    let host = cluster
+        .hosts
         .iter()
-        .map(|g| worst(g))
-        .try_fold(LinkCode::SelfLink, |acc, w| w.map(|w| acc.max(w)));
-    let ep_crosses_hosts = ep_groups.iter().any(|g| worst(g).is_none());
-    let pp_crosses_hosts = pp_groups_cross(&pp_groups, &ranks);
+        .find(|h| &h.name == first_host)
+        .expect("rank hosts come from the cluster");
+    let mut worst = LinkCode::SelfLink;
+    for &a in group {
+        for &b in group {
+            worst =
+                worst.max(host.topology.gpu_links[ranks[a as usize].gpu][ranks[b as usize].gpu]);
+        }
+    }
+    Some(worst)
+}
 
+/// The cost model's link of each group kind: the network for groups that span hosts, else a
+/// measured link inside a host (`--calibration`), else NVLink, PCIe or the CPU interconnect
+/// by the worst GPU pair. A worst link of `None` (groups that span hosts) is the network.
+fn group_links(
+    cluster: &Cluster,
+    tp_worst_link: Option<LinkCode>,
+    ep_worst_link: Option<LinkCode>,
+    pp_crosses_hosts: bool,
+) -> Links {
     let hardware = &cluster.slowest_hardware();
     let nvlink = Link {
         bytes_per_sec: hardware.nvlink_gb_per_sec / 2.0 * 1e9,
@@ -178,35 +222,18 @@ pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
         (Some(LinkCode::Sys), None) => sys,
         (Some(_), None) => pcie,
     };
-    let ep_link = if ep_crosses_hosts {
-        network
-    } else {
-        link_for(ep_groups.iter().filter_map(|g| worst(g)).max())
-    };
-    let links = Links {
+    Links {
         tp: link_for(tp_worst_link),
-        ep: ep_link,
+        ep: link_for(ep_worst_link),
         pp: if pp_crosses_hosts {
             network
         } else {
             link_for(tp_worst_link)
         },
-    };
-    Layout {
-        ranks,
-        groups: Groups {
-            tp: tp_groups,
-            pp: pp_groups,
-            dp: dp_groups,
-            ep: ep_groups,
-        },
-        tp_worst_link,
-        ep_crosses_hosts,
-        pp_crosses_hosts,
-        links,
     }
 }
 
+/// Whether consecutive stages of some PP group sit on different hosts.
 fn pp_groups_cross(pp_groups: &[Vec<u64>], ranks: &[RankPlacement]) -> bool {
     pp_groups.iter().any(|g| {
         g.windows(2)
