@@ -270,24 +270,9 @@ pub fn disaggregate(
     let isl = workload.isl_tokens.max(1);
     let osl = workload.osl_tokens.max(1);
     let context = isl + osl / 2;
-    let prefills: Vec<(Parallel, f64, f64)> = workers
-        .iter()
-        .map(|w| {
-            let p = cost::prefill_secs(spec, &w.parallel, w.stages, dtype, hardware, w.links, isl);
-            // The whole model's KV bytes per token: each stage's per-GPU bytes × its TP GPUs.
-            let kv_per_token: u64 = w
-                .stages
-                .iter()
-                .map(|s| s.kv_bytes_per_token * w.parallel.tp)
-                .sum();
-            let transfer_secs =
-                (isl * kv_per_token) as f64 / transfer.bytes_per_sec + transfer.latency_secs;
-            (w.parallel, p, transfer_secs)
-        })
-        .collect();
+    let prefills = prefill_costs(spec, workers, dtype, hardware, transfer, isl);
     let mut best: Option<Disaggregated> = None;
     for decode in workers {
-        let g_d = decode.parallel.tp * decode.parallel.pp;
         let kv_tokens = decode.stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
         let capacity = (kv_tokens / (isl + osl)).min(MAX_NUM_SEQS);
         if capacity == 0 {
@@ -304,58 +289,19 @@ pub fn disaggregate(
                 batch,
                 context,
             );
-            // Requests/s one decode worker finishes at this batch.
-            let decode_rate = batch as f64 / (osl as f64 * step);
-            for &(prefill, prefill_secs, transfer_secs) in &prefills {
-                let g_p = prefill.tp * prefill.pp;
-                if g_p + g_d > n_gpus {
-                    continue;
-                }
-                // Balance x / P = y · r with x·g_p + y·g_d = n: x* = n / (g_p + g_d / (P · r)).
-                let x_star =
-                    n_gpus as f64 / (g_p as f64 + g_d as f64 / (prefill_secs * decode_rate));
-                for x in [x_star.floor() as u64, x_star.ceil() as u64] {
-                    let x = x.max(1);
-                    if x * g_p + g_d > n_gpus {
-                        continue;
-                    }
-                    let y = (n_gpus - x * g_p) / g_d;
-                    if y == 0 {
-                        continue;
-                    }
-                    let served = (x as f64 / prefill_secs).min(y as f64 * decode_rate);
-                    let gpus = x * g_p + y * g_d;
-                    let ttft = prefill_secs + transfer_secs + step;
-                    let candidate = Disaggregated {
-                        prefill,
-                        prefill_workers: x,
-                        decode: decode.parallel,
-                        decode_workers: y,
-                        batch_per_decode_worker: batch,
-                        gpus,
-                        ttft_secs: ttft,
-                        tpot_secs: step,
-                        tokens_per_sec_per_user: 1.0 / step,
-                        tokens_per_sec_per_gpu: served * osl as f64 / gpus as f64,
-                        kv_transfer_secs: transfer_secs,
-                        prefill_to_decode_gpus: (x * g_p) as f64 / (y * g_d) as f64,
-                        meets_sla: workload.ttft_target_secs.is_none_or(|t| ttft <= t)
-                            && workload.tpot_target_secs.is_none_or(|t| step <= t),
-                    };
+            let decode_cost = DecodeCost {
+                parallel: decode.parallel,
+                batch,
+                step_secs: step,
+                // Requests/s one decode worker finishes at this batch.
+                requests_per_sec: batch as f64 / (osl as f64 * step),
+            };
+            for prefill in &prefills {
+                for candidate in splits(prefill, &decode_cost, n_gpus, workload) {
                     if !candidate.meets_sla {
                         continue;
                     }
-                    let better = best.as_ref().is_none_or(|b| match objective {
-                        Objective::Throughput | Objective::Cost => {
-                            candidate.tokens_per_sec_per_gpu > b.tokens_per_sec_per_gpu
-                        }
-                        Objective::Latency => {
-                            candidate.tokens_per_sec_per_user > b.tokens_per_sec_per_user
-                                || (candidate.tokens_per_sec_per_user == b.tokens_per_sec_per_user
-                                    && candidate.tokens_per_sec_per_gpu > b.tokens_per_sec_per_gpu)
-                        }
-                    });
-                    if better {
+                    if beats(&candidate, best.as_ref(), objective) {
                         best = Some(candidate);
                     }
                 }
@@ -363,6 +309,134 @@ pub fn disaggregate(
         }
     }
     best
+}
+
+/// One prefill worker shape's costs for one prompt of `isl` tokens.
+#[derive(Clone, Copy)]
+struct PrefillCost {
+    parallel: Parallel,
+    /// The prompt's prefill, seconds.
+    prefill_secs: f64,
+    /// Moving the prompt's KV cache to a decode worker, seconds.
+    transfer_secs: f64,
+}
+
+/// One decode worker shape at one batch.
+#[derive(Clone, Copy)]
+struct DecodeCost {
+    parallel: Parallel,
+    /// Sequences decoded together.
+    batch: u64,
+    /// One decode step of the batch, seconds.
+    step_secs: f64,
+    /// Requests one worker finishes per second at this batch.
+    requests_per_sec: f64,
+}
+
+/// The prefill and KV-transfer costs of every worker shape for a prompt of `isl_tokens`,
+/// the transfer over `transfer`.
+fn prefill_costs(
+    spec: &ModelSpec,
+    workers: &[WorkerCosts<'_>],
+    dtype: Dtype,
+    hardware: &HardwareSpec,
+    transfer: &cost::Link,
+    isl_tokens: u64,
+) -> Vec<PrefillCost> {
+    workers
+        .iter()
+        .map(|w| {
+            let p = cost::prefill_secs(
+                spec,
+                &w.parallel,
+                w.stages,
+                dtype,
+                hardware,
+                w.links,
+                isl_tokens,
+            );
+            // The whole model's KV bytes per token: each stage's per-GPU bytes × its TP GPUs.
+            let kv_per_token: u64 = w
+                .stages
+                .iter()
+                .map(|s| s.kv_bytes_per_token * w.parallel.tp)
+                .sum();
+            let transfer_secs =
+                (isl_tokens * kv_per_token) as f64 / transfer.bytes_per_sec + transfer.latency_secs;
+            PrefillCost {
+                parallel: w.parallel,
+                prefill_secs: p,
+                transfer_secs,
+            }
+        })
+        .collect()
+}
+
+/// The deployments of `prefill` and `decode` workers on at most `n_gpus` GPUs whose prefill
+/// worker count is next to the balancing one (rounded down, then up), whether or not they
+/// meet `workload`'s targets.
+fn splits(
+    prefill: &PrefillCost,
+    decode: &DecodeCost,
+    n_gpus: u64,
+    workload: &Workload,
+) -> Vec<Disaggregated> {
+    let osl = workload.osl_tokens.max(1);
+    let g_d = decode.parallel.tp * decode.parallel.pp;
+    let g_p = prefill.parallel.tp * prefill.parallel.pp;
+    if g_p + g_d > n_gpus {
+        return Vec::new();
+    }
+    let (prefill_secs, step) = (prefill.prefill_secs, decode.step_secs);
+    // Balance x / P = y · r with x·g_p + y·g_d = n: x* = n / (g_p + g_d / (P · r)).
+    let x_star =
+        n_gpus as f64 / (g_p as f64 + g_d as f64 / (prefill_secs * decode.requests_per_sec));
+    let mut out = Vec::new();
+    for x in [x_star.floor() as u64, x_star.ceil() as u64] {
+        let x = x.max(1);
+        if x * g_p + g_d > n_gpus {
+            continue;
+        }
+        let y = (n_gpus - x * g_p) / g_d;
+        if y == 0 {
+            continue;
+        }
+        let served = (x as f64 / prefill_secs).min(y as f64 * decode.requests_per_sec);
+        let gpus = x * g_p + y * g_d;
+        let ttft = prefill_secs + prefill.transfer_secs + step;
+        out.push(Disaggregated {
+            prefill: prefill.parallel,
+            prefill_workers: x,
+            decode: decode.parallel,
+            decode_workers: y,
+            batch_per_decode_worker: decode.batch,
+            gpus,
+            ttft_secs: ttft,
+            tpot_secs: step,
+            tokens_per_sec_per_user: 1.0 / step,
+            tokens_per_sec_per_gpu: served * osl as f64 / gpus as f64,
+            kv_transfer_secs: prefill.transfer_secs,
+            prefill_to_decode_gpus: (x * g_p) as f64 / (y * g_d) as f64,
+            meets_sla: workload.ttft_target_secs.is_none_or(|t| ttft <= t)
+                && workload.tpot_target_secs.is_none_or(|t| step <= t),
+        });
+    }
+    out
+}
+
+/// Whether `candidate` beats `best` (always, when there is none) on `objective`: tokens/s
+/// per GPU for throughput and cost, tokens/s per user (then per GPU) for latency.
+fn beats(candidate: &Disaggregated, best: Option<&Disaggregated>, objective: Objective) -> bool {
+    best.is_none_or(|b| match objective {
+        Objective::Throughput | Objective::Cost => {
+            candidate.tokens_per_sec_per_gpu > b.tokens_per_sec_per_gpu
+        }
+        Objective::Latency => {
+            candidate.tokens_per_sec_per_user > b.tokens_per_sec_per_user
+                || (candidate.tokens_per_sec_per_user == b.tokens_per_sec_per_user
+                    && candidate.tokens_per_sec_per_gpu > b.tokens_per_sec_per_gpu)
+        }
+    })
 }
 
 #[cfg(test)]
