@@ -325,61 +325,193 @@ fn plan_fitting(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Out
     }
 }
 
-/// [`plan`] for the context `settings` says (the model's whole one by default).
-fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome {
-    let dtype = if spec.native_dtype == Dtype::Gguf {
-        Dtype::Gguf
-    } else {
-        settings.dtype.unwrap_or(spec.native_dtype)
-    };
-    let kv_dtype = settings.kv_dtype.unwrap_or(if dtype == Dtype::Fp16 {
-        Dtype::Fp16
-    } else {
-        Dtype::Bf16
-    });
-    let max_model_len = settings
-        .max_model_len_tokens
-        .unwrap_or(spec.max_position_embeddings);
-    let n_gpus = cluster.n_gpus();
-    let mut warnings = Vec::new();
-    if spec.native_dtype == Dtype::Gguf && settings.dtype.is_some() {
-        warnings.push(
-            "`--dtype` is ignored for GGUF files: their tensors keep their own types".to_string(),
-        );
-    }
-    if max_model_len > spec.max_position_embeddings {
-        warnings.push(format!(
-            "--max-model-len {max_model_len} exceeds the model's max_position_embeddings {}",
-            spec.max_position_embeddings
-        ));
+/// One planning run's inputs and the dtypes and context they resolve to.
+struct Run<'a> {
+    spec: &'a ModelSpec,
+    cluster: &'a Cluster,
+    settings: &'a Settings,
+    /// Weight dtype: the flag's, else the checkpoint's (GGUF keeps its own).
+    dtype: Dtype,
+    /// KV-cache dtype: the flag's, else the activation dtype.
+    kv_dtype: Dtype,
+    /// Longest sequence to serve, tokens.
+    max_model_len_tokens: u64,
+}
+
+impl<'a> Run<'a> {
+    /// Resolves the dtypes and the context `settings` leave to the model.
+    fn new(spec: &'a ModelSpec, cluster: &'a Cluster, settings: &'a Settings) -> Run<'a> {
+        let dtype = if spec.native_dtype == Dtype::Gguf {
+            Dtype::Gguf
+        } else {
+            settings.dtype.unwrap_or(spec.native_dtype)
+        };
+        let kv_dtype = settings.kv_dtype.unwrap_or(if dtype == Dtype::Fp16 {
+            Dtype::Fp16
+        } else {
+            Dtype::Bf16
+        });
+        let max_model_len_tokens = settings
+            .max_model_len_tokens
+            .unwrap_or(spec.max_position_embeddings);
+        Run {
+            spec,
+            cluster,
+            settings,
+            dtype,
+            kv_dtype,
+            max_model_len_tokens,
+        }
     }
 
-    let candidates: Vec<Candidate> = enumerate(spec, n_gpus, settings)
+    /// Warnings about flags the model ignores or exceeds.
+    fn input_warnings(&self) -> Vec<String> {
+        let (spec, max_model_len) = (self.spec, self.max_model_len_tokens);
+        let mut warnings = Vec::new();
+        if spec.native_dtype == Dtype::Gguf && self.settings.dtype.is_some() {
+            warnings.push(
+                "`--dtype` is ignored for GGUF files: their tensors keep their own types"
+                    .to_string(),
+            );
+        }
+        if max_model_len > spec.max_position_embeddings {
+            warnings.push(format!(
+                "--max-model-len {max_model_len} exceeds the model's max_position_embeddings {}",
+                spec.max_position_embeddings
+            ));
+        }
+        warnings
+    }
+
+    /// The `vllm serve` command line for `parallel` with this run's dtypes and context.
+    fn vllm_command(&self, parallel: &Parallel) -> String {
+        render::vllm_command(
+            self.spec,
+            parallel,
+            self.dtype,
+            self.kv_dtype,
+            self.max_model_len_tokens,
+            self.settings.gpu_memory_utilization,
+        )
+    }
+}
+
+/// [`plan`] for the context `settings` says (the model's whole one by default).
+fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Outcome {
+    let run = Run::new(spec, cluster, settings);
+    let mut warnings = run.input_warnings();
+
+    // Enumerate and check every layout, then rank the feasible ones by the objective.
+    let candidates: Vec<Candidate> = enumerate(spec, cluster.n_gpus(), settings)
         .into_iter()
-        .map(|parallel| {
-            evaluate(
-                spec,
-                cluster,
-                settings,
-                parallel,
-                dtype,
-                kv_dtype,
-                max_model_len,
-            )
-        })
+        .map(|parallel| evaluate(&run, parallel))
         .collect();
     let pinned_pp = settings.pp.is_some();
     let fits_without_pp = candidates
         .iter()
         .any(|c| c.parallel.pp == 1 && c.verdict.is_ok());
+    let mut ranked = rank(&candidates, settings, fits_without_pp);
+
+    // Every feasible layout at every batch its KV cache holds, for the workload.
+    let points = sla_points(&run, &ranked);
+    let pareto = sla::frontier(&points);
+    let sla_choice = match choose_within_targets(&run, &points, &candidates, &mut ranked) {
+        Ok(choice) => choice,
+        Err(missed) => return Outcome::Infeasible(missed),
+    };
+
+    let alternatives = |chosen: Option<&Candidate>| -> Vec<Alternative> {
+        candidates
+            .iter()
+            .filter(|c| chosen.is_none_or(|chosen| chosen.parallel != c.parallel))
+            .map(|c| describe(c, chosen, fits_without_pp && !pinned_pp, settings.objective))
+            .collect()
+    };
+    let Some(best) = ranked.first() else {
+        return Outcome::Infeasible(Box::new(infeasible(&run, &candidates, alternatives(None))));
+    };
+    let (estimate, stages, layout) = best
+        .verdict
+        .as_ref()
+        .expect("ranked candidates are feasible");
+
+    // The chosen layout's environment, and what the user should know about it.
+    warnings.extend(best.warnings.iter().cloned());
+    let multi_host = layout.ranks.iter().any(|r| r.host != layout.ranks[0].host);
+    let env = host_envs(cluster, layout, multi_host, &mut warnings);
+    let notes = notes(cluster, multi_host);
+    if let Some(uneven) = uneven_stages_warning(spec, stages, best.parallel) {
+        warnings.push(uneven);
+    }
+
+    // Explain: the decision path, the measurements, disaggregation and the targets.
+    let disaggregated = best_disaggregated(&run, &ranked);
+    let aggregated_best = sla::choose(&points, settings.objective).cloned();
+    let mut explain = explain(&run, &candidates, &ranked, fits_without_pp);
+    explain.extend(measured_lines(cluster));
+    let show_disaggregated = weigh_disaggregated(
+        settings,
+        disaggregated.as_ref(),
+        aggregated_best.as_ref(),
+        &mut explain,
+        &mut warnings,
+    );
+    if let Some(point) = &sla_choice {
+        explain_targets(&run, point, &points, &ranked, &mut explain);
+    }
+
+    let alternatives = alternatives(Some(best));
+    let parallel = best.parallel;
+    Outcome::Feasible(Box::new(Plan {
+        model: spec.name.clone(),
+        serve_id: spec.serve_id.clone(),
+        cluster: cluster.description.clone(),
+        objective: settings.objective,
+        dtype: run.dtype,
+        kv_dtype: run.kv_dtype,
+        max_model_len: run.max_model_len_tokens,
+        gpu_memory_utilization: settings.gpu_memory_utilization,
+        params: spec.param_counts().total(),
+        active_params: spec.active_params(),
+        weights_bytes: spec.weight_bytes(run.dtype),
+        parallel,
+        world_size: parallel.world_size(),
+        ranks: layout.ranks.clone(),
+        groups: layout.groups.clone(),
+        memory: stages.clone(),
+        estimate: estimate.clone(),
+        env,
+        explain,
+        warnings,
+        notes,
+        alternatives,
+        vllm_command: run.vllm_command(&parallel),
+        workload: settings.workload,
+        pareto,
+        sla_choice,
+        disaggregated: show_disaggregated,
+    }))
+}
+
+/// The feasible candidates, best first by the objective ([`compare`]); those with PP only
+/// when no layout fits without it or `--pp` pins it.
+fn rank<'c>(
+    candidates: &'c [Candidate],
+    settings: &Settings,
+    fits_without_pp: bool,
+) -> Vec<&'c Candidate> {
+    let pinned_pp = settings.pp.is_some();
     let mut ranked: Vec<&Candidate> = candidates
         .iter()
         .filter(|c| c.verdict.is_ok() && (c.parallel.pp == 1 || !fits_without_pp || pinned_pp))
         .collect();
     ranked.sort_by(|a, b| compare(a, b, settings.objective));
+    ranked
+}
 
-    // Every feasible layout at every batch its KV cache holds, for the workload.
-    let hardware = cluster.slowest_hardware();
+/// Every (layout, batch) point of the `ranked` layouts for the workload; a point that needs
+/// more GPUs than the cluster has for `--rps` does not meet the targets.
+fn sla_points(run: &Run<'_>, ranked: &[&Candidate]) -> Vec<sla::ParetoPoint> {
     let costs: Vec<sla::LayoutCosts<'_>> = ranked
         .iter()
         .filter_map(|c| {
@@ -393,69 +525,70 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
                 })
         })
         .collect();
-    let mut points = sla::points(spec, &costs, dtype, hardware, &settings.workload);
+    let mut points = sla::points(
+        run.spec,
+        &costs,
+        run.dtype,
+        run.cluster.slowest_hardware(),
+        &run.settings.workload,
+    );
     // A point that needs more GPUs than the cluster has cannot serve `--rps` here.
+    let n_gpus = run.cluster.n_gpus();
     for point in &mut points {
         if point.gpus_for_rps.is_some_and(|g| g > n_gpus) {
             point.meets_sla = false;
         }
     }
-    let pareto = sla::frontier(&points);
-    let sla_choice = if settings.workload.has_targets() {
-        match sla::choose(&points, settings.objective) {
-            Some(point) => {
-                // The layout of the best point that meets the targets goes first.
-                if let Some(at) = ranked.iter().position(|c| c.parallel == point.parallel) {
-                    let chosen = ranked.remove(at);
-                    ranked.insert(0, chosen);
-                }
-                Some(point.clone())
+    points
+}
+
+/// With targets: the best point that meets them, its layout moved to the front of `ranked`.
+/// `Ok(None)` without targets, or when no layout has a point at all.
+///
+/// Errors: the [`Infeasible`] answer saying how close the best points come, when some
+/// points exist but none meets the targets.
+fn choose_within_targets(
+    run: &Run<'_>,
+    points: &[sla::ParetoPoint],
+    candidates: &[Candidate],
+    ranked: &mut Vec<&Candidate>,
+) -> Result<Option<sla::ParetoPoint>, Box<Infeasible>> {
+    let settings = run.settings;
+    if !settings.workload.has_targets() {
+        return Ok(None);
+    }
+    match sla::choose(points, settings.objective) {
+        Some(point) => {
+            // The layout of the best point that meets the targets goes first.
+            if let Some(at) = ranked.iter().position(|c| c.parallel == point.parallel) {
+                let chosen = ranked.remove(at);
+                ranked.insert(0, chosen);
             }
-            None if !points.is_empty() => {
-                return Outcome::Infeasible(Box::new(missed_targets(
-                    spec,
-                    cluster,
-                    &settings.workload,
-                    &points,
-                    candidates
-                        .iter()
-                        .map(|c| describe(c, None, false, settings.objective))
-                        .collect(),
-                )));
-            }
-            None => None,
+            Ok(Some(point.clone()))
         }
-    } else {
-        None
-    };
+        None if !points.is_empty() => Err(Box::new(missed_targets(
+            run.spec,
+            run.cluster,
+            &settings.workload,
+            points,
+            candidates
+                .iter()
+                .map(|c| describe(c, None, false, settings.objective))
+                .collect(),
+        ))),
+        None => Ok(None),
+    }
+}
 
-    let alternatives = |chosen: Option<&Candidate>| -> Vec<Alternative> {
-        candidates
-            .iter()
-            .filter(|c| chosen.is_none_or(|chosen| chosen.parallel != c.parallel))
-            .map(|c| describe(c, chosen, fits_without_pp && !pinned_pp, settings.objective))
-            .collect()
-    };
-
-    let Some(best) = ranked.first() else {
-        return Outcome::Infeasible(Box::new(infeasible(
-            spec,
-            cluster,
-            settings,
-            dtype,
-            kv_dtype,
-            max_model_len,
-            &candidates,
-            alternatives(None),
-        )));
-    };
-    let (estimate, stages, layout) = best
-        .verdict
-        .as_ref()
-        .expect("ranked candidates are feasible");
-    warnings.extend(best.warnings.iter().cloned());
-    let multi_host = layout.ranks.iter().any(|r| r.host != layout.ranks[0].host);
-    let env = cluster
+/// The environment of each host the layout uses, by host name; what cannot be chosen goes
+/// to `warnings`.
+fn host_envs(
+    cluster: &Cluster,
+    layout: &layout::Layout,
+    multi_host: bool,
+    warnings: &mut Vec<String>,
+) -> BTreeMap<String, BTreeMap<String, String>> {
+    cluster
         .hosts
         .iter()
         .filter(|h| layout.ranks.iter().any(|r| r.host == h.name))
@@ -468,10 +601,15 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
                 .collect();
             (
                 h.name.clone(),
-                env::host_env(h, &gpus, multi_host, &mut warnings),
+                env::host_env(h, &gpus, multi_host, warnings),
             )
         })
-        .collect();
+        .collect()
+}
+
+/// What the user should know but cannot act on: a multi-host plan on a shorthand cluster
+/// names no NICs.
+fn notes(cluster: &Cluster, multi_host: bool) -> Vec<String> {
     let mut notes = Vec::new();
     if multi_host && cluster.hosts.iter().any(env::is_synthetic) {
         notes.push(format!(
@@ -479,17 +617,32 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             cluster.description
         ));
     }
-    if stages.iter().any(|s| s.n_layers != stages[0].n_layers) {
-        let sizes: Vec<String> = stages.iter().map(|s| s.n_layers.to_string()).collect();
-        warnings.push(format!(
-            "uneven pipeline stages: {} layers ({} not divisible by PP{})",
-            sizes.join("/"),
-            spec.n_layers,
-            best.parallel.pp
-        ));
+    notes
+}
+
+/// The warning for PP stages of different layer counts, if they are.
+fn uneven_stages_warning(
+    spec: &ModelSpec,
+    stages: &[StageMemory],
+    parallel: Parallel,
+) -> Option<String> {
+    if stages.iter().all(|s| s.n_layers == stages[0].n_layers) {
+        return None;
     }
-    // Disaggregated: one replica of each feasible layout whose experts stay inside it, as a
-    // prefill or a decode worker, the GPUs split between the two pools.
+    let sizes: Vec<String> = stages.iter().map(|s| s.n_layers.to_string()).collect();
+    Some(format!(
+        "uneven pipeline stages: {} layers ({} not divisible by PP{})",
+        sizes.join("/"),
+        spec.n_layers,
+        parallel.pp
+    ))
+}
+
+/// The best disaggregated deployment: one replica of each ranked layout whose experts stay
+/// inside it, as a prefill or a decode worker, the GPUs split between the two pools.
+fn best_disaggregated(run: &Run<'_>, ranked: &[&Candidate]) -> Option<sla::Disaggregated> {
+    let (cluster, settings) = (run.cluster, run.settings);
+    let hardware = cluster.slowest_hardware();
     let mut shapes: Vec<Parallel> = Vec::new();
     let workers: Vec<sla::WorkerCosts<'_>> = ranked
         .iter()
@@ -513,7 +666,24 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
                 })
         })
         .collect();
-    let transfer = if cluster.hosts.len() > 1 {
+    let transfer = kv_transfer_link(cluster);
+    sla::disaggregate(
+        run.spec,
+        &workers,
+        run.dtype,
+        hardware,
+        &transfer,
+        cluster.n_gpus(),
+        &settings.workload,
+        settings.objective,
+    )
+}
+
+/// The link a KV cache crosses from a prefill to a decode worker: the network between
+/// hosts, else NVLink (one direction), else PCIe.
+fn kv_transfer_link(cluster: &Cluster) -> cost::Link {
+    let hardware = cluster.slowest_hardware();
+    if cluster.hosts.len() > 1 {
         layout::network_link(cluster)
     } else if hardware.nvlink_gb_per_sec > 0.0 {
         cost::Link {
@@ -525,34 +695,18 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             bytes_per_sec: hardware.pcie_gb_per_sec * 1e9,
             latency_secs: cost::PCIE_LATENCY_SECS,
         }
-    };
-    let disaggregated = sla::disaggregate(
-        spec,
-        &workers,
-        dtype,
-        hardware,
-        &transfer,
-        n_gpus,
-        &settings.workload,
-        settings.objective,
-    );
-    let aggregated_best = sla::choose(&points, settings.objective).cloned();
-    let mut explain = explain(
-        spec,
-        cluster,
-        settings,
-        dtype,
-        max_model_len,
-        &candidates,
-        &ranked,
-        fits_without_pp,
-    );
+    }
+}
+
+/// One line per `--calibration` measurement the cluster's figures use.
+fn measured_lines(cluster: &Cluster) -> Vec<String> {
+    let mut lines = Vec::new();
     for (measured, what) in [
         (&cluster.measured.intra_host, "inside a host"),
         (&cluster.measured.inter_host, "between hosts"),
     ] {
         if let Some(m) = measured {
-            explain.push(format!(
+            lines.push(format!(
                 "measured, not datasheet: links {what} cost {:.1} GB/s and {:.0} µs per collective, from {} (--calibration)",
                 m.bytes_per_sec / 1e9,
                 m.latency_secs * 1e6,
@@ -561,7 +715,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         }
     }
     for m in &cluster.measured.decode {
-        explain.push(format!(
+        lines.push(format!(
             "measured, not datasheet: {} GPUs read weights at {:.0} GB/s in a decode step ({:.0}% of the datasheet's {:.0} GB/s), from {} (--calibration)",
             m.hardware_id,
             m.bytes_per_sec / 1e9,
@@ -570,168 +724,160 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
             m.source
         ));
     }
-    let mut show_disaggregated = None;
-    if let (Some(d), Some(a)) = (&disaggregated, &aggregated_best) {
-        let (d_value, a_value, what) = match settings.objective {
-            Objective::Throughput | Objective::Cost => (
-                d.tokens_per_sec_per_gpu,
-                a.tokens_per_sec_per_gpu,
-                "tokens/s per GPU",
-            ),
-            Objective::Latency => (
-                d.tokens_per_sec_per_user,
-                a.tokens_per_sec_per_user,
-                "tokens/s per user",
-            ),
-        };
-        let wins = d_value > a_value;
-        explain.push(format!(
-            "disaggregated: {} prefill worker{} of {} and {} decode worker{} of {} (batch {}, P:D GPUs {:.2}) give {:.0} {what} against aggregated serving's {:.0}: {} by {:.0}%",
-            d.prefill_workers,
-            if d.prefill_workers == 1 { "" } else { "s" },
-            d.prefill,
-            d.decode_workers,
-            if d.decode_workers == 1 { "" } else { "s" },
-            d.decode,
-            d.batch_per_decode_worker,
-            d.prefill_to_decode_gpus,
-            d_value,
-            a_value,
-            if wins { "disaggregated wins" } else { "aggregated wins" },
-            ((d_value - a_value).abs() / d_value.min(a_value).max(f64::MIN_POSITIVE)) * 100.0
-        ));
-        if wins || settings.disaggregate {
-            show_disaggregated = Some(d.clone());
+    lines
+}
+
+/// Compares the disaggregated deployment with aggregated serving's best point in
+/// `explain`; returns the deployment to show: when it wins or `--disaggregate` asked for
+/// it. Without one, `--disaggregate` gets a warning.
+fn weigh_disaggregated(
+    settings: &Settings,
+    disaggregated: Option<&sla::Disaggregated>,
+    aggregated_best: Option<&sla::ParetoPoint>,
+    explain: &mut Vec<String>,
+    warnings: &mut Vec<String>,
+) -> Option<sla::Disaggregated> {
+    let (Some(d), Some(a)) = (disaggregated, aggregated_best) else {
+        if settings.disaggregate {
+            warnings.push(
+                "no disaggregated deployment fits: no prefill and decode worker pair fits the GPUs and meets the targets".into(),
+            );
         }
-    } else if settings.disaggregate {
-        warnings.push(
-            "no disaggregated deployment fits: no prefill and decode worker pair fits the GPUs and meets the targets".into(),
-        );
-    }
-    if let Some(point) = &sla_choice {
-        // With targets the runners-up lost on the targets, not on the raw objective.
-        let best_within = |parallel: &Parallel| {
-            points
-                .iter()
-                .filter(|p| p.parallel == *parallel && p.meets_sla)
-                .map(|p| match settings.objective {
-                    Objective::Throughput | Objective::Cost => p.tokens_per_sec_per_gpu,
-                    Objective::Latency => p.tokens_per_sec_per_user,
-                })
-                .fold(None, |best: Option<f64>, v| {
-                    Some(best.map_or(v, |b| b.max(v)))
-                })
-        };
-        let chosen_value = match settings.objective {
-            Objective::Throughput | Objective::Cost => point.tokens_per_sec_per_gpu,
-            Objective::Latency => point.tokens_per_sec_per_user,
-        };
-        let unit = match settings.objective {
-            Objective::Throughput | Objective::Cost => "tokens/s per GPU",
-            Objective::Latency => "tokens/s per user",
-        };
-        explain.retain(|line| !line.starts_with("  not "));
-        let at = explain
-            .iter()
-            .position(|line| line.starts_with("chosen: "))
-            .map_or(explain.len(), |i| i + 1);
-        let runners_up: Vec<String> = ranked
-            .iter()
-            .skip(1)
-            .take(3)
-            .map(|runner_up| match (settings.objective, point.gpus_for_rps) {
-                (Objective::Cost, Some(chosen_gpus)) => {
-                    let fewest = points
-                        .iter()
-                        .filter(|p| p.parallel == runner_up.parallel && p.meets_sla)
-                        .filter_map(|p| p.gpus_for_rps)
-                        .min();
-                    match fewest {
-                        Some(gpus) => format!(
-                            "  not {}: needs at least {gpus} GPUs for the rate within the targets vs {chosen_gpus}",
-                            runner_up.parallel
-                        ),
-                        None => format!(
-                            "  not {}: no batch of it meets the targets",
-                            runner_up.parallel
-                        ),
-                    }
-                }
-                _ => match best_within(&runner_up.parallel) {
-                Some(value) => format!(
+        return None;
+    };
+    let (d_value, a_value, what) = match settings.objective {
+        Objective::Throughput | Objective::Cost => (
+            d.tokens_per_sec_per_gpu,
+            a.tokens_per_sec_per_gpu,
+            "tokens/s per GPU",
+        ),
+        Objective::Latency => (
+            d.tokens_per_sec_per_user,
+            a.tokens_per_sec_per_user,
+            "tokens/s per user",
+        ),
+    };
+    let wins = d_value > a_value;
+    explain.push(format!(
+        "disaggregated: {} prefill worker{} of {} and {} decode worker{} of {} (batch {}, P:D GPUs {:.2}) give {:.0} {what} against aggregated serving's {:.0}: {} by {:.0}%",
+        d.prefill_workers,
+        if d.prefill_workers == 1 { "" } else { "s" },
+        d.prefill,
+        d.decode_workers,
+        if d.decode_workers == 1 { "" } else { "s" },
+        d.decode,
+        d.batch_per_decode_worker,
+        d.prefill_to_decode_gpus,
+        d_value,
+        a_value,
+        if wins { "disaggregated wins" } else { "aggregated wins" },
+        ((d_value - a_value).abs() / d_value.min(a_value).max(f64::MIN_POSITIVE)) * 100.0
+    ));
+    (wins || settings.disaggregate).then(|| d.clone())
+}
+
+/// With targets the runners-up lost on the targets, not on the raw objective: replaces the
+/// `  not …` lines after `chosen: ` in `explain` with that, and adds the chosen point's line.
+fn explain_targets(
+    run: &Run<'_>,
+    point: &sla::ParetoPoint,
+    points: &[sla::ParetoPoint],
+    ranked: &[&Candidate],
+    explain: &mut Vec<String>,
+) {
+    explain.retain(|line| !line.starts_with("  not "));
+    let at = explain
+        .iter()
+        .position(|line| line.starts_with("chosen: "))
+        .map_or(explain.len(), |i| i + 1);
+    let runners_up: Vec<String> = ranked
+        .iter()
+        .skip(1)
+        .take(3)
+        .map(|runner_up| runner_up_within_targets(run.settings.objective, point, points, runner_up))
+        .collect();
+    explain.splice(at..at, runners_up);
+    explain.push(chosen_point_line(run, point, points));
+}
+
+/// Why `runner_up` lost to the chosen `point` within the targets: more GPUs for the rate
+/// (`--objective cost` with `--rps`), else less of the objective, else no batch meets them.
+fn runner_up_within_targets(
+    objective: Objective,
+    point: &sla::ParetoPoint,
+    points: &[sla::ParetoPoint],
+    runner_up: &Candidate,
+) -> String {
+    let value_of = |p: &sla::ParetoPoint| match objective {
+        Objective::Throughput | Objective::Cost => p.tokens_per_sec_per_gpu,
+        Objective::Latency => p.tokens_per_sec_per_user,
+    };
+    let unit = match objective {
+        Objective::Throughput | Objective::Cost => "tokens/s per GPU",
+        Objective::Latency => "tokens/s per user",
+    };
+    let within = points
+        .iter()
+        .filter(|p| p.parallel == runner_up.parallel && p.meets_sla);
+    let line = match (objective, point.gpus_for_rps) {
+        (Objective::Cost, Some(chosen_gpus)) => within
+            .filter_map(|p| p.gpus_for_rps)
+            .min()
+            .map(|gpus| format!(
+                "  not {}: needs at least {gpus} GPUs for the rate within the targets vs {chosen_gpus}",
+                runner_up.parallel
+            )),
+        _ => {
+            let chosen_value = value_of(point);
+            within
+                .map(value_of)
+                .fold(None, |best: Option<f64>, v| Some(best.map_or(v, |b| b.max(v))))
+                .map(|value| format!(
                     "  not {}: at most {value:.0} {unit} within the targets vs {chosen_value:.0}",
                     runner_up.parallel
-                ),
-                    None => format!(
-                        "  not {}: no batch of it meets the targets",
-                        runner_up.parallel
-                    ),
-                },
-            })
-            .collect();
-        explain.splice(at..at, runners_up);
-        explain.push(format!(
-            "for {} prompt and {} output tokens per request{}: {} at {} sequences per replica gives TTFT {:.0} ms, TPOT {:.1} ms, {:.0} tokens/s per GPU{}, the {} of the {} layout-and-batch points that meet the targets",
-            settings.workload.isl_tokens,
-            settings.workload.osl_tokens,
-            targets_text(&settings.workload),
-            point.parallel,
-            point.batch_per_replica,
-            point.ttft_secs * 1e3,
-            point.tpot_secs * 1e3,
-            point.tokens_per_sec_per_gpu,
-            point.gpus_for_rps.map_or(String::new(), |g| format!(
-                ", and {g} of the cluster's {n_gpus} GPUs ({} replica{} of this layout) serve {} requests/s",
-                g / (point.parallel.tp * point.parallel.pp).max(1),
-                if g / (point.parallel.tp * point.parallel.pp).max(1) == 1 { "" } else { "s" },
-                settings.workload.requests_per_sec.unwrap_or_default()
-            )),
-            match (settings.objective, point.gpus_for_rps) {
-                (Objective::Cost, Some(_)) => "fewest GPUs",
-                (Objective::Throughput | Objective::Cost, _) => "most tokens/s per GPU",
-                (Objective::Latency, _) => "most tokens/s per user",
-            },
-            points.iter().filter(|p| p.meets_sla).count()
-        ));
-    }
-    let alternatives = alternatives(Some(best));
-    let parallel = best.parallel;
-    Outcome::Feasible(Box::new(Plan {
-        model: spec.name.clone(),
-        serve_id: spec.serve_id.clone(),
-        cluster: cluster.description.clone(),
-        objective: settings.objective,
-        dtype,
-        kv_dtype,
-        max_model_len,
-        gpu_memory_utilization: settings.gpu_memory_utilization,
-        params: spec.param_counts().total(),
-        active_params: spec.active_params(),
-        weights_bytes: spec.weight_bytes(dtype),
-        parallel,
-        world_size: parallel.world_size(),
-        ranks: layout.ranks.clone(),
-        groups: layout.groups.clone(),
-        memory: stages.clone(),
-        estimate: estimate.clone(),
-        env,
-        explain,
-        warnings,
-        notes,
-        alternatives,
-        vllm_command: render::vllm_command(
-            spec,
-            &parallel,
-            dtype,
-            kv_dtype,
-            max_model_len,
-            settings.gpu_memory_utilization,
-        ),
-        workload: settings.workload,
-        pareto,
-        sla_choice,
-        disaggregated: show_disaggregated,
-    }))
+                ))
+        }
+    };
+    line.unwrap_or_else(|| {
+        format!(
+            "  not {}: no batch of it meets the targets",
+            runner_up.parallel
+        )
+    })
+}
+
+/// The chosen point's line: the workload, its TTFT, TPOT and tokens/s per GPU, the GPUs
+/// `--rps` needs, and how many points meet the targets.
+fn chosen_point_line(
+    run: &Run<'_>,
+    point: &sla::ParetoPoint,
+    points: &[sla::ParetoPoint],
+) -> String {
+    let settings = run.settings;
+    let n_gpus = run.cluster.n_gpus();
+    format!(
+        "for {} prompt and {} output tokens per request{}: {} at {} sequences per replica gives TTFT {:.0} ms, TPOT {:.1} ms, {:.0} tokens/s per GPU{}, the {} of the {} layout-and-batch points that meet the targets",
+        settings.workload.isl_tokens,
+        settings.workload.osl_tokens,
+        targets_text(&settings.workload),
+        point.parallel,
+        point.batch_per_replica,
+        point.ttft_secs * 1e3,
+        point.tpot_secs * 1e3,
+        point.tokens_per_sec_per_gpu,
+        point.gpus_for_rps.map_or(String::new(), |g| format!(
+            ", and {g} of the cluster's {n_gpus} GPUs ({} replica{} of this layout) serve {} requests/s",
+            g / (point.parallel.tp * point.parallel.pp).max(1),
+            if g / (point.parallel.tp * point.parallel.pp).max(1) == 1 { "" } else { "s" },
+            settings.workload.requests_per_sec.unwrap_or_default()
+        )),
+        match (settings.objective, point.gpus_for_rps) {
+            (Objective::Cost, Some(_)) => "fewest GPUs",
+            (Objective::Throughput | Objective::Cost, _) => "most tokens/s per GPU",
+            (Objective::Latency, _) => "most tokens/s per user",
+        },
+        points.iter().filter(|p| p.meets_sla).count()
+    )
 }
 
 /// ` within TTFT ≤ … and TPOT ≤ …` for the targets given.
@@ -828,120 +974,30 @@ fn enumerate(spec: &ModelSpec, n_gpus: u64, settings: &Settings) -> Vec<Parallel
 }
 
 /// Checks one layout and, when it is valid and fits, estimates it.
-fn evaluate(
-    spec: &ModelSpec,
-    cluster: &Cluster,
-    settings: &Settings,
-    parallel: Parallel,
-    dtype: Dtype,
-    kv_dtype: Dtype,
-    max_model_len: u64,
-) -> Candidate {
+fn evaluate(run: &Run<'_>, parallel: Parallel) -> Candidate {
     let mut warnings = Vec::new();
     let mut kv_tokens_that_fit = None;
     let verdict = (|| {
-        let Parallel { tp, pp, ep, dp } = parallel;
-        if tp == 0 || pp == 0 || ep == 0 || dp == 0 {
-            return Err("degrees must be at least 1".to_string());
-        }
-        if !spec.n_heads.is_multiple_of(tp) {
-            let valid: Vec<String> = (1..=spec.n_heads)
-                .filter(|d| spec.n_heads.is_multiple_of(*d))
-                .map(|d| d.to_string())
-                .collect();
-            return Err(format!(
-                "tp={tp} does not divide {} attention heads (valid tp: {})",
-                spec.n_heads,
-                valid.join(", ")
-            ));
-        }
-        if spec.mla.is_none() && !spec.n_kv_heads.is_multiple_of(tp) && tp % spec.n_kv_heads != 0 {
-            return Err(format!(
-                "tp={tp} neither divides nor is a multiple of {} KV heads",
-                spec.n_kv_heads
-            ));
-        }
-        match &spec.moe {
-            None if ep > 1 => {
-                return Err(format!(
-                    "ep={ep} needs a mixture-of-experts model; `{}` is dense",
-                    spec.name
-                ));
-            }
-            Some(moe) if moe.n_experts % ep != 0 => {
-                return Err(format!("ep={ep} does not divide {} experts", moe.n_experts));
-            }
-            _ => {}
-        }
-        if (tp * dp) % ep != 0 {
-            return Err(format!("ep={ep} does not divide tp·dp = {}", tp * dp));
-        }
-        if pp > spec.n_layers {
-            return Err(format!("pp={pp} exceeds {} layers", spec.n_layers));
-        }
-        if parallel.world_size() > cluster.n_gpus() {
-            return Err(format!(
-                "needs {} GPUs; the cluster has {}",
-                parallel.world_size(),
-                cluster.n_gpus()
-            ));
-        }
-        let layout = layout::place(&parallel, cluster);
-        match layout.tp_worst_link {
-            None if settings.tp.is_some() => warnings.push(format!(
-                "TP{tp} groups span hosts: every layer's all-reduce crosses the network (keep TP inside a node, PP across)"
-            )),
-            None => return Err(format!("TP{tp} would span hosts ({} GPUs per host): TP stays inside a node", cluster.min_gpus_per_host())),
-            Some(LinkCode::Sys) if settings.tp.is_some() => warnings.push(format!(
-                "TP{tp} groups cross the CPU interconnect (SYS): all-reduces run at a fraction of PCIe speed"
-            )),
-            Some(LinkCode::Sys) => return Err(format!("TP{tp} groups would cross the CPU interconnect (SYS path between GPUs)")),
-            Some(code) if tp > 1 && !code.is_nvlink() => {
-                warnings.push(format!("TP{tp} groups are not all NVLinked (worst pair {code}): all-reduces run over PCIe"));
-            }
-            _ => {}
-        }
-        if layout.ep_crosses_hosts {
-            warnings.push(format!(
-                "EP{ep} groups span hosts: every MoE layer's all-to-all crosses the network"
-            ));
-        }
+        check_degrees(run.spec, run.cluster, parallel)?;
+        let layout = layout::place(&parallel, run.cluster);
+        check_layout(run, parallel, &layout, &mut warnings)?;
         let stages = memory::stage_memory(
-            spec,
+            run.spec,
             &parallel,
-            dtype,
-            kv_dtype,
-            cluster.min_memory_bytes(),
-            settings.gpu_memory_utilization,
+            run.dtype,
+            run.kv_dtype,
+            run.cluster.min_memory_bytes(),
+            run.settings.gpu_memory_utilization,
         );
-        if let Some(full) = stages
-            .iter()
-            .find(|s| s.weights_bytes + s.reserve_bytes > s.usable_bytes)
-        {
-            return Err(format!(
-                "weights {:.1} GiB + reserve {:.1} GiB per GPU exceed the {:.1} GiB usable (stage {})",
-                gib(full.weights_bytes),
-                gib(full.reserve_bytes),
-                gib(full.usable_bytes),
-                full.pp_rank
-            ));
-        }
-        let kv_tokens = stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
-        if kv_tokens < max_model_len {
-            kv_tokens_that_fit = Some(kv_tokens);
-            return Err(format!(
-                "no room for KV cache: {:.1} GiB left per GPU holds {kv_tokens} tokens < --max-model-len {max_model_len}",
-                gib(stages.iter().map(|s| s.kv_cache_bytes).min().unwrap_or(0))
-            ));
-        }
+        check_memory(&stages, run.max_model_len_tokens, &mut kv_tokens_that_fit)?;
         let estimate = cost::estimate(
-            spec,
+            run.spec,
             &parallel,
             &stages,
-            dtype,
-            cluster.slowest_hardware(),
+            run.dtype,
+            run.cluster.slowest_hardware(),
             &layout.links,
-            max_model_len,
+            run.max_model_len_tokens,
         );
         Ok((estimate, stages, layout))
     })();
@@ -951,6 +1007,131 @@ fn evaluate(
         warnings,
         kv_tokens_that_fit,
     }
+}
+
+/// Checks the degrees of `parallel` against the model and the cluster's GPU count.
+///
+/// Errors: why the layout is invalid (a degree of 0, TP not dividing the heads, EP on a
+/// dense model or not dividing the experts or TP·DP, more stages than layers, more GPUs
+/// than the cluster has), as the alternative's reason.
+fn check_degrees(spec: &ModelSpec, cluster: &Cluster, parallel: Parallel) -> Result<(), String> {
+    let Parallel { tp, pp, ep, dp } = parallel;
+    if tp == 0 || pp == 0 || ep == 0 || dp == 0 {
+        return Err("degrees must be at least 1".to_string());
+    }
+    if !spec.n_heads.is_multiple_of(tp) {
+        let valid: Vec<String> = (1..=spec.n_heads)
+            .filter(|d| spec.n_heads.is_multiple_of(*d))
+            .map(|d| d.to_string())
+            .collect();
+        return Err(format!(
+            "tp={tp} does not divide {} attention heads (valid tp: {})",
+            spec.n_heads,
+            valid.join(", ")
+        ));
+    }
+    if spec.mla.is_none() && !spec.n_kv_heads.is_multiple_of(tp) && tp % spec.n_kv_heads != 0 {
+        return Err(format!(
+            "tp={tp} neither divides nor is a multiple of {} KV heads",
+            spec.n_kv_heads
+        ));
+    }
+    match &spec.moe {
+        None if ep > 1 => {
+            return Err(format!(
+                "ep={ep} needs a mixture-of-experts model; `{}` is dense",
+                spec.name
+            ));
+        }
+        Some(moe) if moe.n_experts % ep != 0 => {
+            return Err(format!("ep={ep} does not divide {} experts", moe.n_experts));
+        }
+        _ => {}
+    }
+    if (tp * dp) % ep != 0 {
+        return Err(format!("ep={ep} does not divide tp·dp = {}", tp * dp));
+    }
+    if pp > spec.n_layers {
+        return Err(format!("pp={pp} exceeds {} layers", spec.n_layers));
+    }
+    if parallel.world_size() > cluster.n_gpus() {
+        return Err(format!(
+            "needs {} GPUs; the cluster has {}",
+            parallel.world_size(),
+            cluster.n_gpus()
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the links of a placed layout: TP stays inside a node and off the CPU
+/// interconnect unless `--tp` pins it (then a warning); TP over PCIe and EP across hosts
+/// are warnings.
+///
+/// Errors: TP groups that would span hosts or cross a `SYS` path, unpinned.
+fn check_layout(
+    run: &Run<'_>,
+    parallel: Parallel,
+    layout: &layout::Layout,
+    warnings: &mut Vec<String>,
+) -> Result<(), String> {
+    let Parallel { tp, ep, .. } = parallel;
+    let (settings, cluster) = (run.settings, run.cluster);
+    match layout.tp_worst_link {
+        None if settings.tp.is_some() => warnings.push(format!(
+            "TP{tp} groups span hosts: every layer's all-reduce crosses the network (keep TP inside a node, PP across)"
+        )),
+        None => return Err(format!("TP{tp} would span hosts ({} GPUs per host): TP stays inside a node", cluster.min_gpus_per_host())),
+        Some(LinkCode::Sys) if settings.tp.is_some() => warnings.push(format!(
+            "TP{tp} groups cross the CPU interconnect (SYS): all-reduces run at a fraction of PCIe speed"
+        )),
+        Some(LinkCode::Sys) => return Err(format!("TP{tp} groups would cross the CPU interconnect (SYS path between GPUs)")),
+        Some(code) if tp > 1 && !code.is_nvlink() => {
+            warnings.push(format!("TP{tp} groups are not all NVLinked (worst pair {code}): all-reduces run over PCIe"));
+        }
+        _ => {}
+    }
+    if layout.ep_crosses_hosts {
+        warnings.push(format!(
+            "EP{ep} groups span hosts: every MoE layer's all-to-all crosses the network"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that every stage's GPU holds its weights and reserve, and a KV cache of
+/// `max_model_len_tokens`; when only the KV cache falls short, `kv_tokens_that_fit` gets
+/// the tokens it does hold.
+///
+/// Errors: the stage whose weights and reserve exceed the usable memory, or the KV cache's
+/// shortfall, as the alternative's reason.
+fn check_memory(
+    stages: &[StageMemory],
+    max_model_len_tokens: u64,
+    kv_tokens_that_fit: &mut Option<u64>,
+) -> Result<(), String> {
+    let max_model_len = max_model_len_tokens;
+    if let Some(full) = stages
+        .iter()
+        .find(|s| s.weights_bytes + s.reserve_bytes > s.usable_bytes)
+    {
+        return Err(format!(
+            "weights {:.1} GiB + reserve {:.1} GiB per GPU exceed the {:.1} GiB usable (stage {})",
+            gib(full.weights_bytes),
+            gib(full.reserve_bytes),
+            gib(full.usable_bytes),
+            full.pp_rank
+        ));
+    }
+    let kv_tokens = stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
+    if kv_tokens < max_model_len {
+        *kv_tokens_that_fit = Some(kv_tokens);
+        return Err(format!(
+            "no room for KV cache: {:.1} GiB left per GPU holds {kv_tokens} tokens < --max-model-len {max_model_len}",
+            gib(stages.iter().map(|s| s.kv_cache_bytes).min().unwrap_or(0))
+        ));
+    }
+    Ok(())
 }
 
 /// Better first: by objective, then fewer GPUs per replica (less communication), then less PP.
@@ -1017,17 +1198,14 @@ fn describe(
 }
 
 /// The decision path (the tree of the module doc) in words, the choice, and the runners-up.
-#[allow(clippy::too_many_arguments)]
 fn explain(
-    spec: &ModelSpec,
-    cluster: &Cluster,
-    settings: &Settings,
-    dtype: Dtype,
-    max_model_len: u64,
+    run: &Run<'_>,
     candidates: &[Candidate],
     ranked: &[&Candidate],
     fits_without_pp: bool,
 ) -> Vec<String> {
+    let (spec, cluster, settings, dtype) = (run.spec, run.cluster, run.settings, run.dtype);
+    let max_model_len = run.max_model_len_tokens;
     let hardware = cluster.slowest_hardware();
     let usable = cluster.min_memory_bytes() as f64 * settings.gpu_memory_utilization;
     let weights = spec.weight_bytes(dtype);
@@ -1048,6 +1226,20 @@ fn explain(
             cluster.min_gpus_per_host()
         ),
     ];
+    lines.push(decision(run, candidates));
+    if !fits_without_pp && ranked.iter().all(|c| c.parallel.pp > 1) && !ranked.is_empty() {
+        lines.push(format!(
+            "KV cache must hold --max-model-len {max_model_len} tokens on every stage"
+        ));
+    }
+    lines.extend(chosen_lines(ranked, settings.objective));
+    lines
+}
+
+/// The step of the decision tree the candidates took: pinned degrees, one GPU, experts
+/// sharded without TP, TP inside a node, or TP × PP inside one node or across nodes.
+fn decision(run: &Run<'_>, candidates: &[Candidate]) -> String {
+    let (cluster, settings) = (run.cluster, run.settings);
     let fits = |pred: &dyn Fn(&Parallel) -> bool| {
         candidates
             .iter()
@@ -1071,7 +1263,7 @@ fn explain(
     .iter()
     .filter_map(|(flag, value)| value.map(|v| format!("{} {v} (--{flag})", flag.to_uppercase())))
     .collect();
-    lines.push(if !pinned.is_empty() {
+    if !pinned.is_empty() {
         // The candidates are only the pinned layouts: what fits elsewhere is unknown here.
         format!(
             "{} pinned by the flags: only layouts with {} were searched",
@@ -1085,7 +1277,10 @@ fn explain(
             "does not fit one GPU; fits without TP when its experts are sharded over EP{ep} (each GPU holds 1/{ep} of them) → attention data-parallel, experts expert-parallel (TP only if it wins on the objective)"
         )
     } else if one_node {
-        format!("does not fit one GPU; fits with TP inside a node → TP ≤ {} (× DP for the remaining GPUs)", cluster.min_gpus_per_host())
+        format!(
+            "does not fit one GPU; fits with TP inside a node → TP ≤ {} (× DP for the remaining GPUs)",
+            cluster.min_gpus_per_host()
+        )
     } else if cluster.hosts.len() == 1 {
         // One node: the stages share it; nothing crosses a network.
         format!(
@@ -1094,19 +1289,20 @@ fn explain(
         )
     } else {
         "does not fit TP inside one node → TP inside the node × PP across nodes".to_string()
-    });
-    if !fits_without_pp && ranked.iter().all(|c| c.parallel.pp > 1) && !ranked.is_empty() {
-        lines.push(format!(
-            "KV cache must hold --max-model-len {max_model_len} tokens on every stage"
-        ));
     }
+}
+
+/// The `chosen: ` line of the best ranked layout and a `  not …` line for each of the next
+/// three; none when nothing is ranked.
+fn chosen_lines(ranked: &[&Candidate], objective: Objective) -> Vec<String> {
+    let mut lines = Vec::new();
     if let Some(best) = ranked.first()
         && let Ok((estimate, ..)) = &best.verdict
     {
         lines.push(format!(
             "chosen: {} for {}: TPOT {:.2} ms at batch 1; {:.0} tokens/s at {} sequences per replica",
             best.parallel,
-            match settings.objective {
+            match objective {
                 Objective::Latency => "latency",
                 Objective::Throughput => "throughput",
                 Objective::Cost => "cost",
@@ -1116,7 +1312,7 @@ fn explain(
             estimate.batch_per_replica
         ));
         for runner_up in ranked.iter().skip(1).take(3) {
-            let alternative = describe(runner_up, Some(best), false, settings.objective);
+            let alternative = describe(runner_up, Some(best), false, objective);
             lines.push(format!(
                 "  not {}: {}",
                 runner_up.parallel, alternative.reason
@@ -1127,17 +1323,13 @@ fn explain(
 }
 
 /// Why nothing works, with the numbers and the fix.
-#[allow(clippy::too_many_arguments)]
 fn infeasible(
-    spec: &ModelSpec,
-    cluster: &Cluster,
-    settings: &Settings,
-    dtype: Dtype,
-    kv_dtype: Dtype,
-    max_model_len: u64,
+    run: &Run<'_>,
     candidates: &[Candidate],
     alternatives: Vec<Alternative>,
 ) -> Infeasible {
+    let (spec, cluster, settings) = (run.spec, run.cluster, run.settings);
+    let (dtype, kv_dtype, max_model_len) = (run.dtype, run.kv_dtype, run.max_model_len_tokens);
     let n_gpus = cluster.n_gpus();
     let per_host = cluster.min_gpus_per_host().max(1);
     let memory_bytes = cluster.min_memory_bytes();
