@@ -222,122 +222,149 @@ async fn metrics(Ready(state, _): Ready) -> Response {
     for replica in &replicas {
         m.add(replica);
     }
-    let series = [
-        (
-            "infer_requests_running",
-            "Sequences in the running batch.",
-            "gauge",
-            m.running,
-        ),
-        (
-            "infer_requests_waiting",
-            "Requests waiting to join the batch.",
-            "gauge",
-            m.waiting,
-        ),
-        (
-            "infer_requests_total",
-            "Requests received.",
-            "counter",
-            m.requests_total,
-        ),
-        (
-            "infer_prompt_tokens_total",
-            "Prompt tokens processed.",
-            "counter",
-            m.prompt_tokens_total,
-        ),
-        (
-            "infer_generation_tokens_total",
-            "Tokens generated.",
-            "counter",
-            m.generation_tokens_total,
-        ),
-        (
-            "infer_kv_cache_bytes",
-            "KV-cache bytes held by running sequences.",
-            "gauge",
-            m.kv_cache_bytes,
-        ),
-        (
-            "infer_kv_cache_blocks_used",
-            "KV-cache blocks (16 positions each) held by live sequences.",
-            "gauge",
-            m.kv_blocks_used,
-        ),
-        (
-            "infer_kv_cache_blocks_total",
-            "KV-cache blocks the pool can hold.",
-            "gauge",
-            m.kv_blocks_total,
-        ),
-        (
-            "infer_preemptions_total",
-            "Sequences preempted (KV blocks freed, recomputed later) because blocks ran out.",
-            "counter",
-            m.preemptions_total,
-        ),
-        (
-            "infer_prefix_cache_queries_total",
-            "Prompt tokens of admitted sequences looked up in the prefix cache.",
-            "counter",
-            m.prefix_cache_queries_total,
-        ),
-        (
-            "infer_prefix_cache_hits_total",
-            "Prompt tokens whose KV blocks the prefix cache supplied.",
-            "counter",
-            m.prefix_cache_hits_total,
-        ),
-        (
-            "infer_pd_kv_bytes_sent_total",
-            "Prefill/decode disaggregation: KV bytes prefill replicas sent to decode replicas (by each driver rank's shard).",
-            "counter",
-            m.pd_kv_bytes_sent_total,
-        ),
-        (
-            "infer_pd_kv_send_microseconds_total",
-            "Prefill/decode disaggregation: time spent sending those KV bytes, microseconds.",
-            "counter",
-            m.pd_kv_send_micros_total,
-        ),
-        (
-            "infer_pd_kv_bytes_sent_shm_total",
-            "Prefill/decode disaggregation: of the KV bytes sent, those that went through a shared ring in /dev/shm (prefill and decode rank on one host); the rest went over TCP.",
-            "counter",
-            m.pd_kv_bytes_sent_shm_total,
-        ),
-        (
-            "infer_pd_kv_parts_sent_total",
-            "Prefill/decode disaggregation: KV parts sent, each a chunk of a prompt's positions as the prefill computed it (by each driver rank's shard).",
-            "counter",
-            m.pd_kv_parts_sent_total,
-        ),
-        (
-            "infer_pd_handoffs_total",
-            "Prefill/decode disaggregation: requests a prefill replica handed to a decode replica.",
-            "counter",
-            m.pd_handoffs_total,
-        ),
-        (
-            "infer_pd_decode_prefill_tokens_total",
-            "Prefill/decode disaggregation: prompt tokens a decode replica computed itself (recomputation after preemption).",
-            "counter",
-            m.pd_decode_prefill_tokens_total,
-        ),
-        (
-            "infer_pd_transfer_failures_total",
-            "Prefill/decode disaggregation: requests failed because their KV transfer failed.",
-            "counter",
-            m.pd_transfer_failures_total,
-        ),
-        (
-            "infer_prefix_cache_evictions_total",
-            "Cached KV blocks evicted (least recently used first) to make room.",
-            "counter",
-            m.prefix_cache_evictions_total,
-        ),
-    ];
+    let mut text = render_totals(&m);
+    if let Some(prefill) = state.scheduler.prefill_replicas() {
+        text.push_str(&render_roles(&replicas, prefill));
+    }
+    if state.scheduler.replicas() > 1 {
+        text.push_str(&render_routing(
+            &state.scheduler.routed(),
+            &state.scheduler.decisions(),
+        ));
+    }
+    ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// One plain Prometheus series of `/metrics`: its name, help, type and value.
+struct Series {
+    name: &'static str,
+    help: &'static str,
+    /// `gauge` or `counter`.
+    kind: &'static str,
+    value: fn(&MetricsSnapshot) -> u64,
+}
+
+/// Every plain series of `/metrics`, in the order they are rendered.
+const SERIES: [Series; 19] = [
+    Series {
+        name: "infer_requests_running",
+        help: "Sequences in the running batch.",
+        kind: "gauge",
+        value: |m| m.running,
+    },
+    Series {
+        name: "infer_requests_waiting",
+        help: "Requests waiting to join the batch.",
+        kind: "gauge",
+        value: |m| m.waiting,
+    },
+    Series {
+        name: "infer_requests_total",
+        help: "Requests received.",
+        kind: "counter",
+        value: |m| m.requests_total,
+    },
+    Series {
+        name: "infer_prompt_tokens_total",
+        help: "Prompt tokens processed.",
+        kind: "counter",
+        value: |m| m.prompt_tokens_total,
+    },
+    Series {
+        name: "infer_generation_tokens_total",
+        help: "Tokens generated.",
+        kind: "counter",
+        value: |m| m.generation_tokens_total,
+    },
+    Series {
+        name: "infer_kv_cache_bytes",
+        help: "KV-cache bytes held by running sequences.",
+        kind: "gauge",
+        value: |m| m.kv_cache_bytes,
+    },
+    Series {
+        name: "infer_kv_cache_blocks_used",
+        help: "KV-cache blocks (16 positions each) held by live sequences.",
+        kind: "gauge",
+        value: |m| m.kv_blocks_used,
+    },
+    Series {
+        name: "infer_kv_cache_blocks_total",
+        help: "KV-cache blocks the pool can hold.",
+        kind: "gauge",
+        value: |m| m.kv_blocks_total,
+    },
+    Series {
+        name: "infer_preemptions_total",
+        help: "Sequences preempted (KV blocks freed, recomputed later) because blocks ran out.",
+        kind: "counter",
+        value: |m| m.preemptions_total,
+    },
+    Series {
+        name: "infer_prefix_cache_queries_total",
+        help: "Prompt tokens of admitted sequences looked up in the prefix cache.",
+        kind: "counter",
+        value: |m| m.prefix_cache_queries_total,
+    },
+    Series {
+        name: "infer_prefix_cache_hits_total",
+        help: "Prompt tokens whose KV blocks the prefix cache supplied.",
+        kind: "counter",
+        value: |m| m.prefix_cache_hits_total,
+    },
+    Series {
+        name: "infer_pd_kv_bytes_sent_total",
+        help: "Prefill/decode disaggregation: KV bytes prefill replicas sent to decode replicas (by each driver rank's shard).",
+        kind: "counter",
+        value: |m| m.pd_kv_bytes_sent_total,
+    },
+    Series {
+        name: "infer_pd_kv_send_microseconds_total",
+        help: "Prefill/decode disaggregation: time spent sending those KV bytes, microseconds.",
+        kind: "counter",
+        value: |m| m.pd_kv_send_micros_total,
+    },
+    Series {
+        name: "infer_pd_kv_bytes_sent_shm_total",
+        help: "Prefill/decode disaggregation: of the KV bytes sent, those that went through a shared ring in /dev/shm (prefill and decode rank on one host); the rest went over TCP.",
+        kind: "counter",
+        value: |m| m.pd_kv_bytes_sent_shm_total,
+    },
+    Series {
+        name: "infer_pd_kv_parts_sent_total",
+        help: "Prefill/decode disaggregation: KV parts sent, each a chunk of a prompt's positions as the prefill computed it (by each driver rank's shard).",
+        kind: "counter",
+        value: |m| m.pd_kv_parts_sent_total,
+    },
+    Series {
+        name: "infer_pd_handoffs_total",
+        help: "Prefill/decode disaggregation: requests a prefill replica handed to a decode replica.",
+        kind: "counter",
+        value: |m| m.pd_handoffs_total,
+    },
+    Series {
+        name: "infer_pd_decode_prefill_tokens_total",
+        help: "Prefill/decode disaggregation: prompt tokens a decode replica computed itself (recomputation after preemption).",
+        kind: "counter",
+        value: |m| m.pd_decode_prefill_tokens_total,
+    },
+    Series {
+        name: "infer_pd_transfer_failures_total",
+        help: "Prefill/decode disaggregation: requests failed because their KV transfer failed.",
+        kind: "counter",
+        value: |m| m.pd_transfer_failures_total,
+    },
+    Series {
+        name: "infer_prefix_cache_evictions_total",
+        help: "Cached KV blocks evicted (least recently used first) to make room.",
+        kind: "counter",
+        value: |m| m.prefix_cache_evictions_total,
+    },
+];
+
+/// The Prometheus text of every replica's metrics added up (`m`): the KV-cache usage and
+/// prefix-cache hit ratios, every [`SERIES`], and the TTFT and TPOT histograms (seconds).
+fn render_totals(m: &MetricsSnapshot) -> String {
     let mut text = format!(
         "# HELP infer_kv_cache_usage_ratio Fraction of the KV-cache blocks in use (0 to 1).\n# TYPE infer_kv_cache_usage_ratio gauge\ninfer_kv_cache_usage_ratio {}\n",
         m.kv_blocks_used as f64 / m.kv_blocks_total.max(1) as f64
@@ -346,7 +373,14 @@ async fn metrics(Ready(state, _): Ready) -> Response {
         "# HELP infer_prefix_cache_hit_rate Fraction of the looked-up prompt tokens found in the prefix cache (0 to 1).\n# TYPE infer_prefix_cache_hit_rate gauge\ninfer_prefix_cache_hit_rate {}\n",
         m.prefix_cache_hits_total as f64 / m.prefix_cache_queries_total.max(1) as f64
     ));
-    for (name, help, kind, value) in series {
+    for Series {
+        name,
+        help,
+        kind,
+        value,
+    } in &SERIES
+    {
+        let value = value(m);
         text.push_str(&format!(
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
         ));
@@ -359,27 +393,30 @@ async fn metrics(Ready(state, _): Ready) -> Response {
         "infer_time_per_output_token_seconds",
         "Time per output token after the first.",
     ));
-    if let Some(prefill) = state.scheduler.prefill_replicas() {
-        text.push_str(&render_roles(&replicas, prefill));
+    text
+}
+
+/// Data parallelism's Prometheus counters: the requests `routed` to each replica, and the
+/// router's `decisions` per replica by [`router::RouteReason`].
+fn render_routing(routed: &[u64], decisions: &[[u64; 3]]) -> String {
+    let mut text = String::from(
+        "# HELP infer_dp_requests_routed_total Requests routed to each data-parallel replica.\n# TYPE infer_dp_requests_routed_total counter\n",
+    );
+    for (replica, count) in routed.iter().enumerate() {
+        text.push_str(&format!(
+            "infer_dp_requests_routed_total{{replica=\"{replica}\"}} {count}\n"
+        ));
     }
-    if state.scheduler.replicas() > 1 {
-        text.push_str("# HELP infer_dp_requests_routed_total Requests routed to each data-parallel replica.\n# TYPE infer_dp_requests_routed_total counter\n");
-        for (replica, count) in state.scheduler.routed().iter().enumerate() {
+    text.push_str("# HELP infer_router_decisions_total Requests routed to each replica, by the cache-aware policy's reason.\n# TYPE infer_router_decisions_total counter\n");
+    for (replica, counts) in decisions.iter().enumerate() {
+        for (reason, count) in router::RouteReason::ALL.iter().zip(counts) {
             text.push_str(&format!(
-                "infer_dp_requests_routed_total{{replica=\"{replica}\"}} {count}\n"
+                "infer_router_decisions_total{{replica=\"{replica}\",reason=\"{}\"}} {count}\n",
+                reason.name()
             ));
         }
-        text.push_str("# HELP infer_router_decisions_total Requests routed to each replica, by the cache-aware policy's reason.\n# TYPE infer_router_decisions_total counter\n");
-        for (replica, counts) in state.scheduler.decisions().iter().enumerate() {
-            for (reason, count) in router::RouteReason::ALL.iter().zip(counts) {
-                text.push_str(&format!(
-                    "infer_router_decisions_total{{replica=\"{replica}\",reason=\"{}\"}} {count}\n",
-                    reason.name()
-                ));
-            }
-        }
     }
-    ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+    text
 }
 
 /// Prefill/decode disaggregation's metrics by role (`role="prefill"`: replicas
@@ -557,12 +594,44 @@ fn parse(body: &Bytes) -> Result<Body, ApiError> {
 /// Checks every field of `body` for `endpoint` (unsupported values refused by name, numbers
 /// against their ranges) and builds the sampling parameters; `default_max_tokens` when the
 /// body has none.
+///
+/// Errors: a 404 for another model, a 400 naming the first field at fault, in the order of
+/// the helpers called here.
 fn check(
     state: &AppState,
     body: &Body,
     endpoint: Endpoint,
     default_max_tokens: usize,
 ) -> Result<Checked, ApiError> {
+    check_model(state, body)?;
+    check_endpoint_fields(body, endpoint)?;
+    check_unsupported(body)?;
+    let n = check_n(body)?;
+    let max_tokens = check_max_tokens(state, body, default_max_tokens)?;
+    let (temperature, top_p, top_k) = check_sampling(body)?;
+    let stop = check_stop(body)?;
+    let (logprobs, top_logprobs) = check_logprobs(body, endpoint)?;
+    let (stream, include_usage) = check_stream(body)?;
+    Ok(Checked {
+        params: SamplingParams {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+            // A negative seed keeps its bits (OpenAI's seed is any integer).
+            seed: body.seed.map(|s| s as u64),
+            max_tokens,
+            stop,
+            logprobs,
+            top_logprobs,
+        },
+        n: n as usize,
+        stream,
+        include_usage,
+    })
+}
+
+/// Checks that `body` names no model but the served one. Errors: a 404 `model_not_found`.
+fn check_model(state: &AppState, body: &Body) -> Result<(), ApiError> {
     if let Some(model) = &body.model
         && model != &state.model_id
     {
@@ -576,6 +645,12 @@ fn check(
             ))
         });
     }
+    Ok(())
+}
+
+/// Checks that `body` holds no field of the other endpoint than `endpoint`. Errors: a 400
+/// naming the first such field and where it belongs.
+fn check_endpoint_fields(body: &Body, endpoint: Endpoint) -> Result<(), ApiError> {
     let wrong_endpoint = match endpoint {
         Endpoint::Completions => [
             ("messages", body.messages.is_some()),
@@ -601,6 +676,12 @@ fn check(
             format!("`{field}` belongs to {other}, not this endpoint"),
         ));
     }
+    Ok(())
+}
+
+/// Checks the fields accepted only at their defaults: tools, penalties, `logit_bias`,
+/// `echo`, `suffix`, `response_format`. Errors: a 400 naming the first field set otherwise.
+fn check_unsupported(body: &Body) -> Result<(), ApiError> {
     for (field, present) in [
         ("tools", body.tools.is_some()),
         ("tool_choice", body.tool_choice.is_some()),
@@ -653,6 +734,12 @@ fn check(
             ));
         }
     }
+    Ok(())
+}
+
+/// The choices `body` asks for (`n`, 1 by default). Errors: a 400 for `n` outside 1 to
+/// [`MAX_N`], or a `best_of` other than `n`.
+fn check_n(body: &Body) -> Result<u64, ApiError> {
     let n = body.n.unwrap_or(1);
     if n == 0 || n > MAX_N {
         return Err(bad_field("n", format!("`n` must be 1 to {MAX_N}, got {n}")));
@@ -665,6 +752,17 @@ fn check(
             format!("`best_of` is not supported (only equal to `n`, {n}), got {best_of}"),
         ));
     }
+    Ok(n)
+}
+
+/// The tokens to generate at most: `max_tokens` or `max_completion_tokens`, else
+/// `default_max_tokens`. Errors: a 400 for two different values, 0, or more than the
+/// model's context.
+fn check_max_tokens(
+    state: &AppState,
+    body: &Body,
+    default_max_tokens: usize,
+) -> Result<usize, ApiError> {
     let max_tokens = match (body.max_tokens, body.max_completion_tokens) {
         (Some(a), Some(b)) if a != b => {
             return Err(bad_field(
@@ -683,7 +781,7 @@ fn check(
     if max_tokens == 0 {
         return Err(bad_field(field, format!("`{field}` must be at least 1")));
     }
-    let max_tokens = usize::try_from(max_tokens)
+    usize::try_from(max_tokens)
         .ok()
         .filter(|&v| v <= state.max_context_tokens)
         .ok_or_else(|| {
@@ -694,7 +792,13 @@ fn check(
                     state.max_context_tokens
                 ),
             )
-        })?;
+        })
+}
+
+/// The sampling knobs `(temperature, top_p, top_k)`, defaults 1, 1 and 0 (all tokens).
+/// Errors: a 400 for a temperature outside [0, 2], a `top_p` outside (0, 1], a negative
+/// `top_k` other than -1.
+fn check_sampling(body: &Body) -> Result<(f64, f64, usize), ApiError> {
     let temperature = body.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(bad_field(
@@ -719,6 +823,11 @@ fn check(
             ));
         }
     };
+    Ok((temperature, top_p, top_k))
+}
+
+/// The stop strings (none by default). Errors: a 400 for an empty one.
+fn check_stop(body: &Body) -> Result<Vec<String>, ApiError> {
     let stop = match &body.stop {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s.clone()],
@@ -727,20 +836,26 @@ fn check(
     if stop.iter().any(String::is_empty) {
         return Err(bad_field("stop", "`stop` strings must not be empty"));
     }
-    let (logprobs, top_logprobs) = match endpoint {
+    Ok(stop)
+}
+
+/// Whether to report logprobs, and how many alternatives per token: completions'
+/// `logprobs` is a count (0 to 5), chat's a flag with `top_logprobs` (0 to
+/// [`MAX_TOP_LOGPROBS`]). Errors: a 400 for a value of the wrong kind or range, or
+/// `top_logprobs` without `logprobs: true`.
+fn check_logprobs(body: &Body, endpoint: Endpoint) -> Result<(bool, usize), ApiError> {
+    match endpoint {
         Endpoint::Completions => match &body.logprobs {
-            None | Some(Value::Null) => (false, 0),
+            None | Some(Value::Null) => Ok((false, 0)),
             Some(Value::Number(k)) if k.as_u64().is_some_and(|k| k <= 5) => {
-                (true, k.as_u64().unwrap_or(0) as usize)
+                Ok((true, k.as_u64().unwrap_or(0) as usize))
             }
-            Some(other) => {
-                return Err(bad_field(
-                    "logprobs",
-                    format!(
-                        "`logprobs` on /v1/completions is the number of alternatives per token, 0 to 5; got {other}"
-                    ),
-                ));
-            }
+            Some(other) => Err(bad_field(
+                "logprobs",
+                format!(
+                    "`logprobs` on /v1/completions is the number of alternatives per token, 0 to 5; got {other}"
+                ),
+            )),
         },
         Endpoint::Chat => {
             let on = match &body.logprobs {
@@ -768,9 +883,15 @@ fn check(
                     "`top_logprobs` needs `logprobs: true`",
                 ));
             }
-            (on, top as usize)
+            Ok((on, top as usize))
         }
-    };
+    }
+}
+
+/// Whether to stream, and whether a last chunk carries the usage
+/// (`stream_options.include_usage`). Errors: a 400 for `stream_options` without
+/// `stream: true`, or `continuous_usage_stats: true`.
+fn check_stream(body: &Body) -> Result<(bool, bool), ApiError> {
     let stream = body.stream.unwrap_or(false);
     let include_usage = match &body.stream_options {
         None => false,
@@ -790,22 +911,7 @@ fn check(
             options.include_usage.unwrap_or(false)
         }
     };
-    Ok(Checked {
-        params: SamplingParams {
-            temperature: temperature as f32,
-            top_k,
-            top_p: top_p as f32,
-            // A negative seed keeps its bits (OpenAI's seed is any integer).
-            seed: body.seed.map(|s| s as u64),
-            max_tokens,
-            stop,
-            logprobs,
-            top_logprobs,
-        },
-        n: n as usize,
-        stream,
-        include_usage,
-    })
+    Ok((stream, include_usage))
 }
 
 /// The parameters of choice `index` of `n`: its own seed (`seed + index`), so seeded
@@ -1319,15 +1425,12 @@ async fn completions(
         .inspect_err(|e| log_access(&state, "/v1/completions", Err(e), started))
 }
 
-async fn completions_inner(
-    state: Arc<AppState>,
-    cancel: Cancel,
-    headers: HeaderMap,
-    body: Bytes,
-    started: Instant,
-) -> Result<Response, ApiError> {
-    const PATH: &str = "/v1/completions";
-    let (request, checked) = read(&state, &headers, &body, Endpoint::Completions, 16)?;
+/// The prompt of a `/v1/completions` body as token ids: its text encoded, or its list of
+/// token ids as given.
+///
+/// Errors (400, `param` `prompt`): no prompt, one of another type, a text the tokenizer
+/// refuses, a token id outside the vocabulary.
+fn completion_prompt_tokens(state: &AppState, request: &Body) -> Result<Vec<u32>, ApiError> {
     let prompt_tokens = match &request.prompt {
         Some(Value::String(text)) => match state.tokenizer.encode(text, true) {
             Ok(ids) => ids,
@@ -1355,6 +1458,19 @@ async fn completions_inner(
             "`prompt` holds a token id outside the vocabulary",
         ));
     }
+    Ok(prompt_tokens)
+}
+
+async fn completions_inner(
+    state: Arc<AppState>,
+    cancel: Cancel,
+    headers: HeaderMap,
+    body: Bytes,
+    started: Instant,
+) -> Result<Response, ApiError> {
+    const PATH: &str = "/v1/completions";
+    let (request, checked) = read(&state, &headers, &body, Endpoint::Completions, 16)?;
+    let prompt_tokens = completion_prompt_tokens(&state, &request)?;
     let id = format!(
         "cmpl-{}",
         scheduler::REQUEST_COUNTER.fetch_add(1, Ordering::SeqCst)

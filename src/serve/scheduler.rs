@@ -15,10 +15,10 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::runtime::exec::engine::LocalExecutor;
 use crate::runtime::exec::engine::{Engine, FinishReason};
-use crate::runtime::exec::executor::{Executor, Handoff, StepEntry};
-use crate::runtime::model::kv::blocks_for;
+use crate::runtime::exec::executor::{Executor, Handoff, Sampled, StepEntry};
+use crate::runtime::model::kv::{KvPool, blocks_for};
 use crate::runtime::model::sampling::SamplingParams;
-use crate::runtime::model::tokenizer::TextStream;
+use crate::runtime::model::tokenizer::{TextStream, Tokenizer};
 
 /// A generation request.
 pub struct Request {
@@ -485,25 +485,102 @@ fn run(
     limits: Limits,
     metrics: &Metrics,
 ) -> Result<()> {
-    let mut running: Vec<Running> = Vec::new();
-    let mut waiting: VecDeque<Running> = VecDeque::new();
-    // Sequences to drop at the next step.
-    let mut release: Vec<u64> = Vec::new();
-    let mut next_seq = 0u64;
-    let max_context = executor.max_context_tokens();
-    let pool = Arc::clone(executor.kv_pool());
-    let (max_batch, budget) = (
-        limits.max_batch.max(1),
-        limits.max_batched_tokens.max(limits.max_batch).max(1),
-    );
-    metrics
-        .kv_blocks_total
-        .store(pool.capacity_blocks() as u64, Ordering::SeqCst);
-    let tokenizer = executor.tokenizer().clone();
-    let mut receive = |request: Request| {
-        next_seq += 1;
+    let mut batch = Batch::new(executor, limits, metrics);
+    loop {
+        if !batch.take_arrivals(executor, receiver)? {
+            return Ok(());
+        }
+        let (mut chunks, mut left_tokens) = batch.share_budget();
+        let Some(mut free_blocks) =
+            batch.reserve_blocks(executor, &mut chunks, &mut left_tokens)?
+        else {
+            continue;
+        };
+        let mut plan: Vec<Planned> = chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, chunk)| **chunk > 0)
+            .map(|(index, &chunk)| Planned {
+                index,
+                prefix: 0,
+                chunk,
+            })
+            .collect();
+        batch.admit(&mut plan, &mut free_blocks, &mut left_tokens);
+        metrics
+            .running
+            .store(batch.running.len() as u64, Ordering::SeqCst);
+        if plan.is_empty() {
+            // Nothing fits: every running sequence was preempted or finished.
+            continue;
+        }
+
+        let entries = batch.step_entries(&plan);
+        let sampled = match executor.step(&entries, &[]) {
+            Ok(sampled) => sampled,
+            Err(error) => {
+                batch.fail_running(&error);
+                if executor.errors_are_fatal() {
+                    return Err(error);
+                }
+                continue;
+            }
+        };
+        let finished = batch.deliver_sampled(executor, &plan, &sampled);
+        batch.remove_finished(finished);
+        batch.store_step_metrics(executor);
+    }
+}
+
+/// The scheduling loop's state between steps: the sequences running and waiting, those to
+/// release at the next step, and what the loop reads from the executor once.
+struct Batch<'a> {
+    running: Vec<Running>,
+    waiting: VecDeque<Running>,
+    /// Sequences to drop at the next step.
+    release: Vec<u64>,
+    /// The last sequence number given out.
+    next_seq: u64,
+    /// The executor's context, tokens.
+    max_context_tokens: usize,
+    pool: Arc<KvPool>,
+    /// Most sequences running at once (at least 1).
+    max_batch: usize,
+    /// Most tokens one step computes (at least `max_batch`, and 1).
+    budget_tokens: usize,
+    /// The executor's tokenizer, for a decode replica's first token.
+    tokenizer: Tokenizer,
+    metrics: &'a Metrics,
+}
+
+impl<'a> Batch<'a> {
+    /// An empty batch over `executor`'s pool within `limits`; records the pool's capacity
+    /// in `metrics`.
+    fn new(executor: &dyn Executor, limits: Limits, metrics: &'a Metrics) -> Batch<'a> {
+        let pool = Arc::clone(executor.kv_pool());
+        metrics
+            .kv_blocks_total
+            .store(pool.capacity_blocks() as u64, Ordering::SeqCst);
+        Batch {
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            release: Vec::new(),
+            next_seq: 0,
+            max_context_tokens: executor.max_context_tokens(),
+            pool,
+            max_batch: limits.max_batch.max(1),
+            budget_tokens: limits.max_batched_tokens.max(limits.max_batch).max(1),
+            tokenizer: executor.tokenizer().clone(),
+            metrics,
+        }
+    }
+
+    /// A new sequence for `request`; a decode replica's continues after the first token
+    /// its prefill replica sampled.
+    fn receive(&mut self, request: Request) -> Running {
+        self.next_seq += 1;
         let mut running = Running {
-            seq: next_seq,
+            seq: self.next_seq,
             new: true,
             pending: request.prompt_tokens.clone(),
             cached_tokens: 0,
@@ -529,49 +606,70 @@ fn run(
             running.generated = vec![first_token];
             running.text = running
                 .stream
-                .push(&tokenizer, first_token)
+                .push(&self.tokenizer, first_token)
                 .unwrap_or_default();
             running.prefix_hit_tokens = Some(cached_tokens);
             running.first_token_at = Some(running.request.received_at);
         }
         running
-    };
-    let store_kv_metrics = || {
-        let used = pool.used_blocks();
-        metrics
+    }
+
+    /// Stores the pool's KV gauges (bytes and blocks used) and its eviction count.
+    fn store_kv_metrics(&self) {
+        let used = self.pool.used_blocks();
+        self.metrics
             .kv_cache_bytes
-            .store((used * pool.block_bytes()) as u64, Ordering::SeqCst);
-        metrics.kv_blocks_used.store(used as u64, Ordering::SeqCst);
-        metrics
+            .store((used * self.pool.block_bytes()) as u64, Ordering::SeqCst);
+        self.metrics
+            .kv_blocks_used
+            .store(used as u64, Ordering::SeqCst);
+        self.metrics
             .prefix_cache_evictions_total
-            .store(pool.evictions(), Ordering::SeqCst);
-    };
-    loop {
-        // Wait when idle (telling the executor we are alive), then take what has arrived.
-        while running.is_empty() && waiting.is_empty() {
-            if !release.is_empty() {
-                executor.step(&[], &std::mem::take(&mut release))?;
-                store_kv_metrics();
+            .store(self.pool.evictions(), Ordering::SeqCst);
+    }
+
+    /// Waits while nothing runs or waits (releasing what finished, and telling the executor
+    /// every second that we are alive), then queues every request that has arrived.
+    /// Returns false when every [`Scheduler`] handle is gone. Errors: the executor's.
+    fn take_arrivals(
+        &mut self,
+        executor: &mut dyn Executor,
+        receiver: &mpsc::Receiver<Request>,
+    ) -> Result<bool> {
+        while self.running.is_empty() && self.waiting.is_empty() {
+            if !self.release.is_empty() {
+                executor.step(&[], &std::mem::take(&mut self.release))?;
+                self.store_kv_metrics();
             }
             match receiver.recv_timeout(Duration::from_secs(1)) {
-                Ok(request) => waiting.push_back(receive(request)),
+                Ok(request) => {
+                    let running = self.receive(request);
+                    self.waiting.push_back(running);
+                }
                 Err(mpsc::RecvTimeoutError::Timeout) => executor.idle()?,
-                Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(false),
             }
         }
         while let Ok(request) = receiver.try_recv() {
-            waiting.push_back(receive(request));
+            let running = self.receive(request);
+            self.waiting.push_back(running);
         }
+        Ok(true)
+    }
 
-        // The running sequences' share of the budget: decodes, then prompt chunks.
+    /// The running sequences' share of the step's token budget: one token per decoding
+    /// sequence, then prompt chunks. Returns each running sequence's chunk (tokens) and the
+    /// budget's tokens left.
+    fn share_budget(&self) -> (Vec<usize>, usize) {
+        let running = &self.running;
         let mut chunks: Vec<usize> = running
             .iter()
             .map(|r| usize::from(r.pending.len() == 1))
             .collect();
-        let mut left = budget - chunks.iter().sum::<usize>();
+        let mut left = self.budget_tokens - chunks.iter().sum::<usize>();
         // Prompts in progress take at most half of the rest while new requests wait for a
         // slot, so a long prompt never holds a short one back for its whole prefill.
-        let admitting = !waiting.is_empty() && running.len() < max_batch;
+        let admitting = !self.waiting.is_empty() && running.len() < self.max_batch;
         // The nearest to done go first, so a short prompt cut by the budget finishes next
         // step instead of waiting out a long one.
         let mut for_partial = if admitting { left.div_ceil(2) } else { left };
@@ -584,47 +682,61 @@ fn run(
             for_partial -= chunks[i];
             left -= chunks[i];
         }
-        // Their blocks, preempting while short. The pool's counts are exact once the
-        // finished sequences' blocks are back (shared prefix blocks stay with their users).
-        if !release.is_empty() {
-            executor.step(&[], &std::mem::take(&mut release))?;
+        (chunks, left)
+    }
+
+    /// The running sequences' KV blocks for their `chunks`, preempting the most recently
+    /// admitted while short (their chunks go back to `left_tokens`). The pool's counts are
+    /// exact once the finished sequences' blocks are back (shared prefix blocks stay with
+    /// their users). Returns the free blocks left, or `None` when one sequence alone has
+    /// filled the pool (it finishes with `length`). Errors: the executor's.
+    fn reserve_blocks(
+        &mut self,
+        executor: &mut dyn Executor,
+        chunks: &mut Vec<usize>,
+        left_tokens: &mut usize,
+    ) -> Result<Option<usize>> {
+        if !self.release.is_empty() {
+            executor.step(&[], &std::mem::take(&mut self.release))?;
         }
-        let mut needed: usize = running.iter().zip(&chunks).map(|(r, &c)| r.growth(c)).sum();
-        let mut free = pool.free_blocks();
-        while needed > free && running.len() > 1 {
-            let mut victim = running.pop().expect("more than one running");
+        let mut needed: usize = self
+            .running
+            .iter()
+            .zip(chunks.iter())
+            .map(|(r, &c)| r.growth(c))
+            .sum();
+        let mut free = self.pool.free_blocks();
+        while needed > free && self.running.len() > 1 {
+            let mut victim = self.running.pop().expect("more than one running");
             let chunk = chunks.pop().expect("one chunk per running sequence");
             needed -= victim.growth(chunk);
-            left += chunk;
+            *left_tokens += chunk;
             executor.step(&[], &[victim.seq])?;
-            free = pool.free_blocks();
+            free = self.pool.free_blocks();
             victim.preempt();
-            metrics.preemptions_total.fetch_add(1, Ordering::SeqCst);
-            metrics.waiting.fetch_add(1, Ordering::SeqCst);
-            waiting.push_front(victim);
+            self.metrics
+                .preemptions_total
+                .fetch_add(1, Ordering::SeqCst);
+            self.metrics.waiting.fetch_add(1, Ordering::SeqCst);
+            self.waiting.push_front(victim);
         }
         if needed > free {
             // One sequence alone has filled the pool: it cannot grow.
-            let mut alone = running.pop().expect("one running");
-            release.push(alone.seq);
+            let mut alone = self.running.pop().expect("one running");
+            self.release.push(alone.seq);
             finish(&mut alone, FinishReason::Length);
-            continue;
+            return Ok(None);
         }
-        free -= needed;
-        let mut plan: Vec<Planned> = chunks
-            .iter()
-            .enumerate()
-            .filter(|(_, chunk)| **chunk > 0)
-            .map(|(index, &chunk)| Planned {
-                index,
-                prefix: 0,
-                chunk,
-            })
-            .collect();
+        Ok(Some(free - needed))
+    }
 
-        // Admit waiting sequences while batch room, budget and blocks last.
-        while running.len() < max_batch && left > 0 {
-            let Some(candidate) = waiting.front() else {
+    /// Admits waiting sequences into `plan` while batch room, `left_tokens` and
+    /// `free_blocks` last; a request whose prompt needs more blocks than the pool holds
+    /// hears an error instead.
+    fn admit(&mut self, plan: &mut Vec<Planned>, free_blocks: &mut usize, left_tokens: &mut usize) {
+        let (pool, metrics) = (&self.pool, self.metrics);
+        while self.running.len() < self.max_batch && *left_tokens > 0 {
+            let Some(candidate) = self.waiting.front() else {
                 break;
             };
             // An imported sequence holds its prompt's positions and computes one token.
@@ -633,7 +745,7 @@ fn run(
                 .map(|_| candidate.request.prompt_tokens.len());
             let total = candidate.pending.len() + imported.unwrap_or(0);
             if blocks_for(total) > pool.capacity_blocks() {
-                let hopeless = waiting.pop_front().expect("front exists");
+                let hopeless = self.waiting.pop_front().expect("front exists");
                 metrics.waiting.fetch_sub(1, Ordering::SeqCst);
                 let _ = hopeless.request.events.send(Event::Error(format!(
                     "the prompt needs {} KV blocks; the cache holds {}",
@@ -650,14 +762,14 @@ fn run(
                     candidate.request.prompt_tokens.len(),
                 ),
             };
-            let chunk = (candidate.pending.len() - hit.tokens).min(left);
+            let chunk = (candidate.pending.len() - hit.tokens).min(*left_tokens);
             let blocks = blocks_for(imported.unwrap_or(hit.tokens) + chunk) - hit.held_blocks;
-            if blocks > free {
+            if blocks > *free_blocks {
                 break;
             }
-            free -= blocks;
-            left -= chunk;
-            let mut admitted = waiting.pop_front().expect("front exists");
+            *free_blocks -= blocks;
+            *left_tokens -= chunk;
+            let mut admitted = self.waiting.pop_front().expect("front exists");
             metrics.waiting.fetch_sub(1, Ordering::SeqCst);
             // (An imported sequence looked nothing up: its prefill replica did.)
             if pool.prefix_cache() && imported.is_none() {
@@ -676,24 +788,21 @@ fn run(
                 );
             }
             plan.push(Planned {
-                index: running.len(),
+                index: self.running.len(),
                 prefix: hit.tokens,
                 chunk,
             });
-            running.push(admitted);
+            self.running.push(admitted);
         }
-        metrics
-            .running
-            .store(running.len() as u64, Ordering::SeqCst);
-        if plan.is_empty() {
-            // Nothing fits: every running sequence was preempted or finished.
-            continue;
-        }
+    }
 
-        let entries: Vec<StepEntry> = plan
-            .iter()
+    /// The executor's entries for `plan`, taking each sequence's prefix and chunk from its
+    /// pending tokens.
+    fn step_entries(&mut self, plan: &[Planned]) -> Vec<StepEntry> {
+        let metrics = self.metrics;
+        plan.iter()
             .map(|p| {
-                let r = &mut running[p.index];
+                let r = &mut self.running[p.index];
                 let prefix_tokens: Vec<u32> = r.pending.drain(..p.prefix).collect();
                 let tokens: Vec<u32> = r.pending.drain(..p.chunk).collect();
                 let import = r.import.take();
@@ -727,37 +836,44 @@ fn run(
                     import,
                 }
             })
-            .collect();
-        let sampled = match executor.step(&entries, &[]) {
-            Ok(sampled) => sampled,
-            Err(error) => {
-                for r in running.drain(..) {
-                    let _ = r.request.events.send(Event::Error(format!("{error:#}")));
-                    release.push(r.seq);
-                }
-                if executor.errors_are_fatal() {
-                    return Err(error);
-                }
-                continue;
-            }
-        };
+            .collect()
+    }
+
+    /// Fails every running sequence with the step's `error`, releasing them at the next
+    /// step.
+    fn fail_running(&mut self, error: &anyhow::Error) {
+        for r in self.running.drain(..) {
+            let _ = r.request.events.send(Event::Error(format!("{error:#}")));
+            self.release.push(r.seq);
+        }
+    }
+
+    /// Hands each planned sequence its `sampled` token (or its KV transfer's failure).
+    /// Returns the indices of the running sequences that are done, the abandoned ones
+    /// included.
+    fn deliver_sampled(
+        &mut self,
+        executor: &mut dyn Executor,
+        plan: &[Planned],
+        sampled: &[Option<Sampled>],
+    ) -> Vec<usize> {
         let now = Instant::now();
         let mut finished = Vec::new();
         // A failed KV transfer fails its request with an error, never a hang.
         let failures: HashMap<u64, String> =
             executor.take_transfer_failures().into_iter().collect();
-        for (p, sampled) in plan.iter().zip(&sampled) {
-            let (index, r) = (p.index, &mut running[p.index]);
+        let tokenizer = executor.tokenizer();
+        for (p, sampled) in plan.iter().zip(sampled) {
+            let (index, r) = (p.index, &mut self.running[p.index]);
             if let Some(why) = failures.get(&r.seq) {
                 // (A prefill whose first token ends the request needs no transfer.)
                 let ends_here = sampled.as_ref().is_some_and(|s| {
-                    executor.tokenizer().eos_ids.contains(&s.token)
-                        || r.request.params.max_tokens <= 1
+                    tokenizer.eos_ids.contains(&s.token) || r.request.params.max_tokens <= 1
                 });
                 if !ends_here {
                     // Counted before the client hears of it, so a scrape after the error
                     // sees it.
-                    metrics
+                    self.metrics
                         .pd_transfer_failures_total
                         .fetch_add(1, Ordering::SeqCst);
                     let _ = r.request.events.send(Event::Error(why.clone()));
@@ -768,94 +884,40 @@ fn run(
             let Some(sampled) = sampled else {
                 continue;
             };
-            let token = sampled.token;
-            if r.first_token_at.is_none() {
-                r.first_token_at = Some(now);
-                metrics
-                    .ttft
-                    .observe((now - r.request.received_at).as_secs_f64());
-            } else {
-                metrics.tpot.observe((now - r.last_token_at).as_secs_f64());
-            }
-            r.last_token_at = now;
-            if executor.tokenizer().eos_ids.contains(&token) {
-                finish(r, FinishReason::Stop);
-                finished.push(index);
-                continue;
-            }
-            r.generated.push(token);
-            metrics
-                .generation_tokens_total
-                .fetch_add(1, Ordering::SeqCst);
-            let piece = r
-                .stream
-                .push(executor.tokenizer(), token)
-                .unwrap_or_default();
-            r.text.push_str(&piece);
-            let (piece, stopped) = match r
-                .request
-                .params
-                .stop
-                .iter()
-                .filter_map(|s| r.text.find(s.as_str()))
-                .min()
-            {
-                Some(cut) => {
-                    let before = r.text.len() - piece.len();
-                    (
-                        if cut > before {
-                            r.text[before..cut].to_string()
-                        } else {
-                            String::new()
-                        },
-                        true,
-                    )
-                }
-                None => (piece, false),
+            let token_ctx = TokenContext {
+                tokenizer,
+                metrics: self.metrics,
+                now,
+                max_context_tokens: self.max_context_tokens,
             };
-            let sent = r.request.events.send(Event::Token {
-                id: token,
-                text: piece,
-                logprob: sampled.logprob,
-                top: sampled.top.clone(),
-            });
-            if sent.is_err() {
-                // The client went away.
+            if deliver_token(r, sampled, &token_ctx) {
                 finished.push(index);
-                continue;
-            }
-            if stopped {
-                finish(r, FinishReason::Stop);
-                finished.push(index);
-            } else if r.generated.len() >= r.request.params.max_tokens
-                || r.request.prompt_tokens.len() + r.generated.len() >= max_context
-            {
-                finish(r, FinishReason::Length);
-                finished.push(index);
-            } else if matches!(r.request.pd, Some(PdStage::Prefill { .. })) {
-                // Its KV went to the decode replica with this step: that one goes on.
-                metrics.pd_handoffs_total.fetch_add(1, Ordering::SeqCst);
-                let _ = r.request.events.send(Event::HandedOff {
-                    first_token: token,
-                    cached_tokens: r.prefix_hit_tokens.unwrap_or(0),
-                });
-                finished.push(index);
-            } else {
-                r.pending = vec![token];
             }
         }
         // A request whose client went away while its prompt was still running goes too.
-        for (index, r) in running.iter().enumerate() {
+        for (index, r) in self.running.iter().enumerate() {
             if r.request.events.is_closed() && !finished.contains(&index) {
                 finished.push(index);
             }
         }
+        finished
+    }
+
+    /// Removes the `finished` running sequences (indices, any order), releasing them at
+    /// the next step.
+    fn remove_finished(&mut self, mut finished: Vec<usize>) {
         finished.sort_unstable();
         for index in finished.into_iter().rev() {
-            let done = running.remove(index);
-            release.push(done.seq);
+            let done = self.running.remove(index);
+            self.release.push(done.seq);
         }
-        store_kv_metrics();
+    }
+
+    /// Stores the step's gauges and counters: the pool's KV, the KV bytes, parts and
+    /// seconds `executor` has sent to decode replicas, and the sequences running.
+    fn store_step_metrics(&self, executor: &dyn Executor) {
+        let metrics = self.metrics;
+        self.store_kv_metrics();
         let sent = executor.kv_sent();
         metrics
             .pd_kv_bytes_sent_total
@@ -871,7 +933,95 @@ fn run(
             .store((sent.secs * 1e6) as u64, Ordering::SeqCst);
         metrics
             .running
-            .store(running.len() as u64, Ordering::SeqCst);
+            .store(self.running.len() as u64, Ordering::SeqCst);
+    }
+}
+
+/// What [`deliver_token`] reads besides the sequence and its token.
+struct TokenContext<'a> {
+    tokenizer: &'a Tokenizer,
+    metrics: &'a Metrics,
+    /// When the step's tokens arrived.
+    now: Instant,
+    /// The executor's context, tokens.
+    max_context_tokens: usize,
+}
+
+/// Records `sampled` for sequence `r` (TTFT or TPOT, its text cut at a stop string) and
+/// sends it to the requester, finishing the sequence on an end-of-sequence token, a stop
+/// string, its `max_tokens` or the context, or handing a prefill replica's sequence off.
+/// Returns whether the sequence is done (the client going away included).
+fn deliver_token(r: &mut Running, sampled: &Sampled, ctx: &TokenContext) -> bool {
+    let (metrics, now) = (ctx.metrics, ctx.now);
+    let token = sampled.token;
+    if r.first_token_at.is_none() {
+        r.first_token_at = Some(now);
+        metrics
+            .ttft
+            .observe((now - r.request.received_at).as_secs_f64());
+    } else {
+        metrics.tpot.observe((now - r.last_token_at).as_secs_f64());
+    }
+    r.last_token_at = now;
+    if ctx.tokenizer.eos_ids.contains(&token) {
+        finish(r, FinishReason::Stop);
+        return true;
+    }
+    r.generated.push(token);
+    metrics
+        .generation_tokens_total
+        .fetch_add(1, Ordering::SeqCst);
+    let piece = r.stream.push(ctx.tokenizer, token).unwrap_or_default();
+    r.text.push_str(&piece);
+    let (piece, stopped) = cut_at_stop(&r.text, piece, &r.request.params.stop);
+    let sent = r.request.events.send(Event::Token {
+        id: token,
+        text: piece,
+        logprob: sampled.logprob,
+        top: sampled.top.clone(),
+    });
+    if sent.is_err() {
+        // The client went away.
+        return true;
+    }
+    if stopped {
+        finish(r, FinishReason::Stop);
+        true
+    } else if r.generated.len() >= r.request.params.max_tokens
+        || r.request.prompt_tokens.len() + r.generated.len() >= ctx.max_context_tokens
+    {
+        finish(r, FinishReason::Length);
+        true
+    } else if matches!(r.request.pd, Some(PdStage::Prefill { .. })) {
+        // Its KV went to the decode replica with this step: that one goes on.
+        metrics.pd_handoffs_total.fetch_add(1, Ordering::SeqCst);
+        let _ = r.request.events.send(Event::HandedOff {
+            first_token: token,
+            cached_tokens: r.prefix_hit_tokens.unwrap_or(0),
+        });
+        true
+    } else {
+        r.pending = vec![token];
+        false
+    }
+}
+
+/// The part of `piece` (the newest text at the end of `text`) to send, cut before the
+/// earliest of the `stop` strings `text` holds, and whether one was found.
+fn cut_at_stop(text: &str, piece: String, stop: &[String]) -> (String, bool) {
+    match stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+        Some(cut) => {
+            let before = text.len() - piece.len();
+            (
+                if cut > before {
+                    text[before..cut].to_string()
+                } else {
+                    String::new()
+                },
+                true,
+            )
+        }
+        None => (piece, false),
     }
 }
 
