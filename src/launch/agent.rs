@@ -189,27 +189,7 @@ impl Agent {
                 std::thread::spawn(move || watch_store(&address, &token, lease, &lost));
             }
             ToAgent::Run { .. } | ToAgent::Heartbeat | ToAgent::Shutdown => {}
-            ToAgent::Doctor => {
-                let output = Arc::clone(&self.output);
-                std::thread::spawn(move || {
-                    let findings = match crate::doctor::checks::live(Path::new("/sys")) {
-                        Ok(findings) => findings
-                            .iter()
-                            .map(crate::doctor::WireFinding::from_finding)
-                            .collect(),
-                        Err(error) => {
-                            return send(
-                                &output,
-                                &FromAgent::Error {
-                                    rank: None,
-                                    message: format!("{error:#}"),
-                                },
-                            );
-                        }
-                    };
-                    send(&output, &FromAgent::Findings { findings });
-                });
-            }
+            ToAgent::Doctor => self.doctor(),
             ToAgent::Listen { bind } => match std::net::TcpListener::bind(&bind) {
                 Ok(listener) => {
                     let address = listener
@@ -231,28 +211,7 @@ impl Agent {
                     send(&output, &FromAgent::Streamed { secs, error });
                 });
             }
-            ToAgent::Connect { from, to } => {
-                let output = Arc::clone(&self.output);
-                std::thread::spawn(move || {
-                    let started = Instant::now();
-                    let connected = block_on(async { connect_from(&from, &to).await.map(drop) });
-                    let result = super::protocol::ReachResult {
-                        rtt_us: connected
-                            .is_ok()
-                            .then(|| started.elapsed().as_micros() as u64),
-                        seen_as: None,
-                        error: connected.err(),
-                        to,
-                        from,
-                    };
-                    send(
-                        &output,
-                        &FromAgent::Reached {
-                            results: vec![result],
-                        },
-                    );
-                });
-            }
+            ToAgent::Connect { from, to } => self.connect(from, to),
             ToAgent::Reach { from, targets } => {
                 let output = Arc::clone(&self.output);
                 std::thread::spawn(move || {
@@ -277,45 +236,9 @@ impl Agent {
                 let output = Arc::clone(&self.output);
                 std::thread::spawn(move || send(&output, &file_info(&path)));
             }
-            ToAgent::FileStart { path, .. } => {
-                let target = PathBuf::from(&path);
-                let temporary = target.with_extension("infer-upload");
-                let opened = target
-                    .parent()
-                    .map_or(Ok(()), std::fs::create_dir_all)
-                    .and_then(|()| File::create(&temporary));
-                match opened {
-                    Ok(file) => self.upload = Some((target, file, temporary)),
-                    Err(error) => self.error(None, format!("cannot create `{path}`: {error}")),
-                }
-            }
-            ToAgent::FileChunk { bytes } => {
-                if let Some((target, file, _)) = &mut self.upload
-                    && let Err(error) = file.write_all(&bytes)
-                {
-                    let message = format!("cannot write `{}`: {error}", target.display());
-                    self.upload = None;
-                    self.error(None, message);
-                }
-            }
-            ToAgent::FileEnd => {
-                if let Some((target, file, temporary)) = self.upload.take() {
-                    let done = file
-                        .sync_all()
-                        .and_then(|()| std::fs::rename(&temporary, &target));
-                    match done {
-                        Ok(()) => {
-                            let output = Arc::clone(&self.output);
-                            let path = target.display().to_string();
-                            std::thread::spawn(move || send(&output, &file_info(&path)));
-                        }
-                        Err(error) => self.error(
-                            None,
-                            format!("cannot finish `{}`: {error}", target.display()),
-                        ),
-                    }
-                }
-            }
+            ToAgent::FileStart { path, .. } => self.start_upload(&path),
+            ToAgent::FileChunk { bytes } => self.write_upload(&bytes),
+            ToAgent::FileEnd => self.finish_upload(),
             ToAgent::Spawn {
                 rank,
                 env,
@@ -329,22 +252,7 @@ impl Agent {
                 argv,
                 env,
                 timeout_secs,
-            } => {
-                let output = Arc::clone(&self.output);
-                std::thread::spawn(move || {
-                    let done = super::run_program(&argv, &env, Duration::from_secs(timeout_secs));
-                    send(
-                        &output,
-                        &FromAgent::Executed {
-                            program: done.program,
-                            code: done.code,
-                            stdout: done.stdout,
-                            stderr: done.stderr,
-                            error: done.error,
-                        },
-                    )
-                });
-            }
+            } => self.exec(argv, env, timeout_secs),
             ToAgent::CheckPorts { ports } => {
                 let taken = ports
                     .into_iter()
@@ -365,6 +273,122 @@ impl Agent {
                 }
             }
         }
+    }
+
+    /// Runs this host's live doctor checks on a thread of their own and sends their
+    /// findings (or the error that stopped them).
+    fn doctor(&self) {
+        let output = Arc::clone(&self.output);
+        std::thread::spawn(move || {
+            let findings = match crate::doctor::checks::live(Path::new("/sys")) {
+                Ok(findings) => findings
+                    .iter()
+                    .map(crate::doctor::WireFinding::from_finding)
+                    .collect(),
+                Err(error) => {
+                    return send(
+                        &output,
+                        &FromAgent::Error {
+                            rank: None,
+                            message: format!("{error:#}"),
+                        },
+                    );
+                }
+            };
+            send(&output, &FromAgent::Findings { findings });
+        });
+    }
+
+    /// Connects from address `from` to `to` once, on a thread of its own, and sends the
+    /// result with its round trip in microseconds (or why it failed).
+    fn connect(&self, from: String, to: String) {
+        let output = Arc::clone(&self.output);
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let connected = block_on(async { connect_from(&from, &to).await.map(drop) });
+            let result = super::protocol::ReachResult {
+                rtt_us: connected
+                    .is_ok()
+                    .then(|| started.elapsed().as_micros() as u64),
+                seen_as: None,
+                error: connected.err(),
+                to,
+                from,
+            };
+            send(
+                &output,
+                &FromAgent::Reached {
+                    results: vec![result],
+                },
+            );
+        });
+    }
+
+    /// Opens the temporary file an upload to `path` is written into (its folder created).
+    /// A failure is sent to the launcher as an error.
+    fn start_upload(&mut self, path: &str) {
+        let target = PathBuf::from(path);
+        let temporary = target.with_extension("infer-upload");
+        let opened = target
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .and_then(|()| File::create(&temporary));
+        match opened {
+            Ok(file) => self.upload = Some((target, file, temporary)),
+            Err(error) => self.error(None, format!("cannot create `{path}`: {error}")),
+        }
+    }
+
+    /// Appends `bytes` to the upload in progress; a write that fails ends the upload and is
+    /// sent to the launcher as an error.
+    fn write_upload(&mut self, bytes: &[u8]) {
+        if let Some((target, file, _)) = &mut self.upload
+            && let Err(error) = file.write_all(bytes)
+        {
+            let message = format!("cannot write `{}`: {error}", target.display());
+            self.upload = None;
+            self.error(None, message);
+        }
+    }
+
+    /// Syncs the upload in progress and renames it to its path, then sends the file's
+    /// sha256 and size (hashed on a thread of its own). A failure is sent as an error.
+    fn finish_upload(&mut self) {
+        if let Some((target, file, temporary)) = self.upload.take() {
+            let done = file
+                .sync_all()
+                .and_then(|()| std::fs::rename(&temporary, &target));
+            match done {
+                Ok(()) => {
+                    let output = Arc::clone(&self.output);
+                    let path = target.display().to_string();
+                    std::thread::spawn(move || send(&output, &file_info(&path)));
+                }
+                Err(error) => self.error(
+                    None,
+                    format!("cannot finish `{}`: {error}", target.display()),
+                ),
+            }
+        }
+    }
+
+    /// Runs `argv` with `env` on a thread of its own, for at most `timeout_secs`, and sends
+    /// what it printed and how it ended.
+    fn exec(&self, argv: Vec<String>, env: Vec<(String, String)>, timeout_secs: u64) {
+        let output = Arc::clone(&self.output);
+        std::thread::spawn(move || {
+            let done = super::run_program(&argv, &env, Duration::from_secs(timeout_secs));
+            send(
+                &output,
+                &FromAgent::Executed {
+                    program: done.program,
+                    code: done.code,
+                    stdout: done.stdout,
+                    stderr: done.stderr,
+                    error: done.error,
+                },
+            )
+        });
     }
 
     fn error(&self, rank: Option<usize>, message: String) {

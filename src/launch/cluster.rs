@@ -95,16 +95,7 @@ pub fn start(
 ) -> Result<ClusterRun> {
     spec.check_layout()?;
     let entries = crate::cluster::launch_inventory(&options.inventory)?;
-    if let Some(entry) = entries
-        .iter()
-        .find(|e| !super::protocol::valid_host_dir(&e.name))
-    {
-        bail!(
-            "host name `{}` in `{}`: use letters, digits, `.`, `_` and `-` (it names the host's run directory)",
-            entry.name,
-            options.inventory.display()
-        );
-    }
+    check_host_names(&entries, &options.inventory)?;
     let rank_hosts = place(&entries, spec.tp, spec.pp, spec.dp)?;
     let targets = ssh_targets(&entries)?;
     let remote = RemoteCluster::connect(
@@ -127,6 +118,72 @@ pub fn start(
         },
     )?;
     let data = data_interfaces(&remote, &entries, &targets, progress)?;
+    let placement = place_ranks(spec, &remote, &entries, &rank_hosts, &data);
+    let token = crate::rendezvous::random_token();
+    let store_host = rank_hosts[0];
+    let (ranks_address, launcher_address) = remote.host_store(
+        store_host,
+        &format!("{}:0", data[store_host].address),
+        &token,
+    )?;
+    let mut spec = spec.clone();
+    if spec.gpus.is_some() {
+        spec.gpus = Some(device_ranks_gpus(
+            &remote,
+            &entries,
+            &rank_hosts,
+            &placement,
+        )?);
+    }
+    spec.placement = placement;
+    let spawner = remote.spawner(rank_hosts);
+    let mut gang = Gang::start_on(
+        &spawner,
+        &spec,
+        job,
+        StoreLocation::Remote {
+            ranks: ranks_address,
+            launcher: launcher_address,
+        },
+        &token,
+    )?;
+    gang.set_manifest_field("run_id", remote.run_id.clone().into());
+    gang.set_manifest_field("hosts", manifest_hosts(&remote, &entries, &data).into());
+    gang.write_manifest(&spec, None)?;
+    Ok(ClusterRun {
+        gang,
+        remote,
+        rank0_host: store_host,
+    })
+}
+
+/// Checks that every host name of the inventory (`inventory`) can name a run directory.
+///
+/// Errors: the first name that cannot, with the characters allowed.
+fn check_host_names(entries: &[InventoryEntry], inventory: &Path) -> Result<()> {
+    if let Some(entry) = entries
+        .iter()
+        .find(|e| !super::protocol::valid_host_dir(&e.name))
+    {
+        bail!(
+            "host name `{}` in `{}`: use letters, digits, `.`, `_` and `-` (it names the host's run directory)",
+            entry.name,
+            inventory.display()
+        );
+    }
+    Ok(())
+}
+
+/// Each rank's placement on its host (`rank_hosts[rank]`): local rank, threads (the
+/// host's CPUs over its ranks unless `spec` pins them), the host's data interface and its
+/// active HCAs.
+fn place_ranks(
+    spec: &LaunchSpec,
+    remote: &RemoteCluster,
+    entries: &[InventoryEntry],
+    rank_hosts: &[usize],
+    data: &[DataInterface],
+) -> Vec<Placement> {
     let mut placement = Vec::with_capacity(rank_hosts.len());
     for (rank, &host) in rank_hosts.iter().enumerate() {
         let on_host: Vec<usize> = (0..rank_hosts.len())
@@ -157,39 +214,21 @@ pub fn start(
             }),
         });
     }
-    let token = crate::rendezvous::random_token();
-    let store_host = rank_hosts[0];
-    let (ranks_address, launcher_address) = remote.host_store(
-        store_host,
-        &format!("{}:0", data[store_host].address),
-        &token,
-    )?;
-    let mut spec = spec.clone();
-    if spec.gpus.is_some() {
-        spec.gpus = Some(device_ranks_gpus(
-            &remote,
-            &entries,
-            &rank_hosts,
-            &placement,
-        )?);
-    }
-    spec.placement = placement;
-    let spawner = remote.spawner(rank_hosts);
-    let mut gang = Gang::start_on(
-        &spawner,
-        &spec,
-        job,
-        StoreLocation::Remote {
-            ranks: ranks_address,
-            launcher: launcher_address,
-        },
-        &token,
-    )?;
-    let hosts: Vec<serde_json::Value> = remote
+    placement
+}
+
+/// The `hosts` field of the run's manifest: each host's name, addresses, data interface,
+/// `infer` binary and run directory.
+fn manifest_hosts(
+    remote: &RemoteCluster,
+    entries: &[InventoryEntry],
+    data: &[DataInterface],
+) -> Vec<serde_json::Value> {
+    remote
         .hosts
         .iter()
-        .zip(&entries)
-        .zip(&data)
+        .zip(entries)
+        .zip(data)
         .map(|((host, entry), interface)| {
             serde_json::json!({
                 "name": host.name,
@@ -202,15 +241,7 @@ pub fn start(
                 "remote_run_dir": format!("{}/{}/{}", host.hello.run_dir, remote.run_id, host.name),
             })
         })
-        .collect();
-    gang.set_manifest_field("run_id", remote.run_id.clone().into());
-    gang.set_manifest_field("hosts", hosts.into());
-    gang.write_manifest(&spec, None)?;
-    Ok(ClusterRun {
-        gang,
-        remote,
-        rank0_host: store_host,
-    })
+        .collect()
 }
 
 /// `--device cuda` ranks on an inventory's hosts: each rank's `CUDA_VISIBLE_DEVICES` from its
@@ -345,10 +376,7 @@ pub fn survey(
     engine: Option<(crate::engines::EngineKind, Option<&Path>)>,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<crate::doctor::cluster::ClusterEvidence> {
-    use crate::doctor::cluster::{
-        AllreduceProbe, BANDWIDTH_PROBE_BYTES, Cell, ClusterEvidence, HostEvidence, LinkRate,
-        Matrix, PairBandwidth,
-    };
+    use crate::doctor::cluster::ClusterEvidence;
     let (entries, targets, mut remote, failures) = connect_to_probe(inventory, ssh, progress)?;
     let answering: Vec<usize> = remote
         .hosts
@@ -359,190 +387,14 @@ pub fn survey(
         .iter()
         .map(|i| entries[*i].name.as_str())
         .collect();
-    let hellos: Vec<(&[Interface], Option<&str>, Option<&str>)> = remote
-        .hosts
-        .iter()
-        .zip(&answering)
-        .map(|(host, index)| {
-            (
-                &host.hello.interfaces[..],
-                entries[*index].nccl_socket_ifname.as_deref(),
-                Some(targets[*index].target.address.as_str()),
-            )
-        })
-        .collect();
-    let data: std::result::Result<Vec<(String, String)>, String> = if names.is_empty() {
-        Err("no host answered".into())
-    } else {
-        choose_data_interfaces(&names, &hellos)
-            .map(|chosen| {
-                chosen
-                    .into_iter()
-                    .map(|d| (d.name, d.address.to_string()))
-                    .collect()
-            })
-            .map_err(|error| format!("{error:#}"))
-    };
-    let mut hosts = Vec::new();
-    for (position, host) in remote.hosts.iter().enumerate() {
-        let live = remote
-            .doctor_findings(position)?
-            .into_iter()
-            .map(|finding| finding.into_finding(&host.name))
-            .collect();
-        hosts.push(HostEvidence {
-            name: host.name.clone(),
-            infer_version: host.hello.version.clone(),
-            infer_sha256: host.hello.sha256.clone(),
-            infer_path: host.hello.exe.clone(),
-            wanted_interface: entries[answering[position]].nccl_socket_ifname.clone(),
-            ssh_address: targets[answering[position]].target.address.clone(),
-            nccl: host.hello.nccl.clone(),
-            interfaces: host.hello.interfaces.clone(),
-            topology: host.hello.topology.clone(),
-            clock_offset_ms: host.clock_offset_ms,
-            live,
-        });
-    }
-    let mut pairs = None;
-    let mut allreduce = None;
-    let matrix = match &data {
+    let data = survey_data_interfaces(&remote, &entries, &targets, &answering, &names);
+    let hosts = host_evidence(&remote, &entries, &targets, &answering)?;
+    let (matrix, pairs, allreduce) = match &data {
         Ok(data) if data.len() > 1 => {
-            let mut listeners = Vec::new();
-            for (position, (_, address)) in data.iter().enumerate() {
-                listeners.push(remote.listen(position, &format!("{address}:0"))?);
-            }
-            if bandwidth {
-                // One pair at a time, so no two streams share a link.
-                let rate = |position: usize| data_link_rate(&remote, position, &data[position].0);
-                let mut measured = Vec::new();
-                for from in 0..data.len() {
-                    for to in from + 1..data.len() {
-                        let result = remote.stream(
-                            from,
-                            &data[from].1,
-                            &listeners[to],
-                            BANDWIDTH_PROBE_BYTES,
-                        )?;
-                        let expected = match (rate(from), rate(to)) {
-                            (Some(a), Some(b)) => Some(a.min(b)),
-                            (a, b) => a.or(b),
-                        };
-                        measured.push(PairBandwidth {
-                            from: names[from].to_string(),
-                            to: names[to].to_string(),
-                            gbps: result
-                                .as_ref()
-                                .ok()
-                                .map(|secs| BANDWIDTH_PROBE_BYTES as f64 * 8.0 / secs / 1e9),
-                            expected_gbps: expected,
-                            error: result.err(),
-                        });
-                    }
-                }
-                pairs = Some(measured);
-            }
-            let probes: Vec<(usize, String, Vec<String>)> = data
-                .iter()
-                .enumerate()
-                .map(|(position, (_, address))| {
-                    let others = listeners
-                        .iter()
-                        .enumerate()
-                        .filter(|(other, _)| *other != position)
-                        .map(|(_, l)| l.clone())
-                        .collect();
-                    (position, address.clone(), others)
-                })
-                .collect();
-            let results = remote.reach_all(&probes)?;
-            // The rendezvous store's own port on the first host (rank 0's), as ranks reach it.
-            let token = crate::rendezvous::random_token();
-            let (store, store_here) = remote.host_store(0, &format!("{}:0", data[0].1), &token)?;
-            let mut store_cells = vec![None];
-            for (position, (_, address)) in data.iter().enumerate().skip(1) {
-                let result = remote.connect_only(position, address, &store.to_string())?;
-                store_cells.push(Some(Cell {
-                    to: result.to,
-                    from: result.from,
-                    rtt_us: result.rtt_us,
-                    seen_as: None,
-                    error: result.error,
-                }));
-            }
-            if bandwidth {
-                let slowest_link = (0..data.len())
-                    .filter_map(|position| {
-                        Some(LinkRate {
-                            host: names[position].to_string(),
-                            interface: data[position].0.clone(),
-                            gbps: data_link_rate(&remote, position, &data[position].0)?,
-                        })
-                    })
-                    .reduce(|a, b| if b.gbps < a.gbps { b } else { a });
-                let mut probe = AllreduceProbe {
-                    hosts: names.iter().map(|n| n.to_string()).collect(),
-                    transport: String::new(),
-                    rows: Vec::new(),
-                    slowest_link,
-                    error: None,
-                };
-                let builds: std::collections::BTreeSet<&str> = remote
-                    .hosts
-                    .iter()
-                    .map(|h| h.hello.sha256.as_str())
-                    .collect();
-                if builds.len() > 1 {
-                    probe.error = Some(
-                        "not run: the hosts run different `infer` builds, whose ranks may not speak the same protocol (see `versions`)".into(),
-                    );
-                } else {
-                    match allreduce_probe(
-                        &remote,
-                        &names,
-                        data,
-                        (store, store_here),
-                        &token,
-                        progress,
-                    ) {
-                        Ok(bench) => {
-                            probe.transport = bench.transport;
-                            probe.rows = bench.rows;
-                        }
-                        Err(error) => probe.error = Some(format!("{error:#}")),
-                    }
-                }
-                allreduce = Some(probe);
-            }
-            let cells = results
-                .into_iter()
-                .enumerate()
-                .map(|(row, mut results)| {
-                    (0..data.len())
-                        .map(|column| {
-                            if column == row {
-                                return None;
-                            }
-                            let result = results.remove(0);
-                            Some(Cell {
-                                to: result.to,
-                                from: result.from,
-                                rtt_us: result.rtt_us,
-                                seen_as: result.seen_as,
-                                error: result.error,
-                            })
-                        })
-                        .collect()
-                })
-                .collect();
-            Some(Matrix {
-                hosts: names.iter().map(|n| n.to_string()).collect(),
-                cells,
-                store: store.to_string(),
-                store_cells,
-            })
+            let probed = probe_network(&remote, &names, data, bandwidth, progress)?;
+            (Some(probed.matrix), probed.bandwidth, probed.allreduce)
         }
-        _ => None,
+        _ => (None, None, None),
     };
     let engine = engine.map(|(kind, engine_bin)| engine_survey(&remote, kind, engine_bin));
     remote.shutdown();
@@ -558,6 +410,261 @@ pub fn survey(
         allreduce,
         engine,
     })
+}
+
+/// The data interface (name, address) of each answering host (`answering`: their
+/// positions in `entries`, named `names`), or why none could be chosen.
+fn survey_data_interfaces(
+    remote: &RemoteCluster,
+    entries: &[InventoryEntry],
+    targets: &[RemoteHostSpec],
+    answering: &[usize],
+    names: &[&str],
+) -> std::result::Result<Vec<(String, String)>, String> {
+    let hellos: Vec<(&[Interface], Option<&str>, Option<&str>)> = remote
+        .hosts
+        .iter()
+        .zip(answering)
+        .map(|(host, index)| {
+            (
+                &host.hello.interfaces[..],
+                entries[*index].nccl_socket_ifname.as_deref(),
+                Some(targets[*index].target.address.as_str()),
+            )
+        })
+        .collect();
+    if names.is_empty() {
+        Err("no host answered".into())
+    } else {
+        choose_data_interfaces(names, &hellos)
+            .map(|chosen| {
+                chosen
+                    .into_iter()
+                    .map(|d| (d.name, d.address.to_string()))
+                    .collect()
+            })
+            .map_err(|error| format!("{error:#}"))
+    }
+}
+
+/// Each answering host's evidence: its agent's hello and its live doctor findings.
+///
+/// Errors: a host that stopped answering.
+fn host_evidence(
+    remote: &RemoteCluster,
+    entries: &[InventoryEntry],
+    targets: &[RemoteHostSpec],
+    answering: &[usize],
+) -> Result<Vec<crate::doctor::cluster::HostEvidence>> {
+    let mut hosts = Vec::new();
+    for (position, host) in remote.hosts.iter().enumerate() {
+        let live = remote
+            .doctor_findings(position)?
+            .into_iter()
+            .map(|finding| finding.into_finding(&host.name))
+            .collect();
+        hosts.push(crate::doctor::cluster::HostEvidence {
+            name: host.name.clone(),
+            infer_version: host.hello.version.clone(),
+            infer_sha256: host.hello.sha256.clone(),
+            infer_path: host.hello.exe.clone(),
+            wanted_interface: entries[answering[position]].nccl_socket_ifname.clone(),
+            ssh_address: targets[answering[position]].target.address.clone(),
+            nccl: host.hello.nccl.clone(),
+            interfaces: host.hello.interfaces.clone(),
+            topology: host.hello.topology.clone(),
+            clock_offset_ms: host.clock_offset_ms,
+            live,
+        });
+    }
+    Ok(hosts)
+}
+
+/// What [`probe_network`] measured between the hosts' data addresses.
+struct NetworkProbes {
+    matrix: crate::doctor::cluster::Matrix,
+    /// With `--bandwidth`: each pair's stream.
+    bandwidth: Option<Vec<crate::doctor::cluster::PairBandwidth>>,
+    /// With `--bandwidth`: one all-reduce over every host.
+    allreduce: Option<crate::doctor::cluster::AllreduceProbe>,
+}
+
+/// The probes between the hosts' data addresses (`data[i]`: interface, address of host
+/// `names[i]`; two hosts or more): a listener on each, the bandwidth of each pair (with
+/// `bandwidth`), every host reaching every other, every other host reaching a rendezvous
+/// store on the first, and (with `bandwidth`) an all-reduce.
+///
+/// Errors: a host that stopped answering.
+fn probe_network(
+    remote: &RemoteCluster,
+    names: &[&str],
+    data: &[(String, String)],
+    bandwidth: bool,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<NetworkProbes> {
+    let mut listeners = Vec::new();
+    for (position, (_, address)) in data.iter().enumerate() {
+        listeners.push(remote.listen(position, &format!("{address}:0"))?);
+    }
+    let pairs = if bandwidth {
+        Some(measure_bandwidth(remote, names, data, &listeners)?)
+    } else {
+        None
+    };
+    let probes: Vec<(usize, String, Vec<String>)> = data
+        .iter()
+        .enumerate()
+        .map(|(position, (_, address))| {
+            let others = listeners
+                .iter()
+                .enumerate()
+                .filter(|(other, _)| *other != position)
+                .map(|(_, l)| l.clone())
+                .collect();
+            (position, address.clone(), others)
+        })
+        .collect();
+    let results = remote.reach_all(&probes)?;
+    // The rendezvous store's own port on the first host (rank 0's), as ranks reach it.
+    let token = crate::rendezvous::random_token();
+    let (store, store_here) = remote.host_store(0, &format!("{}:0", data[0].1), &token)?;
+    let mut store_cells = vec![None];
+    for (position, (_, address)) in data.iter().enumerate().skip(1) {
+        let result = remote.connect_only(position, address, &store.to_string())?;
+        store_cells.push(Some(crate::doctor::cluster::Cell {
+            to: result.to,
+            from: result.from,
+            rtt_us: result.rtt_us,
+            seen_as: None,
+            error: result.error,
+        }));
+    }
+    let allreduce = bandwidth
+        .then(|| allreduce_evidence(remote, names, data, (store, store_here), &token, progress));
+    Ok(NetworkProbes {
+        matrix: crate::doctor::cluster::Matrix {
+            hosts: names.iter().map(|n| n.to_string()).collect(),
+            cells: matrix_cells(results, data.len()),
+            store: store.to_string(),
+            store_cells,
+        },
+        bandwidth: pairs,
+        allreduce,
+    })
+}
+
+/// The bandwidth of every pair of hosts, one pair at a time (so no two streams share a
+/// link): [`BANDWIDTH_PROBE_BYTES`](crate::doctor::cluster::BANDWIDTH_PROBE_BYTES) from
+/// the first to the second's listener (`listeners`), against the slower link's rate.
+///
+/// Errors: a host that stopped answering.
+fn measure_bandwidth(
+    remote: &RemoteCluster,
+    names: &[&str],
+    data: &[(String, String)],
+    listeners: &[String],
+) -> Result<Vec<crate::doctor::cluster::PairBandwidth>> {
+    use crate::doctor::cluster::BANDWIDTH_PROBE_BYTES;
+    let rate = |position: usize| data_link_rate(remote, position, &data[position].0);
+    let mut measured = Vec::new();
+    for from in 0..data.len() {
+        for to in from + 1..data.len() {
+            let result =
+                remote.stream(from, &data[from].1, &listeners[to], BANDWIDTH_PROBE_BYTES)?;
+            let expected = match (rate(from), rate(to)) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            measured.push(crate::doctor::cluster::PairBandwidth {
+                from: names[from].to_string(),
+                to: names[to].to_string(),
+                gbps: result
+                    .as_ref()
+                    .ok()
+                    .map(|secs| BANDWIDTH_PROBE_BYTES as f64 * 8.0 / secs / 1e9),
+                expected_gbps: expected,
+                error: result.err(),
+            });
+        }
+    }
+    Ok(measured)
+}
+
+/// The all-reduce probe's evidence: [`allreduce_probe`]'s rows with the slowest data link,
+/// or why it was not run (the hosts run different builds) or failed.
+fn allreduce_evidence(
+    remote: &RemoteCluster,
+    names: &[&str],
+    data: &[(String, String)],
+    store: (std::net::SocketAddr, std::net::SocketAddr),
+    token: &str,
+    progress: &mut dyn FnMut(Progress),
+) -> crate::doctor::cluster::AllreduceProbe {
+    use crate::doctor::cluster::{AllreduceProbe, LinkRate};
+    let slowest_link = (0..data.len())
+        .filter_map(|position| {
+            Some(LinkRate {
+                host: names[position].to_string(),
+                interface: data[position].0.clone(),
+                gbps: data_link_rate(remote, position, &data[position].0)?,
+            })
+        })
+        .reduce(|a, b| if b.gbps < a.gbps { b } else { a });
+    let mut probe = AllreduceProbe {
+        hosts: names.iter().map(|n| n.to_string()).collect(),
+        transport: String::new(),
+        rows: Vec::new(),
+        slowest_link,
+        error: None,
+    };
+    let builds: std::collections::BTreeSet<&str> = remote
+        .hosts
+        .iter()
+        .map(|h| h.hello.sha256.as_str())
+        .collect();
+    if builds.len() > 1 {
+        probe.error = Some(
+            "not run: the hosts run different `infer` builds, whose ranks may not speak the same protocol (see `versions`)".into(),
+        );
+    } else {
+        match allreduce_probe(remote, names, data, store, token, progress) {
+            Ok(bench) => {
+                probe.transport = bench.transport;
+                probe.rows = bench.rows;
+            }
+            Err(error) => probe.error = Some(format!("{error:#}")),
+        }
+    }
+    probe
+}
+
+/// The reachability matrix of `n_hosts` hosts from each host's results (one per other
+/// host, in order); the diagonal is empty.
+fn matrix_cells(
+    results: Vec<Vec<super::protocol::ReachResult>>,
+    n_hosts: usize,
+) -> Vec<Vec<Option<crate::doctor::cluster::Cell>>> {
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(row, mut results)| {
+            (0..n_hosts)
+                .map(|column| {
+                    if column == row {
+                        return None;
+                    }
+                    let result = results.remove(0);
+                    Some(crate::doctor::cluster::Cell {
+                        to: result.to,
+                        from: result.from,
+                        rtt_us: result.rtt_us,
+                        seen_as: result.seen_as,
+                        error: result.error,
+                    })
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// `engine` on every connected host, in parallel: its programs and versions
@@ -809,6 +916,20 @@ fn place_greedy(capacity: &[usize], tp: usize, n_groups: usize) -> Result<Vec<us
     Ok(hosts)
 }
 
+/// One IPv4 address of a host: interface name, address, prefix length, whether the
+/// interface is virtual.
+type HostAddress = (String, Ipv4Addr, u8, bool);
+
+/// The IPv4 network (masked address, prefix length) of `ip` with `prefix`.
+fn network_of(ip: Ipv4Addr, prefix: u8) -> (u32, u8) {
+    let mask = if prefix == 0 {
+        0
+    } else {
+        u32::MAX << (32 - prefix)
+    };
+    (u32::from(ip) & mask, prefix)
+}
+
 /// The interface every host's collectives use: the inventory's `nccl-socket-ifname` where
 /// given, else an interface on an IPv4 network every host has an address in, preferring a
 /// network that does not carry the SSH (management) addresses, then physical interfaces.
@@ -825,26 +946,85 @@ pub fn choose_data_interfaces(
     names: &[&str],
     hosts: &[(&[Interface], Option<&str>, Option<&str>)],
 ) -> Result<Vec<DataInterface>> {
-    let parsed: Vec<Vec<(String, Ipv4Addr, u8, bool)>> = hosts
+    let parsed: Vec<Vec<HostAddress>> = hosts
         .iter()
-        .map(|(interfaces, ..)| {
-            interfaces
-                .iter()
-                // Down interfaces count too: a data NIC that is down must be reported as
-                // such, not silently replaced by the management network.
-                .filter(|i| i.name != "lo")
-                .flat_map(|i| {
-                    i.ipv4.iter().filter_map(move |cidr| {
-                        let (ip, prefix) = cidr.split_once('/')?;
-                        let ip: Ipv4Addr = ip.parse().ok()?;
-                        let prefix: u8 = prefix.parse().ok().filter(|p| *p <= 32)?;
-                        (!ip.is_loopback()).then(|| (i.name.clone(), ip, prefix, i.is_virtual))
-                    })
-                })
-                .collect()
-        })
+        .map(|(interfaces, ..)| host_addresses(interfaces))
         .collect();
     // Overrides first: they must exist on their host.
+    let chosen = chosen_overrides(names, hosts, &parsed)?;
+    if chosen.iter().all(Option::is_some) {
+        return Ok(chosen.into_iter().flatten().collect());
+    }
+    let ssh_addresses: Vec<Ipv4Addr> = hosts
+        .iter()
+        .filter_map(|(_, _, a)| a.as_ref()?.parse().ok())
+        .collect();
+    let candidates = common_networks(&parsed, &chosen, &ssh_addresses);
+    let Some(best) = candidates.first() else {
+        if hosts.len() == 1 {
+            // One host: any of its addresses, the SSH one last.
+            let ssh = ssh_addresses.first();
+            if let Some((name, ip, ..)) = parsed[0]
+                .iter()
+                .min_by_key(|(_, ip, _, v)| (Some(ip) == ssh, *v))
+            {
+                return Ok(vec![DataInterface {
+                    name: name.clone(),
+                    address: *ip,
+                }]);
+            }
+        }
+        bail!(
+            "no IPv4 network reaches every host ({}); name each host's data interface with `nccl-socket-ifname` in the inventory",
+            names.join(", ")
+        );
+    };
+    Ok(parsed
+        .iter()
+        .zip(chosen)
+        .map(|(interfaces, fixed)| {
+            fixed.unwrap_or_else(|| {
+                let (name, ip, ..) = interfaces
+                    .iter()
+                    .find(|(_, ip, p, _)| network_of(*ip, *p) == *best)
+                    .expect("every host has an address on the chosen network");
+                DataInterface {
+                    name: name.clone(),
+                    address: *ip,
+                }
+            })
+        })
+        .collect())
+}
+
+/// Every IPv4 address of `interfaces` but the loopback's (down interfaces included).
+fn host_addresses(interfaces: &[Interface]) -> Vec<HostAddress> {
+    interfaces
+        .iter()
+        // Down interfaces count too: a data NIC that is down must be reported as
+        // such, not silently replaced by the management network.
+        .filter(|i| i.name != "lo")
+        .flat_map(|i| {
+            i.ipv4.iter().filter_map(move |cidr| {
+                let (ip, prefix) = cidr.split_once('/')?;
+                let ip: Ipv4Addr = ip.parse().ok()?;
+                let prefix: u8 = prefix.parse().ok().filter(|p| *p <= 32)?;
+                (!ip.is_loopback()).then(|| (i.name.clone(), ip, prefix, i.is_virtual))
+            })
+        })
+        .collect()
+}
+
+/// Each host's data interface as its override (`nccl-socket-ifname`) names it; `None`
+/// where it has none. `parsed[i]`: host `i`'s addresses.
+///
+/// Errors: an override naming an interface that is missing or without IPv4 on its host,
+/// listing what the host has.
+fn chosen_overrides(
+    names: &[&str],
+    hosts: &[(&[Interface], Option<&str>, Option<&str>)],
+    parsed: &[Vec<HostAddress>],
+) -> Result<Vec<Option<DataInterface>>> {
     let mut chosen: Vec<Option<DataInterface>> = vec![None; hosts.len()];
     for (index, (interfaces, wanted, _)) in hosts.iter().enumerate() {
         let Some(wanted) = wanted else { continue };
@@ -878,21 +1058,25 @@ pub fn choose_data_interfaces(
             }
         }
     }
-    if chosen.iter().all(Option::is_some) {
-        return Ok(chosen.into_iter().flatten().collect());
-    }
-    // Networks (address, prefix) every host reaches.
-    let network = |ip: Ipv4Addr, prefix: u8| {
-        let mask = if prefix == 0 {
-            0
-        } else {
-            u32::MAX << (32 - prefix)
-        };
-        (u32::from(ip) & mask, prefix)
-    };
+    Ok(chosen)
+}
+
+/// The networks (masked address, prefix length) every host has an address in (a host with
+/// an override: that address), best first: not the SSH addresses' (`ssh_addresses`), then
+/// with the fewest virtual interfaces.
+fn common_networks(
+    parsed: &[Vec<HostAddress>],
+    chosen: &[Option<DataInterface>],
+    ssh_addresses: &[Ipv4Addr],
+) -> Vec<(u32, u8)> {
     let mut candidates: Vec<(u32, u8)> = parsed
         .first()
-        .map(|first| first.iter().map(|(_, ip, p, _)| network(*ip, *p)).collect())
+        .map(|first| {
+            first
+                .iter()
+                .map(|(_, ip, p, _)| network_of(*ip, *p))
+                .collect()
+        })
         .unwrap_or_default();
     candidates.sort();
     candidates.dedup();
@@ -901,61 +1085,23 @@ pub fn choose_data_interfaces(
             .iter()
             .enumerate()
             .all(|(index, interfaces)| match &chosen[index] {
-                Some(fixed) => network(fixed.address, net.1) == *net,
+                Some(fixed) => network_of(fixed.address, net.1) == *net,
                 None => interfaces
                     .iter()
-                    .any(|(_, ip, p, _)| network(*ip, *p) == *net),
+                    .any(|(_, ip, p, _)| network_of(*ip, *p) == *net),
             })
     });
-    let ssh_addresses: Vec<Ipv4Addr> = hosts
-        .iter()
-        .filter_map(|(_, _, a)| a.as_ref()?.parse().ok())
-        .collect();
     let score = |net: &(u32, u8)| {
-        let management = ssh_addresses.iter().any(|a| network(*a, net.1) == *net);
+        let management = ssh_addresses.iter().any(|a| network_of(*a, net.1) == *net);
         let virtual_count = parsed
             .iter()
             .flatten()
-            .filter(|(_, ip, p, v)| *v && network(*ip, *p) == *net)
+            .filter(|(_, ip, p, v)| *v && network_of(*ip, *p) == *net)
             .count();
         (management, virtual_count)
     };
     candidates.sort_by_key(score);
-    let Some(best) = candidates.first() else {
-        if hosts.len() == 1 {
-            // One host: any of its addresses, the SSH one last.
-            let ssh = ssh_addresses.first();
-            if let Some((name, ip, ..)) = parsed[0]
-                .iter()
-                .min_by_key(|(_, ip, _, v)| (Some(ip) == ssh, *v))
-            {
-                return Ok(vec![DataInterface {
-                    name: name.clone(),
-                    address: *ip,
-                }]);
-            }
-        }
-        bail!(
-            "no IPv4 network reaches every host ({}); name each host's data interface with `nccl-socket-ifname` in the inventory",
-            names.join(", ")
-        );
-    };
-    Ok(parsed
-        .iter()
-        .zip(chosen)
-        .map(|(interfaces, fixed)| {
-            fixed.unwrap_or_else(|| {
-                let (name, ip, ..) = interfaces
-                    .iter()
-                    .find(|(_, ip, p, _)| network(*ip, *p) == *best)
-                    .expect("every host has an address on the chosen network");
-                DataInterface {
-                    name: name.clone(),
-                    address: *ip,
-                }
-            })
-        })
-        .collect())
+    candidates
 }
 
 /// SSH targets of the inventory's hosts: the inventory's values, then `~/.ssh/config`'s

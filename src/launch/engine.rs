@@ -2,6 +2,8 @@
 //! writes: the scripts of `infer plan --engine E --emit DIR`, and `infer up --engine E`.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -535,12 +537,78 @@ fn http_get(address: std::net::SocketAddr, path: &str) -> Option<(u16, String)> 
 /// Errors: a host that fails preflight (named), a layout the engine cannot express, an
 /// engine process that exits or never gets healthy.
 pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     let started = Instant::now();
     // This host's address first: a port in use fails before anything starts anywhere.
     crate::serve::http::check_bind(&settings.host, settings.port)?;
-    let hosts = match &settings.inventory {
+    let hosts = connect_hosts(settings, events)?;
+    // Every host's engine, in parallel.
+    let found = probe_hosts(&hosts, settings, events)?;
+    // The layout: pinned degrees, else TP over each host's GPUs and PP over the hosts.
+    let mut nodes: Vec<NodeNet> = (0..hosts.len()).map(|i| hosts.node(i)).collect();
+    let layout = engine_layout(settings, &mut nodes)?;
+    let mut request = engine_request(&hosts, settings, &found, nodes, &layout);
+    let launch = generate_launch(&hosts, &mut request, layout.pd.as_ref())?;
+    // The host each process runs on (a disaggregated deployment runs several per host).
+    let host_of = host_of_nodes(&hosts, &launch)?;
+    for note in &launch.notes {
+        events(UpEvent::Note(note.clone()));
+    }
+    // Every port each node's engine binds must be free there.
+    check_ports_free(&hosts, &launch, &host_of, settings)?;
+    // The launcher's own end of the head's HTTP port (on a cluster), bound before anything
+    // starts.
+    let local_http = bind_launcher_http(&hosts, settings)?;
+    let signals = Arc::new(AtomicUsize::new(0));
+    super::serving::watch_signals(Arc::clone(&signals))?;
+    let run_dir = super::create_run_dir(settings.run_dir.as_deref())?;
+    let (line_sender, lines) = std::sync::mpsc::channel::<(usize, String)>();
+    let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+    let local = super::LocalSpawner { exe };
+    let spawner: Box<dyn super::Spawner + '_> = match &hosts {
+        Hosts::Local { .. } => Box::new(local),
+        Hosts::Remote { cluster, .. } => Box::new(cluster.spawner(host_of.clone())),
+    };
+    let labels = member_labels(&launch);
+    let mut run = EngineRun {
+        settings,
+        hosts: &hosts,
+        launch: &launch,
+        run_dir: &run_dir,
+        lines: &lines,
+        labels: &labels,
+        signals: &signals,
+        members: Vec::new(),
+    };
+    let result = run.start_and_wait_ready(spawner.as_ref(), &line_sender, local_http, events);
+    let address = match result {
+        Ok(Some(address)) => address,
+        Ok(None) => {
+            stop_members(&mut run.members, settings.shutdown_timeout);
+            events(UpEvent::Note("stopped before the engine was ready".into()));
+            return Ok(());
+        }
+        Err(error) => {
+            stop_members(&mut run.members, settings.shutdown_timeout);
+            return Err(error);
+        }
+    };
+    events(UpEvent::Ready {
+        address: address.to_string(),
+        world_size: launch.nodes.len(),
+        layout: ready_layout(settings, layout.pd.as_ref(), &launch, &request),
+        ready_secs: started.elapsed().as_secs_f64(),
+    });
+    // Serve until told to stop, or until any engine process exits.
+    run.serve_until_stopped(events)
+}
+
+/// The hosts of the launch: this one (its topology probed), or the inventory's, connected
+/// over SSH with their agents started and each one's data interface chosen.
+///
+/// Errors: this host's topology cannot be probed; an unreadable inventory, a host that fails
+/// preflight, no data network common to the hosts.
+fn connect_hosts(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<Hosts> {
+    Ok(match &settings.inventory {
         None => Hosts::Local {
             name: "localhost".into(),
             topology: crate::topology::probe::probe_host(&crate::topology::probe::ProbeOptions {
@@ -573,14 +641,22 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
                 data,
             }
         }
-    };
-    // Every host's engine, in parallel.
+    })
+}
+
+/// Every host's engine, probed in parallel ([`probe_host`]); each host's versions reported
+/// through `events`, and every host checked to agree on the engine version, torch / NCCL and
+/// the model.
+///
+/// Errors: every host whose probe failed (one line each), hosts that differ.
+fn probe_hosts(
+    hosts: &Hosts,
+    settings: &EngineUpSettings,
+    events: &mut dyn FnMut(UpEvent),
+) -> Result<Vec<HostEngine>> {
     let found: Vec<std::result::Result<HostEngine, String>> = std::thread::scope(|scope| {
         let jobs: Vec<_> = (0..hosts.len())
-            .map(|index| {
-                let hosts = &hosts;
-                scope.spawn(move || probe_host(hosts, index, settings))
-            })
+            .map(|index| scope.spawn(move || probe_host(hosts, index, settings)))
             .collect();
         jobs.into_iter()
             .map(|job| {
@@ -614,11 +690,29 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
     if !failures.is_empty() {
         bail!("{}", failures.join("\n"));
     }
-    same_everywhere(&hosts, &found_ok, "engine version", |f| f.version.clone())?;
-    same_everywhere(&hosts, &found_ok, "torch / NCCL", |f| f.torch.clone())?;
-    same_everywhere(&hosts, &found_ok, "model", |f| f.model.clone())?;
-    // The layout: pinned degrees, else TP over each host's GPUs and PP over the hosts.
-    let mut nodes: Vec<NodeNet> = (0..hosts.len()).map(|i| hosts.node(i)).collect();
+    same_everywhere(hosts, &found_ok, "engine version", |f| f.version.clone())?;
+    same_everywhere(hosts, &found_ok, "torch / NCCL", |f| f.torch.clone())?;
+    same_everywhere(hosts, &found_ok, "model", |f| f.model.clone())?;
+    Ok(found_ok)
+}
+
+/// The layout of an engine launch, as [`engine_layout`] chose it.
+struct EngineLayout {
+    /// The degrees (a PD launch: its workers' until [`generate_launch`] sets the prefill's).
+    parallel: crate::plan::Parallel,
+    /// Prefill/decode disaggregation's workers, when asked for.
+    pd: Option<engines::disagg::PdLayout>,
+    /// Whether the engine runs on GPUs (llama.cpp on CPU hosts does not).
+    gpu: bool,
+}
+
+/// The layout over `nodes`: pinned degrees, else TP over each host's GPUs and PP over the
+/// hosts; each node's GPU list cut to its share (not for PD, whose workers
+/// `disagg::generate` places).
+///
+/// Errors: a host without GPUs for an engine that needs them, a layout that does not split
+/// evenly over the hosts.
+fn engine_layout(settings: &EngineUpSettings, nodes: &mut [NodeNet]) -> Result<EngineLayout> {
     let gpu = settings.engine != EngineKind::Llamacpp || nodes.iter().all(|n| n.gpus_on_host > 0);
     if settings.engine != EngineKind::Llamacpp
         && let Some(cpu_only) = nodes.iter().find(|n| n.gpus_on_host == 0)
@@ -633,7 +727,7 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
     let n_hosts = nodes.len() as u64;
     // Disaggregated: each worker is `--tp × --pp` GPUs (1 × 1 unless given), placed by
     // `disagg::generate` on the hosts' GPUs in order.
-    let pd_layout = settings.pd.map(|(prefill, decode)| {
+    let pd = settings.pd.map(|(prefill, decode)| {
         let worker = crate::plan::Parallel {
             tp: settings.tp.unwrap_or(1),
             pp: settings.pp.unwrap_or(1),
@@ -659,7 +753,7 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
         dp: settings.dp.unwrap_or(1),
         ep: settings.ep.unwrap_or(1),
     };
-    if gpu && pd_layout.is_none() {
+    if gpu && pd.is_none() {
         let per_node = (parallel.world_size() / n_hosts.max(1)) as usize;
         if !parallel.world_size().is_multiple_of(n_hosts) || per_node as u64 > per_host {
             bail!(
@@ -672,13 +766,27 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
                 per_host
             );
         }
-        for node in &mut nodes {
+        for node in nodes.iter_mut() {
             node.gpus.truncate(per_node);
         }
     }
+    Ok(EngineLayout { parallel, pd, gpu })
+}
+
+/// What the engine generator is asked for: `layout` over `nodes`, the head's version
+/// (`found[0]`), the usual ports but `--port` and `--dist-port`.
+fn engine_request(
+    hosts: &Hosts,
+    settings: &EngineUpSettings,
+    found: &[HostEngine],
+    nodes: Vec<NodeNet>,
+    layout: &EngineLayout,
+) -> EngineRequest {
+    let parallel = layout.parallel;
+    let n_hosts = nodes.len() as u64;
     let mut request = EngineRequest {
         engine: settings.engine,
-        version: found_ok[0]
+        version: found[0]
             .version
             .as_deref()
             .and_then(engines::Version::parse),
@@ -697,19 +805,31 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
             && parallel.ep as usize > nodes[0].gpus.len(),
         nodes,
         ports: EnginePorts::default_for(settings.engine),
-        http_host: match &hosts {
+        http_host: match hosts {
             Hosts::Local { .. } => settings.host.clone(),
             // The head serves on its loopback; the launcher forwards to it over SSH.
             Hosts::Remote { .. } => "127.0.0.1".into(),
         },
-        gpu,
+        gpu: layout.gpu,
     };
     request.ports.http = settings.port;
     if let Some(port) = settings.dist_port {
         request.ports.dist = port;
     }
-    let launch = match &pd_layout {
-        None => engines::generate(&request)?,
+    request
+}
+
+/// The launch the engine generator makes of `request` (with `pd`: the disaggregated one,
+/// `request.parallel` set to the prefill workers').
+///
+/// Errors: a layout the engine cannot express.
+fn generate_launch(
+    hosts: &Hosts,
+    request: &mut EngineRequest,
+    pd: Option<&engines::disagg::PdLayout>,
+) -> Result<EngineLaunch> {
+    Ok(match pd {
+        None => engines::generate(request)?,
         Some(layout) => {
             request.parallel = layout.prefill;
             // Across hosts the workers listen on every address (the router on the first
@@ -719,11 +839,16 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
             if matches!(hosts, Hosts::Remote { .. }) {
                 request.http_host = "0.0.0.0".into();
             }
-            engines::disagg::generate_with_router_bind(&request, layout, &router_bind)?
+            engines::disagg::generate_with_router_bind(request, layout, &router_bind)?
         }
-    };
-    // The host each process runs on (a disaggregated deployment runs several per host).
-    let host_of: Vec<usize> = launch
+    })
+}
+
+/// The index in `hosts` of each node of `launch`.
+///
+/// Errors: a node on a host that is not one of `hosts`.
+fn host_of_nodes(hosts: &Hosts, launch: &EngineLaunch) -> Result<Vec<usize>> {
+    launch
         .nodes
         .iter()
         .map(|node| {
@@ -731,11 +856,19 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
                 .find(|&i| hosts.name(i) == node.host)
                 .ok_or_else(|| anyhow::anyhow!("the launch names an unknown host `{}`", node.host))
         })
-        .collect::<Result<_>>()?;
-    for note in &launch.notes {
-        events(UpEvent::Note(note.clone()));
-    }
-    // Every port each node's engine binds must be free there.
+        .collect()
+}
+
+/// Checks that every port each node's engine binds is free on its host (`host_of`); on this
+/// host the HTTP port was checked before.
+///
+/// Errors: every port taken (host, address, port, purpose, why), or a host lost.
+fn check_ports_free(
+    hosts: &Hosts,
+    launch: &EngineLaunch,
+    host_of: &[usize],
+    settings: &EngineUpSettings,
+) -> Result<()> {
     let mut taken = Vec::new();
     for (index, node) in launch.nodes.iter().enumerate() {
         let mut ports: Vec<(String, u16)> = node
@@ -765,9 +898,18 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
             taken.join("\n  ")
         );
     }
-    // The launcher's own end of the head's HTTP port (on a cluster), bound before anything
-    // starts.
-    let local_http = match &hosts {
+    Ok(())
+}
+
+/// On a cluster, the launcher's own listener at `--host:--port` (forwarded to the head
+/// later); `None` on this host, where the engine binds it.
+///
+/// Errors: the address cannot be bound (the HTTP server's message).
+fn bind_launcher_http(
+    hosts: &Hosts,
+    settings: &EngineUpSettings,
+) -> Result<Option<std::net::TcpListener>> {
+    Ok(match hosts {
         Hosts::Remote { .. } => Some(
             std::net::TcpListener::bind((settings.host.as_str(), settings.port)).map_err(
                 |error| {
@@ -780,18 +922,12 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
             )?,
         ),
         Hosts::Local { .. } => None,
-    };
-    let signals = Arc::new(AtomicUsize::new(0));
-    super::serving::watch_signals(Arc::clone(&signals))?;
-    let run_dir = super::create_run_dir(settings.run_dir.as_deref())?;
-    let (line_sender, lines) = std::sync::mpsc::channel::<(usize, String)>();
-    let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
-    let local = super::LocalSpawner { exe };
-    let spawner: Box<dyn super::Spawner + '_> = match &hosts {
-        Hosts::Local { .. } => Box::new(local),
-        Hosts::Remote { cluster, .. } => Box::new(cluster.spawner(host_of.clone())),
-    };
-    let labels: Vec<String> = launch
+    })
+}
+
+/// Each node's label in progress lines: its host and the program it runs.
+fn member_labels(launch: &EngineLaunch) -> Vec<String> {
+    launch
         .nodes
         .iter()
         .map(|n| {
@@ -803,47 +939,133 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
             });
             format!("{} {program}", n.host)
         })
-        .collect();
-    let mut members: Vec<Member> = Vec::new();
-    let result = (|| -> Result<Option<std::net::SocketAddr>> {
-        // Workers first, then the head (which connects to them, or waits for them).
-        let order: Vec<usize> = (1..launch.nodes.len()).chain([0]).collect();
+        .collect()
+}
+
+/// The layout line of the ready event.
+fn ready_layout(
+    settings: &EngineUpSettings,
+    pd: Option<&engines::disagg::PdLayout>,
+    launch: &EngineLaunch,
+    request: &EngineRequest,
+) -> String {
+    match pd {
+        Some(layout) => format!(
+            "{} prefill/decode: {} prefill + {} decode workers of {} behind the router, {} processes",
+            settings.engine,
+            layout.prefill_workers,
+            layout.decode_workers,
+            layout.prefill,
+            launch.nodes.len()
+        ),
+        None => format!(
+            "{} on {} node{}: {}",
+            settings.engine,
+            launch.nodes.len(),
+            if launch.nodes.len() == 1 { "" } else { "s" },
+            request.parallel
+        ),
+    }
+}
+
+/// An engine launch once its checks passed: what starting, watching and stopping its
+/// processes share.
+struct EngineRun<'a> {
+    settings: &'a EngineUpSettings,
+    hosts: &'a Hosts,
+    launch: &'a EngineLaunch,
+    run_dir: &'a Path,
+    /// The processes' output lines, by node.
+    lines: &'a std::sync::mpsc::Receiver<(usize, String)>,
+    labels: &'a [String],
+    /// How many SIGINTs and SIGTERMs arrived.
+    signals: &'a AtomicUsize,
+    /// The processes started so far.
+    members: Vec<Member>,
+}
+
+impl EngineRun<'_> {
+    /// Starts every process, waits for the head's `/health` and checks `/v1/models`: the
+    /// address it serves at, or `None` when a signal came first. The caller stops the
+    /// members on either outcome but success.
+    ///
+    /// Errors: a process that cannot start or exits, a head that does not get healthy within
+    /// the ready timeout or whose `/v1/models` fails, the forward cannot start.
+    fn start_and_wait_ready(
+        &mut self,
+        spawner: &dyn super::Spawner,
+        line_sender: &std::sync::mpsc::Sender<(usize, String)>,
+        local_http: Option<std::net::TcpListener>,
+        events: &mut dyn FnMut(UpEvent),
+    ) -> Result<Option<std::net::SocketAddr>> {
+        self.start_members(spawner, line_sender, events)?;
+        write_manifest(self.run_dir, self.launch, &self.members)?;
+        // The head's health, through the forward on a cluster.
+        let address = self.head_address(local_http)?;
+        if !self.wait_until_healthy(address, events)? {
+            return Ok(None);
+        }
+        list_models(address, events)?;
+        Ok(Some(address))
+    }
+
+    /// Starts the workers, then the head (which connects to them, or waits for them);
+    /// llama.cpp's head only once every RPC worker answers.
+    ///
+    /// Errors: a process that cannot start, a worker that exits or never answers.
+    fn start_members(
+        &mut self,
+        spawner: &dyn super::Spawner,
+        line_sender: &std::sync::mpsc::Sender<(usize, String)>,
+        events: &mut dyn FnMut(UpEvent),
+    ) -> Result<()> {
+        let order: Vec<usize> = (1..self.launch.nodes.len()).chain([0]).collect();
         for index in order {
-            let node = &launch.nodes[index];
+            let node = &self.launch.nodes[index];
             let mut argv = node.argv.clone();
-            argv[0] = program_path(settings.engine_bin.as_deref(), &argv[0]);
+            argv[0] = program_path(self.settings.engine_bin.as_deref(), &argv[0]);
             let env: Vec<(String, String)> = node
                 .env
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
-            let log = run_dir.join(format!("node{index}.log"));
-            let handle = spawner.spawn_program(index, &argv, &env, &log, &line_sender)?;
+            let log = self.run_dir.join(format!("node{index}.log"));
+            let handle = spawner.spawn_program(index, &argv, &env, &log, line_sender)?;
             events(UpEvent::Gang(Progress::Host {
                 host: node.host.clone(),
-                stage: format!("started `{}` (pid {})", labels[index], handle.id()),
+                stage: format!("started `{}` (pid {})", self.labels[index], handle.id()),
             }));
-            members.push(Member {
+            self.members.push(Member {
                 node: index,
-                label: labels[index].clone(),
+                label: self.labels[index].clone(),
                 handle,
                 log,
             });
-            if settings.engine == EngineKind::Llamacpp && index > 0 {
+            if self.settings.engine == EngineKind::Llamacpp && index > 0 {
                 wait_for_rpc(
-                    &hosts,
-                    &launch,
+                    self.hosts,
+                    self.launch,
                     index,
-                    &mut members,
-                    &lines,
-                    &labels,
+                    &mut self.members,
+                    self.lines,
+                    self.labels,
                     events,
                 )?;
             }
         }
-        write_manifest(&run_dir, &launch, &members)?;
-        // The head's health, through the forward on a cluster.
-        let address: std::net::SocketAddr = match (&hosts, local_http) {
+        Ok(())
+    }
+
+    /// Where the head's HTTP server is reached from here: through the forward from
+    /// `local_http` on a cluster, else `--host:--port` (`0.0.0.0` as the loopback).
+    ///
+    /// Errors: the forward cannot start, `--host` is not an IP address.
+    fn head_address(
+        &self,
+        local_http: Option<std::net::TcpListener>,
+    ) -> Result<std::net::SocketAddr> {
+        let settings = self.settings;
+        Ok(match (self.hosts, local_http) {
             (Hosts::Remote { cluster, .. }, Some(listener)) => {
                 let local = listener.local_addr()?;
                 cluster.forward(
@@ -863,103 +1085,91 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
                     .parse()
                     .with_context(|| format!("`{}` is not an IP address", settings.host))?
             }
-        };
-        let deadline = Instant::now() + settings.ready_timeout;
+        })
+    }
+
+    /// Waits until the head at `address` answers `GET /health` with 200 (`true`), or a
+    /// signal arrives (`false`); the processes' lines go to `events` meanwhile.
+    ///
+    /// Errors: a process exits, the ready timeout passes.
+    fn wait_until_healthy(
+        &mut self,
+        address: std::net::SocketAddr,
+        events: &mut dyn FnMut(UpEvent),
+    ) -> Result<bool> {
+        let deadline = Instant::now() + self.settings.ready_timeout;
         loop {
-            drain(&lines, &labels, events);
-            if let Some(why) = exited(&mut members) {
+            drain(self.lines, self.labels, events);
+            if let Some(why) = exited(&mut self.members) {
                 bail!("{why}");
             }
-            if signals.load(Ordering::SeqCst) > 0 {
-                return Ok(None);
+            if self.signals.load(Ordering::SeqCst) > 0 {
+                return Ok(false);
             }
             if let Some((200, _)) = http_get(address, "/health") {
-                break;
+                return Ok(true);
             }
             if Instant::now() > deadline {
                 bail!(
                     "the head did not answer `GET /health` within {} s (see {})\nhint: a large model takes longer to load: raise `--ready-timeout`",
-                    settings.ready_timeout.as_secs(),
-                    run_dir.display()
+                    self.settings.ready_timeout.as_secs(),
+                    self.run_dir.display()
                 );
             }
             std::thread::sleep(Duration::from_millis(200));
         }
-        match http_get(address, "/v1/models") {
-            Some((200, body)) => {
-                let ids: Vec<String> = serde_json::from_str::<serde_json::Value>(&body)
-                    .ok()
-                    .and_then(|v| v["data"].as_array().cloned())
-                    .unwrap_or_default()
-                    .iter()
-                    .filter_map(|m| m["id"].as_str().map(str::to_string))
-                    .collect();
-                events(UpEvent::Note(format!(
-                    "/v1/models lists {}",
-                    ids.join(", ")
-                )));
+    }
+
+    /// Serves until a signal arrives or any engine process exits, then stops every process.
+    ///
+    /// Errors: the process that exited, with its last lines.
+    fn serve_until_stopped(&mut self, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
+        let failure = loop {
+            drain(self.lines, self.labels, events);
+            if let Some(why) = exited(&mut self.members) {
+                break Some(why);
             }
-            other => bail!(
-                "the head is healthy but `GET /v1/models` answered {:?}",
-                other.map(|(status, _)| status)
-            ),
+            if self.signals.load(Ordering::SeqCst) > 0 {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        events(UpEvent::Note(format!(
+            "stopping every engine process (SIGTERM, then SIGKILL after {} s)",
+            self.settings.shutdown_timeout.as_secs()
+        )));
+        stop_members(&mut self.members, self.settings.shutdown_timeout);
+        drain(self.lines, self.labels, events);
+        match failure {
+            Some(why) => bail!("{why}"),
+            None => Ok(()),
         }
-        Ok(Some(address))
-    })();
-    let address = match result {
-        Ok(Some(address)) => address,
-        Ok(None) => {
-            stop_members(&mut members, settings.shutdown_timeout);
-            events(UpEvent::Note("stopped before the engine was ready".into()));
-            return Ok(());
+    }
+}
+
+/// Reports the model ids the head's `GET /v1/models` at `address` lists.
+///
+/// Errors: the request does not answer 200.
+fn list_models(address: std::net::SocketAddr, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
+    match http_get(address, "/v1/models") {
+        Some((200, body)) => {
+            let ids: Vec<String> = serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["data"].as_array().cloned())
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|m| m["id"].as_str().map(str::to_string))
+                .collect();
+            events(UpEvent::Note(format!(
+                "/v1/models lists {}",
+                ids.join(", ")
+            )));
+            Ok(())
         }
-        Err(error) => {
-            stop_members(&mut members, settings.shutdown_timeout);
-            return Err(error);
-        }
-    };
-    events(UpEvent::Ready {
-        address: address.to_string(),
-        world_size: launch.nodes.len(),
-        layout: match &pd_layout {
-            Some(layout) => format!(
-                "{} prefill/decode: {} prefill + {} decode workers of {} behind the router, {} processes",
-                settings.engine,
-                layout.prefill_workers,
-                layout.decode_workers,
-                layout.prefill,
-                launch.nodes.len()
-            ),
-            None => format!(
-                "{} on {} node{}: {}",
-                settings.engine,
-                launch.nodes.len(),
-                if launch.nodes.len() == 1 { "" } else { "s" },
-                request.parallel
-            ),
-        },
-        ready_secs: started.elapsed().as_secs_f64(),
-    });
-    // Serve until told to stop, or until any engine process exits.
-    let failure = loop {
-        drain(&lines, &labels, events);
-        if let Some(why) = exited(&mut members) {
-            break Some(why);
-        }
-        if signals.load(Ordering::SeqCst) > 0 {
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    events(UpEvent::Note(format!(
-        "stopping every engine process (SIGTERM, then SIGKILL after {} s)",
-        settings.shutdown_timeout.as_secs()
-    )));
-    stop_members(&mut members, settings.shutdown_timeout);
-    drain(&lines, &labels, events);
-    match failure {
-        Some(why) => bail!("{why}"),
-        None => Ok(()),
+        other => bail!(
+            "the head is healthy but `GET /v1/models` answered {:?}",
+            other.map(|(status, _)| status)
+        ),
     }
 }
 

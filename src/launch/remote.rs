@@ -756,80 +756,7 @@ async fn connect_host(
     ));
     // The binary: the inventory's path, else ours, else the staged copy; pushed if none
     // of them is this exact build.
-    let staged = format!(
-        ".cache/infer/bin/infer-{}-{}",
-        env!("CARGO_PKG_VERSION"),
-        &own_sha[..8]
-    );
-    let mut candidates: Vec<String> = Vec::new();
-    match &spec.infer_path {
-        Some(path) => candidates.push(path.clone()),
-        None => {
-            let own = exe.display().to_string();
-            if safe_remote_path(&own) {
-                candidates.push(own);
-            }
-        }
-    }
-    candidates.push(staged.clone());
-    let mut agent = None;
-    for path in &candidates {
-        if !safe_remote_path(path) {
-            return Err(fail(
-                "binary",
-                format!("`{path}` is not a plain path (letters, digits, `/._+-` only)"),
-            ));
-        }
-        if let Some((channel, hello)) = start_agent(&connection, path).await
-            && (hello.sha256 == own_sha || !preflight.same_build)
-        {
-            agent = Some((channel, hello));
-            break;
-        }
-    }
-    if agent.is_none() {
-        let (arch, _) = connection
-            .output("uname -m", b"")
-            .await
-            .map_err(|e| fail("binary", format!("{e:#}")))?;
-        let arch = String::from_utf8_lossy(&arch).trim().to_string();
-        if arch != std::env::consts::ARCH {
-            return Err(fail(
-                "binary arch",
-                format!(
-                    "the host is `{arch}`, this `infer` is built for `{}`: install a matching `infer` there and name it with `infer-path`",
-                    std::env::consts::ARCH
-                ),
-            ));
-        }
-        let bytes = std::fs::read(exe)
-            .map_err(|e| fail("binary", format!("cannot read `{}`: {e}", exe.display())))?;
-        let command = format!(
-            "mkdir -p .cache/infer/bin && cat > {staged}.upload && chmod 755 {staged}.upload && mv {staged}.upload {staged}"
-        );
-        let (_, status) = connection
-            .output(&command, &bytes)
-            .await
-            .map_err(|e| fail("binary", format!("{e:#}")))?;
-        if status != Some(0) {
-            return Err(fail(
-                "binary",
-                format!("staging `infer` into `~/{staged}` failed (exit {status:?})"),
-            ));
-        }
-        agent = start_agent(&connection, &staged)
-            .await
-            .filter(|(_, hello)| hello.sha256 == own_sha);
-        if agent.is_none() {
-            return Err(fail(
-                "binary",
-                format!(
-                    "the staged `~/{staged}` does not run or its sha256 differs from this build"
-                ),
-            ));
-        }
-    }
-    let (channel, hello) = agent.expect("an agent was found or staged above");
+    let (channel, hello) = find_agent(&connection, spec, preflight, own_sha, exe).await?;
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64);
@@ -857,8 +784,139 @@ async fn connect_host(
     })
     .map_err(|e| fail("agent", format!("{e:#}")))?;
     // The model: the same bytes at the same path.
+    check_model(&host, preflight, model_sha, stages).await?;
+    Ok(host)
+}
+
+/// A preflight failure of host `host` at `stage`.
+fn preflight_failure(host: &str, stage: &'static str, message: String) -> PreflightFailure {
+    PreflightFailure {
+        host: host.to_string(),
+        stage,
+        message,
+    }
+}
+
+/// Starts the agent of this exact build (any build without `preflight.same_build`) on the
+/// host of `spec`: the inventory's `infer-path`, else this program's path, else the copy
+/// staged under `~/.cache/infer/bin`; this program is staged there when none answers.
+///
+/// Errors (as the host's preflight failure): a path that is not plain, a host of another
+/// architecture, the staging fails or the staged copy does not run as this build.
+async fn find_agent(
+    connection: &Connection,
+    spec: &RemoteHostSpec,
+    preflight: &Preflight,
+    own_sha: &str,
+    exe: &Path,
+) -> std::result::Result<(AgentStream, AgentHello), PreflightFailure> {
+    let fail =
+        |stage: &'static str, message: String| preflight_failure(&spec.target.name, stage, message);
+    let staged = format!(
+        ".cache/infer/bin/infer-{}-{}",
+        env!("CARGO_PKG_VERSION"),
+        &own_sha[..8]
+    );
+    let mut candidates: Vec<String> = Vec::new();
+    match &spec.infer_path {
+        Some(path) => candidates.push(path.clone()),
+        None => {
+            let own = exe.display().to_string();
+            if safe_remote_path(&own) {
+                candidates.push(own);
+            }
+        }
+    }
+    candidates.push(staged.clone());
+    for path in &candidates {
+        if !safe_remote_path(path) {
+            return Err(fail(
+                "binary",
+                format!("`{path}` is not a plain path (letters, digits, `/._+-` only)"),
+            ));
+        }
+        if let Some((channel, hello)) = start_agent(connection, path).await
+            && (hello.sha256 == own_sha || !preflight.same_build)
+        {
+            return Ok((channel, hello));
+        }
+    }
+    stage_agent(connection, &spec.target.name, exe, &staged, own_sha).await
+}
+
+/// Copies this program (`exe`) to `staged` (relative to the home directory of `host`)
+/// and starts it as the agent.
+///
+/// Errors (as the host's preflight failure): a host of another architecture, `exe`
+/// unreadable, the copy fails, the staged copy does not run or is not this build.
+async fn stage_agent(
+    connection: &Connection,
+    host: &str,
+    exe: &Path,
+    staged: &str,
+    own_sha: &str,
+) -> std::result::Result<(AgentStream, AgentHello), PreflightFailure> {
+    let fail = |stage: &'static str, message: String| preflight_failure(host, stage, message);
+    let (arch, _) = connection
+        .output("uname -m", b"")
+        .await
+        .map_err(|e| fail("binary", format!("{e:#}")))?;
+    let arch = String::from_utf8_lossy(&arch).trim().to_string();
+    if arch != std::env::consts::ARCH {
+        return Err(fail(
+            "binary arch",
+            format!(
+                "the host is `{arch}`, this `infer` is built for `{}`: install a matching `infer` there and name it with `infer-path`",
+                std::env::consts::ARCH
+            ),
+        ));
+    }
+    let bytes = std::fs::read(exe)
+        .map_err(|e| fail("binary", format!("cannot read `{}`: {e}", exe.display())))?;
+    let command = format!(
+        "mkdir -p .cache/infer/bin && cat > {staged}.upload && chmod 755 {staged}.upload && mv {staged}.upload {staged}"
+    );
+    let (_, status) = connection
+        .output(&command, &bytes)
+        .await
+        .map_err(|e| fail("binary", format!("{e:#}")))?;
+    if status != Some(0) {
+        return Err(fail(
+            "binary",
+            format!("staging `infer` into `~/{staged}` failed (exit {status:?})"),
+        ));
+    }
+    start_agent(connection, staged)
+        .await
+        .filter(|(_, hello)| hello.sha256 == own_sha)
+        .ok_or_else(|| {
+            fail(
+                "binary",
+                format!(
+                    "the staged `~/{staged}` does not run or its sha256 differs from this build"
+                ),
+            )
+        })
+}
+
+/// Checks that `preflight.model` is on `host` at the same path with the same sha256
+/// (`model_sha`: sha256 and size in bytes), pushing it there when it is not and
+/// `--push-model` allows; nothing without a model. Each stage passed goes to `stages`.
+///
+/// Errors (as the host's preflight failure): the agent is lost, the model is missing or
+/// differs (without `--push-model`), the push fails.
+async fn check_model(
+    host: &RemoteHost,
+    preflight: &Preflight,
+    model_sha: &Option<(String, u64)>,
+    stages: &tokio::sync::mpsc::UnboundedSender<(String, String)>,
+) -> std::result::Result<(), PreflightFailure> {
+    let passed = |stage: String| {
+        let _ = stages.send((host.name.clone(), stage));
+    };
+    let fail = |stage: &'static str, message: String| preflight_failure(&host.name, stage, message);
     let (Some(model_path), Some(model_sha)) = (&preflight.model, model_sha) else {
-        return Ok(host);
+        return Ok(());
     };
     let model = model_path.display().to_string();
     host.send(ToAgent::HashFile {
@@ -886,13 +944,13 @@ async fn connect_host(
             ));
         }
         _ => {
-            push_file(&host, model_path, &model_sha.0)
+            push_file(host, model_path, &model_sha.0)
                 .await
                 .map_err(|e| fail("model push", format!("{e:#}")))?;
             passed(format!("model `{model}` pushed (sha256 checked)"));
         }
     }
-    Ok(host)
+    Ok(())
 }
 
 async fn push_file(host: &RemoteHost, path: &Path, sha: &str) -> Result<()> {

@@ -453,7 +453,6 @@ fn launch(
         );
     }
     let world = layout.world_size();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let inventory = inventory(settings);
     // On a cluster, the launcher listens at --host:--port itself (before anything starts,
     // so a port in use fails first) and forwards to rank 0's server on its host's loopback.
@@ -471,136 +470,17 @@ fn launch(
         ),
         None => None,
     };
-    let (http_host, http_port) = match &local_http {
-        Some(_) => ("127.0.0.1".to_string(), 0),
-        None => (settings.host.clone(), settings.port),
-    };
-    let serving = ServingEnv {
-        http_host,
-        http_port,
-        max_batch: settings.limits.max_batch,
-        max_num_batched_tokens: Some(settings.limits.max_batched_tokens),
-        prefix_cache: settings.prefix_cache,
-        model_id: settings.model_id.clone(),
-        kv_cache_tokens: settings.kv_cache_tokens,
-        api_key: settings.api_key.clone(),
-        pd_prefill: layout.pd_prefill,
-        shutdown_timeout: settings.shutdown_timeout,
-        max_model_len: settings.max_model_len,
-    };
-    let spec = LaunchSpec {
-        tp: layout.tp,
-        pp: layout.pp,
-        dp: layout.dp,
-        ep: layout.ep,
-        model: Some(settings.model.clone()),
-        threads_per_rank: match (settings.threads, &inventory) {
-            (0, None) => {
-                let nodes = settings.node.as_ref().map_or(1, |n| n.nnodes);
-                (cores * nodes / world).max(1)
-            }
-            // On a cluster, 0 means each host's cores over its ranks.
-            (threads, _) => threads,
-        },
-        numerics: settings.numerics,
-        timeout: super::rank_timeout(matches!(
-            settings.gpu.as_ref().map(|g| &g.kernels),
-            Some(crate::runtime::exec::kernel_executor::KernelDevice::HostHarness { .. })
-        )),
-        serving: Some(serving),
-        layout_from: layout.from.clone(),
-        placement: match &settings.node {
-            Some(node) => node_placement(node, world),
-            None => Vec::new(),
-        },
-        run_dir: settings.run_dir.clone(),
-        // A plan's GPUs; else each rank's by its local rank (an inventory's hosts: by what
-        // their agents report, when the cluster launch starts).
-        gpus: settings.gpu.as_ref().map(|gpu| {
-            layout
-                .gpus
-                .clone()
-                .filter(|gpus| gpus.len() == world)
-                .unwrap_or_else(|| match &settings.node {
-                    Some(node) => super::gpus_by_local_rank(
-                        node_placement(node, world).iter().map(|p| p.local_rank),
-                        gpu.gpus,
-                    ),
-                    None => super::local_gpus(world, gpu.gpus),
-                })
-        }),
-    };
+    let spec = rank_spec(settings, layout, inventory.is_some(), local_http.is_some());
     let signals = Arc::new(AtomicUsize::new(0));
     watch_signals(Arc::clone(&signals))?;
     if let Some(node) = &settings.node {
         // Bad layouts fail as themselves, before any store is involved.
         spec.check_layout()?;
-        let ranks = node.ranks(world);
-        events(UpEvent::Note(format!(
-            "node {} of {}: ranks {}–{} of {world} on this host (collectives on {}); rendezvous store at {}{}",
-            node.node_rank,
-            node.nnodes,
-            ranks.start,
-            ranks.end - 1,
-            node.bind_addr,
-            node.master,
-            if node.node_rank == 0 { " (here)" } else { "" }
-        )));
+        note_node(node, world, events);
     }
     let mut report = |event: Progress| events(UpEvent::Gang(event));
-    let mut cluster = match &inventory {
-        Some(file) => {
-            let options = super::cluster::ClusterOptions {
-                inventory: file.clone(),
-                ssh: settings.ssh,
-                push_model: settings.push_model,
-            };
-            Some(super::cluster::start(
-                &spec,
-                &Job::Serve,
-                &options,
-                &mut report,
-            )?)
-        }
-        None => None,
-    };
-    let mut local_gang = match (&cluster, &settings.node) {
-        (Some(_), _) => None,
-        (None, Some(node)) => {
-            let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
-            let store = if node.node_rank == 0 {
-                super::StoreLocation::Listen(node.master)
-            } else {
-                super::StoreLocation::Remote {
-                    ranks: node.master,
-                    launcher: node.master,
-                }
-            };
-            Some(
-                Gang::start_part(
-                    &super::LocalSpawner { exe },
-                    &spec,
-                    &Job::Serve,
-                    store,
-                    &node.token,
-                    node.ranks(world),
-                )
-                .with_context(|| {
-                    if node.node_rank > 0 {
-                        format!(
-                            "node {} cannot join node 0's store at {}: start node 0 first, with the same {}",
-                            node.node_rank,
-                            node.master,
-                            crate::envvars::RUN_TOKEN
-                        )
-                    } else {
-                        "node 0 cannot start its ranks".to_string()
-                    }
-                })?,
-            )
-        }
-        (None, None) => Some(Gang::start(&spec, &Job::Serve)?),
-    };
+    let (mut cluster, mut local_gang) =
+        start_ranks(settings, &spec, inventory, world, &mut report)?;
     let gang = match (&mut cluster, &mut local_gang) {
         (Some(run), _) => &mut run.gang,
         (None, Some(gang)) => gang,
@@ -636,10 +516,170 @@ fn launch(
         layout: format!("dp {} × pp {} × tp {}", layout.dp, layout.pp, layout.tp),
         ready_secs: started.elapsed().as_secs_f64(),
     });
-    let mut report = |event: Progress| events(UpEvent::Gang(event));
     if let Some(node) = settings.node.as_ref().filter(|n| n.node_rank > 0) {
         return follow_node_zero(gang, node, &is_stopped, events);
     }
+    serve_until_stopped(gang, settings, &signals, events)
+}
+
+/// The ranks' launch: `layout`, the serving settings of rank 0 (on a cluster, `forwarded`:
+/// it serves on its host's loopback at a port of its choosing), threads per rank (0 here:
+/// this host's cores over its ranks; `on_cluster`: each host's), and each rank's GPUs.
+fn rank_spec(
+    settings: &UpSettings,
+    layout: &Layout,
+    on_cluster: bool,
+    forwarded: bool,
+) -> LaunchSpec {
+    let world = layout.world_size();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (http_host, http_port) = if forwarded {
+        ("127.0.0.1".to_string(), 0)
+    } else {
+        (settings.host.clone(), settings.port)
+    };
+    let serving = ServingEnv {
+        http_host,
+        http_port,
+        max_batch: settings.limits.max_batch,
+        max_num_batched_tokens: Some(settings.limits.max_batched_tokens),
+        prefix_cache: settings.prefix_cache,
+        model_id: settings.model_id.clone(),
+        kv_cache_tokens: settings.kv_cache_tokens,
+        api_key: settings.api_key.clone(),
+        pd_prefill: layout.pd_prefill,
+        shutdown_timeout: settings.shutdown_timeout,
+        max_model_len: settings.max_model_len,
+    };
+    LaunchSpec {
+        tp: layout.tp,
+        pp: layout.pp,
+        dp: layout.dp,
+        ep: layout.ep,
+        model: Some(settings.model.clone()),
+        threads_per_rank: match (settings.threads, on_cluster) {
+            (0, false) => {
+                let nodes = settings.node.as_ref().map_or(1, |n| n.nnodes);
+                (cores * nodes / world).max(1)
+            }
+            // On a cluster, 0 means each host's cores over its ranks.
+            (threads, _) => threads,
+        },
+        numerics: settings.numerics,
+        timeout: super::rank_timeout(matches!(
+            settings.gpu.as_ref().map(|g| &g.kernels),
+            Some(crate::runtime::exec::kernel_executor::KernelDevice::HostHarness { .. })
+        )),
+        serving: Some(serving),
+        layout_from: layout.from.clone(),
+        placement: match &settings.node {
+            Some(node) => node_placement(node, world),
+            None => Vec::new(),
+        },
+        run_dir: settings.run_dir.clone(),
+        // A plan's GPUs; else each rank's by its local rank (an inventory's hosts: by what
+        // their agents report, when the cluster launch starts).
+        gpus: settings.gpu.as_ref().map(|gpu| {
+            layout
+                .gpus
+                .clone()
+                .filter(|gpus| gpus.len() == world)
+                .unwrap_or_else(|| match &settings.node {
+                    Some(node) => super::gpus_by_local_rank(
+                        node_placement(node, world).iter().map(|p| p.local_rank),
+                        gpu.gpus,
+                    ),
+                    None => super::local_gpus(world, gpu.gpus),
+                })
+        }),
+    }
+}
+
+/// Says which of the `world` ranks this node of `infer up --nnodes` runs, where its
+/// collectives listen and where the rendezvous store is.
+fn note_node(node: &NodeSettings, world: usize, events: &mut dyn FnMut(UpEvent)) {
+    let ranks = node.ranks(world);
+    events(UpEvent::Note(format!(
+        "node {} of {}: ranks {}–{} of {world} on this host (collectives on {}); rendezvous store at {}{}",
+        node.node_rank,
+        node.nnodes,
+        ranks.start,
+        ranks.end - 1,
+        node.bind_addr,
+        node.master,
+        if node.node_rank == 0 { " (here)" } else { "" }
+    )));
+}
+
+/// Starts the ranks: over the inventory's hosts (the first of the pair), or on this host
+/// (the second): all of them, or this node's share of an `infer up --nnodes` launch.
+///
+/// Errors: preflight or placement failures on a cluster, a rank that cannot start, a node
+/// other than 0 that cannot join node 0's store.
+fn start_ranks(
+    settings: &UpSettings,
+    spec: &LaunchSpec,
+    inventory: Option<PathBuf>,
+    world: usize,
+    report: &mut dyn FnMut(Progress),
+) -> Result<(Option<super::cluster::ClusterRun>, Option<Gang>)> {
+    if let Some(file) = inventory {
+        let options = super::cluster::ClusterOptions {
+            inventory: file,
+            ssh: settings.ssh,
+            push_model: settings.push_model,
+        };
+        let run = super::cluster::start(spec, &Job::Serve, &options, report)?;
+        return Ok((Some(run), None));
+    }
+    let Some(node) = &settings.node else {
+        return Ok((None, Some(Gang::start(spec, &Job::Serve)?)));
+    };
+    let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+    let store = if node.node_rank == 0 {
+        super::StoreLocation::Listen(node.master)
+    } else {
+        super::StoreLocation::Remote {
+            ranks: node.master,
+            launcher: node.master,
+        }
+    };
+    let gang = Gang::start_part(
+        &super::LocalSpawner { exe },
+        spec,
+        &Job::Serve,
+        store,
+        &node.token,
+        node.ranks(world),
+    )
+    .with_context(|| {
+        if node.node_rank > 0 {
+            format!(
+                "node {} cannot join node 0's store at {}: start node 0 first, with the same {}",
+                node.node_rank,
+                node.master,
+                crate::envvars::RUN_TOKEN
+            )
+        } else {
+            "node 0 cannot start its ranks".to_string()
+        }
+    })?;
+    Ok((None, Some(gang)))
+}
+
+/// Serves until told to stop, then lets rank 0 drain (up to the shutdown timeout; a second
+/// signal stops it at once) and stops the gang; with other nodes, tells them through the
+/// store and waits up to 3 s for them to see it.
+///
+/// Errors: a rank that fails while serving, the store cannot be written.
+fn serve_until_stopped(
+    gang: &mut Gang,
+    settings: &UpSettings,
+    signals: &AtomicUsize,
+    events: &mut dyn FnMut(UpEvent),
+) -> Result<()> {
+    let is_stopped = || signals.load(Ordering::SeqCst) > 0;
+    let mut report = |event: Progress| events(UpEvent::Gang(event));
     // Serve until told to stop; the gang's rank 0 never sets this key.
     gang.wait_for("never", &is_stopped, &mut report)?;
     // Rank 0 drains: it stops accepting, gives requests in flight the shutdown timeout,

@@ -101,24 +101,7 @@ fn serve_and_ask(
         .http_status_as_error(false)
         .build()
         .into();
-    let started = Instant::now();
-    loop {
-        if let Some(status) = server.0.try_wait()? {
-            bail!("`infer up` exited before it was ready ({status})");
-        }
-        let ready = agent
-            .get(format!("{base}/health"))
-            .call()
-            .is_ok_and(|r| r.status() == 200);
-        if ready {
-            break;
-        }
-        if started.elapsed() > timeout {
-            bail!("`infer up` was not ready after {} s", timeout.as_secs());
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let ready_secs = started.elapsed().as_secs_f64();
+    let ready_secs = wait_ready(&mut server, &agent, &base, timeout)?;
     let models: serde_json::Value = agent
         .get(format!("{base}/v1/models"))
         .call()?
@@ -148,6 +131,48 @@ fn serve_and_ask(
         .with_context(|| format!("the answer has no text: {body}"))?
         .to_string();
     let answer_secs = asked.elapsed().as_secs_f64();
+    stop_server(&mut server)?;
+    Ok(format!(
+        "ready in {ready_secs:.1} s; answered {:?} in {answer_secs:.1} s; stopped cleanly on SIGTERM",
+        answer.trim()
+    ))
+}
+
+/// Waits until the server at `base` answers `GET /health` with 200, polling every 200 ms
+/// through `agent`: the seconds it took.
+///
+/// Errors: the server exits first, or is not ready within `timeout`.
+fn wait_ready(
+    server: &mut Server,
+    agent: &ureq::Agent,
+    base: &str,
+    timeout: Duration,
+) -> Result<f64> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = server.0.try_wait()? {
+            bail!("`infer up` exited before it was ready ({status})");
+        }
+        let ready = agent
+            .get(format!("{base}/health"))
+            .call()
+            .is_ok_and(|r| r.status() == 200);
+        if ready {
+            break;
+        }
+        if started.elapsed() > timeout {
+            bail!("`infer up` was not ready after {} s", timeout.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// Sends the server SIGTERM (it drains and exits 0) and waits up to 30 s for it.
+///
+/// Errors: the signal cannot be sent, the server does not stop in time or exits with
+/// another status.
+fn stop_server(server: &mut Server) -> Result<()> {
     // SIGTERM: the server drains and exits 0.
     rustix::process::kill_process(
         rustix::process::Pid::from_child(&server.0),
@@ -167,8 +192,5 @@ fn serve_and_ask(
     if !status.success() {
         bail!("`infer up` exited with {status} after SIGTERM");
     }
-    Ok(format!(
-        "ready in {ready_secs:.1} s; answered {:?} in {answer_secs:.1} s; stopped cleanly on SIGTERM",
-        answer.trim()
-    ))
+    Ok(())
 }

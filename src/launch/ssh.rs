@@ -265,86 +265,14 @@ pub async fn connect(target: &SshTarget, options: SshOptions) -> Result<Connecti
     let where_ = format!("`{}` ({}:{})", target.name, target.address, target.port);
     let (handle, jump) = match &target.jump {
         None => {
-            let addresses: Vec<std::net::SocketAddr> = match tokio::time::timeout(
-                CONNECT_TIMEOUT,
-                tokio::net::lookup_host((target.address.as_str(), target.port)),
-            )
-            .await
-            {
-                Ok(Ok(addresses)) => addresses.collect(),
-                Ok(Err(error)) => {
-                    return Err(ConnectError {
-                        class: FaultClass::Dns,
-                        message: format!("cannot resolve {where_}: {error}"),
-                    });
-                }
-                Err(_) => {
-                    return Err(ConnectError {
-                        class: FaultClass::Dns,
-                        message: format!("resolving {where_} timed out"),
-                    });
-                }
-            };
-            let socket = match tokio::time::timeout(
-                CONNECT_TIMEOUT,
-                tokio::net::TcpStream::connect(&addresses[..]),
-            )
-            .await
-            {
-                Ok(Ok(socket)) => socket,
-                Ok(Err(error)) if error.kind() == std::io::ErrorKind::ConnectionRefused => {
-                    return Err(ConnectError {
-                        class: FaultClass::Refused,
-                        message: format!(
-                            "{where_} refused the connection: is `sshd` running there?"
-                        ),
-                    });
-                }
-                Ok(Err(error)) => {
-                    return Err(ConnectError {
-                        class: FaultClass::Timeout,
-                        message: format!("cannot reach {where_}: {error}"),
-                    });
-                }
-                Err(_) => {
-                    return Err(ConnectError {
-                        class: FaultClass::Timeout,
-                        message: format!(
-                            "connecting to {where_} timed out after {} s",
-                            CONNECT_TIMEOUT.as_secs()
-                        ),
-                    });
-                }
-            };
-            let _ = socket.set_nodelay(true);
+            let socket = connect_tcp(target, &where_).await?;
             (
                 handshake(config, socket, handler, &problem, &where_).await?,
                 None,
             )
         }
         Some(jump) => {
-            let bastion = Box::pin(connect(jump, options))
-                .await
-                .map_err(|error| ConnectError {
-                    class: error.class,
-                    message: format!("through the jump host `{}`: {}", jump.name, error.message),
-                })?;
-            let channel = bastion
-                .handle
-                .channel_open_direct_tcpip(
-                    target.address.clone(),
-                    u32::from(target.port),
-                    "127.0.0.1",
-                    0,
-                )
-                .await
-                .map_err(|error| ConnectError {
-                    class: FaultClass::Timeout,
-                    message: format!(
-                        "the jump host `{}` cannot reach {where_}: {error}",
-                        jump.name
-                    ),
-                })?;
+            let (bastion, channel) = open_through_jump(jump, target, options, &where_).await?;
             (
                 handshake(config, channel.into_stream(), handler, &problem, &where_).await?,
                 Some(Box::new(bastion)),
@@ -358,6 +286,104 @@ pub async fn connect(target: &SshTarget, options: SshOptions) -> Result<Connecti
     };
     authenticate(&mut connection).await?;
     Ok(connection)
+}
+
+/// Resolves `target`'s address and opens a TCP connection to it (no delay on), each step
+/// within [`CONNECT_TIMEOUT`]; `where_` names the target in messages.
+///
+/// Errors: a [`ConnectError`] of class DNS (cannot resolve, or too slow), refused, or
+/// timeout (unreachable, or too slow).
+async fn connect_tcp(
+    target: &SshTarget,
+    where_: &str,
+) -> Result<tokio::net::TcpStream, ConnectError> {
+    let addresses: Vec<std::net::SocketAddr> = match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        tokio::net::lookup_host((target.address.as_str(), target.port)),
+    )
+    .await
+    {
+        Ok(Ok(addresses)) => addresses.collect(),
+        Ok(Err(error)) => {
+            return Err(ConnectError {
+                class: FaultClass::Dns,
+                message: format!("cannot resolve {where_}: {error}"),
+            });
+        }
+        Err(_) => {
+            return Err(ConnectError {
+                class: FaultClass::Dns,
+                message: format!("resolving {where_} timed out"),
+            });
+        }
+    };
+    let socket = match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        tokio::net::TcpStream::connect(&addresses[..]),
+    )
+    .await
+    {
+        Ok(Ok(socket)) => socket,
+        Ok(Err(error)) if error.kind() == std::io::ErrorKind::ConnectionRefused => {
+            return Err(ConnectError {
+                class: FaultClass::Refused,
+                message: format!("{where_} refused the connection: is `sshd` running there?"),
+            });
+        }
+        Ok(Err(error)) => {
+            return Err(ConnectError {
+                class: FaultClass::Timeout,
+                message: format!("cannot reach {where_}: {error}"),
+            });
+        }
+        Err(_) => {
+            return Err(ConnectError {
+                class: FaultClass::Timeout,
+                message: format!(
+                    "connecting to {where_} timed out after {} s",
+                    CONNECT_TIMEOUT.as_secs()
+                ),
+            });
+        }
+    };
+    let _ = socket.set_nodelay(true);
+    Ok(socket)
+}
+
+/// Connects to the jump host `jump` and opens a direct TCP channel from it to `target`:
+/// the bastion's connection (kept open as long as the channel) and the channel.
+///
+/// Errors: the bastion's own [`ConnectError`] (its message prefixed with the jump host), or
+/// a timeout-class error when the bastion cannot reach `target`.
+async fn open_through_jump(
+    jump: &SshTarget,
+    target: &SshTarget,
+    options: SshOptions,
+    where_: &str,
+) -> Result<(Connection, russh::Channel<client::Msg>), ConnectError> {
+    let bastion = Box::pin(connect(jump, options))
+        .await
+        .map_err(|error| ConnectError {
+            class: error.class,
+            message: format!("through the jump host `{}`: {}", jump.name, error.message),
+        })?;
+    let channel = bastion
+        .handle
+        .channel_open_direct_tcpip(
+            target.address.clone(),
+            u32::from(target.port),
+            "127.0.0.1",
+            0,
+        )
+        .await
+        .map_err(|error| ConnectError {
+            class: FaultClass::Timeout,
+            message: format!(
+                "the jump host `{}` cannot reach {where_}: {error}",
+                jump.name
+            ),
+        })?;
+    Ok((bastion, channel))
 }
 
 async fn handshake<S>(
