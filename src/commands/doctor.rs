@@ -85,7 +85,7 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     let logs = read_logs(&args.nccl_logs)?;
     let engine = args.engine.map(|e| (e.into(), args.engine_bin.as_deref()));
     let evidence =
-        crate::launch::cluster::survey(inventory, ssh, args.bandwidth, engine, &mut |_| {})?;
+        crate::launch::survey::survey(inventory, ssh, args.bandwidth, engine, &mut |_| {})?;
     let mut findings = checks::cluster(&evidence);
     findings.extend(checks::nccl_logs(&logs, None));
     if let Some(path) = &args.plan {

@@ -53,7 +53,7 @@ fn cluster(args: &TopoArgs, inventory: &std::path::Path, printer: &Printer) -> R
         accept_new: args.ssh.ssh_accept_new,
     };
     let (topology, failures) =
-        crate::launch::cluster::probe_topologies(inventory, ssh, &mut |event| {
+        crate::launch::survey::probe_topologies(inventory, ssh, &mut |event| {
             if let crate::launch::Progress::Host { host, stage } = event
                 && stage.starts_with("connected")
             {

@@ -7,7 +7,8 @@ use anyhow::{Result, bail};
 
 use crate::cli::{DeviceArg, UpArgs};
 use crate::launch::Progress;
-use crate::launch::serving::{UpEvent, UpSettings};
+use crate::launch::events::UpEvent;
+use crate::launch::serving::UpSettings;
 use crate::ui::{self, Printer};
 use crate::{ExitStatus, model};
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use super::Progress;
-use super::serving::UpEvent;
+use super::events::UpEvent;
 use crate::engines::{self, EngineKind, EngineLaunch, EnginePorts, EngineRequest, NodeNet};
 
 /// Writes one executable run script per node into `dir` (created if needed) and
@@ -79,7 +79,7 @@ enum Hosts {
     Remote {
         cluster: super::remote::RemoteCluster,
         names: Vec<String>,
-        data: Vec<super::cluster::DataInterface>,
+        data: Vec<super::network::DataInterface>,
     },
 }
 
@@ -559,7 +559,7 @@ pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Resul
     // starts.
     let local_http = bind_launcher_http(&hosts, settings)?;
     let signals = Arc::new(AtomicUsize::new(0));
-    super::serving::watch_signals(Arc::clone(&signals))?;
+    super::events::watch_signals(Arc::clone(&signals))?;
     let run_dir = super::create_run_dir(settings.run_dir.as_deref())?;
     let (line_sender, lines) = std::sync::mpsc::channel::<(usize, String)>();
     let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
@@ -617,7 +617,7 @@ fn connect_hosts(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -
         },
         Some(file) => {
             let entries = crate::cluster::launch_inventory(file)?;
-            let targets = super::cluster::ssh_targets(&entries)?;
+            let targets = super::network::ssh_targets(&entries)?;
             let mut report = |p: Progress| events(UpEvent::Gang(p));
             let cluster = super::remote::RemoteCluster::connect(
                 &targets,
@@ -634,7 +634,7 @@ fn connect_hosts(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -
                     })
                 },
             )?;
-            let data = super::cluster::data_interfaces(&cluster, &entries, &targets, &mut report)?;
+            let data = super::network::data_interfaces(&cluster, &entries, &targets, &mut report)?;
             Hosts::Remote {
                 cluster,
                 names: entries.iter().map(|e| e.name.clone()).collect(),

@@ -17,12 +17,15 @@ use anyhow::{Context, Result, anyhow, bail};
 pub mod agent;
 pub mod cluster;
 pub mod engine;
+pub mod events;
+pub mod network;
 pub mod protocol;
 pub mod remote;
 pub mod serving;
 pub mod smoke;
 pub mod ssh;
 pub mod ssh_config;
+pub mod survey;
 
 use crate::envvars;
 use crate::rendezvous::{StoreClient, StoreServer, random_token};
