@@ -494,7 +494,7 @@ fn exited(members: &mut [Member]) -> Option<String> {
             Ok(Some(status)) => format!("exited ({status})"),
             Err(error) => format!("was lost: {error:#}"),
         };
-        let tail = super::last_lines(&member.log, 8);
+        let tail = super::gang::last_lines(&member.log, 8);
         return Some(format!(
             "`{}` (node {}) {status}; the engine is down{}",
             member.label,
