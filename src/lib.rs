@@ -6,10 +6,10 @@
 
 pub mod cli;
 pub mod cluster;
-pub mod commands;
+pub(crate) mod commands;
 pub mod doctor;
-pub mod engines;
-pub mod envvars;
+pub(crate) mod engines;
+pub(crate) mod envvars;
 pub mod launch;
 pub mod model;
 pub mod plan;

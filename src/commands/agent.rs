@@ -8,7 +8,7 @@ use crate::cli::AgentArgs;
 use crate::ui::Printer;
 
 /// Runs the agent on stdin/stdout, or kills one run.
-pub fn run(args: &AgentArgs, printer: &Printer) -> Result<ExitStatus> {
+pub(crate) fn run(args: &AgentArgs, printer: &Printer) -> Result<ExitStatus> {
     match &args.kill {
         Some(run_id) => {
             let stopped = crate::launch::agent::kill_run(run_id, args.host.as_deref())?;

@@ -13,7 +13,7 @@ use crate::ui::Printer;
 use crate::{ExitStatus, model};
 
 /// Runs an `infer bench` subcommand.
-pub fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
+pub(crate) fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
     match command {
         BenchCommand::Decode(args) => decode(args, printer),
         BenchCommand::Allreduce(args) => allreduce(args, printer),

@@ -103,7 +103,7 @@ impl Drop for Server {
 }
 
 /// Runs `infer bench serve`. Errors: the server does not start, a request fails.
-pub fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
+pub(crate) fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.concurrency.contains(&0) {
         bail!("--concurrency values must be at least 1");
     }

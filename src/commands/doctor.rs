@@ -10,7 +10,7 @@ use crate::topology::Topology;
 use crate::ui::Printer;
 
 /// Runs `infer doctor`. Errors: an unreadable log or topology, a malformed topology.
-pub fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
+pub(crate) fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.engine == Some(crate::cli::EngineArg::Infer) {
         bail!(
             "--engine infer: `infer doctor --cluster hosts.toml` checks infer itself on every host already (an agent of \

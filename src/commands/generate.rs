@@ -22,7 +22,7 @@ struct Output<'a> {
 }
 
 /// Runs `infer generate`. Errors: bad flags, a model that does not load, a prompt too long.
-pub fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
+pub(crate) fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> {
     let cuda = args.device == crate::cli::DeviceArg::Cuda;
     let device = if cuda {
         // On an inventory's hosts, their agents report their GPUs.

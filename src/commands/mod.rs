@@ -1,16 +1,16 @@
 //! One module per subcommand: each turns clap arguments into a call of a domain module and
 //! hands the result to [`crate::ui::Printer`]. No domain logic lives here.
 
-pub mod agent;
-pub mod bench;
-pub mod bench_serve;
-pub mod doctor;
-pub mod generate;
-pub mod plan;
-pub mod rank;
-pub mod smoke;
-pub mod topo;
-pub mod up;
+pub(crate) mod agent;
+pub(crate) mod bench;
+pub(crate) mod bench_serve;
+pub(crate) mod doctor;
+pub(crate) mod generate;
+pub(crate) mod plan;
+pub(crate) mod rank;
+pub(crate) mod smoke;
+pub(crate) mod topo;
+pub(crate) mod up;
 
 /// Rank processes load GGUF files only (for now). Errors: `path` is a directory.
 fn require_gguf_for_ranks(path: &std::path::Path) -> anyhow::Result<()> {
@@ -25,7 +25,7 @@ fn require_gguf_for_ranks(path: &std::path::Path) -> anyhow::Result<()> {
 
 /// Shows a launcher milestone on `progress` (a bar on a terminal, plain lines otherwise):
 /// ranks started, shards loaded; rank output prefixed with `[rank N]` when `echo_ranks`.
-pub fn report_progress(
+pub(crate) fn report_progress(
     progress: &crate::ui::Progress,
     event: &crate::launch::Progress,
     echo_ranks: bool,

@@ -11,7 +11,7 @@ use crate::{ExitStatus, cluster, engines, model};
 
 /// Runs `infer plan`. Exit status `No` when no layout is feasible. Errors: bad flags, an
 /// unreadable model or cluster.
-pub fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
+pub(crate) fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let settings = settings(&args.settings)?;
     // Every argument is checked before the default model is fetched (93 MB on first use).
     let cluster = calibrated_cluster(args)?;
@@ -158,7 +158,7 @@ fn emit_launch(
 
 /// Flags → validated settings. Errors: an unknown dtype, a utilization outside (0, 1], a
 /// degree or length of 0.
-pub fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
+pub(crate) fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
     let parse_dtype = |flag: &str, value: &Option<String>| -> Result<Option<Dtype>> {
         value
             .as_deref()

@@ -8,7 +8,7 @@ use crate::runtime::exec::rank_env::{RankEnv, process_env, run_token};
 use crate::runtime::exec::worker::{RankConfig, run_rank};
 
 /// Runs the rank described by the environment.
-pub fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
+pub(crate) fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
     let env = RankEnv::from_env(&process_env)?;
     let token = run_token(&process_env)?;
     let config = RankConfig {

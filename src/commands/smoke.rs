@@ -9,7 +9,7 @@ use crate::ui::Printer;
 
 /// Runs `infer smoke`. Exit 0 when every check passes, 1 when one fails. Errors (exit 2):
 /// no driver or no GPU, `--device cpu`.
-pub fn run(args: &SmokeArgs, printer: &Printer) -> Result<ExitStatus> {
+pub(crate) fn run(args: &SmokeArgs, printer: &Printer) -> Result<ExitStatus> {
     if args.device == DeviceArg::Cpu {
         bail!(
             "infer smoke checks the CUDA backend: use --device cuda (the default); the CPU engine is checked by the test suite"

@@ -11,7 +11,7 @@ use crate::topology::{Topology, render};
 use crate::ui::Printer;
 
 /// Runs `infer topo`. Errors: unreadable or malformed `--from` input, a failed probe.
-pub fn run(args: &TopoArgs, printer: &Printer) -> Result<ExitStatus> {
+pub(crate) fn run(args: &TopoArgs, printer: &Printer) -> Result<ExitStatus> {
     if let Some(inventory) = &args.cluster {
         return cluster(args, inventory, printer);
     }

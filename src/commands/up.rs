@@ -14,7 +14,7 @@ use crate::{ExitStatus, model};
 
 /// Runs `infer up`. Errors: bad flags, a model that does not load, an address that cannot
 /// be bound, a rank that fails (named, with its last log lines).
-pub fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
+pub(crate) fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     let limits = scheduler_limits(args)?;
     let gpu = gpu_settings(args)?;
     if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {

@@ -93,7 +93,7 @@ pub struct LinkRate {
 }
 
 /// The largest all-reduce of the probe (64 MiB, nccl-tests' usual `-e`).
-pub const ALLREDUCE_PROBE_BYTES: usize = 64 << 20;
+pub(crate) const ALLREDUCE_PROBE_BYTES: usize = 64 << 20;
 
 /// One pair's bandwidth probe: `from` streamed [`BANDWIDTH_PROBE_BYTES`] to `to`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -112,7 +112,7 @@ pub struct PairBandwidth {
 
 /// Bytes each bandwidth probe sends (64 MiB: long enough to leave slow start far behind on
 /// links up to ~100 Gbit/s).
-pub const BANDWIDTH_PROBE_BYTES: u64 = 64 << 20;
+pub(crate) const BANDWIDTH_PROBE_BYTES: u64 = 64 << 20;
 
 /// One host as its agent described it.
 #[derive(Clone, Debug)]
@@ -171,7 +171,7 @@ pub struct Cell {
 
 /// The matrix as a table: rows connect to columns; cells are the RTT in µs, `✗` with the
 /// cause when the connection failed, `!src` when the peer saw another source address.
-pub fn render_matrix(matrix: &Matrix) -> String {
+pub(crate) fn render_matrix(matrix: &Matrix) -> String {
     let mut table = comfy_table::Table::new();
     table.load_style(comfy_table::presets::NOTHING);
     let mut header = vec!["reachability (RTT µs)".to_string()];

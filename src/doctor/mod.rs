@@ -3,7 +3,7 @@
 //! stable id; checks collect [`Finding`]s rather than failing on the first problem.
 
 pub mod checks;
-pub mod cluster;
+pub(crate) mod cluster;
 pub mod nccl_log;
 
 use comfy_table::Table;

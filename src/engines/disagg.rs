@@ -33,14 +33,14 @@ use super::{EngineKind, EngineLaunch, EngineRequest, NodeLaunch, NodeNet, NodeRo
 use crate::plan::Parallel;
 
 /// vLLM's NIXL side-channel port (`VLLM_NIXL_SIDE_CHANNEL_PORT`'s default).
-pub const NIXL_SIDE_CHANNEL_PORT: u16 = 5600;
+pub(crate) const NIXL_SIDE_CHANNEL_PORT: u16 = 5600;
 /// SGLang's prefill bootstrap port (`--disaggregation-bootstrap-port`'s default).
-pub const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
+pub(crate) const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
 
 /// A process's part in a disaggregated deployment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum PdRole {
+pub(crate) enum PdRole {
     Prefill,
     Decode,
     Router,
@@ -48,14 +48,14 @@ pub enum PdRole {
 
 /// Which worker of which role a node belongs to (the router: worker 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PdPart {
+pub(crate) struct PdPart {
     pub role: PdRole,
     pub worker: usize,
 }
 
 impl PdPart {
     /// `prefill0`, `decode1`, `router`: for script names and reports.
-    pub fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         match self.role {
             PdRole::Prefill => format!("prefill{}", self.worker),
             PdRole::Decode => format!("decode{}", self.worker),
@@ -66,7 +66,7 @@ impl PdPart {
 
 /// How many prefill and decode workers, each of which layout (`dp` 1: one server each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PdLayout {
+pub(crate) struct PdLayout {
     pub prefill: Parallel,
     pub prefill_workers: usize,
     pub decode: Parallel,
@@ -75,7 +75,7 @@ pub struct PdLayout {
 
 impl PdLayout {
     /// The workers of the planner's disaggregated deployment.
-    pub fn of(plan: &crate::plan::sla::Disaggregated) -> PdLayout {
+    pub(crate) fn of(plan: &crate::plan::sla::Disaggregated) -> PdLayout {
         PdLayout {
             prefill: plan.prefill,
             prefill_workers: plan.prefill_workers as usize,
@@ -88,7 +88,7 @@ impl PdLayout {
     /// shard (prefill rank at (tp, pp) to the same decode rank).
     ///
     /// Errors: prefill and decode workers of different TP, PP or EP.
-    pub fn one_shape(&self) -> Result<Parallel> {
+    pub(crate) fn one_shape(&self) -> Result<Parallel> {
         let (a, b) = (self.prefill, self.decode);
         if (a.tp, a.pp, a.ep) != (b.tp, b.pp, b.ep) {
             bail!(
@@ -102,7 +102,7 @@ impl PdLayout {
 /// Makes every GPU of every host of `cluster` available to the workers: the hosts the
 /// aggregated plan did not use are added (in the cluster's order, addressed by their
 /// inventory address or name), and each host's `gpus` become all of its GPUs.
-pub fn use_every_gpu(request: &mut EngineRequest, cluster: &crate::plan::cluster::Cluster) {
+pub(crate) fn use_every_gpu(request: &mut EngineRequest, cluster: &crate::plan::cluster::Cluster) {
     for host in &cluster.hosts {
         if !request.nodes.iter().any(|n| n.host == host.name) {
             request.nodes.push(NodeNet {
@@ -129,7 +129,7 @@ pub fn use_every_gpu(request: &mut EngineRequest, cluster: &crate::plan::cluster
 /// Errors: an engine other than vLLM or SGLang, a worker layout with DP, no workers of a
 /// role, more GPUs than the hosts have, a layout the engine cannot run (from the engine's
 /// own generator).
-pub fn generate(base: &EngineRequest, layout: &PdLayout) -> Result<EngineLaunch> {
+pub(crate) fn generate(base: &EngineRequest, layout: &PdLayout) -> Result<EngineLaunch> {
     generate_with_router_bind(base, layout, &base.http_host)
 }
 
@@ -138,7 +138,7 @@ pub fn generate(base: &EngineRequest, layout: &PdLayout) -> Result<EngineLaunch>
 /// reaches them, the router on the first host's loopback, which the launcher forwards).
 ///
 /// Errors: as [`generate`].
-pub fn generate_with_router_bind(
+pub(crate) fn generate_with_router_bind(
     base: &EngineRequest,
     layout: &PdLayout,
     router_bind: &str,

@@ -13,15 +13,15 @@ use anyhow::{Result, bail};
 use super::{EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, Version, common_env};
 
 /// `infer up`'s default HTTP port, and torchrun's `--master-port` default for the store.
-pub const HTTP_PORT: u16 = 8000;
+pub(crate) const HTTP_PORT: u16 = 8000;
 /// The rendezvous store's port on node 0 (`--master-port`; torchrun's default).
-pub const STORE_PORT: u16 = 29500;
+pub(crate) const STORE_PORT: u16 = 29500;
 
 /// One `infer up` line per node.
 ///
 /// Errors: EP other than 1 or TP, a model that is not a `.gguf` path, nodes with different
 /// numbers of ranks.
-pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+pub(crate) fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     generate_with_roles(request, None)
 }
 
@@ -191,7 +191,7 @@ fn notes(request: &EngineRequest) -> Vec<String> {
 ///
 /// Errors: prefill and decode workers of different shapes, ranks that do not split evenly
 /// over whole hosts, and [`generate`]'s.
-pub fn generate_disaggregated(
+pub(crate) fn generate_disaggregated(
     request: &EngineRequest,
     layout: &super::disagg::PdLayout,
 ) -> Result<EngineLaunch> {

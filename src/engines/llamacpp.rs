@@ -21,7 +21,7 @@ const ALL_LAYERS: &str = "999";
 /// The `llama-server` line for the head and a `ggml-rpc-server` line for every other node.
 ///
 /// Errors: DP, EP, TP across hosts, a model that is not a GGUF file.
-pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+pub(crate) fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     let nodes = request.nodes.len();
     check_layout(request)?;
     let mut launches = vec![head_launch(request)];

@@ -7,11 +7,11 @@
 //! never rely on it), and `tests/it/engines.rs` parses the generated lines with the real
 //! parsers of the pinned versions ([`VLLM_TESTED`], [`SGLANG_TESTED`]).
 
-pub mod disagg;
-pub mod infer;
-pub mod llamacpp;
-pub mod sglang;
-pub mod vllm;
+pub(crate) mod disagg;
+pub(crate) mod infer;
+pub(crate) mod llamacpp;
+pub(crate) mod sglang;
+pub(crate) mod vllm;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -24,14 +24,14 @@ use crate::plan::{Objective, Parallel, Plan};
 use crate::topology::{Nic, NicKind};
 
 /// The vLLM version whose parser the tests run (`vllm==0.33.0` from PyPI).
-pub const VLLM_TESTED: &str = "0.33.0";
+pub(crate) const VLLM_TESTED: &str = "0.33.0";
 /// The SGLang version whose parser the tests run (`sglang==0.5.23` from PyPI).
-pub const SGLANG_TESTED: &str = "0.5.23";
+pub(crate) const SGLANG_TESTED: &str = "0.5.23";
 
 /// An engine `infer` can launch: its own (node by node, [`infer`]) or another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum EngineKind {
+pub(crate) enum EngineKind {
     Infer,
     Vllm,
     Sglang,
@@ -52,13 +52,13 @@ impl fmt::Display for EngineKind {
 /// An engine version as `major.minor.patch` (llama.cpp: its build number as `major`).
 /// Compared numerically; a missing part counts as 0.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Version(pub u32, pub u32, pub u32);
+pub(crate) struct Version(pub u32, pub u32, pub u32);
 
 impl Version {
     /// Reads `0.33.0`, `v0.5.23`, `0.11.0rc2`, `0.9.2+cu128` (suffixes after the numbers are
     /// ignored) or llama.cpp's `b11434` / `version: 11434 (abc123)`. `None` when no number
     /// leads the text.
-    pub fn parse(text: &str) -> Option<Version> {
+    pub(crate) fn parse(text: &str) -> Option<Version> {
         let text = text.trim();
         let text = text.strip_prefix("version:").unwrap_or(text).trim();
         let text = text.trim_start_matches(['v', 'b']);
@@ -88,7 +88,7 @@ impl fmt::Display for Version {
 /// One node of an engine launch: a host, the address the other nodes reach it at on the
 /// data network, and what NCCL and Gloo need there.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct NodeNet {
+pub(crate) struct NodeNet {
     /// The inventory's host name.
     pub host: String,
     /// This host's data-network address (IPv4, or a name when none is known).
@@ -109,7 +109,7 @@ pub struct NodeNet {
 
 /// Ports an engine launch takes. Defaults are the engines' own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EnginePorts {
+pub(crate) struct EnginePorts {
     /// The OpenAI-compatible HTTP server on the head node (vLLM 8000, SGLang 30000,
     /// llama-server 8080).
     pub http: u16,
@@ -124,7 +124,7 @@ pub struct EnginePorts {
 impl EnginePorts {
     /// The engine's usual ports: vLLM 8000 / 29501 (`--master-port` default) , SGLang
     /// 30000 / 20000 / 20100, llama.cpp 8080 / 50052 (`rpc-server`'s default).
-    pub fn default_for(engine: EngineKind) -> EnginePorts {
+    pub(crate) fn default_for(engine: EngineKind) -> EnginePorts {
         match engine {
             EngineKind::Infer => EnginePorts {
                 http: infer::HTTP_PORT,
@@ -152,7 +152,7 @@ impl EnginePorts {
 
 /// Everything an engine's command lines are made from.
 #[derive(Clone, Debug, PartialEq)]
-pub struct EngineRequest {
+pub(crate) struct EngineRequest {
     pub engine: EngineKind,
     /// The engine version installed on the hosts (read in preflight); `None`: the tested one.
     pub version: Option<Version>,
@@ -189,7 +189,7 @@ pub struct EngineRequest {
 /// A node's part in the launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum NodeRole {
+pub(crate) enum NodeRole {
     /// Serves HTTP and hosts the rendezvous.
     Head,
     /// vLLM `--headless`, SGLang `--node-rank N > 0`, llama.cpp `rpc-server`.
@@ -198,7 +198,7 @@ pub enum NodeRole {
 
 impl NodeRole {
     /// The role of node `node_rank`: node 0 is the head.
-    pub fn of(node_rank: usize) -> NodeRole {
+    pub(crate) fn of(node_rank: usize) -> NodeRole {
         if node_rank == 0 {
             NodeRole::Head
         } else {
@@ -209,7 +209,7 @@ impl NodeRole {
 
 /// A port a node's engine listens on, and what for (checked free in preflight).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReservedPort {
+pub(crate) struct ReservedPort {
     pub port: u16,
     /// The address it binds (`0.0.0.0` or the node's data address).
     pub bind: String,
@@ -218,7 +218,7 @@ pub struct ReservedPort {
 
 /// What one node runs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct NodeLaunch {
+pub(crate) struct NodeLaunch {
     pub host: String,
     pub node_rank: usize,
     pub role: NodeRole,
@@ -236,7 +236,7 @@ pub struct NodeLaunch {
 
 /// The whole launch: one [`NodeLaunch`] per node, the head first.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct EngineLaunch {
+pub(crate) struct EngineLaunch {
     pub engine: EngineKind,
     /// The version the flags are written for.
     pub version: Version,
@@ -251,7 +251,7 @@ pub struct EngineLaunch {
 /// its layout.
 ///
 /// Errors: a layout the engine cannot run (named, with what would work), no nodes.
-pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+pub(crate) fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     if request.nodes.is_empty() {
         bail!("no nodes to launch {} on", request.engine);
     }
@@ -337,7 +337,7 @@ fn common_env(request: &EngineRequest, node: &NodeNet) -> BTreeMap<String, Strin
 /// The RoCE v2 GID index NCCL should use on `hcas` (`NCCL_IB_GID_INDEX`): the first port's
 /// GID of type `RoCE v2` that maps an IPv4 address (`::ffff:a.b.c.d`), as NVIDIA's RoCE
 /// guides choose. `None` on InfiniBand or when the GID table is unknown.
-pub fn roce_gid_index(nics: &[Nic], hcas: &[String]) -> Option<u32> {
+pub(crate) fn roce_gid_index(nics: &[Nic], hcas: &[String]) -> Option<u32> {
     nics.iter()
         .filter(|nic| nic.kind == NicKind::Roce && hcas.contains(&nic.name))
         .flat_map(|nic| nic.ports.iter())
@@ -353,7 +353,7 @@ pub fn roce_gid_index(nics: &[Nic], hcas: &[String]) -> Option<u32> {
 /// Builds the request for `engine` from a feasible plan of `spec` on `cluster`: the nodes
 /// are the plan's hosts in rank order, their addresses the inventory's (else the host
 /// name), their interfaces and HCAs the plan's NCCL environment.
-pub fn request_from_plan(
+pub(crate) fn request_from_plan(
     engine: EngineKind,
     plan: &Plan,
     spec: &ModelSpec,
@@ -442,7 +442,7 @@ pub fn request_from_plan(
 /// `value` quoted for a POSIX shell: as is when it is only safe characters, else in single
 /// quotes with each `'` written `'\''`. Used for the scripts `--emit` writes and the lines
 /// shown to the user — never to build a remote shell command (agents start argv directly).
-pub fn shell_quote(value: &str) -> String {
+pub(crate) fn shell_quote(value: &str) -> String {
     let safe = !value.is_empty()
         && value
             .chars()
@@ -455,7 +455,7 @@ pub fn shell_quote(value: &str) -> String {
 }
 
 /// The node's environment and command as one shell line (`K=V … argv…`).
-pub fn command_line(node: &NodeLaunch) -> String {
+pub(crate) fn command_line(node: &NodeLaunch) -> String {
     let mut words: Vec<String> = node
         .env
         .iter()
@@ -467,7 +467,7 @@ pub fn command_line(node: &NodeLaunch) -> String {
 
 /// The run script for one node: a bash script that exports the environment and `exec`s
 /// the engine, with a header naming the node, the ports it takes and the start order.
-pub fn script(launch: &EngineLaunch, node: &NodeLaunch) -> String {
+pub(crate) fn script(launch: &EngineLaunch, node: &NodeLaunch) -> String {
     let mut out = String::from("#!/usr/bin/env bash\n");
     match &node.pd {
         Some(part) => {
@@ -565,7 +565,7 @@ fn script_header(launch: &EngineLaunch, node: &NodeLaunch) -> String {
 
 /// The human report of a launch: the endpoint, then each node's role, ports and command
 /// line, then the notes.
-pub fn render(launch: &EngineLaunch) -> String {
+pub(crate) fn render(launch: &EngineLaunch) -> String {
     let mut out = format!(
         "{} launch: {} node{}, serving {}\n",
         launch.engine,
@@ -609,7 +609,7 @@ pub fn render(launch: &EngineLaunch) -> String {
 }
 
 /// The file name of `node`'s script in an `--emit` directory (`node0-gpu-node-1.sh`).
-pub fn script_name(node: &NodeLaunch) -> String {
+pub(crate) fn script_name(node: &NodeLaunch) -> String {
     let host: String = node
         .host
         .chars()

@@ -31,7 +31,7 @@ const DERIVED_PORTS: u16 = 6;
 ///
 /// Errors: dense data parallelism across nodes (SGLang runs that as separate servers behind
 /// its router), EP without a MoE model.
-pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+pub(crate) fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     let tested = Version::parse(SGLANG_TESTED).unwrap_or(Version(0, 0, 0));
     let version = request.version.unwrap_or(tested);
     check_layout(request)?;

@@ -27,7 +27,7 @@ use crate::plan::Objective;
 ///
 /// Errors: an EP degree other than TP × DP (vLLM's only one), a DP replica split over
 /// nodes.
-pub fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
+pub(crate) fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     let tested = Version::parse(VLLM_TESTED).unwrap_or(Version(0, 0, 0));
     let version = request.version.unwrap_or(tested);
     let p = request.parallel;

@@ -18,7 +18,7 @@ use crate::runtime::exec::worker::Job;
 
 /// How to reach and use the hosts of an inventory.
 #[derive(Clone, Debug)]
-pub struct ClusterOptions {
+pub(crate) struct ClusterOptions {
     /// The inventory (`hosts.toml`).
     pub inventory: PathBuf,
     /// Host-key policy.
@@ -32,7 +32,7 @@ pub struct ClusterOptions {
 ///
 /// Errors: preflight failures (every host named with its cause; nothing started), a layout
 /// that does not fit the hosts, a rank or host that fails (the whole gang stopped).
-pub fn run_generation(
+pub(crate) fn run_generation(
     spec: &LaunchSpec,
     job: &Job,
     options: &ClusterOptions,
@@ -46,7 +46,7 @@ pub fn run_generation(
 /// hosts and returns the result's bytes.
 ///
 /// Errors: as [`run_generation`].
-pub fn run_job(
+pub(crate) fn run_job(
     spec: &LaunchSpec,
     job: &Job,
     options: &ClusterOptions,
@@ -64,7 +64,7 @@ pub fn run_job(
 
 /// A gang started over the hosts of an inventory. Dropping it stops the gang, then the
 /// agents, then closes the connections (fields drop in this order).
-pub struct ClusterRun {
+pub(crate) struct ClusterRun {
     /// The ranks.
     pub gang: Gang,
     /// The hosts' connections and agents.
@@ -76,7 +76,7 @@ pub struct ClusterRun {
 /// Connects, places and starts the gang.
 ///
 /// Errors: as [`run_generation`].
-pub fn start(
+pub(crate) fn start(
     spec: &LaunchSpec,
     job: &Job,
     options: &ClusterOptions,
@@ -266,7 +266,12 @@ fn device_ranks_gpus(
 /// order, consecutive groups together, so PP stages and DP replicas cross hosts.
 ///
 /// Errors: a TP group larger than every host, or more ranks than slots (naming both).
-pub fn place(entries: &[InventoryEntry], tp: usize, pp: usize, dp: usize) -> Result<Vec<usize>> {
+pub(crate) fn place(
+    entries: &[InventoryEntry],
+    tp: usize,
+    pp: usize,
+    dp: usize,
+) -> Result<Vec<usize>> {
     let world = tp * pp * dp;
     let n_groups = pp * dp;
     let capacity: Vec<usize> = entries.iter().map(|e| e.slots / tp).collect();

@@ -16,7 +16,7 @@ use crate::engines::{self, EngineKind, EngineLaunch, EnginePorts, EngineRequest,
 /// `launch.json` (the whole launch), and returns the scripts' paths, head first.
 ///
 /// Errors: the directory or a file cannot be written.
-pub fn emit(launch: &EngineLaunch, dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn emit(launch: &EngineLaunch, dir: &Path) -> Result<Vec<PathBuf>> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(dir)
         .with_context(|| format!("cannot create the directory `{}`", dir.display()))?;
@@ -37,7 +37,7 @@ pub fn emit(launch: &EngineLaunch, dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Everything `infer up --engine E` was asked for, validated (no clap types).
 #[derive(Clone, Debug)]
-pub struct EngineUpSettings {
+pub(crate) struct EngineUpSettings {
     pub engine: engines::EngineKind,
     /// What the engine loads: a path present on the hosts that need it (llama.cpp: the
     /// head's GGUF file), or a Hugging Face id already in every host's cache.
@@ -191,7 +191,7 @@ fn program_path(engine_bin: Option<&Path>, name: &str) -> String {
 
 /// What one host's preflight found.
 #[derive(Clone, Debug, Default)]
-pub struct HostEngine {
+pub(crate) struct HostEngine {
     /// The engine version it reports.
     pub version: Option<String>,
     /// torch and NCCL versions (vLLM, SGLang), as `torch X, NCCL Y`.
@@ -202,7 +202,7 @@ pub struct HostEngine {
 
 /// The ports `engine` takes with its usual settings on the head (`head`) or another node,
 /// with what each is for: what `infer doctor --cluster --engine E` checks are free.
-pub fn usual_ports(engine: EngineKind, head: bool) -> Vec<(u16, &'static str)> {
+pub(crate) fn usual_ports(engine: EngineKind, head: bool) -> Vec<(u16, &'static str)> {
     let ports = EnginePorts::default_for(engine);
     match (engine, head) {
         (_, true) => {
@@ -304,7 +304,7 @@ fn probe_router(
 /// reads the engine's version and, for vLLM and SGLang, torch's and NCCL's.
 ///
 /// Errors: a program that is missing or fails (with how to install it), the host lost.
-pub fn probe_engine(
+pub(crate) fn probe_engine(
     exec: &dyn Fn(&[String], Duration) -> Result<super::Executed>,
     host: &str,
     engine: EngineKind,
@@ -536,7 +536,7 @@ fn http_get(address: std::net::SocketAddr, path: &str) -> Option<(u16, String)> 
 ///
 /// Errors: a host that fails preflight (named), a layout the engine cannot express, an
 /// engine process that exits or never gets healthy.
-pub fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
+pub(crate) fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
     let started = Instant::now();
     // This host's address first: a port in use fails before anything starts anywhere.
     crate::serve::http::check_bind(&settings.host, settings.port)?;

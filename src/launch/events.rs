@@ -13,7 +13,7 @@ use super::Progress;
 /// What `infer up` (`serving::up`: rank processes, `engine::up`: other engines) reports
 /// besides the gang's [`Progress`].
 #[derive(Clone, Debug, PartialEq)]
-pub enum UpEvent {
+pub(crate) enum UpEvent {
     /// A line for the user (where the layout came from, why it stopped early).
     Note(String),
     /// One process: listening (503) while the engine loads.

@@ -10,22 +10,22 @@
 //! stopping them), [`process`] (child processes), [`run_dir`] (run directories).
 
 pub mod agent;
-pub mod cluster;
-pub mod engine;
-pub mod events;
-pub mod gang;
-pub mod network;
-pub mod process;
-pub mod protocol;
+pub(crate) mod cluster;
+pub(crate) mod engine;
+pub(crate) mod events;
+pub(crate) mod gang;
+pub(crate) mod network;
+pub(crate) mod process;
+pub(crate) mod protocol;
 pub mod remote;
-pub mod run_dir;
-pub mod serving;
+pub(crate) mod run_dir;
+pub(crate) mod serving;
 pub mod smoke;
-pub mod spawn;
-pub mod spec;
-pub mod ssh;
-pub mod ssh_config;
-pub mod survey;
+pub(crate) mod spawn;
+pub(crate) mod spec;
+pub(crate) mod ssh;
+pub(crate) mod ssh_config;
+pub(crate) mod survey;
 
 pub use gang::{GRACE_PERIOD, Gang, HEARTBEAT_TIMEOUT, Progress, run_generation};
 pub use process::{Executed, find_program, run_program, start_process};

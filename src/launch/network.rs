@@ -17,7 +17,7 @@ use crate::topology::Interface;
 
 /// One host's choice of data network.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DataInterface {
+pub(crate) struct DataInterface {
     /// Interface name on that host.
     pub name: String,
     /// Its IPv4 address on the data network.
@@ -28,7 +28,7 @@ pub struct DataInterface {
 /// host shares that is not the SSH one), checked up, and reported through `progress`.
 ///
 /// Errors: no common network, an interface that is down.
-pub fn data_interfaces(
+pub(crate) fn data_interfaces(
     remote: &RemoteCluster,
     entries: &[InventoryEntry],
     targets: &[RemoteHostSpec],
@@ -102,7 +102,7 @@ fn network_of(ip: Ipv4Addr, prefix: u8) -> (u32, u8) {
 ///
 /// Errors: an override naming an interface that is missing or without IPv4 on that host
 /// (listing what it has); no network common to all hosts.
-pub fn choose_data_interfaces(
+pub(crate) fn choose_data_interfaces(
     names: &[&str],
     hosts: &[(&[Interface], Option<&str>, Option<&str>)],
 ) -> Result<Vec<DataInterface>> {
@@ -268,7 +268,7 @@ fn common_networks(
 /// (`HostName`, `User`, `Port`, `IdentityFile`, `ProxyJump`), then OpenSSH's defaults.
 ///
 /// Errors: an unreadable `~/.ssh/config` (a missing one is fine).
-pub fn ssh_targets(entries: &[InventoryEntry]) -> Result<Vec<RemoteHostSpec>> {
+pub(crate) fn ssh_targets(entries: &[InventoryEntry]) -> Result<Vec<RemoteHostSpec>> {
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
         .unwrap_or_default();

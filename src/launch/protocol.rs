@@ -10,15 +10,15 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
 /// Largest frame accepted, bytes (a pushed file travels in chunks well below it).
-pub const MAX_FRAME_BYTES: u32 = 16 << 20;
+pub(crate) const MAX_FRAME_BYTES: u32 = 16 << 20;
 
 /// Bytes of a file per [`ToAgent::FileChunk`].
-pub const FILE_CHUNK_BYTES: usize = 4 << 20;
+pub(crate) const FILE_CHUNK_BYTES: usize = 4 << 20;
 
 /// What the launcher tells an agent.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
-pub enum ToAgent {
+pub(crate) enum ToAgent {
     /// The first frame: which run this is, the host's inventory name (its run directory is
     /// `~/.cache/infer/runs/RUN_ID/HOST`, apart even where hosts share a home directory),
     /// and how long the agent may go without hearing from the launcher before it stops
@@ -114,7 +114,7 @@ pub struct ReachResult {
 /// What an agent tells the launcher.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
-pub enum FromAgent {
+pub(crate) enum FromAgent {
     /// The first frame: who is answering.
     Hello(Box<AgentHello>),
     /// The store listens at `address`.
@@ -200,11 +200,13 @@ pub struct AgentHello {
 mod base64_bytes {
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
         serializer.serialize_str(&data_encoding::BASE64.encode(bytes))
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Vec<u8>, D::Error> {
         let text = String::deserialize(deserializer)?;
         data_encoding::BASE64
             .decode(text.as_bytes())
@@ -213,7 +215,7 @@ mod base64_bytes {
 }
 
 /// Writes one frame. Errors: the peer is gone.
-pub fn write_frame<T: Serialize>(out: &mut impl Write, message: &T) -> Result<()> {
+pub(crate) fn write_frame<T: Serialize>(out: &mut impl Write, message: &T) -> Result<()> {
     let body = serde_json::to_vec(message)?;
     let length = u32::try_from(body.len()).context("frame too large")?;
     out.write_all(&length.to_le_bytes())?;
@@ -224,7 +226,7 @@ pub fn write_frame<T: Serialize>(out: &mut impl Write, message: &T) -> Result<()
 
 /// Reads one frame; `Ok(None)` at a clean end of stream. Errors: a truncated or malformed
 /// frame, one over [`MAX_FRAME_BYTES`].
-pub fn read_frame<T: for<'de> Deserialize<'de>>(input: &mut impl Read) -> Result<Option<T>> {
+pub(crate) fn read_frame<T: for<'de> Deserialize<'de>>(input: &mut impl Read) -> Result<Option<T>> {
     let mut length = [0u8; 4];
     match input.read_exact(&mut length) {
         Ok(()) => {}
@@ -244,7 +246,7 @@ pub fn read_frame<T: for<'de> Deserialize<'de>>(input: &mut impl Read) -> Result
 
 /// Whether `run_id` is one the launcher makes (`run-` and lowercase letters, digits, dashes):
 /// it names a directory, so nothing else is accepted.
-pub fn valid_run_id(run_id: &str) -> bool {
+pub(crate) fn valid_run_id(run_id: &str) -> bool {
     run_id.len() <= 64
         && run_id.starts_with("run-")
         && run_id
@@ -254,7 +256,7 @@ pub fn valid_run_id(run_id: &str) -> bool {
 
 /// Whether `name` can name a directory as it is (letters, digits, `.`, `_`, `-`, not
 /// starting with `.` or `-`).
-pub fn valid_host_dir(name: &str) -> bool {
+pub(crate) fn valid_host_dir(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
         && !name.starts_with(['.', '-'])

@@ -21,7 +21,7 @@ use crate::serve::http::OneProcessEvent;
 
 /// Everything `infer up` was asked for, validated (no clap types).
 #[derive(Clone, Debug)]
-pub struct UpSettings {
+pub(crate) struct UpSettings {
     /// The weights (a `.gguf` file or a model directory, or random weights of a shape).
     pub model: crate::runtime::model::source::ModelSource,
     /// The id `/v1/models` lists.
@@ -69,7 +69,7 @@ pub struct UpSettings {
 /// One node of a launch whose nodes each run `infer up --nnodes N --node-rank R`
 /// (torchrun's model: no SSH; a scheduler, pdsh or the user starts every node).
 #[derive(Clone, Debug)]
-pub struct NodeSettings {
+pub(crate) struct NodeSettings {
     pub nnodes: usize,
     pub node_rank: usize,
     /// Node 0's store, as every node reaches it (`MASTER_ADDR:MASTER_PORT`).
@@ -82,7 +82,7 @@ pub struct NodeSettings {
 
 impl NodeSettings {
     /// The ranks this node runs out of `world`: its consecutive, even share.
-    pub fn ranks(&self, world: usize) -> std::ops::Range<usize> {
+    pub(crate) fn ranks(&self, world: usize) -> std::ops::Range<usize> {
         let share = world / self.nnodes;
         self.node_rank * share..(self.node_rank + 1) * share
     }
@@ -92,7 +92,7 @@ impl NodeSettings {
     ///
     /// Errors: `node_rank` ≥ `nnodes`, a master address that does not resolve, no route to
     /// it, a token that is missing or empty.
-    pub fn resolve(
+    pub(crate) fn resolve(
         nnodes: usize,
         node_rank: usize,
         master_addr: &str,
@@ -153,7 +153,7 @@ impl NodeSettings {
 ///
 /// Errors: bad layouts or inputs, an address that cannot be bound, preflight failures on
 /// an inventory's hosts, a rank that fails (named, with its host and last log lines).
-pub fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
+pub(crate) fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
     let started = Instant::now();
     let layout = resolve_layout(settings, events)?;
     if let Some(node) = &settings.node

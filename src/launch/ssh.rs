@@ -15,11 +15,11 @@ use russh::client::{self, Handle};
 use russh::keys::{HashAlg, PrivateKeyWithHashAlg, PublicKey};
 
 /// How long a TCP connect plus SSH handshake may take, per hop.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Keepalive interval; the connection is dropped after [`KEEPALIVE_MAX`] unanswered.
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 /// Unanswered keepalives before the connection is considered dead.
-pub const KEEPALIVE_MAX: usize = 3;
+pub(crate) const KEEPALIVE_MAX: usize = 3;
 
 /// Where and how to reach one host.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,7 +50,7 @@ pub struct SshOptions {
 
 /// Why a host could not be reached, for preflight tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FaultClass {
+pub(crate) enum FaultClass {
     Dns,
     Timeout,
     Refused,
@@ -62,7 +62,7 @@ pub enum FaultClass {
 
 impl FaultClass {
     /// The short name shown in tables.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             FaultClass::Dns => "dns",
             FaultClass::Timeout => "tcp timeout",
@@ -77,7 +77,7 @@ impl FaultClass {
 
 /// A connection failure with its class; the message says what to do.
 #[derive(Debug)]
-pub struct ConnectError {
+pub(crate) struct ConnectError {
     /// What kind of fault, for preflight tables.
     pub class: FaultClass,
     /// What happened and what to do about it.
@@ -93,7 +93,7 @@ impl std::fmt::Display for ConnectError {
 impl std::error::Error for ConnectError {}
 
 /// An authenticated connection to one host.
-pub struct Connection {
+pub(crate) struct Connection {
     /// russh's handle: channels are opened through it.
     pub handle: Handle<Client>,
     /// Where it goes.
@@ -103,7 +103,7 @@ pub struct Connection {
 }
 
 /// The client side of russh's callbacks: host key checking.
-pub struct Client {
+pub(crate) struct Client {
     host: String,
     port: u16,
     known_hosts: Vec<PathBuf>,
@@ -203,7 +203,7 @@ impl Client {
 
 /// What the known-hosts files say about a key.
 #[derive(Debug, PartialEq, Eq)]
-pub enum KeyVerdict {
+pub(crate) enum KeyVerdict {
     Known,
     /// A key of the same algorithm is recorded for the host, and it is another.
     Changed {
@@ -214,7 +214,12 @@ pub enum KeyVerdict {
 }
 
 /// Checks `key` for `host:port` against every file (a missing file knows nothing).
-pub fn check_host_key(host: &str, port: u16, key: &PublicKey, files: &[PathBuf]) -> KeyVerdict {
+pub(crate) fn check_host_key(
+    host: &str,
+    port: u16,
+    key: &PublicKey,
+    files: &[PathBuf],
+) -> KeyVerdict {
     let mut changed = None;
     for file in files {
         let Ok(recorded) = russh::keys::known_hosts::known_host_keys_path(host, port, file) else {
@@ -238,7 +243,10 @@ pub fn check_host_key(host: &str, port: u16, key: &PublicKey, files: &[PathBuf])
 /// Connects and authenticates to `target` (through its jump host if any).
 ///
 /// Errors: a [`ConnectError`] naming the class of fault and how to fix it.
-pub async fn connect(target: &SshTarget, options: SshOptions) -> Result<Connection, ConnectError> {
+pub(crate) async fn connect(
+    target: &SshTarget,
+    options: SshOptions,
+) -> Result<Connection, ConnectError> {
     if target.address.starts_with('-') || target.user.starts_with('-') {
         return Err(ConnectError {
             class: FaultClass::Other,
@@ -507,7 +515,7 @@ impl Connection {
     /// user-supplied string: everything else travels on the channel.
     ///
     /// Errors: the channel cannot be opened or the request is refused.
-    pub async fn exec(&self, command: &str) -> Result<russh::Channel<client::Msg>> {
+    pub(crate) async fn exec(&self, command: &str) -> Result<russh::Channel<client::Msg>> {
         let channel = self
             .handle
             .channel_open_session()
@@ -523,7 +531,11 @@ impl Connection {
     /// Runs a fixed command and collects its stdout and exit status.
     ///
     /// Errors: the channel fails.
-    pub async fn output(&self, command: &str, stdin: &[u8]) -> Result<(Vec<u8>, Option<u32>)> {
+    pub(crate) async fn output(
+        &self,
+        command: &str,
+        stdin: &[u8],
+    ) -> Result<(Vec<u8>, Option<u32>)> {
         let mut channel = self.exec(command).await?;
         if !stdin.is_empty() {
             channel
@@ -548,7 +560,7 @@ impl Connection {
 }
 
 /// The default identity files OpenSSH tries, under `home`.
-pub fn default_identity_files(home: &Path) -> Vec<PathBuf> {
+pub(crate) fn default_identity_files(home: &Path) -> Vec<PathBuf> {
     ["id_ed25519", "id_ecdsa", "id_rsa"]
         .iter()
         .map(|n| home.join(".ssh").join(n))
@@ -556,6 +568,6 @@ pub fn default_identity_files(home: &Path) -> Vec<PathBuf> {
 }
 
 /// `~/.ssh/known_hosts`.
-pub fn default_known_hosts(home: &Path) -> PathBuf {
+pub(crate) fn default_known_hosts(home: &Path) -> PathBuf {
     home.join(".ssh/known_hosts")
 }

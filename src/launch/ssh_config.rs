@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 /// What `~/.ssh/config` says about one host alias. `None`: not set there.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct HostConfig {
+pub(crate) struct HostConfig {
     pub hostname: Option<String>,
     pub user: Option<String>,
     pub port: Option<u16>,
@@ -19,7 +19,7 @@ pub struct HostConfig {
 }
 
 /// Looks `alias` up in the text of an ssh config file. `home` expands `~/`.
-pub fn lookup(text: &str, alias: &str, home: &Path) -> HostConfig {
+pub(crate) fn lookup(text: &str, alias: &str, home: &Path) -> HostConfig {
     let mut config = HostConfig::default();
     let mut proxy_jump_seen = false;
     let mut active = true; // Lines before the first `Host` apply to every host.
@@ -65,7 +65,7 @@ pub fn lookup(text: &str, alias: &str, home: &Path) -> HostConfig {
 }
 
 /// `[user@]host[:port]` of a `ProxyJump` entry (the first hop of a comma list).
-pub fn parse_jump(spec: &str) -> (Option<String>, String, Option<u16>) {
+pub(crate) fn parse_jump(spec: &str) -> (Option<String>, String, Option<u16>) {
     let first = spec.split(',').next().unwrap_or(spec).trim();
     let (user, rest) = match first.rsplit_once('@') {
         Some((user, rest)) => (Some(user.to_string()), rest),

@@ -61,7 +61,7 @@ fn connect_to_probe(
 ///
 /// Errors: an unreadable inventory, the SSH runtime cannot start, a host that answered
 /// preflight and then stopped answering.
-pub fn survey(
+pub(crate) fn survey(
     inventory: &Path,
     ssh: SshOptions,
     bandwidth: bool,
@@ -533,7 +533,7 @@ fn allreduce_probe(
 /// as failures, the others still answer.
 ///
 /// Errors: an unreadable inventory, the SSH runtime cannot start.
-pub fn probe_topologies(
+pub(crate) fn probe_topologies(
     inventory: &Path,
     ssh: SshOptions,
     progress: &mut dyn FnMut(Progress),

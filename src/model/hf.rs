@@ -11,7 +11,7 @@ use crate::plan::model::{Architecture, Dtype, MlaSpec, ModelSpec, MoeSpec};
 /// Builds a spec from a parsed `config.json`. `name` and `serve_id` label it.
 ///
 /// Errors: an unsupported `model_type` (named), or a required key missing or not a number.
-pub fn spec_from_config(config: &Value, name: &str, serve_id: &str) -> Result<ModelSpec> {
+pub(crate) fn spec_from_config(config: &Value, name: &str, serve_id: &str) -> Result<ModelSpec> {
     let architecture = architecture_of(config)?;
     let int = |key: &str| required_int(config, key);
     let opt_int = |key: &str| config.get(key).and_then(Value::as_u64);
@@ -159,7 +159,7 @@ fn dtypes(config: &Value) -> Result<(Dtype, Option<Dtype>)> {
 /// exact weight bytes from the headers of its `*.safetensors` files when there are any.
 ///
 /// Errors: unreadable or malformed `config.json`, a malformed safetensors header.
-pub fn load_dir(path: &Path) -> Result<ModelSpec> {
+pub(crate) fn load_dir(path: &Path) -> Result<ModelSpec> {
     let (dir, config_path) = if path.is_dir() {
         (path.to_path_buf(), path.join("config.json"))
     } else {

@@ -4,7 +4,7 @@
 
 pub mod default;
 pub mod gguf;
-pub mod hf;
+pub(crate) mod hf;
 
 use std::path::Path;
 

@@ -107,7 +107,7 @@ impl Cluster {
 ///
 /// Errors: two links of one scope, two decode measurements of one GPU model, a decode
 /// measured on a CPU or on a GPU model the cluster does not have.
-pub fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurement) -> Result<()> {
+pub(crate) fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurement) -> Result<()> {
     match measurement {
         Measurement::Link(measured) => {
             let (slot, what) = match measured.scope {

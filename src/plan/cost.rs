@@ -19,23 +19,23 @@ use super::model::{Dtype, ModelSpec};
 /// overhead: nccl-tests times a call from the host, kernel launch and proxy included, so
 /// its small-message times are the per-call floor (and `--calibration` replaces them with
 /// the hosts' own).
-pub const NVLINK_LATENCY_SECS: f64 = 8e-6;
+pub(crate) const NVLINK_LATENCY_SECS: f64 = 8e-6;
 /// Same over PCIe/SHM inside a host, seconds.
-pub const PCIE_LATENCY_SECS: f64 = 15e-6;
+pub(crate) const PCIE_LATENCY_SECS: f64 = 15e-6;
 /// Same across hosts over InfiniBand/RoCE, seconds.
-pub const NETWORK_LATENCY_SECS: f64 = 25e-6;
+pub(crate) const NETWORK_LATENCY_SECS: f64 = 25e-6;
 /// Same across hosts over TCP sockets (NCCL's `NET/Socket`), when no RDMA is known on the
 /// hosts, seconds: a kernel round trip per message on each side plus NCCL's proxy; our own
 /// `infer bench allreduce --cluster` measures 40–55 µs for 8 B between network namespaces
 /// on one machine (no wire, no switch), so 50 µs is the floor, not a typical figure.
-pub const TCP_LATENCY_SECS: f64 = 50e-6;
+pub(crate) const TCP_LATENCY_SECS: f64 = 50e-6;
 /// Bandwidth of TCP sockets across hosts when no RDMA is known, bytes/s per direction:
 /// a 100 GbE port's line rate, 12.5 GB/s (the Ethernet rung of DESIGN's bandwidth ladder);
 /// the hardware profile's RDMA NIC rate applies only when its HCAs are known.
-pub const TCP_GB_PER_SEC: f64 = 12.5;
+pub(crate) const TCP_GB_PER_SEC: f64 = 12.5;
 
 /// Average context per sequence the throughput estimate assumes, tokens (capped at `--max-model-len`).
-pub const TYPICAL_CONTEXT_TOKENS: u64 = 2048;
+pub(crate) const TYPICAL_CONTEXT_TOKENS: u64 = 2048;
 
 /// The links a layout's groups use, one-direction bandwidth in bytes/s and latency in seconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -83,7 +83,7 @@ pub struct Estimate {
 }
 
 /// Estimates decode performance of `parallel` with memory `stages` on `hardware` over `links`.
-pub fn estimate(
+pub(crate) fn estimate(
     spec: &ModelSpec,
     parallel: &Parallel,
     stages: &[StageMemory],
@@ -233,7 +233,7 @@ fn hop_secs(spec: &ModelSpec, links: &Links, batch: u64) -> f64 {
 /// Time of one decode step of `batch` sequences with `context` tokens each: every stage's
 /// time plus the `pp − 1` hops between stages (the batch-1 value is [`Estimate::tpot_secs`]).
 #[allow(clippy::too_many_arguments)]
-pub fn decode_step_secs(
+pub(crate) fn decode_step_secs(
     spec: &ModelSpec,
     parallel: &Parallel,
     stages: &[StageMemory],
@@ -258,7 +258,7 @@ pub fn decode_step_secs(
 /// top-k copies per MoE layer, and a hop of the prompt's activations per stage boundary.
 /// Peak throughput, as the decode roofline: an optimistic bound (a measured calibration
 /// replaces it).
-pub fn prefill_secs(
+pub(crate) fn prefill_secs(
     spec: &ModelSpec,
     parallel: &Parallel,
     stages: &[StageMemory],

@@ -9,7 +9,7 @@ use crate::topology::{Nic, NicKind};
 
 /// Environment for the ranks on `host`, which use its GPUs `gpus` (NVML indices), and
 /// warnings about what could not be chosen.
-pub fn host_env(
+pub(crate) fn host_env(
     host: &ClusterHost,
     gpus: &[usize],
     multi_host: bool,
@@ -49,7 +49,7 @@ pub fn host_env(
 }
 
 /// Whether `host` comes from a shorthand (`2x8xh100-sxm`): no address, no NICs known.
-pub fn is_synthetic(host: &ClusterHost) -> bool {
+pub(crate) fn is_synthetic(host: &ClusterHost) -> bool {
     host.address.is_none() && host.topology.nics.is_empty()
 }
 
@@ -88,7 +88,7 @@ fn socket_interface(host: &ClusterHost) -> Option<String> {
 /// Active RDMA HCAs within `PIX`/`PXB` of a GPU in `gpus` (GPUDirect RDMA distance); when no
 /// HCA is that close (or `gpus` is empty: CPU ranks), every active HCA. HCAs of unknown state
 /// (imported pastes) count as active.
-pub fn nearest_active_hcas(nics: &[Nic], gpus: &[usize]) -> Vec<String> {
+pub(crate) fn nearest_active_hcas(nics: &[Nic], gpus: &[usize]) -> Vec<String> {
     let active: Vec<&Nic> = nics
         .iter()
         .filter(|nic| matches!(nic.kind, NicKind::Ib | NicKind::Roce | NicKind::Unknown))

@@ -43,7 +43,7 @@ pub struct Groups {
 
 /// A placed layout: ranks, groups, and how the TP groups are connected.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Layout {
+pub(crate) struct Layout {
     pub ranks: Vec<RankPlacement>,
     pub groups: Groups,
     /// Worst link inside any TP group (`X` when TP is 1); `None` when a group spans hosts.
@@ -77,7 +77,7 @@ fn gpu_slots(cluster: &Cluster) -> Vec<(usize, usize)> {
 }
 
 /// Places `parallel` on the first `world_size` GPU slots of `cluster` and builds its groups.
-pub fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
+pub(crate) fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
     let ranks = place_ranks(parallel, cluster);
     let groups = groups(parallel);
     let worst = |group: &[u64]| worst_link(cluster, &ranks, group);
@@ -244,7 +244,7 @@ fn pp_groups_cross(pp_groups: &[Vec<u64>], ranks: &[RankPlacement]) -> bool {
 /// The link between hosts: a measured one (`--calibration`), else the NIC's RDMA rate where
 /// every host's HCAs are known (a probed or imported topology); without them NCCL falls back
 /// to TCP sockets, and so does the cost.
-pub fn network_link(cluster: &Cluster) -> Link {
+pub(crate) fn network_link(cluster: &Cluster) -> Link {
     if let Some(measured) = &cluster.measured.inter_host {
         return measured.link();
     }

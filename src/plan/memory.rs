@@ -8,19 +8,19 @@ use super::model::{Dtype, ModelSpec};
 
 /// CUDA context, cuBLAS workspaces and allocator slack per process, bytes. vLLM reports this
 /// "non-torch memory" at about 0.5 GiB per GPU on CUDA 12.
-pub const CUDA_CONTEXT_BYTES: u64 = 512 << 20;
+pub(crate) const CUDA_CONTEXT_BYTES: u64 = 512 << 20;
 
 /// NCCL buffers per communicator a rank belongs to, bytes: `NCCL_BUFFSIZE` (4 MiB) per
 /// channel and peer over up to 32 channels, rounded to 256 MiB.
-pub const NCCL_COMMUNICATOR_BYTES: u64 = 256 << 20;
+pub(crate) const NCCL_COMMUNICATOR_BYTES: u64 = 256 << 20;
 
 /// Tokens of one forward pass in vLLM's memory profiling run (`max_num_batched_tokens`,
 /// 8192 by default for chunked prefill on datacenter GPUs).
-pub const PROFILE_BATCH_TOKENS: u64 = 8192;
+pub(crate) const PROFILE_BATCH_TOKENS: u64 = 8192;
 
 /// Sequences vLLM schedules at most per step (`max_num_seqs`, default 256): logits are
 /// kept in fp32 for each.
-pub const MAX_NUM_SEQS: u64 = 256;
+pub(crate) const MAX_NUM_SEQS: u64 = 256;
 
 /// Memory of every GPU of one PP stage. The `--json` `memory[]` entries.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -48,7 +48,7 @@ pub struct StageMemory {
 
 /// Contiguous layer ranges of `pp` stages over `n_layers`: an even split, the first
 /// `n_layers % pp` stages one layer longer. Returns `(first_layer, n_layers)` per stage.
-pub fn stage_layers(n_layers: u64, pp: u64) -> Vec<(u64, u64)> {
+pub(crate) fn stage_layers(n_layers: u64, pp: u64) -> Vec<(u64, u64)> {
     let base = n_layers / pp;
     let extra = n_layers % pp;
     let mut first = 0;
@@ -63,7 +63,7 @@ pub fn stage_layers(n_layers: u64, pp: u64) -> Vec<(u64, u64)> {
 }
 
 /// Memory of each PP stage's GPUs for `parallel` on GPUs of `gpu_memory_bytes`.
-pub fn stage_memory(
+pub(crate) fn stage_memory(
     spec: &ModelSpec,
     parallel: &Parallel,
     dtype: Dtype,
@@ -154,7 +154,7 @@ pub fn stage_memory(
 /// peak activations of a [`PROFILE_BATCH_TOKENS`] forward pass —
 /// `tokens · (4·hidden + 2·mlp_width/tp) · 2 bytes` (residual, normed input, attention
 /// output and the gate/up pair, bf16) — plus fp32 logits for [`MAX_NUM_SEQS`] on the last stage.
-pub fn reserve_bytes(spec: &ModelSpec, parallel: &Parallel, last_stage: bool) -> u64 {
+pub(crate) fn reserve_bytes(spec: &ModelSpec, parallel: &Parallel, last_stage: bool) -> u64 {
     let n_groups = [parallel.tp, parallel.pp, parallel.ep, parallel.dp]
         .iter()
         .filter(|&&d| d > 1)
@@ -176,7 +176,7 @@ pub fn reserve_bytes(spec: &ModelSpec, parallel: &Parallel, last_stage: bool) ->
 }
 
 /// Bytes in GiB (2³⁰ bytes), for messages.
-pub fn gib(bytes: u64) -> f64 {
+pub(crate) fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 

@@ -8,13 +8,13 @@
 //! objective.
 
 pub mod calibration;
-pub mod cluster;
-pub mod cost;
-pub mod env;
-pub mod layout;
-pub mod memory;
+pub(crate) mod cluster;
+pub(crate) mod cost;
+pub(crate) mod env;
+pub(crate) mod layout;
+pub(crate) mod memory;
 pub mod model;
-pub mod render;
+pub(crate) mod render;
 pub mod sla;
 
 use std::collections::BTreeMap;

@@ -13,7 +13,7 @@ use super::{Infeasible, Parallel, Plan};
 const MAX_RANK_ROWS: usize = 32;
 
 /// The `vllm serve` command line for the same placement.
-pub fn vllm_command(
+pub(crate) fn vllm_command(
     spec: &ModelSpec,
     parallel: &Parallel,
     dtype: Dtype,
@@ -49,7 +49,7 @@ pub fn vllm_command(
 }
 
 /// The text report of a plan; `explain_all` adds every alternative considered.
-pub fn render(plan: &Plan, explain_all: bool) -> String {
+pub(crate) fn render(plan: &Plan, explain_all: bool) -> String {
     let mut out = summary_table(plan);
     out.push_str("\n\nmemory per GPU\n");
     out.push_str(&memory_table(plan));
@@ -340,7 +340,7 @@ fn pareto_table(plan: &Plan) -> String {
 }
 
 /// The text of an infeasible answer (for stdout; the exit code says "no").
-pub fn render_infeasible(infeasible: &Infeasible, explain_all: bool) -> String {
+pub(crate) fn render_infeasible(infeasible: &Infeasible, explain_all: bool) -> String {
     let mut out = format!(
         "infeasible: {}\nhint: {}\n",
         infeasible.message, infeasible.hint

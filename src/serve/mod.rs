@@ -11,7 +11,7 @@ mod api;
 mod errors;
 pub mod http;
 mod metrics;
-pub mod router;
+pub(crate) mod router;
 pub mod scheduler;
 mod stream;
 

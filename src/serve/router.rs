@@ -27,13 +27,13 @@ use crate::runtime::model::sampling::SamplingParams;
 
 /// The share of a prompt's tokens a replica's tree must match for the prompt to go there
 /// while the load is balanced (SGLang router's `--cache-threshold`, default 0.5).
-pub const CACHE_THRESHOLD: f64 = 0.5;
+pub(crate) const CACHE_THRESHOLD: f64 = 0.5;
 /// The load (requests in flight) is imbalanced when the busiest replica has more than this
 /// many more requests than the least busy one… (SGLang's `--balance-abs-threshold` is 32 for
 /// GPU replicas running hundreds of sequences; ours run 16 by default.)
-pub const BALANCE_ABS_THRESHOLD: u64 = 4;
+pub(crate) const BALANCE_ABS_THRESHOLD: u64 = 4;
 /// …and more than this many times as many (SGLang's `--balance-rel-threshold`).
-pub const BALANCE_REL_THRESHOLD: f64 = 1.5;
+pub(crate) const BALANCE_REL_THRESHOLD: f64 = 1.5;
 /// Blocks each replica's tree remembers; the least recently used go first beyond it.
 const TREE_MAX_BLOCKS: usize = 1 << 16;
 /// Tokens per tree node: the KV block size, the unit a replica's prefix cache reuses.
@@ -41,7 +41,7 @@ const TREE_BLOCK_TOKENS: usize = crate::runtime::model::kv::BLOCK_TOKENS;
 
 /// Why the router sent a request where it did (`infer_router_decisions_total{reason}`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RouteReason {
+pub(crate) enum RouteReason {
     /// Balanced load, and the replica's tree matched at least [`CACHE_THRESHOLD`].
     PrefixMatch,
     /// Balanced load, no replica matched enough: the least loaded (the smallest tree on a tie).
@@ -52,14 +52,14 @@ pub enum RouteReason {
 
 impl RouteReason {
     /// Every reason, in the order of [`RouteReason::name`]'s labels.
-    pub const ALL: [RouteReason; 3] = [
+    pub(crate) const ALL: [RouteReason; 3] = [
         RouteReason::PrefixMatch,
         RouteReason::LeastLoaded,
         RouteReason::Imbalanced,
     ];
 
     /// The `reason` label.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             RouteReason::PrefixMatch => "prefix_match",
             RouteReason::LeastLoaded => "least_loaded",
@@ -671,7 +671,7 @@ impl Target {
 /// says why, so that the router's error names the cause.
 ///
 /// Errors: a wrong token, a lost connection, a failed scheduler.
-pub async fn serve_remote(
+pub(crate) async fn serve_remote(
     listener: tokio::net::TcpListener,
     token: &str,
     scheduler: Scheduler,

@@ -10,11 +10,11 @@
 
 mod domains;
 mod link;
-pub mod nccl;
-pub mod nvml;
-pub mod probe;
-pub mod render;
-pub mod smi_text;
+pub(crate) mod nccl;
+pub(crate) mod nvml;
+pub(crate) mod probe;
+pub(crate) mod render;
+pub(crate) mod smi_text;
 pub mod sysfs;
 
 use anyhow::{Context, Result, bail};

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 /// The library's file name: what `libnccl.so` links against and what pip ships.
-pub const LIBRARY: &str = "libnccl.so.2";
+pub(crate) const LIBRARY: &str = "libnccl.so.2";
 
 /// Where NCCL was found and what it says it is.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -23,7 +23,7 @@ pub struct NcclLibrary {
 }
 
 /// The NCCL library this host would load, if any.
-pub fn find() -> Option<NcclLibrary> {
+pub(crate) fn find() -> Option<NcclLibrary> {
     let path = search_path()
         .into_iter()
         .map(|d| d.join(LIBRARY))
@@ -42,7 +42,7 @@ pub fn find() -> Option<NcclLibrary> {
 /// `ncclGetVersion`'s code as `major.minor.patch` (codes ≥ 2.9 are
 /// `major·10000 + minor·100 + patch`, older ones `major·1000 + minor·100 + patch`; NCCL's
 /// `nccl.h`, `NCCL_VERSION_CODE`).
-pub fn decode_version(code: i32) -> String {
+pub(crate) fn decode_version(code: i32) -> String {
     if code >= 10000 {
         format!("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100)
     } else {

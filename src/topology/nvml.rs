@@ -22,7 +22,7 @@ const MAX_NVLINKS: u32 = 18;
 const AFFINITY_WORDS: usize = 16;
 
 /// What NVML said about this host's GPUs.
-pub enum GpuProbe {
+pub(crate) enum GpuProbe {
     /// NVML loaded and answered.
     Found(NvmlGpus),
     /// No usable NVIDIA driver; the string says why (for a note, not an error).
@@ -30,7 +30,7 @@ pub enum GpuProbe {
 }
 
 /// GPUs and the links between them, as NVML reports them.
-pub struct NvmlGpus {
+pub(crate) struct NvmlGpus {
     /// Driver version (`550.54.15`).
     pub driver_version: Option<String>,
     /// CUDA version the driver supports (`12.4`).
@@ -47,7 +47,7 @@ pub struct NvmlGpus {
 ///
 /// Errors: NVML loaded but a query every GPU must answer (count, handle, common ancestor)
 /// failed. A missing driver is not an error: it is [`GpuProbe::Unavailable`].
-pub fn probe_gpus() -> Result<GpuProbe> {
+pub(crate) fn probe_gpus() -> Result<GpuProbe> {
     let nvml = match Nvml::init() {
         Ok(nvml) => nvml,
         Err(error) => {
@@ -222,7 +222,7 @@ fn from_nvml_p2p(status: NvmlP2p) -> P2pStatus {
 }
 
 /// A CPU bitmask (64 CPUs per word, CPU 0 in bit 0 of word 0) as a list: `0-47,96-143`.
-pub fn cpu_list(mask: &[std::os::raw::c_ulong]) -> String {
+pub(crate) fn cpu_list(mask: &[std::os::raw::c_ulong]) -> String {
     let bits_per_word = 8 * std::mem::size_of::<std::os::raw::c_ulong>();
     let cpus: Vec<usize> = mask
         .iter()

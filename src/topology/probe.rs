@@ -12,7 +12,7 @@ use super::{Host, nvlink_domains, sysfs};
 
 /// Where to probe.
 #[derive(Clone, Debug)]
-pub struct ProbeOptions {
+pub(crate) struct ProbeOptions {
     /// Mount point of sysfs: `/sys` on a live host, a fake tree in tests. IP addresses are
     /// read from the kernel only when this is `/sys`.
     pub sysfs_root: PathBuf,
@@ -22,7 +22,7 @@ pub struct ProbeOptions {
 ///
 /// A host without the NVIDIA driver is not an error: it has zero GPUs and a note saying so.
 /// Errors: NVML loaded but failed mid-probe, or sysfs could not be listed.
-pub fn probe_host(options: &ProbeOptions) -> Result<Host> {
+pub(crate) fn probe_host(options: &ProbeOptions) -> Result<Host> {
     let mut notes = Vec::new();
     let (driver_version, cuda_driver_version, mut gpus, gpu_links, p2p) = match probe_gpus()? {
         GpuProbe::Found(found) => (
@@ -85,7 +85,7 @@ fn interface_addresses() -> HashMap<String, Vec<String>> {
 }
 
 /// This host's name (`/proc/sys/kernel/hostname`).
-pub fn local_hostname() -> String {
+pub(crate) fn local_hostname() -> String {
     fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|name| name.trim().to_string())
         .ok()
@@ -96,7 +96,7 @@ pub fn local_hostname() -> String {
 /// IPv4 addresses with prefix length (`10.0.2.11/24`) by interface name, from the kernel
 /// (`getifaddrs`). The launcher's agents report these so the data network can be chosen per
 /// host.
-pub fn ipv4_networks() -> HashMap<String, Vec<String>> {
+pub(crate) fn ipv4_networks() -> HashMap<String, Vec<String>> {
     let mut networks: HashMap<String, Vec<String>> = HashMap::new();
     if let Ok(interfaces) = if_addrs::get_if_addrs() {
         for interface in interfaces {

@@ -18,7 +18,7 @@ Legend:
   NV#  = Connection traversing a bonded set of # NVLinks";
 
 /// Renders every host of `topology`.
-pub fn render(topology: &Topology) -> String {
+pub(crate) fn render(topology: &Topology) -> String {
     topology
         .hosts
         .iter()
@@ -133,7 +133,7 @@ fn domains_line(host: &Host) -> String {
 }
 
 /// `[0,1,2,3]` → `0-3`; `[0,2]` → `0,2`.
-pub fn gpu_set(gpus: &[usize]) -> String {
+pub(crate) fn gpu_set(gpus: &[usize]) -> String {
     let contiguous = gpus.windows(2).all(|w| w[1] == w[0] + 1);
     match gpus {
         [] => "-".to_string(),

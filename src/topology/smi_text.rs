@@ -22,7 +22,7 @@ use super::{Gpu, Host, LinkCode, Nic, NicKind, P2pStatus, nvlink_domains};
 /// Errors (each names the 1-based line): no `GPU0` header line at all (not a topology), a
 /// ragged row (too few or too many link cells), an unknown link code, a missing or
 /// duplicated GPU row, a matrix that is not symmetric.
-pub fn parse(text: &str, origin: &str) -> Result<Host> {
+pub(crate) fn parse(text: &str, origin: &str) -> Result<Host> {
     let lines: Vec<&str> = text.lines().map(strip_quote_prefix).collect();
     let blocks = find_blocks(&lines, origin)?;
     let Some(matrix) = blocks.iter().find(|block| block.kind == BlockKind::Links) else {

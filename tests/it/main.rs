@@ -2,6 +2,9 @@
 //! binary (or the library at its public edge) on real inputs: the fixtures in
 //! `../shared/fixtures/`, fake sysfs trees built in temp dirs, this machine.
 
+// A test binary has no API: its helpers are `pub` for the other test modules.
+#![allow(unreachable_pub)]
+
 mod backend;
 mod cluster;
 mod collectives;

@@ -14,14 +14,14 @@
 use crate::doctor::cluster::{AllreduceProbe, ClusterEvidence, PairBandwidth};
 use crate::doctor::{Finding, Severity};
 
-pub const ID: &str = "bandwidth";
+pub(crate) const ID: &str = "bandwidth";
 
 /// Below this share of the expected link rate a pair warns.
-pub const MIN_SHARE: f64 = 0.5;
+pub(crate) const MIN_SHARE: f64 = 0.5;
 
 /// A warning per slow pair, an error per failed one; one `ok` with every pair's figure
 /// otherwise; then the all-reduce's finding.
-pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
+pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     let Some(pairs) = &evidence.bandwidth else {
         return Vec::new();
     };

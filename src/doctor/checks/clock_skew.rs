@@ -9,13 +9,13 @@
 use crate::doctor::cluster::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 
-pub const ID: &str = "clock-skew";
+pub(crate) const ID: &str = "clock-skew";
 
 /// The skew above which a host is flagged, milliseconds.
-pub const MAX_SKEW_MS: i64 = 1000;
+pub(crate) const MAX_SKEW_MS: i64 = 1000;
 
 /// A warning per host whose clock is more than [`MAX_SKEW_MS`] off the launcher's.
-pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
+pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     evidence
         .hosts
         .iter()

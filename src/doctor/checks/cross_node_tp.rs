@@ -10,10 +10,10 @@ use crate::doctor::{Finding, Severity};
 use crate::plan::Plan;
 
 /// Id of this check.
-pub const ID: &str = "cross-node-tp";
+pub(crate) const ID: &str = "cross-node-tp";
 
 /// An error per TP group spanning hosts; one `ok` when none does.
-pub fn check(plan: &Plan) -> Vec<Finding> {
+pub(crate) fn check(plan: &Plan) -> Vec<Finding> {
     let spans: Vec<(usize, Vec<String>)> = plan
         .groups
         .tp

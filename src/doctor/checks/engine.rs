@@ -16,11 +16,11 @@
 use crate::doctor::cluster::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 
-pub const ID: &str = "engine";
+pub(crate) const ID: &str = "engine";
 
 /// Errors for unusable engines, differing versions and ports in use; one `ok` line when
 /// all is well.
-pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
+pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     let Some(engine) = &evidence.engine else {
         return Vec::new();
     };

@@ -10,10 +10,10 @@ use crate::doctor::{Finding, Severity};
 use crate::plan::Plan;
 
 /// Id of this check.
-pub const ID: &str = "ep-cross-node";
+pub(crate) const ID: &str = "ep-cross-node";
 
 /// A warning when some EP group spans hosts; nothing for dense plans (EP = 1).
-pub fn check(plan: &Plan) -> Option<Finding> {
+pub(crate) fn check(plan: &Plan) -> Option<Finding> {
     if plan.parallel.ep <= 1 {
         return None;
     }

@@ -13,11 +13,11 @@ use crate::topology::Host;
 use crate::topology::render::gpu_set;
 
 /// Id of this check.
-pub const ID: &str = "gpu-nic-affinity";
+pub(crate) const ID: &str = "gpu-nic-affinity";
 
 /// A warning naming the GPUs without a NIC within `PIX`/`PXB`; nothing when the host has no
 /// NIC with a known PCIe position.
-pub fn check(host: &Host) -> Option<Finding> {
+pub(crate) fn check(host: &Host) -> Option<Finding> {
     let nics: Vec<_> = host
         .nics
         .iter()

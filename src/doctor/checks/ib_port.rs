@@ -10,10 +10,10 @@ use crate::doctor::{Finding, Severity};
 use crate::topology::{Host, NicKind};
 
 /// Id of this check.
-pub const ID: &str = "ib-port";
+pub(crate) const ID: &str = "ib-port";
 
 /// An error per HCA with a port that is not ACTIVE; one `ok` when all are.
-pub fn check(host: &Host) -> Vec<Finding> {
+pub(crate) fn check(host: &Host) -> Vec<Finding> {
     let hcas: Vec<_> = host
         .nics
         .iter()

@@ -13,10 +13,10 @@
 use crate::doctor::cluster::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 
-pub const ID: &str = "interface";
+pub(crate) const ID: &str = "interface";
 
 /// Findings for the data interfaces of `evidence`'s hosts.
-pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
+pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     let mut findings = partial_networks(evidence);
     let problems = !findings.is_empty();
     findings.extend(

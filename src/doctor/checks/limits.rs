@@ -11,15 +11,15 @@
 use crate::doctor::{Finding, Severity};
 
 /// Id of the open-files check.
-pub const ULIMIT_ID: &str = "ulimit";
+pub(crate) const ULIMIT_ID: &str = "ulimit";
 /// Id of the locked-memory check.
-pub const MEMLOCK_ID: &str = "memlock";
+pub(crate) const MEMLOCK_ID: &str = "memlock";
 
 /// Open files NCCL needs at scale (NCCL's troubleshooting guide suggests raising it well above 1024).
-pub const MIN_OPEN_FILES: u64 = 65536;
+pub(crate) const MIN_OPEN_FILES: u64 = 65536;
 
 /// Findings from the text of `/proc/self/limits`; `has_rdma` makes a small memlock a warning.
-pub fn check(limits: &str, has_rdma: bool) -> Vec<Finding> {
+pub(crate) fn check(limits: &str, has_rdma: bool) -> Vec<Finding> {
     let mut findings = Vec::new();
     if let Some(soft) = soft_limit(limits, "Max open files") {
         let (severity, hint) = match soft {

@@ -12,10 +12,10 @@ use crate::doctor::{Finding, Severity};
 use crate::topology::{Host, NicKind};
 
 /// Id of this check.
-pub const ID: &str = "nccl-env";
+pub(crate) const ID: &str = "nccl-env";
 
 /// Findings for each NCCL variable set in `env` that does not fit `host`.
-pub fn check(host: &Host, env: &BTreeMap<String, String>) -> Vec<Finding> {
+pub(crate) fn check(host: &Host, env: &BTreeMap<String, String>) -> Vec<Finding> {
     let mut findings = Vec::new();
     let netdevs: Vec<&str> = host
         .nics

@@ -10,7 +10,7 @@ use crate::doctor::nccl_log::{Evidence, NcclLog};
 use crate::doctor::{Finding, Severity, cite};
 
 /// Id of this check.
-pub const ID: &str = "nccl-error";
+pub(crate) const ID: &str = "nccl-error";
 
 /// Known causes: a needle in the lowercased line, the diagnosis, the fix.
 const CAUSES: &[(&[&str], &str, &str)] = &[
@@ -57,7 +57,7 @@ const CAUSES: &[(&[&str], &str, &str)] = &[
 ];
 
 /// One finding per cause seen, with every line that shows it.
-pub fn check(log: &NcclLog) -> Vec<Finding> {
+pub(crate) fn check(log: &NcclLog) -> Vec<Finding> {
     let mut findings: Vec<Finding> = Vec::new();
     let mut unexplained: Vec<&Evidence> = Vec::new();
     for failure in &log.failures {

@@ -13,10 +13,10 @@ use std::collections::BTreeSet;
 use crate::doctor::nccl_log::NcclLog;
 use crate::doctor::{Finding, Severity, cite};
 
-pub const ID: &str = "nccl-hca";
+pub(crate) const ID: &str = "nccl-hca";
 
 /// A warning naming the hosts (logs) whose HCA sets differ from the most common one.
-pub fn check(logs: &[NcclLog]) -> Vec<Finding> {
+pub(crate) fn check(logs: &[NcclLog]) -> Vec<Finding> {
     let sets: Vec<(&NcclLog, BTreeSet<String>)> = logs
         .iter()
         .filter(|log| !log.ib_devices.is_empty())

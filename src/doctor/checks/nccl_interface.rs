@@ -16,11 +16,11 @@ use crate::topology::Topology;
 use crate::topology::sysfs::VIRTUAL_PREFIXES;
 
 /// Id of this check.
-pub const ID: &str = "nccl-interface";
+pub(crate) const ID: &str = "nccl-interface";
 
 /// Warns about virtual or link-local interfaces; errors on a `NCCL_SOCKET_IFNAME` that
 /// names no interface.
-pub fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
+pub(crate) fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
     let mut findings = Vec::new();
     let is_virtual = |name: &str| VIRTUAL_PREFIXES.iter().any(|p| name.starts_with(p));
     let physical: Option<String> = log

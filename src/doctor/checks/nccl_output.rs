@@ -12,13 +12,13 @@ use crate::doctor::nccl_log::NcclLog;
 use crate::doctor::{Finding, Severity};
 
 /// Id of this check.
-pub const ID: &str = "nccl-output";
+pub(crate) const ID: &str = "nccl-output";
 
 /// What to do about a log without NCCL output.
-pub const HINT: &str = "capture the ranks' stderr with `NCCL_DEBUG=INFO` set (or the file `NCCL_DEBUG_FILE` names) and pass it with --nccl-log";
+pub(crate) const HINT: &str = "capture the ranks' stderr with `NCCL_DEBUG=INFO` set (or the file `NCCL_DEBUG_FILE` names) and pass it with --nccl-log";
 
 /// A warning per log without a single NCCL line.
-pub fn check(logs: &[NcclLog]) -> Vec<Finding> {
+pub(crate) fn check(logs: &[NcclLog]) -> Vec<Finding> {
     logs.iter()
         .filter(|log| log.nccl_lines == 0)
         .map(|log| Finding {

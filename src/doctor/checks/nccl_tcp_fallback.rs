@@ -13,11 +13,11 @@ use crate::doctor::{Finding, Severity, cite};
 use crate::topology::{NicKind, Topology};
 
 /// Id of this check.
-pub const ID: &str = "nccl-tcp-fallback";
+pub(crate) const ID: &str = "nccl-tcp-fallback";
 
 /// Error when sockets carry traffic and nothing shows the hosts lack RDMA (or something
 /// shows they have it); warn when NCCL reported no IB device and nothing contradicts it.
-pub fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
+pub(crate) fn check(log: &NcclLog, topology: Option<&Topology>) -> Vec<Finding> {
     let socket_channel = log
         .connections
         .iter()

@@ -15,10 +15,10 @@ use crate::doctor::nccl_log::{NcclLog, Transport};
 use crate::doctor::{Finding, Severity, cite};
 
 /// Id of this check.
-pub const ID: &str = "nccl-transport";
+pub(crate) const ID: &str = "nccl-transport";
 
 /// One `ok` finding summarising transports, plus a `warn` when SHM carries intra-node traffic.
-pub fn check(log: &NcclLog) -> Vec<Finding> {
+pub(crate) fn check(log: &NcclLog) -> Vec<Finding> {
     let mut findings = Vec::new();
     findings.extend(network_finding(log));
     if log.connections.is_empty() {
@@ -136,7 +136,7 @@ fn shm_finding(log: &NcclLog) -> Option<Finding> {
 }
 
 /// Display name of a transport.
-pub fn name(transport: &Transport) -> String {
+pub(crate) fn name(transport: &Transport) -> String {
     match transport {
         Transport::P2p(via) => via.split('/').take(2).collect::<Vec<_>>().join("/"),
         Transport::Shm => "SHM".to_string(),

@@ -11,11 +11,11 @@ use crate::doctor::nccl_log::NcclLog;
 use crate::doctor::{Finding, Severity, cite};
 
 /// Id of this check.
-pub const ID: &str = "nccl-version";
+pub(crate) const ID: &str = "nccl-version";
 
 /// An `ok` finding per log with its versions (noting minor-version compatibility), and an
 /// error when logs show different NCCL versions.
-pub fn check(logs: &[NcclLog]) -> Vec<Finding> {
+pub(crate) fn check(logs: &[NcclLog]) -> Vec<Finding> {
     let mut findings = Vec::new();
     for log in logs {
         let Some((version, cuda_build, evidence)) = &log.version else {

@@ -13,11 +13,11 @@ use crate::doctor::{Finding, Severity};
 use crate::topology::Host;
 
 /// Id of this check.
-pub const ID: &str = "nvlink-down";
+pub(crate) const ID: &str = "nvlink-down";
 
 /// An error per GPU below its peers' NVLink count; nothing when counts are unknown or
 /// no GPU has NVLink.
-pub fn check(host: &Host) -> Vec<Finding> {
+pub(crate) fn check(host: &Host) -> Vec<Finding> {
     let best = host
         .gpus
         .iter()

@@ -12,11 +12,11 @@ use crate::plan::Plan;
 use crate::topology::Host;
 
 /// Id of this check.
-pub const ID: &str = "nvml";
+pub(crate) const ID: &str = "nvml";
 
 /// A note of what NVML found; an error when `plan` places ranks on this host (by host
 /// name) and the host has fewer GPUs than the ranks need.
-pub fn check(host: &Host, plan: Option<&Plan>) -> Finding {
+pub(crate) fn check(host: &Host, plan: Option<&Plan>) -> Finding {
     let ranks_here = plan.map_or(0, |plan| {
         plan.ranks
             .iter()

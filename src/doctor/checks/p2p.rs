@@ -11,10 +11,10 @@ use crate::doctor::{Finding, Severity};
 use crate::topology::Host;
 
 /// Id of this check.
-pub const ID: &str = "p2p";
+pub(crate) const ID: &str = "p2p";
 
 /// A warning listing the pairs without P2P; nothing when the matrix is unknown.
-pub fn check(host: &Host) -> Option<Finding> {
+pub(crate) fn check(host: &Host) -> Option<Finding> {
     let p2p = host.p2p.as_ref()?;
     let blocked: Vec<String> = (0..p2p.len())
         .flat_map(|i| (i + 1..p2p.len()).map(move |j| (i, j)))

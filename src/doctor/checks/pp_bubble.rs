@@ -11,13 +11,13 @@ use crate::doctor::{Finding, Severity};
 use crate::plan::Plan;
 
 /// Id of this check.
-pub const ID: &str = "pp-bubble";
+pub(crate) const ID: &str = "pp-bubble";
 
 /// Bubble fraction above which the check warns.
-pub const MAX_BUBBLE_FRACTION: f64 = 0.30;
+pub(crate) const MAX_BUBBLE_FRACTION: f64 = 0.30;
 
 /// A warning above [`MAX_BUBBLE_FRACTION`]; nothing without PP.
-pub fn check(plan: &Plan) -> Option<Finding> {
+pub(crate) fn check(plan: &Plan) -> Option<Finding> {
     if plan.parallel.pp <= 1 {
         return None;
     }

@@ -11,10 +11,10 @@ use crate::doctor::cluster::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 use crate::topology::NicKind;
 
-pub const ID: &str = "rdma";
+pub(crate) const ID: &str = "rdma";
 
 /// An error when some hosts have HCAs and others do not.
-pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
+pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     let hcas: Vec<(String, Vec<String>)> = evidence
         .hosts
         .iter()

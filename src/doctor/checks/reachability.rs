@@ -15,10 +15,10 @@
 use crate::doctor::cluster::{Cell, ClusterEvidence};
 use crate::doctor::{Finding, Severity};
 
-pub const ID: &str = "reachability";
+pub(crate) const ID: &str = "reachability";
 
 /// One finding per failed or misrouted pair; one `ok` when every pair connects.
-pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
+pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     let Some(matrix) = &evidence.matrix else {
         return Vec::new();
     };

@@ -10,13 +10,13 @@
 use crate::doctor::{Finding, Severity};
 
 /// Id of this check.
-pub const ID: &str = "shm";
+pub(crate) const ID: &str = "shm";
 
 /// Smallest `/dev/shm` that NCCL's guidance accepts (it recommends at least 1 GiB), bytes.
-pub const MIN_SHM_BYTES: u64 = 1 << 30;
+pub(crate) const MIN_SHM_BYTES: u64 = 1 << 30;
 
 /// A finding from the capacity of `/dev/shm` in bytes (`None` when it is not mounted).
-pub fn check(shm_bytes: Option<u64>) -> Finding {
+pub(crate) fn check(shm_bytes: Option<u64>) -> Finding {
     match shm_bytes {
         None => Finding {
             check: ID,
@@ -54,7 +54,7 @@ pub fn check(shm_bytes: Option<u64>) -> Finding {
 }
 
 /// Capacity of the filesystem at `/dev/shm` in bytes, `None` when it does not exist.
-pub fn shm_capacity_bytes() -> Option<u64> {
+pub(crate) fn shm_capacity_bytes() -> Option<u64> {
     let stats = rustix::fs::statvfs("/dev/shm").ok()?;
     Some(stats.f_blocks * stats.f_frsize)
 }

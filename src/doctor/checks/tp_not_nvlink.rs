@@ -15,10 +15,10 @@ use crate::topology::render::gpu_set;
 use crate::topology::{Host, LinkCode, Topology};
 
 /// Id of this check.
-pub const ID: &str = "tp-not-nvlink";
+pub(crate) const ID: &str = "tp-not-nvlink";
 
 /// One finding per host with at least two GPUs.
-pub fn check(host: &Host) -> Option<Finding> {
+pub(crate) fn check(host: &Host) -> Option<Finding> {
     let n = host.gpus.len();
     if n < 2 {
         return None;
@@ -74,7 +74,7 @@ pub fn check(host: &Host) -> Option<Finding> {
 
 /// The plan's TP groups on the hosts of `topology` (matched by host name; a topology of
 /// one host applies to every host): a warning per group with a non-NVLink pair.
-pub fn check_plan(plan: &Plan, topology: &Topology) -> Vec<Finding> {
+pub(crate) fn check_plan(plan: &Plan, topology: &Topology) -> Vec<Finding> {
     let host_of = |name: &str| -> Option<&Host> {
         topology
             .hosts

@@ -12,13 +12,13 @@
 use crate::doctor::cluster::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 
-pub const ID: &str = "versions";
+pub(crate) const ID: &str = "versions";
 
 /// Reads one kind of version off a host.
 type VersionOf = fn(&crate::doctor::cluster::HostEvidence) -> Option<String>;
 
 /// One finding per kind of version that differs across hosts, naming each host's value.
-pub fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
+pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     let mut findings = Vec::new();
     let kinds: [(&str, VersionOf); 4] = [
         ("`infer` build", |h| {

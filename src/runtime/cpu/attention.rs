@@ -11,7 +11,7 @@ use half::f16;
 /// tinyBLAS computes a row of llama.cpp's `kq` product: element `i` is fused-multiply-added
 /// into lane `i mod 8`, the lanes summed by `hsum8`. The AVX2 and portable paths give
 /// identical results.
-pub fn dot_f16_f32(a: &[f16], b: &[f32]) -> f32 {
+pub(crate) fn dot_f16_f32(a: &[f16], b: &[f32]) -> f32 {
     assert_eq!(
         a.len(),
         b.len(),
@@ -58,7 +58,7 @@ fn assert_weights_len(weights: &[f32], heads: usize, n_positions: usize) {
 /// `out[d] = Σ_p f16(weights[p]) · values[p][d]`: attention's weighted sum of cached values,
 /// as tinyBLAS computes llama.cpp's `kqv` product over the transposed V cache: position `p`
 /// goes to lane `p mod 8` of each output's accumulator, lanes summed by `hsum8`.
-pub fn weighted_sum_f16<'a>(
+pub(crate) fn weighted_sum_f16<'a>(
     weights: &[f32],
     values: impl Iterator<Item = &'a [f16]>,
     out: &mut [f32],
@@ -89,7 +89,7 @@ pub fn weighted_sum_f16<'a>(
 /// `scores[h][p] = dot_f16_f32(keys[p], queries[h]) · scale`, with `queries` `(heads, width)`
 /// and `scores` `(heads, keys.len())`. Each converted key element serves every head; each
 /// score has exactly the bits of [`dot_f16_f32`] times `scale`.
-pub fn attention_scores(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &mut [f32]) {
+pub(crate) fn attention_scores(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &mut [f32]) {
     let n_positions = keys.len();
     let heads = scores.len() / n_positions.max(1);
     let width = queries.len() / heads.max(1);
@@ -112,7 +112,12 @@ pub fn attention_scores(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &m
 /// `out[h][d] = Σ_p f16(weights[h][p]) · values[p][d]` with `weights` `(heads, values.len())`
 /// and `out` `(heads, width)`; each converted value serves every head. Each head's result
 /// has exactly the bits of [`weighted_sum_f16`].
-pub fn weighted_sum_f16_heads(weights: &[f32], values: &[&[f16]], out: &mut [f32], heads: usize) {
+pub(crate) fn weighted_sum_f16_heads(
+    weights: &[f32],
+    values: &[&[f16]],
+    out: &mut [f32],
+    heads: usize,
+) {
     let width = out.len() / heads;
     let n_positions = values.len();
     assert_rows_width(values, width);
@@ -141,7 +146,7 @@ pub fn weighted_sum_f16_heads(weights: &[f32], values: &[&[f16]], out: &mut [f32
 
 /// Rounds every value to the nearest f16 (ties to even) and back, in place: what
 /// `f16::from_f32(v).to_f32()` gives (F16C eight at a time where the CPU has it).
-pub fn round_through_f16(values: &mut [f32]) {
+pub(crate) fn round_through_f16(values: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked).
@@ -156,7 +161,7 @@ pub fn round_through_f16(values: &mut [f32]) {
 /// Asks the cache for every line of `rows` (KV cache rows about to be read): a decode
 /// step's attention reads each sequence's cache once, from memory, in an order (lane
 /// classes, `p mod 32`) the hardware prefetcher does not follow.
-pub fn prefetch_rows(rows: &[&[f16]]) {
+pub(crate) fn prefetch_rows(rows: &[&[f16]]) {
     #[cfg(target_arch = "x86_64")]
     for row in rows {
         let bytes = row.as_ptr() as *const i8;
@@ -191,7 +196,7 @@ crate::runtime::cpu::mathfn::multiversion! {
     /// of 16, 48, 80 dimensions), the products past the last whole 32 are added after the
     /// reduction in f64, one by one, as `ggml_vec_dot_f16`'s leftover loop does.
     #[allow(clippy::needless_range_loop)]
-    pub fn attention_scores_decode(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &mut [f32]) {
+    pub(crate) fn attention_scores_decode(keys: &[&[f16]], queries: &[f32], scale: f32, scores: &mut [f32]) {
         let n_positions = keys.len();
         let heads = scores.len() / n_positions.max(1);
         let width = queries.len() / heads.max(1);
@@ -233,7 +238,7 @@ crate::runtime::cpu::mathfn::multiversion! {
     /// `reduce32`. `weights` `(heads, values.len())`, rounded to f16 here; `out`
     /// `(heads, width)`.
     #[allow(clippy::needless_range_loop)]
-    pub fn weighted_sum_f16_heads_decode(weights: &[f32], values: &[&[f16]], out: &mut [f32], heads: usize) {
+    pub(crate) fn weighted_sum_f16_heads_decode(weights: &[f32], values: &[&[f16]], out: &mut [f32], heads: usize) {
         let width = out.len() / heads;
         let n_positions = values.len();
         assert_rows_width(values, width);
@@ -289,7 +294,7 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_f16_f32(a: &[half::f16], b: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_f16_f32(a: &[half::f16], b: &[f32]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for i in (0..a.len()).step_by(8) {
             // SAFETY: the caller's contract: `a` and `b` have equal lengths, a multiple of 8, so
@@ -308,7 +313,7 @@ mod avx2 {
     /// twice as many independent FMA chains are in flight (each position's lanes and order
     /// are those of [`dot_f16_f32`]).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn attention_scores(
+    pub(super) unsafe fn attention_scores(
         keys: &[&[half::f16]],
         queries: &[f32],
         scale: f32,
@@ -365,7 +370,7 @@ mod avx2 {
     /// Rounds every value to the nearest f16 (ties to even) and back, in place: what
     /// `f16::from_f32(v).to_f32()` gives, eight at a time.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn round_through_f16(values: &mut [f32]) {
+    pub(super) unsafe fn round_through_f16(values: &mut [f32]) {
         let mut chunks = values.chunks_exact_mut(8);
         for chunk in &mut chunks {
             // SAFETY: `chunk` holds exactly eight values.
@@ -384,7 +389,7 @@ mod avx2 {
     /// registers, then the 8 lane vectors are summed in `hsum8`'s order. `LANES` lane
     /// classes advance together, so `LANES × heads` FMA chains are independent.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn weighted_sum_heads(
+    pub(super) unsafe fn weighted_sum_heads(
         weights: &[f32],
         values: &[&[half::f16]],
         out: &mut [f32],
@@ -406,7 +411,7 @@ mod avx2 {
     /// [`weighted_sum_heads`] for up to 3 heads with AVX-512 VL's 32 vector registers: all
     /// eight lane classes advance together (24 independent chains).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    pub unsafe fn weighted_sum_heads_vl(
+    pub(super) unsafe fn weighted_sum_heads_vl(
         weights: &[f32],
         values: &[&[half::f16]],
         out: &mut [f32],
@@ -488,7 +493,7 @@ mod avx2 {
     /// accumulators, and eight positions' horizontal sums are done together
     /// ([`reduce_eight`]).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn attention_scores_decode(
+    pub(super) unsafe fn attention_scores_decode(
         keys: &[&[half::f16]],
         queries: &[f32],
         scale: f32,
@@ -567,7 +572,7 @@ mod avx2 {
     /// converted once for up to [`PASS_HEADS`] heads) summed into `s[l]` as `reduce32` does,
     /// then the eight `s[l]` reduced in its order.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn weighted_sum_heads_decode(
+    pub(super) unsafe fn weighted_sum_heads_decode(
         weights: &[f32],
         values: &[&[half::f16]],
         out: &mut [f32],
@@ -635,7 +640,7 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn fma_f16_row(accumulator: &mut [f32], w: f32, v: &[half::f16]) {
+    pub(super) unsafe fn fma_f16_row(accumulator: &mut [f32], w: f32, v: &[half::f16]) {
         let weight = _mm256_set1_ps(w);
         for i in (0..v.len()).step_by(8) {
             // SAFETY: `v` and `accumulator` have the same length, a multiple of 8 (the caller's

@@ -53,7 +53,7 @@ const C1: f32 = f32::from_bits(0x3f7ffff6);
 /// underflow to subnormals and 0 (masked attention scores at −∞) and overflow to ∞ happen
 /// exactly where ggml's do.
 #[inline(always)]
-pub fn expf(x: f32) -> f32 {
+pub(crate) fn expf(x: f32) -> f32 {
     let z = x.mul_add(INV_LN2, SHIFT);
     let n = z - SHIFT;
     if n.abs() > 126.0 {
@@ -98,7 +98,7 @@ fn expf_in_range(x: f32, z: f32, n: f32) -> f32 {
 
 /// `x · sigmoid(x)` as ggml's vectorised SiLU: `x / (1 + e^−x)`.
 #[inline(always)]
-pub fn silu(x: f32) -> f32 {
+pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + expf(-x))
 }
 
@@ -130,7 +130,7 @@ fn expf8(x: [f32; 8]) -> Option<[f32; 8]> {
 multiversion! {
     /// SwiGLU in place: `gate[i] = silu(gate[i]) · up[i]` (`gate`, `up`: same length),
     /// eight at a time through a branch-free [`expf`] (the same bits as [`silu`] value by value).
-    pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    pub(crate) fn swiglu(gate: &mut [f32], up: &[f32]) {
         let mut gates = gate.chunks_exact_mut(8);
         let mut ups = up.chunks_exact(8);
         for (g, u) in (&mut gates).zip(&mut ups) {
@@ -164,7 +164,7 @@ multiversion! {
     /// accumulated in f64, then every value scaled by `(f32)(1 / sum)`. ggml's KV view is
     /// padded to a multiple of 32 cells with masked (−∞, so 0) scores, so its vector loop covers
     /// every score: a last partial group of eight here sums as if padded with zeros.
-    pub fn softmax(scores: &mut [f32]) {
+    pub(crate) fn softmax(scores: &mut [f32]) {
         let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
         let mut total = 0f64;
         for group in scores.chunks_mut(8) {

@@ -1,9 +1,9 @@
 //! The CPU backend: quantized dot products, packed rows, f16 attention, math functions,
 //! the thread team.
 
-pub mod attention;
-pub mod mathfn;
-pub mod packed;
+pub(crate) mod attention;
+pub(crate) mod mathfn;
+pub(crate) mod packed;
 pub mod quant;
-pub mod simd;
-pub mod team;
+pub(crate) mod simd;
+pub(crate) mod team;

@@ -38,17 +38,17 @@ use crate::runtime::cpu::quant::{BlockQ8, DotState, Numerics};
 use crate::runtime::formats::ggml::GgmlType;
 
 /// Rows per packed group: the lanes of one 512-bit f32 vector.
-pub const GROUP_ROWS: usize = 16;
+pub(crate) const GROUP_ROWS: usize = 16;
 
 /// Most tokens one [`Packed::continue_group`] call takes (the kernels take them two at a
 /// time with AVX-512's 32 vector registers: two tokens' 16 lane accumulators next to the
 /// unpacked weight vectors; one at a time with plain AVX2's 16).
-pub const MAX_TOKENS: usize = 16;
+pub(crate) const MAX_TOKENS: usize = 16;
 
 /// 64 bytes (four bytes of each of a group's rows), aligned for vector loads.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-pub struct Chunk(pub [u8; 64]);
+pub(crate) struct Chunk(pub [u8; 64]);
 
 impl Default for Chunk {
     fn default() -> Chunk {
@@ -59,7 +59,7 @@ impl Default for Chunk {
 /// Cache lines a kernel call asks for while it runs: `lines_per_block` lines from `from`
 /// in each block iteration, `lines` in all (a null `from`: none).
 #[derive(Clone, Copy)]
-pub struct Prefetch {
+pub(crate) struct Prefetch {
     from: *const u8,
     lines_per_block: usize,
     lines: usize,
@@ -75,7 +75,7 @@ impl Prefetch {
 
 /// The [`DotState`]s of one group of rows against one token: `[k][r]` is row `r`'s lane
 /// `k` (`k < 8`), `[8][r]` its `Q4_1` offset sum `Σ m · s`.
-pub type GroupState = [[f32; GROUP_ROWS]; 9];
+pub(crate) type GroupState = [[f32; GROUP_ROWS]; 9];
 
 /// Tokens the kernels take in one call. Exact: two with VNNI, one without (each token
 /// holds eight lane accumulators). Fast: four with VNNI, two without (one accumulator and
@@ -91,7 +91,7 @@ fn tokens_per_call(vnni: bool, numerics: Numerics) -> usize {
 }
 
 /// A matrix `(n_rows, n_blocks · 32)` of `Q4_0`, `Q4_1` or `Q8_0` in the packed layout.
-pub struct Packed {
+pub(crate) struct Packed {
     pub ty: GgmlType,
     pub n_rows: usize,
     /// 32-element blocks per row.
@@ -105,7 +105,7 @@ pub struct Packed {
 impl Packed {
     /// Packs `n_rows` rows of `ty`, row `r` given by `row(r)` (`n_blocks` blocks in the
     /// file encoding). `None` for types without an integer kernel.
-    pub fn new<'a>(
+    pub(crate) fn new<'a>(
         ty: GgmlType,
         n_rows: usize,
         n_blocks: usize,
@@ -155,13 +155,8 @@ impl Packed {
     }
 
     /// Groups of [`GROUP_ROWS`] rows (the last possibly padded).
-    pub fn n_groups(&self) -> usize {
+    pub(crate) fn n_groups(&self) -> usize {
         self.n_rows.div_ceil(GROUP_ROWS)
-    }
-
-    /// Bytes held.
-    pub fn size_bytes(&self) -> usize {
-        self.data.len() * size_of::<Chunk>()
     }
 
     /// Continues the partial sums of group `g` with up to [`MAX_TOKENS`] tokens: `states[t]`
@@ -171,7 +166,7 @@ impl Packed {
     ///
     /// Panics (a bug, not input): more than [`MAX_TOKENS`] tokens, or a token with another
     /// block count.
-    pub fn continue_group(
+    pub(crate) fn continue_group(
         &self,
         g: usize,
         x: &[&[BlockQ8]],
@@ -196,7 +191,7 @@ impl Packed {
     /// would start with a run of cache misses); past the last group it is ignored.
     ///
     /// Panics (a bug, not input): as `continue_group`.
-    pub fn product_group(
+    pub(crate) fn product_group(
         &self,
         g: usize,
         x: &[&[BlockQ8]],
@@ -333,7 +328,7 @@ impl Packed {
 /// Written as whole-vector additions in `hsum8`'s order (plain loops over the rows
 /// vectorise; the lane-by-lane closure would not).
 #[allow(clippy::needless_range_loop)]
-pub fn finish_group(state: &GroupState) -> [f32; GROUP_ROWS] {
+pub(crate) fn finish_group(state: &GroupState) -> [f32; GROUP_ROWS] {
     let mut out = [0f32; GROUP_ROWS];
     for r in 0..GROUP_ROWS {
         let l = |k: usize| state[k][r];
@@ -358,7 +353,7 @@ mod avx2 {
     /// [`GroupState`]s (tensor-parallel continuation); `Fresh` starts from zero and stores
     /// the finished dot products (`[f32; GROUP_ROWS]` per token), never touching a state in
     /// memory.
-    pub enum Io<'a> {
+    pub(super) enum Io<'a> {
         Continue(&'a mut [GroupState]),
         Fresh(&'a mut [[f32; GROUP_ROWS]]),
     }
@@ -366,7 +361,7 @@ mod avx2 {
     /// Which kernel to run: the weights' type, whether AVX-512 (F, BW, VL, VNNI) may be
     /// used, and the rounding order.
     #[derive(Clone, Copy)]
-    pub struct Kernel {
+    pub(super) struct Kernel {
         pub ty: GgmlType,
         pub vnni: bool,
         pub numerics: Numerics,
@@ -380,7 +375,7 @@ mod avx2 {
     /// Safety: AVX2, FMA and F16C are available, and AVX-512 F, BW, VL and VNNI if
     /// `kernel.vnni`; `records` holds one record per block of every `x[t]`; `io` holds
     /// `x.len()` entries, at most [`super::tokens_per_call`].
-    pub unsafe fn dispatch(
+    pub(super) unsafe fn dispatch(
         kernel: Kernel,
         records: &[Chunk],
         record_chunks: usize,

@@ -349,7 +349,7 @@ mod avx2 {
     /// [`super::quantize_row_q8`] on AVX2, the whole row in one function (no call or
     /// feature check per block): appends one block per 32 values of `x` to `out`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn quantize_row(x: &[f32], out: &mut Vec<BlockQ8>) {
+    pub(super) unsafe fn quantize_row(x: &[f32], out: &mut Vec<BlockQ8>) {
         for chunk in x.chunks_exact(QK) {
             let chunk: &[f32; QK] = chunk.try_into().expect("32 values");
             // SAFETY: `quantize_row`'s contract: the CPU has AVX2, FMA and F16C.

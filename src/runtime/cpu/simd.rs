@@ -3,7 +3,7 @@
 //! both `quant` and `mathfn`, so neither depends on the other for them.
 
 /// Whether the integer kernels may use AVX2/FMA/F16C on this CPU (detected once).
-pub fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
@@ -23,7 +23,7 @@ pub fn has_avx2() -> bool {
 
 /// Whether the integer kernels may use AVX-512 (F, BW, VL and VNNI: `vpdpbusd` on 512-bit
 /// vectors, and the 32 vector registers for 256-bit ones); `INFER_NO_VNNI` turns it off.
-pub fn has_vnni() -> bool {
+pub(crate) fn has_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
@@ -45,7 +45,7 @@ pub fn has_vnni() -> bool {
 
 /// The horizontal sum of 8 lanes in the order of the AVX2 kernels (and of llamafile's
 /// tinyBLAS): low half + high half, then lanes 0+2 and 1+3, then those two.
-pub fn hsum8(l: &[f32; 8]) -> f32 {
+pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
     let half = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
     (half[0] + half[2]) + (half[1] + half[3])
 }

@@ -34,7 +34,7 @@ use rayon::prelude::*;
 /// processes (the test suite runs several servers at once), gives them back soon: with
 /// 2 ms the integration tests took 55 s on two cores instead of 34–42 s, with 100 µs
 /// 38–43 s.
-pub const SPIN_SECS: f64 = 0.0001;
+pub(crate) const SPIN_SECS: f64 = 0.0001;
 
 /// `state`'s bit that closes a job to workers not yet in it.
 const CLOSED: usize = 1 << (usize::BITS - 1);
@@ -73,7 +73,7 @@ unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
 /// A fixed team of `threads − 1` worker threads plus the thread that runs each job.
-pub struct Team {
+pub(crate) struct Team {
     shared: Arc<Shared>,
     threads: usize,
     handles: Vec<JoinHandle<()>>,
@@ -88,7 +88,7 @@ thread_local! {
 
 impl Team {
     /// Starts `threads − 1` workers (none for one thread). Errors: the OS refuses a thread.
-    pub fn new(threads: usize) -> std::io::Result<Team> {
+    pub(crate) fn new(threads: usize) -> std::io::Result<Team> {
         let threads = threads.max(1);
         let noop: &(dyn Fn(usize) + Sync) = &|_| {};
         let shared = Arc::new(Shared {
@@ -120,12 +120,12 @@ impl Team {
     }
 
     /// Threads a job runs on (the workers and the caller).
-    pub fn threads(&self) -> usize {
+    pub(crate) fn threads(&self) -> usize {
         self.threads
     }
 
     /// Runs `f` with this team current on this thread (see the module documentation).
-    pub fn enter<T>(&self, f: impl FnOnce() -> T) -> T {
+    pub(crate) fn enter<T>(&self, f: impl FnOnce() -> T) -> T {
         struct Restore(Option<*const Team>);
         impl Drop for Restore {
             fn drop(&mut self) {
@@ -289,13 +289,13 @@ fn current() -> Option<&'static Team> {
 }
 
 /// Threads a parallel loop here runs on: the current team's, else rayon's.
-pub fn current_threads() -> usize {
+pub(crate) fn current_threads() -> usize {
     current().map_or_else(rayon::current_num_threads, Team::threads)
 }
 
 /// `f(i)` for every `i < n_tasks`, in parallel: on the current team, else on rayon. The
 /// caller must not depend on which thread runs which index.
-pub fn for_each(n_tasks: usize, f: impl Fn(usize) + Sync) {
+pub(crate) fn for_each(n_tasks: usize, f: impl Fn(usize) + Sync) {
     match current() {
         Some(team) if n_tasks > 1 && team.threads > 1 => team.run(n_tasks, &f),
         _ if n_tasks > 1 => (0..n_tasks).into_par_iter().for_each(&f),
@@ -304,7 +304,7 @@ pub fn for_each(n_tasks: usize, f: impl Fn(usize) + Sync) {
 }
 
 /// `f(i, &mut items[i])` for every item, in parallel (see [`for_each`]).
-pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
+pub(crate) fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
     for_each_chunk_mut(items, 1, |i, item| f(i, &mut item[0]));
 }
 
@@ -313,7 +313,7 @@ pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) 
 /// collecting the chunks first.
 ///
 /// Panics (a bug, not input): `chunk_len == 0`.
-pub fn for_each_chunk_mut<T: Send>(
+pub(crate) fn for_each_chunk_mut<T: Send>(
     items: &mut [T],
     chunk_len: usize,
     f: impl Fn(usize, &mut [T]) + Sync,

@@ -18,7 +18,7 @@ use super::kernels::FAMILIES;
 use super::nvrtc::Nvrtc;
 
 /// Every kernel loaded on one GPU.
-pub struct GpuRunner {
+pub(crate) struct GpuRunner {
     _context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
@@ -63,7 +63,12 @@ impl GpuRunner {
     /// GPU `ordinal`. The driver must have been opened ([`super::device::probe`]).
     ///
     /// Errors: a compilation, module or function that fails to load (the driver's error).
-    pub fn new(ordinal: usize, arch: u32, nvrtc: &Nvrtc, cache_dir: &Path) -> Result<GpuRunner> {
+    pub(crate) fn new(
+        ordinal: usize,
+        arch: u32,
+        nvrtc: &Nvrtc,
+        cache_dir: &Path,
+    ) -> Result<GpuRunner> {
         let context = CudaContext::new(ordinal)
             .map_err(|e| anyhow!("cannot create a context on GPU {ordinal}: {e:?}"))?;
         // SAFETY: one stream — the context's default stream — carries every kernel, copy,
@@ -131,7 +136,7 @@ impl GpuRunner {
     /// `(kernel, launches, milliseconds)`, the longest total first; `None` without it.
     ///
     /// Errors: the driver's (it waits for every timed launch).
-    pub fn profile(&self) -> Result<Option<Vec<(String, u64, f64)>>> {
+    pub(crate) fn profile(&self) -> Result<Option<Vec<(String, u64, f64)>>> {
         let Some(profile) = &self.profile else {
             return Ok(None);
         };
@@ -161,7 +166,7 @@ impl GpuRunner {
     ///
     /// [`GroupKind::Tp`]: crate::runtime::collectives::nccl::GroupKind::Tp
     /// [`GroupKind::Pipeline`]: crate::runtime::collectives::nccl::GroupKind::Pipeline
-    pub fn join_nccl(
+    pub(crate) fn join_nccl(
         &mut self,
         kind: crate::runtime::collectives::nccl::GroupKind,
         group: &mut dyn crate::runtime::collectives::Comm,
@@ -228,7 +233,7 @@ impl GpuRunner {
     /// [`super::backend::MAX_MATVEC_TOKENS`] tokens. Returns the line that says where those
     /// products run: a `warning: ` line, naming the pip package, when cuBLAS is missing or
     /// does not start, and the matrix-vector kernels then run every product.
-    pub fn load_cublas(
+    pub(crate) fn load_cublas(
         &mut self,
         lib_dirs: &[std::path::PathBuf],
         driver_cuda: (i32, i32),
@@ -240,12 +245,12 @@ impl GpuRunner {
 
     /// Where products over [`super::backend::MAX_MATVEC_TOKENS`] tokens run, as
     /// [`GpuRunner::load_cublas`] said ("" before it ran).
-    pub fn gemm_line(&self) -> &str {
+    pub(crate) fn gemm_line(&self) -> &str {
         &self.gemm_line
     }
 
     /// Where cuBLAS came from, once loaded.
-    pub fn cublas_found(&self) -> Option<crate::runtime::libraries::Found> {
+    pub(crate) fn cublas_found(&self) -> Option<crate::runtime::libraries::Found> {
         self.blas.as_ref().map(|(cublas, _)| cublas.found())
     }
 
@@ -418,7 +423,7 @@ impl GpuRunner {
     /// `cuMemGetInfo`.
     ///
     /// Errors: the driver's.
-    pub fn memory_used_bytes(&self) -> Result<u64> {
+    pub(crate) fn memory_used_bytes(&self) -> Result<u64> {
         // `cuMemGetInfo` reads the calling thread's current context.
         self._context
             .bind_to_thread()
@@ -580,7 +585,7 @@ impl super::backend::Device for GpuRunner {
 ///
 /// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), a
 /// kernel that does not compile or load.
-pub fn open_first(
+pub(crate) fn open_first(
     dirs: &[std::path::PathBuf],
     cache_dir: &Path,
 ) -> Result<(GpuRunner, super::device::Gpu)> {

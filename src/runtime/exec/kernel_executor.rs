@@ -35,7 +35,7 @@ pub enum KernelDevice {
 
 /// The groups of a rank's shard ([`load_executor`]); `None`: no such parallelism.
 #[derive(Default)]
-pub struct Groups {
+pub(crate) struct Groups {
     /// The TP group (members in TP rank order).
     pub tp: Option<Box<dyn Comm>>,
     /// The pipeline (members in stage order).
@@ -46,7 +46,7 @@ pub struct Groups {
 }
 
 /// What [`load_executor`] put where.
-pub struct Loaded {
+pub(crate) struct Loaded {
     pub executor: Box<dyn Executor>,
     /// The device, for messages ("cuda:0 (NVIDIA H100 80GB HBM3, sm_90)").
     pub device: String,
@@ -63,7 +63,7 @@ pub struct Loaded {
 /// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), no
 /// C++ compiler for the harness, a kernel that does not compile or load, what the backend
 /// does not run (named), device memory.
-pub fn load_executor(
+pub(crate) fn load_executor(
     device: &KernelDevice,
     model: &Llama,
     kv_cache_tokens: usize,
@@ -149,7 +149,7 @@ pub fn load_executor(
 ///
 /// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), a
 /// kernel that does not compile or load, what the backend does not run (named), GPU memory.
-pub fn load_model(
+pub(crate) fn load_model(
     dirs: &[std::path::PathBuf],
     cache_dir: &std::path::Path,
     model: &crate::runtime::model::llama::Llama,
@@ -162,7 +162,7 @@ pub fn load_model(
 /// `model` uploaded to `runner`'s GPU with a KV cache of `kv_cache_tokens` positions.
 ///
 /// Errors: what the backend does not run (named), GPU memory.
-pub fn model_on(
+pub(crate) fn model_on(
     runner: crate::runtime::cuda::gpu::GpuRunner,
     gpu: &crate::runtime::cuda::device::Gpu,
     model: &crate::runtime::model::llama::Llama,

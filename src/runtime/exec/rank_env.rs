@@ -17,29 +17,29 @@ use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::model::source::ModelSource;
 
 /// The rank's global index (torchrun's name).
-pub const RANK: &str = "RANK";
+pub(crate) const RANK: &str = "RANK";
 /// Ranks in the gang.
-pub const WORLD_SIZE: &str = "WORLD_SIZE";
+pub(crate) const WORLD_SIZE: &str = "WORLD_SIZE";
 /// The rank's index among its host's ranks.
-pub const LOCAL_RANK: &str = "LOCAL_RANK";
+pub(crate) const LOCAL_RANK: &str = "LOCAL_RANK";
 /// Ranks on the rank's host.
-pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+pub(crate) const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
 /// The store's address as the rank reaches it.
-pub const MASTER_ADDR: &str = "MASTER_ADDR";
+pub(crate) const MASTER_ADDR: &str = "MASTER_ADDR";
 /// The store's port.
-pub const MASTER_PORT: &str = "MASTER_PORT";
+pub(crate) const MASTER_PORT: &str = "MASTER_PORT";
 /// The GPUs the rank sees (empty for CPU ranks).
-pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
+pub(crate) const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 /// `PCI_BUS_ID`, so GPU numbers match `nvidia-smi`'s.
-pub const CUDA_DEVICE_ORDER: &str = "CUDA_DEVICE_ORDER";
+pub(crate) const CUDA_DEVICE_ORDER: &str = "CUDA_DEVICE_ORDER";
 /// NCCL's socket interface (`=name`: exactly that one).
-pub const NCCL_SOCKET_IFNAME: &str = "NCCL_SOCKET_IFNAME";
+pub(crate) const NCCL_SOCKET_IFNAME: &str = "NCCL_SOCKET_IFNAME";
 /// Gloo's socket interface (PyTorch's CPU collectives), the same interface.
-pub const GLOO_SOCKET_IFNAME: &str = "GLOO_SOCKET_IFNAME";
+pub(crate) const GLOO_SOCKET_IFNAME: &str = "GLOO_SOCKET_IFNAME";
 /// The HCAs NCCL may use (`=mlx5_0,mlx5_1`: exact names).
-pub const NCCL_IB_HCA: &str = "NCCL_IB_HCA";
+pub(crate) const NCCL_IB_HCA: &str = "NCCL_IB_HCA";
 /// The C++ compiler the host harness builds the kernels with.
-pub const CXX: &str = "CXX";
+pub(crate) const CXX: &str = "CXX";
 
 /// What a rank process is told by its launcher.
 #[derive(Clone, Debug, PartialEq)]
@@ -126,10 +126,10 @@ pub struct ServingEnv {
 }
 
 /// Reads variables by name: the process environment, or a map in tests.
-pub type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// The process environment as a [`Lookup`] (`None` for unset or non-UTF-8 values).
-pub fn process_env(name: &str) -> Option<String> {
+pub(crate) fn process_env(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
@@ -163,7 +163,7 @@ fn flag(lookup: Lookup, name: &str) -> bool {
 /// The run token a launcher gives its ranks ([`var::RUN_TOKEN`]).
 ///
 /// Errors: unset.
-pub fn run_token(lookup: Lookup) -> Result<String> {
+pub(crate) fn run_token(lookup: Lookup) -> Result<String> {
     required(lookup, var::RUN_TOKEN)
 }
 

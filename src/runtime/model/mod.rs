@@ -2,12 +2,12 @@
 
 pub mod chat;
 pub mod config;
-pub mod dummy;
+pub(crate) mod dummy;
 pub mod kv;
 pub mod llama;
 pub mod moe;
 pub mod safetensors;
 pub mod sampling;
-pub mod source;
+pub(crate) mod source;
 pub mod tokenizer;
 pub mod weights;
