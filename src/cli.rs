@@ -513,18 +513,8 @@ pub struct PlanSettingsArgs {
     #[arg(long, value_name = "F", default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
 
-    /// Pin the tensor-parallel degree (the plan checks it).
-    #[arg(long, visible_alias = "tensor-parallel-size", value_name = "N")]
-    pub tp: Option<u64>,
-    /// Pin the pipeline-parallel degree.
-    #[arg(long, visible_alias = "pipeline-parallel-size", value_name = "N")]
-    pub pp: Option<u64>,
-    /// Pin the expert-parallel degree (MoE models; divides tp × dp).
-    #[arg(long, value_name = "N")]
-    pub ep: Option<u64>,
-    /// Pin the data-parallel degree (replicas).
-    #[arg(long, visible_alias = "data-parallel-size", value_name = "N")]
-    pub dp: Option<u64>,
+    #[command(flatten)]
+    pub degrees: DegreeArgs,
 
     /// Prompt tokens per request of the traffic to plan for (the Pareto table's TTFT and
     /// throughput).
@@ -553,6 +543,40 @@ pub struct PlanSettingsArgs {
     /// it beats aggregated serving; the comparison is always among the reasons).
     #[arg(long)]
     pub disaggregate: bool,
+}
+
+/// The parallel degrees, as `infer plan` and `infer up` take them (vLLM's long names are
+/// aliases). `infer plan` checks and uses each degree given and chooses the others; `infer up`
+/// launches them (1 where not given) unless a plan chooses.
+#[derive(Args, Clone, Copy, Debug, Default)]
+pub struct DegreeArgs {
+    /// Tensor-parallel degree: ranks that split every layer.
+    #[arg(long, visible_alias = "tensor-parallel-size", value_name = "N")]
+    pub tp: Option<usize>,
+    /// Pipeline-parallel degree: stages of contiguous layers.
+    #[arg(long, visible_alias = "pipeline-parallel-size", value_name = "N")]
+    pub pp: Option<usize>,
+    /// Data-parallel degree: independent replicas (each `tp × pp` ranks); `infer up` puts
+    /// rank 0's router, which spreads requests by load, in front of them.
+    #[arg(long, visible_alias = "data-parallel-size", value_name = "N")]
+    pub dp: Option<usize>,
+    /// Expert-parallel degree (MoE models): ranks the experts are sharded over. It divides
+    /// `tp × dp`; `infer up`'s own engine shards them over each replica's TP group, so there
+    /// it equals `--tp`.
+    #[arg(long, value_name = "N")]
+    pub ep: Option<usize>,
+}
+
+impl DegreeArgs {
+    /// The degrees given.
+    pub fn pins(&self) -> crate::degrees::DegreePins {
+        crate::degrees::DegreePins {
+            tp: self.tp,
+            pp: self.pp,
+            dp: self.dp,
+            ep: self.ep,
+        }
+    }
 }
 
 /// `--engine`.
@@ -707,18 +731,8 @@ pub struct UpArgs {
     #[arg(long, value_name = "TOKENS", default_value_t = 65536)]
     pub kv_cache_tokens: usize,
 
-    /// Tensor-parallel degree: ranks that split every layer (default 1: no split).
-    #[arg(long, visible_alias = "tensor-parallel-size", value_name = "N")]
-    pub tp: Option<usize>,
-
-    /// Pipeline-parallel degree: stages of contiguous layers (default 1).
-    #[arg(long, visible_alias = "pipeline-parallel-size", value_name = "N")]
-    pub pp: Option<usize>,
-
-    /// Data-parallel degree: independent replicas (each `tp × pp` ranks) behind rank 0's
-    /// router, which spreads requests by load (default 1).
-    #[arg(long, visible_alias = "data-parallel-size", value_name = "N")]
-    pub dp: Option<usize>,
+    #[command(flatten)]
+    pub degrees: DegreeArgs,
 
     /// Prefill/decode disaggregation: this many replicas (each `--tp × --pp` ranks) run
     /// prompts and hand each request's KV cache to one of `--decode` replicas, which
@@ -730,11 +744,6 @@ pub struct UpArgs {
     /// Decode replicas of a disaggregated deployment (with `--prefill`).
     #[arg(long, value_name = "M", requires = "prefill")]
     pub decode: Option<usize>,
-
-    /// Expert-parallel degree for MoE models (default 1). Experts are sharded over each
-    /// replica's TP group, so it must equal `--tp`.
-    #[arg(long, value_name = "N")]
-    pub ep: Option<usize>,
 
     /// Launch the layout of a saved plan (`infer plan --json > plan.json`) instead of
     /// `--tp/--pp/--dp/--ep`.

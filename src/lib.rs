@@ -7,6 +7,7 @@
 pub mod cli;
 pub mod cluster;
 pub(crate) mod commands;
+pub mod degrees;
 pub mod doctor;
 pub(crate) mod engines;
 pub(crate) mod envvars;

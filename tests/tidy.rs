@@ -212,6 +212,10 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("commands", &["*"]),
 ];
 
+/// Modules every layer may use, which use nothing of the crate: the names of the
+/// environment variables, the parallel degrees.
+const LEAVES: &[&str] = &["envvars", "degrees"];
+
 /// The unit a module path (`runtime::cuda::gpu`, without `crate::`) belongs to.
 fn unit_of(segments: &[&str]) -> String {
     const RUNTIME_PARTS: [&str; 8] = [
@@ -226,7 +230,7 @@ fn unit_of(segments: &[&str]) -> String {
     ];
     match segments {
         ["runtime", part, ..] if RUNTIME_PARTS.contains(part) => format!("runtime/{part}"),
-        [first, ..] if *first == "envvars" || LAYERS.iter().any(|(unit, _)| unit == first) => {
+        [first, ..] if LEAVES.contains(first) || LAYERS.iter().any(|(unit, _)| unit == first) => {
             first.to_string()
         }
         // Anything else after `crate::` is an item of the crate root.
@@ -351,7 +355,15 @@ fn the_layers_only_import_downwards() {
             module.push(stem);
         }
         let unit = unit_of(&module);
-        if unit == "envvars" {
+        if LEAVES.contains(&unit.as_str()) {
+            let text = fs::read_to_string(&path).expect("readable source");
+            for imported in crate_paths(&code_of(&text)) {
+                offenders.push(format!(
+                    "src/{}: `{unit}` is a leaf but imports `crate::{}`",
+                    relative.display(),
+                    imported.join("::")
+                ));
+            }
             continue;
         }
         units_seen.insert(unit.clone());
@@ -366,9 +378,9 @@ fn the_layers_only_import_downwards() {
         for imported in crate_paths(&code_of(&text)) {
             let segments: Vec<&str> = imported.iter().map(String::as_str).collect();
             let target = unit_of(&segments);
-            // The crate root serves only the commands; `envvars` (names of environment
-            // variables, no code) every layer.
-            let root_ok = (target == "lib" && unit == "commands") || target == "envvars";
+            // The crate root serves only the commands; the leaves every layer.
+            let root_ok =
+                (target == "lib" && unit == "commands") || LEAVES.contains(&target.as_str());
             if target != unit
                 && !root_ok
                 && !allowed.contains(&"*")

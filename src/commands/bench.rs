@@ -586,10 +586,10 @@ fn allreduce_cluster(
     printer: &Printer,
 ) -> Result<ExitStatus> {
     let spec = crate::launch::LaunchSpec {
-        tp: 1,
-        pp: args.world,
-        dp: 1,
-        ep: 1,
+        degrees: crate::degrees::Degrees {
+            pp: args.world,
+            ..crate::degrees::Degrees::ONE
+        },
         model: None,
         threads_per_rank: 1,
         numerics: crate::runtime::cpu::quant::Numerics::Exact,

@@ -258,10 +258,11 @@ fn rank_launch_spec(
         (threads, _) => threads,
     };
     crate::launch::LaunchSpec {
-        tp: args.tp,
-        pp: args.pp,
-        dp: 1,
-        ep: 1,
+        degrees: crate::degrees::Degrees {
+            tp: args.tp,
+            pp: args.pp,
+            ..crate::degrees::Degrees::ONE
+        },
         model: Some(source.clone()),
         threads_per_rank,
         numerics: args.numerics.into(),

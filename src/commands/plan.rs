@@ -177,12 +177,7 @@ pub(crate) fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
     {
         bail!("--kv-dtype must be bf16, fp16 or fp8, got `{kv}`");
     }
-    for (flag, value) in [
-        ("--tp", args.tp),
-        ("--pp", args.pp),
-        ("--ep", args.ep),
-        ("--dp", args.dp),
-    ] {
+    for (flag, value) in args.degrees.pins().named() {
         if value == Some(0) {
             bail!("{flag} must be at least 1");
         }
@@ -216,10 +211,7 @@ pub(crate) fn settings(args: &PlanSettingsArgs) -> Result<Settings> {
         kv_dtype,
         max_model_len_tokens: args.max_model_len,
         gpu_memory_utilization: args.gpu_memory_utilization,
-        tp: args.tp,
-        pp: args.pp,
-        ep: args.ep,
-        dp: args.dp,
+        pins: args.degrees.pins(),
         workload: crate::plan::sla::Workload {
             isl_tokens: args.isl,
             osl_tokens: args.osl,

@@ -14,10 +14,7 @@ pub(crate) fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
     let config = RankConfig {
         rank: env.rank as u64,
         world_size: env.world_size as u64,
-        tp: env.tp,
-        pp: env.pp,
-        dp: env.dp,
-        ep: env.ep,
+        degrees: env.degrees,
         store_address: env.store.to_string(),
         token: token.clone(),
         model: env.model.clone(),

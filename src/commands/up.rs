@@ -147,13 +147,13 @@ fn up_settings(
         max_model_len: args.max_model_len,
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         model: source,
-        tp: args.tp,
-        pp: args.pp,
-        dp: pd_prefill
-            .map(|(prefill, decode)| prefill + decode)
-            .or(args.dp),
+        pins: crate::degrees::DegreePins {
+            dp: pd_prefill
+                .map(|(prefill, decode)| prefill + decode)
+                .or(args.degrees.dp),
+            ..args.degrees.pins()
+        },
         pd_prefill: pd_prefill.map(|(prefill, _)| prefill),
-        ep: args.ep,
         plan: args.plan.clone(),
         cluster: args.cluster.clone(),
         host: args.host.clone(),
@@ -347,10 +347,7 @@ fn run_engine(
         port: args.port,
         dist_port: args.dist_port,
         engine_bin: args.engine_bin.clone(),
-        tp: args.tp.map(|n| n as u64),
-        pp: args.pp.map(|n| n as u64),
-        dp: args.dp.map(|n| n as u64),
-        ep: args.ep.map(|n| n as u64),
+        pins: args.degrees.pins(),
         pd,
         max_model_len_tokens: args.max_model_len.map(|n| n as u64),
         ssh: crate::launch::ssh::SshOptions {

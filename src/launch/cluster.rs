@@ -12,6 +12,7 @@ use super::remote::{Preflight, RemoteCluster};
 use super::ssh::SshOptions;
 use super::{Gang, LaunchSpec, Placement, Progress, StoreLocation};
 use crate::cluster::InventoryEntry;
+use crate::degrees::Degrees;
 use crate::runtime::exec::engine::Generation;
 use crate::runtime::exec::rank_env::HostEnv;
 use crate::runtime::exec::worker::Job;
@@ -85,7 +86,7 @@ pub(crate) fn start(
     spec.check_layout()?;
     let entries = crate::cluster::launch_inventory(&options.inventory)?;
     check_host_names(&entries, &options.inventory)?;
-    let rank_hosts = place(&entries, spec.tp, spec.pp, spec.dp)?;
+    let rank_hosts = place(&entries, spec.degrees)?;
     let targets = ssh_targets(&entries)?;
     let remote = RemoteCluster::connect(
         &targets,
@@ -266,13 +267,9 @@ fn device_ranks_gpus(
 /// order, consecutive groups together, so PP stages and DP replicas cross hosts.
 ///
 /// Errors: a TP group larger than every host, or more ranks than slots (naming both).
-pub(crate) fn place(
-    entries: &[InventoryEntry],
-    tp: usize,
-    pp: usize,
-    dp: usize,
-) -> Result<Vec<usize>> {
-    let world = tp * pp * dp;
+pub(crate) fn place(entries: &[InventoryEntry], degrees: Degrees) -> Result<Vec<usize>> {
+    let Degrees { tp, pp, dp, .. } = degrees;
+    let world = degrees.world_size();
     let n_groups = pp * dp;
     let capacity: Vec<usize> = entries.iter().map(|e| e.slots / tp).collect();
     let total: usize = capacity.iter().sum();
@@ -323,6 +320,11 @@ fn place_greedy(capacity: &[usize], tp: usize, n_groups: usize) -> Result<Vec<us
 mod tests {
     use super::*;
 
+    /// Degrees `tp × pp × dp`, no EP.
+    fn d(tp: usize, pp: usize, dp: usize) -> Degrees {
+        Degrees { tp, pp, dp, ep: 1 }
+    }
+
     fn entry(name: &str, slots: usize) -> InventoryEntry {
         InventoryEntry {
             name: name.into(),
@@ -341,17 +343,23 @@ mod tests {
     #[test]
     fn tp_groups_stay_inside_hosts_and_spread_over_them() {
         let two = [entry("a", 2), entry("b", 2)];
-        assert_eq!(place(&two, 1, 2, 1).expect("pp 2"), vec![0, 1]);
-        assert_eq!(place(&two, 2, 2, 1).expect("tp 2 pp 2"), vec![0, 0, 1, 1]);
-        assert_eq!(place(&two, 1, 1, 2).expect("dp 2"), vec![0, 1]);
-        assert_eq!(place(&two, 1, 4, 1).expect("pp 4"), vec![0, 0, 1, 1]);
-        let error = place(&two, 3, 1, 1).expect_err("tp 3 fits no host");
+        assert_eq!(place(&two, d(1, 2, 1)).expect("pp 2"), vec![0, 1]);
+        assert_eq!(
+            place(&two, d(2, 2, 1)).expect("tp 2 pp 2"),
+            vec![0, 0, 1, 1]
+        );
+        assert_eq!(place(&two, d(1, 1, 2)).expect("dp 2"), vec![0, 1]);
+        assert_eq!(place(&two, d(1, 4, 1)).expect("pp 4"), vec![0, 0, 1, 1]);
+        let error = place(&two, d(3, 1, 1)).expect_err("tp 3 fits no host");
         assert!(error.to_string().contains("`a` 2, `b` 2"), "{error}");
         let uneven = [entry("a", 4), entry("b", 1)];
         assert_eq!(
-            place(&uneven, 2, 2, 1).expect("both groups on a"),
+            place(&uneven, d(2, 2, 1)).expect("both groups on a"),
             vec![0, 0, 0, 0]
         );
-        assert_eq!(place(&uneven, 1, 5, 1).expect("fills"), vec![0, 0, 0, 0, 1]);
+        assert_eq!(
+            place(&uneven, d(1, 5, 1)).expect("fills"),
+            vec![0, 0, 0, 0, 1]
+        );
     }
 }

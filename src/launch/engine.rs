@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 
 use super::Progress;
 use super::events::UpEvent;
+use crate::degrees::{DegreePins, Degrees};
 use crate::engines::{self, EngineKind, EngineLaunch, EnginePorts, EngineRequest, NodeNet};
 
 /// Writes one executable run script per node into `dir` (created if needed) and
@@ -54,10 +55,7 @@ pub(crate) struct EngineUpSettings {
     /// Where the engine's programs are on every host (a venv's `bin/`); `None`: `PATH`.
     pub engine_bin: Option<PathBuf>,
     /// Pinned degrees; unpinned: TP over each host's GPUs, PP over the hosts.
-    pub tp: Option<u64>,
-    pub pp: Option<u64>,
-    pub dp: Option<u64>,
-    pub ep: Option<u64>,
+    pub pins: DegreePins,
     /// Prefill/decode disaggregation (vLLM, SGLang): this many prefill and decode workers,
     /// each one engine server of `tp × pp` GPUs, behind the engine's router in PD mode.
     pub pd: Option<(usize, usize)>,
@@ -723,17 +721,15 @@ fn engine_layout(settings: &EngineUpSettings, nodes: &mut [NodeNet]) -> Result<E
             settings.engine
         );
     }
-    let per_host = nodes.iter().map(|n| n.gpus_on_host).min().unwrap_or(0) as u64;
-    let n_hosts = nodes.len() as u64;
+    let per_host = nodes.iter().map(|n| n.gpus_on_host).min().unwrap_or(0);
+    let n_hosts = nodes.len();
     // Disaggregated: each worker is `--tp × --pp` GPUs (1 × 1 unless given), placed by
     // `disagg::generate` on the hosts' GPUs in order.
     let pd = settings.pd.map(|(prefill, decode)| {
-        let worker = crate::plan::Parallel {
-            tp: settings.tp.unwrap_or(1),
-            pp: settings.pp.unwrap_or(1),
+        let worker = crate::plan::Parallel::from(Degrees {
             dp: 1,
-            ep: settings.ep.unwrap_or(1),
-        };
+            ..settings.pins.or_one()
+        });
         engines::disagg::PdLayout {
             prefill: worker,
             prefill_workers: prefill,
@@ -741,27 +737,28 @@ fn engine_layout(settings: &EngineUpSettings, nodes: &mut [NodeNet]) -> Result<E
             decode_workers: decode,
         }
     });
-    let parallel = crate::plan::Parallel {
+    let degrees = Degrees {
         tp: settings
+            .pins
             .tp
             .unwrap_or(if settings.engine == EngineKind::Llamacpp {
                 1
             } else {
                 per_host.max(1)
             }),
-        pp: settings.pp.unwrap_or(n_hosts),
-        dp: settings.dp.unwrap_or(1),
-        ep: settings.ep.unwrap_or(1),
+        pp: settings.pins.pp.unwrap_or(n_hosts),
+        ..settings.pins.or_one()
     };
+    let parallel = crate::plan::Parallel::from(degrees);
     if gpu && pd.is_none() {
-        let per_node = (parallel.world_size() / n_hosts.max(1)) as usize;
-        if !parallel.world_size().is_multiple_of(n_hosts) || per_node as u64 > per_host {
+        let per_node = degrees.world_size() / n_hosts.max(1);
+        if !degrees.world_size().is_multiple_of(n_hosts) || per_node > per_host {
             bail!(
                 "the layout (TP {} × PP {} × DP {} = {} GPUs) does not split evenly over {} host(s) of {} GPUs",
-                parallel.tp,
-                parallel.pp,
-                parallel.dp,
-                parallel.world_size(),
+                degrees.tp,
+                degrees.pp,
+                degrees.dp,
+                degrees.world_size(),
                 n_hosts,
                 per_host
             );

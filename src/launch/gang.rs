@@ -67,7 +67,7 @@ pub struct Gang {
 }
 
 impl Gang {
-    /// Starts `spec.dp × spec.pp × spec.tp` rank processes with `job`, all or none: when one fails to
+    /// Starts `dp × pp × tp` rank processes with `job`, all or none: when one fails to
     /// start, those already started are stopped.
     ///
     /// Errors: the store, the run directory or a rank process cannot start.
@@ -94,7 +94,7 @@ impl Gang {
         store: StoreLocation,
         token: &str,
     ) -> Result<Gang> {
-        let world = spec.dp * spec.tp * spec.pp;
+        let world = spec.degrees.world_size();
         Gang::start_part(spawner, spec, job, store, token, 0..world)
     }
 
@@ -113,7 +113,7 @@ impl Gang {
         part: std::ops::Range<usize>,
     ) -> Result<Gang> {
         spec.check_layout()?;
-        let world = spec.dp * spec.tp * spec.pp;
+        let world = spec.degrees.world_size();
         if part.is_empty() || part.end > world {
             bail!("ranks {part:?} are not part of a world of {world}");
         }
@@ -250,10 +250,10 @@ impl Gang {
             })
             .collect();
         let mut manifest = serde_json::json!({
-            "tp": spec.tp,
-            "pp": spec.pp,
-            "dp": spec.dp,
-            "ep": spec.ep,
+            "tp": spec.degrees.tp,
+            "pp": spec.degrees.pp,
+            "dp": spec.degrees.dp,
+            "ep": spec.degrees.ep,
             "layout_from": spec.layout_from,
             "world_size": self.world_size,
             "model": spec.model,

@@ -13,6 +13,7 @@ use anyhow::{Context, Result, bail};
 
 use super::events::{UpEvent, watch_signals};
 use super::{Gang, LaunchSpec, Progress};
+use crate::degrees::{DegreePins, Degrees};
 use crate::model;
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::rank_env::{HostEnv, ServingEnv};
@@ -33,10 +34,7 @@ pub(crate) struct UpSettings {
     /// (`--shutdown-timeout`).
     pub shutdown_timeout: Duration,
     /// Pinned degrees (`--tp/--pp/--dp/--ep`).
-    pub tp: Option<usize>,
-    pub pp: Option<usize>,
-    pub dp: Option<usize>,
-    pub ep: Option<usize>,
+    pub pins: DegreePins,
     /// A saved plan (`infer plan --json`).
     pub plan: Option<PathBuf>,
     /// `--cluster`: `local`, a shorthand, or an inventory file.
@@ -163,9 +161,9 @@ pub(crate) fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Resu
             "--nnodes {} does not divide the world of {} ranks (dp {} × pp {} × tp {}): every node runs the same number of ranks",
             node.nnodes,
             layout.world_size(),
-            layout.dp,
-            layout.pp,
-            layout.tp
+            layout.degrees.dp,
+            layout.degrees.pp,
+            layout.degrees.tp
         );
     }
     // Only node 0 serves HTTP (rank 0 runs there).
@@ -217,10 +215,7 @@ fn inventory(settings: &UpSettings) -> Option<PathBuf> {
 /// The parallel layout to launch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Layout {
-    tp: usize,
-    pp: usize,
-    dp: usize,
-    ep: usize,
+    degrees: Degrees,
     /// Where it came from: the flags, a plan file, or a plan for a cluster.
     from: String,
     /// Prefill/decode disaggregation: the first this many of the `dp` replicas prefill,
@@ -233,7 +228,7 @@ struct Layout {
 
 impl Layout {
     fn world_size(&self) -> usize {
-        self.dp * self.pp * self.tp
+        self.degrees.world_size()
     }
 }
 
@@ -244,8 +239,7 @@ impl Layout {
 /// 1 or `--tp`.
 fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<Layout> {
     let args = settings;
-    let explicit = [args.tp, args.pp, args.dp, args.ep];
-    let pinned = explicit.iter().any(Option::is_some);
+    let pinned = args.pins.any();
     if let Some(cluster) = &settings.cluster
         && (cluster.ends_with(".toml") || cluster.contains('/'))
         && !std::path::Path::new(cluster).is_file()
@@ -263,10 +257,10 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         let entries = crate::cluster::launch_inventory(file)?;
         if entries.iter().all(|e| e.cpu) {
             Layout {
-                tp: 1,
-                pp: 1,
-                dp: entries.len(),
-                ep: 1,
+                degrees: Degrees {
+                    dp: entries.len(),
+                    ..Degrees::ONE
+                },
                 from: format!("one replica per host of `{}`", file.display()),
                 pd_prefill: None,
                 gpus: None,
@@ -276,18 +270,12 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
             let cluster =
                 crate::cluster::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
             match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
-                crate::plan::Outcome::Feasible(plan) => {
-                    let p = &plan.parallel;
-                    Layout {
-                        tp: p.tp as usize,
-                        pp: p.pp as usize,
-                        dp: p.dp as usize,
-                        ep: p.ep as usize,
-                        from: format!("the plan for `{}`", file.display()),
-                        pd_prefill: None,
-                        gpus: None,
-                    }
-                }
+                crate::plan::Outcome::Feasible(plan) => Layout {
+                    degrees: plan.parallel.degrees(),
+                    from: format!("the plan for `{}`", file.display()),
+                    pd_prefill: None,
+                    gpus: None,
+                },
                 crate::plan::Outcome::Infeasible(infeasible) => bail!(
                     "no layout fits the model on this cluster:\n{}",
                     crate::plan::render::render_infeasible(&infeasible, false)
@@ -318,10 +306,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         }
     } else {
         Layout {
-            tp: args.tp.unwrap_or(1),
-            pp: args.pp.unwrap_or(1),
-            dp: args.dp.unwrap_or(1),
-            ep: args.ep.unwrap_or(1),
+            degrees: args.pins.or_one(),
             from: match &inventory {
                 Some(file) => format!("the --tp/--pp/--dp/--ep flags on `{}`", file.display()),
                 None => "the --tp/--pp/--dp/--ep flags".into(),
@@ -330,14 +315,14 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
             gpus: None,
         }
     };
-    if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.ep == 0 {
+    if layout.degrees.check().is_err() {
         bail!("--tp, --pp, --dp and --ep must be at least 1");
     }
-    if layout.ep > 1 && layout.ep != layout.tp {
+    if layout.degrees.ep > 1 && layout.degrees.ep != layout.degrees.tp {
         bail!(
             "--ep {} must be 1 or equal --tp ({}): `infer up` shards experts over each replica's TP group",
-            layout.ep,
-            layout.tp
+            layout.degrees.ep,
+            layout.degrees.tp
         );
     }
     Ok(layout)
@@ -372,10 +357,10 @@ fn layout_of(
             .one_shape()
             .with_context(|| format!("{what} disaggregates"))?;
         let layout = Layout {
-            tp: a.tp as usize,
-            pp: a.pp as usize,
-            dp: (d.prefill_workers + d.decode_workers) as usize,
-            ep: a.ep as usize,
+            degrees: Degrees {
+                dp: (d.prefill_workers + d.decode_workers) as usize,
+                ..a.degrees()
+            },
             from: format!("{what} (disaggregated)"),
             pd_prefill: Some(d.prefill_workers as usize),
             gpus: None,
@@ -384,19 +369,15 @@ fn layout_of(
             "{what}: disaggregated, {} prefill + {} decode replicas of tp {} × pp {} (ep {}), {} ranks; running them as CPU ranks on this host",
             d.prefill_workers,
             d.decode_workers,
-            layout.tp,
-            layout.pp,
-            layout.ep,
+            layout.degrees.tp,
+            layout.degrees.pp,
+            layout.degrees.ep,
             layout.world_size()
         )));
         return Ok(layout);
     }
-    let p = &plan.parallel;
     let layout = Layout {
-        tp: p.tp as usize,
-        pp: p.pp as usize,
-        dp: p.dp as usize,
-        ep: p.ep as usize,
+        degrees: plan.parallel.degrees(),
         from: what.to_string(),
         pd_prefill: None,
         gpus: {
@@ -412,10 +393,10 @@ fn layout_of(
     };
     events(UpEvent::Note(format!(
         "{what}: tp {} × pp {} × dp {} (ep {}), {} ranks; running them on this host",
-        layout.tp,
-        layout.pp,
-        layout.dp,
-        layout.ep,
+        layout.degrees.tp,
+        layout.degrees.pp,
+        layout.degrees.dp,
+        layout.degrees.ep,
         layout.world_size()
     )));
     Ok(layout)
@@ -496,7 +477,10 @@ fn launch(
     events(UpEvent::Ready {
         address,
         world_size: world,
-        layout: format!("dp {} × pp {} × tp {}", layout.dp, layout.pp, layout.tp),
+        layout: format!(
+            "dp {} × pp {} × tp {}",
+            layout.degrees.dp, layout.degrees.pp, layout.degrees.tp
+        ),
         ready_secs: started.elapsed().as_secs_f64(),
     });
     if let Some(node) = settings.node.as_ref().filter(|n| n.node_rank > 0) {
@@ -535,10 +519,7 @@ fn rank_spec(
         max_model_len: settings.max_model_len,
     };
     LaunchSpec {
-        tp: layout.tp,
-        pp: layout.pp,
-        dp: layout.dp,
-        ep: layout.ep,
+        degrees: layout.degrees,
         model: Some(settings.model.clone()),
         threads_per_rank: match (settings.threads, on_cluster) {
             (0, false) => {

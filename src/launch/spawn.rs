@@ -149,10 +149,7 @@ pub(super) fn spawn_rank(
         local_rank,
         local_world_size: local_world,
         store,
-        tp: spec.tp,
-        pp: spec.pp,
-        dp: spec.dp,
-        ep: spec.ep,
+        degrees: spec.degrees,
         threads: placement
             .and_then(|p| p.threads)
             .unwrap_or(spec.threads_per_rank),

@@ -5,10 +5,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::{Result, bail};
+
+use crate::degrees::Degrees;
 use crate::envvars;
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::rank_env::{HostEnv, ServingEnv};
-use anyhow::{Result, bail};
 
 /// Environment variables whose values `manifest.json` never shows: our run token and API
 /// key, and the credentials a rank may inherit from the usual tools (Hugging Face, OpenAI,
@@ -25,12 +27,9 @@ pub const SECRET_ENV: &[&str] = &[
 /// What to launch.
 #[derive(Clone, Debug)]
 pub struct LaunchSpec {
-    pub tp: usize,
-    pub pp: usize,
-    /// Data-parallel replicas (world size `dp × pp × tp`).
-    pub dp: usize,
-    /// Expert parallelism: 1, or `tp` (experts sharded over each TP group).
-    pub ep: usize,
+    /// The layout: world size `dp × pp × tp`; `ep` is 1, or `tp` (experts sharded over each
+    /// TP group).
+    pub degrees: Degrees,
     /// The weights every rank loads (a GGUF file, or random weights every rank generates
     /// alike); `None`: a gang of collectives only, no model (it runs [`crate::runtime::exec::worker::Job::AllReduce`] and
     /// nothing else).
@@ -98,15 +97,8 @@ impl LaunchSpec {
     /// Errors: a degree of 0, an unreadable GGUF header, a layout the model cannot take
     /// (the message lists the TP degrees that work).
     pub fn check_layout(&self) -> Result<()> {
-        if self.tp == 0 || self.pp == 0 || self.dp == 0 || self.ep == 0 {
-            bail!(
-                "every degree must be at least 1 (tp {}, pp {}, dp {}, ep {})",
-                self.tp,
-                self.pp,
-                self.dp,
-                self.ep
-            );
-        }
+        self.degrees.check()?;
+        let Degrees { tp, pp, ep, .. } = self.degrees;
         let model = match &self.model {
             None => return Ok(()),
             Some(crate::runtime::model::source::ModelSource::Dummy(dummy)) => {
@@ -119,7 +111,7 @@ impl LaunchSpec {
                     intermediate_size: config.intermediate_size,
                     n_experts: 0,
                 }
-                .check(self.tp, self.pp, self.ep);
+                .check(tp, pp, ep);
             }
             Some(crate::runtime::model::source::ModelSource::File(path)) => path,
         };
@@ -134,8 +126,7 @@ impl LaunchSpec {
             || model.display().to_string(),
             |n| n.to_string_lossy().into_owned(),
         );
-        crate::runtime::model::llama::LayoutLimits::from_header(&header, &name)?
-            .check(self.tp, self.pp, self.ep)
+        crate::runtime::model::llama::LayoutLimits::from_header(&header, &name)?.check(tp, pp, ep)
     }
 }
 

@@ -494,10 +494,10 @@ fn allreduce_probe(
         })
         .collect();
     let spec = LaunchSpec {
-        tp: 1,
-        pp: names.len(),
-        dp: 1,
-        ep: 1,
+        degrees: crate::degrees::Degrees {
+            pp: names.len(),
+            ..crate::degrees::Degrees::ONE
+        },
         model: None,
         threads_per_rank: 1,
         numerics: crate::runtime::cpu::quant::Numerics::Exact,

@@ -27,6 +27,7 @@ use layout::{Groups, RankPlacement};
 use memory::{StageMemory, gib};
 use model::{Dtype, ModelSpec};
 
+use crate::degrees::{DegreePins, Degrees};
 use crate::topology::LinkCode;
 
 /// What to optimise.
@@ -55,10 +56,7 @@ pub struct Settings {
     /// Fraction of GPU memory the engine may use (vLLM's default 0.9).
     pub gpu_memory_utilization: f64,
     /// Pinned degrees: the plan uses exactly these and checks them.
-    pub tp: Option<u64>,
-    pub pp: Option<u64>,
-    pub ep: Option<u64>,
-    pub dp: Option<u64>,
+    pub pins: DegreePins,
     /// The traffic (`--isl/--osl`) and latency targets (`--ttft-ms/--tpot-ms`).
     pub workload: sla::Workload,
     /// Show the disaggregated (prefill/decode) deployment even when aggregated serving wins.
@@ -73,10 +71,7 @@ impl Default for Settings {
             kv_dtype: None,
             max_model_len_tokens: None,
             gpu_memory_utilization: 0.9,
-            tp: None,
-            pp: None,
-            ep: None,
-            dp: None,
+            pins: DegreePins::default(),
             workload: sla::Workload::default(),
             disaggregate: false,
         }
@@ -93,7 +88,28 @@ pub struct Parallel {
     pub dp: u64,
 }
 
+impl From<Degrees> for Parallel {
+    fn from(d: Degrees) -> Parallel {
+        Parallel {
+            tp: d.tp as u64,
+            pp: d.pp as u64,
+            ep: d.ep as u64,
+            dp: d.dp as u64,
+        }
+    }
+}
+
 impl Parallel {
+    /// The same degrees as the launcher and the ranks take them.
+    pub fn degrees(&self) -> Degrees {
+        Degrees {
+            tp: self.tp as usize,
+            pp: self.pp as usize,
+            ep: self.ep as usize,
+            dp: self.dp as usize,
+        }
+    }
+
     /// Ranks (GPUs) the layout uses.
     pub fn world_size(&self) -> u64 {
         self.tp * self.pp * self.dp
@@ -248,10 +264,7 @@ fn right_size(
         return plan;
     }
     let pinned = Settings {
-        tp: Some(p.tp),
-        pp: Some(p.pp),
-        ep: Some(p.ep),
-        dp: Some(dp),
+        pins: Parallel { dp, ..p }.degrees().pins(),
         max_model_len_tokens: Some(plan.max_model_len),
         workload: sla::Workload {
             requests_per_sec: None,
@@ -406,7 +419,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         .into_iter()
         .map(|parallel| evaluate(&run, parallel))
         .collect();
-    let pinned_pp = settings.pp.is_some();
+    let pinned_pp = settings.pins.pp.is_some();
     let fits_without_pp = candidates
         .iter()
         .any(|c| c.parallel.pp == 1 && c.verdict.is_ok());
@@ -500,7 +513,7 @@ fn rank<'c>(
     settings: &Settings,
     fits_without_pp: bool,
 ) -> Vec<&'c Candidate> {
-    let pinned_pp = settings.pp.is_some();
+    let pinned_pp = settings.pins.pp.is_some();
     let mut ranked: Vec<&Candidate> = candidates
         .iter()
         .filter(|c| c.verdict.is_ok() && (c.parallel.pp == 1 || !fits_without_pp || pinned_pp))
@@ -943,24 +956,25 @@ fn missed_targets(
 fn enumerate(spec: &ModelSpec, n_gpus: u64, settings: &Settings) -> Vec<Parallel> {
     let divisors = |n: u64| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
-    let tps: Vec<u64> = match settings.tp {
+    let pin = |degree: Option<usize>| degree.map(|d| d as u64);
+    let tps: Vec<u64> = match pin(settings.pins.tp) {
         Some(tp) => vec![tp],
         None => divisors(n_gpus).collect(),
     };
     for tp in tps {
-        let pps: Vec<u64> = match settings.pp {
+        let pps: Vec<u64> = match pin(settings.pins.pp) {
             Some(pp) => vec![pp],
             None => divisors(n_gpus / tp.max(1))
                 .filter(|&pp| pp <= spec.n_layers)
                 .collect(),
         };
         for pp in pps {
-            let dp = match settings.dp {
+            let dp = match pin(settings.pins.dp) {
                 Some(dp) => dp,
                 None if tp * pp == 0 || !n_gpus.is_multiple_of(tp * pp) => continue,
                 None => n_gpus / (tp * pp),
             };
-            let eps: Vec<u64> = match (settings.ep, &spec.moe) {
+            let eps: Vec<u64> = match (pin(settings.pins.ep), &spec.moe) {
                 (Some(ep), _) => vec![ep],
                 (None, Some(_)) if tp * dp > 1 => vec![1, tp * dp],
                 _ => vec![1],
@@ -1078,11 +1092,11 @@ fn check_layout(
     let Parallel { tp, ep, .. } = parallel;
     let (settings, cluster) = (run.settings, run.cluster);
     match layout.tp_worst_link {
-        None if settings.tp.is_some() => warnings.push(format!(
+        None if settings.pins.tp.is_some() => warnings.push(format!(
             "TP{tp} groups span hosts: every layer's all-reduce crosses the network (keep TP inside a node, PP across)"
         )),
         None => return Err(format!("TP{tp} would span hosts ({} GPUs per host): TP stays inside a node", cluster.min_gpus_per_host())),
-        Some(LinkCode::Sys) if settings.tp.is_some() => warnings.push(format!(
+        Some(LinkCode::Sys) if settings.pins.tp.is_some() => warnings.push(format!(
             "TP{tp} groups cross the CPU interconnect (SYS): all-reduces run at a fraction of PCIe speed"
         )),
         Some(LinkCode::Sys) => return Err(format!("TP{tp} groups would cross the CPU interconnect (SYS path between GPUs)")),
@@ -1254,15 +1268,14 @@ fn decision(run: &Run<'_>, candidates: &[Candidate]) -> String {
         .find(|c| c.verdict.is_ok())
         .map(|c| c.parallel.ep);
     let one_node = fits(&|p| p.pp == 1);
-    let pinned: Vec<String> = [
-        ("tp", settings.tp),
-        ("pp", settings.pp),
-        ("dp", settings.dp),
-        ("ep", settings.ep),
-    ]
-    .iter()
-    .filter_map(|(flag, value)| value.map(|v| format!("{} {v} (--{flag})", flag.to_uppercase())))
-    .collect();
+    let pinned: Vec<String> = settings
+        .pins
+        .named()
+        .iter()
+        .filter_map(|(flag, value)| {
+            value.map(|v| format!("{} {v} ({flag})", flag[2..].to_uppercase()))
+        })
+        .collect();
     if !pinned.is_empty() {
         // The candidates are only the pinned layouts: what fits elsewhere is unknown here.
         format!(

@@ -159,7 +159,7 @@ pub fn serve_driver(
         },
         None => Limits::for_this_host(serving.max_batch),
     };
-    let dp = env.dp;
+    let dp = env.degrees.dp;
     let replica = driver.replica_index();
     let timeout = driver.timeout();
     if replica > 0 {

@@ -196,10 +196,10 @@ impl infer::launch::Spawner for ExitingSpawner {
 #[test]
 fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
     let spec = infer::launch::LaunchSpec {
-        tp: 2,
-        pp: 1,
-        dp: 1,
-        ep: 1,
+        degrees: infer::degrees::Degrees {
+            tp: 2,
+            ..infer::degrees::Degrees::ONE
+        },
         // The spawner starts nothing real: no model to check.
         model: None,
         threads_per_rank: 1,

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
+use crate::degrees::Degrees;
 use crate::envvars as var;
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::model::source::ModelSource;
@@ -52,11 +53,8 @@ pub struct RankEnv {
     pub local_world_size: usize,
     /// The rendezvous store, as this rank reaches it.
     pub store: SocketAddr,
-    pub tp: usize,
-    pub pp: usize,
-    pub dp: usize,
-    /// 1, or `tp` (experts sharded over each TP group).
-    pub ep: usize,
+    /// The layout; `ep` is 1, or `tp` (experts sharded over each TP group).
+    pub degrees: Degrees,
     pub threads: usize,
     pub numerics: Numerics,
     /// Timeout of every collective and store wait (whole seconds on the wire).
@@ -179,10 +177,10 @@ impl RankEnv {
             (LOCAL_WORLD_SIZE, self.local_world_size.to_string()),
             (MASTER_ADDR, self.store.ip().to_string()),
             (MASTER_PORT, self.store.port().to_string()),
-            (var::TP, self.tp.to_string()),
-            (var::PP, self.pp.to_string()),
-            (var::DP, self.dp.to_string()),
-            (var::EP, self.ep.to_string()),
+            (var::TP, self.degrees.tp.to_string()),
+            (var::PP, self.degrees.pp.to_string()),
+            (var::DP, self.degrees.dp.to_string()),
+            (var::EP, self.degrees.ep.to_string()),
             (var::THREADS, self.threads.to_string()),
             (var::NUMERICS, self.numerics.name().to_string()),
             (var::TIMEOUT_SECS, self.timeout.as_secs().to_string()),
@@ -276,10 +274,12 @@ impl RankEnv {
             local_rank: number(lookup, LOCAL_RANK)?,
             local_world_size: number(lookup, LOCAL_WORLD_SIZE)?,
             store,
-            tp: number(lookup, var::TP)?,
-            pp: number(lookup, var::PP)?,
-            dp: optional_number(lookup, var::DP)?.unwrap_or(1),
-            ep: optional_number(lookup, var::EP)?.unwrap_or(1),
+            degrees: Degrees {
+                tp: number(lookup, var::TP)?,
+                pp: number(lookup, var::PP)?,
+                dp: optional_number(lookup, var::DP)?.unwrap_or(1),
+                ep: optional_number(lookup, var::EP)?.unwrap_or(1),
+            },
             threads: number(lookup, var::THREADS)?,
             numerics,
             timeout: Duration::from_secs(number(lookup, var::TIMEOUT_SECS)?),
@@ -403,10 +403,12 @@ mod tests {
             local_rank: 1,
             local_world_size: 4,
             store: "10.0.0.1:29500".parse().expect("address"),
-            tp: 2,
-            pp: 2,
-            dp: 2,
-            ep: 2,
+            degrees: Degrees {
+                tp: 2,
+                pp: 2,
+                dp: 2,
+                ep: 2,
+            },
             threads: 3,
             numerics: Numerics::Fast,
             timeout: Duration::from_secs(60),

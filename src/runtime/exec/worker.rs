@@ -14,6 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::degrees::Degrees;
 use crate::rendezvous::StoreClient;
 use crate::runtime::collectives::shm::ShmComm;
 use crate::runtime::collectives::{Comm, TcpComm};
@@ -35,14 +36,10 @@ use crate::runtime::model::tokenizer::Tokenizer;
 pub struct RankConfig {
     pub rank: u64,
     pub world_size: u64,
-    pub tp: usize,
-    pub pp: usize,
-    /// Data-parallel replicas: `world_size = dp × pp × tp`, ranks ordered DP, PP, TP
-    /// (TP fastest), as vLLM orders them.
-    pub dp: usize,
-    /// Expert parallelism: 1, or `tp` (each replica's MoE experts sharded over its TP group,
-    /// tokens exchanged with all-to-all).
-    pub ep: usize,
+    /// The layout: `world_size = dp × pp × tp`, ranks ordered DP, PP, TP (TP fastest), as
+    /// vLLM orders them; `ep` is 1, or `tp` (each replica's MoE experts sharded over its TP
+    /// group, tokens exchanged with all-to-all).
+    pub degrees: Degrees,
     /// `MASTER_ADDR:MASTER_PORT`.
     pub store_address: String,
     pub token: String,
@@ -165,7 +162,7 @@ pub fn run_rank(
     log(&format!(
         "dp rank {}/{}, tp rank {}/{}, pp rank {}/{}: layers {}..{}, {:.1} MiB of weights, loaded and connected in {:.2} s{}",
         member.dp_rank,
-        config.dp,
+        config.degrees.dp,
         info.tp_rank,
         info.tp,
         member.pp_rank,
@@ -423,7 +420,7 @@ fn load_shard(
     at: &Position,
     pool: &rayon::ThreadPool,
 ) -> Result<(Llama, Tokenizer)> {
-    let (tp, pp, global_rank) = (config.tp, config.pp, at.global_rank);
+    let (tp, pp, global_rank) = (config.degrees.tp, config.degrees.pp, at.global_rank);
     let (whole, tokenizer) = match model {
         crate::runtime::model::source::ModelSource::File(path) => {
             let file = Arc::new(GgufFile::open(path)?);
@@ -441,7 +438,7 @@ fn load_shard(
         .with_context(|| format!("rank {global_rank}: building its shard"))?;
     shard.set_kv_capacity(config.kv_cache_tokens);
     shard.kv_pool().set_prefix_cache(config.prefix_cache);
-    match config.ep {
+    match config.degrees.ep {
         1 => {}
         ep if ep == tp => shard
             .shard_experts(at.tp_rank, tp)
@@ -464,7 +461,7 @@ fn load_shard(
 ///
 /// Errors: a peer that does not join within the timeout, the store.
 fn connect_groups(config: &RankConfig, store: &mut StoreClient, at: &Position) -> Result<Groups> {
-    let (tp, pp, base, dp_rank) = (config.tp, config.pp, at.base, at.dp_rank);
+    let (tp, pp, base, dp_rank) = (config.degrees.tp, config.degrees.pp, at.base, at.dp_rank);
     let tp_members: Vec<u64> = (0..tp)
         .map(|t| base + (at.pp_rank * tp + t) as u64)
         .collect();
@@ -478,7 +475,7 @@ fn connect_groups(config: &RankConfig, store: &mut StoreClient, at: &Position) -
         pp: connect(&format!("dp{dp_rank}/pp/{}", at.tp_rank), &pp_members)?,
         replica: connect(&format!("dp{dp_rank}/replica"), &all)?,
         // The CPU engine's MoE all-to-all; device ranks sum over the TP group instead.
-        ep: if config.ep > 1 && config.device.is_none() {
+        ep: if config.degrees.ep > 1 && config.device.is_none() {
             Some(connect(
                 &format!("dp{dp_rank}/ep/{}", at.pp_rank),
                 &tp_members,
@@ -502,7 +499,7 @@ fn device_executor(
     comms: (&mut Option<ShmComm>, &mut Option<ShmComm>),
     global_rank: usize,
 ) -> Result<(Box<dyn Executor>, Vec<String>)> {
-    let (tp, pp) = (config.tp, config.pp);
+    let (tp, pp) = (config.degrees.tp, config.degrees.pp);
     let groups = crate::runtime::exec::kernel_executor::Groups {
         tp: comms
             .0
@@ -536,7 +533,7 @@ fn device_executor(
     )];
     lines.extend(loaded.notes);
     if let Some(moe) = shard.layers.iter().find_map(|l| l.moe.as_ref())
-        && config.ep > 1
+        && config.degrees.ep > 1
     {
         let held: Vec<usize> = (0..moe.experts.len())
             .filter(|&e| moe.experts[e].is_some())
@@ -557,7 +554,7 @@ fn device_executor(
 ///
 /// Errors: the inbox cannot bind; a peer that does not publish within the timeout.
 fn pd_link(config: &RankConfig, store: &mut StoreClient, at: &Position) -> Result<PdLink> {
-    let (tp, pp, rank, dp_rank) = (config.tp, config.pp, at.rank, at.dp_rank);
+    let (tp, pp, rank, dp_rank) = (config.degrees.tp, config.degrees.pp, at.rank, at.dp_rank);
     // Decode ranks publish their inbox before prefill ranks wait for them.
     Ok(match config.pd_prefill_replicas {
         None => PdLink::None,
@@ -573,7 +570,7 @@ fn pd_link(config: &RankConfig, store: &mut StoreClient, at: &Position) -> Resul
             let mut peers = HashMap::new();
             let mut outbox = Outbox::new(&config.token)?;
             let mut local = Vec::new();
-            for decode in prefill..config.dp {
+            for decode in prefill..config.degrees.dp {
                 let address = store.get(&format!("pd/{decode}/{rank}"), config.timeout)?;
                 let address = String::from_utf8_lossy(&address).into_owned();
                 // The launcher's placement says which decode ranks share this host: their
@@ -612,7 +609,7 @@ impl Position {
     ///
     /// Errors: `WORLD_SIZE` is not `dp × pp × tp`.
     fn of(config: &RankConfig) -> Result<Position> {
-        let (tp, pp, dp) = (config.tp, config.pp, config.dp);
+        let (tp, pp, dp) = (config.degrees.tp, config.degrees.pp, config.degrees.dp);
         let global_rank = config.rank as usize;
         if dp * tp * pp != config.world_size as usize {
             bail!(
@@ -677,9 +674,9 @@ impl Member {
                 rank: at.rank,
                 global_rank: at.global_rank,
                 dp_rank: at.dp_rank,
-                tp: config.tp,
+                tp: config.degrees.tp,
                 pp_rank: at.pp_rank,
-                pp: config.pp,
+                pp: config.degrees.pp,
                 shard,
                 tp_comm,
                 device,
