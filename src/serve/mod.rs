@@ -8,6 +8,7 @@
 //! `metrics`, server-sent events and logprobs in `stream`.
 
 mod api;
+pub(crate) mod bench;
 mod errors;
 pub mod http;
 mod metrics;
