@@ -8,7 +8,8 @@ use infer::plan::model::Dtype;
 use infer::topology::{LinkCode, Nic, NicKind, Topology};
 use serde_json::Value;
 
-use crate::{run, shared_fixture, stdout_ok};
+use crate::support::fixtures::shared_fixture;
+use crate::support::process::{infer, run, stdout_ok};
 
 /// Runs `infer plan --json` with `args`; returns the exit code and the JSON.
 fn plan_json(args: &[&str]) -> (i32, Value) {
@@ -631,7 +632,7 @@ fn bad_plan_input_exits_2_with_a_clear_error() {
     }
     // A bad cluster fails before the default model is fetched into an empty cache.
     let cache = tempfile::tempdir().expect("tempdir");
-    let output = crate::infer()
+    let output = infer()
         .env("INFER_CACHE_DIR", cache.path())
         .args(["plan", "--cluster", "nothere.toml"])
         .output()

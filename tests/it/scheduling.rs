@@ -15,6 +15,8 @@ use infer::runtime::model::sampling::SamplingParams;
 use infer::runtime::model::tokenizer::Tokenizer;
 use infer::serve::scheduler::{Event, Limits, Request, Scheduler};
 
+use crate::support::model::{QUESTIONS, SYSTEM};
+
 /// A fresh SmolLM2 engine (2 threads) with a KV pool of `capacity_tokens`, leaked so an
 /// executor can borrow it for the scheduler thread's lifetime.
 fn engine(capacity_tokens: Option<usize>) -> &'static Engine {
@@ -148,24 +150,6 @@ fn chat(engine: &Engine, messages: &[(&str, &str)]) -> Vec<u32> {
     let text = engine.chat_prompt(&messages).expect("template");
     engine.tokenizer.encode(&text, false).expect("encode")
 }
-
-/// A system prompt of several KV blocks, shared by the prefix-cache tests.
-pub const SYSTEM: &str = "You are a careful assistant for a team that runs inference on racks of GPU \
-servers. Answer in one short sentence, name units, and never invent numbers you were not given. \
-When a question is about bandwidth, remember that HBM is faster than NVLink, which is faster than \
-PCIe, InfiniBand and Ethernet, in that order.";
-
-/// Questions asked after [`SYSTEM`].
-pub const QUESTIONS: [&str; 8] = [
-    "What is a KV cache?",
-    "Why does tensor parallelism need a fast link?",
-    "What does TTFT measure?",
-    "Name one way to reduce decode latency.",
-    "What is prefill?",
-    "Is Ethernet faster than NVLink?",
-    "What is a rank?",
-    "What does an all-reduce do?",
-];
 
 #[test]
 fn chunked_prefill_gives_the_tokens_of_whole_prompts_with_decodes_first_and_steps_within_budget() {
