@@ -53,6 +53,28 @@ pub fn stdout_ok(output: &Output) -> String {
     String::from_utf8(output.stdout.clone()).expect("stdout is UTF-8")
 }
 
+/// One run for a snapshot: `$ infer ARGS`, its exit code, and its stdout and stderr (each
+/// only when not empty), with every `redact` (text, placeholder) pair replaced.
+pub fn transcript_of(args: &[&str], output: &Output, redact: &[(&str, &str)]) -> String {
+    let mut text = format!(
+        "$ infer {}\nexit {}\n",
+        args.join(" "),
+        output
+            .status
+            .code()
+            .map_or("by a signal".to_string(), |c| c.to_string())
+    );
+    for (name, bytes) in [("stdout", &output.stdout), ("stderr", &output.stderr)] {
+        if !bytes.is_empty() {
+            text.push_str(&format!("{name}:\n{}", String::from_utf8_lossy(bytes)));
+        }
+    }
+    for (from, to) in redact {
+        text = text.replace(from, to);
+    }
+    text
+}
+
 /// The run's `manifest.json`, from the launcher's "…manifest.json in DIR" line in `stderr`.
 pub fn run_manifest(stderr: &str) -> Value {
     let dir = stderr
