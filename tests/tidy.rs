@@ -1,7 +1,8 @@
 //! Tidy checks over the source tree (after rust-analyzer's `tidy.rs`): every Rust file
 //! opens with a `//!` module doc saying what it owns, `src/` holds no `todo!()` stubs, and
 //! every document a comment in `src/` cites by a bare name (`ARCHITECTURE.md`) is in the
-//! repository.
+//! repository, and the integration tests' modules share helpers only through
+//! `tests/it/support/`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -264,6 +265,12 @@ fn code_of(text: &str) -> String {
 /// Every path a `use crate::…` names (braces expanded) and every inline `crate::…` path,
 /// as module segments after `crate::`.
 fn crate_paths(code: &str) -> Vec<Vec<String>> {
+    rooted_paths(code, "crate")
+}
+
+/// Every path a `use ROOT::…` names (braces expanded) and every inline `ROOT::…` path, as
+/// module segments after `ROOT::` (`root` is `crate` or `super`).
+fn rooted_paths(code: &str, root: &str) -> Vec<Vec<String>> {
     fn expand(tree: &str, prefix: &str, out: &mut Vec<String>) {
         let tree = tree.trim();
         let Some(open) = tree.find('{') else {
@@ -296,18 +303,19 @@ fn crate_paths(code: &str) -> Vec<Vec<String>> {
             .filter(|s| !s.is_empty())
             .collect()
     };
+    let (statement, prefix) = (format!("use {root}::"), format!("{root}::"));
     let mut paths = Vec::new();
     let mut rest = code.to_string();
     // `use crate::…;` statements, which may span lines and nest braces.
-    while let Some(at) = rest.find("use crate::") {
+    while let Some(at) = rest.find(&statement) {
         let end = rest[at..].find(';').map_or(rest.len(), |e| at + e);
         let mut expanded = Vec::new();
-        expand(&rest[at + "use crate::".len()..end], "", &mut expanded);
+        expand(&rest[at + statement.len()..end], "", &mut expanded);
         paths.extend(expanded.iter().map(|p| segments(p)));
         rest.replace_range(at..end, "");
     }
     // Inline paths: `crate::a::b::Item`.
-    for (at, _) in rest.match_indices("crate::") {
+    for (at, _) in rest.match_indices(&prefix) {
         if rest[..at]
             .chars()
             .next_back()
@@ -315,7 +323,7 @@ fn crate_paths(code: &str) -> Vec<Vec<String>> {
         {
             continue;
         }
-        let path: String = rest[at + "crate::".len()..]
+        let path: String = rest[at + prefix.len()..]
             .chars()
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
             .collect();
@@ -433,8 +441,71 @@ fn the_layer_parser_expands_use_trees_and_inline_paths() {
     );
     assert_eq!(unit_of(&["runtime", "cuda", "gpu"]), "runtime/cuda");
     assert_eq!(unit_of(&["ExitStatus"]), "lib");
+    let relative: Vec<String> = rooted_paths(
+        "use super::{run, stdout_ok};\nfn f() { super::cluster::TestCluster::start(2, 1); }\n",
+        "super",
+    )
+    .into_iter()
+    .map(|p| p.join("::"))
+    .collect();
+    assert_eq!(
+        relative,
+        ["run", "stdout_ok", "cluster::TestCluster::start"]
+    );
     let without_tests = code_of("use crate::a;\n#[cfg(test)]\nmod tests {\n use crate::b;\n}\n");
     assert!(!without_tests.contains("crate::b"), "{without_tests}");
+}
+
+/// The integration tests' modules never import each other: what two of them share lives in
+/// `tests/it/support/`. In `tests/it/*.rs` (but `main.rs`), a `crate::X` or `super::X` path
+/// (in a `use` tree or inline) whose `X` is another test module fails here.
+#[test]
+fn test_modules_import_only_support() {
+    let it = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it");
+    let mut modules = Vec::new();
+    let mut files = Vec::new();
+    for entry in fs::read_dir(&it).unwrap_or_else(|e| panic!("cannot list `{}`: {e}", it.display()))
+    {
+        let path = entry.expect("directory entry").path();
+        let name = path
+            .file_stem()
+            .and_then(|n| n.to_str())
+            .expect("a UTF-8 name")
+            .to_string();
+        if path.is_dir() {
+            modules.push(name);
+        } else if path.extension().is_some_and(|e| e == "rs") && name != "main" {
+            modules.push(name.clone());
+            files.push((name, path));
+        }
+    }
+    modules.retain(|m| m != "support" && m != "snapshots");
+    assert!(files.len() > 5, "found too few test modules: {files:?}");
+    let mut offenders = Vec::new();
+    for (own, path) in &files {
+        let text = fs::read_to_string(path).expect("readable source");
+        let code = code_of(&text);
+        for root in ["crate", "super"] {
+            for imported in rooted_paths(&code, root) {
+                let Some(first) = imported.first() else {
+                    continue;
+                };
+                if first != own && modules.contains(first) {
+                    offenders.push(format!(
+                        "tests/it/{own}.rs: `{root}::{}` imports the test module `{first}`",
+                        imported.join("::")
+                    ));
+                }
+            }
+        }
+    }
+    offenders.sort();
+    offenders.dedup();
+    assert!(
+        offenders.is_empty(),
+        "test modules importing each other (move what they share to tests/it/support/):\n{}",
+        offenders.join("\n")
+    );
 }
 
 /// The launcher→rank contract and every other `INFER_*` variable are named once: no code in

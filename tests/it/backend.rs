@@ -14,6 +14,9 @@ use infer::runtime::model::moe::{Expert, MoeFfn};
 use infer::runtime::model::sampling::argmax;
 use infer::runtime::model::weights::Weight;
 
+use crate::support::runtime::{Transport, host, with_group};
+use crate::support::synthetic::{Shape, tokenizer_metadata, weights, write_gguf_with};
+
 /// Deterministic values in [−scale, scale) (xorshift; the seed names the tensor).
 fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -308,7 +311,7 @@ fn agree_with_cpu_on<B: Backend>(
 fn a_synthetic_llama_through_the_host_harness_kernels_gives_the_cpu_engines_tokens() {
     // The CUDA kernels on the host harness: 8-bit activations (Q8_1) in the products, the
     // cache in f16 — NMSE well under 1e-3 against the CPU engine's llama.cpp numerics.
-    let harness = crate::cuda::host();
+    let harness = host();
     let model = synthetic(None, RopeStyle::Interleaved);
     let error = agree_with_cpu(KernelBackend::new(harness), &model, 4, 1e-3);
     assert!(error > 0.0, "the NMSE is measured, not assumed");
@@ -342,7 +345,7 @@ fn a_synthetic_moe_through_the_host_harness_kernels_gives_the_cpu_engines_tokens
     // 2.8e-3, about the same with the experts' own products kept off the GEMM, so it is
     // the routing, not the experts' GEMMs (which `cuda::batches_over_…` checks).
     agree_with_cpu_on(
-        KernelBackend::new(crate::cuda::host()),
+        KernelBackend::new(host()),
         &model,
         &[3, 17, 42, 5, 79, 0, 23],
         &[60, 2, 2, 31, 8],
@@ -442,7 +445,7 @@ fn two_device_pipeline_stages_give_the_whole_models_logits() {
         last.release(&mut fresh);
     }
     check(&|| CpuBackend);
-    check(&|| KernelBackend::new(crate::cuda::host()));
+    check(&|| KernelBackend::new(host()));
 }
 
 #[test]
@@ -472,7 +475,7 @@ fn the_cpu_engines_decode_step_equals_the_prompt_run_whole_with_16_dimension_hea
 /// A servable synthetic model (f32 weights, a tokenizer of single characters) written into
 /// `dir` and loaded: what `infer generate --device cuda` and `infer up --device cuda` run.
 fn servable_engine(dir: &std::path::Path) -> infer::runtime::exec::engine::Engine {
-    let shape = crate::synthetic::Shape {
+    let shape = Shape {
         hidden: 64,
         intermediate: 96,
         n_layers: 2,
@@ -482,13 +485,8 @@ fn servable_engine(dir: &std::path::Path) -> infer::runtime::exec::engine::Engin
         qkv_bias: false,
     };
     let path = dir.join("servable.gguf");
-    let weights = crate::synthetic::weights(&shape, 7);
-    crate::synthetic::write_gguf_with(
-        &path,
-        &shape,
-        &weights,
-        &crate::synthetic::tokenizer_metadata(shape.vocab),
-    );
+    let weights = weights(&shape, 7);
+    write_gguf_with(&path, &shape, &weights, &tokenizer_metadata(shape.vocab));
     infer::runtime::exec::engine::Engine::load(&path, 1, Default::default())
         .unwrap_or_else(|e| panic!("{e:#}"))
 }
@@ -506,7 +504,7 @@ fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines
         ..SamplingParams::default()
     };
     let cpu = engine.generate(&prompt, &params, &mut |_| {}).expect("cpu");
-    let model = BackendModel::new(KernelBackend::new(crate::cuda::host()), &engine.model, 64)
+    let model = BackendModel::new(KernelBackend::new(host()), &engine.model, 64)
         .unwrap_or_else(|e| panic!("{e:#}"));
     let mut executor = BackendExecutor::new(model, engine.tokenizer.clone());
     let mut streamed = String::new();
@@ -548,12 +546,8 @@ fn the_device_prefix_cache_reuses_blocks_and_gives_the_uncached_tokens() {
         ..SamplingParams::default()
     };
     let executor = |kv_tokens: usize, cached: bool| {
-        let model = BackendModel::new(
-            KernelBackend::new(crate::cuda::host()),
-            &engine.model,
-            kv_tokens,
-        )
-        .unwrap_or_else(|e| panic!("{e:#}"));
+        let model = BackendModel::new(KernelBackend::new(host()), &engine.model, kv_tokens)
+            .unwrap_or_else(|e| panic!("{e:#}"));
         let executor = BackendExecutor::new(model, engine.tokenizer.clone());
         executor.kv_pool().set_prefix_cache(cached);
         executor
@@ -654,7 +648,7 @@ fn kv_exported_by_one_device_executor_lets_another_decode_the_same_tokens() {
         ..SamplingParams::default()
     };
     let executor = || {
-        let model = BackendModel::new(KernelBackend::new(crate::cuda::host()), &engine.model, 256)
+        let model = BackendModel::new(KernelBackend::new(host()), &engine.model, 256)
             .unwrap_or_else(|e| panic!("{e:#}"));
         BackendExecutor::new(model, engine.tokenizer.clone())
     };
@@ -765,7 +759,7 @@ fn kv_exported_by_one_device_executor_lets_another_decode_the_same_tokens() {
 fn the_decode_benchmark_on_the_harness_measures_and_gives_every_block_back() {
     use infer::runtime::exec::forward::bench_decode;
     let model = synthetic(None, RopeStyle::Interleaved);
-    let mut device = BackendModel::new(KernelBackend::new(crate::cuda::host()), &model, 64)
+    let mut device = BackendModel::new(KernelBackend::new(host()), &model, 64)
         .unwrap_or_else(|e| panic!("{e:#}"));
     let speed =
         bench_decode(&mut device, &[3, 17, 42, 5, 79], 3, 2).unwrap_or_else(|e| panic!("{e:#}"));
@@ -786,7 +780,6 @@ fn the_decode_benchmark_on_the_harness_measures_and_gives_every_block_back() {
 
 #[test]
 fn tp_2_shards_on_the_harness_sum_over_the_fallback_collectives_to_the_cpu_engines_logits() {
-    use crate::collectives::{Transport, with_group};
     // `infer smoke`'s "TP 2 on one GPU through the fallback collectives", with the harness
     // standing in for the GPU: each rank a Megatron shard (half the heads, half the MLP),
     // its output and down projections summed over real TCP sockets and shared memory.
@@ -810,7 +803,7 @@ fn tp_2_shards_on_the_harness_sum_over_the_fallback_collectives_to_the_cpu_engin
     for transport in [Transport::Tcp, Transport::Shm] {
         let per_rank = with_group(2, transport, |comm| {
             let shard = model.shard(comm.rank(), 2, 0, 2).expect("a TP 2 shard");
-            let mut device = BackendModel::new(KernelBackend::new(crate::cuda::host()), &shard, 64)
+            let mut device = BackendModel::new(KernelBackend::new(host()), &shard, 64)
                 .unwrap_or_else(|e| panic!("{e:#}"));
             // Without its group the shard refuses to run (it would give half sums).
             let error = device

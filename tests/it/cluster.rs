@@ -1,255 +1,21 @@
-//! Multi-host runs over SSH on a real test cluster built by the tests themselves: network
-//! namespaces ("hosts"), each with its own OpenSSH `sshd` (and its own mount namespace, so
-//! a file may be missing on a host), joined by a management and a data bridge, with
-//! different NIC names per host (`scripts/test-cluster.sh`). The launcher runs in the root
-//! namespace, which is on the management network only.
+//! Multi-host runs over SSH on a real test cluster built by the tests themselves
+//! ([`TestCluster`]: network namespaces ("hosts"), each with its own OpenSSH `sshd`, joined
+//! by a management and a data bridge, with different NIC names per host). The launcher runs
+//! in the root namespace, which is on the management network only.
 //!
 //! These need root, `ip`, `unshare` and `sshd`: in CI (`CI` set) or with
 //! `INFER_TEST_HARDWARE=1` a missing one fails the test; elsewhere the test returns early.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::distributed::alive;
-use crate::infer;
-
-/// One host of a test cluster.
-pub struct TestHost {
-    pub name: String,
-    pub namespace: String,
-    pub management: String,
-    pub data: String,
-    pub data_nic: String,
-}
-
-/// A test cluster; dropping it stops every sshd and deletes the namespaces and bridges.
-pub struct TestCluster {
-    id: String,
-    pub dir: PathBuf,
-    _temp: tempfile::TempDir,
-    pub hosts: Vec<TestHost>,
-    pub inventory: PathBuf,
-}
-
-static CLUSTERS: AtomicU32 = AtomicU32::new(0);
-
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/test-cluster.sh")
-}
-
-/// Why this machine cannot build a test cluster, if it cannot.
-fn missing_requirement() -> Option<String> {
-    if !rustix::process::geteuid().is_root() {
-        return Some("the test cluster needs root (network namespaces, sshd)".into());
-    }
-    for tool in ["/usr/sbin/sshd", "/usr/bin/ssh-keygen"] {
-        if !Path::new(tool).exists() {
-            return Some(format!(
-                "`{tool}` is missing: `apt-get install openssh-server openssh-client`"
-            ));
-        }
-    }
-    for tool in ["ip", "unshare"] {
-        let found = Command::new(tool).arg("--version").output().is_ok();
-        if !found {
-            return Some(format!(
-                "`{tool}` is missing: `apt-get install iproute2 util-linux`"
-            ));
-        }
-    }
-    None
-}
-
-impl TestCluster {
-    /// Builds a cluster of `n_hosts` hosts with `cpu_ranks` slots each; `None` (the test
-    /// returns) where that cannot be done outside CI.
-    pub fn start(n_hosts: usize, cpu_ranks: usize) -> Option<TestCluster> {
-        TestCluster::start_with(n_hosts, cpu_ranks, None)
-    }
-
-    /// [`TestCluster::start`] whose hosts answer `uname -m` with `fake_arch` when given.
-    pub fn start_with(
-        n_hosts: usize,
-        cpu_ranks: usize,
-        fake_arch: Option<&str>,
-    ) -> Option<TestCluster> {
-        TestCluster::start_full(n_hosts, cpu_ranks, fake_arch, None)
-    }
-
-    /// [`TestCluster::start_with`] where host `low_nofile_host`'s sshd runs with
-    /// `ulimit -n 1024`.
-    pub fn start_full(
-        n_hosts: usize,
-        cpu_ranks: usize,
-        fake_arch: Option<&str>,
-        low_nofile_host: Option<usize>,
-    ) -> Option<TestCluster> {
-        TestCluster::start_faulty(n_hosts, cpu_ranks, fake_arch, low_nofile_host, None)
-    }
-
-    /// [`TestCluster::start_full`] where `fake_nccl` = (host, library file) becomes that
-    /// host's `/usr/local/lib/libnccl.so.2`.
-    pub fn start_faulty(
-        n_hosts: usize,
-        cpu_ranks: usize,
-        fake_arch: Option<&str>,
-        low_nofile_host: Option<usize>,
-        fake_nccl: Option<(usize, &Path)>,
-    ) -> Option<TestCluster> {
-        if let Some(why) = missing_requirement() {
-            let required = std::env::var_os("CI").is_some()
-                || std::env::var("INFER_TEST_HARDWARE").is_ok_and(|v| v == "1");
-            assert!(!required, "cannot build the SSH test cluster: {why}");
-            return None;
-        }
-        let serial = CLUSTERS.fetch_add(1, Ordering::SeqCst);
-        let id = format!("{:03x}{serial}", std::process::id() & 0xfff);
-        let octet = 20 + (std::process::id() * 13 + serial * 7) % 200;
-        let temp = tempfile::Builder::new()
-            .prefix("infer-cluster-")
-            .tempdir()
-            .expect("temp dir");
-        let dir = temp.path().to_path_buf();
-        let output = Command::new("bash")
-            .arg(script())
-            .args(["up", &id, &n_hosts.to_string()])
-            .arg(&dir)
-            .env("OCTET", octet.to_string())
-            .env("FAKE_ARCH", fake_arch.unwrap_or(""))
-            .env(
-                "LOW_NOFILE_HOST",
-                low_nofile_host.map_or("none".to_string(), |h| h.to_string()),
-            )
-            .env(
-                "FAKE_NCCL_HOST",
-                fake_nccl.map_or("none".to_string(), |(h, _)| h.to_string()),
-            )
-            .env(
-                "FAKE_NCCL_LIB",
-                fake_nccl.map_or(PathBuf::new(), |(_, lib)| lib.to_path_buf()),
-            )
-            .output()
-            .expect("run scripts/test-cluster.sh");
-        let mut cluster = TestCluster {
-            id,
-            dir: dir.clone(),
-            _temp: temp,
-            hosts: Vec::new(),
-            inventory: dir.join("hosts.toml"),
-        };
-        assert!(
-            output.status.success(),
-            "test-cluster.sh up failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let listing = std::fs::read_to_string(dir.join("hosts.txt")).expect("hosts.txt");
-        for line in listing.lines() {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            cluster.hosts.push(TestHost {
-                name: fields[0].into(),
-                namespace: fields[1].into(),
-                management: fields[2].into(),
-                data: fields[3].into(),
-                data_nic: fields[5].into(),
-            });
-        }
-        if cpu_ranks != 2 {
-            let text = std::fs::read_to_string(&cluster.inventory).expect("inventory");
-            std::fs::write(
-                &cluster.inventory,
-                text.replace("cpu-ranks = 2", &format!("cpu-ranks = {cpu_ranks}")),
-            )
-            .expect("inventory");
-        }
-        // Wait until every sshd listens.
-        for host in &cluster.hosts {
-            let address: std::net::SocketAddr =
-                format!("{}:22", host.management).parse().expect("address");
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while std::net::TcpStream::connect_timeout(&address, Duration::from_millis(200))
-                .is_err()
-            {
-                assert!(
-                    Instant::now() < deadline,
-                    "sshd on {} never listened",
-                    host.name
-                );
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-        Some(cluster)
-    }
-
-    /// Adds (`-A`) or deletes (`-D`) an iptables rule in host `host`'s namespace that sends
-    /// incoming TCP to `port` to `target` (`DROP`, `REJECT --reject-with tcp-reset`, …).
-    pub fn port_rule(&self, host: usize, port: &str, action: &str, target: &[&str]) {
-        let status = Command::new("ip")
-            .args(["netns", "exec", &self.hosts[host].namespace, "iptables"])
-            .args([action, "INPUT", "-p", "tcp", "--dport", port, "-j"])
-            .args(target)
-            .status()
-            .expect("iptables (apt-get install iptables)");
-        assert!(status.success(), "iptables {action} {target:?}");
-    }
-
-    /// Trusts every host's key in the inventory's `known_hosts`, as a user would have.
-    pub fn trust_hosts(&self) {
-        let listing = std::fs::read_to_string(self.dir.join("hosts.txt")).expect("hosts.txt");
-        let mut known = String::new();
-        for line in listing.lines() {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            known.push_str(&format!("{} {} {}\n", fields[2], fields[6], fields[7]));
-        }
-        std::fs::write(self.dir.join("known_hosts"), known).expect("known_hosts");
-    }
-
-    /// Puts the inventory's text through `edit`.
-    pub fn edit_inventory(&self, edit: impl FnOnce(String) -> String) {
-        let text = std::fs::read_to_string(&self.inventory).expect("inventory");
-        std::fs::write(&self.inventory, edit(text)).expect("inventory");
-    }
-
-    /// Asserts that host `from` has an established TCP connection between its data address
-    /// and host `to`'s (read with `ss` inside `from`'s namespace).
-    pub fn assert_data_connection(&self, from: usize, to: usize) {
-        let output = Command::new("ip")
-            .args(["netns", "exec", &self.hosts[from].namespace])
-            .args(["ss", "-tnH", "state", "established"])
-            .output()
-            .expect("ss");
-        let connections = String::from_utf8_lossy(&output.stdout);
-        let (mine, theirs) = (
-            format!("{}:", self.hosts[from].data),
-            format!("{}:", self.hosts[to].data),
-        );
-        assert!(
-            connections
-                .lines()
-                .any(|l| l.contains(&mine) && l.contains(&theirs)),
-            "no connection {mine} <-> {theirs}:\n{connections}"
-        );
-    }
-
-    /// The root-namespace end of a host's management link.
-    pub fn management_link(&self, host: usize) -> String {
-        format!("v{}h{host}m", self.id)
-    }
-}
-
-impl Drop for TestCluster {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(script())
-            .args(["down", &self.id])
-            .arg(&self.dir)
-            .output();
-    }
-}
+use crate::support::cluster::{TestCluster, missing_requirement};
+use crate::support::process::{alive, infer, run, run_manifest, run_with_stdin, signal, wait_exit};
+use crate::support::synthetic::write_tp2_model;
 
 /// `infer generate --json` over the cluster (or locally with `inventory` `None`).
 fn generate(inventory: Option<&Path>, args: &[&str]) -> Output {
@@ -281,17 +47,6 @@ fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
-/// The newest run directory's manifest.
-fn manifest_of(stderr_text: &str) -> Value {
-    let dir = stderr_text
-        .split("manifest.json in ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .expect("the launcher names its run directory");
-    serde_json::from_slice(&std::fs::read(Path::new(dir).join("manifest.json")).expect("manifest"))
-        .expect("JSON")
-}
-
 #[test]
 fn generation_over_two_hosts_gives_the_single_process_tokens() {
     infer::model::default::ensure(&mut |_| {}).expect("model");
@@ -307,7 +62,7 @@ fn generation_over_two_hosts_gives_the_single_process_tokens() {
         assert_eq!(tokens_of(&output), reference, "{layout:?}");
         // Each host's ranks got that host's own data interface, and MASTER_ADDR is rank
         // 0's host on the data network.
-        let manifest = manifest_of(&stderr(&output));
+        let manifest = run_manifest(&stderr(&output));
         for rank in manifest["ranks"].as_array().expect("ranks") {
             let host = &cluster.hosts[usize::from(rank["host"] == "h1")];
             assert_eq!(rank["host"], host.name.as_str());
@@ -532,7 +287,7 @@ fn twelve_ranks_on_one_host_with_a_staged_binary_and_a_pushed_model() {
     let output = generate(Some(&cluster.inventory), &pushed);
     let reference = generate(None, &args[..8]);
     assert_eq!(tokens_of(&output), tokens_of(&reference));
-    let manifest = manifest_of(&stderr(&output));
+    let manifest = run_manifest(&stderr(&output));
     assert_eq!(manifest["ranks"].as_array().expect("ranks").len(), 12);
     let staged = manifest["hosts"][0]["infer"].as_str().expect("infer path");
     assert!(staged.contains("/.cache/infer/bin/infer-"), "{staged}");
@@ -596,7 +351,7 @@ fn start_long_generation(
         }
     }
     let manifest = manifest.unwrap_or_else(|| panic!("no manifest; stderr:\n{}", seen.join("\n")));
-    (child, manifest_of(&manifest), lines)
+    (child, run_manifest(&manifest), lines)
 }
 
 /// Every line the launcher wrote, up to its end (the reader thread stops at EOF), so the
@@ -640,19 +395,6 @@ fn wait_gone(pids: &[(String, u32)], within: Duration) -> Option<Vec<(String, u3
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn wait_exit(child: &mut Child, within: Duration) -> Option<std::process::ExitStatus> {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Some(status);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    None
 }
 
 #[test]
@@ -733,11 +475,7 @@ fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
         .find(|(host, _)| host == "h1")
         .cloned()
         .expect("a rank on h1");
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(victim as i32).expect("pid"),
-        rustix::process::Signal::KILL,
-    )
-    .expect("kill the rank");
+    signal(victim, rustix::process::Signal::KILL);
     let status =
         wait_exit(&mut launcher, Duration::from_secs(5)).expect("the launcher exits within 5 s");
     assert_eq!(status.code(), Some(2));
@@ -801,7 +539,9 @@ fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
 /// rank 0 over SSH), and the official `openai` client gets `infer generate`'s text.
 #[test]
 fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
-    use crate::serve::{Server, generate_counting, run_openai_client};
+    use crate::support::server::{
+        Server, assert_every_replica_routed, generate_counting, run_openai_client,
+    };
     use serde_json::json;
     infer::model::default::ensure(&mut |_| {}).expect("model");
     let Some(cluster) = TestCluster::start(2, 2) else {
@@ -831,7 +571,7 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
     let mut server = Server::start(&["--cluster", &inventory, "--dp", "2"]);
     let ranks = server.rank_pids();
     assert_eq!(ranks.len(), 2, "{}", server.startup);
-    let manifest = manifest_of(&server.startup);
+    let manifest = run_manifest(&server.startup);
     assert_eq!(manifest["ranks"][0]["host"], "h0");
     assert_eq!(manifest["ranks"][1]["host"], "h1");
     let reference = generate_counting();
@@ -856,7 +596,7 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
         }
     }
     let metrics = server.metrics();
-    crate::serve::assert_every_replica_routed(&metrics, 2);
+    assert_every_replica_routed(&metrics, 2);
     // The router's connection to replica 1 runs between the data addresses.
     cluster.assert_data_connection(1, 0);
     // The collectives and the router need only the data network: with h1's management
@@ -920,11 +660,7 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["choices"][0]["text"], reference["text"], "{body}");
     // Ctrl-C (SIGINT) of the second launcher: exit 0, every remote rank gone.
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(second.child.id() as i32).expect("pid"),
-        rustix::process::Signal::INT,
-    )
-    .expect("SIGINT");
+    signal(second.child.id(), rustix::process::Signal::INT);
     let status = wait_exit(&mut second.child, Duration::from_secs(10)).expect("infer up exits");
     assert_eq!(status.code(), Some(0));
     let pids: Vec<(String, u32)> = second_ranks.iter().map(|p| (String::new(), *p)).collect();
@@ -991,7 +727,7 @@ fn proxy_jump_through_a_bastion_and_ssh_agent_keys_work() {
     let through_bastion = command.output().expect("run infer");
     let reference = generate(None, &args);
     assert_eq!(tokens_of(&through_bastion), tokens_of(&reference));
-    let manifest = manifest_of(&stderr(&through_bastion));
+    let manifest = run_manifest(&stderr(&through_bastion));
     assert_eq!(manifest["hosts"][0]["name"], "h1");
     assert_eq!(manifest["ranks"][0]["host"], "h1");
 
@@ -1153,21 +889,17 @@ fn topo_over_the_cluster_probes_every_host_there() {
                 .any(|a| a == host.data.as_str())
         );
     }
-    let round_trip = crate::run_with_stdin(&["topo", "--json", "--from", "-"], &output.stdout);
+    let round_trip = run_with_stdin(&["topo", "--json", "--from", "-"], &output.stdout);
     assert_eq!(round_trip.status.code(), Some(0), "{}", stderr(&round_trip));
     let again: Value = serde_json::from_slice(&round_trip.stdout).expect("JSON");
     assert_eq!(again["hosts"].as_array().map(Vec::len), Some(2));
     // h1's sshd stops: h1 is an error line, h0 still prints.
-    let pid: i32 = std::fs::read_to_string(cluster.dir.join("h1/sshd.pid"))
+    let pid: u32 = std::fs::read_to_string(cluster.dir.join("h1/sshd.pid"))
         .expect("sshd.pid")
         .trim()
         .parse()
         .expect("pid");
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(pid).expect("pid"),
-        rustix::process::Signal::TERM,
-    )
-    .expect("stop sshd");
+    signal(pid, rustix::process::Signal::TERM);
     std::thread::sleep(Duration::from_millis(200));
     let output = infer()
         .args(["topo", "--cluster"])
@@ -1570,7 +1302,7 @@ fn doctor_over_the_cluster_checks_a_plan_against_the_hosts() {
         text.replace("name = \"h0\"", "name = \"node0\"")
             .replace("name = \"h1\"", "name = \"node1\"")
     });
-    let output = crate::run(&[
+    let output = run(&[
         "plan",
         "--model",
         "llama-3.1-70b",
@@ -1627,9 +1359,8 @@ fn doctor_over_the_cluster_checks_a_plan_against_the_hosts() {
 /// rank stops the gang, naming it.
 #[test]
 fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a_failed_transfer() {
-    use crate::pd::KV_BYTES_PER_TOKEN;
-    use crate::serve::metric;
-    use crate::serve::{Server, generate_counting};
+    use crate::support::model::KV_BYTES_PER_TOKEN;
+    use crate::support::server::{Server, generate_counting, metric};
     use serde_json::json;
     infer::model::default::ensure(&mut |_| {}).expect("model");
     let Some(cluster) = TestCluster::start(2, 1) else {
@@ -1638,7 +1369,7 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
     cluster.trust_hosts();
     let inventory = cluster.inventory.display().to_string();
     let mut server = Server::start(&["--cluster", &inventory, "--prefill", "1", "--decode", "1"]);
-    let manifest = manifest_of(&server.startup);
+    let manifest = run_manifest(&server.startup);
     assert_eq!(manifest["ranks"][0]["host"], "h0");
     assert_eq!(manifest["ranks"][1]["host"], "h1");
     let reference = generate_counting();
@@ -1780,12 +1511,8 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
     assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
     // A killed decode rank takes the gang down, named.
     let ranks = server.rank_pids();
-    let victim = manifest["ranks"][1]["pid"].as_u64().expect("pid") as i32;
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(victim).expect("pid"),
-        rustix::process::Signal::KILL,
-    )
-    .expect("kill the decode rank");
+    let victim = manifest["ranks"][1]["pid"].as_u64().expect("pid") as u32;
+    signal(victim, rustix::process::Signal::KILL);
     let (status, rest) = server.wait_for_gang_exit(&ranks);
     assert_eq!(status.code(), Some(2), "{rest}");
     assert!(
@@ -1794,7 +1521,8 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
     );
 }
 
-/// The greedy request the device-rank tests make of `device_ranks::model` (after `--model`).
+/// The greedy request the device-rank tests make of the [`write_tp2_model`] model (after
+/// `--model`).
 const DEVICE_PROMPT: [&str; 6] = [
     "--prompt",
     "HELLO THERE",
@@ -1804,10 +1532,11 @@ const DEVICE_PROMPT: [&str; 6] = [
     "0",
 ];
 
-/// `device_ranks::model` written into `dir` (its path), with what `infer generate --json`
-/// of [`DEVICE_PROMPT`] gives on this host's CPU engine: the tokens device ranks must give.
+/// The [`write_tp2_model`] model written into `dir` (its path), with what `infer generate
+/// --json` of [`DEVICE_PROMPT`] gives on this host's CPU engine: the tokens device ranks must
+/// give.
 fn device_model_and_reference(dir: &Path) -> (String, Output) {
-    let model = crate::device_ranks::model(dir);
+    let model = write_tp2_model(dir);
     let model = model.to_str().expect("utf-8").to_string();
     let args: Vec<&str> = ["--model", &model]
         .iter()
@@ -1861,7 +1590,7 @@ fn device_ranks_on_two_hosts_need_a_gpu_on_each_and_give_the_cpu_engines_tokens(
             && text.contains("[h1 r1] rank 1 on the host harness"),
         "{text}"
     );
-    let manifest = manifest_of(&text);
+    let manifest = run_manifest(&text);
     for rank in manifest["ranks"].as_array().expect("ranks") {
         assert_eq!(rank["env"]["CUDA_VISIBLE_DEVICES"], "0", "{rank}");
         assert_eq!(rank["env"]["INFER_DEVICE"], "cuda", "{rank}");
@@ -1876,7 +1605,7 @@ fn device_ranks_on_two_hosts_need_a_gpu_on_each_and_give_the_cpu_engines_tokens(
 /// decode device drops the half-imported sequence, and the next request is answered again.
 #[test]
 fn device_ranks_disaggregate_across_two_hosts_and_survive_kv_that_never_arrives() {
-    use crate::serve::{Server, metric};
+    use crate::support::server::{Server, metric};
     use serde_json::json;
     let Some(cluster) = TestCluster::start(2, 1) else {
         return;
@@ -1894,7 +1623,7 @@ fn device_ranks_disaggregate_across_two_hosts_and_survive_kv_that_never_arrives(
         .arg(&cluster.inventory)
         .args(["--prefill", "1", "--decode", "1"]);
     let server = Server::start_command(command);
-    let manifest = manifest_of(&server.startup);
+    let manifest = run_manifest(&server.startup);
     assert_eq!(manifest["ranks"][0]["host"], "h0");
     assert_eq!(manifest["ranks"][1]["host"], "h1");
     let body = json!({"prompt": "HELLO THERE", "max_tokens": 8, "temperature": 0});

@@ -5,71 +5,7 @@
 
 use std::time::Duration;
 
-use infer::rendezvous::{StoreClient, StoreServer, random_token};
-use infer::runtime::collectives::shm::ShmComm;
-use infer::runtime::collectives::{Comm, TcpComm};
-
-/// Which all-reduce a test group uses.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Transport {
-    Tcp,
-    Shm,
-}
-
-/// Runs `body(comm)` on `n` threads that form group `group` over `transport`; returns each
-/// thread's result.
-pub(crate) fn with_group<T: Send>(
-    n: usize,
-    transport: Transport,
-    body: impl Fn(&mut dyn Comm) -> T + Sync,
-) -> Vec<T> {
-    let token = random_token();
-    let server = StoreServer::start("127.0.0.1:0", &token).expect("store");
-    let address = server.address().to_string();
-    let members: Vec<u64> = (0..n as u64).collect();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..n as u64)
-            .map(|rank| {
-                let (address, token, members, body) =
-                    (address.clone(), token.clone(), members.clone(), &body);
-                scope.spawn(move || {
-                    let mut store =
-                        StoreClient::connect(&address, &token, Some(rank), Duration::from_secs(10))
-                            .expect("store");
-                    let mut comm = TcpComm::connect(
-                        &mut store,
-                        "test",
-                        &members,
-                        rank,
-                        "127.0.0.1",
-                        Duration::from_secs(10),
-                    )
-                    .expect("group");
-                    match transport {
-                        Transport::Tcp => body(&mut comm),
-                        Transport::Shm => {
-                            let mut comm = ShmComm::new(comm);
-                            if n > 1 {
-                                // Decide the transport, and make sure it is the one tested.
-                                comm.all_reduce_sum(&mut [0.0]).expect("set-up");
-                                assert!(
-                                    comm.transport().starts_with("shared memory"),
-                                    "{}",
-                                    comm.transport()
-                                );
-                            }
-                            body(&mut comm)
-                        }
-                    }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
-    })
-}
+use crate::support::runtime::{Transport, with_group};
 
 const TRANSPORTS: [Transport; 2] = [Transport::Tcp, Transport::Shm];
 

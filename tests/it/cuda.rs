@@ -11,7 +11,9 @@ use infer::runtime::cuda::backend::Device;
 use infer::runtime::cuda::kernels::FAMILIES;
 use infer::runtime::cuda::nvrtc::{Nvrtc, ptx_entries};
 
-use super::engines::{cached_dir, recipe_hash, test_cache};
+use crate::support::cache::{cached_dir, recipe_hash, test_cache};
+use crate::support::process::{run, transcript_of};
+use crate::support::runtime::host;
 
 /// NVRTC from PyPI, pinned: it compiles without a GPU or a driver (FACTS.md).
 const NVRTC_WHEEL: &str = "nvidia-cuda-nvrtc-cu12==12.9.86";
@@ -46,7 +48,7 @@ fn pypi_wheel(label: &str, wheel: &str, members: &[&str]) -> PathBuf {
 }
 
 /// The directory holding `libnvrtc.so.12` (the whole wheel, unzipped once).
-pub fn nvrtc_lib_dir() -> &'static Path {
+fn nvrtc_lib_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| pypi_wheel("nvrtc", NVRTC_WHEEL, &[]).join("nvidia/cuda_nvrtc/lib"))
 }
@@ -57,7 +59,7 @@ const NVRTC13_WHEEL: &str = "nvidia-cuda-nvrtc==13.0.88";
 
 /// The unzipped CUDA 13 NVRTC wheel (its `nvidia/cu13/lib` holds `libnvrtc.so.13` and the
 /// `libnvrtc-builtins.so.13.0` it opens; the `.alt` variants are left out).
-pub fn nvrtc13_root() -> &'static Path {
+fn nvrtc13_root() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         pypi_wheel(
@@ -213,7 +215,7 @@ fn nccl_from_pypi_binds_makes_ids_and_fails_cleanly_without_a_gpu() {
 /// why).
 #[test]
 fn a_tp_group_agrees_on_nccl_or_the_host_collectives_with_a_warning() {
-    use crate::collectives::{Transport, with_group};
+    use crate::support::runtime::{Transport, with_group};
     use infer::runtime::collectives::nccl::{GroupKind, Nccl, negotiate};
     let dir = nccl_lib_dir().to_path_buf();
     let has_driver = infer::runtime::libraries::open(
@@ -465,6 +467,11 @@ fn device_cuda_without_a_driver_exits_2_naming_the_driver() {
         // The commands run for real on such a host: the no-driver error is CI's to check.
         return;
     }
+    // The host is named (what a cluster's launcher says of each host): redacted in the
+    // snapshot of every command's whole error.
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
+    let host = format!("`{}`", host.trim());
+    let mut transcript = String::new();
     for args in [
         &["generate", "--device", "cuda", "--prompt", "hi"][..],
         &["bench", "decode", "--device", "cuda"],
@@ -472,28 +479,18 @@ fn device_cuda_without_a_driver_exits_2_naming_the_driver() {
         &["smoke"],
         &["smoke", "--json"],
     ] {
-        let output = super::run(args);
+        let output = run(args);
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(output.stdout.is_empty(), "{args:?}: nothing on stdout");
         assert!(
-            stderr.contains("no NVIDIA driver (libcuda.so.1) on this host; use --device cpu"),
+            stderr.contains(&format!("on host {host}")),
             "{args:?}: {stderr}"
         );
-        // The host is named (what a cluster's launcher says of each host).
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
-        assert!(
-            stderr.contains(&format!("on host `{}`", host.trim())),
-            "{args:?}: {stderr}"
-        );
-        if args[0] == "smoke" {
-            assert!(
-                stderr.contains("infer smoke needs an NVIDIA GPU"),
-                "{stderr}"
-            );
-        }
-        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        transcript.push_str(&transcript_of(args, &output, &[(&host, "`[HOST]`")]));
+        transcript.push('\n');
     }
+    insta::assert_snapshot!(transcript);
 }
 
 /// A library is opened by full path from the first directory that has it (what lets
@@ -945,23 +942,6 @@ fn the_prepare_script_ships_a_running_binary_and_a_cut_model_within_64_mib() {
         infer::runtime::model::llama::Llama::open_gguf(&cut).unwrap_or_else(|e| panic!("{e:#}"));
     assert_eq!(llama.layers.len(), 8);
     assert_eq!(llama.config.vocab_size, 49152);
-}
-
-/// The kernels built for the host once per test process.
-pub fn host() -> &'static infer::runtime::cuda::host::HostKernels {
-    static HOST: OnceLock<(tempfile::TempDir, infer::runtime::cuda::host::HostKernels)> =
-        OnceLock::new();
-    &HOST
-        .get_or_init(|| {
-            let dir = tempfile::tempdir().expect("tempdir");
-            let kernels = infer::runtime::cuda::host::HostKernels::build(
-                dir.path(),
-                &std::env::var("CXX").unwrap_or_else(|_| "c++".into()),
-            )
-            .unwrap_or_else(|e| panic!("{e:#}"));
-            (dir, kernels)
-        })
-        .1
 }
 
 #[test]

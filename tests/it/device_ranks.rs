@@ -4,33 +4,13 @@
 //! back from its log), its TP shard on its device, the all-reduces through the fallback
 //! collectives (with the reason said), giving the CPU engine's tokens.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::infer;
-
-/// A small Llama that splits two ways (4 heads, 2 KV heads), with a tokenizer of single
-/// characters, written into `dir`.
-pub fn model(dir: &Path) -> PathBuf {
-    let shape = crate::synthetic::Shape {
-        hidden: 64,
-        intermediate: 96,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        vocab: 60,
-        qkv_bias: false,
-    };
-    let path = dir.join("tp2.gguf");
-    crate::synthetic::write_gguf_with(
-        &path,
-        &shape,
-        &crate::synthetic::weights(&shape, 11),
-        &crate::synthetic::tokenizer_metadata(shape.vocab),
-    );
-    path
-}
+use crate::support::process::{infer, run};
+use crate::support::server::{Server, assert_every_replica_routed, metric};
+use crate::support::synthetic::{Shape, write_gguf_moe, write_tp2_model};
 
 /// `infer generate --json` of `model`, greedy, with `extra` flags: its JSON and stderr.
 fn generate(model: &Path, extra: &[&str], harness: bool) -> (Value, String) {
@@ -70,7 +50,7 @@ fn rank_log(run_dir: &Path, rank: usize) -> String {
 #[test]
 fn tp_2_device_ranks_give_the_cpu_engines_tokens() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = model(dir.path());
+    let model = write_tp2_model(dir.path());
     let (cpu, _) = generate(&model, &[], false);
     let (one, _) = generate(&model, &["--device", "cuda"], true);
     assert_eq!(one["tokens"], cpu["tokens"], "one device process");
@@ -141,9 +121,9 @@ fn tp_2_device_ranks_give_the_cpu_engines_tokens() {
 #[test]
 fn a_plans_gpus_reach_the_device_ranks_that_serve() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = model(dir.path());
+    let model = write_tp2_model(dir.path());
     let (cpu, _) = generate(&model, &[], false);
-    let output = crate::run(&[
+    let output = run(&[
         "plan",
         "--json",
         "--model",
@@ -178,7 +158,7 @@ fn a_plans_gpus_reach_the_device_ranks_that_serve() {
         .arg(&plan_file)
         .arg("--run-dir")
         .arg(&run_dir);
-    let server = crate::serve::Server::start_command(command);
+    let server = Server::start_command(command);
     let (status, reply) = server.post(
         "/v1/completions",
         &json!({"prompt": "HELLO THERE", "max_tokens": 5, "temperature": 0}),
@@ -205,7 +185,7 @@ fn a_plans_gpus_reach_the_device_ranks_that_serve() {
 #[test]
 fn prefill_and_decode_device_replicas_give_one_device_process_completions() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = model(dir.path());
+    let model = write_tp2_model(dir.path());
     let serve = |layout: &[&str]| {
         let mut command = infer();
         command
@@ -214,14 +194,14 @@ fn prefill_and_decode_device_replicas_give_one_device_process_completions() {
             .args(["--max-num-batched-tokens", "16", "--model"])
             .arg(&model)
             .args(layout);
-        crate::serve::Server::start_command(command)
+        Server::start_command(command)
     };
     let bodies = [
         json!({"prompt": "HELLO THERE", "max_tokens": 5, "temperature": 0}),
         json!({"prompt": "THEQUICKBROWNFOXJUMPSOVERTHELAZYDOG0123456789", "max_tokens": 6, "temperature": 0}),
         json!({"prompt": "ONCEUPONATIME", "max_tokens": 6, "temperature": 0.9, "seed": 7}),
     ];
-    let answers = |server: &crate::serve::Server| -> Vec<(Value, u64)> {
+    let answers = |server: &Server| -> Vec<(Value, u64)> {
         bodies
             .iter()
             .map(|body| {
@@ -251,7 +231,7 @@ fn prefill_and_decode_device_replicas_give_one_device_process_completions() {
         let got = answers(&server);
         assert_eq!(got, expected, "{layout:?}");
         let metrics = server.metrics();
-        let metric = |name: &str| crate::serve::metric(&metrics, name);
+        let metric = |name: &str| metric(&metrics, name);
         let prompt_tokens: u64 = got.iter().map(|(_, p)| p).sum();
         let chunks: u64 = got.iter().map(|(_, p)| p.div_ceil(16)).sum();
         assert_eq!(metric("infer_pd_handoffs_total"), 3.0, "{metrics}");
@@ -272,7 +252,7 @@ fn prefill_and_decode_device_replicas_give_one_device_process_completions() {
             chunks as f64,
             "{layout:?}: {metrics}"
         );
-        let logs = crate::pd::rank_logs(&server);
+        let logs = server.rank_logs();
         let replica = (tp * pp) as usize;
         assert_eq!(logs.len(), 2 * replica, "{layout:?}");
         for (rank, log) in logs.iter().enumerate() {
@@ -295,7 +275,7 @@ fn prefill_and_decode_device_replicas_give_one_device_process_completions() {
 #[test]
 fn dp_2_device_replicas_serve_the_cpu_engines_completions() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = model(dir.path());
+    let model = write_tp2_model(dir.path());
     let (cpu, _) = generate(&model, &[], false);
     let run_dir = dir.path().join("run");
     let mut command = infer();
@@ -307,7 +287,7 @@ fn dp_2_device_replicas_serve_the_cpu_engines_completions() {
         .arg(&model)
         .arg("--run-dir")
         .arg(&run_dir);
-    let server = crate::serve::Server::start_command(command);
+    let server = Server::start_command(command);
     let body = json!({"prompt": "HELLO THERE", "max_tokens": 5, "temperature": 0});
     let bodies = vec![body; 4];
     for (status, reply) in server.post_all("/v1/completions", &bodies) {
@@ -315,7 +295,7 @@ fn dp_2_device_replicas_serve_the_cpu_engines_completions() {
         assert_eq!(reply["choices"][0]["text"], cpu["text"], "{reply}");
     }
     let metrics = server.metrics();
-    crate::serve::assert_every_replica_routed(&metrics, 2);
+    assert_every_replica_routed(&metrics, 2);
     for rank in 0..2 {
         let log = rank_log(&run_dir, rank);
         assert!(
@@ -334,16 +314,7 @@ fn dp_2_device_replicas_serve_the_cpu_engines_completions() {
 fn ep_2_device_ranks_hold_half_the_experts_each_and_serve_the_whole_models_completion() {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = dir.path().join("moe.gguf");
-    let shape = crate::synthetic::Shape {
-        hidden: 64,
-        intermediate: 96,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        vocab: 60,
-        qkv_bias: false,
-    };
-    crate::synthetic::write_gguf_moe(&model, &shape, 4, 2, 13);
+    write_gguf_moe(&model, &Shape::tp2(), 4, 2, 13);
     let (one, _) = generate(&model, &["--device", "cuda"], true);
     let (cpu, _) = generate(&model, &[], false);
     assert_eq!(one["tokens"], cpu["tokens"], "one device process");
@@ -358,7 +329,7 @@ fn ep_2_device_ranks_hold_half_the_experts_each_and_serve_the_whole_models_compl
         .arg(&model)
         .arg("--run-dir")
         .arg(&run_dir);
-    let server = crate::serve::Server::start_command(command);
+    let server = Server::start_command(command);
     let (status, reply) = server.post(
         "/v1/completions",
         &json!({"prompt": "HELLO THERE", "max_tokens": 5, "temperature": 0}),

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::{infer, run};
+use crate::support::process::{alive, infer, run, signal};
 
 fn tokens(args: &[&str]) -> Vec<u64> {
     let mut full = vec!["generate", "--json", "--max-tokens", "32"];
@@ -77,12 +77,6 @@ fn fast_numerics_generate_the_same_tokens_on_every_layout() {
     }
 }
 
-pub fn alive(pid: u32) -> bool {
-    // A zombie has been reaped by nobody yet; the launcher reaps its ranks, so a live
-    // `/proc/<pid>` that is not a zombie means a leftover process.
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
-}
-
 #[test]
 fn a_killed_rank_takes_the_gang_down_within_5_seconds() {
     infer::model::default::ensure(&mut |_| {}).expect("model");
@@ -121,11 +115,7 @@ fn a_killed_rank_takes_the_gang_down_within_5_seconds() {
     assert_eq!(pids.len(), 3);
     std::thread::sleep(Duration::from_millis(1500));
     let killed_at = Instant::now();
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(pids[2] as i32).expect("pid"),
-        rustix::process::Signal::KILL,
-    )
-    .expect("kill rank 2");
+    signal(pids[2], rustix::process::Signal::KILL);
     let status = child.wait().expect("wait");
     let elapsed = killed_at.elapsed();
     let mut rest = String::new();

@@ -3,8 +3,8 @@
 
 use serde_json::Value;
 
-use crate::fake_sysfs::{FakePort, FakeSysfs};
-use crate::{infer, run, shared_fixture};
+use crate::support::fixtures::{FakePort, FakeSysfs, shared_fixture};
+use crate::support::process::{infer, run};
 
 /// Runs `infer doctor --json` with `args`; returns the exit code and the findings.
 fn doctor(args: &[&str]) -> (i32, Vec<Value>) {

@@ -5,7 +5,8 @@
 
 use serde_json::Value;
 
-use crate::run;
+use crate::support::process::run;
+use crate::support::server::Server;
 
 /// `infer generate --json` with `args`: the generated ids.
 fn generated(args: &[&str]) -> Vec<u64> {
@@ -170,7 +171,7 @@ fn up_serves_a_dummy_model_alike_in_one_process_and_on_tp2_ranks() {
     for layout in [&[][..], &["--tp", "2"]] {
         let mut args = shape.to_vec();
         args.extend_from_slice(layout);
-        let server = crate::serve::Server::start(&args);
+        let server = Server::start(&args);
         let (status, body) = server.post(
             "/v1/completions",
             &serde_json::json!({"model": "llama-3.1-8b", "prompt": "Hello", "max_tokens": 4, "temperature": 0}),

@@ -10,8 +10,9 @@ use infer::runtime::model::llama::{Llama, SequenceInput};
 use infer::runtime::model::sampling::argmax;
 use serde_json::Value;
 
-use crate::synthetic::{Shape, weights, write_gguf, write_hf};
-use crate::{infer, run, shared_fixture};
+use crate::support::fixtures::shared_fixture;
+use crate::support::process::{infer, run};
+use crate::support::synthetic::{Shape, weights, write_gguf, write_gguf_tensors, write_hf};
 
 /// The real SmolLM2 engine, loaded once for the tests of this module.
 fn smollm2() -> &'static Engine {
@@ -414,7 +415,7 @@ fn broken_model_files_are_clear_errors() {
     )];
     tensors.push(("output_norm.weight".to_string(), vec![64], vec![1.0; 64]));
     let q2k = dir.path().join("q2k.gguf");
-    crate::synthetic::write_gguf_tensors(
+    write_gguf_tensors(
         &q2k,
         "llama",
         &Shape {
@@ -471,14 +472,14 @@ fn broken_model_files_are_clear_errors() {
         vec![0.1f32; 64 * 80],
     )];
     tensors_only_embedding.push(("output_norm.weight".to_string(), vec![64], vec![1.0; 64]));
-    crate::synthetic::write_gguf_tensors(&missing, "llama", &shape, &tensors_only_embedding);
+    write_gguf_tensors(&missing, "llama", &shape, &tensors_only_embedding);
     let error = Llama::open_gguf(&missing).expect_err("missing tensors");
     assert!(
         format!("{error:#}").contains("has no tensor `blk.0.attn_norm.weight`"),
         "{error:#}"
     );
     let unsupported = dir.path().join("gemma.gguf");
-    crate::synthetic::write_gguf_tensors(&unsupported, "gemma", &shape, &tensors_only_embedding);
+    write_gguf_tensors(&unsupported, "gemma", &shape, &tensors_only_embedding);
     let error = Llama::open_gguf(&unsupported).expect_err("unsupported architecture");
     assert!(
         format!("{error:#}").contains("unsupported architecture `gemma`"),

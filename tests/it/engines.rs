@@ -11,53 +11,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{run, stdout_ok};
+use crate::support::cache::{cached_dir, recipe_hash, test_cache};
+use crate::support::cluster::TestCluster;
+use crate::support::process::{alive, free_port, infer, run, signal, stdout_ok, wait_exit};
+use crate::support::server::Server;
 
 /// The repository root.
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Where test tools are cached: `$INFER_TEST_CACHE`, else `~/.cache/infer-tests`.
-pub fn test_cache() -> PathBuf {
-    std::env::var_os("INFER_TEST_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/infer-tests")
-        })
-}
-
-/// A short content hash (FNV-1a, 64 bits) naming a cache entry after its recipe.
-pub fn recipe_hash(bytes: &[u8]) -> String {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        hash ^= u64::from(b);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{hash:016x}")
-}
-
-/// Builds `dir` with `build` (into a temporary sibling, renamed into place at the end) unless
-/// it exists; concurrent tests either build it or find the finished one.
-pub fn cached_dir(dir: &Path, build: impl FnOnce(&Path)) -> PathBuf {
-    if dir.exists() {
-        return dir.to_path_buf();
-    }
-    let parent = dir.parent().expect("a cache dir has a parent");
-    std::fs::create_dir_all(parent).expect("create the test cache");
-    let staging = parent.join(format!(
-        ".{}-{}",
-        dir.file_name().and_then(|n| n.to_str()).unwrap_or("build"),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&staging);
-    build(&staging);
-    if std::fs::rename(&staging, dir).is_err() {
-        // Another test process finished first.
-        let _ = std::fs::remove_dir_all(&staging);
-    }
-    assert!(dir.exists(), "`{}` was not built", dir.display());
-    dir.to_path_buf()
 }
 
 /// The venv with the pinned vLLM and SGLang (and their parsers' pure-Python imports).
@@ -512,7 +473,7 @@ const LLAMA_CPP_CMAKE_ARGS: &str = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=
 
 /// The directory with `llama-server` and `ggml-rpc-server` (built once, cached outside the
 /// repository; the first build takes minutes).
-pub fn llama_cpp_bin() -> &'static Path {
+fn llama_cpp_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
         let recipe = format!("{LLAMA_CPP_PACKAGE} {LLAMA_CPP_CMAKE_ARGS}");
@@ -613,154 +574,73 @@ fn llama_cpp_build_runs_here() {
     );
 }
 
-/// A running `infer up --engine …`, its stderr read on a thread; SIGKILLed when dropped.
-struct EngineUp {
-    child: std::process::Child,
-    url: String,
-    startup: String,
-    rest: Option<std::thread::JoinHandle<String>>,
-    run_dir: tempfile::TempDir,
+/// Starts `infer up --engine llamacpp ARGS` on a free port with its run directory in
+/// `run_dir` and waits until it serves; SIGKILLed when dropped.
+fn start_llamacpp(args: &[&str], run_dir: &Path) -> Server {
+    let bin = llama_cpp_bin().display().to_string();
+    let port = free_port().to_string();
+    let mut command = infer();
+    command
+        .args([
+            "up",
+            "--engine",
+            "llamacpp",
+            "--engine-bin",
+            &bin,
+            "--port",
+            &port,
+        ])
+        .arg("--run-dir")
+        .arg(run_dir)
+        .args(args);
+    Server::start_command(command).kill_on_drop()
 }
 
-impl EngineUp {
-    /// Starts `infer up --engine llamacpp ARGS` on a free port and waits for "serving on".
-    fn start(args: &[&str]) -> EngineUp {
-        use std::io::{BufRead, BufReader};
-        infer::model::default::ensure(&mut |_| {}).expect("model");
-        let bin = llama_cpp_bin().display().to_string();
-        let port = free_port().to_string();
-        let run_dir = tempfile::tempdir().expect("run dir");
-        let mut child = super::infer()
-            .args([
-                "up",
-                "--engine",
-                "llamacpp",
-                "--engine-bin",
-                &bin,
-                "--port",
-                &port,
-            ])
-            .arg("--run-dir")
-            .arg(run_dir.path())
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start infer up");
-        let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
-        let mut startup = String::new();
-        let url = loop {
-            let mut line = String::new();
-            assert!(
-                stderr.read_line(&mut line).expect("read") > 0,
-                "`infer up --engine llamacpp` exited before serving:\n{startup}"
-            );
-            startup.push_str(&line);
-            if let Some(rest) = line.split("serving on http://").nth(1) {
-                break format!(
-                    "http://{}",
-                    rest.split_whitespace().next().expect("address")
-                );
-            }
-        };
-        let rest = Some(std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
-            text
-        }));
-        EngineUp {
-            child,
-            url,
-            startup,
-            rest,
-            run_dir,
-        }
-    }
-
-    /// The engine processes from `manifest.json`: (label, host, pid).
-    fn processes(&self) -> Vec<(String, Option<String>, u32)> {
-        let manifest: Value = serde_json::from_slice(
-            &std::fs::read(self.run_dir.path().join("manifest.json")).expect("manifest.json"),
-        )
-        .expect("manifest JSON");
-        manifest["processes"]
-            .as_array()
-            .expect("processes")
-            .iter()
-            .map(|p| {
-                (
-                    p["label"].as_str().expect("label").to_string(),
-                    p["host"].as_str().map(str::to_string),
-                    p["pid"].as_u64().expect("pid") as u32,
-                )
-            })
-            .collect()
-    }
-
-    /// A greedy completion through the launcher's address (one connection per request:
-    /// llama-server drops requests on reused keep-alive connections, FACTS.md).
-    fn complete(&self, prompt: &str) -> Value {
-        let agent = ureq::Agent::config_builder()
-            .max_idle_connections(0)
-            .build()
-            .new_agent();
-        let mut response = agent
-            .post(&format!("{}/v1/completions", self.url))
-            .send_json(serde_json::json!({
-                "prompt": prompt, "max_tokens": 8, "temperature": 0
-            }))
-            .unwrap_or_else(|e| panic!("completion failed: {e}\n{}", self.startup));
-        response.body_mut().read_json().expect("JSON")
-    }
-
-    /// Waits for `infer up` to exit; its status and the rest of its stderr.
-    fn wait(&mut self) -> (std::process::ExitStatus, String) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                break status;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "`infer up` did not exit within 30 s"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        };
-        let rest = self
-            .rest
-            .take()
-            .map(|r| r.join().expect("stderr reader"))
-            .unwrap_or_default();
-        (status, rest)
-    }
+/// The engine processes of the run in `run_dir`, from its `manifest.json`: (label, host,
+/// pid).
+fn engine_processes(run_dir: &Path) -> Vec<(String, Option<String>, u32)> {
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(run_dir.join("manifest.json")).expect("manifest.json"),
+    )
+    .expect("manifest JSON");
+    manifest["processes"]
+        .as_array()
+        .expect("processes")
+        .iter()
+        .map(|p| {
+            (
+                p["label"].as_str().expect("label").to_string(),
+                p["host"].as_str().map(str::to_string),
+                p["pid"].as_u64().expect("pid") as u32,
+            )
+        })
+        .collect()
 }
 
-impl Drop for EngineUp {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-fn signal(pid: u32, signal: rustix::process::Signal) {
-    let pid = rustix::process::Pid::from_raw(pid as i32).expect("a pid");
-    rustix::process::kill_process(pid, signal).expect("signal");
+/// A greedy completion of `prompt` through `server`'s address (one connection per request:
+/// llama-server drops requests on reused keep-alive connections, FACTS.md).
+fn complete(server: &Server, prompt: &str) -> Value {
+    let agent = ureq::Agent::config_builder()
+        .max_idle_connections(0)
+        .build()
+        .new_agent();
+    let mut response = agent
+        .post(&format!("{}/v1/completions", server.url))
+        .send_json(serde_json::json!({
+            "prompt": prompt, "max_tokens": 8, "temperature": 0
+        }))
+        .unwrap_or_else(|e| panic!("completion failed: {e}\n{}", server.startup));
+    response.body_mut().read_json().expect("JSON")
 }
 
 #[test]
 fn up_engine_llamacpp_serves_here_and_ctrl_c_leaves_nothing() {
-    let mut up = EngineUp::start(&[]);
-    let processes = up.processes();
+    let run_dir = tempfile::tempdir().expect("run dir");
+    let mut up = start_llamacpp(&[], run_dir.path());
+    let processes = engine_processes(run_dir.path());
     assert_eq!(processes.len(), 1, "{processes:?}");
     assert_eq!(processes[0].0, "localhost llama-server");
-    let body = up.complete("The capital of France is");
+    let body = complete(&up, "The capital of France is");
     let text = body["choices"][0]["text"].as_str().expect("text");
     assert!(!text.is_empty(), "{body}");
     assert_eq!(body["usage"]["completion_tokens"], 8, "{body}");
@@ -772,11 +652,11 @@ fn up_engine_llamacpp_serves_here_and_ctrl_c_leaves_nothing() {
         up.startup
     );
     signal(up.child.id(), rustix::process::Signal::INT);
-    let (status, rest) = up.wait();
+    let (status, rest) = up.wait_exit(Duration::from_secs(30));
     assert!(status.success(), "{rest}");
     assert!(rest.contains("stopped"), "{rest}");
     assert!(
-        !crate::distributed::alive(processes[0].2),
+        !alive(processes[0].2),
         "llama-server (pid {}) is still running",
         processes[0].2
     );
@@ -784,7 +664,7 @@ fn up_engine_llamacpp_serves_here_and_ctrl_c_leaves_nothing() {
 
 #[test]
 fn up_engine_refuses_a_missing_engine_and_a_taken_port_before_starting() {
-    let missing = super::run(&[
+    let missing = run(&[
         "up",
         "--engine",
         "llamacpp",
@@ -803,7 +683,7 @@ fn up_engine_refuses_a_missing_engine_and_a_taken_port_before_starting() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = taken.local_addr().expect("address").port().to_string();
     let bin = llama_cpp_bin().display().to_string();
-    let busy = super::run(&[
+    let busy = run(&[
         "up",
         "--engine",
         "llamacpp",
@@ -817,7 +697,7 @@ fn up_engine_refuses_a_missing_engine_and_a_taken_port_before_starting() {
     assert!(stderr.contains("already in use"), "{stderr}");
     assert!(!stderr.contains("started"), "{stderr}");
     // vLLM and SGLang need GPUs on every host; this one has none.
-    let no_gpu = super::run(&[
+    let no_gpu = run(&[
         "up",
         "--engine",
         "vllm",
@@ -864,7 +744,7 @@ fn up_engine_refuses_a_missing_engine_and_a_taken_port_before_starting() {
         ),
     ] {
         let port = free_port().to_string();
-        let output = super::run(&[&["up", "--port", &port][..], args].concat());
+        let output = run(&[&["up", "--port", &port][..], args].concat());
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
@@ -874,14 +754,14 @@ fn up_engine_refuses_a_missing_engine_and_a_taken_port_before_starting() {
 
 #[test]
 fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_takes_all_down() {
-    let Some(cluster) = super::cluster::TestCluster::start(2, 1) else {
+    let Some(cluster) = TestCluster::start(2, 1) else {
         return;
     };
     cluster.trust_hosts();
     let inventory = cluster.inventory.display().to_string();
     let bin = llama_cpp_bin().display().to_string();
     let doctor = |engine: &str| -> Value {
-        let output = super::run(&[
+        let output = run(&[
             "doctor",
             "--cluster",
             &inventory,
@@ -928,8 +808,9 @@ fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_ta
             .is_some_and(|h| h.contains("pip install vllm")),
         "{vllm:#}"
     );
-    let mut up = EngineUp::start(&["--cluster", &inventory]);
-    let processes = up.processes();
+    let run_dir = tempfile::tempdir().expect("run dir");
+    let mut up = start_llamacpp(&["--cluster", &inventory], run_dir.path());
+    let processes = engine_processes(run_dir.path());
     let labels: Vec<&str> = processes.iter().map(|p| p.0.as_str()).collect();
     assert_eq!(
         labels,
@@ -944,10 +825,10 @@ fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_ta
         "{}",
         up.startup
     );
-    let body = up.complete("The capital of France is");
+    let body = complete(&up, "The capital of France is");
     assert_eq!(body["usage"]["completion_tokens"], 8, "{body}");
     // The head really used the remote device: the RPC server served it.
-    let rpc_log = std::fs::read_to_string(up.run_dir.path().join("node1.log")).expect("node1.log");
+    let rpc_log = std::fs::read_to_string(run_dir.path().join("node1.log")).expect("node1.log");
     assert!(rpc_log.contains("Accepted client connection"), "{rpc_log}");
     // While it serves, the doctor sees h1's RPC port taken.
     let during = doctor("llamacpp");
@@ -960,17 +841,14 @@ fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_ta
         "{during:#}"
     );
     signal(processes[0].2, rustix::process::Signal::KILL);
-    let (status, rest) = up.wait();
+    let (status, rest) = up.wait_exit(Duration::from_secs(30));
     assert_eq!(status.code(), Some(2), "{rest}");
     assert!(
         rest.contains("`h1 ggml-rpc-server` (node 1) exited"),
         "{rest}"
     );
     for (label, _, pid) in &processes {
-        assert!(
-            !crate::distributed::alive(*pid),
-            "{label} (pid {pid}) is still running"
-        );
+        assert!(!alive(*pid), "{label} (pid {pid}) is still running");
     }
 }
 
@@ -1030,7 +908,7 @@ fn llama_server_lines_pass_llama_servers_own_parser() {
 /// again, a rank killed on node 1 takes both nodes down (non-zero, naming it), nothing left.
 #[test]
 fn emitted_infer_scripts_run_one_node_each_across_hosts() {
-    let Some(cluster) = super::cluster::TestCluster::start(2, 1) else {
+    let Some(cluster) = TestCluster::start(2, 1) else {
         return;
     };
     let model = infer::model::default::ensure(&mut |_| {}).expect("the default model");
@@ -1144,14 +1022,8 @@ fn emitted_infer_scripts_run_one_node_each_across_hosts() {
     };
     // Waits for a node's script to exit: its status and stderr.
     let finish = |node: usize, child: &mut std::process::Child| {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait") {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "node {node} did not stop");
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let status = wait_exit(child, Duration::from_secs(30))
+            .unwrap_or_else(|| panic!("node {node} did not stop"));
         let mut stderr = String::new();
         if let Some(mut pipe) = child.stderr.take() {
             let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
@@ -1190,7 +1062,7 @@ fn emitted_infer_scripts_run_one_node_each_across_hosts() {
     // Rank 1 (node 1) joined rank 0 (node 0) over the data network.
     cluster.assert_data_connection(1, 0);
     // One process on this host gives the same greedy text.
-    let local = super::run(&[
+    let local = run(&[
         "generate",
         "--json",
         "--prompt",
@@ -1241,7 +1113,7 @@ fn emitted_infer_scripts_run_one_node_each_across_hosts() {
 #[test]
 fn up_nnodes_refuses_bad_input_with_the_fix() {
     let up = |args: &[&str], token: Option<&str>| {
-        let mut command = super::infer();
+        let mut command = infer();
         command.args(["up", "--port", "0"]).args(args);
         command.env_remove("INFER_RUN_TOKEN");
         if let Some(token) = token {

@@ -4,7 +4,7 @@
 use infer::model::default;
 use infer::runtime::formats::gguf::Header;
 
-use crate::infer;
+use crate::support::process::infer;
 
 #[test]
 fn real_smollm2_gguf_header() {
@@ -145,7 +145,7 @@ fn the_first_download_shows_progress_on_a_terminal() {
     );
     // Without a terminal: our own notes only, pip's output kept back.
     let cache = tempfile::tempdir().expect("tempdir");
-    let output = crate::infer()
+    let output = infer()
         .env("INFER_CACHE_DIR", cache.path())
         .args([
             "plan",

@@ -7,13 +7,11 @@
 
 use serde_json::{Value, json};
 
-use crate::scheduling::{QUESTIONS, SYSTEM};
-use crate::serve::{Server, metric};
-
-/// SmolLM2's KV bytes per position: 30 layers × (keys, values) × 3 KV heads × 64 dims × f16.
-pub const KV_BYTES_PER_TOKEN: u64 = SMOLLM2_LAYERS * 2 * 3 * 64 * 2;
-/// SmolLM2-135M's layers.
-const SMOLLM2_LAYERS: u64 = 30;
+use crate::support::model::{KV_BYTES_PER_TOKEN, QUESTIONS, SMOLLM2_LAYERS, SYSTEM};
+use crate::support::process::{free_port, infer, run, signal};
+use crate::support::server::{
+    Server, bench_serve_stdout, bench_serve_tokens, generate_counting, metric, run_openai_client,
+};
 
 /// One request went through a decode replica, which computed none of its prompt.
 fn handed_off_once(metrics: &str) {
@@ -100,26 +98,12 @@ fn colocated_answers() -> Vec<(Value, Value)> {
         .collect()
 }
 
-/// The ranks' logs, in rank order, from the run's manifest.
-pub fn rank_logs(server: &Server) -> Vec<String> {
-    let manifest = server.manifest();
-    manifest["ranks"]
-        .as_array()
-        .expect("ranks")
-        .iter()
-        .map(|rank| {
-            let path = rank["log"].as_str().expect("log");
-            std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))
-        })
-        .collect()
-}
-
 /// Serves `layout` (on this host; with `INFER_SHM_DISABLE=1` unless `shm`) and checks the
 /// answers, the hand-offs, the KV bytes and how they went (a shared ring on this host, or
 /// TCP when shared memory is off).
 fn disaggregated_serving_gives_the_colocated_tokens(layout: &[&str], shm: bool) {
     let reference = colocated_answers();
-    let mut command = crate::infer();
+    let mut command = infer();
     command
         .args(["up", "--port", "0", "--threads", "2"])
         .args(layout);
@@ -183,7 +167,7 @@ fn disaggregated_serving_gives_the_colocated_tokens(layout: &[&str], shm: bool) 
     } else {
         "KV to decode replicas 1 over TCP to 127.0.0.1:"
     };
-    let logs = rank_logs(&server);
+    let logs = server.rank_logs();
     assert!(logs[0].contains(route), "rank 0's log:\n{}", logs[0]);
     assert_eq!(
         metric(&metrics, "infer_pd_decode_prefill_tokens_total"),
@@ -258,8 +242,8 @@ fn pp2_on_both_roles_gives_the_colocated_tokens() {
 #[test]
 fn the_official_openai_client_works_against_a_disaggregated_deployment() {
     let server = Server::start(&["--prefill", "1", "--decode", "1"]);
-    let got = crate::serve::run_openai_client(&server.url);
-    let generate = crate::serve::generate_counting();
+    let got = run_openai_client(&server.url);
+    let generate = generate_counting();
     assert_eq!(got["completion_text"], generate["text"], "{got}");
     assert_eq!(got["streamed_text"], generate["text"], "{got}");
     assert_eq!(got["stream_usage"]["completion_tokens"], 16, "{got}");
@@ -291,7 +275,7 @@ fn bad_disaggregation_flags_exit_2() {
             "inventory",
         ),
     ] {
-        let output = crate::run(&[&["up", "--port", "0"][..], args].concat());
+        let output = run(&[&["up", "--port", "0"][..], args].concat());
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
@@ -301,7 +285,7 @@ fn bad_disaggregation_flags_exit_2() {
 /// `infer bench serve --prefill 1 --decode 1` measures a disaggregated server and says so.
 #[test]
 fn bench_serve_measures_a_disaggregated_server() {
-    let output = crate::run(&[
+    let output = run(&[
         "bench",
         "serve",
         "--prefill",
@@ -317,12 +301,12 @@ fn bench_serve_measures_a_disaggregated_server() {
         "--threads",
         "2",
     ]);
-    let stdout = crate::serve::bench_serve_stdout(&output);
+    let stdout = bench_serve_stdout(&output);
     assert!(
         stdout.contains("disaggregated: 1 prefill + 1 decode replicas"),
         "{stdout}"
     );
-    let tokens = crate::serve::bench_serve_tokens(&stdout, 2);
+    let tokens = bench_serve_tokens(&stdout, 2);
     assert!((2..=6).contains(&tokens), "{stdout}");
 }
 
@@ -333,13 +317,9 @@ fn bench_serve_measures_a_disaggregated_server() {
 fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
     use std::process::Stdio;
     infer::model::default::ensure(&mut |_| {}).expect("model");
-    let store_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-        .to_string();
+    let store_port = free_port().to_string();
     let node = |rank: &str| {
-        let mut command = crate::infer();
+        let mut command = infer();
         command
             .args(["up", "--threads", "1", "--nnodes", "2", "--node-rank", rank])
             .args(["--master-addr", "127.0.0.1", "--master-port", &store_port])
@@ -362,18 +342,14 @@ fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
     });
     let mut head = Server::start_command(node("0"));
     let mut other = joining.join().expect("node 1 started");
-    let reference = crate::serve::generate_counting();
+    let reference = generate_counting();
     let body = json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0});
     let (status, reply) = head.post("/v1/completions", &body);
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
     handed_off_once(&head.metrics());
     let ranks = head.rank_pids();
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(head.child.id() as i32).expect("pid"),
-        rustix::process::Signal::INT,
-    )
-    .expect("SIGINT");
+    signal(head.child.id(), rustix::process::Signal::INT);
     let (status, rest) = head.wait_for_gang_exit(&ranks);
     assert_eq!(status.code(), Some(0), "{}{rest}", head.startup);
     assert_eq!(other.wait().expect("node 1 exits").code(), Some(0));
@@ -432,7 +408,7 @@ fn a_disaggregated_plan_runs_as_prefill_and_decode_replicas() {
         "1x2xh100-sxm",
         "--disaggregate",
     ];
-    let output = crate::run(&[&plan_args[..], &["--json"]].concat());
+    let output = run(&[&plan_args[..], &["--json"]].concat());
     assert!(output.status.success(), "{output:?}");
     let mut plan: Value = serde_json::from_slice(&output.stdout).expect("plan JSON");
     assert_eq!(plan["disaggregated"]["prefill_workers"], 1, "{plan}");
@@ -442,8 +418,7 @@ fn a_disaggregated_plan_runs_as_prefill_and_decode_replicas() {
 
     let emit = dir.path().join("emit");
     let emit_str = emit.display().to_string();
-    let output =
-        crate::run(&[&plan_args[..], &["--engine", "infer", "--emit", &emit_str]].concat());
+    let output = run(&[&plan_args[..], &["--engine", "infer", "--emit", &emit_str]].concat());
     assert!(output.status.success(), "{output:?}");
     let launch: Value =
         serde_json::from_slice(&std::fs::read(emit.join("launch.json")).expect("launch.json"))
@@ -459,7 +434,7 @@ fn a_disaggregated_plan_runs_as_prefill_and_decode_replicas() {
         .any(|w| w == ["--prefill", "1", "--decode", "1"]);
     assert!(roles && !argv.contains(&"--dp"), "{argv:?}");
 
-    let reference = crate::serve::generate_counting();
+    let reference = generate_counting();
     let plan_str = plan_path.display().to_string();
     let server = Server::start(&["--plan", &plan_str]);
     assert!(
@@ -479,7 +454,7 @@ fn a_disaggregated_plan_runs_as_prefill_and_decode_replicas() {
     // Decode workers of TP 2 against prefill workers of TP 1: not one shape.
     plan["disaggregated"]["decode"]["tp"] = Value::from(2);
     std::fs::write(&plan_path, serde_json::to_vec(&plan).expect("JSON")).expect("write");
-    let output = crate::run(&["up", "--port", "0", "--plan", &plan_str]);
+    let output = run(&["up", "--port", "0", "--plan", &plan_str]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(

@@ -6,8 +6,9 @@
 
 use serde_json::{Value, json};
 
-use crate::scheduling::{QUESTIONS, SYSTEM};
-use crate::serve::{Server, metric};
+use crate::support::model::{QUESTIONS, SYSTEM};
+use crate::support::process::run;
+use crate::support::server::{Server, metric};
 
 fn bodies() -> Vec<Value> {
     QUESTIONS
@@ -145,7 +146,7 @@ fn a_small_cache_evicts_and_preempts_and_changes_no_answer() {
 
 #[test]
 fn bad_scheduling_flags_exit_2() {
-    let output = crate::run(&["up", "--max-batch", "8", "--max-num-batched-tokens", "4"]);
+    let output = run(&["up", "--max-batch", "8", "--max-num-batched-tokens", "4"]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(

@@ -15,6 +15,8 @@ use infer::runtime::model::sampling::SamplingParams;
 use infer::runtime::model::tokenizer::Tokenizer;
 use infer::serve::scheduler::{Event, Limits, Request, Scheduler};
 
+use crate::support::model::{QUESTIONS, SYSTEM};
+
 /// A fresh SmolLM2 engine (2 threads) with a KV pool of `capacity_tokens`, leaked so an
 /// executor can borrow it for the scheduler thread's lifetime.
 fn engine(capacity_tokens: Option<usize>) -> &'static Engine {
@@ -68,7 +70,12 @@ impl Executor for Recording {
     }
 }
 
-fn start(engine: &'static Engine, limits: Limits) -> (Scheduler, Arc<Mutex<Vec<StepRecord>>>) {
+/// A scheduler over `engine` with `limits`, its executor recording every step into the
+/// returned list.
+fn start_recording(
+    engine: &'static Engine,
+    limits: Limits,
+) -> (Scheduler, Arc<Mutex<Vec<StepRecord>>>) {
     let steps = Arc::new(Mutex::new(Vec::new()));
     let executor = Recording {
         inner: LocalExecutor::new(engine),
@@ -77,6 +84,7 @@ fn start(engine: &'static Engine, limits: Limits) -> (Scheduler, Arc<Mutex<Vec<S
     (Scheduler::start_with(Box::new(executor), limits), steps)
 }
 
+/// Greedy sampling of up to `max_tokens` tokens.
 fn greedy(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         max_tokens,
@@ -93,6 +101,7 @@ struct Outcome {
 
 type Pending = tokio::sync::mpsc::UnboundedReceiver<Event>;
 
+/// Submits `prompt` to `scheduler`; returns the receiver of its events.
 fn submit(scheduler: &Scheduler, prompt: &[u32], params: &SamplingParams) -> Pending {
     let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
     scheduler
@@ -107,7 +116,8 @@ fn submit(scheduler: &Scheduler, prompt: &[u32], params: &SamplingParams) -> Pen
     receiver
 }
 
-fn wait(mut receiver: Pending) -> Outcome {
+/// Reads a request's events to its end: what it got back (panics on an error or a hand-off).
+fn outcome_of(mut receiver: Pending) -> Outcome {
     let mut tokens = Vec::new();
     while let Some(event) = receiver.blocking_recv() {
         match event {
@@ -149,24 +159,6 @@ fn chat(engine: &Engine, messages: &[(&str, &str)]) -> Vec<u32> {
     engine.tokenizer.encode(&text, false).expect("encode")
 }
 
-/// A system prompt of several KV blocks, shared by the prefix-cache tests.
-pub const SYSTEM: &str = "You are a careful assistant for a team that runs inference on racks of GPU \
-servers. Answer in one short sentence, name units, and never invent numbers you were not given. \
-When a question is about bandwidth, remember that HBM is faster than NVLink, which is faster than \
-PCIe, InfiniBand and Ethernet, in that order.";
-
-/// Questions asked after [`SYSTEM`].
-pub const QUESTIONS: [&str; 8] = [
-    "What is a KV cache?",
-    "Why does tensor parallelism need a fast link?",
-    "What does TTFT measure?",
-    "Name one way to reduce decode latency.",
-    "What is prefill?",
-    "Is Ethernet faster than NVLink?",
-    "What is a rank?",
-    "What does an all-reduce do?",
-];
-
 #[test]
 fn chunked_prefill_gives_the_tokens_of_whole_prompts_with_decodes_first_and_steps_within_budget() {
     let engine = engine(None);
@@ -185,7 +177,7 @@ fn chunked_prefill_gives_the_tokens_of_whole_prompts_with_decodes_first_and_step
         .map(|p| reference(engine, p, &params))
         .collect();
     let budget = 16;
-    let (scheduler, steps) = start(
+    let (scheduler, steps) = start_recording(
         engine,
         Limits {
             max_batch: 4,
@@ -197,7 +189,7 @@ fn chunked_prefill_gives_the_tokens_of_whole_prompts_with_decodes_first_and_step
         .map(|p| submit(&scheduler, p, &params))
         .collect();
     for (index, (receiver, expected)) in pending.into_iter().zip(&expected).enumerate() {
-        assert_eq!(&wait(receiver).tokens, expected, "prompt {index}");
+        assert_eq!(&outcome_of(receiver).tokens, expected, "prompt {index}");
     }
 
     let steps = steps.lock().expect("steps").clone();
@@ -250,7 +242,7 @@ fn a_short_prompt_gets_past_a_long_prompts_chunks() {
         reference(engine, &long, &params),
         reference(engine, &short, &params),
     ];
-    let (scheduler, steps) = start(
+    let (scheduler, steps) = start_recording(
         engine,
         Limits {
             max_batch: 4,
@@ -262,7 +254,7 @@ fn a_short_prompt_gets_past_a_long_prompts_chunks() {
         submit(&scheduler, &short, &params),
     ];
     for (receiver, expected) in pending.into_iter().zip(&expected) {
-        assert_eq!(&wait(receiver).tokens, expected);
+        assert_eq!(&outcome_of(receiver).tokens, expected);
     }
     let steps = steps.lock().expect("steps").clone();
     let first_sample = |seq: u64| {
@@ -301,10 +293,10 @@ fn the_prefix_cache_serves_a_shared_system_prompt_and_changes_no_token() {
         .map(|p| reference(engine, p, &params))
         .collect();
     assert!(engine.model.kv_pool().set_prefix_cache(true));
-    let (scheduler, steps) = start(engine, Limits::with_max_batch(4, 2));
+    let (scheduler, steps) = start_recording(engine, Limits::with_max_batch(4, 2));
     let mut cached = Vec::new();
     for (index, (prompt, expected)) in prompts.iter().zip(&expected).enumerate() {
-        let outcome = wait(submit(&scheduler, prompt, &params));
+        let outcome = outcome_of(submit(&scheduler, prompt, &params));
         assert_eq!(&outcome.tokens, expected, "question {index}");
         cached.push(outcome.cached_tokens);
     }
@@ -350,7 +342,7 @@ fn the_prefix_cache_serves_a_shared_system_prompt_and_changes_no_token() {
         ],
     );
     let expected_follow_up = reference(engine, &follow_up, &params);
-    let outcome = wait(submit(&scheduler, &follow_up, &params));
+    let outcome = outcome_of(submit(&scheduler, &follow_up, &params));
     assert_eq!(outcome.tokens, expected_follow_up);
     assert!(
         outcome.cached_tokens >= shared / BLOCK_TOKENS * BLOCK_TOKENS
@@ -377,7 +369,7 @@ fn evicted_and_preempted_prefixes_are_recomputed_exactly() {
         .map(|p| reference(engine, p, &params))
         .collect();
     assert!(engine.model.kv_pool().set_prefix_cache(true));
-    let (scheduler, _steps) = start(engine, Limits::with_max_batch(4, 2));
+    let (scheduler, _steps) = start_recording(engine, Limits::with_max_batch(4, 2));
     // Four at once, twice: preemption; then one by one: eviction.
     for (round, prompts) in prompts.chunks(4).enumerate() {
         let pending: Vec<Pending> = prompts
@@ -387,14 +379,14 @@ fn evicted_and_preempted_prefixes_are_recomputed_exactly() {
         for (index, receiver) in pending.into_iter().enumerate() {
             let question = round * 4 + index;
             assert_eq!(
-                wait(receiver).tokens,
+                outcome_of(receiver).tokens,
                 expected[question],
                 "question {question}, concurrent"
             );
         }
     }
     for (index, (prompt, expected)) in prompts.iter().zip(&expected).enumerate() {
-        let outcome = wait(submit(&scheduler, prompt, &params));
+        let outcome = outcome_of(submit(&scheduler, prompt, &params));
         assert_eq!(&outcome.tokens, expected, "question {index}, alone");
     }
     let metrics = scheduler.metrics.snapshot();

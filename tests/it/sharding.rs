@@ -164,7 +164,7 @@ fn misaligned_shards_are_refused() {
 
 #[test]
 fn synthetic_dense_model_agrees_at_tp_1_2_4() {
-    use crate::synthetic::{Shape, weights, write_gguf};
+    use crate::support::synthetic::{Shape, weights, write_gguf};
     // 8 heads and 2 KV heads: TP 4 replicates each KV head on two ranks.
     let shape = Shape {
         hidden: 64,
@@ -284,7 +284,7 @@ fn moe_greedy(
 
 #[test]
 fn synthetic_moe_agrees_at_ep_1_2_4_with_tp_1_and_2() {
-    use crate::synthetic::{Shape, write_gguf_moe};
+    use crate::support::synthetic::{Shape, write_gguf_moe};
     let shape = Shape::small_moe();
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("moe.gguf");

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use infer::topology::{Gpu, Host, LinkCode, NicKind, P2pStatus, Topology};
 use serde_json::Value;
 
-use crate::fake_sysfs::{FakePort, FakeSysfs};
-use crate::{run, run_with_stdin, shared_fixture, stdout_ok};
+use crate::support::fixtures::{FakePort, FakeSysfs, shared_fixture};
+use crate::support::process::{run, run_with_stdin, stdout_ok};
 
 /// Imports a fixture through the real binary's `--json` output.
 fn import_fixture(name: &str) -> Host {

@@ -1,10 +1,26 @@
-//! Builds fake sysfs trees with the real layout: `devices/pci…/<bdf>/net/<if>`,
-//! `class/net/<if>` links, `class/infiniband/<hca>` links with `device` and `ports/<n>/…`,
-//! `bus/pci/devices/<bdf>` links, and `devices/virtual/net/<if>` for software interfaces.
+//! The inputs the topology, doctor and plan tests read: the repository's shared fixtures
+//! (`../shared/fixtures/`, real-world files with expected facts) and fake sysfs trees with
+//! the real layout: `devices/pci…/<bdf>/net/<if>`, `class/net/<if>` links,
+//! `class/infiniband/<hca>` links with `device` and `ports/<n>/…`, `bus/pci/devices/<bdf>`
+//! links, and `devices/virtual/net/<if>` for software interfaces.
 
 use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
+
+/// The path of `relative` in the repository's `../shared/fixtures/` directory; panics,
+/// naming it, when the file is missing.
+pub fn shared_fixture(relative: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/fixtures")
+        .join(relative);
+    assert!(
+        path.exists(),
+        "fixture `{}` is missing: is `../shared` checked out beside the repo?",
+        path.display()
+    );
+    path
+}
 
 /// A sysfs tree in a temp dir; pass [`FakeSysfs::root`] as `--sysfs-root`.
 pub struct FakeSysfs {
@@ -22,22 +38,26 @@ pub struct FakePort<'a> {
 }
 
 impl FakeSysfs {
+    /// An empty tree in a new temp dir (deleted when dropped).
     pub fn new() -> FakeSysfs {
         FakeSysfs {
             dir: tempfile::tempdir().expect("temp dir"),
         }
     }
 
+    /// The tree's root directory.
     pub fn root(&self) -> &Path {
         self.dir.path()
     }
 
+    /// Writes `contents` and a newline to `relative`, creating its directories.
     fn write(&self, relative: impl AsRef<Path>, contents: &str) {
         let path = self.root().join(relative);
         fs::create_dir_all(path.parent().expect("has parent")).expect("mkdir");
         fs::write(path, format!("{contents}\n")).expect("write");
     }
 
+    /// Makes `relative` a symlink to `target`, creating its directories.
     fn link(&self, relative: impl AsRef<Path>, target: &Path) {
         let path = self.root().join(relative);
         fs::create_dir_all(path.parent().expect("has parent")).expect("mkdir");

@@ -3,7 +3,7 @@
 //! llama.cpp tensor names, Q/K rows permuted the way `convert_hf_to_gguf.py` permutes them).
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use infer::runtime::formats::gguf::{TensorInfo, Value, encode_header};
 
@@ -34,6 +34,21 @@ impl Shape {
         }
     }
 
+    /// A small dense shape that splits two ways under TP (4 heads, 2 KV heads) or PP (2
+    /// layers), with a vocabulary of 60 single characters: the device-rank tests' model.
+    pub fn tp2() -> Shape {
+        Shape {
+            hidden: 64,
+            intermediate: 96,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            vocab: 60,
+            qkv_bias: false,
+        }
+    }
+
+    /// The width of one attention head.
     pub fn head_dim(&self) -> usize {
         self.hidden / self.n_heads
     }
@@ -479,4 +494,18 @@ pub fn tokenizer_metadata(vocab: usize) -> Vec<(String, Value)> {
         ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
         ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
     ]
+}
+
+/// A small Llama of [`Shape::tp2`] (seed 11), with a tokenizer of single characters, written
+/// into `dir` as `tp2.gguf`; returns its path.
+pub fn write_tp2_model(dir: &Path) -> PathBuf {
+    let shape = Shape::tp2();
+    let path = dir.join("tp2.gguf");
+    write_gguf_with(
+        &path,
+        &shape,
+        &weights(&shape, 11),
+        &tokenizer_metadata(shape.vocab),
+    );
+    path
 }

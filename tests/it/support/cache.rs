@@ -1,0 +1,81 @@
+//! Tools the tests build or download once and keep outside the repository: the test cache
+//! directory, cache entries named after their recipe and built atomically, and the official
+//! `openai` Python package.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+/// Where test tools are cached: `$INFER_TEST_CACHE`, else `~/.cache/infer-tests`.
+pub fn test_cache() -> PathBuf {
+    std::env::var_os("INFER_TEST_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/infer-tests")
+        })
+}
+
+/// A short content hash (FNV-1a, 64 bits) naming a cache entry after its recipe.
+pub fn recipe_hash(bytes: &[u8]) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{hash:016x}")
+}
+
+/// Builds `dir` with `build` (into a temporary sibling, renamed into place at the end) unless
+/// it exists; concurrent tests either build it or find the finished one.
+pub fn cached_dir(dir: &Path, build: impl FnOnce(&Path)) -> PathBuf {
+    if dir.exists() {
+        return dir.to_path_buf();
+    }
+    let parent = dir.parent().expect("a cache dir has a parent");
+    std::fs::create_dir_all(parent).expect("create the test cache");
+    let staging = parent.join(format!(
+        ".{}-{}",
+        dir.file_name().and_then(|n| n.to_str()).unwrap_or("build"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&staging);
+    build(&staging);
+    if std::fs::rename(&staging, dir).is_err() {
+        // Another test process finished first.
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    assert!(dir.exists(), "`{}` was not built", dir.display());
+    dir.to_path_buf()
+}
+
+/// The official `openai` Python package, installed with pip into the cache (outside the
+/// repo) on first use; returns the directory to put on `PYTHONPATH`.
+pub fn openai_python_package() -> PathBuf {
+    const VERSION: &str = "3.54.0";
+    let dir = infer::model::default::cache_dir()
+        .expect("cache dir")
+        .join("python")
+        .join(format!("openai-{VERSION}"));
+    if !dir.join("openai").is_dir() {
+        let staging = dir.with_extension(format!("partial-{}", std::process::id()));
+        let status = std::process::Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .arg("--target")
+            .arg(&staging)
+            .arg(format!("openai=={VERSION}"))
+            .stdout(Stdio::null())
+            .status()
+            .expect("python3 -m pip (install python3-pip)");
+        assert!(status.success(), "pip could not install openai=={VERSION}");
+        // Another test process may have won the race; either copy is complete.
+        if std::fs::rename(&staging, &dir).is_err() {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+    }
+    dir
+}

@@ -1,0 +1,249 @@
+//! A test cluster built by the tests themselves: network namespaces ("hosts"), each with
+//! its own OpenSSH `sshd` (and its own mount namespace, so a file may be missing on a host),
+//! joined by a management and a data bridge, with different NIC names per host
+//! (`scripts/test-cluster.sh`). The launcher runs in the root namespace, which is on the
+//! management network only.
+//!
+//! Building one needs root, `ip`, `unshare` and `sshd`: in CI (`CI` set) or with
+//! `INFER_TEST_HARDWARE=1` a missing one fails the test; elsewhere [`TestCluster::start`]
+//! returns `None` and the test returns early.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// One host of a test cluster.
+pub struct TestHost {
+    pub name: String,
+    pub namespace: String,
+    pub management: String,
+    pub data: String,
+    pub data_nic: String,
+}
+
+/// A test cluster; dropping it stops every sshd and deletes the namespaces and bridges.
+pub struct TestCluster {
+    id: String,
+    pub dir: PathBuf,
+    _temp: tempfile::TempDir,
+    pub hosts: Vec<TestHost>,
+    pub inventory: PathBuf,
+}
+
+/// How many clusters this test process has built: part of each one's id.
+static CLUSTERS: AtomicU32 = AtomicU32::new(0);
+
+/// The script that builds and removes test clusters.
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/test-cluster.sh")
+}
+
+/// Why this machine cannot build a test cluster, if it cannot.
+pub fn missing_requirement() -> Option<String> {
+    if !rustix::process::geteuid().is_root() {
+        return Some("the test cluster needs root (network namespaces, sshd)".into());
+    }
+    for tool in ["/usr/sbin/sshd", "/usr/bin/ssh-keygen"] {
+        if !Path::new(tool).exists() {
+            return Some(format!(
+                "`{tool}` is missing: `apt-get install openssh-server openssh-client`"
+            ));
+        }
+    }
+    for tool in ["ip", "unshare"] {
+        let found = Command::new(tool).arg("--version").output().is_ok();
+        if !found {
+            return Some(format!(
+                "`{tool}` is missing: `apt-get install iproute2 util-linux`"
+            ));
+        }
+    }
+    None
+}
+
+impl TestCluster {
+    /// Builds a cluster of `n_hosts` hosts with `cpu_ranks` slots each; `None` (the test
+    /// returns) where that cannot be done outside CI.
+    pub fn start(n_hosts: usize, cpu_ranks: usize) -> Option<TestCluster> {
+        TestCluster::start_with(n_hosts, cpu_ranks, None)
+    }
+
+    /// [`TestCluster::start`] whose hosts answer `uname -m` with `fake_arch` when given.
+    pub fn start_with(
+        n_hosts: usize,
+        cpu_ranks: usize,
+        fake_arch: Option<&str>,
+    ) -> Option<TestCluster> {
+        TestCluster::start_full(n_hosts, cpu_ranks, fake_arch, None)
+    }
+
+    /// [`TestCluster::start_with`] where host `low_nofile_host`'s sshd runs with
+    /// `ulimit -n 1024`.
+    pub fn start_full(
+        n_hosts: usize,
+        cpu_ranks: usize,
+        fake_arch: Option<&str>,
+        low_nofile_host: Option<usize>,
+    ) -> Option<TestCluster> {
+        TestCluster::start_faulty(n_hosts, cpu_ranks, fake_arch, low_nofile_host, None)
+    }
+
+    /// [`TestCluster::start_full`] where `fake_nccl` = (host, library file) becomes that
+    /// host's `/usr/local/lib/libnccl.so.2`.
+    pub fn start_faulty(
+        n_hosts: usize,
+        cpu_ranks: usize,
+        fake_arch: Option<&str>,
+        low_nofile_host: Option<usize>,
+        fake_nccl: Option<(usize, &Path)>,
+    ) -> Option<TestCluster> {
+        if let Some(why) = missing_requirement() {
+            let required = std::env::var_os("CI").is_some()
+                || std::env::var("INFER_TEST_HARDWARE").is_ok_and(|v| v == "1");
+            assert!(!required, "cannot build the SSH test cluster: {why}");
+            return None;
+        }
+        let serial = CLUSTERS.fetch_add(1, Ordering::SeqCst);
+        let id = format!("{:03x}{serial}", std::process::id() & 0xfff);
+        let octet = 20 + (std::process::id() * 13 + serial * 7) % 200;
+        let temp = tempfile::Builder::new()
+            .prefix("infer-cluster-")
+            .tempdir()
+            .expect("temp dir");
+        let dir = temp.path().to_path_buf();
+        let output = Command::new("bash")
+            .arg(script())
+            .args(["up", &id, &n_hosts.to_string()])
+            .arg(&dir)
+            .env("OCTET", octet.to_string())
+            .env("FAKE_ARCH", fake_arch.unwrap_or(""))
+            .env(
+                "LOW_NOFILE_HOST",
+                low_nofile_host.map_or("none".to_string(), |h| h.to_string()),
+            )
+            .env(
+                "FAKE_NCCL_HOST",
+                fake_nccl.map_or("none".to_string(), |(h, _)| h.to_string()),
+            )
+            .env(
+                "FAKE_NCCL_LIB",
+                fake_nccl.map_or(PathBuf::new(), |(_, lib)| lib.to_path_buf()),
+            )
+            .output()
+            .expect("run scripts/test-cluster.sh");
+        let mut cluster = TestCluster {
+            id,
+            dir: dir.clone(),
+            _temp: temp,
+            hosts: Vec::new(),
+            inventory: dir.join("hosts.toml"),
+        };
+        assert!(
+            output.status.success(),
+            "test-cluster.sh up failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let listing = std::fs::read_to_string(dir.join("hosts.txt")).expect("hosts.txt");
+        for line in listing.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            cluster.hosts.push(TestHost {
+                name: fields[0].into(),
+                namespace: fields[1].into(),
+                management: fields[2].into(),
+                data: fields[3].into(),
+                data_nic: fields[5].into(),
+            });
+        }
+        if cpu_ranks != 2 {
+            let text = std::fs::read_to_string(&cluster.inventory).expect("inventory");
+            std::fs::write(
+                &cluster.inventory,
+                text.replace("cpu-ranks = 2", &format!("cpu-ranks = {cpu_ranks}")),
+            )
+            .expect("inventory");
+        }
+        // Wait until every sshd listens.
+        for host in &cluster.hosts {
+            let address: std::net::SocketAddr =
+                format!("{}:22", host.management).parse().expect("address");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while std::net::TcpStream::connect_timeout(&address, Duration::from_millis(200))
+                .is_err()
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "sshd on {} never listened",
+                    host.name
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Some(cluster)
+    }
+
+    /// Adds (`-A`) or deletes (`-D`) an iptables rule in host `host`'s namespace that sends
+    /// incoming TCP to `port` to `target` (`DROP`, `REJECT --reject-with tcp-reset`, …).
+    pub fn port_rule(&self, host: usize, port: &str, action: &str, target: &[&str]) {
+        let status = Command::new("ip")
+            .args(["netns", "exec", &self.hosts[host].namespace, "iptables"])
+            .args([action, "INPUT", "-p", "tcp", "--dport", port, "-j"])
+            .args(target)
+            .status()
+            .expect("iptables (apt-get install iptables)");
+        assert!(status.success(), "iptables {action} {target:?}");
+    }
+
+    /// Trusts every host's key in the inventory's `known_hosts`, as a user would have.
+    pub fn trust_hosts(&self) {
+        let listing = std::fs::read_to_string(self.dir.join("hosts.txt")).expect("hosts.txt");
+        let mut known = String::new();
+        for line in listing.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            known.push_str(&format!("{} {} {}\n", fields[2], fields[6], fields[7]));
+        }
+        std::fs::write(self.dir.join("known_hosts"), known).expect("known_hosts");
+    }
+
+    /// Puts the inventory's text through `edit`.
+    pub fn edit_inventory(&self, edit: impl FnOnce(String) -> String) {
+        let text = std::fs::read_to_string(&self.inventory).expect("inventory");
+        std::fs::write(&self.inventory, edit(text)).expect("inventory");
+    }
+
+    /// Asserts that host `from` has an established TCP connection between its data address
+    /// and host `to`'s (read with `ss` inside `from`'s namespace).
+    pub fn assert_data_connection(&self, from: usize, to: usize) {
+        let output = Command::new("ip")
+            .args(["netns", "exec", &self.hosts[from].namespace])
+            .args(["ss", "-tnH", "state", "established"])
+            .output()
+            .expect("ss");
+        let connections = String::from_utf8_lossy(&output.stdout);
+        let (mine, theirs) = (
+            format!("{}:", self.hosts[from].data),
+            format!("{}:", self.hosts[to].data),
+        );
+        assert!(
+            connections
+                .lines()
+                .any(|l| l.contains(&mine) && l.contains(&theirs)),
+            "no connection {mine} <-> {theirs}:\n{connections}"
+        );
+    }
+
+    /// The root-namespace end of a host's management link.
+    pub fn management_link(&self, host: usize) -> String {
+        format!("v{}h{host}m", self.id)
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(script())
+            .args(["down", &self.id])
+            .arg(&self.dir)
+            .output();
+    }
+}
