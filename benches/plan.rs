@@ -24,7 +24,7 @@ fn main() {
     };
     for cluster_name in ["16x8xh100-sxm", "128x8xh100-sxm"] {
         let cluster =
-            infer::cluster::load(cluster_name, Path::new("/sys")).expect("shorthand parses");
+            infer::inventory::load(cluster_name, Path::new("/sys")).expect("shorthand parses");
         // One warm-up, then timed runs.
         let outcome = infer::plan::plan(&spec, &cluster, &settings);
         let iterations = 10;

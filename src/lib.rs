@@ -5,12 +5,12 @@
 //! See ARCHITECTURE.md for the code map and the invariants.
 
 pub mod cli;
-pub mod cluster;
 pub(crate) mod commands;
 pub mod degrees;
 pub mod doctor;
 pub(crate) mod engines;
 pub(crate) mod envvars;
+pub mod inventory;
 pub mod launch;
 pub mod model;
 pub mod plan;

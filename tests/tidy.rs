@@ -177,7 +177,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     ("runtime", &[]),
     ("model", &["plan", "runtime/formats", "runtime/model"]),
-    ("cluster", &["topology", "plan"]),
+    ("inventory", &["topology", "plan"]),
     ("engines", &["topology", "plan"]),
     ("doctor", &["topology", "plan", "runtime/collectives"]),
     (
@@ -203,7 +203,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime/cuda",
             "runtime/exec",
             "model",
-            "cluster",
+            "inventory",
             "engines",
             "doctor",
             "serve",

@@ -6,5 +6,5 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
-    let _ = infer::cluster::parse_launch_inventory(&text, std::path::Path::new("hosts.toml"));
+    let _ = infer::inventory::parse_launch_inventory(&text, std::path::Path::new("hosts.toml"));
 });

@@ -210,7 +210,7 @@ fn decode_cuda(
     printer.note_or_warn(device.backend().device.gemm_line());
     let weight_bytes = engine.model.decode_weight_bytes() as u64;
     let hbm_bytes_per_sec = crate::plan::cluster::hardware_for_gpu_name(&gpu.name)
-        .and_then(|id| crate::cluster::hardware(id).ok())
+        .and_then(|id| crate::inventory::hardware(id).ok())
         .map(|h| h.hbm_gb_per_sec * 1e9);
     let mut rows = Vec::new();
     for &batch in &batches {
@@ -600,7 +600,7 @@ fn allreduce_cluster(
         run_dir: None,
         gpus: None,
     };
-    let options = crate::launch::cluster::ClusterOptions {
+    let options = crate::launch::hosts::ClusterOptions {
         inventory: inventory.to_path_buf(),
         ssh: crate::launch::ssh::SshOptions {
             accept_new: args.ssh.ssh_accept_new,
@@ -612,7 +612,7 @@ fn allreduce_cluster(
     };
     let progress = printer.progress(2 * args.world as u64);
     let mut hosts = Vec::new();
-    let bytes = crate::launch::cluster::run_job(&spec, &job, &options, &mut |event| {
+    let bytes = crate::launch::hosts::run_job(&spec, &job, &options, &mut |event| {
         if let crate::launch::Progress::RankLine { label, .. } = &event
             && let Some(host) = label.split_whitespace().next()
             && label.contains(" r")

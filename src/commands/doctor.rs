@@ -17,7 +17,7 @@ pub(crate) fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
              another build is reported); leave --engine out"
         );
     }
-    if args.model.is_none() && crate::cluster::is_inventory(&args.settings.cluster) {
+    if args.model.is_none() && crate::inventory::is_inventory(&args.settings.cluster) {
         return cluster(args, printer);
     }
     if let Some(engine) = args.engine {
@@ -147,7 +147,7 @@ fn no_nccl_output(logs: &[nccl_log::NcclLog]) -> Result<()> {
 fn plan_from_flags(model: &str, args: &DoctorArgs) -> Result<Vec<crate::doctor::Finding>> {
     let settings = crate::commands::plan::settings(&args.settings)?;
     let spec = crate::model::load(model)?;
-    let cluster = crate::cluster::load(&args.settings.cluster, &args.sysfs_root)?;
+    let cluster = crate::inventory::load(&args.settings.cluster, &args.sysfs_root)?;
     Ok(match crate::plan::plan(&spec, &cluster, &settings) {
         crate::plan::Outcome::Feasible(plan) => {
             let cluster_topology = Topology {

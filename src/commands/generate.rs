@@ -286,14 +286,14 @@ fn run_ranks(
     let progress = printer.progress(2 * (args.tp * args.pp) as u64);
     let generation = match &args.cluster {
         Some(inventory) => {
-            let options = crate::launch::cluster::ClusterOptions {
+            let options = crate::launch::hosts::ClusterOptions {
                 inventory: inventory.clone(),
                 ssh: crate::launch::ssh::SshOptions {
                     accept_new: args.ssh.ssh_accept_new,
                 },
                 push_model: args.ssh.push_model,
             };
-            crate::launch::cluster::run_generation(spec, job, &options, &mut |event| {
+            crate::launch::hosts::run_generation(spec, job, &options, &mut |event| {
                 super::report_progress(&progress, &event, true)
             })?
         }

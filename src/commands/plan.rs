@@ -7,7 +7,7 @@ use crate::cli::{ObjectiveArg, PlanArgs, PlanSettingsArgs};
 use crate::plan::model::Dtype;
 use crate::plan::{Objective, Outcome, Settings, plan, render};
 use crate::ui::Printer;
-use crate::{ExitStatus, cluster, engines, model};
+use crate::{ExitStatus, engines, inventory, model};
 
 /// Runs `infer plan`. Exit status `No` when no layout is feasible. Errors: bad flags, an
 /// unreadable model or cluster.
@@ -38,7 +38,7 @@ pub(crate) fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
 /// Errors: an unreadable cluster, a calibration that cannot be read or parsed or does not
 /// fit the cluster.
 fn calibrated_cluster(args: &PlanArgs) -> Result<crate::plan::cluster::Cluster> {
-    let mut cluster = cluster::load(&args.settings.cluster, &args.sysfs_root)?;
+    let mut cluster = inventory::load(&args.settings.cluster, &args.sysfs_root)?;
     for path in &args.calibration {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read the calibration `{}`", path.display()))?;
@@ -145,7 +145,7 @@ fn emit_launch(
     printer: &Printer,
 ) -> Result<()> {
     if let (Some(launch), Some(dir)) = (launch, &args.emit) {
-        let written = crate::launch::engine::emit(launch, dir)?;
+        let written = crate::launch::engines::emit(launch, dir)?;
         printer.note(&format!(
             "wrote {} run script{} and launch.json into {}",
             written.len(),

@@ -1,4 +1,4 @@
-//! `infer smoke`: the single-GPU CI check. A thin wrapper: [`crate::runtime::exec::smoke::run`]
+//! `infer smoke`: the single-GPU CI check. A thin wrapper: [`crate::runtime::exec::gpu_checks::run`]
 //! does the checks; this prints the pass/fail table (or JSON) and picks the exit status.
 
 use anyhow::{Context, Result, bail};

@@ -81,7 +81,7 @@ fn gpu_settings(args: &UpArgs) -> Result<Option<crate::serve::http::GpuSettings>
     let remote = args
         .cluster
         .as_deref()
-        .is_some_and(crate::cluster::is_inventory);
+        .is_some_and(crate::inventory::is_inventory);
     let (kernels, gpus) = super::cuda_device(remote)?;
     Ok(Some(crate::serve::http::GpuSettings { kernels, gpus }))
 }
@@ -103,7 +103,7 @@ fn pd_replicas(args: &UpArgs) -> Result<Option<(usize, usize)>> {
     if let Some(cluster) = args
         .cluster
         .as_deref()
-        .filter(|c| !crate::cluster::is_inventory(c) && !c.ends_with(".toml") && !c.contains('/'))
+        .filter(|c| !crate::inventory::is_inventory(c) && !c.ends_with(".toml") && !c.contains('/'))
     {
         bail!(
             "--prefill/--decode run on an inventory's hosts (`--cluster hosts.toml`), not on the planned cluster `{cluster}`"
@@ -282,8 +282,8 @@ impl UpReporter<'_> {
     }
 }
 
-/// `infer up --engine E`: the flags become [`crate::launch::engine::EngineUpSettings`], and
-/// [`crate::launch::engine::up`] checks the hosts, starts the engine and watches it.
+/// `infer up --engine E`: the flags become [`crate::launch::engines::EngineUpSettings`], and
+/// [`crate::launch::engines::up`] checks the hosts, starts the engine and watches it.
 fn run_engine(
     args: &UpArgs,
     engine: crate::engines::EngineKind,
@@ -311,7 +311,7 @@ fn run_engine(
     };
     let cluster = match args.cluster.as_deref() {
         None | Some("local") => None,
-        Some(c) if crate::cluster::is_inventory(c) => Some(std::path::PathBuf::from(c)),
+        Some(c) if crate::inventory::is_inventory(c) => Some(std::path::PathBuf::from(c)),
         Some(c) => bail!(
             "--cluster `{c}` with --engine: the engine runs on real hosts: give an inventory (hosts.toml) or leave it out for this host"
         ),
@@ -338,7 +338,7 @@ fn run_engine(
         (None, EngineKind::Llamacpp) => Some(model_id(std::path::Path::new(&model))),
         (None, _) => None,
     };
-    let settings = crate::launch::engine::EngineUpSettings {
+    let settings = crate::launch::engines::EngineUpSettings {
         engine,
         model,
         served_model_name,
@@ -357,7 +357,7 @@ fn run_engine(
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
     };
-    crate::launch::engine::up(&settings, &mut |event| match event {
+    crate::launch::engines::up(&settings, &mut |event| match event {
         UpEvent::Note(text) => printer.note(&text),
         UpEvent::Listening(_) => {}
         UpEvent::Gang(event) => report_progress_plain(printer, &event),

@@ -3,7 +3,7 @@
 //! stable id; checks collect [`Finding`]s rather than failing on the first problem.
 
 pub mod checks;
-pub(crate) mod cluster;
+pub(crate) mod evidence;
 pub mod nccl_log;
 
 use comfy_table::Table;
@@ -86,13 +86,13 @@ pub struct Report {
     pub warnings: usize,
     /// The cross-host reachability matrix of `--cluster` (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub matrix: Option<cluster::Matrix>,
+    pub matrix: Option<evidence::Matrix>,
     /// The all-reduce of `--cluster --bandwidth` (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub allreduce: Option<cluster::AllreduceProbe>,
+    pub allreduce: Option<evidence::AllreduceProbe>,
     /// What `--cluster --engine E` found of the engine on each host (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub engine: Option<cluster::EngineEvidence>,
+    pub engine: Option<evidence::EngineEvidence>,
 }
 
 impl Report {
@@ -158,7 +158,7 @@ pub fn render(report: &Report) -> String {
     let matrix = report
         .matrix
         .as_ref()
-        .map(|m| format!("\n\n{}", cluster::render_matrix(m)))
+        .map(|m| format!("\n\n{}", evidence::render_matrix(m)))
         .unwrap_or_default();
     let allreduce = report
         .allreduce

@@ -10,10 +10,10 @@
 //! stopping them), [`process`] (child processes), [`run_dir`] (run directories).
 
 pub mod agent;
-pub(crate) mod cluster;
-pub(crate) mod engine;
+pub(crate) mod engines;
 pub(crate) mod events;
 pub(crate) mod gang;
+pub(crate) mod hosts;
 pub(crate) mod network;
 pub(crate) mod process;
 pub(crate) mod protocol;

@@ -12,7 +12,7 @@ use super::Progress;
 use super::remote::{RemoteCluster, RemoteHostSpec};
 use super::ssh::{SshTarget, default_identity_files, default_known_hosts};
 use super::ssh_config;
-use crate::cluster::InventoryEntry;
+use crate::inventory::InventoryEntry;
 use crate::topology::Interface;
 
 /// One host's choice of data network.

@@ -208,7 +208,7 @@ fn inventory(settings: &UpSettings) -> Option<PathBuf> {
     settings
         .cluster
         .as_deref()
-        .filter(|c| crate::cluster::is_inventory(c))
+        .filter(|c| crate::inventory::is_inventory(c))
         .map(PathBuf::from)
 }
 
@@ -254,7 +254,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
     let layout = if let Some(file) = inventory.as_ref().filter(|_| !pinned) {
         // An inventory without pinned degrees: plan over its GPU hosts, or one replica per
         // host when they run CPU ranks.
-        let entries = crate::cluster::launch_inventory(file)?;
+        let entries = crate::inventory::launch_inventory(file)?;
         if entries.iter().all(|e| e.cpu) {
             Layout {
                 degrees: Degrees {
@@ -268,7 +268,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         } else {
             let spec = model::spec_of(&settings.model)?;
             let cluster =
-                crate::cluster::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
+                crate::inventory::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
             match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
                 crate::plan::Outcome::Feasible(plan) => Layout {
                     degrees: plan.parallel.degrees(),
@@ -294,7 +294,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         layout_of(&plan, &format!("the plan `{}`", file.display()), events)?
     } else if let Some(cluster) = args.cluster.as_ref().filter(|_| inventory.is_none()) {
         let spec = model::spec_of(&settings.model)?;
-        let cluster = crate::cluster::load(cluster, std::path::Path::new("/sys"))?;
+        let cluster = crate::inventory::load(cluster, std::path::Path::new("/sys"))?;
         match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
             crate::plan::Outcome::Feasible(plan) => {
                 layout_of(&plan, &format!("the plan for `{}`", plan.cluster), events)?
@@ -586,14 +586,14 @@ fn start_ranks(
     inventory: Option<PathBuf>,
     world: usize,
     report: &mut dyn FnMut(Progress),
-) -> Result<(Option<super::cluster::ClusterRun>, Option<Gang>)> {
+) -> Result<(Option<super::hosts::ClusterRun>, Option<Gang>)> {
     if let Some(file) = inventory {
-        let options = super::cluster::ClusterOptions {
+        let options = super::hosts::ClusterOptions {
             inventory: file,
             ssh: settings.ssh,
             push_model: settings.push_model,
         };
-        let run = super::cluster::start(spec, &Job::Serve, &options, report)?;
+        let run = super::hosts::start(spec, &Job::Serve, &options, report)?;
         return Ok((Some(run), None));
     }
     let Some(node) = &settings.node else {

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::runtime::cuda::checks::Check;
 
-/// Everything `infer smoke` checks: the GPU's rows ([`crate::runtime::exec::smoke::run`])
+/// Everything `infer smoke` checks: the GPU's rows ([`crate::runtime::exec::gpu_checks::run`])
 /// and then, when the model ran there, `exe up --device cuda` answering a chat request.
 ///
 /// Errors: no driver or no GPU (nothing to check).
@@ -19,8 +19,8 @@ pub fn run(
     dirs: &[std::path::PathBuf],
     model: &Path,
     exe: &Path,
-) -> Result<crate::runtime::exec::smoke::Report> {
-    let mut report = crate::runtime::exec::smoke::run(cache_dir, dirs, model)?;
+) -> Result<crate::runtime::exec::gpu_checks::Report> {
+    let mut report = crate::runtime::exec::gpu_checks::run(cache_dir, dirs, model)?;
     report
         .checks
         .push(chat_check(exe, model, "cuda", Duration::from_secs(300)));

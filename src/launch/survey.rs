@@ -11,7 +11,7 @@ use super::network::{choose_data_interfaces, ssh_targets};
 use super::remote::{Preflight, RemoteCluster, RemoteHostSpec};
 use super::ssh::SshOptions;
 use super::{Gang, LaunchSpec, Placement, Progress, StoreLocation};
-use crate::cluster::InventoryEntry;
+use crate::inventory::InventoryEntry;
 use crate::runtime::exec::rank_env::HostEnv;
 use crate::runtime::exec::worker::Job;
 use crate::topology::Interface;
@@ -34,7 +34,7 @@ fn connect_to_probe(
     ssh: SshOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<ProbeConnection> {
-    let entries = crate::cluster::launch_inventory(inventory)?;
+    let entries = crate::inventory::launch_inventory(inventory)?;
     let targets = ssh_targets(&entries)?;
     let (remote, failures) = RemoteCluster::connect_partial(
         &targets,
@@ -67,8 +67,8 @@ pub(crate) fn survey(
     bandwidth: bool,
     engine: Option<(crate::engines::EngineKind, Option<&Path>)>,
     progress: &mut dyn FnMut(Progress),
-) -> Result<crate::doctor::cluster::ClusterEvidence> {
-    use crate::doctor::cluster::ClusterEvidence;
+) -> Result<crate::doctor::evidence::ClusterEvidence> {
+    use crate::doctor::evidence::ClusterEvidence;
     let (entries, targets, mut remote, failures) = connect_to_probe(inventory, ssh, progress)?;
     let answering: Vec<usize> = remote
         .hosts
@@ -147,7 +147,7 @@ fn host_evidence(
     entries: &[InventoryEntry],
     targets: &[RemoteHostSpec],
     answering: &[usize],
-) -> Result<Vec<crate::doctor::cluster::HostEvidence>> {
+) -> Result<Vec<crate::doctor::evidence::HostEvidence>> {
     let mut hosts = Vec::new();
     for (position, host) in remote.hosts.iter().enumerate() {
         let live = remote
@@ -155,7 +155,7 @@ fn host_evidence(
             .into_iter()
             .map(|finding| finding.into_finding(&host.name))
             .collect();
-        hosts.push(crate::doctor::cluster::HostEvidence {
+        hosts.push(crate::doctor::evidence::HostEvidence {
             name: host.name.clone(),
             infer_version: host.hello.version.clone(),
             infer_sha256: host.hello.sha256.clone(),
@@ -174,11 +174,11 @@ fn host_evidence(
 
 /// What [`probe_network`] measured between the hosts' data addresses.
 struct NetworkProbes {
-    matrix: crate::doctor::cluster::Matrix,
+    matrix: crate::doctor::evidence::Matrix,
     /// With `--bandwidth`: each pair's stream.
-    bandwidth: Option<Vec<crate::doctor::cluster::PairBandwidth>>,
+    bandwidth: Option<Vec<crate::doctor::evidence::PairBandwidth>>,
     /// With `--bandwidth`: one all-reduce over every host.
-    allreduce: Option<crate::doctor::cluster::AllreduceProbe>,
+    allreduce: Option<crate::doctor::evidence::AllreduceProbe>,
 }
 
 /// The probes between the hosts' data addresses (`data[i]`: interface, address of host
@@ -223,7 +223,7 @@ fn probe_network(
     let mut store_cells = vec![None];
     for (position, (_, address)) in data.iter().enumerate().skip(1) {
         let result = remote.connect_only(position, address, &store.to_string())?;
-        store_cells.push(Some(crate::doctor::cluster::Cell {
+        store_cells.push(Some(crate::doctor::evidence::Cell {
             to: result.to,
             from: result.from,
             rtt_us: result.rtt_us,
@@ -234,7 +234,7 @@ fn probe_network(
     let allreduce = bandwidth
         .then(|| allreduce_evidence(remote, names, data, (store, store_here), &token, progress));
     Ok(NetworkProbes {
-        matrix: crate::doctor::cluster::Matrix {
+        matrix: crate::doctor::evidence::Matrix {
             hosts: names.iter().map(|n| n.to_string()).collect(),
             cells: matrix_cells(results, data.len()),
             store: store.to_string(),
@@ -246,7 +246,7 @@ fn probe_network(
 }
 
 /// The bandwidth of every pair of hosts, one pair at a time (so no two streams share a
-/// link): [`BANDWIDTH_PROBE_BYTES`](crate::doctor::cluster::BANDWIDTH_PROBE_BYTES) from
+/// link): [`BANDWIDTH_PROBE_BYTES`](crate::doctor::evidence::BANDWIDTH_PROBE_BYTES) from
 /// the first to the second's listener (`listeners`), against the slower link's rate.
 ///
 /// Errors: a host that stopped answering.
@@ -255,8 +255,8 @@ fn measure_bandwidth(
     names: &[&str],
     data: &[(String, String)],
     listeners: &[String],
-) -> Result<Vec<crate::doctor::cluster::PairBandwidth>> {
-    use crate::doctor::cluster::BANDWIDTH_PROBE_BYTES;
+) -> Result<Vec<crate::doctor::evidence::PairBandwidth>> {
+    use crate::doctor::evidence::BANDWIDTH_PROBE_BYTES;
     let rate = |position: usize| data_link_rate(remote, position, &data[position].0);
     let mut measured = Vec::new();
     for from in 0..data.len() {
@@ -267,7 +267,7 @@ fn measure_bandwidth(
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            measured.push(crate::doctor::cluster::PairBandwidth {
+            measured.push(crate::doctor::evidence::PairBandwidth {
                 from: names[from].to_string(),
                 to: names[to].to_string(),
                 gbps: result
@@ -291,8 +291,8 @@ fn allreduce_evidence(
     store: (std::net::SocketAddr, std::net::SocketAddr),
     token: &str,
     progress: &mut dyn FnMut(Progress),
-) -> crate::doctor::cluster::AllreduceProbe {
-    use crate::doctor::cluster::{AllreduceProbe, LinkRate};
+) -> crate::doctor::evidence::AllreduceProbe {
+    use crate::doctor::evidence::{AllreduceProbe, LinkRate};
     let slowest_link = (0..data.len())
         .filter_map(|position| {
             Some(LinkRate {
@@ -335,7 +335,7 @@ fn allreduce_evidence(
 fn matrix_cells(
     results: Vec<Vec<super::protocol::ReachResult>>,
     n_hosts: usize,
-) -> Vec<Vec<Option<crate::doctor::cluster::Cell>>> {
+) -> Vec<Vec<Option<crate::doctor::evidence::Cell>>> {
     results
         .into_iter()
         .enumerate()
@@ -346,7 +346,7 @@ fn matrix_cells(
                         return None;
                     }
                     let result = results.remove(0);
-                    Some(crate::doctor::cluster::Cell {
+                    Some(crate::doctor::evidence::Cell {
                         to: result.to,
                         from: result.from,
                         rtt_us: result.rtt_us,
@@ -360,14 +360,14 @@ fn matrix_cells(
 }
 
 /// `engine` on every connected host, in parallel: its programs and versions
-/// ([`super::engine::probe_engine`]) and whether its usual ports are free. The first host
+/// ([`super::engines::probe_engine`]) and whether its usual ports are free. The first host
 /// is taken as the head.
 fn engine_survey(
     remote: &RemoteCluster,
     engine: crate::engines::EngineKind,
     engine_bin: Option<&Path>,
-) -> crate::doctor::cluster::EngineEvidence {
-    use crate::doctor::cluster::{EngineEvidence, EngineHostEvidence};
+) -> crate::doctor::evidence::EngineEvidence {
+    use crate::doctor::evidence::{EngineEvidence, EngineHostEvidence};
     // An agent of another build may not know the requests the probe sends.
     let own_sha = std::env::current_exe()
         .ok()
@@ -395,14 +395,14 @@ fn engine_survey(
                         };
                     }
                     let head = index == 0;
-                    let probed = super::engine::probe_engine(
+                    let probed = super::engines::probe_engine(
                         &|argv, timeout| remote.exec(index, argv, &[], timeout),
                         &host.name,
                         engine,
                         engine_bin,
                         head,
                     );
-                    let usual = super::engine::usual_ports(engine, head);
+                    let usual = super::engines::usual_ports(engine, head);
                     let wanted: Vec<(String, u16)> =
                         usual.iter().map(|(p, _)| ("0.0.0.0".to_string(), *p)).collect();
                     let ports_taken = remote
@@ -464,7 +464,7 @@ fn data_link_rate(remote: &RemoteCluster, position: usize, name: &str) -> Option
 
 /// One all-reduce over every host of `remote` with our own collectives: one rank per host
 /// (no model), bound to the host's data address (`data[i]`: interface, address), one group
-/// over TCP, sizes up to [`ALLREDUCE_PROBE_BYTES`](crate::doctor::cluster::ALLREDUCE_PROBE_BYTES).
+/// over TCP, sizes up to [`ALLREDUCE_PROBE_BYTES`](crate::doctor::evidence::ALLREDUCE_PROBE_BYTES).
 /// `store` is the rendezvous store on the first host (as ranks reach it, as this process
 /// reaches it) whose token is `token`.
 ///
@@ -513,7 +513,7 @@ fn allreduce_probe(
         &spawner,
         &spec,
         &Job::AllReduce {
-            max_bytes: crate::doctor::cluster::ALLREDUCE_PROBE_BYTES,
+            max_bytes: crate::doctor::evidence::ALLREDUCE_PROBE_BYTES,
         },
         StoreLocation::Remote {
             ranks: store.0,

@@ -501,7 +501,7 @@ mod tests {
             batches: Vec::new(),
         };
         let mut cluster =
-            crate::cluster::load("2x4xl4", std::path::Path::new("/sys")).expect("a shorthand");
+            crate::inventory::load("2x4xl4", std::path::Path::new("/sys")).expect("a shorthand");
         let datasheet = cluster.hosts[0].hardware.hbm_gb_per_sec;
         calibrate(
             &mut cluster,

@@ -1,5 +1,5 @@
 //! The cluster the planner places ranks on: hosts, their GPU hardware figures and their
-//! topology. Pure data; `crate::cluster` builds it from `local`, an inventory or a shorthand,
+//! topology. Pure data; `crate::inventory` builds it from `local`, an inventory or a shorthand,
 //! and [`calibrate`] puts a `--calibration` measurement in it.
 
 use anyhow::{Result, bail};

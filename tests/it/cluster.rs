@@ -802,7 +802,7 @@ fn inventories_take_defaults_aliases_and_refuse_unknown_keys() {
          [[hosts]]\naddress = \"10.0.0.2\"\nssh-user = \"root\"\nssh-port = 22\ngpus = 8\nhardware = \"h100-sxm\"\nnccl-socket-ifname = \"ens5\"\n",
     )
     .expect("write");
-    let hosts = infer::cluster::launch_inventory(&path).expect("inventory");
+    let hosts = infer::inventory::launch_inventory(&path).expect("inventory");
     assert_eq!(
         (
             hosts[0].name.as_str(),
@@ -839,7 +839,7 @@ fn inventories_take_defaults_aliases_and_refuse_unknown_keys() {
     .expect("write");
     let error = format!(
         "{:#}",
-        infer::cluster::launch_inventory(&path).expect_err("unknown key")
+        infer::inventory::launch_inventory(&path).expect_err("unknown key")
     );
     assert!(
         error.contains("line 4") && error.contains("identity_file"),
@@ -848,7 +848,7 @@ fn inventories_take_defaults_aliases_and_refuse_unknown_keys() {
     std::fs::write(&path, "[[hosts]]\naddress = \"10.0.0.1\"\n").expect("write");
     let error = format!(
         "{:#}",
-        infer::cluster::launch_inventory(&path).expect_err("no slots")
+        infer::inventory::launch_inventory(&path).expect_err("no slots")
     );
     assert!(
         error.contains("exactly one of `gpus` and `cpu-ranks`"),

@@ -11,7 +11,7 @@
 //! How to fix: check the slow pair's link speed and errors (`ethtool`, `ip -s link`), its
 //! cables and switch ports, and any traffic shaping on it (`tc qdisc`).
 
-use crate::doctor::cluster::{AllreduceProbe, ClusterEvidence, PairBandwidth};
+use crate::doctor::evidence::{AllreduceProbe, ClusterEvidence, PairBandwidth};
 use crate::doctor::{Finding, Severity};
 
 pub(crate) const ID: &str = "bandwidth";
@@ -169,7 +169,7 @@ fn pair_findings(pairs: &[PairBandwidth]) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::doctor::cluster::LinkRate;
+    use crate::doctor::evidence::LinkRate;
     use crate::runtime::collectives::AllreduceRow;
 
     /// A 3-host probe whose 64 MiB all-reduce took `secs`, the slowest link 10 Gbit/s.

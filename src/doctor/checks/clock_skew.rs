@@ -6,7 +6,7 @@
 //! timeouts and certificates misbehave at larger skews.
 //! How to fix: run NTP (`chronyd`, `systemd-timesyncd`) on every host.
 
-use crate::doctor::cluster::ClusterEvidence;
+use crate::doctor::evidence::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 
 pub(crate) const ID: &str = "clock-skew";
@@ -38,10 +38,10 @@ pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::doctor::cluster::HostEvidence;
+    use crate::doctor::evidence::HostEvidence;
 
     fn host(name: &str, clock_offset_ms: i64) -> HostEvidence {
-        let spec = crate::cluster::hardware("l4").expect("profile");
+        let spec = crate::inventory::hardware("l4").expect("profile");
         HostEvidence {
             name: name.into(),
             infer_version: "0.1.0".into(),
@@ -51,7 +51,7 @@ mod tests {
             ssh_address: "10.0.0.1".into(),
             nccl: None,
             interfaces: Vec::new(),
-            topology: crate::cluster::synthetic_topology(name, 1, &spec),
+            topology: crate::inventory::synthetic_topology(name, 1, &spec),
             clock_offset_ms,
             live: Vec::new(),
         }

@@ -13,7 +13,7 @@
 //! How to fix: install the same versions everywhere (one venv image), stop what holds the
 //! port or pick others (`--port`, `--dist-port`).
 
-use crate::doctor::cluster::ClusterEvidence;
+use crate::doctor::evidence::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 
 pub(crate) const ID: &str = "engine";
@@ -53,12 +53,12 @@ pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
     for (what, value) in [
         (
             "engine version",
-            &(|h: &crate::doctor::cluster::EngineHostEvidence| h.version.clone())
+            &(|h: &crate::doctor::evidence::EngineHostEvidence| h.version.clone())
                 as &dyn Fn(&_) -> Option<String>,
         ),
         (
             "torch / NCCL",
-            &|h: &crate::doctor::cluster::EngineHostEvidence| h.torch.clone(),
+            &|h: &crate::doctor::evidence::EngineHostEvidence| h.torch.clone(),
         ),
     ] {
         let values: Vec<(String, String)> = engine
@@ -103,7 +103,7 @@ pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::doctor::cluster::{EngineEvidence, EngineHostEvidence};
+    use crate::doctor::evidence::{EngineEvidence, EngineHostEvidence};
 
     fn evidence(hosts: Vec<EngineHostEvidence>) -> ClusterEvidence {
         ClusterEvidence {

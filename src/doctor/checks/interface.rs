@@ -10,7 +10,7 @@
 //! How to fix: name the right interface per host with `nccl-socket-ifname`, bring it up,
 //! put every host's data address on one subnet, set one MTU (`ip link set dev X mtu N`).
 
-use crate::doctor::cluster::ClusterEvidence;
+use crate::doctor::evidence::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 
 pub(crate) const ID: &str = "interface";

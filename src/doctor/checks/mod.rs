@@ -61,7 +61,7 @@ pub fn topology(topology: &Topology) -> Vec<Finding> {
 
 /// The cross-host checks of `infer doctor --cluster`, then every host's own live findings
 /// and a finding per host that could not be reached.
-pub fn cluster(evidence: &crate::doctor::cluster::ClusterEvidence) -> Vec<Finding> {
+pub fn cluster(evidence: &crate::doctor::evidence::ClusterEvidence) -> Vec<Finding> {
     let mut findings: Vec<Finding> = evidence
         .unreachable
         .iter()
@@ -92,7 +92,7 @@ pub fn cluster(evidence: &crate::doctor::cluster::ClusterEvidence) -> Vec<Findin
 /// host's `NCCL_SOCKET_IFNAME`/`NCCL_IB_HCA` from the plan against what that host has.
 pub fn cluster_plan(
     saved: &crate::plan::Plan,
-    evidence: &crate::doctor::cluster::ClusterEvidence,
+    evidence: &crate::doctor::evidence::ClusterEvidence,
 ) -> Vec<Finding> {
     let hosts: Vec<crate::topology::Host> = evidence
         .hosts

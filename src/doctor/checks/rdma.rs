@@ -7,7 +7,7 @@
 //! How to fix: install the HCA driver and `rdma-core` on the hosts that lack them, or
 //! leave those hosts out of the inventory.
 
-use crate::doctor::cluster::ClusterEvidence;
+use crate::doctor::evidence::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 use crate::topology::NicKind;
 

@@ -12,7 +12,7 @@
 //! How to fix: bring the data link up, open the firewall between the data addresses, or
 //! route the data subnet through the data interface (`ip route`), then rerun.
 
-use crate::doctor::cluster::{Cell, ClusterEvidence};
+use crate::doctor::evidence::{Cell, ClusterEvidence};
 use crate::doctor::{Finding, Severity};
 
 pub(crate) const ID: &str = "reachability";

@@ -9,13 +9,13 @@
 //! How to fix: install one build everywhere (or let `infer` stage its own: remove the
 //! host's `infer-path`), and one driver version on every host.
 
-use crate::doctor::cluster::ClusterEvidence;
+use crate::doctor::evidence::ClusterEvidence;
 use crate::doctor::{Finding, Severity};
 
 pub(crate) const ID: &str = "versions";
 
 /// Reads one kind of version off a host.
-type VersionOf = fn(&crate::doctor::cluster::HostEvidence) -> Option<String>;
+type VersionOf = fn(&crate::doctor::evidence::HostEvidence) -> Option<String>;
 
 /// One finding per kind of version that differs across hosts, naming each host's value.
 pub(crate) fn check(evidence: &ClusterEvidence) -> Vec<Finding> {

@@ -3,8 +3,8 @@
 pub mod engine;
 pub mod executor;
 pub mod forward;
+pub(crate) mod gpu_checks;
 pub mod handoff;
 pub(crate) mod kernel_executor;
 pub(crate) mod rank_env;
-pub(crate) mod smoke;
 pub mod worker;

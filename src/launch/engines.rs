@@ -614,7 +614,7 @@ fn connect_hosts(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -
             })?,
         },
         Some(file) => {
-            let entries = crate::cluster::launch_inventory(file)?;
+            let entries = crate::inventory::launch_inventory(file)?;
             let targets = super::network::ssh_targets(&entries)?;
             let mut report = |p: Progress| events(UpEvent::Gang(p));
             let cluster = super::remote::RemoteCluster::connect(

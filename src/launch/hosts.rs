@@ -11,8 +11,8 @@ use super::network::{DataInterface, data_interfaces, ssh_targets};
 use super::remote::{Preflight, RemoteCluster};
 use super::ssh::SshOptions;
 use super::{Gang, LaunchSpec, Placement, Progress, StoreLocation};
-use crate::cluster::InventoryEntry;
 use crate::degrees::Degrees;
+use crate::inventory::InventoryEntry;
 use crate::runtime::exec::engine::Generation;
 use crate::runtime::exec::rank_env::HostEnv;
 use crate::runtime::exec::worker::Job;
@@ -84,7 +84,7 @@ pub(crate) fn start(
     progress: &mut dyn FnMut(Progress),
 ) -> Result<ClusterRun> {
     spec.check_layout()?;
-    let entries = crate::cluster::launch_inventory(&options.inventory)?;
+    let entries = crate::inventory::launch_inventory(&options.inventory)?;
     check_host_names(&entries, &options.inventory)?;
     let rank_hosts = place(&entries, spec.degrees)?;
     let targets = ssh_targets(&entries)?;
