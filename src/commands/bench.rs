@@ -708,7 +708,6 @@ fn allreduce_table(title: &str, rows: &[AllreduceRow], world: usize, stream_gbps
 }
 
 fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Result<ExitStatus> {
-    use std::io::{Read, Write};
     use std::time::Duration;
 
     use crate::runtime::collectives::shm::ShmComm;
@@ -740,35 +739,14 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
     } else {
         Vec::new()
     };
-    // One plain TCP stream, rank 1 → rank 0, 256 MiB in 1 MiB writes.
-    let mut stream_bytes_per_sec = 0.0;
-    let total: usize = 256 << 20;
-    if args.rank == 0 {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-        store.set(
-            "bench/stream",
-            listener.local_addr()?.to_string().as_bytes(),
-        )?;
-        let (mut socket, _) = listener.accept()?;
-        let mut buffer = vec![0u8; 1 << 20];
-        let mut received = 0;
-        let start = Instant::now();
-        while received < total {
-            let n = socket.read(&mut buffer)?;
-            if n == 0 {
-                break;
-            }
-            received += n;
-        }
-        stream_bytes_per_sec = received as f64 / start.elapsed().as_secs_f64();
-    } else if args.rank == 1 {
-        let address = String::from_utf8(store.get("bench/stream", timeout)?)?;
-        let mut socket = std::net::TcpStream::connect(address)?;
-        let chunk = vec![7u8; 1 << 20];
-        for _ in 0..total >> 20 {
-            socket.write_all(&chunk)?;
-        }
-    }
+    // One plain TCP stream, rank 1 → rank 0.
+    let stream_bytes_per_sec = crate::runtime::collectives::tcp_stream_bytes_per_sec(
+        &mut store,
+        args.rank,
+        1,
+        "127.0.0.1",
+        timeout,
+    )?;
     comm.barrier()?;
     if args.rank == 0 {
         printer.data(&serde_json::to_string(&AllreduceReport {

@@ -567,6 +567,51 @@ pub fn nccl_tests_table(rows: &[AllreduceRow], world: usize) -> String {
     table
 }
 
+/// Bytes one plain TCP stream carries, rank `sender` → rank 0, measured with 256 MiB in
+/// 1 MiB writes: the baseline an all-reduce's bus bandwidth is compared to (what one
+/// `iperf3` stream would show). Rank 0 listens on `bind_addr` and publishes its address in
+/// the store; the other ranks return 0 at once. Every rank's return value but rank 0's is
+/// 0.
+///
+/// Errors: the listener, the connection, a read or a write fails; the address does not
+/// arrive within `timeout`.
+pub fn tcp_stream_bytes_per_sec(
+    store: &mut StoreClient,
+    rank: u64,
+    sender: u64,
+    bind_addr: &str,
+    timeout: Duration,
+) -> Result<f64> {
+    const TOTAL_BYTES: usize = 256 << 20;
+    const CHUNK_BYTES: usize = 1 << 20;
+    if rank == 0 {
+        let listener = TcpListener::bind((bind_addr, 0))?;
+        store.set(
+            "bench/stream",
+            listener.local_addr()?.to_string().as_bytes(),
+        )?;
+        let (mut socket, _) = listener.accept()?;
+        let mut buffer = vec![0u8; CHUNK_BYTES];
+        let (mut received, start) = (0, std::time::Instant::now());
+        while received < TOTAL_BYTES {
+            match socket.read(&mut buffer)? {
+                0 => break,
+                n => received += n,
+            }
+        }
+        return Ok(received as f64 / start.elapsed().as_secs_f64());
+    }
+    if rank == sender {
+        let address = String::from_utf8(store.get("bench/stream", timeout)?)?;
+        let mut socket = TcpStream::connect(address)?;
+        let chunk = vec![7u8; CHUNK_BYTES];
+        for _ in 0..TOTAL_BYTES / CHUNK_BYTES {
+            socket.write_all(&chunk)?;
+        }
+    }
+    Ok(0.0)
+}
+
 /// Times `comm.all_reduce_sum` for every power-of-two size from 8 bytes to `max_bytes`
 /// (one timed warm-up call, a barrier, then enough repetitions for ~0.2 s by rank 0's
 /// warm-up, 3 to 200, the count broadcast so every member runs the same), as nccl-tests'

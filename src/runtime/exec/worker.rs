@@ -292,36 +292,16 @@ fn bench_all_reduce(
     store: &mut StoreClient,
     max_bytes: usize,
 ) -> Result<()> {
-    use std::io::{Read, Write};
     let rows = crate::runtime::collectives::time_all_reduce(group, max_bytes)?;
     let transport = group.transport();
-    let last = config.world_size - 1;
-    let total: usize = 256 << 20;
-    let mut stream_bytes_per_sec = 0.0;
-    if config.rank == 0 {
-        let listener = std::net::TcpListener::bind((config.bind_addr.as_str(), 0))?;
-        store.set(
-            "bench/stream",
-            listener.local_addr()?.to_string().as_bytes(),
-        )?;
-        let (mut socket, _) = listener.accept()?;
-        let mut buffer = vec![0u8; 1 << 20];
-        let (mut received, start) = (0, std::time::Instant::now());
-        while received < total {
-            match socket.read(&mut buffer)? {
-                0 => break,
-                n => received += n,
-            }
-        }
-        stream_bytes_per_sec = received as f64 / start.elapsed().as_secs_f64();
-    } else if config.rank == last {
-        let address = String::from_utf8(store.get("bench/stream", config.timeout)?)?;
-        let mut socket = std::net::TcpStream::connect(address)?;
-        let chunk = vec![7u8; 1 << 20];
-        for _ in 0..total >> 20 {
-            socket.write_all(&chunk)?;
-        }
-    }
+    // One plain TCP stream, the last rank → rank 0.
+    let stream_bytes_per_sec = crate::runtime::collectives::tcp_stream_bytes_per_sec(
+        store,
+        config.rank,
+        config.world_size - 1,
+        &config.bind_addr,
+        config.timeout,
+    )?;
     group.barrier()?;
     if config.rank == 0 {
         let report = AllreduceBench {
