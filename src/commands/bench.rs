@@ -1,14 +1,11 @@
 //! `infer bench`: measurements that print figures. `decode` times the built-in engine's
 //! prefill and batch-1 decode on one process and reports peak RSS.
 
-use std::time::Instant;
-
 use anyhow::{Context, Result};
 
 use crate::cli::{BenchAllreduceArgs, BenchAllreduceWorkerArgs, BenchCommand, BenchDecodeArgs};
+use crate::runtime::exec::bench::{self, AllreduceWorkerReport};
 use crate::runtime::exec::engine::Engine;
-use crate::runtime::model::llama::SequenceInput;
-use crate::runtime::model::sampling::argmax;
 use crate::ui::Printer;
 use crate::{ExitStatus, model};
 
@@ -43,17 +40,10 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
         return decode_cuda(args, &engine, &driver, opened, printer);
     }
     let engine = Engine::from_source(&source, args.threads, args.numerics.into())?;
-    let prompt = bench_prompt(&engine, args.prompt_tokens)?;
-    let (mut best_prefill, mut best_decode) = (0f64, 0f64);
-    for run in 0..=args.runs.max(1) {
-        let (prefill, decode) = engine.install(|| cpu_decode_run(args, &engine, &prompt))?;
-        // Run 0 warms caches and page-faults the weights in.
-        if run > 0 {
-            best_prefill = best_prefill.max(prefill);
-            best_decode = best_decode.max(decode);
-        }
-    }
-    let peak_rss_bytes = peak_rss_bytes()?;
+    let prompt = bench::prompt(&engine, args.prompt_tokens)?;
+    let speed = bench::cpu_decode(&engine, &prompt, args.batch, args.decode_tokens, args.runs)?;
+    let (best_prefill, best_decode) = (speed.prefill_tokens_per_sec, speed.decode_tokens_per_sec);
+    let peak_rss_bytes = bench::peak_rss_bytes()?;
     if args.json {
         return printer
             .json(&cpu_decode_report(
@@ -80,53 +70,6 @@ fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitStatus> {
     Ok(ExitStatus::Success)
 }
 
-/// One timed CPU run: prefills `prompt`, then decodes `--decode-tokens` at `--batch`.
-/// Returns (prefill tokens/s, decode tokens/s over the batch). Errors: a forward pass
-/// that fails.
-fn cpu_decode_run(args: &BenchDecodeArgs, engine: &Engine, prompt: &[u32]) -> Result<(f64, f64)> {
-    let mut cache = engine.model.new_cache();
-    let start = Instant::now();
-    let logits = engine.model.forward(&mut [SequenceInput {
-        tokens: prompt,
-        cache: &mut cache,
-        all_logits: false,
-    }])?;
-    let prefill = prompt.len() as f64 / start.elapsed().as_secs_f64();
-    // The other sequences of the batch are prefilled with the same prompt, untimed.
-    let batch = args.batch.max(1);
-    let mut caches = vec![cache];
-    for _ in 1..batch {
-        let mut cache = engine.model.new_cache();
-        engine.model.forward(&mut [SequenceInput {
-            tokens: prompt,
-            cache: &mut cache,
-            all_logits: false,
-        }])?;
-        caches.push(cache);
-    }
-    let mut next = vec![argmax(&logits[0]); batch];
-    let start = Instant::now();
-    for _ in 0..args.decode_tokens {
-        let mut inputs: Vec<SequenceInput> = caches
-            .iter_mut()
-            .zip(&next)
-            .map(|(cache, token)| SequenceInput {
-                tokens: std::slice::from_ref(token),
-                cache,
-                all_logits: false,
-            })
-            .collect();
-        let logits = engine.model.forward(&mut inputs)?;
-        for (token, logits) in next.iter_mut().zip(&logits) {
-            *token = argmax(logits);
-        }
-    }
-    Ok((
-        prefill,
-        (batch * args.decode_tokens) as f64 / start.elapsed().as_secs_f64(),
-    ))
-}
-
 /// The JSON report of a CPU decode bench from the best (prefill, decode) tokens/s and the
 /// peak RSS in bytes.
 fn cpu_decode_report(
@@ -143,7 +86,7 @@ fn cpu_decode_report(
         bench: "decode".into(),
         model: model_file_name(engine),
         device: "cpu".into(),
-        device_name: cpu_name(),
+        device_name: bench::cpu_name(),
         threads: engine.threads(),
         numerics: crate::runtime::cpu::quant::Numerics::from(args.numerics)
             .name()
@@ -170,15 +113,6 @@ fn model_file_name(engine: &Engine) -> String {
         .map_or_else(|| engine.name.clone(), |n| n.to_string_lossy().into_owned())
 }
 
-/// A prompt of ordinary text, `prompt_tokens` long (at least one token).
-fn bench_prompt(engine: &Engine, prompt_tokens: usize) -> Result<Vec<u32>> {
-    let text = "The quick brown fox jumps over the lazy dog while the engine measures its speed. "
-        .repeat(64);
-    let mut prompt = engine.tokenizer.encode(&text, false)?;
-    prompt.truncate(prompt_tokens.max(1));
-    Ok(prompt)
-}
-
 /// `infer bench decode --device cuda`: the model on GPU 0, decode at batch 1 and at
 /// `--batch` (16 unless given), the weight bandwidth a decode step achieves against the
 /// GPU's datasheet HBM bandwidth (its hardware profile), prefill, and the GPU memory in use.
@@ -193,7 +127,7 @@ fn decode_cuda(
     printer: &Printer,
 ) -> Result<ExitStatus> {
     let gpu = &driver.gpus[0];
-    let prompt = bench_prompt(engine, args.prompt_tokens)?;
+    let prompt = bench::prompt(engine, args.prompt_tokens)?;
     let batches: Vec<usize> = if args.batch > 1 {
         vec![1, args.batch]
     } else {
@@ -212,25 +146,13 @@ fn decode_cuda(
     let hbm_bytes_per_sec = crate::plan::cluster::hardware_for_gpu_name(&gpu.name)
         .and_then(|id| crate::inventory::hardware(id).ok())
         .map(|h| h.hbm_gb_per_sec * 1e9);
-    let mut rows = Vec::new();
-    for &batch in &batches {
-        let mut best: Option<crate::runtime::exec::forward::DecodeSpeed> = None;
-        // Run 0 warms up (module loads, first allocations).
-        for run in 0..=args.runs.max(1) {
-            let speed = crate::runtime::exec::forward::bench_decode(
-                &mut device,
-                &prompt,
-                batch,
-                args.decode_tokens,
-            )?;
-            if run > 0 && best.is_none_or(|b| speed.decode_tokens_per_sec > b.decode_tokens_per_sec)
-            {
-                best = Some(speed);
-            }
-        }
-        let speed = best.context("no timed run")?;
-        rows.push((batch, speed));
-    }
+    let rows = bench::device_decode(
+        &mut device,
+        &prompt,
+        &batches,
+        args.decode_tokens,
+        args.runs,
+    )?;
     let memory_used_bytes = device.backend().device.memory_used_bytes()?;
     if let Some(rows) = device.backend().device.profile()? {
         printer.note(&kernel_profile_table(&rows));
@@ -332,7 +254,7 @@ impl CudaDecode<'_> {
             decode_step_secs: speed.decode_step_secs,
             decode_weight_bytes: weight_bytes,
             weight_bytes_per_sec: weight_bytes as f64 / speed.decode_step_secs,
-            peak_rss_bytes: peak_rss_bytes()?,
+            peak_rss_bytes: bench::peak_rss_bytes()?,
             gpu_memory_used_bytes: Some(self.memory_used_bytes),
             hbm_bytes_per_sec: self.hbm_bytes_per_sec,
             batches: batch_speeds,
@@ -393,49 +315,8 @@ impl CudaDecode<'_> {
     }
 }
 
-/// The processor's name (`/proc/cpuinfo`'s first `model name`), `unknown CPU` without one.
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, name)| name.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
-}
-
-/// Peak resident set size of this process (`VmHWM` in `/proc/self/status`), bytes.
-fn peak_rss_bytes() -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .context("failed to read `/proc/self/status`")?;
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .context("`/proc/self/status` has no `VmHWM`")?;
-    let kib: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .context("malformed `VmHWM`")?;
-    Ok(kib * 1024)
-}
-
 use crate::plan::calibration::Scope;
-use crate::runtime::collectives::{AllreduceRow, time_all_reduce as allreduce_sizes};
-
-/// What rank 0 reports at the end.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct AllreduceReport {
-    /// The TCP ring over loopback.
-    tcp_rows: Vec<AllreduceRow>,
-    /// The shared-memory transport (empty when it was unavailable).
-    shm_rows: Vec<AllreduceRow>,
-    /// What carried the second table (`ShmComm::transport`).
-    shm_transport: String,
-    stream_bytes_per_sec: f64,
-}
+use crate::runtime::collectives::AllreduceRow;
 
 /// `infer bench allreduce`: all-reduce bandwidth of `--world` processes on this host (TCP
 /// ring and shared memory), or over an inventory's hosts with `--cluster`. Errors: a world
@@ -460,7 +341,7 @@ fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<ExitStatus>
 /// Starts `--world` `bench allreduce-worker` processes on this host around a rendezvous
 /// store and waits for them all. Returns rank 0's report. Errors: the store or a worker
 /// does not start, a worker exits with a failure, rank 0 prints no report.
-fn run_local_workers(args: &BenchAllreduceArgs) -> Result<AllreduceReport> {
+fn run_local_workers(args: &BenchAllreduceArgs) -> Result<AllreduceWorkerReport> {
     use std::process::{Command, Stdio};
     let token = crate::rendezvous::random_token();
     let server = crate::rendezvous::StoreServer::start("127.0.0.1:0", &token)?;
@@ -507,7 +388,7 @@ fn run_local_workers(args: &BenchAllreduceArgs) -> Result<AllreduceReport> {
     if let Some(message) = failed {
         anyhow::bail!(message);
     }
-    let report: AllreduceReport =
+    let report: AllreduceWorkerReport =
         serde_json::from_slice(&outputs[0].stdout).context("rank 0 printed no report")?;
     Ok(report)
 }
@@ -516,7 +397,7 @@ fn run_local_workers(args: &BenchAllreduceArgs) -> Result<AllreduceReport> {
 /// it was measured.
 fn local_allreduce_json(
     args: &BenchAllreduceArgs,
-    report: &AllreduceReport,
+    report: &AllreduceWorkerReport,
 ) -> crate::plan::calibration::AllreduceReport {
     let mut tables = vec![json_table(
         "TCP ring over loopback",
@@ -543,7 +424,7 @@ fn local_allreduce_json(
 
 /// The text report of the local bench: the TCP table, the shared-memory one (or why it
 /// was not measured), and one plain TCP stream's GB/s.
-fn local_allreduce_text(args: &BenchAllreduceArgs, report: &AllreduceReport) -> String {
+fn local_allreduce_text(args: &BenchAllreduceArgs, report: &AllreduceWorkerReport) -> String {
     let stream = report.stream_bytes_per_sec / 1e9;
     let mut table = allreduce_table(
         &format!(
@@ -707,54 +588,22 @@ fn allreduce_table(title: &str, rows: &[AllreduceRow], world: usize, stream_gbps
     table
 }
 
+/// `infer bench allreduce-worker`: one process of the local bench; rank 0 prints the
+/// report as JSON. Errors: no run token, the store or a peer unreachable, a collective fails.
 fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Result<ExitStatus> {
-    use std::time::Duration;
-
-    use crate::runtime::collectives::shm::ShmComm;
-    use crate::runtime::collectives::{Comm, TcpComm};
     let token =
         crate::runtime::exec::rank_env::run_token(&crate::runtime::exec::rank_env::process_env)?;
-    let timeout = Duration::from_secs(60);
-    let mut store =
-        crate::rendezvous::StoreClient::connect(&args.store, &token, Some(args.rank), timeout)?;
-    let members: Vec<u64> = (0..args.world as u64).collect();
-    let tcp = TcpComm::connect(
-        &mut store,
-        "bench",
-        &members,
+    let shm_disable = std::env::var(crate::envvars::SHM_DISABLE).is_ok_and(|v| v == "1");
+    let report = bench::all_reduce_worker(
+        &args.store,
+        &token,
         args.rank,
-        "127.0.0.1",
-        timeout,
+        args.world,
+        args.max_bytes,
+        shm_disable,
     )?;
-    let mut comm = match std::env::var(crate::envvars::SHM_DISABLE) {
-        Ok(v) if v == "1" => ShmComm::tcp_only(tcp, &format!("{}=1", crate::envvars::SHM_DISABLE)),
-        _ => ShmComm::new(tcp),
-    };
-    let tcp_rows = allreduce_sizes(comm.tcp_mut(), args.max_bytes)?;
-    // The first all-reduce decides the transport (a tiny one, collectively).
-    comm.all_reduce_sum(&mut [0f32])?;
-    let shm_transport = comm.transport();
-    let shm_rows = if comm.uses_shared_memory() {
-        allreduce_sizes(&mut comm, args.max_bytes)?
-    } else {
-        Vec::new()
-    };
-    // One plain TCP stream, rank 1 → rank 0.
-    let stream_bytes_per_sec = crate::runtime::collectives::tcp_stream_bytes_per_sec(
-        &mut store,
-        args.rank,
-        1,
-        "127.0.0.1",
-        timeout,
-    )?;
-    comm.barrier()?;
-    if args.rank == 0 {
-        printer.data(&serde_json::to_string(&AllreduceReport {
-            tcp_rows,
-            shm_rows,
-            shm_transport,
-            stream_bytes_per_sec,
-        })?);
+    if let Some(report) = report {
+        printer.data(&serde_json::to_string(&report)?);
     }
     Ok(ExitStatus::Success)
 }

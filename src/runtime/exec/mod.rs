@@ -1,5 +1,6 @@
 //! Running a model: the one-process engine, the executor of batched steps, rank workers, the paged KV cache.
 
+pub(crate) mod bench;
 pub mod engine;
 pub mod executor;
 pub mod forward;
