@@ -1,6 +1,7 @@
 //! The host harness: the same kernel sources ([`super::kernels::FAMILIES`]) compiled by the
-//! system's C++ compiler against `host_prelude.h` (CUDA's built-ins on CPU threads: one thread
-//! per CUDA thread, a barrier for `__syncthreads`, `__dp4a` and friends in plain C++), so the
+//! system's C++ compiler against `host_prelude.h` (CUDA's built-ins on the CPU: a block's
+//! threads as fibers that switch at `__syncthreads` on x86-64, or as OS threads meeting at a
+//! barrier under the sanitizers and elsewhere; `__dp4a` and friends in plain C++), so the
 //! kernels' arithmetic is checked against the CPU backend here, without a GPU. It checks what
 //! a kernel computes, not how fast or how it uses the memory hierarchy (`infer smoke` runs
 //! them on the GPU).
@@ -172,7 +173,14 @@ impl HostKernels {
         let mut command = Command::new(compiler);
         command.args(["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]);
         if let Some(sanitizer) = sanitizer {
-            command.args([sanitizer.flag(), "-g", "-fno-omit-frame-pointer"]);
+            // Real threads a block, which the sanitizers follow (they do not follow the
+            // fibers' stack switches).
+            command.args([
+                sanitizer.flag(),
+                "-g",
+                "-fno-omit-frame-pointer",
+                "-DINFER_HOST_OS_THREADS",
+            ]);
         }
         let output = command
             .arg("-o")
