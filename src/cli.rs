@@ -682,6 +682,13 @@ pub struct UpArgs {
     #[arg(long, value_name = "SECS", default_value_t = 5.0)]
     pub shutdown_timeout: f64,
 
+    /// Seconds a replica may hold work without completing a step before `/health` calls it
+    /// stalled (503 with the reason, or `degraded` while another replica serves) and the
+    /// router stops sending it requests; stretched to 4× the slowest recent step when that
+    /// is longer. An idle server is never stalled.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    pub stall_timeout: f64,
+
     /// Address to bind (127.0.0.1: this host only).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub host: String,

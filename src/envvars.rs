@@ -88,5 +88,12 @@ pub(crate) const KV_CACHE_TOKENS: &str = "INFER_KV_CACHE_TOKENS";
 pub(crate) const PD_PREFILL: &str = "INFER_PD_PREFILL";
 /// How long requests in flight may finish after SIGTERM, seconds (fractional).
 pub(crate) const SHUTDOWN_TIMEOUT_SECS: &str = "INFER_SHUTDOWN_TIMEOUT_SECS";
+/// A replica with work and no step completed for this long is stalled, seconds
+/// (`--stall-timeout`).
+pub(crate) const STALL_TIMEOUT_SECS: &str = "INFER_STALL_TIMEOUT_SECS";
+/// A fault a rank injects into itself, for the tests only (debug builds; a release build
+/// refuses it): `stall:rank=R:step=N`, rank `R` stops making progress at its `N`th step
+/// while its process and heartbeats live on.
+pub(crate) const TEST_FAULT: &str = "INFER_TEST_FAULT";
 /// Longest prompt plus completion, tokens (`--max-model-len`).
 pub(crate) const MAX_MODEL_LEN: &str = "INFER_MAX_MODEL_LEN";

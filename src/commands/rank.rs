@@ -35,6 +35,10 @@ pub(crate) fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
         },
         cuda_visible_devices: Some(env.cuda_visible_devices.clone()),
         numerics: env.numerics,
+        stall_at_step: env
+            .test_fault
+            .filter(|fault| fault.rank == env.rank)
+            .map(|fault| fault.step),
     };
     // Rank 0 of a serving gang listens before it loads, answering 503 meanwhile.
     let mut server = if config.rank == 0 {

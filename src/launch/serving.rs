@@ -33,6 +33,8 @@ pub(crate) struct UpSettings {
     /// After Ctrl-C, how long requests in flight may finish before they are cancelled
     /// (`--shutdown-timeout`).
     pub shutdown_timeout: Duration,
+    /// A replica with work and no progress for longer is stalled (`--stall-timeout`).
+    pub stall_timeout: Duration,
     /// Pinned degrees (`--tp/--pp/--dp/--ep`).
     pub pins: DegreePins,
     /// A saved plan (`infer plan --json`).
@@ -189,6 +191,7 @@ pub(crate) fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Resu
             api_key: settings.api_key.clone(),
             max_model_len: settings.max_model_len,
             shutdown_timeout: settings.shutdown_timeout,
+            stall_timeout: settings.stall_timeout,
         },
         &mut |event| match event {
             OneProcessEvent::Note(line) => events(UpEvent::Note(line)),
@@ -516,6 +519,7 @@ fn rank_spec(
         api_key: settings.api_key.clone(),
         pd_prefill: layout.pd_prefill,
         shutdown_timeout: settings.shutdown_timeout,
+        stall_timeout: settings.stall_timeout,
         max_model_len: settings.max_model_len,
     };
     LaunchSpec {

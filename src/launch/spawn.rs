@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use super::process::{find_program, start_process};
 use super::spec::LaunchSpec;
 use crate::envvars;
-use crate::runtime::exec::rank_env::{self, DeviceEnv, RankEnv};
+use crate::runtime::exec::rank_env::{self, DeviceEnv, RankEnv, TestFault};
 
 /// How rank processes are started. The launcher builds each rank's environment and log
 /// path; a spawner starts `infer rank` with exactly that environment (plus the run token),
@@ -167,6 +167,7 @@ pub(super) fn spawn_rank(
         device,
         host: placement.map(|p| p.env.clone()).unwrap_or_default(),
         serving: spec.serving.clone(),
+        test_fault: TestFault::from_process_env()?,
     };
     let env = contract.to_env()?;
     let child = spawner.spawn(rank, &env, token, &log, lines)?;

@@ -40,6 +40,8 @@ pub struct OneProcess<'a> {
     pub max_model_len: Option<usize>,
     /// How long requests in flight may finish after Ctrl-C before they are cancelled.
     pub shutdown_timeout: Duration,
+    /// A loop with work and no progress for longer is stalled (`--stall-timeout`).
+    pub stall_timeout: Duration,
 }
 
 /// `--device cuda`: where the kernels run, and how many GPUs this host shows its ranks.
@@ -113,7 +115,7 @@ pub fn serve_one_process(
     };
     server.open(
         AppState {
-            scheduler: Router::local(scheduler),
+            scheduler: Router::local(scheduler).with_stall_timeout(settings.stall_timeout),
             model_id: settings.model_id.to_string(),
             tokenizer,
             max_context_tokens,
@@ -206,7 +208,8 @@ pub fn serve_driver(
             api_key: serving.api_key.clone(),
             access_log: access_log(),
             scheduler: {
-                let router = Router::local(Scheduler::start_with(Box::new(driver), limits));
+                let router = Router::local(Scheduler::start_with(Box::new(driver), limits))
+                    .with_stall_timeout(serving.stall_timeout);
                 match serving.pd_prefill {
                     Some(prefill) => router.disaggregated(prefill),
                     None => router,

@@ -2,6 +2,7 @@
 //! prefill/decode role under disaggregation, and the data-parallel router's counts. Every
 //! metric name and help text here is part of the API (dashboards and tests read them).
 
+use super::health::Verdict;
 use super::router::RouteReason;
 use super::scheduler::{HistogramSnapshot, MetricsSnapshot};
 
@@ -185,6 +186,29 @@ pub(super) fn render_routing(routed: &[u64], decisions: &[[u64; 3]]) -> String {
                 reason.name()
             ));
         }
+    }
+    text
+}
+
+/// Each replica's forward progress: seconds since its loop last made progress (a step, a
+/// keep-alive, or work arriving while idle) and whether `/health` judges it stalled.
+pub(super) fn render_health(verdict: &Verdict) -> String {
+    let mut text = String::from(
+        "# HELP infer_seconds_since_last_step Seconds since the replica's loop last made progress (a step or keep-alive ended, or work arrived while idle).\n# TYPE infer_seconds_since_last_step gauge\n",
+    );
+    for r in &verdict.replicas {
+        text.push_str(&format!(
+            "infer_seconds_since_last_step{{replica=\"{}\"}} {:.3}\n",
+            r.replica, r.seconds_since_progress
+        ));
+    }
+    text.push_str("# HELP infer_replica_stalled 1 while the replica has work and no progress past --stall-timeout.\n# TYPE infer_replica_stalled gauge\n");
+    for r in &verdict.replicas {
+        text.push_str(&format!(
+            "infer_replica_stalled{{replica=\"{}\"}} {}\n",
+            r.replica,
+            u8::from(r.status == "stalled")
+        ));
     }
     text
 }

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP API (axum) over the continuous-batching [`scheduler`]:
 //! `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (with SSE
-//! streaming), `GET /health`, `GET /metrics`. Errors are OpenAI error JSON with the right
+//! streaming), `GET /health` (readiness: forward progress, [`mod@health`]), `GET /ping`
+//! (liveness), `GET /metrics`. Errors are OpenAI error JSON with the right
 //! status; the server keeps serving after any bad request. Bound to 127.0.0.1 unless told.
 //!
 //! Here: the shared state, the [`Gate`], the router and the handlers. Request bodies and
@@ -10,6 +11,7 @@
 mod api;
 pub(crate) mod bench;
 mod errors;
+pub(crate) mod health;
 pub mod http;
 mod metrics;
 pub(crate) mod router;
@@ -134,22 +136,34 @@ impl axum::extract::FromRequestParts<Arc<Gate>> for Ready {
     }
 }
 
-/// `GET /health`: 200 once ready and while every replica works, 503 otherwise.
-async fn health(Ready(state, _): Ready) -> Result<&'static str, ApiError> {
-    match state.scheduler.failure() {
-        Some(failure) => Err(error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            format!("the engine has failed: {failure}"),
-        )),
-        None => Ok("ok"),
+/// `GET /health`, readiness: 200 with every replica's state (`health::Verdict` as JSON)
+/// while the server can serve, `degraded` naming the replicas that cannot; 503 with the
+/// reasons (OpenAI error JSON, the verdict under `health`) while loading, when the engine
+/// failed, or when no replica makes progress (`--stall-timeout`).
+async fn health(Ready(state, _): Ready) -> Response {
+    let verdict = state.scheduler.health();
+    if verdict.ready() {
+        return axum::Json(verdict).into_response();
     }
+    let message = format!("the server cannot serve: {}", verdict.reasons());
+    let body = json!({
+        "error": {"message": message, "type": "server_error", "param": null, "code": null},
+        "health": verdict,
+    });
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
+}
+
+/// `GET /ping`, liveness: 200 while the HTTP process runs, whatever the engine does
+/// (loading, stalled, failed); `/health` says whether it can serve.
+async fn ping() -> &'static str {
+    "pong"
 }
 
 /// The router with every endpoint.
 pub fn router(gate: Arc<Gate>) -> Router {
     Router::new()
         .route("/health", get(health))
+        .route("/ping", get(ping))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
@@ -194,6 +208,7 @@ async fn metrics(Ready(state, _): Ready) -> Response {
     if let Some(prefill) = state.scheduler.prefill_replicas() {
         text.push_str(&metrics::render_roles(&replicas, prefill));
     }
+    text.push_str(&metrics::render_health(&state.scheduler.health()));
     if state.scheduler.replicas() > 1 {
         text.push_str(&metrics::render_routing(
             &state.scheduler.routed(),

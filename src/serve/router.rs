@@ -22,6 +22,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
+use super::health::{DEFAULT_STALL_TIMEOUT, ReplicaState, Verdict, judge};
 use super::scheduler::{Event, Metrics, MetricsSnapshot, PdStage, Request, Scheduler};
 use crate::runtime::model::sampling::SamplingParams;
 
@@ -217,10 +218,25 @@ type Pending = Arc<Mutex<HashMap<u64, UnboundedSender<Event>>>>;
 struct Remote {
     frames: UnboundedSender<ToReplica>,
     pending: Pending,
-    /// Its last reported metrics.
-    metrics: Arc<Mutex<MetricsSnapshot>>,
+    /// Its last reported metrics, and when they arrived.
+    metrics: Arc<Mutex<(MetricsSnapshot, Instant)>>,
     /// Scrapes waiting for its current metrics.
     waiters: MetricsWaiters,
+}
+
+impl Remote {
+    /// Its last reported metrics, their progress aged by the time since the report.
+    fn last_report(&self) -> MetricsSnapshot {
+        let (snapshot, at) = self
+            .metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        MetricsSnapshot {
+            progress: snapshot.progress.clone().aged(at.elapsed()),
+            ..snapshot
+        }
+    }
 }
 
 /// Where requests go: the local scheduler (replica 0) and the remote replicas.
@@ -242,6 +258,8 @@ pub struct Router {
     /// Becomes `Some(error)` when a remote replica fails for good.
     remote_failure: watch::Receiver<Option<String>>,
     fail: Arc<watch::Sender<Option<String>>>,
+    /// `--stall-timeout`: a replica with work and no progress for longer is stalled.
+    stall_timeout: std::time::Duration,
 }
 
 impl Router {
@@ -263,7 +281,14 @@ impl Router {
             prefill_replicas: None,
             remote_failure,
             fail: Arc::new(fail),
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
         }
+    }
+
+    /// Judges replicas stalled after `stall_timeout` without progress (`--stall-timeout`).
+    pub fn with_stall_timeout(mut self, stall_timeout: std::time::Duration) -> Router {
+        self.stall_timeout = stall_timeout;
+        self
     }
 
     /// Disaggregates prefill and decode: replicas `0..prefill` (the local one among them)
@@ -338,7 +363,7 @@ impl Router {
                 }
             });
             let pending: Pending = Arc::default();
-            let metrics: Arc<Mutex<MetricsSnapshot>> = Arc::default();
+            let metrics = Arc::new(Mutex::new((MetricsSnapshot::default(), Instant::now())));
             let waiters: MetricsWaiters = Arc::default();
             let (reader_pending, reader_metrics, reader_waiters, fail, cancel) = (
                 Arc::clone(&pending),
@@ -352,7 +377,8 @@ impl Router {
                     let (id, event) = match read_frame(&mut reader).await {
                         Ok(FromReplica::Event { id, event }) => (id, event),
                         Ok(FromReplica::Metrics(snapshot)) => {
-                            *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) = snapshot;
+                            *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) =
+                                (snapshot, Instant::now());
                             continue;
                         }
                         Ok(FromReplica::Stopped { reason }) => {
@@ -360,7 +386,7 @@ impl Router {
                         }
                         Ok(FromReplica::MetricsNow { id, snapshot }) => {
                             *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) =
-                                snapshot.clone();
+                                (snapshot.clone(), Instant::now());
                             let waiter = reader_waiters
                                 .lock()
                                 .unwrap_or_else(|e| e.into_inner())
@@ -421,9 +447,43 @@ impl Router {
     pub fn metrics_snapshot(&self) -> MetricsSnapshot {
         let mut total = self.metrics.snapshot();
         for remote in &self.remotes {
-            total.add(&remote.metrics.lock().unwrap_or_else(|e| e.into_inner()));
+            total.add(&remote.last_report());
         }
         total
+    }
+
+    /// Every replica's health under the stall timeout (what `/health` answers): the local
+    /// one now, the remote ones from their last reports, aged since.
+    pub fn health(&self) -> Verdict {
+        let local_failure = self.local.failure.borrow().clone();
+        let remote_failure = self.remote_failure.borrow().clone();
+        let state = |snapshot: MetricsSnapshot, failure: Option<String>| ReplicaState {
+            running: snapshot.running,
+            waiting: snapshot.waiting,
+            progress: snapshot.progress,
+            failure,
+        };
+        let mut replicas = vec![state(self.metrics.snapshot(), local_failure)];
+        for (index, remote) in self.remotes.iter().enumerate() {
+            // A remote replica's failure names it ("DP replica 2 …"): it is its own.
+            let failure = remote_failure
+                .clone()
+                .filter(|f| f.starts_with(&format!("DP replica {} ", index + 1)));
+            replicas.push(state(remote.last_report(), failure));
+        }
+        judge(&replicas, self.stall_timeout, self.prefill_replicas)
+    }
+
+    /// Whether each replica is stalled now (index = replica).
+    fn stalled(&self) -> Vec<bool> {
+        let timeout = self.stall_timeout;
+        std::iter::once(self.metrics.snapshot().progress.stalled(timeout))
+            .chain(
+                self.remotes
+                    .iter()
+                    .map(|r| r.last_report().progress.stalled(timeout)),
+            )
+            .collect()
     }
 
     /// Every replica's metrics, by replica, the remote ones asked for now (a `/metrics`
@@ -452,11 +512,7 @@ impl Router {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .remove(&id);
-                    remote
-                        .metrics
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .clone()
+                    remote.last_report()
                 }
             });
         }
@@ -497,25 +553,42 @@ impl Router {
         prompt_tokens: &[u32],
         candidates: std::ops::Range<usize>,
     ) -> (usize, RouteReason) {
+        let candidates = self.serving(candidates);
         let mut trees = self.trees.lock().unwrap_or_else(|e| e.into_inner());
         let path = block_path(prompt_tokens);
         let replicas: Vec<ReplicaView> = candidates
-            .clone()
-            .map(|i| ReplicaView {
+            .iter()
+            .map(|&i| ReplicaView {
                 in_flight: self.in_flight[i].load(Ordering::SeqCst),
                 matched_tokens: trees.matched_tokens(i, &path),
                 tree_blocks: trees.trees[i].len(),
             })
             .collect();
         let (offset, reason) = decide(&replicas, prompt_tokens.len());
-        let replica = candidates.start + offset;
+        let replica = candidates[offset];
         trees.insert(replica, &path);
         (replica, reason)
     }
 
-    /// The least loaded decode replica (the lowest index on a tie).
+    /// The replicas among `candidates` that are not stalled, or all of them when every one
+    /// is (a request then waits for a stalled replica rather than failing at once).
+    fn serving(&self, candidates: std::ops::Range<usize>) -> Vec<usize> {
+        if self.remotes.is_empty() {
+            return candidates.collect();
+        }
+        let stalled = self.stalled();
+        let serving: Vec<usize> = candidates.clone().filter(|&i| !stalled[i]).collect();
+        if serving.is_empty() {
+            candidates.collect()
+        } else {
+            serving
+        }
+    }
+
+    /// The least loaded decode replica that is not stalled (the lowest index on a tie).
     fn choose_decode(&self, prefill: usize) -> usize {
-        (prefill..self.in_flight.len())
+        self.serving(prefill..self.in_flight.len())
+            .into_iter()
             .min_by_key(|&i| self.in_flight[i].load(Ordering::SeqCst))
             .unwrap_or(prefill)
     }

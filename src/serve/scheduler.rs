@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::health::{Progress, ProgressSnapshot};
 use crate::runtime::exec::engine::LocalExecutor;
 use crate::runtime::exec::engine::{Engine, FinishReason};
 use crate::runtime::exec::executor::{Executor, Handoff, Sampled, StepEntry};
@@ -117,6 +118,8 @@ pub struct Metrics {
     pub pd_transfer_failures_total: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
+    /// The loop's forward progress (`/health`'s stall rule).
+    pub progress: Progress,
 }
 
 /// A latency histogram with fixed buckets, seconds.
@@ -250,6 +253,8 @@ pub struct MetricsSnapshot {
     pub pd_transfer_failures_total: u64,
     pub ttft: HistogramSnapshot,
     pub tpot: HistogramSnapshot,
+    #[serde(default)]
+    pub progress: ProgressSnapshot,
 }
 
 impl MetricsSnapshot {
@@ -276,6 +281,14 @@ impl MetricsSnapshot {
         self.pd_transfer_failures_total += other.pd_transfer_failures_total;
         self.ttft.add(&other.ttft);
         self.tpot.add(&other.tpot);
+        // Summed, progress is the least advanced replica's.
+        let (mine, theirs) = (&mut self.progress, &other.progress);
+        mine.steps_total += theirs.steps_total;
+        mine.seconds_since_progress = mine
+            .seconds_since_progress
+            .max(theirs.seconds_since_progress);
+        mine.has_work |= theirs.has_work;
+        mine.recent_step_secs = mine.recent_step_secs.max(theirs.recent_step_secs);
     }
 }
 
@@ -305,6 +318,9 @@ impl Metrics {
             pd_transfer_failures_total: load(&self.pd_transfer_failures_total),
             ttft: self.ttft.snapshot(),
             tpot: self.tpot.snapshot(),
+            progress: self
+                .progress
+                .snapshot(load(&self.running) + load(&self.waiting)),
         }
     }
 }
@@ -516,7 +532,10 @@ fn run(
         }
 
         let entries = batch.step_entries(&plan);
-        let sampled = match executor.step(&entries, &[]) {
+        metrics.progress.call_begins();
+        let sampled = executor.step(&entries, &[]);
+        metrics.progress.call_ends(true);
+        let sampled = match sampled {
             Ok(sampled) => sampled,
             Err(error) => {
                 batch.fail_running(&error);
@@ -637,16 +656,27 @@ impl<'a> Batch<'a> {
         receiver: &mpsc::Receiver<Request>,
     ) -> Result<bool> {
         while self.running.is_empty() && self.waiting.is_empty() {
+            let progress = &self.metrics.progress;
             if !self.release.is_empty() {
-                executor.step(&[], &std::mem::take(&mut self.release))?;
+                progress.call_begins();
+                let released = executor.step(&[], &std::mem::take(&mut self.release));
+                progress.call_ends(true);
+                released?;
                 self.store_kv_metrics();
             }
             match receiver.recv_timeout(Duration::from_secs(1)) {
                 Ok(request) => {
+                    // Idle until now: the wait for the first step starts here.
+                    progress.mark();
                     let running = self.receive(request);
                     self.waiting.push_back(running);
                 }
-                Err(mpsc::RecvTimeoutError::Timeout) => executor.idle()?,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    progress.call_begins();
+                    let alive = executor.idle();
+                    progress.call_ends(false);
+                    alive?;
+                }
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(false),
             }
         }

@@ -16,6 +16,7 @@ mod doctor;
 mod dummy;
 mod engine;
 mod engines;
+mod health;
 mod kernels;
 mod model;
 mod pd;

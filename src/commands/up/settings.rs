@@ -99,7 +99,8 @@ pub(super) fn check_model_flags(
     Ok(())
 }
 
-/// The checked flags as [`UpSettings`]. Errors: a negative `--shutdown-timeout` (seconds) or
+/// The checked flags as [`UpSettings`]. Errors: a negative `--shutdown-timeout` (seconds), a
+/// `--stall-timeout` that is not positive, or
 /// `--nnodes/--node-rank/--master-addr` that do not resolve.
 pub(super) fn up_settings(
     args: &UpArgs,
@@ -112,6 +113,7 @@ pub(super) fn up_settings(
         model_id: served_model_id(args, &source),
         max_model_len: args.max_model_len,
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
+        stall_timeout: stall_timeout(args.stall_timeout)?,
         model: source,
         pins: crate::degrees::DegreePins {
             dp: pd_prefill
@@ -167,6 +169,19 @@ pub(super) fn shutdown_timeout(shutdown_timeout_secs: f64) -> Result<std::time::
     std::time::Duration::try_from_secs_f64(shutdown_timeout_secs).map_err(|_| {
         anyhow::anyhow!("--shutdown-timeout must be 0 or more seconds, got {shutdown_timeout_secs}")
     })
+}
+
+/// `--stall-timeout` seconds as a duration. Errors: a number that is not positive and
+/// finite.
+pub(super) fn stall_timeout(stall_timeout_secs: f64) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(stall_timeout_secs)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--stall-timeout must be more than 0 seconds, got {stall_timeout_secs} (10 is the default)"
+            )
+        })
 }
 
 /// This node of a multi-node launch (`--nnodes`, `--node-rank`, `--master-addr`), `None`

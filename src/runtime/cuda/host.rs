@@ -179,7 +179,7 @@ impl HostKernels {
                 sanitizer.flag(),
                 "-g",
                 "-fno-omit-frame-pointer",
-                "-DINFER_HOST_OS_THREADS",
+                "-DHARNESS_OS_THREADS",
             ]);
         }
         let output = command

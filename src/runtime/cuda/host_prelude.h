@@ -2,7 +2,7 @@
 // time. A block's threads are fibers on the launching thread (x86-64): each runs until it
 // meets __syncthreads or ends, then the next one in turn runs, so the kernels' shared-memory
 // reductions and warp shuffles run as written, with no OS thread per CUDA thread. Sanitizer
-// builds (INFER_HOST_OS_THREADS) run a block's threads as real threads meeting at a barrier,
+// builds (HARNESS_OS_THREADS) run a block's threads as real threads meeting at a barrier,
 // which ThreadSanitizer can see race. __shared__ arrays become function statics (blocks never
 // overlap, and the launcher runs one grid at a time).
 #include <barrier>
@@ -28,8 +28,8 @@ inline thread_local dim3 blockDim;
 inline thread_local dim3 gridDim;
 inline thread_local std::barrier<>* infer_host_barrier;
 
-#if defined(__x86_64__) && !defined(INFER_HOST_OS_THREADS)
-#define INFER_HOST_FIBERS 1
+#if defined(__x86_64__) && !defined(HARNESS_OS_THREADS)
+#define HARNESS_FIBERS 1
 #endif
 
 #define __global__
@@ -39,7 +39,7 @@ inline thread_local std::barrier<>* infer_host_barrier;
 #define __restrict__ __restrict
 #define __shared__ static
 
-#ifdef INFER_HOST_FIBERS
+#ifdef HARNESS_FIBERS
 inline void infer_host_yield();
 inline void __syncthreads() { infer_host_yield(); }
 #else
@@ -96,7 +96,7 @@ inline int __dp4a(int a, int b, int c) {
     return c;
 }
 
-#ifdef INFER_HOST_FIBERS
+#ifdef HARNESS_FIBERS
 // Switches stacks (System V x86-64): pushes the callee-saved registers, stores the stack
 // pointer in *save, loads `load` and pops the registers saved there. Every unit defines it
 // weakly; the linker keeps one.

@@ -72,6 +72,66 @@ pub struct RankEnv {
     pub host: HostEnv,
     /// `infer up`'s settings; `None` for `infer generate`, benches and probes.
     pub serving: Option<ServingEnv>,
+    /// A fault for the tests to inject ([`var::TEST_FAULT`]; debug builds only).
+    pub test_fault: Option<TestFault>,
+}
+
+/// A fault a rank injects into itself, for the tests ([`var::TEST_FAULT`]): rank `rank`
+/// stops making progress at its `step`th step (1-based) and waits there until it is
+/// stopped, its process and heartbeats alive: a stall, as a wedged collective or kernel
+/// gives. Only debug builds (what the tests run) honour it; a release build refuses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TestFault {
+    /// The global rank that stalls.
+    pub rank: usize,
+    /// The step, counted by that rank from 1, at which it stalls.
+    pub step: u64,
+}
+
+impl TestFault {
+    /// Reads `stall:rank=R:step=N`.
+    ///
+    /// Errors: another form, or any value in a release build.
+    pub fn parse(text: &str) -> Result<TestFault> {
+        if !cfg!(debug_assertions) {
+            bail!(
+                "`{}` is set (`{text}`), but injecting faults is for the tests: a release build refuses it; unset it",
+                var::TEST_FAULT
+            );
+        }
+        let fields: Vec<&str> = text.split(':').collect();
+        let value = |field: &str, key: &str| {
+            field
+                .strip_prefix(key)
+                .and_then(|v| v.strip_prefix('='))
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        match fields.as_slice() {
+            ["stall", rank, step] => match (value(rank, "rank"), value(step, "step")) {
+                (Some(rank), Some(step)) if step > 0 => Ok(TestFault {
+                    rank: rank as usize,
+                    step,
+                }),
+                _ => bail!(
+                    "`{}` is `{text}`, not `stall:rank=R:step=N` (N from 1)",
+                    var::TEST_FAULT
+                ),
+            },
+            _ => bail!(
+                "`{}` is `{text}`, not `stall:rank=R:step=N`",
+                var::TEST_FAULT
+            ),
+        }
+    }
+
+    /// The launcher's own [`var::TEST_FAULT`], which it passes to its ranks.
+    ///
+    /// Errors: as [`TestFault::parse`].
+    pub fn from_process_env() -> Result<Option<TestFault>> {
+        process_env(var::TEST_FAULT)
+            .map(|text| TestFault::parse(&text))
+            .transpose()
+    }
 }
 
 /// A `--device cuda` rank's environment.
@@ -119,6 +179,8 @@ pub struct ServingEnv {
     pub pd_prefill: Option<usize>,
     /// How long requests in flight may finish after SIGTERM.
     pub shutdown_timeout: Duration,
+    /// A replica with work and no progress for longer is stalled (`--stall-timeout`).
+    pub stall_timeout: Duration,
     /// Longest prompt plus completion, tokens (`None`: the model's context).
     pub max_model_len: Option<usize>,
 }
@@ -198,6 +260,12 @@ impl RankEnv {
         }
         if self.shm_disable {
             env.push((var::SHM_DISABLE, "1".to_string()));
+        }
+        if let Some(fault) = self.test_fault {
+            env.push((
+                var::TEST_FAULT,
+                format!("stall:rank={}:step={}", fault.rank, fault.step),
+            ));
         }
         if let Some(device) = &self.device {
             env.push((var::DEVICE, "cuda".to_string()));
@@ -285,6 +353,9 @@ impl RankEnv {
             timeout: Duration::from_secs(number(lookup, var::TIMEOUT_SECS)?),
             model,
             shm_disable: flag(lookup, var::SHM_DISABLE),
+            test_fault: lookup(var::TEST_FAULT)
+                .map(|text| TestFault::parse(&text))
+                .transpose()?,
             cuda_visible_devices: lookup(CUDA_VISIBLE_DEVICES).unwrap_or_default(),
             device,
             host: HostEnv {
@@ -349,6 +420,10 @@ impl ServingEnv {
             var::SHUTDOWN_TIMEOUT_SECS,
             self.shutdown_timeout.as_secs_f64().to_string(),
         ));
+        env.push((
+            var::STALL_TIMEOUT_SECS,
+            self.stall_timeout.as_secs_f64().to_string(),
+        ));
         if let Some(len) = self.max_model_len {
             env.push((var::MAX_MODEL_LEN, len.to_string()));
         }
@@ -362,18 +437,8 @@ impl ServingEnv {
         if lookup(var::HTTP_PORT).is_none() {
             return Ok(None);
         }
-        let shutdown_secs: f64 = match lookup(var::SHUTDOWN_TIMEOUT_SECS) {
-            Some(value) => parsed(var::SHUTDOWN_TIMEOUT_SECS, &value, "a number of seconds")?,
-            None => 5.0,
-        };
-        let shutdown_timeout = Duration::try_from_secs_f64(shutdown_secs)
-            .ok()
-            .with_context(|| {
-                format!(
-                    "`{}` is `{shutdown_secs}`, not a number of seconds",
-                    var::SHUTDOWN_TIMEOUT_SECS
-                )
-            })?;
+        let shutdown_timeout = seconds(lookup, var::SHUTDOWN_TIMEOUT_SECS, 5.0)?;
+        let stall_timeout = seconds(lookup, var::STALL_TIMEOUT_SECS, 10.0)?;
         Ok(Some(ServingEnv {
             http_host: required(lookup, var::HTTP_HOST)?,
             http_port: parsed(var::HTTP_PORT, &required(lookup, var::HTTP_PORT)?, "a port")?,
@@ -385,9 +450,23 @@ impl ServingEnv {
             api_key: lookup(var::API_KEY),
             pd_prefill: optional_number(lookup, var::PD_PREFILL)?,
             shutdown_timeout,
+            stall_timeout,
             max_model_len: optional_number(lookup, var::MAX_MODEL_LEN)?,
         }))
     }
+}
+
+/// Variable `name` as a duration in (fractional) seconds, `default_secs` when unset.
+///
+/// Errors: a value that is not a number of seconds (negative, not a number), named.
+fn seconds(lookup: Lookup, name: &str, default_secs: f64) -> Result<Duration> {
+    let secs: f64 = match lookup(name) {
+        Some(value) => parsed(name, &value, "a number of seconds")?,
+        None => default_secs,
+    };
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .with_context(|| format!("`{name}` is `{secs}`, not a number of seconds"))
 }
 
 #[cfg(test)]
@@ -414,6 +493,7 @@ mod tests {
             timeout: Duration::from_secs(60),
             model: Some(ModelSource::File("/models/m.gguf".into())),
             shm_disable: true,
+            test_fault: None,
             cuda_visible_devices: "1".into(),
             device: Some(DeviceEnv {
                 lib_dirs: Some("/a:/b".into()),
@@ -437,6 +517,7 @@ mod tests {
                 api_key: Some("k".into()),
                 pd_prefill: Some(1),
                 shutdown_timeout: Duration::from_millis(2500),
+                stall_timeout: Duration::from_secs(7),
                 max_model_len: Some(1024),
             }),
         }

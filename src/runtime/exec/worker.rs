@@ -75,6 +75,9 @@ pub struct RankConfig {
     pub device: Option<KernelDevice>,
     /// The rank's `CUDA_VISIBLE_DEVICES` as its launcher set it (said in its first line).
     pub cuda_visible_devices: Option<String>,
+    /// The tests' injected stall ([`crate::runtime::exec::rank_env::TestFault`]): this rank
+    /// stops making progress at this step (counted from 1).
+    pub stall_at_step: Option<u64>,
 }
 
 /// A device rank's KV cache when the launcher gives none (`infer generate`): the model's
@@ -383,6 +386,9 @@ pub struct Member {
     /// Sequences of the last step whose KV transfer failed on some rank of the replica, with
     /// why (the same set on every rank; the driver reports it).
     transfer_failures: Vec<(u64, String)>,
+    /// Steps run so far, and the step at which the tests' injected fault stalls this rank.
+    steps: u64,
+    stall_at_step: Option<u64>,
     pool: rayon::ThreadPool,
     /// The forward pass's parallel loops ([`crate::runtime::cpu::team`]), as many threads as `pool`.
     team: crate::runtime::cpu::team::Team,
@@ -669,6 +675,8 @@ impl Member {
                 samplers: HashMap::new(),
                 handed: HashMap::new(),
                 transfer_failures: Vec::new(),
+                steps: 0,
+                stall_at_step: config.stall_at_step,
                 team: crate::runtime::cpu::team::Team::new(pool.current_num_threads())
                     .map_err(|e| anyhow!("thread team: {e}"))?,
                 pool,
@@ -692,6 +700,14 @@ impl Member {
 
     /// Runs this rank's stage of one step; the sampling rank returns the sampled tokens.
     fn run_step(&mut self, entries: &[StepEntry], release: &[u64]) -> Result<Vec<Option<Sampled>>> {
+        self.steps += 1;
+        if self.stall_at_step == Some(self.steps) {
+            // The tests' injected stall: no progress from here, the process (and its
+            // heartbeats) alive, until the launcher stops the gang.
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
         for seq in release {
             self.caches.remove(seq);
             self.samplers.remove(seq);

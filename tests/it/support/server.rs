@@ -192,6 +192,19 @@ impl Server {
             .collect()
     }
 
+    /// GETs `path`: the reply's HTTP status and body (a 4xx or 5xx is returned, not an
+    /// error; an unreachable server panics with its stderr).
+    pub fn get(&self, path: &str) -> (u16, String) {
+        let response = ureq::get(&format!("{}{path}", self.url))
+            .config()
+            .http_status_as_error(false)
+            .build()
+            .call()
+            .unwrap_or_else(|error| self.unreachable(&format!("GET {path}"), &error));
+        let status = response.status().as_u16();
+        (status, response.into_body().read_to_string().expect("text"))
+    }
+
     /// Posts every body at once (one client thread each) and returns the replies in order.
     pub fn post_all(&self, path: &str, bodies: &[Value]) -> Vec<(u16, Value)> {
         std::thread::scope(|scope| {
