@@ -188,6 +188,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime/cpu",
             "runtime/model",
             "runtime/exec",
+            "runtime/collectives",
         ],
     ),
     (

@@ -20,6 +20,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::rendezvous::StoreClient;
+use crate::runtime::collectives::waits::{RankWait, diagnose, read_waits};
+
 /// `--stall-timeout`'s default: a replica with work and no completed step for 10 s is
 /// stalled (the default; NCCL's own watchdogs wait minutes, which is what users
 /// complain about).
@@ -158,6 +161,10 @@ pub struct ReplicaHealth {
     pub reason: Option<String>,
     pub seconds_since_progress: f64,
     pub steps_total: u64,
+    /// Which of its ranks waits on which, when it is stalled and the ranks report
+    /// ([`crate::runtime::collectives::waits::diagnose`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub diagnosis: Option<String>,
 }
 
 /// What `/health` answers.
@@ -175,13 +182,94 @@ impl Verdict {
         self.status != "unavailable"
     }
 
-    /// The reasons of the replicas that cannot serve, joined: what a 503 says.
+    /// The reasons of the replicas that cannot serve, each with its diagnosis, joined:
+    /// what a 503 says.
     pub fn reasons(&self) -> String {
         self.replicas
             .iter()
-            .filter_map(|r| r.reason.as_deref())
+            .filter_map(|r| {
+                let reason = r.reason.as_deref()?;
+                Some(match &r.diagnosis {
+                    Some(diagnosis) => format!("{reason} — {diagnosis}"),
+                    None => reason.to_string(),
+                })
+            })
             .collect::<Vec<_>>()
             .join("; ")
+    }
+
+    /// The replicas judged stalled.
+    pub fn stalled(&self) -> impl Iterator<Item = usize> + '_ {
+        self.replicas
+            .iter()
+            .filter(|r| r.status == "stalled")
+            .map(|r| r.replica)
+    }
+}
+
+/// Rank 0's reader of every rank's wait state through the rendezvous store (its own
+/// connection, opened when first needed and again after an error): what the stall
+/// diagnosis and `GET /debug/ranks` show.
+pub struct RankWaits {
+    address: String,
+    token: String,
+    /// Ranks in the run, and in each DP replica (replica `r` holds ranks
+    /// `r × replica_size ..`).
+    pub world_size: u64,
+    pub replica_size: u64,
+    store: std::sync::Mutex<Option<StoreClient>>,
+}
+
+impl RankWaits {
+    /// A reader of the store at `address` (run `token`).
+    pub fn new(address: String, token: String, world_size: u64, replica_size: u64) -> RankWaits {
+        RankWaits {
+            address,
+            token,
+            world_size,
+            replica_size,
+            store: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Each rank's wait among `ranks`. Blocking (the store). Errors: the store cannot be
+    /// reached.
+    pub fn read(&self, ranks: std::ops::Range<u64>) -> anyhow::Result<Vec<(u64, RankWait)>> {
+        let mut store = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        if store.is_none() {
+            *store = Some(StoreClient::connect(
+                &self.address,
+                &self.token,
+                None,
+                Duration::from_secs(2),
+            )?);
+        }
+        let Some(client) = store.as_mut() else {
+            anyhow::bail!("no store connection");
+        };
+        let waits = read_waits(client, ranks);
+        if waits.is_err() {
+            *store = None;
+        }
+        waits
+    }
+
+    /// The diagnosis of replica `replica`'s ranks, or why there is none.
+    pub fn diagnose_replica(&self, replica: usize) -> String {
+        let first = replica as u64 * self.replica_size;
+        match self.read(first..first + self.replica_size) {
+            Ok(waits) => diagnose(&waits),
+            Err(error) => format!("the ranks' wait states could not be read: {error:#}"),
+        }
+    }
+
+    /// Adds the diagnosis of each stalled replica to `verdict`.
+    pub fn diagnose(&self, verdict: &mut Verdict) {
+        let stalled: Vec<usize> = verdict.stalled().collect();
+        for replica in stalled {
+            let line = self.diagnose_replica(replica);
+            verdict.replicas[replica].diagnosis = Some(line);
+        }
     }
 }
 
@@ -233,6 +321,7 @@ pub(crate) fn judge(
                 reason,
                 seconds_since_progress: p.seconds_since_progress,
                 steps_total: p.steps_total,
+                diagnosis: None,
             }
         })
         .collect();

@@ -121,6 +121,7 @@ pub fn serve_one_process(
             max_context_tokens,
             api_key: settings.api_key.clone(),
             access_log: access_log(),
+            rank_waits: None,
         },
         &[],
         "",
@@ -207,6 +208,12 @@ pub fn serve_driver(
             },
             api_key: serving.api_key.clone(),
             access_log: access_log(),
+            rank_waits: Some(Arc::new(super::health::RankWaits::new(
+                env.store.to_string(),
+                token.to_string(),
+                env.world_size as u64,
+                env.degrees.replica_size() as u64,
+            ))),
             scheduler: {
                 let router = Router::local(Scheduler::start_with(Box::new(driver), limits))
                     .with_stall_timeout(serving.stall_timeout);
@@ -327,7 +334,10 @@ impl HttpServer {
     pub fn open(&self, mut state: AppState, remotes: &[String], token: &str) -> Result<()> {
         self.runtime
             .block_on(state.scheduler.connect_remotes(remotes, token))?;
-        self.gate.open(state)
+        self.gate.open(state)?;
+        self.runtime
+            .spawn(super::watch_stalls(Arc::clone(&self.gate)));
+        Ok(())
     }
 
     /// Serves until Ctrl-C, SIGTERM or a failed replica. Then, as vLLM's and SGLang's

@@ -50,6 +50,9 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Where the access log goes: one line per request answered (as vLLM logs them).
     pub access_log: Arc<dyn Fn(&str) + Send + Sync>,
+    /// On a rank gang: every rank's wait state, for the stall diagnosis and
+    /// `/debug/ranks` (`None` in one process).
+    pub rank_waits: Option<Arc<health::RankWaits>>,
 }
 
 /// The HTTP server's shared state: the engine side once it is ready. The server listens
@@ -141,7 +144,7 @@ impl axum::extract::FromRequestParts<Arc<Gate>> for Ready {
 /// reasons (OpenAI error JSON, the verdict under `health`) while loading, when the engine
 /// failed, or when no replica makes progress (`--stall-timeout`).
 async fn health(Ready(state, _): Ready) -> Response {
-    let verdict = state.scheduler.health();
+    let verdict = diagnosed_health(&state).await;
     if verdict.ready() {
         return axum::Json(verdict).into_response();
     }
@@ -151,6 +154,118 @@ async fn health(Ready(state, _): Ready) -> Response {
         "health": verdict,
     });
     (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
+}
+
+/// Every replica's health, with the diagnosis of each stalled one (which of its ranks waits
+/// on which, read from the store on a blocking thread).
+async fn diagnosed_health(state: &AppState) -> health::Verdict {
+    let verdict = state.scheduler.health();
+    let Some(waits) = state.rank_waits.clone() else {
+        return verdict;
+    };
+    if verdict.stalled().next().is_none() {
+        return verdict;
+    }
+    let undiagnosed = verdict.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut verdict = verdict;
+        waits.diagnose(&mut verdict);
+        verdict
+    })
+    .await
+    .unwrap_or(undiagnosed)
+}
+
+/// `GET /debug/ranks`: what every rank of the run waits for now (its collective, group,
+/// peer and for how long; `null` when in none), readable while the run is alive.
+async fn debug_ranks(Ready(state, _): Ready, headers: HeaderMap) -> Response {
+    if let Err(response) = authorize(&state, &headers) {
+        return response.into_response();
+    }
+    let Some(waits) = state.rank_waits.clone() else {
+        return axum::Json(json!({"ranks": [], "note": "one process: no rank gang"}))
+            .into_response();
+    };
+    let read = tokio::task::spawn_blocking(move || {
+        let read = waits.read(0..waits.world_size);
+        (read, waits.replica_size)
+    })
+    .await;
+    let (waits, replica_size) = match read {
+        Ok((Ok(waits), replica_size)) => (waits, replica_size),
+        Ok((Err(failure), _)) => {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                format!("cannot read the ranks' wait states: {failure:#}"),
+            )
+            .into_response();
+        }
+        Err(_) => {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "the wait-state reader failed",
+            )
+            .into_response();
+        }
+    };
+    use crate::runtime::collectives::waits::RankWait;
+    let ranks: Vec<Value> = waits
+        .iter()
+        .map(|(rank, wait)| {
+            let (state, wait) = match wait {
+                RankWait::Waiting(w) => (
+                    "waiting",
+                    json!({"group": w.group, "operation": w.operation, "verb": w.verb,
+                        "peer_rank": w.peer_rank, "bytes_expected": w.bytes_expected,
+                        "seconds": w.seconds()}),
+                ),
+                RankWait::NotWaiting => ("in_no_collective", Value::Null),
+                RankWait::Unknown => ("unknown", Value::Null),
+            };
+            json!({"rank": rank, "replica": rank / replica_size.max(1), "state": state, "wait": wait})
+        })
+        .collect();
+    axum::Json(json!({"ranks": ranks})).into_response()
+}
+
+/// Logs each replica's stall with its diagnosis, and when it ends; checks every second
+/// until the gate closes. A stall is logged at its second check, so that its ranks have
+/// published their waits (after `waits::REPORT_AFTER`).
+pub(crate) async fn watch_stalls(gate: Arc<Gate>) {
+    let printer = crate::ui::Printer::from_env();
+    // Checks each replica has been seen stalled in a row (0: not stalled).
+    let mut stalled: Vec<u32> = Vec::new();
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        let Some(state) = gate.state() else {
+            continue;
+        };
+        let verdict = diagnosed_health(state).await;
+        stalled.resize(verdict.replicas.len(), 0);
+        for replica in &verdict.replicas {
+            let checks = &mut stalled[replica.replica];
+            if replica.status != "stalled" {
+                if *checks >= 2 {
+                    printer.note(&format!(
+                        "replica {} makes progress again ({} steps)",
+                        replica.replica, replica.steps_total
+                    ));
+                }
+                *checks = 0;
+                continue;
+            }
+            *checks += 1;
+            if *checks == 2 {
+                let mut line = replica.reason.clone().unwrap_or_default();
+                if let Some(diagnosis) = &replica.diagnosis {
+                    line.push_str(&format!(" — {diagnosis}"));
+                }
+                printer.warn(&line);
+            }
+        }
+    }
 }
 
 /// `GET /ping`, liveness: 200 while the HTTP process runs, whatever the engine does
@@ -164,6 +279,7 @@ pub fn router(gate: Arc<Gate>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/ping", get(ping))
+        .route("/debug/ranks", get(debug_ranks))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))

@@ -51,8 +51,10 @@ fn health_until(
 }
 
 /// TP 3, rank 2 stalls at its third step: within `--stall-timeout` + 2 s of the request
-/// that meets it `/health` is 503 naming replica 0 with the request running, `/metrics`
-/// shows the stall, and `/ping` (liveness) still answers 200.
+/// that meets it `/health` is 503 naming replica 0 with the request running and which rank
+/// waits on which (ranks 0 and 1 on rank 2, which is in no collective), `/debug/ranks`
+/// shows the same, `/metrics` shows the stall, rank 0 logs it, and `/ping` (liveness) still
+/// answers 200.
 #[test]
 fn a_stalled_rank_turns_health_503_naming_its_replica_while_ping_stays_200() {
     let server = start_with_fault(
@@ -82,6 +84,44 @@ fn a_stalled_rank_turns_health_503_naming_its_replica_while_ping_stays_200() {
     );
     assert_eq!(body["health"]["status"], "unavailable", "{body}");
     assert_eq!(body["health"]["replicas"][0]["status"], "stalled", "{body}");
+    // The ranks report their waits within a second of REPORT_AFTER (1 s): the diagnosis
+    // names the stalled rank once they have.
+    let (_, body, _) = health_until(&server, Duration::from_secs(5), |_, b| {
+        b["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("holds the others up"))
+    });
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    for expected in [
+        "rank 0 waits on rank 2 (",
+        "rank 1 waits on rank 2 (",
+        "rank 2 is in no collective: rank 2 holds the others up",
+    ] {
+        assert!(message.contains(expected), "{expected}: {body}");
+    }
+    let (status, ranks) = server.get("/debug/ranks");
+    assert_eq!(status, 200, "{ranks}");
+    let ranks: Value = serde_json::from_str(&ranks).expect("JSON");
+    let states: Vec<(&str, Option<u64>)> = ranks["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| {
+            (
+                r["state"].as_str().unwrap_or_default(),
+                r["wait"]["peer_rank"].as_u64(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("waiting", Some(2)),
+            ("waiting", Some(2)),
+            ("in_no_collective", None)
+        ],
+        "{ranks}"
+    );
 
     let (status, text) = server.get("/ping");
     assert_eq!((status, text.as_str()), (200, "pong"));
@@ -91,6 +131,19 @@ fn a_stalled_rank_turns_health_503_naming_its_replica_while_ping_stays_200() {
         1.0
     );
     assert!(metric(&metrics, "infer_seconds_since_last_step{replica=\"0\"}") > 2.0);
+    // Rank 0 logs the stall with its diagnosis (a `[rank 0]` line of `infer up`).
+    let logged = |log: &str| {
+        log.lines().any(|l| {
+            l.contains("[rank 0] warning: replica 0 stalled")
+                && l.contains("rank 2 holds the others up")
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !logged(&server.stderr_so_far()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = server.stderr_so_far();
+    assert!(logged(&log), "{log}");
     // Stopping the server ends the request in flight.
     drop(server);
     let _ = request.join();

@@ -8,6 +8,7 @@
 
 pub mod nccl;
 pub mod shm;
+pub mod waits;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -150,6 +151,25 @@ impl TcpComm {
         )
     }
 
+    /// Records that this member blocks in `operation`, `verb` member `peer` (expecting
+    /// `bytes` when known), until the guard drops: the stall diagnosis reads it
+    /// ([`waits`]).
+    pub(crate) fn waiting(
+        &self,
+        operation: &str,
+        verb: &str,
+        peer: usize,
+        bytes: Option<usize>,
+    ) -> waits::WaitGuard {
+        waits::waiting(
+            &self.group,
+            operation,
+            verb,
+            self.members[peer],
+            bytes.map(|b| b as u64),
+        )
+    }
+
     /// The timeout every blocking call of this group runs under.
     pub(crate) fn timeout(&self) -> Duration {
         self.timeout
@@ -176,6 +196,7 @@ impl TcpComm {
 
     fn write_to(&mut self, operation: &str, peer: usize, bytes: &[u8]) -> Result<()> {
         let context = self.context(operation, "sending to", peer);
+        let _wait = self.waiting(operation, "sending to", peer, None);
         let timeout = self.timeout;
         let stream = self.writers[peer].as_mut().context("no connection")?;
         write_frame(stream, bytes)
@@ -185,6 +206,7 @@ impl TcpComm {
 
     fn read_from(&mut self, operation: &str, peer: usize) -> Result<Vec<u8>> {
         let context = self.context(operation, "receiving from", peer);
+        let _wait = self.waiting(operation, "receiving from", peer, None);
         let timeout = self.timeout;
         let stream = self.readers[peer].as_mut().context("no connection")?;
         read_frame(stream)
@@ -201,7 +223,7 @@ impl TcpComm {
         outgoing: &[u8],
         from: usize,
     ) -> Result<Vec<u8>> {
-        self.exchange_with(operation, to, outgoing, from, read_frame)
+        self.exchange_with(operation, to, outgoing, from, None, read_frame)
     }
 }
 
@@ -216,21 +238,25 @@ impl TcpComm {
         from: usize,
         incoming: &mut [u8],
     ) -> Result<()> {
-        self.exchange_with(operation, to, outgoing, from, |reader| {
+        let expected = Some(incoming.len());
+        self.exchange_with(operation, to, outgoing, from, expected, |reader| {
             read_frame_into(reader, incoming)
         })
     }
 
-    /// Writes `outgoing` to `to` on a scoped thread while `receive` reads from `from`;
-    /// errors name the operation, the direction and the peer.
+    /// Writes `outgoing` to `to` on a scoped thread while `receive` reads from `from`
+    /// (`expected` bytes, when known); errors name the operation, the direction and the
+    /// peer.
     fn exchange_with<T>(
         &mut self,
         operation: &str,
         to: usize,
         outgoing: &[u8],
         from: usize,
+        expected: Option<usize>,
         receive: impl FnOnce(&mut TcpStream) -> std::io::Result<T>,
     ) -> Result<T> {
+        let _wait = self.waiting(operation, "receiving from", from, expected);
         let send_context = self.context(operation, "sending to", to);
         let receive_context = self.context(operation, "receiving from", from);
         let timeout = self.timeout;

@@ -298,6 +298,7 @@ impl Segment {
                 }
                 std::hint::spin_loop();
             }
+            let _wait = tcp.waiting("all-reduce (shared memory)", "waiting for", member, None);
             let sleepers = self.word(member, phase, 1);
             let deadline = Instant::now() + tcp.timeout();
             let poll = futex::Timespec {

@@ -619,4 +619,26 @@ mod tests {
             );
         }
     }
+
+    /// `stall:rank=R:step=N` is the one form (debug builds: what the tests run); a release
+    /// build refuses any value.
+    #[test]
+    fn the_test_fault_reads_one_form_and_only_in_debug_builds() {
+        let parsed = TestFault::parse("stall:rank=2:step=3");
+        if cfg!(debug_assertions) {
+            assert_eq!(parsed.expect("parsed"), TestFault { rank: 2, step: 3 });
+            for bad in [
+                "stall:rank=2",
+                "stall:rank=x:step=3",
+                "stall:rank=2:step=0",
+                "crash:rank=1:step=1",
+            ] {
+                let error = TestFault::parse(bad).expect_err(bad).to_string();
+                assert!(error.contains("`INFER_TEST_FAULT`"), "{error}");
+            }
+        } else {
+            let error = parsed.expect_err("release").to_string();
+            assert!(error.contains("a release build refuses it"), "{error}");
+        }
+    }
 }

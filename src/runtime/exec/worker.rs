@@ -154,6 +154,13 @@ pub fn run_rank(
         config.timeout,
     )?;
     let _heartbeat = store.start_heartbeat(Duration::from_millis(500))?;
+    // What this rank's collectives wait for, published for the stall diagnosis.
+    let _waits = crate::runtime::collectives::waits::start_reporter(
+        &config.store_address,
+        &config.token,
+        config.rank,
+        config.timeout,
+    )?;
     let Some(model) = &config.model else {
         return run_collectives_only(config, &mut store, started, log);
     };
