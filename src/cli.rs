@@ -658,6 +658,18 @@ pub struct DoctorArgs {
     /// With `--engine`: the directory holding the engine's programs on every host.
     #[arg(long, value_name = "DIR", requires = "engine")]
     pub engine_bin: Option<PathBuf>,
+
+    /// The post-mortem of one run of `infer up`: its run directory (printed when it starts)
+    /// or run id. Says first why it ended — a rank killed by the OOM killer or a signal, a
+    /// stall (which rank waited on which), a lost host, a clean stop — from the launcher's
+    /// record, every rank's log and the kernel's log (OOM kills, NVIDIA Xid errors).
+    #[arg(long, value_name = "RUN")]
+    pub run: Option<String>,
+
+    /// With `--run`: also pack the run directory and the report (`postmortem.json`) into
+    /// FILE, a `.tar.gz` to attach to a bug report.
+    #[arg(long, value_name = "FILE", requires = "run")]
+    pub bundle: Option<PathBuf>,
 }
 
 /// `infer up`.

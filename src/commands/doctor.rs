@@ -11,6 +11,9 @@ use crate::ui::Printer;
 
 /// Runs `infer doctor`. Errors: an unreadable log or topology, a malformed topology.
 pub(crate) fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
+    if let Some(run) = &args.run {
+        return postmortem(run, args, printer);
+    }
     if args.engine == Some(crate::cli::EngineArg::Infer) {
         bail!(
             "--engine infer: `infer doctor --cluster hosts.toml` checks infer itself on every host already (an agent of \
@@ -106,6 +109,35 @@ fn cluster(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
     report.matrix = evidence.matrix;
     report.allreduce = evidence.allreduce;
     report.engine = evidence.engine;
+    print_report(&report, args.json, printer)
+}
+
+/// `--run RUN`: the post-mortem of one run (its record, its ranks' logs with the NCCL checks
+/// where they hold NCCL output, the kernel's log), with `--bundle` packed for a bug report.
+///
+/// Errors: no such run, an unreadable manifest, a bundle that cannot be written.
+fn postmortem(run: &str, args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
+    let dir = crate::launch::postmortem::run_dir(run)?;
+    let evidence = crate::launch::postmortem::gather(&dir)?;
+    let mut findings = checks::run_outcome::check(&evidence);
+    let logs: Vec<nccl_log::NcclLog> = evidence
+        .ranks
+        .iter()
+        .map(|r| nccl_log::parse(&r.log, &r.log_path))
+        .filter(|log| log.nccl_lines > 0)
+        .collect();
+    if !logs.is_empty() {
+        findings.extend(checks::nccl_logs(&logs, None));
+    }
+    let report = Report::new(findings);
+    if let Some(bundle) = &args.bundle {
+        crate::launch::postmortem::bundle(&dir, &serde_json::to_value(&report)?, bundle)?;
+        printer.note(&format!(
+            "packed `{}` and its report into `{}`",
+            dir.display(),
+            bundle.display()
+        ));
+    }
     print_report(&report, args.json, printer)
 }
 

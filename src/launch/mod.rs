@@ -15,6 +15,7 @@ pub(crate) mod events;
 pub(crate) mod gang;
 pub(crate) mod hosts;
 pub(crate) mod network;
+pub(crate) mod postmortem;
 pub(crate) mod process;
 pub(crate) mod protocol;
 pub mod remote;

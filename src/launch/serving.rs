@@ -456,8 +456,13 @@ fn launch(
     gang.fail_on_any_exit();
     report(gang.started());
     let is_stopped = || signals.load(Ordering::SeqCst) > 0;
-    let Some(address) = gang.wait_for("ready", &is_stopped, &mut report)? else {
+    let ready = gang.wait_for("ready", &is_stopped, &mut report);
+    if let Err(error) = &ready {
+        gang.write_outcome(Some(error));
+    }
+    let Some(address) = ready? else {
         gang.stop();
+        gang.write_outcome(None);
         events(UpEvent::Note("stopped before the ranks were ready".into()));
         return Ok(());
     };
@@ -486,10 +491,12 @@ fn launch(
         ),
         ready_secs: started.elapsed().as_secs_f64(),
     });
-    if let Some(node) = settings.node.as_ref().filter(|n| n.node_rank > 0) {
-        return follow_node_zero(gang, node, &is_stopped, events);
-    }
-    serve_until_stopped(gang, settings, &signals, events)
+    let result = match settings.node.as_ref().filter(|n| n.node_rank > 0) {
+        Some(node) => follow_node_zero(gang, node, &is_stopped, events),
+        None => serve_until_stopped(gang, settings, &signals, events),
+    };
+    gang.write_outcome(result.as_ref().err());
+    result
 }
 
 /// The ranks' launch: `layout`, the serving settings of rank 0 (on a cluster, `forwarded`:

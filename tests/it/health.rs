@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::process::infer;
+use crate::support::cluster::TestCluster;
+use crate::support::process::{infer, postmortem, run_dir_of};
 use crate::support::server::{Server, metric};
 
 /// `infer up --port 0 --threads 1 EXTRA` with `INFER_TEST_FAULT=fault`.
@@ -145,8 +146,21 @@ fn a_stalled_rank_turns_health_503_naming_its_replica_while_ping_stays_200() {
     let log = server.stderr_so_far();
     assert!(logged(&log), "{log}");
     // Stopping the server ends the request in flight.
+    let run_dir = run_dir_of(&server.startup);
     drop(server);
     let _ = request.join();
+    // The post-mortem names the stall first, with its diagnosis.
+    let (code, report) = postmortem(&run_dir);
+    assert_eq!(code, Some(1), "{report}");
+    let cause = &report["findings"][0];
+    assert_eq!(cause["check"], "run-outcome", "{report}");
+    assert_eq!(cause["severity"], "error", "{report}");
+    let message = cause["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("a replica stalled before the run was stopped: replica 0 stalled")
+            && message.contains("rank 2 holds the others up"),
+        "{report}"
+    );
 }
 
 /// Posts `body` to `/v1/completions` on a thread of its own (a request that may never be
@@ -266,4 +280,64 @@ fn sixteen_streams_and_a_long_prompt_in_chunks_never_look_stalled() {
         metric(&metrics, "infer_replica_stalled{replica=\"0\"}"),
         0.0
     );
+}
+
+/// A black-holed collective link between two hosts (network namespaces with their own
+/// sshd): PP 2, rank 0 on h0 and rank 1 on h1; every packet to rank 1's collective
+/// connections is dropped (iptables DROP; the processes, their
+/// heartbeats and the SSH control path untouched). Within `--stall-timeout` + 2 s of the
+/// request that meets it `/health` is 503, and the diagnosis names both ranks waiting on
+/// each other: a link, not a rank.
+#[test]
+fn a_black_holed_link_between_two_hosts_turns_health_503_naming_both_ranks() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let inventory = cluster.inventory.display().to_string();
+    let server = Server::start(&["--cluster", &inventory, "--pp", "2", "--stall-timeout", "2"]);
+    let body = json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0});
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    let manifest = server.manifest();
+    assert_eq!(manifest["ranks"][1]["host"], "h1", "{manifest}");
+    let pid = manifest["ranks"][1]["pid"].as_u64().expect("rank 1's pid");
+    // Rank 1's connections to its peers (not those to the store, its heartbeats and wait
+    // reports): packets to their local ports are dropped.
+    let store = manifest["store"].as_str().expect("store address");
+    let ports: Vec<String> = cluster
+        .connections_of(1, pid)
+        .into_iter()
+        .filter(|(_, peer)| peer != store)
+        .filter_map(|(local, _)| local.rsplit(':').next().map(str::to_string))
+        .collect();
+    assert!(!ports.is_empty(), "rank 1 is connected to its peers");
+    for port in &ports {
+        cluster.port_rule(1, port, "-A", &["DROP"]);
+    }
+    let sent = Instant::now();
+    let request = post_in_background(&server, body);
+    let (_, body, at) = health_until(&server, Duration::from_secs(20), |s, _| s == 503);
+    let waited = at - sent;
+    assert!(
+        waited <= Duration::from_secs(2 + 2),
+        "503 came {waited:?} after the request, past --stall-timeout + 2 s: {body}"
+    );
+    let (_, body, _) = health_until(&server, Duration::from_secs(5), |_, b| {
+        b["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("every rank waits on another"))
+    });
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    for expected in [
+        "replica 0 stalled",
+        "rank 0 waits on rank 1 (",
+        "rank 1 waits on rank 0 (",
+        "(a lost or black-holed link between them)",
+    ] {
+        assert!(message.contains(expected), "{expected}: {body}");
+    }
+    drop(server);
+    let _ = request.join();
 }

@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader, Read};
 
 use serde_json::{Value, json};
 
-use crate::support::process::{alive, run, signal, transcript_of};
+use crate::support::process::{alive, postmortem, run, run_dir_of, signal, transcript_of};
 use crate::support::server::{
     Server, assert_every_replica_routed, bench_serve_stdout, bench_serve_tokens, generate_counting,
     metric, run_openai_client,
@@ -513,6 +513,34 @@ fn a_killed_rank_takes_infer_up_down_within_5_seconds() {
         "took {elapsed:?}"
     );
     assert!(rest.contains("rank 2 exited with signal: 9"), "{rest}");
+    // The post-mortem says so first; `--bundle` packs the run and the report.
+    let run_dir = run_dir_of(&server.startup);
+    let (code, report) = postmortem(&run_dir);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(
+        report["findings"][0]["message"],
+        "rank 2 on `localhost` was killed by signal 9 (SIGKILL); the others stopped with it (a gang stops as one)",
+        "{report}"
+    );
+    let bundle = tempfile::tempdir().expect("tempdir");
+    let file = bundle.path().join("run.tar.gz");
+    let file_arg = file.display().to_string();
+    let output = run(&["doctor", "--run", &run_dir, "--bundle", &file_arg]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let listing = std::process::Command::new("tar")
+        .arg("-tzf")
+        .arg(&file)
+        .output()
+        .expect("tar");
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    for name in ["manifest.json", "outcome.json", "postmortem.json"] {
+        assert!(listing.contains(name), "{name}: {listing}");
+    }
+    // A run that does not exist is bad input: exit 2, saying where runs are.
+    let output = run(&["doctor", "--run", "run-nosuch"]);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("no run `run-nosuch`"), "{stderr}");
     // The streaming client is not left waiting: it gets an error event naming the lost
     // peer (or, if the server went first, a closed connection), never a normal finish.
     let reply = in_flight.join().expect("client thread");

@@ -23,6 +23,7 @@ pub(crate) mod p2p;
 pub(crate) mod pp_bubble;
 pub(crate) mod rdma;
 pub(crate) mod reachability;
+pub(crate) mod run_outcome;
 pub(crate) mod shm;
 pub(crate) mod tp_not_nvlink;
 pub(crate) mod versions;

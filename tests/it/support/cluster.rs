@@ -232,6 +232,25 @@ impl TestCluster {
         );
     }
 
+    /// The established TCP connections of process `pid` in host `host`'s namespace (read
+    /// with `ss`), as (local, peer) `ADDRESS:PORT` pairs.
+    pub fn connections_of(&self, host: usize, pid: u64) -> Vec<(String, String)> {
+        let output = Command::new("ip")
+            .args(["netns", "exec", &self.hosts[host].namespace])
+            .args(["ss", "-tnpH", "state", "established"])
+            .output()
+            .expect("ss");
+        let owner = format!("pid={pid},");
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter(|line| line.contains(&owner))
+            .filter_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                Some((fields.get(2)?.to_string(), fields.get(3)?.to_string()))
+            })
+            .collect()
+    }
+
     /// The root-namespace end of a host's management link.
     pub fn management_link(&self, host: usize) -> String {
         format!("v{}h{host}m", self.id)

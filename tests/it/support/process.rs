@@ -75,15 +75,34 @@ pub fn transcript_of(args: &[&str], output: &Output, redact: &[(&str, &str)]) ->
     text
 }
 
-/// The run's `manifest.json`, from the launcher's "…manifest.json in DIR" line in `stderr`.
-pub fn run_manifest(stderr: &str) -> Value {
-    let dir = stderr
+/// The run directory, from the launcher's "…manifest.json in DIR" line in `stderr`.
+pub fn run_dir_of(stderr: &str) -> String {
+    stderr
         .split("manifest.json in ")
         .nth(1)
         .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no run directory in:\n{stderr}"));
+        .unwrap_or_else(|| panic!("no run directory in:\n{stderr}"))
+        .to_string()
+}
+
+/// `infer doctor --run DIR --json` on run directory `dir`: its exit code and report.
+pub fn postmortem(dir: &str) -> (Option<i32>, Value) {
+    let output = run(&["doctor", "--run", dir, "--json"]);
+    let report = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    (output.status.code(), report)
+}
+
+/// The run's `manifest.json`, from the launcher's "…manifest.json in DIR" line in `stderr`.
+pub fn run_manifest(stderr: &str) -> Value {
+    let dir = run_dir_of(stderr);
     serde_json::from_slice(
-        &std::fs::read(Path::new(dir).join("manifest.json")).expect("manifest.json"),
+        &std::fs::read(Path::new(&dir).join("manifest.json")).expect("manifest.json"),
     )
     .expect("manifest JSON")
 }
