@@ -97,6 +97,9 @@ fn head_launch(request: &EngineRequest) -> NodeLaunch {
         request.http_host.clone(),
         "--port".into(),
         request.ports.http.to_string(),
+        // `/metrics` (Prometheus): requests processing and tokens predicted, which the
+        // launcher watches for forward progress.
+        "--metrics".into(),
     ];
     if request.max_model_len_tokens > 0 {
         argv.extend([

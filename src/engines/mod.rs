@@ -10,6 +10,7 @@
 pub(crate) mod disagg;
 pub(crate) mod infer;
 pub(crate) mod llamacpp;
+pub(crate) mod progress;
 pub(crate) mod sglang;
 pub(crate) mod vllm;
 

@@ -66,6 +66,8 @@ pub(crate) struct EngineUpSettings {
     pub shutdown_timeout: std::time::Duration,
     /// How long to wait for the head's `/health` (model loading included).
     pub ready_timeout: std::time::Duration,
+    /// Requests running and no token generated for longer is a stall (`--stall-timeout`).
+    pub stall_timeout: std::time::Duration,
 }
 
 /// The hosts of an engine launch: this one, or an inventory's over SSH.
@@ -510,9 +512,18 @@ fn exited(members: &mut [Member]) -> Option<String> {
 /// `GET path` on `address` (HTTP/1.0, so the body is never chunked): the status and body;
 /// `None` when nothing answers.
 fn http_get(address: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    http_get_within(address, path, Duration::from_secs(5))
+}
+
+/// [`http_get`] whose answer must come within `read_timeout`.
+fn http_get_within(
+    address: std::net::SocketAddr,
+    path: &str,
+    read_timeout: Duration,
+) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect_timeout(&address, Duration::from_secs(1)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream.set_read_timeout(Some(read_timeout)).ok()?;
     stream
         .write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
         .ok()?;
@@ -597,7 +608,7 @@ pub(crate) fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -
         ready_secs: started.elapsed().as_secs_f64(),
     });
     // Serve until told to stop, or until any engine process exits.
-    run.serve_until_stopped(events)
+    run.serve_until_stopped(address, events)
 }
 
 /// The hosts of the launch: this one (its topology probed), or the inventory's, connected
@@ -1118,9 +1129,18 @@ impl EngineRun<'_> {
     }
 
     /// Serves until a signal arrives or any engine process exits, then stops every process.
+    /// Meanwhile watches the head's forward progress at `address` (its `/metrics`, every
+    /// second) and warns when it stalls and when it resumes.
     ///
     /// Errors: the process that exited, with its last lines.
-    fn serve_until_stopped(&mut self, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
+    fn serve_until_stopped(
+        &mut self,
+        address: std::net::SocketAddr,
+        events: &mut dyn FnMut(UpEvent),
+    ) -> Result<()> {
+        let started = Instant::now();
+        let mut watch = Some(engines::progress::ProgressWatch::new(0.0));
+        let mut scraped = Instant::now();
         let failure = loop {
             drain(self.lines, self.labels, events);
             if let Some(why) = exited(&mut self.members) {
@@ -1128,6 +1148,21 @@ impl EngineRun<'_> {
             }
             if self.signals.load(Ordering::SeqCst) > 0 {
                 break None;
+            }
+            if scraped.elapsed() >= Duration::from_secs(1)
+                && let Some(progress) = watch.as_mut()
+            {
+                scraped = Instant::now();
+                match self.scrape_progress(address) {
+                    Scrape::Unwatchable => watch = None,
+                    scrape => {
+                        let now = started.elapsed().as_secs_f64();
+                        let timeout = self.settings.stall_timeout.as_secs_f64();
+                        if let Some(change) = progress.observe(scrape.counts(), now, timeout) {
+                            events(UpEvent::Note(self.describe_change(&change)));
+                        }
+                    }
+                }
             }
             std::thread::sleep(Duration::from_millis(100));
         };
@@ -1140,6 +1175,90 @@ impl EngineRun<'_> {
         match failure {
             Some(why) => bail!("{why}"),
             None => Ok(()),
+        }
+    }
+}
+
+/// One scrape of the head's `/metrics` for its progress.
+enum Scrape {
+    /// Requests running and tokens generated.
+    Counts(f64, f64),
+    /// `/metrics` did not answer (in time).
+    Silent,
+    /// It answers without the engine's progress series (a router in front, or metrics off):
+    /// nothing to watch.
+    Unwatchable,
+}
+
+impl Scrape {
+    fn counts(&self) -> Option<(f64, f64)> {
+        match self {
+            Scrape::Counts(running, tokens) => Some((*running, *tokens)),
+            _ => None,
+        }
+    }
+}
+
+impl EngineRun<'_> {
+    /// Scrapes the head's `/metrics` at `address` for its requests running and tokens
+    /// generated.
+    fn scrape_progress(&self, address: std::net::SocketAddr) -> Scrape {
+        let (running, tokens) = engines::progress::progress_series(self.settings.engine);
+        match http_get_within(address, "/metrics", Duration::from_secs(2)) {
+            Some((200, text)) => match (
+                engines::progress::sum_series(&text, running),
+                engines::progress::sum_series(&text, tokens),
+            ) {
+                (Some(running), Some(tokens)) => Scrape::Counts(running, tokens),
+                _ => Scrape::Unwatchable,
+            },
+            Some(_) => Scrape::Unwatchable,
+            None => Scrape::Silent,
+        }
+    }
+
+    /// The line for a stall of the head (naming its process, its host and the other
+    /// processes it depends on) or its end.
+    fn describe_change(&self, change: &engines::progress::Change) -> String {
+        let head_index = self
+            .launch
+            .nodes
+            .iter()
+            .position(|n| n.role == engines::NodeRole::Head)
+            .unwrap_or(0);
+        let head = self.labels.get(head_index).cloned().unwrap_or_default();
+        let others: Vec<&str> = self
+            .labels
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| *index != head_index)
+            .map(|(_, label)| label.as_str())
+            .collect();
+        match change {
+            engines::progress::Change::Stalled {
+                running,
+                quiet_secs,
+                answered,
+            } => format!(
+                "warning: the engine stalled: `{head}` {} for {quiet_secs:.1} s{} (--stall-timeout {:.0} s)",
+                if *answered {
+                    format!("has {running} request(s) running and generated no token")
+                } else {
+                    "answered no `GET /metrics`".to_string()
+                },
+                if others.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; it depends on {}: a stopped or unreachable one holds it up",
+                        others.join(", ")
+                    )
+                },
+                self.settings.stall_timeout.as_secs_f64()
+            ),
+            engines::progress::Change::Resumed => {
+                format!("`{head}` generates tokens again")
+            }
         }
     }
 }

@@ -809,7 +809,10 @@ fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_ta
         "{vllm:#}"
     );
     let run_dir = tempfile::tempdir().expect("run dir");
-    let mut up = start_llamacpp(&["--cluster", &inventory], run_dir.path());
+    let mut up = start_llamacpp(
+        &["--cluster", &inventory, "--stall-timeout", "2"],
+        run_dir.path(),
+    );
     let processes = engine_processes(run_dir.path());
     let labels: Vec<&str> = processes.iter().map(|p| p.0.as_str()).collect();
     assert_eq!(
@@ -839,6 +842,52 @@ fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_ta
                 .as_str()
                 .is_some_and(|m| m.contains("port 50052"))),
         "{during:#}"
+    );
+    // A stopped RPC server (SIGSTOP: alive, its connection open, nothing answered) stalls
+    // the head mid-request: the launcher warns within --stall-timeout (2 s) + 2 s, naming
+    // the head and the server it depends on; after SIGCONT the request finishes and the
+    // launcher says the head generates again.
+    signal(processes[0].2, rustix::process::Signal::STOP);
+    let url = up.url.clone();
+    let stopped_at = std::time::Instant::now();
+    let request = std::thread::spawn(move || {
+        let agent = ureq::Agent::config_builder()
+            .max_idle_connections(0)
+            .http_status_as_error(false)
+            .build()
+            .new_agent();
+        agent
+            .post(&format!("{url}/v1/completions"))
+            .send_json(serde_json::json!({"prompt": "Paris is", "max_tokens": 8, "temperature": 0}))
+            .map(|r| r.status().as_u16())
+    });
+    let logged = |what: &str, within: Duration| {
+        let deadline = std::time::Instant::now() + within;
+        while !up.stderr_so_far().contains(what) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let log = up.stderr_so_far();
+        assert!(log.contains(what), "{what}:\n{log}");
+        log
+    };
+    let log = logged(
+        "the engine stalled: `h0 llama-server`",
+        Duration::from_secs(10),
+    );
+    assert!(
+        stopped_at.elapsed() <= Duration::from_secs(2 + 2 + 2),
+        "warned {:?} after the stop:\n{log}",
+        stopped_at.elapsed()
+    );
+    assert!(
+        log.contains("it depends on h1 ggml-rpc-server: a stopped or unreachable one holds it up"),
+        "{log}"
+    );
+    signal(processes[0].2, rustix::process::Signal::CONT);
+    assert_eq!(request.join().expect("client").ok(), Some(200));
+    logged(
+        "`h0 llama-server` generates tokens again",
+        Duration::from_secs(10),
     );
     signal(processes[0].2, rustix::process::Signal::KILL);
     let (status, rest) = up.wait_exit(Duration::from_secs(30));

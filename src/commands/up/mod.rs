@@ -16,7 +16,7 @@ mod settings;
 use report::{UpReporter, report_progress_plain};
 use settings::{
     check_model_flags, gpu_settings, model_id, pd_replicas, scheduler_limits, shutdown_timeout,
-    up_settings,
+    stall_timeout, up_settings,
 };
 
 /// Runs `infer up`. Errors: bad flags, a model that does not load, an address that cannot
@@ -123,9 +123,10 @@ fn run_engine(
         run_dir: args.run_dir.clone(),
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
+        stall_timeout: stall_timeout(args.stall_timeout)?,
     };
     crate::launch::engines::up(&settings, &mut |event| match event {
-        UpEvent::Note(text) => printer.note(&text),
+        UpEvent::Note(text) => printer.note_or_warn(&text),
         UpEvent::Listening(_) => {}
         UpEvent::Gang(event) => report_progress_plain(printer, &event),
         UpEvent::Ready {

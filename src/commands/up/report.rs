@@ -22,7 +22,7 @@ impl UpReporter<'_> {
     pub(super) fn report(&mut self, event: UpEvent) {
         let printer = self.printer;
         match event {
-            UpEvent::Note(text) => printer.note(&text),
+            UpEvent::Note(text) => printer.note_or_warn(&text),
             UpEvent::Listening(address) => printer.note(&format!(
                 "loading `{}`; http://{address} answers 503 until it is ready",
                 self.model_id
