@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::support::cluster::TestCluster;
-use crate::support::process::{infer, postmortem, run_dir_of};
+use crate::support::process::{alive, infer, postmortem, run_dir_of, signal};
 use crate::support::server::{Server, metric};
 
 /// `infer up --port 0 --threads 1 EXTRA` with `INFER_TEST_FAULT=fault`.
@@ -340,4 +340,33 @@ fn a_black_holed_link_between_two_hosts_turns_health_503_naming_both_ranks() {
     }
     drop(server);
     let _ = request.join();
+}
+
+/// A frozen rank (SIGSTOP: its heartbeats stop with it) stops the gang naming it, no rank
+/// is left, and the post-mortem says first that a rank stopped heartbeating.
+#[test]
+fn a_frozen_rank_stops_the_gang_and_the_post_mortem_names_it() {
+    let mut command = infer();
+    command.args(["up", "--port", "0", "--threads", "1", "--tp", "3"]);
+    let mut server = Server::start_command(command);
+    let ranks = server.rank_pids();
+    let run_dir = run_dir_of(&server.startup);
+    signal(ranks[1], rustix::process::Signal::STOP);
+    let (status, rest) = server.wait_exit(Duration::from_secs(30));
+    assert!(!status.success(), "{rest}");
+    assert!(rest.contains("rank 1 stopped heartbeating"), "{rest}");
+    for pid in ranks {
+        assert!(!alive(pid), "rank pid {pid} is still running");
+    }
+    let (code, report) = postmortem(&run_dir);
+    assert_eq!(code, Some(1), "{report}");
+    let message = report["findings"][0]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        message.starts_with(
+            "a rank stopped heartbeating: frozen (SIGSTOP, swapped out) or wedged hard: rank 1 stopped heartbeating"
+        ),
+        "{report}"
+    );
 }
