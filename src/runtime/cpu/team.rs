@@ -364,10 +364,15 @@ mod tests {
                     std::thread::sleep(Duration::from_secs_f64(SPIN_SECS * 3.0));
                 }
             }
+            // Each task waits until a second thread has taken one (or 10 s have passed, on
+            // a machine too loaded to schedule the workers, where the assert then fails).
             let threads = Mutex::new(std::collections::HashSet::new());
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
             for_each(200, |_| {
                 lock(&threads).insert(std::thread::current().id());
-                std::thread::sleep(Duration::from_millis(1));
+                while lock(&threads).len() < 2 && std::time::Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
             });
             assert!(lock(&threads).len() > 1, "the workers took part");
         });
