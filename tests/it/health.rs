@@ -51,6 +51,20 @@ fn health_until(
     }
 }
 
+/// Waits up to 5 s for the 503's message to hold `conclusion` (the ranks report their waits
+/// after `REPORT_AFTER`, 1 s), then asserts it holds every one of `expected`.
+fn assert_diagnosis(server: &Server, conclusion: &str, expected: &[&str]) {
+    let (_, body, _) = health_until(server, Duration::from_secs(5), |_, b| {
+        b["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(conclusion))
+    });
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    for expected in expected {
+        assert!(message.contains(expected), "{expected}: {body}");
+    }
+}
+
 /// TP 3, rank 2 stalls at its third step: within `--stall-timeout` + 2 s of the request
 /// that meets it `/health` is 503 naming replica 0 with the request running and which rank
 /// waits on which (ranks 0 and 1 on rank 2, which is in no collective), `/debug/ranks`
@@ -85,21 +99,16 @@ fn a_stalled_rank_turns_health_503_naming_its_replica_while_ping_stays_200() {
     );
     assert_eq!(body["health"]["status"], "unavailable", "{body}");
     assert_eq!(body["health"]["replicas"][0]["status"], "stalled", "{body}");
-    // The ranks report their waits within a second of REPORT_AFTER (1 s): the diagnosis
-    // names the stalled rank once they have.
-    let (_, body, _) = health_until(&server, Duration::from_secs(5), |_, b| {
-        b["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("holds the others up"))
-    });
-    let message = body["error"]["message"].as_str().unwrap_or_default();
-    for expected in [
-        "rank 0 waits on rank 2 (",
-        "rank 1 waits on rank 2 (",
-        "rank 2 is in no collective: rank 2 holds the others up",
-    ] {
-        assert!(message.contains(expected), "{expected}: {body}");
-    }
+    // Once the ranks have reported their waits, the diagnosis names the stalled rank.
+    assert_diagnosis(
+        &server,
+        "holds the others up",
+        &[
+            "rank 0 waits on rank 2 (",
+            "rank 1 waits on rank 2 (",
+            "rank 2 is in no collective: rank 2 holds the others up",
+        ],
+    );
     let (status, ranks) = server.get("/debug/ranks");
     assert_eq!(status, 200, "{ranks}");
     let ranks: Value = serde_json::from_str(&ranks).expect("JSON");
@@ -324,20 +333,16 @@ fn a_black_holed_link_between_two_hosts_turns_health_503_naming_both_ranks() {
         waited <= Duration::from_secs(2 + 2),
         "503 came {waited:?} after the request, past --stall-timeout + 2 s: {body}"
     );
-    let (_, body, _) = health_until(&server, Duration::from_secs(5), |_, b| {
-        b["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("every rank waits on another"))
-    });
-    let message = body["error"]["message"].as_str().unwrap_or_default();
-    for expected in [
-        "replica 0 stalled",
-        "rank 0 waits on rank 1 (",
-        "rank 1 waits on rank 0 (",
-        "(a lost or black-holed link between them)",
-    ] {
-        assert!(message.contains(expected), "{expected}: {body}");
-    }
+    assert_diagnosis(
+        &server,
+        "every rank waits on another",
+        &[
+            "replica 0 stalled",
+            "rank 0 waits on rank 1 (",
+            "rank 1 waits on rank 0 (",
+            "(a lost or black-holed link between them)",
+        ],
+    );
     drop(server);
     let _ = request.join();
 }
