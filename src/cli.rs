@@ -659,8 +659,8 @@ pub struct DoctorArgs {
     #[arg(long, value_name = "DIR", requires = "engine")]
     pub engine_bin: Option<PathBuf>,
 
-    /// The post-mortem of one run of `infer up`: its run directory (printed when it starts)
-    /// or run id. Says first why it ended — a rank killed by the OOM killer or a signal, a
+    /// The post-mortem of one run of `infer up`: its run directory (printed when it starts),
+    /// its run id, or `last` (the newest run). Says first why it ended — a rank killed by the OOM killer or a signal, a
     /// stall (which rank waited on which), a lost host, a clean stop — from the launcher's
     /// record, every rank's log and the kernel's log (OOM kills, NVIDIA Xid errors).
     #[arg(long, value_name = "RUN")]

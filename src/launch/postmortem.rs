@@ -9,14 +9,23 @@ use anyhow::{Context, Result, bail};
 
 use crate::doctor::checks::run_outcome::{RankRecord, RunEvidence, RunOutcome};
 
-/// The run directory `run` names: a directory, or a run id (`run-…`, with or without the
-/// prefix) under [`super::runs_dir`].
+/// The run directory `run` names: a directory, `last` (the newest run under
+/// [`super::runs_dir`]), or a run id (`run-…`, with or without the prefix) there.
 ///
-/// Errors: neither exists (the newest runs are listed), or it has no `manifest.json`.
+/// Errors: none of these exists (the newest runs are listed), or it has no `manifest.json`.
 pub(crate) fn run_dir(run: &str) -> Result<PathBuf> {
     let given = PathBuf::from(run);
     let dir = if given.is_dir() {
         given
+    } else if run == "last" {
+        let root = super::runs_dir()?;
+        match newest(&root).into_iter().next() {
+            Some(name) => root.join(name),
+            None => bail!(
+                "no run under `{}` yet: `infer up` records each run there",
+                root.display()
+            ),
+        }
     } else {
         let root = super::runs_dir()?;
         let id = if run.starts_with("run-") {
@@ -44,21 +53,26 @@ pub(crate) fn run_dir(run: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// " (newest: run-a, run-b, …)" for the runs under `root`, or nothing.
-fn newest_runs(root: &Path) -> String {
+/// The run directories' names under `root`, newest first (by modification time).
+fn newest(root: &Path) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(root) else {
-        return String::new();
+        return Vec::new();
     };
     let mut runs: Vec<(std::time::SystemTime, String)> = entries
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             let modified = e.metadata().ok()?.modified().ok()?;
-            name.starts_with("run-").then_some((modified, name))
+            (name.starts_with("run-") && e.path().is_dir()).then_some((modified, name))
         })
         .collect();
     runs.sort_by_key(|run| std::cmp::Reverse(run.0));
-    let names: Vec<String> = runs.into_iter().take(5).map(|(_, name)| name).collect();
+    runs.into_iter().map(|(_, name)| name).collect()
+}
+
+/// " (newest: run-a, run-b, …)" for the runs under `root`, or nothing.
+fn newest_runs(root: &Path) -> String {
+    let names: Vec<String> = newest(root).into_iter().take(5).collect();
     if names.is_empty() {
         String::new()
     } else {

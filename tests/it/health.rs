@@ -374,4 +374,28 @@ fn a_frozen_rank_stops_the_gang_and_the_post_mortem_names_it() {
         ),
         "{report}"
     );
+    // `--run last` is the newest run under the cache's `runs/`: a copy of this one, newer
+    // than another there.
+    let cache = tempfile::tempdir().expect("tempdir");
+    let runs = cache.path().join("runs");
+    std::fs::create_dir_all(runs.join("run-00000000000000aa")).expect("old run");
+    std::fs::write(runs.join("run-00000000000000aa/manifest.json"), "{}").expect("manifest");
+    std::thread::sleep(Duration::from_millis(20));
+    let copy = runs.join("run-00000000000000bb");
+    std::fs::create_dir_all(&copy).expect("copy");
+    for file in ["manifest.json", "outcome.json"] {
+        std::fs::copy(std::path::Path::new(&run_dir).join(file), copy.join(file)).expect(file);
+    }
+    let output = infer()
+        .env("INFER_CACHE_DIR", cache.path())
+        .args(["doctor", "--run", "last", "--json"])
+        .output()
+        .expect("doctor");
+    let last: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    assert_eq!(
+        last["findings"][0]["message"], report["findings"][0]["message"],
+        "{last}"
+    );
+    let evidence = last["findings"][0]["evidence"].to_string();
+    assert!(evidence.contains("run-00000000000000bb"), "{last}");
 }
