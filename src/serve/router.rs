@@ -477,7 +477,7 @@ impl Router {
     /// Whether each replica is stalled now (index = replica).
     fn stalled(&self) -> Vec<bool> {
         let timeout = self.stall_timeout;
-        std::iter::once(self.metrics.snapshot().progress.stalled(timeout))
+        std::iter::once(self.metrics.progress_now().stalled(timeout))
             .chain(
                 self.remotes
                     .iter()

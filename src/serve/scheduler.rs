@@ -318,10 +318,14 @@ impl Metrics {
             pd_transfer_failures_total: load(&self.pd_transfer_failures_total),
             ttft: self.ttft.snapshot(),
             tpot: self.tpot.snapshot(),
-            progress: self
-                .progress
-                .snapshot(load(&self.running) + load(&self.waiting)),
+            progress: self.progress_now(),
         }
+    }
+
+    /// The loop's forward progress now, with the requests running and waiting as its work.
+    pub fn progress_now(&self) -> ProgressSnapshot {
+        let queued = self.running.load(Ordering::SeqCst) + self.waiting.load(Ordering::SeqCst);
+        self.progress.snapshot(queued)
     }
 }
 

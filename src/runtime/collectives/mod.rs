@@ -45,7 +45,8 @@ pub trait Comm: Send {
 
 /// A group over TCP: one connection to every other member.
 pub struct TcpComm {
-    group: String,
+    /// Shared with the wait records of its calls ([`waits`]), which then allocate nothing.
+    group: std::sync::Arc<str>,
     position: usize,
     size: usize,
     /// Global rank of each member, for error messages.
@@ -133,7 +134,7 @@ impl TcpComm {
             }
         }
         Ok(TcpComm {
-            group: group.to_string(),
+            group: group.into(),
             position,
             size,
             members: members.to_vec(),
@@ -156,13 +157,13 @@ impl TcpComm {
     /// ([`waits`]).
     pub(crate) fn waiting(
         &self,
-        operation: &str,
-        verb: &str,
+        operation: &'static str,
+        verb: &'static str,
         peer: usize,
         bytes: Option<usize>,
     ) -> waits::WaitGuard {
         waits::waiting(
-            &self.group,
+            std::sync::Arc::clone(&self.group),
             operation,
             verb,
             self.members[peer],
@@ -194,7 +195,7 @@ impl TcpComm {
         }
     }
 
-    fn write_to(&mut self, operation: &str, peer: usize, bytes: &[u8]) -> Result<()> {
+    fn write_to(&mut self, operation: &'static str, peer: usize, bytes: &[u8]) -> Result<()> {
         let context = self.context(operation, "sending to", peer);
         let _wait = self.waiting(operation, "sending to", peer, None);
         let timeout = self.timeout;
@@ -204,7 +205,7 @@ impl TcpComm {
             .context(context)
     }
 
-    fn read_from(&mut self, operation: &str, peer: usize) -> Result<Vec<u8>> {
+    fn read_from(&mut self, operation: &'static str, peer: usize) -> Result<Vec<u8>> {
         let context = self.context(operation, "receiving from", peer);
         let _wait = self.waiting(operation, "receiving from", peer, None);
         let timeout = self.timeout;
@@ -218,7 +219,7 @@ impl TcpComm {
     /// other on full socket buffers.
     fn exchange(
         &mut self,
-        operation: &str,
+        operation: &'static str,
         to: usize,
         outgoing: &[u8],
         from: usize,
@@ -232,7 +233,7 @@ impl TcpComm {
     /// frame the peer sends (no allocation, no copy).
     fn exchange_into(
         &mut self,
-        operation: &str,
+        operation: &'static str,
         to: usize,
         outgoing: &[u8],
         from: usize,
@@ -249,7 +250,7 @@ impl TcpComm {
     /// peer.
     fn exchange_with<T>(
         &mut self,
-        operation: &str,
+        operation: &'static str,
         to: usize,
         outgoing: &[u8],
         from: usize,

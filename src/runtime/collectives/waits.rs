@@ -43,16 +43,50 @@ pub struct Wait {
 }
 
 impl Wait {
+    /// Whether `other` is the same wait (its start read from the clocks again may differ
+    /// by a millisecond or two).
+    fn same_as(&self, other: &Wait) -> bool {
+        Wait {
+            since_unix_ms: other.since_unix_ms,
+            ..self.clone()
+        } == *other
+            && self.since_unix_ms.abs_diff(other.since_unix_ms) < 100
+    }
+
     /// Seconds since the wait began, by this host's clock.
     pub fn seconds(&self) -> f64 {
         unix_ms().saturating_sub(self.since_unix_ms) as f64 / 1e3
     }
 }
 
+/// A wait as its call records it: nothing allocated (the group is shared with its
+/// communicator, the names are static), one clock read.
+struct Record {
+    group: Arc<str>,
+    operation: &'static str,
+    verb: &'static str,
+    peer_rank: u64,
+    bytes_expected: Option<u64>,
+    began: Instant,
+}
+
+impl Record {
+    /// The published form, its start on the Unix clock.
+    fn wait(&self) -> Wait {
+        Wait {
+            group: self.group.to_string(),
+            operation: self.operation.to_string(),
+            verb: self.verb.to_string(),
+            peer_rank: self.peer_rank,
+            bytes_expected: self.bytes_expected,
+            since_unix_ms: unix_ms().saturating_sub(self.began.elapsed().as_millis() as u64),
+        }
+    }
+}
+
 /// The waits under way in this process, by thread (a rank's collectives run on its step
-/// thread; a test process runs several at once), with when each began by the monotonic
-/// clock.
-static CURRENT: Mutex<Option<HashMap<ThreadId, (Wait, Instant)>>> = Mutex::new(None);
+/// thread; a test process runs several at once).
+static CURRENT: Mutex<Option<HashMap<ThreadId, Record>>> = Mutex::new(None);
 
 fn unix_ms() -> u64 {
     SystemTime::now()
@@ -75,25 +109,25 @@ impl Drop for WaitGuard {
 /// Records that this process now blocks in `operation` of `group`, `verb` global rank
 /// `peer_rank`, until the guard is dropped.
 pub fn waiting(
-    group: &str,
-    operation: &str,
-    verb: &str,
+    group: Arc<str>,
+    operation: &'static str,
+    verb: &'static str,
     peer_rank: u64,
     bytes_expected: Option<u64>,
 ) -> WaitGuard {
-    let wait = Wait {
-        group: group.to_string(),
-        operation: operation.to_string(),
-        verb: verb.to_string(),
+    let record = Record {
+        group,
+        operation,
+        verb,
         peer_rank,
         bytes_expected,
-        since_unix_ms: unix_ms(),
+        began: Instant::now(),
     };
     CURRENT
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get_or_insert_with(HashMap::new)
-        .insert(std::thread::current().id(), (wait, Instant::now()));
+        .insert(std::thread::current().id(), record);
     WaitGuard(())
 }
 
@@ -103,9 +137,9 @@ pub fn current(at_least: Duration) -> Option<Wait> {
     current
         .as_ref()?
         .values()
-        .filter(|(_, began)| began.elapsed() >= at_least)
-        .min_by_key(|(_, began)| *began)
-        .map(|(wait, _)| wait.clone())
+        .filter(|record| record.began.elapsed() >= at_least)
+        .min_by_key(|record| record.began)
+        .map(Record::wait)
 }
 
 /// The calling thread's wait (tests).
@@ -115,7 +149,7 @@ fn of_this_thread() -> Option<Wait> {
     current
         .as_ref()?
         .get(&std::thread::current().id())
-        .map(|(wait, _)| wait.clone())
+        .map(Record::wait)
 }
 
 /// The store key of `rank`'s wait.
@@ -153,7 +187,12 @@ pub fn start_reporter(
             let mut published: Option<Wait> = None;
             while !thread_stop.load(Ordering::SeqCst) {
                 let now = current(REPORT_AFTER);
-                if now != published {
+                let unchanged = match (&now, &published) {
+                    (Some(now), Some(published)) => now.same_as(published),
+                    (None, None) => true,
+                    _ => false,
+                };
+                if !unchanged {
                     let value = match &now {
                         Some(wait) => serde_json::to_vec(wait).unwrap_or_default(),
                         None => Vec::new(),
@@ -293,7 +332,7 @@ mod tests {
 
     #[test]
     fn a_wait_is_current_while_its_guard_lives() {
-        let guard = waiting("g", "recv", "receiving from", 3, None);
+        let guard = waiting("g".into(), "recv", "receiving from", 3, None);
         assert_eq!(of_this_thread().map(|w| w.peer_rank), Some(3));
         assert_eq!(current(Duration::from_secs(3600)), None);
         drop(guard);
