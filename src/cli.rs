@@ -701,6 +701,14 @@ pub struct UpArgs {
     #[arg(long, value_name = "SECS", default_value_t = 10.0)]
     pub stall_timeout: f64,
 
+    /// Times the gang may be restarted after a failure (torchrun's flag): a rank that
+    /// exits, stops heartbeating or loses its host, or a replica stalled 5 s past
+    /// `--stall-timeout`, stops every rank and starts them again on the same hosts, while
+    /// the HTTP server stays up (503 with `Retry-After` meanwhile; requests in flight get an
+    /// error naming the cause). 0: the first failure ends the run.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_restarts: usize,
+
     /// Address to bind (127.0.0.1: this host only).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub host: String,

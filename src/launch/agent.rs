@@ -74,6 +74,7 @@ pub fn run_agent() -> Result<()> {
         ranks: HashMap::new(),
         store: None,
         store_lost: Arc::default(),
+        store_watch: Arc::default(),
         upload: None,
     };
     let reason = agent.serve(&frames, lease);
@@ -143,6 +144,9 @@ struct Agent {
     store: Option<StoreServer>,
     /// Set by the store watcher when the store has been unreachable for the lease: why.
     store_lost: Arc<Mutex<Option<String>>>,
+    /// Which store the watcher watches: each [`ToAgent::WatchStore`] counts one up, and a
+    /// watcher of an older store (a restarted gang's) ends without a word.
+    store_watch: Arc<std::sync::atomic::AtomicU64>,
     /// A file being pushed: (final path, temporary file, its path).
     upload: Option<(PathBuf, File, PathBuf)>,
 }
@@ -186,7 +190,13 @@ impl Agent {
         match frame {
             ToAgent::WatchStore { address, token } => {
                 let lost = Arc::clone(&self.store_lost);
-                std::thread::spawn(move || watch_store(&address, &token, lease, &lost));
+                let current = Arc::clone(&self.store_watch);
+                let watch = current.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                std::thread::spawn(move || {
+                    watch_store(&address, &token, lease, &lost, &|| {
+                        current.load(std::sync::atomic::Ordering::SeqCst) == watch
+                    })
+                });
             }
             ToAgent::Run { .. } | ToAgent::Heartbeat | ToAgent::Shutdown => {}
             ToAgent::Doctor => self.doctor(),
@@ -623,12 +633,21 @@ fn stream_to(from: &str, to: &str, bytes: u64) -> std::result::Result<f64, Strin
     })
 }
 
-/// Polls the store every second; when it has been unreachable for `lease`, says so in
-/// `lost` (the agent then stops its ranks).
-fn watch_store(address: &str, token: &str, lease: Duration, lost: &Mutex<Option<String>>) {
+/// Polls the store every second while `current()` (no newer store replaced it); when it
+/// has been unreachable for `lease`, says so in `lost` (the agent then stops its ranks).
+fn watch_store(
+    address: &str,
+    token: &str,
+    lease: Duration,
+    lost: &Mutex<Option<String>>,
+    current: &dyn Fn() -> bool,
+) {
     let mut reached = Instant::now();
     let mut client = None;
     loop {
+        if !current() {
+            return;
+        }
         if client.is_none() {
             client = crate::rendezvous::StoreClient::connect(
                 address,

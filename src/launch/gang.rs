@@ -21,6 +21,39 @@ pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time between SIGTERM and SIGKILL when stopping the gang.
 pub const GRACE_PERIOD: Duration = Duration::from_secs(2);
 
+/// What failed a gang, as [`Gang::wait_for`]'s error says it (find it with
+/// `error.downcast_ref::<GangFailure>()`): what a supervisor restarts for.
+#[derive(Debug)]
+pub(crate) struct GangFailure {
+    pub(crate) kind: FailureKind,
+    /// The whole message: which rank, its status or silence, its last log lines.
+    pub(crate) message: String,
+}
+
+/// The kinds of [`GangFailure`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FailureKind {
+    /// A rank process exited (with `fail_on_any_exit`, even successfully).
+    RankExited,
+    /// A rank stopped heartbeating for [`HEARTBEAT_TIMEOUT`].
+    HeartbeatLost,
+    /// The connection to a rank's host (its agent) was lost.
+    HostLost,
+}
+
+impl std::fmt::Display for GangFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for GangFailure {}
+
+/// A [`GangFailure`] of `kind` saying `message`.
+fn failure(kind: FailureKind, message: String) -> anyhow::Error {
+    anyhow::Error::new(GangFailure { kind, message })
+}
+
 /// What the launcher reports while it watches the gang.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Progress {
@@ -140,7 +173,11 @@ impl Gang {
             }
             StoreLocation::Remote { ranks, launcher } => (None, ranks, launcher),
         };
-        let run_dir = create_run_dir(spec.run_dir.as_deref())?;
+        let run_dir = match (&spec.run_dir, spec.restart) {
+            // A restart goes on in its run's directory (the failed start's files moved aside).
+            (Some(dir), 1..) => dir.clone(),
+            (dir, _) => create_run_dir(dir.as_deref())?,
+        };
         let (line_sender, lines) = std::sync::mpsc::channel();
         let mut ranks = Vec::with_capacity(part.len());
         for rank in part {
@@ -482,11 +519,14 @@ fn check_ranks(
         let note = process
             .and_then(|r| Some(format!("\n{}", r.child.host_note()?)))
             .unwrap_or_default();
-        bail!(
-            "rank {rank}{host} exited with {status}; last lines of `{}`:\n{}{note}",
-            log.display(),
-            last_lines(log, 8)
-        );
+        return Err(failure(
+            FailureKind::RankExited,
+            format!(
+                "rank {rank}{host} exited with {status}; last lines of `{}`:\n{}{note}",
+                log.display(),
+                last_lines(log, 8)
+            ),
+        ));
     }
     for (rank, age) in heartbeat_ages {
         let age = *age;
@@ -495,18 +535,19 @@ fn check_ranks(
                 .iter()
                 .find(|r| r.rank as u64 == *rank)
                 .and_then(|r| r.child.host().map(str::to_string));
-            match host {
-                Some(host) => bail!(
+            let message = match host {
+                Some(host) => format!(
                     "rank {rank} on `{host}` stopped heartbeating {:.1} s ago: its host cannot reach \
                      the rendezvous store at {store} (rank 0's host) over the data network\n\
                      hint: check the data interfaces and links between `{host}` and rank 0's host",
                     age.as_secs_f64()
                 ),
-                None => bail!(
+                None => format!(
                     "rank {rank} stopped heartbeating {:.1} s ago",
                     age.as_secs_f64()
                 ),
-            }
+            };
+            return Err(failure(FailureKind::HeartbeatLost, message));
         }
     }
     Ok(())
@@ -521,7 +562,11 @@ fn failed_ranks(
     use std::os::unix::process::ExitStatusExt;
     let mut failed = Vec::new();
     for rank in ranks.iter_mut() {
-        if let Some(status) = rank.child.try_wait()?
+        let status = rank
+            .child
+            .try_wait()
+            .map_err(|error| failure(FailureKind::HostLost, format!("{error:#}")))?;
+        if let Some(status) = status
             && (any_exit || !status.success())
         {
             failed.push((

@@ -68,10 +68,32 @@ pub(crate) fn run_job(
 pub(crate) struct ClusterRun {
     /// The ranks.
     pub gang: Gang,
+    /// The hosts' connections and agents, and where the ranks go.
+    pub hosts: ClusterHosts,
+}
+
+impl std::ops::Deref for ClusterRun {
+    type Target = ClusterHosts;
+
+    fn deref(&self) -> &ClusterHosts {
+        &self.hosts
+    }
+}
+
+/// The hosts of an inventory, connected, checked and with their agents running, and the
+/// placement of a layout's ranks over them: what [`ClusterHosts::start_gang`] starts a gang
+/// on, again after a failure (`infer up --max-restarts`).
+pub(crate) struct ClusterHosts {
     /// The hosts' connections and agents.
     pub remote: RemoteCluster,
     /// Index (in the inventory) of rank 0's host.
     pub rank0_host: usize,
+    entries: Vec<InventoryEntry>,
+    /// Each rank's host (index in the inventory).
+    rank_hosts: Vec<usize>,
+    data: Vec<DataInterface>,
+    /// The spec with each rank's placement (and GPUs) filled in.
+    spec: LaunchSpec,
 }
 
 /// Connects, places and starts the gang.
@@ -83,6 +105,20 @@ pub(crate) fn start(
     options: &ClusterOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<ClusterRun> {
+    let hosts = connect(spec, options, progress)?;
+    let gang = hosts.start_gang(job, 0)?;
+    Ok(ClusterRun { gang, hosts })
+}
+
+/// Connects to the inventory's hosts (preflight: SSH, agents, binary, model), finds their
+/// data interfaces and places `spec`'s ranks over them. Starts no rank.
+///
+/// Errors: as [`run_generation`].
+pub(crate) fn connect(
+    spec: &LaunchSpec,
+    options: &ClusterOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<ClusterHosts> {
     spec.check_layout()?;
     let entries = crate::inventory::launch_inventory(&options.inventory)?;
     check_host_names(&entries, &options.inventory)?;
@@ -109,13 +145,6 @@ pub(crate) fn start(
     )?;
     let data = data_interfaces(&remote, &entries, &targets, progress)?;
     let placement = place_ranks(spec, &remote, &entries, &rank_hosts, &data);
-    let token = crate::rendezvous::random_token();
-    let store_host = rank_hosts[0];
-    let (ranks_address, launcher_address) = remote.host_store(
-        store_host,
-        &format!("{}:0", data[store_host].address),
-        &token,
-    )?;
     let mut spec = spec.clone();
     if spec.gpus.is_some() {
         spec.gpus = Some(device_ranks_gpus(
@@ -126,25 +155,66 @@ pub(crate) fn start(
         )?);
     }
     spec.placement = placement;
-    let spawner = remote.spawner(rank_hosts);
-    let mut gang = Gang::start_on(
-        &spawner,
-        &spec,
-        job,
-        StoreLocation::Remote {
-            ranks: ranks_address,
-            launcher: launcher_address,
-        },
-        &token,
-    )?;
-    gang.set_manifest_field("run_id", remote.run_id.clone().into());
-    gang.set_manifest_field("hosts", manifest_hosts(&remote, &entries, &data).into());
-    gang.write_manifest(&spec, None)?;
-    Ok(ClusterRun {
-        gang,
+    Ok(ClusterHosts {
         remote,
-        rank0_host: store_host,
+        rank0_host: rank_hosts[0],
+        entries,
+        rank_hosts,
+        data,
+        spec,
     })
+}
+
+impl ClusterHosts {
+    /// Starts the gang through the agents, with a new store on rank 0's host (at its data
+    /// address; the other agents watch it): start `restart` of a supervised run (0 the
+    /// first; a restart goes on in `run_dir`).
+    ///
+    /// Errors: the store cannot listen, a rank cannot start.
+    pub(crate) fn start_gang(&self, job: &Job, restart: usize) -> Result<Gang> {
+        self.start_gang_in(job, restart, None)
+    }
+
+    /// [`ClusterHosts::start_gang`] in the run directory `run_dir` (a restart's).
+    ///
+    /// Errors: as [`ClusterHosts::start_gang`].
+    pub(crate) fn start_gang_in(
+        &self,
+        job: &Job,
+        restart: usize,
+        run_dir: Option<&Path>,
+    ) -> Result<Gang> {
+        let token = crate::rendezvous::random_token();
+        let store_host = self.rank0_host;
+        let (ranks_address, launcher_address) = self.remote.host_store(
+            store_host,
+            &format!("{}:0", self.data[store_host].address),
+            &token,
+        )?;
+        let mut spec = self.spec.clone();
+        spec.restart = restart;
+        if let Some(dir) = run_dir {
+            spec.run_dir = Some(dir.to_path_buf());
+        }
+        let spawner = self.remote.spawner(self.rank_hosts.clone());
+        let mut gang = Gang::start_on(
+            &spawner,
+            &spec,
+            job,
+            StoreLocation::Remote {
+                ranks: ranks_address,
+                launcher: launcher_address,
+            },
+            &token,
+        )?;
+        gang.set_manifest_field("run_id", self.remote.run_id.clone().into());
+        gang.set_manifest_field(
+            "hosts",
+            manifest_hosts(&self.remote, &self.entries, &self.data).into(),
+        );
+        gang.write_manifest(&spec, None)?;
+        Ok(gang)
+    }
 }
 
 /// Checks that every host name of the inventory (`inventory`) can name a run directory.

@@ -26,6 +26,7 @@ pub(crate) mod spawn;
 pub(crate) mod spec;
 pub(crate) mod ssh;
 pub(crate) mod ssh_config;
+pub(crate) mod supervise;
 pub(crate) mod survey;
 
 pub use gang::{GRACE_PERIOD, Gang, HEARTBEAT_TIMEOUT, Progress, run_generation};

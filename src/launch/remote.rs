@@ -296,6 +296,8 @@ impl RemoteCluster {
     /// Forwards every connection accepted on `listener` (on this machine) to `remote` as
     /// host `host_index` reaches it, over that host's SSH connection (as `ssh -L`).
     ///
+    /// Returns the handle that stops the forwarding (connections already open go on).
+    ///
     /// Errors: the listener cannot be handed to the runtime. A connection `sshd` refuses
     /// to forward is closed.
     pub fn forward(
@@ -303,13 +305,13 @@ impl RemoteCluster {
         host_index: usize,
         remote: std::net::SocketAddr,
         listener: std::net::TcpListener,
-    ) -> Result<()> {
+    ) -> Result<tokio::task::AbortHandle> {
         listener.set_nonblocking(true)?;
         let connection = Arc::clone(&self.hosts[host_index].connection);
         let _guard = self.runtime.enter();
         let listener =
             tokio::net::TcpListener::from_std(listener).context("cannot forward the port")?;
-        self.runtime.spawn(async move {
+        let accepting = self.runtime.spawn(async move {
             while let Ok((mut socket, peer)) = listener.accept().await {
                 let connection = Arc::clone(&connection);
                 tokio::spawn(async move {
@@ -330,7 +332,7 @@ impl RemoteCluster {
                 });
             }
         });
-        Ok(())
+        Ok(accepting.abort_handle())
     }
 
     /// Runs `argv` on host `index` (no shell: `argv[0]` found on the agent's `PATH` unless it
@@ -639,11 +641,15 @@ impl RemoteSpawner<'_> {
         let file = File::create(log)
             .with_context(|| format!("cannot create `{}`", log.display()))
             .map_err(fail)?;
-        host.state
-            .lock()
-            .map_err(|_| (host.name.clone(), "host state poisoned".to_string()))?
-            .sinks
-            .insert(index, (file, lines.clone()));
+        {
+            let mut state = host
+                .state
+                .lock()
+                .map_err(|_| (host.name.clone(), "host state poisoned".to_string()))?;
+            state.sinks.insert(index, (file, lines.clone()));
+            // A restarted gang's member: its earlier process's exit is history.
+            state.exits.remove(&index);
+        }
         host.send(ToAgent::Spawn {
             rank: index,
             env: env.to_vec(),

@@ -35,6 +35,9 @@ pub(crate) struct UpSettings {
     pub shutdown_timeout: Duration,
     /// A replica with work and no progress for longer is stalled (`--stall-timeout`).
     pub stall_timeout: Duration,
+    /// Restarts of the gang after a failure, with the HTTP front kept up
+    /// (`--max-restarts`; 0: the run ends at the first failure).
+    pub max_restarts: usize,
     /// Pinned degrees (`--tp/--pp/--dp/--ep`).
     pub pins: DegreePins,
     /// A saved plan (`infer plan --json`).
@@ -172,7 +175,16 @@ pub(crate) fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Resu
     if settings.node.as_ref().is_none_or(|n| n.node_rank == 0) {
         crate::serve::http::check_bind(&settings.host, settings.port)?;
     }
-    let ranks = layout.world_size() > 1 || inventory(settings).is_some() || settings.node.is_some();
+    if settings.max_restarts > 0 && settings.node.is_some() {
+        bail!(
+            "--max-restarts does not work with --nnodes yet: each node's launcher would restart alone; use --cluster hosts.toml (the launcher restarts every host's ranks) or leave --max-restarts out"
+        );
+    }
+    // A supervised run restarts rank processes, even a single one.
+    let ranks = layout.world_size() > 1
+        || inventory(settings).is_some()
+        || settings.node.is_some()
+        || settings.max_restarts > 0;
     if ranks {
         return launch(settings, &layout, started, events);
     }
@@ -421,6 +433,31 @@ fn launch(
     }
     let world = layout.world_size();
     let inventory = inventory(settings);
+    if settings.max_restarts > 0 {
+        // Rank 0 serves on its host's loopback behind the launcher's front.
+        let spec = rank_spec(settings, layout, inventory.is_some(), true);
+        return super::supervise::serve(
+            &spec,
+            &super::supervise::Supervised {
+                max_restarts: settings.max_restarts,
+                stall_timeout: settings.stall_timeout,
+                shutdown_timeout: settings.shutdown_timeout,
+                host: &settings.host,
+                port: settings.port,
+                cluster: inventory.map(|file| super::hosts::ClusterOptions {
+                    inventory: file,
+                    ssh: settings.ssh,
+                    push_model: settings.push_model,
+                }),
+                layout: format!(
+                    "dp {} × pp {} × tp {}",
+                    layout.degrees.dp, layout.degrees.pp, layout.degrees.tp
+                ),
+            },
+            started,
+            events,
+        );
+    }
     // On a cluster, the launcher listens at --host:--port itself (before anything starts,
     // so a port in use fails first) and forwards to rank 0's server on its host's loopback.
     let local_http = match &inventory {
@@ -567,6 +604,7 @@ fn rank_spec(
                     None => super::local_gpus(world, gpu.gpus),
                 })
         }),
+        restart: 0,
     }
 }
 
@@ -642,9 +680,7 @@ fn start_ranks(
     Ok((None, Some(gang)))
 }
 
-/// Serves until told to stop, then lets rank 0 drain (up to the shutdown timeout; a second
-/// signal stops it at once) and stops the gang; with other nodes, tells them through the
-/// store and waits up to 3 s for them to see it.
+/// Serves until told to stop, then drains ([`drain`]).
 ///
 /// Errors: a rank that fails while serving, the store cannot be written.
 fn serve_until_stopped(
@@ -657,14 +693,35 @@ fn serve_until_stopped(
     let mut report = |event: Progress| events(UpEvent::Gang(event));
     // Serve until told to stop; the gang's rank 0 never sets this key.
     gang.wait_for("never", &is_stopped, &mut report)?;
+    drain(
+        gang,
+        settings.shutdown_timeout,
+        settings.node.as_ref(),
+        signals,
+        events,
+    )
+}
+
+/// Once told to stop: lets rank 0 drain (up to `shutdown_timeout`; a second signal stops it
+/// at once) and stops the gang; with other nodes (`node`), tells them through the store and
+/// waits up to 3 s for them to see it.
+///
+/// Errors: the store cannot be written.
+pub(super) fn drain(
+    gang: &mut Gang,
+    shutdown_timeout: Duration,
+    node: Option<&NodeSettings>,
+    signals: &AtomicUsize,
+    events: &mut dyn FnMut(UpEvent),
+) -> Result<()> {
     // Rank 0 drains: it stops accepting, gives requests in flight the shutdown timeout,
     // cancels the rest and exits; then the gang stops. A second Ctrl-C stops it at once.
     events(UpEvent::Note(format!(
         "stopping: rank 0 finishes the requests in flight for up to {:.0} s (--shutdown-timeout), then cancels them; Ctrl-C again stops at once",
-        settings.shutdown_timeout.as_secs_f64()
+        shutdown_timeout.as_secs_f64()
     )));
-    let grace = settings.shutdown_timeout + Duration::from_secs(3);
-    if settings.node.is_some() {
+    let grace = shutdown_timeout + Duration::from_secs(3);
+    if node.is_some() {
         // The other nodes' ranks exit with rank 0: tell their launchers it is a stop.
         gang.store()
             .set(SHUTDOWN_KEY, grace.as_secs_f64().to_string().as_bytes())?;
@@ -674,7 +731,7 @@ fn serve_until_stopped(
     while Instant::now() < deadline && signals.load(Ordering::SeqCst) < 2 && !gang.rank_exited(0) {
         std::thread::sleep(Duration::from_millis(20));
     }
-    if let Some(node) = &settings.node {
+    if let Some(node) = node {
         // Keep the store up until every other node has seen the stop (at most 3 s).
         let others = (node.nnodes - 1) as i64;
         let deadline = Instant::now() + Duration::from_secs(3);

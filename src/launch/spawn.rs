@@ -167,7 +167,11 @@ pub(super) fn spawn_rank(
         device,
         host: placement.map(|p| p.env.clone()).unwrap_or_default(),
         serving: spec.serving.clone(),
-        test_fault: TestFault::from_process_env()?,
+        // The tests' fault concerns a run's first start: a restart runs clean.
+        test_fault: match spec.restart {
+            0 => TestFault::from_process_env()?,
+            _ => None,
+        },
     };
     let env = contract.to_env()?;
     let child = spawner.spawn(rank, &env, token, &log, lines)?;

@@ -55,6 +55,10 @@ pub struct LaunchSpec {
     /// `--device cuda` ranks: each rank's `CUDA_VISIBLE_DEVICES` (indexed by rank; its host's
     /// GPU, so the rank computes on its first visible GPU); `None`: CPU ranks, which see no GPU.
     pub gpus: Option<Vec<String>>,
+    /// Which start of a supervised run this is (`infer up --max-restarts`): 0 the first;
+    /// a restart reuses `run_dir` (the failed start's files moved aside) and injects no
+    /// test fault (`INFER_TEST_FAULT` concerns the first start).
+    pub restart: usize,
 }
 
 /// The timeout of a gang's collectives and store waits (`INFER_TIMEOUT_SECS`): 60 s, or

@@ -507,6 +507,7 @@ fn allreduce_probe(
         placement,
         run_dir: None,
         gpus: None,
+        restart: 0,
     };
     let spawner = remote.spawner((0..names.len()).collect());
     let mut gang = Gang::start_on(

@@ -11,6 +11,7 @@
 mod api;
 pub(crate) mod bench;
 mod errors;
+pub mod front;
 pub(crate) mod health;
 pub mod http;
 mod metrics;

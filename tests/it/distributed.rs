@@ -200,6 +200,7 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         placement: Vec::new(),
         run_dir: None,
         gpus: None,
+        restart: 0,
     };
     let job = infer::runtime::exec::worker::Job::Serve;
     let mut serving =

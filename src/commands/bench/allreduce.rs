@@ -173,6 +173,7 @@ fn allreduce_cluster(
         placement: Vec::new(),
         run_dir: None,
         gpus: None,
+        restart: 0,
     };
     let options = crate::launch::hosts::ClusterOptions {
         inventory: inventory.to_path_buf(),

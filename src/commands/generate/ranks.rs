@@ -139,6 +139,7 @@ fn rank_launch_spec(
         placement: Vec::new(),
         run_dir: args.run_dir.clone(),
         gpus: gpus.map(|visible| crate::launch::local_gpus(world, visible)),
+        restart: 0,
     }
 }
 

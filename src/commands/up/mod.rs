@@ -57,6 +57,11 @@ fn run_engine(
     printer: &Printer,
 ) -> Result<ExitStatus> {
     use crate::engines::EngineKind;
+    if args.max_restarts > 0 {
+        bail!(
+            "--max-restarts with --engine {engine}: restarts supervise infer's own ranks for now; an engine launched with --engine ends the run at its first failure (leave --max-restarts out)"
+        );
+    }
     if args.plan.is_some() {
         bail!(
             "--plan with --engine: give the layout as --tp/--pp/--dp/--ep, or use `infer plan --engine {engine} --emit DIR`"

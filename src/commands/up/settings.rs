@@ -114,6 +114,7 @@ pub(super) fn up_settings(
         max_model_len: args.max_model_len,
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         stall_timeout: stall_timeout(args.stall_timeout)?,
+        max_restarts: args.max_restarts,
         model: source,
         pins: crate::degrees::DegreePins {
             dp: pd_prefill
