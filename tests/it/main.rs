@@ -23,6 +23,7 @@ mod pd;
 mod plan;
 mod prefix;
 mod readme;
+mod restarts;
 mod scheduling;
 mod serve;
 mod sharding;
