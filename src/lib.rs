@@ -10,6 +10,7 @@ pub mod degrees;
 pub mod doctor;
 pub(crate) mod engines;
 pub(crate) mod envvars;
+pub mod handshake;
 pub mod inventory;
 pub mod launch;
 pub mod model;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
 /// Largest message accepted, bytes (guards against garbage on the port).
@@ -21,10 +21,6 @@ const MAX_MESSAGE_BYTES: u32 = 64 << 20;
 
 #[derive(Debug, Serialize, Deserialize)]
 enum Request {
-    Hello {
-        token: String,
-        rank: Option<u64>,
-    },
     Set {
         key: String,
         value: Vec<u8>,
@@ -98,6 +94,7 @@ impl StoreServer {
         let stopping = Arc::new(AtomicBool::new(false));
         let (accept_state, accept_stopping, token) =
             (Arc::clone(&state), Arc::clone(&stopping), token.to_string());
+        let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         std::thread::Builder::new()
             .name("store-accept".into())
             .spawn(move || {
@@ -106,14 +103,23 @@ impl StoreServer {
                         break;
                     }
                     let Ok(stream) = stream else { continue };
-                    let (state, token, stopping) = (
+                    if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
+                        pending.fetch_sub(1, Ordering::SeqCst);
+                        continue;
+                    }
+                    let (state, token, stopping, counter) = (
                         Arc::clone(&accept_state),
                         token.clone(),
                         Arc::clone(&accept_stopping),
+                        Arc::clone(&pending),
                     );
-                    let _ = std::thread::Builder::new()
+                    let spawned = std::thread::Builder::new()
                         .name("store-client".into())
-                        .spawn(move || serve(stream, &state, &token, &stopping));
+                        .spawn(move || serve(stream, &state, &token, &stopping, &counter));
+                    if spawned.is_err() {
+                        // The thread never ran: its handshake is not pending.
+                        pending.fetch_sub(1, Ordering::SeqCst);
+                    }
                 }
             })?;
         Ok(StoreServer {
@@ -148,31 +154,29 @@ impl Drop for StoreServer {
     }
 }
 
+/// The store's channel in the handshake ([`crate::handshake`]); the store is identity 0.
+const CHANNEL: &str = "store";
+
+/// Connections the store runs its handshake on at once; more are closed at once, so idle
+/// strangers cannot pile up threads (each is dropped after [`crate::handshake::HELLO_TIMEOUT`]).
+const MAX_PENDING_HANDSHAKES: usize = 128;
+
 fn serve(
     mut stream: TcpStream,
     state: &(Mutex<State>, Condvar),
     token: &str,
     stopping: &AtomicBool,
+    pending: &std::sync::atomic::AtomicUsize,
 ) {
     let _ = stream.set_nodelay(true);
-    match read_message::<Request>(&mut stream) {
-        Ok(Request::Hello {
-            token: presented, ..
-        }) if presented == token => {
-            let _ = write_message(&mut stream, &Response::Ok);
-        }
-        Ok(_) => {
-            let _ = write_message(
-                &mut stream,
-                &Response::Error("wrong or missing run token".into()),
-            );
-            return;
-        }
-        Err(_) => return,
+    // Nothing is read into a buffer of the peer's choosing before it proves the run's secret.
+    let proved = crate::handshake::server(&mut stream, token, CHANNEL, 0, &|_| true);
+    pending.fetch_sub(1, Ordering::SeqCst);
+    if proved.is_err() {
+        return;
     }
     while let Ok(request) = read_message::<Request>(&mut stream) {
         let response = match request {
-            Request::Hello { .. } => Response::Ok,
             Request::Set { key, value } => {
                 state
                     .0
@@ -263,41 +267,35 @@ impl StoreClient {
             .with_context(|| format!("cannot resolve the rendezvous address `{address}`"))?
             .next()
             .with_context(|| format!("`{address}` resolves to no address"))?;
-        let deadline = Instant::now() + timeout;
-        let mut stream = loop {
-            match TcpStream::connect_timeout(&address, Duration::from_millis(500)) {
-                Ok(stream) => break stream,
-                Err(error) if Instant::now() >= deadline => {
-                    return Err(anyhow!(error).context(format!(
-                        "cannot reach the rendezvous store at {address} within {timeout:?}"
-                    )));
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        };
-        stream.set_nodelay(true)?;
-        write_message(
-            &mut stream,
-            &Request::Hello {
-                token: token.to_string(),
-                rank,
+        // Retried until `timeout`: the store may not be up yet, or busy with strangers.
+        let stream = crate::handshake::connect(
+            address,
+            token,
+            crate::handshake::Claim {
+                channel: CHANNEL,
+                client: rank.unwrap_or(crate::handshake::LAUNCHER),
+                server: 0,
             },
-        )?;
-        match read_message::<Response>(&mut stream) {
-            Ok(Response::Ok) => Ok(StoreClient {
-                stream,
-                address,
-                token: token.to_string(),
-                rank,
-            }),
-            Ok(Response::Error(message)) => {
-                bail!("the rendezvous store at {address} refused this process: {message}")
-            }
-            Ok(other) => bail!("unexpected store response {other:?}"),
-            Err(error) => Err(error.context(format!(
-                "the rendezvous store at {address} closed the connection (wrong run token?)"
-            ))),
-        }
+            timeout,
+        )
+        .with_context(|| {
+            format!(
+                "cannot join the rendezvous store at {address} within {timeout:?} (not up, or it refused this run's token)"
+            )
+        })?;
+        stream.set_nodelay(true)?;
+        Ok(StoreClient {
+            stream,
+            address,
+            token: token.to_string(),
+            rank,
+        })
+    }
+
+    /// The run's secret this client proved (the collectives and links key their handshakes
+    /// with it).
+    pub(crate) fn secret(&self) -> &str {
+        &self.token
     }
 
     fn request(&mut self, request: &Request) -> Result<Response> {
@@ -457,6 +455,58 @@ mod tests {
         let remote = client.heartbeat_ages().expect("ages over the wire");
         assert_eq!(remote.len(), 4);
         assert!(remote.values().all(|age| *age < Duration::from_secs(5)));
+    }
+
+    /// Threads of this process now.
+    fn threads() -> usize {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("Threads:"))
+                    .and_then(|n| n.trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
+    /// 200 idle strangers and four that announce 2 GiB messages: the store runs at most
+    /// [`MAX_PENDING_HANDSHAKES`] threads for them, reads nothing they announce, and a
+    /// member of the run still gets in and is served at once.
+    #[test]
+    fn strangers_get_bounded_threads_no_buffers_and_hold_no_member_up() {
+        let token = random_token();
+        let server = StoreServer::start("127.0.0.1:0", &token).expect("server");
+        let address = server.address();
+        let before = threads();
+        let mut strangers: Vec<TcpStream> = (0..200)
+            .map(|_| TcpStream::connect(address).expect("connect"))
+            .collect();
+        for _ in 0..4 {
+            let mut stream = TcpStream::connect(address).expect("connect");
+            stream.write_all(&u32::MAX.to_le_bytes()).expect("length");
+            strangers.push(stream);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let during = threads();
+        assert!(
+            during <= before + MAX_PENDING_HANDSHAKES + 2,
+            "{before} threads before, {during} with 204 strangers"
+        );
+        let started = Instant::now();
+        let mut client = StoreClient::connect(
+            &address.to_string(),
+            &token,
+            Some(0),
+            Duration::from_secs(10),
+        )
+        .expect("a member gets in");
+        client.set("key", b"value").expect("set");
+        assert_eq!(
+            client.get("key", Duration::from_secs(1)).expect("get"),
+            b"value"
+        );
+        drop(strangers);
+        assert!(started.elapsed() < Duration::from_secs(10));
     }
 
     #[test]

@@ -216,7 +216,7 @@ const LAYERS: &[(&str, &[&str])] = &[
 
 /// Modules every layer may use, which use nothing of the crate: the names of the
 /// environment variables, the parallel degrees.
-const LEAVES: &[&str] = &["envvars", "degrees"];
+const LEAVES: &[&str] = &["envvars", "degrees", "handshake"];
 
 /// The unit a module path (`runtime::cuda::gpu`, without `crate::`) belongs to.
 fn unit_of(segments: &[&str]) -> String {

@@ -68,6 +68,10 @@ pub(crate) struct EngineUpSettings {
     pub ready_timeout: std::time::Duration,
     /// Requests running and no token generated for longer is a stall (`--stall-timeout`).
     pub stall_timeout: std::time::Duration,
+    /// The API key the head's server requires (`--api-key`): vLLM gets it as `VLLM_API_KEY`,
+    /// llama.cpp as `LLAMA_API_KEY` (in the environment, out of `ps`), SGLang as its
+    /// `--api-key`; never written to the manifest.
+    pub api_key: Option<String>,
 }
 
 /// The hosts of an engine launch: this one, or an inventory's over SSH.
@@ -511,21 +515,31 @@ fn exited(members: &mut [Member]) -> Option<String> {
 
 /// `GET path` on `address` (HTTP/1.0, so the body is never chunked): the status and body;
 /// `None` when nothing answers.
-fn http_get(address: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
-    http_get_within(address, path, Duration::from_secs(5))
+fn http_get(
+    address: std::net::SocketAddr,
+    path: &str,
+    api_key: Option<&str>,
+) -> Option<(u16, String)> {
+    http_get_within(address, path, api_key, Duration::from_secs(5))
 }
 
 /// [`http_get`] whose answer must come within `read_timeout`.
 fn http_get_within(
     address: std::net::SocketAddr,
     path: &str,
+    api_key: Option<&str>,
     read_timeout: Duration,
 ) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect_timeout(&address, Duration::from_secs(1)).ok()?;
     stream.set_read_timeout(Some(read_timeout)).ok()?;
+    let authorization = api_key.map_or(String::new(), |key| {
+        format!("Authorization: Bearer {key}\r\n")
+    });
     stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
+        .write_all(
+            format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n{authorization}\r\n").as_bytes(),
+        )
         .ok()?;
     let mut response = Vec::new();
     stream.take(1 << 20).read_to_end(&mut response).ok()?;
@@ -1013,7 +1027,7 @@ impl EngineRun<'_> {
         if !self.wait_until_healthy(address, events)? {
             return Ok(None);
         }
-        list_models(address, events)?;
+        list_models(address, self.settings.api_key.as_deref(), events)?;
         Ok(Some(address))
     }
 
@@ -1032,11 +1046,22 @@ impl EngineRun<'_> {
             let node = &self.launch.nodes[index];
             let mut argv = node.argv.clone();
             argv[0] = program_path(self.settings.engine_bin.as_deref(), &argv[0]);
-            let env: Vec<(String, String)> = node
+            let mut env: Vec<(String, String)> = node
                 .env
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
+            if index == 0
+                && let Some(key) = &self.settings.api_key
+            {
+                // Added here, so the launch (and the manifest written of it) never holds it.
+                match self.settings.engine {
+                    EngineKind::Vllm => env.push(("VLLM_API_KEY".into(), key.clone())),
+                    EngineKind::Llamacpp => env.push(("LLAMA_API_KEY".into(), key.clone())),
+                    EngineKind::Sglang => argv.extend(["--api-key".into(), key.clone()]),
+                    EngineKind::Infer => env.push((crate::envvars::API_KEY.into(), key.clone())),
+                }
+            }
             let log = self.run_dir.join(format!("node{index}.log"));
             let handle = spawner.spawn_program(index, &argv, &env, &log, line_sender)?;
             events(UpEvent::Gang(Progress::Host {
@@ -1114,7 +1139,7 @@ impl EngineRun<'_> {
             if self.signals.load(Ordering::SeqCst) > 0 {
                 return Ok(false);
             }
-            if let Some((200, _)) = http_get(address, "/health") {
+            if let Some((200, _)) = http_get(address, "/health", self.settings.api_key.as_deref()) {
                 return Ok(true);
             }
             if Instant::now() > deadline {
@@ -1204,7 +1229,12 @@ impl EngineRun<'_> {
     /// generated.
     fn scrape_progress(&self, address: std::net::SocketAddr) -> Scrape {
         let (running, tokens) = engines::progress::progress_series(self.settings.engine);
-        match http_get_within(address, "/metrics", Duration::from_secs(2)) {
+        match http_get_within(
+            address,
+            "/metrics",
+            self.settings.api_key.as_deref(),
+            Duration::from_secs(2),
+        ) {
             Some((200, text)) => match (
                 engines::progress::sum_series(&text, running),
                 engines::progress::sum_series(&text, tokens),
@@ -1266,8 +1296,12 @@ impl EngineRun<'_> {
 /// Reports the model ids the head's `GET /v1/models` at `address` lists.
 ///
 /// Errors: the request does not answer 200.
-fn list_models(address: std::net::SocketAddr, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
-    match http_get(address, "/v1/models") {
+fn list_models(
+    address: std::net::SocketAddr,
+    api_key: Option<&str>,
+    events: &mut dyn FnMut(UpEvent),
+) -> Result<()> {
+    match http_get(address, "/v1/models", api_key) {
         Some((200, body)) => {
             let ids: Vec<String> = serde_json::from_str::<serde_json::Value>(&body)
                 .ok()

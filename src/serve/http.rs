@@ -185,7 +185,7 @@ pub fn serve_driver(
             let mut terminate =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
             tokio::select! {
-                result = super::router::serve_remote(listener, token, scheduler) => result,
+                result = super::router::serve_remote(listener, token, replica, scheduler) => result,
                 _ = terminate.recv() => Ok(()),
             }
         });

@@ -7,15 +7,16 @@
 //! imbalanced ([`BALANCE_ABS_THRESHOLD`], [`BALANCE_REL_THRESHOLD`]) every request goes to
 //! the least loaded one. Replica 0 is the scheduler in this process; every other replica's
 //! driver runs its own scheduler and talks to the router over one TCP connection
-//! ([`serve_remote`]), in length-prefixed JSON frames, after proving it knows the run's
-//! token.
+//! ([`serve_remote`]), in length-prefixed JSON frames, after the run's handshake
+//! ([`crate::handshake`], channel `router`: rank 0 proves itself as the router, the replica
+//! as replica `r`; the secret never crosses the wire).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -166,9 +167,6 @@ const MAX_FRAME_BYTES: usize = 64 << 20;
 /// Router → replica.
 #[derive(Serialize, Deserialize)]
 enum ToReplica {
-    Hello {
-        token: String,
-    },
     Submit {
         id: u64,
         prompt_tokens: Vec<u32>,
@@ -344,17 +342,32 @@ impl Router {
     pub async fn connect_remotes(&mut self, addresses: &[String], token: &str) -> Result<()> {
         for (offset, address) in addresses.iter().enumerate() {
             let replica = offset + 1;
-            let stream = TcpStream::connect(address)
-                .await
-                .with_context(|| format!("cannot reach DP replica {replica} at {address}"))?;
+            let (address, token) = (address.clone(), token.to_string());
+            let stream = tokio::task::spawn_blocking(move || -> Result<std::net::TcpStream> {
+                let socket: std::net::SocketAddr = address.parse().with_context(|| {
+                    format!("DP replica {replica}: a malformed address `{address}`")
+                })?;
+                let stream = crate::handshake::connect(
+                    socket,
+                    &token,
+                    crate::handshake::Claim {
+                        channel: CHANNEL,
+                        client: 0,
+                        server: replica as u64,
+                    },
+                    crate::handshake::HELLO_TIMEOUT * 2,
+                )
+                .with_context(|| {
+                    format!("cannot reach DP replica {replica} at {address} and authenticate")
+                })?;
+                stream.set_nonblocking(true)?;
+                Ok(stream)
+            })
+            .await??;
+            let stream = TcpStream::from_std(stream)?;
             stream.set_nodelay(true)?;
             let (mut reader, mut writer) = stream.into_split();
             let (frames, mut outgoing) = unbounded_channel::<ToReplica>();
-            frames
-                .send(ToReplica::Hello {
-                    token: token.to_string(),
-                })
-                .map_err(|_| anyhow!("replica {replica}: writer stopped"))?;
             tokio::spawn(async move {
                 while let Some(frame) = outgoing.recv().await {
                     if write_frame(&mut writer, &frame).await.is_err() {
@@ -738,28 +751,69 @@ impl Target {
     }
 }
 
-/// A remote replica's side: accepts the router's connection on `listener`, checks the run
-/// `token`, submits every request to `scheduler` and streams its events back, until the
-/// router goes away (an error: rank 0 is gone) or the scheduler fails; its last frame then
-/// says why, so that the router's error names the cause.
+/// The router link's channel in the handshake.
+const CHANNEL: &str = "router";
+
+/// Connections a replica runs its handshake on at once; more are closed at once.
+const MAX_PENDING_HANDSHAKES: usize = 16;
+
+/// Accepts on `listener` until rank 0 proves itself as the router of replica `replica`
+/// (each handshake on a blocking thread of its own: garbage or an idle stranger is closed
+/// after [`crate::handshake::HELLO_TIMEOUT`] and holds up nothing), and returns its
+/// connection.
 ///
-/// Errors: a wrong token, a lost connection, a failed scheduler.
+/// Errors: the listener fails.
+async fn accept_router(
+    listener: &tokio::net::TcpListener,
+    token: &str,
+    replica: usize,
+) -> Result<TcpStream> {
+    let (proved, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<std::net::TcpStream>();
+    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    loop {
+        tokio::select! {
+            Some(stream) = arrivals.recv() => {
+                stream.set_nonblocking(true)?;
+                return Ok(TcpStream::from_std(stream)?);
+            }
+            accepted = listener.accept() => {
+                let (stream, _) = accepted.context("no connection from the router")?;
+                if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
+                    pending.fetch_sub(1, Ordering::SeqCst);
+                    continue;
+                }
+                let mut stream = stream.into_std()?;
+                let (token, proved, counter) = (token.to_string(), proved.clone(), Arc::clone(&pending));
+                tokio::task::spawn_blocking(move || {
+                    let accepted = stream.set_nonblocking(false).is_ok()
+                        && crate::handshake::server(&mut stream, &token, CHANNEL, replica as u64, &|router| router == 0).is_ok();
+                    counter.fetch_sub(1, Ordering::SeqCst);
+                    if accepted {
+                        let _ = proved.send(stream);
+                    }
+                });
+            }
+        }
+    }
+}
+
+/// A remote replica's side (replica `replica`): accepts the router's connection on
+/// `listener` once it proves the run's secret, submits every request to `scheduler` and
+/// streams its events back, until the router goes away (an error: rank 0 is gone) or the
+/// scheduler fails; its last frame then says why, so that the router's error names the
+/// cause.
+///
+/// Errors: a lost connection, a failed scheduler.
 pub(crate) async fn serve_remote(
     listener: tokio::net::TcpListener,
     token: &str,
+    replica: usize,
     scheduler: Scheduler,
 ) -> Result<()> {
-    let (stream, peer) = listener
-        .accept()
-        .await
-        .context("no connection from the router")?;
+    let stream = accept_router(&listener, token, replica).await?;
     stream.set_nodelay(true)?;
     let (reader, mut writer) = stream.into_split();
     let mut incoming = spawn_frame_reader::<ToReplica>(reader);
-    match incoming.recv().await {
-        Some(Ok(ToReplica::Hello { token: got })) if got == token => {}
-        _ => bail!("{peer} did not present the run token; refused"),
-    }
     let (frames, mut outgoing) = unbounded_channel::<FromReplica>();
     let writer_task = tokio::spawn(async move {
         while let Some(frame) = outgoing.recv().await {
@@ -837,7 +891,6 @@ async fn relay_requests(
                 ToReplica::Metrics { id } => {
                     let _ = frames.send(FromReplica::MetricsNow { id, snapshot: scheduler.metrics.snapshot() });
                 }
-                ToReplica::Hello { .. } => bail!("unexpected second hello from the router"),
             },
             changed = failure.changed() => {
                 let error = failure.borrow().clone();
@@ -1000,13 +1053,32 @@ mod tests {
                 .expect("bind");
             let address = listener.local_addr().expect("address");
             let replica =
-                tokio::spawn(async move { serve_remote(listener, "run-token", scheduler).await });
-            let stream = TcpStream::connect(address).await.expect("connect");
+                tokio::spawn(
+                    async move { serve_remote(listener, "run-token", 1, scheduler).await },
+                );
+            // A stranger's garbage and an idle connection take no slot.
+            let mut garbage = TcpStream::connect(address).await.expect("connect");
+            garbage.write_all(&[0xff; 16]).await.expect("garbage");
+            let _idle = TcpStream::connect(address).await.expect("connect");
+            let stream = tokio::task::spawn_blocking(move || {
+                let mut stream = std::net::TcpStream::connect(address).expect("connect");
+                crate::handshake::client(
+                    &mut stream,
+                    "run-token",
+                    crate::handshake::Claim {
+                        channel: CHANNEL,
+                        client: 0,
+                        server: 1,
+                    },
+                )
+                .expect("the replica accepts the router");
+                stream.set_nonblocking(true).expect("nonblocking");
+                stream
+            })
+            .await
+            .expect("join");
+            let stream = TcpStream::from_std(stream).expect("tokio stream");
             let (mut reader, mut writer) = stream.into_split();
-            let hello = ToReplica::Hello {
-                token: "run-token".into(),
-            };
-            write_frame(&mut writer, &hello).await.expect("hello");
 
             let body = serde_json::to_vec(&ToReplica::Metrics { id: 7 }).expect("json");
             let length = (body.len() as u32).to_le_bytes();

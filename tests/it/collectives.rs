@@ -175,3 +175,95 @@ fn a_vanished_peer_is_named_in_the_error() {
         );
     }
 }
+
+/// A stranger on a member's port while the group forms (as a local user sees the port in
+/// `/proc/net/tcp`): garbage, an idle connection and a connection with another run's secret
+/// come first, and none takes a slot or holds the members up; the one with the wrong secret
+/// is refused in its handshake. The members then form the group and sum correctly.
+#[test]
+fn strangers_on_a_members_port_take_no_slot_and_hold_nobody_up() {
+    use infer::rendezvous::{StoreClient, StoreServer, random_token};
+    use infer::runtime::collectives::{Comm, TcpComm};
+    use std::io::Write;
+    let token = random_token();
+    let server = StoreServer::start("127.0.0.1:0", &token).expect("store");
+    let address = server.address().to_string();
+    let members: Vec<u64> = vec![0, 1, 2];
+    let (go, gate) = std::sync::mpsc::channel::<()>();
+    let gate = std::sync::Mutex::new(gate);
+    let started = std::time::Instant::now();
+    let sums = std::thread::scope(|scope| {
+        let racer = scope.spawn(|| {
+            let mut store = StoreClient::connect(&address, &token, None, Duration::from_secs(10))
+                .expect("store");
+            let port = String::from_utf8(
+                store
+                    .get("comm/test/2", Duration::from_secs(10))
+                    .expect("rank 2 listens"),
+            )
+            .expect("address");
+            let mut garbage = std::net::TcpStream::connect(&port).expect("connect");
+            garbage.write_all(&[0xff; 16]).expect("garbage");
+            let idle = std::net::TcpStream::connect(&port).expect("connect");
+            let mut impostor = std::net::TcpStream::connect(&port).expect("connect");
+            let refused = infer::handshake::client(
+                &mut impostor,
+                "another run's secret",
+                infer::handshake::Claim {
+                    channel: "comm/test",
+                    client: 0,
+                    server: 2,
+                },
+            );
+            assert!(refused.is_err(), "a wrong secret is refused");
+            for _ in 0..2 {
+                go.send(()).expect("go");
+            }
+            (garbage, idle)
+        });
+        let handles: Vec<_> = members
+            .iter()
+            .map(|&rank| {
+                let (address, token, members, gate) = (&address, &token, &members, &gate);
+                scope.spawn(move || {
+                    if rank < 2 {
+                        // Ranks 0 and 1 connect only after the strangers.
+                        gate.lock().expect("gate").recv().expect("go");
+                    }
+                    let mut store =
+                        StoreClient::connect(address, token, Some(rank), Duration::from_secs(10))
+                            .expect("store");
+                    let mut comm = TcpComm::connect(
+                        &mut store,
+                        "test",
+                        members,
+                        rank,
+                        "127.0.0.1",
+                        Duration::from_secs(10),
+                    )
+                    .expect("the members form the group");
+                    let mut values = data(rank as usize, 100);
+                    comm.all_reduce_sum(&mut values).expect("all-reduce");
+                    values
+                })
+            })
+            .collect();
+        let sums: Vec<Vec<f32>> = handles
+            .into_iter()
+            .map(|h| h.join().expect("rank"))
+            .collect();
+        drop(racer.join().expect("racer"));
+        sums
+    });
+    let expected: Vec<f32> = (0..100)
+        .map(|i| (0..3).map(|rank| data(rank, 100)[i]).sum())
+        .collect();
+    for sum in sums {
+        assert_eq!(sum, expected);
+    }
+    assert!(
+        started.elapsed() < infer::handshake::HELLO_TIMEOUT,
+        "the idle stranger held the group up: {:?}",
+        started.elapsed()
+    );
+}

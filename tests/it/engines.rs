@@ -633,6 +633,41 @@ fn complete(server: &Server, prompt: &str) -> Value {
     response.body_mut().read_json().expect("JSON")
 }
 
+/// `--api-key` reaches llama-server (in its environment, not its argv) and the launcher's
+/// own checks send it: a request without the key is refused, one with it answered, and
+/// neither the manifest nor the process list shows the key.
+#[test]
+fn up_engine_llamacpp_requires_the_api_key_and_shows_it_nowhere() {
+    let run_dir = tempfile::tempdir().expect("run dir");
+    let key = "k-7f3a9c01d2";
+    let up = start_llamacpp(&["--api-key", key], run_dir.path());
+    let url = format!("{}/v1/completions", up.url);
+    let body = serde_json::json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
+    let agent = ureq::Agent::config_builder()
+        .max_idle_connections(0)
+        .http_status_as_error(false)
+        .build()
+        .new_agent();
+    let refused = agent.post(&url).send_json(&body).expect("request");
+    assert_eq!(refused.status().as_u16(), 401);
+    let mut answered = agent
+        .post(&url)
+        .header("Authorization", format!("Bearer {key}"))
+        .send_json(&body)
+        .expect("request");
+    assert_eq!(answered.status().as_u16(), 200);
+    let reply: Value = answered.body_mut().read_json().expect("JSON");
+    assert_eq!(reply["usage"]["completion_tokens"], 4, "{reply}");
+    let manifest = std::fs::read_to_string(run_dir.path().join("manifest.json")).expect("manifest");
+    assert!(!manifest.contains(key), "{manifest}");
+    let processes = engine_processes(run_dir.path());
+    let argv = std::fs::read(format!("/proc/{}/cmdline", processes[0].2)).expect("cmdline");
+    assert!(
+        !String::from_utf8_lossy(&argv).contains(key),
+        "the key is in llama-server's argv"
+    );
+}
+
 #[test]
 fn up_engine_llamacpp_serves_here_and_ctrl_c_leaves_nothing() {
     let run_dir = tempfile::tempdir().expect("run dir");

@@ -77,6 +77,11 @@ fn run_engine(
                     "--prefill/--decode with --engine llamacpp: llama.cpp has no prefill/decode disaggregation; use --engine vllm, sglang or infer"
                 );
             }
+            if args.api_key.is_some() {
+                bail!(
+                    "--api-key with --engine {engine} --prefill/--decode: the PD router in front of the workers would serve without it; leave out --api-key (and keep the router on a trusted network) or serve aggregated"
+                );
+            }
             Some((prefill, decode))
         }
         _ => None,
@@ -129,6 +134,7 @@ fn run_engine(
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
         stall_timeout: stall_timeout(args.stall_timeout)?,
+        api_key: args.api_key.clone(),
     };
     crate::launch::engines::up(&settings, &mut |event| match event {
         UpEvent::Note(text) => printer.note_or_warn(&text),

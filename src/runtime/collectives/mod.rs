@@ -78,6 +78,8 @@ impl TcpComm {
         let mut readers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         let mut writers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         if size > 1 {
+            // What each connection of this group proves in its handshake.
+            let channel = format!("comm/{group}");
             let listener = TcpListener::bind((bind_host, 0))
                 .with_context(|| format!("group `{group}`: cannot listen on `{bind_host}`"))?;
             let address = listener.local_addr()?;
@@ -96,33 +98,37 @@ impl TcpComm {
                             members[peer]
                         )
                     })?;
-                let peer_address = String::from_utf8(peer_address)?;
-                let mut stream = TcpStream::connect(&peer_address).with_context(|| {
+                let peer_address: std::net::SocketAddr =
+                    String::from_utf8(peer_address)?
+                        .parse()
+                        .with_context(|| format!("group `{group}`: a malformed endpoint"))?;
+                let stream = crate::handshake::connect(
+                    peer_address,
+                    store.secret(),
+                    crate::handshake::Claim {
+                        channel: &channel,
+                        client: position as u64,
+                        server: peer as u64,
+                    },
+                    timeout,
+                )
+                .with_context(|| {
                     format!(
-                        "group `{group}`: cannot connect to rank {} at {peer_address}",
+                        "group `{group}`: cannot connect to rank {} at {peer_address} and authenticate",
                         members[peer]
                     )
                 })?;
-                stream.write_all(&(position as u64).to_le_bytes())?;
                 let (reader, writer) = (stream.try_clone()?, stream);
                 readers[peer] = Some(reader);
                 writers[peer] = Some(writer);
             }
-            listener.set_nonblocking(false)?;
-            for _ in 0..position {
-                let (mut stream, _) =
-                    accept_with_timeout(&listener, timeout).with_context(|| {
-                        format!(
-                            "group `{group}`: lower-ranked peers did not connect within {timeout:?}"
-                        )
-                    })?;
-                stream.set_read_timeout(Some(timeout))?;
-                let mut peer = [0u8; 8];
-                stream.read_exact(&mut peer)?;
-                let peer = u64::from_le_bytes(peer) as usize;
-                if peer >= position || readers[peer].is_some() {
-                    bail!("group `{group}`: unexpected connection claiming position {peer}");
-                }
+            let lower = accept_members(&listener, store.secret(), &channel, position, timeout)
+                .with_context(|| {
+                    format!(
+                        "group `{group}`: lower-ranked peers did not connect within {timeout:?}"
+                    )
+                })?;
+            for (peer, stream) in lower {
                 let (reader, writer) = (stream.try_clone()?, stream);
                 readers[peer] = Some(reader);
                 writers[peer] = Some(writer);
@@ -307,17 +313,72 @@ fn read_frame_into(stream: &mut TcpStream, buffer: &mut [u8]) -> std::io::Result
     stream.read_exact(buffer)
 }
 
-fn accept_with_timeout(
+/// Handshakes a listener runs at once; more connections are closed at once (each stranger
+/// is dropped after [`crate::handshake::HELLO_TIMEOUT`]).
+const MAX_PENDING_HANDSHAKES: usize = 64;
+
+/// Accepts on `listener` until every position below `position` has connected and proved
+/// the run's `secret` on `channel` (each handshake on a thread of its own, so garbage or an
+/// idle stranger holds no slot and delays no member), within `timeout`. Returns each
+/// position with its connection.
+///
+/// Errors: a position missing at `timeout`; the listener fails.
+fn accept_members(
     listener: &TcpListener,
+    secret: &str,
+    channel: &str,
+    position: usize,
     timeout: Duration,
-) -> Result<(TcpStream, std::net::SocketAddr)> {
+) -> Result<Vec<(usize, TcpStream)>> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     listener.set_nonblocking(true)?;
     let deadline = std::time::Instant::now() + timeout;
-    loop {
+    let (proved, arrivals) = std::sync::mpsc::channel::<(usize, TcpStream)>();
+    let pending = Arc::new(AtomicUsize::new(0));
+    let mut members: Vec<Option<TcpStream>> = (0..position).map(|_| None).collect();
+    let mut missing = position;
+    while missing > 0 {
+        while let Ok((peer, stream)) = arrivals.try_recv() {
+            if members[peer].is_none() {
+                members[peer] = Some(stream);
+                missing -= 1;
+            }
+        }
+        if missing == 0 {
+            break;
+        }
         match listener.accept() {
-            Ok((stream, address)) => {
-                stream.set_nonblocking(false)?;
-                return Ok((stream, address));
+            Ok((stream, _)) => {
+                if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
+                    pending.fetch_sub(1, Ordering::SeqCst);
+                    continue;
+                }
+                let (secret, channel, proved, counter) = (
+                    secret.to_string(),
+                    channel.to_string(),
+                    proved.clone(),
+                    Arc::clone(&pending),
+                );
+                let spawned = std::thread::Builder::new()
+                    .name("comm-handshake".into())
+                    .spawn(move || {
+                        let mut stream = stream;
+                        let accepted = stream.set_nonblocking(false).is_ok()
+                            && crate::handshake::server(
+                                &mut stream,
+                                &secret,
+                                &channel,
+                                position as u64,
+                                &|peer| peer < position as u64,
+                            )
+                            .is_ok_and(|peer| proved.send((peer as usize, stream)).is_ok());
+                        counter.fetch_sub(1, Ordering::SeqCst);
+                        accepted
+                    });
+                if spawned.is_err() {
+                    pending.fetch_sub(1, Ordering::SeqCst);
+                }
             }
             Err(e)
                 if e.kind() == std::io::ErrorKind::WouldBlock
@@ -325,9 +386,18 @@ fn accept_with_timeout(
             {
                 std::thread::sleep(Duration::from_millis(2));
             }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let missing: Vec<usize> = (0..position).filter(|p| members[*p].is_none()).collect();
+                bail!("positions {missing:?} never connected and proved themselves");
+            }
             Err(e) => return Err(e.into()),
         }
     }
+    Ok(members
+        .into_iter()
+        .enumerate()
+        .filter_map(|(peer, stream)| Some((peer, stream?)))
+        .collect())
 }
 
 fn explain(error: std::io::Error, timeout: Duration) -> anyhow::Error {
@@ -361,10 +431,25 @@ fn write_frame(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
     stream.write_all(bytes)
 }
 
+/// The largest frame a peer may announce (16 GiB: more than any activation, KV block or
+/// broadcast of ours); a larger length is a broken peer, refused before any allocation.
+const MAX_FRAME_BYTES: u64 = 1 << 34;
+
 fn read_frame(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut length = [0u8; 8];
     stream.read_exact(&mut length)?;
-    let mut bytes = vec![0u8; u64::from_le_bytes(length) as usize];
+    let length = u64::from_le_bytes(length);
+    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    if length > MAX_FRAME_BYTES {
+        return Err(invalid(format!(
+            "the peer announced a frame of {length} bytes, over the {MAX_FRAME_BYTES}-byte limit"
+        )));
+    }
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(length as usize)
+        .map_err(|_| invalid(format!("cannot allocate a frame of {length} bytes")))?;
+    bytes.resize(length as usize, 0);
     stream.read_exact(&mut bytes)?;
     Ok(bytes)
 }
@@ -617,7 +702,10 @@ pub fn tcp_stream_bytes_per_sec(
             "bench/stream",
             listener.local_addr()?.to_string().as_bytes(),
         )?;
-        let (mut socket, _) = listener.accept()?;
+        let mut socket = accept_members(&listener, store.secret(), "bench/stream", 1, timeout)?
+            .pop()
+            .map(|(_, socket)| socket)
+            .context("the sender never connected")?;
         let mut buffer = vec![0u8; CHUNK_BYTES];
         let (mut received, start) = (0, std::time::Instant::now());
         while received < TOTAL_BYTES {
@@ -629,8 +717,19 @@ pub fn tcp_stream_bytes_per_sec(
         return Ok(received as f64 / start.elapsed().as_secs_f64());
     }
     if rank == sender {
-        let address = String::from_utf8(store.get("bench/stream", timeout)?)?;
-        let mut socket = TcpStream::connect(address)?;
+        let address = String::from_utf8(store.get("bench/stream", timeout)?)?
+            .parse()
+            .context("a malformed stream endpoint")?;
+        let mut socket = crate::handshake::connect(
+            address,
+            store.secret(),
+            crate::handshake::Claim {
+                channel: "bench/stream",
+                client: 0,
+                server: 1,
+            },
+            timeout,
+        )?;
         let chunk = vec![7u8; CHUNK_BYTES];
         for _ in 0..TOTAL_BYTES / CHUNK_BYTES {
             socket.write_all(&chunk)?;

@@ -5,12 +5,13 @@
 //! rank's keys and values, and several transfers of one sequence (layer ranges, as a
 //! prefill produces them) may arrive in any order.
 //!
-//! Wire format: a connection opens with the run token (`u32` LE length, bytes) and the name
-//! of a shared segment the sender offers (`u32` LE length, bytes; empty: none); then frames
-//! of a transfer id (`u64` LE), a JSON header (`u32` LE length: tokens, prompt length,
-//! layers, geometry), a kind byte and the f16 bits — binary, since the bits are nearly all of
-//! the bytes. A connection that presents another token is closed before anything of it is
-//! read.
+//! Wire format: a connection opens with the run's handshake ([`crate::handshake`], channel
+//! `kv`: both sides prove the run secret, which never crosses the wire) and the name of a
+//! shared segment the sender offers (`u32` LE length, bytes; empty: none); then frames of a
+//! transfer id (`u64` LE), a JSON header (`u32` LE length: tokens, prompt length, layers,
+//! geometry), a kind byte and the f16 bits — binary, since the bits are nearly all of the
+//! bytes. A connection that does not prove the secret is closed before anything else of it
+//! is read.
 //!
 //! On one host the bits go through shared memory, as NCCL's SHM transport moves intra-node
 //! traffic (never loopback TCP): a prefill rank whose decode peer runs on the same host
@@ -49,8 +50,10 @@ const STALE_AFTER: Duration = Duration::from_secs(120);
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest header accepted, bytes.
 const MAX_HEADER_BYTES: usize = 64 << 20;
-/// Largest token accepted, bytes.
-const MAX_TOKEN_BYTES: usize = 4096;
+/// The inbox's channel in the handshake.
+const CHANNEL: &str = "kv";
+/// Connections an inbox runs its handshake on at once; more are closed at once.
+const MAX_PENDING_HANDSHAKES: usize = 64;
 /// Largest segment name accepted, bytes.
 const MAX_NAME_BYTES: usize = 255;
 /// Name prefix of the ring segments in `/dev/shm` (followed by the sender's pid and a
@@ -112,19 +115,41 @@ impl Inbox {
         std::thread::Builder::new()
             .name("kv-inbox".into())
             .spawn(move || {
+                let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
                 for stream in listener.incoming() {
                     if accept_stop.load(Ordering::SeqCst) {
                         break;
                     }
-                    let Ok(stream) = stream else { continue };
-                    let (state, token) = (Arc::clone(&accept_state), token.clone());
-                    let _ = std::thread::Builder::new()
+                    let Ok(mut stream) = stream else { continue };
+                    if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
+                        // Strangers piling up: close at once.
+                        pending.fetch_sub(1, Ordering::SeqCst);
+                        continue;
+                    }
+                    let (state, token, counter) = (
+                        Arc::clone(&accept_state),
+                        token.clone(),
+                        Arc::clone(&pending),
+                    );
+                    let spawned = std::thread::Builder::new()
                         .name("kv-inbox-peer".into())
                         .spawn(move || {
+                            let _ = stream.set_nodelay(true);
+                            // Nothing of a peer is read before it proves the run's secret.
+                            let proved =
+                                crate::handshake::server(&mut stream, &token, CHANNEL, 0, &|_| {
+                                    true
+                                });
+                            counter.fetch_sub(1, Ordering::SeqCst);
                             // A peer that breaks the protocol or goes away only loses its
                             // connection; what it delivered stays.
-                            let _ = receive(stream, &token, &state);
+                            if proved.is_ok() {
+                                let _ = receive(stream, &state);
+                            }
                         });
+                    if spawned.is_err() {
+                        pending.fetch_sub(1, Ordering::SeqCst);
+                    }
                 }
             })
             .context("cannot start the KV inbox thread")?;
@@ -202,16 +227,11 @@ impl Drop for Inbox {
     }
 }
 
-/// Reads one peer's frames into the inbox until it closes. Errors: a wrong token, a
+/// Reads one authenticated peer's frames into the inbox until it closes. Errors: a
 /// malformed frame, a lost connection.
-fn receive(stream: TcpStream, token: &str, state: &Shared) -> Result<()> {
-    stream.set_nodelay(true)?;
+fn receive(stream: TcpStream, state: &Shared) -> Result<()> {
     let mut answers = stream.try_clone()?;
     let mut reader = BufReader::with_capacity(1 << 20, stream);
-    let presented = read_bytes(&mut reader, MAX_TOKEN_BYTES)?;
-    if presented != token.as_bytes() {
-        bail!("a peer presented another run token");
-    }
     let offered = read_bytes(&mut reader, MAX_NAME_BYTES)?;
     let ring = if offered.is_empty() {
         None
@@ -232,8 +252,10 @@ fn receive(stream: TcpStream, token: &str, state: &Shared) -> Result<()> {
         let id = u64::from_le_bytes(id);
         let header: Header = serde_json::from_slice(&read_bytes(&mut reader, MAX_HEADER_BYTES)?)
             .context("a malformed KV transfer header")?;
-        let expected =
-            header.layers.len() * 2 * header.n_kv_heads * header.tokens.len() * header.head_dim;
+        let expected = [header.n_kv_heads, header.tokens.len(), header.head_dim]
+            .into_iter()
+            .try_fold(header.layers.len() * 2, usize::checked_mul)
+            .context("a KV transfer header whose shape overflows")?;
         let mut kind = [0u8; 1];
         reader.read_exact(&mut kind)?;
         let values = match kind[0] {
@@ -600,14 +622,22 @@ fn connect(address: &str, token: &str, local: bool, ring_bytes: usize) -> Result
     let peer: SocketAddr = address
         .parse()
         .with_context(|| format!("`{address}` is not an inbox address"))?;
-    let stream = TcpStream::connect_timeout(&peer, SEND_TIMEOUT)?;
+    let stream = crate::handshake::connect(
+        peer,
+        token,
+        crate::handshake::Claim {
+            channel: CHANNEL,
+            client: 0,
+            server: 0,
+        },
+        SEND_TIMEOUT,
+    )
+    .with_context(|| format!("cannot reach the KV inbox at {address} and authenticate"))?;
     stream.set_nodelay(true)?;
     stream.set_write_timeout(Some(SEND_TIMEOUT))?;
     stream.set_read_timeout(Some(SEND_TIMEOUT))?;
     let mut answers = stream.try_clone()?;
     let mut writer = BufWriter::with_capacity(1 << 20, stream);
-    writer.write_all(&(token.len() as u32).to_le_bytes())?;
-    writer.write_all(token.as_bytes())?;
     // Made and mapped here before the inbox hears its name: the inbox unlinks it as soon
     // as it has mapped it. A ring that cannot be made (a full `/dev/shm`) leaves the bits
     // inline.
