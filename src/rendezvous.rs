@@ -70,10 +70,43 @@ fn read_message<T: for<'de> Deserialize<'de>>(stream: &mut TcpStream) -> Result<
     serde_json::from_slice(&body).context("malformed store message")
 }
 
+/// The longest a `get` waits, ms (a day): a longer timeout is this one.
+const MAX_WAIT_MS: u64 = 24 * 3600 * 1000;
+/// The longest key, bytes.
+const MAX_KEY_BYTES: usize = 4096;
+/// All keys and values together, bytes: what a run's ranks publish is kilobytes each.
+const MAX_STORE_BYTES: usize = 1 << 30;
+
 #[derive(Default)]
 struct State {
+    /// Bytes of every key and value stored.
+    bytes: usize,
     values: HashMap<String, Vec<u8>>,
     heartbeats: HashMap<u64, Instant>,
+}
+
+impl State {
+    /// Stores `value` under `key` within the store's limits.
+    ///
+    /// Errors: a key over [`MAX_KEY_BYTES`], or the store would pass [`MAX_STORE_BYTES`].
+    fn put(&mut self, key: String, value: Vec<u8>) -> std::result::Result<(), String> {
+        if key.len() > MAX_KEY_BYTES {
+            return Err(format!(
+                "a key of {} bytes (at most {MAX_KEY_BYTES})",
+                key.len()
+            ));
+        }
+        let old = self.values.get(&key).map_or(0, |v| key.len() + v.len());
+        let bytes = self.bytes - old + key.len() + value.len();
+        if bytes > MAX_STORE_BYTES {
+            return Err(format!(
+                "the store is full: {bytes} bytes would pass its {MAX_STORE_BYTES}-byte limit"
+            ));
+        }
+        self.bytes = bytes;
+        self.values.insert(key, value);
+        Ok(())
+    }
 }
 
 /// The server side, run by the launcher. Dropping it stops accepting connections.
@@ -178,14 +211,13 @@ fn serve(
     while let Ok(request) = read_message::<Request>(&mut stream) {
         let response = match request {
             Request::Set { key, value } => {
-                state
-                    .0
-                    .lock()
-                    .expect("store state lock")
-                    .values
-                    .insert(key, value);
+                let mut guard = state.0.lock().expect("store state lock");
+                let stored = guard.put(key, value);
                 state.1.notify_all();
-                Response::Ok
+                match stored {
+                    Ok(()) => Response::Ok,
+                    Err(why) => Response::Error(why),
+                }
             }
             Request::Add { key, delta } => {
                 let mut guard = state.0.lock().expect("store state lock");
@@ -194,13 +226,16 @@ fn serve(
                     .get(&key)
                     .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
                     .unwrap_or(0);
-                let next = current + delta;
-                guard.values.insert(key, next.to_string().into_bytes());
+                let next = current.saturating_add(delta);
+                let stored = guard.put(key, next.to_string().into_bytes());
                 state.1.notify_all();
-                Response::Count(next)
+                match stored {
+                    Ok(()) => Response::Count(next),
+                    Err(why) => Response::Error(why),
+                }
             }
             Request::Get { key, timeout_ms } => {
-                let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+                let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(MAX_WAIT_MS));
                 let mut guard = state.0.lock().expect("store state lock");
                 loop {
                     if let Some(value) = guard.values.get(&key) {
@@ -312,6 +347,7 @@ impl StoreClient {
             value: value.to_vec(),
         })? {
             Response::Ok => Ok(()),
+            Response::Error(message) => bail!("rendezvous: {message}"),
             other => bail!("store set `{key}` failed: {other:?}"),
         }
     }
@@ -507,6 +543,32 @@ mod tests {
         );
         drop(strangers);
         assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    /// Input a member sends is bounded too: a key too long, counters at the edge and a
+    /// timeout of "forever" get answers, and the store keeps serving.
+    #[test]
+    fn oversized_keys_overflowing_counters_and_endless_timeouts_are_answered() {
+        let token = random_token();
+        let server = StoreServer::start("127.0.0.1:0", &token).expect("server");
+        let mut client = StoreClient::connect(
+            &server.address().to_string(),
+            &token,
+            Some(0),
+            Duration::from_secs(5),
+        )
+        .expect("connect");
+        let error = client
+            .set(&"k".repeat(MAX_KEY_BYTES + 1), b"v")
+            .expect_err("too long");
+        assert!(
+            format!("{error:#}").contains("a key of 4097 bytes"),
+            "{error:#}"
+        );
+        assert_eq!(client.add("c", i64::MAX).expect("add"), i64::MAX);
+        assert_eq!(client.add("c", 1).expect("add"), i64::MAX);
+        client.set("k", b"v").expect("set");
+        assert_eq!(client.get("k", Duration::MAX).expect("get"), b"v");
     }
 
     #[test]

@@ -49,7 +49,7 @@ impl Printer {
 
     /// A progress or informational line on stderr.
     pub fn note(&self, text: &str) {
-        eprintln!("{}: {text}", self.paint("note", "36"));
+        eprintln!("{}: {}", self.paint("note", "36"), escape_controls(text));
     }
 
     /// A progress display of `total` steps on stderr: an indicatif bar when stderr is a
@@ -73,7 +73,7 @@ impl Printer {
 
     /// A warning on stderr.
     pub fn warn(&self, text: &str) {
-        eprintln!("{}: {text}", self.paint("warning", "33"));
+        eprintln!("{}: {}", self.paint("warning", "33"), escape_controls(text));
     }
 
     /// `line` as a warning when it starts with "warning: " (the runtime's convention for
@@ -91,7 +91,7 @@ impl Printer {
         let mut hints = Vec::new();
         let mut lines = Vec::new();
         for (depth, cause) in error.chain().enumerate() {
-            let text = cause.to_string();
+            let text = escape_controls(&cause.to_string()).into_owned();
             let mut parts = text.split("\nhint: ");
             let message = parts.next().unwrap_or_default();
             hints.extend(parts.map(str::to_string));
@@ -143,7 +143,11 @@ impl Progress {
     /// A `note:` line that does not disturb the bar.
     pub fn note(&self, text: &str) {
         match &self.bar {
-            Some(bar) => bar.println(format!("{}: {text}", self.printer.paint("note", "36"))),
+            Some(bar) => bar.println(format!(
+                "{}: {}",
+                self.printer.paint("note", "36"),
+                escape_controls(text)
+            )),
             None => self.printer.note(text),
         }
     }
@@ -159,5 +163,41 @@ impl Progress {
 impl Drop for Progress {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+/// `text` with every control character but newline and tab written as an escape
+/// (`\u{1b}`): a rank's or an engine's output line, or an error quoting input, cannot move
+/// the cursor, recolour the terminal or rewrite a line already printed.
+pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text
+        .chars()
+        .any(|c| c.is_control() && c != '\n' && c != '\t')
+    {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    std::borrow::Cow::Owned(
+        text.chars()
+            .map(|c| match c {
+                '\n' | '\t' => c.to_string(),
+                c if c.is_control() => c.escape_unicode().to_string(),
+                c => c.to_string(),
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn control_characters_are_escaped_but_lines_and_tabs_kept() {
+        assert_eq!(
+            super::escape_controls("a\u{1b}[2K\rnote: [rank 3] ok\n\tnext"),
+            "a\\u{1b}[2K\\u{d}note: [rank 3] ok\n\tnext"
+        );
+        assert!(matches!(
+            super::escape_controls("plain"),
+            std::borrow::Cow::Borrowed("plain")
+        ));
     }
 }

@@ -64,7 +64,7 @@ pub fn run_agent() -> Result<()> {
         bail!("host name `{host}` cannot name a directory");
     }
     let run_dir = runs_dir()?.join(&run_id).join(&host);
-    std::fs::create_dir_all(&run_dir)
+    super::run_dir::private_dir(&run_dir)
         .with_context(|| format!("cannot create `{}`", run_dir.display()))?;
     let mut agent = Agent {
         output,

@@ -1418,6 +1418,6 @@ fn write_manifest(run_dir: &Path, launch: &EngineLaunch, members: &[Member]) -> 
         .collect();
     let manifest = serde_json::json!({ "launch": launch, "processes": processes });
     let path = run_dir.join("manifest.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&manifest)?)
+    super::run_dir::write_private(&path, &serde_json::to_vec_pretty(&manifest)?)
         .with_context(|| format!("cannot write `{}`", path.display()))
 }

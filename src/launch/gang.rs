@@ -257,7 +257,8 @@ impl Gang {
             "ranks": ranks,
         });
         if let Ok(text) = serde_json::to_string_pretty(&outcome) {
-            let _ = std::fs::write(self.run_dir.join("outcome.json"), text);
+            let _ =
+                super::run_dir::write_private(&self.run_dir.join("outcome.json"), text.as_bytes());
         }
     }
 
@@ -344,7 +345,7 @@ impl Gang {
             object.extend(self.manifest_extra.clone());
         }
         let path = self.run_dir.join("manifest.json");
-        std::fs::write(&path, serde_json::to_vec_pretty(&manifest)?)
+        super::run_dir::write_private(&path, &serde_json::to_vec_pretty(&manifest)?)
             .with_context(|| format!("cannot write `{}`", path.display()))
     }
 

@@ -170,9 +170,9 @@ fn kernel_log() -> Result<Vec<String>, String> {
 ///
 /// Errors: the report or the bundle cannot be written.
 pub(crate) fn bundle(dir: &Path, report: &serde_json::Value, bundle: &Path) -> Result<()> {
-    std::fs::write(
-        dir.join("postmortem.json"),
-        serde_json::to_string_pretty(report)?,
+    super::run_dir::write_private(
+        &dir.join("postmortem.json"),
+        serde_json::to_string_pretty(report)?.as_bytes(),
     )
     .with_context(|| format!("cannot write the report into `{}`", dir.display()))?;
     let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {

@@ -2,7 +2,6 @@
 //! group with a parent-death signal and its output copied to a log, running one to completion
 //! with a timeout.
 
-use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -38,7 +37,8 @@ pub fn start_process(
     log: &Path,
     line: impl Fn(String) + Clone + Send + 'static,
 ) -> Result<Child> {
-    let file = File::create(log).with_context(|| format!("cannot create `{}`", log.display()))?;
+    let file = super::run_dir::create_private(log)
+        .with_context(|| format!("cannot create `{}`", log.display()))?;
     let mut command = Command::new(program);
     command
         .args(args)

@@ -638,7 +638,7 @@ impl RemoteSpawner<'_> {
     ) -> std::result::Result<Box<dyn RankHandle>, (String, String)> {
         let host = &self.cluster.hosts[self.rank_hosts[index]];
         let fail = |error: anyhow::Error| (host.name.clone(), format!("{error:#}"));
-        let file = File::create(log)
+        let file = super::run_dir::create_private(log)
             .with_context(|| format!("cannot create `{}`", log.display()))
             .map_err(fail)?;
         {
@@ -771,7 +771,8 @@ async fn connect_host(
         "binary `{}` ({}, sha256 {})",
         hello.exe,
         hello.arch,
-        &hello.sha256[..12]
+        // An agent's hello is input: a short or odd hash is shown as it came.
+        hello.sha256.get(..12).unwrap_or(&hello.sha256)
     ));
     let state: Arc<Mutex<HostState>> = Arc::default();
     let to_agent = pump_frames(channel, Arc::clone(&state));

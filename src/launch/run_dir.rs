@@ -37,13 +37,12 @@ pub fn create_run_dir(dir: Option<&Path>) -> Result<PathBuf> {
                 dir.display()
             );
         }
-        std::fs::create_dir_all(dir)
+        private_dir(dir)
             .with_context(|| format!("cannot create the run directory `{}`", dir.display()))?;
         return Ok(dir.to_path_buf());
     }
     let root = runs_dir()?;
-    std::fs::create_dir_all(&root)
-        .with_context(|| format!("cannot create `{}`", root.display()))?;
+    private_dir(&root).with_context(|| format!("cannot create `{}`", root.display()))?;
     let keep = std::env::var(envvars::KEEP_RUNS)
         .ok()
         .and_then(|v| v.parse().ok())
@@ -51,9 +50,45 @@ pub fn create_run_dir(dir: Option<&Path>) -> Result<PathBuf> {
     // Room for the new one.
     prune_runs(&root, keep.saturating_sub(1));
     let dir = root.join(format!("run-{:016x}", rand::random::<u64>()));
-    std::fs::create_dir_all(&dir)
+    private_dir(&dir)
         .with_context(|| format!("cannot create the run directory `{}`", dir.display()))?;
     Ok(dir)
+}
+
+/// Creates `dir` (and its parents) readable by this user only (0700): a run's logs hold
+/// prompts and outputs. A directory that exists keeps its mode.
+///
+/// Errors: as [`std::fs::DirBuilder::create`].
+pub(crate) fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+/// Creates (or truncates) the file `path` for writing, readable by this user only (0600),
+/// never through a symbolic link (`O_NOFOLLOW`: in a shared directory such as `/tmp`,
+/// another user's link would otherwise redirect the write).
+///
+/// Errors: `path` is a symbolic link, or cannot be opened.
+pub(crate) fn create_private(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)
+}
+
+/// Writes `bytes` to `path` through [`create_private`].
+///
+/// Errors: as [`create_private`], or the write fails.
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    create_private(path)?.write_all(bytes)
 }
 
 /// Removes the oldest run directories under `root` (by modification time) beyond the
@@ -92,4 +127,29 @@ fn run_in_use(dir: &Path) -> bool {
     }
     std::fs::read_dir(dir)
         .is_ok_and(|entries| entries.flatten().any(|e| e.path().join("pgids").exists()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A run directory is 0700, its files 0600, and a symbolic link planted where a file
+    /// goes (another user's, in `/tmp`) is not followed: the write fails, the target keeps
+    /// its bytes.
+    #[test]
+    fn run_files_are_private_and_never_written_through_a_link() {
+        let temp = tempfile::tempdir().expect("tempdir");
+        let dir = temp.path().join("run");
+        let created = create_run_dir(Some(&dir)).expect("run dir");
+        let mode = |p: &Path| std::fs::metadata(p).expect("metadata").permissions().mode() & 0o777;
+        assert_eq!(mode(&created), 0o700);
+        write_private(&dir.join("manifest.json"), b"{}").expect("write");
+        assert_eq!(mode(&dir.join("manifest.json")), 0o600);
+        let target = temp.path().join("victim");
+        std::fs::write(&target, b"precious").expect("victim");
+        std::os::unix::fs::symlink(&target, dir.join("rank0.log")).expect("symlink");
+        assert!(create_private(&dir.join("rank0.log")).is_err());
+        assert_eq!(std::fs::read(&target).expect("victim"), b"precious");
+    }
 }

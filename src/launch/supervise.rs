@@ -212,7 +212,7 @@ fn announce(
 ///
 /// Errors: `to` cannot be created, a file cannot be moved.
 fn move_files(dir: &Path, to: &Path) -> Result<()> {
-    std::fs::create_dir_all(to).with_context(|| format!("cannot create `{}`", to.display()))?;
+    super::run_dir::private_dir(to).with_context(|| format!("cannot create `{}`", to.display()))?;
     for entry in
         std::fs::read_dir(dir).with_context(|| format!("cannot read `{}`", dir.display()))?
     {
