@@ -709,6 +709,12 @@ pub struct UpArgs {
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub max_restarts: usize,
 
+    /// Requests that may wait (beyond the `--max-num-seqs` running on each replica) before
+    /// new ones are answered 503 with `Retry-After` at once (SGLang's flag): a flood then
+    /// sheds load instead of queueing without end. Unset: no bound.
+    #[arg(long, value_name = "N")]
+    pub max_queued_requests: Option<usize>,
+
     /// Address to bind (127.0.0.1: this host only).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub host: String,

@@ -95,5 +95,8 @@ pub(crate) const STALL_TIMEOUT_SECS: &str = "INFER_STALL_TIMEOUT_SECS";
 /// refuses it): `stall:rank=R:step=N`, rank `R` stops making progress at its `N`th step
 /// while its process and heartbeats live on.
 pub(crate) const TEST_FAULT: &str = "INFER_TEST_FAULT";
+/// Requests that may wait beyond those running before new ones get 503
+/// (`--max-queued-requests`).
+pub(crate) const MAX_QUEUED_REQUESTS: &str = "INFER_MAX_QUEUED_REQUESTS";
 /// Longest prompt plus completion, tokens (`--max-model-len`).
 pub(crate) const MAX_MODEL_LEN: &str = "INFER_MAX_MODEL_LEN";

@@ -35,6 +35,9 @@ pub(crate) struct UpSettings {
     pub shutdown_timeout: Duration,
     /// A replica with work and no progress for longer is stalled (`--stall-timeout`).
     pub stall_timeout: Duration,
+    /// Requests that may wait beyond those running before new ones get 503
+    /// (`--max-queued-requests`; `None`: no bound).
+    pub max_queued_requests: Option<usize>,
     /// Restarts of the gang after a failure, with the HTTP front kept up
     /// (`--max-restarts`; 0: the run ends at the first failure).
     pub max_restarts: usize,
@@ -204,6 +207,7 @@ pub(crate) fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Resu
             max_model_len: settings.max_model_len,
             shutdown_timeout: settings.shutdown_timeout,
             stall_timeout: settings.stall_timeout,
+            max_queued_requests: settings.max_queued_requests,
         },
         &mut |event| match event {
             OneProcessEvent::Note(line) => events(UpEvent::Note(line)),
@@ -565,6 +569,7 @@ fn rank_spec(
         shutdown_timeout: settings.shutdown_timeout,
         stall_timeout: settings.stall_timeout,
         max_model_len: settings.max_model_len,
+        max_queued_requests: settings.max_queued_requests,
     };
     LaunchSpec {
         degrees: layout.degrees,

@@ -373,7 +373,14 @@ fn check_sampling(body: &Body) -> Result<(f64, f64, usize), ApiError> {
     Ok((temperature, top_p, top_k))
 }
 
-/// The stop strings (none by default). Errors: a 400 for an empty one.
+/// Most stop strings a request may give (OpenAI takes 4; the scheduler scans each on every
+/// token, so a bound keeps one request from slowing the others).
+pub(super) const MAX_STOP_STRINGS: usize = 64;
+/// Longest stop string, bytes.
+pub(super) const MAX_STOP_BYTES: usize = 1024;
+
+/// The stop strings (none by default). Errors: a 400 for an empty one, more than
+/// [`MAX_STOP_STRINGS`], or one longer than [`MAX_STOP_BYTES`].
 fn check_stop(body: &Body) -> Result<Vec<String>, ApiError> {
     let stop = match &body.stop {
         None => Vec::new(),
@@ -382,6 +389,24 @@ fn check_stop(body: &Body) -> Result<Vec<String>, ApiError> {
     };
     if stop.iter().any(String::is_empty) {
         return Err(bad_field("stop", "`stop` strings must not be empty"));
+    }
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(bad_field(
+            "stop",
+            format!(
+                "`stop` has {} strings; at most {MAX_STOP_STRINGS} are allowed",
+                stop.len()
+            ),
+        ));
+    }
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(bad_field(
+            "stop",
+            format!(
+                "a `stop` string of {} bytes; at most {MAX_STOP_BYTES} are allowed",
+                long.len()
+            ),
+        ));
     }
     Ok(stop)
 }
@@ -777,6 +802,20 @@ mod tests {
                 400,
                 Some("stop"),
                 "`stop` strings must not be empty",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "stop": vec!["s"; 100_000]}),
+                400,
+                Some("stop"),
+                "`stop` has 100000 strings; at most 64 are allowed",
+            ),
+            (
+                Chat,
+                json!({"messages": [{"role": "user", "content": "x"}], "stop": "x".repeat(2000)}),
+                400,
+                Some("stop"),
+                "a `stop` string of 2000 bytes; at most 1024 are allowed",
             ),
             (
                 Completions,

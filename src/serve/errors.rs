@@ -16,12 +16,20 @@ pub(super) struct ApiError {
     pub(super) param: Option<String>,
     /// A machine-readable code (`model_not_found`), when OpenAI has one.
     pub(super) code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (a 503 that sheds load).
+    pub(super) retry_after_secs: Option<u64>,
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(secs) = self.retry_after_secs {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 
@@ -37,6 +45,16 @@ pub(super) fn error(
         message: message.into(),
         param: None,
         code: None,
+        retry_after_secs: None,
+    }
+}
+
+/// A 503 that sheds load: the queue is full (`--max-queued-requests`); retry in a second.
+pub(super) fn overloaded(message: impl Into<String>) -> ApiError {
+    ApiError {
+        code: Some("queue_full"),
+        retry_after_secs: Some(1),
+        ..error(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
     }
 }
 

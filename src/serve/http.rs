@@ -42,6 +42,8 @@ pub struct OneProcess<'a> {
     pub shutdown_timeout: Duration,
     /// A loop with work and no progress for longer is stalled (`--stall-timeout`).
     pub stall_timeout: Duration,
+    /// Requests that may wait beyond those running (`--max-queued-requests`).
+    pub max_queued_requests: Option<usize>,
 }
 
 /// `--device cuda`: where the kernels run, and how many GPUs this host shows its ranks.
@@ -115,7 +117,9 @@ pub fn serve_one_process(
     };
     server.open(
         AppState {
-            scheduler: Router::local(scheduler).with_stall_timeout(settings.stall_timeout),
+            scheduler: Router::local(scheduler)
+                .with_stall_timeout(settings.stall_timeout)
+                .with_queue_limit(settings.limits.max_batch, settings.max_queued_requests),
             model_id: settings.model_id.to_string(),
             tokenizer,
             max_context_tokens,
@@ -216,7 +220,8 @@ pub fn serve_driver(
             ))),
             scheduler: {
                 let router = Router::local(Scheduler::start_with(Box::new(driver), limits))
-                    .with_stall_timeout(serving.stall_timeout);
+                    .with_stall_timeout(serving.stall_timeout)
+                    .with_queue_limit(limits.max_batch, serving.max_queued_requests);
                 match serving.pd_prefill {
                     Some(prefill) => router.disaggregated(prefill),
                     None => router,

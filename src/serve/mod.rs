@@ -392,6 +392,10 @@ fn submit_choices(
     prompt_tokens: &[u32],
     checked: &Checked,
 ) -> Result<Vec<UnboundedReceiverStream<Event>>, ApiError> {
+    state
+        .scheduler
+        .admit(checked.n)
+        .map_err(errors::overloaded)?;
     (0..checked.n)
         .map(|i| {
             submit(
@@ -590,6 +594,21 @@ fn read(
     default_max_tokens: usize,
 ) -> Result<(Body, Checked), ApiError> {
     authorize(state, headers)?;
+    // JSON only (as FastAPI, behind vLLM and SGLang, since 0.65.2): a web page can post
+    // `text/plain` across sites without a preflight, never `application/json`.
+    if let Some(kind) = headers.get(axum::http::header::CONTENT_TYPE) {
+        let kind = kind.to_str().unwrap_or_default().to_ascii_lowercase();
+        let essence = kind.split(';').next().unwrap_or_default().trim();
+        if essence != "application/json" && !essence.ends_with("+json") {
+            return Err(error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "invalid_request_error",
+                format!(
+                    "the body must be JSON: send `Content-Type: application/json` (got `{essence}`)"
+                ),
+            ));
+        }
+    }
     let request = api::parse(body)?;
     let model = ServedModel {
         model_id: &state.model_id,

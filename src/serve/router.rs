@@ -258,6 +258,8 @@ pub struct Router {
     fail: Arc<watch::Sender<Option<String>>>,
     /// `--stall-timeout`: a replica with work and no progress for longer is stalled.
     stall_timeout: std::time::Duration,
+    /// (running per replica, waiting in all) that may be in flight; `None`: no bound.
+    queue_limit: Option<(usize, usize)>,
 }
 
 impl Router {
@@ -280,6 +282,7 @@ impl Router {
             remote_failure,
             fail: Arc::new(fail),
             stall_timeout: DEFAULT_STALL_TIMEOUT,
+            queue_limit: None,
         }
     }
 
@@ -287,6 +290,37 @@ impl Router {
     pub fn with_stall_timeout(mut self, stall_timeout: std::time::Duration) -> Router {
         self.stall_timeout = stall_timeout;
         self
+    }
+
+    /// Bounds the requests in flight: at most `max_running` running on each replica (its
+    /// `--max-num-seqs`) plus `max_queued` waiting in all (`--max-queued-requests`; `None`:
+    /// no bound). [`Router::admit`] says whether more may come.
+    pub fn with_queue_limit(mut self, max_running: usize, max_queued: Option<usize>) -> Router {
+        self.queue_limit = max_queued.map(|queued| (max_running, queued));
+        self
+    }
+
+    /// Whether `n` more requests fit under the queue limit ([`Router::with_queue_limit`]),
+    /// counting those in flight on the replicas that take new requests.
+    ///
+    /// Errors: they do not fit: what is in flight and the limit.
+    pub fn admit(&self, n: usize) -> Result<(), String> {
+        let Some((max_running, max_queued)) = self.queue_limit else {
+            return Ok(());
+        };
+        let entry = 0..self.prefill_replicas.unwrap_or(self.in_flight.len());
+        let in_flight: u64 = entry
+            .clone()
+            .map(|i| self.in_flight[i].load(Ordering::SeqCst))
+            .sum();
+        let capacity = (max_running * entry.len() + max_queued) as u64;
+        if in_flight + n as u64 > capacity {
+            return Err(format!(
+                "the server is at capacity: {in_flight} requests in flight, at most {} running and {max_queued} waiting (--max-queued-requests); retry shortly",
+                max_running * entry.len()
+            ));
+        }
+        Ok(())
     }
 
     /// Disaggregates prefill and decode: replicas `0..prefill` (the local one among them)

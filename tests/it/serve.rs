@@ -348,9 +348,26 @@ fn bad_requests_get_4xx_json_and_the_server_keeps_serving() {
         .config()
         .http_status_as_error(false)
         .build()
+        .header("Content-Type", "application/json")
         .send("{not json")
         .expect("request");
     assert_eq!(malformed.status().as_u16(), 400);
+    // JSON as `text/plain` (what a web page may post across sites without a preflight): 415.
+    let mut plain = ureq::post(&format!("{}/v1/completions", server.url))
+        .config()
+        .http_status_as_error(false)
+        .build()
+        .header("Content-Type", "text/plain")
+        .send(r#"{"prompt": "x", "max_tokens": 1}"#)
+        .expect("request");
+    assert_eq!(plain.status().as_u16(), 415);
+    let reply: serde_json::Value = plain.body_mut().read_json().expect("JSON");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("Content-Type: application/json")),
+        "{reply}"
+    );
     let (status, _) = server.post(
         "/v1/completions",
         &json!({"prompt": "still up?", "max_tokens": 2}),
@@ -1412,4 +1429,61 @@ fn random_request_bodies_get_2xx_or_4xx_and_the_server_keeps_serving() {
         .and_then(|v| v.parse().ok())
         .expect("requests_total");
     assert!(generated > 5, "{metrics}");
+}
+
+/// `--max-num-seqs 1 --max-queued-requests 1`: of six requests at once, one runs and one
+/// waits; the other four get 503 with `Retry-After` at once (before the first finishes),
+/// and `/health` answers meanwhile.
+#[test]
+fn a_flood_past_the_queue_bound_is_refused_at_once_with_retry_after() {
+    let server = Server::start(&["--max-num-seqs", "1", "--max-queued-requests", "1"]);
+    let url = format!("{}/v1/completions", server.url);
+    let started = std::time::Instant::now();
+    let answers: Vec<(u16, Option<String>, String, std::time::Duration)> = std::thread::scope(
+        |scope| {
+            let handles: Vec<_> = (0..6)
+                .map(|_| {
+                    let url = url.clone();
+                    scope.spawn(move || {
+                        let mut response = ureq::post(&url)
+                            .config()
+                            .http_status_as_error(false)
+                            .build()
+                            .send_json(json!({"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0}))
+                            .expect("request");
+                        let retry_after = response
+                            .headers()
+                            .get("retry-after")
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_string);
+                        let status = response.status().as_u16();
+                        let body = response.body_mut().read_to_string().unwrap_or_default();
+                        (status, retry_after, body, started.elapsed())
+                    })
+                })
+                .collect();
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let (status, _) = server.get("/health");
+            assert_eq!(status, 200);
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("request"))
+                .collect()
+        },
+    );
+    let served: Vec<_> = answers.iter().filter(|a| a.0 == 200).collect();
+    let refused: Vec<_> = answers.iter().filter(|a| a.0 == 503).collect();
+    assert_eq!((served.len(), refused.len()), (2, 4), "{answers:?}");
+    let first_done = served.iter().map(|a| a.3).min().expect("served");
+    for (_, retry_after, body, at) in &refused {
+        assert_eq!(retry_after.as_deref(), Some("1"), "{body}");
+        assert!(
+            body.contains("\"queue_full\"") && body.contains("--max-queued-requests"),
+            "{body}"
+        );
+        assert!(
+            *at < first_done,
+            "refused at {at:?}, after a request finished at {first_done:?}"
+        );
+    }
 }

@@ -115,6 +115,7 @@ pub(super) fn up_settings(
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         stall_timeout: stall_timeout(args.stall_timeout)?,
         max_restarts: args.max_restarts,
+        max_queued_requests: args.max_queued_requests,
         model: source,
         pins: crate::degrees::DegreePins {
             dp: pd_prefill

@@ -183,6 +183,9 @@ pub struct ServingEnv {
     pub stall_timeout: Duration,
     /// Longest prompt plus completion, tokens (`None`: the model's context).
     pub max_model_len: Option<usize>,
+    /// Requests that may wait beyond those running (`--max-queued-requests`; `None`: no
+    /// bound).
+    pub max_queued_requests: Option<usize>,
 }
 
 /// Reads variables by name: the process environment, or a map in tests.
@@ -427,6 +430,9 @@ impl ServingEnv {
         if let Some(len) = self.max_model_len {
             env.push((var::MAX_MODEL_LEN, len.to_string()));
         }
+        if let Some(queued) = self.max_queued_requests {
+            env.push((var::MAX_QUEUED_REQUESTS, queued.to_string()));
+        }
     }
 
     /// A serving rank's settings from `lookup`; `None` when the launcher serves nothing
@@ -452,6 +458,7 @@ impl ServingEnv {
             shutdown_timeout,
             stall_timeout,
             max_model_len: optional_number(lookup, var::MAX_MODEL_LEN)?,
+            max_queued_requests: optional_number(lookup, var::MAX_QUEUED_REQUESTS)?,
         }))
     }
 }
@@ -519,6 +526,7 @@ mod tests {
                 shutdown_timeout: Duration::from_millis(2500),
                 stall_timeout: Duration::from_secs(7),
                 max_model_len: Some(1024),
+                max_queued_requests: Some(32),
             }),
         }
     }
