@@ -386,6 +386,22 @@ fn submit(
     Ok(UnboundedReceiverStream::new(receiver))
 }
 
+/// Runs `work` (tokenizing, a chat template: seconds for a prompt of megabytes) on the
+/// blocking pool, so the async workers go on answering `/health` and the other requests.
+///
+/// Errors: `work`'s, or a 500 when it panicked.
+async fn off_the_workers<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| {
+        error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            format!("tokenizing the prompt failed: {e}"),
+        )
+    })?
+}
+
 /// Submits choice `i` of `n` for each `i`, each with its own seed.
 fn submit_choices(
     state: &AppState,
@@ -638,7 +654,11 @@ async fn completions_inner(
 ) -> Result<Response, ApiError> {
     const PATH: &str = "/v1/completions";
     let (request, checked) = read(&state, &headers, &body, Endpoint::Completions, 16)?;
-    let prompt_tokens = api::completion_prompt_tokens(&state.tokenizer, &request)?;
+    let tokenizer_state = Arc::clone(&state);
+    let prompt_tokens = off_the_workers(move || {
+        api::completion_prompt_tokens(&tokenizer_state.tokenizer, &request)
+    })
+    .await?;
     let id = format!(
         "cmpl-{}",
         scheduler::REQUEST_COUNTER.fetch_add(1, Ordering::SeqCst)
@@ -738,11 +758,15 @@ async fn chat_inner(
     let default_max_tokens = state.max_context_tokens.min(1024) / 2;
     const PATH: &str = "/v1/chat/completions";
     let (request, checked) = read(&state, &headers, &body, Endpoint::Chat, default_max_tokens)?;
-    let prompt = api::chat_prompt(&state.tokenizer, &request)?;
-    let prompt_tokens = match state.tokenizer.encode(&prompt, true) {
-        Ok(ids) => ids,
-        Err(e) => return Err(bad_request(format!("{e:#}"))),
-    };
+    let tokenizer_state = Arc::clone(&state);
+    let prompt_tokens = off_the_workers(move || {
+        let prompt = api::chat_prompt(&tokenizer_state.tokenizer, &request)?;
+        tokenizer_state
+            .tokenizer
+            .encode(&prompt, true)
+            .map_err(|e| bad_request(format!("{e:#}")))
+    })
+    .await?;
     let id = format!(
         "chatcmpl-{}",
         scheduler::REQUEST_COUNTER.fetch_add(1, Ordering::SeqCst)

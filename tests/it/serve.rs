@@ -1487,3 +1487,41 @@ fn a_flood_past_the_queue_bound_is_refused_at_once_with_retry_after() {
         );
     }
 }
+
+/// Three prompts of ~1.8 MB each (more than the HTTP runtime's two workers) are tokenized off them: a `/health` sent while
+/// they are tokenized answers before any of them (each then gets its 400: far past the
+/// context).
+#[test]
+fn long_prompts_are_tokenized_off_the_http_workers() {
+    let server = Server::start(&[]);
+    let url = format!("{}/v1/completions", server.url);
+    let prompt = "hello ".repeat(300_000);
+    let started = std::time::Instant::now();
+    let (health_at, answered_at) = std::thread::scope(|scope| {
+        let posts: Vec<_> = (0..3)
+            .map(|_| {
+                let (url, prompt) = (url.clone(), prompt.clone());
+                scope.spawn(move || {
+                    let response = ureq::post(&url)
+                        .config()
+                        .http_status_as_error(false)
+                        .build()
+                        .send_json(json!({"prompt": prompt, "max_tokens": 1}))
+                        .expect("request");
+                    assert_eq!(response.status().as_u16(), 400);
+                    started.elapsed()
+                })
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let (status, _) = server.get("/health");
+        assert_eq!(status, 200);
+        let health_at = started.elapsed();
+        let answered: Vec<_> = posts.into_iter().map(|p| p.join().expect("post")).collect();
+        (health_at, answered.into_iter().min().expect("answers"))
+    });
+    assert!(
+        health_at < answered_at,
+        "/health answered at {health_at:?}, after a prompt was tokenized at {answered_at:?}"
+    );
+}
