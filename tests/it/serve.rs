@@ -1488,9 +1488,9 @@ fn a_flood_past_the_queue_bound_is_refused_at_once_with_retry_after() {
     }
 }
 
-/// Three prompts of ~1.8 MB each (more than the HTTP runtime's two workers) are tokenized off them: a `/health` sent while
-/// they are tokenized answers before any of them (each then gets its 400: far past the
-/// context).
+/// Three prompts of ~1.8 MB each (more than the HTTP runtime's two workers) are tokenized
+/// off them: a `/health` sent while they are tokenized answers before any of them (each
+/// then gets its 400: far past the context).
 #[test]
 fn long_prompts_are_tokenized_off_the_http_workers() {
     let server = Server::start(&[]);
