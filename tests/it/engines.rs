@@ -1213,7 +1213,11 @@ fn up_nnodes_refuses_bad_input_with_the_fix() {
     let (code, stderr) = up(&[&node[..], &["--node-rank", "0"]].concat(), None);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("set `INFER_RUN_TOKEN`"), "{stderr}");
-    let (code, stderr) = up(&[&node[..], &["--node-rank", "2"]].concat(), Some("t"));
+    let (code, stderr) = up(&[&node[..], &["--node-rank", "0"]].concat(), Some("short"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("needs at least 16"), "{stderr}");
+    let token = Some("a-shared-test-secret");
+    let (code, stderr) = up(&[&node[..], &["--node-rank", "2"]].concat(), token);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("--node-rank must be 0 to --nnodes − 1 (1)"),
@@ -1229,14 +1233,14 @@ fn up_nnodes_refuses_bad_input_with_the_fix() {
         "--tp",
         "3",
     ];
-    let (code, stderr) = up(&odd, Some("t"));
+    let (code, stderr) = up(&odd, token);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("does not divide the world of 3 ranks"),
         "{stderr}"
     );
     // The flags need each other.
-    let (code, stderr) = up(&["--nnodes", "2"], Some("t"));
+    let (code, stderr) = up(&["--nnodes", "2"], token);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--node-rank"), "{stderr}");
 }

@@ -132,7 +132,19 @@ impl ShmComm {
             None
         } else {
             let path = PathBuf::from(String::from_utf8_lossy(&announced).into_owned());
-            match Segment::map(&path, n, position) {
+            // Member 0's announcement is input: only a segment of ours, in the segment
+            // directory, is ever mapped.
+            let ours = path.parent() == Some(segment_directory().as_path())
+                && path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("infer-shm-") && !n.contains('/'));
+            let mapped = if ours {
+                Segment::map(&path, n, position)
+            } else {
+                Err(anyhow::anyhow!("not a shared segment of this group"))
+            };
+            match mapped {
                 Ok(segment) => Some(segment),
                 Err(e) => {
                     why = format!("cannot map {}: {e:#}", path.display());
