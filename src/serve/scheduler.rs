@@ -844,9 +844,12 @@ impl<'a> Batch<'a> {
                     p.prefix + p.chunk + import.map_or(0, |_| r.request.prompt_tokens.len());
                 let sample = r.pending.is_empty();
                 // Every chunk of a prefill replica's prompt streams its KV to the decode
-                // replica; the sampling one finishes the transfer.
+                // replica; the sampling one finishes the transfer. A request that ends at
+                // its first token (`max_tokens` 1) has nothing to decode: its KV stays.
                 let handoff = match r.request.pd {
-                    Some(PdStage::Prefill { replica, transfer }) if r.generated.is_empty() => {
+                    Some(PdStage::Prefill { replica, transfer })
+                        if r.generated.is_empty() && r.request.params.max_tokens > 1 =>
+                    {
                         Some(Handoff { replica, transfer })
                     }
                     _ => None,

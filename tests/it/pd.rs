@@ -174,6 +174,22 @@ fn disaggregated_serving_gives_the_colocated_tokens(layout: &[&str], shm: bool) 
         0.0,
         "{metrics}"
     );
+    // A request that ends at its first token is answered by the prefill replica alone: no
+    // KV crosses to a decode replica for it.
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &serde_json::json!({"prompt": "The capital of France is", "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["usage"]["completion_tokens"], 1, "{reply}");
+    let after = server.metrics();
+    for name in ["infer_pd_kv_bytes_sent_total", "infer_pd_handoffs_total"] {
+        assert_eq!(
+            metric(&after, name),
+            metric(&metrics, name),
+            "{name}: {after}"
+        );
+    }
 }
 
 #[test]

@@ -88,6 +88,47 @@ struct Header {
 struct InboxState {
     /// Transfers by id, with when the first part arrived.
     arrived: HashMap<u64, (Instant, Vec<KvTransfer>)>,
+    /// Bytes of the values in `arrived`.
+    bytes: usize,
+}
+
+/// The most KV bytes an inbox keeps for transfers not yet taken (1 GiB, more than a decode
+/// rank's pool holds of the prompts in flight here); past it the oldest transfers go, and
+/// their requests recompute (as after a lost transfer).
+const MAX_INBOX_BYTES: usize = 1 << 30;
+
+impl InboxState {
+    /// Drops transfers older than [`STALE_AFTER`], then the oldest while over
+    /// [`MAX_INBOX_BYTES`].
+    fn prune(&mut self) {
+        let stale: Vec<u64> = self
+            .arrived
+            .iter()
+            .filter(|(_, (since, _))| since.elapsed() >= STALE_AFTER)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            self.remove(id);
+        }
+        while self.bytes > MAX_INBOX_BYTES {
+            let Some(oldest) = self
+                .arrived
+                .iter()
+                .min_by_key(|(_, (since, _))| *since)
+                .map(|(id, _)| *id)
+            else {
+                break;
+            };
+            self.remove(oldest);
+        }
+    }
+
+    /// Takes transfer `id`'s parts out, keeping the byte count.
+    fn remove(&mut self, id: u64) -> Option<Vec<KvTransfer>> {
+        let (_, parts) = self.arrived.remove(&id)?;
+        self.bytes -= parts.iter().map(|p| p.values.len() * 2).sum::<usize>();
+        Some(parts)
+    }
 }
 
 type Shared = Arc<(Mutex<InboxState>, Condvar)>;
@@ -153,6 +194,19 @@ impl Inbox {
                 }
             })
             .context("cannot start the KV inbox thread")?;
+        // Transfers nobody takes (their request ended, or went elsewhere) go after
+        // STALE_AFTER even when nothing else arrives.
+        let (prune_state, prune_stop) = (Arc::clone(&state), Arc::clone(&stop));
+        std::thread::Builder::new()
+            .name("kv-inbox-prune".into())
+            .spawn(move || {
+                while !prune_stop.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_secs(1));
+                    let (lock, _) = &*prune_state;
+                    lock.lock().unwrap_or_else(|e| e.into_inner()).prune();
+                }
+            })
+            .context("cannot start the KV inbox's pruning thread")?;
         Ok(Inbox {
             address,
             state,
@@ -179,8 +233,9 @@ impl Inbox {
                 .get(&id)
                 .map_or((0, 0), |(_, parts)| coverage(parts, n_layers));
             if total > 0 && covered == total {
-                let (_, parts) = state.arrived.remove(&id).expect("checked above");
-                return Ok(parts);
+                return state
+                    .remove(id)
+                    .context("a KV transfer vanished while it was taken");
             }
             let now = Instant::now();
             if now >= deadline {
@@ -311,15 +366,14 @@ fn receive(stream: TcpStream, state: &Shared) -> Result<()> {
         };
         let (lock, arrived) = &**state;
         let mut inbox = lock.lock().unwrap_or_else(|e| e.into_inner());
-        inbox
-            .arrived
-            .retain(|_, (since, _)| since.elapsed() < STALE_AFTER);
+        inbox.bytes += transfer.values.len() * 2;
         inbox
             .arrived
             .entry(id)
             .or_insert_with(|| (Instant::now(), Vec::new()))
             .1
             .push(transfer);
+        inbox.prune();
         arrived.notify_all();
     }
 }
