@@ -581,6 +581,7 @@ pub(crate) fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -
     // The launcher's own end of the head's HTTP port (on a cluster), bound before anything
     // starts.
     let local_http = bind_launcher_http(&hosts, settings)?;
+    super::events::warn_if_exposed(&settings.host, settings.api_key.as_deref(), events);
     let signals = Arc::new(AtomicUsize::new(0));
     super::events::watch_signals(Arc::clone(&signals))?;
     let run_dir = super::create_run_dir(settings.run_dir.as_deref())?;

@@ -29,6 +29,21 @@ pub(crate) enum UpEvent {
     Gang(Progress),
 }
 
+/// Warns, once `host:port` is bound, when the server listens beyond this machine without an
+/// API key.
+pub(super) fn warn_if_exposed(host: &str, api_key: Option<&str>, events: &mut dyn FnMut(UpEvent)) {
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if api_key.is_none() && !loopback {
+        events(UpEvent::Note(format!(
+            "warning: serving on {host} without an API key: whoever reaches this port can use the model; set `{}` (or --api-key)",
+            crate::envvars::API_KEY
+        )));
+    }
+}
+
 /// Counts SIGINTs and SIGTERMs into `signals` (a thread with its own small runtime).
 pub(super) fn watch_signals(signals: Arc<AtomicUsize>) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -188,6 +188,7 @@ pub(crate) fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Resu
     // Only node 0 serves HTTP (rank 0 runs there).
     if settings.node.as_ref().is_none_or(|n| n.node_rank == 0) {
         crate::serve::http::check_bind(&settings.host, settings.port)?;
+        super::events::warn_if_exposed(&settings.host, settings.api_key.as_deref(), events);
     }
     if settings.max_restarts > 0 && settings.node.is_some() {
         bail!(

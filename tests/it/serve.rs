@@ -1525,3 +1525,18 @@ fn long_prompts_are_tokenized_off_the_http_workers() {
         "/health answered at {health_at:?}, after a prompt was tokenized at {answered_at:?}"
     );
 }
+
+/// Listening beyond loopback without an API key is allowed, with a warning once bound.
+#[test]
+fn serving_beyond_loopback_without_a_key_warns() {
+    let server = Server::start(&["--host", "0.0.0.0"]);
+    assert!(
+        server
+            .startup
+            .contains("warning: serving on 0.0.0.0 without an API key"),
+        "{}",
+        server.startup
+    );
+    let (status, _) = server.get("/health");
+    assert_eq!(status, 200);
+}

@@ -24,13 +24,6 @@ use settings::{
 pub(crate) fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     let limits = scheduler_limits(args)?;
     let gpu = gpu_settings(args)?;
-    if args.api_key.is_none() && !is_loopback(&args.host) {
-        printer.warn(&format!(
-            "serving on {} without an API key: whoever reaches this port can use the model; set `{}` (or --api-key)",
-            args.host,
-            crate::envvars::API_KEY
-        ));
-    }
     if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
         if args.load.load_format != crate::cli::LoadFormatArg::Auto {
             bail!(
@@ -54,14 +47,6 @@ pub(crate) fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     crate::launch::serving::up(&settings, &mut |event| reporter.report(event))?;
     printer.note("stopped");
     Ok(ExitStatus::Success)
-}
-
-/// Whether `host` (`--host`) reaches this machine only: a loopback address or `localhost`.
-fn is_loopback(host: &str) -> bool {
-    host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// `infer up --engine E`: the flags become [`crate::launch::engines::EngineUpSettings`], and
