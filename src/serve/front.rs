@@ -130,13 +130,9 @@ impl Front {
             let _guard = runtime.enter();
             let listener = tokio::net::TcpListener::from_std(listener)
                 .context("cannot hand the front's listener to its runtime")?;
-            runtime.spawn(async move {
-                let _ = axum::serve(listener, app)
-                    .with_graceful_shutdown(async move {
-                        let _ = stopped.await;
-                    })
-                    .await;
-            });
+            runtime.spawn(super::http::serve_bounded(listener, app, async move {
+                let _ = stopped.await;
+            }));
         }
         Ok(Front {
             shared,

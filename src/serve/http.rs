@@ -295,6 +295,62 @@ pub fn check_bind(host: &str, port: u16) -> Result<()> {
         .map_err(|error| anyhow::anyhow!(bind_error(host, port, &error)))
 }
 
+/// Connections served at once; more wait in the kernel's backlog until one closes.
+pub const MAX_CONNECTIONS: usize = 1024;
+
+/// How long a client may take to send a request's head (line and headers): a half-sent
+/// request is closed after it, instead of holding its connection open.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves `app` on `listener` over HTTP/1.1 until `stopped`, at most [`MAX_CONNECTIONS`] at
+/// once, each request's head read within [`HEADER_READ_TIMEOUT`]; then stops accepting and
+/// waits for the connections to finish their requests (idle ones close at once).
+///
+/// Errors: none; a failed accept is retried after 10 ms (a full file table frees up).
+pub(crate) async fn serve_bounded(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    stopped: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    tokio::pin!(stopped);
+    loop {
+        let slot = tokio::select! {
+            slot = Arc::clone(&slots).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            () = &mut stopped => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+            () = &mut stopped => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection =
+            graceful.watch(http1.serve_connection(hyper_util::rt::TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            let _ = connection.await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
 impl HttpServer {
     /// Binds `host:port` and starts answering 503. Errors: the address cannot be bound.
     pub fn bind(host: &str, port: u16) -> Result<HttpServer> {
@@ -311,13 +367,9 @@ impl HttpServer {
                 .map_err(|error| anyhow::anyhow!(bind_error(host, port, &error)))?;
             let address = listener.local_addr()?;
             let app = router(Arc::clone(&gate));
-            let server = tokio::spawn(async move {
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(async move {
-                        let _ = stopped.await;
-                    })
-                    .await
-            });
+            let server = tokio::spawn(serve_bounded(listener, app, async move {
+                let _ = stopped.await;
+            }));
             anyhow::Ok((address, server))
         })?;
         Ok(HttpServer {

@@ -1540,3 +1540,31 @@ fn serving_beyond_loopback_without_a_key_warns() {
     let (status, _) = server.get("/health");
     assert_eq!(status, 200);
 }
+
+/// A client that sends half a request head is closed once the head timeout (10 s) passes,
+/// instead of holding its connection for good; the server answers others meanwhile.
+#[test]
+fn a_half_sent_request_head_is_closed_by_the_timeout() {
+    use std::io::{Read, Write};
+    let server = Server::start(&[]);
+    let address = server.url.trim_start_matches("http://").to_string();
+    let mut slow = std::net::TcpStream::connect(&address).expect("connect");
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .expect("half a head");
+    let sent = std::time::Instant::now();
+    let (status, _) = server.get("/health");
+    assert_eq!(status, 200);
+    slow.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("timeout");
+    let mut answer = Vec::new();
+    let read = slow.read_to_end(&mut answer);
+    let waited = sent.elapsed();
+    assert!(
+        read.is_ok() || answer.is_empty(),
+        "the connection was not closed: {read:?}"
+    );
+    assert!(
+        waited >= std::time::Duration::from_secs(9) && waited < std::time::Duration::from_secs(20),
+        "closed after {waited:?}"
+    );
+}
