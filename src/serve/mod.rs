@@ -296,7 +296,14 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if presented == Some(key.as_str()) {
+    // Compared in constant time: how long a wrong key takes says nothing of the right one.
+    let matches = presented.is_some_and(|presented| {
+        bool::from(subtle::ConstantTimeEq::ct_eq(
+            presented.as_bytes(),
+            key.as_bytes(),
+        ))
+    });
+    if matches {
         Ok(())
     } else {
         Err(error(
