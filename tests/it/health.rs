@@ -311,20 +311,7 @@ fn a_black_holed_link_between_two_hosts_turns_health_503_naming_both_ranks() {
     assert_eq!(status, 200, "{reply}");
     let manifest = server.manifest();
     assert_eq!(manifest["ranks"][1]["host"], "h1", "{manifest}");
-    let pid = manifest["ranks"][1]["pid"].as_u64().expect("rank 1's pid");
-    // Rank 1's connections to its peers (not those to the store, its heartbeats and wait
-    // reports): packets to their local ports are dropped.
-    let store = manifest["store"].as_str().expect("store address");
-    let ports: Vec<String> = cluster
-        .connections_of(1, pid)
-        .into_iter()
-        .filter(|(_, peer)| peer != store)
-        .filter_map(|(local, _)| local.rsplit(':').next().map(str::to_string))
-        .collect();
-    assert!(!ports.is_empty(), "rank 1 is connected to its peers");
-    for port in &ports {
-        cluster.port_rule(1, port, "-A", &["DROP"]);
-    }
+    cluster.black_hole_rank_1(&manifest);
     let sent = Instant::now();
     let request = post_in_background(&server, body);
     let (_, body, at) = health_until(&server, Duration::from_secs(20), |s, _| s == 503);

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use crate::support::cluster::TestCluster;
 use crate::support::process::{alive, infer, run_dir_of, signal};
-use crate::support::server::{Server, metric};
+use crate::support::server::{Server, metric, retry_after};
 
 /// `GET path`: status, `Retry-After` and body.
 fn get_with_retry_after(server: &Server, path: &str) -> (u16, Option<String>, String) {
@@ -20,11 +20,7 @@ fn get_with_retry_after(server: &Server, path: &str) -> (u16, Option<String>, St
         .build()
         .call()
         .expect("GET");
-    let retry_after = response
-        .headers()
-        .get("retry-after")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    let retry_after = retry_after(&response);
     let status = response.status().as_u16();
     (
         status,
@@ -251,16 +247,7 @@ fn a_black_holed_link_between_two_hosts_restarts_the_gang_through_the_agents() {
     let body = json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0});
     let (status, before) = server.post("/v1/completions", &body);
     assert_eq!(status, 200, "{before}");
-    let manifest = server.manifest();
-    let pid = manifest["ranks"][1]["pid"].as_u64().expect("rank 1's pid");
-    let store = manifest["store"].as_str().expect("store address");
-    for (local, peer) in cluster.connections_of(1, pid) {
-        if peer != store
-            && let Some(port) = local.rsplit(':').next()
-        {
-            cluster.port_rule(1, port, "-A", &["DROP"]);
-        }
-    }
+    cluster.black_hole_rank_1(&server.manifest());
     let url = format!("{}/v1/completions", server.url);
     let request = std::thread::spawn({
         let body = body.clone();

@@ -1451,11 +1451,7 @@ fn a_flood_past_the_queue_bound_is_refused_at_once_with_retry_after() {
                             .build()
                             .send_json(json!({"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0}))
                             .expect("request");
-                        let retry_after = response
-                            .headers()
-                            .get("retry-after")
-                            .and_then(|v| v.to_str().ok())
-                            .map(str::to_string);
+                        let retry_after = crate::support::server::retry_after(&response);
                         let status = response.status().as_u16();
                         let body = response.body_mut().read_to_string().unwrap_or_default();
                         (status, retry_after, body, started.elapsed())

@@ -251,6 +251,25 @@ impl TestCluster {
             .collect()
     }
 
+    /// Black-holes the collective links of rank 1 of the run whose `manifest` is given
+    /// (running on host 1): every packet to its connections to its peers (not those to the
+    /// store, which carry its heartbeats and wait reports) is dropped. Panics when it has
+    /// none.
+    pub fn black_hole_rank_1(&self, manifest: &serde_json::Value) {
+        let pid = manifest["ranks"][1]["pid"].as_u64().expect("rank 1's pid");
+        let store = manifest["store"].as_str().expect("store address");
+        let ports: Vec<String> = self
+            .connections_of(1, pid)
+            .into_iter()
+            .filter(|(_, peer)| peer != store)
+            .filter_map(|(local, _)| local.rsplit(':').next().map(str::to_string))
+            .collect();
+        assert!(!ports.is_empty(), "rank 1 is connected to its peers");
+        for port in &ports {
+            self.port_rule(1, port, "-A", &["DROP"]);
+        }
+    }
+
     /// The root-namespace end of a host's management link.
     pub fn management_link(&self, host: usize) -> String {
         format!("v{}h{host}m", self.id)

@@ -245,6 +245,15 @@ impl Drop for Server {
     }
 }
 
+/// An answer's `Retry-After` header, if any.
+pub fn retry_after<B>(response: &ureq::http::Response<B>) -> Option<String> {
+    response
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
 /// The value of the Prometheus sample `name` (with its labels) in `text`.
 pub fn metric(text: &str, name: &str) -> f64 {
     text.lines()
