@@ -754,9 +754,14 @@ pub struct UpArgs {
     #[arg(long, visible_alias = "no-enable-prefix-caching")]
     pub no_prefix_cache: bool,
 
-    /// Require `Authorization: Bearer <key>` on every API request.
+    /// Require `Authorization: Bearer <key>` on every API request (vLLM's flag; a flag is
+    /// visible to every local user in `ps`: prefer `INFER_API_KEY` or `--api-key-file`).
     #[arg(long, value_name = "KEY", env = crate::envvars::API_KEY)]
     pub api_key: Option<String>,
+
+    /// Read the API key from the first line of `FILE` (e.g. one readable by you only).
+    #[arg(long, value_name = "FILE", conflicts_with = "api_key")]
+    pub api_key_file: Option<std::path::PathBuf>,
 
     /// Positions the KV cache holds over all running sequences, in blocks of 16 (memory is
     /// taken as blocks are first used). When it is full, the newest sequences are preempted

@@ -166,7 +166,13 @@ pub(super) fn spawn_rank(
             .unwrap_or_default(),
         device,
         host: placement.map(|p| p.env.clone()).unwrap_or_default(),
-        serving: spec.serving.clone(),
+        // Only rank 0 serves HTTP: no other rank gets the API key.
+        serving: spec.serving.clone().map(|mut serving| {
+            if rank != 0 {
+                serving.api_key = None;
+            }
+            serving
+        }),
         // The tests' fault concerns a run's first start: a restart runs clean.
         test_fault: match spec.restart {
             0 => TestFault::from_process_env()?,

@@ -377,8 +377,12 @@ fn bad_requests_get_4xx_json_and_the_server_keeps_serving() {
 
 #[test]
 fn api_key_is_required_when_set() {
-    // Over three ranks: the key reaches rank 0, which serves.
-    let server = Server::start(&["--api-key", "s3cret", "--tp", "3"]);
+    // From a file, over three ranks: the key reaches rank 0, which serves, and no other.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("key");
+    std::fs::write(&file, "s3cret\n").expect("key file");
+    let file = file.display().to_string();
+    let server = Server::start(&["--api-key-file", &file, "--tp", "3"]);
     let (status, body) = server.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
     assert_eq!(status, 401, "{body}");
     let ok = ureq::post(&format!("{}/v1/completions", server.url))
@@ -396,6 +400,19 @@ fn api_key_is_required_when_set() {
             .as_str()
             .is_some_and(|v| v.parse::<u64>().is_ok()),
         "{env}"
+    );
+    for rank in [1, 2] {
+        assert!(
+            manifest["ranks"][rank]["env"]["INFER_API_KEY"].is_null(),
+            "rank {rank} got the key: {manifest}"
+        );
+    }
+    // A key file that is not there is bad input.
+    let output = run(&["up", "--port", "0", "--api-key-file", "/nonexistent/key"]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&output.stderr)
+            .contains("cannot read --api-key-file `/nonexistent/key`")
     );
 }
 

@@ -77,7 +77,7 @@ fn run_engine(
                     "--prefill/--decode with --engine llamacpp: llama.cpp has no prefill/decode disaggregation; use --engine vllm, sglang or infer"
                 );
             }
-            if args.api_key.is_some() {
+            if args.api_key.is_some() || args.api_key_file.is_some() {
                 bail!(
                     "--api-key with --engine {engine} --prefill/--decode: the PD router in front of the workers would serve without it; leave out --api-key (and keep the router on a trusted network) or serve aggregated"
                 );
@@ -134,7 +134,7 @@ fn run_engine(
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
         stall_timeout: stall_timeout(args.stall_timeout)?,
-        api_key: args.api_key.clone(),
+        api_key: settings::api_key(args)?,
     };
     crate::launch::engines::up(&settings, &mut |event| match event {
         UpEvent::Note(text) => printer.note_or_warn(&text),

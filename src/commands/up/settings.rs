@@ -2,7 +2,7 @@
 //! launcher's settings): the scheduler's limits, the GPU settings, prefill/decode replicas,
 //! the served model id, the shutdown timeout, the node of a multi-node launch.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 
 use crate::cli::{DeviceArg, UpArgs};
 use crate::launch::serving::UpSettings;
@@ -133,7 +133,7 @@ pub(super) fn up_settings(
         limits,
         prefix_cache: !args.no_prefix_cache,
         kv_cache_tokens: args.kv_cache_tokens,
-        api_key: args.api_key.clone(),
+        api_key: api_key(args)?,
         ssh: crate::launch::ssh::SshOptions {
             accept_new: args.ssh.ssh_accept_new,
         },
@@ -211,4 +211,23 @@ pub(super) fn model_id(path: &std::path::Path) -> String {
         || path.display().to_string(),
         |s| s.to_string_lossy().into_owned(),
     )
+}
+
+/// The API key: `--api-key` (or `INFER_API_KEY`), or the first line of `--api-key-file`.
+///
+/// Errors: the file cannot be read, or its first line is empty.
+pub(super) fn api_key(args: &UpArgs) -> Result<Option<String>> {
+    let Some(path) = &args.api_key_file else {
+        return Ok(args.api_key.clone());
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read --api-key-file `{}`", path.display()))?;
+    let key = text.lines().next().unwrap_or_default().trim();
+    if key.is_empty() {
+        bail!(
+            "--api-key-file `{}` has no key on its first line",
+            path.display()
+        );
+    }
+    Ok(Some(key.to_string()))
 }
