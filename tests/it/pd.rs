@@ -340,7 +340,7 @@ fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
             .args(["up", "--threads", "1", "--nnodes", "2", "--node-rank", rank])
             .args(["--master-addr", "127.0.0.1", "--master-port", &store_port])
             .args(["--prefill", "1", "--decode", "1"])
-            .env("INFER_RUN_TOKEN", "pd-nnodes-test");
+            .env("INFER_RUN_TOKEN", "pd-nnodes-test-secret");
         if rank == "0" {
             command.args(["--port", "0"]);
         }
