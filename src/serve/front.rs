@@ -121,7 +121,6 @@ impl Front {
         });
         let app = axum::Router::new()
             .route("/ping", get(|| async { "pong" }))
-            .route("/health", get(health))
             .route("/metrics", get(metrics))
             .fallback(relay_any)
             .with_state(Arc::clone(&shared));
@@ -223,11 +222,6 @@ fn unavailable(phase: &Phase) -> Response {
     response
 }
 
-/// `/health`: rank 0's answer while serving; 503 saying why while starting or restarting.
-async fn health(State(shared): State<Arc<Shared>>, request: Request) -> Response {
-    relay(&shared, request).await
-}
-
 /// `/metrics`: rank 0's text (when serving) with the front's counters after it.
 async fn metrics(State(shared): State<Arc<Shared>>, request: Request) -> Response {
     let phase = shared.phase.borrow().clone();
@@ -260,6 +254,8 @@ async fn metrics(State(shared): State<Arc<Shared>>, request: Request) -> Respons
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
+/// Every endpoint but `/ping` and `/metrics` (`/health` included): rank 0's answer while
+/// serving; 503 saying why while starting or restarting.
 async fn relay_any(State(shared): State<Arc<Shared>>, request: Request) -> Response {
     relay(&shared, request).await
 }
