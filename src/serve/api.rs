@@ -19,11 +19,18 @@ pub(super) const MAX_N: u64 = 16;
 /// completions `logprobs` allows 5).
 pub(super) const MAX_TOP_LOGPROBS: u64 = 20;
 
-/// A request body of either endpoint, every field typed; a field of another type, or one
-/// not listed, is a 400 naming it. Fields accepted but without effect: `user` (as vLLM);
-/// `presence_penalty`/`frequency_penalty` at 0, an empty `logit_bias`, `echo: false`,
-/// `best_of` equal to `n`, `suffix: null`, `response_format` `{"type": "text"}` (the
-/// defaults); anything else in them is refused, never silently dropped.
+/// A request body of either endpoint, every field typed; a field of another type is a 400
+/// naming it, and unknown fields are a 400 naming every one of them ([`parse`]). OpenAI's
+/// fields and vLLM's sampling extensions (`top_k`, `min_p`, `repetition_penalty`,
+/// `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+/// `skip_special_tokens`, `add_special_tokens`, `stream_options.continuous_usage_stats`)
+/// take effect with vLLM's meaning. Accepted but without effect: `user` (as vLLM), and
+/// vLLM's `use_beam_search: false`, `length_penalty: 1`, `spaces_between_special_tokens:
+/// true`, `add_generation_prompt: true`, `continue_final_message: false`,
+/// `prompt_logprobs`/`truncate_prompt_tokens: null`, `priority: 0`, and OpenAI's
+/// `echo: false`, `best_of` equal to `n`, `suffix: null`, `response_format`
+/// `{"type": "text"}` (the defaults); anything else in them is refused, never silently
+/// dropped.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Body {
@@ -63,6 +70,184 @@ pub(super) struct Body {
     /// Ignored (an end-user id for abuse monitoring at OpenAI).
     #[allow(dead_code)]
     user: Option<String>,
+    /// vLLM: tokens barred until `min_tokens`; an EOS token does not stop the generation.
+    ignore_eos: Option<bool>,
+    min_tokens: Option<u64>,
+    repetition_penalty: Option<f64>,
+    min_p: Option<f64>,
+    stop_token_ids: Option<Vec<u64>>,
+    include_stop_str_in_output: Option<bool>,
+    skip_special_tokens: Option<bool>,
+    /// vLLM: whether the tokenizer adds its special tokens (BOS) to the prompt.
+    add_special_tokens: Option<bool>,
+    /// vLLM's, accepted at their defaults only.
+    use_beam_search: Option<bool>,
+    length_penalty: Option<f64>,
+    spaces_between_special_tokens: Option<bool>,
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+    prompt_logprobs: Option<Value>,
+    truncate_prompt_tokens: Option<Value>,
+    priority: Option<i64>,
+}
+
+/// The top-level fields of vLLM's `CompletionRequest` and `ChatCompletionRequest`
+/// (`vllm/entrypoints/openai/protocol.py`), for telling a user whose unknown field is a
+/// vLLM extension that this is a gap in compatibility, not a typo.
+const VLLM_FIELDS: &[&str] = &[
+    "add_generation_prompt",
+    "add_special_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "best_of",
+    "cache_salt",
+    "chat_template",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "documents",
+    "echo",
+    "frequency_penalty",
+    "guided_choice",
+    "guided_decoding_backend",
+    "guided_grammar",
+    "guided_json",
+    "guided_regex",
+    "guided_whitespace_pattern",
+    "ignore_eos",
+    "include_reasoning",
+    "include_stop_str_in_output",
+    "kv_transfer_params",
+    "length_penalty",
+    "logit_bias",
+    "logits_processors",
+    "logprobs",
+    "max_completion_tokens",
+    "max_tokens",
+    "messages",
+    "min_p",
+    "min_tokens",
+    "mm_processor_kwargs",
+    "model",
+    "n",
+    "parallel_tool_calls",
+    "presence_penalty",
+    "priority",
+    "prompt",
+    "prompt_embeds",
+    "prompt_logprobs",
+    "reasoning_effort",
+    "repetition_penalty",
+    "request_id",
+    "response_format",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "seed",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "structural_tag",
+    "structured_outputs",
+    "suffix",
+    "temperature",
+    "tool_choice",
+    "tools",
+    "top_k",
+    "top_logprobs",
+    "top_p",
+    "truncate_prompt_tokens",
+    "use_beam_search",
+    "user",
+    "vllm_xargs",
+];
+
+/// The field names of a struct that derives `Deserialize`, as serde lists them: a
+/// deserializer that records the list `deserialize_struct` is handed and stops there.
+fn field_names<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+    struct Names<'a>(&'a mut &'static [&'static str]);
+    #[derive(Debug)]
+    struct Stop;
+    impl std::fmt::Display for Stop {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("field names recorded")
+        }
+    }
+    impl std::error::Error for Stop {}
+    impl serde::de::Error for Stop {
+        fn custom<M: std::fmt::Display>(_: M) -> Stop {
+            Stop
+        }
+    }
+    impl<'de> serde::Deserializer<'de> for Names<'_> {
+        type Error = Stop;
+        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
+            Err(Stop)
+        }
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Stop> {
+            *self.0 = fields;
+            Err(Stop)
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut fields: &'static [&'static str] = &[];
+    let _ = T::deserialize(Names(&mut fields));
+    fields
+}
+
+/// Refuses a body with fields other than `known`, naming every one of them and which of
+/// them vLLM would accept (`vllm`). Errors: a 400, `param` the first unknown field.
+fn check_known_fields(
+    body: &serde_json::Map<String, Value>,
+    known: &[&str],
+    vllm: &[&str],
+) -> Result<(), ApiError> {
+    let unknown: Vec<&str> = body
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !known.contains(k))
+        .collect();
+    let Some(first) = unknown.first() else {
+        return Ok(());
+    };
+    let quoted = |names: &[&str]| {
+        names
+            .iter()
+            .map(|n| format!("`{n}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (vllm, other): (Vec<&str>, Vec<&str>) = unknown.iter().partition(|k| vllm.contains(k));
+    let mut message = format!(
+        "unknown field{} {}",
+        if unknown.len() > 1 { "s" } else { "" },
+        quoted(&unknown)
+    );
+    if !vllm.is_empty() {
+        message.push_str(&format!(
+            "; vLLM accepts {} but this server does not support {} yet (a compatibility gap, not a mistake in the request)",
+            quoted(&vllm),
+            if vllm.len() > 1 { "them" } else { "it" }
+        ));
+    }
+    if !other.is_empty() {
+        message.push_str(&format!(
+            "; {} {} a field of neither the OpenAI nor the vLLM API (a typo?)",
+            quoted(&other),
+            if other.len() > 1 { "are" } else { "is" }
+        ));
+    }
+    Err(bad_field(first, message))
 }
 
 /// `stop`: one string or a list of them.
@@ -77,7 +262,7 @@ enum Stop {
 #[serde(deny_unknown_fields)]
 struct StreamOptions {
     include_usage: Option<bool>,
-    /// vLLM's: usage on every chunk; accepted only as `false`.
+    /// vLLM's: the usage so far on every chunk.
     continuous_usage_stats: Option<bool>,
 }
 
@@ -114,6 +299,11 @@ pub(super) struct Checked {
     pub(super) stream: bool,
     /// `stream_options.include_usage`: a last chunk with the usage and no choices.
     pub(super) include_usage: bool,
+    /// vLLM's `stream_options.continuous_usage_stats`: the usage so far in every chunk.
+    pub(super) continuous_usage: bool,
+    /// vLLM's `add_special_tokens`: whether the prompt's text gets the tokenizer's special
+    /// tokens (BOS); `None`: the endpoint's default (the model's `add_bos`).
+    pub(super) add_special_tokens: Option<bool>,
 }
 
 /// What the validator knows of the served model.
@@ -122,10 +312,24 @@ pub(super) struct ServedModel<'a> {
     pub(super) model_id: &'a str,
     /// The model's context, tokens: the most `max_tokens` may ask for.
     pub(super) max_context_tokens: usize,
+    /// The vocabulary's size: token ids in `logit_bias` and `stop_token_ids` are below it.
+    pub(super) vocab_size: usize,
+    /// The end-of-sequence ids, barred until `min_tokens` unless `ignore_eos`.
+    pub(super) eos_ids: &'a [u32],
 }
 
-/// Parses a body, naming the field of any type error (`max_tokens: invalid type …`).
+/// Parses a body, naming every unknown field ([`check_known_fields`]) and the field of any
+/// type error (`max_tokens: invalid type …`).
 pub(super) fn parse(body: &Bytes) -> Result<Body, ApiError> {
+    parse_as(body, VLLM_FIELDS)
+}
+
+/// Parses a body as `T`, naming every unknown field (and which of them are `vllm`'s) and
+/// the field of any type error.
+fn parse_as<T: serde::de::DeserializeOwned>(body: &Bytes, vllm: &[&str]) -> Result<T, ApiError> {
+    if let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) {
+        check_known_fields(&fields, field_names::<T>(), vllm)?;
+    }
     let deserializer = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(deserializer).map_err(|e| {
         let path = e.path().to_string();
@@ -158,7 +362,16 @@ pub(super) fn check(
     let (temperature, top_p, top_k) = check_sampling(body)?;
     let stop = check_stop(body)?;
     let (logprobs, top_logprobs) = check_logprobs(body, endpoint)?;
-    let (stream, include_usage) = check_stream(body)?;
+    let (stream, include_usage, continuous_usage) = check_stream(body)?;
+    let penalties = check_penalties(model, body)?;
+    let ending = check_ending(model, body, max_tokens)?;
+    let min_p = body.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(bad_field(
+            "min_p",
+            format!("`min_p` must be in [0, 1], got {min_p}"),
+        ));
+    }
     Ok(Checked {
         params: SamplingParams {
             temperature: temperature as f32,
@@ -170,16 +383,167 @@ pub(super) fn check(
             stop,
             logprobs,
             top_logprobs,
+            presence_penalty: penalties.presence,
+            frequency_penalty: penalties.frequency,
+            repetition_penalty: penalties.repetition,
+            min_p: min_p as f32,
+            logit_bias: penalties.logit_bias,
+            min_tokens: ending.min_tokens,
+            min_tokens_barred: ending.min_tokens_barred,
+            ignore_eos: ending.ignore_eos,
+            stop_token_ids: ending.stop_token_ids,
+            include_stop_str_in_output: body.include_stop_str_in_output.unwrap_or(false),
+            skip_special_tokens: body.skip_special_tokens.unwrap_or(true),
         },
         n: n as usize,
         stream,
         include_usage,
+        continuous_usage,
+        add_special_tokens: body.add_special_tokens,
+    })
+}
+
+/// The penalties and `logit_bias` of a body, checked.
+struct Penalties {
+    presence: f32,
+    frequency: f32,
+    repetition: f32,
+    logit_bias: Vec<(u32, f32)>,
+}
+
+/// Checks the penalties against vLLM's ranges (`presence_penalty` and `frequency_penalty`
+/// in [-2, 2], `repetition_penalty` > 0) and `logit_bias` against OpenAI's (token ids of
+/// the vocabulary, biases in [-100, 100]). Errors: a 400 naming the field.
+fn check_penalties(model: &ServedModel, body: &Body) -> Result<Penalties, ApiError> {
+    for (field, value) in [
+        ("presence_penalty", body.presence_penalty),
+        ("frequency_penalty", body.frequency_penalty),
+    ] {
+        if let Some(v) = value
+            && !(-2.0..=2.0).contains(&v)
+        {
+            return Err(bad_field(
+                field,
+                format!("`{field}` must be in [-2, 2], got {v}"),
+            ));
+        }
+    }
+    let repetition = body.repetition_penalty.unwrap_or(1.0);
+    if !(repetition > 0.0 && repetition.is_finite()) {
+        return Err(bad_field(
+            "repetition_penalty",
+            format!("`repetition_penalty` must be greater than 0 (1 is off), got {repetition}"),
+        ));
+    }
+    let mut logit_bias = Vec::new();
+    for (key, value) in body.logit_bias.iter().flatten() {
+        let token = key
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| (t as usize) < model.vocab_size);
+        let bias = value.as_f64().filter(|b| (-100.0..=100.0).contains(b));
+        match (token, bias) {
+            (Some(token), Some(bias)) => logit_bias.push((token, bias as f32)),
+            (None, _) => {
+                return Err(bad_field(
+                    "logit_bias",
+                    format!(
+                        "`logit_bias` key `{key}` is not a token id of this model's vocabulary (0 to {})",
+                        model.vocab_size.saturating_sub(1)
+                    ),
+                ));
+            }
+            (_, None) => {
+                return Err(bad_field(
+                    "logit_bias",
+                    format!(
+                        "`logit_bias` of token {key} must be a number in [-100, 100], got {value}"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(Penalties {
+        presence: body.presence_penalty.unwrap_or(0.0) as f32,
+        frequency: body.frequency_penalty.unwrap_or(0.0) as f32,
+        repetition: repetition as f32,
+        logit_bias,
+    })
+}
+
+/// How a generation may end: vLLM's `min_tokens`, `ignore_eos` and `stop_token_ids`.
+struct Ending {
+    min_tokens: usize,
+    min_tokens_barred: Vec<u32>,
+    ignore_eos: bool,
+    stop_token_ids: Vec<u32>,
+}
+
+/// Checks `min_tokens` (at most `max_tokens`) and `stop_token_ids` (ids of the vocabulary)
+/// and lists the tokens barred until `min_tokens`: the model's EOS ids (unless
+/// `ignore_eos`) and the stop token ids, as vLLM does. Errors: a 400 naming the field.
+fn check_ending(model: &ServedModel, body: &Body, max_tokens: usize) -> Result<Ending, ApiError> {
+    let min_tokens = body.min_tokens.unwrap_or(0);
+    if min_tokens > max_tokens as u64 {
+        return Err(bad_field(
+            "min_tokens",
+            format!("`min_tokens` ({min_tokens}) must not exceed `max_tokens` ({max_tokens})"),
+        ));
+    }
+    let mut stop_token_ids = Vec::new();
+    for &id in body.stop_token_ids.iter().flatten() {
+        match u32::try_from(id)
+            .ok()
+            .filter(|&t| (t as usize) < model.vocab_size)
+        {
+            Some(token) => stop_token_ids.push(token),
+            None => {
+                return Err(bad_field(
+                    "stop_token_ids",
+                    format!(
+                        "`stop_token_ids` holds {id}, not a token id of this model's vocabulary (0 to {})",
+                        model.vocab_size.saturating_sub(1)
+                    ),
+                ));
+            }
+        }
+    }
+    if stop_token_ids.len() > MAX_STOP_STRINGS {
+        return Err(bad_field(
+            "stop_token_ids",
+            format!(
+                "`stop_token_ids` has {} ids; at most {MAX_STOP_STRINGS} are allowed",
+                stop_token_ids.len()
+            ),
+        ));
+    }
+    let ignore_eos = body.ignore_eos.unwrap_or(false);
+    let min_tokens = min_tokens as usize;
+    let mut min_tokens_barred = Vec::new();
+    if min_tokens > 0 {
+        if !ignore_eos {
+            min_tokens_barred.extend(model.eos_ids);
+        }
+        min_tokens_barred.extend(&stop_token_ids);
+        min_tokens_barred.sort_unstable();
+        min_tokens_barred.dedup();
+    }
+    Ok(Ending {
+        min_tokens,
+        min_tokens_barred,
+        ignore_eos,
+        stop_token_ids,
     })
 }
 
 /// Checks that `body` names no model but the served one. Errors: a 404 `model_not_found`.
 fn check_model(served: &ServedModel, body: &Body) -> Result<(), ApiError> {
-    if let Some(model) = &body.model
+    check_model_name(served, body.model.as_deref())
+}
+
+/// Checks that `model`, when given, is the served one. Errors: a 404 `model_not_found`.
+pub(super) fn check_model_name(served: &ServedModel, model: Option<&str>) -> Result<(), ApiError> {
+    if let Some(model) = model
         && model != served.model_id
     {
         return Err(ApiError {
@@ -198,16 +562,24 @@ fn check_model(served: &ServedModel, body: &Body) -> Result<(), ApiError> {
 /// Checks that `body` holds no field of the other endpoint than `endpoint`. Errors: a 400
 /// naming the first such field and where it belongs.
 fn check_endpoint_fields(body: &Body, endpoint: Endpoint) -> Result<(), ApiError> {
-    let wrong_endpoint = match endpoint {
-        Endpoint::Completions => [
+    let wrong_endpoint: &[(&str, bool)] = match endpoint {
+        Endpoint::Completions => &[
             ("messages", body.messages.is_some()),
             (
                 "max_completion_tokens",
                 body.max_completion_tokens.is_some(),
             ),
             ("top_logprobs", body.top_logprobs.is_some()),
+            (
+                "add_generation_prompt",
+                body.add_generation_prompt.is_some(),
+            ),
+            (
+                "continue_final_message",
+                body.continue_final_message.is_some(),
+            ),
         ],
-        Endpoint::Chat => [
+        Endpoint::Chat => &[
             ("prompt", body.prompt.is_some()),
             ("echo", body.echo.is_some()),
             ("suffix", body.suffix.is_some()),
@@ -226,8 +598,10 @@ fn check_endpoint_fields(body: &Body, endpoint: Endpoint) -> Result<(), ApiError
     Ok(())
 }
 
-/// Checks the fields accepted only at their defaults: tools, penalties, `logit_bias`,
-/// `echo`, `suffix`, `response_format`. Errors: a 400 naming the first field set otherwise.
+/// Checks the fields accepted only at their defaults: tools, `echo`, `suffix`,
+/// `response_format`, and vLLM's beam search, `spaces_between_special_tokens`, chat
+/// continuation, prompt logprobs, prompt truncation and priority. Errors: a 400 naming the
+/// first field set otherwise.
 fn check_unsupported(body: &Body) -> Result<(), ApiError> {
     for (field, present) in [
         ("tools", body.tools.is_some()),
@@ -243,22 +617,47 @@ fn check_unsupported(body: &Body) -> Result<(), ApiError> {
             ));
         }
     }
-    for (field, value) in [
-        ("presence_penalty", body.presence_penalty),
-        ("frequency_penalty", body.frequency_penalty),
+    let null = |v: &Option<Value>| v.as_ref().is_none_or(Value::is_null);
+    for (field, at_default, default) in [
+        (
+            "use_beam_search",
+            body.use_beam_search != Some(true),
+            "false",
+        ),
+        (
+            "length_penalty",
+            body.length_penalty.is_none_or(|v| v == 1.0),
+            "1",
+        ),
+        (
+            "spaces_between_special_tokens",
+            body.spaces_between_special_tokens != Some(false),
+            "true",
+        ),
+        (
+            "add_generation_prompt",
+            body.add_generation_prompt != Some(false),
+            "true",
+        ),
+        (
+            "continue_final_message",
+            body.continue_final_message != Some(true),
+            "false",
+        ),
+        ("prompt_logprobs", null(&body.prompt_logprobs), "null"),
+        (
+            "truncate_prompt_tokens",
+            null(&body.truncate_prompt_tokens),
+            "null",
+        ),
+        ("priority", body.priority.is_none_or(|p| p == 0), "0"),
     ] {
-        if value.is_some_and(|v| v != 0.0) {
+        if !at_default {
             return Err(bad_field(
                 field,
-                format!("`{field}` is not supported (only 0, its default)"),
+                format!("`{field}` is not supported (only {default}, its default)"),
             ));
         }
-    }
-    if body.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-        return Err(bad_field(
-            "logit_bias",
-            "`logit_bias` is not supported (only an empty map)",
-        ));
     }
     if body.echo == Some(true) {
         return Err(bad_field(
@@ -460,30 +859,23 @@ fn check_logprobs(body: &Body, endpoint: Endpoint) -> Result<(bool, usize), ApiE
     }
 }
 
-/// Whether to stream, and whether a last chunk carries the usage
-/// (`stream_options.include_usage`). Errors: a 400 for `stream_options` without
-/// `stream: true`, or `continuous_usage_stats: true`.
-fn check_stream(body: &Body) -> Result<(bool, bool), ApiError> {
+/// Whether to stream, whether a last chunk carries the usage
+/// (`stream_options.include_usage`), and whether every chunk does (vLLM's
+/// `continuous_usage_stats`). Errors: a 400 for `stream_options` without `stream: true`.
+fn check_stream(body: &Body) -> Result<(bool, bool, bool), ApiError> {
     let stream = body.stream.unwrap_or(false);
-    let include_usage = match &body.stream_options {
-        None => false,
-        Some(_) if !stream => {
-            return Err(bad_field(
-                "stream_options",
-                "`stream_options` is only allowed with `stream: true`",
-            ));
-        }
-        Some(options) => {
-            if options.continuous_usage_stats == Some(true) {
-                return Err(bad_field(
-                    "stream_options.continuous_usage_stats",
-                    "`continuous_usage_stats` is not supported (usage comes once, at the end, with `include_usage`)",
-                ));
-            }
-            options.include_usage.unwrap_or(false)
-        }
-    };
-    Ok((stream, include_usage))
+    match &body.stream_options {
+        None => Ok((stream, false, false)),
+        Some(_) if !stream => Err(bad_field(
+            "stream_options",
+            "`stream_options` is only allowed with `stream: true`",
+        )),
+        Some(options) => Ok((
+            stream,
+            options.include_usage.unwrap_or(false),
+            options.continuous_usage_stats.unwrap_or(false),
+        )),
+    }
 }
 
 /// Renders a chat's messages as one prompt text through the model's template.
@@ -492,7 +884,33 @@ fn check_stream(body: &Body) -> Result<(bool, bool), ApiError> {
 /// `system`), `user` or `assistant`; a content part that is not text; a model without a
 /// chat template; a template that fails.
 pub(super) fn chat_prompt(tokenizer: &Tokenizer, body: &Body) -> Result<String, ApiError> {
-    let Some(messages) = &body.messages else {
+    render_chat(tokenizer, body.messages.as_deref())
+}
+
+/// The token ids of a chat's rendered `prompt`. With `add_special_tokens` unset, the
+/// tokenizer's BOS is added unless the template wrote it already (vLLM leaves special
+/// tokens to the template; a template without BOS keeps the model's `add_bos`).
+///
+/// Errors (400): a text the tokenizer refuses.
+pub(super) fn chat_prompt_tokens(
+    tokenizer: &Tokenizer,
+    prompt: &str,
+    add_special_tokens: Option<bool>,
+) -> Result<Vec<u32>, ApiError> {
+    let bos_text = tokenizer
+        .bos_id
+        .and_then(|id| tokenizer.token(id))
+        .filter(|t| !t.is_empty());
+    let add = add_special_tokens
+        .unwrap_or_else(|| !bos_text.is_some_and(|bos| prompt.starts_with(bos.as_str())));
+    tokenizer
+        .encode(prompt, add)
+        .map_err(|e| bad_request(format!("{e:#}")))
+}
+
+/// Renders `messages` through the model's template (errors as [`chat_prompt`]'s).
+fn render_chat(tokenizer: &Tokenizer, messages: Option<&[Message]>) -> Result<String, ApiError> {
+    let Some(messages) = messages else {
         return Err(bad_field("messages", "`messages` is missing"));
     };
     if messages.is_empty() {
@@ -566,6 +984,118 @@ pub(super) fn chat_prompt(tokenizer: &Tokenizer, body: &Body) -> Result<String, 
     .map_err(|e| bad_request(format!("{e:#}")))
 }
 
+/// A `POST /tokenize` body, vLLM's two shapes in one: a `prompt`, or chat `messages`
+/// rendered through the template.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct TokenizeBody {
+    model: Option<String>,
+    prompt: Option<String>,
+    messages: Option<Vec<Message>>,
+    /// Default: true for a prompt; for messages, as the chat endpoint does.
+    add_special_tokens: Option<bool>,
+    /// Accepted as true only (the template always ends with the assistant's turn).
+    add_generation_prompt: Option<bool>,
+    /// Also return each token's vocabulary string.
+    return_token_strs: Option<bool>,
+}
+
+/// A `POST /detokenize` body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct DetokenizeBody {
+    model: Option<String>,
+    tokens: Vec<u64>,
+}
+
+/// Fields of vLLM's tokenize and detokenize requests this server does not take.
+const VLLM_TOKENIZE_FIELDS: &[&str] = &[
+    "chat_template",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "mm_processor_kwargs",
+    "tools",
+];
+
+/// vLLM's `/tokenize` answer: `{count, max_model_len, tokens, token_strs}`.
+///
+/// Errors: a 404 for another model; a 400 for a malformed body, neither or both of
+/// `prompt` and `messages`, `add_generation_prompt: false`, or a chat the template refuses.
+pub(super) fn tokenize(
+    model: &ServedModel,
+    tokenizer: &Tokenizer,
+    body: &Bytes,
+) -> Result<Value, ApiError> {
+    let request: TokenizeBody = parse_as(body, VLLM_TOKENIZE_FIELDS)?;
+    check_model_name(model, request.model.as_deref())?;
+    if request.add_generation_prompt == Some(false) {
+        return Err(bad_field(
+            "add_generation_prompt",
+            "`add_generation_prompt` is not supported (only true, its default)",
+        ));
+    }
+    let tokens = match (&request.prompt, &request.messages) {
+        (Some(prompt), None) => tokenizer
+            .encode(prompt, request.add_special_tokens.unwrap_or(true))
+            .map_err(|e| bad_field("prompt", format!("{e:#}")))?,
+        (None, Some(messages)) => {
+            let prompt = render_chat(tokenizer, Some(messages))?;
+            chat_prompt_tokens(tokenizer, &prompt, request.add_special_tokens)?
+        }
+        _ => {
+            return Err(bad_request(
+                "give either `prompt` (text) or `messages` (a chat), not both or neither",
+            ));
+        }
+    };
+    let token_strs = request.return_token_strs.unwrap_or(false).then(|| {
+        tokens
+            .iter()
+            .map(|&id| tokenizer.token(id).unwrap_or_default())
+            .collect::<Vec<_>>()
+    });
+    Ok(serde_json::json!({
+        "count": tokens.len(),
+        "max_model_len": model.max_context_tokens,
+        "tokens": tokens,
+        "token_strs": token_strs,
+    }))
+}
+
+/// vLLM's `/detokenize` answer: `{prompt}`, the text of the token ids (special tokens
+/// included). Errors: a 404 for another model; a 400 for a malformed body or an id outside
+/// the vocabulary.
+pub(super) fn detokenize(
+    model: &ServedModel,
+    tokenizer: &Tokenizer,
+    body: &Bytes,
+) -> Result<Value, ApiError> {
+    let request: DetokenizeBody = parse_as(body, &[])?;
+    check_model_name(model, request.model.as_deref())?;
+    let mut ids = Vec::with_capacity(request.tokens.len());
+    for &id in &request.tokens {
+        match u32::try_from(id)
+            .ok()
+            .filter(|&t| (t as usize) < model.vocab_size)
+        {
+            Some(id) => ids.push(id),
+            None => {
+                return Err(bad_field(
+                    "tokens",
+                    format!(
+                        "`tokens` holds {id}, not a token id of this model's vocabulary (0 to {})",
+                        model.vocab_size.saturating_sub(1)
+                    ),
+                ));
+            }
+        }
+    }
+    let prompt = tokenizer
+        .decode(&ids, false)
+        .map_err(|e| bad_field("tokens", format!("{e:#}")))?;
+    Ok(serde_json::json!({ "prompt": prompt }))
+}
+
 /// The prompt of a `/v1/completions` body as token ids: its text encoded, or its list of
 /// token ids as given.
 ///
@@ -575,8 +1105,9 @@ pub(super) fn completion_prompt_tokens(
     tokenizer: &Tokenizer,
     request: &Body,
 ) -> Result<Vec<u32>, ApiError> {
+    let add_special = request.add_special_tokens.unwrap_or(true);
     let prompt_tokens = match &request.prompt {
-        Some(Value::String(text)) => match tokenizer.encode(text, true) {
+        Some(Value::String(text)) => match tokenizer.encode(text, add_special) {
             Ok(ids) => ids,
             Err(e) => return Err(bad_field("prompt", format!("{e:#}"))),
         },
@@ -614,6 +1145,8 @@ mod tests {
     const MODEL: ServedModel = ServedModel {
         model_id: "m",
         max_context_tokens: 4096,
+        vocab_size: 1000,
+        eos_ids: &[2],
     };
 
     /// Parses and checks `body` for `endpoint` as the handlers do (16 tokens by default).
@@ -640,7 +1173,22 @@ mod tests {
                 json!({"prompt": "x", "frobnicate": 1}),
                 400,
                 Some("frobnicate"),
-                "`frobnicate`: unknown field `frobnicate`, expected one of `model`",
+                "unknown field `frobnicate`; `frobnicate` is a field of neither the OpenAI nor the vLLM API (a typo?)",
+            ),
+            // Every unknown field is named, vLLM's apart from typos.
+            (
+                Chat,
+                json!({"messages": hello, "guided_json": {}, "frobnicate": 1, "bad_words": ["x"], "tempreature": 1}),
+                400,
+                Some("bad_words"),
+                "unknown fields `bad_words`, `frobnicate`, `guided_json`, `tempreature`; vLLM accepts `bad_words`, `guided_json` but this server does not support them yet (a compatibility gap, not a mistake in the request); `frobnicate`, `tempreature` are a field of neither",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "stream_options": {"include_usage": true, "frob": 1}, "stream": true}),
+                400,
+                Some("stream_options.frob"),
+                "`stream_options.frob`: unknown field `frob`",
             ),
             (
                 Completions,
@@ -686,17 +1234,94 @@ mod tests {
             ),
             (
                 Completions,
-                json!({"prompt": "x", "frequency_penalty": -1.0}),
+                json!({"prompt": "x", "frequency_penalty": 2.5}),
                 400,
                 Some("frequency_penalty"),
-                "`frequency_penalty` is not supported (only 0, its default)",
+                "`frequency_penalty` must be in [-2, 2], got 2.5",
+            ),
+            (
+                Chat,
+                json!({"messages": hello, "presence_penalty": -3}),
+                400,
+                Some("presence_penalty"),
+                "`presence_penalty` must be in [-2, 2], got -3",
             ),
             (
                 Completions,
-                json!({"prompt": "x", "logit_bias": {"7": 100}}),
+                json!({"prompt": "x", "repetition_penalty": 0}),
+                400,
+                Some("repetition_penalty"),
+                "`repetition_penalty` must be greater than 0 (1 is off), got 0",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "logit_bias": {"1000": 1}}),
                 400,
                 Some("logit_bias"),
-                "`logit_bias` is not supported (only an empty map)",
+                "`logit_bias` key `1000` is not a token id of this model's vocabulary (0 to 999)",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "logit_bias": {"seven": 1}}),
+                400,
+                Some("logit_bias"),
+                "`logit_bias` key `seven` is not a token id",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "logit_bias": {"7": 101}}),
+                400,
+                Some("logit_bias"),
+                "`logit_bias` of token 7 must be a number in [-100, 100], got 101",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "min_p": 1.5}),
+                400,
+                Some("min_p"),
+                "`min_p` must be in [0, 1], got 1.5",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "max_tokens": 4, "min_tokens": 5}),
+                400,
+                Some("min_tokens"),
+                "`min_tokens` (5) must not exceed `max_tokens` (4)",
+            ),
+            (
+                Chat,
+                json!({"messages": hello, "stop_token_ids": [3, 1000]}),
+                400,
+                Some("stop_token_ids"),
+                "`stop_token_ids` holds 1000, not a token id of this model's vocabulary (0 to 999)",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "use_beam_search": true}),
+                400,
+                Some("use_beam_search"),
+                "`use_beam_search` is not supported (only false, its default)",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "priority": 3}),
+                400,
+                Some("priority"),
+                "`priority` is not supported (only 0, its default)",
+            ),
+            (
+                Chat,
+                json!({"messages": hello, "prompt_logprobs": 1}),
+                400,
+                Some("prompt_logprobs"),
+                "`prompt_logprobs` is not supported (only null, its default)",
+            ),
+            (
+                Completions,
+                json!({"prompt": "x", "add_generation_prompt": true}),
+                400,
+                Some("add_generation_prompt"),
+                "`add_generation_prompt` belongs to /v1/chat/completions",
             ),
             (
                 Completions,
@@ -859,13 +1484,6 @@ mod tests {
                 Some("stream_options"),
                 "`stream_options` is only allowed with `stream: true`",
             ),
-            (
-                Chat,
-                json!({"messages": hello, "stream": true, "stream_options": {"continuous_usage_stats": true}}),
-                400,
-                Some("stream_options.continuous_usage_stats"),
-                "`continuous_usage_stats` is not supported",
-            ),
             // Several faults: the first checked is the one reported.
             (
                 Completions,
@@ -955,5 +1573,68 @@ mod tests {
             (true, 2)
         );
         assert_eq!(completions.params.stop, vec!["a", "b"]);
+    }
+
+    #[test]
+    fn vllms_extensions_reach_the_sampling_parameters() {
+        // As `vllm bench serve`, GuideLLM and AIPerf send them.
+        let checked = validate(
+            Endpoint::Completions,
+            &json!({"prompt": "x", "max_tokens": 8, "ignore_eos": true, "min_tokens": 8,
+                    "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                    "min_p": 0.05, "logit_bias": {"7": -100, "9": 2.5}, "stop_token_ids": [5, 6],
+                    "include_stop_str_in_output": true, "skip_special_tokens": false,
+                    "add_special_tokens": false, "use_beam_search": false, "length_penalty": 1.0,
+                    "spaces_between_special_tokens": true, "prompt_logprobs": null,
+                    "truncate_prompt_tokens": null, "priority": 0, "stream": true,
+                    "stream_options": {"include_usage": true, "continuous_usage_stats": true}}),
+        )
+        .unwrap_or_else(|e| panic!("{e:?}"));
+        let p = &checked.params;
+        assert!(p.ignore_eos && p.include_stop_str_in_output && !p.skip_special_tokens);
+        assert_eq!(p.min_tokens, 8);
+        // `ignore_eos`: the EOS id (2) is not barred, the stop token ids are.
+        assert_eq!(p.min_tokens_barred, vec![5, 6]);
+        assert_eq!(p.stop_token_ids, vec![5, 6]);
+        assert_eq!(
+            (
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.min_p
+            ),
+            (1.1, 0.5, -0.5, 0.05)
+        );
+        let mut bias = p.logit_bias.clone();
+        bias.sort_by_key(|b| b.0);
+        assert_eq!(bias, vec![(7, -100.0), (9, 2.5)]);
+        assert!(checked.continuous_usage && checked.include_usage);
+        assert_eq!(checked.add_special_tokens, Some(false));
+        // Without `ignore_eos`, `min_tokens` bars the EOS ids too; without `min_tokens`,
+        // nothing is barred.
+        let barred = |body: Value| {
+            validate(Endpoint::Chat, &body)
+                .unwrap_or_else(|e| panic!("{e:?}"))
+                .params
+                .min_tokens_barred
+        };
+        let hello = json!([{"role": "user", "content": "hi"}]);
+        assert_eq!(
+            barred(json!({"messages": hello, "min_tokens": 2, "stop_token_ids": [9]})),
+            vec![2, 9]
+        );
+        assert!(barred(json!({"messages": hello, "stop_token_ids": [9]})).is_empty());
+        // The neutral values change nothing.
+        let neutral = validate(
+            Endpoint::Chat,
+            &json!({"messages": hello, "ignore_eos": false, "min_tokens": 0,
+                    "repetition_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0,
+                    "min_p": 0, "logit_bias": {}, "stop_token_ids": [],
+                    "add_generation_prompt": true, "continue_final_message": false}),
+        )
+        .unwrap_or_else(|e| panic!("{e:?}"));
+        let plain = validate(Endpoint::Chat, &json!({"messages": hello}))
+            .unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(neutral.params, plain.params);
     }
 }

@@ -164,6 +164,104 @@ pub(super) fn render_totals(m: &MetricsSnapshot) -> String {
         "infer_time_per_output_token_seconds",
         "Time per output token after the first.",
     ));
+    text.push_str(&m.e2e.render(
+        "infer_e2e_request_latency_seconds",
+        "Time from a request's arrival to its end.",
+    ));
+    text
+}
+
+/// The series vLLM exports (`vllm/v1/metrics/loggers.py`), each labelled
+/// `model_name="<served model name>"`, from every replica's metrics added up (`m`), so
+/// that dashboards and autoscalers written for vLLM read this server unchanged.
+pub(super) fn render_vllm(m: &MetricsSnapshot, model_name: &str) -> String {
+    // A label value escapes `\`, `"` and newlines (Prometheus text format 0.0.4).
+    let label = format!(
+        "model_name=\"{}\"",
+        model_name
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n")
+    );
+    let mut text = String::new();
+    let mut series = |name: &str, kind: &str, help: &str, value: String| {
+        text.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{label}}} {value}\n"
+        ));
+    };
+    series(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        m.running.to_string(),
+    );
+    series(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        m.waiting.to_string(),
+    );
+    series(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        (m.kv_blocks_used as f64 / m.kv_blocks_total.max(1) as f64).to_string(),
+    );
+    series(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        m.prompt_tokens_total.to_string(),
+    );
+    series(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        m.generation_tokens_total.to_string(),
+    );
+    series(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        m.prefix_cache_queries_total.to_string(),
+    );
+    series(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        m.prefix_cache_hits_total.to_string(),
+    );
+    series(
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemptions from the engine.",
+        m.preemptions_total.to_string(),
+    );
+    for (name, help, histogram) in [
+        (
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            &m.ttft,
+        ),
+        (
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            &m.tpot,
+        ),
+        (
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            &m.tpot,
+        ),
+        (
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            &m.e2e,
+        ),
+    ] {
+        text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} histogram\n"));
+        text.push_str(&histogram.render_labelled(name, &label));
+    }
     text
 }
 

@@ -1,12 +1,14 @@
 //! The OpenAI-compatible HTTP API (axum) over the continuous-batching [`scheduler`]:
-//! `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (with SSE
-//! streaming), `GET /health` (readiness: forward progress, [`mod@health`]), `GET /ping`
+//! `GET /v1/models` (and `/v1/models/{id}`), `POST /v1/completions`,
+//! `POST /v1/chat/completions` (with SSE streaming), vLLM's `POST /tokenize` and
+//! `POST /detokenize`, `GET /health` (readiness: forward progress, [`mod@health`]), `GET /ping`
 //! (liveness), `GET /metrics`. Errors are OpenAI error JSON with the right
 //! status; the server keeps serving after any bad request. Bound to 127.0.0.1 unless told.
 //!
 //! Here: the shared state, the [`Gate`], the router and the handlers. Request bodies and
 //! their validator are in `api`, OpenAI error JSON in `errors`, the Prometheus text in
-//! `metrics`, server-sent events and logprobs in `stream`.
+//! `metrics`, server-sent events and logprobs in `stream`, the model list and the
+//! tokenizer endpoints in `models`.
 
 mod api;
 pub(crate) mod bench;
@@ -15,6 +17,7 @@ pub mod front;
 pub(crate) mod health;
 pub mod http;
 mod metrics;
+mod models;
 pub(crate) mod router;
 pub mod scheduler;
 mod stream;
@@ -281,7 +284,10 @@ pub fn router(gate: Arc<Gate>) -> Router {
         .route("/health", get(health))
         .route("/ping", get(ping))
         .route("/debug/ranks", get(debug_ranks))
-        .route("/v1/models", get(models))
+        .route("/v1/models", get(models::list))
+        .route("/v1/models/{id}", get(models::one))
+        .route("/tokenize", post(models::tokenize))
+        .route("/detokenize", post(models::detokenize))
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -314,13 +320,6 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-async fn models(Ready(state, _): Ready, headers: HeaderMap) -> Response {
-    if let Err(response) = authorize(&state, &headers) {
-        return response.into_response();
-    }
-    axum::Json(json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": now(), "owned_by": "infer"}]})).into_response()
-}
-
 async fn metrics(Ready(state, _): Ready) -> Response {
     // Every replica's metrics added up, the remote replicas' asked for now.
     let replicas = state.scheduler.replica_metrics_now().await;
@@ -329,6 +328,7 @@ async fn metrics(Ready(state, _): Ready) -> Response {
         m.add(replica);
     }
     let mut text = metrics::render_totals(&m);
+    text.push_str(&metrics::render_vllm(&m, &state.model_id));
     if let Some(prefill) = state.scheduler.prefill_replicas() {
         text.push_str(&metrics::render_roles(&replicas, prefill));
     }
@@ -608,6 +608,16 @@ fn log_choices(state: &AppState, path: &str, id: &str, choices: &[Choice], start
     );
 }
 
+/// What the validator knows of the model `state` serves.
+fn served_model(state: &AppState) -> ServedModel<'_> {
+    ServedModel {
+        model_id: &state.model_id,
+        max_context_tokens: state.max_context_tokens,
+        vocab_size: state.tokenizer.vocab_size(),
+        eos_ids: &state.tokenizer.eos_ids,
+    }
+}
+
 /// Reads and checks a request of `endpoint`: authorized, parsed, every field checked.
 fn read(
     state: &AppState,
@@ -633,11 +643,7 @@ fn read(
         }
     }
     let request = api::parse(body)?;
-    let model = ServedModel {
-        model_id: &state.model_id,
-        max_context_tokens: state.max_context_tokens,
-    };
-    let checked = api::check(&model, &request, endpoint, default_max_tokens)?;
+    let checked = api::check(&served_model(state), &request, endpoint, default_max_tokens)?;
     Ok((request, checked))
 }
 
@@ -684,6 +690,7 @@ async fn completions_inner(
             started,
             cancel,
             include_usage: checked.include_usage,
+            continuous_usage: checked.continuous_usage.then_some(prompt_tokens.len()),
         };
         return Ok(stream_choices(
             ctx,
@@ -766,12 +773,10 @@ async fn chat_inner(
     const PATH: &str = "/v1/chat/completions";
     let (request, checked) = read(&state, &headers, &body, Endpoint::Chat, default_max_tokens)?;
     let tokenizer_state = Arc::clone(&state);
+    let add_special_tokens = checked.add_special_tokens;
     let prompt_tokens = off_the_workers(move || {
         let prompt = api::chat_prompt(&tokenizer_state.tokenizer, &request)?;
-        tokenizer_state
-            .tokenizer
-            .encode(&prompt, true)
-            .map_err(|e| bad_request(format!("{e:#}")))
+        api::chat_prompt_tokens(&tokenizer_state.tokenizer, &prompt, add_special_tokens)
     })
     .await?;
     let id = format!(
@@ -794,6 +799,7 @@ async fn chat_inner(
             started,
             cancel,
             include_usage: checked.include_usage,
+            continuous_usage: checked.continuous_usage.then_some(prompt_tokens.len()),
         };
         return Ok(stream_choices(
             ctx,

@@ -170,7 +170,7 @@ enum ToReplica {
     Submit {
         id: u64,
         prompt_tokens: Vec<u32>,
-        params: SamplingParams,
+        params: Box<SamplingParams>,
         #[serde(default)]
         pd: Option<PdStage>,
     },
@@ -776,7 +776,7 @@ impl Target {
                     .send(ToReplica::Submit {
                         id,
                         prompt_tokens: request.prompt_tokens,
-                        params: request.params,
+                        params: Box::new(request.params),
                         pd: request.pd,
                     })
                     .map_err(|_| format!("DP replica {replica} has stopped"))
@@ -908,7 +908,7 @@ async fn relay_requests(
                     relays.insert(id, relay.abort_handle());
                     if let Err(error) = scheduler.submit(Request {
                         prompt_tokens,
-                        params,
+                        params: *params,
                         events,
                         received_at: Instant::now(),
                         pd,
@@ -1131,7 +1131,7 @@ mod tests {
             let submit = ToReplica::Submit {
                 id: 1,
                 prompt_tokens: vec![0, 1, 0],
-                params: SamplingParams::default(),
+                params: Box::new(SamplingParams::default()),
                 pd: None,
             };
             write_frame(&mut writer, &submit).await.expect("submit");

@@ -118,6 +118,9 @@ pub struct Metrics {
     pub pd_transfer_failures_total: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
+    /// Seconds from a request's arrival to its end, per sequence (vLLM's
+    /// `e2e_request_latency_seconds`).
+    pub e2e: Histogram,
     /// The loop's forward progress (`/health`'s stall rule).
     pub progress: Progress,
 }
@@ -254,6 +257,8 @@ pub struct MetricsSnapshot {
     pub ttft: HistogramSnapshot,
     pub tpot: HistogramSnapshot,
     #[serde(default)]
+    pub e2e: HistogramSnapshot,
+    #[serde(default)]
     pub progress: ProgressSnapshot,
 }
 
@@ -281,6 +286,7 @@ impl MetricsSnapshot {
         self.pd_transfer_failures_total += other.pd_transfer_failures_total;
         self.ttft.add(&other.ttft);
         self.tpot.add(&other.tpot);
+        self.e2e.add(&other.e2e);
         // Summed, progress is the least advanced replica's.
         let (mine, theirs) = (&mut self.progress, &other.progress);
         mine.steps_total += theirs.steps_total;
@@ -318,6 +324,7 @@ impl Metrics {
             pd_transfer_failures_total: load(&self.pd_transfer_failures_total),
             ttft: self.ttft.snapshot(),
             tpot: self.tpot.snapshot(),
+            e2e: self.e2e.snapshot(),
             progress: self.progress_now(),
         }
     }
@@ -610,7 +617,7 @@ impl<'a> Batch<'a> {
             prefix_hit_tokens: None,
             import: None,
             generated: Vec::new(),
-            stream: TextStream::default(),
+            stream: TextStream::new(request.params.skip_special_tokens),
             text: String::new(),
             first_token_at: None,
             last_token_at: Instant::now(),
@@ -758,7 +765,7 @@ impl<'a> Batch<'a> {
             // One sequence alone has filled the pool: it cannot grow.
             let mut alone = self.running.pop().expect("one running");
             self.release.push(alone.seq);
-            finish(&mut alone, FinishReason::Length);
+            finish(&mut alone, FinishReason::Length, self.metrics);
             return Ok(None);
         }
         Ok(Some(free - needed))
@@ -861,16 +868,26 @@ impl<'a> Batch<'a> {
                         .pd_decode_prefill_tokens_total
                         .fetch_add(tokens.len() as u64, Ordering::SeqCst);
                 }
+                let params = std::mem::take(&mut r.new).then(|| r.request.params.clone());
+                // The penalties count the prompt's and the output's tokens so far.
+                let history = if params.as_ref().is_some_and(|p| p.penalized()) {
+                    let mut history = r.request.prompt_tokens.clone();
+                    history.extend(&r.generated);
+                    history
+                } else {
+                    Vec::new()
+                };
                 StepEntry {
                     seq: r.seq,
                     tokens,
-                    params: std::mem::take(&mut r.new).then(|| r.request.params.clone()),
+                    params,
                     sampled_before: r.generated.len(),
                     prompt_tokens: r.request.prompt_tokens.len(),
                     prefix_tokens,
                     sample,
                     handoff,
                     import,
+                    history,
                 }
             })
             .collect()
@@ -905,7 +922,9 @@ impl<'a> Batch<'a> {
             if let Some(why) = failures.get(&r.seq) {
                 // (A prefill whose first token ends the request needs no transfer.)
                 let ends_here = sampled.as_ref().is_some_and(|s| {
-                    tokenizer.eos_ids.contains(&s.token) || r.request.params.max_tokens <= 1
+                    let params = &r.request.params;
+                    params.is_stop_token(s.token, &tokenizer.eos_ids, r.generated.len())
+                        || params.max_tokens <= 1
                 });
                 if !ends_here {
                     // Counted before the client hears of it, so a scrape after the error
@@ -1000,8 +1019,9 @@ fn deliver_token(r: &mut Running, sampled: &Sampled, ctx: &TokenContext) -> bool
         metrics.tpot.observe((now - r.last_token_at).as_secs_f64());
     }
     r.last_token_at = now;
-    if ctx.tokenizer.eos_ids.contains(&token) {
-        finish(r, FinishReason::Stop);
+    let params = &r.request.params;
+    if params.is_stop_token(token, &ctx.tokenizer.eos_ids, r.generated.len()) {
+        finish(r, FinishReason::Stop, metrics);
         return true;
     }
     r.generated.push(token);
@@ -1010,7 +1030,16 @@ fn deliver_token(r: &mut Running, sampled: &Sampled, ctx: &TokenContext) -> bool
         .fetch_add(1, Ordering::SeqCst);
     let piece = r.stream.push(ctx.tokenizer, token).unwrap_or_default();
     r.text.push_str(&piece);
-    let (piece, stopped) = cut_at_stop(&r.text, piece, &r.request.params.stop);
+    let (piece, stopped) = if params.checks_stop_strings(r.generated.len()) {
+        cut_at_stop(
+            &r.text,
+            piece,
+            &params.stop,
+            params.include_stop_str_in_output,
+        )
+    } else {
+        (piece, false)
+    };
     let sent = r.request.events.send(Event::Token {
         id: token,
         text: piece,
@@ -1022,12 +1051,12 @@ fn deliver_token(r: &mut Running, sampled: &Sampled, ctx: &TokenContext) -> bool
         return true;
     }
     if stopped {
-        finish(r, FinishReason::Stop);
+        finish(r, FinishReason::Stop, metrics);
         true
     } else if r.generated.len() >= r.request.params.max_tokens
         || r.request.prompt_tokens.len() + r.generated.len() >= ctx.max_context_tokens
     {
-        finish(r, FinishReason::Length);
+        finish(r, FinishReason::Length, metrics);
         true
     } else if matches!(r.request.pd, Some(PdStage::Prefill { .. })) {
         // Its KV went to the decode replica with this step: that one goes on.
@@ -1044,11 +1073,27 @@ fn deliver_token(r: &mut Running, sampled: &Sampled, ctx: &TokenContext) -> bool
 }
 
 /// The part of `piece` (the newest text at the end of `text`) to send, cut before the
-/// earliest of the `stop` strings `text` holds, and whether one was found.
-fn cut_at_stop(text: &str, piece: String, stop: &[String]) -> (String, bool) {
-    match stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-        Some(cut) => {
-            let before = text.len() - piece.len();
+/// earliest of the `stop` strings that ends in it (or after it, `include_stop`), and
+/// whether one was found. Only text that `piece` completes is searched, as vLLM's
+/// detokenizer does: a stop string wholly in the earlier text (before `min_tokens`) does
+/// not count, and each token costs the length of its piece, not of the whole text.
+fn cut_at_stop(text: &str, piece: String, stop: &[String], include_stop: bool) -> (String, bool) {
+    let before = text.len() - piece.len();
+    let found = stop
+        .iter()
+        .filter_map(|s| {
+            let mut from = before.saturating_sub(s.len().saturating_sub(1));
+            while !text.is_char_boundary(from) {
+                from -= 1;
+            }
+            text[from..]
+                .find(s.as_str())
+                .map(|at| (from + at, from + at + s.len()))
+        })
+        .min();
+    match found {
+        Some((start, end)) => {
+            let cut = if include_stop { end } else { start };
             (
                 if cut > before {
                     text[before..cut].to_string()
@@ -1062,8 +1107,11 @@ fn cut_at_stop(text: &str, piece: String, stop: &[String]) -> (String, bool) {
     }
 }
 
-/// Tells the requester that `sequence` is done.
-fn finish(sequence: &mut Running, reason: FinishReason) {
+/// Tells the requester that `sequence` is done, and observes its end-to-end latency.
+fn finish(sequence: &mut Running, reason: FinishReason, metrics: &Metrics) {
+    metrics
+        .e2e
+        .observe(sequence.request.received_at.elapsed().as_secs_f64());
     let _ = sequence.request.events.send(Event::Done {
         finish_reason: reason,
         prompt_tokens: sequence.request.prompt_tokens.len(),

@@ -101,6 +101,9 @@ pub(super) struct StreamContext {
     pub(super) cancel: Cancel,
     /// `stream_options.include_usage`: a last chunk with the usage and no choices.
     pub(super) include_usage: bool,
+    /// vLLM's `stream_options.continuous_usage_stats`: every chunk with choices carries the
+    /// usage so far, this being the prompt's tokens.
+    pub(super) continuous_usage: Option<usize>,
 }
 
 /// Streams every choice's events merged, each chunk made by `chunk(index, event)`, then a
@@ -119,6 +122,7 @@ pub(super) fn stream_choices(
         started,
         cancel,
         include_usage,
+        continuous_usage,
     } = ctx;
     let mut merged = tokio_stream::StreamMap::new();
     for (index, stream) in streams.into_iter().enumerate() {
@@ -130,12 +134,21 @@ pub(super) fn stream_choices(
     // their sequences.
     let (sender, receiver) = tokio::sync::mpsc::unbounded_channel::<Value>();
     tokio::spawn(async move {
-        for value in head {
+        for mut value in head {
+            if let Some(prompt_tokens) = continuous_usage {
+                value["usage"] = json!({
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": 0,
+                    "total_tokens": prompt_tokens,
+                });
+            }
             if sender.send(value).is_err() {
                 return;
             }
         }
         let (mut prompt, mut completion, mut cached, mut done) = (0, 0, 0, 0);
+        // Tokens sent so far over every choice (the continuous usage).
+        let mut sent_tokens = 0;
         let mut first_token_at = None;
         let cancelled = cancel.cancelled();
         tokio::pin!(cancelled);
@@ -153,6 +166,7 @@ pub(super) fn stream_choices(
             };
             if matches!(event, Event::Token { .. }) {
                 first_token_at.get_or_insert_with(Instant::now);
+                sent_tokens += 1;
             }
             if let Event::Done {
                 prompt_tokens,
@@ -166,10 +180,18 @@ pub(super) fn stream_choices(
                 cached = cached.max(*cached_tokens);
                 done += 1;
             }
-            if let Some(value) = chunk(index, &event)
-                && sender.send(value).is_err()
-            {
-                return;
+            if let Some(mut value) = chunk(index, &event) {
+                if let Some(prompt_tokens) = continuous_usage {
+                    let so_far = if done == n { completion } else { sent_tokens };
+                    value["usage"] = json!({
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": so_far,
+                        "total_tokens": prompt_tokens + so_far,
+                    });
+                }
+                if sender.send(value).is_err() {
+                    return;
+                }
             }
             let finished = done == n && matches!(event, Event::Done { .. });
             if finished {

@@ -7,6 +7,7 @@
 #![allow(unreachable_pub)]
 
 mod backend;
+mod clients;
 mod cluster;
 mod collectives;
 mod cuda;

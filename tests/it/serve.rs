@@ -276,9 +276,15 @@ fn bad_requests_get_4xx_json_and_the_server_keeps_serving() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "x", "presence_penalty": 0.5}),
+            json!({"prompt": "x", "presence_penalty": 2.5}),
             "presence_penalty",
-            "not supported",
+            "must be in [-2, 2]",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "guided_json": {}, "typo_field": 1}),
+            "guided_json",
+            "vLLM accepts `guided_json` but this server does not support it yet",
         ),
         (
             "/v1/completions",

@@ -147,7 +147,6 @@ pub(super) fn sampling_params(args: &GenerateArgs) -> SamplingParams {
         seed: args.seed,
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
-        logprobs: false,
-        top_logprobs: 0,
+        ..SamplingParams::default()
     }
 }

@@ -152,8 +152,7 @@ impl Executor for LocalExecutor<'_> {
                 );
             }
             if let Some(params) = &entry.params {
-                let mut sampler = Sampler::new(params);
-                sampler.skip(entry.sampled_before);
+                let sampler = entry.new_sampler(params);
                 let cache = first_step_cache(engine.model.kv_pool(), entry)?;
                 sequences.insert(entry.seq, (cache, sampler));
             } else if !sequences.contains_key(&entry.seq) {

@@ -88,6 +88,11 @@ pub struct StepEntry {
     /// computing it); `tokens` is then the first token, sampled by the prefill replica.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub import: Option<u64>,
+    /// With `params` when a penalty is on ([`SamplingParams::penalized`]): the sequence's
+    /// tokens so far, `prompt_tokens` of prompt then its earlier output (after a preemption,
+    /// or from the prefill replica), for the sampler's penalties. Empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<u32>,
 }
 
 /// Where a prefill replica sends a sequence's KV.
@@ -112,6 +117,11 @@ impl StepEntry {
             sample: true,
             handoff: None,
             import: None,
+            history: if params.penalized() {
+                prompt.to_vec()
+            } else {
+                Vec::new()
+            },
         }
     }
 
@@ -127,7 +137,18 @@ impl StepEntry {
             sample: true,
             handoff: None,
             import: None,
+            history: Vec::new(),
         }
+    }
+
+    /// The sampler of this entry's sequence (its first step: `params` given): seeded as
+    /// asked, past the draws of the tokens sampled before, and aware of the history the
+    /// penalties need.
+    pub fn new_sampler(&self, params: &SamplingParams) -> Sampler {
+        let mut sampler = Sampler::new(params);
+        sampler.skip(self.sampled_before);
+        sampler.observe_history(&self.history, self.prompt_tokens);
+        sampler
     }
 }
 
@@ -282,7 +303,7 @@ pub fn generate(
     let mut text = String::new();
     let mut finish_reason = FinishReason::Length;
     let mut entry = StepEntry::prompt(SEQ, prompt_tokens, params);
-    let mut stream = TextStream::default();
+    let mut stream = TextStream::new(params.skip_special_tokens);
     while tokens.len() < params.max_tokens {
         let sampled = executor.step(std::slice::from_ref(&entry), &[])?;
         let next = sampled
@@ -291,7 +312,7 @@ pub fn generate(
             .ok_or_else(|| anyhow!("the executor returned no token"))?
             .token;
         first_token_at.get_or_insert_with(Instant::now);
-        if executor.tokenizer().eos_ids.contains(&next) {
+        if params.is_stop_token(next, &executor.tokenizer().eos_ids, tokens.len()) {
             finish_reason = FinishReason::Stop;
             break;
         }

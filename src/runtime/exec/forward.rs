@@ -1159,8 +1159,7 @@ impl<B: Backend> BackendExecutor<B> {
                     );
                 }
             } else if let Some(params) = &entry.params {
-                let mut sampler = Sampler::new(params);
-                sampler.skip(entry.sampled_before);
+                let sampler = entry.new_sampler(params);
                 self.sequences.remove(&entry.seq);
                 // The cached prefix's blocks hold its keys and values already.
                 let ledger = first_step_cache(&self.ledger, entry)?;
@@ -1320,8 +1319,7 @@ where
             .write_kv(&mut sequence, n_positions, &whole.values)?;
         // Stored: full blocks go into the prefix cache (when it is on).
         ledger.commit(&whole.tokens);
-        let mut sampler = Sampler::new(params);
-        sampler.skip(entry.sampled_before);
+        let sampler = entry.new_sampler(params);
         self.sequences
             .insert(entry.seq, (sequence, ledger, sampler));
         Ok(())

@@ -750,8 +750,7 @@ impl Member {
                 };
                 self.caches.insert(entry.seq, cache);
                 if is_sampler {
-                    let mut sampler = Sampler::new(params);
-                    sampler.skip(entry.sampled_before);
+                    let sampler = entry.new_sampler(params);
                     self.samplers.insert(entry.seq, sampler);
                 }
             } else if !self.caches.contains_key(&entry.seq) {

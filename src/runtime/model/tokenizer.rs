@@ -329,16 +329,27 @@ impl Tokenizer {
 pub struct TextStream {
     ids: Vec<u32>,
     emitted_bytes: usize,
+    /// Whether special tokens are part of the text (vLLM's `skip_special_tokens: false`).
+    keep_special: bool,
 }
 
 impl TextStream {
+    /// A stream that leaves special tokens out of the text when `skip_special` (the
+    /// default), or spells them.
+    pub fn new(skip_special: bool) -> TextStream {
+        TextStream {
+            keep_special: !skip_special,
+            ..TextStream::default()
+        }
+    }
+
     /// Adds `id` and returns the text that became complete (possibly empty). A trailing
     /// U+FFFD means a character is still incomplete, so it is held back.
     ///
     /// Errors: `tokenizer` cannot decode the ids.
     pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
-        let text = tokenizer.decode(&self.ids, true)?;
+        let text = tokenizer.decode(&self.ids, !self.keep_special)?;
         if text.ends_with('\u{FFFD}')
             || text.len() < self.emitted_bytes
             || !text.is_char_boundary(self.emitted_bytes)
