@@ -28,4 +28,5 @@ mod scheduling;
 mod serve;
 mod sharding;
 mod support;
+mod tokenizer_export;
 mod topo;
