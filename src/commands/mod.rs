@@ -6,6 +6,7 @@ pub(crate) mod bench;
 pub(crate) mod bench_serve;
 pub(crate) mod doctor;
 pub(crate) mod generate;
+pub(crate) mod model;
 pub(crate) mod plan;
 pub(crate) mod rank;
 pub(crate) mod smoke;

@@ -29,4 +29,5 @@ mod scheduling;
 mod serve;
 mod sharding;
 mod support;
+mod tokenizer_export;
 mod topo;

@@ -3,6 +3,7 @@
 pub mod chat;
 pub mod config;
 pub(crate) mod dummy;
+pub mod export;
 pub mod kv;
 pub mod llama;
 pub mod moe;

@@ -1,6 +1,7 @@
 //! Tokenizers from GGUF metadata (`tokenizer.ggml.*`, byte-level BPE with the model's
 //! pre-tokenizer) or from a Hugging Face `tokenizer.json`, both as a `tokenizers::Tokenizer`,
-//! plus the model's special tokens and chat template.
+//! plus the model's special tokens and chat template; and back to a `tokenizer.json` that
+//! encodes as the engine does.
 
 use std::path::Path;
 
@@ -11,6 +12,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use crate::runtime::formats::gguf::{Header, Value};
@@ -69,6 +71,26 @@ fn pre_tokenizer_for(pre: &str) -> Result<Sequence> {
             "pre-tokenizer `{other}` is not supported; supported: smollm, gpt2, llama-bpe, qwen2"
         ),
     })
+}
+
+/// A post-processor that puts `bos` (id `bos_id`) before each sequence: `<bos> A` alone,
+/// `<bos> A <bos> B` for a pair (the second part of type 1), as Llama 3's `tokenizer.json`
+/// does. Built from its JSON form, which takes any token text (the template strings of the
+/// builder cannot hold a `:`).
+///
+/// Errors: the `tokenizers` crate rejects the template (it is built for its JSON form).
+fn bos_template(bos: &str, bos_id: u32) -> Result<TemplateProcessing> {
+    let special =
+        |type_id: u32| serde_json::json!({"SpecialToken": {"id": bos, "type_id": type_id}});
+    let sequence =
+        |id: &str, type_id: u32| serde_json::json!({"Sequence": {"id": id, "type_id": type_id}});
+    serde_json::from_value(serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [special(0), sequence("A", 0)],
+        "pair": [special(0), sequence("A", 0), special(1), sequence("B", 1)],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }))
+    .context("failed to build the BOS post-processor")
 }
 
 /// The ids that end a generation: the header's EOS and EOT ids, and the usual end-of-turn
@@ -304,11 +326,43 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
-    /// Writes the tokenizer as a Hugging Face `tokenizer.json`. Errors: I/O or serialization.
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json` ([`Tokenizer::hf_json`]).
+    /// Errors: I/O or serialization.
     pub fn save_json(&self, path: &Path) -> Result<()> {
-        self.inner
-            .save(path, false)
-            .map_err(|e| anyhow!("failed to write `{}`: {e}", path.display()))
+        std::fs::write(path, self.hf_json()?)
+            .with_context(|| format!("failed to write `{}`", path.display()))
+    }
+
+    /// The tokenizer as a Hugging Face `tokenizer.json` (pretty JSON): vocabulary, merges,
+    /// added tokens, pre-tokenizer and decoder, and a post-processor that adds BOS exactly
+    /// when [`Tokenizer::encode`] does, so that `encode(text, add_special_tokens)` there
+    /// gives `encode(text, add_special_tokens)`'s ids here.
+    ///
+    /// Errors: serialization, or a BOS id outside the vocabulary.
+    pub fn hf_json(&self) -> Result<String> {
+        let mut hf = self.inner.clone();
+        match self.bos_id.filter(|_| self.add_bos) {
+            Some(bos_id) => {
+                let bos = self
+                    .token(bos_id)
+                    .ok_or_else(|| anyhow!("the BOS id {bos_id} is not in the vocabulary"))?;
+                hf.with_post_processor(Some(bos_template(&bos, bos_id)?));
+            }
+            None => {
+                hf.with_post_processor(None::<TemplateProcessing>);
+            }
+        }
+        hf.to_string(true)
+            .map_err(|e| anyhow!("failed to serialize the tokenizer: {e}"))
+    }
+
+    /// The added tokens (special and user-defined ones, matched whole before BPE) with their
+    /// ids, in id order.
+    pub fn added_tokens(&self) -> Vec<(u32, AddedToken)> {
+        let mut added: Vec<(u32, AddedToken)> =
+            self.inner.get_added_tokens_decoder().into_iter().collect();
+        added.sort_unstable_by_key(|(id, _)| *id);
+        added
     }
 
     /// Vocabulary size, special tokens included.

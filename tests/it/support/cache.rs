@@ -1,6 +1,6 @@
 //! Tools the tests build or download once and keep outside the repository: the test cache
-//! directory, cache entries named after their recipe and built atomically, and the official
-//! `openai` Python package.
+//! directory, cache entries named after their recipe and built atomically, and the Python
+//! packages (`openai`, `tokenizers`) tests check against.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -50,12 +50,25 @@ pub fn cached_dir(dir: &Path, build: impl FnOnce(&Path)) -> PathBuf {
 /// The official `openai` Python package, installed with pip into the cache (outside the
 /// repo) on first use; returns the directory to put on `PYTHONPATH`.
 pub fn openai_python_package() -> PathBuf {
-    const VERSION: &str = "3.54.0";
+    python_package("openai", "3.54.0", &[])
+}
+
+/// Hugging Face's `tokenizers` Python package (the library under
+/// `transformers.AutoTokenizer`, built with its own regex engine), the version of the crate
+/// we build with, without its dependencies (`huggingface_hub` only downloads); returns the
+/// directory to put on `PYTHONPATH`.
+pub fn tokenizers_python_package() -> PathBuf {
+    python_package("tokenizers", "0.22.2", &["--no-deps"])
+}
+
+/// `name==version` (whose import directory is `name`) installed with pip, with `pip_args`,
+/// into the cache on first use; returns the directory to put on `PYTHONPATH`.
+fn python_package(name: &str, version: &str, pip_args: &[&str]) -> PathBuf {
     let dir = infer::model::default::cache_dir()
         .expect("cache dir")
         .join("python")
-        .join(format!("openai-{VERSION}"));
-    if !dir.join("openai").is_dir() {
+        .join(format!("{name}-{version}"));
+    if !dir.join(name).is_dir() {
         let staging = dir.with_extension(format!("partial-{}", std::process::id()));
         let status = std::process::Command::new("python3")
             .args([
@@ -65,13 +78,14 @@ pub fn openai_python_package() -> PathBuf {
                 "--quiet",
                 "--disable-pip-version-check",
             ])
+            .args(pip_args)
             .arg("--target")
             .arg(&staging)
-            .arg(format!("openai=={VERSION}"))
+            .arg(format!("{name}=={version}"))
             .stdout(Stdio::null())
             .status()
             .expect("python3 -m pip (install python3-pip)");
-        assert!(status.success(), "pip could not install openai=={VERSION}");
+        assert!(status.success(), "pip could not install {name}=={version}");
         // Another test process may have won the race; either copy is complete.
         if std::fs::rename(&staging, &dir).is_err() {
             let _ = std::fs::remove_dir_all(&staging);
