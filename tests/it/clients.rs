@@ -4,8 +4,13 @@
 //! against `infer up`, and vLLM's sampling extensions, model list, tokenizer endpoints and
 //! metric names checked for their effect on the real model.
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
 use serde_json::{Value, json};
 
+use crate::support::cache::{cached_dir, test_cache};
+use crate::support::process::infer;
 use crate::support::server::{Server, metric};
 
 /// The served name the captured bodies use.
@@ -435,5 +440,143 @@ fn models_tokenize_detokenize_and_metrics_answer_as_vllms() {
             &format!("vllm:e2e_request_latency_seconds_count{label}")
         ),
         1.0
+    );
+}
+
+/// AIPerf (NVIDIA's load generator) from PyPI, wheels only (~1.2 GB, no torch), in a
+/// venv cached outside the repository; its scripts name the staging path, so it runs as
+/// `bin/python -m aiperf`.
+fn aiperf_venv() -> PathBuf {
+    const VERSION: &str = "0.13.0";
+    cached_dir(&test_cache().join(format!("aiperf-{VERSION}")), |staging| {
+        let status = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(staging)
+            .status()
+            .expect("run python3 -m venv");
+        assert!(status.success(), "python3 -m venv failed");
+        let status = Command::new(staging.join("bin/pip"))
+            .args([
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--only-binary",
+                ":all:",
+            ])
+            .arg(format!("aiperf=={VERSION}"))
+            .status()
+            .expect("run pip");
+        assert!(status.success(), "pip could not install aiperf=={VERSION}");
+    })
+}
+
+/// Runs `aiperf profile` against `url` on `endpoint` (`completions` or `chat`): 8 streamed
+/// requests, 2 at a time, 32 prompt tokens and 16 generated (AIPerf's recommended
+/// `ignore_eos` and `min_tokens`), counting tokens with `tokenizer`; returns its summary
+/// (`profile_export_aiperf.json`).
+fn run_aiperf(venv: &Path, url: &str, endpoint: &str, tokenizer: &Path, out: &Path) -> Value {
+    let output = Command::new(venv.join("bin/python"))
+        .args(["-m", "aiperf", "profile", "--model", MODEL, "--url", url])
+        .args(["--endpoint-type", endpoint, "--streaming", "--tokenizer"])
+        .arg(tokenizer)
+        .args([
+            "--request-count",
+            "8",
+            "--concurrency",
+            "2",
+            "--random-seed",
+            "1",
+        ])
+        .args([
+            "--synthetic-input-tokens-mean",
+            "32",
+            "--synthetic-input-tokens-stddev",
+            "0",
+        ])
+        .args(["--output-tokens-mean", "16", "--output-tokens-stddev", "0"])
+        .args([
+            "--extra-inputs",
+            "ignore_eos:true",
+            "--extra-inputs",
+            "min_tokens:16",
+        ])
+        .args([
+            "--ui-type",
+            "none",
+            "--no-server-metrics",
+            "--no-gpu-telemetry",
+        ])
+        .arg("--artifact-dir")
+        .arg(out)
+        .env("HF_HUB_DISABLE_TELEMETRY", "1")
+        .env("DO_NOT_TRACK", "1")
+        .output()
+        .expect("run aiperf");
+    let summary = out.join("profile_export_aiperf.json");
+    assert!(
+        output.status.success() && summary.exists(),
+        "aiperf {endpoint} failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(summary).expect("read the summary"))
+        .expect("the summary is JSON")
+}
+
+#[test]
+fn aiperf_from_pypi_benchmarks_infer_up_with_the_exported_tokenizer() {
+    let venv = aiperf_venv();
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let tokenizer = scratch.path().join("tokenizer");
+    let export = infer()
+        .args(["model", "export-tokenizer", "smollm2"])
+        .arg(&tokenizer)
+        .output()
+        .expect("run infer model export-tokenizer");
+    assert!(
+        export.status.success(),
+        "{}",
+        String::from_utf8_lossy(&export.stderr)
+    );
+    let server = Server::start(&["--served-model-name", MODEL]);
+    let mut generated = 0.0;
+    for endpoint in ["completions", "chat"] {
+        let summary = run_aiperf(
+            &venv,
+            &server.url,
+            endpoint,
+            &tokenizer,
+            &scratch.path().join(endpoint),
+        );
+        let avg = |field: &str| summary[field]["avg"].as_f64();
+        // Every request succeeded (AIPerf exits 0 whatever failed: its counts tell).
+        assert_eq!(avg("request_count"), Some(8.0), "{endpoint}: {summary}");
+        assert_eq!(
+            avg("error_request_count").unwrap_or(0.0),
+            0.0,
+            "{endpoint}: {summary}"
+        );
+        // `ignore_eos` and `min_tokens`: 16 tokens each, by our usage.
+        assert_eq!(
+            avg("total_usage_completion_tokens"),
+            Some(128.0),
+            "{endpoint}: {summary}"
+        );
+        generated += 128.0;
+        if endpoint == "completions" {
+            // The exported tokenizer, loaded by transformers, counts prompts as we do.
+            assert_eq!(
+                avg("total_isl"),
+                avg("total_usage_prompt_tokens"),
+                "{summary}"
+            );
+        }
+    }
+    // Token counts equal the server's own.
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_generation_tokens_total"),
+        generated,
+        "{metrics}"
     );
 }
