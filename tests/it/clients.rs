@@ -580,3 +580,131 @@ fn aiperf_from_pypi_benchmarks_infer_up_with_the_exported_tokenizer() {
         "{metrics}"
     );
 }
+
+/// inference-perf (the Kubernetes serving working group's load generator) from PyPI, wheels
+/// only, in a venv cached outside the repository. It declares Python ≥ 3.12 but its code
+/// compiles and runs on this machine's 3.11 (checked: every module compiles, both runs
+/// below pass), so pip is told to install it there.
+fn inference_perf_venv() -> PathBuf {
+    const VERSION: &str = "0.7.0";
+    cached_dir(
+        &test_cache().join(format!("inference-perf-{VERSION}")),
+        |staging| {
+            let status = Command::new("python3")
+                .args(["-m", "venv"])
+                .arg(staging)
+                .status()
+                .expect("run python3 -m venv");
+            assert!(status.success(), "python3 -m venv failed");
+            let status = Command::new(staging.join("bin/pip"))
+                .args([
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "--only-binary",
+                    ":all:",
+                    "--ignore-requires-python",
+                ])
+                .arg(format!("inference-perf=={VERSION}"))
+                .status()
+                .expect("run pip");
+            assert!(
+                status.success(),
+                "pip could not install inference-perf=={VERSION}"
+            );
+        },
+    )
+}
+
+#[test]
+fn inference_perf_from_pypi_benchmarks_infer_up_with_the_exported_tokenizer() {
+    let venv = inference_perf_venv();
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let tokenizer = scratch.path().join("tokenizer");
+    let export = infer()
+        .args(["model", "export-tokenizer", "smollm2"])
+        .arg(&tokenizer)
+        .output()
+        .expect("run infer model export-tokenizer");
+    assert!(
+        export.status.success(),
+        "{}",
+        String::from_utf8_lossy(&export.stderr)
+    );
+    let server = Server::start(&["--served-model-name", MODEL]);
+    // Completions with random prompts of 32 tokens and 16 out; chat with its fixed mock
+    // prompts and its default of 30 out (its random data has no chat form). Both always
+    // send `ignore_eos`.
+    let data = [
+        (
+            "completion",
+            "{type: random, input_distribution: {min: 32, max: 32, mean: 32, std_dev: 0}, output_distribution: {min: 16, max: 16, mean: 16, std_dev: 0}}",
+            16.0,
+        ),
+        ("chat", "{type: mock}", 30.0),
+    ];
+    let (mut prompt_tokens, mut generated) = (0.0, 0.0);
+    for (api, data, output_tokens) in data {
+        let out = scratch.path().join(api);
+        let config = scratch.path().join(format!("{api}.yaml"));
+        std::fs::write(
+            &config,
+            format!(
+                "api: {{type: {api}, streaming: true}}\n\
+                 data: {data}\n\
+                 load: {{type: concurrent, num_workers: 1, stages: [{{num_requests: 8, concurrency_level: 2}}]}}\n\
+                 server: {{type: vllm, model_name: {MODEL}, base_url: '{url}', ignore_eos: true}}\n\
+                 tokenizer: {{pretrained_model_name_or_path: '{tokenizer}'}}\n\
+                 report: {{request_lifecycle: {{summary: true, per_stage: false, per_request: false}}}}\n\
+                 storage: {{local_storage: {{path: '{out}'}}}}\n",
+                url = server.url,
+                tokenizer = tokenizer.display(),
+                out = out.display(),
+            ),
+        )
+        .expect("write the config");
+        let output = Command::new(venv.join("bin/python"))
+            .args(["-m", "inference_perf.main", "--config_file"])
+            .arg(&config)
+            .env("HF_HUB_OFFLINE", "1")
+            .env("HF_HUB_DISABLE_TELEMETRY", "1")
+            .output()
+            .expect("run inference-perf");
+        let summary = out.join("summary_lifecycle_metrics.json");
+        assert!(
+            output.status.success() && summary.exists(),
+            "inference-perf {api} failed: {}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let summary: Value =
+            serde_json::from_str(&std::fs::read_to_string(summary).expect("read the summary"))
+                .expect("the summary is JSON");
+        // Every request succeeded (it exits 0 whatever failed: its counts tell), each
+        // with the length asked for.
+        let successes = &summary["successes"];
+        assert_eq!(successes["count"], 8, "{api}: {summary}");
+        assert_eq!(summary["failures"]["count"], 0, "{api}: {summary}");
+        assert_eq!(
+            successes["output_tokens"]["total"].as_f64(),
+            Some(8.0 * output_tokens),
+            "{api}: {summary}"
+        );
+        prompt_tokens += successes["prompt_tokens"]["total"]
+            .as_f64()
+            .expect("prompt tokens");
+        generated += 8.0 * output_tokens;
+    }
+    // Token counts equal the server's own.
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_generation_tokens_total"),
+        generated,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_prompt_tokens_total"),
+        prompt_tokens,
+        "{metrics}"
+    );
+}
