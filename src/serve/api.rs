@@ -861,7 +861,7 @@ fn check_logprobs(body: &Body, endpoint: Endpoint) -> Result<(bool, usize), ApiE
 
 /// Whether to stream, whether a last chunk carries the usage
 /// (`stream_options.include_usage`), and whether every chunk does (vLLM's
-/// `continuous_usage_stats`). Errors: a 400 for `stream_options` without `stream: true`.
+/// `continuous_usage_stats`, which needs `include_usage` as in vLLM). Errors: a 400 for `stream_options` without `stream: true`.
 fn check_stream(body: &Body) -> Result<(bool, bool, bool), ApiError> {
     let stream = body.stream.unwrap_or(false);
     match &body.stream_options {
@@ -870,11 +870,15 @@ fn check_stream(body: &Body) -> Result<(bool, bool, bool), ApiError> {
             "stream_options",
             "`stream_options` is only allowed with `stream: true`",
         )),
-        Some(options) => Ok((
-            stream,
-            options.include_usage.unwrap_or(false),
-            options.continuous_usage_stats.unwrap_or(false),
-        )),
+        Some(options) => {
+            // As vLLM: the usage on every chunk only with the usage at all.
+            let include_usage = options.include_usage.unwrap_or(false);
+            Ok((
+                stream,
+                include_usage,
+                include_usage && options.continuous_usage_stats.unwrap_or(false),
+            ))
+        }
     }
 }
 

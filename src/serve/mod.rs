@@ -285,7 +285,7 @@ pub fn router(gate: Arc<Gate>) -> Router {
         .route("/ping", get(ping))
         .route("/debug/ranks", get(debug_ranks))
         .route("/v1/models", get(models::list))
-        .route("/v1/models/{id}", get(models::one))
+        .route("/v1/models/{*id}", get(models::one))
         .route("/tokenize", post(models::tokenize))
         .route("/detokenize", post(models::detokenize))
         .route("/metrics", get(metrics))

@@ -1082,9 +1082,10 @@ fn cut_at_stop(text: &str, piece: String, stop: &[String], include_stop: bool) -
     let found = stop
         .iter()
         .filter_map(|s| {
+            // Moved up to a character boundary: a match from there still ends in `piece`.
             let mut from = before.saturating_sub(s.len().saturating_sub(1));
             while !text.is_char_boundary(from) {
-                from -= 1;
+                from += 1;
             }
             text[from..]
                 .find(s.as_str())
@@ -1126,6 +1127,23 @@ pub static REQUEST_COUNTER: AtomicU64 = AtomicU64::new(0);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stop_strings_are_looked_for_only_where_the_new_piece_completes_them() {
+        let stop = |text: &str, piece: &str, stops: &[&str], include: bool| {
+            let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+            cut_at_stop(text, piece.to_string(), &stops, include)
+        };
+        // A stop string across the piece's start: cut before it, or kept.
+        assert_eq!(stop("ab END", "ND", &["END"], false), (String::new(), true));
+        assert_eq!(stop("ab END", "ND", &["END"], true), ("ND".into(), true));
+        assert_eq!(stop("ab EN x", "N x", &["EN"], true), ("N".into(), true));
+        // One wholly in the earlier text (before `min_tokens`) does not stop it, a
+        // multi-byte one included.
+        assert_eq!(stop("ENDx", "x", &["END"], false), ("x".into(), false));
+        assert_eq!(stop("éx", "x", &["é"], false), ("x".into(), false));
+        assert_eq!(stop("aéb", "éb", &["é", "b"], false), (String::new(), true));
+    }
 
     #[test]
     fn histograms_render_prometheus_samples_with_and_without_labels() {

@@ -147,8 +147,9 @@ pub(super) fn stream_choices(
             }
         }
         let (mut prompt, mut completion, mut cached, mut done) = (0, 0, 0, 0);
-        // Tokens sent so far over every choice (the continuous usage).
-        let mut sent_tokens = 0;
+        // Tokens sent so far per choice (the continuous usage is the chunk's choice's, as
+        // vLLM counts it).
+        let mut sent_tokens = vec![0usize; n];
         let mut first_token_at = None;
         let cancelled = cancel.cancelled();
         tokio::pin!(cancelled);
@@ -166,7 +167,9 @@ pub(super) fn stream_choices(
             };
             if matches!(event, Event::Token { .. }) {
                 first_token_at.get_or_insert_with(Instant::now);
-                sent_tokens += 1;
+                if let Some(sent) = sent_tokens.get_mut(index) {
+                    *sent += 1;
+                }
             }
             if let Event::Done {
                 prompt_tokens,
@@ -182,7 +185,12 @@ pub(super) fn stream_choices(
             }
             if let Some(mut value) = chunk(index, &event) {
                 if let Some(prompt_tokens) = continuous_usage {
-                    let so_far = if done == n { completion } else { sent_tokens };
+                    let so_far = match &event {
+                        Event::Done {
+                            completion_tokens, ..
+                        } => *completion_tokens,
+                        _ => sent_tokens.get(index).copied().unwrap_or(0),
+                    };
                     value["usage"] = json!({
                         "prompt_tokens": prompt_tokens,
                         "completion_tokens": so_far,

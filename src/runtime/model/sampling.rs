@@ -119,10 +119,13 @@ impl SamplingParams {
         generated > self.min_tokens
     }
 
-    /// Whether the logits are used as the model gives them (no bias, penalty or barred
-    /// token): greedy output is then bit for bit that of plain argmax.
-    fn logits_untouched(&self) -> bool {
-        !self.penalized() && self.logit_bias.is_empty() && self.min_tokens == 0
+    /// Whether the logits are used as the model gives them after `sampled` tokens (no
+    /// bias, no penalty, no token barred now): greedy output is then bit for bit that of
+    /// plain argmax, and no copy of the vocabulary's logits is made.
+    fn logits_untouched(&self, sampled: usize) -> bool {
+        !self.penalized()
+            && self.logit_bias.is_empty()
+            && (sampled >= self.min_tokens || self.min_tokens_barred.is_empty())
     }
 }
 
@@ -215,7 +218,7 @@ impl Sampler {
     /// The next token for `logits` (`(vocab_size)`), after the logits processing the
     /// parameters ask for; recorded as output for the penalties.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let token = if self.params.logits_untouched() {
+        let token = if self.params.logits_untouched(self.sampled) {
             self.draw(logits)
         } else {
             let processed = self.process(logits);
@@ -473,7 +476,13 @@ mod tests {
             stop_token_ids: vec![3],
             ..SamplingParams::default()
         };
-        assert!(neutral.logits_untouched());
+        assert!(neutral.logits_untouched(0));
+        // `min_tokens` bars its tokens only until reached.
+        let barring = SamplingParams {
+            min_tokens: 2,
+            ..neutral.clone()
+        };
+        assert!(!barring.logits_untouched(1) && barring.logits_untouched(2));
         for temperature in [0.0, 0.8] {
             let plain = SamplingParams {
                 temperature,
