@@ -316,6 +316,11 @@ async fn forward(
     tokio::spawn(connection);
     let (mut parts, body) = request.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    // Rank 0 listens on loopback and answers only loopback names; the client's `Host` was
+    // the front's to judge.
+    if let Ok(host) = HeaderValue::from_str(&upstream.to_string()) {
+        parts.headers.insert(header::HOST, host);
+    }
     Ok(sender
         .send_request(axum::http::Request::from_parts(parts, body))
         .await?)

@@ -302,9 +302,59 @@ pub const MAX_CONNECTIONS: usize = 1024;
 /// request is closed after it, instead of holding its connection open.
 pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Whether a `Host` header's value names this machine's loopback interface: `localhost`
+/// (or a name under `.localhost`, RFC 6761), an address of 127.0.0.0/8 or `[::1]`, with or
+/// without a port.
+pub(crate) fn is_loopback_host(host: &str) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        // `[v6]` or `[v6]:port`.
+        match rest.split_once(']') {
+            Some((address, _)) => address,
+            None => return false,
+        }
+    } else {
+        host.rsplit_once(':').map_or(host, |(name, _)| name)
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    name == "localhost"
+        || name.ends_with(".localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Refuses (403, OpenAI error JSON) a request whose `Host` does not name the loopback
+/// interface, on a server bound to it: a web page whose name an attacker points at
+/// 127.0.0.1 (DNS rebinding) is then same-origin with the server, and only the `Host` it
+/// sends tells it apart. A request without `Host` (HTTP/1.0) passes.
+async fn loopback_hosts_only(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let host = request
+        .headers()
+        .get(axum::http::header::HOST)
+        .map(|h| h.to_str().unwrap_or("(not text)").to_string());
+    match host {
+        Some(host) if !is_loopback_host(&host) => super::errors::error(
+            axum::http::StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            format!(
+                "the Host `{}` does not name this server: bound to loopback, it answers only localhost, 127.0.0.1 and [::1] (a guard against DNS rebinding); to serve other names, bind them with --host",
+                crate::ui::escape_controls(&host)
+            ),
+        )
+        .into_response(),
+        _ => next.run(request).await,
+    }
+}
+
 /// Serves `app` on `listener` over HTTP/1.1 until `stopped`, at most [`MAX_CONNECTIONS`] at
 /// once, each request's head read within [`HEADER_READ_TIMEOUT`]; then stops accepting and
-/// waits for the connections to finish their requests (idle ones close at once).
+/// waits for the connections to finish their requests (idle ones close at once). On a
+/// loopback listener, only requests for a loopback `Host` are answered
+/// ([`is_loopback_host`]).
 ///
 /// Errors: none; a failed accept is retried after 10 ms (a full file table frees up).
 pub(crate) async fn serve_bounded(
@@ -312,6 +362,11 @@ pub(crate) async fn serve_bounded(
     app: axum::Router,
     stopped: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
+    let app = if listener.local_addr()?.ip().is_loopback() {
+        app.layer(axum::middleware::from_fn(loopback_hosts_only))
+    } else {
+        app
+    };
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let mut http1 = hyper::server::conn::http1::Builder::new();
@@ -482,5 +537,37 @@ impl HttpServer {
                 .context("the HTTP server failed")?;
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn loopback_hosts_are_told_from_other_names() {
+        for host in [
+            "localhost",
+            "localhost:8000",
+            "LOCALHOST.",
+            "app.localhost:1",
+            "127.0.0.1",
+            "127.0.0.1:8000",
+            "127.1.2.3:9",
+            "[::1]",
+            "[::1]:8000",
+        ] {
+            assert!(super::is_loopback_host(host), "{host}");
+        }
+        for host in [
+            "evil.example",
+            "evil.example:8000",
+            "localhost.evil.example",
+            "10.0.0.1:8000",
+            "[::2]:80",
+            "[::1",
+            "",
+            "127.0.0.1.evil.example",
+        ] {
+            assert!(!super::is_loopback_host(host), "{host}");
+        }
     }
 }

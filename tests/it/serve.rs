@@ -1545,6 +1545,40 @@ fn long_prompts_are_tokenized_off_the_http_workers() {
     );
 }
 
+/// On loopback, only requests naming a loopback host are answered (DNS rebinding).
+#[test]
+fn a_server_on_loopback_answers_only_loopback_host_names() {
+    use std::io::{Read, Write};
+    let server = Server::start(&[]);
+    let address = server.url.trim_start_matches("http://").to_string();
+    let port = address.rsplit_once(':').expect("a port").1.to_string();
+    let get = |host: &str| {
+        let mut stream = std::net::TcpStream::connect(&address).expect("connect");
+        write!(
+            stream,
+            "GET /v1/models HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        )
+        .expect("send");
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).expect("read");
+        reply
+    };
+    // A page whose name an attacker points at 127.0.0.1 (DNS rebinding) is refused.
+    for host in [format!("evil.example:{port}"), "10.1.2.3".to_string()] {
+        let reply = get(&host);
+        assert!(reply.starts_with("HTTP/1.1 403"), "{host}: {reply}");
+        assert!(reply.contains("does not name this server"), "{reply}");
+    }
+    for host in [
+        format!("localhost:{port}"),
+        address.clone(),
+        format!("[::1]:{port}"),
+    ] {
+        let reply = get(&host);
+        assert!(reply.starts_with("HTTP/1.1 200"), "{host}: {reply}");
+    }
+}
+
 /// Listening beyond loopback without an API key is allowed, with a warning once bound.
 #[test]
 fn serving_beyond_loopback_without_a_key_warns() {
