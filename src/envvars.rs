@@ -72,6 +72,10 @@ pub(crate) const RUN_ID: &str = "INFER_RUN_ID";
 
 /// Rank 0's HTTP host.
 pub(crate) const HTTP_HOST: &str = "INFER_HTTP_HOST";
+/// Where clients reach rank 0's HTTP server when the launcher forwards to it (its
+/// `--host`; unset: [`HTTP_HOST`]): a loopback name there makes rank 0 answer only
+/// loopback `Host` names.
+pub(crate) const HTTP_CLIENT_HOST: &str = "INFER_HTTP_CLIENT_HOST";
 /// Rank 0's HTTP port.
 pub(crate) const HTTP_PORT: &str = "INFER_HTTP_PORT";
 /// Most sequences a step runs.

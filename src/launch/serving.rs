@@ -571,6 +571,7 @@ fn rank_spec(
     let serving = ServingEnv {
         http_host,
         http_port,
+        client_host: forwarded.then(|| settings.host.clone()),
         max_batch: settings.limits.max_batch,
         max_num_batched_tokens: Some(settings.limits.max_batched_tokens),
         prefix_cache: settings.prefix_cache,

@@ -129,9 +129,15 @@ impl Front {
             let _guard = runtime.enter();
             let listener = tokio::net::TcpListener::from_std(listener)
                 .context("cannot hand the front's listener to its runtime")?;
-            runtime.spawn(super::http::serve_bounded(listener, app, async move {
-                let _ = stopped.await;
-            }));
+            let guard_host = address.ip().is_loopback();
+            runtime.spawn(super::http::serve_bounded(
+                listener,
+                app,
+                guard_host,
+                async move {
+                    let _ = stopped.await;
+                },
+            ));
         }
         Ok(Front {
             shared,

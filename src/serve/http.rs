@@ -248,7 +248,10 @@ fn access_log() -> Arc<dyn Fn(&str) + Send + Sync> {
 /// Errors: the address cannot be bound.
 pub fn bind_rank_http(serving: Option<&ServingEnv>) -> Result<Option<HttpServer>> {
     serving
-        .map(|s| HttpServer::bind(&s.http_host, s.http_port))
+        .map(|s| {
+            let clients_at = s.client_host.as_deref().unwrap_or(&s.http_host);
+            HttpServer::bind_for(&s.http_host, s.http_port, clients_at)
+        })
         .transpose()
 }
 
@@ -323,6 +326,14 @@ pub(crate) fn is_loopback_host(host: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// Whether a `--host` value binds the loopback interface (`localhost`, 127.0.0.0/8, `::1`).
+pub(crate) fn names_loopback(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// Refuses (403, OpenAI error JSON) a request whose `Host` does not name the loopback
 /// interface, on a server bound to it: a web page whose name an attacker points at
 /// 127.0.0.1 (DNS rebinding) is then same-origin with the server, and only the `Host` it
@@ -352,17 +363,18 @@ async fn loopback_hosts_only(
 
 /// Serves `app` on `listener` over HTTP/1.1 until `stopped`, at most [`MAX_CONNECTIONS`] at
 /// once, each request's head read within [`HEADER_READ_TIMEOUT`]; then stops accepting and
-/// waits for the connections to finish their requests (idle ones close at once). On a
-/// loopback listener, only requests for a loopback `Host` are answered
-/// ([`is_loopback_host`]).
+/// waits for the connections to finish their requests (idle ones close at once). With
+/// `guard_host` (clients reach it on loopback), only requests for a loopback `Host` are
+/// answered ([`is_loopback_host`]).
 ///
 /// Errors: none; a failed accept is retried after 10 ms (a full file table frees up).
 pub(crate) async fn serve_bounded(
     listener: tokio::net::TcpListener,
     app: axum::Router,
+    guard_host: bool,
     stopped: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
-    let app = if listener.local_addr()?.ip().is_loopback() {
+    let app = if guard_host {
         app.layer(axum::middleware::from_fn(loopback_hosts_only))
     } else {
         app
@@ -409,6 +421,16 @@ pub(crate) async fn serve_bounded(
 impl HttpServer {
     /// Binds `host:port` and starts answering 503. Errors: the address cannot be bound.
     pub fn bind(host: &str, port: u16) -> Result<HttpServer> {
+        HttpServer::bind_for(host, port, host)
+    }
+
+    /// [`HttpServer::bind`] for clients that reach the server at `clients_at` (another
+    /// address when the launcher forwards to it): only when that is loopback too does the
+    /// server answer only loopback `Host` names.
+    ///
+    /// Errors: the address cannot be bound.
+    pub fn bind_for(host: &str, port: u16, clients_at: &str) -> Result<HttpServer> {
+        let guard_host = names_loopback(clients_at);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -422,7 +444,8 @@ impl HttpServer {
                 .map_err(|error| anyhow::anyhow!(bind_error(host, port, &error)))?;
             let address = listener.local_addr()?;
             let app = router(Arc::clone(&gate));
-            let server = tokio::spawn(serve_bounded(listener, app, async move {
+            let guard_host = guard_host && address.ip().is_loopback();
+            let server = tokio::spawn(serve_bounded(listener, app, guard_host, async move {
                 let _ = stopped.await;
             }));
             anyhow::Ok((address, server))
@@ -556,6 +579,12 @@ mod tests {
             "[::1]:8000",
         ] {
             assert!(super::is_loopback_host(host), "{host}");
+        }
+        for host in ["localhost", "LocalHost", "127.0.0.1", "127.8.0.1", "::1"] {
+            assert!(super::names_loopback(host), "{host}");
+        }
+        for host in ["0.0.0.0", "::", "10.0.0.1", "myhost", "[::1]"] {
+            assert!(!super::names_loopback(host), "{host}");
         }
         for host in [
             "evil.example",

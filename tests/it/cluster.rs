@@ -568,9 +568,27 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
         stderr(&output)
     );
     drop(taken);
-    let mut server = Server::start(&["--cluster", &inventory, "--dp", "2"]);
+    // Served beyond loopback (the launcher forwards to rank 0, which listens on h0's
+    // loopback): a request naming the server's public name is answered.
+    let mut server = Server::start(&["--cluster", &inventory, "--dp", "2", "--host", "0.0.0.0"]);
     let ranks = server.rank_pids();
     assert_eq!(ranks.len(), 2, "{}", server.startup);
+    {
+        use std::io::{Read, Write};
+        let address = server
+            .url
+            .trim_start_matches("http://")
+            .replace("0.0.0.0", "127.0.0.1");
+        let mut stream = std::net::TcpStream::connect(&address).expect("connect");
+        write!(
+            stream,
+            "GET /v1/models HTTP/1.1\r\nHost: inference.example:8000\r\nConnection: close\r\n\r\n"
+        )
+        .expect("send");
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).expect("read");
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    }
     let manifest = run_manifest(&server.startup);
     assert_eq!(manifest["ranks"][0]["host"], "h0");
     assert_eq!(manifest["ranks"][1]["host"], "h1");

@@ -165,6 +165,9 @@ pub struct ServingEnv {
     /// Where rank 0 serves HTTP.
     pub http_host: String,
     pub http_port: u16,
+    /// Where clients reach that server when the launcher forwards to it (the user's
+    /// `--host`); `None`: `http_host` itself.
+    pub client_host: Option<String>,
     /// Most sequences a step runs.
     pub max_batch: usize,
     /// Most tokens a step runs (`None`: the host's default).
@@ -403,6 +406,9 @@ impl ServingEnv {
     fn push_env(&self, env: &mut Vec<(&'static str, String)>) {
         env.push((var::HTTP_HOST, self.http_host.clone()));
         env.push((var::HTTP_PORT, self.http_port.to_string()));
+        if let Some(host) = &self.client_host {
+            env.push((var::HTTP_CLIENT_HOST, host.clone()));
+        }
         env.push((var::MAX_BATCH, self.max_batch.to_string()));
         if let Some(tokens) = self.max_num_batched_tokens {
             env.push((var::MAX_NUM_BATCHED_TOKENS, tokens.to_string()));
@@ -448,6 +454,7 @@ impl ServingEnv {
         Ok(Some(ServingEnv {
             http_host: required(lookup, var::HTTP_HOST)?,
             http_port: parsed(var::HTTP_PORT, &required(lookup, var::HTTP_PORT)?, "a port")?,
+            client_host: lookup(var::HTTP_CLIENT_HOST),
             max_batch: number(lookup, var::MAX_BATCH)?,
             max_num_batched_tokens: optional_number(lookup, var::MAX_NUM_BATCHED_TOKENS)?,
             prefix_cache: flag(lookup, var::PREFIX_CACHE),
@@ -514,8 +521,9 @@ mod tests {
                 ib_hcas: vec!["mlx5_0".into(), "mlx5_1".into()],
             },
             serving: Some(ServingEnv {
-                http_host: "0.0.0.0".into(),
+                http_host: "127.0.0.1".into(),
                 http_port: 8000,
+                client_host: Some("0.0.0.0".into()),
                 max_batch: 16,
                 max_num_batched_tokens: Some(2048),
                 prefix_cache: true,
