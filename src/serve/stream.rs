@@ -18,6 +18,9 @@ use super::scheduler::Event;
 use super::{AppState, Cancel, SHUTTING_DOWN, Served, log_access, usage};
 use crate::runtime::model::tokenizer::Tokenizer;
 
+/// Chunks rendered ahead of what the client has read, at most.
+const SSE_CHUNKS_IN_FLIGHT: usize = 64;
+
 /// One generated token as a request hears it.
 pub(super) struct TokenOut {
     pub(super) id: u32,
@@ -132,7 +135,9 @@ pub(super) fn stream_choices(
     // A task drives the choices and hands chunks to the response; when the client goes
     // away, its next send fails, the task ends and dropping the choices' receivers cancels
     // their sequences.
-    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    // Bounded: a client that reads slowly holds back this task (its tokens wait as events),
+    // never a growing heap of rendered chunks.
+    let (sender, receiver) = tokio::sync::mpsc::channel::<Value>(SSE_CHUNKS_IN_FLIGHT);
     tokio::spawn(async move {
         for mut value in head {
             if let Some(prompt_tokens) = continuous_usage {
@@ -142,7 +147,7 @@ pub(super) fn stream_choices(
                     "total_tokens": prompt_tokens,
                 });
             }
-            if sender.send(value).is_err() {
+            if sender.send(value).await.is_err() {
                 return;
             }
         }
@@ -160,7 +165,8 @@ pub(super) fn stream_choices(
                     None => break,
                 },
                 () = &mut cancelled => {
-                    let _ = sender.send(json!({"error": {"message": SHUTTING_DOWN, "type": "server_error"}}));
+                    // Best effort: a client that reads nothing does not hold up shutdown.
+                    let _ = sender.try_send(json!({"error": {"message": SHUTTING_DOWN, "type": "server_error"}}));
                     log_access(&state, path, Err(&error(StatusCode::SERVICE_UNAVAILABLE, "server_error", SHUTTING_DOWN)), started);
                     return;
                 }
@@ -197,7 +203,7 @@ pub(super) fn stream_choices(
                         "total_tokens": prompt_tokens + so_far,
                     });
                 }
-                if sender.send(value).is_err() {
+                if sender.send(value).await.is_err() {
                     return;
                 }
             }
@@ -221,6 +227,7 @@ pub(super) fn stream_choices(
                 && finished
                 && sender
                     .send(usage_chunk(usage(prompt, completion, cached)))
+                    .await
                     .is_err()
             {
                 return;
@@ -232,8 +239,8 @@ pub(super) fn stream_choices(
 
 /// The server-sent-event response of the chunks `receiver` hands over: `data: {chunk}` for
 /// each, then `data: [DONE]` once the sender is gone.
-fn sse_response(receiver: tokio::sync::mpsc::UnboundedReceiver<Value>) -> Response {
-    let body = UnboundedReceiverStream::new(receiver)
+fn sse_response(receiver: tokio::sync::mpsc::Receiver<Value>) -> Response {
+    let body = tokio_stream::wrappers::ReceiverStream::new(receiver)
         .map(Some)
         .chain(tokio_stream::once(None))
         .map(|chunk| {
