@@ -267,14 +267,10 @@ pub struct BenchServeArgs {
     /// A `.gguf` file or model directory. Default: the embedded SmolLM2 model.
     #[arg(long, value_name = "M")]
     pub model: Option<String>,
-    /// Concurrent streams to measure, one after another.
-    #[arg(
-        long,
-        value_name = "N,..",
-        value_delimiter = ',',
-        default_value = "1,4,16"
-    )]
-    pub concurrency: Vec<usize>,
+    /// Concurrent streams to measure, one after another. Default: 1, 4 and 16; with
+    /// `--plan`, every batch the plan predicts for its layout (this flag keeps only these).
+    #[arg(long, value_name = "N,..", value_delimiter = ',')]
+    pub concurrency: Option<Vec<usize>>,
     /// Tokens each request asks for (`max_tokens`).
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_tokens: usize,
@@ -294,12 +290,12 @@ pub struct BenchServeArgs {
     /// throughput, logits differ in the last bits).
     #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
     pub numerics: NumericsArg,
-    /// Tensor-parallel degree of the server (`infer up --tp`).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub tp: usize,
-    /// Pipeline-parallel degree of the server (`infer up --pp`).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub pp: usize,
+    /// Tensor-parallel degree of the server (`infer up --tp`). Default: 1, or the plan's.
+    #[arg(long, value_name = "N")]
+    pub tp: Option<usize>,
+    /// Pipeline-parallel degree of the server (`infer up --pp`). Default: 1, or the plan's.
+    #[arg(long, value_name = "N")]
+    pub pp: Option<usize>,
     /// What the streams send: `chat` (short prompts), `mixed` (short prompts, and every
     /// eighth request a ~2k-token prompt) or `shared-prefix` (one ~500-token system text
     /// before every question, as with a long system prompt).
@@ -319,6 +315,20 @@ pub struct BenchServeArgs {
     /// Decode replicas of a disaggregated server (`infer up --decode`, with `--prefill`).
     #[arg(long, value_name = "M", requires = "prefill")]
     pub decode: Option<usize>,
+    /// Check a plan (`infer plan --json` output): serve its model with its layout (TP, PP,
+    /// DP), send its traffic (prompts of its `isl` tokens, `osl` tokens each, prefix cache
+    /// off) at each batch it predicts, and print TTFT p50, TPOT p50 and tokens/s predicted,
+    /// measured, and the relative error `(measured − predicted) / predicted`.
+    #[arg(
+        long,
+        value_name = "PLAN_JSON",
+        conflicts_with_all = ["model", "max_tokens", "workload", "no_prefix_cache", "prefill", "decode"]
+    )]
+    pub plan: Option<PathBuf>,
+    /// With `--plan`: print the comparison as JSON (`layout`, `rows[]` with `concurrency`,
+    /// `metric`, `predicted`, `measured`, `relative_error`) instead of the tables.
+    #[arg(long, requires = "plan")]
+    pub json: bool,
 }
 
 /// `infer bench serve --workload`.

@@ -1,51 +1,248 @@
 //! `infer bench serve`: the flags checked once into a [`ServeBench`], the load generator
-//! run, its report printed.
+//! run, its report printed. With `--plan`: the plan's layout, model and traffic as the
+//! benchmark, and its predictions next to the measurements ([`accuracy`]).
 
-use anyhow::{Result, bail};
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
 
 use crate::ExitStatus;
 use crate::cli::{BenchServeArgs, Workload};
 use crate::degrees::Degrees;
+use crate::plan::accuracy::{self, Measurement, Prediction, Row};
+use crate::plan::{Parallel, Plan};
 use crate::serve::bench::{self, ServeBench};
 use crate::ui::Printer;
 
-/// Runs `infer bench serve`. Errors: a value of 0 where at least 1 is needed (named), the
-/// server does not start, a request fails.
+/// Concurrencies measured without `--concurrency` or `--plan`.
+const DEFAULT_CONCURRENCY: [usize; 3] = [1, 4, 16];
+
+/// Runs `infer bench serve`. Errors: a value of 0 where at least 1 is needed (named), a plan
+/// that cannot be read or run here, the server does not start, a request fails.
 pub(crate) fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
-    let rows = bench::run(&settings(args)?)?;
-    printer.data(&rows.join("\n"));
+    if let Some(path) = &args.plan {
+        return check_plan(args, path, printer);
+    }
+    let report = bench::run(&settings(args)?)?;
+    printer.data(&report.rows.join("\n"));
     Ok(ExitStatus::Success)
+}
+
+/// `--plan --json`: the layout measured, what each side ran on, and every row.
+#[derive(Serialize)]
+struct PlanCheck<'a> {
+    model: &'a str,
+    layout: Parallel,
+    /// The cluster the plan's predictions are for (`infer plan`'s `cluster`).
+    predicted_for: &'a str,
+    /// Where the measurements were taken.
+    measured_on: String,
+    isl_tokens: u64,
+    osl_tokens: u64,
+    rows: Vec<Row>,
+}
+
+/// `--plan`: benchmarks the plan's layout at each batch it predicts and prints predicted,
+/// measured and the relative error of each metric. Errors: the plan cannot be read, its
+/// layout cannot run here or conflicts with `--tp`/`--pp`, no batch is left to measure.
+fn check_plan(args: &BenchServeArgs, path: &Path, printer: &Printer) -> Result<ExitStatus> {
+    let plan = read_plan(path)?;
+    let (settings, predictions) = plan_settings(args, &plan)?;
+    let report = bench::run(&settings)?;
+    let rows: Vec<Row> = predictions
+        .iter()
+        .zip(&report.points)
+        .flat_map(|(prediction, point)| {
+            accuracy::compare(
+                prediction,
+                &Measurement {
+                    ttft_p50_secs: point.ttft_p50_secs,
+                    tpot_p50_secs: point.tpot_p50_secs,
+                    tokens_per_sec: point.tokens_per_sec,
+                },
+            )
+        })
+        .collect();
+    let check = PlanCheck {
+        model: &plan.model,
+        layout: plan.parallel,
+        predicted_for: &plan.cluster,
+        measured_on: format!(
+            "this host: {} CPU rank process{} ({} cores)",
+            plan.parallel.world_size(),
+            if plan.parallel.world_size() == 1 {
+                ""
+            } else {
+                "es"
+            },
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
+        isl_tokens: plan.workload.isl_tokens,
+        osl_tokens: plan.workload.osl_tokens,
+        rows,
+    };
+    if args.json {
+        printer.json(&check)?;
+    } else {
+        printer.data(&report.rows.join("\n"));
+        printer.data(&table(&check));
+    }
+    Ok(ExitStatus::Success)
+}
+
+/// Reads `infer plan --json`'s output. Errors: the file cannot be read, or is not a plan
+/// (an infeasible plan's JSON is not).
+fn read_plan(path: &Path) -> Result<Plan> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("failed to read the plan `{}`", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "`{}` is not a plan written by `infer plan --json`",
+            path.display()
+        )
+    })
+}
+
+/// The benchmark of `plan`: its model, its layout, its traffic (`isl`-token prompts,
+/// `osl` tokens each with `ignore_eos`, prefix cache off since the planner does not model
+/// one) at the concurrencies of [`accuracy::predictions`], with those predictions in the
+/// same order. Errors: the layout cannot run here, `--tp`/`--pp` differ from the plan's,
+/// the model is not a file here, `--concurrency` keeps none of the plan's batches.
+fn plan_settings(args: &BenchServeArgs, plan: &Plan) -> Result<(ServeBench, Vec<Prediction>)> {
+    if let Some(reason) = accuracy::unrunnable_here(plan) {
+        bail!(
+            "cannot measure the plan's layout {} here: {reason}",
+            plan.parallel
+        );
+    }
+    let degrees = plan.parallel.degrees();
+    for (flag, given, planned) in [("--tp", args.tp, degrees.tp), ("--pp", args.pp, degrees.pp)] {
+        if given.is_some_and(|given| given != planned) {
+            bail!(
+                "{flag} {} conflicts with the plan's layout {}: leave {flag} out with --plan",
+                given.unwrap_or_default(),
+                plan.parallel
+            );
+        }
+    }
+    if !Path::new(&plan.serve_id).exists() {
+        bail!(
+            "the plan's model `{}` is not a file or directory here: the bench serves local \
+             GGUF files and model directories",
+            plan.serve_id
+        );
+    }
+    let mut predictions = accuracy::predictions(plan);
+    if predictions.is_empty() {
+        bail!(
+            "the plan predicts no batch for its own layout {} (none of its `pareto` points has it)",
+            plan.parallel
+        );
+    }
+    let planned: Vec<u64> = predictions.iter().map(|p| p.concurrency).collect();
+    if let Some(kept) = &args.concurrency {
+        predictions.retain(|p| kept.contains(&(p.concurrency as usize)));
+        if predictions.is_empty() {
+            bail!(
+                "--concurrency keeps none of the plan's concurrencies ({})",
+                planned
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
+    let isl_tokens = plan.workload.isl_tokens.max(1) as usize;
+    let settings = ServeBench {
+        model: Some(plan.serve_id.clone()),
+        concurrency: predictions.iter().map(|p| p.concurrency as usize).collect(),
+        max_tokens: plan.workload.osl_tokens.max(1) as usize,
+        workload: bench::Workload::Tokens(isl_tokens),
+        no_prefix_cache: true,
+        prefill_decode: None,
+        ignore_eos: true,
+        degrees: Degrees { ep: 1, ..degrees },
+        ..common_settings(args)?
+    };
+    Ok((settings, predictions))
+}
+
+/// The comparison table: what each side ran on, then per concurrency and metric, predicted,
+/// measured and the relative error.
+fn table(check: &PlanCheck<'_>) -> String {
+    let mut lines = vec![
+        format!(
+            "predicted      {} for {} on {}, {} prompt + {} output tokens per request",
+            check.layout, check.model, check.predicted_for, check.isl_tokens, check.osl_tokens
+        ),
+        format!("measured       {}", check.measured_on),
+        format!(
+            "{:>7}  {:<9} {:>12} {:>12} {:>10}",
+            "streams", "metric", "predicted", "measured", "error"
+        ),
+    ];
+    for row in &check.rows {
+        let (name, scale, unit) = match row.metric {
+            "ttft_p50_secs" => ("ttft p50", 1e3, "ms"),
+            "tpot_p50_secs" => ("tpot p50", 1e3, "ms"),
+            _ => ("tokens/s", 1.0, ""),
+        };
+        lines.push(format!(
+            "{:>7}  {name:<9} {:>10.2}{unit:<2} {:>10.2}{unit:<2} {:>+9.1}%",
+            row.concurrency,
+            row.predicted * scale,
+            row.measured * scale,
+            row.relative_error * 100.0
+        ));
+    }
+    lines.join("\n")
 }
 
 /// The benchmark the flags ask for. Errors: a concurrency, `--rounds`, `--repeat`, `--tp`
 /// or `--pp` of 0.
 fn settings(args: &BenchServeArgs) -> Result<ServeBench> {
-    if args.concurrency.contains(&0) {
+    let concurrency = args
+        .concurrency
+        .clone()
+        .unwrap_or_else(|| DEFAULT_CONCURRENCY.to_vec());
+    if concurrency.contains(&0) {
         bail!("--concurrency values must be at least 1");
     }
+    Ok(ServeBench {
+        concurrency,
+        degrees: Degrees {
+            tp: args.tp.unwrap_or(1),
+            pp: args.pp.unwrap_or(1),
+            ..Degrees::ONE
+        },
+        ..common_settings(args)?
+    })
+}
+
+/// The settings `--plan` does not change, with 1 concurrency and the degrees 1. Errors: a
+/// `--rounds`, `--repeat`, `--tp` or `--pp` of 0.
+fn common_settings(args: &BenchServeArgs) -> Result<ServeBench> {
     for (flag, value) in [
-        ("--rounds", args.rounds),
-        ("--repeat", args.repeat),
+        ("--rounds", Some(args.rounds)),
+        ("--repeat", Some(args.repeat)),
         ("--tp", args.tp),
         ("--pp", args.pp),
     ] {
-        if value == 0 {
+        if value == Some(0) {
             bail!("{flag} must be at least 1");
         }
     }
     Ok(ServeBench {
         model: args.model.clone(),
-        concurrency: args.concurrency.clone(),
+        concurrency: vec![1],
         max_tokens: args.max_tokens,
         rounds: args.rounds,
         repeat: args.repeat,
         threads: args.threads,
         numerics: args.numerics.into(),
-        degrees: Degrees {
-            tp: args.tp,
-            pp: args.pp,
-            ..Degrees::ONE
-        },
+        degrees: Degrees::ONE,
         workload: match args.workload {
             Workload::Chat => bench::Workload::Chat,
             Workload::Mixed => bench::Workload::Mixed,
@@ -54,5 +251,6 @@ fn settings(args: &BenchServeArgs) -> Result<ServeBench> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         no_prefix_cache: args.no_prefix_cache,
         prefill_decode: args.prefill.zip(args.decode),
+        ignore_eos: false,
     })
 }

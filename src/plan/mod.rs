@@ -7,6 +7,7 @@
 //! hold the model), scores the rest with the roofline model of [`cost`] and picks by
 //! objective.
 
+pub mod accuracy;
 pub mod calibration;
 pub(crate) mod cluster;
 pub(crate) mod cost;

@@ -34,7 +34,7 @@ pub(crate) struct ServeBench {
     /// `infer up --threads` (0: one per core).
     pub(crate) threads: usize,
     pub(crate) numerics: Numerics,
-    /// The server's `--tp` and `--pp` (`dp` and `ep` 1).
+    /// The server's `--tp`, `--pp` and `--dp` (`ep` 1).
     pub(crate) degrees: Degrees,
     pub(crate) workload: Workload,
     /// `infer up --max-num-batched-tokens`.
@@ -43,6 +43,8 @@ pub(crate) struct ServeBench {
     pub(crate) no_prefix_cache: bool,
     /// `infer up --prefill N --decode M`.
     pub(crate) prefill_decode: Option<(usize, usize)>,
+    /// Every request asks for exactly `max_tokens` (`ignore_eos`), as a plan's traffic does.
+    pub(crate) ignore_eos: bool,
 }
 
 /// What the streams send.
@@ -54,6 +56,9 @@ pub(crate) enum Workload {
     Mixed,
     /// A ~500-token shared system text, then a short question.
     SharedPrefix,
+    /// Prompts of about this many tokens (one word each), every one different from its
+    /// first word on, so that no prefix cache serves them: a plan's `isl`.
+    Tokens(usize),
 }
 
 /// Prompts the clients cycle through (ordinary text, so generation runs to `max_tokens`
@@ -91,6 +96,19 @@ fn long_prompt(streams: usize, stream: usize, round: usize) -> String {
     text
 }
 
+/// A prompt of about `tokens` tokens: a numbered opening (a handful of tokens, different for
+/// every request), then common words of one token each.
+fn words_prompt(tokens: usize, streams: usize, stream: usize, round: usize) -> String {
+    const WORDS: [&str; 8] = [
+        " the", " day", " was", " long", " and", " the", " sky", " grey",
+    ];
+    let mut text = format!("{streams}/{stream}-{round}:");
+    for word_idx in 0..tokens.saturating_sub(6) {
+        text.push_str(WORDS[word_idx % WORDS.len()]);
+    }
+    text
+}
+
 /// The prompt stream `stream` of `streams` sends in round `round` of `rounds`, and whether
 /// it is a long one.
 fn prompt_for(
@@ -106,6 +124,7 @@ fn prompt_for(
         }
         Workload::Mixed => (short.to_string(), false),
         Workload::SharedPrefix => (format!("{}\n\nTask: {short}", SYSTEM_TEXT.repeat(6)), false),
+        Workload::Tokens(tokens) => (words_prompt(tokens, streams, stream, round), false),
     }
 }
 
@@ -119,6 +138,26 @@ struct Sample {
     tpot_secs: Option<f64>,
     /// `usage.completion_tokens` of the final chunk.
     completion_tokens: usize,
+}
+
+/// What one concurrency measured, over every sweep.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct PointSummary {
+    /// Concurrent streams.
+    pub(crate) streams: usize,
+    /// Output tokens per second of wall time, the median over the sweeps.
+    pub(crate) tokens_per_sec: f64,
+    /// Median time to first token of the short prompts, seconds.
+    pub(crate) ttft_p50_secs: f64,
+    /// Median time per output token after the first, seconds.
+    pub(crate) tpot_p50_secs: f64,
+}
+
+/// The benchmark's report: its lines, and each concurrency's figures for a caller that
+/// compares them.
+pub(crate) struct Report {
+    pub(crate) rows: Vec<String>,
+    pub(crate) points: Vec<PointSummary>,
 }
 
 /// Kills the server when the benchmark ends, however it ends.
@@ -139,10 +178,10 @@ impl Drop for Server {
     }
 }
 
-/// Runs the benchmark and returns the report's lines.
+/// Runs the benchmark and returns its report.
 ///
 /// Errors: the server does not start, a request fails.
-pub(crate) fn run(args: &ServeBench) -> Result<Vec<String>> {
+pub(crate) fn run(args: &ServeBench) -> Result<Report> {
     let max_batch = args.concurrency.iter().copied().max().unwrap_or(1).max(16);
     let numerics = args.numerics.name();
     let (server, address, ready_secs) = start_server(args, max_batch, numerics)?;
@@ -153,14 +192,34 @@ pub(crate) fn run(args: &ServeBench) -> Result<Vec<String>> {
         .context("cannot start the client runtime")?;
     // One warm-up request page-faults the weights in.
     client
-        .block_on(request(&address, PROMPTS[0], 8, false))
+        .block_on(request(&address, PROMPTS[0], 8, false, false))
         .context("warm-up request failed")?;
     let mut rows = header_rows(args, ready_secs, numerics, max_batch);
     let measured = measure(&client, &address, args)?;
     rows.extend(result_rows(args, &measured));
     rows.push(cache_row(&client, &address)?);
     drop(server);
-    Ok(rows)
+    let points = args
+        .concurrency
+        .iter()
+        .zip(&measured)
+        .map(|(&streams, (rates, samples))| summary(streams, rates, samples))
+        .collect();
+    Ok(Report { rows, points })
+}
+
+/// One concurrency's figures: the median tokens/s of its sweeps, the TTFT and TPOT medians
+/// of its short prompts' requests.
+fn summary(streams: usize, rates: &[f64], samples: &[Sample]) -> PointSummary {
+    let short = || samples.iter().filter(|s| !s.long);
+    let ttft: Vec<f64> = short().map(|s| s.ttft_secs).collect();
+    let tpot: Vec<f64> = short().filter_map(|s| s.tpot_secs).collect();
+    PointSummary {
+        streams,
+        tokens_per_sec: percentile(rates, 0.5),
+        ttft_p50_secs: percentile(&ttft, 0.5),
+        tpot_p50_secs: percentile(&tpot, 0.5),
+    }
 }
 
 /// Starts `infer up --port 0` with the benchmark's flags and waits until it listens.
@@ -183,6 +242,9 @@ fn start_server(
         "--pp",
         &args.degrees.pp.to_string(),
     ]);
+    if args.degrees.dp > 1 {
+        command.args(["--dp", &args.degrees.dp.to_string()]);
+    }
     if let Some(tokens) = args.max_num_batched_tokens {
         command.args(["--max-num-batched-tokens", &tokens.to_string()]);
     }
@@ -245,12 +307,13 @@ fn header_rows(
                 "disaggregated: {prefill} prefill + {decode} decode replicas of tp {} × pp {}",
                 args.degrees.tp, args.degrees.pp
             )
-        } else if args.degrees.tp * args.degrees.pp > 1 {
+        } else if args.degrees.world_size() > 1 {
             format!(
-                "{} rank processes, tp {} × pp {}",
-                args.degrees.tp * args.degrees.pp,
+                "{} rank processes, tp {} × pp {} × dp {}",
+                args.degrees.world_size(),
                 args.degrees.tp,
-                args.degrees.pp
+                args.degrees.pp,
+                args.degrees.dp
             )
         } else {
             "1 engine process".to_string()
@@ -268,9 +331,15 @@ fn header_rows(
         ),
         if args.no_prefix_cache { "off" } else { "on" },
         match args.workload {
-            Workload::Chat => "chat",
-            Workload::Mixed => "mixed (every 8th request ~2k tokens; TTFT/TPOT of the short ones)",
-            Workload::SharedPrefix => "shared-prefix (~500-token system text)",
+            Workload::Chat => "chat".to_string(),
+            Workload::Mixed =>
+                "mixed (every 8th request ~2k tokens; TTFT/TPOT of the short ones)".to_string(),
+            Workload::SharedPrefix => "shared-prefix (~500-token system text)".to_string(),
+            Workload::Tokens(tokens) => format!(
+                "~{tokens}-token prompts, {} tokens each{}",
+                args.max_tokens,
+                if args.ignore_eos { " (ignore_eos)" } else { "" }
+            ),
         }
     ));
     rows.push(format!(
@@ -404,11 +473,13 @@ fn sweep_point(
             .map(|i| {
                 let address = address.to_string();
                 let (max_tokens, rounds, workload) = (args.max_tokens, args.rounds, args.workload);
+                let ignore_eos = args.ignore_eos;
                 tokio::spawn(async move {
                     let mut samples = Vec::with_capacity(rounds);
                     for round in 0..rounds {
                         let (prompt, long) = prompt_for(workload, (streams, i), (rounds, round));
-                        samples.push(request(&address, &prompt, max_tokens, long).await?);
+                        samples
+                            .push(request(&address, &prompt, max_tokens, long, ignore_eos).await?);
                     }
                     anyhow::Ok(samples)
                 })
@@ -438,10 +509,16 @@ fn percentile(values: &[f64], q: f64) -> f64 {
 
 /// Sends one streaming `/v1/completions` request and times its chunks. Errors: no
 /// connection, a non-200 answer, an error event, or no answer within 300 s.
-async fn request(address: &str, prompt: &str, max_tokens: usize, long: bool) -> Result<Sample> {
+async fn request(
+    address: &str,
+    prompt: &str,
+    max_tokens: usize,
+    long: bool,
+    ignore_eos: bool,
+) -> Result<Sample> {
     tokio::time::timeout(
         Duration::from_secs(300),
-        stream_completion(address, prompt, max_tokens, long),
+        stream_completion(address, prompt, max_tokens, long, ignore_eos),
     )
     .await
     .context("no complete answer within 300 s")?
@@ -478,13 +555,17 @@ async fn stream_completion(
     prompt: &str,
     max_tokens: usize,
     long: bool,
+    ignore_eos: bool,
 ) -> Result<Sample> {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true,
         "stream_options": {"include_usage": true},
-    })
-    .to_string();
+    });
+    if ignore_eos {
+        body["ignore_eos"] = serde_json::Value::Bool(true);
+    }
+    let body = body.to_string();
     let mut stream = tokio::net::TcpStream::connect(address)
         .await
         .with_context(|| format!("cannot connect to {address}"))?;

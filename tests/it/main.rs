@@ -22,6 +22,7 @@ mod kernels;
 mod model;
 mod pd;
 mod plan;
+mod plan_check;
 mod prefix;
 mod readme;
 mod restarts;

@@ -1,0 +1,154 @@
+//! `infer bench serve --plan`: a plan's predictions next to a benchmark of its layout on the
+//! real SmolLM2 model, and the plans it refuses. See: #40
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::support::process::run;
+
+/// Writes `infer plan --json` for SmolLM2 on one H100 with short requests (`--isl 24 --osl
+/// 6`) into `dir`; returns its path. The bench serves the plan's layout on this host's CPU.
+fn write_plan(dir: &Path) -> String {
+    let output = run(&[
+        "plan",
+        "--json",
+        "--cluster",
+        "1x1xh100-sxm",
+        "--isl",
+        "24",
+        "--osl",
+        "6",
+    ]);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let path = dir.join("plan.json");
+    std::fs::write(&path, &output.stdout).expect("write the plan");
+    path.display().to_string()
+}
+
+/// The plan's smallest concurrency (its layout's smallest `pareto` batch times DP).
+fn smallest_concurrency(plan_path: &str) -> u64 {
+    let plan: Value =
+        serde_json::from_str(&std::fs::read_to_string(plan_path).expect("plan")).expect("JSON");
+    let layout = &plan["parallel"];
+    plan["pareto"]
+        .as_array()
+        .expect("pareto")
+        .iter()
+        .filter(|p| &p["parallel"] == layout)
+        .map(|p| {
+            p["batch_per_replica"].as_u64().expect("batch") * layout["dp"].as_u64().expect("dp")
+        })
+        .min()
+        .expect("a point of the plan's layout")
+}
+
+/// The JSON has TTFT p50, TPOT p50 and tokens/s at the concurrency asked for, each with a
+/// finite predicted and measured value and `relative_error = (measured − predicted) /
+/// predicted`; it says what each side ran on.
+#[test]
+fn bench_serve_plan_reports_predicted_measured_and_error() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let plan = write_plan(dir.path());
+    let concurrency = smallest_concurrency(&plan).to_string();
+    let args = [
+        "bench",
+        "serve",
+        "--plan",
+        &plan,
+        "--json",
+        "--concurrency",
+        &concurrency,
+        "--rounds",
+        "1",
+        "--threads",
+        "2",
+    ];
+    let output = run(&args);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let report: Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
+    assert_eq!(report["layout"]["tp"], 1, "{report}");
+    assert!(
+        report["predicted_for"]
+            .as_str()
+            .is_some_and(|s| !s.is_empty()),
+        "{report}"
+    );
+    assert!(
+        report["measured_on"]
+            .as_str()
+            .is_some_and(|s| s.contains("CPU")),
+        "{report}"
+    );
+    let rows = report["rows"].as_array().expect("rows");
+    let metrics: Vec<&str> = rows
+        .iter()
+        .map(|r| r["metric"].as_str().expect("metric"))
+        .collect();
+    assert_eq!(
+        metrics,
+        ["ttft_p50_secs", "tpot_p50_secs", "tokens_per_sec"],
+        "{report}"
+    );
+    for row in rows {
+        let get = |k: &str| row[k].as_f64().unwrap_or_else(|| panic!("{k} in {row}"));
+        let (predicted, measured) = (get("predicted"), get("measured"));
+        assert!(predicted.is_finite() && predicted > 0.0, "{row}");
+        assert!(measured.is_finite() && measured > 0.0, "{row}");
+        let expected = (measured - predicted) / predicted;
+        assert!(
+            (get("relative_error") - expected).abs() <= 1e-9 * expected.abs().max(1.0),
+            "{row}"
+        );
+        assert_eq!(row["concurrency"].to_string(), concurrency, "{row}");
+    }
+}
+
+/// A missing file, a file that is not a plan, `--tp` other than the plan's, and a
+/// `--concurrency` the plan does not predict each exit 2 with a message naming the problem,
+/// before any server starts.
+#[test]
+fn bench_serve_plan_refuses_bad_input() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let plan = write_plan(dir.path());
+    let malformed = dir.path().join("malformed.json");
+    std::fs::write(&malformed, "{\"parallel\": ").expect("write");
+    let malformed = malformed.display().to_string();
+    let missing = dir.path().join("missing.json").display().to_string();
+    let cases: [(&[&str], &str); 5] = [
+        (&["--plan", &missing], "failed to read the plan"),
+        (
+            &["--plan", &malformed],
+            "is not a plan written by `infer plan --json`",
+        ),
+        (
+            &["--plan", &plan, "--tp", "2"],
+            "--tp 2 conflicts with the plan's layout TP1",
+        ),
+        (
+            &["--plan", &plan, "--concurrency", "7777"],
+            "keeps none of the plan's concurrencies",
+        ),
+        (
+            &["--plan", &plan, "--model", "x.gguf"],
+            "cannot be used with",
+        ),
+    ];
+    for (extra, message) in cases {
+        let mut args = vec!["bench", "serve"];
+        args.extend_from_slice(extra);
+        let output = run(&args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+        assert!(output.stdout.is_empty(), "{args:?}");
+    }
+}
