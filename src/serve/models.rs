@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 
 use super::errors::ApiError;
 use super::{AppState, Ready, api, authorize, now, off_the_workers, served_model};
+use crate::runtime::model::tokenizer::Tokenizer;
 
 /// One model object: OpenAI's `id`, `object`, `created`, `owned_by`, and vLLM's `root`
 /// (what the model was loaded from; `vllm bench serve` reads it), `parent`,
@@ -69,12 +70,7 @@ pub(super) async fn tokenize(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    let state = Arc::clone(&state);
-    let answer =
-        off_the_workers(move || api::tokenize(&served_model(&state), &state.tokenizer, &body))
-            .await?;
-    Ok((StatusCode::OK, axum::Json(answer)).into_response())
+    tokenizer_endpoint(state, &headers, body, api::tokenize).await
 }
 
 /// `POST /detokenize` (vLLM's): token ids as text.
@@ -83,10 +79,19 @@ pub(super) async fn detokenize(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    let state = Arc::clone(&state);
+    tokenizer_endpoint(state, &headers, body, api::detokenize).await
+}
+
+/// An authorized request's `answer`, computed on the blocking pool (a long prompt takes
+/// seconds to tokenize), as JSON.
+async fn tokenizer_endpoint(
+    state: Arc<AppState>,
+    headers: &HeaderMap,
+    body: Bytes,
+    answer: fn(&api::ServedModel, &Tokenizer, &Bytes) -> Result<Value, ApiError>,
+) -> Result<Response, ApiError> {
+    authorize(&state, headers)?;
     let answer =
-        off_the_workers(move || api::detokenize(&served_model(&state), &state.tokenizer, &body))
-            .await?;
+        off_the_workers(move || answer(&served_model(&state), &state.tokenizer, &body)).await?;
     Ok((StatusCode::OK, axum::Json(answer)).into_response())
 }

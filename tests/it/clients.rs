@@ -4,12 +4,13 @@
 //! against `infer up`, and vLLM's sampling extensions, model list, tokenizer endpoints and
 //! metric names checked for their effect on the real model.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::{Value, json};
 
-use crate::support::cache::{cached_dir, test_cache};
+use crate::support::cache::pip_venv;
 use crate::support::process::infer;
 use crate::support::server::{Server, metric};
 
@@ -444,30 +445,28 @@ fn models_tokenize_detokenize_and_metrics_answer_as_vllms() {
 }
 
 /// AIPerf (NVIDIA's load generator) from PyPI, wheels only (~1.2 GB, no torch), in a
-/// venv cached outside the repository; its scripts name the staging path, so it runs as
-/// `bin/python -m aiperf`.
+/// venv cached outside the repository.
 fn aiperf_venv() -> PathBuf {
-    const VERSION: &str = "0.13.0";
-    cached_dir(&test_cache().join(format!("aiperf-{VERSION}")), |staging| {
-        let status = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(staging)
-            .status()
-            .expect("run python3 -m venv");
-        assert!(status.success(), "python3 -m venv failed");
-        let status = Command::new(staging.join("bin/pip"))
-            .args([
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--only-binary",
-                ":all:",
-            ])
-            .arg(format!("aiperf=={VERSION}"))
-            .status()
-            .expect("run pip");
-        assert!(status.success(), "pip could not install aiperf=={VERSION}");
-    })
+    pip_venv(
+        "aiperf-0.13.0",
+        &["--only-binary", ":all:", "aiperf==0.13.0"].map(OsStr::new),
+    )
+}
+
+/// The SmolLM2 tokenizer as `infer model export-tokenizer` writes it, in `scratch`.
+fn exported_tokenizer(scratch: &Path) -> PathBuf {
+    let tokenizer = scratch.join("tokenizer");
+    let export = infer()
+        .args(["model", "export-tokenizer", "smollm2"])
+        .arg(&tokenizer)
+        .output()
+        .expect("run infer model export-tokenizer");
+    assert!(
+        export.status.success(),
+        "{}",
+        String::from_utf8_lossy(&export.stderr)
+    );
+    tokenizer
 }
 
 /// Runs `aiperf profile` against `url` on `endpoint` (`completions` or `chat`): 8 streamed
@@ -527,17 +526,7 @@ fn run_aiperf(venv: &Path, url: &str, endpoint: &str, tokenizer: &Path, out: &Pa
 fn aiperf_from_pypi_benchmarks_infer_up_with_the_exported_tokenizer() {
     let venv = aiperf_venv();
     let scratch = tempfile::tempdir().expect("tempdir");
-    let tokenizer = scratch.path().join("tokenizer");
-    let export = infer()
-        .args(["model", "export-tokenizer", "smollm2"])
-        .arg(&tokenizer)
-        .output()
-        .expect("run infer model export-tokenizer");
-    assert!(
-        export.status.success(),
-        "{}",
-        String::from_utf8_lossy(&export.stderr)
-    );
+    let tokenizer = exported_tokenizer(scratch.path());
     let server = Server::start(&["--served-model-name", MODEL]);
     let mut generated = 0.0;
     for endpoint in ["completions", "chat"] {
@@ -586,33 +575,15 @@ fn aiperf_from_pypi_benchmarks_infer_up_with_the_exported_tokenizer() {
 /// compiles and runs on this machine's 3.11 (checked: every module compiles, both runs
 /// below pass), so pip is told to install it there.
 fn inference_perf_venv() -> PathBuf {
-    const VERSION: &str = "0.7.0";
-    cached_dir(
-        &test_cache().join(format!("inference-perf-{VERSION}")),
-        |staging| {
-            let status = Command::new("python3")
-                .args(["-m", "venv"])
-                .arg(staging)
-                .status()
-                .expect("run python3 -m venv");
-            assert!(status.success(), "python3 -m venv failed");
-            let status = Command::new(staging.join("bin/pip"))
-                .args([
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                    "--only-binary",
-                    ":all:",
-                    "--ignore-requires-python",
-                ])
-                .arg(format!("inference-perf=={VERSION}"))
-                .status()
-                .expect("run pip");
-            assert!(
-                status.success(),
-                "pip could not install inference-perf=={VERSION}"
-            );
-        },
+    pip_venv(
+        "inference-perf-0.7.0",
+        &[
+            "--only-binary",
+            ":all:",
+            "--ignore-requires-python",
+            "inference-perf==0.7.0",
+        ]
+        .map(OsStr::new),
     )
 }
 
@@ -620,17 +591,7 @@ fn inference_perf_venv() -> PathBuf {
 fn inference_perf_from_pypi_benchmarks_infer_up_with_the_exported_tokenizer() {
     let venv = inference_perf_venv();
     let scratch = tempfile::tempdir().expect("tempdir");
-    let tokenizer = scratch.path().join("tokenizer");
-    let export = infer()
-        .args(["model", "export-tokenizer", "smollm2"])
-        .arg(&tokenizer)
-        .output()
-        .expect("run infer model export-tokenizer");
-    assert!(
-        export.status.success(),
-        "{}",
-        String::from_utf8_lossy(&export.stderr)
-    );
+    let tokenizer = exported_tokenizer(scratch.path());
     let server = Server::start(&["--served-model-name", MODEL]);
     // Completions with random prompts of 32 tokens and 16 out; chat with its fixed mock
     // prompts and its default of 30 out (its random data has no chat form). Both always

@@ -4,6 +4,7 @@
 //! the repository; tests/engines/parse_args.py), the scripts `--emit` writes (snapshots),
 //! and the layouts an engine cannot express.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::support::cache::{cached_dir, recipe_hash, test_cache};
+use crate::support::cache::{cached_dir, pip_venv, recipe_hash, test_cache};
 use crate::support::cluster::TestCluster;
 use crate::support::process::{alive, free_port, infer, run, signal, stdout_ok, wait_exit};
 use crate::support::server::Server;
@@ -27,29 +28,15 @@ fn parser_venv() -> &'static Path {
     VENV.get_or_init(|| {
         let requirements = repo().join("tests/engines/requirements.txt");
         let recipe = std::fs::read(&requirements).expect("read requirements.txt");
-        let dir = test_cache().join(format!("engine-parsers-{}", recipe_hash(&recipe)));
-        cached_dir(&dir, |staging| {
-            let status = Command::new("python3")
-                .args(["-m", "venv"])
-                .arg(staging)
-                .status()
-                .expect("run python3 -m venv");
-            assert!(status.success(), "python3 -m venv failed");
-            let status = Command::new(staging.join("bin/pip"))
-                .args([
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                    "--no-deps",
-                    "-r",
-                ])
-                .arg(&requirements)
-                .status()
-                .expect("run pip");
-            assert!(status.success(), "pip install of the pinned engines failed");
-        });
         // The venv's scripts name the staging path; only its interpreter is used.
-        dir
+        pip_venv(
+            &format!("engine-parsers-{}", recipe_hash(&recipe)),
+            &[
+                OsStr::new("--no-deps"),
+                OsStr::new("-r"),
+                requirements.as_os_str(),
+            ],
+        )
     })
 }
 

@@ -93,3 +93,23 @@ fn python_package(name: &str, version: &str, pip_args: &[&str]) -> PathBuf {
     }
     dir
 }
+
+/// A venv cached as `dir_name` in the test cache, with `pip install --quiet
+/// --disable-pip-version-check PIP_ARGS` run in it; its scripts name the staging path, so
+/// run its tools as `bin/python -m TOOL`.
+pub fn pip_venv(dir_name: &str, pip_args: &[&std::ffi::OsStr]) -> PathBuf {
+    cached_dir(&test_cache().join(dir_name), |staging| {
+        let status = std::process::Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(staging)
+            .status()
+            .expect("run python3 -m venv");
+        assert!(status.success(), "python3 -m venv failed");
+        let status = std::process::Command::new(staging.join("bin/pip"))
+            .args(["install", "--quiet", "--disable-pip-version-check"])
+            .args(pip_args)
+            .status()
+            .expect("run pip");
+        assert!(status.success(), "pip install {pip_args:?} failed");
+    })
+}
