@@ -267,8 +267,8 @@ pub struct BenchServeArgs {
     /// A `.gguf` file or model directory. Default: the embedded SmolLM2 model.
     #[arg(long, value_name = "M")]
     pub model: Option<String>,
-    /// Concurrent streams to measure, one after another. Default: 1, 4 and 16; with
-    /// `--plan`, every batch the plan predicts for its layout (this flag keeps only these).
+    /// Concurrent streams to measure, one after another [default: 1,4,16; with `--plan`,
+    /// every batch the plan predicts for its layout, of which this flag keeps some].
     #[arg(long, value_name = "N,..", value_delimiter = ',')]
     pub concurrency: Option<Vec<usize>>,
     /// Tokens each request asks for (`max_tokens`).

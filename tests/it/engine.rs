@@ -573,7 +573,7 @@ fn generate_rejects_bad_flags_and_profiles() {
     );
     // `--concurrency` shows its default the way it takes values.
     let help = String::from_utf8_lossy(&run(&["bench", "serve", "--help"]).stdout).into_owned();
-    assert!(help.contains("[default: 1,4,16]"), "{help}");
+    assert!(help.contains("[default: 1,4,16;"), "{help}");
 }
 
 #[test]
