@@ -327,11 +327,13 @@ pub(super) fn parse(body: &Bytes) -> Result<Body, ApiError> {
 /// Parses a body as `T`, naming every unknown field (and which of them are `vllm`'s) and
 /// the field of any type error.
 fn parse_as<T: serde::de::DeserializeOwned>(body: &Bytes, vllm: &[&str]) -> Result<T, ApiError> {
-    if let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) {
-        check_known_fields(&fields, field_names::<T>(), vllm)?;
+    // Parsed once: the unknown fields are read off the tree the body is then typed from.
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| bad_request(format!("malformed request body: {e}")))?;
+    if let Value::Object(fields) = &value {
+        check_known_fields(fields, field_names::<T>(), vllm)?;
     }
-    let deserializer = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(deserializer).map_err(|e| {
+    serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if path == "." {

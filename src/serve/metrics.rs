@@ -171,6 +171,66 @@ pub(super) fn render_totals(m: &MetricsSnapshot) -> String {
     text
 }
 
+/// vLLM's plain series: name, type, help and value (vLLM's help texts).
+type VllmSeries = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&MetricsSnapshot) -> String,
+);
+
+/// Every plain series [`render_vllm`] writes, in order.
+const VLLM_SERIES: [VllmSeries; 8] = [
+    (
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        |m| m.running.to_string(),
+    ),
+    (
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        |m| m.waiting.to_string(),
+    ),
+    (
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        |m| (m.kv_blocks_used as f64 / m.kv_blocks_total.max(1) as f64).to_string(),
+    ),
+    (
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        |m| m.prompt_tokens_total.to_string(),
+    ),
+    (
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        |m| m.generation_tokens_total.to_string(),
+    ),
+    (
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        |m| m.prefix_cache_queries_total.to_string(),
+    ),
+    (
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        |m| m.prefix_cache_hits_total.to_string(),
+    ),
+    (
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemptions from the engine.",
+        |m| m.preemptions_total.to_string(),
+    ),
+];
+
 /// The series vLLM exports (`vllm/v1/metrics/loggers.py`), each labelled
 /// `model_name="<served model name>"`, from every replica's metrics added up (`m`), so
 /// that dashboards and autoscalers written for vLLM read this server unchanged.
@@ -184,59 +244,12 @@ pub(super) fn render_vllm(m: &MetricsSnapshot, model_name: &str) -> String {
             .replace('\n', "\\n")
     );
     let mut text = String::new();
-    let mut series = |name: &str, kind: &str, help: &str, value: String| {
+    for (name, kind, help, value) in VLLM_SERIES {
         text.push_str(&format!(
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{label}}} {value}\n"
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{label}}} {}\n",
+            value(m)
         ));
-    };
-    series(
-        "vllm:num_requests_running",
-        "gauge",
-        "Number of requests in model execution batches.",
-        m.running.to_string(),
-    );
-    series(
-        "vllm:num_requests_waiting",
-        "gauge",
-        "Number of requests waiting to be processed.",
-        m.waiting.to_string(),
-    );
-    series(
-        "vllm:kv_cache_usage_perc",
-        "gauge",
-        "KV-cache usage. 1 means 100 percent usage.",
-        (m.kv_blocks_used as f64 / m.kv_blocks_total.max(1) as f64).to_string(),
-    );
-    series(
-        "vllm:prompt_tokens_total",
-        "counter",
-        "Number of prefill tokens processed.",
-        m.prompt_tokens_total.to_string(),
-    );
-    series(
-        "vllm:generation_tokens_total",
-        "counter",
-        "Number of generation tokens processed.",
-        m.generation_tokens_total.to_string(),
-    );
-    series(
-        "vllm:prefix_cache_queries_total",
-        "counter",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        m.prefix_cache_queries_total.to_string(),
-    );
-    series(
-        "vllm:prefix_cache_hits_total",
-        "counter",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        m.prefix_cache_hits_total.to_string(),
-    );
-    series(
-        "vllm:num_preemptions_total",
-        "counter",
-        "Cumulative number of preemptions from the engine.",
-        m.preemptions_total.to_string(),
-    );
+    }
     for (name, help, histogram) in [
         (
             "vllm:time_to_first_token_seconds",
