@@ -39,9 +39,13 @@ fn parts(layers: usize, kv_heads: usize, head_dim: usize, positions: usize) -> V
 /// Seconds to send and take `parts` `rounds` times (best round), through shared memory or
 /// TCP.
 fn time(parts: &[KvTransfer], layers: usize, shm: bool, rounds: u64) -> f64 {
-    let inbox = Inbox::bind("127.0.0.1", "bench").expect("inbox");
+    // Rank 0 (prefill) sends to rank 1 (decode), both on this host.
+    let keys = infer::keyring::Keyring::master("bench", infer::keyring::LAUNCHER_HOST, vec![0, 0])
+        .on_host(0);
+    let inbox = Inbox::bind("127.0.0.1", &keys, 1).expect("inbox");
     let address = inbox.address().to_string();
-    let mut outbox = Outbox::new("bench").expect("outbox");
+    let mut outbox = Outbox::new(&keys, 0).expect("outbox");
+    outbox.add_inbox(&address, 1);
     if shm {
         outbox.on_this_host(&address);
     }

@@ -15,8 +15,8 @@ pub(crate) const CACHE_DIR: &str = "INFER_CACHE_DIR";
 /// The API key `infer up` requires (`--api-key`'s environment form, as vLLM's
 /// `VLLM_API_KEY`); passed to a serving rank 0.
 pub(crate) const API_KEY: &str = "INFER_API_KEY";
-/// The secret every node of `infer up --nnodes` shares; also how a rank receives its run's
-/// token (never in an argv, never in `manifest.json`).
+/// The secret every node of `infer up --nnodes` shares (never in an argv, never in
+/// `manifest.json`); each node's launcher derives its ranks' keys from it.
 pub(crate) const RUN_TOKEN: &str = "INFER_RUN_TOKEN";
 /// `1`: collectives between ranks on one host go over TCP, not shared memory (as
 /// `NCCL_SHM_DISABLE`); passed on to every rank.
@@ -64,6 +64,10 @@ pub(crate) const DEVICE: &str = "INFER_DEVICE";
 pub(crate) const BIND_ADDR: &str = "INFER_BIND_ADDR";
 /// The inventory name of the rank's host.
 pub(crate) const HOST: &str = "INFER_HOST";
+/// The keys of the rank's host ([`crate::keyring`]: pair keys with every host, its store
+/// key, the host of every rank); never in an argv or `manifest.json`, and removed from the
+/// rank's environment once read.
+pub(crate) const RUN_KEYS: &str = "INFER_RUN_KEYS";
 /// Set by an agent on every process it starts: the run it belongs to (`infer agent --kill`
 /// stops exactly that run's processes).
 pub(crate) const RUN_ID: &str = "INFER_RUN_ID";

@@ -1,6 +1,7 @@
 //! Mutual authentication of a run's internal TCP connections (the rendezvous store, the
-//! collectives, the DP router links, the KV inboxes): a challenge–response keyed by the
-//! run secret, which never crosses the wire.
+//! collectives, the DP router links, the KV inboxes): a challenge–response keyed by a key
+//! both ends hold ([`crate::keyring`]: the pair key of their two hosts, or the store key of
+//! the client's host), which never crosses the wire.
 //!
 //! The connecting side (the client) sends a hello: a magic and version, the channel (what
 //! the connection is for, e.g. `comm/dp0/tp/0`), the identity it claims and the identity it
@@ -8,12 +9,17 @@
 //! at most [`MAX_HELLO_BYTES`] within [`HELLO_TIMEOUT`] before it sizes anything, checks the
 //! channel and both identities, and answers its own nonce with its proof; the client checks
 //! that proof and answers with its own. Each proof is HMAC-SHA256 (RFC 2104) keyed by the
-//! secret over the role (`server` or `client`, so a proof cannot be reflected), the channel,
+//! key over the role (`server` or `client`, so a proof cannot be reflected), the channel,
 //! both identities and both nonces (so it cannot be replayed on another connection).
-//! Compared in constant time. An attacker who sees every handshake learns no secret and
-//! cannot take a slot; what later crosses the connection (tensors, KV, JSON) is neither
-//! encrypted nor authenticated frame by frame, as with NCCL: the data network is trusted with
-//! it.
+//! Compared in constant time. The server picks the key from the identity the client claims
+//! (the host that identity lives on), so a host can prove only identities of its own.
+//!
+//! Both ends leave with a [`Session`]: a key of this connection alone, from which the
+//! control-plane links (the store, the DP router) MAC every frame ([`Sealer`], [`Opener`]:
+//! HMAC-SHA256 over the direction, a sequence number and the frame), so a frame cannot be
+//! altered, replayed, reordered or dropped unnoticed. The bulk links (tensors, KV) are not
+//! MACed frame by frame, as with NCCL; nothing is encrypted: the data network is trusted
+//! with what it carries.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -21,6 +27,8 @@ use std::time::Duration;
 
 use anyhow::{Result, anyhow, bail};
 use hmac::{KeyInit, Mac};
+
+use crate::keyring::Key;
 
 /// How long a server waits for a hello, and each side for the other's answer.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -54,12 +62,13 @@ pub struct Claim<'a> {
 pub const LAUNCHER: u64 = u64::MAX;
 
 /// The client's side on a connected `stream`: proves `claim.client` and checks that the
-/// server is `claim.server` of `claim.channel`, both knowing `secret`. Read timeouts of
-/// [`HELLO_TIMEOUT`] apply meanwhile and are cleared after.
+/// server is `claim.server` of `claim.channel`, both holding `key`. Read timeouts of
+/// [`HELLO_TIMEOUT`] apply meanwhile and are cleared after. Returns the connection's
+/// [`Session`].
 ///
-/// Errors: the server closes the connection (it refused the claim or the secret), answers
+/// Errors: the server closes the connection (it refused the claim or the key), answers
 /// with a wrong proof, or takes longer than [`HELLO_TIMEOUT`]; I/O errors.
-pub fn client(stream: &mut TcpStream, secret: &str, claim: Claim) -> Result<()> {
+pub fn client(stream: &mut TcpStream, key: &Key, claim: Claim) -> Result<Session> {
     if claim.channel.len() > MAX_CHANNEL_BYTES {
         bail!("channel name of {} bytes is too long", claim.channel.len());
     }
@@ -76,7 +85,7 @@ pub fn client(stream: &mut TcpStream, secret: &str, claim: Claim) -> Result<()> 
     let mut answer = [0u8; 2 * NONCE_BYTES];
     stream.read_exact(&mut answer).map_err(|error| match error.kind() {
         std::io::ErrorKind::UnexpectedEof => anyhow!(
-            "the peer closed the connection during the handshake: it refused this run's secret or `{}` as {} → {} (another run, or a stale address?)",
+            "the peer closed the connection during the handshake: it refused this run's key or `{}` as {} → {} (another run, another host's key, or a stale address?)",
             claim.channel,
             claim.client,
             claim.server
@@ -84,41 +93,43 @@ pub fn client(stream: &mut TcpStream, secret: &str, claim: Claim) -> Result<()> 
         _ => anyhow!("the handshake on `{}` failed: {error}", claim.channel),
     })?;
     let (server_nonce, server_proof) = answer.split_at(NONCE_BYTES);
-    proof(secret, "server", claim, &client_nonce, server_nonce)
+    proof(key, "server", claim, &client_nonce, server_nonce)
         .verify_slice(server_proof)
         .map_err(|_| {
             anyhow!(
-                "the peer at {} did not prove this run's secret for `{}`: not a member of this run",
+                "the peer at {} did not prove this run's key for `{}`: not the member expected there",
                 stream
                     .peer_addr()
                     .map_or_else(|_| "?".into(), |a| a.to_string()),
                 claim.channel
             )
         })?;
-    let mine = proof(secret, "client", claim, &client_nonce, server_nonce).finalize();
+    let mine = proof(key, "client", claim, &client_nonce, server_nonce).finalize();
     stream.write_all(&mine.into_bytes())?;
     stream.set_read_timeout(None)?;
-    Ok(())
+    Ok(Session::new(key, claim, &client_nonce, server_nonce, true))
 }
 
 /// The server's side on an accepted `stream` of `channel`, as `server`: reads the hello
-/// (bounded, within [`HELLO_TIMEOUT`]), accepts the client identity only when `accept`
-/// does, proves itself and checks the client's proof. Returns the client's identity.
-/// Read timeouts are cleared after.
+/// (bounded, within [`HELLO_TIMEOUT`]), takes the key for the client identity it claims
+/// from `key_for` (`None`: an identity not accepted here), proves itself and checks the
+/// client's proof. Returns the client's identity and the connection's [`Session`]. Read
+/// timeouts are cleared after.
 ///
 /// Errors (the caller closes the connection and goes on accepting): no hello in time, a
-/// wrong magic, channel or server identity, a client identity `accept` refuses, a wrong
+/// wrong magic, channel or server identity, a client identity `key_for` refuses, a wrong
 /// proof; I/O errors.
 pub fn server(
     stream: &mut TcpStream,
-    secret: &str,
     channel: &str,
     server: u64,
-    accept: &dyn Fn(u64) -> bool,
-) -> Result<u64> {
-    stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
+    key_for: &dyn Fn(u64) -> Option<Key>,
+) -> Result<(u64, Session)> {
+    // One deadline for the whole exchange: a peer that trickles a byte at a time cannot
+    // hold the connection longer than `HELLO_TIMEOUT`.
+    let deadline = std::time::Instant::now() + HELLO_TIMEOUT;
     let mut head = [0u8; 10];
-    stream.read_exact(&mut head)?;
+    read_by(stream, &mut head, deadline)?;
     if &head[..8] != MAGIC {
         bail!("not a handshake of this protocol");
     }
@@ -127,51 +138,56 @@ pub fn server(
         bail!("a hello for another channel");
     }
     let mut rest = vec![0u8; channel_bytes + 16 + NONCE_BYTES];
-    stream.read_exact(&mut rest)?;
+    read_by(stream, &mut rest, deadline)?;
     let (claimed_channel, rest) = rest.split_at(channel_bytes);
     let (ids, client_nonce) = rest.split_at(16);
     let client = u64::from_le_bytes(ids[..8].try_into()?);
     let claimed_server = u64::from_le_bytes(ids[8..].try_into()?);
-    if claimed_channel != channel.as_bytes() || claimed_server != server || !accept(client) {
-        bail!("a hello for another channel, peer or identity");
+    if claimed_channel != channel.as_bytes() || claimed_server != server {
+        bail!("a hello for another channel or peer");
     }
+    let key = key_for(client).ok_or_else(|| anyhow!("a client identity not accepted here"))?;
     let claim = Claim {
         channel,
         client,
         server,
     };
     let server_nonce: [u8; NONCE_BYTES] = rand::random();
-    let mine = proof(secret, "server", claim, client_nonce, &server_nonce).finalize();
+    let mine = proof(&key, "server", claim, client_nonce, &server_nonce).finalize();
     let mut answer = Vec::with_capacity(2 * NONCE_BYTES);
     answer.extend_from_slice(&server_nonce);
     answer.extend_from_slice(&mine.into_bytes());
     stream.write_all(&answer)?;
     let mut theirs = [0u8; NONCE_BYTES];
-    stream.read_exact(&mut theirs)?;
-    proof(secret, "client", claim, client_nonce, &server_nonce)
+    read_by(stream, &mut theirs, deadline)?;
+    proof(&key, "client", claim, client_nonce, &server_nonce)
         .verify_slice(&theirs)
         .map_err(|_| anyhow!("the client's proof is wrong"))?;
     stream.set_read_timeout(None)?;
-    Ok(client)
+    Ok((
+        client,
+        Session::new(&key, claim, client_nonce, &server_nonce, false),
+    ))
 }
 
 /// Connects to `address` and proves `claim` ([`client`]), retrying both until `timeout`:
 /// a listener that is busy with strangers closes new connections at once, and frees a slot
-/// within [`HELLO_TIMEOUT`]. Returns the connection, its read timeout cleared.
+/// within [`HELLO_TIMEOUT`]. Returns the connection, its read timeout cleared, and its
+/// [`Session`].
 ///
 /// Errors: the last failure at `timeout` (unreachable, refused, or a peer that does not
-/// prove the secret).
+/// prove the key).
 pub fn connect(
     address: std::net::SocketAddr,
-    secret: &str,
+    key: &Key,
     claim: Claim,
     timeout: Duration,
-) -> Result<TcpStream> {
+) -> Result<(TcpStream, Session)> {
     let deadline = std::time::Instant::now() + timeout;
     loop {
         let attempt = TcpStream::connect_timeout(&address, Duration::from_secs(1))
             .map_err(anyhow::Error::from)
-            .and_then(|mut stream| client(&mut stream, secret, claim).map(|()| stream));
+            .and_then(|mut stream| client(&mut stream, key, claim).map(|s| (stream, s)));
         match attempt {
             Ok(stream) => return Ok(stream),
             Err(error) if std::time::Instant::now() >= deadline => {
@@ -185,16 +201,35 @@ pub fn connect(
     }
 }
 
-/// The MAC of one side's proof, before finalizing.
+/// Fills `buffer` from `stream` by `deadline`.
+///
+/// Errors: the deadline passes, the peer closes the connection, I/O errors.
+fn read_by(stream: &mut TcpStream, buffer: &mut [u8], deadline: std::time::Instant) -> Result<()> {
+    let mut filled = 0;
+    while filled < buffer.len() {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            bail!("no complete handshake within {HELLO_TIMEOUT:?}");
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buffer[filled..])? {
+            0 => bail!("the peer closed the connection during the handshake"),
+            n => filled += n,
+        }
+    }
+    Ok(())
+}
+
+/// The MAC of one side's proof (or, with role `session`, of the session key), before
+/// finalizing.
 fn proof(
-    secret: &str,
+    key: &Key,
     role: &str,
     claim: Claim,
     client_nonce: &[u8],
     server_nonce: &[u8],
 ) -> HmacSha256 {
-    let mut mac = HmacSha256::new_from_slice(secret.as_bytes())
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    let mut mac = mac_with(key.bytes());
     for part in [role.as_bytes(), claim.channel.as_bytes()] {
         mac.update(&(part.len() as u64).to_le_bytes());
         mac.update(part);
@@ -206,27 +241,147 @@ fn proof(
     mac
 }
 
+/// An HMAC-SHA256 keyed by `key`.
+fn mac_with(key: &[u8]) -> HmacSha256 {
+    HmacSha256::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"))
+}
+
+/// Bytes of a frame's MAC ([`Sealer::seal`]).
+pub const TAG_BYTES: usize = 32;
+
+/// What one authenticated connection shares after its handshake: a key of its own
+/// (HMAC-SHA256 of the handshake's key over the claim and both nonces), from which each
+/// direction MACs its frames. Split it into the two halves a connection's writer and reader
+/// use.
+pub struct Session {
+    key: [u8; 32],
+    /// Whether this end is the client (it seals `client→server` frames).
+    client: bool,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Session(…)")
+    }
+}
+
+impl Session {
+    fn new(
+        key: &Key,
+        claim: Claim,
+        client_nonce: &[u8],
+        server_nonce: &[u8],
+        client: bool,
+    ) -> Session {
+        let key = proof(key, "session", claim, client_nonce, server_nonce).finalize();
+        Session {
+            key: key.into_bytes().into(),
+            client,
+        }
+    }
+
+    /// The writer's half (MACs what this end sends) and the reader's (checks what it
+    /// receives).
+    pub fn split(self) -> (Sealer, Opener) {
+        let (mine, theirs) = if self.client {
+            (b"client->server", b"server->client")
+        } else {
+            (b"server->client", b"client->server")
+        };
+        (
+            Sealer(Direction::new(&self.key, mine)),
+            Opener(Direction::new(&self.key, theirs)),
+        )
+    }
+}
+
+/// One direction of a session: its key and the next frame's sequence number.
+struct Direction {
+    mac: HmacSha256,
+    next: u64,
+}
+
+impl Direction {
+    fn new(key: &[u8; 32], label: &[u8; 14]) -> Direction {
+        let mut mac = mac_with(key);
+        mac.update(label);
+        Direction { mac, next: 0 }
+    }
+
+    /// The MAC of frame number `self.next` with `body`; advances the number.
+    fn tag(&mut self, body: &[u8]) -> HmacSha256 {
+        let mut mac = self.mac.clone();
+        mac.update(&self.next.to_le_bytes());
+        mac.update(&(body.len() as u64).to_le_bytes());
+        mac.update(body);
+        self.next += 1;
+        mac
+    }
+}
+
+/// MACs the frames one end sends, numbered from 0.
+pub struct Sealer(Direction);
+
+impl Sealer {
+    /// The tag to send after `body` (the next frame of this direction).
+    pub fn seal(&mut self, body: &[u8]) -> [u8; TAG_BYTES] {
+        self.0.tag(body).finalize().into_bytes().into()
+    }
+}
+
+/// Checks the frames one end receives, in order.
+pub struct Opener(Direction);
+
+impl Opener {
+    /// Checks that `tag` is the MAC of `body` as the next frame of this direction (compared
+    /// in constant time).
+    ///
+    /// Errors: an altered, replayed, reordered or missing frame; the connection must then
+    /// be dropped.
+    pub fn open(&mut self, body: &[u8], tag: &[u8]) -> Result<()> {
+        self.0
+            .tag(body)
+            .verify_slice(tag)
+            .map_err(|_| anyhow!("a frame whose MAC is wrong (altered, replayed or out of order): the link is not trusted any more"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::keyring::Keyring;
     use std::net::TcpListener;
 
-    /// Runs the server side on one accepted connection and the client side against it.
+    /// A run whose ranks 0, 1 and 2 are on hosts 0, 1 and 2.
+    fn run(secret: &str) -> Keyring {
+        Keyring::master(secret, crate::keyring::LAUNCHER_HOST, vec![0, 1, 2])
+    }
+
+    /// Runs the server side (rank 1 on host 1, accepting ranks `accept` of the run with
+    /// `server_secret`) on one accepted connection and the client side (`client_keys`, a
+    /// host's keyring) against it.
     fn pair(
         server_secret: &str,
-        client_secret: &str,
+        client_keys: &Keyring,
         claim: Claim<'static>,
         accept: fn(u64) -> bool,
-    ) -> (Result<u64>, Result<()>) {
+    ) -> (Result<(u64, Session)>, Result<Session>) {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let address = listener.local_addr().expect("address");
-        let secret = server_secret.to_string();
+        let keys = run(server_secret).for_host(1).expect("host 1");
         let server_side = std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().expect("accept");
-            server(&mut stream, &secret, "comm/dp0/tp/0", 1, &accept)
+            let key_for = |client: u64| {
+                accept(client)
+                    .then(|| keys.pair_key(keys.host_of_rank(client)?))
+                    .flatten()
+            };
+            server(&mut stream, "comm/dp0/tp/0", 1, &key_for)
         });
         let mut stream = TcpStream::connect(address).expect("connect");
-        let client_side = client(&mut stream, client_secret, claim);
+        let key = client_keys.pair_key(1).expect("a key for host 1");
+        let client_side = client(&mut stream, &key, claim);
         drop(stream);
         (server_side.join().expect("server"), client_side)
     }
@@ -237,33 +392,99 @@ mod tests {
         server: 1,
     };
 
-    #[test]
-    fn members_of_one_run_prove_themselves_to_each_other() {
-        let (server, client) = pair("s3cret", "s3cret", CLAIM, |id| id == 0);
-        assert_eq!(server.expect("server"), 0);
-        client.expect("client");
+    fn host(secret: &str, host: u32) -> Keyring {
+        run(secret).for_host(host).expect("host")
     }
 
     #[test]
-    fn another_secret_another_channel_or_an_unexpected_identity_is_refused() {
-        let (server, client) = pair("s3cret", "other", CLAIM, |_| true);
+    fn members_of_one_run_prove_themselves_to_each_other_and_share_a_session() {
+        let (server, client) = pair("s3cret", &host("s3cret", 0), CLAIM, |id| id == 0);
+        let (peer, server) = server.expect("server");
+        assert_eq!(peer, 0);
+        let (mut client_sealer, mut client_opener) = client.expect("client").split();
+        let (mut server_sealer, mut server_opener) = server.split();
+        let tag = client_sealer.seal(b"set job");
+        server_opener
+            .open(b"set job", &tag)
+            .expect("the same session");
+        let tag = server_sealer.seal(b"ok");
+        client_opener
+            .open(b"ok", &tag)
+            .expect("the other direction");
+        // An altered frame is refused.
+        let tag = client_sealer.seal(b"set job");
+        assert!(server_opener.open(b"set bob", &tag).is_err(), "altered");
+    }
+
+    #[test]
+    fn a_replayed_or_reflected_frame_is_refused() {
+        let (server, client) = pair("s3cret", &host("s3cret", 0), CLAIM, |id| id == 0);
+        let (mut sealer, _) = client.expect("client").split();
+        let (mut server_sealer, mut opener) = server.expect("server").1.split();
+        let first = sealer.seal(b"add 1");
+        opener.open(b"add 1", &first).expect("first");
+        assert!(opener.open(b"add 1", &first).is_err(), "replayed");
+        let reflected = server_sealer.seal(b"add 1");
+        assert!(opener.open(b"add 1", &reflected).is_err(), "reflected");
+    }
+
+    #[test]
+    fn another_run_another_channel_or_another_hosts_identity_is_refused() {
+        let (server, client) = pair("s3cret", &host("other", 0), CLAIM, |_| true);
         assert!(server.is_err() && client.is_err());
         let wrong_channel = Claim {
             channel: "comm/dp1/tp/0",
             ..CLAIM
         };
-        let (server, client) = pair("s3cret", "s3cret", wrong_channel, |_| true);
+        let (server, client) = pair("s3cret", &host("s3cret", 0), wrong_channel, |_| true);
         assert!(server.is_err(), "another group's hello");
         let message = format!("{:#}", client.expect_err("refused"));
         assert!(
             message.contains("closed the connection during the handshake"),
             "{message}"
         );
-        let (server, _) = pair("s3cret", "s3cret", CLAIM, |id| id == 5);
+        let (server, _) = pair("s3cret", &host("s3cret", 0), CLAIM, |id| id == 5);
         assert!(server.is_err(), "an identity the server does not expect");
         let wrong_server = Claim { server: 2, ..CLAIM };
-        let (server, _) = pair("s3cret", "s3cret", wrong_server, |_| true);
+        let (server, _) = pair("s3cret", &host("s3cret", 0), wrong_server, |_| true);
         assert!(server.is_err(), "a hello meant for another member");
+        // Host 2 holds this run's keys for itself only: claiming rank 0 (on host 0) fails,
+        // claiming its own rank 2 works.
+        let (server, client) = pair("s3cret", &host("s3cret", 2), CLAIM, |_| true);
+        assert!(
+            server.is_err() && client.is_err(),
+            "host 2 cannot act as rank 0"
+        );
+        let own = Claim { client: 2, ..CLAIM };
+        let (server, _) = pair("s3cret", &host("s3cret", 2), own, |_| true);
+        assert_eq!(server.expect("its own rank").0, 2);
+    }
+
+    /// A stranger that sends its hello a byte a second is cut off at the deadline, not
+    /// kept as long as it trickles.
+    #[test]
+    fn a_trickling_hello_is_cut_off_at_the_deadline() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let address = listener.local_addr().expect("address");
+        let trickler = std::thread::spawn(move || {
+            let mut stream = TcpStream::connect(address).expect("connect");
+            for byte in MAGIC.iter().cycle().take(20) {
+                if stream.write_all(&[*byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(700));
+            }
+        });
+        let (mut stream, _) = listener.accept().expect("accept");
+        let started = std::time::Instant::now();
+        assert!(server(&mut stream, "comm/x", 0, &|_| Some(Key([7; 32]))).is_err());
+        let waited = started.elapsed();
+        assert!(
+            waited < HELLO_TIMEOUT + Duration::from_secs(2),
+            "held for {waited:?}"
+        );
+        drop(stream);
+        trickler.join().expect("trickler");
     }
 
     #[test]
@@ -273,13 +494,13 @@ mod tests {
         let mut garbage = TcpStream::connect(address).expect("connect");
         garbage.write_all(&[0xff; 64]).expect("garbage");
         let (mut stream, _) = listener.accept().expect("accept");
-        assert!(server(&mut stream, "s", "comm/x", 0, &|_| true).is_err());
+        assert!(server(&mut stream, "comm/x", 0, &|_| Some(Key([7; 32]))).is_err());
         // A hello that claims a 64 KiB channel is refused before anything is read into it.
         let mut long = TcpStream::connect(address).expect("connect");
         let mut hello = MAGIC.to_vec();
         hello.extend_from_slice(&u16::MAX.to_le_bytes());
         long.write_all(&hello).expect("hello");
         let (mut stream, _) = listener.accept().expect("accept");
-        assert!(server(&mut stream, "s", "comm/x", 0, &|_| true).is_err());
+        assert!(server(&mut stream, "comm/x", 0, &|_| Some(Key([7; 32]))).is_err());
     }
 }

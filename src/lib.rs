@@ -12,6 +12,7 @@ pub(crate) mod engines;
 pub(crate) mod envvars;
 pub mod handshake;
 pub mod inventory;
+pub mod keyring;
 pub mod launch;
 pub mod model;
 pub mod plan;

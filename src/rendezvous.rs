@@ -1,10 +1,16 @@
 //! The rendezvous store: a TCP key-value store (set, blocking get with timeout, add,
 //! barrier) like torch's `TCPStore`, served by the launching process at
-//! `MASTER_ADDR:MASTER_PORT` and protected by a random per-run token. Ranks register, publish
-//! their collective endpoints, wait for peers and send heartbeats; the server knows when
-//! each rank last beat.
+//! `MASTER_ADDR:MASTER_PORT`. Ranks register, publish their collective endpoints, wait for
+//! peers and send heartbeats; the server knows when each rank last beat.
 //!
-//! Wire format: each message is a little-endian `u32` length and a JSON body.
+//! Each connection opens with [`crate::handshake`] keyed by the store key of the client's
+//! host ([`crate::keyring`]), so the store knows which member speaks, and may write only
+//! what that member owns ([`may_write`]): a rank its own `rank/{rank}/…` keys and the
+//! barriers' counters, an agent its `agents/…` keys, the launcher anything; a rank beats only
+//! for itself. Anyone of the run reads any key.
+//!
+//! Wire format: each message is a little-endian `u32` length, a JSON body and the body's
+//! 32-byte MAC under the connection's session ([`crate::handshake::Sealer`]).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -15,6 +21,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
+
+use crate::handshake::{Opener, Sealer, TAG_BYTES};
+use crate::keyring::{Keyring, LAUNCHER_HOST};
 
 /// Largest message accepted, bytes (guards against garbage on the port).
 const MAX_MESSAGE_BYTES: u32 = 64 << 20;
@@ -50,24 +59,96 @@ enum Response {
     Error(String),
 }
 
-fn write_message<T: Serialize>(stream: &mut TcpStream, message: &T) -> Result<()> {
+fn write_message<T: Serialize>(
+    stream: &mut TcpStream,
+    sealer: &mut Sealer,
+    message: &T,
+) -> Result<()> {
     let body = serde_json::to_vec(message)?;
     let length = u32::try_from(body.len()).context("message too large")?;
-    stream.write_all(&length.to_le_bytes())?;
-    stream.write_all(&body)?;
+    let tag = sealer.seal(&body);
+    let mut frame = Vec::with_capacity(4 + body.len() + TAG_BYTES);
+    frame.extend_from_slice(&length.to_le_bytes());
+    frame.extend_from_slice(&body);
+    frame.extend_from_slice(&tag);
+    stream.write_all(&frame)?;
     Ok(())
 }
 
-fn read_message<T: for<'de> Deserialize<'de>>(stream: &mut TcpStream) -> Result<T> {
+fn read_message<T: for<'de> Deserialize<'de>>(
+    stream: &mut TcpStream,
+    opener: &mut Opener,
+) -> Result<T> {
     let mut length = [0u8; 4];
     stream.read_exact(&mut length)?;
     let length = u32::from_le_bytes(length);
     if length > MAX_MESSAGE_BYTES {
         bail!("message of {length} bytes exceeds the limit");
     }
-    let mut body = vec![0u8; length as usize];
+    let mut body = vec![0u8; length as usize + TAG_BYTES];
     stream.read_exact(&mut body)?;
-    serde_json::from_slice(&body).context("malformed store message")
+    let (body, tag) = body.split_at(length as usize);
+    opener.open(body, tag)?;
+    serde_json::from_slice(body).context("malformed store message")
+}
+
+/// Who is on the other end of a store connection, from the identity it proved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Member {
+    Launcher,
+    /// The agent of a host (it watches the store).
+    Agent(u32),
+    Rank(u64),
+}
+
+/// The handshake identity of host `host`'s agent (below the launcher's, above any rank).
+pub(crate) fn agent_identity(host: u32) -> u64 {
+    crate::handshake::LAUNCHER - 1 - u64::from(host)
+}
+
+impl Member {
+    fn of(identity: u64, world_size: usize) -> Option<Member> {
+        if identity == crate::handshake::LAUNCHER {
+            Some(Member::Launcher)
+        } else if identity < world_size as u64 {
+            Some(Member::Rank(identity))
+        } else {
+            u32::try_from(crate::handshake::LAUNCHER - 1 - identity)
+                .ok()
+                .map(Member::Agent)
+        }
+    }
+}
+
+/// Whether `member` may set or add to `key`: the launcher anything; a rank its own
+/// `rank/{rank}/…` keys and the barriers' counters (`barrier/…`); an agent its own
+/// `agents/{host}/…` keys.
+fn may_write(member: Member, key: &str) -> bool {
+    match member {
+        Member::Launcher => true,
+        Member::Rank(rank) => {
+            key.starts_with("barrier/")
+                || key
+                    .strip_prefix("rank/")
+                    .and_then(|rest| rest.strip_prefix(&rank.to_string()))
+                    .is_some_and(|rest| rest.starts_with('/'))
+        }
+        Member::Agent(host) => key
+            .strip_prefix("agents/")
+            .and_then(|rest| rest.strip_prefix(&host.to_string()))
+            .is_some_and(|rest| rest.starts_with('/')),
+    }
+}
+
+/// Where rank 0 publishes a job's result (a generation, a benchmark's report).
+pub const RESULT_KEY: &str = "rank/0/result";
+/// Where a serving rank 0 publishes its HTTP address once it serves.
+pub const READY_KEY: &str = "rank/0/ready";
+
+/// The key under which `rank` publishes `what` (e.g. `rank/3/comm/dp0/tp`): only that rank
+/// may write it.
+pub fn rank_key(rank: u64, what: &str) -> String {
+    format!("rank/{rank}/{what}")
 }
 
 /// The longest a `get` waits, ms (a day): a longer timeout is this one.
@@ -117,16 +198,20 @@ pub struct StoreServer {
 }
 
 impl StoreServer {
-    /// Listens on `bind` (`127.0.0.1:0` picks a free port) and serves clients that present
-    /// `token`. Errors: the address cannot be bound (with the reason, e.g. in use).
-    pub fn start(bind: &str, token: &str) -> Result<StoreServer> {
+    /// Listens on `bind` (`127.0.0.1:0` picks a free port) and serves the members of the
+    /// run whose store keys `keys` holds (the run's secret, or [`Keyring::for_store`]'s).
+    /// Errors: the address cannot be bound (with the reason, e.g. in use).
+    pub fn start(bind: &str, keys: &Keyring) -> Result<StoreServer> {
         let listener = TcpListener::bind(bind)
             .with_context(|| format!("the rendezvous store cannot listen on `{bind}`"))?;
         let address = listener.local_addr()?;
         let state: Arc<(Mutex<State>, Condvar)> = Arc::default();
         let stopping = Arc::new(AtomicBool::new(false));
-        let (accept_state, accept_stopping, token) =
-            (Arc::clone(&state), Arc::clone(&stopping), token.to_string());
+        let (accept_state, accept_stopping, keys) = (
+            Arc::clone(&state),
+            Arc::clone(&stopping),
+            Arc::new(keys.clone()),
+        );
         let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         std::thread::Builder::new()
             .name("store-accept".into())
@@ -140,15 +225,15 @@ impl StoreServer {
                         pending.fetch_sub(1, Ordering::SeqCst);
                         continue;
                     }
-                    let (state, token, stopping, counter) = (
+                    let (state, keys, stopping, counter) = (
                         Arc::clone(&accept_state),
-                        token.clone(),
+                        Arc::clone(&keys),
                         Arc::clone(&accept_stopping),
                         Arc::clone(&pending),
                     );
                     let spawned = std::thread::Builder::new()
                         .name("store-client".into())
-                        .spawn(move || serve(stream, &state, &token, &stopping, &counter));
+                        .spawn(move || serve(stream, &state, &keys, &stopping, &counter));
                     if spawned.is_err() {
                         // The thread never ran: its handshake is not pending.
                         pending.fetch_sub(1, Ordering::SeqCst);
@@ -197,18 +282,47 @@ const MAX_PENDING_HANDSHAKES: usize = 128;
 fn serve(
     mut stream: TcpStream,
     state: &(Mutex<State>, Condvar),
-    token: &str,
+    keys: &Keyring,
     stopping: &AtomicBool,
     pending: &std::sync::atomic::AtomicUsize,
 ) {
     let _ = stream.set_nodelay(true);
-    // Nothing is read into a buffer of the peer's choosing before it proves the run's secret.
-    let proved = crate::handshake::server(&mut stream, token, CHANNEL, 0, &|_| true);
+    // Nothing is read into a buffer of the peer's choosing before it proves its host's key.
+    let key_for = |identity: u64| match Member::of(identity, keys.world_size())? {
+        Member::Launcher => keys.store_key_of(LAUNCHER_HOST),
+        Member::Agent(host) => keys.store_key_of(host),
+        Member::Rank(rank) => keys.store_key_of(keys.host_of_rank(rank)?),
+    };
+    let proved = crate::handshake::server(&mut stream, CHANNEL, 0, &key_for);
     pending.fetch_sub(1, Ordering::SeqCst);
-    if proved.is_err() {
+    let Ok((identity, session)) = proved else {
         return;
-    }
-    while let Ok(request) = read_message::<Request>(&mut stream) {
+    };
+    let Some(member) = Member::of(identity, keys.world_size()) else {
+        return;
+    };
+    let (mut sealer, mut opener) = session.split();
+    while let Ok(request) = read_message::<Request>(&mut stream, &mut opener) {
+        let refused = match &request {
+            Request::Set { key, .. } | Request::Add { key, .. } if !may_write(member, key) => {
+                Some(format!(
+                    "{member:?} may not write `{}` (a rank writes only its own `rank/<rank>/…` keys)",
+                    key.chars().take(80).collect::<String>()
+                ))
+            }
+            Request::Heartbeat { rank }
+                if member != Member::Launcher && member != Member::Rank(*rank) =>
+            {
+                Some(format!("{member:?} may not beat for rank {rank}"))
+            }
+            _ => None,
+        };
+        if let Some(why) = refused {
+            if write_message(&mut stream, &mut sealer, &Response::Error(why)).is_err() {
+                break;
+            }
+            continue;
+        }
         let response = match request {
             Request::Set { key, value } => {
                 let mut guard = state.0.lock().expect("store state lock");
@@ -274,26 +388,29 @@ fn serve(
                 )
             }
         };
-        if write_message(&mut stream, &response).is_err() {
+        if write_message(&mut stream, &mut sealer, &response).is_err() {
             break;
         }
     }
 }
 
-/// A connection to the store, used by ranks (and the launcher).
+/// A connection to the store, used by ranks, agents and the launcher.
 pub struct StoreClient {
     stream: TcpStream,
+    sealer: Sealer,
+    opener: Opener,
     address: SocketAddr,
-    token: String,
+    keys: Keyring,
     rank: Option<u64>,
 }
 
 impl StoreClient {
-    /// Connects and authenticates, retrying until `timeout` while the server is not up yet.
-    /// Errors: the server never answered, or refused the token.
+    /// Connects as `rank` (`None`: the launcher, or the agent of `keys`' host) with the
+    /// store key of `keys`' host, retrying until `timeout` while the server is not up yet.
+    /// Errors: the server never answered, or refused the key; `keys` holds no store key.
     pub fn connect(
         address: &str,
-        token: &str,
+        keys: &Keyring,
         rank: Option<u64>,
         timeout: Duration,
     ) -> Result<StoreClient> {
@@ -302,13 +419,21 @@ impl StoreClient {
             .with_context(|| format!("cannot resolve the rendezvous address `{address}`"))?
             .next()
             .with_context(|| format!("`{address}` resolves to no address"))?;
+        let key = keys
+            .store_key()
+            .context("these run keys hold no store key (a store's own keys)")?;
+        let identity = match rank {
+            Some(rank) => rank,
+            None if keys.host() == LAUNCHER_HOST => crate::handshake::LAUNCHER,
+            None => agent_identity(keys.host()),
+        };
         // Retried until `timeout`: the store may not be up yet, or busy with strangers.
-        let stream = crate::handshake::connect(
+        let (stream, session) = crate::handshake::connect(
             address,
-            token,
+            &key,
             crate::handshake::Claim {
                 channel: CHANNEL,
-                client: rank.unwrap_or(crate::handshake::LAUNCHER),
+                client: identity,
                 server: 0,
             },
             timeout,
@@ -319,24 +444,27 @@ impl StoreClient {
             )
         })?;
         stream.set_nodelay(true)?;
+        let (sealer, opener) = session.split();
         Ok(StoreClient {
             stream,
+            sealer,
+            opener,
             address,
-            token: token.to_string(),
+            keys: keys.clone(),
             rank,
         })
     }
 
-    /// The run's secret this client proved (the collectives and links key their handshakes
-    /// with it).
-    pub(crate) fn secret(&self) -> &str {
-        &self.token
+    /// The keys this client proved its host with (the collectives and links key their
+    /// handshakes with them).
+    pub(crate) fn keys(&self) -> &Keyring {
+        &self.keys
     }
 
     fn request(&mut self, request: &Request) -> Result<Response> {
-        write_message(&mut self.stream, request)
+        write_message(&mut self.stream, &mut self.sealer, request)
             .with_context(|| format!("lost the rendezvous store at {}", self.address))?;
-        read_message(&mut self.stream)
+        read_message(&mut self.stream, &mut self.opener)
             .with_context(|| format!("lost the rendezvous store at {}", self.address))
     }
 
@@ -371,6 +499,7 @@ impl StoreClient {
             delta,
         })? {
             Response::Count(value) => Ok(value),
+            Response::Error(message) => bail!("rendezvous: {message}"),
             other => bail!("store add `{key}` failed: {other:?}"),
         }
     }
@@ -410,7 +539,7 @@ impl StoreClient {
         let rank = self.rank.context("only a rank can send heartbeats")?;
         let mut client = StoreClient::connect(
             &self.address.to_string(),
-            &self.token,
+            &self.keys,
             Some(rank),
             Duration::from_secs(10),
         )?;
@@ -450,33 +579,52 @@ pub fn random_token() -> String {
 mod tests {
     use super::*;
 
+    /// Held by every test here: the thread count of one is not disturbed by another's.
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A run of four ranks on hosts 0, 0, 1, 1, as its launcher holds it.
+    fn run() -> Keyring {
+        Keyring::master(&random_token(), LAUNCHER_HOST, vec![0, 0, 1, 1])
+    }
+
+    /// What rank `rank`'s process holds: its host's keys.
+    fn rank_keys(run: &Keyring, rank: u64) -> Keyring {
+        run.for_host(run.host_of_rank(rank).expect("rank"))
+            .expect("host keys")
+    }
+
     #[test]
     fn set_get_add_barrier_and_heartbeats() {
-        let token = random_token();
-        let server = StoreServer::start("127.0.0.1:0", &token).expect("server");
+        let _serial = serial();
+        let run = run();
+        let server = StoreServer::start("127.0.0.1:0", &run).expect("server");
         let address = server.address().to_string();
         let handles: Vec<_> = (0..4u64)
             .map(|rank| {
-                let (address, token) = (address.clone(), token.clone());
+                let (address, keys) = (address.clone(), rank_keys(&run, rank));
                 std::thread::spawn(move || {
                     let mut client =
-                        StoreClient::connect(&address, &token, Some(rank), Duration::from_secs(5))
+                        StoreClient::connect(&address, &keys, Some(rank), Duration::from_secs(5))
                             .expect("connect");
                     let _heartbeat = client
                         .start_heartbeat(Duration::from_millis(20))
                         .expect("heartbeat");
                     client
-                        .set(&format!("addr/{rank}"), format!("host:{rank}").as_bytes())
+                        .set(&rank_key(rank, "addr"), format!("host:{rank}").as_bytes())
                         .expect("set");
                     client
                         .barrier("ready", 4, Duration::from_secs(5))
                         .expect("barrier");
                     let peer = (rank + 1) % 4;
                     let value = client
-                        .get(&format!("addr/{peer}"), Duration::from_secs(1))
+                        .get(&rank_key(peer, "addr"), Duration::from_secs(1))
                         .expect("get");
                     assert_eq!(value, format!("host:{peer}").as_bytes());
-                    client.add("counter", 5).expect("add");
+                    client.add("barrier/counter", 5).expect("add");
                     std::thread::sleep(Duration::from_millis(60));
                 })
             })
@@ -485,8 +633,8 @@ mod tests {
             handle.join().expect("rank thread");
         }
         let mut client =
-            StoreClient::connect(&address, &token, None, Duration::from_secs(5)).expect("connect");
-        assert_eq!(client.add("counter", 0).expect("add"), 20);
+            StoreClient::connect(&address, &run, None, Duration::from_secs(5)).expect("connect");
+        assert_eq!(client.add("barrier/counter", 0).expect("add"), 20);
         assert_eq!(server.heartbeat_ages().len(), 4);
         let remote = client.heartbeat_ages().expect("ages over the wire");
         assert_eq!(remote.len(), 4);
@@ -510,8 +658,9 @@ mod tests {
     /// member of the run still gets in and is served at once.
     #[test]
     fn strangers_get_bounded_threads_no_buffers_and_hold_no_member_up() {
-        let token = random_token();
-        let server = StoreServer::start("127.0.0.1:0", &token).expect("server");
+        let _serial = serial();
+        let run = run();
+        let server = StoreServer::start("127.0.0.1:0", &run).expect("server");
         let address = server.address();
         let before = threads();
         let mut strangers: Vec<TcpStream> = (0..200)
@@ -531,14 +680,16 @@ mod tests {
         let started = Instant::now();
         let mut client = StoreClient::connect(
             &address.to_string(),
-            &token,
+            &rank_keys(&run, 0),
             Some(0),
             Duration::from_secs(10),
         )
         .expect("a member gets in");
-        client.set("key", b"value").expect("set");
+        client.set("rank/0/key", b"value").expect("set");
         assert_eq!(
-            client.get("key", Duration::from_secs(1)).expect("get"),
+            client
+                .get("rank/0/key", Duration::from_secs(1))
+                .expect("get"),
             b"value"
         );
         drop(strangers);
@@ -549,41 +700,54 @@ mod tests {
     /// timeout of "forever" get answers, and the store keeps serving.
     #[test]
     fn oversized_keys_overflowing_counters_and_endless_timeouts_are_answered() {
-        let token = random_token();
-        let server = StoreServer::start("127.0.0.1:0", &token).expect("server");
+        let _serial = serial();
+        let run = run();
+        let server = StoreServer::start("127.0.0.1:0", &run).expect("server");
         let mut client = StoreClient::connect(
             &server.address().to_string(),
-            &token,
+            &rank_keys(&run, 0),
             Some(0),
             Duration::from_secs(5),
         )
         .expect("connect");
         let error = client
-            .set(&"k".repeat(MAX_KEY_BYTES + 1), b"v")
+            .set(&format!("rank/0/{}", "k".repeat(MAX_KEY_BYTES - 6)), b"v")
             .expect_err("too long");
         assert!(
             format!("{error:#}").contains("a key of 4097 bytes"),
             "{error:#}"
         );
-        assert_eq!(client.add("c", i64::MAX).expect("add"), i64::MAX);
-        assert_eq!(client.add("c", 1).expect("add"), i64::MAX);
-        client.set("k", b"v").expect("set");
-        assert_eq!(client.get("k", Duration::MAX).expect("get"), b"v");
+        assert_eq!(client.add("barrier/c", i64::MAX).expect("add"), i64::MAX);
+        assert_eq!(client.add("barrier/c", 1).expect("add"), i64::MAX);
+        client.set("rank/0/k", b"v").expect("set");
+        assert_eq!(client.get("rank/0/k", Duration::MAX).expect("get"), b"v");
     }
 
     #[test]
-    fn wrong_token_is_refused_and_gets_time_out() {
-        let server = StoreServer::start("127.0.0.1:0", "right").expect("server");
+    fn another_runs_key_is_refused_and_gets_time_out() {
+        let _serial = serial();
+        let run = run();
+        let server = StoreServer::start("127.0.0.1:0", &run).expect("server");
         let address = server.address().to_string();
-        let error = StoreClient::connect(&address, "wrong", Some(0), Duration::from_secs(2))
-            .err()
-            .expect("refused");
+        let error = StoreClient::connect(
+            &address,
+            &rank_keys(&self::run(), 0),
+            Some(0),
+            Duration::from_secs(2),
+        )
+        .err()
+        .expect("refused");
         assert!(
             format!("{error:#}").contains("refused") || format!("{error:#}").contains("closed"),
             "{error:#}"
         );
-        let mut client = StoreClient::connect(&address, "right", Some(0), Duration::from_secs(2))
-            .expect("connect");
+        let mut client = StoreClient::connect(
+            &address,
+            &rank_keys(&run, 0),
+            Some(0),
+            Duration::from_secs(2),
+        )
+        .expect("connect");
         let error = client
             .get("never", Duration::from_millis(100))
             .expect_err("timeout");
@@ -598,5 +762,104 @@ mod tests {
             format!("{error:#}").contains("1 of 2 processes arrived"),
             "{error:#}"
         );
+    }
+
+    /// A host proves only its own ranks, and a rank writes only its own keys: rank 2 (host 1)
+    /// cannot connect as rank 0, nor set rank 0's keys or the launcher's `job`, nor beat for
+    /// rank 3; an agent writes only under its own host; the launcher writes anything.
+    #[test]
+    fn a_host_acts_only_as_itself() {
+        let _serial = serial();
+        let run = run();
+        let server = StoreServer::start("127.0.0.1:0", &run).expect("server");
+        let address = server.address().to_string();
+        let host1 = rank_keys(&run, 2);
+        let refused = StoreClient::connect(&address, &host1, Some(0), Duration::from_millis(1500));
+        assert!(refused.is_err(), "host 1 cannot prove rank 0");
+        let mut rank2 =
+            StoreClient::connect(&address, &host1, Some(2), Duration::from_secs(2)).expect("own");
+        for key in ["rank/0/comm/dp0/tp", "rank/20/x", "rank/2", "job", "ready"] {
+            let error = rank2.set(key, b"forged").expect_err(key);
+            assert!(format!("{error:#}").contains("may not write"), "{error:#}");
+        }
+        assert!(rank2.add("rank/3/count", 1).is_err());
+        rank2
+            .set("rank/2/comm/dp0/tp", b"mine")
+            .expect("its own key");
+        rank2.add("barrier/loaded/count", 1).expect("a barrier");
+        match rank2
+            .request(&Request::Heartbeat { rank: 3 })
+            .expect("answer")
+        {
+            Response::Error(why) => assert!(why.contains("may not beat"), "{why}"),
+            other => panic!("a heartbeat for another rank was taken: {other:?}"),
+        }
+        assert!(server.heartbeat_ages().is_empty());
+        let mut agent =
+            StoreClient::connect(&address, &host1, None, Duration::from_secs(2)).expect("agent");
+        agent.add("agents/1/watch", 0).expect("its own key");
+        assert!(agent.add("agents/0/watch", 0).is_err());
+        assert!(agent.set("rank/2/x", b"y").is_err());
+        let mut launcher =
+            StoreClient::connect(&address, &run, None, Duration::from_secs(2)).expect("launcher");
+        launcher
+            .set("job", b"{}")
+            .expect("the launcher writes the job");
+        assert_eq!(
+            launcher
+                .get("rank/2/comm/dp0/tp", Duration::ZERO)
+                .expect("read"),
+            b"mine"
+        );
+        // A store served on another host holds only the store keys.
+        let remote = StoreServer::start("127.0.0.1:0", &run.for_store().expect("store keys"))
+            .expect("server");
+        StoreClient::connect(
+            &remote.address().to_string(),
+            &host1,
+            Some(3),
+            Duration::from_secs(2),
+        )
+        .expect("a rank joins a store served elsewhere");
+    }
+
+    /// A frame altered on the wire (its MAC no longer matches) ends the connection.
+    #[test]
+    fn an_altered_frame_is_refused() {
+        let _serial = serial();
+        let run = run();
+        let server = StoreServer::start("127.0.0.1:0", &run).expect("server");
+        let mut client = StoreClient::connect(
+            &server.address().to_string(),
+            &rank_keys(&run, 0),
+            Some(0),
+            Duration::from_secs(2),
+        )
+        .expect("connect");
+        client.set("rank/0/a", b"1").expect("set");
+        let body = serde_json::to_vec(&Request::Set {
+            key: "rank/0/a".into(),
+            value: b"2".to_vec(),
+        })
+        .expect("json");
+        let mut tag = client.sealer.seal(&body);
+        tag[0] ^= 1;
+        client
+            .stream
+            .write_all(&(body.len() as u32).to_le_bytes())
+            .expect("length");
+        client.stream.write_all(&body).expect("body");
+        client.stream.write_all(&tag).expect("tag");
+        let mut rest = Vec::new();
+        let _ = client.stream.read_to_end(&mut rest);
+        assert!(rest.is_empty(), "the store answered a forged frame");
+        let mut other = StoreClient::connect(
+            &server.address().to_string(),
+            &run,
+            None,
+            Duration::from_secs(2),
+        )
+        .expect("connect");
+        assert_eq!(other.get("rank/0/a", Duration::ZERO).expect("get"), b"1");
     }
 }

@@ -4,19 +4,20 @@
 use anyhow::{Context, Result};
 
 use crate::ExitStatus;
-use crate::runtime::exec::rank_env::{RankEnv, process_env, run_token};
+use crate::runtime::exec::rank_env::{RankEnv, forget_secrets, process_env, run_keys};
 use crate::runtime::exec::worker::{RankConfig, run_rank};
 
 /// Runs the rank described by the environment.
 pub(crate) fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
     let env = RankEnv::from_env(&process_env)?;
-    let token = run_token(&process_env)?;
+    let keys = run_keys(&process_env)?;
+    forget_secrets();
     let config = RankConfig {
         rank: env.rank as u64,
         world_size: env.world_size as u64,
         degrees: env.degrees,
         store_address: env.store.to_string(),
-        token: token.clone(),
+        keys: keys.clone(),
         model: env.model.clone(),
         threads: env.threads,
         timeout: env.timeout,
@@ -55,7 +56,7 @@ pub(crate) fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
                 store,
                 server.take(),
                 &env,
-                &token,
+                &keys,
                 &mut |line| printer.note(line),
             )
         },

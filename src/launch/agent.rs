@@ -188,12 +188,16 @@ impl Agent {
 
     fn handle(&mut self, frame: ToAgent, lease: Duration) {
         match frame {
-            ToAgent::WatchStore { address, token } => {
+            ToAgent::WatchStore { address, keys } => {
+                let keys = match crate::keyring::Keyring::from_text(&keys) {
+                    Ok(keys) => keys,
+                    Err(error) => return self.error(None, format!("{error:#}")),
+                };
                 let lost = Arc::clone(&self.store_lost);
                 let current = Arc::clone(&self.store_watch);
                 let watch = current.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
                 std::thread::spawn(move || {
-                    watch_store(&address, &token, lease, &lost, &|| {
+                    watch_store(&address, &keys, lease, &lost, &|| {
                         current.load(std::sync::atomic::Ordering::SeqCst) == watch
                     })
                 });
@@ -229,7 +233,9 @@ impl Agent {
                     send(&output, &FromAgent::Reached { results });
                 });
             }
-            ToAgent::HostStore { bind, token } => match StoreServer::start(&bind, &token) {
+            ToAgent::HostStore { bind, keys } => match crate::keyring::Keyring::from_text(&keys)
+                .and_then(|keys| StoreServer::start(&bind, &keys))
+            {
                 Ok(server) => {
                     send(
                         &self.output,
@@ -252,9 +258,9 @@ impl Agent {
             ToAgent::Spawn {
                 rank,
                 env,
-                token,
+                keys,
                 argv,
-            } => match self.spawn(rank, &env, &token, argv.as_deref()) {
+            } => match self.spawn(rank, &env, &keys, argv.as_deref()) {
                 Ok(pid) => send(&self.output, &FromAgent::Spawned { rank, pid }),
                 Err(error) => self.error(Some(rank), format!("{error:#}")),
             },
@@ -422,7 +428,7 @@ impl Agent {
         &mut self,
         rank: usize,
         env: &[(String, String)],
-        token: &str,
+        keys: &str,
         argv: Option<&[String]>,
     ) -> Result<u32> {
         if self.ranks.contains_key(&rank) {
@@ -434,7 +440,7 @@ impl Agent {
         let output = Arc::clone(&self.output);
         let line = move |line| send(&output, &FromAgent::Line { rank, line });
         let child = match argv {
-            None => super::start_rank_process(&self.exe, rank, &env, token, &log, line)?,
+            None => super::start_rank_process(&self.exe, rank, &env, keys, &log, line)?,
             Some(argv) => {
                 let Some((name, args)) = argv.split_first() else {
                     bail!("an empty command line");
@@ -648,7 +654,7 @@ fn stream_to(from: &str, to: &str, bytes: u64) -> std::result::Result<f64, Strin
 /// has been unreachable for `lease`, says so in `lost` (the agent then stops its ranks).
 fn watch_store(
     address: &str,
-    token: &str,
+    keys: &crate::keyring::Keyring,
     lease: Duration,
     lost: &Mutex<Option<String>>,
     current: &dyn Fn() -> bool,
@@ -662,13 +668,14 @@ fn watch_store(
         if client.is_none() {
             client = crate::rendezvous::StoreClient::connect(
                 address,
-                token,
+                keys,
                 None,
                 Duration::from_secs(1),
             )
             .ok();
         }
-        match client.as_mut().map(|c| c.add("agents/watch", 0)) {
+        let key = format!("agents/{}/watch", keys.host());
+        match client.as_mut().map(|c| c.add(&key, 0)) {
             Some(Ok(_)) => reached = Instant::now(),
             _ => client = None,
         }

@@ -11,6 +11,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use super::run_dir::create_run_dir;
 use super::spawn::{LocalSpawner, RankProcess, Spawner, spawn_rank};
 use super::spec::{LaunchSpec, SECRET_ENV, StoreLocation};
+use crate::keyring::{Keyring, LAUNCHER_HOST};
 use crate::rendezvous::{StoreClient, StoreServer, random_token};
 use crate::runtime::exec::engine::Generation;
 use crate::runtime::exec::worker::Job;
@@ -113,11 +114,12 @@ impl Gang {
     ///
     /// Errors: the store, the run directory or a rank process cannot start.
     pub fn start_with(spawner: &dyn Spawner, spec: &LaunchSpec, job: &Job) -> Result<Gang> {
-        let token = random_token();
-        Gang::start_on(spawner, spec, job, StoreLocation::Local, &token)
+        let keys = Keyring::master(&random_token(), LAUNCHER_HOST, spec.rank_hosts());
+        Gang::start_on(spawner, spec, job, StoreLocation::Local, &keys)
     }
 
-    /// [`Gang::start_with`] with the store at `store` (whose run token is `token`).
+    /// [`Gang::start_with`] with the store at `store`, the run's keys derived from `keys`
+    /// (the run's secret, as the launcher holds it: each rank gets its host's keys only).
     ///
     /// Errors: the store, the run directory or a rank process cannot start.
     pub fn start_on(
@@ -125,10 +127,10 @@ impl Gang {
         spec: &LaunchSpec,
         job: &Job,
         store: StoreLocation,
-        token: &str,
+        keys: &Keyring,
     ) -> Result<Gang> {
         let world = spec.degrees.world_size();
-        Gang::start_part(spawner, spec, job, store, token, 0..world)
+        Gang::start_part(spawner, spec, job, store, keys, 0..world)
     }
 
     /// [`Gang::start_on`] starting only `ranks` of the world: one node's share when each
@@ -142,7 +144,7 @@ impl Gang {
         spec: &LaunchSpec,
         job: &Job,
         store: StoreLocation,
-        token: &str,
+        keys: &Keyring,
         part: std::ops::Range<usize>,
     ) -> Result<Gang> {
         spec.check_layout()?;
@@ -158,12 +160,12 @@ impl Gang {
         }
         let (server, store_address, launcher_address) = match store {
             StoreLocation::Local => {
-                let server = StoreServer::start("127.0.0.1:0", token)?;
+                let server = StoreServer::start("127.0.0.1:0", keys)?;
                 let address = server.address();
                 (Some(server), address, address)
             }
             StoreLocation::Listen(address) => {
-                let server = StoreServer::start(&address.to_string(), token).with_context(|| {
+                let server = StoreServer::start(&address.to_string(), keys).with_context(|| {
                     format!(
                         "cannot listen on {address} for the rendezvous store: node 0 must own --master-addr, and the port must be free"
                     )
@@ -181,16 +183,23 @@ impl Gang {
         let (line_sender, lines) = std::sync::mpsc::channel();
         let mut ranks = Vec::with_capacity(part.len());
         for rank in part {
-            match spawn_rank(
-                spawner,
-                rank,
-                world,
-                spec,
-                store_address,
-                token,
-                &run_dir,
-                &line_sender,
-            ) {
+            // Each rank gets its own host's keys, never the run's secret.
+            let rank_keys = keys
+                .host_of_rank(rank as u64)
+                .with_context(|| format!("the run's keys place no host for rank {rank}"))
+                .and_then(|host| keys.for_host(host)?.to_text());
+            match rank_keys.and_then(|rank_keys| {
+                spawn_rank(
+                    spawner,
+                    rank,
+                    world,
+                    spec,
+                    store_address,
+                    &rank_keys,
+                    &run_dir,
+                    &line_sender,
+                )
+            }) {
                 Ok(process) => ranks.push(process),
                 Err(error) => {
                     stop_gang(&mut ranks);
@@ -200,7 +209,7 @@ impl Gang {
         }
         let mut client = StoreClient::connect(
             &launcher_address.to_string(),
-            token,
+            keys,
             None,
             Duration::from_secs(10),
         )?;
@@ -294,7 +303,7 @@ impl Gang {
     }
 
     /// Writes `manifest.json` in the run directory: the spec, every rank's pid, log and
-    /// environment (the run token left out), the store address, and `serving` once known.
+    /// environment (its keys left out), the store address, and `serving` once known.
     ///
     /// Errors: the file cannot be written.
     pub fn write_manifest(&self, spec: &LaunchSpec, serving: Option<&str>) -> Result<()> {
@@ -484,7 +493,7 @@ pub fn run_generation(
     let mut gang = Gang::start(spec, job)?;
     progress(gang.started());
     let bytes = gang
-        .wait_for("result", &|| false, progress)?
+        .wait_for(crate::rendezvous::RESULT_KEY, &|| false, progress)?
         .ok_or_else(|| anyhow!("the generation was stopped"))?;
     // The ranks exit on their own after the last step; do not wait forever.
     gang.finish();

@@ -57,7 +57,7 @@ pub(crate) fn run_job(
     progress(run.gang.started());
     let bytes = run
         .gang
-        .wait_for("result", &|| false, progress)?
+        .wait_for(crate::rendezvous::RESULT_KEY, &|| false, progress)?
         .ok_or_else(|| anyhow!("the run was stopped"))?;
     run.gang.finish();
     Ok(bytes)
@@ -184,12 +184,18 @@ impl ClusterHosts {
         restart: usize,
         run_dir: Option<&Path>,
     ) -> Result<Gang> {
-        let token = crate::rendezvous::random_token();
+        // Each host's index is its place in the inventory; the keys of one start of the gang.
+        let keys = crate::keyring::Keyring::master(
+            &crate::rendezvous::random_token(),
+            crate::keyring::LAUNCHER_HOST,
+            self.rank_hosts.iter().map(|&h| h as u32).collect(),
+        )
+        .with_hosts(self.remote.hosts.len());
         let store_host = self.rank0_host;
         let (ranks_address, launcher_address) = self.remote.host_store(
             store_host,
             &format!("{}:0", self.data[store_host].address),
-            &token,
+            &keys,
         )?;
         let mut spec = self.spec.clone();
         spec.restart = restart;
@@ -205,7 +211,7 @@ impl ClusterHosts {
                 ranks: ranks_address,
                 launcher: launcher_address,
             },
-            &token,
+            &keys,
         )?;
         gang.set_manifest_field("run_id", self.remote.run_id.clone().into());
         gang.set_manifest_field(

@@ -1,7 +1,7 @@
 //! The wire protocol between the launcher and `infer agent`, carried on the agent's SSH
 //! exec channel: stdin one way, stdout the other. Each frame is a little-endian `u32`
-//! length and a JSON body (the rendezvous store's framing). Everything a run needs — the
-//! run token, rank environments, the run id — travels here, never in a shell string or an
+//! length and a JSON body. Everything a run needs — the host's keys, rank environments, the
+//! run id — travels here, never in a shell string or an
 //! argv.
 
 use std::io::{Read, Write};
@@ -30,13 +30,14 @@ pub(crate) enum ToAgent {
     },
     /// The launcher is alive (sent every second).
     Heartbeat,
-    /// Host the rendezvous store on `bind` (`ip:0` picks a port) for `token`; answered by
-    /// [`FromAgent::StoreAt`].
-    HostStore { bind: String, token: String },
-    /// Watch the rendezvous store at `address` (on another host): if it cannot be reached
-    /// for the lease, stop every rank (the store's host is gone, or this host is cut off
-    /// from it).
-    WatchStore { address: String, token: String },
+    /// Host the rendezvous store on `bind` (`ip:0` picks a port) with the store's keys
+    /// (`keys`: [`crate::keyring::Keyring::to_text`] of [`crate::keyring::Keyring::for_store`]);
+    /// answered by [`FromAgent::StoreAt`].
+    HostStore { bind: String, keys: String },
+    /// Watch the rendezvous store at `address` (on another host), proving this host's
+    /// `keys`: if it cannot be reached for the lease, stop every rank (the store's host is
+    /// gone, or this host is cut off from it).
+    WatchStore { address: String, keys: String },
     /// sha256 and size of a file on the host (the model); answered by
     /// [`FromAgent::FileInfo`].
     HashFile { path: String },
@@ -50,13 +51,13 @@ pub(crate) enum ToAgent {
     },
     /// The file is complete; answered by [`FromAgent::FileInfo`] of what was written.
     FileEnd,
-    /// Start `infer rank` with exactly `env` (plus `PATH`, `HOME` and the run token); with
+    /// Start `infer rank` with exactly `env` (plus `PATH`, `HOME` and this host's `keys`); with
     /// `argv`, that program instead (another engine's process: `argv[0]` found on the
     /// agent's `PATH` unless it names a path), started directly, never through a shell.
     Spawn {
         rank: usize,
         env: Vec<(String, String)>,
-        token: String,
+        keys: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         argv: Option<Vec<String>>,
     },
@@ -277,7 +278,7 @@ mod tests {
             &ToAgent::Spawn {
                 rank: 3,
                 env: vec![("RANK".into(), "3".into())],
-                token: "secret".into(),
+                keys: "secret".into(),
                 argv: None,
             },
         )
@@ -293,9 +294,9 @@ mod tests {
         let mut reader = &buffer[..];
         match read_frame::<ToAgent>(&mut reader).expect("read") {
             Some(ToAgent::Spawn {
-                rank, env, token, ..
+                rank, env, keys, ..
             }) => {
-                assert_eq!((rank, token.as_str()), (3, "secret"));
+                assert_eq!((rank, keys.as_str()), (3, "secret"));
                 assert_eq!(env, vec![("RANK".to_string(), "3".to_string())]);
             }
             other => panic!("unexpected {other:?}"),

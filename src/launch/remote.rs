@@ -5,7 +5,7 @@
 //! [`RemoteSpawner`], the [`Spawner`] that starts ranks through the agents.
 //!
 //! The remote command is always a fixed string (`<validated path> agent`, or our own
-//! staging command); the run token, rank environments and files travel as frames.
+//! staging command); each host's keys, rank environments and files travel as frames.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -254,21 +254,24 @@ impl RemoteCluster {
         Ok((cluster, failures))
     }
 
-    /// Asks `host`'s agent to run the rendezvous store on `bind` and forwards a local port
-    /// to it over that host's SSH connection (as `ssh -L`). Returns (the address ranks use,
-    /// the local address the launcher uses).
+    /// Asks `host`'s agent to run the rendezvous store on `bind` with the store's keys of
+    /// `keys` (the run's secret: the agent gets only the store keys, every other agent its
+    /// own host's keys to watch the store), and forwards a local port to it over that host's
+    /// SSH connection (as `ssh -L`). Returns (the address ranks use, the local address the
+    /// launcher uses).
     ///
-    /// Errors: the store cannot listen there, or forwarding is refused by `sshd`.
+    /// Errors: the store cannot listen there, or forwarding is refused by `sshd`; `keys`
+    /// without the run's secret.
     pub fn host_store(
         &self,
         host_index: usize,
         bind: &str,
-        token: &str,
+        keys: &crate::keyring::Keyring,
     ) -> Result<(std::net::SocketAddr, std::net::SocketAddr)> {
         let host = &self.hosts[host_index];
         host.send(ToAgent::HostStore {
             bind: bind.into(),
-            token: token.into(),
+            keys: keys.for_store()?.to_text()?,
         })?;
         let address = host.wait_for(Duration::from_secs(10), "the store to listen", |s| {
             s.store_at.take()
@@ -282,7 +285,7 @@ impl RemoteCluster {
             if index != host_index {
                 other.send(ToAgent::WatchStore {
                     address: address.to_string(),
-                    token: token.into(),
+                    keys: keys.for_host(index as u32)?.to_text()?,
                 })?;
             }
         }
@@ -598,11 +601,11 @@ impl Spawner for RemoteSpawner<'_> {
         &self,
         rank: usize,
         env: &[(String, String)],
-        token: &str,
+        keys: &str,
         log: &Path,
         lines: &std::sync::mpsc::Sender<(usize, String)>,
     ) -> Result<Box<dyn RankHandle>> {
-        self.start(rank, env, token, None, log, lines)
+        self.start(rank, env, keys, None, log, lines)
             .map_err(|(host, message)| anyhow!("cannot start rank {rank} on `{host}`: {message}"))
     }
 
@@ -631,7 +634,7 @@ impl RemoteSpawner<'_> {
         &self,
         index: usize,
         env: &[(String, String)],
-        token: &str,
+        keys: &str,
         argv: Option<Vec<String>>,
         log: &Path,
         lines: &std::sync::mpsc::Sender<(usize, String)>,
@@ -653,7 +656,7 @@ impl RemoteSpawner<'_> {
         host.send(ToAgent::Spawn {
             rank: index,
             env: env.to_vec(),
-            token: token.into(),
+            keys: keys.into(),
             argv,
         })
         .map_err(fail)?;

@@ -509,7 +509,7 @@ fn launch(
     gang.fail_on_any_exit();
     report(gang.started());
     let is_stopped = || signals.load(Ordering::SeqCst) > 0;
-    let ready = gang.wait_for("ready", &is_stopped, &mut report);
+    let ready = gang.wait_for(crate::rendezvous::READY_KEY, &is_stopped, &mut report);
     if let Err(error) = &ready {
         gang.write_outcome(Some(error));
     }
@@ -675,12 +675,23 @@ fn start_ranks(
             launcher: node.master,
         }
     };
+    // Every node derives the same keys from the shared secret; node `n` runs its even share
+    // of the ranks (host `n`).
+    let share = world / node.nnodes.max(1);
+    let keys = crate::keyring::Keyring::master(
+        &node.token,
+        crate::keyring::LAUNCHER_HOST,
+        (0..world)
+            .map(|rank| (rank / share.max(1)) as u32)
+            .collect(),
+    )
+    .with_hosts(node.nnodes);
     let gang = Gang::start_part(
         &super::LocalSpawner { exe },
         spec,
         &Job::Serve,
         store,
-        &node.token,
+        &keys,
         node.ranks(world),
     )
     .with_context(|| {

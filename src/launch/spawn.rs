@@ -13,7 +13,7 @@ use crate::envvars;
 use crate::runtime::exec::rank_env::{self, DeviceEnv, RankEnv, TestFault};
 
 /// How rank processes are started. The launcher builds each rank's environment and log
-/// path; a spawner starts `infer rank` with exactly that environment (plus the run token),
+/// path; a spawner starts `infer rank` with exactly that environment (plus its host's keys),
 /// copies every output line into the log and to `lines`, and returns a handle. Local
 /// processes ([`LocalSpawner`]) and ranks on other hosts through their agents
 /// ([`super::remote`]), behind the same trait.
@@ -23,7 +23,7 @@ pub trait Spawner {
         &self,
         rank: usize,
         env: &[(String, String)],
-        token: &str,
+        keys: &str,
         log: &Path,
         lines: &std::sync::mpsc::Sender<(usize, String)>,
     ) -> Result<Box<dyn RankHandle>>;
@@ -112,7 +112,7 @@ pub(super) struct RankProcess {
     pub(super) rank: usize,
     pub(super) child: Box<dyn RankHandle>,
     pub(super) log: PathBuf,
-    /// The environment it was given, for the manifest (the run token left out).
+    /// The environment it was given, for the manifest (its keys left out).
     pub(super) env: Vec<(String, String)>,
 }
 
@@ -123,7 +123,7 @@ pub(super) fn spawn_rank(
     world: usize,
     spec: &LaunchSpec,
     store: std::net::SocketAddr,
-    token: &str,
+    keys: &str,
     run_dir: &Path,
     lines: &std::sync::mpsc::Sender<(usize, String)>,
 ) -> Result<RankProcess> {
@@ -180,7 +180,7 @@ pub(super) fn spawn_rank(
         },
     };
     let env = contract.to_env()?;
-    let child = spawner.spawn(rank, &env, token, &log, lines)?;
+    let child = spawner.spawn(rank, &env, keys, &log, lines)?;
     Ok(RankProcess {
         rank,
         child,
@@ -194,12 +194,12 @@ impl Spawner for LocalSpawner {
         &self,
         rank: usize,
         env: &[(String, String)],
-        token: &str,
+        keys: &str,
         log: &Path,
         lines: &std::sync::mpsc::Sender<(usize, String)>,
     ) -> Result<Box<dyn RankHandle>> {
         let lines = lines.clone();
-        let child = start_rank_process(&self.exe, rank, env, token, log, move |line| {
+        let child = start_rank_process(&self.exe, rank, env, keys, log, move |line| {
             let _ = lines.send((rank, line));
         })?;
         Ok(Box::new(LocalRank(child)))
@@ -228,7 +228,7 @@ impl Spawner for LocalSpawner {
 }
 
 /// Starts `exe rank` as one rank process, the same way on the launcher's host and in a
-/// remote agent: exactly `env` (plus `PATH`, `HOME` and the run token; nothing inherited by
+/// remote agent: exactly `env` (plus `PATH`, `HOME` and its host's `keys`; nothing inherited by
 /// accident), its own process group (stopping the gang reaches anything the rank starts), a
 /// parent-death signal, and every line it writes copied into `log` and handed to `line`.
 ///
@@ -241,12 +241,12 @@ pub fn start_rank_process(
     exe: &Path,
     rank: usize,
     env: &[(String, String)],
-    token: &str,
+    keys: &str,
     log: &Path,
     line: impl Fn(String) + Clone + Send + 'static,
 ) -> Result<Child> {
     let mut env = env.to_vec();
-    env.push((envvars::RUN_TOKEN.into(), token.into()));
+    env.push((envvars::RUN_KEYS.into(), keys.into()));
     start_process(exe, &["rank".to_string()], &env, log, line)
         .with_context(|| format!("cannot start rank {rank} from `{}`", exe.display()))
 }

@@ -12,11 +12,12 @@ use crate::envvars;
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::rank_env::{HostEnv, ServingEnv};
 
-/// Environment variables whose values `manifest.json` never shows: our run token and API
-/// key, and the credentials a rank may inherit from the usual tools (Hugging Face, OpenAI,
+/// Environment variables whose values `manifest.json` never shows: our run token, run keys
+/// and API key, and the credentials a rank may inherit from the usual tools (Hugging Face, OpenAI,
 /// vLLM). Named one by one: `INFER_KV_CACHE_TOKENS` holds a size, not a secret.
 pub const SECRET_ENV: &[&str] = &[
     envvars::RUN_TOKEN,
+    envvars::RUN_KEYS,
     envvars::API_KEY,
     "HF_TOKEN",
     "HUGGING_FACE_HUB_TOKEN",
@@ -94,6 +95,28 @@ pub fn gpus_by_local_rank(
 }
 
 impl LaunchSpec {
+    /// The host index of each rank (`[rank]`): hosts numbered in the order their first rank
+    /// appears in the placement; every rank on host 0 without one.
+    pub fn rank_hosts(&self) -> Vec<u32> {
+        if self.placement.is_empty() {
+            return vec![0; self.degrees.world_size()];
+        }
+        let mut names: Vec<&str> = Vec::new();
+        self.placement
+            .iter()
+            .map(|placed| {
+                let index = names
+                    .iter()
+                    .position(|n| *n == placed.host)
+                    .unwrap_or_else(|| {
+                        names.push(&placed.host);
+                        names.len() - 1
+                    });
+                index as u32
+            })
+            .collect()
+    }
+
     /// Checks the layout against the model's header before anything starts: the TP degree
     /// splits its heads and MLP, PP has a layer per stage, EP divides its experts. A gang
     /// without a model (collectives only) passes.

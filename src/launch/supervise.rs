@@ -285,7 +285,7 @@ impl Attempt<'_> {
         let mut report = |event: Progress| events(UpEvent::Gang(event));
         report(gang.started());
         let is_stopped = || self.signals.load(Ordering::SeqCst) > 0;
-        let address = match gang.wait_for("ready", &is_stopped, &mut report) {
+        let address = match gang.wait_for(crate::rendezvous::READY_KEY, &is_stopped, &mut report) {
             Ok(Some(address)) => address,
             Ok(None) => {
                 gang.stop();

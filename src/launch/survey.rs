@@ -218,8 +218,14 @@ fn probe_network(
         .collect();
     let results = remote.reach_all(&probes)?;
     // The rendezvous store's own port on the first host (rank 0's), as ranks reach it.
-    let token = crate::rendezvous::random_token();
-    let (store, store_here) = remote.host_store(0, &format!("{}:0", data[0].1), &token)?;
+    // The all-reduce probe runs one rank per host: rank `i` on host `i`.
+    let keys = crate::keyring::Keyring::master(
+        &crate::rendezvous::random_token(),
+        crate::keyring::LAUNCHER_HOST,
+        (0..data.len() as u32).collect(),
+    )
+    .with_hosts(remote.hosts.len());
+    let (store, store_here) = remote.host_store(0, &format!("{}:0", data[0].1), &keys)?;
     let mut store_cells = vec![None];
     for (position, (_, address)) in data.iter().enumerate().skip(1) {
         let result = remote.connect_only(position, address, &store.to_string())?;
@@ -232,7 +238,7 @@ fn probe_network(
         }));
     }
     let allreduce = bandwidth
-        .then(|| allreduce_evidence(remote, names, data, (store, store_here), &token, progress));
+        .then(|| allreduce_evidence(remote, names, data, (store, store_here), &keys, progress));
     Ok(NetworkProbes {
         matrix: crate::doctor::evidence::Matrix {
             hosts: names.iter().map(|n| n.to_string()).collect(),
@@ -289,7 +295,7 @@ fn allreduce_evidence(
     names: &[&str],
     data: &[(String, String)],
     store: (std::net::SocketAddr, std::net::SocketAddr),
-    token: &str,
+    keys: &crate::keyring::Keyring,
     progress: &mut dyn FnMut(Progress),
 ) -> crate::doctor::evidence::AllreduceProbe {
     use crate::doctor::evidence::{AllreduceProbe, LinkRate};
@@ -319,7 +325,7 @@ fn allreduce_evidence(
             "not run: the hosts run different `infer` builds, whose ranks may not speak the same protocol (see `versions`)".into(),
         );
     } else {
-        match allreduce_probe(remote, names, data, store, token, progress) {
+        match allreduce_probe(remote, names, data, store, keys, progress) {
             Ok(bench) => {
                 probe.transport = bench.transport;
                 probe.rows = bench.rows;
@@ -466,7 +472,7 @@ fn data_link_rate(remote: &RemoteCluster, position: usize, name: &str) -> Option
 /// (no model), bound to the host's data address (`data[i]`: interface, address), one group
 /// over TCP, sizes up to [`ALLREDUCE_PROBE_BYTES`](crate::doctor::evidence::ALLREDUCE_PROBE_BYTES).
 /// `store` is the rendezvous store on the first host (as ranks reach it, as this process
-/// reaches it) whose token is `token`.
+/// reaches it), the run's keys `keys`.
 ///
 /// Errors: a rank that cannot start, fails or stops heartbeating (the gang is stopped).
 fn allreduce_probe(
@@ -474,7 +480,7 @@ fn allreduce_probe(
     names: &[&str],
     data: &[(String, String)],
     store: (std::net::SocketAddr, std::net::SocketAddr),
-    token: &str,
+    keys: &crate::keyring::Keyring,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<crate::runtime::exec::worker::AllreduceBench> {
     let placement = names
@@ -520,10 +526,10 @@ fn allreduce_probe(
             ranks: store.0,
             launcher: store.1,
         },
-        token,
+        keys,
     )?;
     let bytes = gang
-        .wait_for("result", &|| false, progress)?
+        .wait_for(crate::rendezvous::RESULT_KEY, &|| false, progress)?
         .ok_or_else(|| anyhow!("every rank exited without a result"))?;
     gang.finish();
     serde_json::from_slice(&bytes).context("rank 0 wrote a malformed all-reduce report")

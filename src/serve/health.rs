@@ -212,7 +212,7 @@ impl Verdict {
 /// diagnosis and `GET /debug/ranks` show.
 pub struct RankWaits {
     address: String,
-    token: String,
+    keys: crate::keyring::Keyring,
     /// Ranks in the run, and in each DP replica (replica `r` holds ranks
     /// `r × replica_size ..`).
     pub world_size: u64,
@@ -221,11 +221,16 @@ pub struct RankWaits {
 }
 
 impl RankWaits {
-    /// A reader of the store at `address` (run `token`).
-    pub fn new(address: String, token: String, world_size: u64, replica_size: u64) -> RankWaits {
+    /// A reader of the store at `address`, as rank 0 of host keys `keys`.
+    pub fn new(
+        address: String,
+        keys: crate::keyring::Keyring,
+        world_size: u64,
+        replica_size: u64,
+    ) -> RankWaits {
         RankWaits {
             address,
-            token,
+            keys,
             world_size,
             replica_size,
             store: std::sync::Mutex::new(None),
@@ -239,8 +244,8 @@ impl RankWaits {
         if store.is_none() {
             *store = Some(StoreClient::connect(
                 &self.address,
-                &self.token,
-                None,
+                &self.keys,
+                Some(0),
                 Duration::from_secs(2),
             )?);
         }

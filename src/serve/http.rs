@@ -128,7 +128,7 @@ pub fn serve_one_process(
             rank_waits: None,
         },
         &[],
-        "",
+        None,
     )?;
     events(OneProcessEvent::Ready(server.address()));
     server.serve_until_stopped(settings.shutdown_timeout, &mut |line| {
@@ -139,9 +139,9 @@ pub fn serve_one_process(
 /// The driver of a serving replica. Replica 0's driver (global rank 0) runs the scheduler
 /// over `driver`, connects the router to the other replicas' drivers (their addresses come
 /// from the store), opens `server` (bound at `env`'s HTTP address before the shard loaded,
-/// see [`bind_rank_http`]), publishes its address under `ready`, and serves until SIGTERM
+/// see [`bind_rank_http`]), publishes its address under `rank/0/ready`, and serves until SIGTERM
 /// (from the launcher) or until a replica fails. Any other replica's driver serves the
-/// router's requests instead ([`super::router::serve_remote`]). `token` is the run's.
+/// router's requests instead ([`super::router::serve_remote`]). `keys` are its host's.
 ///
 /// Errors: `env` without serving settings, no server on rank 0, a failed replica (a lost
 /// rank), a lost router.
@@ -150,7 +150,7 @@ pub fn serve_driver(
     store: &mut StoreClient,
     server: Option<HttpServer>,
     env: &RankEnv,
-    token: &str,
+    keys: &crate::keyring::Keyring,
     note: &mut dyn FnMut(&str),
 ) -> Result<()> {
     let serving = env.serving.as_ref().with_context(|| {
@@ -183,24 +183,27 @@ pub fn serve_driver(
                 .await
                 .with_context(|| format!("cannot listen for the router on `{bind}`"))?;
             store.set(
-                &format!("dp/{replica}/router"),
+                &crate::rendezvous::rank_key(env.rank as u64, "router"),
                 listener.local_addr()?.to_string().as_bytes(),
             )?;
             let mut terminate =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
             tokio::select! {
-                result = super::router::serve_remote(listener, token, replica, scheduler) => result,
+                result = super::router::serve_remote(listener, keys, replica, scheduler) => result,
                 _ = terminate.recv() => Ok(()),
             }
         });
     }
     let server = server.context("rank 0 has no HTTP server")?;
-    let remotes = (1..dp)
+    // Replica `r`'s driver is its first rank.
+    let replica_size = env.degrees.replica_size() as u64;
+    let remotes = (1..dp as u64)
         .map(|r| {
-            let bytes = store.get(&format!("dp/{r}/router"), timeout)?;
-            Ok(String::from_utf8_lossy(&bytes).into_owned())
+            let driver = r * replica_size;
+            let bytes = store.get(&crate::rendezvous::rank_key(driver, "router"), timeout)?;
+            Ok((String::from_utf8_lossy(&bytes).into_owned(), driver))
         })
-        .collect::<Result<Vec<String>>>()?;
+        .collect::<Result<Vec<(String, u64)>>>()?;
     server.open(
         AppState {
             model_id: serving.model_id.clone(),
@@ -214,7 +217,7 @@ pub fn serve_driver(
             access_log: access_log(),
             rank_waits: Some(Arc::new(super::health::RankWaits::new(
                 env.store.to_string(),
-                token.to_string(),
+                keys.clone(),
                 env.world_size as u64,
                 env.degrees.replica_size() as u64,
             ))),
@@ -229,9 +232,12 @@ pub fn serve_driver(
             },
         },
         &remotes,
-        token,
+        Some(keys),
     )?;
-    store.set("ready", server.address().to_string().as_bytes())?;
+    store.set(
+        crate::rendezvous::READY_KEY,
+        server.address().to_string().as_bytes(),
+    )?;
     server.serve_until_stopped(serving.shutdown_timeout, note)
 }
 
@@ -464,11 +470,20 @@ impl HttpServer {
         self.address
     }
 
-    /// Connects the router to the `remotes` replicas (proving `token`) and starts serving
-    /// `state`. Errors: a replica that cannot be reached.
-    pub fn open(&self, mut state: AppState, remotes: &[String], token: &str) -> Result<()> {
-        self.runtime
-            .block_on(state.scheduler.connect_remotes(remotes, token))?;
+    /// Connects the router to the `remotes` replicas (each one's address and driver rank,
+    /// proving this host's `keys`) and starts serving `state`. Errors: a replica that
+    /// cannot be reached; remotes without keys.
+    pub fn open(
+        &self,
+        mut state: AppState,
+        remotes: &[(String, u64)],
+        keys: Option<&crate::keyring::Keyring>,
+    ) -> Result<()> {
+        if !remotes.is_empty() {
+            let keys = keys.context("remote replicas need this host's keys")?;
+            self.runtime
+                .block_on(state.scheduler.connect_remotes(remotes, keys))?;
+        }
         self.gate.open(state)?;
         self.runtime
             .spawn(super::watch_stalls(Arc::clone(&self.gate)));

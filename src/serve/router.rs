@@ -369,21 +369,32 @@ impl Router {
         }
     }
 
-    /// Connects to the remote replicas' drivers at `addresses` (replicas 1, 2, …), proving
-    /// the run `token`. Must run inside the HTTP runtime.
+    /// Connects to the remote replicas' drivers (replicas 1, 2, …: each one's address and
+    /// driver rank), proving this host's pair key with each one's (`keys`). Must run inside
+    /// the HTTP runtime.
     ///
-    /// Errors: a replica that cannot be reached.
-    pub async fn connect_remotes(&mut self, addresses: &[String], token: &str) -> Result<()> {
-        for (offset, address) in addresses.iter().enumerate() {
+    /// Errors: a replica that cannot be reached, or whose host has no key.
+    pub async fn connect_remotes(
+        &mut self,
+        remotes: &[(String, u64)],
+        keys: &crate::keyring::Keyring,
+    ) -> Result<()> {
+        for (offset, (address, driver)) in remotes.iter().enumerate() {
             let replica = offset + 1;
-            let (address, token) = (address.clone(), token.to_string());
-            let stream = tokio::task::spawn_blocking(move || -> Result<std::net::TcpStream> {
+            let key = keys
+                .host_of_rank(*driver)
+                .and_then(|host| keys.pair_key(host))
+                .with_context(|| {
+                    format!("DP replica {replica}: no key for rank {driver}'s host")
+                })?;
+            let address = address.clone();
+            let (stream, session) = tokio::task::spawn_blocking(move || -> Result<_> {
                 let socket: std::net::SocketAddr = address.parse().with_context(|| {
                     format!("DP replica {replica}: a malformed address `{address}`")
                 })?;
-                let stream = crate::handshake::connect(
+                let (stream, session) = crate::handshake::connect(
                     socket,
-                    &token,
+                    &key,
                     crate::handshake::Claim {
                         channel: CHANNEL,
                         client: 0,
@@ -395,16 +406,17 @@ impl Router {
                     format!("cannot reach DP replica {replica} at {address} and authenticate")
                 })?;
                 stream.set_nonblocking(true)?;
-                Ok(stream)
+                Ok((stream, session))
             })
             .await??;
             let stream = TcpStream::from_std(stream)?;
             stream.set_nodelay(true)?;
             let (mut reader, mut writer) = stream.into_split();
+            let (mut sealer, mut opener) = session.split();
             let (frames, mut outgoing) = unbounded_channel::<ToReplica>();
             tokio::spawn(async move {
                 while let Some(frame) = outgoing.recv().await {
-                    if write_frame(&mut writer, &frame).await.is_err() {
+                    if write_frame(&mut writer, &mut sealer, &frame).await.is_err() {
                         break;
                     }
                 }
@@ -421,7 +433,7 @@ impl Router {
             );
             tokio::spawn(async move {
                 let error = loop {
-                    let (id, event) = match read_frame(&mut reader).await {
+                    let (id, event) = match read_frame(&mut reader, &mut opener).await {
                         Ok(FromReplica::Event { id, event }) => (id, event),
                         Ok(FromReplica::Metrics(snapshot)) => {
                             *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) =
@@ -799,16 +811,22 @@ const MAX_PENDING_HANDSHAKES: usize = 16;
 /// Errors: the listener fails.
 async fn accept_router(
     listener: &tokio::net::TcpListener,
-    token: &str,
+    keys: &crate::keyring::Keyring,
     replica: usize,
-) -> Result<TcpStream> {
-    let (proved, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<std::net::TcpStream>();
+) -> Result<(TcpStream, crate::handshake::Session)> {
+    let (proved, mut arrivals) = tokio::sync::mpsc::unbounded_channel();
     let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // The router is rank 0: its host's pair key with this one.
+    let key = keys
+        .host_of_rank(0)
+        .and_then(|host| keys.pair_key(host))
+        .context("no key for rank 0's host")?;
     loop {
         tokio::select! {
-            Some(stream) = arrivals.recv() => {
+            Some((stream, session)) = arrivals.recv() => {
+                let stream: std::net::TcpStream = stream;
                 stream.set_nonblocking(true)?;
-                return Ok(TcpStream::from_std(stream)?);
+                return Ok((TcpStream::from_std(stream)?, session));
             }
             accepted = listener.accept() => {
                 let (stream, _) = accepted.context("no connection from the router")?;
@@ -817,13 +835,15 @@ async fn accept_router(
                     continue;
                 }
                 let mut stream = stream.into_std()?;
-                let (token, proved, counter) = (token.to_string(), proved.clone(), Arc::clone(&pending));
+                let (key, proved, counter) = (key.clone(), proved.clone(), Arc::clone(&pending));
                 tokio::task::spawn_blocking(move || {
-                    let accepted = stream.set_nonblocking(false).is_ok()
-                        && crate::handshake::server(&mut stream, &token, CHANNEL, replica as u64, &|router| router == 0).is_ok();
+                    let accepted = match stream.set_nonblocking(false) {
+                        Ok(()) => crate::handshake::server(&mut stream, CHANNEL, replica as u64, &|router| (router == 0).then(|| key.clone())).ok(),
+                        Err(_) => None,
+                    };
                     counter.fetch_sub(1, Ordering::SeqCst);
-                    if accepted {
-                        let _ = proved.send(stream);
+                    if let Some((_, session)) = accepted {
+                        let _ = proved.send((stream, session));
                     }
                 });
             }
@@ -840,18 +860,19 @@ async fn accept_router(
 /// Errors: a lost connection, a failed scheduler.
 pub(crate) async fn serve_remote(
     listener: tokio::net::TcpListener,
-    token: &str,
+    keys: &crate::keyring::Keyring,
     replica: usize,
     scheduler: Scheduler,
 ) -> Result<()> {
-    let stream = accept_router(&listener, token, replica).await?;
+    let (stream, session) = accept_router(&listener, keys, replica).await?;
     stream.set_nodelay(true)?;
     let (reader, mut writer) = stream.into_split();
-    let mut incoming = spawn_frame_reader::<ToReplica>(reader);
+    let (mut sealer, opener) = session.split();
+    let mut incoming = spawn_frame_reader::<ToReplica>(reader, opener);
     let (frames, mut outgoing) = unbounded_channel::<FromReplica>();
     let writer_task = tokio::spawn(async move {
         while let Some(frame) = outgoing.recv().await {
-            if write_frame(&mut writer, &frame).await.is_err() {
+            if write_frame(&mut writer, &mut sealer, &frame).await.is_err() {
                 break;
             }
         }
@@ -957,11 +978,12 @@ impl Drop for Relays {
 /// `read_frame` loses the bytes it read.
 fn spawn_frame_reader<T: for<'de> Deserialize<'de> + Send + 'static>(
     mut reader: tokio::net::tcp::OwnedReadHalf,
+    mut opener: crate::handshake::Opener,
 ) -> tokio::sync::mpsc::UnboundedReceiver<Result<T>> {
     let (frames, incoming) = unbounded_channel();
     tokio::spawn(async move {
         loop {
-            let frame = read_frame::<T>(&mut reader).await;
+            let frame = read_frame::<T>(&mut reader, &mut opener).await;
             let failed = frame.is_err();
             if frames.send(frame).is_err() || failed {
                 break;
@@ -971,21 +993,30 @@ fn spawn_frame_reader<T: for<'de> Deserialize<'de> + Send + 'static>(
     incoming
 }
 
+/// Writes one frame: a little-endian `u32` length, the JSON body, and the body's MAC under
+/// the link's session.
 async fn write_frame<T: Serialize>(
     writer: &mut tokio::net::tcp::OwnedWriteHalf,
+    sealer: &mut crate::handshake::Sealer,
     value: &T,
 ) -> Result<()> {
-    // One buffer, one write: the length and the body leave together.
+    // One buffer, one write: the length, the body and the MAC leave together.
     let mut bytes = vec![0u8; 4];
     serde_json::to_writer(&mut bytes, value)?;
     let length = u32::try_from(bytes.len() - 4).context("a frame larger than 4 GiB")?;
     bytes[..4].copy_from_slice(&length.to_le_bytes());
+    let tag = sealer.seal(&bytes[4..]);
+    bytes.extend_from_slice(&tag);
     writer.write_all(&bytes).await?;
     Ok(())
 }
 
+/// Reads one frame of [`write_frame`]'s and checks its MAC.
+///
+/// Errors: the connection closed, a frame too long, a wrong MAC, malformed JSON.
 async fn read_frame<T: for<'de> Deserialize<'de>>(
     reader: &mut tokio::net::tcp::OwnedReadHalf,
+    opener: &mut crate::handshake::Opener,
 ) -> Result<T> {
     let mut length = [0u8; 4];
     reader
@@ -996,12 +1027,14 @@ async fn read_frame<T: for<'de> Deserialize<'de>>(
     if length > MAX_FRAME_BYTES {
         bail!("a frame of {length} bytes is larger than {MAX_FRAME_BYTES}");
     }
-    let mut bytes = vec![0u8; length];
+    let mut bytes = vec![0u8; length + crate::handshake::TAG_BYTES];
     reader
         .read_exact(&mut bytes)
         .await
         .context("the connection closed mid-frame")?;
-    serde_json::from_slice(&bytes).context("malformed frame")
+    let (body, tag) = bytes.split_at(length);
+    opener.open(body, tag)?;
+    serde_json::from_slice(body).context("malformed frame")
 }
 
 #[cfg(test)]
@@ -1039,11 +1072,12 @@ mod tests {
     /// Reads frames until one that `wanted` picks, within 10 s.
     async fn next_frame<T>(
         reader: &mut tokio::net::tcp::OwnedReadHalf,
+        opener: &mut crate::handshake::Opener,
         mut wanted: impl FnMut(FromReplica) -> Option<T>,
     ) -> Result<T> {
         tokio::time::timeout(std::time::Duration::from_secs(10), async {
             loop {
-                if let Some(found) = wanted(read_frame::<FromReplica>(reader).await?) {
+                if let Some(found) = wanted(read_frame::<FromReplica>(reader, opener).await?) {
                     return Ok(found);
                 }
             }
@@ -1086,19 +1120,27 @@ mod tests {
                 .await
                 .expect("bind");
             let address = listener.local_addr().expect("address");
+            // Rank 0 (the router) on host 0, replica 1's driver (rank 1) on host 1.
+            let run = crate::keyring::Keyring::master(
+                "run-token",
+                crate::keyring::LAUNCHER_HOST,
+                vec![0, 1],
+            );
+            let replica_keys = run.for_host(1).expect("host 1");
+            let router_key = run.for_host(0).expect("host 0").pair_key(1).expect("key");
             let replica =
                 tokio::spawn(
-                    async move { serve_remote(listener, "run-token", 1, scheduler).await },
+                    async move { serve_remote(listener, &replica_keys, 1, scheduler).await },
                 );
             // A stranger's garbage and an idle connection take no slot.
             let mut garbage = TcpStream::connect(address).await.expect("connect");
             garbage.write_all(&[0xff; 16]).await.expect("garbage");
             let _idle = TcpStream::connect(address).await.expect("connect");
-            let stream = tokio::task::spawn_blocking(move || {
+            let (stream, session) = tokio::task::spawn_blocking(move || {
                 let mut stream = std::net::TcpStream::connect(address).expect("connect");
-                crate::handshake::client(
+                let session = crate::handshake::client(
                     &mut stream,
-                    "run-token",
+                    &router_key,
                     crate::handshake::Claim {
                         channel: CHANNEL,
                         client: 0,
@@ -1107,20 +1149,23 @@ mod tests {
                 )
                 .expect("the replica accepts the router");
                 stream.set_nonblocking(true).expect("nonblocking");
-                stream
+                (stream, session)
             })
             .await
             .expect("join");
             let stream = TcpStream::from_std(stream).expect("tokio stream");
             let (mut reader, mut writer) = stream.into_split();
+            let (mut sealer, mut opener) = session.split();
 
             let body = serde_json::to_vec(&ToReplica::Metrics { id: 7 }).expect("json");
             let length = (body.len() as u32).to_le_bytes();
+            let tag = sealer.seal(&body);
             writer.write_all(&length).await.expect("length");
             writer.flush().await.expect("flush");
             tokio::time::sleep(METRICS_INTERVAL * 5 / 2).await;
             writer.write_all(&body).await.expect("body");
-            let answered = next_frame(&mut reader, |frame| match frame {
+            writer.write_all(&tag).await.expect("tag");
+            let answered = next_frame(&mut reader, &mut opener, |frame| match frame {
                 FromReplica::MetricsNow { id, .. } => Some(id),
                 _ => None,
             })
@@ -1134,15 +1179,17 @@ mod tests {
                 params: Box::new(SamplingParams::default()),
                 pd: None,
             };
-            write_frame(&mut writer, &submit).await.expect("submit");
-            let reason = next_frame(&mut reader, |frame| match frame {
+            write_frame(&mut writer, &mut sealer, &submit)
+                .await
+                .expect("submit");
+            let reason = next_frame(&mut reader, &mut opener, |frame| match frame {
                 FromReplica::Stopped { reason } => Some(reason),
                 _ => None,
             })
             .await
             .expect("the replica says why it stops");
             assert!(reason.contains("rank 3 closed its connection"), "{reason}");
-            let closed = next_frame(&mut reader, |_| None::<()>).await;
+            let closed = next_frame(&mut reader, &mut opener, |_| None::<()>).await;
             assert!(
                 format!("{:#}", closed.expect_err("no frame is wanted")).contains("closed"),
                 "the connection closes after `Stopped`"

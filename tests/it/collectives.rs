@@ -185,8 +185,14 @@ fn strangers_on_a_members_port_take_no_slot_and_hold_nobody_up() {
     use infer::rendezvous::{StoreClient, StoreServer, random_token};
     use infer::runtime::collectives::{Comm, TcpComm};
     use std::io::Write;
-    let token = random_token();
-    let server = StoreServer::start("127.0.0.1:0", &token).expect("store");
+    // Three ranks on one host: the launcher holds the run's keys, ranks their host's.
+    let run = infer::keyring::Keyring::master(
+        &random_token(),
+        infer::keyring::LAUNCHER_HOST,
+        vec![0, 0, 0],
+    );
+    let token = run.on_host(0);
+    let server = StoreServer::start("127.0.0.1:0", &run).expect("store");
     let address = server.address().to_string();
     let members: Vec<u64> = vec![0, 1, 2];
     let (go, gate) = std::sync::mpsc::channel::<()>();
@@ -194,11 +200,11 @@ fn strangers_on_a_members_port_take_no_slot_and_hold_nobody_up() {
     let started = std::time::Instant::now();
     let sums = std::thread::scope(|scope| {
         let racer = scope.spawn(|| {
-            let mut store = StoreClient::connect(&address, &token, None, Duration::from_secs(10))
-                .expect("store");
+            let mut store =
+                StoreClient::connect(&address, &run, None, Duration::from_secs(10)).expect("store");
             let port = String::from_utf8(
                 store
-                    .get("comm/test/2", Duration::from_secs(10))
+                    .get("rank/2/comm/test", Duration::from_secs(10))
                     .expect("rank 2 listens"),
             )
             .expect("address");
@@ -206,9 +212,14 @@ fn strangers_on_a_members_port_take_no_slot_and_hold_nobody_up() {
             garbage.write_all(&[0xff; 16]).expect("garbage");
             let idle = std::net::TcpStream::connect(&port).expect("connect");
             let mut impostor = std::net::TcpStream::connect(&port).expect("connect");
+            let another_run = infer::keyring::Keyring::master(
+                "another run's secret",
+                infer::keyring::LAUNCHER_HOST,
+                vec![0, 0, 0],
+            );
             let refused = infer::handshake::client(
                 &mut impostor,
-                "another run's secret",
+                &another_run.on_host(0).pair_key(0).expect("key"),
                 infer::handshake::Claim {
                     channel: "comm/test",
                     client: 0,

@@ -868,6 +868,7 @@ fn up_launches_the_layout_of_a_saved_plan() {
     assert_eq!(env["RANK"], "1");
     assert_eq!(env["WORLD_SIZE"], world.to_string());
     assert!(env.get("INFER_RUN_TOKEN").is_none(), "{env}");
+    assert!(env.get("INFER_RUN_KEYS").is_none(), "{env}");
 }
 
 /// A Mixtral-style MoE model (synthetic, 8 experts, top-2, written as GGUF with a small

@@ -23,8 +23,14 @@ fn greedy(
     prompt: &[u32],
     steps: usize,
 ) -> (Vec<u32>, Vec<f32>) {
-    let token = random_token();
-    let server = StoreServer::start("127.0.0.1:0", &token).expect("store");
+    // Every rank on one host (host 0); the store holds the run's keys.
+    let run = infer::keyring::Keyring::master(
+        &random_token(),
+        infer::keyring::LAUNCHER_HOST,
+        vec![0; tp],
+    );
+    let server = StoreServer::start("127.0.0.1:0", &run).expect("store");
+    let token = run.on_host(0);
     let address = server.address().to_string();
     let n_layers = model.layers.len();
     let stages: Vec<(usize, usize)> = (0..pp)
@@ -206,8 +212,14 @@ fn moe_greedy(
     prompt: &[u32],
     steps: usize,
 ) -> Vec<(Vec<u32>, Vec<f32>)> {
-    let token = random_token();
-    let server = StoreServer::start("127.0.0.1:0", &token).expect("store");
+    // Every rank on one host (host 0); the store holds the run's keys.
+    let run = infer::keyring::Keyring::master(
+        &random_token(),
+        infer::keyring::LAUNCHER_HOST,
+        vec![0; tp * dp],
+    );
+    let server = StoreServer::start("127.0.0.1:0", &run).expect("store");
+    let token = run.on_host(0);
     let address = server.address().to_string();
     let world = tp * dp;
     let n_layers = model.layers.len();

@@ -36,8 +36,14 @@ pub(super) fn allreduce(args: &BenchAllreduceArgs, printer: &Printer) -> Result<
 /// does not start, a worker exits with a failure, rank 0 prints no report.
 fn run_local_workers(args: &BenchAllreduceArgs) -> Result<AllreduceWorkerReport> {
     use std::process::{Command, Stdio};
-    let token = crate::rendezvous::random_token();
-    let server = crate::rendezvous::StoreServer::start("127.0.0.1:0", &token)?;
+    // Every worker on this host (host 0).
+    let keys = crate::keyring::Keyring::master(
+        &crate::rendezvous::random_token(),
+        crate::keyring::LAUNCHER_HOST,
+        vec![0; args.world],
+    );
+    let server = crate::rendezvous::StoreServer::start("127.0.0.1:0", &keys)?;
+    let worker_keys = keys.for_host(0)?.to_text()?;
     let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
     let mut children = Vec::new();
     for rank in 0..args.world {
@@ -56,7 +62,7 @@ fn run_local_workers(args: &BenchAllreduceArgs) -> Result<AllreduceWorkerReport>
                 "--max-bytes",
                 &args.max_bytes.to_string(),
             ])
-            .env(crate::envvars::RUN_TOKEN, &token)
+            .env(crate::envvars::RUN_KEYS, &worker_keys)
             .stdout(if rank == 0 {
                 Stdio::piped()
             } else {

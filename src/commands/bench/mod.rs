@@ -22,14 +22,15 @@ pub(crate) fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatu
 }
 
 /// `infer bench allreduce-worker`: one process of the local bench; rank 0 prints the
-/// report as JSON. Errors: no run token, the store or a peer unreachable, a collective fails.
+/// report as JSON. Errors: no run keys, the store or a peer unreachable, a collective fails.
 fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Result<ExitStatus> {
-    let token =
-        crate::runtime::exec::rank_env::run_token(&crate::runtime::exec::rank_env::process_env)?;
+    let keys =
+        crate::runtime::exec::rank_env::run_keys(&crate::runtime::exec::rank_env::process_env)?;
+    crate::runtime::exec::rank_env::forget_secrets();
     let shm_disable = std::env::var(crate::envvars::SHM_DISABLE).is_ok_and(|v| v == "1");
     let report = bench::all_reduce_worker(
         &args.store,
-        &token,
+        &keys,
         args.rank,
         args.world,
         args.max_bytes,

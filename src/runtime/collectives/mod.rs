@@ -17,6 +17,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 
 use crate::rendezvous::StoreClient;
+use std::sync::Arc;
 
 /// Collective operations over one process group. Positions are 0-based within the group.
 pub trait Comm: Send {
@@ -77,21 +78,31 @@ impl TcpComm {
             })?;
         let mut readers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         let mut writers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+        let members_owned = members.to_vec();
         if size > 1 {
             // What each connection of this group proves in its handshake.
             let channel = format!("comm/{group}");
             let listener = TcpListener::bind((bind_host, 0))
                 .with_context(|| format!("group `{group}`: cannot listen on `{bind_host}`"))?;
             let address = listener.local_addr()?;
+            // Published under this rank's own key: only its host may write it.
             store.set(
-                &format!("comm/{group}/{position}"),
+                &crate::rendezvous::rank_key(my_rank, &channel),
                 address.to_string().as_bytes(),
             )?;
+            let keys = store.keys().clone();
+            // The key of the connection with the member at `peer`: the pair key of this host
+            // and the host that member is placed on.
+            let key_with =
+                move |peer: usize| keys.pair_key(keys.host_of_rank(*members_owned.get(peer)?)?);
             // Lower positions connect to higher ones; a connection is queued by the kernel
             // even before the peer accepts, so connecting first cannot deadlock.
             for peer in position + 1..size {
                 let peer_address = store
-                    .get(&format!("comm/{group}/{peer}"), timeout)
+                    .get(
+                        &crate::rendezvous::rank_key(members[peer], &channel),
+                        timeout,
+                    )
                     .with_context(|| {
                         format!(
                             "group `{group}`: rank {} never published its endpoint",
@@ -102,9 +113,12 @@ impl TcpComm {
                     String::from_utf8(peer_address)?
                         .parse()
                         .with_context(|| format!("group `{group}`: a malformed endpoint"))?;
-                let stream = crate::handshake::connect(
+                let key = key_with(peer).with_context(|| {
+                    format!("group `{group}`: no key for rank {}'s host", members[peer])
+                })?;
+                let (stream, _) = crate::handshake::connect(
                     peer_address,
-                    store.secret(),
+                    &key,
                     crate::handshake::Claim {
                         channel: &channel,
                         client: position as u64,
@@ -122,7 +136,7 @@ impl TcpComm {
                 readers[peer] = Some(reader);
                 writers[peer] = Some(writer);
             }
-            let lower = accept_members(&listener, store.secret(), &channel, position, timeout)
+            let lower = accept_members(&listener, Arc::new(key_with), &channel, position, timeout)
                 .with_context(|| {
                     format!(
                         "group `{group}`: lower-ranked peers did not connect within {timeout:?}"
@@ -318,19 +332,18 @@ fn read_frame_into(stream: &mut TcpStream, buffer: &mut [u8]) -> std::io::Result
 const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// Accepts on `listener` until every position below `position` has connected and proved
-/// the run's `secret` on `channel` (each handshake on a thread of its own, so garbage or an
-/// idle stranger holds no slot and delays no member), within `timeout`. Returns each
-/// position with its connection.
+/// itself on `channel` with the key `key_with` gives for that position (each handshake on a
+/// thread of its own, so garbage or an idle stranger holds no slot and delays no member),
+/// within `timeout`. Returns each position with its connection.
 ///
 /// Errors: a position missing at `timeout`; the listener fails.
 fn accept_members(
     listener: &TcpListener,
-    secret: &str,
+    key_with: Arc<dyn Fn(usize) -> Option<crate::keyring::Key> + Send + Sync>,
     channel: &str,
     position: usize,
     timeout: Duration,
 ) -> Result<Vec<(usize, TcpStream)>> {
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     listener.set_nonblocking(true)?;
     let deadline = std::time::Instant::now() + timeout;
@@ -354,8 +367,8 @@ fn accept_members(
                     pending.fetch_sub(1, Ordering::SeqCst);
                     continue;
                 }
-                let (secret, channel, proved, counter) = (
-                    secret.to_string(),
+                let (key_with, channel, proved, counter) = (
+                    Arc::clone(&key_with),
                     channel.to_string(),
                     proved.clone(),
                     Arc::clone(&pending),
@@ -367,12 +380,18 @@ fn accept_members(
                         let accepted = stream.set_nonblocking(false).is_ok()
                             && crate::handshake::server(
                                 &mut stream,
-                                &secret,
                                 &channel,
                                 position as u64,
-                                &|peer| peer < position as u64,
+                                &|peer| {
+                                    let peer = usize::try_from(peer).ok()?;
+                                    if peer < position {
+                                        key_with(peer)
+                                    } else {
+                                        None
+                                    }
+                                },
                             )
-                            .is_ok_and(|peer| proved.send((peer as usize, stream)).is_ok());
+                            .is_ok_and(|(peer, _)| proved.send((peer as usize, stream)).is_ok());
                         counter.fetch_sub(1, Ordering::SeqCst);
                         accepted
                     });
@@ -699,10 +718,12 @@ pub fn tcp_stream_bytes_per_sec(
     if rank == 0 {
         let listener = TcpListener::bind((bind_addr, 0))?;
         store.set(
-            "bench/stream",
+            &crate::rendezvous::rank_key(0, "bench/stream"),
             listener.local_addr()?.to_string().as_bytes(),
         )?;
-        let mut socket = accept_members(&listener, store.secret(), "bench/stream", 1, timeout)?
+        let keys = store.keys().clone();
+        let key_with = move |_: usize| keys.pair_key(keys.host_of_rank(sender)?);
+        let mut socket = accept_members(&listener, Arc::new(key_with), "bench/stream", 1, timeout)?
             .pop()
             .map(|(_, socket)| socket)
             .context("the sender never connected")?;
@@ -717,12 +738,19 @@ pub fn tcp_stream_bytes_per_sec(
         return Ok(received as f64 / start.elapsed().as_secs_f64());
     }
     if rank == sender {
-        let address = String::from_utf8(store.get("bench/stream", timeout)?)?
-            .parse()
-            .context("a malformed stream endpoint")?;
-        let mut socket = crate::handshake::connect(
+        let address = String::from_utf8(
+            store.get(&crate::rendezvous::rank_key(0, "bench/stream"), timeout)?,
+        )?
+        .parse()
+        .context("a malformed stream endpoint")?;
+        let keys = store.keys();
+        let key = keys
+            .host_of_rank(0)
+            .and_then(|host| keys.pair_key(host))
+            .context("no key for rank 0's host")?;
+        let (mut socket, _) = crate::handshake::connect(
             address,
-            store.secret(),
+            &key,
             crate::handshake::Claim {
                 channel: "bench/stream",
                 client: 0,

@@ -154,7 +154,7 @@ fn of_this_thread() -> Option<Wait> {
 
 /// The store key of `rank`'s wait.
 fn key(rank: u64) -> String {
-    format!("wait/{rank}")
+    crate::rendezvous::rank_key(rank, "wait")
 }
 
 /// Stops the reporter thread when dropped.
@@ -166,18 +166,18 @@ impl Drop for ReporterGuard {
     }
 }
 
-/// Starts the thread that publishes this rank's wait under `wait/<rank>` whenever it
+/// Starts the thread that publishes this rank's wait under `rank/<rank>/wait` whenever it
 /// changes (an empty value: no wait longer than [`REPORT_AFTER`]), on its own connection
 /// to the store at `address`.
 ///
-/// Errors: the store cannot be reached or refuses `token`.
+/// Errors: the store cannot be reached or refuses `keys`.
 pub fn start_reporter(
     address: &str,
-    token: &str,
+    keys: &crate::keyring::Keyring,
     rank: u64,
     timeout: Duration,
 ) -> Result<ReporterGuard> {
-    let mut store = StoreClient::connect(address, token, None, timeout)?;
+    let mut store = StoreClient::connect(address, keys, Some(rank), timeout)?;
     store.set(&key(rank), b"")?;
     let stop = Arc::new(AtomicBool::new(false));
     let thread_stop = Arc::clone(&stop);

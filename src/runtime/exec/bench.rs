@@ -190,21 +190,21 @@ pub(crate) struct AllreduceWorkerReport {
 }
 
 /// One process of the local all-reduce bench (`infer bench allreduce-worker`): joins the
-/// others at the store on `store_address` with `token`, sweeps the TCP ring's all-reduce,
+/// others at the store on `store_address` with its host's `keys`, sweeps the TCP ring's all-reduce,
 /// then the shared-memory transport's (unless `shm_disable` or unavailable), then one plain
 /// TCP stream. Rank 0 returns the report; the others `None`.
 ///
 /// Errors: the store or a peer cannot be reached within 60 s, a collective fails.
 pub(crate) fn all_reduce_worker(
     store_address: &str,
-    token: &str,
+    keys: &crate::keyring::Keyring,
     rank: u64,
     world: usize,
     max_bytes: usize,
     shm_disable: bool,
 ) -> Result<Option<AllreduceWorkerReport>> {
     let timeout = Duration::from_secs(60);
-    let mut store = StoreClient::connect(store_address, token, Some(rank), timeout)?;
+    let mut store = StoreClient::connect(store_address, keys, Some(rank), timeout)?;
     let members: Vec<u64> = (0..world as u64).collect();
     let tcp = TcpComm::connect(&mut store, "bench", &members, rank, "127.0.0.1", timeout)?;
     let mut comm = if shm_disable {

@@ -419,14 +419,19 @@ fn tp_check(
     use crate::rendezvous::{StoreClient, StoreServer, random_token};
     use crate::runtime::collectives::TcpComm;
     let timeout = std::time::Duration::from_secs(60);
-    let token = random_token();
-    let server = StoreServer::start("127.0.0.1:0", &token)?;
+    let run = crate::keyring::Keyring::master(
+        &random_token(),
+        crate::keyring::LAUNCHER_HOST,
+        vec![0; SMOKE_TP],
+    );
+    let server = StoreServer::start("127.0.0.1:0", &run)?;
+    let keys = run.for_host(0)?;
     let address = server.address().to_string();
     let members: Vec<u64> = (0..SMOKE_TP as u64).collect();
     let outcomes: Vec<Result<Comparison>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..SMOKE_TP)
             .map(|rank| {
-                let (address, token, members) = (&address, &token, &members);
+                let (address, keys, members) = (&address, &keys, &members);
                 scope.spawn(move || -> Result<Comparison> {
                     let shard = engine
                         .model
@@ -438,7 +443,7 @@ fn tp_check(
                         prompt.len() + GREEDY_STEPS + 32,
                     )?;
                     let mut store =
-                        StoreClient::connect(address, token, Some(rank as u64), timeout)?;
+                        StoreClient::connect(address, keys, Some(rank as u64), timeout)?;
                     let mut comm = TcpComm::connect(
                         &mut store,
                         "smoke-tp",

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use memmap2::{Mmap, MmapMut};
 
+use crate::keyring::{Key, Keyring};
 use crate::runtime::collectives::shm::{create_segment_file, segment_directory};
 use crate::runtime::exec::executor::KvSent;
 use crate::runtime::model::kv::KvTransfer;
@@ -142,17 +143,21 @@ pub struct Inbox {
 }
 
 impl Inbox {
-    /// Listens on `host` (a free port), admitting connections that present `token`.
+    /// Listens on `host` (a free port) as rank `rank`, admitting connections from ranks of
+    /// the run that prove their host's pair key with this one (`keys`).
     ///
     /// Errors: the address cannot be bound.
-    pub fn bind(host: &str, token: &str) -> Result<Inbox> {
+    pub fn bind(host: &str, keys: &Keyring, rank: u64) -> Result<Inbox> {
         let listener = TcpListener::bind((host, 0))
             .with_context(|| format!("cannot listen for KV transfers on `{host}`"))?;
         let address = listener.local_addr()?;
         let state: Shared = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
-        let (accept_state, accept_stop, token) =
-            (Arc::clone(&state), Arc::clone(&stop), token.to_string());
+        let (accept_state, accept_stop, keys) = (
+            Arc::clone(&state),
+            Arc::clone(&stop),
+            Arc::new(keys.clone()),
+        );
         std::thread::Builder::new()
             .name("kv-inbox".into())
             .spawn(move || {
@@ -167,20 +172,19 @@ impl Inbox {
                         pending.fetch_sub(1, Ordering::SeqCst);
                         continue;
                     }
-                    let (state, token, counter) = (
+                    let (state, keys, counter) = (
                         Arc::clone(&accept_state),
-                        token.clone(),
+                        Arc::clone(&keys),
                         Arc::clone(&pending),
                     );
                     let spawned = std::thread::Builder::new()
                         .name("kv-inbox-peer".into())
                         .spawn(move || {
                             let _ = stream.set_nodelay(true);
-                            // Nothing of a peer is read before it proves the run's secret.
+                            // Nothing of a peer is read before it proves its host's key.
+                            let key_for = |client: u64| keys.pair_key(keys.host_of_rank(client)?);
                             let proved =
-                                crate::handshake::server(&mut stream, &token, CHANNEL, 0, &|_| {
-                                    true
-                                });
+                                crate::handshake::server(&mut stream, CHANNEL, rank, &key_for);
                             counter.fetch_sub(1, Ordering::SeqCst);
                             // A peer that breaks the protocol or goes away only loses its
                             // connection; what it delivered stays.
@@ -437,7 +441,12 @@ struct Job {
     local: bool,
     id: u64,
     transfer: KvTransfer,
+    /// How to prove this rank to that inbox's (`None`: no rank known at `address`).
+    peer: Option<PeerKey>,
 }
+
+/// The key of a connection to an inbox, this rank, and the inbox's rank.
+type PeerKey = (Key, u64, u64);
 
 /// A prefill rank's sending end: a thread that sends the queued parts in order, over one
 /// connection per decode rank (opened on first use and kept; through a shared ring when the
@@ -449,24 +458,30 @@ pub struct Outbox {
     /// Inbox addresses on this host.
     local: HashSet<String>,
     ring_bytes: usize,
+    /// This rank's keys, and its rank (its identity to every inbox).
+    keys: Arc<Keyring>,
+    rank: u64,
+    /// The rank behind each inbox address ([`Outbox::add_inbox`]).
+    inboxes: HashMap<String, u64>,
 }
 
 impl Outbox {
-    /// An outbox presenting `token` to every inbox, with rings of [`RING_BYTES`].
+    /// The outbox of rank `rank`, proving itself to every inbox with `keys`, with rings
+    /// of [`RING_BYTES`].
     ///
     /// Errors: the sending thread cannot start.
-    pub fn new(token: &str) -> Result<Outbox> {
-        Outbox::with_ring_bytes(token, RING_BYTES)
+    pub fn new(keys: &Keyring, rank: u64) -> Result<Outbox> {
+        Outbox::with_ring_bytes(keys, rank, RING_BYTES)
     }
 
     /// An outbox whose shared rings hold `ring_bytes` each (at least 4 KiB).
     ///
     /// Errors: the sending thread cannot start.
-    pub fn with_ring_bytes(token: &str, ring_bytes: usize) -> Result<Outbox> {
+    pub fn with_ring_bytes(keys: &Keyring, rank: u64, ring_bytes: usize) -> Result<Outbox> {
         let ring_bytes = ring_bytes.max(4096);
         let (jobs, queue) = std::sync::mpsc::channel::<Job>();
         let state: SendShared = Arc::default();
-        let (shared, token) = (Arc::clone(&state), token.to_string());
+        let shared = Arc::clone(&state);
         std::thread::Builder::new()
             .name("kv-outbox".into())
             .spawn(move || {
@@ -483,7 +498,7 @@ impl Outbox {
                     let result = if skip {
                         Ok(false)
                     } else {
-                        send_part(&mut peers, &token, ring_bytes, &job)
+                        send_part(&mut peers, ring_bytes, &job)
                     };
                     if result.is_err() {
                         peers.remove(&job.address);
@@ -524,7 +539,16 @@ impl Outbox {
             state,
             local: HashSet::new(),
             ring_bytes,
+            keys: Arc::new(keys.clone()),
+            rank,
+            inboxes: HashMap::new(),
         })
+    }
+
+    /// Says that the inbox at `address` is rank `rank`'s: the connection to it proves the
+    /// pair key of this host and that rank's, and checks that rank answers.
+    pub fn add_inbox(&mut self, address: &str, rank: u64) {
+        self.inboxes.insert(address.to_string(), rank);
     }
 
     /// Says that the inbox at `address` runs on this host: the connection to it offers a
@@ -557,6 +581,10 @@ impl Outbox {
                 local,
                 id,
                 transfer,
+                peer: self.inboxes.get(address).and_then(|&server| {
+                    let key = self.keys.pair_key(self.keys.host_of_rank(server)?)?;
+                    Some((key, self.rank, server))
+                }),
             };
             sent &= self
                 .jobs
@@ -672,17 +700,18 @@ fn map_own_segment(path: &std::path::Path) -> Result<MmapMut> {
 /// `local`; a ring that cannot be made or mapped leaves the connection inline.
 ///
 /// Errors: the address is not one, the inbox cannot be reached or does not answer.
-fn connect(address: &str, token: &str, local: bool, ring_bytes: usize) -> Result<Peer> {
-    let peer: SocketAddr = address
+fn connect(address: &str, peer: &PeerKey, local: bool, ring_bytes: usize) -> Result<Peer> {
+    let (key, client, server) = peer;
+    let socket: SocketAddr = address
         .parse()
         .with_context(|| format!("`{address}` is not an inbox address"))?;
-    let stream = crate::handshake::connect(
-        peer,
-        token,
+    let (stream, _) = crate::handshake::connect(
+        socket,
+        key,
         crate::handshake::Claim {
             channel: CHANNEL,
-            client: 0,
-            server: 0,
+            client: *client,
+            server: *server,
         },
         SEND_TIMEOUT,
     )
@@ -737,15 +766,14 @@ fn connect(address: &str, token: &str, local: bool, ring_bytes: usize) -> Result
 
 /// Sends one part over `peers`' connection to its inbox, opening it first if needed;
 /// returns whether the bits went through shared memory.
-fn send_part(
-    peers: &mut HashMap<String, Peer>,
-    token: &str,
-    ring_bytes: usize,
-    job: &Job,
-) -> Result<bool> {
+fn send_part(peers: &mut HashMap<String, Peer>, ring_bytes: usize, job: &Job) -> Result<bool> {
     let (address, transfer) = (&job.address, &job.transfer);
     if !peers.contains_key(address) {
-        let peer = connect(address, token, job.local, ring_bytes)?;
+        let key = job
+            .peer
+            .as_ref()
+            .with_context(|| format!("no rank of this run is known at {address}"))?;
+        let peer = connect(address, key, job.local, ring_bytes)?;
         peers.insert(address.to_string(), peer);
     }
     let peer = peers.get_mut(address).expect("inserted above");
@@ -794,6 +822,28 @@ fn send_part(
 mod tests {
     use super::*;
 
+    /// Host `host`'s keys in a run of two ranks: 0 (prefill) on host 0, 1 (decode) on host 1.
+    fn keys(secret: &str, host: u32) -> Keyring {
+        Keyring::master(secret, crate::keyring::LAUNCHER_HOST, vec![0, 1])
+            .for_host(host)
+            .expect("host keys")
+    }
+
+    /// Rank 1's inbox.
+    fn inbox() -> Inbox {
+        Inbox::bind("127.0.0.1", &keys("secret", 1), 1).expect("bind")
+    }
+
+    /// Rank 0's outbox to the inboxes at `addresses` (rank 1's), with `ring_bytes` rings.
+    fn outbox(addresses: &[&str], ring_bytes: usize) -> Outbox {
+        let mut outbox =
+            Outbox::with_ring_bytes(&keys("secret", 0), 0, ring_bytes).expect("outbox");
+        for address in addresses {
+            outbox.add_inbox(address, 1);
+        }
+        outbox
+    }
+
     /// Layers `layers` at positions `positions` of a 6-token prompt.
     fn part(layers: std::ops::Range<usize>, positions: std::ops::Range<usize>) -> KvTransfer {
         let (heads, dim) = (2, 4);
@@ -814,9 +864,9 @@ mod tests {
 
     #[test]
     fn parts_arrive_in_any_order_and_are_taken_when_they_cover_every_layer_and_position() {
-        let inbox = Inbox::bind("127.0.0.1", "secret").expect("bind");
+        let inbox = inbox();
         let address = inbox.address().to_string();
-        let mut outbox = Outbox::new("secret").expect("outbox");
+        let mut outbox = outbox(&[&address], RING_BYTES);
         // The first chunk of the prompt (every layer), then the rest layer range by layer
         // range, one part repeated (a recomputed chunk), and a hole until the last part.
         let parts = [
@@ -867,11 +917,11 @@ mod tests {
 
     #[test]
     fn a_decode_rank_on_this_host_gets_the_bits_through_a_shared_ring() {
-        let inbox = Inbox::bind("127.0.0.1", "secret").expect("bind");
+        let inbox = inbox();
         let address = inbox.address().to_string();
         // An 8 KiB ring: parts of at most 2 KiB, and 96 KB of KV go round it many times,
         // so the sender waits for the inbox to free room.
-        let mut outbox = Outbox::with_ring_bytes("secret", 8192).expect("outbox");
+        let mut outbox = outbox(&[&address], 8192);
         outbox.on_this_host(&address);
         let prompt = 300;
         let whole = |seed: u16| KvTransfer {
@@ -918,9 +968,9 @@ mod tests {
     #[test]
     fn every_fresh_connection_on_this_host_gets_its_ring() {
         for attempt in 0..40 {
-            let inbox = Inbox::bind("127.0.0.1", "secret").expect("bind");
+            let inbox = inbox();
             let address = inbox.address().to_string();
-            let mut outbox = Outbox::with_ring_bytes("secret", 8192).expect("outbox");
+            let mut outbox = outbox(&[&address], 8192);
             outbox.on_this_host(&address);
             outbox.send(&address, 1, part(0..5, 0..6));
             outbox
@@ -935,13 +985,13 @@ mod tests {
 
     #[test]
     fn a_send_to_an_inbox_that_is_gone_fails_its_transfer_only() {
-        let inbox = Inbox::bind("127.0.0.1", "secret").expect("bind");
+        let inbox = inbox();
         let address = inbox.address().to_string();
         let gone = {
             let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
             listener.local_addr().expect("address").to_string()
         };
-        let mut outbox = Outbox::new("secret").expect("outbox");
+        let mut outbox = outbox(&[&gone, &address], RING_BYTES);
         outbox.send(&gone, 1, part(0..5, 0..6));
         outbox.send(&address, 2, part(0..5, 0..6));
         let error = outbox.finish(1).expect_err("nobody listens there");
@@ -954,12 +1004,30 @@ mod tests {
     }
 
     #[test]
-    fn another_run_token_delivers_nothing() {
-        let inbox = Inbox::bind("127.0.0.1", "secret").expect("bind");
-        let mut intruder = Outbox::new("guess").expect("outbox");
-        // The write may succeed before the inbox closes the connection; nothing arrives.
-        intruder.send(&inbox.address().to_string(), 1, part(0..1, 0..6));
+    fn another_run_or_another_hosts_claim_delivers_nothing() {
+        let inbox = inbox();
+        let address = inbox.address().to_string();
+        // Another run's keys.
+        let mut intruder = Outbox::new(&keys("guess", 0), 0).expect("outbox");
+        intruder.add_inbox(&address, 1);
+        intruder.send(&address, 1, part(0..1, 0..6));
         let _ = intruder.finish(1);
         assert!(inbox.take(1, 1, Duration::from_millis(300)).is_err());
+        // Host 1's own keys claiming rank 0 (on host 0): its key for host 1 is P(1, 1), not
+        // P(0, 1), so the inbox refuses it.
+        let mut impostor = Outbox::new(&keys("secret", 1), 0).expect("outbox");
+        impostor.add_inbox(&address, 1);
+        impostor.send(&address, 2, part(0..1, 0..6));
+        assert!(impostor.finish(2).is_err());
+        assert!(inbox.take(2, 1, Duration::from_millis(300)).is_err());
+        // An address no rank was registered for gets nothing sent.
+        let mut unknown = Outbox::new(&keys("secret", 0), 0).expect("outbox");
+        // The write may succeed before the inbox closes the connection; nothing arrives.
+        unknown.send(&address, 3, part(0..1, 0..6));
+        let error = unknown.finish(3).expect_err("no rank there");
+        assert!(
+            format!("{error:#}").contains("no rank of this run"),
+            "{error:#}"
+        );
     }
 }

@@ -1,6 +1,6 @@
 //! The launcher→rank contract, typed: everything `infer rank` learns from its environment.
 //! `launch/` builds a [`RankEnv`] per rank and spawns the process with
-//! [`RankEnv::to_env`] (plus the run token, which never appears in `manifest.json`); the rank
+//! [`RankEnv::to_env`] (plus its host's keys, which never appear in `manifest.json`); the rank
 //! reads it back with [`RankEnv::from_env`]. A serving rank's settings (`infer up`) ride along
 //! as [`ServingEnv`]. Every name is a constant: torchrun's and NCCL's here, ours in
 //! [`crate::envvars`]; a new option is a field here, written and read in one place.
@@ -226,15 +226,27 @@ fn flag(lookup: Lookup, name: &str) -> bool {
     lookup(name).is_some_and(|v| v == "1")
 }
 
-/// The run token a launcher gives its ranks ([`var::RUN_TOKEN`]).
+/// The keys of its host a launcher gives a rank ([`var::RUN_KEYS`], [`crate::keyring`]).
 ///
-/// Errors: unset.
-pub(crate) fn run_token(lookup: Lookup) -> Result<String> {
-    required(lookup, var::RUN_TOKEN)
+/// Errors: unset or malformed.
+pub(crate) fn run_keys(lookup: Lookup) -> Result<crate::keyring::Keyring> {
+    crate::keyring::Keyring::from_text(&required(lookup, var::RUN_KEYS)?)
+        .with_context(|| format!("`{}` is malformed", var::RUN_KEYS))
+}
+
+/// Removes the secrets a launcher passed in the environment ([`var::RUN_KEYS`],
+/// [`var::API_KEY`]) from this process's environment once read, so that no process it
+/// starts (a compiler, a helper) inherits them. Call it before any other thread starts.
+pub(crate) fn forget_secrets() {
+    for name in [var::RUN_KEYS, var::API_KEY] {
+        // SAFETY: called at the start of `infer rank` and `infer bench` workers, while the
+        // process has one thread: nothing reads the environment concurrently.
+        unsafe { std::env::remove_var(name) };
+    }
 }
 
 impl RankEnv {
-    /// The variables of this rank, in a fixed order, without the run token.
+    /// The variables of this rank, in a fixed order, without its keys.
     ///
     /// Errors: a dummy model that cannot be written as JSON.
     pub fn to_env(&self) -> Result<Vec<(String, String)>> {

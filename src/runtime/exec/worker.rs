@@ -42,7 +42,8 @@ pub struct RankConfig {
     pub degrees: Degrees,
     /// `MASTER_ADDR:MASTER_PORT`.
     pub store_address: String,
-    pub token: String,
+    /// This rank's host's keys ([`crate::keyring`]).
+    pub keys: crate::keyring::Keyring,
     /// The weights (`INFER_MODEL`, or random ones: `INFER_DUMMY_MODEL`); `None`: this rank
     /// runs collectives only ([`Job::AllReduce`]).
     pub model: Option<crate::runtime::model::source::ModelSource>,
@@ -149,7 +150,7 @@ pub fn run_rank(
     let started = std::time::Instant::now();
     let mut store = StoreClient::connect(
         &config.store_address,
-        &config.token,
+        &config.keys,
         Some(config.rank),
         config.timeout,
     )?;
@@ -157,7 +158,7 @@ pub fn run_rank(
     // What this rank's collectives wait for, published for the stall diagnosis.
     let _waits = crate::runtime::collectives::waits::start_reporter(
         &config.store_address,
-        &config.token,
+        &config.keys,
         config.rank,
         config.timeout,
     )?;
@@ -207,7 +208,10 @@ pub fn run_rank(
         } => {
             let generation = generate(&mut driver, &prompt_tokens, &params, &mut |_| {})?;
             driver.finish()?;
-            store.set("result", &serde_json::to_vec(&generation)?)?;
+            store.set(
+                crate::rendezvous::RESULT_KEY,
+                &serde_json::to_vec(&generation)?,
+            )?;
             Ok(())
         }
         Job::Serve => serve(driver, &mut store),
@@ -319,7 +323,7 @@ fn bench_all_reduce(
             transport,
             stream_bytes_per_sec,
         };
-        store.set("result", &serde_json::to_vec(&report)?)?;
+        store.set(crate::rendezvous::RESULT_KEY, &serde_json::to_vec(&report)?)?;
     }
     Ok(())
 }
@@ -552,24 +556,28 @@ fn pd_link(config: &RankConfig, store: &mut StoreClient, at: &Position) -> Resul
     Ok(match config.pd_prefill_replicas {
         None => PdLink::None,
         Some(prefill) if dp_rank >= prefill => {
-            let inbox = Inbox::bind(&config.bind_addr, &config.token)?;
+            let inbox = Inbox::bind(&config.bind_addr, &config.keys, config.rank)?;
             store.set(
-                &format!("pd/{dp_rank}/{rank}"),
+                &crate::rendezvous::rank_key(config.rank, &format!("pd/{dp_rank}")),
                 inbox.address().to_string().as_bytes(),
             )?;
             PdLink::Decode(inbox)
         }
         Some(prefill) => {
             let mut peers = HashMap::new();
-            let mut outbox = Outbox::new(&config.token)?;
+            let mut outbox = Outbox::new(&config.keys, config.rank)?;
             let mut local = Vec::new();
             for decode in prefill..config.degrees.dp {
-                let address = store.get(&format!("pd/{decode}/{rank}"), config.timeout)?;
+                let decode_rank = (decode * tp * pp + rank) as u64;
+                let address = store.get(
+                    &crate::rendezvous::rank_key(decode_rank, &format!("pd/{decode}")),
+                    config.timeout,
+                )?;
                 let address = String::from_utf8_lossy(&address).into_owned();
+                outbox.add_inbox(&address, decode_rank);
                 // The launcher's placement says which decode ranks share this host: their
                 // KV goes through a shared ring, as the groups inside a host all-reduce
                 // through shared memory.
-                let decode_rank = (decode * tp * pp + rank) as u64;
                 if config.shm && config.host_ranks.contains(&decode_rank) {
                     outbox.on_this_host(&address);
                     local.push(decode);

@@ -42,8 +42,11 @@ pub fn with_group<T: Send>(
     transport: Transport,
     body: impl Fn(&mut dyn Comm) -> T + Sync,
 ) -> Vec<T> {
-    let token = random_token();
-    let server = StoreServer::start("127.0.0.1:0", &token).expect("store");
+    // Every member on one host (host 0); the store holds the run's keys.
+    let run =
+        infer::keyring::Keyring::master(&random_token(), infer::keyring::LAUNCHER_HOST, vec![0; n]);
+    let server = StoreServer::start("127.0.0.1:0", &run).expect("store");
+    let token = run.on_host(0);
     let address = server.address().to_string();
     let members: Vec<u64> = (0..n as u64).collect();
     std::thread::scope(|scope| {
