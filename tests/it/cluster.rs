@@ -240,6 +240,78 @@ fn host_keys_auth_and_addresses_are_checked_before_anything_starts() {
 }
 
 #[test]
+fn a_host_known_under_a_key_of_another_algorithm_is_refused_even_with_accept_new() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(1, 1) else {
+        return;
+    };
+    // The host is known by an ECDSA key; its sshd has only an Ed25519 one.
+    let ecdsa = cluster.dir.join("old_ecdsa_key");
+    let keygen = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ecdsa", "-N", "", "-f"])
+        .arg(&ecdsa)
+        .status()
+        .expect("ssh-keygen");
+    assert!(keygen.success());
+    let public = std::fs::read_to_string(ecdsa.with_extension("pub")).expect("key");
+    let fields: Vec<&str> = public.split_whitespace().collect();
+    assert_eq!(fields[0], "ecdsa-sha2-nistp256");
+    let known_hosts = cluster.dir.join("known_hosts");
+    let recorded = format!(
+        "# kept by hand\n{} {} {}\n",
+        cluster.hosts[0].management, fields[0], fields[1]
+    );
+    std::fs::write(&known_hosts, &recorded).expect("known_hosts");
+    let args = ["--prompt", "1, 2, 3,", "--max-tokens", "2"];
+    for accept_new in [true, false] {
+        let mut args = args.to_vec();
+        if accept_new {
+            args.push("--ssh-accept-new");
+        }
+        let output = generate(Some(&cluster.inventory), &args);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{text}");
+        assert!(
+            text.contains("host key algorithm")
+                && text.contains("presented an ssh-ed25519 key")
+                && text.contains(&format!(
+                    "line 2 of `{}` knows it by an ecdsa-sha2-nistp256 key",
+                    known_hosts.display()
+                ))
+                && text.contains(&format!(
+                    "ssh-keygen -R {} -f {}",
+                    cluster.hosts[0].management,
+                    known_hosts.display()
+                ))
+                && text.contains("nothing was started"),
+            "{text}"
+        );
+        assert!(!text.contains("is not known"), "{text}");
+        // Nothing recorded.
+        assert_eq!(
+            std::fs::read_to_string(&known_hosts).expect("known_hosts"),
+            recorded
+        );
+    }
+    // The fix the message names: remove the old key, then --ssh-accept-new records the
+    // host's own.
+    let removed = Command::new("ssh-keygen")
+        .args(["-q", "-R", &cluster.hosts[0].management, "-f"])
+        .arg(&known_hosts)
+        .output()
+        .expect("ssh-keygen -R");
+    assert!(removed.status.success(), "{removed:?}");
+    let mut accepted = args.to_vec();
+    accepted.push("--ssh-accept-new");
+    tokens_of(&generate(Some(&cluster.inventory), &accepted));
+    let now = std::fs::read_to_string(&known_hosts).expect("known_hosts");
+    assert!(
+        now.contains(&format!("{} ssh-ed25519 ", cluster.hosts[0].management)),
+        "{now}"
+    );
+}
+
+#[test]
 fn twelve_ranks_on_one_host_with_a_staged_binary_and_a_pushed_model() {
     infer::model::default::ensure(&mut |_| {}).expect("model");
     let Some(cluster) = TestCluster::start(1, 12) else {
