@@ -94,8 +94,8 @@ pub struct AgentArgs {
 /// How to reach the hosts of an inventory (`--cluster hosts.toml`).
 #[derive(Debug, Args, Clone, Default)]
 pub struct SshArgs {
-    /// Trust and record host keys that are not in `known_hosts` yet (a changed key is
-    /// still refused).
+    /// Trust and record the key of a host that has no key in `known_hosts` yet (a changed
+    /// key, or a host known by a key of another algorithm, is still refused).
     #[arg(long)]
     pub ssh_accept_new: bool,
 
@@ -681,8 +681,8 @@ pub struct DoctorArgs {
     #[arg(long, value_name = "DIR", default_value = "/sys", hide = true)]
     pub sysfs_root: PathBuf,
 
-    /// With `--cluster hosts.toml`: trust and record host keys not yet known (a changed key
-    /// is still refused).
+    /// With `--cluster hosts.toml`: trust and record the key of a host with no known key
+    /// yet (a changed key, or a host known by a key of another algorithm, is still refused).
     #[arg(long)]
     pub ssh_accept_new: bool,
 

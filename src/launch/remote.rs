@@ -4,8 +4,10 @@
 //! the model compared by sha256 (or pushed); the store's port forwarded to the launcher;
 //! [`RemoteSpawner`], the [`Spawner`] that starts ranks through the agents.
 //!
-//! The remote command is always a fixed string (`<validated path> agent`, or our own
-//! staging command); each host's keys, rank environments and files travel as frames.
+//! The remote command is always a fixed string (our inspection and staging commands, with a
+//! plain path as their one argument, and `<checked path> agent`); no binary runs before its
+//! owner, mode, directories and sha256 were checked there. Each host's keys, rank
+//! environments and files travel as frames.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -771,7 +773,7 @@ async fn connect_host(
         .map_or(0, |d| d.as_millis() as i64);
     let clock_offset_ms = hello.unix_time_ms as i64 - now_ms;
     passed(format!(
-        "binary `{}` ({}, sha256 {})",
+        "binary `{}` ({}, sha256 {}, owner and mode checked)",
         hello.exe,
         hello.arch,
         // An agent's hello is input: a short or odd hash is shown as it came.
@@ -809,10 +811,17 @@ fn preflight_failure(host: &str, stage: &'static str, message: String) -> Prefli
 
 /// Starts the agent of this exact build (any build without `preflight.same_build`) on the
 /// host of `spec`: the inventory's `infer-path`, else this program's path, else the copy
-/// staged under `~/.cache/infer/bin`; this program is staged there when none answers.
+/// staged under `~/.cache/infer/bin`; this program is staged there when none will do.
 ///
-/// Errors (as the host's preflight failure): a path that is not plain, a host of another
-/// architecture, the staging fails or the staged copy does not run as this build.
+/// Nothing runs before it is checked: each candidate is first looked at with one fixed
+/// command ([`INSPECT`]: `readlink`, `stat`, `sha256sum`), and only a regular file owned by
+/// the SSH user or root, not writable by group or others, in directories nobody else can
+/// write to, is run, by its resolved path; with `same_build` only a file whose sha256 is
+/// this program's. The hash measured there replaces the one the agent reports about itself.
+///
+/// Errors (as the host's preflight failure): a path that is not plain, a candidate that
+/// others could have written (with the `chmod`/`chown` that fixes it), a host of another
+/// architecture, the staging fails or the staged copy is not this build.
 async fn find_agent(
     connection: &Connection,
     spec: &RemoteHostSpec,
@@ -825,7 +834,7 @@ async fn find_agent(
     let staged = format!(
         ".cache/infer/bin/infer-{}-{}",
         env!("CARGO_PKG_VERSION"),
-        &own_sha[..8]
+        own_sha.get(..8).unwrap_or(own_sha)
     );
     let mut candidates: Vec<String> = Vec::new();
     match &spec.infer_path {
@@ -845,20 +854,36 @@ async fn find_agent(
                 format!("`{path}` is not a plain path (letters, digits, `/._+-` only)"),
             ));
         }
-        if let Some((channel, hello)) = start_agent(connection, path).await
-            && (hello.sha256 == own_sha || !preflight.same_build)
-        {
-            return Ok((channel, hello));
+        let Some(file) = inspect(connection, path)
+            .await
+            .map_err(|message| fail("binary", message))?
+        else {
+            continue;
+        };
+        if let Err(problem) = file.check(path) {
+            // A stale staged copy is replaced (and its directory made private) by staging.
+            if *path == staged {
+                continue;
+            }
+            return Err(fail("binary", problem));
+        }
+        if preflight.same_build && file.sha256 != own_sha {
+            continue;
+        }
+        if let Some(started) = start_agent(connection, &file).await {
+            return Ok(started);
         }
     }
     stage_agent(connection, &spec.target.name, exe, &staged, own_sha).await
 }
 
-/// Copies this program (`exe`) to `staged` (relative to the home directory of `host`)
-/// and starts it as the agent.
+/// Copies this program (`exe`) to `staged` (relative to the home directory of `host`): a
+/// temporary file created 0600 in `~/.cache/infer/bin` (made 0700), made 0700 and renamed
+/// into place; then checks it as [`find_agent`] checks any candidate, and starts it.
 ///
 /// Errors (as the host's preflight failure): a host of another architecture, `exe`
-/// unreadable, the copy fails, the staged copy does not run or is not this build.
+/// unreadable, the copy fails, the staged copy fails the checks, is not this build or does
+/// not run.
 async fn stage_agent(
     connection: &Connection,
     host: &str,
@@ -883,30 +908,213 @@ async fn stage_agent(
     }
     let bytes = std::fs::read(exe)
         .map_err(|e| fail("binary", format!("cannot read `{}`: {e}", exe.display())))?;
-    let command = format!(
-        "mkdir -p .cache/infer/bin && cat > {staged}.upload && chmod 755 {staged}.upload && mv {staged}.upload {staged}"
-    );
     let (_, status) = connection
-        .output(&command, &bytes)
+        .output(&format!("sh -c '{STAGE}' sh {staged}"), &bytes)
         .await
         .map_err(|e| fail("binary", format!("{e:#}")))?;
     if status != Some(0) {
         return Err(fail(
             "binary",
-            format!("staging `infer` into `~/{staged}` failed (exit {status:?})"),
+            format!(
+                "staging `infer` into `~/{staged}` failed (exit {status:?})\n\
+                 hint: `~/.cache/infer/bin` must be a directory you own, on a disk with room"
+            ),
         ));
     }
-    start_agent(connection, staged)
+    let file = inspect(connection, staged)
         .await
-        .filter(|(_, hello)| hello.sha256 == own_sha)
-        .ok_or_else(|| {
-            fail(
-                "binary",
-                format!(
-                    "the staged `~/{staged}` does not run or its sha256 differs from this build"
-                ),
-            )
-        })
+        .map_err(|message| fail("binary", message))?
+        .ok_or_else(|| fail("binary", format!("the staged `~/{staged}` is not there")))?;
+    file.check(staged)
+        .map_err(|problem| fail("binary", problem))?;
+    if file.sha256 != own_sha {
+        return Err(fail(
+            "binary",
+            format!("the staged `~/{staged}` has another sha256 than this build"),
+        ));
+    }
+    start_agent(connection, &file).await.ok_or_else(|| {
+        fail(
+            "binary",
+            format!("the staged `{}` does not run as an agent", file.path),
+        )
+    })
+}
+
+/// The fixed command that inspects a candidate binary, given as `$1` (a plain path): its
+/// resolved path, the SSH user's uid, the file's owner, mode and type, each directory
+/// above it up to `/`, and its sha256 (regular files only); `missing` when there is none.
+/// One line, no `'` and no `!`, so that any login shell hands it to `sh` as it is.
+const INSPECT: &str = "p=$(readlink -f -- \"$1\") && [ -e \"$p\" ] || { echo missing; exit 0; }; \
+     echo \"path $p\"; echo \"uid $(id -u)\"; stat -L -c \"file %u %a %F\" -- \"$p\" || exit 1; \
+     d=$p; until [ \"$d\" = / ]; do d=$(dirname -- \"$d\"); stat -c \"dir %u %a %n\" -- \"$d\" || exit 1; done; \
+     [ -f \"$p\" ] || exit 0; s=$(sha256sum < \"$p\") || exit 1; echo \"sha256 ${s%% *}\"";
+
+/// The fixed command that stages the bytes on its stdin at `$1` (relative to the home
+/// directory): a private temporary file in a private `~/.cache/infer/bin`, made 0700 and
+/// renamed into place. Same shape rules as [`INSPECT`].
+const STAGE: &str = "umask 077; mkdir -p .cache/infer/bin && chmod 700 .cache/infer/bin && \
+     t=$(mktemp .cache/infer/bin/.upload.XXXXXX) && { cat > \"$t\" && chmod 700 \"$t\" && mv -f -- \"$t\" \"$1\" || { rm -f -- \"$t\"; exit 1; }; }";
+
+/// A candidate binary on a host, as [`INSPECT`] saw it.
+#[derive(Debug, PartialEq, Eq)]
+struct RemoteFile {
+    /// The path it resolves to (symbolic links followed).
+    path: String,
+    /// The SSH user's uid.
+    uid: u32,
+    /// The file's owner (uid).
+    owner: u32,
+    /// The file's permission bits.
+    mode: u32,
+    /// `stat`'s file type (`regular file`, `directory`, …).
+    kind: String,
+    /// Each directory above it, nearest first: (path, owner, mode).
+    dirs: Vec<(String, u32, u32)>,
+    /// Its sha256 (hex); empty when it is not a regular file.
+    sha256: String,
+}
+
+/// Reads [`INSPECT`]'s output: `None` when nothing is there.
+///
+/// Errors: output that is not what the command prints (a line missing or malformed).
+fn parse_inspection(output: &str) -> std::result::Result<Option<RemoteFile>, String> {
+    if output.trim() == "missing" {
+        return Ok(None);
+    }
+    let malformed = |what: &str| format!("unexpected output from the inspection ({what})");
+    let octal = |text: &str| u32::from_str_radix(text, 8).map_err(|_| malformed("a mode"));
+    let number = |text: &str| text.parse::<u32>().map_err(|_| malformed("a uid"));
+    let (mut path, mut uid, mut file, mut sha256) = (None, None, None, String::new());
+    let mut dirs = Vec::new();
+    for line in output.lines() {
+        let (tag, rest) = line.split_once(' ').unwrap_or((line, ""));
+        match tag {
+            "path" => path = Some(rest.to_string()),
+            "uid" => uid = Some(number(rest)?),
+            "file" | "dir" => {
+                let mut fields = rest.splitn(3, ' ');
+                let (Some(owner), Some(mode), Some(last)) =
+                    (fields.next(), fields.next(), fields.next())
+                else {
+                    return Err(malformed(tag));
+                };
+                let (owner, mode) = (number(owner)?, octal(mode)?);
+                if tag == "file" {
+                    file = Some((owner, mode, last.to_string()));
+                } else {
+                    dirs.push((last.to_string(), owner, mode));
+                }
+            }
+            "sha256" => {
+                if rest.len() != 64 || !rest.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(malformed("a sha256"));
+                }
+                sha256 = rest.to_ascii_lowercase();
+            }
+            _ => return Err(malformed("an unknown line")),
+        }
+    }
+    let (Some(path), Some(uid), Some((owner, mode, kind))) = (path, uid, file) else {
+        return Err(malformed("a line is missing"));
+    };
+    if kind == "regular file" && sha256.is_empty() {
+        return Err(malformed("no sha256"));
+    }
+    Ok(Some(RemoteFile {
+        path,
+        uid,
+        owner,
+        mode,
+        kind,
+        dirs,
+        sha256,
+    }))
+}
+
+/// Looks at `path` on the host with [`INSPECT`]: `None` when nothing is there.
+///
+/// Errors: the command cannot run or fails (`readlink`, `stat`, `sha256sum` missing), or
+/// prints what it should not.
+async fn inspect(
+    connection: &Connection,
+    path: &str,
+) -> std::result::Result<Option<RemoteFile>, String> {
+    let (output, status) = connection
+        .output(&format!("sh -c '{INSPECT}' sh {path}"), b"")
+        .await
+        .map_err(|e| format!("cannot inspect `{path}`: {e:#}"))?;
+    if status != Some(0) {
+        return Err(format!(
+            "cannot inspect `{path}` (exit {status:?})\n\
+             hint: the host needs `sh`, `readlink`, `stat` and `sha256sum` (coreutils)"
+        ));
+    }
+    parse_inspection(&String::from_utf8_lossy(&output))
+        .map_err(|problem| format!("cannot inspect `{path}`: {problem}"))
+}
+
+impl RemoteFile {
+    /// Whether only the SSH user (or root) can have put this file there, as `path` (the
+    /// name asked for) resolves.
+    ///
+    /// Errors: what is wrong and the command that fixes it: a path that resolves to one that
+    /// is not plain, a file that is not a regular file, a file or directory owned by another
+    /// user, a file writable by group or others, a directory writable by group or others
+    /// without the sticky bit (others could rename another file into its place).
+    fn check(&self, path: &str) -> std::result::Result<(), String> {
+        let trusted = |owner: u32| owner == self.uid || owner == 0;
+        let who = |owner: u32| format!("uid {owner}, not you (uid {}) or root", self.uid);
+        if !safe_remote_path(&self.path) {
+            return Err(format!(
+                "`{path}` resolves to `{}`, which is not a plain path (letters, digits, `/._+-` only)",
+                self.path.escape_debug()
+            ));
+        }
+        if self.kind != "regular file" {
+            return Err(format!(
+                "`{path}` is a {}, not a program\nhint: point `infer-path` at the `infer` executable",
+                self.kind.escape_debug()
+            ));
+        }
+        let described = if path == self.path {
+            format!("`{path}`")
+        } else {
+            format!("`{path}` (`{}`)", self.path)
+        };
+        if !trusted(self.owner) {
+            return Err(format!(
+                "{described} is owned by {}, so it was not run\n\
+                 hint: `chown {} {}`, or install your own copy and name it with `infer-path`",
+                who(self.owner),
+                self.uid,
+                self.path
+            ));
+        }
+        if self.mode & 0o022 != 0 {
+            return Err(format!(
+                "{described} has mode {:04o} (writable by others: owner uid {}), so it was not run\n\
+                 hint: `chmod go-w {}`, then rerun",
+                self.mode, self.owner, self.path
+            ));
+        }
+        for (dir, owner, mode) in &self.dirs {
+            if !trusted(*owner) {
+                return Err(format!(
+                    "{described} is in `{dir}`, owned by {}: its owner could replace the file, so it was not run\n\
+                     hint: install `infer` in a directory you own and name it with `infer-path`",
+                    who(*owner)
+                ));
+            }
+            if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+                return Err(format!(
+                    "{described} is in `{dir}`, mode {mode:04o}: others can replace the file, so it was not run\n\
+                     hint: `chmod go-w {dir}`, then rerun"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Checks that `preflight.model` is on `host` at the same path with the same sha256
@@ -992,10 +1200,20 @@ async fn push_file(host: &RemoteHost, path: &Path, sha: &str) -> Result<()> {
     Ok(())
 }
 
-/// Runs `<path> agent` and reads its hello; `None` when nothing answers (not installed,
-/// not executable, another program).
-async fn start_agent(connection: &Connection, path: &str) -> Option<(AgentStream, AgentHello)> {
-    let channel = connection.exec(&format!("{path} agent")).await.ok()?;
+/// Runs `<file's resolved path> agent` (a file [`RemoteFile::check`] passed) and reads its
+/// hello, whose sha256 becomes the one measured by [`INSPECT`] (what the program says about
+/// itself is not trusted); `None` when nothing answers (not executable, another program).
+async fn start_agent(
+    connection: &Connection,
+    file: &RemoteFile,
+) -> Option<(AgentStream, AgentHello)> {
+    if !safe_remote_path(&file.path) {
+        return None;
+    }
+    let channel = connection
+        .exec(&format!("{} agent", file.path))
+        .await
+        .ok()?;
     let mut stream = channel.into_stream();
     let hello = tokio::time::timeout(
         Duration::from_secs(30),
@@ -1003,7 +1221,10 @@ async fn start_agent(connection: &Connection, path: &str) -> Option<(AgentStream
     )
     .await;
     match hello {
-        Ok(Ok(Some(FromAgent::Hello(hello)))) => Some((stream, *hello)),
+        Ok(Ok(Some(FromAgent::Hello(mut hello)))) => {
+            hello.sha256.clone_from(&file.sha256);
+            Some((stream, *hello))
+        }
         _ => None,
     }
 }
@@ -1177,4 +1398,185 @@ fn safe_remote_path(path: &str) -> bool {
         && path
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"/._+-".contains(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    const SHA: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+
+    fn file(owner: u32, mode: u32, dirs: &[(&str, u32, u32)]) -> RemoteFile {
+        RemoteFile {
+            path: "/opt/infer/bin/infer".into(),
+            uid: 1000,
+            owner,
+            mode,
+            kind: "regular file".into(),
+            dirs: dirs
+                .iter()
+                .map(|(d, o, m)| (d.to_string(), *o, *m))
+                .collect(),
+            sha256: SHA.into(),
+        }
+    }
+
+    /// [`INSPECT`] run by a real `sh` here, as the SSH server runs it.
+    fn inspect_here(path: &Path) -> Option<RemoteFile> {
+        let output = std::process::Command::new("sh")
+            .args(["-c", INSPECT, "sh"])
+            .arg(path)
+            .output()
+            .expect("sh");
+        assert!(output.status.success(), "{output:?}");
+        parse_inspection(&String::from_utf8_lossy(&output.stdout)).expect("parses")
+    }
+
+    #[test]
+    fn the_inspection_reads_owner_mode_directories_and_sha256_of_the_resolved_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let program = dir.path().join("prog");
+        std::fs::write(&program, b"test").expect("write");
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o750)).expect("chmod");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&program, &link).expect("symlink");
+        let seen = inspect_here(&link).expect("a file");
+        let real = std::fs::canonicalize(&program).expect("canonical");
+        assert_eq!(seen.path, real.display().to_string());
+        assert_eq!(seen.uid, rustix::process::geteuid().as_raw());
+        assert_eq!((seen.owner, seen.mode), (seen.uid, 0o750));
+        assert_eq!(seen.kind, "regular file");
+        assert_eq!(seen.sha256, SHA);
+        // Every directory up to `/`, nearest first.
+        let parents: Vec<String> = real
+            .ancestors()
+            .skip(1)
+            .map(|p| p.display().to_string())
+            .collect();
+        let dirs: Vec<String> = seen.dirs.iter().map(|(d, ..)| d.clone()).collect();
+        assert_eq!(dirs, parents);
+        let dir_mode = std::fs::metadata(dir.path())
+            .expect("stat")
+            .permissions()
+            .mode();
+        assert_eq!(seen.dirs[0].2, dir_mode & 0o7777);
+        assert_eq!(inspect_here(&dir.path().join("absent")), None);
+        assert_eq!(inspect_here(Path::new("/nonexistent/infer")), None);
+        // A directory is seen, and not hashed.
+        let seen = inspect_here(dir.path()).expect("a directory");
+        assert_eq!(
+            (seen.kind.as_str(), seen.sha256.as_str()),
+            ("directory", "")
+        );
+        assert!(seen.check("d").unwrap_err().contains("not a program"));
+    }
+
+    #[test]
+    fn staging_writes_a_private_file_in_a_private_directory() {
+        let home = tempfile::tempdir().expect("temp dir");
+        let run = |bytes: &[u8]| {
+            let mut child = std::process::Command::new("sh")
+                .args(["-c", STAGE, "sh", ".cache/infer/bin/infer-x"])
+                .current_dir(home.path())
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .expect("sh");
+            child
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(bytes)
+                .expect("write");
+            assert!(child.wait().expect("wait").success());
+        };
+        run(b"old");
+        // A directory left open by something else is made private again.
+        let bin = home.path().join(".cache/infer/bin");
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        run(b"test");
+        let staged = bin.join("infer-x");
+        assert_eq!(std::fs::read(&staged).expect("read"), b"test");
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o7777;
+        assert_eq!((mode(&staged), mode(&bin)), (0o700, 0o700));
+        // Only the staged file: no temporary left behind.
+        assert_eq!(std::fs::read_dir(&bin).expect("list").count(), 1);
+        let seen = inspect_here(&staged).expect("a file");
+        assert_eq!(seen.sha256, SHA);
+        assert_eq!(seen.check(".cache/infer/bin/infer-x"), Ok(()));
+    }
+
+    #[test]
+    fn inspection_output_that_is_not_the_commands_is_refused() {
+        let good = format!(
+            "path /a/b\nuid 0\nfile 0 755 regular file\ndir 0 755 /a\ndir 0 755 /\nsha256 {SHA}\n"
+        );
+        let parsed = parse_inspection(&good).expect("parses").expect("a file");
+        assert_eq!(
+            parsed.dirs,
+            vec![("/a".into(), 0, 0o755), ("/".into(), 0, 0o755)]
+        );
+        assert_eq!(parse_inspection("missing\n"), Ok(None));
+        for bad in [
+            good.replace(&format!("sha256 {SHA}"), "sha256 abc"),
+            good.replace(&format!("sha256 {SHA}\n"), ""),
+            good.replace("uid 0\n", ""),
+            good.replace("755 regular", "7x5 regular"),
+            good.replace("uid 0", "uid -1"),
+            format!("{good}extra line\n"),
+            String::new(),
+        ] {
+            assert!(parse_inspection(&bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn only_files_that_nobody_else_could_have_written_pass() {
+        let home = [
+            ("/opt/infer/bin", 1000, 0o755),
+            ("/opt/infer", 0, 0o755),
+            ("/", 0, 0o755),
+        ];
+        let path = "/opt/infer/bin/infer";
+        assert_eq!(file(1000, 0o755, &home).check(path), Ok(()));
+        assert_eq!(file(0, 0o700, &home).check(path), Ok(()));
+        // A sticky world-writable directory (as /tmp) lets nobody else rename files away.
+        let tmp = [("/tmp", 0, 0o1777), ("/", 0, 0o755)];
+        assert_eq!(file(1000, 0o755, &tmp).check(path), Ok(()));
+        // Group or world writable file: refused, with the fix.
+        for mode in [0o775, 0o757, 0o777] {
+            let problem = file(1000, mode, &home).check(path).unwrap_err();
+            assert!(
+                problem.contains(&format!("mode {mode:04o}"))
+                    && problem.contains("chmod go-w /opt/infer/bin/infer"),
+                "{problem}"
+            );
+        }
+        // Another user's file, or a directory another user owns.
+        let problem = file(1001, 0o755, &home).check(path).unwrap_err();
+        assert!(
+            problem.contains("uid 1001, not you (uid 1000) or root"),
+            "{problem}"
+        );
+        let bobs = [("/home/bob/bin", 1001, 0o755), ("/", 0, 0o755)];
+        let problem = file(1000, 0o755, &bobs).check(path).unwrap_err();
+        assert!(
+            problem.contains("`/home/bob/bin`, owned by uid 1001"),
+            "{problem}"
+        );
+        // A directory others can write (no sticky bit): they could swap the file.
+        let shared = [("/opt/infer/bin", 0, 0o775), ("/", 0, 0o755)];
+        let problem = file(1000, 0o755, &shared).check(path).unwrap_err();
+        assert!(problem.contains("chmod go-w /opt/infer/bin"), "{problem}");
+        // The name asked for is shown with what it resolves to.
+        let problem = file(1000, 0o777, &home).check("bin/infer").unwrap_err();
+        assert!(
+            problem.starts_with("`bin/infer` (`/opt/infer/bin/infer`)"),
+            "{problem}"
+        );
+        // A link to a path that could not stand in a command.
+        let mut odd = file(1000, 0o755, &home);
+        odd.path = "/opt/my infer".into();
+        assert!(odd.check(path).unwrap_err().contains("not a plain path"));
+    }
 }

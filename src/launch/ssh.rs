@@ -1,8 +1,10 @@
 //! SSH connections to cluster hosts (russh: pure Rust, async, channel signals, many
 //! concurrent channels on one connection). One connection per host: host keys checked
 //! against `known_hosts` files by default (an unknown key fails with its fingerprint and
-//! the command that trusts it; a changed key fails loudly; `accept_new` trusts unknown keys,
-//! never changed ones), authentication through ssh-agent then identity files, an optional
+//! the command that trusts it; a changed key fails loudly; `accept_new` trusts hosts with no
+//! known key at all, never a changed key or a host known under a key of another algorithm,
+//! as OpenSSH's `StrictHostKeyChecking=accept-new`; the host key algorithms a host is known
+//! under are asked for first, as OpenSSH does), authentication through ssh-agent then identity files, an optional
 //! `ProxyJump` through one bastion, keepalives. Errors are classified (DNS, timeout,
 //! refused, host key, auth) so preflight can say what class of fault each host has.
 
@@ -44,7 +46,8 @@ pub struct SshTarget {
 /// Connection settings shared by every host of a run.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SshOptions {
-    /// Trust (and record) host keys that are not known yet. Changed keys are still refused.
+    /// Trust (and record) the key of a host that has no known key yet. Changed keys, and
+    /// hosts known under a key of another algorithm, are still refused.
     pub accept_new: bool,
 }
 
@@ -56,6 +59,7 @@ pub(crate) enum FaultClass {
     Refused,
     HostKeyUnknown,
     HostKeyChanged,
+    HostKeyOtherAlgorithm,
     Auth,
     Other,
 }
@@ -69,6 +73,7 @@ impl FaultClass {
             FaultClass::Refused => "connection refused",
             FaultClass::HostKeyUnknown => "host key unknown",
             FaultClass::HostKeyChanged => "host key changed",
+            FaultClass::HostKeyOtherAlgorithm => "host key algorithm",
             FaultClass::Auth => "auth refused",
             FaultClass::Other => "ssh",
         }
@@ -145,6 +150,41 @@ impl client::Handler for Client {
                 );
                 Ok(false)
             }
+            KeyVerdict::OtherAlgorithm {
+                algorithm,
+                file,
+                line,
+            } => {
+                self.refuse(
+                    FaultClass::HostKeyOtherAlgorithm,
+                    format!(
+                        "`{}` presented an {} key ({}), but line {line} of `{}` knows it by an {algorithm} key; \
+                         a known host is not new, so `--ssh-accept-new` does not record another key for it\n\
+                         hint: if the host's keys really changed, remove the old one with `ssh-keygen -R {} -f {}`, then rerun",
+                        self.host_port(),
+                        key.algorithm().as_str(),
+                        key.fingerprint(HashAlg::Sha256),
+                        file.display(),
+                        self.host_port(),
+                        file.display()
+                    ),
+                );
+                Ok(false)
+            }
+            KeyVerdict::Unreadable { file, error } => {
+                self.refuse(
+                    FaultClass::Other,
+                    format!(
+                        "cannot read the known keys of `{}` in `{}`: {error}\n\
+                         hint: fix or remove that host's lines (`ssh-keygen -R {} -f {}`), then rerun",
+                        self.host_port(),
+                        file.display(),
+                        self.host_port(),
+                        file.display()
+                    ),
+                );
+                Ok(false)
+            }
             KeyVerdict::Unknown if self.accept_new => {
                 if let Some(file) = self.known_hosts.first()
                     && let Err(error) = russh::keys::known_hosts::learn_known_hosts_path(
@@ -204,13 +244,55 @@ impl Client {
 /// What the known-hosts files say about a key.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum KeyVerdict {
+    /// This very key is recorded for the host.
     Known,
     /// A key of the same algorithm is recorded for the host, and it is another.
-    Changed {
+    Changed { file: PathBuf, line: usize },
+    /// The host is known, but only under keys of other algorithms (`algorithm`, the first
+    /// at `file`:`line`): not a new host.
+    OtherAlgorithm {
+        algorithm: String,
         file: PathBuf,
         line: usize,
     },
+    /// `file` has lines for the host that cannot be read (`error`): what it knows is unknown.
+    Unreadable { file: PathBuf, error: String },
+    /// No key at all is recorded for the host.
     Unknown,
+}
+
+/// One known-hosts file and what it records for a host: (line, key) pairs, or why its lines
+/// for that host cannot be read.
+type RecordedKeys = (PathBuf, Result<Vec<(usize, PublicKey)>, String>);
+
+/// The keys recorded for `host:port` in each of `files` that has any (a missing file knows
+/// nothing), or why a file's lines for it cannot be read.
+fn recorded_host_keys(host: &str, port: u16, files: &[PathBuf]) -> Vec<RecordedKeys> {
+    files
+        .iter()
+        .map(|file| {
+            let keys = russh::keys::known_hosts::known_host_keys_path(host, port, file)
+                .map_err(|error| error.to_string())
+                .map(|keys| {
+                    // russh numbers the lines that are not comments: number them all.
+                    let text = std::fs::read_to_string(file).unwrap_or_default();
+                    keys.into_iter()
+                        .map(|(line, key)| (file_line(&text, line), key))
+                        .collect::<Vec<_>>()
+                });
+            (file.clone(), keys)
+        })
+        .filter(|(_, keys)| keys.as_ref().map_or(true, |keys| !keys.is_empty()))
+        .collect()
+}
+
+/// The line number in `text` (from 1) of its `counted`-th line that is not a `#` comment.
+fn file_line(text: &str, counted: usize) -> usize {
+    text.split_inclusive('\n')
+        .enumerate()
+        .filter(|(_, line)| !line.starts_with('#'))
+        .nth(counted.saturating_sub(1))
+        .map_or(counted, |(index, _)| index + 1)
 }
 
 /// Checks `key` for `host:port` against every file (a missing file knows nothing).
@@ -220,24 +302,59 @@ pub(crate) fn check_host_key(
     key: &PublicKey,
     files: &[PathBuf],
 ) -> KeyVerdict {
-    let mut changed = None;
-    for file in files {
-        let Ok(recorded) = russh::keys::known_hosts::known_host_keys_path(host, port, file) else {
-            continue;
+    host_key_verdict(key, recorded_host_keys(host, port, files))
+}
+
+/// The verdict on `key` given what each file records for its host: the key itself anywhere
+/// wins; then another key of its algorithm; then a file that cannot be read; then a key of
+/// another algorithm; nothing recorded at all is unknown.
+fn host_key_verdict(key: &PublicKey, recorded: Vec<RecordedKeys>) -> KeyVerdict {
+    let (mut changed, mut unreadable, mut other) = (None, None, None);
+    for (file, keys) in recorded {
+        let keys = match keys {
+            Ok(keys) => keys,
+            Err(error) => {
+                unreadable.get_or_insert(KeyVerdict::Unreadable { file, error });
+                continue;
+            }
         };
-        for (line, recorded) in recorded {
+        for (line, recorded) in keys {
             if recorded == *key {
                 return KeyVerdict::Known;
             }
-            if recorded.algorithm() == key.algorithm() && changed.is_none() {
-                changed = Some(KeyVerdict::Changed {
+            if recorded.algorithm() == key.algorithm() {
+                changed.get_or_insert(KeyVerdict::Changed {
+                    file: file.clone(),
+                    line,
+                });
+            } else {
+                other.get_or_insert(KeyVerdict::OtherAlgorithm {
+                    algorithm: recorded.algorithm().as_str().to_string(),
                     file: file.clone(),
                     line,
                 });
             }
         }
     }
-    changed.unwrap_or(KeyVerdict::Unknown)
+    changed
+        .or(unreadable)
+        .or(other)
+        .unwrap_or(KeyVerdict::Unknown)
+}
+
+/// russh's host key algorithms with those of `known` (the algorithms of the keys recorded
+/// for a host) first, in russh's order, so a host known under an ECDSA key that also has an
+/// Ed25519 one presents the key that is known (OpenSSH orders them so too).
+fn host_key_preference(known: &[russh::keys::Algorithm]) -> Vec<russh::keys::Algorithm> {
+    let defaults = russh::Preferred::DEFAULT.key;
+    let is_known = |algorithm: &russh::keys::Algorithm| {
+        known
+            .iter()
+            .any(|k| k == algorithm || (k.clone().is_rsa() && algorithm.clone().is_rsa()))
+    };
+    let (mut first, rest): (Vec<_>, Vec<_>) = defaults.iter().cloned().partition(is_known);
+    first.extend(rest);
+    first
 }
 
 /// Connects and authenticates to `target` (through its jump host if any).
@@ -256,10 +373,21 @@ pub(crate) async fn connect(
             ),
         });
     }
+    let known: Vec<russh::keys::Algorithm> =
+        recorded_host_keys(&target.address, target.port, &target.known_hosts)
+            .into_iter()
+            .filter_map(|(_, keys)| keys.ok())
+            .flatten()
+            .map(|(_, key)| key.algorithm())
+            .collect();
     let config = Arc::new(client::Config {
         keepalive_interval: Some(KEEPALIVE_INTERVAL),
         keepalive_max: KEEPALIVE_MAX,
         nodelay: true,
+        preferred: russh::Preferred {
+            key: host_key_preference(&known).into(),
+            ..Default::default()
+        },
         ..Default::default()
     });
     let problem = Arc::new(Mutex::new(None));
@@ -570,4 +698,109 @@ pub(crate) fn default_identity_files(home: &Path) -> Vec<PathBuf> {
 /// `~/.ssh/known_hosts`.
 pub(crate) fn default_known_hosts(home: &Path) -> PathBuf {
     home.join(".ssh/known_hosts")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ED25519_A: &str = "AAAAC3NzaC1lZDI1NTE5AAAAIH+wCvIbqS54tB8sI5pamx76xeld5XVyAvtYscqbGXg2";
+    const ED25519_B: &str = "AAAAC3NzaC1lZDI1NTE5AAAAIFzDKVzrjXsrjAu/Qshnhna50QCT5ABVYfwwsahsPRLv";
+    const ECDSA: &str = "AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTYAAABBBMWR9czn5KfoMiMDixBkHYZXclFh+GOx9D8vrxZU1EwSVNuFJNZ4/F39uXBL+t8MfF87Hgf0deRvz7mBIOueydw=";
+
+    fn key(base64: &str) -> PublicKey {
+        russh::keys::parse_public_key_base64(base64).expect("a public key")
+    }
+
+    /// A known_hosts file of `lines` in a fresh directory (kept alive by the first value).
+    fn known_hosts(lines: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("known_hosts");
+        std::fs::write(&file, lines).expect("write");
+        (dir, file)
+    }
+
+    #[test]
+    fn a_host_known_under_another_algorithm_is_not_unknown() {
+        let (_dir, file) = known_hosts(&format!(
+            "# hosts\nother.example ssh-ed25519 {ED25519_B}\n#\n[h0]:2222 ecdsa-sha2-nistp256 {ECDSA}\n"
+        ));
+        let files = [file.clone()];
+        assert_eq!(
+            check_host_key("h0", 2222, &key(ED25519_A), &files),
+            KeyVerdict::OtherAlgorithm {
+                algorithm: "ecdsa-sha2-nistp256".into(),
+                file: file.clone(),
+                line: 4
+            }
+        );
+        // The same host on another port, or another host, has no key: unknown.
+        assert_eq!(
+            check_host_key("h0", 22, &key(ED25519_A), &files),
+            KeyVerdict::Unknown
+        );
+        // The key itself recorded: known; another key of its algorithm: changed.
+        assert_eq!(
+            check_host_key("h0", 2222, &key(ECDSA), &files),
+            KeyVerdict::Known
+        );
+        assert_eq!(
+            check_host_key("other.example", 22, &key(ED25519_A), &files),
+            KeyVerdict::Changed { file, line: 2 }
+        );
+    }
+
+    #[test]
+    fn the_key_itself_anywhere_wins_then_a_changed_key_then_another_algorithm() {
+        let (_one, first) = known_hosts(&format!("h0 ecdsa-sha2-nistp256 {ECDSA}\n"));
+        let (_two, second) = known_hosts(&format!(
+            "h0 ssh-ed25519 {ED25519_B}\nh0 ssh-ed25519 {ED25519_A}\n"
+        ));
+        let (_three, missing) = known_hosts("");
+        let missing = missing.with_file_name("absent");
+        let files = [missing, first.clone(), second.clone()];
+        assert_eq!(
+            check_host_key("h0", 22, &key(ED25519_A), &files),
+            KeyVerdict::Known
+        );
+        // Without the key itself, the other Ed25519 key is what matters.
+        let (_four, only_b) = known_hosts(&format!("h0 ssh-ed25519 {ED25519_B}\n"));
+        assert_eq!(
+            check_host_key("h0", 22, &key(ED25519_A), &[first.clone(), only_b.clone()]),
+            KeyVerdict::Changed {
+                file: only_b,
+                line: 1
+            }
+        );
+    }
+
+    #[test]
+    fn an_unreadable_line_for_the_host_is_not_taken_for_no_key() {
+        let (_dir, file) = known_hosts("h0 ssh-ed25519 not-base64!\n");
+        let verdict = check_host_key("h0", 22, &key(ED25519_A), std::slice::from_ref(&file));
+        assert!(
+            matches!(&verdict, KeyVerdict::Unreadable { file: f, .. } if *f == file),
+            "{verdict:?}"
+        );
+        // Lines for other hosts are not read.
+        assert_eq!(
+            check_host_key("h1", 22, &key(ED25519_A), &[file]),
+            KeyVerdict::Unknown
+        );
+    }
+
+    #[test]
+    fn known_algorithms_are_asked_for_first() {
+        let ecdsa = key(ECDSA).algorithm();
+        let order = host_key_preference(std::slice::from_ref(&ecdsa));
+        assert_eq!(order[0], ecdsa);
+        assert_eq!(order.len(), russh::Preferred::DEFAULT.key.len());
+        assert_eq!(
+            host_key_preference(&[]),
+            russh::Preferred::DEFAULT.key.to_vec()
+        );
+        // Any RSA key brings every RSA signature algorithm forward.
+        let rsa = host_key_preference(&[russh::keys::Algorithm::Rsa { hash: None }]);
+        assert!(rsa[..3].iter().all(|a| a.clone().is_rsa()), "{rsa:?}");
+    }
 }

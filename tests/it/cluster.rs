@@ -240,6 +240,171 @@ fn host_keys_auth_and_addresses_are_checked_before_anything_starts() {
 }
 
 #[test]
+fn a_host_known_under_a_key_of_another_algorithm_is_refused_even_with_accept_new() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(1, 1) else {
+        return;
+    };
+    // The host is known by an ECDSA key; its sshd has only an Ed25519 one.
+    let ecdsa = cluster.dir.join("old_ecdsa_key");
+    let keygen = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ecdsa", "-N", "", "-f"])
+        .arg(&ecdsa)
+        .status()
+        .expect("ssh-keygen");
+    assert!(keygen.success());
+    let public = std::fs::read_to_string(ecdsa.with_extension("pub")).expect("key");
+    let fields: Vec<&str> = public.split_whitespace().collect();
+    assert_eq!(fields[0], "ecdsa-sha2-nistp256");
+    let known_hosts = cluster.dir.join("known_hosts");
+    let recorded = format!(
+        "# kept by hand\n{} {} {}\n",
+        cluster.hosts[0].management, fields[0], fields[1]
+    );
+    std::fs::write(&known_hosts, &recorded).expect("known_hosts");
+    let args = ["--prompt", "1, 2, 3,", "--max-tokens", "2"];
+    for accept_new in [true, false] {
+        let mut args = args.to_vec();
+        if accept_new {
+            args.push("--ssh-accept-new");
+        }
+        let output = generate(Some(&cluster.inventory), &args);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{text}");
+        assert!(
+            text.contains("host key algorithm")
+                && text.contains("presented an ssh-ed25519 key")
+                && text.contains(&format!(
+                    "line 2 of `{}` knows it by an ecdsa-sha2-nistp256 key",
+                    known_hosts.display()
+                ))
+                && text.contains(&format!(
+                    "ssh-keygen -R {} -f {}",
+                    cluster.hosts[0].management,
+                    known_hosts.display()
+                ))
+                && text.contains("nothing was started"),
+            "{text}"
+        );
+        assert!(!text.contains("is not known"), "{text}");
+        // Nothing recorded.
+        assert_eq!(
+            std::fs::read_to_string(&known_hosts).expect("known_hosts"),
+            recorded
+        );
+    }
+    // The fix the message names: remove the old key, then --ssh-accept-new records the
+    // host's own.
+    let removed = Command::new("ssh-keygen")
+        .args(["-q", "-R", &cluster.hosts[0].management, "-f"])
+        .arg(&known_hosts)
+        .output()
+        .expect("ssh-keygen -R");
+    assert!(removed.status.success(), "{removed:?}");
+    let mut accepted = args.to_vec();
+    accepted.push("--ssh-accept-new");
+    tokens_of(&generate(Some(&cluster.inventory), &accepted));
+    let now = std::fs::read_to_string(&known_hosts).expect("known_hosts");
+    assert!(
+        now.contains(&format!("{} ssh-ed25519 ", cluster.hosts[0].management)),
+        "{now}"
+    );
+}
+
+#[test]
+fn a_remote_binary_others_could_write_or_of_another_build_is_never_run() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(1, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    // A program at the inventory's `infer-path` that leaves a mark when it runs, then runs
+    // `infer` (so it answers as an agent of another build: it is not our file).
+    let marker = cluster.dir.join("it-ran");
+    let write_fake = |path: &Path, mode: u32| {
+        std::fs::write(
+            path,
+            format!(
+                "#!/bin/sh\ntouch {}\nexec {} \"$@\"\n",
+                marker.display(),
+                env!("CARGO_BIN_EXE_infer")
+            ),
+        )
+        .expect("write");
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+            .expect("chmod");
+    };
+    let fake = cluster.dir.join("fake-infer");
+    cluster.edit_inventory(|text| {
+        text.replace(
+            "cpu-ranks = 1",
+            &format!("cpu-ranks = 1\ninfer-path = \"{}\"", fake.display()),
+        )
+    });
+    let args = ["--prompt", "1, 2, 3,", "--max-tokens", "2"];
+    // Writable by others: refused before it runs, with the fix.
+    for mode in [0o777, 0o775] {
+        write_fake(&fake, mode);
+        let output = generate(Some(&cluster.inventory), &args);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{text}");
+        assert!(
+            text.contains("binary")
+                && text.contains(&format!("mode {mode:04o}"))
+                && text.contains(&format!("chmod go-w {}", fake.display()))
+                && text.contains("nothing was started"),
+            "{text}"
+        );
+        assert!(!marker.exists(), "the writable program ran");
+    }
+    // In a directory others can write (no sticky bit): refused too.
+    let shared = cluster.dir.join("shared");
+    std::fs::create_dir(&shared).expect("mkdir");
+    std::fs::set_permissions(&shared, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+        .expect("chmod");
+    let in_shared = shared.join("infer");
+    write_fake(&in_shared, 0o755);
+    let link = cluster.dir.join("link-to-shared");
+    std::os::unix::fs::symlink(&in_shared, &link).expect("symlink");
+    let original = std::fs::read_to_string(&cluster.inventory).expect("inventory");
+    std::fs::write(
+        &cluster.inventory,
+        original.replace(&fake.display().to_string(), &link.display().to_string()),
+    )
+    .expect("inventory");
+    let output = generate(Some(&cluster.inventory), &args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains(&format!("`{}` (`{}`)", link.display(), in_shared.display()))
+            && text.contains(&format!("chmod go-w {}", shared.display())),
+        "{text}"
+    );
+    assert!(!marker.exists(), "the program in a shared directory ran");
+    std::fs::write(&cluster.inventory, &original).expect("inventory");
+    // Owner and mode right, but not this build: not run; this build is staged and runs.
+    write_fake(&fake, 0o755);
+    let output = generate(Some(&cluster.inventory), &args);
+    tokens_of(&output);
+    assert!(
+        !marker.exists(),
+        "another build ran where this one is required"
+    );
+    let manifest = run_manifest(&stderr(&output));
+    let staged = manifest["hosts"][0]["infer"].as_str().expect("infer path");
+    assert!(staged.contains("/.cache/infer/bin/infer-"), "{staged}");
+    // A probe takes any build whose owner and mode are right: that one runs (so the mark
+    // above would have shown a run).
+    let output = infer()
+        .args(["topo", "--json", "--cluster"])
+        .arg(&cluster.inventory)
+        .output()
+        .expect("run infer");
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert!(marker.exists(), "the probe ran the checked program");
+}
+
+#[test]
 fn twelve_ranks_on_one_host_with_a_staged_binary_and_a_pushed_model() {
     infer::model::default::ensure(&mut |_| {}).expect("model");
     let Some(cluster) = TestCluster::start(1, 12) else {
