@@ -42,6 +42,12 @@ impl Key {
         &self.0
     }
 
+    /// The key everyone who holds `secret` derives for `purpose` (a secret shared by every
+    /// party, as a survey's probes share one): `HMAC-SHA256(secret, purpose ‖ 0 ‖ 0)`.
+    pub fn shared(secret: &str, purpose: &str) -> Key {
+        derive(secret.as_bytes(), purpose, 0, 0)
+    }
+
     fn hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }

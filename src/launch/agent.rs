@@ -2,7 +2,8 @@
 //! exec channel (never a channel per rank: OpenSSH allows 10 per connection by default).
 //! It reads [`ToAgent`] frames on stdin and answers with [`FromAgent`] frames on stdout:
 //! it starts one `infer rank` per rank in its own process group with a parent-death signal,
-//! streams every output line back, reports exits, and may host the rendezvous store.
+//! streams every output line back, reports exits, may host the rendezvous store, and runs
+//! the doctor's authenticated probes (`probes.rs`).
 //!
 //! It is the remote end of gang semantics: it stops every rank group (SIGTERM, grace,
 //! SIGKILL) when stdin reaches EOF (the launcher or its connection died), when the launcher
@@ -204,21 +205,40 @@ impl Agent {
             }
             ToAgent::Run { .. } | ToAgent::Heartbeat | ToAgent::Shutdown => {}
             ToAgent::Doctor => self.doctor(),
-            ToAgent::Listen { bind } => match std::net::TcpListener::bind(&bind) {
-                Ok(listener) => {
-                    let address = listener
-                        .local_addr()
-                        .map(|a| a.to_string())
-                        .unwrap_or_default();
-                    std::thread::spawn(move || answer_probes(&listener));
-                    send(&self.output, &FromAgent::Listening { address });
-                }
-                Err(error) => self.error(None, format!("cannot listen on `{bind}`: {error}")),
+            ToAgent::Listen {
+                bind,
+                secret,
+                host,
+                max_stream_bytes,
+            } => match secret
+                .context(super::probes::OLDER_LAUNCHER)
+                .and_then(|secret| super::probes::listen(&bind, secret, host, max_stream_bytes))
+            {
+                Ok(address) => send(
+                    &self.output,
+                    &FromAgent::Listening {
+                        address: address.to_string(),
+                    },
+                ),
+                Err(error) => self.error(None, format!("{error:#}")),
             },
-            ToAgent::Stream { from, to, bytes } => {
+            ToAgent::Stream {
+                from,
+                to,
+                bytes,
+                secret,
+                host,
+                to_host,
+            } => {
                 let output = Arc::clone(&self.output);
                 std::thread::spawn(move || {
-                    let (secs, error) = match stream_to(&from, &to, bytes) {
+                    let streamed = match &secret {
+                        Some(secret) => {
+                            super::probes::stream_to(&from, &to, to_host, bytes, secret, host)
+                        }
+                        None => Err(super::probes::OLDER_LAUNCHER.into()),
+                    };
+                    let (secs, error) = match streamed {
                         Ok(secs) => (Some(secs), None),
                         Err(error) => (None, Some(error)),
                     };
@@ -226,10 +246,22 @@ impl Agent {
                 });
             }
             ToAgent::Connect { from, to } => self.connect(from, to),
-            ToAgent::Reach { from, targets } => {
+            ToAgent::Reach {
+                from,
+                targets,
+                target_hosts,
+                secret,
+                host,
+            } => {
                 let output = Arc::clone(&self.output);
                 std::thread::spawn(move || {
-                    let results = targets.iter().map(|to| probe(&from, to)).collect();
+                    let results = super::probes::reach_each(
+                        &from,
+                        &targets,
+                        &target_hosts,
+                        secret.as_ref(),
+                        host,
+                    );
                     send(&output, &FromAgent::Reached { results });
                 });
             }
@@ -321,7 +353,7 @@ impl Agent {
         let output = Arc::clone(&self.output);
         std::thread::spawn(move || {
             let started = Instant::now();
-            let connected = block_on(async { connect_from(&from, &to).await.map(drop) });
+            let connected = super::probes::connect_from(&from, &to).map(drop);
             let result = super::protocol::ReachResult {
                 rtt_us: connected
                     .is_ok()
@@ -503,151 +535,6 @@ impl Agent {
         }
         self.reap();
     }
-}
-
-/// Answers reachability probes: reads one byte, writes back the source address the
-/// connection came from, one line.
-fn answer_probes(listener: &std::net::TcpListener) {
-    for stream in listener.incoming() {
-        let Ok(mut stream) = stream else { continue };
-        std::thread::spawn(move || {
-            use std::io::Read;
-            let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-            let mut byte = [0u8; 1];
-            if stream.read_exact(&mut byte).is_err() {
-                return;
-            }
-            if byte[0] == b'B' {
-                // A bandwidth probe: a little-endian u64 length, that many bytes, then "ok".
-                let mut length = [0u8; 8];
-                if stream.read_exact(&mut length).is_err() {
-                    return;
-                }
-                let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
-                let mut left = u64::from_le_bytes(length);
-                let mut buffer = vec![0u8; 1 << 20];
-                while left > 0 {
-                    let want = buffer
-                        .len()
-                        .min(usize::try_from(left).unwrap_or(usize::MAX));
-                    match stream.read(&mut buffer[..want]) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => left -= n as u64,
-                    }
-                }
-                let _ = writeln!(stream, "ok");
-            } else if let Ok(peer) = stream.peer_addr() {
-                let _ = writeln!(stream, "{}", peer.ip());
-            }
-        });
-    }
-}
-
-/// Connects from `from` (an IP: the socket is bound to it, as NCCL binds to its interface)
-/// to `to` (`ip:port`), sends one byte and reads the source address the listener saw.
-fn probe(from: &str, to: &str) -> super::protocol::ReachResult {
-    let mut result = super::protocol::ReachResult {
-        to: to.into(),
-        from: from.into(),
-        rtt_us: None,
-        seen_as: None,
-        error: None,
-    };
-    let attempt = || -> std::result::Result<(u64, String), String> {
-        block_on(async {
-            use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-            let stream = connect_from(from, to).await?;
-            let _ = stream.set_nodelay(true);
-            let (reader, mut writer) = stream.into_split();
-            let started = Instant::now();
-            writer.write_all(b"?").await.map_err(|e| e.to_string())?;
-            let mut line = String::new();
-            tokio::time::timeout(
-                Duration::from_secs(3),
-                tokio::io::BufReader::new(reader).read_line(&mut line),
-            )
-            .await
-            .map_err(|_| "no answer within 3 s".to_string())?
-            .map_err(|e| e.to_string())?;
-            Ok((
-                started.elapsed().as_micros() as u64,
-                line.trim().to_string(),
-            ))
-        })
-    };
-    match attempt() {
-        Ok((rtt_us, seen_as)) => {
-            result.rtt_us = Some(rtt_us);
-            result.seen_as = Some(seen_as);
-        }
-        Err(error) => result.error = Some(error),
-    }
-    result
-}
-
-/// Runs `future` on a small runtime of its own (the agent's probe threads are plain threads).
-fn block_on<T>(
-    future: impl std::future::Future<Output = std::result::Result<T, String>>,
-) -> std::result::Result<T, String> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?
-        .block_on(future)
-}
-
-/// A TCP connection to `to` (`ip:port`) from a socket bound to `from` (an IP), as NCCL binds
-/// to its interface's address; 3 s to connect.
-async fn connect_from(from: &str, to: &str) -> std::result::Result<tokio::net::TcpStream, String> {
-    let local: std::net::SocketAddr = format!("{from}:0").parse().map_err(|e| format!("{e}"))?;
-    let remote: std::net::SocketAddr = to.parse().map_err(|e| format!("{e}"))?;
-    let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
-    socket
-        .bind(local)
-        .map_err(|e| format!("cannot bind {from}: {e}"))?;
-    tokio::time::timeout(Duration::from_secs(3), socket.connect(remote))
-        .await
-        .map_err(|_| "connection timed out after 3 s".to_string())?
-        .map_err(|e| e.to_string())
-}
-
-/// Sends `bytes` bytes from `from` to the probe listener at `to` (a bandwidth probe) and
-/// returns the seconds until the listener acknowledged them all.
-fn stream_to(from: &str, to: &str, bytes: u64) -> std::result::Result<f64, String> {
-    block_on(async {
-        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-        let stream = connect_from(from, to).await?;
-        let (reader, mut writer) = stream.into_split();
-        let started = Instant::now();
-        let chunk = vec![0x5au8; 1 << 20];
-        let send = async {
-            writer.write_all(b"B").await?;
-            writer.write_all(&bytes.to_le_bytes()).await?;
-            let mut left = bytes;
-            while left > 0 {
-                let n = chunk.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                writer.write_all(&chunk[..n]).await?;
-                left -= n as u64;
-            }
-            writer.flush().await
-        };
-        tokio::time::timeout(Duration::from_secs(60), send)
-            .await
-            .map_err(|_| "sending took over 60 s".to_string())?
-            .map_err(|e| e.to_string())?;
-        let mut line = String::new();
-        tokio::time::timeout(
-            Duration::from_secs(60),
-            tokio::io::BufReader::new(reader).read_line(&mut line),
-        )
-        .await
-        .map_err(|_| "no acknowledgement within 60 s".to_string())?
-        .map_err(|e| e.to_string())?;
-        if line.trim() != "ok" {
-            return Err("the listener did not acknowledge the bytes".into());
-        }
-        Ok(started.elapsed().as_secs_f64())
-    })
 }
 
 /// Polls the store every second while `current()` (no newer store replaced it); when it

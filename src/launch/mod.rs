@@ -16,6 +16,7 @@ pub(crate) mod gang;
 pub(crate) mod hosts;
 pub(crate) mod network;
 pub(crate) mod postmortem;
+pub(crate) mod probes;
 pub(crate) mod process;
 pub(crate) mod protocol;
 pub mod remote;

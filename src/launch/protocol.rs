@@ -78,23 +78,50 @@ pub(crate) enum ToAgent {
     Shutdown,
     /// Run `infer doctor`'s live checks of this host; answered by [`FromAgent::Findings`].
     Doctor,
-    /// Listen on `bind` (`ip:0`) for reachability probes: each connection gets back the
-    /// source address it came from; answered by [`FromAgent::Listening`].
-    Listen { bind: String },
-    /// Send `bytes` bytes from `from` (this host's data address) to the probe listener at
-    /// `to` and time it until the listener acknowledges; answered by
-    /// [`FromAgent::Streamed`].
+    /// Listen on `bind` (`ip:0`) for the doctor's probes as host `host` of a survey whose
+    /// probes prove `secret` ([`crate::launch::probes`]): a reachability probe gets back the
+    /// source address it came from; a bandwidth probe may send at most `max_stream_bytes`.
+    /// Answered by [`FromAgent::Listening`]. (The new fields default so that an older
+    /// launcher's frame is answered with an error rather than ending the agent.)
+    Listen {
+        bind: String,
+        #[serde(default)]
+        secret: Option<ProbeSecret>,
+        #[serde(default)]
+        host: u64,
+        #[serde(default)]
+        max_stream_bytes: u64,
+    },
+    /// As host `host`, send `bytes` bytes from `from` (this host's data address) to host
+    /// `to_host`'s probe listener at `to`, proving `secret`, and time it until the listener
+    /// acknowledges; answered by [`FromAgent::Streamed`].
     Stream {
         from: String,
         to: String,
         bytes: u64,
+        #[serde(default)]
+        secret: Option<ProbeSecret>,
+        #[serde(default)]
+        host: u64,
+        #[serde(default)]
+        to_host: u64,
     },
     /// Only connect from `from` to `to` (a port that speaks another protocol, such as the
     /// rendezvous store's) and close; answered by [`FromAgent::Reached`] with one result.
     Connect { from: String, to: String },
-    /// Connect from `from` (this host's data address) to every target and report what
-    /// happened; answered by [`FromAgent::Reached`].
-    Reach { from: String, targets: Vec<String> },
+    /// As host `host`, connect from `from` (this host's data address) to every target (the
+    /// probe listener of host `target_hosts[i]` at `targets[i]`), prove `secret`, and report
+    /// what happened; answered by [`FromAgent::Reached`].
+    Reach {
+        from: String,
+        targets: Vec<String>,
+        #[serde(default)]
+        target_hosts: Vec<u64>,
+        #[serde(default)]
+        secret: Option<ProbeSecret>,
+        #[serde(default)]
+        host: u64,
+    },
 }
 
 /// One reachability probe: `to` from `from`.
@@ -104,12 +131,38 @@ pub struct ReachResult {
     pub to: String,
     /// The address the socket was bound to.
     pub from: String,
-    /// One byte's round trip, microseconds.
+    /// One byte's round trip once the connection has proved itself, microseconds (for a
+    /// connection-only probe: the time to connect).
     pub rtt_us: Option<u64>,
     /// The source address the listener saw.
     pub seen_as: Option<String>,
     /// Why the probe failed.
     pub error: Option<String>,
+}
+
+/// The secret one survey's doctor probes prove (a fresh [`crate::rendezvous::random_token`]
+/// per survey, never the run token): it travels only in frames over SSH and never appears in
+/// a `Debug` print.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub(crate) struct ProbeSecret(String);
+
+impl ProbeSecret {
+    /// A fresh random secret for one survey.
+    pub(crate) fn random() -> Self {
+        Self(crate::rendezvous::random_token())
+    }
+
+    /// The secret itself, to key the handshake.
+    pub(crate) fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for ProbeSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProbeSecret(…)")
+    }
 }
 
 /// What an agent tells the launcher.

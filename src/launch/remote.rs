@@ -95,6 +95,10 @@ struct HostState {
     heard: Option<Instant>,
 }
 
+/// One host's reachability probes: the host, the address it probes from, and each target
+/// (a probe listener's address and its host).
+pub(crate) type ReachProbes = (usize, String, Vec<(String, usize)>);
+
 /// Every host of a run, connected and checked, on one async runtime.
 pub struct RemoteCluster {
     runtime: tokio::runtime::Runtime,
@@ -404,12 +408,25 @@ impl RemoteCluster {
         })
     }
 
-    /// Asks host `index` to listen for reachability probes on `bind`; returns the address.
+    /// Asks host `index` to listen for the doctor's probes on `bind`, as host `index` of the
+    /// survey keyed by `secret`, taking bandwidth probes of at most `max_stream_bytes`;
+    /// returns the address.
     ///
     /// Errors: it cannot listen there, or does not answer.
-    pub fn listen(&self, index: usize, bind: &str) -> Result<String> {
+    pub(crate) fn listen(
+        &self,
+        index: usize,
+        bind: &str,
+        secret: &super::protocol::ProbeSecret,
+        max_stream_bytes: u64,
+    ) -> Result<String> {
         let host = &self.hosts[index];
-        host.send(ToAgent::Listen { bind: bind.into() })?;
+        host.send(ToAgent::Listen {
+            bind: bind.into(),
+            secret: Some(secret.clone()),
+            host: index as u64,
+            max_stream_bytes,
+        })?;
         host.wait_for(Duration::from_secs(10), "its probe listener", |s| {
             s.listening
                 .take()
@@ -419,25 +436,30 @@ impl RemoteCluster {
         .map_err(|message| anyhow!("`{}`: {message}", host.name))
     }
 
-    /// Has every host in `from` probe its targets at once (`(host, from address, targets)`)
-    /// and returns each host's results in target order.
+    /// Has every host in `probes` probe its targets at once (`(host, from address, targets)`,
+    /// each target a listener's address and its host), proving `secret`, and returns each
+    /// host's results in target order.
     ///
-    /// Errors: a host is lost or does not answer within 30 s.
-    pub fn reach_all(
+    /// Errors: a host is lost or does not answer within 30 s and 10 s a target.
+    pub(crate) fn reach_all(
         &self,
-        probes: &[(usize, String, Vec<String>)],
+        probes: &[ReachProbes],
+        secret: &super::protocol::ProbeSecret,
     ) -> Result<Vec<Vec<super::protocol::ReachResult>>> {
         for (index, from, targets) in probes {
             self.hosts[*index].send(ToAgent::Reach {
                 from: from.clone(),
-                targets: targets.clone(),
+                targets: targets.iter().map(|(to, _)| to.clone()).collect(),
+                target_hosts: targets.iter().map(|(_, host)| *host as u64).collect(),
+                secret: Some(secret.clone()),
+                host: *index as u64,
             })?;
         }
         probes
             .iter()
-            .map(|(index, ..)| {
-                self.hosts[*index]
-                    .wait_for(Duration::from_secs(30), "its probes", |s| s.reached.take())
+            .map(|(index, _, targets)| {
+                let within = Duration::from_secs(30 + 10 * targets.len() as u64);
+                self.hosts[*index].wait_for(within, "its probes", |s| s.reached.take())
             })
             .collect()
     }
@@ -462,24 +484,28 @@ impl RemoteCluster {
         results.pop().context("an empty connection probe result")
     }
 
-    /// Has host `index` send `bytes` bytes from `from` to the probe listener `to` and
-    /// returns the seconds it took, or why it failed.
+    /// Has host `index` send `bytes` bytes from `from` to host `to_index`'s probe listener
+    /// `to`, proving `secret`, and returns the seconds it took, or why it failed.
     ///
-    /// Errors: the host is lost or does not answer within 70 s.
-    pub fn stream(
+    /// Errors: the host is lost or does not answer within 80 s.
+    pub(crate) fn stream(
         &self,
         index: usize,
         from: &str,
-        to: &str,
+        (to, to_index): (&str, usize),
         bytes: u64,
+        secret: &super::protocol::ProbeSecret,
     ) -> Result<std::result::Result<f64, String>> {
         let host = &self.hosts[index];
         host.send(ToAgent::Stream {
             from: from.into(),
             to: to.into(),
             bytes,
+            secret: Some(secret.clone()),
+            host: index as u64,
+            to_host: to_index as u64,
         })?;
-        let (secs, error) = host.wait_for(Duration::from_secs(70), "its bandwidth probe", |s| {
+        let (secs, error) = host.wait_for(Duration::from_secs(80), "its bandwidth probe", |s| {
             s.streamed.take()
         })?;
         Ok(secs.ok_or_else(|| error.unwrap_or_else(|| "no result".into())))

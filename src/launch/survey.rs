@@ -194,16 +194,28 @@ fn probe_network(
     bandwidth: bool,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<NetworkProbes> {
+    // Each probe proves this survey's own secret; a host's identity is its position.
+    let secret = super::protocol::ProbeSecret::random();
+    let max_stream_bytes = if bandwidth {
+        crate::doctor::evidence::BANDWIDTH_PROBE_BYTES
+    } else {
+        0
+    };
     let mut listeners = Vec::new();
     for (position, (_, address)) in data.iter().enumerate() {
-        listeners.push(remote.listen(position, &format!("{address}:0"))?);
+        listeners.push(remote.listen(
+            position,
+            &format!("{address}:0"),
+            &secret,
+            max_stream_bytes,
+        )?);
     }
     let pairs = if bandwidth {
-        Some(measure_bandwidth(remote, names, data, &listeners)?)
+        Some(measure_bandwidth(remote, names, data, &listeners, &secret)?)
     } else {
         None
     };
-    let probes: Vec<(usize, String, Vec<String>)> = data
+    let probes: Vec<super::remote::ReachProbes> = data
         .iter()
         .enumerate()
         .map(|(position, (_, address))| {
@@ -211,12 +223,12 @@ fn probe_network(
                 .iter()
                 .enumerate()
                 .filter(|(other, _)| *other != position)
-                .map(|(_, l)| l.clone())
+                .map(|(other, l)| (l.clone(), other))
                 .collect();
             (position, address.clone(), others)
         })
         .collect();
-    let results = remote.reach_all(&probes)?;
+    let results = remote.reach_all(&probes, &secret)?;
     // The rendezvous store's own port on the first host (rank 0's), as ranks reach it.
     // The all-reduce probe runs one rank per host: rank `i` on host `i`.
     let keys = crate::keyring::Keyring::master(
@@ -253,7 +265,8 @@ fn probe_network(
 
 /// The bandwidth of every pair of hosts, one pair at a time (so no two streams share a
 /// link): [`BANDWIDTH_PROBE_BYTES`](crate::doctor::evidence::BANDWIDTH_PROBE_BYTES) from
-/// the first to the second's listener (`listeners`), against the slower link's rate.
+/// the first to the second's listener (`listeners`, proving `secret`), against the slower
+/// link's rate.
 ///
 /// Errors: a host that stopped answering.
 fn measure_bandwidth(
@@ -261,14 +274,20 @@ fn measure_bandwidth(
     names: &[&str],
     data: &[(String, String)],
     listeners: &[String],
+    secret: &super::protocol::ProbeSecret,
 ) -> Result<Vec<crate::doctor::evidence::PairBandwidth>> {
     use crate::doctor::evidence::BANDWIDTH_PROBE_BYTES;
     let rate = |position: usize| data_link_rate(remote, position, &data[position].0);
     let mut measured = Vec::new();
     for from in 0..data.len() {
         for to in from + 1..data.len() {
-            let result =
-                remote.stream(from, &data[from].1, &listeners[to], BANDWIDTH_PROBE_BYTES)?;
+            let result = remote.stream(
+                from,
+                &data[from].1,
+                (&listeners[to], to),
+                BANDWIDTH_PROBE_BYTES,
+                secret,
+            )?;
             let expected = match (rate(from), rate(to)) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
