@@ -400,7 +400,14 @@ fn relay_body(
     let (sender, receiver) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(16);
     tokio::spawn(async move {
         loop {
-            match incoming.frame().await {
+            // The client left (the body, dropped, closes the channel): dropping `incoming`
+            // closes rank 0's connection, which cancels the request there, even before its
+            // first chunk.
+            let frame = tokio::select! {
+                frame = incoming.frame() => frame,
+                () = sender.closed() => return,
+            };
+            match frame {
                 None => return,
                 Some(Ok(frame)) => {
                     let Ok(data) = frame.into_data() else {
@@ -416,8 +423,6 @@ fn relay_body(
                         return;
                     }
                     if sender.send(Ok(data)).await.is_err() {
-                        // The client left: dropping `incoming` closes rank 0's connection,
-                        // which cancels the request there.
                         return;
                     }
                 }

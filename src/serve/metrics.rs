@@ -156,6 +156,15 @@ pub(super) fn render_totals(m: &MetricsSnapshot) -> String {
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
         ));
     }
+    text.push_str("# HELP infer_requests_aborted_total Requests whose client went away (or that shutdown cancelled) before they finished, by where they were: waiting (dropped from the queue, never computed) or running (stopped early, KV freed).\n# TYPE infer_requests_aborted_total counter\n");
+    for (stage, count) in [
+        ("waiting", m.aborted_waiting_total),
+        ("running", m.aborted_running_total),
+    ] {
+        text.push_str(&format!(
+            "infer_requests_aborted_total{{stage=\"{stage}\"}} {count}\n"
+        ));
+    }
     text.push_str(
         &m.ttft
             .render("infer_time_to_first_token_seconds", "Time to first token."),

@@ -512,25 +512,28 @@ async fn collect_all(
     }
 }
 
-/// Every choice, generated concurrently.
+/// Every choice, generated concurrently. The tasks that collect them belong to this future:
+/// dropped (its client went away), it aborts them, and their receivers, dropped, take the
+/// choices out of the scheduler (a waiting one is never computed).
 async fn collect_each(
     streams: Vec<UnboundedReceiverStream<Event>>,
 ) -> Result<Vec<Choice>, ApiError> {
-    let mut choices = Vec::with_capacity(streams.len());
-    let handles: Vec<_> = streams
-        .into_iter()
-        .map(|s| tokio::spawn(collect(s)))
-        .collect();
-    for handle in handles {
-        choices.push(handle.await.map_err(|e| {
+    let mut tasks = tokio::task::JoinSet::new();
+    for (index, stream) in streams.into_iter().enumerate() {
+        tasks.spawn(async move { (index, collect(stream).await) });
+    }
+    let mut choices: Vec<Option<Choice>> = (0..tasks.len()).map(|_| None).collect();
+    while let Some(joined) = tasks.join_next().await {
+        let (index, choice) = joined.map_err(|e| {
             error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
                 format!("a choice failed: {e}"),
             )
-        })??);
+        })?;
+        choices[index] = Some(choice?);
     }
-    Ok(choices)
+    Ok(choices.into_iter().flatten().collect())
 }
 
 /// OpenAI's usage: the prompt counted once, the completions of every choice summed, and

@@ -707,7 +707,16 @@ impl Router {
             // hand-off, its decode replica's until the end.
             let mut held: Vec<Arc<AtomicU64>> = vec![in_flight];
             held.extend(handoff.as_ref().map(|h| Arc::clone(&h.1)));
-            while let Some(event) = relay.recv().await {
+            loop {
+                // A client that went away (its receiver dropped) ends the relay at once:
+                // dropping `relay` takes the request out of its scheduler, waiting or not.
+                let event = tokio::select! {
+                    event = relay.recv() => match event {
+                        Some(event) => event,
+                        None => break,
+                    },
+                    () = client.closed() => break,
+                };
                 if let (
                     Event::HandedOff {
                         first_token,
@@ -780,6 +789,7 @@ impl Target {
                 next_id,
             } => {
                 let id = next_id.fetch_add(1, Ordering::SeqCst);
+                let watched = request.events.clone();
                 pending
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -791,7 +801,22 @@ impl Target {
                         params: Box::new(request.params),
                         pd: request.pd,
                     })
-                    .map_err(|_| format!("DP replica {replica} has stopped"))
+                    .map_err(|_| format!("DP replica {replica} has stopped"))?;
+                // When the requester goes away before the request ends (no event need come
+                // first: it may still wait for a slot), the replica is told to cancel it.
+                let (pending, frames) = (Arc::clone(pending), frames.clone());
+                tokio::spawn(async move {
+                    watched.closed().await;
+                    let ongoing = pending
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&id)
+                        .is_some();
+                    if ongoing {
+                        let _ = frames.send(ToReplica::Cancel { id });
+                    }
+                });
+                Ok(())
             }
         }
     }

@@ -95,6 +95,11 @@ pub struct Metrics {
     pub kv_blocks_total: AtomicU64,
     /// Sequences preempted (their KV blocks freed, recomputed later) because blocks ran out.
     pub preemptions_total: AtomicU64,
+    /// Requests whose requester went away (a client that left, a shutdown's cancel) while
+    /// they waited, dropped from the queue and never computed; and those stopped early while
+    /// running, their KV blocks freed.
+    pub aborted_waiting_total: AtomicU64,
+    pub aborted_running_total: AtomicU64,
     /// Tokens of admitted sequences looked up in the prefix cache, and those found there
     /// (vLLM's `prefix_cache_queries` and `prefix_cache_hits`).
     pub prefix_cache_queries_total: AtomicU64,
@@ -235,6 +240,10 @@ pub struct MetricsSnapshot {
     pub kv_blocks_total: u64,
     pub preemptions_total: u64,
     #[serde(default)]
+    pub aborted_waiting_total: u64,
+    #[serde(default)]
+    pub aborted_running_total: u64,
+    #[serde(default)]
     pub prefix_cache_queries_total: u64,
     #[serde(default)]
     pub prefix_cache_hits_total: u64,
@@ -274,6 +283,8 @@ impl MetricsSnapshot {
         self.kv_blocks_used += other.kv_blocks_used;
         self.kv_blocks_total += other.kv_blocks_total;
         self.preemptions_total += other.preemptions_total;
+        self.aborted_waiting_total += other.aborted_waiting_total;
+        self.aborted_running_total += other.aborted_running_total;
         self.prefix_cache_queries_total += other.prefix_cache_queries_total;
         self.prefix_cache_hits_total += other.prefix_cache_hits_total;
         self.prefix_cache_evictions_total += other.prefix_cache_evictions_total;
@@ -312,6 +323,8 @@ impl Metrics {
             kv_blocks_used: load(&self.kv_blocks_used),
             kv_blocks_total: load(&self.kv_blocks_total),
             preemptions_total: load(&self.preemptions_total),
+            aborted_waiting_total: load(&self.aborted_waiting_total),
+            aborted_running_total: load(&self.aborted_running_total),
             prefix_cache_queries_total: load(&self.prefix_cache_queries_total),
             prefix_cache_hits_total: load(&self.prefix_cache_hits_total),
             prefix_cache_evictions_total: load(&self.prefix_cache_evictions_total),
@@ -504,8 +517,10 @@ struct Planned {
 /// a token. KV blocks are planned from
 /// the executor's pool: the running sequences' growth first, preempting the most recently
 /// admitted ones (their blocks released at once, themselves put back at the head of the
-/// queue) while that does not fit. A request is never dropped; only a sequence that cannot
-/// grow even alone finishes early with `length`.
+/// queue) while that does not fit. A request is dropped only when its requester went away
+/// (its receiver closed: from the queue before it is computed, from the batch after the
+/// step that noticed, its KV blocks freed); only a sequence that cannot grow even alone
+/// finishes early with `length`.
 fn run(
     executor: &mut dyn Executor,
     receiver: &mpsc::Receiver<Request>,
@@ -695,7 +710,24 @@ impl<'a> Batch<'a> {
             let running = self.receive(request);
             self.waiting.push_back(running);
         }
+        self.drop_abandoned();
         Ok(true)
+    }
+
+    /// Drops the waiting requests whose requester went away (their receiver closed): they
+    /// are never computed. A preempted one holds no KV blocks (its blocks went at the
+    /// preemption).
+    fn drop_abandoned(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|w| !w.request.events.is_closed());
+        let dropped = (before - self.waiting.len()) as u64;
+        if dropped > 0 {
+            // Counted first: a scrape that sees the queue empty sees them aborted.
+            self.metrics
+                .aborted_waiting_total
+                .fetch_add(dropped, Ordering::SeqCst);
+            self.metrics.waiting.fetch_sub(dropped, Ordering::SeqCst);
+        }
     }
 
     /// The running sequences' share of the step's token budget: one token per decoding
@@ -953,6 +985,9 @@ impl<'a> Batch<'a> {
         // A request whose client went away while its prompt was still running goes too.
         for (index, r) in self.running.iter().enumerate() {
             if r.request.events.is_closed() && !finished.contains(&index) {
+                self.metrics
+                    .aborted_running_total
+                    .fetch_add(1, Ordering::SeqCst);
                 finished.push(index);
             }
         }
@@ -1048,6 +1083,7 @@ fn deliver_token(r: &mut Running, sampled: &Sampled, ctx: &TokenContext) -> bool
     });
     if sent.is_err() {
         // The client went away.
+        metrics.aborted_running_total.fetch_add(1, Ordering::SeqCst);
         return true;
     }
     if stopped {

@@ -133,8 +133,9 @@ pub(super) fn stream_choices(
     }
     let n = merged.len();
     // A task drives the choices and hands chunks to the response; when the client goes
-    // away, its next send fails, the task ends and dropping the choices' receivers cancels
-    // their sequences.
+    // away (the response, dropped, closes the channel), the task ends at once, even before
+    // the first token, and dropping the choices' receivers cancels their sequences (a
+    // waiting one is never computed).
     // Bounded: a client that reads slowly holds back this task (its tokens wait as events),
     // never a growing heap of rendered chunks.
     let (sender, receiver) = tokio::sync::mpsc::channel::<Value>(SSE_CHUNKS_IN_FLIGHT);
@@ -164,6 +165,7 @@ pub(super) fn stream_choices(
                     Some(next) => next,
                     None => break,
                 },
+                () = sender.closed() => return,
                 () = &mut cancelled => {
                     // Best effort: a client that reads nothing does not hold up shutdown.
                     let _ = sender.try_send(json!({"error": {"message": SHUTTING_DOWN, "type": "server_error"}}));

@@ -1622,3 +1622,137 @@ fn a_half_sent_request_head_is_closed_by_the_timeout() {
         "closed after {waited:?}"
     );
 }
+
+/// Requests whose clients disconnect while they wait for a slot are never computed, in one
+/// process.
+#[test]
+fn waiting_requests_whose_clients_leave_are_never_computed_one_process() {
+    waiting_requests_whose_clients_leave_are_never_computed(&[], 1);
+}
+
+/// The same through a supervised run's front (`--max-restarts`): a client that leaves the
+/// front closes the front's connection to rank 0 too.
+#[test]
+fn waiting_requests_whose_clients_leave_are_never_computed_through_the_front() {
+    waiting_requests_whose_clients_leave_are_never_computed(&["--max-restarts", "1"], 1);
+}
+
+/// The same with `--dp 2`: a request waiting on the remote replica is cancelled there.
+#[test]
+fn waiting_requests_whose_clients_leave_are_never_computed_on_every_replica() {
+    waiting_requests_whose_clients_leave_are_never_computed(&["--dp", "2"], 2);
+}
+
+/// `--max-num-seqs 1`: a long stream per replica holds its only slot while four requests
+/// sent on raw connections (two completions and a chat answered whole, a streamed
+/// completion) wait; their connections close. The queue empties while the long streams
+/// still run, `/metrics` counts them aborted while waiting, and once the long streams are
+/// dropped a probe is the only other prompt ever processed.
+fn waiting_requests_whose_clients_leave_are_never_computed(extra: &[&str], replicas: u64) {
+    use std::io::Write;
+    let server = Server::start(&[&["--max-num-seqs", "1"], extra].concat());
+    let value = |text: &str, name: &str| metric(text, name) as u64;
+    let wait_for = |what: &str, done: &dyn Fn(&str) -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let metrics = server.metrics();
+            if done(&metrics) {
+                return metrics;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what} never happened:\n{metrics}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    // The long streams: each under way once its first token has arrived.
+    let prompts = ["Once upon a time", "The history of the Roman empire"];
+    let long: Vec<_> = prompts[..replicas as usize]
+        .iter()
+        .map(|prompt| {
+            let long = ureq::post(&format!("{}/v1/completions", server.url))
+                .send_json(json!({"prompt": prompt, "max_tokens": 4000, "ignore_eos": true, "stream": true}))
+                .expect("stream");
+            let mut long = BufReader::new(long.into_body().into_reader());
+            let mut line = String::new();
+            while long.read_line(&mut line).expect("read") > 0 && !line.contains("\"text\"") {
+                line.clear();
+            }
+            long
+        })
+        .collect();
+    let started = wait_for("every slot taken", &|m| {
+        value(m, "infer_requests_running") == replicas
+    });
+    let long_prompt_tokens = value(&started, "infer_prompt_tokens_total");
+
+    let address = server.url.trim_start_matches("http://").to_string();
+    let requests = [
+        (
+            "/v1/completions",
+            json!({"prompt": "The first abandoned prompt", "max_tokens": 8}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "The second abandoned prompt", "max_tokens": 8}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "An abandoned chat"}], "max_tokens": 8}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "An abandoned stream", "max_tokens": 8, "stream": true}),
+        ),
+    ];
+    let clients: Vec<std::net::TcpStream> = requests
+        .iter()
+        .map(|(path, body)| {
+            let body = body.to_string();
+            let mut stream = std::net::TcpStream::connect(&address).expect("connect");
+            write!(
+                stream,
+                "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .expect("send");
+            stream
+        })
+        .collect();
+    wait_for("four requests waiting", &|m| {
+        value(m, "infer_requests_waiting") == 4
+    });
+    drop(clients);
+    let after = wait_for("the queue emptied", &|m| {
+        value(m, "infer_requests_waiting") == 0
+    });
+    // Dropped from the queue, not admitted: the long streams still hold the slots.
+    assert_eq!(value(&after, "infer_requests_running"), replicas, "{after}");
+    assert_eq!(
+        value(&after, "infer_requests_aborted_total{stage=\"waiting\"}"),
+        4,
+        "{after}"
+    );
+
+    drop(long);
+    wait_for("the long streams stopped", &|m| {
+        value(m, "infer_requests_running") == 0
+    });
+    let (status, probe) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "A probe after them", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{probe}");
+    let metrics = server.metrics();
+    assert_eq!(
+        value(&metrics, "infer_prompt_tokens_total"),
+        long_prompt_tokens + probe["usage"]["prompt_tokens"].as_u64().expect("usage"),
+        "an abandoned request was computed:\n{metrics}"
+    );
+    assert_eq!(
+        value(&metrics, "infer_requests_aborted_total{stage=\"running\"}"),
+        replicas,
+        "{metrics}"
+    );
+}
