@@ -42,7 +42,7 @@ fn time(parts: &[KvTransfer], layers: usize, shm: bool, rounds: u64) -> f64 {
     // Rank 0 (prefill) sends to rank 1 (decode), both on this host.
     let keys = infer::keyring::Keyring::master("bench", infer::keyring::LAUNCHER_HOST, vec![0, 0])
         .on_host(0);
-    let inbox = Inbox::bind("127.0.0.1", &keys, 1).expect("inbox");
+    let inbox = Inbox::bind("127.0.0.1", &keys, 1, &[0]).expect("inbox");
     let address = inbox.address().to_string();
     let mut outbox = Outbox::new(&keys, 0).expect("outbox");
     outbox.add_inbox(&address, 1);

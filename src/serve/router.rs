@@ -681,7 +681,8 @@ impl Router {
         // With disaggregation: where the request goes after its first token.
         let decode = self.prefill_replicas.map(|prefill| {
             let decode = self.choose_decode(prefill);
-            let transfer = self.next_id.fetch_add(1, Ordering::SeqCst);
+            // Random, so that nobody can name another request's transfer in advance.
+            let transfer = rand::random::<u64>();
             (decode, transfer)
         });
         let pd = decode.map(|(replica, transfer)| PdStage::Prefill { replica, transfer });

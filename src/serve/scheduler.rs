@@ -901,6 +901,12 @@ impl<'a> Batch<'a> {
                         .fetch_add(tokens.len() as u64, Ordering::SeqCst);
                 }
                 let params = std::mem::take(&mut r.new).then(|| r.request.params.clone());
+                // An imported prompt's KV is checked against the prompt on every rank.
+                let import_prompt = if import.is_some() && params.is_some() {
+                    r.request.prompt_tokens.clone()
+                } else {
+                    Vec::new()
+                };
                 // The penalties count the prompt's and the output's tokens so far.
                 let history = if params.as_ref().is_some_and(|p| p.penalized()) {
                     let mut history = r.request.prompt_tokens.clone();
@@ -918,6 +924,7 @@ impl<'a> Batch<'a> {
                     prefix_tokens,
                     sample,
                     handoff,
+                    import_prompt,
                     import,
                     history,
                 }

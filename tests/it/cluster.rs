@@ -1624,6 +1624,28 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
         prefill_log.contains(&format!("KV to decode replicas 1 over TCP to {inbox}")),
         "rank 0's log:\n{prefill_log}"
     );
+    // Strangers on the data network (a process on h0 that holds no key of the run): idle
+    // connections, garbage, an oversized hello and an oversized length prefix at the decode
+    // rank's inbox on h1 and at the rendezvous store. Both keep serving the run: answers
+    // still come, and KV moves only for them.
+    let store = manifest["store"].as_str().expect("store address");
+    let strangers = cluster.strangers(0, &[&inbox, store]);
+    for (status, reply) in server.post_all("/v1/completions", &bodies[..2]) {
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["choices"][0]["text"], reference["text"], "{reply}");
+    }
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_pd_handoffs_total"),
+        5.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_pd_kv_bytes_sent_total"),
+        (prompt_tokens * 5 / 3 * KV_BYTES_PER_TOKEN) as f64,
+        "{metrics}"
+    );
+    drop(strangers);
     let rule = |action: &str, target: &[&str]| cluster.port_rule(1, &port, action, target);
     // First a link that silently drops everything: the prefill rank's few KiB of KV (a
     // one-token prompt) sit in its socket's send buffer, so it sees nothing wrong and

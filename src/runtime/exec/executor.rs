@@ -88,6 +88,10 @@ pub struct StepEntry {
     /// computing it); `tokens` is then the first token, sampled by the prefill replica.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub import: Option<u64>,
+    /// With `import`: the request's prompt, which the imported KV must be of (every rank
+    /// checks its parts' tokens against it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub import_prompt: Vec<u32>,
     /// With `params` when a penalty is on ([`SamplingParams::penalized`]): the sequence's
     /// tokens so far, `prompt_tokens` of prompt then its earlier output (after a preemption,
     /// or from the prefill replica), for the sampler's penalties. Empty otherwise.
@@ -117,6 +121,7 @@ impl StepEntry {
             sample: true,
             handoff: None,
             import: None,
+            import_prompt: Vec::new(),
             history: if params.penalized() {
                 prompt.to_vec()
             } else {
@@ -137,6 +142,7 @@ impl StepEntry {
             sample: true,
             handoff: None,
             import: None,
+            import_prompt: Vec::new(),
             history: Vec::new(),
         }
     }

@@ -143,11 +143,12 @@ pub struct Inbox {
 }
 
 impl Inbox {
-    /// Listens on `host` (a free port) as rank `rank`, admitting connections from ranks of
-    /// the run that prove their host's pair key with this one (`keys`).
+    /// Listens on `host` (a free port) as rank `rank`, admitting connections only from
+    /// `senders` (the prefill ranks that hand this one KV), each proving the pair key of its
+    /// host and this one's (`keys`).
     ///
     /// Errors: the address cannot be bound.
-    pub fn bind(host: &str, keys: &Keyring, rank: u64) -> Result<Inbox> {
+    pub fn bind(host: &str, keys: &Keyring, rank: u64, senders: &[u64]) -> Result<Inbox> {
         let listener = TcpListener::bind((host, 0))
             .with_context(|| format!("cannot listen for KV transfers on `{host}`"))?;
         let address = listener.local_addr()?;
@@ -158,6 +159,7 @@ impl Inbox {
             Arc::clone(&stop),
             Arc::new(keys.clone()),
         );
+        let senders: Arc<[u64]> = senders.into();
         std::thread::Builder::new()
             .name("kv-inbox".into())
             .spawn(move || {
@@ -172,9 +174,10 @@ impl Inbox {
                         pending.fetch_sub(1, Ordering::SeqCst);
                         continue;
                     }
-                    let (state, keys, counter) = (
+                    let (state, keys, senders, counter) = (
                         Arc::clone(&accept_state),
                         Arc::clone(&keys),
+                        Arc::clone(&senders),
                         Arc::clone(&pending),
                     );
                     let spawned = std::thread::Builder::new()
@@ -182,7 +185,12 @@ impl Inbox {
                         .spawn(move || {
                             let _ = stream.set_nodelay(true);
                             // Nothing of a peer is read before it proves its host's key.
-                            let key_for = |client: u64| keys.pair_key(keys.host_of_rank(client)?);
+                            let key_for = |client: u64| {
+                                if !senders.contains(&client) {
+                                    return None;
+                                }
+                                keys.pair_key(keys.host_of_rank(client)?)
+                            };
                             let proved =
                                 crate::handshake::server(&mut stream, CHANNEL, rank, &key_for);
                             counter.fetch_sub(1, Ordering::SeqCst);
@@ -447,6 +455,25 @@ struct Job {
 
 /// The key of a connection to an inbox, this rank, and the inbox's rank.
 type PeerKey = (Key, u64, u64);
+
+/// Checks that `parts` (an [`Inbox::take`]'s) carry the KV of `prompt`: each part's tokens
+/// are the prompt's at its positions, and its prompt is as long. A transfer forged or mixed
+/// up for another request is refused instead of decoded from.
+///
+/// Errors: the first part that does not match, naming its positions.
+pub fn check_prompt(parts: &[KvTransfer], prompt: &[u32]) -> Result<()> {
+    for part in parts {
+        let positions = part.first_position..part.first_position + part.tokens.len();
+        ensure!(
+            part.prompt_tokens == prompt.len()
+                && prompt.get(positions.clone()) == Some(&part.tokens[..]),
+            "KV for positions {positions:?} of another prompt ({} tokens; this request's has {}): not this request's transfer",
+            part.prompt_tokens,
+            prompt.len()
+        );
+    }
+    Ok(())
+}
 
 /// A prefill rank's sending end: a thread that sends the queued parts in order, over one
 /// connection per decode rank (opened on first use and kept; through a shared ring when the
@@ -822,16 +849,17 @@ fn send_part(peers: &mut HashMap<String, Peer>, ring_bytes: usize, job: &Job) ->
 mod tests {
     use super::*;
 
-    /// Host `host`'s keys in a run of two ranks: 0 (prefill) on host 0, 1 (decode) on host 1.
+    /// Host `host`'s keys in a run of three ranks: 0 (prefill) on host 0, 1 (decode) and 2
+    /// on host 1.
     fn keys(secret: &str, host: u32) -> Keyring {
-        Keyring::master(secret, crate::keyring::LAUNCHER_HOST, vec![0, 1])
+        Keyring::master(secret, crate::keyring::LAUNCHER_HOST, vec![0, 1, 1])
             .for_host(host)
             .expect("host keys")
     }
 
-    /// Rank 1's inbox.
+    /// Rank 1's inbox, taking KV from rank 0.
     fn inbox() -> Inbox {
-        Inbox::bind("127.0.0.1", &keys("secret", 1), 1).expect("bind")
+        Inbox::bind("127.0.0.1", &keys("secret", 1), 1, &[0]).expect("bind")
     }
 
     /// Rank 0's outbox to the inboxes at `addresses` (rank 1's), with `ring_bytes` rings.
@@ -1020,6 +1048,12 @@ mod tests {
         impostor.send(&address, 2, part(0..1, 0..6));
         assert!(impostor.finish(2).is_err());
         assert!(inbox.take(2, 1, Duration::from_millis(300)).is_err());
+        // Rank 2 proves its own host's key, but it is not a sender of this inbox.
+        let mut other_rank = Outbox::new(&keys("secret", 1), 2).expect("outbox");
+        other_rank.add_inbox(&address, 1);
+        other_rank.send(&address, 4, part(0..1, 0..6));
+        assert!(other_rank.finish(4).is_err());
+        assert!(inbox.take(4, 1, Duration::from_millis(300)).is_err());
         // An address no rank was registered for gets nothing sent.
         let mut unknown = Outbox::new(&keys("secret", 0), 0).expect("outbox");
         // The write may succeed before the inbox closes the connection; nothing arrives.
@@ -1028,6 +1062,21 @@ mod tests {
         assert!(
             format!("{error:#}").contains("no rank of this run"),
             "{error:#}"
+        );
+    }
+
+    #[test]
+    fn an_import_is_checked_against_the_requests_prompt() {
+        let parts = [part(0..5, 0..4), part(0..5, 4..6)];
+        let prompt: Vec<u32> = (0..6).map(|p| 100 + p).collect();
+        check_prompt(&parts, &prompt).expect("this request's KV");
+        let mut other = prompt.clone();
+        other[5] = 7;
+        let error = check_prompt(&parts, &other).expect_err("another prompt");
+        assert!(format!("{error:#}").contains("positions 4..6"), "{error:#}");
+        assert!(
+            check_prompt(&parts, &prompt[..5]).is_err(),
+            "a shorter prompt"
         );
     }
 }

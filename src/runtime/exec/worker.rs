@@ -556,7 +556,9 @@ fn pd_link(config: &RankConfig, store: &mut StoreClient, at: &Position) -> Resul
     Ok(match config.pd_prefill_replicas {
         None => PdLink::None,
         Some(prefill) if dp_rank >= prefill => {
-            let inbox = Inbox::bind(&config.bind_addr, &config.keys, config.rank)?;
+            // The same position of every prefill replica sends this rank its KV.
+            let senders: Vec<u64> = (0..prefill).map(|p| (p * tp * pp + rank) as u64).collect();
+            let inbox = Inbox::bind(&config.bind_addr, &config.keys, config.rank, &senders)?;
             store.set(
                 &crate::rendezvous::rank_key(config.rank, &format!("pd/{dp_rank}")),
                 inbox.address().to_string().as_bytes(),
@@ -746,7 +748,7 @@ impl Member {
             }
             if let Some(params) = &entry.params {
                 let cache = match entry.import {
-                    Some(transfer) => match self.import(transfer) {
+                    Some(transfer) => match self.import(transfer, &entry.import_prompt) {
                         Ok(cache) => cache,
                         Err(error) => {
                             missing.insert(entry.seq, format!("{error:#}"));
@@ -1062,8 +1064,8 @@ impl Member {
     /// The KV cache of a sequence prefilled elsewhere: this shard's part of transfer
     /// `transfer`, from the inbox. Errors: not a decode replica, the parts do not arrive
     /// within the timeout, a transfer of another shape.
-    fn import(&mut self, transfer: u64) -> Result<KvCache> {
-        let parts = self.take_parts(transfer)?;
+    fn import(&mut self, transfer: u64, prompt: &[u32]) -> Result<KvCache> {
+        let parts = self.take_parts(transfer, prompt)?;
         let mut cache = self.shard.new_cache();
         for part in &parts {
             cache.import(part)?;
@@ -1073,9 +1075,9 @@ impl Member {
     }
 
     /// This shard's parts of transfer `transfer`, from the inbox, once they cover every layer
-    /// and position. Errors: not a decode replica, the parts do not arrive within the
-    /// timeout.
-    fn take_parts(&self, transfer: u64) -> Result<Vec<KvTransfer>> {
+    /// and position, checked to be `prompt`'s. Errors: not a decode replica, the parts do
+    /// not arrive within the timeout, parts of another prompt.
+    fn take_parts(&self, transfer: u64, prompt: &[u32]) -> Result<Vec<KvTransfer>> {
         let PdLink::Decode(inbox) = &self.pd else {
             bail!(
                 "rank {}: a KV import on a replica that is not a decode replica",
@@ -1088,13 +1090,17 @@ impl Member {
                 self.shard.layers.len(),
                 self.timeout.min(IMPORT_WAIT),
             )
+            .and_then(|parts| {
+                crate::runtime::exec::handoff::check_prompt(&parts, prompt)?;
+                Ok(parts)
+            })
             .with_context(|| format!("rank {}", self.global_rank))
     }
 
     /// Starts sequence `entry.seq` on the device executor from this shard's parts of
     /// transfer `transfer`. Errors: those of [`Member::take_parts`], the device's import.
     fn import_to_device(&mut self, entry: &StepEntry, transfer: u64) -> Result<()> {
-        let parts = self.take_parts(transfer)?;
+        let parts = self.take_parts(transfer, &entry.import_prompt)?;
         let global_rank = self.global_rank;
         self.device
             .as_mut()

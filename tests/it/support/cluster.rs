@@ -194,6 +194,46 @@ impl TestCluster {
         assert!(status.success(), "iptables {action} {target:?}");
     }
 
+    /// Starts, in host `host`'s namespace, a stranger to the run (a process holding no key)
+    /// that opens to each of `addresses` (`ip:port`) 40 idle connections, one of garbage, one
+    /// hello of our handshake claiming a 64 KiB channel and one 4 GiB length prefix, and
+    /// holds them until the returned guard is dropped. Panics when it cannot connect.
+    pub fn strangers(&self, host: usize, addresses: &[&str]) -> Strangers {
+        const SCRIPT: &str = r#"
+import socket, sys, time
+held = []
+for address in sys.argv[1:]:
+    host, port = address.rsplit(":", 1)
+    for _ in range(40):
+        held.append(socket.create_connection((host, int(port)), timeout=5))
+    for payload in (b"\xff" * 64, b"infer\x00h1" + (65535).to_bytes(2, "little"), (2**32 - 1).to_bytes(4, "little")):
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.sendall(payload)
+        held.append(s)
+print("ready", flush=True)
+time.sleep(600)
+"#;
+        let mut child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.hosts[host].namespace,
+                "python3",
+                "-c",
+                SCRIPT,
+            ])
+            .args(addresses)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3 in the host's namespace");
+        let mut line = String::new();
+        let stdout = child.stdout.take().expect("stdout");
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)
+            .expect("the strangers' line");
+        assert_eq!(line.trim(), "ready", "the strangers could not connect");
+        Strangers(child)
+    }
+
     /// Trusts every host's key in the inventory's `known_hosts`, as a user would have.
     pub fn trust_hosts(&self) {
         let listing = std::fs::read_to_string(self.dir.join("hosts.txt")).expect("hosts.txt");
@@ -283,5 +323,15 @@ impl Drop for TestCluster {
             .args(["down", &self.id])
             .arg(&self.dir)
             .output();
+    }
+}
+
+/// Strangers holding connections ([`TestCluster::strangers`]); dropping it kills them.
+pub struct Strangers(std::process::Child);
+
+impl Drop for Strangers {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
