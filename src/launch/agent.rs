@@ -190,7 +190,7 @@ impl Agent {
     fn handle(&mut self, frame: ToAgent, lease: Duration) {
         match frame {
             ToAgent::WatchStore { address, keys } => {
-                let keys = match crate::keyring::Keyring::from_text(&keys) {
+                let keys = match crate::keyring::Keyring::from_text(&keys.0) {
                     Ok(keys) => keys,
                     Err(error) => return self.error(None, format!("{error:#}")),
                 };
@@ -265,7 +265,7 @@ impl Agent {
                     send(&output, &FromAgent::Reached { results });
                 });
             }
-            ToAgent::HostStore { bind, keys } => match crate::keyring::Keyring::from_text(&keys)
+            ToAgent::HostStore { bind, keys } => match crate::keyring::Keyring::from_text(&keys.0)
                 .and_then(|keys| StoreServer::start(&bind, &keys))
             {
                 Ok(server) => {
@@ -292,7 +292,7 @@ impl Agent {
                 env,
                 keys,
                 argv,
-            } => match self.spawn(rank, &env, &keys, argv.as_deref()) {
+            } => match self.spawn(rank, &env, &keys.0, argv.as_deref()) {
                 Ok(pid) => send(&self.output, &FromAgent::Spawned { rank, pid }),
                 Err(error) => self.error(Some(rank), format!("{error:#}")),
             },

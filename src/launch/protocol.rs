@@ -9,6 +9,18 @@ use std::io::{Read, Write};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
+/// A secret carried in a frame (a host's keys): sent as a plain string, never shown by
+/// `Debug`, so an error that prints a frame does not print it.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub(crate) struct SecretText(pub String);
+
+impl std::fmt::Debug for SecretText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretText(…)")
+    }
+}
+
 /// Largest frame accepted, bytes (a pushed file travels in chunks well below it).
 pub(crate) const MAX_FRAME_BYTES: u32 = 16 << 20;
 
@@ -33,11 +45,11 @@ pub(crate) enum ToAgent {
     /// Host the rendezvous store on `bind` (`ip:0` picks a port) with the store's keys
     /// (`keys`: [`crate::keyring::Keyring::to_text`] of [`crate::keyring::Keyring::for_store`]);
     /// answered by [`FromAgent::StoreAt`].
-    HostStore { bind: String, keys: String },
+    HostStore { bind: String, keys: SecretText },
     /// Watch the rendezvous store at `address` (on another host), proving this host's
     /// `keys`: if it cannot be reached for the lease, stop every rank (the store's host is
     /// gone, or this host is cut off from it).
-    WatchStore { address: String, keys: String },
+    WatchStore { address: String, keys: SecretText },
     /// sha256 and size of a file on the host (the model); answered by
     /// [`FromAgent::FileInfo`].
     HashFile { path: String },
@@ -57,7 +69,7 @@ pub(crate) enum ToAgent {
     Spawn {
         rank: usize,
         env: Vec<(String, String)>,
-        keys: String,
+        keys: SecretText,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         argv: Option<Vec<String>>,
     },
@@ -331,7 +343,7 @@ mod tests {
             &ToAgent::Spawn {
                 rank: 3,
                 env: vec![("RANK".into(), "3".into())],
-                keys: "secret".into(),
+                keys: SecretText("secret".into()),
                 argv: None,
             },
         )
@@ -349,7 +361,8 @@ mod tests {
             Some(ToAgent::Spawn {
                 rank, env, keys, ..
             }) => {
-                assert_eq!((rank, keys.as_str()), (3, "secret"));
+                assert_eq!((rank, keys.0.as_str()), (3, "secret"));
+                assert_eq!(format!("{keys:?}"), "SecretText(…)");
                 assert_eq!(env, vec![("RANK".to_string(), "3".to_string())]);
             }
             other => panic!("unexpected {other:?}"),

@@ -277,7 +277,7 @@ impl RemoteCluster {
         let host = &self.hosts[host_index];
         host.send(ToAgent::HostStore {
             bind: bind.into(),
-            keys: keys.for_store()?.to_text()?,
+            keys: super::protocol::SecretText(keys.for_store()?.to_text()?),
         })?;
         let address = host.wait_for(Duration::from_secs(10), "the store to listen", |s| {
             s.store_at.take()
@@ -291,7 +291,7 @@ impl RemoteCluster {
             if index != host_index {
                 other.send(ToAgent::WatchStore {
                     address: address.to_string(),
-                    keys: keys.for_host(index as u32)?.to_text()?,
+                    keys: super::protocol::SecretText(keys.for_host(index as u32)?.to_text()?),
                 })?;
             }
         }
@@ -684,7 +684,7 @@ impl RemoteSpawner<'_> {
         host.send(ToAgent::Spawn {
             rank: index,
             env: env.to_vec(),
-            keys: keys.into(),
+            keys: super::protocol::SecretText(keys.into()),
             argv,
         })
         .map_err(fail)?;
