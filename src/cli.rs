@@ -806,6 +806,11 @@ pub struct UpArgs {
     #[arg(long, value_name = "FILE", conflicts_with = "api_key")]
     pub api_key_file: Option<std::path::PathBuf>,
 
+    /// Require the API key on `/metrics` too (as vLLM, it guards the API only by default):
+    /// Prometheus then scrapes with `authorization: {credentials: KEY}`. Needs an API key.
+    #[arg(long)]
+    pub protect_metrics: bool,
+
     /// Positions the KV cache holds over all running sequences, in blocks of 16 (memory is
     /// taken as blocks are first used). When it is full, the newest sequences are preempted
     /// and resumed later.

@@ -80,6 +80,8 @@ pub(crate) const HTTP_HOST: &str = "INFER_HTTP_HOST";
 /// `--host`; unset: [`HTTP_HOST`]): a loopback name there makes rank 0 answer only
 /// loopback `Host` names.
 pub(crate) const HTTP_CLIENT_HOST: &str = "INFER_HTTP_CLIENT_HOST";
+/// `1`: rank 0's `/metrics` requires the API key too (`--protect-metrics`).
+pub(crate) const PROTECT_METRICS: &str = "INFER_PROTECT_METRICS";
 /// Rank 0's HTTP port.
 pub(crate) const HTTP_PORT: &str = "INFER_HTTP_PORT";
 /// Most sequences a step runs.

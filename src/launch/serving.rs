@@ -61,6 +61,8 @@ pub(crate) struct UpSettings {
     /// the others decode (`INFER_PD_PREFILL`).
     pub pd_prefill: Option<usize>,
     pub api_key: Option<String>,
+    /// `/metrics` requires the API key too (`--protect-metrics`).
+    pub protect_metrics: bool,
     pub ssh: super::ssh::SshOptions,
     pub push_model: bool,
     /// The run directory (`--run-dir`); `None`: a new one under the cache's `runs/`.
@@ -216,6 +218,7 @@ pub(crate) fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Resu
             kv_cache_tokens: settings.kv_cache_tokens,
             prefix_cache: settings.prefix_cache,
             api_key: settings.api_key.clone(),
+            protect_metrics: settings.protect_metrics,
             max_model_len: settings.max_model_len,
             shutdown_timeout: settings.shutdown_timeout,
             stall_timeout: settings.stall_timeout,
@@ -460,6 +463,10 @@ fn launch(
                 shutdown_timeout: settings.shutdown_timeout,
                 host: &settings.host,
                 port: settings.port,
+                metrics_key: settings
+                    .api_key
+                    .clone()
+                    .filter(|_| settings.protect_metrics),
                 cluster: inventory.map(|file| super::hosts::ClusterOptions {
                     inventory: file,
                     ssh: settings.ssh,
@@ -578,6 +585,7 @@ fn rank_spec(
         model_id: settings.model_id.clone(),
         kv_cache_tokens: settings.kv_cache_tokens,
         api_key: settings.api_key.clone(),
+        protect_metrics: settings.protect_metrics,
         pd_prefill: layout.pd_prefill,
         shutdown_timeout: settings.shutdown_timeout,
         stall_timeout: settings.stall_timeout,

@@ -39,6 +39,8 @@ pub(super) struct Supervised<'a> {
     pub shutdown_timeout: Duration,
     pub host: &'a str,
     pub port: u16,
+    /// The API key `/metrics` requires (`--protect-metrics`).
+    pub metrics_key: Option<String>,
     /// The inventory's hosts, when the ranks run there.
     pub cluster: Option<ClusterOptions>,
     /// `dp × pp × tp`, for the ready line.
@@ -84,7 +86,7 @@ pub(super) fn serve(
 ) -> Result<()> {
     // Bad layouts fail as themselves, before anything listens.
     spec.check_layout()?;
-    let front = Front::bind(settings.host, settings.port)?;
+    let front = Front::bind(settings.host, settings.port, settings.metrics_key.clone())?;
     let signals = Arc::new(AtomicUsize::new(0));
     watch_signals(Arc::clone(&signals))?;
     events(UpEvent::Listening(front.address()));

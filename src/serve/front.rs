@@ -88,6 +88,8 @@ enum Phase {
 struct Shared {
     phase: tokio::sync::watch::Sender<Phase>,
     restarts: Mutex<BTreeMap<RestartCause, u64>>,
+    /// The API key `/metrics` requires, if any.
+    metrics_key: Option<String>,
 }
 
 /// The front: a listening HTTP server on its own runtime. Dropping it stops the server
@@ -100,11 +102,12 @@ pub struct Front {
 }
 
 impl Front {
-    /// Listens at `host:port` and answers 503 ("loading") until [`Front::serving`].
+    /// Listens at `host:port` and answers 503 ("loading") until [`Front::serving`];
+    /// `/metrics` requires `metrics_key` when given (`--protect-metrics`).
     ///
     /// Errors: the address cannot be bound (as [`super::http::bind_error`] says), the
     /// runtime cannot start.
-    pub fn bind(host: &str, port: u16) -> Result<Front> {
+    pub fn bind(host: &str, port: u16, metrics_key: Option<String>) -> Result<Front> {
         let listener = std::net::TcpListener::bind((host, port))
             .map_err(|error| anyhow::anyhow!(super::http::bind_error(host, port, &error)))?;
         listener.set_nonblocking(true)?;
@@ -118,6 +121,7 @@ impl Front {
         let shared = Arc::new(Shared {
             phase: tokio::sync::watch::Sender::new(Phase::Starting),
             restarts: Mutex::default(),
+            metrics_key,
         });
         let app = axum::Router::new()
             .route("/ping", get(|| async { "pong" }))
@@ -230,6 +234,11 @@ fn unavailable(phase: &Phase) -> Response {
 
 /// `/metrics`: rank 0's text (when serving) with the front's counters after it.
 async fn metrics(State(shared): State<Arc<Shared>>, request: Request) -> Response {
+    if let Some(key) = &shared.metrics_key
+        && !super::bearer_matches(request.headers(), key)
+    {
+        return super::unauthorized().into_response();
+    }
     let phase = shared.phase.borrow().clone();
     let mut text = String::new();
     if let Phase::Serving(upstream) = phase
@@ -459,7 +468,7 @@ mod tests {
     fn a_stream_cut_by_a_failing_gang_ends_with_an_error_event_naming_the_cause() {
         let upstream = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let upstream_address = upstream.local_addr().expect("address");
-        let front = Front::bind("127.0.0.1", 0).expect("front");
+        let front = Front::bind("127.0.0.1", 0, None).expect("front");
         let (status, body) = get(front.address(), "/health");
         assert_eq!(status, 503, "{body}");
         assert!(body.contains("\"loading\""), "{body}");

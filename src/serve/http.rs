@@ -36,6 +36,8 @@ pub struct OneProcess<'a> {
     /// Reuse the KV blocks of cached prompt prefixes (the CPU engine; not on the GPU yet).
     pub prefix_cache: bool,
     pub api_key: Option<String>,
+    /// `/metrics` requires the API key too.
+    pub protect_metrics: bool,
     /// Longest prompt plus completion, tokens (`None`: the model's context).
     pub max_model_len: Option<usize>,
     /// How long requests in flight may finish after Ctrl-C before they are cancelled.
@@ -124,6 +126,7 @@ pub fn serve_one_process(
             tokenizer,
             max_context_tokens,
             api_key: settings.api_key.clone(),
+            protect_metrics: settings.protect_metrics,
             access_log: access_log(),
             rank_waits: None,
         },
@@ -214,6 +217,7 @@ pub fn serve_driver(
                 None => driver.max_context_tokens(),
             },
             api_key: serving.api_key.clone(),
+            protect_metrics: serving.protect_metrics,
             access_log: access_log(),
             rank_waits: Some(Arc::new(super::health::RankWaits::new(
                 env.store.to_string(),

@@ -52,6 +52,8 @@ pub struct AppState {
     pub tokenizer: Tokenizer,
     pub max_context_tokens: usize,
     pub api_key: Option<String>,
+    /// `/metrics` requires `api_key` too (`--protect-metrics`; vLLM leaves it open).
+    pub protect_metrics: bool,
     /// Where the access log goes: one line per request answered (as vLLM logs them).
     pub access_log: Arc<dyn Fn(&str) + Send + Sync>,
     /// On a rank gang: every rank's wait state, for the stall diagnosis and
@@ -294,33 +296,47 @@ pub fn router(gate: Arc<Gate>) -> Router {
         .with_state(gate)
 }
 
+/// Whether `headers` carry `Authorization: Bearer <key>`, compared in constant time (how
+/// long a wrong key takes says nothing of the right one).
+fn bearer_matches(headers: &HeaderMap, key: &str) -> bool {
+    headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|presented| {
+            bool::from(subtle::ConstantTimeEq::ct_eq(
+                presented.as_bytes(),
+                key.as_bytes(),
+            ))
+        })
+}
+
+/// The 401 of a request without the right API key.
+fn unauthorized() -> ApiError {
+    error(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        "missing or wrong API key: send `Authorization: Bearer <key>`",
+    )
+}
+
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &state.api_key else {
         return Ok(());
     };
-    let presented = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    // Compared in constant time: how long a wrong key takes says nothing of the right one.
-    let matches = presented.is_some_and(|presented| {
-        bool::from(subtle::ConstantTimeEq::ct_eq(
-            presented.as_bytes(),
-            key.as_bytes(),
-        ))
-    });
-    if matches {
+    if bearer_matches(headers, key) {
         Ok(())
     } else {
-        Err(error(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "missing or wrong API key: send `Authorization: Bearer <key>`",
-        ))
+        Err(unauthorized())
     }
 }
 
-async fn metrics(Ready(state, _): Ready) -> Response {
+async fn metrics(Ready(state, _): Ready, headers: HeaderMap) -> Response {
+    if state.protect_metrics
+        && let Err(response) = authorize(&state, &headers)
+    {
+        return response.into_response();
+    }
     // Every replica's metrics added up, the remote replicas' asked for now.
     let replicas = state.scheduler.replica_metrics_now().await;
     let mut m = MetricsSnapshot::default();

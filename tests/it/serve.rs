@@ -413,13 +413,61 @@ fn api_key_is_required_when_set() {
             "rank {rank} got the key: {manifest}"
         );
     }
-    // A key file that is not there is bad input.
+    // As vLLM, the key guards the API, not `/metrics`.
+    assert_eq!(server.get("/metrics").0, 200);
+    drop(server);
+    // With --protect-metrics it guards `/metrics` too: on the supervised front (its own
+    // counters) and on rank 0 behind it.
+    let server = Server::start(&[
+        "--api-key-file",
+        &file,
+        "--protect-metrics",
+        "--max-restarts",
+        "1",
+    ]);
+    let (status, body) = server.get("/metrics");
+    assert_eq!(status, 401, "{body}");
+    assert!(!body.contains("infer_restarts_total"), "{body}");
+    let metrics = ureq::get(&format!("{}/metrics", server.url))
+        .header("Authorization", "Bearer s3cret")
+        .call()
+        .expect("authorized")
+        .into_body()
+        .read_to_string()
+        .expect("text");
+    assert!(
+        metrics.contains("infer_restarts_total") && metrics.contains("vllm:num_requests_running"),
+        "{metrics}"
+    );
+    // A key file that is not there is bad input, and so is --protect-metrics without a key
+    // or with an engine that would not check it.
     let output = run(&["up", "--port", "0", "--api-key-file", "/nonexistent/key"]);
     assert_eq!(output.status.code(), Some(2));
     assert!(
         String::from_utf8_lossy(&output.stderr)
             .contains("cannot read --api-key-file `/nonexistent/key`")
     );
+    for args in [
+        &["up", "--port", "0", "--protect-metrics"][..],
+        &[
+            "up",
+            "--port",
+            "0",
+            "--engine",
+            "vllm",
+            "--api-key",
+            "k",
+            "--protect-metrics",
+        ][..],
+    ] {
+        let output = run(args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&output.stderr).contains("--protect-metrics"),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
 }
 
 /// `infer bench serve` starts its own server, drives it with streaming clients and prints

@@ -67,6 +67,11 @@ fn run_engine(
             "--plan with --engine: give the layout as --tp/--pp/--dp/--ep, or use `infer plan --engine {engine} --emit DIR`"
         );
     }
+    if args.protect_metrics {
+        bail!(
+            "--protect-metrics with --engine {engine}: the engine serves /metrics without the API key (vLLM, SGLang and llama.cpp guard the API only); leave it out and keep /metrics on a trusted network"
+        );
+    }
     let pd = match (args.prefill, args.decode) {
         (Some(prefill), Some(decode)) => {
             if prefill == 0 || decode == 0 {
@@ -78,6 +83,7 @@ fn run_engine(
                 );
             }
             if args.api_key.is_some() || args.api_key_file.is_some() {
+                // (Checked before --protect-metrics, which needs a key.)
                 bail!(
                     "--api-key with --engine {engine} --prefill/--decode: the PD router in front of the workers would serve without it; leave out --api-key (and keep the router on a trusted network) or serve aggregated"
                 );

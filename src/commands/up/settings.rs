@@ -134,6 +134,7 @@ pub(super) fn up_settings(
         prefix_cache: !args.no_prefix_cache,
         kv_cache_tokens: args.kv_cache_tokens,
         api_key: api_key(args)?,
+        protect_metrics: protect_metrics(args)?,
         ssh: crate::launch::ssh::SshOptions {
             accept_new: args.ssh.ssh_accept_new,
         },
@@ -216,6 +217,18 @@ pub(super) fn model_id(path: &std::path::Path) -> String {
 /// The API key: `--api-key` (or `INFER_API_KEY`), or the first line of `--api-key-file`.
 ///
 /// Errors: the file cannot be read, or its first line is empty.
+/// `--protect-metrics`, checked: it guards `/metrics` with the API key, so it needs one.
+///
+/// Errors: `--protect-metrics` without `--api-key`, `--api-key-file` or `INFER_API_KEY`.
+pub(super) fn protect_metrics(args: &UpArgs) -> Result<bool> {
+    if args.protect_metrics && args.api_key.is_none() && args.api_key_file.is_none() {
+        bail!(
+            "--protect-metrics guards /metrics with the API key, and there is none: add --api-key-file FILE (or INFER_API_KEY, or --api-key)"
+        );
+    }
+    Ok(args.protect_metrics)
+}
+
 pub(super) fn api_key(args: &UpArgs) -> Result<Option<String>> {
     let Some(path) = &args.api_key_file else {
         return Ok(args.api_key.clone());

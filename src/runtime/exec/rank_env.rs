@@ -178,6 +178,8 @@ pub struct ServingEnv {
     /// KV-cache positions of each replica.
     pub kv_cache_tokens: usize,
     pub api_key: Option<String>,
+    /// `/metrics` requires the API key too ([`var::PROTECT_METRICS`]).
+    pub protect_metrics: bool,
     /// The first this many replicas prefill, the others decode.
     pub pd_prefill: Option<usize>,
     /// How long requests in flight may finish after SIGTERM.
@@ -434,6 +436,9 @@ impl ServingEnv {
         if let Some(key) = &self.api_key {
             env.push((var::API_KEY, key.clone()));
         }
+        if self.protect_metrics {
+            env.push((var::PROTECT_METRICS, "1".to_string()));
+        }
         if let Some(prefill) = self.pd_prefill {
             env.push((var::PD_PREFILL, prefill.to_string()));
         }
@@ -473,6 +478,7 @@ impl ServingEnv {
             model_id: required(lookup, var::MODEL_ID)?,
             kv_cache_tokens: number(lookup, var::KV_CACHE_TOKENS)?,
             api_key: lookup(var::API_KEY),
+            protect_metrics: flag(lookup, var::PROTECT_METRICS),
             pd_prefill: optional_number(lookup, var::PD_PREFILL)?,
             shutdown_timeout,
             stall_timeout,
@@ -542,6 +548,7 @@ mod tests {
                 model_id: "smollm2".into(),
                 kv_cache_tokens: 4096,
                 api_key: Some("k".into()),
+                protect_metrics: true,
                 pd_prefill: Some(1),
                 shutdown_timeout: Duration::from_millis(2500),
                 stall_timeout: Duration::from_secs(7),
