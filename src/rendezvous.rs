@@ -591,6 +591,20 @@ mod tests {
         Keyring::master(&random_token(), LAUNCHER_HOST, vec![0, 0, 1, 1])
     }
 
+    /// A store of a [`run`], and rank 0 connected to it.
+    fn store_and_rank_0() -> (StoreServer, StoreClient, Keyring) {
+        let run = run();
+        let server = StoreServer::start("127.0.0.1:0", &run).expect("server");
+        let client = StoreClient::connect(
+            &server.address().to_string(),
+            &rank_keys(&run, 0),
+            Some(0),
+            Duration::from_secs(5),
+        )
+        .expect("connect");
+        (server, client, run)
+    }
+
     /// What rank `rank`'s process holds: its host's keys.
     fn rank_keys(run: &Keyring, rank: u64) -> Keyring {
         run.for_host(run.host_of_rank(rank).expect("rank"))
@@ -702,15 +716,7 @@ mod tests {
     #[test]
     fn oversized_keys_overflowing_counters_and_endless_timeouts_are_answered() {
         let _serial = serial();
-        let run = run();
-        let server = StoreServer::start("127.0.0.1:0", &run).expect("server");
-        let mut client = StoreClient::connect(
-            &server.address().to_string(),
-            &rank_keys(&run, 0),
-            Some(0),
-            Duration::from_secs(5),
-        )
-        .expect("connect");
+        let (_server, mut client, _) = store_and_rank_0();
         let error = client
             .set(&format!("rank/0/{}", "k".repeat(MAX_KEY_BYTES - 6)), b"v")
             .expect_err("too long");
@@ -828,15 +834,7 @@ mod tests {
     #[test]
     fn an_altered_frame_is_refused() {
         let _serial = serial();
-        let run = run();
-        let server = StoreServer::start("127.0.0.1:0", &run).expect("server");
-        let mut client = StoreClient::connect(
-            &server.address().to_string(),
-            &rank_keys(&run, 0),
-            Some(0),
-            Duration::from_secs(2),
-        )
-        .expect("connect");
+        let (server, mut client, run) = store_and_rank_0();
         client.set("rank/0/a", b"1").expect("set");
         let body = serde_json::to_vec(&Request::Set {
             key: "rank/0/a".into(),
