@@ -223,7 +223,8 @@ pub(super) fn model_id(path: &std::path::Path) -> String {
 pub(super) fn protect_metrics(args: &UpArgs) -> Result<bool> {
     if args.protect_metrics && args.api_key.is_none() && args.api_key_file.is_none() {
         bail!(
-            "--protect-metrics guards /metrics with the API key, and there is none: add --api-key-file FILE (or INFER_API_KEY, or --api-key)"
+            "--protect-metrics guards /metrics with the API key, and there is none: add --api-key-file FILE (or {}, or --api-key)",
+            crate::envvars::API_KEY
         );
     }
     Ok(args.protect_metrics)
