@@ -374,7 +374,7 @@ mod tests {
             let (mut stream, _) = listener.accept().expect("accept");
             let key_for = |client: u64| {
                 accept(client)
-                    .then(|| keys.pair_key(keys.host_of_rank(client)?))
+                    .then(|| keys.pair_key_with_rank(client))
                     .flatten()
             };
             server(&mut stream, "comm/dp0/tp/0", 1, &key_for)

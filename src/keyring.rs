@@ -226,6 +226,12 @@ impl Keyring {
         }
     }
 
+    /// The pair key of this host and the host `rank` is placed on: the key of a connection
+    /// with that rank. `None`: a rank outside the world, or a store's keyring.
+    pub fn pair_key_with_rank(&self, rank: u64) -> Option<Key> {
+        self.pair_key(self.host_of_rank(rank)?)
+    }
+
     /// The key with which a process of this host proves itself to the store: `T(self.host)`.
     /// `None` for a store's keyring.
     pub fn store_key(&self) -> Option<Key> {

@@ -381,12 +381,9 @@ impl Router {
     ) -> Result<()> {
         for (offset, (address, driver)) in remotes.iter().enumerate() {
             let replica = offset + 1;
-            let key = keys
-                .host_of_rank(*driver)
-                .and_then(|host| keys.pair_key(host))
-                .with_context(|| {
-                    format!("DP replica {replica}: no key for rank {driver}'s host")
-                })?;
+            let key = keys.pair_key_with_rank(*driver).with_context(|| {
+                format!("DP replica {replica}: no key for rank {driver}'s host")
+            })?;
             let address = address.clone();
             let (stream, session) = tokio::task::spawn_blocking(move || -> Result<_> {
                 let socket: std::net::SocketAddr = address.parse().with_context(|| {
@@ -844,8 +841,7 @@ async fn accept_router(
     let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // The router is rank 0: its host's pair key with this one.
     let key = keys
-        .host_of_rank(0)
-        .and_then(|host| keys.pair_key(host))
+        .pair_key_with_rank(0)
         .context("no key for rank 0's host")?;
     loop {
         tokio::select! {

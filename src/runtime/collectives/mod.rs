@@ -93,8 +93,7 @@ impl TcpComm {
             let keys = store.keys().clone();
             // The key of the connection with the member at `peer`: the pair key of this host
             // and the host that member is placed on.
-            let key_with =
-                move |peer: usize| keys.pair_key(keys.host_of_rank(*members_owned.get(peer)?)?);
+            let key_with = move |peer: usize| keys.pair_key_with_rank(*members_owned.get(peer)?);
             // Lower positions connect to higher ones; a connection is queued by the kernel
             // even before the peer accepts, so connecting first cannot deadlock.
             for peer in position + 1..size {
@@ -722,7 +721,7 @@ pub fn tcp_stream_bytes_per_sec(
             listener.local_addr()?.to_string().as_bytes(),
         )?;
         let keys = store.keys().clone();
-        let key_with = move |_: usize| keys.pair_key(keys.host_of_rank(sender)?);
+        let key_with = move |_: usize| keys.pair_key_with_rank(sender);
         let mut socket = accept_members(&listener, Arc::new(key_with), "bench/stream", 1, timeout)?
             .pop()
             .map(|(_, socket)| socket)
@@ -745,8 +744,7 @@ pub fn tcp_stream_bytes_per_sec(
         .context("a malformed stream endpoint")?;
         let keys = store.keys();
         let key = keys
-            .host_of_rank(0)
-            .and_then(|host| keys.pair_key(host))
+            .pair_key_with_rank(0)
             .context("no key for rank 0's host")?;
         let (mut socket, _) = crate::handshake::connect(
             address,

@@ -189,7 +189,7 @@ impl Inbox {
                                 if !senders.contains(&client) {
                                     return None;
                                 }
-                                keys.pair_key(keys.host_of_rank(client)?)
+                                keys.pair_key_with_rank(client)
                             };
                             let proved =
                                 crate::handshake::server(&mut stream, CHANNEL, rank, &key_for);
@@ -609,7 +609,7 @@ impl Outbox {
                 id,
                 transfer,
                 peer: self.inboxes.get(address).and_then(|&server| {
-                    let key = self.keys.pair_key(self.keys.host_of_rank(server)?)?;
+                    let key = self.keys.pair_key_with_rank(server)?;
                     Some((key, self.rank, server))
                 }),
             };
