@@ -476,6 +476,10 @@ struct Running {
     text: String,
     first_token_at: Option<Instant>,
     last_token_at: Instant,
+    /// The event that ends the request (done, handed off, failed), kept until the
+    /// sequence has left the batch and the gauges count it out: a client that hears the
+    /// end and then scrapes `/metrics` never sees its request still running.
+    ending: Option<Event>,
 }
 
 impl Running {
@@ -529,6 +533,8 @@ fn run(
 ) -> Result<()> {
     let mut batch = Batch::new(executor, limits, metrics);
     loop {
+        // Every way through the loop comes back here, before waiting for arrivals.
+        batch.send_endings();
         if !batch.take_arrivals(executor, receiver)? {
             return Ok(());
         }
@@ -566,6 +572,7 @@ fn run(
             Err(error) => {
                 batch.fail_running(&error);
                 if executor.errors_are_fatal() {
+                    batch.send_endings();
                     return Err(error);
                 }
                 continue;
@@ -584,6 +591,9 @@ struct Batch<'a> {
     waiting: VecDeque<Running>,
     /// Sequences to drop at the next step.
     release: Vec<u64>,
+    /// The ending events of sequences that left the running batch, to send once the
+    /// running gauge counts them out ([`Batch::send_endings`]).
+    endings: Vec<(UnboundedSender<Event>, Event)>,
     /// The last sequence number given out.
     next_seq: u64,
     /// The executor's context, tokens.
@@ -610,6 +620,7 @@ impl<'a> Batch<'a> {
             running: Vec::new(),
             waiting: VecDeque::new(),
             release: Vec::new(),
+            endings: Vec::new(),
             next_seq: 0,
             max_context_tokens: executor.max_context_tokens(),
             pool,
@@ -636,6 +647,7 @@ impl<'a> Batch<'a> {
             text: String::new(),
             first_token_at: None,
             last_token_at: Instant::now(),
+            ending: None,
             request,
         };
         if let Some(PdStage::Decode {
@@ -798,6 +810,7 @@ impl<'a> Batch<'a> {
             let mut alone = self.running.pop().expect("one running");
             self.release.push(alone.seq);
             finish(&mut alone, FinishReason::Length, self.metrics);
+            self.end(alone);
             return Ok(None);
         }
         Ok(Some(free - needed))
@@ -935,9 +948,27 @@ impl<'a> Batch<'a> {
     /// Fails every running sequence with the step's `error`, releasing them at the next
     /// step.
     fn fail_running(&mut self, error: &anyhow::Error) {
-        for r in self.running.drain(..) {
-            let _ = r.request.events.send(Event::Error(format!("{error:#}")));
+        for mut r in std::mem::take(&mut self.running) {
+            r.ending = Some(Event::Error(format!("{error:#}")));
             self.release.push(r.seq);
+            self.end(r);
+        }
+    }
+
+    /// Queues the ending event of `sequence`, which has left the running batch.
+    fn end(&mut self, sequence: Running) {
+        if let Some(ending) = sequence.ending {
+            self.endings.push((sequence.request.events, ending));
+        }
+    }
+
+    /// Stores the running gauge, then sends the queued ending events.
+    fn send_endings(&mut self) {
+        self.metrics
+            .running
+            .store(self.running.len() as u64, Ordering::SeqCst);
+        for (events, ending) in self.endings.drain(..) {
+            let _ = events.send(ending);
         }
     }
 
@@ -971,7 +1002,7 @@ impl<'a> Batch<'a> {
                     self.metrics
                         .pd_transfer_failures_total
                         .fetch_add(1, Ordering::SeqCst);
-                    let _ = r.request.events.send(Event::Error(why.clone()));
+                    r.ending = Some(Event::Error(why.clone()));
                     finished.push(index);
                     continue;
                 }
@@ -1008,6 +1039,7 @@ impl<'a> Batch<'a> {
         for index in finished.into_iter().rev() {
             let done = self.running.remove(index);
             self.release.push(done.seq);
+            self.end(done);
         }
     }
 
@@ -1104,7 +1136,7 @@ fn deliver_token(r: &mut Running, sampled: &Sampled, ctx: &TokenContext) -> bool
     } else if matches!(r.request.pd, Some(PdStage::Prefill { .. })) {
         // Its KV went to the decode replica with this step: that one goes on.
         metrics.pd_handoffs_total.fetch_add(1, Ordering::SeqCst);
-        let _ = r.request.events.send(Event::HandedOff {
+        r.ending = Some(Event::HandedOff {
             first_token: token,
             cached_tokens: r.prefix_hit_tokens.unwrap_or(0),
         });
@@ -1151,12 +1183,13 @@ fn cut_at_stop(text: &str, piece: String, stop: &[String], include_stop: bool) -
     }
 }
 
-/// Tells the requester that `sequence` is done, and observes its end-to-end latency.
+/// Ends `sequence` (its ending event is sent once it has left the batch), and observes its
+/// end-to-end latency.
 fn finish(sequence: &mut Running, reason: FinishReason, metrics: &Metrics) {
     metrics
         .e2e
         .observe(sequence.request.received_at.elapsed().as_secs_f64());
-    let _ = sequence.request.events.send(Event::Done {
+    sequence.ending = Some(Event::Done {
         finish_reason: reason,
         prompt_tokens: sequence.request.prompt_tokens.len(),
         completion_tokens: sequence.generated.len(),
