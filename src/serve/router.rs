@@ -887,6 +887,8 @@ pub(crate) async fn serve_remote(
     scheduler: Scheduler,
 ) -> Result<()> {
     let (stream, session) = accept_router(&listener, keys, replica).await?;
+    // The router has proved itself: nobody else is let in, nor left waiting in the backlog.
+    drop(listener);
     stream.set_nodelay(true)?;
     let (reader, mut writer) = stream.into_split();
     let (mut sealer, opener) = session.split();

@@ -58,8 +58,13 @@ fn generation_over_two_hosts_gives_the_single_process_tokens() {
     let reference = tokens_of(&generate(None, &prompt));
     for layout in [&["--pp", "2"][..], &["--tp", "3", "--pp", "2"][..]] {
         let args: Vec<&str> = prompt.iter().chain(layout).copied().collect();
+        // A stranger on h1 races the run for every port h1's ranks listen on while their
+        // groups form: it takes no slot, and the tokens are the single process's.
+        let racer = cluster.racer(1);
         let output = generate(Some(&cluster.inventory), &args);
+        let reached = racer.stop();
         assert_eq!(tokens_of(&output), reference, "{layout:?}");
+        assert!(!reached.is_empty(), "the racer reached no port of h1");
         // Each host's ranks got that host's own data interface, and MASTER_ADDR is rank
         // 0's host on the data network.
         let manifest = run_manifest(&stderr(&output));
@@ -735,7 +740,14 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
     drop(taken);
     // Served beyond loopback (the launcher forwards to rank 0, which listens on h0's
     // loopback): a request naming the server's public name is answered.
+    // A stranger on h1 races the run for the port replica 1's rank listens on for its
+    // router link: it takes no slot, and both replicas serve.
+    let racer = cluster.racer(1);
     let mut server = Server::start(&["--cluster", &inventory, "--dp", "2", "--host", "0.0.0.0"]);
+    // Replica 1 stops listening once the router has proved itself: the stranger reached
+    // its router link while that was being set up.
+    let reached = racer.stop();
+    assert!(!reached.is_empty(), "the racer reached no port of h1");
     let ranks = server.rank_pids();
     assert_eq!(ranks.len(), 2, "{}", server.startup);
     {

@@ -234,6 +234,73 @@ time.sleep(600)
         Strangers(child)
     }
 
+    /// Starts, in host `host`'s namespace, a stranger to the run (a local process holding no
+    /// key) that races the run for every port the host starts listening on (at its data
+    /// address or every address; sshd's port aside), as soon as the kernel lists it: to each
+    /// it opens 8 idle connections, one of garbage, one hello of our handshake claiming a
+    /// 64 KiB channel and one 4 GiB length prefix, and holds them until [`Racer::stop`].
+    /// Until it has reached a first port, connections arriving at the host's data interface
+    /// are held back (their SYNs dropped: the kernel retries after a second), so the
+    /// stranger is first at a listener whose peer would otherwise connect at once.
+    pub fn racer(&self, host: usize) -> Racer {
+        const SCRIPT: &str = r#"
+import socket, subprocess, sys, time
+address, nic = sys.argv[1], sys.argv[2]
+payloads = [None] * 8 + [b"\xff" * 64, b"infer\x00h1" + (65535).to_bytes(2, "little"), (2**32 - 1).to_bytes(4, "little")]
+hold = ["INPUT", "-i", nic, "-p", "tcp", "--syn", "-j", "DROP"]
+subprocess.run(["iptables", "-I"] + hold, check=True)
+holding = True
+mine = socket.inet_aton(address)[::-1].hex().upper()
+seen, held = set(), []
+print("ready", flush=True)
+while True:
+    with open("/proc/net/tcp") as table:
+        rows = table.read().splitlines()[1:]
+    for row in rows:
+        local, state = row.split()[1], row.split()[3]
+        host, port = local.split(":")
+        port = int(port, 16)
+        if state != "0A" or port == 22 or port in seen or host not in (mine, "00000000"):
+            continue
+        seen.add(port)
+        try:
+            for payload in payloads:
+                s = socket.create_connection((address, port), timeout=1)
+                if payload:
+                    s.sendall(payload)
+                held.append(s)
+            print("reached", port, flush=True)
+            if holding:
+                subprocess.run(["iptables", "-D"] + hold, check=True)
+                holding = False
+        except OSError:
+            pass
+    time.sleep(0.001)
+"#;
+        let namespace = &self.hosts[host].namespace;
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", namespace, "python3", "-c", SCRIPT])
+            .args([&self.hosts[host].data, &self.hosts[host].data_nic])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3 in the host's namespace");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = std::io::BufReader::new(stdout);
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut lines, &mut line).expect("the racer's line");
+        assert_eq!(
+            line.trim(),
+            "ready",
+            "the racer could not start (iptables?)"
+        );
+        Racer {
+            child,
+            lines,
+            namespace: namespace.clone(),
+            nic: self.hosts[host].data_nic.clone(),
+        }
+    }
+
     /// Trusts every host's key in the inventory's `known_hosts`, as a user would have.
     pub fn trust_hosts(&self) {
         let listing = std::fs::read_to_string(self.dir.join("hosts.txt")).expect("hosts.txt");
@@ -328,6 +395,53 @@ impl Drop for TestCluster {
 
 /// Strangers holding connections ([`TestCluster::strangers`]); dropping it kills them.
 pub struct Strangers(std::process::Child);
+
+/// A stranger racing a host's new ports ([`TestCluster::racer`]).
+pub struct Racer {
+    child: std::process::Child,
+    lines: std::io::BufReader<std::process::ChildStdout>,
+    namespace: String,
+    nic: String,
+}
+
+impl Racer {
+    /// Stops the stranger (and lets connections in, if it reached no port) and returns the
+    /// ports it reached (connected to and held).
+    pub fn stop(mut self) -> Vec<u16> {
+        self.kill();
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut self.lines, &mut rest);
+        rest.lines()
+            .filter_map(|line| line.strip_prefix("reached ")?.parse().ok())
+            .collect()
+    }
+}
+
+impl Racer {
+    /// Kills the stranger and deletes the rule holding connections back, if it is left.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.namespace,
+                "iptables",
+                "-D",
+                "INPUT",
+                "-i",
+            ])
+            .args([&self.nic, "-p", "tcp", "--syn", "-j", "DROP"])
+            .output();
+    }
+}
+
+impl Drop for Racer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
 
 impl Drop for Strangers {
     fn drop(&mut self) {
