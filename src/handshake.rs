@@ -22,7 +22,7 @@
 //! with what it carries.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{IpAddr, TcpStream};
 use std::time::Duration;
 
 use anyhow::{Result, anyhow, bail};
@@ -170,22 +170,25 @@ pub fn server(
     ))
 }
 
-/// Connects to `address` and proves `claim` ([`client`]), retrying both until `timeout`:
-/// a listener that is busy with strangers closes new connections at once, and frees a slot
+/// Connects to `address` from `source` (this host's data address, when the run knows it:
+/// the server checks that a peer comes from its host's, see [`check_source`]; `None` lets
+/// routing pick) and proves `claim` ([`client`]), retrying both until `timeout`: a
+/// listener that is busy with strangers closes new connections at once, and frees a slot
 /// within [`HELLO_TIMEOUT`]. Returns the connection, its read timeout cleared, and its
 /// [`Session`].
 ///
-/// Errors: the last failure at `timeout` (unreachable, refused, or a peer that does not
-/// prove the key).
+/// Errors: the last failure at `timeout` (unreachable, refused, `source` not an address of
+/// this host, or a peer that does not prove the key).
 pub fn connect(
     address: std::net::SocketAddr,
+    source: Option<IpAddr>,
     key: &Key,
     claim: Claim,
     timeout: Duration,
 ) -> Result<(TcpStream, Session)> {
     let deadline = std::time::Instant::now() + timeout;
     loop {
-        let attempt = TcpStream::connect_timeout(&address, Duration::from_secs(1))
+        let attempt = open(address, source)
             .map_err(anyhow::Error::from)
             .and_then(|mut stream| client(&mut stream, key, claim).map(|s| (stream, s)));
         match attempt {
@@ -199,6 +202,41 @@ pub fn connect(
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     }
+}
+
+/// A TCP connection to `address`, bound to `source` first when given (so that it leaves
+/// from that address on a host with several), within a second.
+///
+/// Errors: `source` cannot be bound (not this host's), the connection fails.
+fn open(address: std::net::SocketAddr, source: Option<IpAddr>) -> std::io::Result<TcpStream> {
+    let Some(source) = source else {
+        return TcpStream::connect_timeout(&address, Duration::from_secs(1));
+    };
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(address),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    socket.bind(&std::net::SocketAddr::new(source, 0).into())?;
+    socket.connect_timeout(&address.into(), Duration::from_secs(1))?;
+    Ok(socket.into())
+}
+
+/// Checks that `stream`'s peer, which has proved itself as a process of some host, comes
+/// from that host's data address (`expected`, from the run's keys; `None` where the run
+/// does not know it: one host, `--nnodes` nodes): a key that leaked from its host is no
+/// use elsewhere. Peers bind their connections to that address ([`connect`]).
+///
+/// Errors: the peer's address is unknown, or not `expected`.
+pub fn check_source(stream: &TcpStream, expected: Option<IpAddr>) -> Result<()> {
+    let Some(expected) = expected else {
+        return Ok(());
+    };
+    let peer = stream.peer_addr()?.ip();
+    if peer != expected {
+        bail!("a peer proved the key of the host at {expected} but connected from {peer}");
+    }
+    Ok(())
 }
 
 /// Fills `buffer` from `stream` by `deadline`.
@@ -414,6 +452,55 @@ mod tests {
         // An altered frame is refused.
         let tag = client_sealer.seal(b"set job");
         assert!(server_opener.open(b"set bob", &tag).is_err(), "altered");
+    }
+
+    #[test]
+    fn a_peer_is_accepted_only_from_its_hosts_address() {
+        // Host 0 at 127.0.0.2, host 1 (the server) at 127.0.0.1: every 127/8 address is
+        // this machine's, so a connection can leave from either.
+        let addresses: Vec<IpAddr> = vec![[127, 0, 0, 2].into(), [127, 0, 0, 1].into()];
+        let keys = run("s3cret").with_addresses(addresses.clone());
+        let (server_keys, client_keys) = (
+            keys.for_host(1).expect("host 1"),
+            keys.for_host(0).expect("host 0"),
+        );
+        assert_eq!(client_keys.own_address(), Some(addresses[0]));
+        assert_eq!(server_keys.address_of_rank(0), Some(addresses[0]));
+        // The addresses travel with a host's keys.
+        let read = Keyring::from_text(&client_keys.to_text().expect("text")).expect("read");
+        assert_eq!(read.own_address(), Some(addresses[0]));
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let address = listener.local_addr().expect("address");
+        let server_side = std::thread::spawn(move || {
+            (0..2)
+                .map(|_| {
+                    let (mut stream, _) = listener.accept().expect("accept");
+                    let key_for = |client: u64| server_keys.pair_key_with_rank(client);
+                    let (client, _) = server(&mut stream, "comm/dp0/tp/0", 1, &key_for)?;
+                    check_source(&stream, server_keys.address_of_rank(client))?;
+                    Ok(stream.peer_addr()?.ip())
+                })
+                .collect::<Vec<Result<IpAddr>>>()
+        });
+        let key = client_keys.pair_key(1).expect("key");
+        // From its host's address: accepted. From another (the key taken elsewhere): the
+        // handshake succeeds, and the source check refuses the connection.
+        for source in [client_keys.own_address(), Some(addresses[1])] {
+            let (stream, _) =
+                connect(address, source, &key, CLAIM, Duration::from_secs(5)).expect("connect");
+            assert_eq!(Some(stream.local_addr().expect("local").ip()), source);
+        }
+        let results = server_side.join().expect("server");
+        assert_eq!(results[0].as_ref().expect("accepted"), &addresses[0]);
+        let refused = format!("{:#}", results[1].as_ref().expect_err("refused"));
+        assert!(
+            refused.contains("host at 127.0.0.2 but connected from 127.0.0.1"),
+            "{refused}"
+        );
+        // Where the run knows no address (one host, `--nnodes`), nothing is checked.
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let stream = TcpStream::connect(listener.local_addr().expect("address")).expect("connect");
+        check_source(&stream, None).expect("no address to check");
     }
 
     #[test]

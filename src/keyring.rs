@@ -17,6 +17,8 @@
 //! launcher derives keys (`--nnodes`, every node given the same `INFER_RUN_TOKEN`), every
 //! process holds the secret itself and no host is kept from acting as another.
 
+use std::net::IpAddr;
+
 use anyhow::{Context, Result, bail};
 use hmac::{KeyInit, Mac};
 use serde::{Deserialize, Serialize};
@@ -74,6 +76,9 @@ pub struct Keyring {
     rank_hosts: Vec<u32>,
     /// Hosts of the run (those without ranks included: an agent that only watches).
     hosts: u32,
+    /// `addresses[host]`: each host's data address, where the launcher knows them (a
+    /// cluster run; empty otherwise). A peer that proves a host's key must come from it.
+    addresses: Vec<IpAddr>,
     secrets: Secrets,
 }
 
@@ -104,6 +109,8 @@ struct Wire {
     host: u32,
     rank_hosts: Vec<u32>,
     hosts: u32,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    addresses: Vec<IpAddr>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     store: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -142,8 +149,29 @@ impl Keyring {
             host,
             rank_hosts,
             hosts,
+            addresses: Vec::new(),
             secrets: Secrets::Master(secret.as_bytes().to_vec()),
         }
+    }
+
+    /// The same keyring with each host's data address (`addresses[host]`), which every
+    /// keyring derived from it carries: connections then leave from their host's address,
+    /// and a peer is accepted only from the address of the host whose key it proved.
+    pub fn with_addresses(mut self, addresses: Vec<IpAddr>) -> Keyring {
+        self.addresses = addresses;
+        self
+    }
+
+    /// The data address of the host `rank` is placed on, where the run knows it.
+    pub fn address_of_rank(&self, rank: u64) -> Option<IpAddr> {
+        self.addresses
+            .get(self.host_of_rank(rank)? as usize)
+            .copied()
+    }
+
+    /// This host's data address, where the run knows it: where its connections leave from.
+    pub fn own_address(&self) -> Option<IpAddr> {
+        self.addresses.get(self.host as usize).copied()
     }
 
     /// The same keyring for a run of at least `hosts` hosts (some may run no rank).
@@ -190,6 +218,7 @@ impl Keyring {
             host,
             rank_hosts: self.rank_hosts.clone(),
             hosts: self.hosts,
+            addresses: self.addresses.clone(),
             secrets: Secrets::Host {
                 store: store(secret, host),
                 pairs: (0..self.host_count())
@@ -209,6 +238,7 @@ impl Keyring {
             host: self.host,
             rank_hosts: self.rank_hosts.clone(),
             hosts: self.hosts,
+            addresses: self.addresses.clone(),
             secrets: Secrets::Store {
                 hosts: (0..self.host_count()).map(|h| store(secret, h)).collect(),
                 launcher: store(secret, LAUNCHER_HOST),
@@ -265,6 +295,7 @@ impl Keyring {
             host: self.host,
             rank_hosts: self.rank_hosts.clone(),
             hosts: self.hosts,
+            addresses: self.addresses.clone(),
             store: None,
             pairs: Vec::new(),
             store_hosts: Vec::new(),
@@ -309,6 +340,7 @@ impl Keyring {
             host: wire.host,
             rank_hosts: wire.rank_hosts,
             hosts: wire.hosts,
+            addresses: wire.addresses,
             secrets,
         })
     }

@@ -428,8 +428,10 @@ impl StoreClient {
             None => agent_identity(keys.host()),
         };
         // Retried until `timeout`: the store may not be up yet, or busy with strangers.
+        // The store may be reached over the management network: routing picks the source.
         let (stream, session) = crate::handshake::connect(
             address,
+            None,
             &key,
             crate::handshake::Claim {
                 channel: CHANNEL,

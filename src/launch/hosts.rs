@@ -190,7 +190,8 @@ impl ClusterHosts {
             crate::keyring::LAUNCHER_HOST,
             self.rank_hosts.iter().map(|&h| h as u32).collect(),
         )
-        .with_hosts(self.remote.hosts.len());
+        .with_hosts(self.remote.hosts.len())
+        .with_addresses(self.data.iter().map(|d| d.address.into()).collect());
         let store_host = self.rank0_host;
         let (ranks_address, launcher_address) = self.remote.host_store(
             store_host,

@@ -236,7 +236,13 @@ fn probe_network(
         crate::keyring::LAUNCHER_HOST,
         (0..data.len() as u32).collect(),
     )
-    .with_hosts(remote.hosts.len());
+    .with_hosts(remote.hosts.len())
+    .with_addresses(
+        data.iter()
+            .map(|(_, address)| address.parse())
+            .collect::<Result<_, _>>()
+            .unwrap_or_default(),
+    );
     let (store, store_here) = remote.host_store(0, &format!("{}:0", data[0].1), &keys)?;
     let mut store_cells = vec![None];
     for (position, (_, address)) in data.iter().enumerate().skip(1) {

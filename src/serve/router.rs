@@ -384,13 +384,14 @@ impl Router {
             let key = keys.pair_key_with_rank(*driver).with_context(|| {
                 format!("DP replica {replica}: no key for rank {driver}'s host")
             })?;
-            let address = address.clone();
+            let (address, source) = (address.clone(), keys.own_address());
             let (stream, session) = tokio::task::spawn_blocking(move || -> Result<_> {
                 let socket: std::net::SocketAddr = address.parse().with_context(|| {
                     format!("DP replica {replica}: a malformed address `{address}`")
                 })?;
                 let (stream, session) = crate::handshake::connect(
                     socket,
+                    source,
                     &key,
                     crate::handshake::Claim {
                         channel: CHANNEL,
@@ -843,6 +844,8 @@ async fn accept_router(
     let key = keys
         .pair_key_with_rank(0)
         .context("no key for rank 0's host")?;
+    // ... connecting from its host's address.
+    let router_address = keys.address_of_rank(0);
     loop {
         tokio::select! {
             Some((stream, session)) = arrivals.recv() => {
@@ -860,7 +863,9 @@ async fn accept_router(
                 let (key, proved, counter) = (key.clone(), proved.clone(), Arc::clone(&pending));
                 tokio::task::spawn_blocking(move || {
                     let accepted = match stream.set_nonblocking(false) {
-                        Ok(()) => crate::handshake::server(&mut stream, CHANNEL, replica as u64, &|router| (router == 0).then(|| key.clone())).ok(),
+                        Ok(()) => crate::handshake::server(&mut stream, CHANNEL, replica as u64, &|router| (router == 0).then(|| key.clone()))
+                            .and_then(|proved| crate::handshake::check_source(&stream, router_address).map(|()| proved))
+                            .ok(),
                         Err(_) => None,
                     };
                     counter.fetch_sub(1, Ordering::SeqCst);

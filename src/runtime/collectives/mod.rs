@@ -11,7 +11,7 @@ pub mod shm;
 pub mod waits;
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -91,9 +91,10 @@ impl TcpComm {
                 address.to_string().as_bytes(),
             )?;
             let keys = store.keys().clone();
-            // The key of the connection with the member at `peer`: the pair key of this host
-            // and the host that member is placed on.
-            let key_with = move |peer: usize| keys.pair_key_with_rank(*members_owned.get(peer)?);
+            let source = keys.own_address();
+            // The key of the connection with the member at `peer` (the pair key of this host
+            // and the host that member is placed on) and that host's address.
+            let member = move |peer: usize| member_of(&keys, *members_owned.get(peer)?);
             // Lower positions connect to higher ones; a connection is queued by the kernel
             // even before the peer accepts, so connecting first cannot deadlock.
             for peer in position + 1..size {
@@ -112,11 +113,12 @@ impl TcpComm {
                     String::from_utf8(peer_address)?
                         .parse()
                         .with_context(|| format!("group `{group}`: a malformed endpoint"))?;
-                let key = key_with(peer).with_context(|| {
+                let (key, _) = member(peer).with_context(|| {
                     format!("group `{group}`: no key for rank {}'s host", members[peer])
                 })?;
                 let (stream, _) = crate::handshake::connect(
                     peer_address,
+                    source,
                     &key,
                     crate::handshake::Claim {
                         channel: &channel,
@@ -135,7 +137,7 @@ impl TcpComm {
                 readers[peer] = Some(reader);
                 writers[peer] = Some(writer);
             }
-            let lower = accept_members(&listener, Arc::new(key_with), &channel, position, timeout)
+            let lower = accept_members(&listener, Arc::new(member), &channel, position, timeout)
                 .with_context(|| {
                     format!(
                         "group `{group}`: lower-ranked peers did not connect within {timeout:?}"
@@ -330,15 +332,29 @@ fn read_frame_into(stream: &mut TcpStream, buffer: &mut [u8]) -> std::io::Result
 /// is dropped after [`crate::handshake::HELLO_TIMEOUT`]).
 const MAX_PENDING_HANDSHAKES: usize = 64;
 
+/// What [`accept_members`] knows of the member at a position: the key of the connection
+/// with it, and the data address of its host where the run knows it.
+type MemberOf = Arc<dyn Fn(usize) -> Option<(crate::keyring::Key, Option<IpAddr>)> + Send + Sync>;
+
+/// The key of the connection with `rank` (the pair key of this host and that rank's) and
+/// the address that rank's host connects from, as `keys` hold them.
+fn member_of(
+    keys: &crate::keyring::Keyring,
+    rank: u64,
+) -> Option<(crate::keyring::Key, Option<IpAddr>)> {
+    Some((keys.pair_key_with_rank(rank)?, keys.address_of_rank(rank)))
+}
+
 /// Accepts on `listener` until every position below `position` has connected and proved
-/// itself on `channel` with the key `key_with` gives for that position (each handshake on a
-/// thread of its own, so garbage or an idle stranger holds no slot and delays no member),
-/// within `timeout`. Returns each position with its connection.
+/// itself on `channel` with the key `member_of` gives for that position, from its host's
+/// address (each handshake on a thread of its own, so garbage or an idle stranger holds no
+/// slot and delays no member), within `timeout`. Returns each position with its
+/// connection.
 ///
 /// Errors: a position missing at `timeout`; the listener fails.
 fn accept_members(
     listener: &TcpListener,
-    key_with: Arc<dyn Fn(usize) -> Option<crate::keyring::Key> + Send + Sync>,
+    member_of: MemberOf,
     channel: &str,
     position: usize,
     timeout: Duration,
@@ -366,8 +382,8 @@ fn accept_members(
                     pending.fetch_sub(1, Ordering::SeqCst);
                     continue;
                 }
-                let (key_with, channel, proved, counter) = (
-                    Arc::clone(&key_with),
+                let (member_of, channel, proved, counter) = (
+                    Arc::clone(&member_of),
                     channel.to_string(),
                     proved.clone(),
                     Arc::clone(&pending),
@@ -376,21 +392,33 @@ fn accept_members(
                     .name("comm-handshake".into())
                     .spawn(move || {
                         let mut stream = stream;
-                        let accepted = stream.set_nonblocking(false).is_ok()
-                            && crate::handshake::server(
-                                &mut stream,
-                                &channel,
-                                position as u64,
-                                &|peer| {
-                                    let peer = usize::try_from(peer).ok()?;
-                                    if peer < position {
-                                        key_with(peer)
-                                    } else {
-                                        None
-                                    }
-                                },
-                            )
-                            .is_ok_and(|(peer, _)| proved.send((peer as usize, stream)).is_ok());
+                        let member = |peer: u64| {
+                            let peer = usize::try_from(peer).ok()?;
+                            if peer < position {
+                                member_of(peer)
+                            } else {
+                                None
+                            }
+                        };
+                        let proved_as = stream
+                            .set_nonblocking(false)
+                            .ok()
+                            .and_then(|()| {
+                                crate::handshake::server(
+                                    &mut stream,
+                                    &channel,
+                                    position as u64,
+                                    &|peer| member(peer).map(|(key, _)| key),
+                                )
+                                .ok()
+                            })
+                            .map(|(peer, _)| peer)
+                            .filter(|&peer| {
+                                let expected = member(peer).and_then(|(_, address)| address);
+                                crate::handshake::check_source(&stream, expected).is_ok()
+                            });
+                        let accepted = proved_as
+                            .is_some_and(|peer| proved.send((peer as usize, stream)).is_ok());
                         counter.fetch_sub(1, Ordering::SeqCst);
                         accepted
                     });
@@ -721,8 +749,8 @@ pub fn tcp_stream_bytes_per_sec(
             listener.local_addr()?.to_string().as_bytes(),
         )?;
         let keys = store.keys().clone();
-        let key_with = move |_: usize| keys.pair_key_with_rank(sender);
-        let mut socket = accept_members(&listener, Arc::new(key_with), "bench/stream", 1, timeout)?
+        let member = move |_: usize| member_of(&keys, sender);
+        let mut socket = accept_members(&listener, Arc::new(member), "bench/stream", 1, timeout)?
             .pop()
             .map(|(_, socket)| socket)
             .context("the sender never connected")?;
@@ -748,6 +776,7 @@ pub fn tcp_stream_bytes_per_sec(
             .context("no key for rank 0's host")?;
         let (mut socket, _) = crate::handshake::connect(
             address,
+            keys.own_address(),
             &key,
             crate::handshake::Claim {
                 channel: "bench/stream",

@@ -191,8 +191,13 @@ impl Inbox {
                                 }
                                 keys.pair_key_with_rank(client)
                             };
+                            // ... and comes from its host's address.
                             let proved =
-                                crate::handshake::server(&mut stream, CHANNEL, rank, &key_for);
+                                crate::handshake::server(&mut stream, CHANNEL, rank, &key_for)
+                                    .and_then(|(client, _)| {
+                                        let expected = keys.address_of_rank(client);
+                                        crate::handshake::check_source(&stream, expected)
+                                    });
                             counter.fetch_sub(1, Ordering::SeqCst);
                             // A peer that breaks the protocol or goes away only loses its
                             // connection; what it delivered stays.
@@ -453,8 +458,17 @@ struct Job {
     peer: Option<PeerKey>,
 }
 
-/// The key of a connection to an inbox, this rank, and the inbox's rank.
-type PeerKey = (Key, u64, u64);
+/// How this rank proves itself to an inbox.
+struct PeerKey {
+    /// The key of the connection: the pair key of this host and the inbox's.
+    key: Key,
+    /// This rank.
+    client: u64,
+    /// The inbox's rank.
+    server: u64,
+    /// This host's data address, where the run knows it: the connection leaves from it.
+    source: Option<std::net::IpAddr>,
+}
 
 /// Checks that `parts` (an [`Inbox::take`]'s) carry the KV of `prompt`: each part's tokens
 /// are the prompt's at its positions, and its prompt is as long. A transfer forged or mixed
@@ -609,8 +623,12 @@ impl Outbox {
                 id,
                 transfer,
                 peer: self.inboxes.get(address).and_then(|&server| {
-                    let key = self.keys.pair_key_with_rank(server)?;
-                    Some((key, self.rank, server))
+                    Some(PeerKey {
+                        key: self.keys.pair_key_with_rank(server)?,
+                        client: self.rank,
+                        server,
+                        source: self.keys.own_address(),
+                    })
                 }),
             };
             sent &= self
@@ -728,17 +746,17 @@ fn map_own_segment(path: &std::path::Path) -> Result<MmapMut> {
 ///
 /// Errors: the address is not one, the inbox cannot be reached or does not answer.
 fn connect(address: &str, peer: &PeerKey, local: bool, ring_bytes: usize) -> Result<Peer> {
-    let (key, client, server) = peer;
     let socket: SocketAddr = address
         .parse()
         .with_context(|| format!("`{address}` is not an inbox address"))?;
     let (stream, _) = crate::handshake::connect(
         socket,
-        key,
+        peer.source,
+        &peer.key,
         crate::handshake::Claim {
             channel: CHANNEL,
-            client: *client,
-            server: *server,
+            client: peer.client,
+            server: peer.server,
         },
         SEND_TIMEOUT,
     )
