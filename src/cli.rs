@@ -730,7 +730,7 @@ pub struct UpArgs {
     /// Longest prompt plus completion a request may take, in tokens (default: the model's
     /// context; at most that).
     #[arg(long, value_name = "TOKENS")]
-    pub max_model_len: Option<usize>,
+    pub max_model_len: Option<u64>,
 
     /// After Ctrl-C or SIGTERM, seconds the requests in flight get to finish before they
     /// are cancelled (new ones are refused at once); a second Ctrl-C stops at once.

@@ -132,7 +132,7 @@ fn run_engine(
         engine_bin: args.engine_bin.clone(),
         pins: args.degrees.pins(),
         pd,
-        max_model_len_tokens: args.max_model_len.map(|n| n as u64),
+        max_model_len_tokens: args.max_model_len,
         ssh: crate::launch::ssh::SshOptions {
             accept_new: args.ssh.ssh_accept_new,
         },

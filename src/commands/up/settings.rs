@@ -87,7 +87,7 @@ pub(super) fn check_model_flags(
 ) -> Result<()> {
     if let Some(len) = args.max_model_len {
         let context = model::spec_of(source)?.max_position_embeddings;
-        if len == 0 || len as u64 > context {
+        if len == 0 || len > context {
             bail!(
                 "--max-model-len must be 1 to the model's context of {context} tokens, got {len}"
             );
@@ -111,7 +111,12 @@ pub(super) fn up_settings(
 ) -> Result<UpSettings> {
     Ok(UpSettings {
         model_id: served_model_id(args, &source),
-        max_model_len: args.max_model_len,
+        // Checked against the model's context, which a token index (`usize`) reaches.
+        max_model_len: args
+            .max_model_len
+            .map(usize::try_from)
+            .transpose()
+            .context("--max-model-len is larger than this machine can index")?,
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         stall_timeout: stall_timeout(args.stall_timeout)?,
         max_restarts: args.max_restarts,
