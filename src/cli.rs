@@ -124,10 +124,8 @@ pub struct SmokeArgs {
 /// `infer generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// A `.gguf` file or a Hugging Face model directory. Default: the embedded
-    /// SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
-    #[arg(long, short = 'm', value_name = "M")]
-    pub model: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Where the model runs: `cpu` (the quantized CPU kernels) or `cuda`.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
@@ -184,31 +182,13 @@ pub struct GenerateArgs {
     #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
     pub numerics: NumericsArg,
 
-    /// Tensor-parallel degree: this many `infer rank` processes share each layer.
-    #[arg(
-        long,
-        visible_alias = "tensor-parallel-size",
-        value_name = "N",
-        default_value_t = 1
-    )]
-    pub tp: usize,
-
-    /// Pipeline-parallel degree: the layers are split over this many stages of processes.
-    #[arg(
-        long,
-        visible_alias = "pipeline-parallel-size",
-        value_name = "N",
-        default_value_t = 1
-    )]
-    pub pp: usize,
+    #[command(flatten)]
+    pub stages: StageArgs,
 
     /// Run the ranks on the hosts of this inventory (`hosts.toml`) over SSH: TP groups
     /// inside a host, PP stages across hosts.
     #[arg(long, value_name = "HOSTS_TOML")]
     pub cluster: Option<PathBuf>,
-
-    #[command(flatten)]
-    pub load: LoadArgs,
 
     #[command(flatten)]
     pub ssh: SshArgs,
@@ -290,12 +270,9 @@ pub struct BenchServeArgs {
     /// throughput, logits differ in the last bits).
     #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
     pub numerics: NumericsArg,
-    /// Tensor-parallel degree of the server (`infer up --tp`). Default: 1, or the plan's.
-    #[arg(long, value_name = "N")]
-    pub tp: Option<usize>,
-    /// Pipeline-parallel degree of the server (`infer up --pp`). Default: 1, or the plan's.
-    #[arg(long, value_name = "N")]
-    pub pp: Option<usize>,
+    /// The server's degrees (`infer up --tp/--pp`; with `--plan`, the plan's).
+    #[command(flatten)]
+    pub stages: StageArgs,
     /// What the streams send: `chat` (short prompts), `mixed` (short prompts, and every
     /// eighth request a ~2k-token prompt) or `shared-prefix` (one ~500-token system text
     /// before every question, as with a long system prompt).
@@ -355,7 +332,48 @@ pub struct BenchAllreduceWorkerArgs {
     pub max_bytes: usize,
 }
 
-/// How a model's weights are loaded (`generate`, `bench decode`): vLLM's `--load-format`.
+/// The model a command runs and how its weights load (`generate`, `up`, `bench decode`).
+#[derive(Debug, Args, Clone, Default)]
+pub struct ModelArgs {
+    /// A `.gguf` file or a Hugging Face model directory. Default: the embedded
+    /// SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
+    #[arg(long = "model", short = 'm', id = "model", value_name = "M")]
+    pub path: Option<String>,
+    #[command(flatten)]
+    pub load: LoadArgs,
+}
+
+/// The tensor- and pipeline-parallel degrees of a command that runs ranks without data
+/// parallelism (`generate`, `bench serve`); vLLM's long names are aliases. Default 1 each.
+#[derive(Args, Clone, Copy, Debug, Default)]
+pub struct StageArgs {
+    /// Tensor-parallel degree: this many `infer rank` processes share each layer (default 1;
+    /// `bench serve --plan`: the plan's).
+    #[arg(long, visible_alias = "tensor-parallel-size", value_name = "N")]
+    pub tp: Option<usize>,
+    /// Pipeline-parallel degree: the layers are split over this many stages of processes
+    /// (default 1; `bench serve --plan`: the plan's).
+    #[arg(long, visible_alias = "pipeline-parallel-size", value_name = "N")]
+    pub pp: Option<usize>,
+}
+
+impl StageArgs {
+    /// The degrees given, 1 where not given (and DP, EP 1). Errors: a degree of 0.
+    pub fn degrees(&self) -> anyhow::Result<crate::degrees::Degrees> {
+        for (flag, value) in [("--tp", self.tp), ("--pp", self.pp)] {
+            if value == Some(0) {
+                anyhow::bail!("{flag} must be at least 1");
+            }
+        }
+        Ok(crate::degrees::Degrees {
+            tp: self.tp.unwrap_or(1),
+            pp: self.pp.unwrap_or(1),
+            ..crate::degrees::Degrees::ONE
+        })
+    }
+}
+
+/// How a model's weights are loaded: vLLM's `--load-format`.
 #[derive(Debug, Args, Clone, Default)]
 pub struct LoadArgs {
     /// `auto`: read the weights from `--model`; `dummy`: random weights of `--model`'s shape
@@ -409,9 +427,8 @@ impl From<DummyDtypeArg> for crate::runtime::model::dummy::DummyDtype {
 /// `infer bench decode`.
 #[derive(Debug, Args)]
 pub struct BenchDecodeArgs {
-    /// A `.gguf` file or model directory. Default: the embedded SmolLM2 model.
-    #[arg(long, value_name = "M")]
-    pub model: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Where the model runs: `cpu` (the quantized CPU kernels) or `cuda`.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
@@ -440,8 +457,6 @@ pub struct BenchDecodeArgs {
     /// instead of the table: what `infer plan --calibration` reads.
     #[arg(long)]
     pub json: bool,
-    #[command(flatten)]
-    pub load: LoadArgs,
 }
 
 /// `infer topo`.
@@ -718,10 +733,8 @@ pub struct DoctorArgs {
 /// `infer up`.
 #[derive(Debug, Args)]
 pub struct UpArgs {
-    /// A `.gguf` file or a Hugging Face model directory. Default: the embedded
-    /// SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache on first use).
-    #[arg(long, short = 'm', value_name = "M")]
-    pub model: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
 
     /// The model id `/v1/models` lists and requests name (default: the file's stem).
     #[arg(long, value_name = "NAME")]
@@ -877,9 +890,6 @@ pub struct UpArgs {
     /// listen. Default: the address this host reaches `--master-addr` from.
     #[arg(long, value_name = "ADDR", requires = "nnodes")]
     pub bind_addr: Option<std::net::IpAddr>,
-
-    #[command(flatten)]
-    pub load: LoadArgs,
 
     #[command(flatten)]
     pub ssh: SshArgs,

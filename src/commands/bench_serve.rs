@@ -117,7 +117,10 @@ fn plan_settings(args: &BenchServeArgs, plan: &Plan) -> Result<(ServeBench, Vec<
         );
     }
     let degrees = plan.parallel.degrees();
-    for (flag, given, planned) in [("--tp", args.tp, degrees.tp), ("--pp", args.pp, degrees.pp)] {
+    for (flag, given, planned) in [
+        ("--tp", args.stages.tp, degrees.tp),
+        ("--pp", args.stages.pp, degrees.pp),
+    ] {
         if given.is_some_and(|given| given != planned) {
             bail!(
                 "{flag} {} conflicts with the plan's layout {}: leave {flag} out with --plan",
@@ -212,11 +215,7 @@ fn settings(args: &BenchServeArgs) -> Result<ServeBench> {
     }
     Ok(ServeBench {
         concurrency,
-        degrees: Degrees {
-            tp: args.tp.unwrap_or(1),
-            pp: args.pp.unwrap_or(1),
-            ..Degrees::ONE
-        },
+        degrees: args.stages.degrees()?,
         ..common_settings(args)?
     })
 }
@@ -227,8 +226,8 @@ fn common_settings(args: &BenchServeArgs) -> Result<ServeBench> {
     for (flag, value) in [
         ("--rounds", Some(args.rounds)),
         ("--repeat", Some(args.repeat)),
-        ("--tp", args.tp),
-        ("--pp", args.pp),
+        ("--tp", args.stages.tp),
+        ("--pp", args.stages.pp),
     ] {
         if value == Some(0) {
             bail!("{flag} must be at least 1");

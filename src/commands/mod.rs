@@ -73,11 +73,11 @@ pub(crate) fn report_progress(
 ///
 /// Errors: `--dtype`/`--num-layers` without `--load-format dummy`, and those of the two.
 fn model_source(
-    model: Option<&str>,
-    load: &crate::cli::LoadArgs,
+    model_args: &crate::cli::ModelArgs,
     progress: &mut dyn FnMut(&str),
 ) -> anyhow::Result<crate::runtime::model::source::ModelSource> {
     use crate::runtime::model::source::ModelSource;
+    let (model, load) = (model_args.path.as_deref(), &model_args.load);
     match load.load_format {
         crate::cli::LoadFormatArg::Auto => {
             if load.dtype.is_some() || load.num_layers.is_some() {

@@ -20,9 +20,7 @@ pub(super) fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitSt
     } else {
         None
     };
-    let source = super::super::model_source(args.model.as_deref(), &args.load, &mut |line| {
-        printer.note(line)
-    })?;
+    let source = super::super::model_source(&args.model, &mut |line| printer.note(line))?;
     if let Some(driver) = driver {
         // The GPU first: a context that cannot be made fails before minutes of loading.
         let cache = model::default::cache_dir()?.join("kernels");

@@ -42,17 +42,13 @@ pub(crate) fn run(args: &GenerateArgs, printer: &Printer) -> Result<ExitStatus> 
             args.temperature
         );
     }
-    if args.tp == 0 || args.pp == 0 {
-        bail!("--tp and --pp must be at least 1");
-    }
+    let degrees = args.stages.degrees()?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1 (it counts the tokens to generate)");
     }
-    let source = super::model_source(args.model.as_deref(), &args.load, &mut |line| {
-        printer.note(line)
-    })?;
-    if args.tp * args.pp > 1 || args.cluster.is_some() {
-        return distributed(args, &source, device.as_ref(), printer);
+    let source = super::model_source(&args.model, &mut |line| printer.note(line))?;
+    if degrees.world_size() > 1 || args.cluster.is_some() {
+        return distributed(args, degrees, &source, device.as_ref(), printer);
     }
     let engine = Engine::from_source(&source, args.threads, args.numerics.into())?;
     let prompt = if args.chat {

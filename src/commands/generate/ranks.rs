@@ -16,6 +16,7 @@ use crate::ui::Printer;
 /// the host harness).
 pub(super) fn distributed(
     args: &GenerateArgs,
+    degrees: crate::degrees::Degrees,
     source: &ModelSource,
     device: Option<&(crate::runtime::exec::kernel_executor::KernelDevice, usize)>,
     printer: &Printer,
@@ -30,8 +31,8 @@ pub(super) fn distributed(
         prompt_tokens,
         params: sampling_params(args),
     };
-    let world = args.tp * args.pp;
-    let spec = rank_launch_spec(args, source, device);
+    let world = degrees.world_size();
+    let spec = rank_launch_spec(args, degrees, source, device);
     let generation = run_ranks(args, &spec, &job, printer)?;
     if args.json {
         printer.json(&Output {
@@ -46,8 +47,8 @@ pub(super) fn distributed(
             generation.prompt_tokens.len(),
             generation.tokens.len(),
             generation.timings.decode_tokens_per_sec,
-            args.tp,
-            args.pp
+            degrees.tp,
+            degrees.pp
         ));
     }
     Ok(ExitStatus::Success)
@@ -106,6 +107,7 @@ fn rank_prompt(
 /// or each host's on a cluster), the rank timeout and the GPUs each rank sees.
 fn rank_launch_spec(
     args: &GenerateArgs,
+    degrees: crate::degrees::Degrees,
     source: &ModelSource,
     device: Option<&(crate::runtime::exec::kernel_executor::KernelDevice, usize)>,
 ) -> crate::launch::LaunchSpec {
@@ -117,7 +119,7 @@ fn rank_launch_spec(
             _
         ))
     );
-    let world = args.tp * args.pp;
+    let world = degrees.world_size();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads_per_rank = match (args.threads, &args.cluster) {
         (0, None) => (cores / world).max(1),
@@ -125,11 +127,7 @@ fn rank_launch_spec(
         (threads, _) => threads,
     };
     crate::launch::LaunchSpec {
-        degrees: crate::degrees::Degrees {
-            tp: args.tp,
-            pp: args.pp,
-            ..crate::degrees::Degrees::ONE
-        },
+        degrees,
         model: Some(source.clone()),
         threads_per_rank,
         numerics: args.numerics.into(),
@@ -151,7 +149,7 @@ fn run_ranks(
     job: &crate::runtime::exec::worker::Job,
     printer: &Printer,
 ) -> Result<Generation> {
-    let progress = printer.progress(2 * (args.tp * args.pp) as u64);
+    let progress = printer.progress(2 * spec.degrees.world_size() as u64);
     let generation = match &args.cluster {
         Some(inventory) => {
             let options = crate::launch::hosts::ClusterOptions {

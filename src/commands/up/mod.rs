@@ -25,7 +25,7 @@ pub(crate) fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
     let limits = scheduler_limits(args)?;
     let gpu = gpu_settings(args)?;
     if let Some(engine) = args.engine.filter(|e| *e != crate::cli::EngineArg::Infer) {
-        if args.load.load_format != crate::cli::LoadFormatArg::Auto {
+        if args.model.load.load_format != crate::cli::LoadFormatArg::Auto {
             bail!(
                 "--load-format dummy gives infer's own engine random weights; --engine {engine:?} loads its own (vLLM and SGLang have their own --load-format dummy)"
             );
@@ -33,9 +33,7 @@ pub(crate) fn run(args: &UpArgs, printer: &Printer) -> Result<ExitStatus> {
         return run_engine(args, engine.into(), printer);
     }
     let pd_prefill = pd_replicas(args)?;
-    let source = super::model_source(args.model.as_deref(), &args.load, &mut |line| {
-        printer.note(line)
-    })?;
+    let source = super::model_source(&args.model, &mut |line| printer.note(line))?;
     check_model_flags(args, &source)?;
     let settings = up_settings(args, source, limits, gpu, pd_prefill)?;
     let mut reporter = UpReporter {
@@ -99,7 +97,7 @@ fn run_engine(
             "--cluster `{c}` with --engine: the engine runs on real hosts: give an inventory (hosts.toml) or leave it out for this host"
         ),
     };
-    let model = match (engine, args.model.as_deref()) {
+    let model = match (engine, args.model.path.as_deref()) {
         // llama.cpp loads a GGUF file: the default model, an alias, or a path.
         (EngineKind::Llamacpp, model) => {
             let path = model::weights_path(model, &mut |line| printer.note(line))?;
