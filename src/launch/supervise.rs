@@ -1,15 +1,16 @@
 //! `infer up --max-restarts N`: the launcher as the supervisor of what serves (torchrun's
 //! elastic agent, for a serving gang). The HTTP front ([`crate::serve::front`]) listens at
 //! `--host:--port` in this process and outlives every start; behind it serves rank 0 on
-//! loopback (through the SSH tunnel on a cluster). When a process exits, a rank stops
-//! heartbeating, a host is lost, or what serves stays stalled [`STALL_GRACE`] past
-//! `--stall-timeout`, every process of the start is stopped everywhere (no orphan), its
-//! files are moved to `restart-K/` in the run directory, and a new start begins on the same
-//! hosts (a gang: new ports, a new store; on a cluster through the agents already running).
-//! After `N` restarts the next failure ends the run with its cause, as without
-//! `--max-restarts`.
+//! loopback (through the SSH tunnel on a cluster), or with `--engine` the engine's head
+//! ([`super::engine_supervise`]). When a process exits, a rank stops heartbeating, a host is
+//! lost, or what serves stays stalled [`STALL_GRACE`] past `--stall-timeout`, every process
+//! of the start is stopped everywhere (no orphan), its files are moved to `restart-K/` in
+//! the run directory, and a new start begins on the same hosts (a gang: new ports, a new
+//! store; on a cluster through the agents already running). After `N` restarts the next
+//! failure ends the run with its cause, as without `--max-restarts`.
 //!
-//! [`supervise`] is the loop; a [`Supervisee`] is what it starts again: [`Ranks`] here.
+//! [`supervise`] is the loop; a [`Supervisee`] is what it starts again: [`Ranks`] here,
+//! an engine's processes in [`super::engine_supervise`].
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
