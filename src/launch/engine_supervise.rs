@@ -46,8 +46,8 @@ pub(super) struct EngineProcesses {
 }
 
 impl Started for EngineProcesses {
-    /// SIGTERM to each process group, SIGKILL after [`GRACE_PERIOD`] (a stopped process
-    /// ignores SIGTERM until then), as for a failed gang.
+    /// SIGTERM (and SIGCONT) to each process group, SIGKILL after [`GRACE_PERIOD`], as for
+    /// a failed gang.
     fn stop(&mut self) {
         stop_members(&mut self.members, GRACE_PERIOD);
     }

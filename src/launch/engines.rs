@@ -466,13 +466,15 @@ pub(super) struct Member {
     log: PathBuf,
 }
 
-/// Stops every member still running: SIGTERM to each process group (the head first), up
-/// to `grace` to exit, then SIGKILL; all reaped.
+/// Stops every member still running: SIGTERM to each process group (the head first; then
+/// SIGCONT, as a stopped process acts on SIGTERM only once continued), up to `grace` to
+/// exit, then SIGKILL; all reaped.
 pub(super) fn stop_members(members: &mut [Member], grace: Duration) {
     use rustix::process::Signal;
     for member in members.iter_mut() {
         if matches!(member.handle.try_wait(), Ok(None)) {
             member.handle.signal(Signal::TERM);
+            member.handle.signal(Signal::CONT);
         }
     }
     let deadline = Instant::now() + grace;
