@@ -308,8 +308,9 @@ fn run_file(run_dir: &Path, name: &str) -> Value {
 #[test]
 fn a_killed_llamacpp_server_restarts_behind_the_front_and_a_stalled_one_ends_the_run() {
     let run_dir = tempfile::tempdir().expect("run dir");
+    // --stall-timeout 5: far above one step's time, even on a busy shared machine.
     let mut server = start_llamacpp(
-        &["--max-restarts", "1", "--stall-timeout", "2"],
+        &["--max-restarts", "1", "--stall-timeout", "5"],
         run_dir.path(),
     );
     let before = complete(&server, "The capital of France is");
@@ -324,6 +325,16 @@ fn a_killed_llamacpp_server_restarts_behind_the_front_and_a_stalled_one_ends_the
         &server,
         "llamacpp:requests_processing",
         1.0,
+        Duration::from_secs(20),
+    );
+    // The launcher reads a running request's progress from llama.cpp's `llama_decode`
+    // calls, which count while it runs (its predicted tokens count only once it ends: a
+    // long generation would look stalled).
+    let steps = metric(&server.metrics(), "llamacpp:n_decode_total");
+    until_metric(
+        &server,
+        "llamacpp:n_decode_total",
+        steps + 1.0,
         Duration::from_secs(20),
     );
     signal(first[0].2, rustix::process::Signal::KILL);
@@ -393,10 +404,10 @@ fn a_killed_llamacpp_server_restarts_behind_the_front_and_a_stalled_one_ends_the
 }
 
 /// `--engine llamacpp` over two hosts (llama-server on h0, its RPC worker on h1) with
-/// `--max-restarts 1`: the RPC worker stopped (SIGSTOP) under a request stalls the head, and
-/// `--stall-timeout` plus the grace later every engine process on both hosts is stopped and
-/// started again through the agents; the request in flight is told why, and the new pair
-/// answers as the first did. See: #39
+/// `--max-restarts 1`: the RPC worker stopped (SIGSTOP) under a request stalls the head,
+/// and `--stall-timeout` (5 s) plus the grace later every engine process on both hosts is
+/// stopped and started again through the agents; the request in flight is told why, and the
+/// new pair answers as the first did. See: #39
 #[test]
 fn a_stopped_llamacpp_rpc_worker_restarts_every_engine_process_on_every_host() {
     let Some(cluster) = TestCluster::start(2, 1) else {
@@ -410,7 +421,7 @@ fn a_stopped_llamacpp_rpc_worker_restarts_every_engine_process_on_every_host() {
             "--cluster",
             &inventory,
             "--stall-timeout",
-            "2",
+            "5",
             "--max-restarts",
             "1",
         ],
@@ -441,9 +452,10 @@ fn a_stopped_llamacpp_rpc_worker_restarts_every_engine_process_on_every_host() {
     });
     let unavailable = until_serving_again(&server, Duration::from_secs(90));
     assert!(
-        stopped_at.elapsed() >= Duration::from_secs(2 + 5),
-        "restarted {:?} after the stop, before --stall-timeout + the grace",
-        stopped_at.elapsed()
+        stopped_at.elapsed() >= Duration::from_secs(5 + 5),
+        "restarted {:?} after the stop, before --stall-timeout + the grace: {unavailable:?}\n{}",
+        stopped_at.elapsed(),
+        server.stderr_so_far()
     );
     assert!(
         unavailable.iter().any(|(_, _, body)| body
