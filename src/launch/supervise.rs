@@ -663,6 +663,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_announced_cause_is_the_first_line_without_the_log_lines_it_announces() {
+        let rank = anyhow!(
+            "rank 1 exited with signal: 9 (SIGKILL); last lines of `rank1.log`:\n  | loaded"
+        );
+        assert_eq!(first_line(&rank), "rank 1 exited with signal: 9 (SIGKILL)");
+        let engine = anyhow!(
+            "`localhost llama-server` (node 0) exited (signal: 9 (SIGKILL)); the engine is down; its last lines:\n  | main: loop"
+        );
+        assert_eq!(
+            first_line(&engine),
+            "`localhost llama-server` (node 0) exited (signal: 9 (SIGKILL)); the engine is down"
+        );
+        let gave_up = gave_up("engine", engine, 1);
+        assert!(
+            format!("{gave_up:#}").starts_with(
+                "the engine failed again after 1 restart (--max-restarts 1); the run directory keeps"
+            ),
+            "{gave_up:#}"
+        );
+    }
+
+    #[test]
     fn a_stall_is_read_from_either_health_answer() {
         let degraded = serde_json::json!({"status": "degraded", "replicas": [
             {"status": "ok"},
