@@ -564,7 +564,7 @@ fn http_get_within(
 /// `/health` and `/v1/models`, and keeps gang semantics until Ctrl-C/SIGTERM (every engine
 /// process stopped) or until one exits (the rest stopped, the error names it). With
 /// `--max-restarts N` the launcher's front holds `--host:--port`, the head serves behind it
-/// on loopback, and a failure restarts every process ([`super::engine_supervise`]).
+/// on loopback, and a failure restarts every process ([`super::supervise::engines`]).
 ///
 /// Errors: a host that fails preflight (named), a layout the engine cannot express, an
 /// engine process that exits or never gets healthy (with `--max-restarts`: once no
@@ -611,7 +611,7 @@ pub(crate) fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -
         members: Vec::new(),
     };
     match front {
-        Some(front) => super::engine_supervise::serve(&mut run, &front, started, events),
+        Some(front) => super::supervise::engines::serve(&mut run, &front, started, events),
         None => run.serve(started, events),
     }
 }

@@ -10,7 +10,6 @@
 //! stopping them), [`process`] (child processes), [`run_dir`] (run directories).
 
 pub mod agent;
-pub(crate) mod engine_supervise;
 pub(crate) mod engines;
 pub(crate) mod events;
 pub(crate) mod gang;

@@ -5,26 +5,24 @@
 //! forward to the head's). When any engine process exits or is lost, or the head's forward
 //! progress stays stalled [`STALL_GRACE`] past `--stall-timeout`, every process is stopped
 //! on every host, the start's logs, manifest and outcome go to `restart-K/`, and the same
-//! launch starts again. Must not decide the launch: [`super::engines`] does, once.
+//! launch starts again. Must not decide the launch: [`crate::launch::engines`] does, once.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Result, anyhow};
 
-use super::GRACE_PERIOD;
-use super::engines::{EngineRun, Member, Watched, stop_members, write_outcome};
-use super::events::UpEvent;
-use super::supervise::{
-    Attempt, Ended, Limits, Outcome, STALL_GRACE, Started, Supervisee, supervise,
-};
+use super::{Attempt, Ended, Limits, Outcome, STALL_GRACE, Started, Supervisee, supervise};
+use crate::launch::GRACE_PERIOD;
+use crate::launch::engines::{EngineRun, Member, Watched, stop_members, write_outcome};
+use crate::launch::events::UpEvent;
 use crate::serve::front::{Front, RestartCause};
 
 /// Serves `run` behind `front` (already listening) and starts every engine process again
 /// after each failure, until Ctrl-C/SIGTERM or until a failure finds no restart left.
 ///
 /// Errors: the last failure (with how many restarts came before).
-pub(super) fn serve(
+pub(in crate::launch) fn serve(
     run: &mut EngineRun<'_>,
     front: &Front,
     started: Instant,
@@ -40,7 +38,7 @@ pub(super) fn serve(
 }
 
 /// The processes of one start of an engine; stopped when dropped.
-pub(super) struct EngineProcesses {
+pub(in crate::launch) struct EngineProcesses {
     members: Vec<Member>,
     run_dir: PathBuf,
 }
