@@ -206,22 +206,13 @@ pub(super) fn supervise<S: Supervisee>(
                 events,
             );
         }
-        let mut files = PathBuf::new();
-        if let Some(mut started) = outcome.started {
-            started.stop();
-            started.write_outcome(Some(&error));
-            let dir = started.run_dir().to_path_buf();
-            drop(started);
-            run_dir.get_or_insert(dir.clone());
-            if restarting {
-                files = dir.join(format!("restart-{}", restart + 1));
-                if let Err(move_error) = move_files(&dir, &files) {
-                    events(UpEvent::Note(format!(
-                        "warning: cannot keep the failed start's files: {move_error:#}"
-                    )));
-                }
-            }
-        }
+        let files = retire(
+            outcome.started,
+            &error,
+            restarting.then_some(restart + 1),
+            &mut run_dir,
+            events,
+        );
         if !restarting {
             return Err(gave_up(S::NAME, error, restart));
         }
@@ -232,6 +223,36 @@ pub(super) fn supervise<S: Supervisee>(
             files,
         });
     }
+}
+
+/// Stops the processes of a start that failed with `error` and records how it ended (the
+/// run directory goes into `run_dir` if it holds none); before restart `restart`, moves
+/// its files to `restart-K/`. Returns where they went (empty when they stay).
+fn retire<S: Started>(
+    started: Option<S>,
+    error: &anyhow::Error,
+    restart: Option<usize>,
+    run_dir: &mut Option<PathBuf>,
+    events: &mut dyn FnMut(UpEvent),
+) -> PathBuf {
+    let Some(mut started) = started else {
+        return PathBuf::new();
+    };
+    started.stop();
+    started.write_outcome(Some(error));
+    let dir = started.run_dir().to_path_buf();
+    drop(started);
+    run_dir.get_or_insert(dir.clone());
+    let Some(restart) = restart else {
+        return PathBuf::new();
+    };
+    let files = dir.join(format!("restart-{restart}"));
+    if let Err(move_error) = move_files(&dir, &files) {
+        events(UpEvent::Note(format!(
+            "warning: cannot keep the failed start's files: {move_error:#}"
+        )));
+    }
+    files
 }
 
 /// The last failure of the `name` (`gang`, `engine`), saying how many restarts came before
