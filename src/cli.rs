@@ -761,7 +761,9 @@ pub struct UpArgs {
     /// exits, stops heartbeating or loses its host, or a replica stalled 5 s past
     /// `--stall-timeout`, stops every rank and starts them again on the same hosts, while
     /// the HTTP server stays up (503 with `Retry-After` meanwhile; requests in flight get an
-    /// error naming the cause). 0: the first failure ends the run.
+    /// error naming the cause). With `--engine`, the same for the engine's processes on
+    /// every host: one that exits, or a head that generates nothing (or answers no
+    /// `/metrics`) 5 s past `--stall-timeout`. 0: the first failure ends the run.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub max_restarts: usize,
 

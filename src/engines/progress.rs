@@ -1,24 +1,23 @@
 //! Forward progress of an engine `infer up --engine E` launched, read from its own
-//! Prometheus `/metrics` (pure: the launcher scrapes, this judges): requests running and
-//! tokens generated. Requests running and no new token for `--stall-timeout` is a stall,
-//! as is a `/metrics` that answers nothing for that long (llama.cpp answers it from the
-//! loop that a wedged RPC call holds; an idle engine answers at once).
+//! Prometheus `/metrics` (pure: the launcher scrapes, this judges): requests running and a
+//! counter that grows with every step. Requests running and no step for `--stall-timeout`
+//! is a stall, as is a `/metrics` that answers nothing for that long (llama.cpp answers it
+//! from the loop that a wedged RPC call holds; an idle engine answers at once).
 
 use super::EngineKind;
 
 /// The series of `kind`'s `/metrics` that show progress: (requests running, a gauge;
-/// tokens generated, a counter). Names from each engine's metrics documentation: vLLM's
+/// steps, a counter). Names from each engine's metrics documentation: vLLM's
 /// `vllm:num_requests_running` and `vllm:generation_tokens_total`, SGLang's
 /// `sglang:num_running_reqs` and `sglang:generation_tokens_total`, llama.cpp's
-/// `llamacpp:requests_processing` and `llamacpp:tokens_predicted_total` (with `--metrics`).
+/// `llamacpp:requests_processing` and `llamacpp:n_decode_total` (with `--metrics`; its
+/// `llamacpp:tokens_predicted_total` counts a request's tokens only once it ends, so a long
+/// generation would look stalled: `llama_decode` calls grow with every batch).
 pub(crate) fn progress_series(kind: EngineKind) -> (&'static str, &'static str) {
     match kind {
         EngineKind::Vllm => ("vllm:num_requests_running", "vllm:generation_tokens_total"),
         EngineKind::Sglang => ("sglang:num_running_reqs", "sglang:generation_tokens_total"),
-        EngineKind::Llamacpp => (
-            "llamacpp:requests_processing",
-            "llamacpp:tokens_predicted_total",
-        ),
+        EngineKind::Llamacpp => ("llamacpp:requests_processing", "llamacpp:n_decode_total"),
         EngineKind::Infer => ("infer_requests_running", "infer_generation_tokens_total"),
     }
 }
@@ -125,10 +124,7 @@ mod tests {
         let text = "# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name=\"a\"} 2\nvllm:num_requests_running{model_name=\"b\"} 1.0\nvllm:num_requests_running_other 9\n";
         assert_eq!(sum_series(text, "vllm:num_requests_running"), Some(3.0));
         assert_eq!(
-            sum_series(
-                "llamacpp:tokens_predicted_total 42\n",
-                "llamacpp:tokens_predicted_total"
-            ),
+            sum_series("llamacpp:n_decode_total 42\n", "llamacpp:n_decode_total"),
             Some(42.0)
         );
         assert_eq!(sum_series(text, "vllm:generation_tokens_total"), None);

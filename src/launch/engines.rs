@@ -12,6 +12,7 @@ use super::Progress;
 use super::events::UpEvent;
 use crate::degrees::{DegreePins, Degrees};
 use crate::engines::{self, EngineKind, EngineLaunch, EnginePorts, EngineRequest, NodeNet};
+use crate::serve::front::{Front, RestartCause};
 
 /// Writes one executable run script per node into `dir` (created if needed) and
 /// `launch.json` (the whole launch), and returns the scripts' paths, head first.
@@ -68,6 +69,9 @@ pub(crate) struct EngineUpSettings {
     pub ready_timeout: std::time::Duration,
     /// Requests running and no token generated for longer is a stall (`--stall-timeout`).
     pub stall_timeout: std::time::Duration,
+    /// Restarts of every engine process after a failure, behind the launcher's front
+    /// (`--max-restarts`; 0: the run ends at the first failure).
+    pub max_restarts: usize,
     /// The API key the head's server requires (`--api-key`): vLLM gets it as `VLLM_API_KEY`,
     /// llama.cpp as `LLAMA_API_KEY` (in the environment, out of `ps`), SGLang as its
     /// `--api-key`; never written to the manifest.
@@ -455,20 +459,22 @@ fn last_line(text: &str) -> &str {
 }
 
 /// A started engine process.
-struct Member {
+pub(super) struct Member {
     node: usize,
     label: String,
     handle: Box<dyn super::RankHandle>,
     log: PathBuf,
 }
 
-/// Stops every member still running: SIGTERM to each process group (the head first), up
-/// to `grace` to exit, then SIGKILL; all reaped.
-fn stop_members(members: &mut [Member], grace: Duration) {
+/// Stops every member still running: SIGTERM to each process group (the head first; then
+/// SIGCONT, as a stopped process acts on SIGTERM only once continued), up to `grace` to
+/// exit, then SIGKILL; all reaped.
+pub(super) fn stop_members(members: &mut [Member], grace: Duration) {
     use rustix::process::Signal;
     for member in members.iter_mut() {
         if matches!(member.handle.try_wait(), Ok(None)) {
             member.handle.signal(Signal::TERM);
+            member.handle.signal(Signal::CONT);
         }
     }
     let deadline = Instant::now() + grace;
@@ -489,17 +495,17 @@ fn stop_members(members: &mut [Member], grace: Duration) {
     }
 }
 
-/// The first member that has exited (or whose host is lost), described with its last log
-/// lines.
-fn exited(members: &mut [Member]) -> Option<String> {
+/// The first member that has exited (or whose host is lost): the cause (for
+/// `infer_restarts_total`) and its description with its last log lines.
+fn exited(members: &mut [Member]) -> Option<(RestartCause, String)> {
     for member in members.iter_mut() {
-        let status = match member.handle.try_wait() {
+        let (cause, status) = match member.handle.try_wait() {
             Ok(None) => continue,
-            Ok(Some(status)) => format!("exited ({status})"),
-            Err(error) => format!("was lost: {error:#}"),
+            Ok(Some(status)) => (RestartCause::EngineExited, format!("exited ({status})")),
+            Err(error) => (RestartCause::HostLost, format!("was lost: {error:#}")),
         };
         let tail = super::gang::last_lines(&member.log, 8);
-        return Some(format!(
+        let why = format!(
             "`{}` (node {}) {status}; the engine is down{}",
             member.label,
             member.node,
@@ -508,7 +514,8 @@ fn exited(members: &mut [Member]) -> Option<String> {
             } else {
                 format!("; its last lines:\n{tail}")
             }
-        ));
+        );
+        return Some((cause, why));
     }
     None
 }
@@ -555,14 +562,77 @@ fn http_get_within(
 /// `infer up --engine E`: checks every host (the engine's programs and version, torch and
 /// NCCL, the model, the ports), starts the workers, then the head, waits for the head's
 /// `/health` and `/v1/models`, and keeps gang semantics until Ctrl-C/SIGTERM (every engine
-/// process stopped) or until one exits (the rest stopped, the error names it).
+/// process stopped) or until one exits (the rest stopped, the error names it). With
+/// `--max-restarts N` the launcher's front holds `--host:--port`, the head serves behind it
+/// on loopback, and a failure restarts every process ([`super::supervise::engines`]).
 ///
 /// Errors: a host that fails preflight (named), a layout the engine cannot express, an
-/// engine process that exits or never gets healthy.
+/// engine process that exits or never gets healthy (with `--max-restarts`: once no
+/// restart is left).
 pub(crate) fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
     let started = Instant::now();
-    // This host's address first: a port in use fails before anything starts anywhere.
-    crate::serve::http::check_bind(&settings.host, settings.port)?;
+    // This host's address first: a port in use fails before anything starts anywhere. A
+    // supervised run's front holds it from now on.
+    let front = match settings.max_restarts {
+        0 => {
+            crate::serve::http::check_bind(&settings.host, settings.port)?;
+            None
+        }
+        _ => Some(Front::bind(&settings.host, settings.port, None)?),
+    };
+    let prepared = prepare(settings, events)?;
+    // The launcher's own end of the head's HTTP port (on a cluster), bound before anything
+    // starts.
+    let local_http = bind_launcher_http(&prepared.hosts, settings, front.is_some())?;
+    super::events::warn_if_exposed(&settings.host, settings.api_key.as_deref(), events);
+    let signals = Arc::new(AtomicUsize::new(0));
+    super::events::watch_signals(Arc::clone(&signals))?;
+    let run_dir = super::create_run_dir(settings.run_dir.as_deref())?;
+    let (line_sender, lines) = std::sync::mpsc::channel::<(usize, String)>();
+    let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+    let local = super::LocalSpawner { exe };
+    let spawner: Box<dyn super::Spawner + '_> = match &prepared.hosts {
+        Hosts::Local { .. } => Box::new(local),
+        Hosts::Remote { cluster, .. } => Box::new(cluster.spawner(prepared.host_of.clone())),
+    };
+    let labels = member_labels(&prepared.launch);
+    let mut run = EngineRun {
+        settings,
+        hosts: &prepared.hosts,
+        launch: &prepared.launch,
+        layout: &prepared.layout,
+        run_dir: &run_dir,
+        spawner: spawner.as_ref(),
+        line_sender: &line_sender,
+        lines: &lines,
+        labels: &labels,
+        signals: &signals,
+        address: head_address(&prepared, local_http)?,
+        members: Vec::new(),
+    };
+    match front {
+        Some(front) => super::supervise::engines::serve(&mut run, &front, started, events),
+        None => run.serve(started, events),
+    }
+}
+
+/// An engine launch once every host passed its checks.
+struct Prepared {
+    hosts: Hosts,
+    launch: EngineLaunch,
+    /// The index in `hosts` of each node of `launch`.
+    host_of: Vec<usize>,
+    /// The ready line's layout.
+    layout: String,
+    /// Where the head's HTTP server listens on its host: address and port.
+    head_http: (String, u16),
+}
+
+/// Connects the hosts, probes their engines, lays the engine out over them and checks that
+/// every port it needs is free: the launch, ready to start.
+///
+/// Errors: as [`up`]'s, before anything starts.
+fn prepare(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<Prepared> {
     let hosts = connect_hosts(settings, events)?;
     // Every host's engine, in parallel.
     let found = probe_hosts(&hosts, settings, events)?;
@@ -570,6 +640,12 @@ pub(crate) fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -
     let mut nodes: Vec<NodeNet> = (0..hosts.len()).map(|i| hosts.node(i)).collect();
     let layout = engine_layout(settings, &mut nodes)?;
     let mut request = engine_request(&hosts, settings, &found, nodes, &layout);
+    if settings.max_restarts > 0 && matches!(hosts, Hosts::Local { .. }) {
+        // The front holds --host:--port; the head serves behind it on a free loopback port.
+        request.http_host = "127.0.0.1".into();
+        request.ports.http = free_loopback_port()?;
+    }
+    let head_http = (request.http_host.clone(), request.ports.http);
     let launch = generate_launch(&hosts, &mut request, layout.pd.as_ref())?;
     // The host each process runs on (a disaggregated deployment runs several per host).
     let host_of = host_of_nodes(&hosts, &launch)?;
@@ -578,52 +654,54 @@ pub(crate) fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -
     }
     // Every port each node's engine binds must be free there.
     check_ports_free(&hosts, &launch, &host_of, settings)?;
-    // The launcher's own end of the head's HTTP port (on a cluster), bound before anything
-    // starts.
-    let local_http = bind_launcher_http(&hosts, settings)?;
-    super::events::warn_if_exposed(&settings.host, settings.api_key.as_deref(), events);
-    let signals = Arc::new(AtomicUsize::new(0));
-    super::events::watch_signals(Arc::clone(&signals))?;
-    let run_dir = super::create_run_dir(settings.run_dir.as_deref())?;
-    let (line_sender, lines) = std::sync::mpsc::channel::<(usize, String)>();
-    let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
-    let local = super::LocalSpawner { exe };
-    let spawner: Box<dyn super::Spawner + '_> = match &hosts {
-        Hosts::Local { .. } => Box::new(local),
-        Hosts::Remote { cluster, .. } => Box::new(cluster.spawner(host_of.clone())),
-    };
-    let labels = member_labels(&launch);
-    let mut run = EngineRun {
-        settings,
-        hosts: &hosts,
-        launch: &launch,
-        run_dir: &run_dir,
-        lines: &lines,
-        labels: &labels,
-        signals: &signals,
-        members: Vec::new(),
-    };
-    let result = run.start_and_wait_ready(spawner.as_ref(), &line_sender, local_http, events);
-    let address = match result {
-        Ok(Some(address)) => address,
-        Ok(None) => {
-            stop_members(&mut run.members, settings.shutdown_timeout);
-            events(UpEvent::Note("stopped before the engine was ready".into()));
-            return Ok(());
-        }
-        Err(error) => {
-            stop_members(&mut run.members, settings.shutdown_timeout);
-            return Err(error);
-        }
-    };
-    events(UpEvent::Ready {
-        address: address.to_string(),
-        world_size: launch.nodes.len(),
+    Ok(Prepared {
         layout: ready_layout(settings, layout.pd.as_ref(), &launch, &request),
-        ready_secs: started.elapsed().as_secs_f64(),
-    });
-    // Serve until told to stop, or until any engine process exits.
-    run.serve_until_stopped(address, events)
+        hosts,
+        launch,
+        host_of,
+        head_http,
+    })
+}
+
+/// A port free on this host's loopback now (the kernel's choice).
+///
+/// Errors: no port can be bound.
+fn free_loopback_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")
+        .context("cannot find a free port on the loopback for the engine's head")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// Where the head's HTTP server is reached from here: on a cluster through a forward from
+/// `local_http` to the head's loopback, else where it listens (`0.0.0.0` as the loopback).
+///
+/// Errors: the forward cannot start, the head's address is not an IP address.
+fn head_address(
+    prepared: &Prepared,
+    local_http: Option<std::net::TcpListener>,
+) -> Result<std::net::SocketAddr> {
+    let (host, port) = &prepared.head_http;
+    Ok(match (&prepared.hosts, local_http) {
+        (Hosts::Remote { cluster, .. }, Some(listener)) => {
+            let local = listener.local_addr()?;
+            cluster.forward(
+                0,
+                std::net::SocketAddr::from(([127, 0, 0, 1], *port)),
+                listener,
+            )?;
+            local
+        }
+        _ => {
+            let host = if host == "0.0.0.0" {
+                "127.0.0.1"
+            } else {
+                host.as_str()
+            };
+            format!("{host}:{port}")
+                .parse()
+                .with_context(|| format!("`{host}` is not an IP address"))?
+        }
+    })
 }
 
 /// The hosts of the launch: this one (its topology probed), or the inventory's, connected
@@ -924,26 +1002,26 @@ fn check_ports_free(
     Ok(())
 }
 
-/// On a cluster, the launcher's own listener at `--host:--port` (forwarded to the head
-/// later); `None` on this host, where the engine binds it.
+/// On a cluster, the launcher's own listener forwarded to the head later: at
+/// `--host:--port`, or with a front (`supervised`) on a free loopback port behind it; `None`
+/// on this host, where the engine binds its own.
 ///
 /// Errors: the address cannot be bound (the HTTP server's message).
 fn bind_launcher_http(
     hosts: &Hosts,
     settings: &EngineUpSettings,
+    supervised: bool,
 ) -> Result<Option<std::net::TcpListener>> {
+    let (host, port) = match supervised {
+        true => ("127.0.0.1", 0),
+        false => (settings.host.as_str(), settings.port),
+    };
     Ok(match hosts {
-        Hosts::Remote { .. } => Some(
-            std::net::TcpListener::bind((settings.host.as_str(), settings.port)).map_err(
-                |error| {
-                    anyhow::anyhow!(crate::serve::http::bind_error(
-                        &settings.host,
-                        settings.port,
-                        &error
-                    ))
-                },
-            )?,
-        ),
+        Hosts::Remote { .. } => {
+            Some(std::net::TcpListener::bind((host, port)).map_err(|error| {
+                anyhow::anyhow!(crate::serve::http::bind_error(host, port, &error))
+            })?)
+        }
         Hosts::Local { .. } => None,
     })
 }
@@ -992,56 +1070,115 @@ fn ready_layout(
 }
 
 /// An engine launch once its checks passed: what starting, watching and stopping its
-/// processes share.
-struct EngineRun<'a> {
-    settings: &'a EngineUpSettings,
+/// processes share, start after start.
+pub(super) struct EngineRun<'a> {
+    pub(super) settings: &'a EngineUpSettings,
     hosts: &'a Hosts,
-    launch: &'a EngineLaunch,
-    run_dir: &'a Path,
+    pub(super) launch: &'a EngineLaunch,
+    /// The ready line's layout.
+    pub(super) layout: &'a str,
+    pub(super) run_dir: &'a Path,
+    spawner: &'a dyn super::Spawner,
+    line_sender: &'a std::sync::mpsc::Sender<(usize, String)>,
     /// The processes' output lines, by node.
     lines: &'a std::sync::mpsc::Receiver<(usize, String)>,
     labels: &'a [String],
     /// How many SIGINTs and SIGTERMs arrived.
-    signals: &'a AtomicUsize,
-    /// The processes started so far.
+    pub(super) signals: &'a AtomicUsize,
+    /// Where the head's HTTP server is reached from here.
+    pub(super) address: std::net::SocketAddr,
+    /// The processes of this start so far.
     members: Vec<Member>,
 }
 
+/// How watching a serving engine ended.
+pub(super) enum Watched {
+    /// Ctrl-C or SIGTERM.
+    Signal,
+    /// A process exited or was lost, or the head stayed stalled: the cause and why.
+    Failed(RestartCause, String),
+}
+
 impl EngineRun<'_> {
-    /// Starts every process, waits for the head's `/health` and checks `/v1/models`: the
-    /// address it serves at, or `None` when a signal came first. The caller stops the
-    /// members on either outcome but success.
+    /// Starts the engine, serves until a signal arrives or any engine process exits, then
+    /// stops every process and records how it ended (`outcome.json`).
+    ///
+    /// Errors: as [`EngineRun::start_and_wait_ready`]'s, or the process that exited, with
+    /// its last lines.
+    fn serve(&mut self, started: Instant, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
+        match self.start_and_wait_ready(events) {
+            Ok(true) => {}
+            Ok(false) => {
+                stop_members(&mut self.members, self.settings.shutdown_timeout);
+                events(UpEvent::Note("stopped before the engine was ready".into()));
+                return Ok(());
+            }
+            Err(error) => {
+                stop_members(&mut self.members, self.settings.shutdown_timeout);
+                return Err(error);
+            }
+        }
+        events(UpEvent::Ready {
+            address: self.address.to_string(),
+            world_size: self.launch.nodes.len(),
+            layout: self.layout.to_string(),
+            ready_secs: started.elapsed().as_secs_f64(),
+        });
+        let watched = self.watch(None, events);
+        self.stop_all(events);
+        let error = match watched {
+            Watched::Signal => None,
+            Watched::Failed(_, why) => Some(anyhow::anyhow!(why)),
+        };
+        write_outcome(self.run_dir, &mut self.members, error.as_ref());
+        error.map_or(Ok(()), Err)
+    }
+
+    /// Stops every process of this start (SIGTERM, then SIGKILL after
+    /// `--shutdown-timeout`), saying so, and hands on their last lines.
+    pub(super) fn stop_all(&mut self, events: &mut dyn FnMut(UpEvent)) {
+        events(UpEvent::Note(format!(
+            "stopping every engine process (SIGTERM, then SIGKILL after {} s)",
+            self.settings.shutdown_timeout.as_secs()
+        )));
+        stop_members(&mut self.members, self.settings.shutdown_timeout);
+        drain(self.lines, self.labels, events);
+    }
+
+    /// The processes of this start, taken out of the run: the next start begins with none.
+    pub(super) fn take_members(&mut self) -> Vec<Member> {
+        std::mem::take(&mut self.members)
+    }
+
+    /// Starts every process, waits for the head's `/health` and checks `/v1/models`: `true`
+    /// once it serves, `false` when a signal came first. The caller stops the members on
+    /// either outcome but success.
     ///
     /// Errors: a process that cannot start or exits, a head that does not get healthy within
-    /// the ready timeout or whose `/v1/models` fails, the forward cannot start.
-    fn start_and_wait_ready(
-        &mut self,
-        spawner: &dyn super::Spawner,
-        line_sender: &std::sync::mpsc::Sender<(usize, String)>,
-        local_http: Option<std::net::TcpListener>,
-        events: &mut dyn FnMut(UpEvent),
-    ) -> Result<Option<std::net::SocketAddr>> {
-        self.start_members(spawner, line_sender, events)?;
-        write_manifest(self.run_dir, self.launch, &self.members)?;
-        // The head's health, through the forward on a cluster.
-        let address = self.head_address(local_http)?;
-        if !self.wait_until_healthy(address, events)? {
-            return Ok(None);
+    /// the ready timeout or whose `/v1/models` fails.
+    pub(super) fn start_and_wait_ready(&mut self, events: &mut dyn FnMut(UpEvent)) -> Result<bool> {
+        self.start_members(events)?;
+        write_manifest(self.run_dir, self.launch, &self.members, None)?;
+        if !self.wait_until_healthy(events)? {
+            return Ok(false);
         }
-        list_models(address, self.settings.api_key.as_deref(), events)?;
-        Ok(Some(address))
+        list_models(self.address, self.settings.api_key.as_deref(), events)?;
+        Ok(true)
+    }
+
+    /// Rewrites `manifest.json` for this start with `restarts` (the manifest's list of the
+    /// failures restarted so far).
+    ///
+    /// Errors: the file cannot be written.
+    pub(super) fn write_manifest(&self, restarts: Option<serde_json::Value>) -> Result<()> {
+        write_manifest(self.run_dir, self.launch, &self.members, restarts)
     }
 
     /// Starts the workers, then the head (which connects to them, or waits for them);
     /// llama.cpp's head only once every RPC worker answers.
     ///
     /// Errors: a process that cannot start, a worker that exits or never answers.
-    fn start_members(
-        &mut self,
-        spawner: &dyn super::Spawner,
-        line_sender: &std::sync::mpsc::Sender<(usize, String)>,
-        events: &mut dyn FnMut(UpEvent),
-    ) -> Result<()> {
+    fn start_members(&mut self, events: &mut dyn FnMut(UpEvent)) -> Result<()> {
         let order: Vec<usize> = (1..self.launch.nodes.len()).chain([0]).collect();
         for index in order {
             let node = &self.launch.nodes[index];
@@ -1064,7 +1201,9 @@ impl EngineRun<'_> {
                 }
             }
             let log = self.run_dir.join(format!("node{index}.log"));
-            let handle = spawner.spawn_program(index, &argv, &env, &log, line_sender)?;
+            let handle = self
+                .spawner
+                .spawn_program(index, &argv, &env, &log, self.line_sender)?;
             events(UpEvent::Gang(Progress::Host {
                 host: node.host.clone(),
                 stage: format!("started `{}` (pid {})", self.labels[index], handle.id()),
@@ -1090,57 +1229,23 @@ impl EngineRun<'_> {
         Ok(())
     }
 
-    /// Where the head's HTTP server is reached from here: through the forward from
-    /// `local_http` on a cluster, else `--host:--port` (`0.0.0.0` as the loopback).
-    ///
-    /// Errors: the forward cannot start, `--host` is not an IP address.
-    fn head_address(
-        &self,
-        local_http: Option<std::net::TcpListener>,
-    ) -> Result<std::net::SocketAddr> {
-        let settings = self.settings;
-        Ok(match (self.hosts, local_http) {
-            (Hosts::Remote { cluster, .. }, Some(listener)) => {
-                let local = listener.local_addr()?;
-                cluster.forward(
-                    0,
-                    std::net::SocketAddr::from(([127, 0, 0, 1], settings.port)),
-                    listener,
-                )?;
-                local
-            }
-            _ => {
-                let host = if settings.host == "0.0.0.0" {
-                    "127.0.0.1"
-                } else {
-                    settings.host.as_str()
-                };
-                format!("{host}:{}", settings.port)
-                    .parse()
-                    .with_context(|| format!("`{}` is not an IP address", settings.host))?
-            }
-        })
-    }
-
-    /// Waits until the head at `address` answers `GET /health` with 200 (`true`), or a
-    /// signal arrives (`false`); the processes' lines go to `events` meanwhile.
+    /// Waits until the head answers `GET /health` with 200 (`true`), or a signal arrives
+    /// (`false`); the processes' lines go to `events` meanwhile.
     ///
     /// Errors: a process exits, the ready timeout passes.
-    fn wait_until_healthy(
-        &mut self,
-        address: std::net::SocketAddr,
-        events: &mut dyn FnMut(UpEvent),
-    ) -> Result<bool> {
+    fn wait_until_healthy(&mut self, events: &mut dyn FnMut(UpEvent)) -> Result<bool> {
         let deadline = Instant::now() + self.settings.ready_timeout;
         loop {
             drain(self.lines, self.labels, events);
-            if let Some(why) = exited(&mut self.members) {
+            if let Some((_, why)) = exited(&mut self.members) {
                 bail!("{why}");
             }
             if self.signals.load(Ordering::SeqCst) > 0 {
                 return Ok(false);
             }
-            if let Some((200, _)) = http_get(address, "/health", self.settings.api_key.as_deref()) {
+            if let Some((200, _)) =
+                http_get(self.address, "/health", self.settings.api_key.as_deref())
+            {
                 return Ok(true);
             }
             if Instant::now() > deadline {
@@ -1154,54 +1259,97 @@ impl EngineRun<'_> {
         }
     }
 
-    /// Serves until a signal arrives or any engine process exits, then stops every process.
-    /// Meanwhile watches the head's forward progress at `address` (its `/metrics`, every
-    /// second) and warns when it stalls and when it resumes.
-    ///
-    /// Errors: the process that exited, with its last lines.
-    fn serve_until_stopped(
+    /// Watches the serving engine until a signal arrives, any engine process exits, or,
+    /// with `restart_after_stall`, the head has stayed stalled that long. Meanwhile watches
+    /// the head's forward progress (its `/metrics`, every second) and warns when it stalls
+    /// and when it resumes.
+    pub(super) fn watch(
         &mut self,
-        address: std::net::SocketAddr,
+        restart_after_stall: Option<Duration>,
         events: &mut dyn FnMut(UpEvent),
-    ) -> Result<()> {
-        let started = Instant::now();
-        let mut watch = Some(engines::progress::ProgressWatch::new(0.0));
-        let mut scraped = Instant::now();
-        let failure = loop {
+    ) -> Watched {
+        let mut stalls = StallWatch::new();
+        loop {
             drain(self.lines, self.labels, events);
-            if let Some(why) = exited(&mut self.members) {
-                break Some(why);
+            if let Some((cause, why)) = exited(&mut self.members) {
+                return Watched::Failed(cause, why);
             }
             if self.signals.load(Ordering::SeqCst) > 0 {
-                break None;
+                return Watched::Signal;
             }
-            if scraped.elapsed() >= Duration::from_secs(1)
-                && let Some(progress) = watch.as_mut()
+            stalls.poll(self, events);
+            if let Some(grace) = restart_after_stall
+                && let Some(why) = stalls.stalled_for(grace)
             {
-                scraped = Instant::now();
-                match self.scrape_progress(address) {
-                    Scrape::Unwatchable => watch = None,
-                    scrape => {
-                        let now = started.elapsed().as_secs_f64();
-                        let timeout = self.settings.stall_timeout.as_secs_f64();
-                        if let Some(change) = progress.observe(scrape.counts(), now, timeout) {
-                            events(UpEvent::Note(self.describe_change(&change)));
-                        }
-                    }
-                }
+                return Watched::Failed(
+                    RestartCause::Stalled,
+                    format!("{why}; still stalled {} s later", grace.as_secs()),
+                );
             }
             std::thread::sleep(Duration::from_millis(100));
-        };
-        events(UpEvent::Note(format!(
-            "stopping every engine process (SIGTERM, then SIGKILL after {} s)",
-            self.settings.shutdown_timeout.as_secs()
-        )));
-        stop_members(&mut self.members, self.settings.shutdown_timeout);
-        drain(self.lines, self.labels, events);
-        match failure {
-            Some(why) => bail!("{why}"),
-            None => Ok(()),
         }
+    }
+}
+
+/// The head's forward progress as [`EngineRun::watch`] follows it: scraped every second,
+/// and the stall under way (since when, and its line), if any.
+struct StallWatch {
+    /// `None` once the head turned out to have nothing to watch.
+    progress: Option<engines::progress::ProgressWatch>,
+    started: Instant,
+    scraped: Instant,
+    stalled: Option<(Instant, String)>,
+}
+
+impl StallWatch {
+    fn new() -> StallWatch {
+        StallWatch {
+            progress: Some(engines::progress::ProgressWatch::new(0.0)),
+            started: Instant::now(),
+            scraped: Instant::now(),
+            stalled: None,
+        }
+    }
+
+    /// Scrapes `run`'s head when a second has passed since the last time, and reports a
+    /// stall as it begins and ends.
+    fn poll(&mut self, run: &EngineRun<'_>, events: &mut dyn FnMut(UpEvent)) {
+        if self.scraped.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        let Some(progress) = self.progress.as_mut() else {
+            return;
+        };
+        self.scraped = Instant::now();
+        let scrape = run.scrape_progress(run.address);
+        if let Scrape::Unwatchable = scrape {
+            self.progress = None;
+            return;
+        }
+        let now = self.started.elapsed().as_secs_f64();
+        let timeout = run.settings.stall_timeout.as_secs_f64();
+        let Some(change) = progress.observe(scrape.counts(), now, timeout) else {
+            return;
+        };
+        let line = run.describe_change(&change);
+        match change {
+            engines::progress::Change::Stalled { .. } => {
+                events(UpEvent::Note(format!("warning: {line}")));
+                self.stalled = Some((Instant::now(), line));
+            }
+            engines::progress::Change::Resumed => {
+                events(UpEvent::Note(line));
+                self.stalled = None;
+            }
+        }
+    }
+
+    /// The stall's line once it has lasted `grace` past `--stall-timeout`.
+    fn stalled_for(&self, grace: Duration) -> Option<&str> {
+        self.stalled
+            .as_ref()
+            .filter(|(since, _)| since.elapsed() >= grace)
+            .map(|(_, line)| line.as_str())
     }
 }
 
@@ -1249,7 +1397,7 @@ impl EngineRun<'_> {
     }
 
     /// The line for a stall of the head (naming its process, its host and the other
-    /// processes it depends on) or its end.
+    /// processes it depends on; without the `warning: ` it is reported with) or its end.
     fn describe_change(&self, change: &engines::progress::Change) -> String {
         let head_index = self
             .launch
@@ -1271,7 +1419,7 @@ impl EngineRun<'_> {
                 quiet_secs,
                 answered,
             } => format!(
-                "warning: the engine stalled: `{head}` {} for {quiet_secs:.1} s{} (--stall-timeout {:.0} s)",
+                "the engine stalled: `{head}` {} for {quiet_secs:.1} s{} (--stall-timeout {:.0} s)",
                 if *answered {
                     format!("has {running} request(s) running and generated no token")
                 } else {
@@ -1364,7 +1512,7 @@ fn wait_for_rpc(
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         drain(lines, labels, events);
-        if let Some(why) = exited(members) {
+        if let Some((_, why)) = exited(members) {
             bail!("{why}");
         }
         let reached = match hosts {
@@ -1402,9 +1550,14 @@ fn drain(
     }
 }
 
-/// `manifest.json` of an engine run: the launch (argv and environment per node) and each
-/// process's pid and log.
-fn write_manifest(run_dir: &Path, launch: &EngineLaunch, members: &[Member]) -> Result<()> {
+/// `manifest.json` of an engine run: the launch (argv and environment per node), each
+/// process's pid and log, and under a supervisor the failures restarted so far.
+fn write_manifest(
+    run_dir: &Path,
+    launch: &EngineLaunch,
+    members: &[Member],
+    restarts: Option<serde_json::Value>,
+) -> Result<()> {
     let processes: Vec<serde_json::Value> = members
         .iter()
         .map(|m| {
@@ -1417,8 +1570,49 @@ fn write_manifest(run_dir: &Path, launch: &EngineLaunch, members: &[Member]) -> 
             })
         })
         .collect();
-    let manifest = serde_json::json!({ "launch": launch, "processes": processes });
+    let mut manifest = serde_json::json!({ "launch": launch, "processes": processes });
+    if let Some(restarts) = restarts {
+        manifest["restarts"] = restarts;
+    }
     let path = run_dir.join("manifest.json");
     super::run_dir::write_private(&path, &serde_json::to_vec_pretty(&manifest)?)
         .with_context(|| format!("cannot write `{}`", path.display()))
+}
+
+/// Writes `outcome.json` in `run_dir` once the engine's processes have ended: whether the
+/// run failed and why (`error`, the whole chain), when, and how each process ended
+/// (`exit`: its exit code or the signal that ended it; `null` when unknown). Best effort:
+/// a run directory that cannot be written is skipped.
+pub(super) fn write_outcome(run_dir: &Path, members: &mut [Member], error: Option<&anyhow::Error>) {
+    use std::os::unix::process::ExitStatusExt;
+    let processes: Vec<serde_json::Value> = members
+        .iter_mut()
+        .map(|m| {
+            let exit = match m.handle.try_wait() {
+                Ok(Some(status)) => {
+                    serde_json::json!({"code": status.code(), "signal": status.signal()})
+                }
+                _ => serde_json::Value::Null,
+            };
+            serde_json::json!({
+                "node": m.node,
+                "label": m.label,
+                "host": m.handle.host().unwrap_or("localhost"),
+                "pid": m.handle.id(),
+                "exit": exit,
+            })
+        })
+        .collect();
+    let ended_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let outcome = serde_json::json!({
+        "ok": error.is_none(),
+        "error": error.map(|e| format!("{e:#}")),
+        "ended_unix_ms": ended_unix_ms,
+        "processes": processes,
+    });
+    if let Ok(text) = serde_json::to_vec_pretty(&outcome) {
+        let _ = super::run_dir::write_private(&run_dir.join("outcome.json"), &text);
+    }
 }

@@ -455,9 +455,9 @@ fn launch(
     if settings.max_restarts > 0 {
         // Rank 0 serves on its host's loopback behind the launcher's front.
         let spec = rank_spec(settings, layout, inventory.is_some(), true);
-        return super::supervise::serve(
+        return super::supervise::ranks::serve(
             &spec,
-            &super::supervise::Supervised {
+            &super::supervise::ranks::Supervised {
                 max_restarts: settings.max_restarts,
                 stall_timeout: settings.stall_timeout,
                 shutdown_timeout: settings.shutdown_timeout,

@@ -1,7 +1,8 @@
 //! The HTTP front of a supervised run (`infer up --max-restarts N`): it listens at the
 //! user's `--host:--port` in the launcher's process, which outlives the gang, and relays
 //! every request to rank 0's server (on loopback, or through the SSH tunnel to rank 0's
-//! host). While the gang starts or restarts it answers for it: `/ping` 200, `/health` 503
+//! host), or with `--engine` to the engine's head. While the gang starts or restarts it
+//! answers for it: `/ping` 200, `/health` 503
 //! saying why, every other endpoint 503 with `Retry-After` (OpenAI error JSON). A request
 //! whose gang fails under it gets an error that names the cause: a 503 when no answer had
 //! started, an `error` event then `[DONE]` on a stream (as vLLM ends a failed stream).
@@ -29,6 +30,8 @@ use serde_json::json;
 pub enum RestartCause {
     /// A rank process exited (crashed, killed, out of memory).
     RankExited,
+    /// A process of an engine launched with `--engine` exited (its server, an RPC worker).
+    EngineExited,
     /// A rank stopped heartbeating to the store (frozen, or its host unreachable).
     HeartbeatLost,
     /// The connection to a host's agent was lost.
@@ -43,8 +46,9 @@ pub enum RestartCause {
 
 impl RestartCause {
     /// Every cause, in the order `/metrics` lists them.
-    pub const ALL: [RestartCause; 6] = [
+    pub const ALL: [RestartCause; 7] = [
         RestartCause::RankExited,
+        RestartCause::EngineExited,
         RestartCause::HeartbeatLost,
         RestartCause::HostLost,
         RestartCause::Stalled,
@@ -56,6 +60,7 @@ impl RestartCause {
     pub fn label(self) -> &'static str {
         match self {
             RestartCause::RankExited => "rank_exited",
+            RestartCause::EngineExited => "engine_exited",
             RestartCause::HeartbeatLost => "heartbeat_lost",
             RestartCause::HostLost => "host_lost",
             RestartCause::Stalled => "stalled",

@@ -2,13 +2,16 @@
 //! black-holed link between two hosts) is stopped and started again while the launcher's
 //! HTTP front stays up: 503 with `Retry-After` meanwhile, an error naming the cause for the
 //! requests in flight, `infer_restarts_total{cause}`, the same answers afterwards, and the
-//! run's end, with its cause, once no restart is left.
+//! run's end, with its cause, once no restart is left. The same for an engine launched with
+//! `--engine llamacpp` (its server killed or stopped, an RPC worker stopped on another host).
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 use crate::support::cluster::TestCluster;
+use crate::support::llamacpp::{complete, engine_processes, start_llamacpp};
 use crate::support::process::{alive, infer, run_dir_of, signal};
 use crate::support::server::{Server, metric, retry_after};
 
@@ -272,4 +275,209 @@ fn a_black_holed_link_between_two_hosts_restarts_the_gang_through_the_agents() {
     );
     drop(server);
     let _ = request.join();
+}
+
+/// Waits up to `within` until `/metrics` shows `series` at `value` or more.
+fn until_metric(server: &Server, series: &str, value: f64, within: Duration) {
+    let deadline = Instant::now() + within;
+    while metric(&server.metrics(), series) < value {
+        assert!(
+            Instant::now() < deadline,
+            "`{series}` did not reach {value} within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The JSON file `name` of the run directory `run_dir`.
+fn run_file(run_dir: &Path, name: &str) -> Value {
+    let path = run_dir.join(name);
+    serde_json::from_slice(
+        &std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .expect("JSON")
+}
+
+/// `--engine llamacpp --max-restarts 1` here: SIGKILL of llama-server while a stream is in
+/// flight. The stream ends with an error event naming it; meanwhile `/health` is 503
+/// `restarting` with `Retry-After`; then a new llama-server answers as the first did, and
+/// `/metrics` counts the restart. A second failure (llama-server stopped with SIGSTOP: its
+/// `/metrics` silent past `--stall-timeout` and the grace) finds no restart left: `infer up`
+/// exits non-zero naming the stall, no llama-server left, the first failure in `restart-1/`.
+/// See: #39
+#[test]
+fn a_killed_llamacpp_server_restarts_behind_the_front_and_a_stalled_one_ends_the_run() {
+    let run_dir = tempfile::tempdir().expect("run dir");
+    // --stall-timeout 5: far above one step's time, even on a busy shared machine.
+    let mut server = start_llamacpp(
+        &["--max-restarts", "1", "--stall-timeout", "5"],
+        run_dir.path(),
+    );
+    let before = complete(&server, "The capital of France is");
+    let first = engine_processes(run_dir.path());
+    assert_eq!(first.len(), 1, "{first:?}");
+    let stream = stream_in_background(
+        &server,
+        json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0,
+               "ignore_eos": true, "stream": true}),
+    );
+    until_metric(
+        &server,
+        "llamacpp:requests_processing",
+        1.0,
+        Duration::from_secs(20),
+    );
+    // The launcher reads a running request's progress from llama.cpp's `llama_decode`
+    // calls, which count while it runs (its predicted tokens count only once it ends: a
+    // long generation would look stalled).
+    let steps = metric(&server.metrics(), "llamacpp:n_decode_total");
+    until_metric(
+        &server,
+        "llamacpp:n_decode_total",
+        steps + 1.0,
+        Duration::from_secs(20),
+    );
+    signal(first[0].2, rustix::process::Signal::KILL);
+    let unavailable = until_serving_again(&server, Duration::from_secs(60));
+    let restarting = unavailable
+        .iter()
+        .find(|(_, _, body)| body.contains("\"restarting\""))
+        .unwrap_or_else(|| panic!("no `restarting` 503 among {unavailable:?}"));
+    assert!(
+        restarting.2.contains("restart 1 of 1")
+            && restarting
+                .2
+                .contains("`localhost llama-server` (node 0) exited"),
+        "{restarting:?}"
+    );
+    assert!(
+        restarting
+            .1
+            .as_deref()
+            .is_some_and(|s| s.parse::<u64>().is_ok_and(|s| s >= 1)),
+        "Retry-After: {restarting:?}"
+    );
+    let events = stream.join().expect("stream");
+    assert!(
+        events.ends_with("data: [DONE]\n\n")
+            && events.contains("the server failed and restarts: `localhost llama-server`"),
+        "{}",
+        &events[events.len().saturating_sub(600)..]
+    );
+    // Serving again: the same greedy answer from a new llama-server.
+    let after = complete(&server, "The capital of France is");
+    assert_eq!(after["choices"][0]["text"], before["choices"][0]["text"]);
+    let second = engine_processes(run_dir.path());
+    assert_ne!(second[0].2, first[0].2);
+    assert!(!alive(first[0].2), "the killed llama-server is still there");
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_restarts_total{cause=\"engine_exited\"}"),
+        1.0
+    );
+    assert_eq!(metric(&metrics, "infer_gang_serving"), 1.0);
+    let outcome = run_file(run_dir.path(), "restart-1/outcome.json");
+    assert!(
+        outcome["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("llama-server")),
+        "{outcome}"
+    );
+    assert!(run_dir.path().join("restart-1/node0.log").exists());
+    let manifest = run_file(run_dir.path(), "manifest.json");
+    assert_eq!(manifest["restarts"][0]["cause"], "engine_exited");
+    // No restart left: a stalled llama-server ends the run with its cause.
+    signal(second[0].2, rustix::process::Signal::STOP);
+    let (status, rest) = server.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "{rest}");
+    assert!(
+        rest.contains("the engine failed again after 1 restart (--max-restarts 1)")
+            && rest.contains(
+                "the engine stalled: `localhost llama-server` answered no `GET /metrics`"
+            ),
+        "{rest}"
+    );
+    assert!(
+        !alive(second[0].2),
+        "the stopped llama-server is still there"
+    );
+}
+
+/// `--engine llamacpp` over two hosts (llama-server on h0, its RPC worker on h1) with
+/// `--max-restarts 1`: the RPC worker stopped (SIGSTOP) under a request stalls the head,
+/// and `--stall-timeout` (5 s) plus the grace later every engine process on both hosts is
+/// stopped and started again through the agents; the request in flight is told why, and the
+/// new pair answers as the first did. See: #39
+#[test]
+fn a_stopped_llamacpp_rpc_worker_restarts_every_engine_process_on_every_host() {
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let inventory = cluster.inventory.display().to_string();
+    let run_dir = tempfile::tempdir().expect("run dir");
+    let server = start_llamacpp(
+        &[
+            "--cluster",
+            &inventory,
+            "--stall-timeout",
+            "5",
+            "--max-restarts",
+            "1",
+        ],
+        run_dir.path(),
+    );
+    let before = complete(&server, "The capital of France is");
+    let first = engine_processes(run_dir.path());
+    let labels: Vec<&str> = first.iter().map(|p| p.0.as_str()).collect();
+    assert_eq!(
+        labels,
+        ["h1 ggml-rpc-server", "h0 llama-server"],
+        "{first:?}"
+    );
+    signal(first[0].2, rustix::process::Signal::STOP);
+    let url = format!("{}/v1/completions", server.url);
+    let stopped_at = Instant::now();
+    let request = std::thread::spawn(move || {
+        let mut response = ureq::post(&url)
+            .config()
+            .http_status_as_error(false)
+            .build()
+            .send_json(json!({"prompt": "Paris is", "max_tokens": 8, "temperature": 0}))
+            .expect("an answer");
+        (
+            response.status().as_u16(),
+            response.body_mut().read_to_string().unwrap_or_default(),
+        )
+    });
+    let unavailable = until_serving_again(&server, Duration::from_secs(90));
+    assert!(
+        stopped_at.elapsed() >= Duration::from_secs(5 + 5),
+        "restarted {:?} after the stop, before --stall-timeout + the grace: {unavailable:?}\n{}",
+        stopped_at.elapsed(),
+        server.stderr_so_far()
+    );
+    assert!(
+        unavailable.iter().any(|(_, _, body)| body
+            .contains("the engine stalled: `h0 llama-server`")
+            && body.contains("it depends on h1 ggml-rpc-server")),
+        "{unavailable:?}"
+    );
+    let (status, body) = request.join().expect("client");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("the engine stalled"), "{body}");
+    let after = complete(&server, "The capital of France is");
+    assert_eq!(after["choices"][0]["text"], before["choices"][0]["text"]);
+    assert_eq!(
+        metric(&server.metrics(), "infer_restarts_total{cause=\"stalled\"}"),
+        1.0
+    );
+    let second = engine_processes(run_dir.path());
+    for (label, _, pid) in &first {
+        assert!(
+            !alive(*pid),
+            "{label} (pid {pid}) of the first start still runs"
+        );
+        assert!(second.iter().all(|p| p.2 != *pid), "{second:?}");
+    }
 }

@@ -55,11 +55,6 @@ fn run_engine(
     printer: &Printer,
 ) -> Result<ExitStatus> {
     use crate::engines::EngineKind;
-    if args.max_restarts > 0 {
-        bail!(
-            "--max-restarts with --engine {engine}: restarts supervise infer's own ranks for now; an engine launched with --engine ends the run at its first failure (leave --max-restarts out)"
-        );
-    }
     if args.plan.is_some() {
         bail!(
             "--plan with --engine: give the layout as --tp/--pp/--dp/--ep, or use `infer plan --engine {engine} --emit DIR`"
@@ -138,6 +133,7 @@ fn run_engine(
         shutdown_timeout: shutdown_timeout(args.shutdown_timeout)?,
         ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
         stall_timeout: stall_timeout(args.stall_timeout)?,
+        max_restarts: args.max_restarts,
         api_key: settings::api_key(args)?,
     };
     crate::launch::engines::up(&settings, &mut |event| match event {

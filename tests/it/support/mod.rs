@@ -9,11 +9,13 @@
 //! - [`runtime`]: the host kernel harness and collective groups of threads, in this process.
 //! - [`cluster`]: the SSH test cluster of network namespaces.
 //! - [`cache`]: tools built or downloaded once into the test cache.
+//! - [`llamacpp`]: llama.cpp built once, and `infer up --engine llamacpp` running on it.
 //! - [`fixtures`]: the shared fixtures and fake sysfs trees.
 
 pub mod cache;
 pub mod cluster;
 pub mod fixtures;
+pub mod llamacpp;
 pub mod model;
 pub mod process;
 pub mod runtime;

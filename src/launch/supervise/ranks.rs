@@ -1,38 +1,28 @@
-//! `infer up --max-restarts N`: the launcher as the gang's supervisor (torchrun's elastic
-//! agent, for a serving gang). The HTTP front ([`crate::serve::front`]) listens at
-//! `--host:--port` in this process and outlives every gang; rank 0 serves behind it on
-//! loopback (through the SSH tunnel on a cluster). When a rank exits, stops heartbeating, its
-//! host is lost, or a replica stays stalled [`STALL_GRACE`] past `--stall-timeout`, the whole
-//! gang is stopped everywhere (no orphan), its files are moved to `restart-K/` in the run
-//! directory, and a new gang starts on the same hosts (new ports, a new store; on a cluster
-//! through the agents already running). After `N` restarts the next failure ends the run
-//! with its cause, as without `--max-restarts`.
+//! infer's own rank gang as the [`Supervisee`] of `infer up --max-restarts N`: each start a
+//! new gang (a new store, new ports), here or through the cluster's agents already running;
+//! rank 0 served behind the front and watched through its `/health` by a watchdog thread.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
 
-use super::events::{UpEvent, watch_signals};
-use super::gang::{FailureKind, GangFailure};
-use super::hosts::{ClusterHosts, ClusterOptions};
-use super::{Gang, LaunchSpec, Progress};
+use super::{Attempt, Ended, Limits, Outcome, STALL_GRACE, Started, Supervisee, supervise};
+use crate::launch::events::{UpEvent, watch_signals};
+use crate::launch::gang::{FailureKind, GangFailure};
+use crate::launch::hosts::{ClusterHosts, ClusterOptions};
+use crate::launch::{Gang, LaunchSpec, Progress};
 use crate::runtime::exec::worker::Job;
 use crate::serve::front::{Front, RestartCause};
-
-/// How long a replica stays stalled (`/health` says so, past `--stall-timeout`) before its
-/// gang is restarted: a step that was merely slow has had `--stall-timeout` plus this to
-/// finish.
-pub(crate) const STALL_GRACE: Duration = Duration::from_secs(5);
 
 /// How often the watchdog asks rank 0's `/health`.
 const WATCH_INTERVAL: Duration = Duration::from_millis(500);
 
-/// What a supervised run needs besides the spec.
-pub(super) struct Supervised<'a> {
+/// What a supervised run of infer's ranks needs besides the spec.
+pub(crate) struct Supervised<'a> {
     /// Restarts allowed (`--max-restarts`, at least 1 here).
     pub max_restarts: usize,
     pub stall_timeout: Duration,
@@ -47,38 +37,12 @@ pub(super) struct Supervised<'a> {
     pub layout: String,
 }
 
-/// How one start went: its gang (`None` when it did not start), how it ended, and how long
-/// it took to serve (`None` when it never did).
-struct Outcome {
-    gang: Option<Gang>,
-    ended: Ended,
-    ready_secs: Option<f64>,
-}
-
-/// How one gang ended.
-enum Ended {
-    /// Ctrl-C/SIGTERM: drained and stopped.
-    Stopped,
-    /// Failed: why (for `/metrics`), the error.
-    Failed(RestartCause, anyhow::Error),
-}
-
-/// One failure that was restarted, for the manifest's `restarts`.
-#[derive(serde::Serialize)]
-struct Restart {
-    restart: usize,
-    cause: &'static str,
-    error: String,
-    /// Where the failed start's files went.
-    files: PathBuf,
-}
-
 /// Serves `spec` (rank 0 on loopback, port 0) behind the front until Ctrl-C/SIGTERM, or
 /// until a failure finds no restart left.
 ///
 /// Errors: the address cannot be bound, a cluster's preflight fails, the last failure
 /// (with how many restarts came before).
-pub(super) fn serve(
+pub(crate) fn serve(
     spec: &LaunchSpec,
     settings: &Supervised,
     started: Instant,
@@ -91,202 +55,87 @@ pub(super) fn serve(
     watch_signals(Arc::clone(&signals))?;
     events(UpEvent::Listening(front.address()));
     let hosts = match &settings.cluster {
-        Some(options) => Some(super::hosts::connect(spec, options, &mut |p| {
+        Some(options) => Some(crate::launch::hosts::connect(spec, options, &mut |p| {
             events(UpEvent::Gang(p))
         })?),
         None => None,
     };
-    let mut restarts: Vec<Restart> = Vec::new();
-    let mut run_dir: Option<PathBuf> = None;
-    // What the last start took to serve: `Retry-After` while restarting.
-    let mut ready_secs = started.elapsed().as_secs_f64();
-    let mut served = false;
-    loop {
-        let restart = restarts.len();
-        let attempt = Attempt {
-            spec,
-            settings,
-            hosts: hosts.as_ref(),
-            front: &front,
-            signals: &signals,
-            restart,
-        };
-        let outcome = attempt.run(run_dir.as_deref(), &restarts, started, events);
-        ready_secs = outcome.ready_secs.unwrap_or(ready_secs);
-        // A first start that never served is a bad layout, model or host, not a fault:
-        // starting it again would fail the same way.
-        served |= outcome.ready_secs.is_some();
-        let (cause, error) = match outcome.ended {
-            Ended::Stopped => {
-                if let Some(mut gang) = outcome.gang {
-                    gang.write_outcome(None);
-                }
-                return Ok(());
-            }
-            Ended::Failed(cause, error) => (cause, error),
-        };
-        let restarting = restart < settings.max_restarts && served;
-        if restarting {
-            // Before the gang stops: what rank 0 answers while it stops is the restart's
-            // fault, and the front says so.
-            announce(
-                &front,
-                cause,
-                &error,
-                restart + 1,
-                settings,
-                ready_secs,
-                events,
-            );
-        }
-        let mut files = PathBuf::new();
-        if let Some(mut gang) = outcome.gang {
-            gang.stop();
-            gang.write_outcome(Some(&error));
-            let dir = gang.run_dir().to_path_buf();
-            drop(gang);
-            run_dir.get_or_insert(dir.clone());
-            if restarting {
-                files = dir.join(format!("restart-{}", restart + 1));
-                if let Err(move_error) = move_files(&dir, &files) {
-                    events(UpEvent::Note(format!(
-                        "warning: cannot keep the failed start's files: {move_error:#}"
-                    )));
-                }
-            }
-        }
-        if !restarting {
-            return Err(gave_up(error, restart));
-        }
-        restarts.push(Restart {
-            restart: restart + 1,
-            cause: cause.label(),
-            error: format!("{error:#}"),
-            files,
-        });
-    }
+    let mut ranks = Ranks {
+        spec,
+        settings,
+        hosts: hosts.as_ref(),
+    };
+    let limits = Limits {
+        max_restarts: settings.max_restarts,
+        started,
+    };
+    supervise(&mut ranks, &front, &signals, &limits, events)
 }
 
-/// The last failure, saying how many restarts came before it.
-fn gave_up(error: anyhow::Error, restarts: usize) -> anyhow::Error {
-    match restarts {
-        0 => error,
-        n => error.context(format!(
-            "the gang failed again after {n} restart{} (--max-restarts {n}); the run directory keeps each failed start's files in `restart-K/`",
-            if n == 1 { "" } else { "s" }
-        )),
-    }
-}
-
-/// Tells the front and the user that restart `restart` begins after `error`.
-fn announce(
-    front: &Front,
-    cause: RestartCause,
-    error: &anyhow::Error,
-    restart: usize,
-    settings: &Supervised,
-    start_secs: f64,
-    events: &mut dyn FnMut(UpEvent),
-) {
-    // The first line, without the log lines it announces (the run directory keeps them).
-    let text = format!("{error:#}");
-    let first_line = text.lines().next().unwrap_or_default();
-    let first_line = first_line
-        .split("; last lines of `")
-        .next()
-        .unwrap_or(first_line)
-        .to_string();
-    front.restarting(
-        cause,
-        &first_line,
-        restart,
-        settings.max_restarts,
-        start_secs.ceil() as u64,
-    );
-    events(UpEvent::Note(format!(
-        "warning: restarting the gang (restart {restart} of {}, --max-restarts) after: {first_line}",
-        settings.max_restarts
-    )));
-}
-
-/// Moves the files (not the directories) of `dir` into `to`: a failed start's logs,
-/// manifest and outcome, out of the next start's way.
-///
-/// Errors: `to` cannot be created, a file cannot be moved.
-fn move_files(dir: &Path, to: &Path) -> Result<()> {
-    super::run_dir::private_dir(to).with_context(|| format!("cannot create `{}`", to.display()))?;
-    for entry in
-        std::fs::read_dir(dir).with_context(|| format!("cannot read `{}`", dir.display()))?
-    {
-        let entry = entry?;
-        if entry.file_type()?.is_file() {
-            std::fs::rename(entry.path(), to.join(entry.file_name()))
-                .with_context(|| format!("cannot move `{}`", entry.path().display()))?;
-        }
-    }
-    Ok(())
-}
-
-/// One start of the gang and its life.
-struct Attempt<'a> {
+/// infer's own rank gang as a [`Supervisee`]: each start a new gang, here or through the
+/// cluster's agents, rank 0 watched through its `/health`.
+struct Ranks<'a> {
     spec: &'a LaunchSpec,
     settings: &'a Supervised<'a>,
     hosts: Option<&'a ClusterHosts>,
-    front: &'a Front,
-    signals: &'a AtomicUsize,
-    /// 0 for the first start.
-    restart: usize,
 }
 
-impl Attempt<'_> {
-    /// Starts the gang, waits until rank 0 serves, points the front at it and watches it
-    /// until a signal (drained: [`Ended::Stopped`]) or a failure.
-    fn run(
-        &self,
-        run_dir: Option<&Path>,
-        restarts: &[Restart],
-        started: Instant,
-        events: &mut dyn FnMut(UpEvent),
-    ) -> Outcome {
+impl Started for Gang {
+    fn stop(&mut self) {
+        Gang::stop(self);
+    }
+
+    fn write_outcome(&mut self, error: Option<&anyhow::Error>) {
+        Gang::write_outcome(self, error);
+    }
+
+    fn run_dir(&self) -> &Path {
+        Gang::run_dir(self)
+    }
+}
+
+impl Supervisee for Ranks<'_> {
+    type Started = Gang;
+    const NAME: &'static str = "gang";
+
+    fn attempt(&mut self, attempt: &Attempt<'_>, events: &mut dyn FnMut(UpEvent)) -> Outcome<Gang> {
         let began = Instant::now();
-        let mut gang = match self.start(run_dir) {
+        let mut gang = match self.start(attempt) {
             Ok(gang) => gang,
             Err(error) => {
                 return Outcome {
-                    gang: None,
+                    started: None,
                     ended: Ended::Failed(RestartCause::StartFailed, error),
                     ready_secs: None,
                 };
             }
         };
-        let (ended, ready_secs) = self.serve(&mut gang, restarts, began, started, events);
+        let (ended, ready_secs) = self.serve(&mut gang, attempt, began, events);
         Outcome {
-            gang: Some(gang),
+            started: Some(gang),
             ended,
             ready_secs,
         }
     }
+}
 
-    /// [`Attempt::run`] once `gang` has started: how it ended, and how long it took to
-    /// serve.
+impl Ranks<'_> {
+    /// [`Supervisee::attempt`] once `gang` has started: how it ended, and how long it took
+    /// to serve.
     fn serve(
         &self,
         gang: &mut Gang,
-        restarts: &[Restart],
+        attempt: &Attempt<'_>,
         began: Instant,
-        started: Instant,
         events: &mut dyn FnMut(UpEvent),
     ) -> (Ended, Option<f64>) {
         gang.fail_on_any_exit();
-        if !restarts.is_empty() {
-            gang.set_manifest_field(
-                "restarts",
-                serde_json::to_value(restarts).unwrap_or_default(),
-            );
+        if let Some(restarts) = attempt.restarts_json() {
+            gang.set_manifest_field("restarts", restarts);
         }
         let mut report = |event: Progress| events(UpEvent::Gang(event));
         report(gang.started());
-        let is_stopped = || self.signals.load(Ordering::SeqCst) > 0;
+        let is_stopped = || attempt.is_stopped();
         let address = match gang.wait_for(crate::rendezvous::READY_KEY, &is_stopped, &mut report) {
             Ok(Some(address)) => address,
             Ok(None) => {
@@ -301,41 +150,48 @@ impl Attempt<'_> {
             Err(error) => return (Ended::Failed(RestartCause::StartFailed, error), None),
         };
         let ready_secs = began.elapsed().as_secs_f64();
-        let url = format!("http://{}", self.front.address());
+        let url = format!("http://{}", attempt.front.address());
         if let Err(error) = gang.write_manifest(self.spec, Some(&url)) {
             events(UpEvent::Note(format!("warning: {error:#}")));
         }
-        self.front.serving(upstream.address);
-        match self.restart {
-            0 => events(UpEvent::Ready {
-                address: self.front.address().to_string(),
-                world_size: self.spec.degrees.world_size(),
-                layout: self.settings.layout.clone(),
-                ready_secs: started.elapsed().as_secs_f64(),
-            }),
-            restart => events(UpEvent::Note(format!(
-                "serving again on {url} after restart {restart} of {} (ready in {ready_secs:.2} s)",
-                self.settings.max_restarts,
-            ))),
-        }
+        attempt.serving(
+            upstream.address,
+            ready_secs,
+            self.spec.degrees.world_size(),
+            &self.settings.layout,
+            events,
+        );
+        let ended = self.watch(gang, &upstream, attempt, events);
+        (ended, Some(ready_secs))
+    }
+
+    /// Watches the serving `gang` (rank 0 at `upstream`) until a signal (then drained) or a
+    /// failure: a rank's, or a stall the watchdog found.
+    fn watch(
+        &self,
+        gang: &mut Gang,
+        upstream: &Upstream,
+        attempt: &Attempt<'_>,
+        events: &mut dyn FnMut(UpEvent),
+    ) -> Ended {
         let watchdog = Watchdog::start(upstream.address, self.settings.stall_timeout, STALL_GRACE);
-        let stopped_or_stalled = || is_stopped() || watchdog.stalled().is_some();
+        let stopped_or_stalled = || attempt.is_stopped() || watchdog.stalled().is_some();
         let mut report = |event: Progress| events(UpEvent::Gang(event));
         let watched = gang.wait_for("never", &stopped_or_stalled, &mut report);
         let stall = watchdog.stalled();
         drop(watchdog);
-        if let Some(forward) = upstream.forward {
+        if let Some(forward) = &upstream.forward {
             // Connections already relayed end on their own when the ranks go.
             forward.abort();
         }
-        let ended = match watched {
+        match watched {
             Err(error) => Ended::Failed(classify(&error), error),
-            Ok(_) if is_stopped() => {
-                let drained = super::serving::drain(
+            Ok(_) if attempt.is_stopped() => {
+                let drained = crate::launch::serving::drain(
                     gang,
                     self.settings.shutdown_timeout,
                     None,
-                    self.signals,
+                    attempt.signals,
                     events,
                 );
                 match drained {
@@ -347,20 +203,20 @@ impl Attempt<'_> {
                 RestartCause::Stalled,
                 anyhow!(stall.unwrap_or_else(|| "a replica stalled".into())),
             ),
-        };
-        (ended, Some(ready_secs))
+        }
     }
 
-    /// Starts the gang: on the cluster's hosts through their agents, or here.
+    /// Starts the gang: on the cluster's hosts through their agents, or here; a restart in
+    /// the run directory of the first start.
     ///
     /// Errors: the store or a rank cannot start.
-    fn start(&self, run_dir: Option<&Path>) -> Result<Gang> {
+    fn start(&self, attempt: &Attempt<'_>) -> Result<Gang> {
         if let Some(hosts) = self.hosts {
-            return hosts.start_gang_in(&Job::Serve, self.restart, run_dir);
+            return hosts.start_gang_in(&Job::Serve, attempt.restart, attempt.run_dir);
         }
         let mut spec = self.spec.clone();
-        spec.restart = self.restart;
-        if let Some(dir) = run_dir {
+        spec.restart = attempt.restart;
+        if let Some(dir) = attempt.run_dir {
             spec.run_dir = Some(dir.to_path_buf());
         }
         Gang::start(&spec, &Job::Serve)
