@@ -1124,7 +1124,7 @@ impl EngineRun<'_> {
             layout: self.layout.to_string(),
             ready_secs: started.elapsed().as_secs_f64(),
         });
-        let watched = self.watch(None, events);
+        let watched = self.watch(None, &mut |_| {}, events);
         self.stop_all(events);
         let error = match watched {
             Watched::Signal => None,
@@ -1261,11 +1261,12 @@ impl EngineRun<'_> {
 
     /// Watches the serving engine until a signal arrives, any engine process exits, or,
     /// with `restart_after_stall`, the head has stayed stalled that long. Meanwhile watches
-    /// the head's forward progress (its `/metrics`, every second) and warns when it stalls
-    /// and when it resumes.
+    /// the head's forward progress (its `/metrics`, every second), warns when it stalls
+    /// and when it resumes, and tells `on_stall` (why, or `None` once it resumed).
     pub(super) fn watch(
         &mut self,
         restart_after_stall: Option<Duration>,
+        on_stall: &mut dyn FnMut(Option<&str>),
         events: &mut dyn FnMut(UpEvent),
     ) -> Watched {
         let mut stalls = StallWatch::new();
@@ -1277,7 +1278,7 @@ impl EngineRun<'_> {
             if self.signals.load(Ordering::SeqCst) > 0 {
                 return Watched::Signal;
             }
-            stalls.poll(self, events);
+            stalls.poll(self, on_stall, events);
             if let Some(grace) = restart_after_stall
                 && let Some(why) = stalls.stalled_for(grace)
             {
@@ -1313,7 +1314,12 @@ impl StallWatch {
 
     /// Scrapes `run`'s head when a second has passed since the last time, and reports a
     /// stall as it begins and ends.
-    fn poll(&mut self, run: &EngineRun<'_>, events: &mut dyn FnMut(UpEvent)) {
+    fn poll(
+        &mut self,
+        run: &EngineRun<'_>,
+        on_stall: &mut dyn FnMut(Option<&str>),
+        events: &mut dyn FnMut(UpEvent),
+    ) {
         if self.scraped.elapsed() < Duration::from_secs(1) {
             return;
         }
@@ -1335,10 +1341,12 @@ impl StallWatch {
         match change {
             engines::progress::Change::Stalled { .. } => {
                 events(UpEvent::Note(format!("warning: {line}")));
+                on_stall(Some(&line));
                 self.stalled = Some((Instant::now(), line));
             }
             engines::progress::Change::Resumed => {
                 events(UpEvent::Note(line));
+                on_stall(None);
                 self.stalled = None;
             }
         }

@@ -2,8 +2,8 @@
 //! user's `--host:--port` in the launcher's process, which outlives the gang, and relays
 //! every request to rank 0's server (on loopback, or through the SSH tunnel to rank 0's
 //! host), or with `--engine` to the engine's head. While the gang starts or restarts it
-//! answers for it: `/ping` 200, `/health` 503
-//! saying why, every other endpoint 503 with `Retry-After` (OpenAI error JSON). A request
+//! answers for it: `/ping` 200, `/health` 503 saying why (and while an engine's head is
+//! stalled, which its own `/health` does not say), every other endpoint 503 with `Retry-After` (OpenAI error JSON). A request
 //! whose gang fails under it gets an error that names the cause: a 503 when no answer had
 //! started, an `error` event then `[DONE]` on a stream (as vLLM ends a failed stream).
 //! `/metrics` adds `infer_restarts_total{cause}` and `infer_gang_serving` to rank 0's.
@@ -92,6 +92,8 @@ enum Phase {
 /// The state the front's handlers share with the launcher.
 struct Shared {
     phase: tokio::sync::watch::Sender<Phase>,
+    /// Why the engine behind the front is stalled, while it is ([`Front::stalled`]).
+    stalled: Mutex<Option<String>>,
     restarts: Mutex<BTreeMap<RestartCause, u64>>,
     /// The API key `/metrics` requires, if any.
     metrics_key: Option<String>,
@@ -125,12 +127,14 @@ impl Front {
             .context("failed to start the HTTP front's runtime")?;
         let shared = Arc::new(Shared {
             phase: tokio::sync::watch::Sender::new(Phase::Starting),
+            stalled: Mutex::default(),
             restarts: Mutex::default(),
             metrics_key,
         });
         let app = axum::Router::new()
             .route("/ping", get(|| async { "pong" }))
             .route("/metrics", get(metrics))
+            .route("/health", get(health))
             .fallback(relay_any)
             .with_state(Arc::clone(&shared));
         let (shutdown, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -163,7 +167,18 @@ impl Front {
 
     /// Relays every request to rank 0's server at `upstream` from now on.
     pub fn serving(&self, upstream: SocketAddr) {
+        self.stalled(None);
         self.shared.phase.send_replace(Phase::Serving(upstream));
+    }
+
+    /// The engine behind the front is stalled (`Some(why)`: it has work and makes no
+    /// progress; its own `/health` may still say 200, or never answer) or no longer
+    /// (`None`): while stalled, `/health` answers 503 `{"status": "stalled", "reason"}`
+    /// itself; every other request is still relayed.
+    pub fn stalled(&self, why: Option<&str>) {
+        if let Ok(mut stalled) = self.shared.stalled.lock() {
+            *stalled = why.map(str::to_string);
+        }
     }
 
     /// The gang failed with `cause` (`kind`, for `/metrics`) and starts again, restart
@@ -274,8 +289,22 @@ async fn metrics(State(shared): State<Arc<Shared>>, request: Request) -> Respons
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-/// Every endpoint but `/ping` and `/metrics` (`/health` included): rank 0's answer while
-/// serving; 503 saying why while starting or restarting.
+/// `/health`: 503 with the reason while the engine behind the front is stalled, else as
+/// [`relay_any`].
+async fn health(State(shared): State<Arc<Shared>>, request: Request) -> Response {
+    let stalled = shared.stalled.lock().ok().and_then(|s| s.clone());
+    match stalled {
+        Some(reason) if matches!(*shared.phase.borrow(), Phase::Serving(_)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "stalled", "reason": reason, "replicas": []})),
+        )
+            .into_response(),
+        _ => relay(&shared, request).await,
+    }
+}
+
+/// Every endpoint but `/ping` and `/metrics`: rank 0's answer while serving; 503 saying
+/// why while starting or restarting.
 async fn relay_any(State(shared): State<Arc<Shared>>, request: Request) -> Response {
     relay(&shared, request).await
 }

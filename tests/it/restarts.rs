@@ -386,8 +386,32 @@ fn a_killed_llamacpp_server_restarts_behind_the_front_and_a_stalled_one_ends_the
     assert!(run_dir.path().join("restart-1/node0.log").exists());
     let manifest = run_file(run_dir.path(), "manifest.json");
     assert_eq!(manifest["restarts"][0]["cause"], "engine_exited");
-    // No restart left: a stalled llama-server ends the run with its cause.
+    // No restart left: a stalled llama-server ends the run with its cause. Until then, the
+    // front's `/health` says it is stalled (the frozen server's own never answers).
     signal(second[0].2, rustix::process::Signal::STOP);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let stalled = loop {
+        let answer = ureq::get(&format!("{}/health", server.url))
+            .config()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(1)))
+            .build()
+            .call();
+        if let Ok(mut response) = answer
+            && response.status() == 503
+        {
+            let body = response.body_mut().read_to_string().unwrap_or_default();
+            if body.contains("\"stalled\"") {
+                break body;
+            }
+        }
+        assert!(Instant::now() < deadline, "/health never said `stalled`");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        stalled.contains("`localhost llama-server` answered no `GET /metrics`"),
+        "{stalled}"
+    );
     let (status, rest) = server.wait_exit(Duration::from_secs(60));
     assert!(!status.success(), "{rest}");
     assert!(

@@ -99,7 +99,9 @@ impl Supervisee for EngineRun<'_> {
             self.layout,
             events,
         );
-        let ended = match self.watch(Some(STALL_GRACE), events) {
+        // The head's own `/health` does not say it is stalled: the front does.
+        let front = attempt.front;
+        let ended = match self.watch(Some(STALL_GRACE), &mut |why| front.stalled(why), events) {
             Watched::Signal => {
                 self.stop_all(events);
                 Ended::Stopped
