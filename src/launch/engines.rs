@@ -1592,35 +1592,17 @@ fn write_manifest(
 /// (`exit`: its exit code or the signal that ended it; `null` when unknown). Best effort:
 /// a run directory that cannot be written is skipped.
 pub(super) fn write_outcome(run_dir: &Path, members: &mut [Member], error: Option<&anyhow::Error>) {
-    use std::os::unix::process::ExitStatusExt;
     let processes: Vec<serde_json::Value> = members
         .iter_mut()
         .map(|m| {
-            let exit = match m.handle.try_wait() {
-                Ok(Some(status)) => {
-                    serde_json::json!({"code": status.code(), "signal": status.signal()})
-                }
-                _ => serde_json::Value::Null,
-            };
             serde_json::json!({
                 "node": m.node,
                 "label": m.label,
                 "host": m.handle.host().unwrap_or("localhost"),
                 "pid": m.handle.id(),
-                "exit": exit,
+                "exit": super::run_dir::exit_json(m.handle.try_wait()),
             })
         })
         .collect();
-    let ended_unix_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let outcome = serde_json::json!({
-        "ok": error.is_none(),
-        "error": error.map(|e| format!("{e:#}")),
-        "ended_unix_ms": ended_unix_ms,
-        "processes": processes,
-    });
-    if let Ok(text) = serde_json::to_vec_pretty(&outcome) {
-        let _ = super::run_dir::write_private(&run_dir.join("outcome.json"), &text);
-    }
+    super::run_dir::write_outcome(run_dir, error, "processes", processes);
 }

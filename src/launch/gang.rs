@@ -237,38 +237,19 @@ impl Gang {
     /// its exit code or the signal that ended it; `null` when unknown). `infer doctor
     /// --run` reads it. Best effort: a run directory that cannot be written is skipped.
     pub fn write_outcome(&mut self, error: Option<&anyhow::Error>) {
-        use std::os::unix::process::ExitStatusExt;
         let ranks: Vec<serde_json::Value> = self
             .ranks
             .iter_mut()
             .map(|r| {
-                let exit = match r.child.try_wait() {
-                    Ok(Some(status)) => {
-                        serde_json::json!({"code": status.code(), "signal": status.signal()})
-                    }
-                    _ => serde_json::Value::Null,
-                };
                 serde_json::json!({
                     "rank": r.rank,
                     "host": r.child.host().unwrap_or("localhost"),
                     "pid": r.child.id(),
-                    "exit": exit,
+                    "exit": super::run_dir::exit_json(r.child.try_wait()),
                 })
             })
             .collect();
-        let ended_unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        let outcome = serde_json::json!({
-            "ok": error.is_none(),
-            "error": error.map(|e| format!("{e:#}")),
-            "ended_unix_ms": ended_unix_ms,
-            "ranks": ranks,
-        });
-        if let Ok(text) = serde_json::to_string_pretty(&outcome) {
-            let _ =
-                super::run_dir::write_private(&self.run_dir.join("outcome.json"), text.as_bytes());
-        }
+        super::run_dir::write_outcome(&self.run_dir, error, "ranks", ranks);
     }
 
     /// Adds a top-level field to `manifest.json` (written at the next

@@ -129,6 +129,42 @@ fn run_in_use(dir: &Path) -> bool {
         .is_ok_and(|entries| entries.flatten().any(|e| e.path().join("pgids").exists()))
 }
 
+/// How a process ended, as `outcome.json` records it: `{"code", "signal"}` from
+/// `try_wait`'s answer, `null` while unknown (still running, or not ours to wait for).
+pub(crate) fn exit_json<E>(
+    status: Result<Option<std::process::ExitStatus>, E>,
+) -> serde_json::Value {
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Ok(Some(status)) => serde_json::json!({"code": status.code(), "signal": status.signal()}),
+        _ => serde_json::Value::Null,
+    }
+}
+
+/// Writes `outcome.json` in `run_dir` once a run's processes have ended: whether it failed
+/// and why (`error`, the whole chain), when (`ended_unix_ms`), and how each process ended
+/// under `list` (`ranks`, or an engine's `processes`). `infer doctor --run` reads it. Best
+/// effort: a run directory that cannot be written is skipped.
+pub(crate) fn write_outcome(
+    run_dir: &Path,
+    error: Option<&anyhow::Error>,
+    list: &str,
+    processes: Vec<serde_json::Value>,
+) {
+    let ended_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let mut outcome = serde_json::json!({
+        "ok": error.is_none(),
+        "error": error.map(|e| format!("{e:#}")),
+        "ended_unix_ms": ended_unix_ms,
+    });
+    outcome[list] = serde_json::Value::Array(processes);
+    if let Ok(text) = serde_json::to_vec_pretty(&outcome) {
+        let _ = write_private(&run_dir.join("outcome.json"), &text);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
