@@ -32,6 +32,26 @@ fn get_with_retry_after(server: &Server, path: &str) -> (u16, Option<String>, St
     )
 }
 
+/// Asserts that among the 503s `unavailable` (status, `Retry-After`, body) one says the
+/// first restart of one is under way after `cause`, with a `Retry-After` of at least 1 s.
+fn assert_first_restart(unavailable: &[(u16, Option<String>, String)], cause: &str) {
+    let restarting = unavailable
+        .iter()
+        .find(|(_, _, body)| body.contains("\"restarting\""))
+        .unwrap_or_else(|| panic!("no `restarting` 503 among {unavailable:?}"));
+    assert!(
+        restarting.2.contains("restart 1 of 1") && restarting.2.contains(cause),
+        "{restarting:?}"
+    );
+    assert!(
+        restarting
+            .1
+            .as_deref()
+            .is_some_and(|s| s.parse::<u64>().is_ok_and(|s| s >= 1)),
+        "Retry-After: {restarting:?}"
+    );
+}
+
 /// Polls `/health` every 20 ms until it answers 200 again; panics after `within`. Returns
 /// the 503s seen meanwhile (status, `Retry-After`, body).
 fn until_serving_again(server: &Server, within: Duration) -> Vec<(u16, Option<String>, String)> {
@@ -111,21 +131,7 @@ fn a_killed_rank_restarts_the_gang_while_the_front_stays_up() {
     }
     signal(first[1], rustix::process::Signal::KILL);
     let unavailable = until_serving_again(&server, Duration::from_secs(30));
-    let restarting = unavailable
-        .iter()
-        .find(|(_, _, body)| body.contains("\"restarting\""))
-        .unwrap_or_else(|| panic!("no `restarting` 503 among {unavailable:?}"));
-    assert!(
-        restarting.2.contains("restart 1 of 1") && restarting.2.contains("rank 1 exited"),
-        "{restarting:?}"
-    );
-    assert!(
-        restarting
-            .1
-            .as_deref()
-            .is_some_and(|s| s.parse::<u64>().is_ok_and(|s| s >= 1)),
-        "Retry-After: {restarting:?}"
-    );
+    assert_first_restart(&unavailable, "rank 1 exited");
     let events = stream.join().expect("stream");
     assert!(
         events.ends_with("data: [DONE]\n\n")
@@ -339,24 +345,7 @@ fn a_killed_llamacpp_server_restarts_behind_the_front_and_a_stalled_one_ends_the
     );
     signal(first[0].2, rustix::process::Signal::KILL);
     let unavailable = until_serving_again(&server, Duration::from_secs(60));
-    let restarting = unavailable
-        .iter()
-        .find(|(_, _, body)| body.contains("\"restarting\""))
-        .unwrap_or_else(|| panic!("no `restarting` 503 among {unavailable:?}"));
-    assert!(
-        restarting.2.contains("restart 1 of 1")
-            && restarting
-                .2
-                .contains("`localhost llama-server` (node 0) exited"),
-        "{restarting:?}"
-    );
-    assert!(
-        restarting
-            .1
-            .as_deref()
-            .is_some_and(|s| s.parse::<u64>().is_ok_and(|s| s >= 1)),
-        "Retry-After: {restarting:?}"
-    );
+    assert_first_restart(&unavailable, "`localhost llama-server` (node 0) exited");
     let events = stream.join().expect("stream");
     assert!(
         events.ends_with("data: [DONE]\n\n")
