@@ -751,6 +751,22 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("runs CPU ranks"), "{stderr}");
+    // The doctor does not ask this host for GPUs the plan does not use.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("plan.json");
+    std::fs::write(&file, plan.to_string()).expect("write");
+    let output = run(&["doctor", "--plan", file.to_str().expect("UTF-8"), "--json"]);
+    let report: Value = serde_json::from_slice(&output.stdout).expect("doctor JSON");
+    let nvml: Vec<&Value> = report["findings"]
+        .as_array()
+        .expect("findings")
+        .iter()
+        .filter(|f| f["check"] == "nvml")
+        .collect();
+    assert!(
+        !nvml.is_empty() && nvml.iter().all(|f| f["severity"] == "ok"),
+        "{report}"
+    );
 }
 
 /// An inventory of `cpu-ranks` hosts is planned on this host's probed CPU (and says so):
