@@ -43,7 +43,8 @@ pub struct CpuProfile {
     /// Memory read bandwidth of all cores together, bytes/s.
     pub memory_bytes_per_sec: f64,
     /// Fused multiply-add throughput of all cores together, f32 flops/s (a multiply-add is
-    /// two).
+    /// two). Integer dot products (the CPU engine's quantized matrix products) run at up to
+    /// twice this rate, and a calibration from the engine's prefill can exceed it.
     pub flops_per_sec: f64,
     /// How the figures were obtained (`probed on this host in 0.41 s`).
     pub source: String,
