@@ -19,8 +19,9 @@ pub enum Command {
     /// Probe this host's GPUs, NVLink, NICs and HCAs (or import a recorded topology) and
     /// print the matrix like `nvidia-smi topo -m`.
     Topo(TopoArgs),
-    /// Choose TP × PP × EP × DP for a model on a cluster, place every rank, and print the
-    /// memory per GPU, the NCCL env per host and the reasons.
+    /// Choose TP × PP × EP × DP for a model on a cluster (of GPUs, or of hosts' CPUs), place
+    /// every rank, and print the memory per GPU (or CPU rank), the NCCL env per host and the
+    /// reasons.
     Plan(PlanArgs),
     /// Diagnose what breaks distributed inference: NCCL falling back to TCP, wrong
     /// interfaces, NCCL errors and version mismatches, from logs, topologies and this host.
@@ -513,7 +514,9 @@ pub struct PlanArgs {
     /// An all-reduce table measured on the hosts (nccl-tests' `all_reduce_perf` output, or
     /// `infer bench allreduce`'s): its peak bus bandwidth and small-message time replace the
     /// datasheet's link inside a host or between hosts (as the table's ranks were placed).
-    /// Repeatable: one table per kind of link.
+    /// Or `infer bench decode --json` run on the cluster's GPU model (its HBM bandwidth), or
+    /// on its hosts' CPU (their probed memory bandwidth and compute rate). Repeatable: one
+    /// table per kind of link, one decode per GPU model or CPU.
     #[arg(long, value_name = "FILE")]
     pub calibration: Vec<PathBuf>,
 
@@ -545,7 +548,8 @@ pub struct PlanArgs {
 /// The planner's flags besides the model, shared by `infer plan` and `infer doctor`.
 #[derive(Debug, Args)]
 pub struct PlanSettingsArgs {
-    /// `local` (probe this host), a cluster inventory TOML, or a shorthand
+    /// `local` (probe this host: its GPUs, or without them its CPU, whose ranks share it), a
+    /// cluster inventory TOML (hosts with `gpus`, or with `cpu-ranks`), or a shorthand
     /// `NODESxGPUSxHARDWARE` such as `2x8xh100-sxm`.
     #[arg(long, value_name = "C", default_value = "local")]
     pub cluster: String,
@@ -567,7 +571,8 @@ pub struct PlanSettingsArgs {
     #[arg(long, value_name = "N")]
     pub max_model_len: Option<u64>,
 
-    /// Fraction of each GPU's memory the engine may use (as vLLM).
+    /// Fraction of each GPU's memory the engine may use (as vLLM); for CPU ranks, of their
+    /// host's memory.
     #[arg(long, value_name = "F", default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
 

@@ -436,7 +436,8 @@ pub(crate) fn request_from_plan(
         nodes,
         ports: EnginePorts::default_for(engine),
         http_host: "0.0.0.0".into(),
-        gpu: true,
+        // A plan of CPU ranks runs on the hosts' CPUs.
+        gpu: plan.device == crate::plan::cluster::Device::Gpu,
     }
 }
 

@@ -1,6 +1,8 @@
 //! Building a [`Cluster`] from what `--cluster` names: `local` (probe this host), a TOML
-//! inventory of hosts, or a shorthand `NODESxGPUSxHW` such as `2x8xh100-sxm`. Hardware
-//! figures come from `profiles/hardware/` (embedded). This is the I/O edge of the planner.
+//! inventory of hosts, or a shorthand `NODESxGPUSxHW` such as `2x8xh100-sxm`. GPU figures
+//! come from `profiles/hardware/` (embedded); a host without GPUs (`local` here, an
+//! inventory's `cpu-ranks` hosts) is its CPU, probed ([`probe_cpu`]). This is the I/O edge of
+//! the planner.
 
 use std::path::{Path, PathBuf};
 
@@ -8,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
 use crate::plan::cluster::{Cluster, ClusterHost, HardwareSpec};
+use crate::topology::cpu::probe_cpu;
 use crate::topology::probe::{ProbeOptions, probe_host};
 use crate::topology::{Gpu, Host, LinkCode, Topology, nvlink_domains};
 
@@ -57,7 +60,7 @@ pub fn hardware(id: &str) -> Result<HardwareSpec> {
 /// Resolves `--cluster`.
 ///
 /// Errors: a shorthand with an unknown profile or zero counts, an unreadable or malformed
-/// inventory, `local` on a host without GPUs (with a hint to plan for a shorthand).
+/// inventory, a host whose CPU cannot be probed.
 pub fn load(cluster: &str, sysfs_root: &Path) -> Result<Cluster> {
     if cluster == "local" {
         return local(sysfs_root);
@@ -102,6 +105,7 @@ fn shorthand(text: &str) -> Result<Option<Cluster>> {
                 address: None,
                 hardware_id: hw.to_string(),
                 hardware: spec.clone(),
+                cpu: None,
             }
         })
         .collect();
@@ -163,16 +167,27 @@ pub fn synthetic_topology(hostname: &str, n_gpus: usize, spec: &HardwareSpec) ->
     }
 }
 
-/// This host, probed. The hardware profile is matched from the GPU name.
+/// This host, probed. The hardware profile is matched from the GPU name; a host without
+/// GPUs is planned on its CPU: one rank per core at most, its figures probed.
 fn local(sysfs_root: &Path) -> Result<Cluster> {
     let host = probe_host(&ProbeOptions {
         sysfs_root: sysfs_root.to_path_buf(),
     })?;
     let Some(gpu_name) = host.gpus.first().and_then(|g| g.name.clone()) else {
-        bail!(
-            "this host has no NVIDIA GPUs to plan for ({})\nhint: plan for hardware you do not have here with a shorthand, e.g. `--cluster 1x8xh100-sxm`",
-            host.notes.join("; ")
-        );
+        let profile =
+            probe_cpu().context("this host has no NVIDIA GPUs, and its CPU could not be probed")?;
+        let max_ranks = profile.n_cores;
+        return Ok(Cluster {
+            description: "local".to_string(),
+            hosts: vec![ClusterHost::cpu(
+                host.hostname.clone(),
+                None,
+                profile,
+                max_ranks,
+                host,
+            )],
+            measured: Default::default(),
+        });
     };
     let hardware_id = hardware_for_gpu_name(&gpu_name)
         .with_context(|| format!("no hardware profile matches GPU `{gpu_name}`; use a cluster inventory that names `hardware`"))?;
@@ -188,6 +203,7 @@ fn local(sysfs_root: &Path) -> Result<Cluster> {
             hardware_id: hardware_id.to_string(),
             hardware,
             topology: host,
+            cpu: None,
         }],
         measured: Default::default(),
     })
@@ -409,6 +425,10 @@ fn parse_inventory(text: &str, path: &Path) -> Result<(Inventory, Vec<String>)> 
 /// hardware = "h100-sxm"
 /// topology = "gpu-node-1.json"   # optional
 /// ```
+///
+/// A host with `cpu-ranks = N` instead runs up to `N` CPU ranks; planning cannot reach the
+/// hosts, so its CPU is taken to be this host's (probed here once, and said so in the plan).
+/// An inventory does not mix GPU and CPU-rank hosts.
 fn inventory(path: &Path) -> Result<Cluster> {
     let (inventory, places) = read_inventory(path)?;
     if inventory.hosts.is_empty() {
@@ -416,6 +436,7 @@ fn inventory(path: &Path) -> Result<Cluster> {
     }
     let base = path.parent().unwrap_or(Path::new("."));
     let mut hosts: Vec<ClusterHost> = Vec::new();
+    let mut cpu_profile: Option<crate::topology::CpuProfile> = None;
     for (entry, place) in inventory.hosts.into_iter().zip(&places) {
         let entry = entry.with_defaults(&inventory.defaults);
         let address = entry
@@ -429,10 +450,67 @@ fn inventory(path: &Path) -> Result<Cluster> {
                 places[first]
             );
         }
+        if let Some(ranks) = entry.cpu_ranks {
+            if entry.gpus.is_some() || entry.hardware.is_some() {
+                bail!(
+                    "host `{name}` at {place}: give `cpu-ranks` (its CPU, probed) or `gpus` with `hardware`, not both"
+                );
+            }
+            if ranks == 0 {
+                bail!("host `{name}` at {place}: `cpu-ranks = 0`; give at least 1");
+            }
+            if hosts.iter().any(|h| h.cpu.is_none()) {
+                bail!(
+                    "host `{name}` at {place} runs CPU ranks and an earlier host GPUs: plan GPU hosts and CPU-rank hosts in separate inventories"
+                );
+            }
+            let profile = match &cpu_profile {
+                Some(profile) => profile.clone(),
+                None => {
+                    let mut probed = probe_cpu().context(
+                        "cannot probe this host's CPU, which stands for the inventory's CPU-rank hosts",
+                    )?;
+                    probed.source = format!(
+                        "this host's CPU, {}; `{}` does not say its hosts' own",
+                        probed.source,
+                        path.display()
+                    );
+                    cpu_profile = Some(probed.clone());
+                    probed
+                }
+            };
+            let topology = match &entry.topology {
+                Some(file) => imported_topology(&base.join(file), &name, 0)?,
+                None => Host {
+                    hostname: name.clone(),
+                    source: "inventory".to_string(),
+                    driver_version: None,
+                    cuda_driver_version: None,
+                    gpus: Vec::new(),
+                    gpu_links: Vec::new(),
+                    p2p: None,
+                    nvlink_domains: Vec::new(),
+                    nics: Vec::new(),
+                    notes: Vec::new(),
+                },
+            };
+            hosts.push(ClusterHost::cpu(
+                name,
+                Some(address),
+                profile,
+                ranks as u64,
+                topology,
+            ));
+            continue;
+        }
+        if hosts.iter().any(|h| h.cpu.is_some()) {
+            bail!(
+                "host `{name}` at {place} has GPUs and an earlier host runs CPU ranks: plan GPU hosts and CPU-rank hosts in separate inventories"
+            );
+        }
         let (Some(gpus), Some(hardware_id)) = (entry.gpus, entry.hardware.clone()) else {
             bail!(
-                "host `{name}` at {place} has no `gpus` and `hardware`: planning needs GPU hosts \
-                 (CPU-rank hosts are launched with `--tp/--pp/--dp`)"
+                "host `{name}` at {place} has no `gpus` and `hardware`, nor `cpu-ranks`: give its GPUs and their hardware profile, or the CPU ranks it runs"
             );
         };
         if gpus == 0 {
@@ -443,23 +521,7 @@ fn inventory(path: &Path) -> Result<Cluster> {
         let hardware =
             hardware(&hardware_id).with_context(|| format!("host `{name}` at {place}"))?;
         let topology = match &entry.topology {
-            Some(file) => {
-                let file = base.join(file);
-                let text = std::fs::read_to_string(&file)
-                    .with_context(|| format!("failed to read `{}`", file.display()))?;
-                let mut imported = Topology::import(&text, &name)?;
-                let mut host = imported.hosts.remove(0);
-                if host.gpus.len() != gpus {
-                    bail!(
-                        "host `{name}`: inventory says {} GPUs but `{}` has {}",
-                        gpus,
-                        file.display(),
-                        host.gpus.len()
-                    );
-                }
-                host.hostname = name.clone();
-                host
-            }
+            Some(file) => imported_topology(&base.join(file), &name, gpus)?,
             None => synthetic_topology(&name, gpus, &hardware),
         };
         hosts.push(ClusterHost {
@@ -468,6 +530,7 @@ fn inventory(path: &Path) -> Result<Cluster> {
             hardware_id,
             hardware,
             topology,
+            cpu: None,
         });
     }
     Ok(Cluster {
@@ -475,4 +538,27 @@ fn inventory(path: &Path) -> Result<Cluster> {
         hosts,
         measured: Default::default(),
     })
+}
+
+/// The first host of the topology `file` (`infer topo --json` or `nvidia-smi topo -m`),
+/// renamed `name`. Errors: the file cannot be read or parsed, or has another GPU count than
+/// the inventory's `gpus` (0 for a CPU-rank host).
+fn imported_topology(file: &Path, name: &str, gpus: usize) -> Result<Host> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("failed to read `{}`", file.display()))?;
+    let mut imported = Topology::import(&text, name)?;
+    if imported.hosts.is_empty() {
+        bail!("`{}` describes no host", file.display());
+    }
+    let mut host = imported.hosts.remove(0);
+    if host.gpus.len() != gpus {
+        bail!(
+            "host `{name}`: inventory says {} GPUs but `{}` has {}",
+            gpus,
+            file.display(),
+            host.gpus.len()
+        );
+    }
+    host.hostname = name.to_string();
+    Ok(host)
 }

@@ -1,5 +1,5 @@
-//! Launching over the hosts of an inventory: rank placement (TP groups inside a host,
-//! consecutive ranks per host), the store on rank 0's host at its data address, and the
+//! Launching over the hosts of an inventory: rank placement (a plan's, or TP groups inside a
+//! host and consecutive ranks per host), the store on rank 0's host at its data address, and the
 //! gang started through the agents. The hosts' SSH targets and data interfaces are
 //! `network.rs`'s; the doctor's survey of the hosts is `survey.rs`'s.
 
@@ -122,7 +122,10 @@ pub(crate) fn connect(
     spec.check_layout()?;
     let entries = crate::inventory::launch_inventory(&options.inventory)?;
     check_host_names(&entries, &options.inventory)?;
-    let rank_hosts = place(&entries, spec.degrees)?;
+    let rank_hosts = match &spec.planned_hosts {
+        Some(names) => planned(&entries, names, spec.degrees)?,
+        None => place(&entries, spec.degrees)?,
+    };
     let targets = ssh_targets(&entries)?;
     let remote = RemoteCluster::connect(
         &targets,
@@ -381,6 +384,50 @@ pub(crate) fn place(entries: &[InventoryEntry], degrees: Degrees) -> Result<Vec<
     Ok(hosts)
 }
 
+/// The inventory index of each rank's host, from the host names a plan gave (`names`,
+/// indexed by rank).
+///
+/// Errors: not one name per rank of `degrees`, a name the inventory does not list, more
+/// ranks on a host than its slots.
+pub(crate) fn planned(
+    entries: &[InventoryEntry],
+    names: &[String],
+    degrees: Degrees,
+) -> Result<Vec<usize>> {
+    if names.len() != degrees.world_size() {
+        bail!(
+            "the plan places {} ranks, and its layout (tp {} × pp {} × dp {}) has {}",
+            names.len(),
+            degrees.tp,
+            degrees.pp,
+            degrees.dp,
+            degrees.world_size()
+        );
+    }
+    let hosts = names
+        .iter()
+        .map(|name| {
+            entries
+                .iter()
+                .position(|e| &e.name == name)
+                .with_context(|| {
+                    format!("the plan places ranks on `{name}`, which the inventory does not list")
+                })
+        })
+        .collect::<Result<Vec<usize>>>()?;
+    for (index, entry) in entries.iter().enumerate() {
+        let n_ranks = hosts.iter().filter(|&&h| h == index).count();
+        if n_ranks > entry.slots {
+            bail!(
+                "the plan places {n_ranks} ranks on `{}`, which takes {}",
+                entry.name,
+                entry.slots
+            );
+        }
+    }
+    Ok(hosts)
+}
+
 fn place_greedy(capacity: &[usize], tp: usize, n_groups: usize) -> Result<Vec<usize>> {
     let mut hosts = Vec::new();
     for (host, capacity) in capacity.iter().enumerate() {
@@ -415,6 +462,26 @@ mod tests {
             nccl_socket_ifname: None,
             infer_path: None,
         }
+    }
+
+    #[test]
+    fn a_plans_hosts_are_kept_and_checked_against_the_inventory() {
+        let two = [entry("a", 2), entry("b", 2)];
+        let names = |hosts: &[&str]| hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            planned(&two, &names(&["a", "b"]), d(1, 1, 2)).expect("one rank each"),
+            vec![0, 1]
+        );
+        assert_eq!(
+            planned(&two, &names(&["b", "b"]), d(2, 1, 1)).expect("both on b"),
+            vec![1, 1]
+        );
+        let error = planned(&two, &names(&["a", "c"]), d(1, 1, 2)).expect_err("no c");
+        assert!(error.to_string().contains("`c`"), "{error}");
+        let error = planned(&two, &names(&["a", "a", "a"]), d(1, 3, 1)).expect_err("a takes 2");
+        assert!(error.to_string().contains("3 ranks on `a`"), "{error}");
+        let error = planned(&two, &names(&["a"]), d(1, 1, 2)).expect_err("one name short");
+        assert!(error.to_string().contains("has 2"), "{error}");
     }
 
     #[test]

@@ -258,6 +258,8 @@ struct Layout {
     /// A plan's GPU for each rank (its `cuda_visible_devices`, indexed by rank): where
     /// `--device cuda` ranks compute.
     gpus: Option<Vec<String>>,
+    /// A plan's host of each rank (indexed by rank), on an inventory's hosts.
+    planned_hosts: Option<Vec<String>>,
 }
 
 impl Layout {
@@ -286,35 +288,35 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         bail!("give the layout either with --plan/--cluster or with --tp/--pp/--dp/--ep, not both");
     }
     let layout = if let Some(file) = inventory.as_ref().filter(|_| !pinned) {
-        // An inventory without pinned degrees: plan over its GPU hosts, or one replica per
-        // host when they run CPU ranks.
-        let entries = crate::inventory::launch_inventory(file)?;
-        if entries.iter().all(|e| e.cpu) {
-            Layout {
-                degrees: Degrees {
-                    dp: entries.len(),
-                    ..Degrees::ONE
-                },
-                from: format!("one replica per host of `{}`", file.display()),
-                pd_prefill: None,
-                gpus: None,
-            }
-        } else {
-            let spec = model::spec_of(&settings.model)?;
-            let cluster =
-                crate::inventory::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
-            match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
-                crate::plan::Outcome::Feasible(plan) => Layout {
+        // An inventory without pinned degrees: the plan for its hosts (their GPUs, or the
+        // CPU ranks they take), each rank on the host the plan put it on.
+        let spec = model::spec_of(&settings.model)?;
+        let cluster =
+            crate::inventory::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
+        match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
+            crate::plan::Outcome::Feasible(plan) => {
+                let layout = Layout {
                     degrees: plan.parallel.degrees(),
                     from: format!("the plan for `{}`", file.display()),
                     pd_prefill: None,
                     gpus: None,
-                },
-                crate::plan::Outcome::Infeasible(infeasible) => bail!(
-                    "no layout fits the model on this cluster:\n{}",
-                    crate::plan::render::render_infeasible(&infeasible, false)
-                ),
+                    planned_hosts: Some(hosts_by_rank(&plan)),
+                };
+                events(UpEvent::Note(format!(
+                    "the plan for `{}`: tp {} × pp {} × dp {} (ep {}), {} ranks over its hosts",
+                    file.display(),
+                    layout.degrees.tp,
+                    layout.degrees.pp,
+                    layout.degrees.dp,
+                    layout.degrees.ep,
+                    layout.world_size()
+                )));
+                layout
             }
+            crate::plan::Outcome::Infeasible(infeasible) => bail!(
+                "no layout fits the model on this cluster:\n{}",
+                crate::plan::render::render_infeasible(&infeasible, false)
+            ),
         }
     } else if let Some(file) = &args.plan {
         let text = std::fs::read_to_string(file)
@@ -347,6 +349,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
             },
             pd_prefill: args.pd_prefill,
             gpus: None,
+            planned_hosts: None,
         }
     };
     if layout.degrees.check().is_err() {
@@ -360,6 +363,13 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         );
     }
     Ok(layout)
+}
+
+/// The host of each of `plan`'s ranks, indexed by rank.
+fn hosts_by_rank(plan: &crate::plan::Plan) -> Vec<String> {
+    let mut ranks: Vec<_> = plan.ranks.iter().collect();
+    ranks.sort_by_key(|r| r.rank);
+    ranks.iter().map(|r| r.host.clone()).collect()
 }
 
 /// The layout of `plan`, which must place every rank on one host (a plan over several
@@ -398,6 +408,7 @@ fn layout_of(
             from: format!("{what} (disaggregated)"),
             pd_prefill: Some(d.prefill_workers as usize),
             gpus: None,
+            planned_hosts: None,
         };
         events(UpEvent::Note(format!(
             "{what}: disaggregated, {} prefill + {} decode replicas of tp {} × pp {} (ep {}), {} ranks; running them as CPU ranks on this host",
@@ -414,16 +425,16 @@ fn layout_of(
         degrees: plan.parallel.degrees(),
         from: what.to_string(),
         pd_prefill: None,
-        gpus: {
+        // A plan of CPU ranks names no GPU.
+        gpus: (plan.device == crate::plan::cluster::Device::Gpu).then(|| {
             let mut ranks: Vec<_> = plan.ranks.iter().collect();
             ranks.sort_by_key(|r| r.rank);
-            Some(
-                ranks
-                    .iter()
-                    .map(|r| r.cuda_visible_devices.clone())
-                    .collect(),
-            )
-        },
+            ranks
+                .iter()
+                .map(|r| r.cuda_visible_devices.clone())
+                .collect()
+        }),
+        planned_hosts: None,
     };
     events(UpEvent::Note(format!(
         "{what}: tp {} × pp {} × dp {} (ep {}), {} ranks; running them on this host",
@@ -614,6 +625,7 @@ fn rank_spec(
             Some(node) => node_placement(node, world),
             None => Vec::new(),
         },
+        planned_hosts: layout.planned_hosts.clone(),
         run_dir: settings.run_dir.clone(),
         // A plan's GPUs; else each rank's by its local rank (an inventory's hosts: by what
         // their agents report, when the cluster launch starts).

@@ -50,6 +50,9 @@ pub struct LaunchSpec {
     /// Where each rank runs when they are spread over hosts (indexed by rank); empty: every
     /// rank on this host.
     pub placement: Vec<Placement>,
+    /// On an inventory's hosts: the host a plan put each rank on (its name, indexed by
+    /// rank); `None`: the launcher spreads the ranks itself (`hosts::place`).
+    pub planned_hosts: Option<Vec<String>>,
     /// The run directory (rank logs, `manifest.json`; `--run-dir`); `None`: a new one under
     /// [`super::runs_dir`], the oldest beyond [`super::KEEP_RUNS`] removed.
     pub run_dir: Option<PathBuf>,

@@ -537,6 +537,7 @@ fn allreduce_probe(
         layout_from: "infer doctor --cluster --bandwidth".into(),
         placement,
         run_dir: None,
+        planned_hosts: None,
         gpus: None,
         restart: 0,
     };

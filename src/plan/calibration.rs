@@ -13,7 +13,9 @@
 //! with the scope stated), or the JSON `infer bench decode --json` prints ([`DecodeReport`]:
 //! a decode step's time and the weight bytes it read, on one device). A decode measurement
 //! on one of the cluster's GPU models replaces that model's datasheet HBM bandwidth with the
-//! bandwidth the engine achieved ([`calibrate`](super::cluster::calibrate)).
+//! bandwidth the engine achieved; one on the CPU of a cluster of CPU hosts replaces the
+//! probed memory bandwidth the same way, and the probed compute rate with the rate its
+//! prefill achieved ([`calibrate`](super::cluster::calibrate)).
 
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
@@ -51,8 +53,15 @@ pub struct MeasuredDecode {
     /// Weight bytes one decode step read over the step's time, bytes/s: what the plan uses
     /// as that GPU's HBM bandwidth.
     pub bytes_per_sec: f64,
-    /// The profile's datasheet figure it replaces, bytes/s.
+    /// The profile's datasheet figure it replaces (a CPU's probed one), bytes/s.
     pub datasheet_bytes_per_sec: f64,
+    /// On a CPU: the compute rate its prefill achieved, flops/s, which replaces the probed
+    /// one; `None` on a GPU, or from a report without `prefill_flops_per_sec`.
+    #[serde(default)]
+    pub flops_per_sec: Option<f64>,
+    /// The probed compute rate `flops_per_sec` replaces, flops/s.
+    #[serde(default)]
+    pub probed_flops_per_sec: Option<f64>,
     /// Where it came from (the file name, the model, the batch).
     pub source: String,
 }
@@ -121,6 +130,12 @@ pub struct DecodeReport {
     /// Tokens decoded per sequence in the timed loop.
     pub decode_tokens: usize,
     pub prefill_tokens_per_sec: f64,
+    /// The prefill's arithmetic per second, flops/s: the planner's count of a prompt of
+    /// `prompt_tokens` (`2 · active params · tokens` plus causal attention, as
+    /// `cost::prefill_flops`) times `prefill_tokens_per_sec / prompt_tokens`. On a CPU it
+    /// replaces the probed compute rate. Absent from older reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_flops_per_sec: Option<f64>,
     /// Tokens of all sequences per second.
     pub decode_tokens_per_sec: f64,
     /// Time of one decode step of the whole batch, seconds.
@@ -491,6 +506,7 @@ mod tests {
             prompt_tokens: 16,
             decode_tokens: 8,
             prefill_tokens_per_sec: 1.0,
+            prefill_flops_per_sec: None,
             decode_tokens_per_sec: 100.0,
             decode_step_secs: 0.01,
             decode_weight_bytes: 1_000_000_000,

@@ -1,12 +1,75 @@
-//! The cluster the planner places ranks on: hosts, their GPU hardware figures and their
+//! The cluster the planner places ranks on: hosts, their hardware figures and their
 //! topology. Pure data; `crate::inventory` builds it from `local`, an inventory or a shorthand,
 //! and [`calibrate`] puts a `--calibration` measurement in it.
+//!
+//! A host computes on its GPUs (one rank per GPU) or on its CPU. A CPU host is **one device
+//! that its ranks share**: `r` ranks on it each get `1/r` of its cores (as `infer up` gives
+//! each rank `cores / r` threads), of its memory, of its memory bandwidth and of its compute
+//! rate, and talk through shared memory. Its rank slots are a choice, not a fixed count: at
+//! most one per core (or the inventory's `cpu-ranks`), and the planner tries every count
+//! ([`Cluster::with_cpu_ranks`] is the cluster as it looks with `r` ranks on each CPU host).
 
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
-use super::calibration::{Calibration, MeasuredDecode, Measurement, Scope};
-use crate::topology::Host;
+use super::calibration::{Calibration, DecodeReport, MeasuredDecode, Measurement, Scope};
+use super::cost::TCP_GB_PER_SEC;
+use crate::topology::{CpuProfile, Host};
+
+/// What a cluster's ranks compute on. `--json` `device`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    /// One rank per GPU.
+    #[default]
+    Gpu,
+    /// Rank processes on the hosts' CPUs, sharing each host's memory, bandwidth and cores.
+    Cpu,
+}
+
+/// The hardware profile id of a CPU host (`hardware_id`): its figures are probed, not a
+/// profile file's.
+pub(crate) const CPU_HARDWARE_ID: &str = "cpu";
+
+/// A host whose ranks run on its CPU: its probed (or calibrated) figures, the most ranks it
+/// takes, and how many this view of the cluster puts on it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CpuHost {
+    /// The whole host's figures ([`crate::topology::cpu::probe_cpu`], or a calibration's).
+    pub profile: CpuProfile,
+    /// Most CPU ranks it takes: its cores, or the inventory's `cpu-ranks`. At least 1.
+    pub max_ranks: u64,
+    /// Ranks on it in this view of the cluster, 1 to `max_ranks`; the host's
+    /// [`ClusterHost::hardware`] is one of them ([`cpu_rank_hardware`]).
+    pub ranks: u64,
+}
+
+/// Bytes of memory traffic per byte a shared-memory all-reduce carries: each rank writes its
+/// buffer into the segment, reads every member's, and writes and reads the sum back — four
+/// passes, so the link's bus bandwidth is the memory bandwidth over 4. `infer bench allreduce
+/// --world 2` on a 2-core Xeon VM that reads memory at 10–12 GB/s measured 2.0–2.4 GB/s.
+pub(crate) const SHM_TRAFFIC_PER_BYTE: f64 = 4.0;
+
+/// The figures of one of `ranks` CPU ranks of a host with `profile`: `1/ranks` of its memory,
+/// memory bandwidth (`hbm_gb_per_sec`) and compute rate (`bf16_tflops` and `fp8_tflops`: the
+/// CPU engine computes quantized products in f32 whatever the dtype); no NVLink; its
+/// shared-memory link as `pcie_gb_per_sec` ([`SHM_TRAFFIC_PER_BYTE`]); TCP sockets between
+/// hosts (the CPU ranks' collectives use no RDMA) as `nic_gb_per_sec`.
+pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpec {
+    let ranks = ranks.max(1) as f64;
+    HardwareSpec {
+        name: profile.name.clone(),
+        memory_bytes: (profile.memory_bytes as f64 / ranks) as u64,
+        hbm_gb_per_sec: profile.memory_bytes_per_sec / ranks / 1e9,
+        bf16_tflops: profile.flops_per_sec / ranks / 1e12,
+        fp8_tflops: profile.flops_per_sec / ranks / 1e12,
+        nvlink_gb_per_sec: 0.0,
+        nvlink_domain_size: 1,
+        pcie_gb_per_sec: profile.memory_bytes_per_sec / SHM_TRAFFIC_PER_BYTE / 1e9,
+        nic_gb_per_sec: TCP_GB_PER_SEC,
+        sources: vec![profile.source.clone()],
+    }
+}
 
 /// Per-GPU hardware figures from `profiles/hardware/<id>.toml`. Bandwidths are dense
 /// datasheet figures; each profile file names its sources.
@@ -48,6 +111,43 @@ pub struct ClusterHost {
     pub hardware: HardwareSpec,
     /// Its GPUs, link matrix, NVLink domains and NICs (probed, imported or synthesized).
     pub topology: Host,
+    /// Its CPU, when its ranks run there (then `hardware` is one CPU rank's figures and
+    /// `topology` has no GPUs); `None` for a GPU host.
+    pub cpu: Option<CpuHost>,
+}
+
+impl ClusterHost {
+    /// A CPU host: `max_ranks` rank slots on a CPU of `profile`, all of them in use, with
+    /// `topology` for its name and NICs.
+    pub fn cpu(
+        name: String,
+        address: Option<String>,
+        profile: CpuProfile,
+        max_ranks: u64,
+        topology: Host,
+    ) -> ClusterHost {
+        let max_ranks = max_ranks.max(1);
+        ClusterHost {
+            name,
+            address,
+            hardware_id: CPU_HARDWARE_ID.to_string(),
+            hardware: cpu_rank_hardware(&profile, max_ranks),
+            topology,
+            cpu: Some(CpuHost {
+                profile,
+                max_ranks,
+                ranks: max_ranks,
+            }),
+        }
+    }
+
+    /// Rank slots: its GPUs, or the CPU ranks of this view.
+    pub fn n_slots(&self) -> u64 {
+        match &self.cpu {
+            Some(cpu) => cpu.ranks,
+            None => self.topology.gpus.len() as u64,
+        }
+    }
 }
 
 /// Every host the plan may use, in rank order.
@@ -61,21 +161,52 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// GPUs across all hosts.
+    /// GPUs across all hosts: the devices ranks are placed on (on CPU hosts, the CPU rank
+    /// slots of this view).
     pub fn n_gpus(&self) -> u64 {
-        self.hosts
-            .iter()
-            .map(|h| h.topology.gpus.len() as u64)
-            .sum()
+        self.hosts.iter().map(ClusterHost::n_slots).sum()
     }
 
-    /// GPUs of the smallest host (the most a TP group can use without crossing hosts).
+    /// GPUs (or CPU rank slots) of the smallest host: the most a TP group can use without
+    /// crossing hosts.
     pub fn min_gpus_per_host(&self) -> u64 {
         self.hosts
             .iter()
-            .map(|h| h.topology.gpus.len() as u64)
+            .map(ClusterHost::n_slots)
             .min()
             .unwrap_or(0)
+    }
+
+    /// What the ranks compute on: the CPU when any host's ranks run there (an inventory does
+    /// not mix CPU and GPU hosts).
+    pub fn device(&self) -> Device {
+        if self.hosts.iter().any(|h| h.cpu.is_some()) {
+            Device::Cpu
+        } else {
+            Device::Gpu
+        }
+    }
+
+    /// The most CPU ranks every CPU host takes (the smallest `max_ranks`); 0 without CPU hosts.
+    pub fn max_cpu_ranks_per_host(&self) -> u64 {
+        self.hosts
+            .iter()
+            .filter_map(|h| h.cpu.as_ref().map(|c| c.max_ranks))
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// This cluster with `ranks` CPU ranks on every CPU host (capped at its `max_ranks`), each
+    /// with `1/ranks` of the host ([`cpu_rank_hardware`]); GPU hosts unchanged.
+    pub fn with_cpu_ranks(&self, ranks: u64) -> Cluster {
+        let mut view = self.clone();
+        for host in &mut view.hosts {
+            if let Some(cpu) = &mut host.cpu {
+                cpu.ranks = ranks.clamp(1, cpu.max_ranks);
+                host.hardware = cpu_rank_hardware(&cpu.profile, cpu.ranks);
+            }
+        }
+        view
     }
 
     /// The smallest GPU memory in the cluster, bytes: every rank must fit in it.
@@ -103,10 +234,13 @@ impl Cluster {
 }
 
 /// Adds `measurement` (read from the file `name`) to `cluster`: a link fills its scope's slot; a
-/// decode measurement replaces the HBM bandwidth of every host with the measured GPU model.
+/// decode measurement replaces the HBM bandwidth of every host with the measured GPU model, or
+/// on a CPU cluster the memory bandwidth (and, when the report has it, the compute rate) of
+/// every host with the measured CPU ([`calibrate_cpu`]).
 ///
-/// Errors: two links of one scope, two decode measurements of one GPU model, a decode
-/// measured on a CPU or on a GPU model the cluster does not have.
+/// Errors: two links of one scope, two decode measurements of one GPU model or CPU, a decode
+/// measured on a device the cluster does not have (a CPU for GPU hosts, a GPU for CPU hosts,
+/// another GPU model or CPU).
 pub(crate) fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurement) -> Result<()> {
     match measurement {
         Measurement::Link(measured) => {
@@ -122,6 +256,9 @@ pub(crate) fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurem
                 );
             }
             *slot = Some(measured);
+        }
+        Measurement::Decode(report) if cluster.device() == Device::Cpu => {
+            calibrate_cpu(cluster, name, &report)?;
         }
         Measurement::Decode(report) => {
             let gpus: Vec<&str> = {
@@ -174,10 +311,90 @@ pub(crate) fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurem
                 device_name: report.device_name.clone(),
                 bytes_per_sec: report.weight_bytes_per_sec,
                 datasheet_bytes_per_sec: datasheet,
+                flops_per_sec: None,
+                probed_flops_per_sec: None,
                 source: format!("`{name}`, {} at batch {}", report.model, report.batch),
             });
         }
     }
+    Ok(())
+}
+
+/// A decode measured on a CPU, on a cluster of CPU hosts: every host with that CPU (by its
+/// `/proc/cpuinfo` name) reads memory at the weight bandwidth the engine achieved, and
+/// computes at the rate its prefill achieved (`prefill_flops_per_sec`, when the report has
+/// it), in place of the probe's peaks. The report stands for the whole host: `infer bench
+/// decode` runs one thread per core unless `--threads` says otherwise.
+///
+/// Errors: a report from a GPU, from another CPU, or a second report of one CPU.
+fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Result<()> {
+    let cpus: Vec<String> = {
+        let mut names: Vec<String> = cluster
+            .hosts
+            .iter()
+            .filter_map(|h| h.cpu.as_ref().map(|c| format!("`{}`", c.profile.name)))
+            .collect();
+        names.dedup();
+        names
+    };
+    let measured_here = |h: &ClusterHost| {
+        h.cpu
+            .as_ref()
+            .is_some_and(|c| c.profile.name == report.device_name)
+    };
+    if report.device != "cpu" || !cluster.hosts.iter().any(measured_here) {
+        bail!(
+            "the decode measurement ran on {} `{}`, not on this cluster's CPUs ({}): run `infer bench decode --json` \
+             on one of its hosts",
+            if report.device == "cpu" {
+                "the CPU"
+            } else {
+                "the GPU"
+            },
+            report.device_name,
+            cpus.join(", ")
+        );
+    }
+    if cluster
+        .measured
+        .decode
+        .iter()
+        .any(|d| d.hardware_id == CPU_HARDWARE_ID && d.device_name == report.device_name)
+    {
+        bail!(
+            "two decode measurements of the CPU `{}`: give one per CPU model",
+            report.device_name
+        );
+    }
+    let flops_per_sec = report
+        .prefill_flops_per_sec
+        .filter(|f| f.is_finite() && *f > 0.0);
+    let (mut probed_bytes_per_sec, mut probed_flops_per_sec) = (0.0, 0.0);
+    for host in cluster.hosts.iter_mut().filter(|h| measured_here(h)) {
+        let cpu = host
+            .cpu
+            .as_mut()
+            .expect("measured_here holds for CPU hosts");
+        probed_bytes_per_sec = cpu.profile.memory_bytes_per_sec;
+        probed_flops_per_sec = cpu.profile.flops_per_sec;
+        cpu.profile.memory_bytes_per_sec = report.weight_bytes_per_sec;
+        if let Some(flops) = flops_per_sec {
+            cpu.profile.flops_per_sec = flops;
+        }
+        host.hardware = cpu_rank_hardware(&cpu.profile, cpu.ranks);
+    }
+    cluster.measured.decode.push(MeasuredDecode {
+        hardware_id: CPU_HARDWARE_ID.to_string(),
+        device_name: report.device_name.clone(),
+        bytes_per_sec: report.weight_bytes_per_sec,
+        datasheet_bytes_per_sec: probed_bytes_per_sec,
+        flops_per_sec,
+        probed_flops_per_sec: flops_per_sec.map(|_| probed_flops_per_sec),
+        source: format!(
+            "`{name}`, {} at batch {} on {} threads",
+            report.model, report.batch, report.threads
+        ),
+    });
     Ok(())
 }
 
@@ -199,4 +416,344 @@ pub fn hardware_for_gpu_name(name: &str) -> Option<&'static str> {
         .iter()
         .find(|(words, _)| words.iter().all(|w| name.contains(w)))
         .map(|(_, id)| *id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::degrees::DegreePins;
+    use crate::plan::calibration::DecodeReport;
+    use crate::plan::memory::{
+        CPU_MAX_NUM_SEQS, CPU_PROCESS_BYTES, CPU_STEP_TOKENS, reserve_bytes, stage_memory,
+    };
+    use crate::plan::model::{Dtype, ModelSpec};
+    use crate::plan::{Objective, Outcome, Parallel, Plan, Settings, plan};
+
+    /// A host of 8 cores and 32 GiB reading memory at 20 GB/s. Its compute rate, 10¹⁵
+    /// flops/s, keeps a small model's decode bound by memory.
+    fn profile() -> CpuProfile {
+        CpuProfile {
+            name: "Test CPU".into(),
+            n_cores: 8,
+            memory_bytes: 32 << 30,
+            memory_bytes_per_sec: 20e9,
+            flops_per_sec: 1e15,
+            source: "made up".into(),
+        }
+    }
+
+    fn cpu_cluster(n_hosts: usize, max_ranks: u64, profile: &CpuProfile) -> Cluster {
+        let hosts = (0..n_hosts)
+            .map(|i| {
+                let name = format!("h{i}");
+                let topology = Host {
+                    hostname: name.clone(),
+                    source: "test".into(),
+                    driver_version: None,
+                    cuda_driver_version: None,
+                    gpus: Vec::new(),
+                    gpu_links: Vec::new(),
+                    p2p: None,
+                    nvlink_domains: Vec::new(),
+                    nics: Vec::new(),
+                    notes: Vec::new(),
+                };
+                ClusterHost::cpu(
+                    name,
+                    Some(format!("10.0.0.{i}")),
+                    profile.clone(),
+                    max_ranks,
+                    topology,
+                )
+            })
+            .collect();
+        Cluster {
+            description: "test".into(),
+            hosts,
+            measured: Calibration::default(),
+        }
+    }
+
+    fn smollm2() -> ModelSpec {
+        crate::model::load("smollm2-135m").expect("a shipped profile")
+    }
+
+    /// The plan of `spec` on `cluster` with `pins` for latency, which must be feasible.
+    fn feasible(spec: &ModelSpec, cluster: &Cluster, pins: DegreePins) -> Box<Plan> {
+        let settings = Settings {
+            objective: Objective::Latency,
+            max_model_len_tokens: Some(4096),
+            pins,
+            ..Settings::default()
+        };
+        match plan(spec, cluster, &settings) {
+            Outcome::Feasible(plan) => plan,
+            Outcome::Infeasible(infeasible) => panic!("{}", infeasible.message),
+        }
+    }
+
+    fn dp(n: usize) -> DegreePins {
+        DegreePins {
+            tp: Some(1),
+            pp: Some(1),
+            dp: Some(n),
+            ep: None,
+        }
+    }
+
+    #[test]
+    fn ranks_share_their_host_evenly() {
+        let profile = profile();
+        for ranks in [1, 2, 8] {
+            let rank = cpu_rank_hardware(&profile, ranks);
+            let r = ranks as f64;
+            assert_eq!(rank.memory_bytes, profile.memory_bytes / ranks);
+            assert!((rank.hbm_gb_per_sec * 1e9 * r - profile.memory_bytes_per_sec).abs() < 1.0);
+            assert!((rank.bf16_tflops * 1e12 * r - profile.flops_per_sec).abs() < 1e3);
+            assert_eq!(rank.fp8_tflops, rank.bf16_tflops);
+            // Shared memory between ranks is the host's memory, whatever their count.
+            assert_eq!(
+                rank.pcie_gb_per_sec * 1e9,
+                profile.memory_bytes_per_sec / SHM_TRAFFIC_PER_BYTE
+            );
+            assert_eq!(rank.nvlink_gb_per_sec, 0.0);
+        }
+        let cluster = cpu_cluster(2, 8, &profile);
+        assert_eq!(cluster.device(), Device::Cpu);
+        assert_eq!(cluster.n_gpus(), 16);
+        let view = cluster.with_cpu_ranks(3);
+        assert_eq!((view.n_gpus(), view.min_gpus_per_host()), (6, 3));
+        assert_eq!(view.slowest_hardware(), &cpu_rank_hardware(&profile, 3));
+        assert_eq!(cluster.with_cpu_ranks(20).min_gpus_per_host(), 8);
+    }
+
+    #[test]
+    fn a_cpu_rank_reserves_its_process_and_shared_memory_not_cuda() {
+        let spec = smollm2();
+        let one = Parallel {
+            tp: 1,
+            pp: 1,
+            ep: 1,
+            dp: 1,
+        };
+        let activations = CPU_STEP_TOKENS * (4 * spec.hidden_size + 2 * spec.intermediate_size) * 4;
+        let logits = CPU_MAX_NUM_SEQS * spec.vocab_size * 4;
+        assert_eq!(
+            reserve_bytes(&spec, &one, true, Device::Cpu),
+            CPU_PROCESS_BYTES + activations + logits
+        );
+        assert_eq!(
+            reserve_bytes(&spec, &one, false, Device::Cpu),
+            CPU_PROCESS_BYTES + activations
+        );
+        // Two replicas: one shared-memory segment of (2·2 + 2) 1-MiB slots.
+        let two = Parallel { dp: 2, ..one };
+        assert_eq!(
+            reserve_bytes(&spec, &two, true, Device::Cpu),
+            CPU_PROCESS_BYTES + activations + logits + (6 << 20)
+        );
+        // The KV cache is what a rank's share of the host leaves.
+        let rank = cpu_rank_hardware(&profile(), 2);
+        let stages = stage_memory(
+            &spec,
+            &two,
+            Dtype::Bf16,
+            Dtype::Bf16,
+            rank.memory_bytes,
+            0.9,
+            Device::Cpu,
+        );
+        let stage = &stages[0];
+        assert_eq!(stage.usable_bytes, (rank.memory_bytes as f64 * 0.9) as u64);
+        assert_eq!(
+            stage.kv_cache_bytes,
+            stage.usable_bytes - stage.weights_bytes - stage.reserve_bytes
+        );
+        assert_eq!(
+            stage.kv_tokens,
+            stage.kv_cache_bytes / spec.kv_bytes_per_token(spec.n_layers, 1, Dtype::Bf16)
+        );
+    }
+
+    #[test]
+    fn a_memory_bound_decode_reads_weights_and_kv_at_the_ranks_share_of_bandwidth() {
+        let spec = smollm2();
+        let profile = profile();
+        let cluster = cpu_cluster(1, 8, &profile);
+        let one = feasible(&spec, &cluster, dp(1));
+        assert_eq!(one.device, Device::Cpu);
+        let stage = &one.memory[0];
+        // Batch 1 at the typical context (2048 of 4096 tokens), all of the host's bandwidth.
+        let read_bytes = stage.weights_bytes + 2048 * stage.kv_bytes_per_token;
+        let expected = read_bytes as f64 / profile.memory_bytes_per_sec;
+        assert!(
+            (one.estimate.tpot_secs - expected).abs() < 1e-9 * expected,
+            "{} vs {expected}",
+            one.estimate.tpot_secs
+        );
+        // Two replicas on the host: each reads the same bytes at half the bandwidth.
+        let two = feasible(&spec, &cluster, dp(2));
+        assert_eq!(two.memory[0].weights_bytes, stage.weights_bytes);
+        let ratio = two.estimate.tpot_secs / one.estimate.tpot_secs;
+        assert!((ratio - 2.0).abs() < 1e-9, "{ratio}");
+        assert_eq!(two.memory[0].gpu_memory_bytes, profile.memory_bytes / 2);
+        for rank in &two.ranks {
+            assert_eq!(rank.host, "h0");
+            assert_eq!(rank.cuda_visible_devices, "");
+            assert_eq!(rank.gpu as u64, rank.local_rank);
+        }
+        assert!(two.env.values().all(|env| env.is_empty()), "{:?}", two.env);
+    }
+
+    #[test]
+    fn the_rank_count_is_searched_up_to_the_host_and_no_further() {
+        let spec = smollm2();
+        let cluster = cpu_cluster(2, 4, &profile());
+        let settings = Settings {
+            max_model_len_tokens: Some(4096),
+            ..Settings::default()
+        };
+        let Outcome::Feasible(plan) = plan(&spec, &cluster, &settings) else {
+            panic!("smollm2 fits");
+        };
+        // Every layout spreads evenly over the 2 hosts, 1 to 4 ranks on each.
+        let mut worlds: Vec<u64> = plan
+            .alternatives
+            .iter()
+            .map(|a| a.parallel.world_size())
+            .chain([plan.world_size])
+            .collect();
+        worlds.sort_unstable();
+        worlds.dedup();
+        assert_eq!(worlds, [2, 4, 6, 8]);
+        for host in ["h0", "h1"] {
+            let on_host = plan.ranks.iter().filter(|r| r.host == host).count() as u64;
+            assert_eq!(on_host, plan.world_size / 2);
+        }
+        let Outcome::Infeasible(too_many) = crate::plan::plan(
+            &spec,
+            &cluster,
+            &Settings {
+                pins: dp(10),
+                ..settings.clone()
+            },
+        ) else {
+            panic!("10 ranks on 2 hosts of 4")
+        };
+        assert!(
+            too_many
+                .message
+                .contains("needs 5 CPU ranks per host; the hosts take at most 4"),
+            "{}",
+            too_many.message
+        );
+    }
+
+    #[test]
+    fn a_cpu_decode_report_replaces_the_probed_bandwidth_and_compute() {
+        let spec = smollm2();
+        let profile = profile();
+        let mut cluster = cpu_cluster(1, 8, &profile);
+        let probed = feasible(&spec, &cluster, dp(1));
+        let report = DecodeReport {
+            bench: "decode".into(),
+            model: "m.gguf".into(),
+            device: "cpu".into(),
+            device_name: profile.name.clone(),
+            threads: 8,
+            numerics: "exact".into(),
+            batch: 1,
+            prompt_tokens: 128,
+            decode_tokens: 128,
+            prefill_tokens_per_sec: 100.0,
+            prefill_flops_per_sec: Some(3e11),
+            decode_tokens_per_sec: 10.0,
+            decode_step_secs: 0.1,
+            decode_weight_bytes: 500_000_000,
+            weight_bytes_per_sec: 5e9,
+            peak_rss_bytes: 0,
+            gpu_memory_used_bytes: None,
+            hbm_bytes_per_sec: None,
+            batches: Vec::new(),
+        };
+        let mut gpu_report = report.clone();
+        gpu_report.device = "cuda".into();
+        gpu_report.device_name = "NVIDIA L4".into();
+        let error = calibrate(
+            &mut cluster.clone(),
+            "l4.json",
+            Measurement::Decode(Box::new(gpu_report)),
+        )
+        .expect_err("not this cluster's CPU");
+        assert!(error.to_string().contains("`Test CPU`"), "{error}");
+        calibrate(
+            &mut cluster,
+            "cpu.json",
+            Measurement::Decode(Box::new(report.clone())),
+        )
+        .expect("this cluster's CPU");
+        let cpu = cluster.hosts[0].cpu.as_ref().expect("a CPU host");
+        assert_eq!(cpu.profile.memory_bytes_per_sec, 5e9);
+        assert_eq!(cpu.profile.flops_per_sec, 3e11);
+        assert_eq!(cluster.measured.decode[0].datasheet_bytes_per_sec, 20e9);
+        // Is the decode still bound by memory at the measured compute rate? Then its time
+        // grows by the ratio of the bandwidths.
+        let calibrated = feasible(&spec, &cluster, dp(1));
+        let stage = &calibrated.memory[0];
+        let flops = 2.0 * spec.active_params() as f64
+            + 4.0 * 2048.0 * (spec.n_heads * spec.head_dim * spec.n_layers) as f64;
+        let read_bytes = (stage.weights_bytes + 2048 * stage.kv_bytes_per_token) as f64;
+        assert!(read_bytes / 5e9 > flops / 3e11);
+        let ratio = calibrated.estimate.tpot_secs / probed.estimate.tpot_secs;
+        assert!((ratio - 20e9 / 5e9).abs() < 1e-9, "{ratio}");
+        assert!(
+            calibrated
+                .explain
+                .iter()
+                .any(|l| l.contains("measured, not probed") && l.contains("`cpu.json`")),
+            "{:#?}",
+            calibrated.explain
+        );
+        let again = calibrate(
+            &mut cluster,
+            "cpu.json",
+            Measurement::Decode(Box::new(report)),
+        );
+        assert!(again.is_err());
+    }
+
+    #[test]
+    fn a_model_larger_than_the_hosts_says_how_many_it_needs() {
+        let spec = crate::model::load("llama-3.1-70b").expect("a shipped profile");
+        let profile = profile();
+        let cluster = cpu_cluster(1, 8, &profile);
+        let settings = Settings {
+            max_model_len_tokens: Some(8192),
+            ..Settings::default()
+        };
+        let Outcome::Infeasible(infeasible) = plan(&spec, &cluster, &settings) else {
+            panic!("141 GB of weights in 32 GiB");
+        };
+        let one = Parallel {
+            tp: 1,
+            pp: 1,
+            ep: 1,
+            dp: 1,
+        };
+        let usable = (profile.memory_bytes as f64 * 0.9) as u64;
+        let reserve = reserve_bytes(&spec, &one, true, Device::Cpu);
+        let weights = spec.weight_bytes(Dtype::Bf16);
+        let kv = spec.kv_bytes_per_token(spec.n_layers, 1, Dtype::Bf16) * 8192;
+        let hosts = (1..)
+            .find(|n| weights / n + reserve + kv / n <= usable)
+            .expect("some count");
+        assert!(hosts > 1);
+        assert!(
+            infeasible
+                .message
+                .contains(&format!("it needs at least {hosts} hosts of Test CPU")),
+            "{}",
+            infeasible.message
+        );
+    }
 }

@@ -29,6 +29,11 @@ pub(crate) const NETWORK_LATENCY_SECS: f64 = 25e-6;
 /// `infer bench allreduce --cluster` measures 40–55 µs for 8 B between network namespaces
 /// on one machine (no wire, no switch), so 50 µs is the floor, not a typical figure.
 pub(crate) const TCP_LATENCY_SECS: f64 = 50e-6;
+/// Latency of one all-reduce between CPU ranks of one host through shared memory
+/// (`runtime/collectives/shm.rs`), seconds: `infer bench allreduce --world 2` on a 2-core
+/// Xeon VM measured 49–78 µs for 8 B to 16 KiB, each rank on its own core; a host with cores
+/// to spare for the spin-waits answers faster (`--calibration` replaces it with its own).
+pub(crate) const SHM_LATENCY_SECS: f64 = 50e-6;
 /// Bandwidth of TCP sockets across hosts when no RDMA is known, bytes/s per direction:
 /// a 100 GbE port's line rate, 12.5 GB/s (the Ethernet rung of DESIGN's bandwidth ladder);
 /// the hardware profile's RDMA NIC rate applies only when its HCAs are known.
@@ -82,7 +87,10 @@ pub struct Estimate {
     pub max_concurrency: u64,
 }
 
-/// Estimates decode performance of `parallel` with memory `stages` on `hardware` over `links`.
+/// Estimates decode performance of `parallel` with memory `stages` on `hardware` over `links`,
+/// for sequences of up to `max_model_len_tokens` and batches of up to `max_batch` sequences
+/// per replica (the engine's `max_num_seqs`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn estimate(
     spec: &ModelSpec,
     parallel: &Parallel,
@@ -91,10 +99,11 @@ pub(crate) fn estimate(
     hardware: &HardwareSpec,
     links: &Links,
     max_model_len_tokens: u64,
+    max_batch: u64,
 ) -> Estimate {
     let context = TYPICAL_CONTEXT_TOKENS.min(max_model_len_tokens);
     let kv_tokens = stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
-    let batch = (kv_tokens / context.max(1)).clamp(1, super::memory::MAX_NUM_SEQS);
+    let batch = (kv_tokens / context.max(1)).clamp(1, max_batch.max(1));
     let pp = parallel.pp;
     let tpot =
         |b: u64| decode_step_secs(spec, parallel, stages, dtype, hardware, links, b, context);
@@ -250,6 +259,17 @@ pub(crate) fn decode_step_secs(
         + (parallel.pp - 1) as f64 * hop_secs(spec, links, batch)
 }
 
+/// The arithmetic of prefilling one prompt of `prompt_tokens` on the whole model, flops:
+/// `2 · active params · tokens` for the projections plus `2 · tokens² · heads · head_dim` per
+/// layer for causal attention (QKᵀ and PV, each `2 · tokens² · heads · head_dim` over the
+/// full square, over half of it). What [`prefill_secs`] divides among the stages and TP ranks,
+/// and what `infer bench decode --json` divides by its prefill time (`prefill_flops_per_sec`).
+pub(crate) fn prefill_flops(spec: &ModelSpec, prompt_tokens: u64) -> f64 {
+    let tokens = prompt_tokens.max(1) as f64;
+    2.0 * spec.active_params() as f64 * tokens
+        + 2.0 * tokens * tokens * (spec.n_heads * spec.head_dim) as f64 * spec.n_layers as f64
+}
+
 /// Time to prefill one prompt of `prompt_tokens` on one replica, seconds: per stage, the
 /// larger of its tensor-core time (`2 · active params · tokens` for the projections plus
 /// `2 · tokens² · heads · head_dim` for causal attention — QKᵀ and PV over half the square —
@@ -273,13 +293,8 @@ pub(crate) fn prefill_secs(
     let stage_times: f64 = stages
         .iter()
         .map(|stage| {
-            let layers = stage.n_layers as f64;
-            let active_params_here =
-                spec.active_params() as f64 * layers / spec.n_layers as f64 / tp as f64;
-            let attention_flops =
-                2.0 * tokens * tokens * (spec.n_heads * spec.head_dim) as f64 / tp as f64 * layers;
-            let compute_secs =
-                (2.0 * active_params_here * tokens + attention_flops) / (tflops * 1e12);
+            let share = stage.n_layers as f64 / spec.n_layers.max(1) as f64 / tp as f64;
+            let compute_secs = prefill_flops(spec, prompt_tokens) * share / (tflops * 1e12);
             let memory_secs = stage.weights_bytes as f64 / (hardware.hbm_gb_per_sec * 1e9);
             compute_secs.max(memory_secs)
                 + collective_secs(spec, parallel, stage, links, prompt_tokens.max(1))

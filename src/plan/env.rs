@@ -8,7 +8,9 @@ use super::cluster::ClusterHost;
 use crate::topology::{Nic, NicKind};
 
 /// Environment for the ranks on `host`, which use its GPUs `gpus` (NVML indices), and
-/// warnings about what could not be chosen.
+/// warnings about what could not be chosen. CPU ranks need none: no GPU to order, no NCCL
+/// (`infer up` picks each host's data interface for their collectives, or takes the
+/// inventory's `nccl-socket-ifname`).
 pub(crate) fn host_env(
     host: &ClusterHost,
     gpus: &[usize],
@@ -16,6 +18,9 @@ pub(crate) fn host_env(
     warnings: &mut Vec<String>,
 ) -> BTreeMap<String, String> {
     let mut env = BTreeMap::new();
+    if host.cpu.is_some() {
+        return env;
+    }
     // NVML and nvidia-smi number GPUs in PCI bus order; CUDA's default is "fastest first".
     env.insert("CUDA_DEVICE_ORDER".to_string(), "PCI_BUS_ID".to_string());
     if !multi_host {

@@ -1,14 +1,15 @@
 //! Rank layout in vLLM order — `ranks = arange(world).reshape(DP, PP, TP)`, TP fastest —
 //! its process groups, and the placement of every rank on a host and GPU that keeps TP
-//! groups inside NVLink domains.
+//! groups inside NVLink domains. On a CPU host every rank slot is the same device (its
+//! link code to another is `X`) and ranks talk through shared memory.
 
 use serde::{Deserialize, Serialize};
 
 use super::Parallel;
-use super::cluster::Cluster;
+use super::cluster::{Cluster, Device};
 use super::cost::{
-    Link, Links, NETWORK_LATENCY_SECS, NVLINK_LATENCY_SECS, PCIE_LATENCY_SECS, TCP_GB_PER_SEC,
-    TCP_LATENCY_SECS,
+    Link, Links, NETWORK_LATENCY_SECS, NVLINK_LATENCY_SECS, PCIE_LATENCY_SECS, SHM_LATENCY_SECS,
+    TCP_GB_PER_SEC, TCP_LATENCY_SECS,
 };
 use crate::topology::LinkCode;
 
@@ -19,7 +20,8 @@ pub struct RankPlacement {
     pub rank: u64,
     /// Host name from the cluster.
     pub host: String,
-    /// GPU index on that host (NVML order), also its `CUDA_VISIBLE_DEVICES`.
+    /// GPU index on that host (NVML order), also its `CUDA_VISIBLE_DEVICES`; on a CPU host,
+    /// the rank's slot (its local rank).
     pub gpu: usize,
     /// Rank among the ranks of its host, `LOCAL_RANK`.
     pub local_rank: u64,
@@ -28,7 +30,7 @@ pub struct RankPlacement {
     pub dp_rank: u64,
     pub ep_rank: u64,
     /// `CUDA_VISIBLE_DEVICES` of the rank's process: its one GPU, by NVML index (with
-    /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`, CUDA numbers GPUs the same way).
+    /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`, CUDA numbers GPUs the same way); empty for a CPU rank.
     pub cuda_visible_devices: String,
 }
 
@@ -62,9 +64,14 @@ fn rank_of(parallel: &Parallel, dp_rank: u64, pp_rank: u64, tp_rank: u64) -> u64
 
 /// GPU slots in placement order: hosts in cluster order; inside a host, NVLink domains
 /// (largest first) and the GPUs of each in index order, so consecutive ranks share a domain.
+/// A CPU host's slots are its ranks of this view, in order.
 fn gpu_slots(cluster: &Cluster) -> Vec<(usize, usize)> {
     let mut slots = Vec::new();
     for (host_idx, host) in cluster.hosts.iter().enumerate() {
+        if let Some(cpu) = &host.cpu {
+            slots.extend((0..cpu.ranks as usize).map(|slot| (host_idx, slot)));
+            continue;
+        }
         let mut domains = host.topology.nvlink_domains.clone();
         domains.sort_by_key(|d| (std::cmp::Reverse(d.len()), d.first().copied()));
         if domains.iter().all(|d| d.len() == 1) {
@@ -126,7 +133,10 @@ fn place_ranks(parallel: &Parallel, cluster: &Cluster) -> Vec<RankPlacement> {
             pp_rank,
             dp_rank,
             ep_rank: index_in_stage % parallel.ep,
-            cuda_visible_devices: gpu.to_string(),
+            cuda_visible_devices: match cluster.hosts[host_idx].cpu {
+                Some(_) => String::new(),
+                None => gpu.to_string(),
+            },
         });
         per_host[host_idx] += 1;
     }
@@ -176,6 +186,10 @@ fn worst_link(cluster: &Cluster, ranks: &[RankPlacement], group: &[u64]) -> Opti
         .iter()
         .find(|h| &h.name == first_host)
         .expect("rank hosts come from the cluster");
+    if host.cpu.is_some() {
+        // Every rank of a CPU host computes on the same device.
+        return Some(LinkCode::SelfLink);
+    }
     let mut worst = LinkCode::SelfLink;
     for &a in group {
         for &b in group {
@@ -188,7 +202,8 @@ fn worst_link(cluster: &Cluster, ranks: &[RankPlacement], group: &[u64]) -> Opti
 
 /// The cost model's link of each group kind: the network for groups that span hosts, else a
 /// measured link inside a host (`--calibration`), else NVLink, PCIe or the CPU interconnect
-/// by the worst GPU pair. A worst link of `None` (groups that span hosts) is the network.
+/// by the worst GPU pair (on CPU hosts, shared memory). A worst link of `None` (groups that
+/// span hosts) is the network.
 fn group_links(
     cluster: &Cluster,
     tp_worst_link: Option<LinkCode>,
@@ -208,12 +223,18 @@ fn group_links(
         bytes_per_sec: hardware.pcie_gb_per_sec / 2.0 * 1e9,
         latency_secs: PCIE_LATENCY_SECS,
     };
+    let shared_memory = Link {
+        bytes_per_sec: hardware.pcie_gb_per_sec * 1e9,
+        latency_secs: SHM_LATENCY_SECS,
+    };
     let network = network_link(cluster);
     let measured_intra = cluster.measured.intra_host.as_ref().map(|m| m.link());
+    let cpu = cluster.device() == Device::Cpu;
     let link_for = |code: Option<LinkCode>| match (code, measured_intra) {
         (None, _) => network,
         // A measured all-reduce inside a host replaces the datasheet's link.
         (Some(_), Some(measured)) => measured,
+        (Some(_), None) if cpu => shared_memory,
         (Some(LinkCode::SelfLink | LinkCode::NvLink(_)), None)
             if hardware.nvlink_gb_per_sec > 0.0 =>
         {
@@ -243,16 +264,17 @@ fn pp_groups_cross(pp_groups: &[Vec<u64>], ranks: &[RankPlacement]) -> bool {
 
 /// The link between hosts: a measured one (`--calibration`), else the NIC's RDMA rate where
 /// every host's HCAs are known (a probed or imported topology); without them NCCL falls back
-/// to TCP sockets, and so does the cost.
+/// to TCP sockets, and so does the cost. CPU ranks' collectives always use TCP sockets.
 pub(crate) fn network_link(cluster: &Cluster) -> Link {
     if let Some(measured) = &cluster.measured.inter_host {
         return measured.link();
     }
     let hardware = cluster.slowest_hardware();
-    let rdma = cluster
-        .hosts
-        .iter()
-        .all(|h| !super::env::nearest_active_hcas(&h.topology.nics, &[]).is_empty());
+    let rdma = cluster.device() == Device::Gpu
+        && cluster
+            .hosts
+            .iter()
+            .all(|h| !super::env::nearest_active_hcas(&h.topology.nics, &[]).is_empty());
     if rdma {
         Link {
             bytes_per_sec: hardware.nic_gb_per_sec * 1e9,

@@ -1,9 +1,13 @@
 //! Memory per GPU for one parallel layout: weights of its PP stage and TP/EP shard, the
-//! reserve (CUDA context, NCCL buffers, activations), and what is left for the KV cache.
+//! reserve (CUDA context, NCCL buffers, activations), and what is left for the KV cache. A
+//! CPU rank is costed the same way with its own reserve: its process instead of a CUDA
+//! context, shared-memory segments instead of NCCL buffers, f32 activations of the CPU
+//! scheduler's largest step.
 
 use serde::{Deserialize, Serialize};
 
 use super::Parallel;
+use super::cluster::Device;
 use super::model::{Dtype, ModelSpec};
 
 /// CUDA context, cuBLAS workspaces and allocator slack per process, bytes. vLLM reports this
@@ -21,6 +25,28 @@ pub(crate) const PROFILE_BATCH_TOKENS: u64 = 8192;
 /// Sequences vLLM schedules at most per step (`max_num_seqs`, default 256): logits are
 /// kept in fp32 for each.
 pub(crate) const MAX_NUM_SEQS: u64 = 256;
+
+/// Sequences `infer up`'s engine decodes together on CPU ranks unless told otherwise (its
+/// `--max-batch` default, 16): the CPU counterpart of [`MAX_NUM_SEQS`].
+pub(crate) const CPU_MAX_NUM_SEQS: u64 = 16;
+
+/// A CPU rank's process besides its weights and KV cache, bytes: the tokenizer, thread pool,
+/// HTTP server and allocator slack. `infer bench decode --json` of SmolLM2-135M Q4_1 reports
+/// a peak RSS of 256 MB with 96 MB of weights mapped and a 256-token KV cache: about 160 MB,
+/// rounded up to 256 MiB.
+pub(crate) const CPU_PROCESS_BYTES: u64 = 256 << 20;
+
+/// Tokens of the CPU scheduler's largest step: its token budget is 32 per core, 64 to 4096
+/// (`serve::scheduler::Limits::with_max_batch`); the reserve takes the largest.
+pub(crate) const CPU_STEP_TOKENS: u64 = 4096;
+
+/// Sequences one replica decodes together at most on `device`.
+pub(crate) fn max_num_seqs(device: Device) -> u64 {
+    match device {
+        Device::Gpu => MAX_NUM_SEQS,
+        Device::Cpu => CPU_MAX_NUM_SEQS,
+    }
+}
 
 /// Memory of every GPU of one PP stage. The `--json` `memory[]` entries.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -62,7 +88,8 @@ pub(crate) fn stage_layers(n_layers: u64, pp: u64) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// Memory of each PP stage's GPUs for `parallel` on GPUs of `gpu_memory_bytes`.
+/// Memory of each PP stage's GPUs (or CPU ranks, `device`) for `parallel` on devices of
+/// `gpu_memory_bytes` (a CPU rank's share of its host's memory).
 pub(crate) fn stage_memory(
     spec: &ModelSpec,
     parallel: &Parallel,
@@ -70,6 +97,7 @@ pub(crate) fn stage_memory(
     kv_dtype: Dtype,
     gpu_memory_bytes: u64,
     gpu_memory_utilization: f64,
+    device: Device,
 ) -> Vec<StageMemory> {
     let Parallel { tp, pp, ep, .. } = *parallel;
     let params = spec.param_counts();
@@ -131,7 +159,7 @@ pub(crate) fn stage_memory(
                 weights += head as f64 / tp as f64;
             }
             let weights_bytes = weights as u64;
-            let reserve_bytes = reserve_bytes(spec, parallel, pp_rank == pp - 1);
+            let reserve_bytes = reserve_bytes(spec, parallel, pp_rank == pp - 1, device);
             let kv_cache_bytes = usable_bytes.saturating_sub(weights_bytes + reserve_bytes);
             let kv_bytes_per_token = spec.kv_bytes_per_token(count, tp, kv_dtype).max(1);
             StageMemory {
@@ -154,25 +182,52 @@ pub(crate) fn stage_memory(
 /// peak activations of a [`PROFILE_BATCH_TOKENS`] forward pass —
 /// `tokens · (4·hidden + 2·mlp_width/tp) · 2 bytes` (residual, normed input, attention
 /// output and the gate/up pair, bf16) — plus fp32 logits for [`MAX_NUM_SEQS`] on the last stage.
-pub(crate) fn reserve_bytes(spec: &ModelSpec, parallel: &Parallel, last_stage: bool) -> u64 {
-    let n_groups = [parallel.tp, parallel.pp, parallel.ep, parallel.dp]
-        .iter()
-        .filter(|&&d| d > 1)
-        .count() as u64;
+///
+/// Per CPU rank: [`CPU_PROCESS_BYTES`], a shared-memory segment of `(2n + 2)` 1-MiB slots per
+/// group of `n > 1` ranks (`runtime/collectives/shm.rs`), the same activations in f32 (the
+/// CPU engine's) for a [`CPU_STEP_TOKENS`] step, and fp32 logits for [`CPU_MAX_NUM_SEQS`].
+pub(crate) fn reserve_bytes(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    last_stage: bool,
+    device: Device,
+) -> u64 {
+    let groups = [parallel.tp, parallel.pp, parallel.ep, parallel.dp];
+    let n_groups = groups.iter().filter(|&&d| d > 1).count() as u64;
     let mlp_width = match &spec.moe {
         Some(moe) => {
             (moe.n_experts_per_token + moe.n_shared_experts) * moe.expert_intermediate_size
         }
         None => spec.intermediate_size,
     };
-    let activations =
-        PROFILE_BATCH_TOKENS * (4 * spec.hidden_size + 2 * mlp_width / parallel.tp) * 2;
-    let logits = if last_stage {
-        MAX_NUM_SEQS * spec.vocab_size / parallel.tp * 4
-    } else {
-        0
-    };
-    CUDA_CONTEXT_BYTES + n_groups * NCCL_COMMUNICATOR_BYTES + activations + logits
+    let activations_per_token = 4 * spec.hidden_size + 2 * mlp_width / parallel.tp;
+    let logits_per_seq = spec.vocab_size / parallel.tp * 4;
+    match device {
+        Device::Gpu => {
+            let logits = if last_stage {
+                MAX_NUM_SEQS * logits_per_seq
+            } else {
+                0
+            };
+            CUDA_CONTEXT_BYTES
+                + n_groups * NCCL_COMMUNICATOR_BYTES
+                + PROFILE_BATCH_TOKENS * activations_per_token * 2
+                + logits
+        }
+        Device::Cpu => {
+            let segments: u64 = groups
+                .iter()
+                .filter(|&&n| n > 1)
+                .map(|&n| (2 * n + 2) << 20)
+                .sum();
+            let logits = if last_stage {
+                CPU_MAX_NUM_SEQS * logits_per_seq
+            } else {
+                0
+            };
+            CPU_PROCESS_BYTES + segments + CPU_STEP_TOKENS * activations_per_token * 4 + logits
+        }
+    }
 }
 
 /// Bytes in GiB (2³⁰ bytes), for messages.

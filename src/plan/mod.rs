@@ -6,6 +6,10 @@
 //! memory), applies the layout decision tree (TP inside a node first; PP only when TP inside a node cannot
 //! hold the model), scores the rest with the roofline model of [`cost`] and picks by
 //! objective.
+//!
+//! Hosts without GPUs plan the same way with their CPU as the device ([`cluster`]): the
+//! layouts of every rank count from one to the most each host takes, each rank costed with
+//! its share of the host's memory, memory bandwidth and compute rate.
 
 pub mod accuracy;
 pub mod calibration;
@@ -22,7 +26,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use cluster::Cluster;
+use cluster::{Cluster, Device, HardwareSpec};
 use cost::Estimate;
 use layout::{Groups, RankPlacement};
 use memory::{StageMemory, gib};
@@ -145,6 +149,11 @@ pub struct Plan {
     /// What `vllm serve` would load (a Hugging Face id or a path).
     pub serve_id: String,
     pub cluster: String,
+    /// What the ranks compute on: `gpu` (one rank per GPU) or `cpu` (rank processes sharing
+    /// each host's CPU and memory; `ranks[].cuda_visible_devices` empty). Plans written before
+    /// CPU plans existed are GPU plans.
+    #[serde(default)]
+    pub device: Device,
     pub objective: Objective,
     pub dtype: Dtype,
     pub kv_dtype: Dtype,
@@ -197,7 +206,8 @@ pub struct Infeasible {
     pub cluster: String,
     pub message: String,
     pub hint: String,
-    /// GPUs of the cluster's kind the model needs at least (0 when GPUs are not the problem).
+    /// GPUs of the cluster's kind the model needs at least (0 when GPUs are not the problem,
+    /// and on CPU hosts, where the message says how many hosts it needs).
     pub min_gpus_needed: u64,
     /// When the weights fit but no layout's KV cache holds `--max-model-len`: the longest
     /// context, tokens, that some layout's KV cache holds.
@@ -221,6 +231,9 @@ struct Candidate {
     /// When the weights fit but the KV cache cannot hold `--max-model-len`: the tokens it
     /// does hold (per sequence, the smallest stage's).
     kv_tokens_that_fit: Option<u64>,
+    /// The figures of each of its devices it was costed with: the cluster's slowest GPU, or
+    /// one CPU rank's share of its host.
+    hardware: HardwareSpec,
 }
 
 /// KV-cache block, tokens: a context chosen to fit is a multiple of it (vLLM's default
@@ -340,6 +353,7 @@ fn plan_fitting(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -> Out
 }
 
 /// One planning run's inputs and the dtypes and context they resolve to.
+#[derive(Clone, Copy)]
 struct Run<'a> {
     spec: &'a ModelSpec,
     cluster: &'a Cluster,
@@ -416,10 +430,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
     let mut warnings = run.input_warnings();
 
     // Enumerate and check every layout, then rank the feasible ones by the objective.
-    let candidates: Vec<Candidate> = enumerate(spec, cluster.n_gpus(), settings)
-        .into_iter()
-        .map(|parallel| evaluate(&run, parallel))
-        .collect();
+    let candidates = candidates(&run);
     let pinned_pp = settings.pins.pp.is_some();
     let fits_without_pp = candidates
         .iter()
@@ -459,17 +470,26 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
     }
 
     // Explain: the decision path, the measurements, disaggregation and the targets.
-    let disaggregated = best_disaggregated(&run, &ranked);
-    let aggregated_best = sla::choose(&points, settings.objective).cloned();
     let mut explain = explain(&run, &candidates, &ranked, fits_without_pp);
     explain.extend(measured_lines(cluster));
-    let show_disaggregated = weigh_disaggregated(
-        settings,
-        disaggregated.as_ref(),
-        aggregated_best.as_ref(),
-        &mut explain,
-        &mut warnings,
-    );
+    let show_disaggregated = if cluster.device() == Device::Cpu {
+        if settings.disaggregate {
+            warnings.push(
+                "--disaggregate: the planner does not split CPU ranks into prefill and decode pools; `infer up --prefill N --decode M` runs such a split as given".into(),
+            );
+        }
+        None
+    } else {
+        let disaggregated = best_disaggregated(&run, &ranked);
+        let aggregated_best = sla::choose(&points, settings.objective).cloned();
+        weigh_disaggregated(
+            settings,
+            disaggregated.as_ref(),
+            aggregated_best.as_ref(),
+            &mut explain,
+            &mut warnings,
+        )
+    };
     if let Some(point) = &sla_choice {
         explain_targets(&run, point, &points, &ranked, &mut explain);
     }
@@ -480,6 +500,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         model: spec.name.clone(),
         serve_id: spec.serve_id.clone(),
         cluster: cluster.description.clone(),
+        device: cluster.device(),
         objective: settings.objective,
         dtype: run.dtype,
         kv_dtype: run.kv_dtype,
@@ -526,6 +547,7 @@ fn rank<'c>(
 /// Every (layout, batch) point of the `ranked` layouts for the workload; a point that needs
 /// more GPUs than the cluster has for `--rps` does not meet the targets.
 fn sla_points(run: &Run<'_>, ranked: &[&Candidate]) -> Vec<sla::ParetoPoint> {
+    let max_batch = memory::max_num_seqs(run.cluster.device());
     let costs: Vec<sla::LayoutCosts<'_>> = ranked
         .iter()
         .filter_map(|c| {
@@ -536,16 +558,12 @@ fn sla_points(run: &Run<'_>, ranked: &[&Candidate]) -> Vec<sla::ParetoPoint> {
                     parallel: c.parallel,
                     stages,
                     links: &layout.links,
+                    hardware: &c.hardware,
+                    max_batch,
                 })
         })
         .collect();
-    let mut points = sla::points(
-        run.spec,
-        &costs,
-        run.dtype,
-        run.cluster.slowest_hardware(),
-        &run.settings.workload,
-    );
+    let mut points = sla::points(run.spec, &costs, run.dtype, &run.settings.workload);
     // A point that needs more GPUs than the cluster has cannot serve `--rps` here.
     let n_gpus = run.cluster.n_gpus();
     for point in &mut points {
@@ -729,6 +747,26 @@ fn measured_lines(cluster: &Cluster) -> Vec<String> {
         }
     }
     for m in &cluster.measured.decode {
+        if m.hardware_id == cluster::CPU_HARDWARE_ID {
+            let compute = match (m.flops_per_sec, m.probed_flops_per_sec) {
+                (Some(flops), Some(probed)) => format!(
+                    ", and computes {:.1} GFLOP/s in a prefill ({:.0}% of the probed {:.1} GFLOP/s)",
+                    flops / 1e9,
+                    100.0 * flops / probed,
+                    probed / 1e9
+                ),
+                _ => String::new(),
+            };
+            lines.push(format!(
+                "measured, not probed: the CPU `{}` reads weights at {:.1} GB/s in a decode step ({:.0}% of the probed {:.1} GB/s){compute}, from {} (--calibration)",
+                m.device_name,
+                m.bytes_per_sec / 1e9,
+                100.0 * m.bytes_per_sec / m.datasheet_bytes_per_sec,
+                m.datasheet_bytes_per_sec / 1e9,
+                m.source
+            ));
+            continue;
+        }
         lines.push(format!(
             "measured, not datasheet: {} GPUs read weights at {:.0} GB/s in a decode step ({:.0}% of the datasheet's {:.0} GB/s), from {} (--calibration)",
             m.hardware_id,
@@ -988,10 +1026,74 @@ fn enumerate(spec: &ModelSpec, n_gpus: u64, settings: &Settings) -> Vec<Parallel
     out
 }
 
+/// Every layout considered, checked and (when valid) estimated. On GPUs: every (tp, pp, dp,
+/// ep) of [`enumerate`] over the cluster's GPUs. On CPU hosts: those of `r` ranks on every
+/// host for each `r` from 1 to the most every host takes, each evaluated on the cluster as it
+/// looks with `r` ranks per host ([`Cluster::with_cpu_ranks`]); a pinned layout whose ranks
+/// do not spread evenly over the hosts, or exceed them, is refused with the reason.
+fn candidates(run: &Run<'_>) -> Vec<Candidate> {
+    let (spec, cluster, settings) = (run.spec, run.cluster, run.settings);
+    if cluster.device() == Device::Gpu {
+        return enumerate(spec, cluster.n_gpus(), settings)
+            .into_iter()
+            .map(|parallel| evaluate(run, parallel))
+            .collect();
+    }
+    let n_hosts = cluster.hosts.len().max(1) as u64;
+    let max_ranks = cluster.max_cpu_ranks_per_host();
+    let mut layouts: Vec<Parallel> = Vec::new();
+    for ranks in 1..=max_ranks {
+        for parallel in enumerate(spec, ranks * n_hosts, settings) {
+            if !layouts.contains(&parallel) {
+                layouts.push(parallel);
+            }
+        }
+    }
+    layouts
+        .into_iter()
+        .map(|parallel| {
+            let world = parallel.world_size();
+            let ranks = world / n_hosts;
+            let refused = if world == 0 || !world.is_multiple_of(n_hosts) {
+                Some(format!(
+                    "{world} CPU ranks do not spread evenly over {n_hosts} hosts"
+                ))
+            } else if ranks > max_ranks {
+                Some(format!(
+                    "needs {ranks} CPU ranks per host; the hosts take at most {max_ranks} (one per core, or `cpu-ranks`)"
+                ))
+            } else {
+                None
+            };
+            match refused {
+                Some(reason) => Candidate {
+                    parallel,
+                    verdict: Err(reason),
+                    warnings: Vec::new(),
+                    kv_tokens_that_fit: None,
+                    hardware: cluster.slowest_hardware().clone(),
+                },
+                None => {
+                    let view = cluster.with_cpu_ranks(ranks);
+                    evaluate(
+                        &Run {
+                            cluster: &view,
+                            ..*run
+                        },
+                        parallel,
+                    )
+                }
+            }
+        })
+        .collect()
+}
+
 /// Checks one layout and, when it is valid and fits, estimates it.
 fn evaluate(run: &Run<'_>, parallel: Parallel) -> Candidate {
     let mut warnings = Vec::new();
     let mut kv_tokens_that_fit = None;
+    let device = run.cluster.device();
+    let hardware = run.cluster.slowest_hardware();
     let verdict = (|| {
         check_degrees(run.spec, run.cluster, parallel)?;
         let layout = layout::place(&parallel, run.cluster);
@@ -1003,6 +1105,7 @@ fn evaluate(run: &Run<'_>, parallel: Parallel) -> Candidate {
             run.kv_dtype,
             run.cluster.min_memory_bytes(),
             run.settings.gpu_memory_utilization,
+            device,
         );
         check_memory(&stages, run.max_model_len_tokens, &mut kv_tokens_that_fit)?;
         let estimate = cost::estimate(
@@ -1010,9 +1113,10 @@ fn evaluate(run: &Run<'_>, parallel: Parallel) -> Candidate {
             &parallel,
             &stages,
             run.dtype,
-            run.cluster.slowest_hardware(),
+            hardware,
             &layout.links,
             run.max_model_len_tokens,
+            memory::max_num_seqs(device),
         );
         Ok((estimate, stages, layout))
     })();
@@ -1021,6 +1125,16 @@ fn evaluate(run: &Run<'_>, parallel: Parallel) -> Candidate {
         verdict,
         warnings,
         kv_tokens_that_fit,
+        hardware: hardware.clone(),
+    }
+}
+
+/// How the cluster's devices are named in reasons: `("GPU", "GPUs")`, or `("CPU rank", "CPU
+/// ranks")`.
+fn device_nouns(cluster: &Cluster) -> (&'static str, &'static str) {
+    match cluster.device() {
+        Device::Gpu => ("GPU", "GPUs"),
+        Device::Cpu => ("CPU rank", "CPU ranks"),
     }
 }
 
@@ -1071,8 +1185,9 @@ fn check_degrees(spec: &ModelSpec, cluster: &Cluster, parallel: Parallel) -> Res
     }
     if parallel.world_size() > cluster.n_gpus() {
         return Err(format!(
-            "needs {} GPUs; the cluster has {}",
+            "needs {} {}; the cluster has {}",
             parallel.world_size(),
+            device_nouns(cluster).1,
             cluster.n_gpus()
         ));
     }
@@ -1092,11 +1207,14 @@ fn check_layout(
 ) -> Result<(), String> {
     let Parallel { tp, ep, .. } = parallel;
     let (settings, cluster) = (run.settings, run.cluster);
+    // The CPU ranks of one host share one device: no link inside a host to check.
+    let cpu = cluster.device() == Device::Cpu;
     match layout.tp_worst_link {
         None if settings.pins.tp.is_some() => warnings.push(format!(
             "TP{tp} groups span hosts: every layer's all-reduce crosses the network (keep TP inside a node, PP across)"
         )),
-        None => return Err(format!("TP{tp} would span hosts ({} GPUs per host): TP stays inside a node", cluster.min_gpus_per_host())),
+        None => return Err(format!("TP{tp} would span hosts ({} {} per host): TP stays inside a node", cluster.min_gpus_per_host(), device_nouns(cluster).1)),
+        Some(_) if cpu => {}
         Some(LinkCode::Sys) if settings.pins.tp.is_some() => warnings.push(format!(
             "TP{tp} groups cross the CPU interconnect (SYS): all-reduces run at a fraction of PCIe speed"
         )),
@@ -1149,20 +1267,38 @@ fn check_memory(
     Ok(())
 }
 
-/// Better first: by objective, then fewer GPUs per replica (less communication), then less PP.
+/// Better first: by objective, then fewer GPUs per replica (less communication), then less PP,
+/// then fewer ranks in all.
 fn compare(a: &Candidate, b: &Candidate, objective: Objective) -> std::cmp::Ordering {
     let (ea, eb) = match (&a.verdict, &b.verdict) {
         (Ok((ea, ..)), Ok((eb, ..))) => (ea, eb),
         _ => return std::cmp::Ordering::Equal,
     };
-    let primary = match objective {
-        Objective::Latency => ea.tpot_secs.total_cmp(&eb.tpot_secs),
-        Objective::Throughput | Objective::Cost => eb.tokens_per_sec.total_cmp(&ea.tokens_per_sec),
+    let (va, vb, primary) = match objective {
+        Objective::Latency => (
+            ea.tpot_secs,
+            eb.tpot_secs,
+            ea.tpot_secs.total_cmp(&eb.tpot_secs),
+        ),
+        Objective::Throughput | Objective::Cost => (
+            ea.tokens_per_sec,
+            eb.tokens_per_sec,
+            eb.tokens_per_sec.total_cmp(&ea.tokens_per_sec),
+        ),
+    };
+    // Equal but for rounding (DP over a CPU host's ranks splits its bandwidth exactly as it
+    // multiplies the batch) is a tie, for the rules below to settle.
+    let primary = if (va - vb).abs() <= 1e-9 * va.abs().max(vb.abs()) {
+        std::cmp::Ordering::Equal
+    } else {
+        primary
     };
     primary
         .then((a.parallel.tp * a.parallel.pp).cmp(&(b.parallel.tp * b.parallel.pp)))
         .then(a.parallel.pp.cmp(&b.parallel.pp))
         .then(a.parallel.ep.cmp(&b.parallel.ep))
+        // CPU ranks: fewer of them on a host, when they do as well.
+        .then(a.parallel.world_size().cmp(&b.parallel.world_size()))
 }
 
 fn describe(
@@ -1224,23 +1360,24 @@ fn explain(
     let hardware = cluster.slowest_hardware();
     let usable = cluster.min_memory_bytes() as f64 * settings.gpu_memory_utilization;
     let weights = spec.weight_bytes(dtype);
-    let mut lines = vec![
-        format!(
-            "{}: {:.2} B parameters ({:.2} B active per token), {:.1} GiB of weights in {dtype}",
-            spec.name,
-            spec.param_counts().total() as f64 / 1e9,
-            spec.active_params() as f64 / 1e9,
-            gib(weights)
-        ),
-        format!(
+    let mut lines = vec![format!(
+        "{}: {:.2} B parameters ({:.2} B active per token), {:.1} GiB of weights in {dtype}",
+        spec.name,
+        spec.param_counts().total() as f64 / 1e9,
+        spec.active_params() as f64 / 1e9,
+        gib(weights)
+    )];
+    match cluster.device() {
+        Device::Gpu => lines.push(format!(
             "one {} holds {:.1} GiB at gpu_memory_utilization {}; the cluster has {} GPUs, {} per host",
             hardware.name,
             usable / (1u64 << 30) as f64,
             settings.gpu_memory_utilization,
             cluster.n_gpus(),
             cluster.min_gpus_per_host()
-        ),
-    ];
+        )),
+        Device::Cpu => lines.extend(cpu_lines(run, ranked.first().copied())),
+    }
     lines.push(decision(run, candidates));
     if !fits_without_pp && ranked.iter().all(|c| c.parallel.pp > 1) && !ranked.is_empty() {
         lines.push(format!(
@@ -1251,10 +1388,64 @@ fn explain(
     lines
 }
 
+/// On CPU hosts, what a device is: the host's CPU (its figures and where they come from),
+/// shared by its ranks; and, for the chosen layout, each rank's share of it.
+fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
+    let cluster = run.cluster;
+    let n_hosts = cluster.hosts.len().max(1) as u64;
+    let mut profiles: Vec<&crate::topology::CpuProfile> = Vec::new();
+    for cpu in cluster.hosts.iter().filter_map(|h| h.cpu.as_ref()) {
+        if !profiles.contains(&&cpu.profile) {
+            profiles.push(&cpu.profile);
+        }
+    }
+    let mut lines: Vec<String> = profiles
+        .iter()
+        .map(|p| {
+            format!(
+                "each host's CPU is one device its ranks share: {}, {} cores, {:.1} GiB of memory read at {:.1} GB/s, {:.1} GFLOP/s ({})",
+                p.name,
+                p.n_cores,
+                gib(p.memory_bytes),
+                p.memory_bytes_per_sec / 1e9,
+                p.flops_per_sec / 1e9,
+                p.source
+            )
+        })
+        .collect();
+    lines.push(format!(
+        "the cluster has {n_hosts} CPU host{}, each taking 1 to {} ranks (one per core at most); `r` ranks on a host each get 1/r of its cores, memory, bandwidth and compute",
+        if n_hosts == 1 { "" } else { "s" },
+        cluster.max_cpu_ranks_per_host()
+    ));
+    if let Some(best) = best {
+        let ranks = best.parallel.world_size() / n_hosts;
+        let rank = &best.hardware;
+        let cores = cluster
+            .hosts
+            .iter()
+            .filter_map(|h| h.cpu.as_ref().map(|c| c.profile.n_cores))
+            .min()
+            .unwrap_or(1);
+        lines.push(format!(
+            "with {ranks} rank{} per host, each rank has {} thread{}, {:.1} GiB usable at gpu_memory_utilization {}, {:.1} GB/s and {:.1} GFLOP/s",
+            if ranks == 1 { "" } else { "s" },
+            (cores / ranks.max(1)).max(1),
+            if (cores / ranks.max(1)).max(1) == 1 { "" } else { "s" },
+            gib(rank.memory_bytes) * run.settings.gpu_memory_utilization,
+            run.settings.gpu_memory_utilization,
+            rank.hbm_gb_per_sec,
+            rank.bf16_tflops * 1e3
+        ));
+    }
+    lines
+}
+
 /// The step of the decision tree the candidates took: pinned degrees, one GPU, experts
 /// sharded without TP, TP inside a node, or TP × PP inside one node or across nodes.
 fn decision(run: &Run<'_>, candidates: &[Candidate]) -> String {
     let (cluster, settings) = (run.cluster, run.settings);
+    let (one, many) = device_nouns(cluster);
     let fits = |pred: &dyn Fn(&Parallel) -> bool| {
         candidates
             .iter()
@@ -1285,20 +1476,22 @@ fn decision(run: &Run<'_>, candidates: &[Candidate]) -> String {
             if pinned.len() == 1 { "it" } else { "them" }
         )
     } else if one_gpu {
-        "fits one GPU with room for the KV cache → replicate: DP over the GPUs (TP only if it wins on the objective)".to_string()
+        format!(
+            "fits one {one} with room for the KV cache → replicate: DP over the {many} (TP only if it wins on the objective)"
+        )
     } else if let Some(ep) = experts_sharded {
         format!(
-            "does not fit one GPU; fits without TP when its experts are sharded over EP{ep} (each GPU holds 1/{ep} of them) → attention data-parallel, experts expert-parallel (TP only if it wins on the objective)"
+            "does not fit one {one}; fits without TP when its experts are sharded over EP{ep} (each {one} holds 1/{ep} of them) → attention data-parallel, experts expert-parallel (TP only if it wins on the objective)"
         )
     } else if one_node {
         format!(
-            "does not fit one GPU; fits with TP inside a node → TP ≤ {} (× DP for the remaining GPUs)",
+            "does not fit one {one}; fits with TP inside a node → TP ≤ {} (× DP for the remaining {many})",
             cluster.min_gpus_per_host()
         )
     } else if cluster.hosts.len() == 1 {
         // One node: the stages share it; nothing crosses a network.
         format!(
-            "does not fit with TP alone on the node's {} GPUs → TP × PP inside the node",
+            "does not fit with TP alone on the node's {} {many} → TP × PP inside the node",
             cluster.min_gpus_per_host()
         )
     } else {
@@ -1336,6 +1529,56 @@ fn chosen_lines(ranked: &[&Candidate], objective: Objective) -> Vec<String> {
     lines
 }
 
+/// On CPU hosts, when even one rank with the whole host's memory cannot hold the weights, its
+/// reserve and one sequence of `--max-model-len` tokens of KV cache on as many hosts as the
+/// cluster has: the answer saying how many such hosts it needs. `None` on GPUs, or when that
+/// is not why nothing fits.
+fn cpu_memory_shortfall(run: &Run<'_>, alternatives: &[Alternative]) -> Option<Infeasible> {
+    let (spec, cluster, settings) = (run.spec, run.cluster, run.settings);
+    if cluster.device() != Device::Cpu {
+        return None;
+    }
+    let (dtype, max_model_len) = (run.dtype, run.max_model_len_tokens);
+    let host = cluster.with_cpu_ranks(1);
+    let memory_bytes = host.min_memory_bytes();
+    let usable = (memory_bytes as f64 * settings.gpu_memory_utilization) as u64;
+    let one = Parallel {
+        tp: 1,
+        pp: 1,
+        ep: 1,
+        dp: 1,
+    };
+    let reserve = memory::reserve_bytes(spec, &one, true, Device::Cpu);
+    let weights = spec.weight_bytes(dtype);
+    let kv_full_sequence = spec.kv_bytes_per_token(spec.n_layers, 1, run.kv_dtype) * max_model_len;
+    let n_hosts = cluster.hosts.len() as u64;
+    let min_hosts = (1..=1_000_000u64)
+        .find(|&n| weights / n + reserve + kv_full_sequence / n <= usable)
+        .unwrap_or(u64::MAX);
+    if min_hosts <= n_hosts {
+        return None;
+    }
+    let cpu = &host.slowest_hardware().name;
+    Some(Infeasible {
+        model: spec.name.clone(),
+        cluster: cluster.description.clone(),
+        message: format!(
+            "`{}` ({dtype}) needs ≥ {:.1} GiB of weights plus KV cache for {max_model_len} tokens; {n_hosts} × {:.1} GiB × {} = {:.1} GiB of host memory on `{}`: \
+             it needs at least {min_hosts} hosts of {cpu}",
+            spec.name,
+            gib(weights),
+            gib(memory_bytes),
+            settings.gpu_memory_utilization,
+            gib(usable * n_hosts),
+            cluster.description
+        ),
+        hint: "lower `--max-model-len`, give a smaller model, or plan over more hosts (an inventory of `cpu-ranks` hosts)".into(),
+        min_gpus_needed: 0,
+        kv_tokens_that_fit: None,
+        alternatives: alternatives.to_vec(),
+    })
+}
+
 /// Why nothing works, with the numbers and the fix.
 fn infeasible(
     run: &Run<'_>,
@@ -1344,6 +1587,9 @@ fn infeasible(
 ) -> Infeasible {
     let (spec, cluster, settings) = (run.spec, run.cluster, run.settings);
     let (dtype, kv_dtype, max_model_len) = (run.dtype, run.kv_dtype, run.max_model_len_tokens);
+    if let Some(too_big) = cpu_memory_shortfall(run, &alternatives) {
+        return too_big;
+    }
     let n_gpus = cluster.n_gpus();
     let per_host = cluster.min_gpus_per_host().max(1);
     let memory_bytes = cluster.min_memory_bytes();
@@ -1358,13 +1604,14 @@ fn infeasible(
         dp: 1,
     };
     let base_reserve =
-        memory::reserve_bytes(spec, &one, true) + 2 * memory::NCCL_COMMUNICATOR_BYTES;
+        memory::reserve_bytes(spec, &one, true, Device::Gpu) + 2 * memory::NCCL_COMMUNICATOR_BYTES;
     let kv_full_sequence = spec.kv_bytes_per_token(spec.n_layers, 1, kv_dtype) * max_model_len;
     let min_gpus_needed = (1..=1_000_000u64)
         .find(|&n| weights / n + base_reserve + kv_full_sequence / n <= usable)
         .unwrap_or(u64::MAX);
     let gpu_name = &cluster.slowest_hardware().name;
-    if min_gpus_needed > n_gpus {
+    // (CPU hosts that lack memory were answered above, host by host.)
+    if cluster.device() == Device::Gpu && min_gpus_needed > n_gpus {
         let nodes = min_gpus_needed.div_ceil(per_host);
         return Infeasible {
             model: spec.name.clone(),
@@ -1413,7 +1660,10 @@ fn infeasible(
         .collect();
     reasons.dedup();
     if reasons.is_empty() {
-        reasons.push("no layout uses the cluster's GPUs".to_string());
+        reasons.push(format!(
+            "no layout uses the cluster's {}",
+            device_nouns(cluster).1
+        ));
     }
     Infeasible {
         model: spec.name.clone(),

@@ -1,9 +1,11 @@
 //! Human output of `infer plan` (summary, memory per stage, rank table, NCCL env, the
-//! equivalent `vllm serve` command) and of an infeasible answer. Returns text.
+//! equivalent `vllm serve` command — or, for CPU ranks, `infer up` command) and of an
+//! infeasible answer. Returns text.
 
 use comfy_table::Table;
 use comfy_table::presets::UTF8_FULL_CONDENSED;
 
+use super::cluster::Device;
 use super::memory::gib;
 use super::model::{Dtype, ModelSpec};
 use super::sla::Disaggregated;
@@ -48,10 +50,33 @@ pub(crate) fn vllm_command(
     parts.join(" ")
 }
 
+/// The `infer up` command line that serves `parallel` with CPU ranks.
+fn infer_up_command(parallel: &Parallel) -> String {
+    let mut parts = vec![format!(
+        "infer up --tp {} --pp {}",
+        parallel.tp, parallel.pp
+    )];
+    if parallel.dp > 1 {
+        parts.push(format!("--dp {}", parallel.dp));
+    }
+    if parallel.ep > 1 {
+        parts.push(format!("--ep {}", parallel.ep));
+    }
+    parts.join(" ")
+}
+
+/// What a plan's devices are called in its text: `GPU`, or `rank` for CPU ranks.
+fn device_noun(plan: &Plan) -> &'static str {
+    match plan.device {
+        Device::Gpu => "GPU",
+        Device::Cpu => "rank",
+    }
+}
+
 /// The text report of a plan; `explain_all` adds every alternative considered.
 pub(crate) fn render(plan: &Plan, explain_all: bool) -> String {
     let mut out = summary_table(plan);
-    out.push_str("\n\nmemory per GPU\n");
+    out.push_str(&format!("\n\nmemory per {}\n", device_noun(plan)));
     out.push_str(&memory_table(plan));
     out.push_str("\n\nranks\n");
     out.push_str(&ranks_table(plan));
@@ -65,7 +90,13 @@ pub(crate) fn render(plan: &Plan, explain_all: bool) -> String {
         out.push_str(&disaggregated_text(d, plan.workload.has_targets()));
     }
     out.push_str(&why_text(plan, explain_all));
-    out.push_str(&format!("\n\nvllm equivalent:\n  {}\n", plan.vllm_command));
+    match plan.device {
+        Device::Gpu => out.push_str(&format!("\n\nvllm equivalent:\n  {}\n", plan.vllm_command)),
+        Device::Cpu => out.push_str(&format!(
+            "\n\nserve it with CPU ranks:\n  {} (or `infer up --plan` with this plan's `--json`)\n",
+            infer_up_command(&plan.parallel)
+        )),
+    }
     out
 }
 
@@ -132,23 +163,21 @@ fn memory_table(plan: &Plan) -> String {
     memory.to_string()
 }
 
-/// The first [`MAX_RANK_ROWS`] ranks as a table, then how many more there are.
+/// The first [`MAX_RANK_ROWS`] ranks as a table, then how many more there are. CPU ranks
+/// have no GPU and no `CUDA_VISIBLE_DEVICES` column.
 fn ranks_table(plan: &Plan) -> String {
+    let gpu = plan.device == Device::Gpu;
     let mut ranks = Table::new();
     ranks.load_style(UTF8_FULL_CONDENSED);
-    ranks.set_header([
-        "rank",
-        "host",
-        "gpu",
-        "local_rank",
-        "tp",
-        "pp",
-        "dp",
-        "ep",
-        "CUDA_VISIBLE_DEVICES",
-    ]);
+    let mut header = vec!["rank", "host", "gpu", "local_rank", "tp", "pp", "dp", "ep"];
+    if gpu {
+        header.push("CUDA_VISIBLE_DEVICES");
+    } else {
+        header.remove(2);
+    }
+    ranks.set_header(header);
     for rank in plan.ranks.iter().take(MAX_RANK_ROWS) {
-        ranks.add_row([
+        let mut row = vec![
             rank.rank.to_string(),
             rank.host.clone(),
             rank.gpu.to_string(),
@@ -157,8 +186,13 @@ fn ranks_table(plan: &Plan) -> String {
             rank.pp_rank.to_string(),
             rank.dp_rank.to_string(),
             rank.ep_rank.to_string(),
-            rank.cuda_visible_devices.clone(),
-        ]);
+        ];
+        if gpu {
+            row.push(rank.cuda_visible_devices.clone());
+        } else {
+            row.remove(2);
+        }
+        ranks.add_row(row);
     }
     let mut out = ranks.to_string();
     if plan.ranks.len() > MAX_RANK_ROWS {
@@ -196,7 +230,12 @@ fn env_text(plan: &Plan) -> String {
     let mut out = String::from("\n\nenvironment per host");
     for (host, env) in &plan.env {
         let vars: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        out.push_str(&format!("\n  {host}: {}", vars.join(" ")));
+        if vars.is_empty() {
+            // CPU ranks: no GPU order, no NCCL.
+            out.push_str(&format!("\n  {host}: nothing to set"));
+        } else {
+            out.push_str(&format!("\n  {host}: {}", vars.join(" ")));
+        }
     }
     out
 }
@@ -287,7 +326,10 @@ fn pareto_table(plan: &Plan) -> String {
         "TTFT",
         "TPOT",
         "tok/s/user",
-        "tok/s/GPU",
+        match plan.device {
+            Device::Gpu => "tok/s/GPU",
+            Device::Cpu => "tok/s/rank",
+        },
         "KV seqs",
     ];
     if w.requests_per_sec.is_some() {

@@ -90,6 +90,10 @@ pub struct LayoutCosts<'a> {
     pub parallel: Parallel,
     pub stages: &'a [StageMemory],
     pub links: &'a Links,
+    /// The figures of each of its GPUs (or CPU ranks: their share of the host).
+    pub hardware: &'a HardwareSpec,
+    /// Most sequences a replica decodes together (the engine's `max_num_seqs`).
+    pub max_batch: u64,
 }
 
 /// Batches tried per replica: powers of two up to `max`, and `max` itself.
@@ -106,7 +110,6 @@ pub fn points(
     spec: &ModelSpec,
     layouts: &[LayoutCosts<'_>],
     dtype: Dtype,
-    hardware: &HardwareSpec,
     workload: &Workload,
 ) -> Vec<ParetoPoint> {
     let isl = workload.isl_tokens.max(1);
@@ -114,6 +117,7 @@ pub fn points(
     let context = isl + osl / 2;
     let mut out = Vec::new();
     for layout in layouts {
+        let hardware = layout.hardware;
         let kv_tokens = layout.stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
         let capacity = kv_tokens / (isl + osl);
         if capacity == 0 {
@@ -129,7 +133,7 @@ pub fn points(
             isl,
         );
         let gpus_per_replica = (layout.parallel.tp * layout.parallel.pp) as f64;
-        for batch in batches(capacity.min(MAX_NUM_SEQS)) {
+        for batch in batches(capacity.min(layout.max_batch)) {
             let step = cost::decode_step_secs(
                 spec,
                 &layout.parallel,

@@ -3,11 +3,14 @@
 //! This module owns the plain [`Topology`] value that `plan/` and `doctor/` consume, and is
 //! the only module that calls NVML ([`nvml`]) or reads sysfs ([`sysfs`]). Importers turn
 //! recorded topologies (`nvidia-smi topo -m` text in [`smi_text`], our own JSON) into the
-//! same value, so everything downstream runs on any laptop.
+//! same value, so everything downstream runs on any laptop. A host without GPUs is hardware
+//! too: [`cpu`] probes its CPU (cores, memory, memory bandwidth, compute rate) as the one
+//! device its CPU ranks share.
 //!
 //! It must not plan, launch or print: rendering to text lives in [`render`] and returns
 //! strings for `ui` to write.
 
+pub mod cpu;
 mod domains;
 mod link;
 pub(crate) mod nccl;
@@ -20,6 +23,7 @@ pub mod sysfs;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
+pub use cpu::CpuProfile;
 pub use domains::nvlink_domains;
 pub use link::{LinkCode, P2pStatus};
 

@@ -866,6 +866,55 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
     );
 }
 
+/// `infer up --cluster hosts.toml` without `--tp/--pp/--dp` on hosts of CPU ranks launches
+/// the plan `infer plan --cluster hosts.toml` makes for them: its layout, each rank on the
+/// host the plan put it on; and it answers as `infer generate` does. See: #40
+#[test]
+fn up_over_cpu_rank_hosts_launches_their_plan() {
+    use crate::support::server::{Server, generate_counting};
+    use serde_json::json;
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(2, 2) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let inventory = cluster.inventory.display().to_string();
+    let output = run(&["plan", "--cluster", &inventory, "--json"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let plan: Value = serde_json::from_slice(&output.stdout).expect("plan JSON");
+    assert_eq!(plan["device"], "cpu", "{plan}");
+    let planned_hosts: Vec<&Value> = plan["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| &r["host"])
+        .collect();
+    let server = Server::start(&["--cluster", &inventory]);
+    let parallel = &plan["parallel"];
+    assert!(
+        server.startup.contains(&format!(
+            "the plan for `{inventory}`: tp {} × pp {} × dp {}",
+            parallel["tp"], parallel["pp"], parallel["dp"]
+        )),
+        "{}",
+        server.startup
+    );
+    let manifest = run_manifest(&server.startup);
+    let launched_hosts: Vec<&Value> = manifest["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| &r["host"])
+        .collect();
+    assert_eq!(launched_hosts, planned_hosts, "{manifest}");
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], generate_counting()["text"]);
+}
+
 /// `~/.ssh/config` is read (HostName, User, ProxyJump): a host whose sshd the launcher
 /// cannot reach (it listens where only the data network goes) is reached through a bastion
 /// on the management network; and ssh-agent's key authenticates when the inventory names no

@@ -198,6 +198,7 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
         serving: None,
         layout_from: "a test".into(),
         placement: Vec::new(),
+        planned_hosts: None,
         run_dir: None,
         gpus: None,
         restart: 0,

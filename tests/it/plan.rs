@@ -667,18 +667,161 @@ fn bad_plan_input_exits_2_with_a_clear_error() {
     insta::assert_snapshot!(transcript);
 }
 
+/// `MemTotal` of this host's `/proc/meminfo`, bytes.
+fn mem_total_bytes() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("MemTotal in kB");
+    kib * 1024
+}
+
+/// The alternative (or the chosen layout) of `plan` with `tp × pp × dp`: its TPOT at batch 1.
+fn tpot_of(plan: &Value, (tp, pp, dp): (u64, u64, u64)) -> Option<f64> {
+    let same = |p: &Value| p["tp"] == tp && p["pp"] == pp && p["dp"] == dp;
+    if same(&plan["parallel"]) {
+        return plan["estimate"]["tpot_secs"].as_f64();
+    }
+    plan["alternatives"]
+        .as_array()
+        .expect("alternatives")
+        .iter()
+        .find(|a| same(&a["parallel"]))
+        .and_then(|a| a["tpot_secs"].as_f64())
+}
+
+/// `--cluster local` on a host without GPUs plans for its CPU: one device whose ranks share
+/// it, one to a rank per core, each rank with its share of the host's memory and bandwidth;
+/// `--explain` says what was probed; vLLM's lines are refused for it. See: #40
 #[test]
-fn local_cluster_without_gpus_points_to_a_shorthand() {
+fn local_cluster_without_gpus_plans_its_cpu_ranks() {
     if Path::new("/proc/driver/nvidia/version").exists() {
         return;
     }
-    let output = run(&["plan", "--model", "llama-3.1-8b"]);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let (code, plan) = plan_json(&["--cluster", "local"]);
+    assert_eq!(code, 0, "{plan}");
+    assert_eq!(plan["device"], "cpu");
+    let world = plan["world_size"].as_u64().expect("world");
+    assert!(
+        (1..=cores).contains(&world),
+        "{world} ranks on {cores} cores"
+    );
+    let ranks = plan["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len() as u64, world);
+    let host = ranks[0]["host"].as_str().expect("host");
+    for rank in ranks {
+        assert_eq!(rank["host"], host);
+        assert_eq!(rank["cuda_visible_devices"], "");
+    }
+    assert_eq!(plan["env"][host], serde_json::json!({}));
+    // Each rank holds its share of the host's memory.
+    let per_rank = plan["memory"][0]["gpu_memory_bytes"]
+        .as_u64()
+        .expect("bytes");
+    assert!(per_rank * world <= mem_total_bytes() && mem_total_bytes() - per_rank * world < world);
+    // The rank counts searched: 1 to one per core, never more.
+    for alternative in plan["alternatives"].as_array().expect("alternatives") {
+        let p = &alternative["parallel"];
+        let n = ["tp", "pp", "dp"]
+            .iter()
+            .map(|k| p[k].as_u64().expect("degree"))
+            .product::<u64>();
+        assert!(n <= cores, "{alternative}");
+    }
+    if cores >= 2 {
+        // Two replicas split the host: each reads its weights at half the bandwidth and
+        // computes at half the rate, so a step takes twice as long (TP 1: no collective).
+        let one = tpot_of(&plan, (1, 1, 1)).expect("DP 1 considered");
+        let two = tpot_of(&plan, (1, 1, 2)).expect("DP 2 considered");
+        assert!((two / one - 2.0).abs() < 1e-9, "{two} vs {one}");
+    }
+    let text = stdout_ok(&run(&["plan", "--cluster", "local", "--explain"]));
+    assert!(
+        text.contains("each host's CPU is one device its ranks share")
+            && text.contains("probed on this host")
+            && text.contains("memory per rank")
+            && text.contains("infer up --tp"),
+        "{text}"
+    );
+    let output = run(&["plan", "--cluster", "local", "--engine", "vllm"]);
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("runs CPU ranks"), "{stderr}");
+    // The doctor does not ask this host for GPUs the plan does not use.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("plan.json");
+    std::fs::write(&file, plan.to_string()).expect("write");
+    let output = run(&["doctor", "--plan", file.to_str().expect("UTF-8"), "--json"]);
+    let report: Value = serde_json::from_slice(&output.stdout).expect("doctor JSON");
+    let nvml: Vec<&Value> = report["findings"]
+        .as_array()
+        .expect("findings")
+        .iter()
+        .filter(|f| f["check"] == "nvml")
+        .collect();
     assert!(
-        stderr.contains("no NVIDIA GPUs") && stderr.contains("--cluster 1x8xh100-sxm"),
-        "{stderr}"
+        !nvml.is_empty() && nvml.iter().all(|f| f["severity"] == "ok"),
+        "{report}"
     );
+}
+
+/// An inventory of `cpu-ranks` hosts is planned on this host's probed CPU (and says so):
+/// ranks spread evenly over the hosts, at most `cpu-ranks` on each; GPU and CPU-rank hosts do
+/// not mix. See: #40
+#[test]
+fn cpu_rank_inventories_are_planned_on_the_probed_cpu() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("hosts.toml");
+    std::fs::write(
+        &path,
+        "[[hosts]]\nname = \"a\"\naddress = \"10.0.0.1\"\ncpu-ranks = 2\n\n\
+         [[hosts]]\nname = \"b\"\naddress = \"10.0.0.2\"\ncpu-ranks = 2\n",
+    )
+    .expect("write");
+    let inventory = path.to_str().expect("UTF-8");
+    let (code, plan) = plan_json(&["--cluster", inventory, "--dp", "4"]);
+    assert_eq!(code, 0, "{plan}");
+    assert_eq!(plan["device"], "cpu");
+    let hosts: Vec<&str> = plan["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| r["host"].as_str().expect("host"))
+        .collect();
+    assert_eq!(hosts, ["a", "a", "b", "b"]);
+    assert!(
+        plan["explain"]
+            .as_array()
+            .expect("explain")
+            .iter()
+            .any(|l| l.as_str().is_some_and(
+                |l| l.contains("this host's CPU") && l.contains("does not say its hosts' own")
+            )),
+        "{}",
+        plan["explain"]
+    );
+    let (code, refused) = plan_json(&["--cluster", inventory, "--dp", "6"]);
+    assert_eq!(code, 1);
+    assert!(
+        refused["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("the hosts take at most 2")),
+        "{refused}"
+    );
+    std::fs::write(
+        &path,
+        "[[hosts]]\nname = \"a\"\naddress = \"10.0.0.1\"\ncpu-ranks = 2\n\n\
+         [[hosts]]\nname = \"b\"\naddress = \"10.0.0.2\"\ngpus = 8\nhardware = \"h100-sxm\"\n",
+    )
+    .expect("write");
+    let output = run(&["plan", "--cluster", inventory]);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("separate inventories"), "{stderr}");
 }
 
 /// Llama-3.1-70B in fp8 on two L40S: the weights fit (67.7 GiB of 81 GiB usable) but not

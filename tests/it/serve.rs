@@ -919,6 +919,57 @@ fn up_launches_the_layout_of_a_saved_plan() {
     assert!(env.get("INFER_RUN_KEYS").is_none(), "{env}");
 }
 
+/// `infer plan --cluster local --json` on this host without GPUs plans its CPU ranks, and
+/// `infer up --plan` serves that layout and answers as `infer generate` does; a plan pinned
+/// to two replicas on the host runs them as two rank processes. See: #40
+#[test]
+fn up_serves_the_plan_for_this_hosts_cpu() {
+    if std::path::Path::new("/proc/driver/nvidia/version").exists() {
+        return;
+    }
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Two ranks need two cores: at most one rank per core.
+    let plans: &[(&str, &[&str])] = if cores >= 2 {
+        &[("plan.json", &[]), ("dp2.json", &["--dp", "2"])]
+    } else {
+        &[("plan.json", &[])]
+    };
+    for (name, pins) in plans {
+        let output = run(&[&["plan", "--cluster", "local", "--json"][..], *pins].concat());
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let plan: Value = serde_json::from_slice(&output.stdout).expect("plan JSON");
+        assert_eq!(plan["device"], "cpu", "{plan}");
+        let parallel = &plan["parallel"];
+        let world = plan["world_size"].as_u64().expect("world");
+        let file = dir.path().join(name);
+        std::fs::write(&file, &output.stdout).expect("write plan");
+        let server = Server::start(&["--plan", file.to_str().expect("utf-8 path")]);
+        assert!(
+            server.startup.contains(&format!(
+                "tp {} × pp {} × dp {} (ep {}), {world} ranks",
+                parallel["tp"], parallel["pp"], parallel["dp"], parallel["ep"]
+            )),
+            "{}",
+            server.startup
+        );
+        if world > 1 {
+            assert_eq!(server.rank_pids().len() as u64, world, "{}", server.startup);
+        }
+        let (status, body) = server.post(
+            "/v1/completions",
+            &json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 16, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["text"], generate_counting()["text"]);
+    }
+}
+
 /// A Mixtral-style MoE model (synthetic, 8 experts, top-2, written as GGUF with a small
 /// tokenizer) served with `--tp 2 --ep 2`: each rank holds 4 experts and tokens move with
 /// all-to-all. Greedy completions equal `infer generate`'s in one process, as they do with

@@ -177,6 +177,7 @@ fn allreduce_cluster(
         serving: None,
         layout_from: "infer bench allreduce --cluster".into(),
         placement: Vec::new(),
+        planned_hosts: None,
         run_dir: None,
         gpus: None,
         restart: 0,

@@ -34,15 +34,21 @@ pub(super) fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitSt
     let (best_prefill, best_decode) = (speed.prefill_tokens_per_sec, speed.decode_tokens_per_sec);
     let peak_rss_bytes = bench::peak_rss_bytes()?;
     if args.json {
-        return printer
-            .json(&cpu_decode_report(
-                args,
-                &engine,
-                prompt.len(),
-                (best_prefill, best_decode),
-                peak_rss_bytes,
-            ))
-            .map(|()| ExitStatus::Success);
+        // The planner's count of the prompt's arithmetic, for a calibration of the CPU's
+        // compute rate.
+        let prefill_flops = model::spec_of(&source)
+            .ok()
+            .map(|spec| crate::plan::cost::prefill_flops(&spec, prompt.len() as u64));
+        let mut report = cpu_decode_report(
+            args,
+            &engine,
+            prompt.len(),
+            (best_prefill, best_decode),
+            peak_rss_bytes,
+        );
+        report.prefill_flops_per_sec =
+            prefill_flops.map(|flops| flops * best_prefill / prompt.len().max(1) as f64);
+        return printer.json(&report).map(|()| ExitStatus::Success);
     }
     printer.data(&format!(
         "model       {}\nthreads     {}\nnumerics    {}\nprefill     {best_prefill:.1} tok/s ({} prompt tokens, best of {})\ndecode      {best_decode:.1} tok/s (batch {}, {} tokens each after the prompt, best of {})\npeak RSS    {:.1} MB",
@@ -60,7 +66,7 @@ pub(super) fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitSt
 }
 
 /// The JSON report of a CPU decode bench from the best (prefill, decode) tokens/s and the
-/// peak RSS in bytes.
+/// peak RSS in bytes (`prefill_flops_per_sec` left for the caller, who has the model's spec).
 fn cpu_decode_report(
     args: &BenchDecodeArgs,
     engine: &Engine,
@@ -84,6 +90,7 @@ fn cpu_decode_report(
         prompt_tokens,
         decode_tokens: args.decode_tokens,
         prefill_tokens_per_sec: best_prefill,
+        prefill_flops_per_sec: None,
         decode_tokens_per_sec: best_decode,
         decode_step_secs,
         decode_weight_bytes,
@@ -239,6 +246,7 @@ impl CudaDecode<'_> {
             prompt_tokens: self.prompt_tokens,
             decode_tokens: args.decode_tokens,
             prefill_tokens_per_sec: speed.prefill_tokens_per_sec,
+            prefill_flops_per_sec: None,
             decode_tokens_per_sec: speed.decode_tokens_per_sec,
             decode_step_secs: speed.decode_step_secs,
             decode_weight_bytes: weight_bytes,

@@ -135,6 +135,7 @@ fn rank_launch_spec(
         serving: None,
         layout_from: "infer generate --tp/--pp".into(),
         placement: Vec::new(),
+        planned_hosts: None,
         run_dir: args.run_dir.clone(),
         gpus: gpus.map(|visible| crate::launch::local_gpus(world, visible)),
         restart: 0,

@@ -71,6 +71,17 @@ fn engine_launch(
     Ok(match engine {
         Some(engine) => {
             let engine: engines::EngineKind = engine.into();
+            if plan.device == crate::plan::cluster::Device::Cpu
+                && matches!(
+                    engine,
+                    engines::EngineKind::Vllm | engines::EngineKind::Sglang
+                )
+            {
+                anyhow::bail!(
+                    "--engine {engine}: this plan runs CPU ranks (`{}` has no GPUs), and {engine} serves on GPUs\nhint: serve it with `infer up --plan` (this plan's `--json`), or `--engine infer`/`--engine llamacpp`",
+                    plan.cluster
+                );
+            }
             // infer's ranks load the GGUF file `--model` named, when it named one.
             let model = args.engine_model.as_deref().or(args
                 .model

@@ -250,3 +250,21 @@ pub(super) fn api_key(args: &UpArgs) -> Result<Option<String>> {
     }
     Ok(Some(key.to_string()))
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::cli::{Cli, Command};
+
+    /// A plan of CPU ranks batches as many sequences per replica as `infer up` does unless
+    /// told otherwise.
+    #[test]
+    fn cpu_plans_batch_what_up_batches_by_default() {
+        let cli = Cli::try_parse_from(["infer", "up"]).expect("`infer up` parses");
+        let Command::Up(args) = cli.command else {
+            panic!("`infer up` is the up command");
+        };
+        assert_eq!(args.max_batch as u64, crate::plan::memory::CPU_MAX_NUM_SEQS);
+    }
+}

@@ -196,19 +196,20 @@ pub fn live(sysfs_root: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
 
 /// Checks of a plan: TP or EP groups across hosts, the PP bubble, and (with the hosts'
 /// topology) TP groups over non-NVLink pairs. `this_host`, when given, is checked for the
-/// GPUs the plan places on it.
+/// GPUs the plan places on it. A plan of CPU ranks needs no GPU and uses no GPU link.
 pub fn plan(
     plan: &crate::plan::Plan,
     topology: Option<&Topology>,
     this_host: Option<&crate::topology::Host>,
 ) -> Vec<Finding> {
+    let gpus = plan.device == crate::plan::cluster::Device::Gpu;
     let mut findings = cross_node_tp::check(plan);
     if let Some(host) = this_host.filter(|h| plan.ranks.iter().any(|r| r.host == h.hostname)) {
-        findings.push(nvml::check(host, Some(plan)));
+        findings.push(nvml::check(host, Some(plan).filter(|_| gpus)));
     }
     findings.extend(ep_cross_node::check(plan));
     findings.extend(pp_bubble::check(plan));
-    if let Some(topology) = topology {
+    if let Some(topology) = topology.filter(|_| gpus) {
         findings.extend(tp_not_nvlink::check_plan(plan, topology));
     }
     findings
