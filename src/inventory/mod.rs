@@ -481,18 +481,7 @@ fn inventory(path: &Path) -> Result<Cluster> {
             };
             let topology = match &entry.topology {
                 Some(file) => imported_topology(&base.join(file), &name, 0)?,
-                None => Host {
-                    hostname: name.clone(),
-                    source: "inventory".to_string(),
-                    driver_version: None,
-                    cuda_driver_version: None,
-                    gpus: Vec::new(),
-                    gpu_links: Vec::new(),
-                    p2p: None,
-                    nvlink_domains: Vec::new(),
-                    nics: Vec::new(),
-                    notes: Vec::new(),
-                },
+                None => Host::named(name.clone(), "inventory"),
             };
             hosts.push(ClusterHost::cpu(
                 name,

@@ -446,18 +446,7 @@ mod tests {
         let hosts = (0..n_hosts)
             .map(|i| {
                 let name = format!("h{i}");
-                let topology = Host {
-                    hostname: name.clone(),
-                    source: "test".into(),
-                    driver_version: None,
-                    cuda_driver_version: None,
-                    gpus: Vec::new(),
-                    gpu_links: Vec::new(),
-                    p2p: None,
-                    nvlink_domains: Vec::new(),
-                    nics: Vec::new(),
-                    notes: Vec::new(),
-                };
+                let topology = Host::named(name.clone(), "test");
                 ClusterHost::cpu(
                     name,
                     Some(format!("10.0.0.{i}")),

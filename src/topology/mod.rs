@@ -66,6 +66,25 @@ pub struct Host {
     pub notes: Vec<String>,
 }
 
+impl Host {
+    /// A host named `hostname` known only by name (`source` says where from): no GPU, link,
+    /// NIC or driver, as an inventory's CPU host is before anything is probed.
+    pub fn named(hostname: String, source: &str) -> Host {
+        Host {
+            hostname,
+            source: source.to_string(),
+            driver_version: None,
+            cuda_driver_version: None,
+            gpus: Vec::new(),
+            gpu_links: Vec::new(),
+            p2p: None,
+            nvlink_domains: Vec::new(),
+            nics: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+}
+
 /// One GPU as NVML (or `nvidia-smi`) reports it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Gpu {

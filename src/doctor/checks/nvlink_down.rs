@@ -88,16 +88,8 @@ mod tests {
             })
             .collect();
         Host {
-            hostname: "gpu-node-1".into(),
-            source: "test".into(),
-            driver_version: None,
-            cuda_driver_version: None,
             gpus,
-            gpu_links: Vec::new(),
-            p2p: None,
-            nvlink_domains: Vec::new(),
-            nics: Vec::new(),
-            notes: Vec::new(),
+            ..Host::named("gpu-node-1".into(), "test")
         }
     }
 
