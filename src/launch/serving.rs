@@ -300,7 +300,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
                     from: format!("the plan for `{}`", file.display()),
                     pd_prefill: None,
                     gpus: None,
-                    planned_hosts: Some(hosts_by_rank(&plan)),
+                    planned_hosts: Some(by_rank(&plan, |r| &r.host)),
                 };
                 events(UpEvent::Note(format!(
                     "the plan for `{}`: tp {} × pp {} × dp {} (ep {}), {} ranks over its hosts",
@@ -365,11 +365,14 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
     Ok(layout)
 }
 
-/// The host of each of `plan`'s ranks, indexed by rank.
-fn hosts_by_rank(plan: &crate::plan::Plan) -> Vec<String> {
+/// `field` of each of `plan`'s ranks, indexed by rank (its host, its GPUs).
+fn by_rank(
+    plan: &crate::plan::Plan,
+    field: fn(&crate::plan::layout::RankPlacement) -> &String,
+) -> Vec<String> {
     let mut ranks: Vec<_> = plan.ranks.iter().collect();
     ranks.sort_by_key(|r| r.rank);
-    ranks.iter().map(|r| r.host.clone()).collect()
+    ranks.iter().map(|r| field(r).clone()).collect()
 }
 
 /// The layout of `plan`, which must place every rank on one host (a plan over several
@@ -426,14 +429,8 @@ fn layout_of(
         from: what.to_string(),
         pd_prefill: None,
         // A plan of CPU ranks names no GPU.
-        gpus: (plan.device == crate::plan::cluster::Device::Gpu).then(|| {
-            let mut ranks: Vec<_> = plan.ranks.iter().collect();
-            ranks.sort_by_key(|r| r.rank);
-            ranks
-                .iter()
-                .map(|r| r.cuda_visible_devices.clone())
-                .collect()
-        }),
+        gpus: (plan.device == crate::plan::cluster::Device::Gpu)
+            .then(|| by_rank(plan, |r| &r.cuda_visible_devices)),
         planned_hosts: None,
     };
     events(UpEvent::Note(format!(
