@@ -105,6 +105,14 @@ pub(crate) const STALL_TIMEOUT_SECS: &str = "INFER_STALL_TIMEOUT_SECS";
 /// refuses it): `stall:rank=R:step=N`, rank `R` stops making progress at its `N`th step
 /// while its process and heartbeats live on.
 pub(crate) const TEST_FAULT: &str = "INFER_TEST_FAULT";
+/// Which start of its DP replica a rank belongs to (absent: the first, 0): a replica
+/// restarted alone joins groups of this incarnation, so it never meets its predecessor's
+/// stale addresses in the store.
+pub(crate) const INCARNATION: &str = "INFER_INCARNATION";
+/// `1`: a DP replica other than rank 0's may be restarted alone (`--max-restarts` with
+/// `--dp`): rank 0's router marks a lost replica as restarting instead of failing, and
+/// links to its next incarnation.
+pub(crate) const REPLICA_RESTARTS: &str = "INFER_REPLICA_RESTARTS";
 /// Requests that may wait beyond those running before new ones get 503
 /// (`--max-queued-requests`).
 pub(crate) const MAX_QUEUED_REQUESTS: &str = "INFER_MAX_QUEUED_REQUESTS";

@@ -40,6 +40,7 @@ pub(crate) fn run(printer: &crate::ui::Printer) -> Result<ExitStatus> {
             .test_fault
             .filter(|fault| fault.rank == env.rank)
             .map(|fault| fault.step),
+        incarnation: env.incarnation,
     };
     // Rank 0 of a serving gang listens before it loads, answering 503 meanwhile.
     let mut server = if config.rank == 0 {

@@ -27,6 +27,8 @@ pub const GRACE_PERIOD: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub(crate) struct GangFailure {
     pub(crate) kind: FailureKind,
+    /// The rank that failed (`None`: a host, or every rank gone).
+    pub(crate) rank: Option<usize>,
     /// The whole message: which rank, its status or silence, its last log lines.
     pub(crate) message: String,
 }
@@ -50,9 +52,13 @@ impl std::fmt::Display for GangFailure {
 
 impl std::error::Error for GangFailure {}
 
-/// A [`GangFailure`] of `kind` saying `message`.
-fn failure(kind: FailureKind, message: String) -> anyhow::Error {
-    anyhow::Error::new(GangFailure { kind, message })
+/// A [`GangFailure`] of `kind` (of `rank`, when one rank failed) saying `message`.
+fn failure(kind: FailureKind, rank: Option<usize>, message: String) -> anyhow::Error {
+    anyhow::Error::new(GangFailure {
+        kind,
+        rank,
+        message,
+    })
 }
 
 /// What the launcher reports while it watches the gang.
@@ -98,6 +104,12 @@ pub struct Gang {
     every_exit_fails: bool,
     /// More top-level manifest fields (`hosts` of a multi-host run).
     manifest_extra: serde_json::Map<String, serde_json::Value>,
+    /// The run's keys (as the launcher holds them): a restarted rank gets its host's.
+    keys: Keyring,
+    /// Where the ranks' output lines go ([`Gang::restart_ranks`] starts more).
+    line_sender: std::sync::mpsc::Sender<(usize, String)>,
+    /// Ranks started again alone, and when: their heartbeats count from then.
+    restarted: HashMap<u64, Instant>,
 }
 
 impl Gang {
@@ -227,6 +239,9 @@ impl Gang {
             loaded: 0,
             every_exit_fails: false,
             manifest_extra: serde_json::Map::new(),
+            keys: keys.clone(),
+            line_sender,
+            restarted: HashMap::new(),
         };
         gang.write_manifest(spec, None)?;
         Ok(gang)
@@ -367,7 +382,13 @@ impl Gang {
                     });
                 }
             }
-            let ages = self.heartbeat_ages()?;
+            let mut ages = self.heartbeat_ages()?;
+            // A rank started again alone is not late for what its predecessor missed.
+            for (rank, at) in &self.restarted {
+                if let Some(age) = ages.get_mut(rank) {
+                    *age = (*age).min(at.elapsed());
+                }
+            }
             check_ranks(
                 &mut self.ranks,
                 &ages,
@@ -448,6 +469,65 @@ impl Gang {
             .is_none_or(|r| !matches!(r.child.try_wait(), Ok(None)))
     }
 
+    /// Stops `ranks` (one DP replica's: the others keep running) and starts them again
+    /// with `spawner` as start `restart` of the run (their groups named for it, see
+    /// [`crate::envvars::INCARNATION`]); the stopped ranks' logs move to `files` first.
+    ///
+    /// Errors: `ranks` outside the world, a log that cannot be moved, a rank that cannot
+    /// start (the others of `ranks` started so far keep running; the caller gives up).
+    pub(crate) fn restart_ranks(
+        &mut self,
+        spawner: &dyn Spawner,
+        spec: &LaunchSpec,
+        ranks: std::ops::Range<usize>,
+        restart: usize,
+        files: &Path,
+    ) -> Result<()> {
+        if ranks.is_empty() || ranks.end > self.world_size {
+            bail!(
+                "ranks {ranks:?} are not part of a world of {}",
+                self.world_size
+            );
+        }
+        let (mut stopped, kept): (Vec<RankProcess>, Vec<RankProcess>) =
+            std::mem::take(&mut self.ranks)
+                .into_iter()
+                .partition(|r| ranks.contains(&r.rank));
+        self.ranks = kept;
+        stop_gang(&mut stopped);
+        super::run_dir::private_dir(files)
+            .with_context(|| format!("cannot create `{}`", files.display()))?;
+        for process in &stopped {
+            if let Some(name) = process.log.file_name() {
+                std::fs::rename(&process.log, files.join(name))
+                    .with_context(|| format!("cannot move `{}`", process.log.display()))?;
+            }
+        }
+        let mut spec = spec.clone();
+        spec.restart = restart;
+        for rank in ranks {
+            let rank_keys = self
+                .keys
+                .host_of_rank(rank as u64)
+                .with_context(|| format!("the run's keys place no host for rank {rank}"))
+                .and_then(|host| self.keys.for_host(host)?.to_text())?;
+            let process = spawn_rank(
+                spawner,
+                rank,
+                self.world_size,
+                &spec,
+                self.store_address,
+                &rank_keys,
+                &self.run_dir,
+                &self.line_sender,
+            )?;
+            self.ranks.push(process);
+            self.restarted.insert(rank as u64, Instant::now());
+        }
+        self.ranks.sort_by_key(|r| r.rank);
+        Ok(())
+    }
+
     /// Stops every live rank (SIGTERM to its process group, SIGKILL after
     /// [`GRACE_PERIOD`]) and reaps them all.
     pub fn stop(&mut self) {
@@ -512,6 +592,7 @@ fn check_ranks(
             .unwrap_or_default();
         return Err(failure(
             FailureKind::RankExited,
+            Some(*rank),
             format!(
                 "rank {rank}{host} exited with {status}; last lines of `{}`:\n{}{note}",
                 log.display(),
@@ -538,7 +619,11 @@ fn check_ranks(
                     age.as_secs_f64()
                 ),
             };
-            return Err(failure(FailureKind::HeartbeatLost, message));
+            return Err(failure(
+                FailureKind::HeartbeatLost,
+                Some(*rank as usize),
+                message,
+            ));
         }
     }
     Ok(())
@@ -556,7 +641,7 @@ fn failed_ranks(
         let status = rank
             .child
             .try_wait()
-            .map_err(|error| failure(FailureKind::HostLost, format!("{error:#}")))?;
+            .map_err(|error| failure(FailureKind::HostLost, None, format!("{error:#}")))?;
         if let Some(status) = status
             && (any_exit || !status.success())
         {

@@ -178,6 +178,21 @@ impl ClusterHosts {
         self.start_gang_in(job, restart, None)
     }
 
+    /// Starts `ranks` of `gang` (one DP replica's) again on their hosts through the
+    /// agents, as start `restart` ([`Gang::restart_ranks`]).
+    ///
+    /// Errors: as [`Gang::restart_ranks`].
+    pub(crate) fn restart_ranks(
+        &self,
+        gang: &mut Gang,
+        ranks: std::ops::Range<usize>,
+        restart: usize,
+        files: &Path,
+    ) -> Result<()> {
+        let spawner = self.remote.spawner(self.rank_hosts.clone());
+        gang.restart_ranks(&spawner, &self.spec, ranks, restart, files)
+    }
+
     /// [`ClusterHosts::start_gang`] in the run directory `run_dir` (a restart's).
     ///
     /// Errors: as [`ClusterHosts::start_gang`].

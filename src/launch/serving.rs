@@ -599,6 +599,11 @@ fn rank_spec(
         stall_timeout: settings.stall_timeout,
         max_model_len: settings.max_model_len,
         max_queued_requests: settings.max_queued_requests,
+        // A lost replica restarts alone under `--max-restarts` (not with PD: its KV links
+        // would need re-linking too).
+        replica_restarts: settings.max_restarts > 0
+            && layout.degrees.dp > 1
+            && layout.pd_prefill.is_none(),
     };
     LaunchSpec {
         degrees: layout.degrees,

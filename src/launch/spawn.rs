@@ -178,6 +178,9 @@ pub(super) fn spawn_rank(
             0 => TestFault::from_process_env()?,
             _ => None,
         },
+        // A replica restarted alone meets its groups under a name of this start
+        // ([`Gang::restart_ranks`](super::gang::Gang::restart_ranks)).
+        incarnation: spec.restart,
     };
     let env = contract.to_env()?;
     let child = spawner.spawn(rank, &env, keys, &log, lines)?;

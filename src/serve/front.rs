@@ -181,6 +181,15 @@ impl Front {
         }
     }
 
+    /// One DP replica failed with `kind` and starts again alone while the others serve:
+    /// counted in `infer_restarts_total`; the front keeps relaying (rank 0's `/health`
+    /// names the replica `restarting`).
+    pub fn replica_restarting(&self, kind: RestartCause) {
+        if let Ok(mut restarts) = self.shared.restarts.lock() {
+            *restarts.entry(kind).or_default() += 1;
+        }
+    }
+
     /// The gang failed with `cause` (`kind`, for `/metrics`) and starts again, restart
     /// `restart` of `max_restarts`: new requests get 503 with `Retry-After:
     /// retry_after_secs`, requests in flight an error naming `cause`.

@@ -283,6 +283,9 @@ impl RankWaits {
 pub(crate) struct ReplicaState {
     pub progress: ProgressSnapshot,
     pub failure: Option<String>,
+    /// Why it is down and restarting (its driver's link was lost and the launcher starts
+    /// it again alone), and for how long, seconds.
+    pub restarting: Option<(String, f64)>,
     /// Requests running and waiting on it.
     pub running: u64,
     pub waiting: u64,
@@ -302,7 +305,14 @@ pub(crate) fn judge(
         .enumerate()
         .map(|(replica, state)| {
             let p = &state.progress;
-            let (status, reason) = if let Some(failure) = &state.failure {
+            let (status, reason) = if let Some((why, secs)) = &state.restarting {
+                (
+                    "restarting",
+                    Some(format!(
+                        "replica {replica} is restarting ({secs:.1} s so far) after: {why}"
+                    )),
+                )
+            } else if let Some(failure) = &state.failure {
                 ("failed", Some(format!("replica {replica} failed: {failure}")))
             } else if p.stalled(stall_timeout) {
                 (
@@ -365,6 +375,7 @@ mod tests {
                 recent_step_secs: recent,
             },
             failure: None,
+            restarting: None,
             running: u64::from(has_work),
             waiting: 0,
         }

@@ -186,8 +186,8 @@ pub fn serve_driver(
                 .await
                 .with_context(|| format!("cannot listen for the router on `{bind}`"))?;
             store.set(
-                &crate::rendezvous::rank_key(env.rank as u64, "router"),
-                listener.local_addr()?.to_string().as_bytes(),
+                &super::links::router_key(env.rank as u64),
+                super::links::router_value(env.incarnation, listener.local_addr()?).as_bytes(),
             )?;
             let mut terminate =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -200,13 +200,7 @@ pub fn serve_driver(
     let server = server.context("rank 0 has no HTTP server")?;
     // Replica `r`'s driver is its first rank.
     let replica_size = env.degrees.replica_size() as u64;
-    let remotes = (1..dp as u64)
-        .map(|r| {
-            let driver = r * replica_size;
-            let bytes = store.get(&crate::rendezvous::rank_key(driver, "router"), timeout)?;
-            Ok((String::from_utf8_lossy(&bytes).into_owned(), driver))
-        })
-        .collect::<Result<Vec<(String, u64)>>>()?;
+    let remotes = super::links::first_starts(store, dp as u64, replica_size, timeout)?;
     server.open(
         AppState {
             model_id: serving.model_id.clone(),
@@ -229,6 +223,12 @@ pub fn serve_driver(
                 let router = Router::local(Scheduler::start_with(Box::new(driver), limits))
                     .with_stall_timeout(serving.stall_timeout)
                     .with_queue_limit(limits.max_batch, serving.max_queued_requests);
+                let router = match serving.replica_restarts {
+                    true => router.with_replica_restarts(super::links::Rejoin {
+                        store: env.store.to_string(),
+                    }),
+                    false => router,
+                };
                 match serving.pd_prefill {
                     Some(prefill) => router.disaggregated(prefill),
                     None => router,
@@ -480,7 +480,7 @@ impl HttpServer {
     pub fn open(
         &self,
         mut state: AppState,
-        remotes: &[(String, u64)],
+        remotes: &[((usize, String), u64)],
         keys: Option<&crate::keyring::Keyring>,
     ) -> Result<()> {
         if !remotes.is_empty() {

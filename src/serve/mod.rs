@@ -16,6 +16,7 @@ mod errors;
 pub mod front;
 pub(crate) mod health;
 pub mod http;
+pub(crate) mod links;
 mod metrics;
 mod models;
 pub(crate) mod router;

@@ -24,6 +24,7 @@ use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
 use super::health::{DEFAULT_STALL_TIMEOUT, ReplicaState, Verdict, judge};
+use super::links::{Links, Rejoin, Remote};
 use super::scheduler::{Event, Metrics, MetricsSnapshot, PdStage, Request, Scheduler};
 use crate::runtime::model::sampling::SamplingParams;
 
@@ -166,7 +167,7 @@ const MAX_FRAME_BYTES: usize = 64 << 20;
 
 /// Router → replica.
 #[derive(Serialize, Deserialize)]
-enum ToReplica {
+pub(super) enum ToReplica {
     Submit {
         id: u64,
         prompt_tokens: Vec<u32>,
@@ -185,7 +186,7 @@ enum ToReplica {
 
 /// Replica → router.
 #[derive(Serialize, Deserialize)]
-enum FromReplica {
+pub(super) enum FromReplica {
     /// An event of request `id`.
     Event { id: u64, event: Event },
     /// The replica's metrics, sent twice a second.
@@ -204,43 +205,19 @@ enum FromReplica {
 const METRICS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Scrapes waiting for a remote replica's metrics, by request id.
-type MetricsWaiters = Arc<Mutex<HashMap<u64, tokio::sync::oneshot::Sender<MetricsSnapshot>>>>;
+pub(super) type MetricsWaiters =
+    Arc<Mutex<HashMap<u64, tokio::sync::oneshot::Sender<MetricsSnapshot>>>>;
 
 /// How often a remote replica reports its metrics.
 const METRICS_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The requests of one remote replica still waiting for events.
-type Pending = Arc<Mutex<HashMap<u64, UnboundedSender<Event>>>>;
-
-/// A replica whose driver is another rank process.
-struct Remote {
-    frames: UnboundedSender<ToReplica>,
-    pending: Pending,
-    /// Its last reported metrics, and when they arrived.
-    metrics: Arc<Mutex<(MetricsSnapshot, Instant)>>,
-    /// Scrapes waiting for its current metrics.
-    waiters: MetricsWaiters,
-}
-
-impl Remote {
-    /// Its last reported metrics, their progress aged by the time since the report.
-    fn last_report(&self) -> MetricsSnapshot {
-        let (snapshot, at) = self
-            .metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        MetricsSnapshot {
-            progress: snapshot.progress.clone().aged(at.elapsed()),
-            ..snapshot
-        }
-    }
-}
+pub(super) type Pending = Arc<Mutex<HashMap<u64, UnboundedSender<Event>>>>;
 
 /// Where requests go: the local scheduler (replica 0) and the remote replicas.
 pub struct Router {
     local: Scheduler,
-    remotes: Vec<Remote>,
+    remotes: Vec<Arc<Remote>>,
     /// Requests in flight per replica (index 0: local).
     in_flight: Vec<Arc<AtomicU64>>,
     /// Requests routed so far per replica, for `/metrics`.
@@ -260,6 +237,8 @@ pub struct Router {
     stall_timeout: std::time::Duration,
     /// (running per replica, waiting in all) that may be in flight; `None`: no bound.
     queue_limit: Option<(usize, usize)>,
+    /// Where restarted replicas are found (`None`: a lost replica fails the server).
+    rejoin: Option<Rejoin>,
 }
 
 impl Router {
@@ -283,7 +262,16 @@ impl Router {
             fail: Arc::new(fail),
             stall_timeout: DEFAULT_STALL_TIMEOUT,
             queue_limit: None,
+            rejoin: None,
         }
+    }
+
+    /// A lost remote replica is restarting rather than failed: the router sends it
+    /// nothing, fails its requests in flight with the cause, and links to its next start
+    /// when its driver publishes one in the store at `rejoin` ([`super::links`]).
+    pub(crate) fn with_replica_restarts(mut self, rejoin: Rejoin) -> Router {
+        self.rejoin = Some(rejoin);
+        self
     }
 
     /// Judges replicas stalled after `stall_timeout` without progress (`--stall-timeout`).
@@ -335,9 +323,7 @@ impl Router {
         match replica {
             0 => Target::Local(self.local.clone()),
             r => Target::Remote {
-                replica: r,
-                frames: self.remotes[r - 1].frames.clone(),
-                pending: Arc::clone(&self.remotes[r - 1].pending),
+                remote: Arc::clone(&self.remotes[r - 1]),
                 next_id: Arc::clone(&self.next_id),
             },
         }
@@ -369,124 +355,24 @@ impl Router {
         }
     }
 
-    /// Connects to the remote replicas' drivers (replicas 1, 2, …: each one's address and
-    /// driver rank), proving this host's pair key with each one's (`keys`). Must run inside
-    /// the HTTP runtime.
+    /// Connects to the remote replicas' drivers (replicas 1, 2, …: each one's start and
+    /// address, and its driver rank), proving this host's pair key with each one's
+    /// (`keys`). Must run inside the HTTP runtime.
     ///
     /// Errors: a replica that cannot be reached, or whose host has no key.
     pub async fn connect_remotes(
         &mut self,
-        remotes: &[(String, u64)],
+        remotes: &[((usize, String), u64)],
         keys: &crate::keyring::Keyring,
     ) -> Result<()> {
-        for (offset, (address, driver)) in remotes.iter().enumerate() {
-            let replica = offset + 1;
-            let key = keys.pair_key_with_rank(*driver).with_context(|| {
-                format!("DP replica {replica}: no key for rank {driver}'s host")
-            })?;
-            let (address, source) = (address.clone(), keys.own_address());
-            let (stream, session) = tokio::task::spawn_blocking(move || -> Result<_> {
-                let socket: std::net::SocketAddr = address.parse().with_context(|| {
-                    format!("DP replica {replica}: a malformed address `{address}`")
-                })?;
-                let (stream, session) = crate::handshake::connect(
-                    socket,
-                    source,
-                    &key,
-                    crate::handshake::Claim {
-                        channel: CHANNEL,
-                        client: 0,
-                        server: replica as u64,
-                    },
-                    crate::handshake::HELLO_TIMEOUT * 2,
-                )
-                .with_context(|| {
-                    format!("cannot reach DP replica {replica} at {address} and authenticate")
-                })?;
-                stream.set_nonblocking(true)?;
-                Ok((stream, session))
-            })
-            .await??;
-            let stream = TcpStream::from_std(stream)?;
-            stream.set_nodelay(true)?;
-            let (mut reader, mut writer) = stream.into_split();
-            let (mut sealer, mut opener) = session.split();
-            let (frames, mut outgoing) = unbounded_channel::<ToReplica>();
-            tokio::spawn(async move {
-                while let Some(frame) = outgoing.recv().await {
-                    if write_frame(&mut writer, &mut sealer, &frame).await.is_err() {
-                        break;
-                    }
-                }
-            });
-            let pending: Pending = Arc::default();
-            let metrics = Arc::new(Mutex::new((MetricsSnapshot::default(), Instant::now())));
-            let waiters: MetricsWaiters = Arc::default();
-            let (reader_pending, reader_metrics, reader_waiters, fail, cancel) = (
-                Arc::clone(&pending),
-                Arc::clone(&metrics),
-                Arc::clone(&waiters),
-                Arc::clone(&self.fail),
-                frames.clone(),
-            );
-            tokio::spawn(async move {
-                let error = loop {
-                    let (id, event) = match read_frame(&mut reader, &mut opener).await {
-                        Ok(FromReplica::Event { id, event }) => (id, event),
-                        Ok(FromReplica::Metrics(snapshot)) => {
-                            *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) =
-                                (snapshot, Instant::now());
-                            continue;
-                        }
-                        Ok(FromReplica::Stopped { reason }) => {
-                            break format!("DP replica {replica} stopped: {reason}");
-                        }
-                        Ok(FromReplica::MetricsNow { id, snapshot }) => {
-                            *reader_metrics.lock().unwrap_or_else(|e| e.into_inner()) =
-                                (snapshot.clone(), Instant::now());
-                            let waiter = reader_waiters
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .remove(&id);
-                            if let Some(waiter) = waiter {
-                                let _ = waiter.send(snapshot);
-                            }
-                            continue;
-                        }
-                        Err(error) => {
-                            break format!("DP replica {replica} disconnected: {error:#}");
-                        }
-                    };
-                    let done = matches!(
-                        event,
-                        Event::Done { .. } | Event::Error(_) | Event::HandedOff { .. }
-                    );
-                    let mut pending = reader_pending.lock().unwrap_or_else(|e| e.into_inner());
-                    let delivered = pending
-                        .get(&id)
-                        .is_some_and(|events| events.send(event).is_ok());
-                    if done || !delivered {
-                        pending.remove(&id);
-                    }
-                    if !delivered && !done {
-                        let _ = cancel.send(ToReplica::Cancel { id });
-                    }
-                };
-                for (_, events) in reader_pending
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .drain()
-                {
-                    let _ = events.send(Event::Error(error.clone()));
-                }
-                let _ = fail.send(Some(error));
-            });
-            self.remotes.push(Remote {
-                frames,
-                pending,
-                metrics,
-                waiters,
-            });
+        let links = Arc::new(Links {
+            fail: Arc::clone(&self.fail),
+            rejoin: self.rejoin.clone(),
+            keys: keys.clone(),
+        });
+        for (offset, (start, driver)) in remotes.iter().enumerate() {
+            let remote = super::links::connect(offset + 1, *driver, start.clone(), &links).await?;
+            self.remotes.push(remote);
             self.in_flight.push(Arc::new(AtomicU64::new(0)));
             self.routed.push(AtomicU64::new(0));
             self.decisions.push(Default::default());
@@ -519,6 +405,7 @@ impl Router {
             waiting: snapshot.waiting,
             progress: snapshot.progress,
             failure,
+            restarting: None,
         };
         let mut replicas = vec![state(self.metrics.snapshot(), local_failure)];
         for (index, remote) in self.remotes.iter().enumerate() {
@@ -526,19 +413,24 @@ impl Router {
             let failure = remote_failure
                 .clone()
                 .filter(|f| f.starts_with(&format!("DP replica {} ", index + 1)));
-            replicas.push(state(remote.last_report(), failure));
+            replicas.push(ReplicaState {
+                restarting: remote
+                    .down()
+                    .map(|why| (why, remote.down_secs().unwrap_or(0.0))),
+                ..state(remote.last_report(), failure)
+            });
         }
         judge(&replicas, self.stall_timeout, self.prefill_replicas)
     }
 
-    /// Whether each replica is stalled now (index = replica).
+    /// Whether each replica is stalled or down now (index = replica).
     fn stalled(&self) -> Vec<bool> {
         let timeout = self.stall_timeout;
         std::iter::once(self.metrics.progress_now().stalled(timeout))
             .chain(
                 self.remotes
                     .iter()
-                    .map(|r| r.last_report().progress.stalled(timeout)),
+                    .map(|r| r.down().is_some() || r.last_report().progress.stalled(timeout)),
             )
             .collect()
     }
@@ -549,23 +441,29 @@ impl Router {
     pub async fn replica_metrics_now(&self) -> Vec<MetricsSnapshot> {
         let mut answers = Vec::with_capacity(self.remotes.len());
         for remote in &self.remotes {
-            let id = self.next_id.fetch_add(1, Ordering::SeqCst);
-            let (sender, receiver) = tokio::sync::oneshot::channel();
-            remote
-                .waiters
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, sender);
-            let _ = remote.frames.send(ToReplica::Metrics { id });
-            answers.push((id, receiver));
+            // A replica that is down has nothing to report.
+            let asked = remote.link().map(|link| {
+                let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+                let (sender, receiver) = tokio::sync::oneshot::channel();
+                link.waiters
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id, sender);
+                let _ = link.frames.send(ToReplica::Metrics { id });
+                (link, id, receiver)
+            });
+            answers.push(asked);
         }
         let mut all = vec![self.metrics.snapshot()];
-        for (remote, (id, receiver)) in self.remotes.iter().zip(answers) {
+        for (remote, asked) in self.remotes.iter().zip(answers) {
+            let Some((link, id, receiver)) = asked else {
+                all.push(remote.last_report());
+                continue;
+            };
             all.push(match tokio::time::timeout(METRICS_WAIT, receiver).await {
                 Ok(Ok(snapshot)) => snapshot,
                 _ => {
-                    remote
-                        .waiters
+                    link.waiters
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .remove(&id);
@@ -769,9 +667,7 @@ impl Router {
 enum Target {
     Local(Scheduler),
     Remote {
-        replica: usize,
-        frames: UnboundedSender<ToReplica>,
-        pending: Pending,
+        remote: Arc<Remote>,
         next_id: Arc<AtomicU64>,
     },
 }
@@ -781,12 +677,9 @@ impl Target {
     fn submit(&self, request: Request) -> Result<(), String> {
         match self {
             Target::Local(scheduler) => scheduler.submit(request),
-            Target::Remote {
-                replica,
-                frames,
-                pending,
-                next_id,
-            } => {
+            Target::Remote { remote, next_id } => {
+                let link = super::links::up(remote)?;
+                let (replica, frames, pending) = (remote.replica, &link.frames, &link.pending);
                 let id = next_id.fetch_add(1, Ordering::SeqCst);
                 let watched = request.events.clone();
                 pending
@@ -822,7 +715,7 @@ impl Target {
 }
 
 /// The router link's channel in the handshake.
-const CHANNEL: &str = "router";
+pub(super) const CHANNEL: &str = "router";
 
 /// Connections a replica runs its handshake on at once; more are closed at once.
 const MAX_PENDING_HANDSHAKES: usize = 16;
@@ -1024,7 +917,7 @@ fn spawn_frame_reader<T: for<'de> Deserialize<'de> + Send + 'static>(
 
 /// Writes one frame: a little-endian `u32` length, the JSON body, and the body's MAC under
 /// the link's session.
-async fn write_frame<T: Serialize>(
+pub(super) async fn write_frame<T: Serialize>(
     writer: &mut tokio::net::tcp::OwnedWriteHalf,
     sealer: &mut crate::handshake::Sealer,
     value: &T,
@@ -1043,7 +936,7 @@ async fn write_frame<T: Serialize>(
 /// Reads one frame of [`write_frame`]'s and checks its MAC.
 ///
 /// Errors: the connection closed, a frame too long, a wrong MAC, malformed JSON.
-async fn read_frame<T: for<'de> Deserialize<'de>>(
+pub(super) async fn read_frame<T: for<'de> Deserialize<'de>>(
     reader: &mut tokio::net::tcp::OwnedReadHalf,
     opener: &mut crate::handshake::Opener,
 ) -> Result<T> {

@@ -494,3 +494,186 @@ fn a_stopped_llamacpp_rpc_worker_restarts_every_engine_process_on_every_host() {
         assert!(second.iter().all(|p| p.2 != *pid), "{second:?}");
     }
 }
+
+/// `/health` every 50 ms until every replica is `ok` again, asserting that it answers 200
+/// all the while (`degraded` naming replica 1 `restarting` at least once); panics after
+/// `within`. Returns how long it took.
+fn until_replica_back(server: &Server, within: Duration) -> Duration {
+    let began = Instant::now();
+    let mut restarting = false;
+    loop {
+        let (status, body) = server.get("/health");
+        assert_eq!(status, 200, "{body}\n{}", server.stderr_so_far());
+        let health: Value = serde_json::from_str(&body).expect("JSON");
+        let replica = &health["replicas"][1];
+        restarting |= health["status"] == "degraded" && replica["status"] == "restarting";
+        if restarting && health["status"] == "ok" {
+            return began.elapsed();
+        }
+        assert!(
+            began.elapsed() < within,
+            "replica 1 did not restart and come back within {within:?}: {body}\n{}",
+            server.stderr_so_far()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// DP 2 × PP 2 with `--max-restarts 2`: SIGKILL of rank 3 (replica 1's second stage)
+/// while each replica streams. Replica 1's stream ends with an error naming the cause;
+/// replica 0's finishes untouched, and `/health` stays 200 (`degraded`, replica 1
+/// `restarting`) until replica 1's new ranks serve again; ranks 0 and 1 are the same
+/// processes throughout. Then replica 1's driver stopped (SIGSTOP: its heartbeat lost)
+/// restarts it alone again; a third failure finds no restart left and ends the run.
+#[test]
+fn a_failed_dp_replica_restarts_alone_while_the_other_serves() {
+    let mut command = infer();
+    command.args([
+        "up",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+    ]);
+    command.args(["--max-restarts", "2"]);
+    let mut server = Server::start_command(command);
+    let body = json!({"prompt": "Hello", "max_tokens": 8, "temperature": 0});
+    let (status, before) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{before}");
+    let first = manifest_pids(&server);
+    assert_eq!(first.len(), 4);
+    let long = |max_tokens: u64| json!({"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": true});
+    let tokens = || metric(&server.metrics(), "infer_generation_tokens_total");
+    let until_tokens = |at_least: f64| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while tokens() < at_least {
+            assert!(Instant::now() < deadline, "the stream did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // The first stream goes to replica 0; the second to the less loaded replica 1.
+    let on_replica_0 = stream_in_background(&server, long(200));
+    until_tokens(tokens() + 2.0);
+    let on_replica_1 = stream_in_background(&server, long(1000));
+    until_tokens(tokens() + 4.0);
+    let routed = |replica: usize| {
+        metric(
+            &server.metrics(),
+            &format!("infer_dp_requests_routed_total{{replica=\"{replica}\"}}"),
+        )
+    };
+    let routed_1 = routed(1);
+    assert!(routed_1 >= 1.0, "replica 1 streams nothing");
+    signal(first[3], rustix::process::Signal::KILL);
+    until_replica_back(&server, Duration::from_secs(60));
+    let lost = on_replica_1.join().expect("stream");
+    // The error names the lost rank (from replica 1's scheduler), or the lost replica (from
+    // the router, when the link went first).
+    assert!(
+        lost.contains("data: {\"error\":")
+            && (lost.contains("rank 3") || lost.contains("the replica is restarting")),
+        "{}",
+        &lost[lost.len().saturating_sub(600)..]
+    );
+    let kept = on_replica_0.join().expect("stream");
+    assert!(
+        !kept.contains("\"error\"") && kept.ends_with("data: [DONE]\n\n"),
+        "replica 0's stream: {}",
+        &kept[kept.len().saturating_sub(600)..]
+    );
+    let second = manifest_pids(&server);
+    assert_eq!(second[..2], first[..2], "replica 0's ranks were restarted");
+    assert!(
+        second[2..].iter().all(|pid| !first.contains(pid)),
+        "{second:?}"
+    );
+    assert!(!alive(first[2]) && !alive(first[3]));
+    // Both replicas answer as before.
+    let replies = server.post_all(
+        "/v1/completions",
+        &[body.clone(), body.clone(), body.clone()],
+    );
+    for (status, reply) in &replies {
+        assert_eq!(*status, 200, "{reply}");
+        assert_eq!(reply["choices"][0]["text"], before["choices"][0]["text"]);
+    }
+    assert!(
+        routed(1) > routed_1,
+        "nothing was routed to the new replica 1"
+    );
+    let metrics = server.metrics();
+    assert_eq!(
+        metric(&metrics, "infer_restarts_total{cause=\"rank_exited\"}"),
+        1.0
+    );
+    let run_dir = run_dir_of(&server.startup);
+    assert!(Path::new(&format!("{run_dir}/restart-1/rank3.log")).exists());
+    assert_eq!(server.manifest()["restarts"][0]["cause"], "rank_exited");
+    // Replica 1's driver frozen: its heartbeat stops, and replica 1 restarts alone again.
+    signal(second[2], rustix::process::Signal::STOP);
+    until_replica_back(&server, Duration::from_secs(60));
+    let third = manifest_pids(&server);
+    assert_eq!(third[..2], first[..2]);
+    assert_eq!(
+        metric(
+            &server.metrics(),
+            "infer_restarts_total{cause=\"heartbeat_lost\"}"
+        ),
+        1.0
+    );
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    // No restart left: the run ends with the cause, no rank left anywhere.
+    signal(third[3], rustix::process::Signal::KILL);
+    let (status, rest) = server.wait_exit(Duration::from_secs(30));
+    assert!(!status.success(), "{rest}");
+    assert!(
+        rest.contains("the gang failed again after 2 restarts (--max-restarts 2)")
+            && rest.contains("rank 3"),
+        "{rest}"
+    );
+    for pid in first.iter().chain(&second).chain(&third) {
+        assert!(!alive(*pid), "rank pid {pid} is still running");
+    }
+}
+
+/// `--cluster` with DP 2 over two hosts (namespaces with their own sshd; replica 1 is rank
+/// 1 on h1) and `--max-restarts 1`: SIGKILL of rank 1 restarts replica 1 alone through h1's
+/// agent while rank 0 on h0 serves on; then both replicas answer again.
+#[test]
+fn a_dp_replica_on_another_host_restarts_alone_through_its_agent() {
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let inventory = cluster.inventory.display().to_string();
+    let server = Server::start(&["--cluster", &inventory, "--dp", "2", "--max-restarts", "1"]);
+    let body = json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0});
+    let (status, before) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{before}");
+    let first = manifest_pids(&server);
+    assert_eq!(server.manifest()["ranks"][1]["host"], "h1");
+    signal(first[1], rustix::process::Signal::KILL);
+    until_replica_back(&server, Duration::from_secs(60));
+    let second = manifest_pids(&server);
+    assert_eq!(second[0], first[0], "rank 0 was restarted");
+    assert_ne!(second[1], first[1]);
+    assert_eq!(server.manifest()["ranks"][1]["host"], "h1");
+    let replies = server.post_all("/v1/completions", &[body.clone(), body.clone()]);
+    for (status, reply) in &replies {
+        assert_eq!(*status, 200, "{reply}");
+        assert_eq!(reply["choices"][0]["text"], before["choices"][0]["text"]);
+    }
+    assert_eq!(
+        metric(
+            &server.metrics(),
+            "infer_restarts_total{cause=\"rank_exited\"}"
+        ),
+        1.0
+    );
+}

@@ -12,6 +12,7 @@
 //! [`supervise`] is the loop; a [`Supervisee`] is what it starts again: infer's rank gang
 //! ([`ranks`]) or an engine's processes ([`engines`]).
 
+use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -93,8 +94,9 @@ pub(super) struct Attempt<'a> {
     /// 0 for the first start.
     pub restart: usize,
     pub max_restarts: usize,
-    /// The failures restarted so far.
-    pub restarts: &'a [Restart],
+    /// The failures restarted so far (a DP replica restarted alone adds one while the
+    /// start goes on).
+    pub restarts: &'a RefCell<Vec<Restart>>,
     /// The run directory of the earlier starts (`None` for the first): a restart goes on
     /// there.
     pub run_dir: Option<&'a Path>,
@@ -110,7 +112,34 @@ impl Attempt<'_> {
 
     /// The restarts so far as the manifest's `restarts` (`None` before the first).
     pub(super) fn restarts_json(&self) -> Option<serde_json::Value> {
-        (!self.restarts.is_empty()).then(|| serde_json::to_value(self.restarts).unwrap_or_default())
+        let restarts = self.restarts.borrow();
+        (!restarts.is_empty()).then(|| serde_json::to_value(&*restarts).unwrap_or_default())
+    }
+
+    /// Takes a restart from `--max-restarts` for one DP replica that failed alone with
+    /// `error` (counted under `cause` in `/metrics`; the front keeps serving from the
+    /// others): its number and where the failed ranks' files go in `run_dir`, or `None`
+    /// when no restart is left.
+    pub(super) fn replica_restart(
+        &self,
+        cause: RestartCause,
+        error: &anyhow::Error,
+        run_dir: &Path,
+    ) -> Option<(usize, PathBuf)> {
+        let mut restarts = self.restarts.borrow_mut();
+        if restarts.len() >= self.max_restarts {
+            return None;
+        }
+        let restart = restarts.len() + 1;
+        let files = run_dir.join(format!("restart-{restart}"));
+        restarts.push(Restart {
+            restart,
+            cause: cause.label(),
+            error: format!("{error:#}"),
+            files: files.clone(),
+        });
+        self.front.replica_restarting(cause);
+        Some((restart, files))
     }
 
     /// Points the front at `upstream`, which served `ready_secs` after this start began,
@@ -160,13 +189,13 @@ pub(super) fn supervise<S: Supervisee>(
     limits: &Limits,
     events: &mut dyn FnMut(UpEvent),
 ) -> Result<()> {
-    let mut restarts: Vec<Restart> = Vec::new();
+    let restarts: RefCell<Vec<Restart>> = RefCell::new(Vec::new());
     let mut run_dir: Option<PathBuf> = None;
     // What the last start took to serve: `Retry-After` while restarting.
     let mut ready_secs = limits.started.elapsed().as_secs_f64();
     let mut served = false;
     loop {
-        let restart = restarts.len();
+        let restart = restarts.borrow().len();
         let attempt = Attempt {
             front,
             signals,
@@ -177,6 +206,8 @@ pub(super) fn supervise<S: Supervisee>(
             started: limits.started,
         };
         let outcome = supervisee.attempt(&attempt, events);
+        // DP replicas restarted alone during the start count too.
+        let restart = restarts.borrow().len();
         ready_secs = outcome.ready_secs.unwrap_or(ready_secs);
         // A first start that never served is a bad layout, model or host, not a fault:
         // starting it again would fail the same way.
@@ -216,7 +247,7 @@ pub(super) fn supervise<S: Supervisee>(
         if !restarting {
             return Err(gave_up(S::NAME, error, restart));
         }
-        restarts.push(Restart {
+        restarts.borrow_mut().push(Restart {
             restart: restart + 1,
             cause: cause.label(),
             error: format!("{error:#}"),
@@ -299,7 +330,7 @@ fn announce(
 
 /// The first line of `error`, without the log lines it announces (a rank's "; last lines of
 /// `…`", an engine process's "; its last lines:"): the run directory keeps them.
-fn first_line(error: &anyhow::Error) -> String {
+pub(super) fn first_line(error: &anyhow::Error) -> String {
     let text = format!("{error:#}");
     let line = text.lines().next().unwrap_or_default();
     ["; last lines of `", "; its last lines:"]

@@ -174,12 +174,34 @@ impl Ranks<'_> {
         attempt: &Attempt<'_>,
         events: &mut dyn FnMut(UpEvent),
     ) -> Ended {
-        let watchdog = Watchdog::start(upstream.address, self.settings.stall_timeout, STALL_GRACE);
-        let stopped_or_stalled = || attempt.is_stopped() || watchdog.stalled().is_some();
-        let mut report = |event: Progress| events(UpEvent::Gang(event));
-        let watched = gang.wait_for("never", &stopped_or_stalled, &mut report);
-        let stall = watchdog.stalled();
-        drop(watchdog);
+        let (watched, stall) = loop {
+            let watchdog =
+                Watchdog::start(upstream.address, self.settings.stall_timeout, STALL_GRACE);
+            let stopped_or_stalled = || attempt.is_stopped() || watchdog.stalled().is_some();
+            let mut report = |event: Progress| events(UpEvent::Gang(event));
+            let watched = gang.wait_for("never", &stopped_or_stalled, &mut report);
+            let stall = watchdog.stalled();
+            drop(watchdog);
+            if attempt.is_stopped() {
+                break (watched, stall);
+            }
+            // A failure of one DP replica other than rank 0's restarts that replica alone.
+            let Some((replica, cause, error)) = self.lone_replica(&watched, stall.as_ref()) else {
+                break (watched, stall);
+            };
+            match self.restart_replica(gang, replica, cause, &error, attempt, events) {
+                Ok(true) => {}
+                // No restart left: the run ends with the replica's failure.
+                Ok(false) => return Ended::Failed(cause, error),
+                Err(restart_error) => {
+                    return Ended::Failed(
+                        RestartCause::StartFailed,
+                        restart_error.context(format!("{error:#}")),
+                    );
+                }
+            }
+        };
+        let stall = stall.map(|s| s.why);
         if let Some(forward) = &upstream.forward {
             // Connections already relayed end on their own when the ranks go.
             forward.abort();
@@ -204,6 +226,75 @@ impl Ranks<'_> {
                 anyhow!(stall.unwrap_or_else(|| "a replica stalled".into())),
             ),
         }
+    }
+
+    /// The DP replica (other than rank 0's) whose failure alone `watched` or `stall`
+    /// reports, when replicas may restart alone: it, the cause and the error.
+    fn lone_replica(
+        &self,
+        watched: &Result<Option<Vec<u8>>>,
+        stall: Option<&Stall>,
+    ) -> Option<(usize, RestartCause, anyhow::Error)> {
+        let serving = self.spec.serving.as_ref()?;
+        if !serving.replica_restarts {
+            return None;
+        }
+        let replica_size = self.spec.degrees.replica_size();
+        match (watched, stall) {
+            (Err(error), _) => {
+                let failure = error.downcast_ref::<GangFailure>()?;
+                let replica = failure.rank? / replica_size;
+                (replica > 0).then(|| (replica, classify(error), anyhow!("{error:#}")))
+            }
+            (Ok(_), Some(stall)) => match stall.replicas[..] {
+                [replica] if replica > 0 => {
+                    Some((replica, RestartCause::Stalled, anyhow!("{}", stall.why)))
+                }
+                _ => None,
+            },
+            (Ok(_), None) => None,
+        }
+    }
+
+    /// Restarts DP replica `replica` alone after `error` (its ranks stopped and started
+    /// again as a new start of the replica; rank 0's router links to it when it is up),
+    /// if a restart is left (`Ok(false)` when none is).
+    ///
+    /// Errors: its ranks cannot be started again.
+    fn restart_replica(
+        &self,
+        gang: &mut Gang,
+        replica: usize,
+        cause: RestartCause,
+        error: &anyhow::Error,
+        attempt: &Attempt<'_>,
+        events: &mut dyn FnMut(UpEvent),
+    ) -> Result<bool> {
+        let Some((restart, files)) = attempt.replica_restart(cause, error, gang.run_dir()) else {
+            return Ok(false);
+        };
+        events(UpEvent::Note(format!(
+            "warning: restarting DP replica {replica} alone (restart {restart} of {}, --max-restarts) after: {}; the other replicas keep serving",
+            attempt.max_restarts,
+            super::first_line(error)
+        )));
+        let size = self.spec.degrees.replica_size();
+        let ranks = replica * size..(replica + 1) * size;
+        match self.hosts {
+            Some(hosts) => hosts.restart_ranks(gang, ranks, restart, &files)?,
+            None => {
+                let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
+                let spawner = crate::launch::spawn::LocalSpawner { exe };
+                gang.restart_ranks(&spawner, self.spec, ranks, restart, &files)?;
+            }
+        }
+        if let Some(restarts) = attempt.restarts_json() {
+            gang.set_manifest_field("restarts", restarts);
+        }
+        if let Err(error) = gang.write_manifest(self.spec, None) {
+            events(UpEvent::Note(format!("warning: {error:#}")));
+        }
+        Ok(true)
     }
 
     /// Starts the gang: on the cluster's hosts through their agents, or here; a restart in
@@ -268,7 +359,7 @@ fn classify(error: &anyhow::Error) -> RestartCause {
 /// been stalled for the grace, or rank 0 has not answered for `--stall-timeout` plus the
 /// grace, says why (and stops asking).
 struct Watchdog {
-    verdict: Arc<Mutex<Option<String>>>,
+    verdict: Arc<Mutex<Option<Stall>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -289,7 +380,7 @@ impl Watchdog {
     }
 
     /// Why the gang must restart, once the watchdog has found it.
-    fn stalled(&self) -> Option<String> {
+    fn stalled(&self) -> Option<Stall> {
         self.verdict.lock().ok().and_then(|v| v.clone())
     }
 }
@@ -300,13 +391,22 @@ impl Drop for Watchdog {
     }
 }
 
-/// The watchdog's loop: `Some(why)` when the gang must restart, `None` when told to stop.
+/// What the watchdog found: the stalled replicas (empty: rank 0's server itself does not
+/// answer) and why.
+#[derive(Clone, Debug, PartialEq)]
+struct Stall {
+    replicas: Vec<usize>,
+    why: String,
+}
+
+/// The watchdog's loop: `Some(stall)` when the gang (or a replica) must restart, `None`
+/// when told to stop.
 fn watch(
     upstream: SocketAddr,
     stall_timeout: Duration,
     grace: Duration,
     stop: &AtomicBool,
-) -> Option<String> {
+) -> Option<Stall> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(2)))
         .http_status_as_error(false)
@@ -336,10 +436,13 @@ fn watch(
                 }
             }
             None if answered.elapsed() >= stall_timeout + grace => {
-                return Some(format!(
-                    "rank 0's server has not answered /health for {:.0} s",
-                    answered.elapsed().as_secs_f64()
-                ));
+                return Some(Stall {
+                    replicas: Vec::new(),
+                    why: format!(
+                        "rank 0's server has not answered /health for {:.0} s",
+                        answered.elapsed().as_secs_f64()
+                    ),
+                });
             }
             None => {}
         }
@@ -348,23 +451,29 @@ fn watch(
     None
 }
 
-/// What a `/health` answer says is stalled (its replicas' reasons and diagnoses), if any
-/// replica is: the verdict itself (200) or under `health` (503).
-fn stalled(body: &serde_json::Value) -> Option<String> {
+/// What a `/health` answer says is stalled (its replicas and their reasons and
+/// diagnoses), if any replica is: the verdict itself (200) or under `health` (503).
+fn stalled(body: &serde_json::Value) -> Option<Stall> {
     let verdict = body.get("health").unwrap_or(body);
-    let reasons: Vec<String> = verdict["replicas"]
+    let (replicas, reasons): (Vec<usize>, Vec<String>) = verdict["replicas"]
         .as_array()?
         .iter()
-        .filter(|r| r["status"] == "stalled")
-        .map(|r| {
+        .enumerate()
+        .filter(|(_, r)| r["status"] == "stalled")
+        .map(|(index, r)| {
             let reason = r["reason"].as_str().unwrap_or("a replica stalled");
-            match r["diagnosis"].as_str() {
+            let replica = r["replica"].as_u64().map_or(index, |r| r as usize);
+            let reason = match r["diagnosis"].as_str() {
                 Some(diagnosis) => format!("{reason} — {diagnosis}"),
                 None => reason.to_string(),
-            }
+            };
+            (replica, reason)
         })
-        .collect();
-    (!reasons.is_empty()).then(|| reasons.join("; "))
+        .unzip();
+    (!reasons.is_empty()).then(|| Stall {
+        replicas,
+        why: reasons.join("; "),
+    })
 }
 
 #[cfg(test)]
@@ -377,13 +486,16 @@ mod tests {
             {"status": "ok"},
             {"status": "stalled", "reason": "replica 1 stalled 3 s", "diagnosis": "rank 2 waits on rank 3"}]});
         assert_eq!(
-            stalled(&degraded).as_deref(),
-            Some("replica 1 stalled 3 s — rank 2 waits on rank 3")
+            stalled(&degraded),
+            Some(Stall {
+                replicas: vec![1],
+                why: "replica 1 stalled 3 s — rank 2 waits on rank 3".into()
+            })
         );
         let unavailable = serde_json::json!({"error": {"message": "…"}, "health": {"status": "unavailable", "replicas": [
             {"status": "stalled", "reason": "replica 0 stalled 2 s"}]}});
         assert_eq!(
-            stalled(&unavailable).as_deref(),
+            stalled(&unavailable).map(|s| s.why).as_deref(),
             Some("replica 0 stalled 2 s")
         );
         let healthy = serde_json::json!({"status": "ok", "replicas": [{"status": "ok"}]});

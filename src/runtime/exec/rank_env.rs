@@ -74,6 +74,8 @@ pub struct RankEnv {
     pub serving: Option<ServingEnv>,
     /// A fault for the tests to inject ([`var::TEST_FAULT`]; debug builds only).
     pub test_fault: Option<TestFault>,
+    /// Which start of its DP replica this rank is ([`var::INCARNATION`]; 0: the first).
+    pub incarnation: usize,
 }
 
 /// A fault a rank injects into itself, for the tests ([`var::TEST_FAULT`]): rank `rank`
@@ -191,6 +193,9 @@ pub struct ServingEnv {
     /// Requests that may wait beyond those running (`--max-queued-requests`; `None`: no
     /// bound).
     pub max_queued_requests: Option<usize>,
+    /// Whether a lost DP replica (other than rank 0's) is restarted alone while the others
+    /// serve ([`var::REPLICA_RESTARTS`]).
+    pub replica_restarts: bool,
 }
 
 /// Reads variables by name: the process environment, or a map in tests.
@@ -287,6 +292,9 @@ impl RankEnv {
                 format!("stall:rank={}:step={}", fault.rank, fault.step),
             ));
         }
+        if self.incarnation > 0 {
+            env.push((var::INCARNATION, self.incarnation.to_string()));
+        }
         if let Some(device) = &self.device {
             env.push((var::DEVICE, "cuda".to_string()));
             if let Some(dirs) = &device.lib_dirs {
@@ -376,6 +384,7 @@ impl RankEnv {
             test_fault: lookup(var::TEST_FAULT)
                 .map(|text| TestFault::parse(&text))
                 .transpose()?,
+            incarnation: optional_number(lookup, var::INCARNATION)?.unwrap_or(0),
             cuda_visible_devices: lookup(CUDA_VISIBLE_DEVICES).unwrap_or_default(),
             device,
             host: HostEnv {
@@ -456,6 +465,9 @@ impl ServingEnv {
         if let Some(queued) = self.max_queued_requests {
             env.push((var::MAX_QUEUED_REQUESTS, queued.to_string()));
         }
+        if self.replica_restarts {
+            env.push((var::REPLICA_RESTARTS, "1".to_string()));
+        }
     }
 
     /// A serving rank's settings from `lookup`; `None` when the launcher serves nothing
@@ -484,6 +496,7 @@ impl ServingEnv {
             stall_timeout,
             max_model_len: optional_number(lookup, var::MAX_MODEL_LEN)?,
             max_queued_requests: optional_number(lookup, var::MAX_QUEUED_REQUESTS)?,
+            replica_restarts: flag(lookup, var::REPLICA_RESTARTS),
         }))
     }
 }
@@ -526,6 +539,7 @@ mod tests {
             model: Some(ModelSource::File("/models/m.gguf".into())),
             shm_disable: true,
             test_fault: None,
+            incarnation: 3,
             cuda_visible_devices: "1".into(),
             device: Some(DeviceEnv {
                 lib_dirs: Some("/a:/b".into()),
@@ -554,6 +568,7 @@ mod tests {
                 stall_timeout: Duration::from_secs(7),
                 max_model_len: Some(1024),
                 max_queued_requests: Some(32),
+                replica_restarts: true,
             }),
         }
     }

@@ -79,6 +79,9 @@ pub struct RankConfig {
     /// The tests' injected stall ([`crate::runtime::exec::rank_env::TestFault`]): this rank
     /// stops making progress at this step (counted from 1).
     pub stall_at_step: Option<u64>,
+    /// Which start of its DP replica this rank is (0: the first): its groups are named
+    /// for it, so that a replica restarted alone never reads its predecessor's addresses.
+    pub incarnation: usize,
 }
 
 /// A device rank's KV cache when the launcher gives none (`infer generate`): the model's
@@ -466,15 +469,20 @@ fn connect_groups(config: &RankConfig, store: &mut StoreClient, at: &Position) -
         .map(|s| base + (s * tp + at.tp_rank) as u64)
         .collect();
     let all: Vec<u64> = (0..(tp * pp) as u64).map(|r| base + r).collect();
+    // `dp1`, or `dp1.3` for the replica's start 3 (restarted alone, the others serving).
+    let replica = match config.incarnation {
+        0 => format!("dp{dp_rank}"),
+        k => format!("dp{dp_rank}.{k}"),
+    };
     let mut connect = |group: &str, members: &[u64]| connect_group(config, store, group, members);
     Ok(Groups {
-        tp: connect(&format!("dp{dp_rank}/tp/{}", at.pp_rank), &tp_members)?,
-        pp: connect(&format!("dp{dp_rank}/pp/{}", at.tp_rank), &pp_members)?,
-        replica: connect(&format!("dp{dp_rank}/replica"), &all)?,
+        tp: connect(&format!("{replica}/tp/{}", at.pp_rank), &tp_members)?,
+        pp: connect(&format!("{replica}/pp/{}", at.tp_rank), &pp_members)?,
+        replica: connect(&format!("{replica}/replica"), &all)?,
         // The CPU engine's MoE all-to-all; device ranks sum over the TP group instead.
         ep: if config.degrees.ep > 1 && config.device.is_none() {
             Some(connect(
-                &format!("dp{dp_rank}/ep/{}", at.pp_rank),
+                &format!("{replica}/ep/{}", at.pp_rank),
                 &tp_members,
             )?)
         } else {
