@@ -5,7 +5,7 @@ use anyhow::Result;
 
 use crate::ExitStatus;
 use crate::cli::{BenchAllreduceWorkerArgs, BenchCommand};
-use crate::runtime::exec::bench;
+use crate::runtime::collectives::bench::local_worker;
 use crate::ui::Printer;
 
 mod allreduce;
@@ -28,7 +28,7 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
         crate::runtime::exec::rank_env::run_keys(&crate::runtime::exec::rank_env::process_env)?;
     crate::runtime::exec::rank_env::forget_secrets();
     let shm_disable = std::env::var(crate::envvars::SHM_DISABLE).is_ok_and(|v| v == "1");
-    let report = bench::all_reduce_worker(
+    let report = local_worker(
         &args.store,
         &keys,
         args.rank,
