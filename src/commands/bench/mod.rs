@@ -1,5 +1,5 @@
 //! `infer bench`: measurements that print figures: `decode` ([`decode`]), `allreduce`
-//! ([`allreduce`]) and its worker processes, `serve` ([`super::bench_serve`]).
+//! ([`allreduce`]) and its worker processes, `serve` ([`serve`]).
 
 use anyhow::Result;
 
@@ -10,13 +10,14 @@ use crate::ui::Printer;
 
 mod allreduce;
 mod decode;
+mod serve;
 
 /// Runs an `infer bench` subcommand.
 pub(crate) fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
     match command {
         BenchCommand::Decode(args) => decode::decode(args, printer),
         BenchCommand::Allreduce(args) => allreduce::allreduce(args, printer),
-        BenchCommand::Serve(args) => super::bench_serve::run(args, printer),
+        BenchCommand::Serve(args) => serve::run(args, printer),
         BenchCommand::AllreduceWorker(args) => allreduce_worker(args, printer),
     }
 }
