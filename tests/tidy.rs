@@ -203,6 +203,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime/model",
             "runtime/cuda",
             "runtime/exec",
+            "runtime/collectives",
             "model",
             "inventory",
             "engines",

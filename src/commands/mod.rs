@@ -3,7 +3,6 @@
 
 pub(crate) mod agent;
 pub(crate) mod bench;
-pub(crate) mod bench_serve;
 pub(crate) mod doctor;
 pub(crate) mod generate;
 pub(crate) mod model;

@@ -10,6 +10,7 @@
 //! stopping them), [`process`] (child processes), [`run_dir`] (run directories).
 
 pub mod agent;
+pub(crate) mod bench;
 pub(crate) mod engines;
 pub(crate) mod events;
 pub(crate) mod gang;

@@ -507,7 +507,7 @@ fn allreduce_probe(
     store: (std::net::SocketAddr, std::net::SocketAddr),
     keys: &crate::keyring::Keyring,
     progress: &mut dyn FnMut(Progress),
-) -> Result<crate::runtime::exec::worker::AllreduceBench> {
+) -> Result<crate::runtime::collectives::bench::AllreduceBench> {
     let placement = names
         .iter()
         .zip(data)

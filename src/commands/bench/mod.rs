@@ -1,22 +1,23 @@
 //! `infer bench`: measurements that print figures: `decode` ([`decode`]), `allreduce`
-//! ([`allreduce`]) and its worker processes, `serve` ([`super::bench_serve`]).
+//! ([`allreduce`]) and its worker processes, `serve` ([`serve`]).
 
 use anyhow::Result;
 
 use crate::ExitStatus;
 use crate::cli::{BenchAllreduceWorkerArgs, BenchCommand};
-use crate::runtime::exec::bench;
+use crate::runtime::collectives::bench::local_worker;
 use crate::ui::Printer;
 
 mod allreduce;
 mod decode;
+mod serve;
 
 /// Runs an `infer bench` subcommand.
 pub(crate) fn run(command: &BenchCommand, printer: &Printer) -> Result<ExitStatus> {
     match command {
         BenchCommand::Decode(args) => decode::decode(args, printer),
         BenchCommand::Allreduce(args) => allreduce::allreduce(args, printer),
-        BenchCommand::Serve(args) => super::bench_serve::run(args, printer),
+        BenchCommand::Serve(args) => serve::run(args, printer),
         BenchCommand::AllreduceWorker(args) => allreduce_worker(args, printer),
     }
 }
@@ -28,7 +29,7 @@ fn allreduce_worker(args: &BenchAllreduceWorkerArgs, printer: &Printer) -> Resul
         crate::runtime::exec::rank_env::run_keys(&crate::runtime::exec::rank_env::process_env)?;
     crate::runtime::exec::rank_env::forget_secrets();
     let shm_disable = std::env::var(crate::envvars::SHM_DISABLE).is_ok_and(|v| v == "1");
-    let report = bench::all_reduce_worker(
+    let report = local_worker(
         &args.store,
         &keys,
         args.rank,

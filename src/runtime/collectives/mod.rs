@@ -6,6 +6,7 @@
 //! sizes (like NCCL). Calls block; each socket operation has a timeout, and every error names
 //! the operation, the group and the peer rank.
 
+pub mod bench;
 pub mod nccl;
 pub mod shm;
 pub mod waits;

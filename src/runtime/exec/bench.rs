@@ -1,19 +1,17 @@
-//! What `infer bench decode` and `infer bench allreduce` measure, without their reports: the
-//! engine's prefill and decode speed on this host's CPU or on a device, and one all-reduce
-//! worker process of the local all-reduce bench.
+//! What `infer bench decode` measures, without its report: the engine's prefill and decode
+//! speed on this host's CPU or on a device. (`infer bench allreduce` measures with
+//! [`crate::runtime::collectives::bench`].)
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 
 use super::engine::Engine;
 use super::forward::{BackendModel, DecodeSpeed};
-use crate::rendezvous::StoreClient;
+use super::kernel_executor::model_on;
 use crate::runtime::backend::Backend;
-use crate::runtime::collectives::shm::ShmComm;
-use crate::runtime::collectives::{
-    AllreduceRow, Comm, TcpComm, tcp_stream_bytes_per_sec, time_all_reduce,
-};
+use crate::runtime::cuda::device::Gpu;
+use crate::runtime::cuda::gpu::GpuRunner;
 use crate::runtime::model::llama::SequenceInput;
 use crate::runtime::model::sampling::argmax;
 
@@ -145,6 +143,68 @@ pub(crate) fn device_decode<B: Backend>(
     Ok(rows)
 }
 
+/// What [`cuda_decode`] measured on one GPU.
+pub(crate) struct CudaDecode {
+    /// The best timed run at each batch, smallest batch first.
+    pub(crate) rows: Vec<(usize, DecodeSpeed)>,
+    /// Weight bytes a decode step reads.
+    pub(crate) weight_bytes: u64,
+    /// GPU memory in use after the runs, bytes.
+    pub(crate) memory_used_bytes: u64,
+    /// GPU time per kernel over every run (name, launches, milliseconds), when
+    /// [`crate::envvars::CUDA_PROFILE`] asked for it; `None` otherwise.
+    pub(crate) kernel_profile: Option<Vec<(String, u64, f64)>>,
+}
+
+/// `infer bench decode --device cuda`'s measurement: `engine`'s model on the opened GPU
+/// (`runner`, `gpu`), then [`device_decode`] at each of `batches` (smallest first).
+/// `gemm_note` hears, before the runs, whether prefill's products run on cuBLAS.
+///
+/// Errors: the model does not fit on the GPU, a step fails, the memory in use or the
+/// profile cannot be read.
+pub(crate) fn cuda_decode(
+    engine: &Engine,
+    (runner, gpu): (GpuRunner, Gpu),
+    prompt: &[u32],
+    batches: &[usize],
+    (decode_tokens, runs): (usize, usize),
+    gemm_note: &mut dyn FnMut(&str),
+) -> Result<CudaDecode> {
+    let largest = batches.iter().copied().max().unwrap_or(1);
+    let mut device = model_on(
+        runner,
+        &gpu,
+        &engine.model,
+        largest * (prompt.len() + decode_tokens + 16),
+    )?;
+    gemm_note(device.backend().device.gemm_line());
+    let rows = device_decode(&mut device, prompt, batches, decode_tokens, runs)?;
+    Ok(CudaDecode {
+        rows,
+        weight_bytes: engine.model.decode_weight_bytes() as u64,
+        memory_used_bytes: device.backend().device.memory_used_bytes()?,
+        kernel_profile: device.backend().device.profile()?,
+    })
+}
+
+/// [`crate::envvars::CUDA_PROFILE`]'s table for stderr: GPU time per kernel (`rows`: name,
+/// launches, milliseconds) over every run.
+pub(crate) fn kernel_profile_table(rows: &[(String, u64, f64)]) -> String {
+    let total_ms: f64 = rows.iter().map(|r| r.2).sum();
+    let mut table = vec![format!(
+        "GPU time per kernel ({}), every run: {total_ms:.1} ms",
+        crate::envvars::CUDA_PROFILE
+    )];
+    for (name, calls, ms) in rows {
+        table.push(format!(
+            "  {name:<32} {calls:>8} launches {ms:>10.2} ms {:>9.1} µs each {:>5.1}%",
+            1e3 * ms / (*calls).max(1) as f64,
+            100.0 * ms / total_ms.max(1e-9)
+        ));
+    }
+    table.join("\n")
+}
+
 /// The processor's name (`/proc/cpuinfo`'s first `model name`), `unknown CPU` without one.
 pub(crate) fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
@@ -174,59 +234,4 @@ pub(crate) fn peak_rss_bytes() -> Result<u64> {
         .and_then(|v| v.parse().ok())
         .context("malformed `VmHWM`")?;
     Ok(kib * 1024)
-}
-
-/// What rank 0 of the local all-reduce bench reports at the end.
-#[derive(serde::Serialize, serde::Deserialize)]
-pub(crate) struct AllreduceWorkerReport {
-    /// The TCP ring over loopback.
-    pub(crate) tcp_rows: Vec<AllreduceRow>,
-    /// The shared-memory transport (empty when it was unavailable).
-    pub(crate) shm_rows: Vec<AllreduceRow>,
-    /// What carried the second table (`ShmComm::transport`).
-    pub(crate) shm_transport: String,
-    /// One plain TCP stream, rank 1 → rank 0, bytes/s.
-    pub(crate) stream_bytes_per_sec: f64,
-}
-
-/// One process of the local all-reduce bench (`infer bench allreduce-worker`): joins the
-/// others at the store on `store_address` with its host's `keys`, sweeps the TCP ring's all-reduce,
-/// then the shared-memory transport's (unless `shm_disable` or unavailable), then one plain
-/// TCP stream. Rank 0 returns the report; the others `None`.
-///
-/// Errors: the store or a peer cannot be reached within 60 s, a collective fails.
-pub(crate) fn all_reduce_worker(
-    store_address: &str,
-    keys: &crate::keyring::Keyring,
-    rank: u64,
-    world: usize,
-    max_bytes: usize,
-    shm_disable: bool,
-) -> Result<Option<AllreduceWorkerReport>> {
-    let timeout = Duration::from_secs(60);
-    let mut store = StoreClient::connect(store_address, keys, Some(rank), timeout)?;
-    let members: Vec<u64> = (0..world as u64).collect();
-    let tcp = TcpComm::connect(&mut store, "bench", &members, rank, "127.0.0.1", timeout)?;
-    let mut comm = if shm_disable {
-        ShmComm::tcp_only(tcp, &format!("{}=1", crate::envvars::SHM_DISABLE))
-    } else {
-        ShmComm::new(tcp)
-    };
-    let tcp_rows = time_all_reduce(comm.tcp_mut(), max_bytes)?;
-    // The first all-reduce decides the transport (a tiny one, collectively).
-    comm.all_reduce_sum(&mut [0f32])?;
-    let shm_transport = comm.transport();
-    let shm_rows = if comm.uses_shared_memory() {
-        time_all_reduce(&mut comm, max_bytes)?
-    } else {
-        Vec::new()
-    };
-    let stream_bytes_per_sec = tcp_stream_bytes_per_sec(&mut store, rank, 1, "127.0.0.1", timeout)?;
-    comm.barrier()?;
-    Ok((rank == 0).then_some(AllreduceWorkerReport {
-        tcp_rows,
-        shm_rows,
-        shm_transport,
-        stream_bytes_per_sec,
-    }))
 }

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::degrees::Degrees;
 use crate::rendezvous::StoreClient;
+use crate::runtime::collectives::bench::{AllreduceSweep, bench_all_reduce};
 use crate::runtime::collectives::shm::ShmComm;
 use crate::runtime::collectives::{Comm, TcpComm};
 use crate::runtime::cpu::quant::Numerics;
@@ -101,18 +102,8 @@ pub enum Job {
     Serve,
     /// Time all-reduce over the replica's ranks for every size up to `max_bytes`, then one
     /// plain TCP stream from the last rank to rank 0 (256 MiB); rank 0 stores an
-    /// [`AllreduceBench`] under `result`.
+    /// [`AllreduceBench`](crate::runtime::collectives::bench::AllreduceBench) under `result`.
     AllReduce { max_bytes: usize },
-}
-
-/// What [`Job::AllReduce`] measures.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct AllreduceBench {
-    pub rows: Vec<crate::runtime::collectives::AllreduceRow>,
-    /// What carried the all-reduce (`ShmComm::transport`).
-    pub transport: String,
-    /// One TCP stream between the last rank and rank 0, bytes/s.
-    pub stream_bytes_per_sec: f64,
 }
 
 /// What the driver broadcasts to its replica. The driver serializes borrowed slices; the
@@ -198,7 +189,7 @@ pub fn run_rank(
     let job: Job =
         serde_json::from_slice(&store.get("job", config.timeout)?).context("malformed job")?;
     if let Job::AllReduce { max_bytes } = job {
-        return bench_all_reduce(&mut member.replica, config, &mut store, max_bytes);
+        return all_reduce_job(&mut member.replica, config, &mut store, max_bytes);
     }
     if member.rank != 0 {
         return member.follow();
@@ -268,7 +259,8 @@ fn connect_group(
 }
 
 /// A rank with no model: joins one group of every rank, then runs the launcher's
-/// [`Job::AllReduce`] over it (rank 0 stores the [`AllreduceBench`] under `result`).
+/// [`Job::AllReduce`] over it (rank 0 stores the
+/// [`AllreduceBench`](crate::runtime::collectives::bench::AllreduceBench) under `result`).
 ///
 /// Errors: any other job (it needs weights), the group or the store failing.
 fn run_collectives_only(
@@ -295,37 +287,27 @@ fn run_collectives_only(
             crate::envvars::MODEL
         );
     };
-    bench_all_reduce(&mut group, config, store, max_bytes)
+    all_reduce_job(&mut group, config, store, max_bytes)
 }
 
-/// Times all-reduce over `group` for every size up to `max_bytes`, then one plain TCP
-/// stream from the last rank to rank 0 (256 MiB); rank 0 stores an [`AllreduceBench`]
-/// under `result`.
+/// Runs [`bench_all_reduce`] over `group`, the stream from the last rank to rank 0; rank 0
+/// stores its [`AllreduceBench`](crate::runtime::collectives::bench::AllreduceBench) under `result`.
 ///
 /// Errors: a collective, the stream or the store failing.
-fn bench_all_reduce(
+fn all_reduce_job(
     group: &mut ShmComm,
     config: &RankConfig,
     store: &mut StoreClient,
     max_bytes: usize,
 ) -> Result<()> {
-    let rows = crate::runtime::collectives::time_all_reduce(group, max_bytes)?;
-    let transport = group.transport();
-    // One plain TCP stream, the last rank → rank 0.
-    let stream_bytes_per_sec = crate::runtime::collectives::tcp_stream_bytes_per_sec(
-        store,
-        config.rank,
-        config.world_size - 1,
-        &config.bind_addr,
-        config.timeout,
-    )?;
-    group.barrier()?;
-    if config.rank == 0 {
-        let report = AllreduceBench {
-            rows,
-            transport,
-            stream_bytes_per_sec,
-        };
+    let sweep = AllreduceSweep {
+        max_bytes,
+        tcp_first: false,
+        stream_from: config.world_size - 1,
+        bind_addr: &config.bind_addr,
+        timeout: config.timeout,
+    };
+    if let Some(report) = bench_all_reduce(group, store, config.rank, &sweep)? {
         store.set(crate::rendezvous::RESULT_KEY, &serde_json::to_vec(&report)?)?;
     }
     Ok(())

@@ -1,52 +1,27 @@
-//! `infer bench serve`: the flags checked once into a [`ServeBench`], the load generator
-//! run, its report printed. With `--plan`: the plan's layout, model and traffic as the
-//! benchmark, and its predictions next to the measurements ([`accuracy`]).
+//! `infer bench serve --plan`: the plan's layout, model and traffic as the benchmark, and
+//! its predictions next to the measurements ([`accuracy`]).
 
 use std::path::Path;
 
-use anyhow::{Context, Result, bail};
-use serde::Serialize;
-
+use super::common_settings;
+use super::report::{PlanCheck, table};
 use crate::ExitStatus;
-use crate::cli::{BenchServeArgs, Workload};
+use crate::cli::BenchServeArgs;
 use crate::degrees::Degrees;
+use crate::plan::Plan;
 use crate::plan::accuracy::{self, Measurement, Prediction, Row};
-use crate::plan::{Parallel, Plan};
 use crate::serve::bench::{self, ServeBench};
 use crate::ui::Printer;
-
-/// Concurrencies measured without `--concurrency` or `--plan`.
-const DEFAULT_CONCURRENCY: [usize; 3] = [1, 4, 16];
-
-/// Runs `infer bench serve`. Errors: a value of 0 where at least 1 is needed (named), a plan
-/// that cannot be read or run here, the server does not start, a request fails.
-pub(crate) fn run(args: &BenchServeArgs, printer: &Printer) -> Result<ExitStatus> {
-    if let Some(path) = &args.plan {
-        return check_plan(args, path, printer);
-    }
-    let report = bench::run(&settings(args)?)?;
-    printer.data(&report.rows.join("\n"));
-    Ok(ExitStatus::Success)
-}
-
-/// `--plan --json`: the layout measured, what each side ran on, and every row.
-#[derive(Serialize)]
-struct PlanCheck<'a> {
-    model: &'a str,
-    layout: Parallel,
-    /// The cluster the plan's predictions are for (`infer plan`'s `cluster`).
-    predicted_for: &'a str,
-    /// Where the measurements were taken.
-    measured_on: String,
-    isl_tokens: u64,
-    osl_tokens: u64,
-    rows: Vec<Row>,
-}
+use anyhow::{Context, Result, bail};
 
 /// `--plan`: benchmarks the plan's layout at each batch it predicts and prints predicted,
 /// measured and the relative error of each metric. Errors: the plan cannot be read, its
 /// layout cannot run here or conflicts with `--tp`/`--pp`, no batch is left to measure.
-fn check_plan(args: &BenchServeArgs, path: &Path, printer: &Printer) -> Result<ExitStatus> {
+pub(super) fn check_plan(
+    args: &BenchServeArgs,
+    path: &Path,
+    printer: &Printer,
+) -> Result<ExitStatus> {
     let plan = read_plan(path)?;
     let (settings, predictions) = plan_settings(args, &plan)?;
     let report = bench::run(&settings)?;
@@ -170,86 +145,4 @@ fn plan_settings(args: &BenchServeArgs, plan: &Plan) -> Result<(ServeBench, Vec<
         ..common_settings(args)?
     };
     Ok((settings, predictions))
-}
-
-/// The comparison table: what each side ran on, then per concurrency and metric, predicted,
-/// measured and the relative error.
-fn table(check: &PlanCheck<'_>) -> String {
-    let mut lines = vec![
-        format!(
-            "predicted      {} for {} on {}, {} prompt + {} output tokens per request",
-            check.layout, check.model, check.predicted_for, check.isl_tokens, check.osl_tokens
-        ),
-        format!("measured       {}", check.measured_on),
-        format!(
-            "{:>7}  {:<9} {:>12} {:>12} {:>10}",
-            "streams", "metric", "predicted", "measured", "error"
-        ),
-    ];
-    for row in &check.rows {
-        let (name, scale, unit) = match row.metric {
-            "ttft_p50_secs" => ("ttft p50", 1e3, "ms"),
-            "tpot_p50_secs" => ("tpot p50", 1e3, "ms"),
-            _ => ("tokens/s", 1.0, ""),
-        };
-        lines.push(format!(
-            "{:>7}  {name:<9} {:>10.2}{unit:<2} {:>10.2}{unit:<2} {:>+9.1}%",
-            row.concurrency,
-            row.predicted * scale,
-            row.measured * scale,
-            row.relative_error * 100.0
-        ));
-    }
-    lines.join("\n")
-}
-
-/// The benchmark the flags ask for. Errors: a concurrency, `--rounds`, `--repeat`, `--tp`
-/// or `--pp` of 0.
-fn settings(args: &BenchServeArgs) -> Result<ServeBench> {
-    let concurrency = args
-        .concurrency
-        .clone()
-        .unwrap_or_else(|| DEFAULT_CONCURRENCY.to_vec());
-    if concurrency.contains(&0) {
-        bail!("--concurrency values must be at least 1");
-    }
-    Ok(ServeBench {
-        concurrency,
-        degrees: args.stages.degrees()?,
-        ..common_settings(args)?
-    })
-}
-
-/// The settings `--plan` does not change, with 1 concurrency and the degrees 1. Errors: a
-/// `--rounds`, `--repeat`, `--tp` or `--pp` of 0.
-fn common_settings(args: &BenchServeArgs) -> Result<ServeBench> {
-    for (flag, value) in [
-        ("--rounds", Some(args.rounds)),
-        ("--repeat", Some(args.repeat)),
-        ("--tp", args.stages.tp),
-        ("--pp", args.stages.pp),
-    ] {
-        if value == Some(0) {
-            bail!("{flag} must be at least 1");
-        }
-    }
-    Ok(ServeBench {
-        model: args.model.clone(),
-        concurrency: vec![1],
-        max_tokens: args.max_tokens,
-        rounds: args.rounds,
-        repeat: args.repeat,
-        threads: args.threads,
-        numerics: args.numerics.into(),
-        degrees: Degrees::ONE,
-        workload: match args.workload {
-            Workload::Chat => bench::Workload::Chat,
-            Workload::Mixed => bench::Workload::Mixed,
-            Workload::SharedPrefix => bench::Workload::SharedPrefix,
-        },
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        no_prefix_cache: args.no_prefix_cache,
-        prefill_decode: args.prefill.zip(args.decode),
-        ignore_eos: false,
-    })
 }
