@@ -997,7 +997,10 @@ fn pareto_numbers_follow_the_formulas_by_hand() {
         let step = ((weights + b * context * kv_per_token) / hbm)
             .max((2.0 * active * b + 4.0 * b * context * heads * head_dim * layers) / flops);
         let cycle = osl * step + b * prefill; // osl steps, and b prompts turned over
-        let tpot = cycle / osl;
+        // A request's osl steps are stalled by the b − 1 other slots' prefills, not by its
+        // own (that one is in its TTFT).
+        let tpot = (osl * step + (b - 1.0) * prefill) / osl;
+
         let ttft = prefill + step;
         let per_gpu = b * osl / cycle; // one GPU per replica
         let close = |field: &str, want: f64| {
