@@ -181,8 +181,10 @@ pub struct Plan {
     #[serde(default)]
     pub notes: Vec<String>,
     pub alternatives: Vec<Alternative>,
-    /// The equivalent `vllm serve` command line.
-    pub vllm_command: String,
+    /// The equivalent `vllm serve` command line; `None` (absent from `--json`) for CPU
+    /// ranks, which vLLM does not run (`infer up` serves them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vllm_command: Option<String>,
     /// The traffic planned for and its targets.
     #[serde(default)]
     pub workload: sla::Workload,
@@ -520,7 +522,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         warnings,
         notes,
         alternatives,
-        vllm_command: run.vllm_command(&parallel),
+        vllm_command: (cluster.device() == Device::Gpu).then(|| run.vllm_command(&parallel)),
         workload: settings.workload,
         pareto,
         sla_choice,

@@ -705,6 +705,8 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
     let (code, plan) = plan_json(&["--cluster", "local"]);
     assert_eq!(code, 0, "{plan}");
     assert_eq!(plan["device"], "cpu");
+    // vLLM does not run CPU ranks: no `vllm serve` line in the JSON or the text.
+    assert!(plan.get("vllm_command").is_none(), "{plan}");
     let world = plan["world_size"].as_u64().expect("world");
     assert!(
         (1..=cores).contains(&world),
@@ -744,7 +746,9 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
         text.contains("each host's CPU is one device its ranks share")
             && text.contains("probed on this host")
             && text.contains("memory per rank")
-            && text.contains("infer up --tp"),
+            && text.contains("infer up --tp")
+            && !text.contains("vllm serve")
+            && !text.contains("vllm equivalent"),
         "{text}"
     );
     let output = run(&["plan", "--cluster", "local", "--engine", "vllm"]);
@@ -786,6 +790,12 @@ fn cpu_rank_inventories_are_planned_on_the_probed_cpu() {
     let (code, plan) = plan_json(&["--cluster", inventory, "--dp", "4"]);
     assert_eq!(code, 0, "{plan}");
     assert_eq!(plan["device"], "cpu");
+    assert!(plan.get("vllm_command").is_none(), "{plan}");
+    let text = stdout_ok(&run(&["plan", "--cluster", inventory, "--dp", "4"]));
+    assert!(
+        text.contains("infer up --tp") && !text.contains("vllm"),
+        "{text}"
+    );
     let hosts: Vec<&str> = plan["ranks"]
         .as_array()
         .expect("ranks")
