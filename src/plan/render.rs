@@ -394,8 +394,9 @@ pub(crate) fn render_infeasible(infeasible: &Infeasible, explain_all: bool) -> S
     if explain_all {
         out.push_str("\nevery layout considered\n");
         for alternative in &infeasible.alternatives {
+            let verdict = if alternative.feasible { "ok " } else { "no " };
             out.push_str(&format!(
-                "  no  {}: {}\n",
+                "  {verdict} {}: {}\n",
                 alternative.parallel, alternative.reason
             ));
         }
