@@ -85,6 +85,43 @@ pub struct Estimate {
     pub pp_bubble_fraction: f64,
     /// Sequences of `--max-model-len` tokens the KV cache holds at once, per replica.
     pub max_concurrency: u64,
+    /// MoE models: what the routed experts cost in a decode step at batch 1 and at
+    /// `batch_per_replica`; absent for dense models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeCosts>,
+}
+
+/// The routed experts' share of a decode step at batch 1 and at the throughput batch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeCosts {
+    pub at_batch_1: MoeStep,
+    pub at_batch: MoeStep,
+}
+
+/// What the routed experts of one layout cost in one decode step of `batch` sequences per
+/// replica, summed over the MoE layers of every stage. The same formulas as the step time
+/// ([`expert_layer`]), so its parts are parts of `tpot_secs`/`tpot_at_batch_secs`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeStep {
+    /// Sequences per replica in the step.
+    pub batch: u64,
+    /// Tokens that meet in one expert group per step: the replica's batch, or with EP the
+    /// batches of the `ep / tp` attention replicas whose tokens the all-to-all gathers.
+    pub group_tokens: u64,
+    /// Mean rows (tokens) of one expert's GEMM per step: `group_tokens · top_k / n_experts`.
+    pub tokens_per_expert: f64,
+    /// Rows at which an expert's GEMM turns from memory- to compute-bound: the roofline's
+    /// ridge `peak_flops · bytes_per_param / (2 · hbm_bytes_per_sec)` (Williams et al. 2009).
+    pub ridge_tokens_per_expert: f64,
+    /// The busiest GPU's token-expert assignments over the mean: 1 for MoE-TP (every GPU
+    /// holds a slice of every expert), `1 + sqrt(2 · ln(ep) / mean)` for EP (balls into bins,
+    /// Raab & Steger 1998, for uniformly routed top-k).
+    pub busiest_gpu_load: f64,
+    /// Seconds of the step in the experts' GEMMs on the busiest GPU.
+    pub expert_secs: f64,
+    /// Seconds of the step in the MoE layers' collectives: the dispatch and combine
+    /// all-to-alls with EP, the all-reduce after each MoE layer with MoE-TP (0 at TP 1).
+    pub collective_secs: f64,
 }
 
 /// Estimates decode performance of `parallel` with memory `stages` on `hardware` over `links`,
@@ -140,10 +177,140 @@ pub(crate) fn estimate(
             0.0
         },
         max_concurrency: kv_tokens / max_model_len_tokens.max(1),
+        moe: spec.moe.as_ref().map(|_| MoeCosts {
+            at_batch_1: moe_step(spec, parallel, stages, dtype, hardware, links, 1),
+            at_batch: moe_step(spec, parallel, stages, dtype, hardware, links, batch),
+        }),
     }
 }
 
-/// One PP stage's time for a decode step of `batch` sequences with `context` tokens each.
+/// The experts' share of a decode step of `batch` sequences per replica ([`MoeStep`]).
+fn moe_step(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    stages: &[StageMemory],
+    dtype: Dtype,
+    hardware: &HardwareSpec,
+    links: &Links,
+    batch: u64,
+) -> MoeStep {
+    let layer = expert_layer(spec, parallel, dtype, hardware, batch);
+    let n_moe_layers: f64 = stages.iter().map(|s| moe_layers_in(spec, s)).sum();
+    let collective_secs = stages
+        .iter()
+        .map(|s| moe_collective_secs(spec, parallel, s, links, batch, layer.busiest_gpu_load))
+        .sum();
+    MoeStep {
+        batch,
+        group_tokens: layer.group_tokens,
+        tokens_per_expert: layer.tokens_per_expert,
+        ridge_tokens_per_expert: layer.ridge_tokens_per_expert,
+        busiest_gpu_load: layer.busiest_gpu_load,
+        expert_secs: n_moe_layers * layer.secs,
+        collective_secs,
+    }
+}
+
+/// One MoE layer's routed experts on the busiest GPU of a decode step.
+struct ExpertLayer {
+    group_tokens: u64,
+    tokens_per_expert: f64,
+    ridge_tokens_per_expert: f64,
+    busiest_gpu_load: f64,
+    /// Seconds: the roofline of the expert bytes the busiest GPU reads (the experts it holds
+    /// that some token of the step is routed to; its slice of each with MoE-TP) against
+    /// `2 · rows · params` of GEMM.
+    secs: f64,
+}
+
+/// The routed experts of one MoE layer in a decode step of `batch` sequences per replica.
+///
+/// - Tokens that meet: with EP (`ep > 1`) the all-to-all gathers the batches of the `ep / tp`
+///   attention replicas of the EP group, `T = batch · ep / tp`; with MoE-TP a replica's own,
+///   `T = batch`. Each expert's GEMM gets `M = T · top_k / n_experts` rows on average.
+/// - EP: a GPU holds `n_experts / ep` whole experts and computes `T · top_k / ep` rows on
+///   average; uniformly routed top-k puts `mean + sqrt(2 · mean · ln ep)` on the busiest of
+///   `ep` GPUs (the max load of balls into bins for `mean ≫ ln ep`, Raab & Steger 1998), and
+///   the step waits for it. MoE-TP: a GPU holds `1/tp` of every expert and computes its
+///   slice of all `T · top_k` rows: every GPU alike.
+/// - Time: the roofline of the expert bytes read (each touched expert once per step,
+///   whatever its rows: `1 − (1 − top_k/n_experts)^T` of them are touched) against the
+///   tensor-core time of `2 · rows · params` — memory-bound while `M` is below the ridge
+///   (Williams et al. 2009, "Roofline").
+fn expert_layer(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    dtype: Dtype,
+    hardware: &HardwareSpec,
+    batch: u64,
+) -> ExpertLayer {
+    let Parallel { tp, ep, .. } = *parallel;
+    let Some(moe) = &spec.moe else {
+        return ExpertLayer {
+            group_tokens: 0,
+            tokens_per_expert: 0.0,
+            ridge_tokens_per_expert: 0.0,
+            busiest_gpu_load: 1.0,
+            secs: 0.0,
+        };
+    };
+    let n_experts = moe.n_experts.max(1) as f64;
+    let top_k = moe.n_experts_per_token as f64;
+    let layers = spec.n_moe_layers().max(1) as f64;
+    let expert_bytes = spec.weight_bytes_by_part(dtype).routed_experts as f64 / layers / n_experts;
+    let expert_params = spec.param_counts().routed_experts as f64 / layers / n_experts;
+    let group_tokens = if ep > 1 {
+        batch * (ep / tp.max(1)).max(1)
+    } else {
+        batch
+    };
+    let t = group_tokens as f64;
+    let touched = 1.0 - (1.0 - top_k / n_experts).powf(t);
+    let (experts_here, slice, mean_rows, busiest) = if ep > 1 {
+        let mean = t * top_k / ep as f64;
+        let busiest = if mean > 0.0 {
+            // A GPU holds n_experts/ep experts: it cannot get more rows than that many per token.
+            (mean + (2.0 * mean * (ep as f64).ln()).sqrt())
+                .min(t * top_k.min(n_experts / ep as f64))
+        } else {
+            mean
+        };
+        (n_experts / ep as f64, 1.0, mean, busiest)
+    } else {
+        let rows = t * top_k;
+        (n_experts, 1.0 / tp.max(1) as f64, rows, rows)
+    };
+    let tflops = tensor_tflops(hardware, dtype) * 1e12;
+    let hbm = hardware.hbm_gb_per_sec * 1e9;
+    let weight_bytes = experts_here * touched * expert_bytes * slice;
+    let compute_secs = 2.0 * busiest * expert_params * slice / tflops;
+    ExpertLayer {
+        group_tokens,
+        tokens_per_expert: t * top_k / n_experts,
+        ridge_tokens_per_expert: tflops * expert_bytes / expert_params.max(1.0) / (2.0 * hbm),
+        busiest_gpu_load: if mean_rows > 0.0 {
+            busiest / mean_rows
+        } else {
+            1.0
+        },
+        secs: (weight_bytes / hbm).max(compute_secs),
+    }
+}
+
+/// MoE layers among the stage's layers.
+fn moe_layers_in(spec: &ModelSpec, stage: &StageMemory) -> f64 {
+    match &spec.moe {
+        Some(moe) => (stage.first_layer..stage.first_layer + stage.n_layers)
+            .filter(|&l| l >= moe.n_dense_layers)
+            .count() as f64,
+        None => 0.0,
+    }
+}
+
+/// One PP stage's time for a decode step of `batch` sequences with `context` tokens each:
+/// the roofline of everything but the routed experts (weights, KV cache, projections and
+/// attention), then the routed experts of its MoE layers ([`expert_layer`]: kernels run one
+/// after the other, so their times add), then its collectives.
 #[allow(clippy::too_many_arguments)]
 fn stage_secs(
     spec: &ModelSpec,
@@ -155,73 +322,116 @@ fn stage_secs(
     batch: u64,
     context: u64,
 ) -> f64 {
-    let Parallel { tp, ep, .. } = *parallel;
+    let tp = parallel.tp;
     let layers = stage.n_layers as f64;
-    let n_moe_layers_here = match &spec.moe {
-        Some(moe) => (stage.first_layer..stage.first_layer + stage.n_layers)
-            .filter(|&l| l >= moe.n_dense_layers)
-            .count() as f64,
-        None => 0.0,
+    let n_moe_layers_here = moe_layers_in(spec, stage);
+    let experts = expert_layer(spec, parallel, dtype, hardware, batch);
+    // Everything but the routed experts: the stage's weights less the experts it holds.
+    let routed_here = match &spec.moe {
+        Some(_) if n_moe_layers_here > 0.0 => {
+            let split = if parallel.ep > 1 { parallel.ep } else { tp } as f64;
+            n_moe_layers_here * spec.weight_bytes_by_part(dtype).routed_experts as f64
+                / spec.n_moe_layers().max(1) as f64
+                / split
+        }
+        _ => 0.0,
     };
-    // Weights read: everything but the experts no token of this step touches.
-    let mut weight_bytes = stage.weights_bytes as f64;
-    if let Some(moe) = &spec.moe
-        && n_moe_layers_here > 0.0
-    {
-        let routed_per_layer_gpu = spec.weight_bytes_by_part(dtype).routed_experts as f64
-            / spec.n_moe_layers() as f64
-            / if ep > 1 { ep } else { tp } as f64;
-        // Expected fraction of experts hit by `batch × top_k` routings, uniformly routed.
-        let hit =
-            1.0 - (1.0 - moe.n_experts_per_token as f64 / moe.n_experts as f64).powf(batch as f64);
-        weight_bytes -= n_moe_layers_here * routed_per_layer_gpu * (1.0 - hit);
-    }
+    let weight_bytes = (stage.weights_bytes as f64 - routed_here).max(0.0);
     let kv_bytes = (batch * context * stage.kv_bytes_per_token) as f64;
     let memory_secs = (weight_bytes + kv_bytes) / (hardware.hbm_gb_per_sec * 1e9);
     let tflops = tensor_tflops(hardware, dtype);
-    let active_params_here =
-        spec.active_params() as f64 * layers / spec.n_layers as f64 / tp as f64;
+    let routed_active = match &spec.moe {
+        Some(moe) => {
+            spec.param_counts().routed_experts / moe.n_experts.max(1) * moe.n_experts_per_token
+        }
+        None => 0,
+    };
+    let dense_params_here =
+        (spec.active_params() - routed_active) as f64 * layers / spec.n_layers as f64 / tp as f64;
     let attention_flops =
         4.0 * (batch * context) as f64 * (spec.n_heads * spec.head_dim) as f64 / tp as f64 * layers;
-    let compute_secs =
-        (2.0 * active_params_here * batch as f64 + attention_flops) / (tflops * 1e12);
-    memory_secs.max(compute_secs) + collective_secs(spec, parallel, stage, links, batch)
+    let compute_secs = (2.0 * dense_params_here * batch as f64 + attention_flops) / (tflops * 1e12);
+    memory_secs.max(compute_secs)
+        + n_moe_layers_here * experts.secs
+        + collective_secs(
+            spec,
+            parallel,
+            stage,
+            links,
+            batch,
+            experts.busiest_gpu_load,
+        )
 }
 
 /// The collectives of one stage over `tokens` tokens' activations (a decode batch or a
 /// prompt): two ring all-reduces per layer over TP (after attention and after the MLP;
 /// 2(n−1)/n of the message crosses each link, nccl-tests' bus-bandwidth factor), and a
 /// dispatch and a combine all-to-all per MoE layer over EP (each token's hidden state to
-/// its top-k experts, (ep−1)/ep of them on other ranks); each call also pays its link's
-/// latency.
+/// its top-k experts, (ep−1)/ep of them on other ranks; the busiest GPU receives
+/// `busiest_gpu_load` times the mean, and every GPU waits for it); each call also pays its
+/// link's latency.
 fn collective_secs(
     spec: &ModelSpec,
     parallel: &Parallel,
     stage: &StageMemory,
     links: &Links,
     tokens: u64,
+    busiest_gpu_load: f64,
 ) -> f64 {
-    let Parallel { tp, ep, .. } = *parallel;
+    let tp = parallel.tp;
     let layers = stage.n_layers as f64;
-    let message = (tokens * spec.hidden_size * 2) as f64;
     let allreduce_secs = if tp > 1 {
-        2.0 * layers
-            * (2.0 * (tp - 1) as f64 / tp as f64 * message / links.tp.bytes_per_sec
-                + links.tp.latency_secs)
+        2.0 * layers * allreduce_call_secs(spec, tp, links, tokens)
     } else {
         0.0
     };
-    let all_to_all_secs = match &spec.moe {
+    allreduce_secs + all_to_all_secs(spec, parallel, stage, links, tokens, busiest_gpu_load)
+}
+
+/// One ring all-reduce of `tokens` tokens' bf16 activations over the TP link, seconds.
+fn allreduce_call_secs(spec: &ModelSpec, tp: u64, links: &Links, tokens: u64) -> f64 {
+    let message = (tokens * spec.hidden_size * 2) as f64;
+    2.0 * (tp - 1) as f64 / tp as f64 * message / links.tp.bytes_per_sec + links.tp.latency_secs
+}
+
+/// The EP dispatch and combine all-to-alls of the stage's MoE layers, seconds (0 without EP).
+fn all_to_all_secs(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    stage: &StageMemory,
+    links: &Links,
+    tokens: u64,
+    busiest_gpu_load: f64,
+) -> f64 {
+    let ep = parallel.ep;
+    match &spec.moe {
         Some(moe) if ep > 1 => {
-            let n_moe_layers_here = (stage.first_layer..stage.first_layer + stage.n_layers)
-                .filter(|&l| l >= moe.n_dense_layers)
-                .count() as f64;
-            let bytes = message * moe.n_experts_per_token as f64 * (ep - 1) as f64 / ep as f64;
-            2.0 * n_moe_layers_here * (bytes / links.ep.bytes_per_sec + links.ep.latency_secs)
+            let message = (tokens * spec.hidden_size * 2) as f64;
+            let bytes = message * moe.n_experts_per_token as f64 * (ep - 1) as f64 / ep as f64
+                * busiest_gpu_load;
+            2.0 * moe_layers_in(spec, stage)
+                * (bytes / links.ep.bytes_per_sec + links.ep.latency_secs)
         }
         _ => 0.0,
-    };
-    allreduce_secs + all_to_all_secs
+    }
+}
+
+/// The MoE layers' own collectives in a step of `tokens` tokens ([`MoeStep::collective_secs`]).
+fn moe_collective_secs(
+    spec: &ModelSpec,
+    parallel: &Parallel,
+    stage: &StageMemory,
+    links: &Links,
+    tokens: u64,
+    busiest_gpu_load: f64,
+) -> f64 {
+    if parallel.ep > 1 {
+        all_to_all_secs(spec, parallel, stage, links, tokens, busiest_gpu_load)
+    } else if parallel.tp > 1 {
+        moe_layers_in(spec, stage) * allreduce_call_secs(spec, parallel.tp, links, tokens)
+    } else {
+        0.0
+    }
 }
 
 /// Dense tensor-core TFLOPS for `dtype`'s matrix products (FP8 and MXFP4 run on the FP8
@@ -271,13 +481,15 @@ pub(crate) fn prefill_flops(spec: &ModelSpec, prompt_tokens: u64) -> f64 {
 }
 
 /// Time to prefill one prompt of `prompt_tokens` on one replica, seconds: per stage, the
-/// larger of its tensor-core time (`2 · active params · tokens` for the projections plus
-/// `2 · tokens² · heads · head_dim` for causal attention — QKᵀ and PV over half the square —
-/// over TP) and reading its weights once from HBM; plus two ring all-reduces per layer of
-/// `tokens × hidden` bf16 activations over TP, the EP dispatch/combine of every token's
-/// top-k copies per MoE layer, and a hop of the prompt's activations per stage boundary.
-/// Peak throughput, as the decode roofline: an optimistic bound (a measured calibration
-/// replaces it).
+/// larger of its tensor-core time for everything but the routed experts (`2 · params ·
+/// tokens` for the projections plus `2 · tokens² · heads · head_dim` for causal attention —
+/// QKᵀ and PV over half the square — over TP) and reading those weights once from HBM; then
+/// the routed experts of its MoE layers with the prompt's tokens as the GEMM rows
+/// ([`expert_layer`]: with EP the busiest GPU's share of them); plus two ring all-reduces
+/// per layer of `tokens × hidden` bf16 activations over TP, the EP dispatch/combine of
+/// every token's top-k copies per MoE layer, and a hop of the prompt's activations per stage
+/// boundary. Peak throughput, as the decode roofline: an optimistic bound (a measured
+/// calibration replaces it).
 pub(crate) fn prefill_secs(
     spec: &ModelSpec,
     parallel: &Parallel,
@@ -290,14 +502,37 @@ pub(crate) fn prefill_secs(
     let Parallel { tp, pp, .. } = *parallel;
     let tokens = prompt_tokens.max(1) as f64;
     let tflops = tensor_tflops(hardware, dtype);
+    let experts = expert_layer(spec, parallel, dtype, hardware, prompt_tokens.max(1));
+    let routed_active = match &spec.moe {
+        Some(moe) => {
+            spec.param_counts().routed_experts / moe.n_experts.max(1) * moe.n_experts_per_token
+        }
+        None => 0,
+    };
+    let dense_flops = prefill_flops(spec, prompt_tokens) - 2.0 * routed_active as f64 * tokens;
+    let split = if parallel.ep > 1 { parallel.ep } else { tp } as f64;
+    let routed_layer_bytes = spec.weight_bytes_by_part(dtype).routed_experts as f64
+        / spec.n_moe_layers().max(1) as f64
+        / split;
     let stage_times: f64 = stages
         .iter()
         .map(|stage| {
             let share = stage.n_layers as f64 / spec.n_layers.max(1) as f64 / tp as f64;
-            let compute_secs = prefill_flops(spec, prompt_tokens) * share / (tflops * 1e12);
-            let memory_secs = stage.weights_bytes as f64 / (hardware.hbm_gb_per_sec * 1e9);
+            let n_moe_layers_here = moe_layers_in(spec, stage);
+            let compute_secs = dense_flops * share / (tflops * 1e12);
+            let memory_secs = (stage.weights_bytes as f64 - n_moe_layers_here * routed_layer_bytes)
+                .max(0.0)
+                / (hardware.hbm_gb_per_sec * 1e9);
             compute_secs.max(memory_secs)
-                + collective_secs(spec, parallel, stage, links, prompt_tokens.max(1))
+                + n_moe_layers_here * experts.secs
+                + collective_secs(
+                    spec,
+                    parallel,
+                    stage,
+                    links,
+                    prompt_tokens.max(1),
+                    experts.busiest_gpu_load,
+                )
         })
         .sum();
     let hops = (pp - 1) as f64

@@ -3,9 +3,9 @@
 //!
 //! [`plan`] enumerates every (tp, pp, dp, ep) that uses the cluster's GPUs, rejects the
 //! invalid ones (head divisibility, expert divisibility, TP across hosts or a `SYS` path,
-//! memory), applies the layout decision tree (TP inside a node first; PP only when TP inside a node cannot
-//! hold the model), scores the rest with the roofline model of [`cost`] and picks by
-//! objective.
+//! memory), scores every other one with the roofline model of [`cost`] and picks by
+//! objective; ties go to fewer GPUs per replica, then less PP. No rule prunes a valid
+//! layout: each is costed or refused for a reason true of it.
 //!
 //! Hosts without GPUs plan the same way with their CPU as the device ([`cluster`]): the
 //! layouts of every rank count from one to the most each host takes, each rank costed with
@@ -140,6 +140,9 @@ pub struct Alternative {
     pub reason: String,
     pub tpot_secs: Option<f64>,
     pub tokens_per_sec: Option<f64>,
+    /// MoE models: its routed experts' costs, as the chosen plan's `estimate.moe`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<cost::MoeCosts>,
 }
 
 /// A placement of one model onto a cluster, with the reasons. The `--json` output of `infer plan`.
@@ -181,8 +184,10 @@ pub struct Plan {
     #[serde(default)]
     pub notes: Vec<String>,
     pub alternatives: Vec<Alternative>,
-    /// The equivalent `vllm serve` command line.
-    pub vllm_command: String,
+    /// The equivalent `vllm serve` command line; `None` (absent from `--json`) for CPU
+    /// ranks, which vLLM does not run (`infer up` serves them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vllm_command: Option<String>,
     /// The traffic planned for and its targets.
     #[serde(default)]
     pub workload: sla::Workload,
@@ -431,11 +436,10 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
 
     // Enumerate and check every layout, then rank the feasible ones by the objective.
     let candidates = candidates(&run);
-    let pinned_pp = settings.pins.pp.is_some();
     let fits_without_pp = candidates
         .iter()
         .any(|c| c.parallel.pp == 1 && c.verdict.is_ok());
-    let mut ranked = rank(&candidates, settings, fits_without_pp);
+    let mut ranked = rank(&candidates, settings);
 
     // Every feasible layout at every batch its KV cache holds, for the workload.
     let points = sla_points(&run, &ranked);
@@ -449,7 +453,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         candidates
             .iter()
             .filter(|c| chosen.is_none_or(|chosen| chosen.parallel != c.parallel))
-            .map(|c| describe(c, chosen, fits_without_pp && !pinned_pp, settings.objective))
+            .map(|c| describe(c, chosen, settings.objective))
             .collect()
     };
     let Some(best) = ranked.first() else {
@@ -520,7 +524,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         warnings,
         notes,
         alternatives,
-        vllm_command: run.vllm_command(&parallel),
+        vllm_command: (cluster.device() == Device::Gpu).then(|| run.vllm_command(&parallel)),
         workload: settings.workload,
         pareto,
         sla_choice,
@@ -528,18 +532,10 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
     }))
 }
 
-/// The feasible candidates, best first by the objective ([`compare`]); those with PP only
-/// when no layout fits without it or `--pp` pins it.
-fn rank<'c>(
-    candidates: &'c [Candidate],
-    settings: &Settings,
-    fits_without_pp: bool,
-) -> Vec<&'c Candidate> {
-    let pinned_pp = settings.pins.pp.is_some();
-    let mut ranked: Vec<&Candidate> = candidates
-        .iter()
-        .filter(|c| c.verdict.is_ok() && (c.parallel.pp == 1 || !fits_without_pp || pinned_pp))
-        .collect();
+/// The feasible candidates, best first by the objective ([`compare`]). Every one is ranked
+/// by its cost: PP loses to TP × DP by its stage hops and bubble where it does, not by rule.
+fn rank<'c>(candidates: &'c [Candidate], settings: &Settings) -> Vec<&'c Candidate> {
+    let mut ranked: Vec<&Candidate> = candidates.iter().filter(|c| c.verdict.is_ok()).collect();
     ranked.sort_by(|a, b| compare(a, b, settings.objective));
     ranked
 }
@@ -605,7 +601,7 @@ fn choose_within_targets(
             points,
             candidates
                 .iter()
-                .map(|c| describe(c, None, false, settings.objective))
+                .map(|c| describe(c, None, settings.objective))
                 .collect(),
         ))),
         None => Ok(None),
@@ -1301,10 +1297,11 @@ fn compare(a: &Candidate, b: &Candidate, objective: Objective) -> std::cmp::Orde
         .then(a.parallel.world_size().cmp(&b.parallel.world_size()))
 }
 
+/// The alternative `candidate` is: why it was refused, or its costed figure against the
+/// `chosen` layout's on the objective (without one: no batch of it met the targets).
 fn describe(
     candidate: &Candidate,
     chosen: Option<&Candidate>,
-    pp_not_needed: bool,
     objective: Objective,
 ) -> Alternative {
     let parallel = candidate.parallel;
@@ -1315,18 +1312,35 @@ fn describe(
             reason: reason.clone(),
             tpot_secs: None,
             tokens_per_sec: None,
+            moe: None,
         },
         Ok((estimate, ..)) => {
-            let reason = if pp_not_needed && parallel.pp > 1 {
-                "PP is not needed: the model fits with TP inside a node (PP adds stage hops and a bubble)".to_string()
-            } else if let Some(Ok((best, ..))) = chosen.map(|c| &c.verdict) {
+            let reason = if let Some(Ok((best, ..))) = chosen.map(|c| &c.verdict) {
                 match objective {
+                    // With targets the chosen layout is the best point within them, which
+                    // another layout may beat on the raw figure at its own batch.
+                    Objective::Latency if estimate.tpot_secs < best.tpot_secs => format!(
+                        "TPOT {:.2} ms vs {:.2} ms ({:.2}× faster at batch 1, but the chosen layout has the best point within the targets)",
+                        estimate.tpot_secs * 1e3,
+                        best.tpot_secs * 1e3,
+                        best.tpot_secs / estimate.tpot_secs
+                    ),
                     Objective::Latency => format!(
                         "TPOT {:.2} ms vs {:.2} ms ({:.2}× slower)",
                         estimate.tpot_secs * 1e3,
                         best.tpot_secs * 1e3,
                         estimate.tpot_secs / best.tpot_secs
                     ),
+                    Objective::Throughput | Objective::Cost
+                        if estimate.tokens_per_sec > best.tokens_per_sec =>
+                    {
+                        format!(
+                            "{:.0} tokens/s vs {:.0} ({:.0}% more at its full batch, but the chosen layout has the best point within the targets)",
+                            estimate.tokens_per_sec,
+                            best.tokens_per_sec,
+                            100.0 * (estimate.tokens_per_sec / best.tokens_per_sec - 1.0)
+                        )
+                    }
                     Objective::Throughput | Objective::Cost => format!(
                         "{:.0} tokens/s vs {:.0} ({:.0}% less)",
                         estimate.tokens_per_sec,
@@ -1335,7 +1349,7 @@ fn describe(
                     ),
                 }
             } else {
-                String::new()
+                "no batch of it meets the targets".to_string()
             };
             Alternative {
                 parallel,
@@ -1343,6 +1357,7 @@ fn describe(
                 reason,
                 tpot_secs: Some(estimate.tpot_secs),
                 tokens_per_sec: Some(estimate.tokens_per_sec),
+                moe: estimate.moe.clone(),
             }
         }
     }
@@ -1385,7 +1400,78 @@ fn explain(
         ));
     }
     lines.extend(chosen_lines(ranked, settings.objective));
+    lines.extend(experts_line(ranked, settings.objective));
     lines
+}
+
+/// MoE models: the best layout with EP against the best without (MoE-TP: every expert
+/// sliced over TP), by the objective, with what differs between them in a decode step — the
+/// rows of each expert's GEMM, the busiest EP GPU's load, the time in experts, and the
+/// all-to-alls against the all-reduces ([`cost::MoeStep`]). `None` for dense models, or
+/// when only one kind fits.
+fn experts_line(ranked: &[&Candidate], objective: Objective) -> Option<String> {
+    let best = |with_ep: bool| {
+        ranked.iter().find_map(|c| match &c.verdict {
+            Ok((estimate, ..)) if (c.parallel.ep > 1) == with_ep => {
+                estimate.moe.as_ref().map(|moe| (c.parallel, estimate, moe))
+            }
+            _ => None,
+        })
+    };
+    let ((ep_layout, ep_estimate, ep_moe), (tp_layout, tp_estimate, tp_moe)) =
+        (best(true)?, best(false)?);
+    let (ep_value, tp_value, unit, ep_step, tp_step, ep_wins) = match objective {
+        Objective::Latency => (
+            ep_estimate.tpot_secs * 1e3,
+            tp_estimate.tpot_secs * 1e3,
+            "ms TPOT at batch 1",
+            &ep_moe.at_batch_1,
+            &tp_moe.at_batch_1,
+            ep_estimate.tpot_secs < tp_estimate.tpot_secs,
+        ),
+        Objective::Throughput | Objective::Cost => (
+            ep_estimate.tokens_per_sec,
+            tp_estimate.tokens_per_sec,
+            "tokens/s",
+            &ep_moe.at_batch,
+            &tp_moe.at_batch,
+            ep_estimate.tokens_per_sec > tp_estimate.tokens_per_sec,
+        ),
+    };
+    let (better, worse) = match objective {
+        Objective::Latency => (ep_value.min(tp_value), ep_value.max(tp_value)),
+        Objective::Throughput | Objective::Cost => (ep_value.max(tp_value), ep_value.min(tp_value)),
+    };
+    let margin = match objective {
+        Objective::Latency => worse / better.max(f64::MIN_POSITIVE) - 1.0,
+        Objective::Throughput | Objective::Cost => better / worse.max(f64::MIN_POSITIVE) - 1.0,
+    };
+    let bound = |step: &cost::MoeStep| {
+        if step.tokens_per_expert * step.busiest_gpu_load < step.ridge_tokens_per_expert {
+            "memory-bound"
+        } else {
+            "compute-bound"
+        }
+    };
+    Some(format!(
+        "EP vs MoE-TP: {} wins by {:.0}%: {ep_layout} {ep_value:.2} {unit} vs {tp_layout} {tp_value:.2}; \
+         per decode step at batch {} vs {}: {:.2} vs {:.2} tokens per expert GEMM ({} vs {}; compute-bound from {:.0}), \
+         the busiest EP GPU carries {:.2}× the mean rows, experts {:.3} vs {:.3} ms, all-to-all {:.3} ms vs all-reduce {:.3} ms",
+        if ep_wins { "EP" } else { "MoE-TP" },
+        100.0 * margin,
+        ep_step.batch,
+        tp_step.batch,
+        ep_step.tokens_per_expert,
+        tp_step.tokens_per_expert,
+        bound(ep_step),
+        bound(tp_step),
+        ep_step.ridge_tokens_per_expert,
+        ep_step.busiest_gpu_load,
+        ep_step.expert_secs * 1e3,
+        tp_step.expert_secs * 1e3,
+        ep_step.collective_secs * 1e3,
+        tp_step.collective_secs * 1e3,
+    ))
 }
 
 /// On CPU hosts, what a device is: the host's CPU (its figures and where they come from),
@@ -1459,7 +1545,12 @@ fn decision(run: &Run<'_>, candidates: &[Candidate]) -> String {
         .filter(|c| c.parallel.tp == 1 && c.parallel.pp == 1 && c.parallel.ep > 1)
         .find(|c| c.verdict.is_ok())
         .map(|c| c.parallel.ep);
-    let one_node = fits(&|p| p.pp == 1);
+    let one_node = fits(&|p| p.pp == 1 && p.ep == 1);
+    let experts_over_ep = candidates
+        .iter()
+        .filter(|c| c.parallel.pp == 1 && c.parallel.ep > 1)
+        .find(|c| c.verdict.is_ok())
+        .map(|c| c.parallel);
     let pinned: Vec<String> = settings
         .pins
         .named()
@@ -1487,6 +1578,11 @@ fn decision(run: &Run<'_>, candidates: &[Candidate]) -> String {
         format!(
             "does not fit one {one}; fits with TP inside a node → TP ≤ {} (× DP for the remaining {many})",
             cluster.min_gpus_per_host()
+        )
+    } else if let Some(p) = experts_over_ep {
+        format!(
+            "does not fit one {one}, nor TP inside a node without EP; fits without PP when its experts are sharded over EP{} with TP{} → TP{} × DP{} (EP{}), or PP",
+            p.ep, p.tp, p.tp, p.dp, p.ep
         )
     } else if cluster.hosts.len() == 1 {
         // One node: the stages share it; nothing crosses a network.
@@ -1519,7 +1615,7 @@ fn chosen_lines(ranked: &[&Candidate], objective: Objective) -> Vec<String> {
             estimate.batch_per_replica
         ));
         for runner_up in ranked.iter().skip(1).take(3) {
-            let alternative = describe(runner_up, Some(best), false, objective);
+            let alternative = describe(runner_up, Some(best), objective);
             lines.push(format!(
                 "  not {}: {}",
                 runner_up.parallel, alternative.reason

@@ -90,9 +90,13 @@ pub(crate) fn render(plan: &Plan, explain_all: bool) -> String {
         out.push_str(&disaggregated_text(d, plan.workload.has_targets()));
     }
     out.push_str(&why_text(plan, explain_all));
-    match plan.device {
-        Device::Gpu => out.push_str(&format!("\n\nvllm equivalent:\n  {}\n", plan.vllm_command)),
-        Device::Cpu => out.push_str(&format!(
+    match (plan.device, &plan.vllm_command) {
+        (Device::Gpu, Some(command)) => {
+            out.push_str(&format!("\n\nvllm equivalent:\n  {command}\n"));
+        }
+        // A GPU plan always has its command; one read from an edited file may not.
+        (Device::Gpu, None) => out.push('\n'),
+        (Device::Cpu, _) => out.push_str(&format!(
             "\n\nserve it with CPU ranks:\n  {} (or `infer up --plan` with this plan's `--json`)\n",
             infer_up_command(&plan.parallel)
         )),
@@ -390,8 +394,9 @@ pub(crate) fn render_infeasible(infeasible: &Infeasible, explain_all: bool) -> S
     if explain_all {
         out.push_str("\nevery layout considered\n");
         for alternative in &infeasible.alternatives {
+            let verdict = if alternative.feasible { "ok " } else { "no " };
             out.push_str(&format!(
-                "  no  {}: {}\n",
+                "  {verdict} {}: {}\n",
                 alternative.parallel, alternative.reason
             ));
         }

@@ -9,8 +9,13 @@
 //! - a prefill `P` = [`cost::prefill_secs`] of one `isl`-token prompt;
 //! - in steady state each of the `b` slots turns over every `osl` steps, so a cycle of `osl`
 //!   steps also runs `b` prefills: `cycle = osl · D(b) + b · P`;
-//! - TPOT (what a user sees between tokens) = `cycle / osl`; tokens/s per user = `1/TPOT`;
-//! - tokens/s per replica = `b · osl / cycle`; per GPU = that over `tp · pp`;
+//! - TPOT (what a user sees between tokens) = `(osl · D(b) + (b − 1) · P) / osl`: while one
+//!   request decodes its `osl` tokens, the other `b − 1` slots each admit one prompt whose
+//!   prefill stalls the step it joins; the request's own prefill came before its first token
+//!   and is in its TTFT, not its TPOT (vLLM's benchmark defines TPOT as `(e2e − TTFT) /
+//!   (osl − 1)`, which excludes it). Tokens/s per user = `1/TPOT`;
+//! - tokens/s per replica = `b · osl / cycle` (all `b` prefills count against throughput);
+//!   per GPU = that over `tp · pp`;
 //! - TTFT = `P + D(b)`: the prompt's own prefill after the step in flight.
 //!
 //! These are the roofline's optimistic figures (peak HBM and tensor throughput). A PP
@@ -70,7 +75,8 @@ pub struct ParetoPoint {
     /// Sequences decoded together per replica.
     pub batch_per_replica: u64,
     pub ttft_secs: f64,
-    /// Time per output token a user sees (decode step plus the prefills it shares with).
+    /// Time per output token a user sees, seconds: the decode step plus the other `b − 1`
+    /// requests' prefills spread over its `osl` steps (its own prefill is in `ttft_secs`).
     pub tpot_secs: f64,
     pub tokens_per_sec_per_user: f64,
     /// Output tokens/s of the whole layout over its GPUs.
@@ -145,7 +151,9 @@ pub fn points(
                 context,
             );
             let cycle = osl as f64 * step + batch as f64 * prefill;
-            let tpot = cycle / osl as f64;
+            // The `b − 1` other requests' prefills interleave with this one's decode steps;
+            // its own prefill is in its TTFT (module doc).
+            let tpot = (osl as f64 * step + (batch - 1) as f64 * prefill) / osl as f64;
             let ttft = prefill + step;
             let replica_tokens_per_sec = (batch * osl) as f64 / cycle;
             let meets_sla = workload.ttft_target_secs.is_none_or(|t| ttft <= t)

@@ -705,6 +705,8 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
     let (code, plan) = plan_json(&["--cluster", "local"]);
     assert_eq!(code, 0, "{plan}");
     assert_eq!(plan["device"], "cpu");
+    // vLLM does not run CPU ranks: no `vllm serve` line in the JSON or the text.
+    assert!(plan.get("vllm_command").is_none(), "{plan}");
     let world = plan["world_size"].as_u64().expect("world");
     assert!(
         (1..=cores).contains(&world),
@@ -744,7 +746,9 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
         text.contains("each host's CPU is one device its ranks share")
             && text.contains("probed on this host")
             && text.contains("memory per rank")
-            && text.contains("infer up --tp"),
+            && text.contains("infer up --tp")
+            && !text.contains("vllm serve")
+            && !text.contains("vllm equivalent"),
         "{text}"
     );
     let output = run(&["plan", "--cluster", "local", "--engine", "vllm"]);
@@ -786,6 +790,12 @@ fn cpu_rank_inventories_are_planned_on_the_probed_cpu() {
     let (code, plan) = plan_json(&["--cluster", inventory, "--dp", "4"]);
     assert_eq!(code, 0, "{plan}");
     assert_eq!(plan["device"], "cpu");
+    assert!(plan.get("vllm_command").is_none(), "{plan}");
+    let text = stdout_ok(&run(&["plan", "--cluster", inventory, "--dp", "4"]));
+    assert!(
+        text.contains("infer up --tp") && !text.contains("vllm"),
+        "{text}"
+    );
     let hosts: Vec<&str> = plan["ranks"]
         .as_array()
         .expect("ranks")
@@ -997,7 +1007,10 @@ fn pareto_numbers_follow_the_formulas_by_hand() {
         let step = ((weights + b * context * kv_per_token) / hbm)
             .max((2.0 * active * b + 4.0 * b * context * heads * head_dim * layers) / flops);
         let cycle = osl * step + b * prefill; // osl steps, and b prompts turned over
-        let tpot = cycle / osl;
+        // A request's osl steps are stalled by the b − 1 other slots' prefills, not by its
+        // own (that one is in its TTFT).
+        let tpot = (osl * step + (b - 1.0) * prefill) / osl;
+
         let ttft = prefill + step;
         let per_gpu = b * osl / cycle; // one GPU per replica
         let close = |field: &str, want: f64| {
@@ -1340,7 +1353,24 @@ fn every_reason_is_true_of_the_plans_own_numbers() {
                             );
                         }
                         if line.contains("fits with TP inside a node") {
-                            assert!(feasible(&|p| degree(p, "pp") == 1), "{case}: {line}");
+                            assert!(
+                                feasible(&|p| degree(p, "pp") == 1 && degree(p, "ep") == 1),
+                                "{case}: {line}"
+                            );
+                        }
+                        if line.contains("nor TP inside a node without EP") {
+                            assert!(
+                                !feasible(&|p| degree(p, "pp") == 1 && degree(p, "ep") == 1),
+                                "{case}: {line}"
+                            );
+                            let ep = number_after(line, "sharded over EP").expect("ep") as u64;
+                            let tp = number_after(line, " with TP").expect("tp") as u64;
+                            assert!(
+                                feasible(&|p| degree(p, "pp") == 1
+                                    && degree(p, "ep") == ep
+                                    && degree(p, "tp") == tp),
+                                "{case}: {line}"
+                            );
                         }
                     } else if line.starts_with("does not fit TP inside one node")
                         || line.starts_with("does not fit with TP alone")
@@ -1401,6 +1431,8 @@ fn every_reason_is_true_of_the_plans_own_numbers() {
                             let ours = number_after(rest, " vs ").expect("ours");
                             assert!(theirs >= ours - 0.005, "{case}: {line}");
                         }
+                    } else if line.starts_with("EP vs MoE-TP: ") {
+                        check_experts_line(&case, &plan, line);
                     } else if line.starts_with("KV cache must hold --max-model-len ") {
                         let len = number_after(line, "--max-model-len ").expect("len") as u64;
                         assert_eq!(len, plan["max_model_len"], "{case}: {line}");
@@ -1450,10 +1482,279 @@ fn every_reason_is_true_of_the_plans_own_numbers() {
                         }
                     }
                 }
+                check_every_layout_considered(&case, &plan);
             }
         }
     }
     assert!(checked >= 40, "only {checked} plans were feasible");
+}
+
+/// `TP1 × PP2 × DP8 (EP8)`: a layout as the reasons name it.
+fn layout_name(parallel: &Value) -> String {
+    let get = |k: &str| parallel[k].as_u64().expect("degree");
+    let mut name = format!("TP{} × PP{} × DP{}", get("tp"), get("pp"), get("dp"));
+    if get("ep") > 1 {
+        name.push_str(&format!(" (EP{})", get("ep")));
+    }
+    name
+}
+
+/// Every line of `every layout considered` (each alternative's reason) is true of that
+/// layout's own numbers: a costed layout states its figure against the chosen one's, a
+/// refused one a reason computed for it (memory, degrees, hosts). See: #40
+fn check_every_layout_considered(case: &str, plan: &Value) {
+    let estimate = &plan["estimate"];
+    let mut chosen_tokens = estimate["tokens_per_sec"].as_f64().expect("tokens/s");
+    let mut chosen_tpot_ms = estimate["tpot_secs"].as_f64().expect("tpot") * 1e3;
+    // Right-sized for `--rps` (`the plan uses N of the cluster's M GPUs`): the layouts were
+    // compared with the chosen layout on the whole cluster, whose figures the plan no longer
+    // carries; they are then taken from the first reason and held equal in all the others.
+    let right_sized = plan["explain"]
+        .as_array()
+        .expect("explain")
+        .iter()
+        .any(|l| l.as_str().is_some_and(|l| l.starts_with("the plan uses ")));
+    if right_sized {
+        for a in plan["alternatives"].as_array().expect("alternatives") {
+            let reason = a["reason"].as_str().expect("reason");
+            if a["feasible"] == true {
+                if let Some(ours) = number_after(reason, " tokens/s vs ") {
+                    chosen_tokens = ours;
+                } else if let Some(ours) = number_after(reason, " ms vs ") {
+                    chosen_tpot_ms = ours;
+                }
+                break;
+            }
+        }
+    }
+    let (tokens_tolerance, tpot_tolerance) = if right_sized {
+        (1.0, 0.011)
+    } else {
+        (0.51, 0.006)
+    };
+    let within_targets = plan.get("sla_choice").is_some();
+    for alternative in plan["alternatives"].as_array().expect("alternatives") {
+        let reason = alternative["reason"].as_str().expect("reason");
+        let line = format!("{}: {reason}", layout_name(&alternative["parallel"]));
+        let degree = |k: &str| alternative["parallel"][k].as_u64().expect("degree");
+        assert!(!reason.contains("not needed"), "{case}: {line}");
+        if alternative["feasible"] == true {
+            let tokens = alternative["tokens_per_sec"].as_f64().expect("tokens/s");
+            let tpot_ms = alternative["tpot_secs"].as_f64().expect("tpot") * 1e3;
+            if reason.contains(" tokens/s vs ") {
+                let theirs = number_after(reason, "").expect("theirs");
+                let ours = number_after(reason, " vs ").expect("ours");
+                let percent = number_after(reason, "(").expect("percent");
+                assert!((theirs - tokens).abs() < 0.51, "{case}: {line}");
+                assert!(
+                    (ours - chosen_tokens).abs() < tokens_tolerance,
+                    "{case}: {line}"
+                );
+                if reason.contains("% less)") {
+                    assert!(tokens <= chosen_tokens + 0.5, "{case}: {line}");
+                    let want = 100.0 * (1.0 - tokens / chosen_tokens);
+                    assert!((percent - want).abs() < 0.51, "{case}: {line}");
+                } else {
+                    assert!(
+                        reason.contains("% more at its full batch"),
+                        "{case}: {line}"
+                    );
+                    assert!(tokens > chosen_tokens && within_targets, "{case}: {line}");
+                    let want = 100.0 * (tokens / chosen_tokens - 1.0);
+                    assert!((percent - want).abs() < 0.51, "{case}: {line}");
+                }
+            } else if reason.starts_with("TPOT ") {
+                let theirs = number_after(reason, "TPOT ").expect("theirs");
+                let ours = number_after(reason, " vs ").expect("ours");
+                assert!((theirs - tpot_ms).abs() < 0.006, "{case}: {line}");
+                assert!(
+                    (ours - chosen_tpot_ms).abs() < tpot_tolerance,
+                    "{case}: {line}"
+                );
+                if reason.contains("× faster") {
+                    assert!(tpot_ms < chosen_tpot_ms && within_targets, "{case}: {line}");
+                } else {
+                    assert!(tpot_ms >= chosen_tpot_ms - 0.005, "{case}: {line}");
+                }
+            } else {
+                panic!("{case}: a feasible layout without its numbers: {line}");
+            }
+        } else if reason.starts_with("weights ") {
+            let weights = number_after(reason, "weights ").expect("weights");
+            let reserve = number_after(reason, "+ reserve ").expect("reserve");
+            let usable = number_after(reason, "exceed the ").expect("usable");
+            let gib =
+                plan["memory"][0]["usable_bytes"].as_f64().expect("usable") / (1u64 << 30) as f64;
+            assert!((usable - gib).abs() < 0.06, "{case}: {line}");
+            assert!(weights + reserve > usable - 0.1, "{case}: {line}");
+        } else if reason.starts_with("no room for KV cache") {
+            let holds = number_after(reason, " holds ").expect("holds");
+            let len = number_after(reason, "--max-model-len ").expect("len");
+            assert!(holds < len, "{case}: {line}");
+        } else if let Some(rest) = reason.strip_prefix("tp=") {
+            let tp = number_after(rest, "").expect("tp") as u64;
+            assert_eq!(tp, degree("tp"), "{case}: {line}");
+            if let Some(heads) = number_after(rest, "does not divide ") {
+                assert!(!(heads as u64).is_multiple_of(tp), "{case}: {line}");
+            } else {
+                assert!(
+                    rest.contains("neither divides nor is a multiple"),
+                    "{case}: {line}"
+                );
+            }
+        } else if let Some(rest) = reason.strip_prefix("ep=") {
+            let ep = number_after(rest, "").expect("ep") as u64;
+            assert_eq!(ep, degree("ep"), "{case}: {line}");
+            if let Some(tp_dp) = number_after(rest, "tp·dp = ") {
+                assert_eq!(tp_dp as u64, degree("tp") * degree("dp"), "{case}: {line}");
+                assert!(!(tp_dp as u64).is_multiple_of(ep), "{case}: {line}");
+            } else if let Some(experts) = number_after(rest, "does not divide ") {
+                assert!(!(experts as u64).is_multiple_of(ep), "{case}: {line}");
+            } else {
+                assert!(
+                    rest.contains("needs a mixture-of-experts model"),
+                    "{case}: {line}"
+                );
+            }
+        } else if let Some(rest) = reason.strip_prefix("TP") {
+            let tp = number_after(rest, "").expect("tp") as u64;
+            assert_eq!(tp, degree("tp"), "{case}: {line}");
+            if let Some(per_host) = number_after(rest, "would span hosts (") {
+                assert!(tp > per_host as u64, "{case}: {line}");
+            } else {
+                assert!(rest.contains("CPU interconnect (SYS"), "{case}: {line}");
+            }
+        } else if let Some(rest) = reason.strip_prefix("needs ") {
+            let needs = number_after(rest, "").expect("needs");
+            let has = number_after(rest, "the cluster has ").expect("has");
+            assert!(needs > has, "{case}: {line}");
+        } else if let Some(rest) = reason.strip_prefix("pp=") {
+            let pp = number_after(rest, "").expect("pp");
+            let layers = number_after(rest, "exceeds ").expect("layers");
+            assert!(pp > layers, "{case}: {line}");
+        } else {
+            panic!("{case}: a refusal the test does not know how to check: {line}");
+        }
+    }
+}
+
+/// The `EP vs MoE-TP: ` line: the two layouts it names are the best feasible ones with and
+/// without EP, its figures are theirs, the winner and the margin follow from them, and the
+/// per-step figures are those of their `moe` costs. See: #40
+fn check_experts_line(case: &str, plan: &Value, line: &str) {
+    // A plan right-sized for `--rps` no longer carries the whole-cluster layout the line
+    // compared; `ep_against_moe_tp_is_decided_by_cost_with_its_reasons` covers the line.
+    if plan["explain"].to_string().contains("the plan uses ") {
+        return;
+    }
+    let mut layouts: Vec<&Value> = vec![plan];
+    layouts.extend(
+        plan["alternatives"]
+            .as_array()
+            .expect("alternatives")
+            .iter()
+            .filter(|a| a["feasible"] == true),
+    );
+    fn figures(layout: &Value) -> (f64, f64, &Value) {
+        match layout.get("estimate") {
+            Some(estimate) => (
+                estimate["tokens_per_sec"].as_f64().expect("tokens/s"),
+                estimate["tpot_secs"].as_f64().expect("tpot"),
+                &estimate["moe"],
+            ),
+            None => (
+                layout["tokens_per_sec"].as_f64().expect("tokens/s"),
+                layout["tpot_secs"].as_f64().expect("tpot"),
+                &layout["moe"],
+            ),
+        }
+    }
+    let latency = plan["objective"] == "latency";
+    // Better first on the objective.
+    let score = |layout: &Value| {
+        let (tokens, tpot, _) = figures(layout);
+        if latency { -tpot } else { tokens }
+    };
+    let best = |with_ep: bool| {
+        layouts
+            .iter()
+            .filter(|l| (l["parallel"]["ep"].as_u64().expect("ep") > 1) == with_ep)
+            .max_by(|a, b| score(a).total_cmp(&score(b)))
+            .copied()
+            .expect("a layout of each kind")
+    };
+    let (ep, tp) = (best(true), best(false));
+    let rest = line.strip_prefix("EP vs MoE-TP: ").expect("prefix");
+    let ep_name = layout_name(&ep["parallel"]);
+    let tp_name = layout_name(&tp["parallel"]);
+    let after_ep = &rest[rest
+        .find(&format!("{ep_name} "))
+        .unwrap_or_else(|| panic!("{case}: {line} does not name {ep_name}"))
+        + ep_name.len()..];
+    let after_tp = &rest[rest
+        .find(&format!(" vs {tp_name} "))
+        .unwrap_or_else(|| panic!("{case}: {line} does not name {tp_name}"))
+        + tp_name.len()
+        + 4..];
+    let ep_value = number_after(after_ep, " ").expect("EP figure");
+    let tp_value = number_after(after_tp, " ").expect("MoE-TP figure");
+    let value = |l: &Value| {
+        let (tokens, tpot, _) = figures(l);
+        if latency { tpot * 1e3 } else { tokens }
+    };
+    assert!((ep_value - value(ep)).abs() < 0.006, "{case}: {line}");
+    assert!((tp_value - value(tp)).abs() < 0.006, "{case}: {line}");
+    let ep_wins = score(ep) > score(tp);
+    assert!(
+        rest.starts_with(if ep_wins {
+            "EP wins by "
+        } else {
+            "MoE-TP wins by "
+        }),
+        "{case}: {line}"
+    );
+    let margin = number_after(rest, "wins by ").expect("margin");
+    // From the unrounded figures: the line prints them to two decimals.
+    let (win, lose) = if ep_wins {
+        (value(ep), value(tp))
+    } else {
+        (value(tp), value(ep))
+    };
+    let want = if latency {
+        lose / win - 1.0
+    } else {
+        win / lose - 1.0
+    };
+    assert!((margin - 100.0 * want).abs() < 0.51, "{case}: {line}");
+    // The per-step figures are the two layouts' own.
+    let step = |layout: &Value| {
+        let moe = figures(layout).2;
+        moe[if latency { "at_batch_1" } else { "at_batch" }].clone()
+    };
+    let (ep_step, tp_step) = (step(ep), step(tp));
+    let field = |step: &Value, k: &str| step[k].as_f64().expect(k);
+    let batches = number_after(rest, "at batch ").expect("batch");
+    assert_eq!(batches as u64, ep_step["batch"], "{case}: {line}");
+    let per_expert_ep = number_after(rest, &format!(" vs {}: ", tp_step["batch"])).expect("rows");
+    assert!(
+        (per_expert_ep - field(&ep_step, "tokens_per_expert")).abs() < 0.006,
+        "{case}: {line}"
+    );
+    let load = number_after(rest, "carries ").expect("load");
+    assert!(
+        (load - field(&ep_step, "busiest_gpu_load")).abs() < 0.006,
+        "{case}: {line}"
+    );
+    let all_to_all = number_after(rest, "all-to-all ").expect("all-to-all");
+    assert!(
+        (all_to_all - field(&ep_step, "collective_secs") * 1e3).abs() < 0.0006,
+        "{case}: {line}"
+    );
+    let all_reduce = number_after(rest, "all-reduce ").expect("all-reduce");
+    assert!(
+        (all_reduce - field(&tp_step, "collective_secs") * 1e3).abs() < 0.0006,
+        "{case}: {line}"
+    );
 }
 
 /// The batch-1 TPOT and the reasons of a feasible `infer plan base… extra… --json`.
@@ -1588,4 +1889,79 @@ fn bench_json_reports_calibrate_the_plan() {
         ) && l.contains("`h100-decode.json`")),
         "{explain:#?}"
     );
+}
+
+/// EP against MoE-TP by cost on the three MoE profiles people run across nodes: `--explain`
+/// names the best layout of each kind, which won and by how much, with the figures of their
+/// estimates; each layout's `moe` costs follow the formulas by hand — the tokens that meet
+/// in an expert group (`batch · ep / tp` with EP, the replica's batch without), the rows of
+/// each expert's GEMM (`· top_k / n_experts`), and the balls-into-bins load of the busiest
+/// EP GPU (`1 + sqrt(2 · ln ep / mean)`, none with MoE-TP). See: #40
+#[test]
+fn ep_against_moe_tp_is_decided_by_cost_with_its_reasons() {
+    // (profile, routed experts, top-k): profiles/models/*.toml, from each config.json.
+    let profiles = [
+        ("mixtral-8x7b", 8.0, 2.0),
+        ("qwen3-235b-a22b", 128.0, 8.0),
+        ("deepseek-v3", 256.0, 8.0),
+    ];
+    for (profile, n_experts, top_k) in profiles {
+        for cluster in ["2x8xh100-sxm", "4x8xh200-sxm"] {
+            for objective in ["throughput", "latency"] {
+                let case = format!("{profile} on {cluster} for {objective}");
+                let (code, plan) = plan_json(&[
+                    "--model",
+                    profile,
+                    "--cluster",
+                    cluster,
+                    "--objective",
+                    objective,
+                ]);
+                assert_eq!(code, 0, "{case}: {plan}");
+                let line = plan["explain"]
+                    .as_array()
+                    .expect("explain")
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .find(|l| l.starts_with("EP vs MoE-TP: "))
+                    .unwrap_or_else(|| panic!("{case}: no EP vs MoE-TP line: {}", plan["explain"]));
+                check_experts_line(&case, &plan, line);
+                let mut layouts = vec![(plan["parallel"].clone(), plan["estimate"]["moe"].clone())];
+                for a in plan["alternatives"].as_array().expect("alternatives") {
+                    if a["feasible"] == true {
+                        layouts.push((a["parallel"].clone(), a["moe"].clone()));
+                    }
+                }
+                for (parallel, moe) in layouts {
+                    let degree = |k: &str| parallel[k].as_u64().expect("degree");
+                    for step in [&moe["at_batch_1"], &moe["at_batch"]] {
+                        let batch = step["batch"].as_u64().expect("batch");
+                        let (tp, ep) = (degree("tp"), degree("ep"));
+                        let group = if ep > 1 { batch * ep / tp } else { batch };
+                        assert_eq!(step["group_tokens"], group, "{case}: {parallel}");
+                        let rows = group as f64 * top_k / n_experts;
+                        let got = step["tokens_per_expert"].as_f64().expect("rows");
+                        assert!(
+                            (got - rows).abs() < 1e-9 * rows.max(1.0),
+                            "{case}: {parallel}"
+                        );
+                        let load = step["busiest_gpu_load"].as_f64().expect("load");
+                        if ep > 1 {
+                            let mean = group as f64 * top_k / ep as f64;
+                            let cap = group as f64 * top_k.min(n_experts / ep as f64) / mean;
+                            let want = (1.0 + (2.0 * (ep as f64).ln() / mean).sqrt()).min(cap);
+                            assert!(
+                                (load - want).abs() < 1e-9,
+                                "{case}: {parallel} {load} vs {want}"
+                            );
+                            assert!(load >= 1.0);
+                        } else {
+                            assert_eq!(load, 1.0, "{case}: {parallel}");
+                        }
+                        assert!(step["expert_secs"].as_f64().expect("experts") > 0.0);
+                    }
+                }
+            }
+        }
+    }
 }
