@@ -195,7 +195,13 @@ pub struct StoreServer {
     address: SocketAddr,
     state: Arc<(Mutex<State>, Condvar)>,
     stopping: Arc<AtomicBool>,
+    /// Every client connection still open, by a number of its own: a stopped store closes
+    /// them, so that no client goes on talking to a store that is gone.
+    connections: Connections,
 }
+
+/// The store's open client connections (see [`StoreServer`]).
+type Connections = Arc<Mutex<HashMap<u64, TcpStream>>>;
 
 impl StoreServer {
     /// Listens on `bind` (`127.0.0.1:0` picks a free port) and serves the members of the
@@ -213,10 +219,12 @@ impl StoreServer {
             Arc::new(keys.clone()),
         );
         let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let connections: Connections = Arc::default();
+        let open = Arc::clone(&connections);
         std::thread::Builder::new()
             .name("store-accept".into())
             .spawn(move || {
-                for stream in listener.incoming() {
+                for (number, stream) in (0u64..).zip(listener.incoming()) {
                     if accept_stopping.load(Ordering::SeqCst) {
                         break;
                     }
@@ -225,15 +233,26 @@ impl StoreServer {
                         pending.fetch_sub(1, Ordering::SeqCst);
                         continue;
                     }
-                    let (state, keys, stopping, counter) = (
+                    if let Ok(clone) = stream.try_clone() {
+                        open.lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(number, clone);
+                    }
+                    let (state, keys, stopping, counter, open) = (
                         Arc::clone(&accept_state),
                         Arc::clone(&keys),
                         Arc::clone(&accept_stopping),
                         Arc::clone(&pending),
+                        Arc::clone(&open),
                     );
                     let spawned = std::thread::Builder::new()
                         .name("store-client".into())
-                        .spawn(move || serve(stream, &state, &keys, &stopping, &counter));
+                        .spawn(move || {
+                            serve(stream, &state, &keys, &stopping, &counter);
+                            open.lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .remove(&number);
+                        });
                     if spawned.is_err() {
                         // The thread never ran: its handshake is not pending.
                         pending.fetch_sub(1, Ordering::SeqCst);
@@ -244,6 +263,7 @@ impl StoreServer {
             address,
             state,
             stopping,
+            connections,
         })
     }
 
@@ -269,6 +289,14 @@ impl Drop for StoreServer {
         // Wake the accept loop so it sees the flag.
         let _ = TcpStream::connect_timeout(&self.address, Duration::from_millis(200));
         self.state.1.notify_all();
+        for stream in self
+            .connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+        {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 

@@ -192,11 +192,6 @@ pub(crate) fn up(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Resu
         crate::serve::http::check_bind(&settings.host, settings.port)?;
         super::events::warn_if_exposed(&settings.host, settings.api_key.as_deref(), events);
     }
-    if settings.max_restarts > 0 && settings.node.is_some() {
-        bail!(
-            "--max-restarts does not work with --nnodes yet: each node's launcher would restart alone; use --cluster hosts.toml (the launcher restarts every host's ranks) or leave --max-restarts out"
-        );
-    }
     // A supervised run restarts rank processes, even a single one.
     let ranks = layout.world_size() > 1
         || inventory(settings).is_some()
@@ -463,6 +458,15 @@ fn launch(
     if settings.max_restarts > 0 {
         // Rank 0 serves on its host's loopback behind the launcher's front.
         let spec = rank_spec(settings, layout, inventory.is_some(), true);
+        if let Some(node) = settings.node.as_ref().filter(|n| n.node_rank > 0) {
+            spec.check_layout()?;
+            note_node(node, world, events);
+            return super::supervise::nodes::follow(&spec, node, settings.max_restarts, events);
+        }
+        if let Some(node) = &settings.node {
+            spec.check_layout()?;
+            note_node(node, world, events);
+        }
         return super::supervise::ranks::serve(
             &spec,
             &super::supervise::ranks::Supervised {
@@ -484,6 +488,7 @@ fn launch(
                     "dp {} × pp {} × tp {}",
                     layout.degrees.dp, layout.degrees.pp, layout.degrees.tp
                 ),
+                node: settings.node.clone(),
             },
             started,
             events,
@@ -601,9 +606,11 @@ fn rank_spec(
         max_queued_requests: settings.max_queued_requests,
         // A lost replica restarts alone under `--max-restarts` (not with PD: its KV links
         // would need re-linking too).
+        // Nor with `--nnodes`: a replica's ranks may run under another node's launcher.
         replica_restarts: settings.max_restarts > 0
             && layout.degrees.dp > 1
-            && layout.pd_prefill.is_none(),
+            && layout.pd_prefill.is_none()
+            && settings.node.is_none(),
     };
     LaunchSpec {
         degrees: layout.degrees,
@@ -688,6 +695,16 @@ fn start_ranks(
     let Some(node) = &settings.node else {
         return Ok((None, Some(Gang::start(spec, &Job::Serve)?)));
     };
+    Ok((None, Some(start_node(spec, node, world)?)))
+}
+
+/// Starts this node's share of `world` ranks for `infer up --nnodes` (node 0 with the
+/// store at `--master-addr:--master-port`, the others joining it), each rank with its
+/// host's keys derived from the shared secret.
+///
+/// Errors: the store cannot listen (node 0) or be joined (the others), a rank that
+/// cannot start.
+pub(super) fn start_node(spec: &LaunchSpec, node: &NodeSettings, world: usize) -> Result<Gang> {
     let exe = std::env::current_exe().context("cannot find the `infer` executable")?;
     let store = if node.node_rank == 0 {
         super::StoreLocation::Listen(node.master)
@@ -697,17 +714,7 @@ fn start_ranks(
             launcher: node.master,
         }
     };
-    // Every node derives the same keys from the shared secret; node `n` runs its even share
-    // of the ranks (host `n`).
-    let share = world / node.nnodes.max(1);
-    let keys = crate::keyring::Keyring::master(
-        &node.token,
-        crate::keyring::LAUNCHER_HOST,
-        (0..world)
-            .map(|rank| (rank / share.max(1)) as u32)
-            .collect(),
-    )
-    .with_hosts(node.nnodes);
+    let keys = node_keys(node, world);
     let gang = Gang::start_part(
         &super::LocalSpawner { exe },
         spec,
@@ -728,7 +735,19 @@ fn start_ranks(
             "node 0 cannot start its ranks".to_string()
         }
     })?;
-    Ok((None, Some(gang)))
+    Ok(gang)
+}
+
+/// The run's keys as every node of `infer up --nnodes` derives them from the shared
+/// secret: node `n` runs its even share of the `world` ranks (host `n`).
+pub(super) fn node_keys(node: &NodeSettings, world: usize) -> crate::keyring::Keyring {
+    let share = (world / node.nnodes.max(1)).max(1);
+    crate::keyring::Keyring::master(
+        &node.token,
+        crate::keyring::LAUNCHER_HOST,
+        (0..world).map(|rank| (rank / share) as u32).collect(),
+    )
+    .with_hosts(node.nnodes)
 }
 
 /// Serves until told to stop, then drains ([`drain`]).
@@ -798,14 +817,14 @@ pub(super) fn drain(
 
 /// Set by node 0's launcher in the store when it stops (the value: the seconds its drain
 /// may take); the other nodes' launchers then let their ranks exit with rank 0.
-const SHUTDOWN_KEY: &str = "launcher/shutdown";
+pub(super) const SHUTDOWN_KEY: &str = "launcher/shutdown";
 /// Counts the other nodes that have seen [`SHUTDOWN_KEY`].
 const SHUTDOWN_ACK_KEY: &str = "launcher/shutdown/acks";
 
 /// A node other than 0 of `infer up --nnodes`, once serving: watches its ranks until node
 /// 0 stops the gang (its ranks exit with rank 0: a clean stop), a rank fails (the error), or
 /// this node is told to stop (its ranks stop; the others fail with them, as a gang).
-fn follow_node_zero(
+pub(super) fn follow_node_zero(
     gang: &mut Gang,
     node: &NodeSettings,
     is_stopped: &dyn Fn() -> bool,

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 
 use crate::support::cluster::TestCluster;
 use crate::support::llamacpp::{complete, engine_processes, start_llamacpp};
-use crate::support::process::{alive, infer, run_dir_of, signal};
+use crate::support::process::{alive, free_port, infer, run_dir_of, signal};
 use crate::support::server::{Server, metric, retry_after};
 
 /// `GET path`: status, `Retry-After` and body.
@@ -676,4 +676,76 @@ fn a_dp_replica_on_another_host_restarts_alone_through_its_agent() {
         ),
         1.0
     );
+}
+
+/// `--nnodes 2 --max-restarts 1` (torchrun's model, both nodes on this host; PP 2: rank 0
+/// on node 0, rank 1 on node 1): SIGKILL of node 1's rank. Node 0's front answers 503
+/// `restarting`, node 0 opens a new store at the same address and node 1's launcher
+/// (still running) joins that start with a new rank; the server answers as before, and
+/// Ctrl-C on node 0 stops both nodes with exit 0.
+#[test]
+fn a_node_restarts_its_share_with_node_zero_under_nnodes() {
+    use std::process::Stdio;
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let store_port = free_port().to_string();
+    let node_1_dir = tempfile::tempdir().expect("temp dir");
+    let node = |rank: &str| {
+        let mut command = infer();
+        command
+            .args(["up", "--threads", "1", "--nnodes", "2", "--node-rank", rank])
+            .args(["--master-addr", "127.0.0.1", "--master-port", &store_port])
+            .args(["--pp", "2", "--max-restarts", "1"])
+            .env("INFER_RUN_TOKEN", "restart-nnodes-test-secret");
+        if rank == "0" {
+            command.args(["--port", "0"]);
+        }
+        command
+    };
+    let mut second = node("1");
+    second.args([
+        "--run-dir",
+        &node_1_dir.path().join("run").display().to_string(),
+    ]);
+    let joining = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        second
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start node 1")
+    });
+    let mut head = Server::start_command(node("0"));
+    let mut other = joining.join().expect("node 1 started");
+    let body = json!({"prompt": "Hello", "max_tokens": 8, "temperature": 0});
+    let (status, before) = head.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{before}");
+    let node_1_rank = |dir: &Path| -> u32 {
+        let manifest = run_file(dir, "manifest.json");
+        manifest["ranks"][0]["pid"].as_u64().expect("pid") as u32
+    };
+    let first = node_1_rank(&node_1_dir.path().join("run"));
+    signal(first, rustix::process::Signal::KILL);
+    let unavailable = until_serving_again(&head, Duration::from_secs(60));
+    // Node 0 sees its own rank fail with the lost peer (or rank 1's heartbeat stop).
+    assert_first_restart(&unavailable, "rank ");
+    let (status, after) = head.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(after["choices"][0]["text"], before["choices"][0]["text"]);
+    let second = node_1_rank(&node_1_dir.path().join("run"));
+    assert_ne!(second, first);
+    assert!(alive(second) && !alive(first));
+    assert!(
+        node_1_dir.path().join("run/restart-1/rank1.log").exists(),
+        "node 1 kept the failed start's files"
+    );
+    assert!(
+        matches!(other.try_wait(), Ok(None)),
+        "node 1's launcher exited"
+    );
+    let ranks = head.rank_pids();
+    signal(head.child.id(), rustix::process::Signal::INT);
+    let (status, rest) = head.wait_for_gang_exit(&ranks);
+    assert_eq!(status.code(), Some(0), "{}{rest}", head.startup);
+    assert_eq!(other.wait().expect("node 1 exits").code(), Some(0));
+    assert!(!alive(second));
 }

@@ -24,6 +24,7 @@ use super::events::UpEvent;
 use crate::serve::front::{Front, RestartCause};
 
 pub(crate) mod engines;
+pub(crate) mod nodes;
 pub(crate) mod ranks;
 
 /// How long what serves stays stalled (past `--stall-timeout`) before it is restarted: a
@@ -288,7 +289,7 @@ fn retire<S: Started>(
 
 /// The last failure of the `name` (`gang`, `engine`), saying how many restarts came before
 /// it.
-fn gave_up(name: &str, error: anyhow::Error, restarts: usize) -> anyhow::Error {
+pub(super) fn gave_up(name: &str, error: anyhow::Error, restarts: usize) -> anyhow::Error {
     match restarts {
         0 => error,
         n => error.context(format!(
@@ -345,7 +346,7 @@ pub(super) fn first_line(error: &anyhow::Error) -> String {
 /// manifest and outcome, out of the next start's way.
 ///
 /// Errors: `to` cannot be created, a file cannot be moved.
-fn move_files(dir: &Path, to: &Path) -> Result<()> {
+pub(super) fn move_files(dir: &Path, to: &Path) -> Result<()> {
     super::run_dir::private_dir(to).with_context(|| format!("cannot create `{}`", to.display()))?;
     for entry in
         std::fs::read_dir(dir).with_context(|| format!("cannot read `{}`", dir.display()))?

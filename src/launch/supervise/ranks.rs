@@ -35,6 +35,9 @@ pub(crate) struct Supervised<'a> {
     pub cluster: Option<ClusterOptions>,
     /// `dp × pp × tp`, for the ready line.
     pub layout: String,
+    /// Node 0 of `infer up --nnodes` (the other nodes follow its starts:
+    /// [`super::nodes`]).
+    pub node: Option<crate::launch::serving::NodeSettings>,
 }
 
 /// Serves `spec` (rank 0 on loopback, port 0) behind the front until Ctrl-C/SIGTERM, or
@@ -212,7 +215,7 @@ impl Ranks<'_> {
                 let drained = crate::launch::serving::drain(
                     gang,
                     self.settings.shutdown_timeout,
-                    None,
+                    self.settings.node.as_ref(),
                     attempt.signals,
                     events,
                 );
@@ -310,7 +313,18 @@ impl Ranks<'_> {
         if let Some(dir) = attempt.run_dir {
             spec.run_dir = Some(dir.to_path_buf());
         }
-        Gang::start(&spec, &Job::Serve)
+        let Some(node) = &self.settings.node else {
+            return Gang::start(&spec, &Job::Serve);
+        };
+        // Node 0: a new store at the same address each start, which says the start's
+        // number, so that the other nodes join this one and not a store that is gone.
+        let world = spec.degrees.world_size();
+        let mut gang = crate::launch::serving::start_node(&spec, node, world)?;
+        gang.store().set(
+            super::nodes::ROUND_KEY,
+            attempt.restart.to_string().as_bytes(),
+        )?;
+        Ok(gang)
     }
 
     /// Where the front reaches rank 0's server, which published `address`: there, or on
