@@ -3,7 +3,9 @@
 //! HTTP front stays up: 503 with `Retry-After` meanwhile, an error naming the cause for the
 //! requests in flight, `infer_restarts_total{cause}`, the same answers afterwards, and the
 //! run's end, with its cause, once no restart is left. The same for an engine launched with
-//! `--engine llamacpp` (its server killed or stopped, an RPC worker stopped on another host).
+//! `--engine llamacpp` (its server killed or stopped, an RPC worker stopped on another host),
+//! for prefill/decode roles, and for `--nnodes` launches; a DP replica other than rank 0's
+//! restarts alone (here and on another host) while the others serve.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -748,4 +750,41 @@ fn a_node_restarts_its_share_with_node_zero_under_nnodes() {
     assert_eq!(status.code(), Some(0), "{}{rest}", head.startup);
     assert_eq!(other.wait().expect("node 1 exits").code(), Some(0));
     assert!(!alive(second));
+}
+
+/// Prefill/decode disaggregation (`--prefill 1 --decode 1`) with `--max-restarts 1`: SIGKILL
+/// of the decode replica's rank restarts the whole gang (roles are not restarted alone),
+/// and the new gang hands the next request off from prefill to decode as the first did.
+#[test]
+fn a_killed_decode_rank_restarts_the_disaggregated_gang() {
+    let mut command = infer();
+    command.args(["up", "--port", "0", "--threads", "1"]);
+    command.args(["--prefill", "1", "--decode", "1", "--max-restarts", "1"]);
+    let server = Server::start_command(command);
+    let body = json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 8, "temperature": 0});
+    let (status, before) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{before}");
+    let first = manifest_pids(&server);
+    signal(first[1], rustix::process::Signal::KILL);
+    let unavailable = until_serving_again(&server, Duration::from_secs(60));
+    assert_first_restart(&unavailable, "rank ");
+    let (status, after) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(after["choices"][0]["text"], before["choices"][0]["text"]);
+    let metrics = server.metrics();
+    // Rank 0's counters began again with the new gang: one hand-off since.
+    assert_eq!(
+        metric(&metrics, "infer_pd_handoffs_total"),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "infer_restarts_total{cause=\"rank_exited\"}"),
+        1.0
+    );
+    assert!(
+        manifest_pids(&server)
+            .iter()
+            .all(|pid| !first.contains(pid))
+    );
 }
