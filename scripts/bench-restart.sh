@@ -8,7 +8,7 @@
 # llama-server), `llamacpp-stop` (SIGSTOP of llama-server: its `/metrics` silent, a stall);
 # `dp-kill`: `infer up --dp 2 --pp 2`, SIGKILL of rank 3 (replica 1 restarts alone while
 # replica 0 serves: `/health` stays 200, so its times are to replica 1 `restarting` and to
-# every replica `ok` again, and a 503 counts as refused).
+# every replica `ok` again, and a 503 counts as refused; two clients keep both busy).
 # Prints per run the seconds from the fault to the first non-200 `/health` and to `/health`
 # 200 again, the client's requests lost (in flight at the fault, answered with an error)
 # and those refused with 503 while restarting (the client waits 100 ms after each).
@@ -48,16 +48,19 @@ for fault in "${faults[@]}"; do
     up=$!
     for _ in $(seq 1 300); do [ "$(status)" = 200 ] && break; sleep 0.1; done
     # The client: one request after another, each as "SENT_AT STATUS"; after a refusal it
-    # waits 100 ms.
-    (while true; do
-      sent=$(now)
-      code=$(curl -s -m 60 -o /dev/null -w '%{http_code}' "localhost:$port/v1/completions" \
-        -H 'content-type: application/json' \
-        -d '{"prompt": "Hi", "max_tokens": 4, "temperature": 0}' || echo 000)
-      echo "$sent $code"
-      [ "$code" = 200 ] || sleep 0.1
-    done >"$dir/client") &
-    client=$!
+    # waits 100 ms. Two of them for DP 2, so that both replicas have work.
+    clients=()
+    for _ in $(seq 1 "$([ "$fault" = dp-kill ] && echo 2 || echo 1)"); do
+      (while true; do
+        sent=$(now)
+        code=$(curl -s -m 60 -o /dev/null -w '%{http_code}' "localhost:$port/v1/completions" \
+          -H 'content-type: application/json' \
+          -d '{"prompt": "Hi", "max_tokens": 4, "temperature": 0}' || echo 000)
+        echo "$sent $code"
+        [ "$code" = 200 ] || sleep 0.1
+      done >>"$dir/client") &
+      clients+=($!)
+    done
     sleep 1
     start=$(now)
     pid_of() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))$1)" "$dir/run/manifest.json"; }
@@ -86,8 +89,8 @@ for fault in "${faults[@]}"; do
     fi
     again=$(now)
     sleep 1
-    kill "$client" 2>/dev/null || true
-    wait "$client" 2>/dev/null || true
+    kill "${clients[@]}" 2>/dev/null || true
+    wait "${clients[@]}" 2>/dev/null || true
     # Lost: sent before the server turned unhealthy, and failed (in flight at the fault).
     # Refused: sent while it restarted, answered 503 at once.
     lost=$(awk -v t="$down" '$1 < t && $2 != 200' "$dir/client" | wc -l)
