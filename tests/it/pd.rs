@@ -8,7 +8,7 @@
 use serde_json::{Value, json};
 
 use crate::support::model::{KV_BYTES_PER_TOKEN, QUESTIONS, SMOLLM2_LAYERS, SYSTEM};
-use crate::support::process::{free_port, infer, run, signal};
+use crate::support::process::{free_port, infer, nnodes_up, run, signal};
 use crate::support::server::{
     Server, bench_serve_stdout, bench_serve_tokens, generate_counting, metric, run_openai_client,
 };
@@ -334,18 +334,7 @@ fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
     use std::process::Stdio;
     infer::model::default::ensure(&mut |_| {}).expect("model");
     let store_port = free_port().to_string();
-    let node = |rank: &str| {
-        let mut command = infer();
-        command
-            .args(["up", "--threads", "1", "--nnodes", "2", "--node-rank", rank])
-            .args(["--master-addr", "127.0.0.1", "--master-port", &store_port])
-            .args(["--prefill", "1", "--decode", "1"])
-            .env("INFER_RUN_TOKEN", "pd-nnodes-test-secret");
-        if rank == "0" {
-            command.args(["--port", "0"]);
-        }
-        command
-    };
+    let node = |rank: &str| nnodes_up(rank, &store_port, &["--prefill", "1", "--decode", "1"]);
     // Node 0 first (it hosts the store); node 1 joins half a second later.
     let mut second = node("1");
     let joining = std::thread::spawn(move || {

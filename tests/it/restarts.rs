@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use crate::support::cluster::TestCluster;
 use crate::support::llamacpp::{complete, engine_processes, start_llamacpp};
-use crate::support::process::{alive, free_port, infer, run_dir_of, signal};
+use crate::support::process::{alive, free_port, infer, nnodes_up, run_dir_of, signal};
 use crate::support::server::{Server, metric, retry_after};
 
 /// `GET path`: status, `Retry-After` and body.
@@ -691,18 +691,7 @@ fn a_node_restarts_its_share_with_node_zero_under_nnodes() {
     infer::model::default::ensure(&mut |_| {}).expect("model");
     let store_port = free_port().to_string();
     let node_1_dir = tempfile::tempdir().expect("temp dir");
-    let node = |rank: &str| {
-        let mut command = infer();
-        command
-            .args(["up", "--threads", "1", "--nnodes", "2", "--node-rank", rank])
-            .args(["--master-addr", "127.0.0.1", "--master-port", &store_port])
-            .args(["--pp", "2", "--max-restarts", "1"])
-            .env("INFER_RUN_TOKEN", "restart-nnodes-test-secret");
-        if rank == "0" {
-            command.args(["--port", "0"]);
-        }
-        command
-    };
+    let node = |rank: &str| nnodes_up(rank, &store_port, &["--pp", "2", "--max-restarts", "1"]);
     let mut second = node("1");
     second.args([
         "--run-dir",

@@ -142,3 +142,19 @@ pub fn free_port() -> u16 {
         .expect("a free port")
         .port()
 }
+
+/// `infer up` as node `rank` of a two-node `--nnodes` launch on this host (node 0's store
+/// on 127.0.0.1:`store_port`, one thread a rank, the shared secret set; node 0 serves on a
+/// free port), with `layout`'s flags.
+pub fn nnodes_up(rank: &str, store_port: &str, layout: &[&str]) -> Command {
+    let mut command = infer();
+    command
+        .args(["up", "--threads", "1", "--nnodes", "2", "--node-rank", rank])
+        .args(["--master-addr", "127.0.0.1", "--master-port", store_port])
+        .args(layout)
+        .env("INFER_RUN_TOKEN", "nnodes-test-secret-of-enough-length");
+    if rank == "0" {
+        command.args(["--port", "0"]);
+    }
+    command
+}
