@@ -520,6 +520,17 @@ pub struct PlanArgs {
     #[arg(long, value_name = "FILE")]
     pub calibration: Vec<PathBuf>,
 
+    /// With an inventory of `cpu-ranks` hosts: probe each host's own CPU over SSH (its
+    /// cores, memory, memory bandwidth and compute, measured there by its agent) instead of
+    /// taking this host's to stand for them.
+    #[arg(long)]
+    pub probe_hosts: bool,
+
+    /// With `--probe-hosts`: trust and record the key of a host that has no key in
+    /// `known_hosts` yet.
+    #[arg(long, requires = "probe_hosts")]
+    pub ssh_accept_new: bool,
+
     /// Write one run script per node into DIR (`node0-HOST.sh`, …) and a `launch.json`, for
     /// `--engine` (default: `infer`'s own engine, `infer up --nnodes` on every node).
     #[arg(long, value_name = "DIR")]

@@ -205,6 +205,7 @@ impl Agent {
             }
             ToAgent::Run { .. } | ToAgent::Heartbeat | ToAgent::Shutdown => {}
             ToAgent::Doctor => self.doctor(),
+            ToAgent::ProbeCpu => self.probe_cpu(),
             ToAgent::Listen {
                 bind,
                 secret,
@@ -344,6 +345,22 @@ impl Agent {
                 }
             };
             send(&output, &FromAgent::Findings { findings });
+        });
+    }
+
+    /// Probes this host's CPU on a thread of its own (a fraction of a second of every core)
+    /// and answers with [`FromAgent::Cpu`], or an error.
+    fn probe_cpu(&self) {
+        let output = Arc::clone(&self.output);
+        std::thread::spawn(move || {
+            let frame = match crate::topology::cpu::probe_cpu() {
+                Ok(profile) => FromAgent::Cpu { profile },
+                Err(error) => FromAgent::Error {
+                    rank: None,
+                    message: format!("cannot probe the CPU: {error:#}"),
+                },
+            };
+            send(&output, &frame);
         });
     }
 

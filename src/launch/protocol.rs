@@ -90,6 +90,9 @@ pub(crate) enum ToAgent {
     Shutdown,
     /// Run `infer doctor`'s live checks of this host; answered by [`FromAgent::Findings`].
     Doctor,
+    /// Probe this host's CPU (cores, memory, bandwidth, compute) for the planner; answered by
+    /// [`FromAgent::Cpu`].
+    ProbeCpu,
     /// Listen on `bind` (`ip:0`) for the doctor's probes as host `host` of a survey whose
     /// probes prove `secret` ([`crate::launch::probes`]): a reachability probe gets back the
     /// source address it came from; a bandwidth probe may send at most `max_stream_bytes`.
@@ -206,6 +209,10 @@ pub(crate) enum FromAgent {
     /// This host's live doctor findings.
     Findings {
         findings: Vec<crate::doctor::WireFinding>,
+    },
+    /// This host's CPU, probed there.
+    Cpu {
+        profile: crate::topology::CpuProfile,
     },
     /// The reachability listener's address.
     Listening { address: String },

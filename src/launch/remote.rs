@@ -83,6 +83,8 @@ struct HostState {
     errors: Vec<String>,
     /// Answers to the doctor's requests.
     findings: Option<Vec<crate::doctor::WireFinding>>,
+    /// The answer to [`ToAgent::ProbeCpu`].
+    cpu: Option<crate::topology::CpuProfile>,
     listening: Option<String>,
     reached: Option<Vec<super::protocol::ReachResult>>,
     streamed: Option<(Option<f64>, Option<String>)>,
@@ -406,6 +408,15 @@ impl RemoteCluster {
         host.wait_for(Duration::from_secs(30), "its live checks", |s| {
             s.findings.take()
         })
+    }
+
+    /// Host `index`'s CPU, probed there.
+    ///
+    /// Errors: the host is lost, the probe fails, or it does not answer within 30 s.
+    pub(crate) fn cpu_profile(&self, index: usize) -> Result<crate::topology::CpuProfile> {
+        let host = &self.hosts[index];
+        host.send(ToAgent::ProbeCpu)?;
+        host.wait_for(Duration::from_secs(30), "its CPU probe", |s| s.cpu.take())
     }
 
     /// Asks host `index` to listen for the doctor's probes on `bind`, as host `index` of the
@@ -1338,6 +1349,7 @@ fn apply(state: &Mutex<HostState>, frame: FromAgent) {
     match frame {
         FromAgent::Hello(_) | FromAgent::Alive => {}
         FromAgent::Findings { findings } => state.findings = Some(findings),
+        FromAgent::Cpu { profile } => state.cpu = Some(profile),
         FromAgent::Listening { address } => state.listening = Some(address),
         FromAgent::Reached { results } => state.reached = Some(results),
         FromAgent::Streamed { secs, error } => state.streamed = Some((secs, error)),

@@ -566,6 +566,41 @@ fn allreduce_probe(
 /// as failures, the others still answer.
 ///
 /// Errors: an unreadable inventory, the SSH runtime cannot start.
+/// Every host's CPU of `inventory`, probed there over SSH by its agent: (host name,
+/// profile), in inventory order, each profile's `source` naming its host.
+///
+/// Errors: an unreadable inventory, a host that cannot be reached or probed (named).
+pub(crate) fn probe_cpus(
+    inventory: &Path,
+    ssh: SshOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Vec<(String, crate::topology::CpuProfile)>> {
+    let (_, _, mut remote, failures) = connect_to_probe(inventory, ssh, progress)?;
+    if let Some(failure) = failures.first() {
+        remote.shutdown();
+        anyhow::bail!(
+            "cannot probe host `{}`'s CPU ({}): {}",
+            failure.host,
+            failure.stage,
+            failure.message
+        );
+    }
+    let probed: Result<Vec<_>> = (0..remote.hosts.len())
+        .map(|index| {
+            let name = remote.hosts[index].name.clone();
+            let mut profile = remote
+                .cpu_profile(index)
+                .with_context(|| format!("cannot probe host `{name}`'s CPU"))?;
+            profile.source = profile
+                .source
+                .replace("on this host", &format!("on `{name}` over SSH"));
+            Ok((name, profile))
+        })
+        .collect();
+    remote.shutdown();
+    probed
+}
+
 pub(crate) fn probe_topologies(
     inventory: &Path,
     ssh: SshOptions,

@@ -233,6 +233,30 @@ impl Cluster {
     }
 }
 
+/// Gives each CPU-rank host of `cluster` its own CPU, as probed on it (`probed`: host name
+/// and profile, e.g. by `infer plan --probe-hosts`), instead of the one it was read with.
+///
+/// Errors: a CPU-rank host that `probed` does not name.
+pub(crate) fn use_probed_cpus(
+    cluster: &mut Cluster,
+    probed: &[(String, CpuProfile)],
+) -> Result<()> {
+    for host in &mut cluster.hosts {
+        let Some(cpu) = &host.cpu else { continue };
+        let Some((_, profile)) = probed.iter().find(|(name, _)| *name == host.name) else {
+            bail!("host `{}` runs CPU ranks and was not probed", host.name);
+        };
+        *host = ClusterHost::cpu(
+            host.name.clone(),
+            host.address.clone(),
+            profile.clone(),
+            cpu.max_ranks,
+            host.topology.clone(),
+        );
+    }
+    Ok(())
+}
+
 /// Adds `measurement` (read from the file `name`) to `cluster`: a link fills its scope's slot; a
 /// decode measurement replaces the HBM bandwidth of every host with the measured GPU model, or
 /// on a CPU cluster the memory bandwidth (and, when the report has it, the compute rate) of

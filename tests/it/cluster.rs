@@ -1968,3 +1968,50 @@ fn kv_inbox_in(log: &str) -> String {
         .unwrap_or_else(|| panic!("no inbox address in the decode rank's log:\n{log}"))
         .to_string()
 }
+
+/// `infer plan --probe-hosts` on an inventory of CPU-rank hosts (namespaces with their own
+/// sshd): each host's CPU is probed there by its agent, and the plan names each probe's
+/// host instead of standing this host's CPU in for theirs. Without an inventory the flag is
+/// refused with the fix. See: #40
+#[test]
+fn plan_probes_each_cpu_rank_hosts_own_cpu_over_ssh() {
+    let Some(cluster) = TestCluster::start(2, 1) else {
+        return;
+    };
+    cluster.trust_hosts();
+    let inventory = cluster.inventory.display().to_string();
+    let args = ["plan", "--cluster", &inventory, "--probe-hosts", "--json"];
+    let output = run(&[&args[..], &["--dp", "2"]].concat());
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let plan: Value = serde_json::from_slice(&output.stdout).expect("plan JSON");
+    let explain: Vec<&str> = plan["explain"]
+        .as_array()
+        .expect("explain")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    for host in ["h0", "h1"] {
+        assert!(
+            explain
+                .iter()
+                .any(|l| l.contains(&format!("probed on `{host}` over SSH"))),
+            "{explain:#?}"
+        );
+    }
+    assert!(
+        !explain.iter().any(|l| l.contains("this host's CPU")),
+        "{explain:#?}"
+    );
+    let refused = run(&["plan", "--cluster", "2x8xh100-sxm", "--probe-hosts"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("give `--cluster hosts.toml`"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}

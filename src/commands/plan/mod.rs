@@ -42,6 +42,10 @@ pub(crate) fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
 /// fit the cluster.
 fn calibrated_cluster(args: &PlanArgs) -> Result<crate::plan::cluster::Cluster> {
     let mut cluster = inventory::load(&args.settings.cluster, &args.sysfs_root)?;
+    if args.probe_hosts {
+        let probed = probe_hosts(&args.settings.cluster, args.ssh_accept_new)?;
+        crate::plan::cluster::use_probed_cpus(&mut cluster, &probed)?;
+    }
     for path in &args.calibration {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read the calibration `{}`", path.display()))?;
@@ -53,6 +57,24 @@ fn calibrated_cluster(args: &PlanArgs) -> Result<crate::plan::cluster::Cluster> 
         crate::plan::cluster::calibrate(&mut cluster, &name, measured)?;
     }
     Ok(cluster)
+}
+
+/// `--probe-hosts`: every host's CPU of the inventory `cluster`, probed there over SSH.
+/// Errors: `cluster` is not an inventory file, a host that cannot be reached or probed.
+fn probe_hosts(
+    cluster: &str,
+    accept_new: bool,
+) -> Result<Vec<(String, crate::topology::CpuProfile)>> {
+    if !inventory::is_inventory(cluster) {
+        anyhow::bail!(
+            "--probe-hosts probes the hosts of an inventory; `--cluster {cluster}` is not one (give `--cluster hosts.toml`)"
+        );
+    }
+    crate::launch::survey::probe_cpus(
+        std::path::Path::new(cluster),
+        crate::launch::ssh::SshOptions { accept_new },
+        &mut |_| {},
+    )
 }
 
 /// The engine's launch for a feasible plan with `--engine` (or `--emit`), `None` without
