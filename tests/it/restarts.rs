@@ -777,3 +777,82 @@ fn a_killed_decode_rank_restarts_the_disaggregated_gang() {
             .all(|pid| !first.contains(pid))
     );
 }
+
+/// DP 2 with replica 1's rank stuck in its third step (the tests' fault; the restart runs
+/// clean), `--stall-timeout 2 --max-restarts 1`: `/health` stays 200 naming replica 1
+/// stalled, then restarting, while replica 0 answers; 5 s past the timeout replica 1 alone
+/// is restarted (rank 0 the same process) and every replica is `ok` again.
+#[test]
+fn a_stalled_dp_replica_restarts_alone_after_the_grace() {
+    let mut command = infer();
+    command
+        .env("INFER_TEST_FAULT", "stall:rank=1:step=3")
+        .args(["up", "--port", "0", "--threads", "1", "--dp", "2"])
+        .args(["--stall-timeout", "2", "--max-restarts", "1"]);
+    let server = Server::start_command(command);
+    let first = manifest_pids(&server);
+    let body = json!({"prompt": "Hello", "max_tokens": 8, "temperature": 0});
+    // Two at once: one of them runs on replica 1 and meets the stall.
+    let stuck = {
+        let (url, body) = (format!("{}/v1/completions", server.url), body.clone());
+        std::thread::spawn(move || {
+            let both = [body.clone(), body];
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = both
+                    .iter()
+                    .map(|b| {
+                        let url = url.clone();
+                        scope.spawn(move || {
+                            ureq::post(&url)
+                                .config()
+                                .http_status_as_error(false)
+                                .build()
+                                .send_json(b)
+                                .map(|r| r.status().as_u16())
+                                .unwrap_or(0)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("client"))
+                    .collect::<Vec<u16>>()
+            })
+        })
+    };
+    let began = Instant::now();
+    let mut stalled_seen = false;
+    loop {
+        let (status, text) = server.get("/health");
+        assert_eq!(status, 200, "{text}");
+        let health: Value = serde_json::from_str(&text).expect("JSON");
+        stalled_seen |= health["replicas"][1]["status"] == "stalled";
+        if stalled_seen && health["status"] == "ok" {
+            break;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(60),
+            "replica 1 did not stall and come back: {text}\n{}",
+            server.stderr_so_far()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        began.elapsed() >= Duration::from_secs(2 + 5),
+        "restarted before --stall-timeout + the grace"
+    );
+    let statuses = stuck.join().expect("clients");
+    assert!(statuses.contains(&200), "{statuses:?}");
+    let second = manifest_pids(&server);
+    assert_eq!(second[0], first[0], "rank 0 was restarted");
+    assert_ne!(second[1], first[1]);
+    let replies = server.post_all("/v1/completions", &[body.clone(), body.clone()]);
+    assert!(
+        replies.iter().all(|(status, _)| *status == 200),
+        "{replies:?}"
+    );
+    assert_eq!(
+        metric(&server.metrics(), "infer_restarts_total{cause=\"stalled\"}"),
+        1.0
+    );
+}
