@@ -1,5 +1,5 @@
 //! Rank 0's links to the other DP replicas' drivers, as the [`Router`](super::router::Router)
-//! holds them: one authenticated TCP connection each ([`super::router`]'s frames). A lost
+//! holds them: one authenticated TCP connection each ([`super::router`](mod@super::router)'s frames). A lost
 //! link fails the server, or, when the launcher restarts a replica alone
 //! (`--max-restarts` with `--dp`: [`Rejoin`]), marks the replica down (its requests in
 //! flight get an error naming the cause, the router sends it nothing, `/health` names it
