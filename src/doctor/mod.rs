@@ -4,6 +4,7 @@
 
 pub mod checks;
 pub(crate) mod evidence;
+pub(crate) mod gather;
 pub mod nccl_log;
 
 use comfy_table::Table;

@@ -57,6 +57,36 @@ pub fn hardware(id: &str) -> Result<HardwareSpec> {
     toml::from_str(text).with_context(|| format!("hardware profile `{id}` is malformed"))
 }
 
+/// The cluster `cluster` names ([`load`]), each CPU-rank host with its own CPU as
+/// `probed` on it (`--probe-hosts`: host name and profile; empty: none), then every
+/// calibration file's measurements (`--calibration`: `infer bench allreduce --json` or
+/// `infer bench decode --json`) applied in order.
+///
+/// Errors: [`load`]'s, a CPU-rank host `probed` does not name, a calibration that cannot be
+/// read or parsed or does not fit the cluster.
+pub fn load_calibrated(
+    cluster: &str,
+    sysfs_root: &Path,
+    probed: &[(String, crate::topology::CpuProfile)],
+    calibrations: &[PathBuf],
+) -> Result<Cluster> {
+    let mut cluster = load(cluster, sysfs_root)?;
+    if !probed.is_empty() {
+        crate::plan::cluster::use_probed_cpus(&mut cluster, probed)?;
+    }
+    for path in calibrations {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the calibration `{}`", path.display()))?;
+        let name = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        let measured = crate::plan::calibration::parse(&name, &text)?;
+        crate::plan::cluster::calibrate(&mut cluster, &name, measured)?;
+    }
+    Ok(cluster)
+}
+
 /// Resolves `--cluster`.
 ///
 /// Errors: a shorthand with an unknown profile or zero counts, an unreadable or malformed

@@ -30,6 +30,7 @@ pub(crate) mod ssh;
 pub(crate) mod ssh_config;
 pub(crate) mod supervise;
 pub(crate) mod survey;
+pub(crate) mod up_settings;
 
 pub use gang::{GRACE_PERIOD, Gang, HEARTBEAT_TIMEOUT, Progress, run_generation};
 pub use process::{Executed, find_program, run_program, start_process};

@@ -12,161 +12,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use super::events::{UpEvent, watch_signals};
+use super::up_settings::{NodeSettings, UpSettings};
 use super::{Gang, LaunchSpec, Progress};
-use crate::degrees::{DegreePins, Degrees};
+use crate::degrees::Degrees;
 use crate::model;
-use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::rank_env::{HostEnv, ServingEnv};
 use crate::runtime::exec::worker::Job;
 use crate::serve::http::OneProcessEvent;
-
-/// Everything `infer up` was asked for, validated (no clap types).
-#[derive(Clone, Debug)]
-pub(crate) struct UpSettings {
-    /// The weights (a `.gguf` file or a model directory, or random weights of a shape).
-    pub model: crate::runtime::model::source::ModelSource,
-    /// The id `/v1/models` lists.
-    pub model_id: String,
-    /// Longest prompt plus completion, tokens (`--max-model-len`; `None`: the model's
-    /// context).
-    pub max_model_len: Option<usize>,
-    /// After Ctrl-C, how long requests in flight may finish before they are cancelled
-    /// (`--shutdown-timeout`).
-    pub shutdown_timeout: Duration,
-    /// A replica with work and no progress for longer is stalled (`--stall-timeout`).
-    pub stall_timeout: Duration,
-    /// Requests that may wait beyond those running before new ones get 503
-    /// (`--max-queued-requests`; `None`: no bound).
-    pub max_queued_requests: Option<usize>,
-    /// Restarts of the gang after a failure, with the HTTP front kept up
-    /// (`--max-restarts`; 0: the run ends at the first failure).
-    pub max_restarts: usize,
-    /// Pinned degrees (`--tp/--pp/--dp/--ep`).
-    pub pins: DegreePins,
-    /// A saved plan (`infer plan --json`).
-    pub plan: Option<PathBuf>,
-    /// `--cluster`: `local`, a shorthand, or an inventory file.
-    pub cluster: Option<String>,
-    pub host: String,
-    pub port: u16,
-    /// Threads per rank (0: the host's cores over its ranks).
-    pub threads: usize,
-    pub numerics: Numerics,
-    /// Most sequences running at once and tokens per step, on every replica.
-    pub limits: crate::serve::scheduler::Limits,
-    pub kv_cache_tokens: usize,
-    /// Whether replicas reuse cached prompt prefixes (`--no-prefix-cache` turns it off).
-    pub prefix_cache: bool,
-    /// Prefill/decode disaggregation: the first this many of the `dp` replicas prefill,
-    /// the others decode (`INFER_PD_PREFILL`).
-    pub pd_prefill: Option<usize>,
-    pub api_key: Option<String>,
-    /// `/metrics` requires the API key too (`--protect-metrics`).
-    pub protect_metrics: bool,
-    pub ssh: super::ssh::SshOptions,
-    pub push_model: bool,
-    /// The run directory (`--run-dir`); `None`: a new one under the cache's `runs/`.
-    pub run_dir: Option<PathBuf>,
-    /// This process is one node of a multi-node launch (`--nnodes`).
-    pub node: Option<NodeSettings>,
-    /// `--device cuda`: the model on this host's GPU (one process; ranks on GPUs are not
-    /// built).
-    pub gpu: Option<crate::serve::http::GpuSettings>,
-}
-
-/// The shortest `INFER_RUN_TOKEN` an `--nnodes` launch accepts: 16 characters (a random
-/// hex string of 16 is 64 bits; `openssl rand -hex 16` gives 128).
-const MIN_TOKEN_BYTES: usize = 16;
-
-/// One node of a launch whose nodes each run `infer up --nnodes N --node-rank R`
-/// (torchrun's model: no SSH; a scheduler, pdsh or the user starts every node).
-#[derive(Clone, Debug)]
-pub(crate) struct NodeSettings {
-    pub nnodes: usize,
-    pub node_rank: usize,
-    /// Node 0's store, as every node reaches it (`MASTER_ADDR:MASTER_PORT`).
-    pub master: SocketAddr,
-    /// Where this node's ranks' collectives listen (`INFER_BIND_ADDR`).
-    pub bind_addr: std::net::IpAddr,
-    /// The secret every node shares (`INFER_RUN_TOKEN`).
-    pub token: String,
-}
-
-impl NodeSettings {
-    /// The ranks this node runs out of `world`: its consecutive, even share.
-    pub(crate) fn ranks(&self, world: usize) -> std::ops::Range<usize> {
-        let share = world / self.nnodes;
-        self.node_rank * share..(self.node_rank + 1) * share
-    }
-
-    /// The node's settings from its flags: `master_addr` resolved (IPv4 first), the bind
-    /// address found from the route to it when not given.
-    ///
-    /// Errors: `node_rank` ≥ `nnodes`, a master address that does not resolve, no route to
-    /// it, a token that is missing or empty.
-    pub(crate) fn resolve(
-        nnodes: usize,
-        node_rank: usize,
-        master_addr: &str,
-        master_port: u16,
-        bind_addr: Option<std::net::IpAddr>,
-        token: Option<String>,
-    ) -> Result<NodeSettings> {
-        use std::net::ToSocketAddrs;
-        if nnodes == 0 || node_rank >= nnodes {
-            bail!(
-                "--node-rank must be 0 to --nnodes − 1 ({}), got {node_rank}",
-                nnodes.saturating_sub(1)
-            );
-        }
-        let token = token.filter(|t| !t.is_empty()).with_context(|| {
-            format!(
-                "--nnodes: set `{}` to one secret shared by every node (e.g. `openssl rand -hex 16`): node 0's store admits only ranks that present it",
-                crate::envvars::RUN_TOKEN
-            )
-        })?;
-        if token.len() < MIN_TOKEN_BYTES {
-            bail!(
-                "--nnodes: `{}` is {} characters; a secret that guards the run needs at least {MIN_TOKEN_BYTES} (e.g. `openssl rand -hex 16`)",
-                crate::envvars::RUN_TOKEN,
-                token.len()
-            );
-        }
-        let addresses: Vec<SocketAddr> = (master_addr, master_port)
-            .to_socket_addrs()
-            .with_context(|| format!("--master-addr `{master_addr}` does not resolve"))?
-            .collect();
-        let master = addresses
-            .iter()
-            .find(|a| a.is_ipv4())
-            .or_else(|| addresses.first())
-            .copied()
-            .with_context(|| format!("--master-addr `{master_addr}` has no address"))?;
-        let bind_addr = match bind_addr {
-            Some(address) => address,
-            None => {
-                // The source address of the route to node 0 (no packet is sent).
-                let probe = std::net::UdpSocket::bind(if master.is_ipv4() {
-                    "0.0.0.0:0"
-                } else {
-                    "[::]:0"
-                })
-                .context("cannot open a socket to find this node's address")?;
-                probe.connect(master).with_context(|| {
-                    format!("no route from this host to --master-addr {master}: give --bind-addr")
-                })?;
-                probe.local_addr()?.ip()
-            }
-        };
-        Ok(NodeSettings {
-            nnodes,
-            node_rank,
-            master,
-            bind_addr,
-            token,
-        })
-    }
-}
 
 /// Serves until Ctrl-C or SIGTERM (then returns `Ok`), or until a rank fails.
 ///
@@ -263,25 +115,16 @@ impl Layout {
     }
 }
 
-/// The layout from `--tp/--pp/--dp/--ep`, a saved `--plan`, or a plan made for `--cluster`.
+/// The layout from `--tp/--pp/--dp/--ep`, a saved `--plan`, or a plan made for `--cluster`
+/// (one of them: [`super::up_settings::layout`] checked).
 ///
-/// Errors: both ways given, a degree of 0, an unreadable or malformed plan, an infeasible
+/// Errors: a degree of 0, an unreadable or malformed plan, an infeasible
 /// plan, a plan file spanning several hosts (their inventory is needed), `--ep` other than
 /// 1 or `--tp`.
 fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Result<Layout> {
     let args = settings;
     let pinned = args.pins.any();
-    if let Some(cluster) = &settings.cluster
-        && (cluster.ends_with(".toml") || cluster.contains('/'))
-        && !std::path::Path::new(cluster).is_file()
-    {
-        bail!("the inventory `{cluster}` does not exist (or is not a file)");
-    }
     let inventory = inventory(settings);
-    let from_plan = args.plan.is_some() || (args.cluster.is_some() && inventory.is_none());
-    if from_plan && pinned {
-        bail!("give the layout either with --plan/--cluster or with --tp/--pp/--dp/--ep, not both");
-    }
     let layout = if let Some(file) = inventory.as_ref().filter(|_| !pinned) {
         // An inventory without pinned degrees: the plan for its hosts (their GPUs, or the
         // CPU ranks they take), each rank on the host the plan put it on.

@@ -21,7 +21,11 @@ pub(super) fn distributed(
     device: Option<&(crate::runtime::exec::kernel_executor::KernelDevice, usize)>,
     printer: &Printer,
 ) -> Result<ExitStatus> {
-    let (tokenizer, context) = tokenizer_and_context(source)?;
+    // The tokenizer and the context, without loading the weights here.
+    if let Some(path) = source.path() {
+        super::super::require_gguf_for_ranks(path)?;
+    }
+    let (tokenizer, context) = source.tokenizer_and_context()?;
     let prompt = rank_prompt(args, &tokenizer)?;
     let prompt_tokens = tokenizer.encode(&prompt, true)?;
     if let Some(context) = context {
@@ -54,27 +58,6 @@ pub(super) fn distributed(
     Ok(ExitStatus::Success)
 }
 
-/// The model's tokenizer and its context in tokens (if the file gives one), without
-/// loading the weights here. Errors: a file the ranks cannot load (not GGUF), or a header
-/// or tokenizer that does not read.
-fn tokenizer_and_context(
-    source: &ModelSource,
-) -> Result<(crate::runtime::model::tokenizer::Tokenizer, Option<usize>)> {
-    use crate::runtime::formats::gguf::Header;
-    use crate::runtime::model::tokenizer::Tokenizer;
-    // The tokenizer and the context, without loading the weights here.
-    Ok(match source {
-        ModelSource::File(path) => {
-            super::super::require_gguf_for_ranks(path)?;
-            let header = Header::read_file(path)?;
-            let arch = header.str("general.architecture")?;
-            let context = header.u64(&format!("{arch}.context_length")).ok();
-            (Tokenizer::from_gguf(&header)?, context.map(|c| c as usize))
-        }
-        ModelSource::Dummy(dummy) => (dummy.tokenizer()?, Some(dummy.max_context_tokens)),
-    })
-}
-
 /// The prompt text the ranks tokenize: `--prompt` as it is, or with `--chat` rendered
 /// through the model's chat template as one user message. Errors: `--chat` with a model
 /// that has no chat template, or a template that does not render.
@@ -82,25 +65,15 @@ fn rank_prompt(
     args: &GenerateArgs,
     tokenizer: &crate::runtime::model::tokenizer::Tokenizer,
 ) -> Result<String> {
-    Ok(if args.chat {
-        let template = tokenizer
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| anyhow::anyhow!("the model has no chat template"))?;
-        let token = |id: Option<u32>| id.and_then(|i| tokenizer.token(i)).unwrap_or_default();
-        crate::runtime::model::chat::render(
-            template,
-            &[ChatMessage {
-                role: "user".into(),
-                content: args.prompt.clone(),
-            }],
-            true,
-            &token(tokenizer.bos_id),
-            &token(tokenizer.eos_ids.first().copied()),
-        )?
-    } else {
-        args.prompt.clone()
-    })
+    if !args.chat {
+        return Ok(args.prompt.clone());
+    }
+    let messages = [ChatMessage {
+        role: "user".into(),
+        content: args.prompt.clone(),
+    }];
+    crate::runtime::model::chat::render_for(tokenizer, &messages)?
+        .ok_or_else(|| anyhow::anyhow!("the model has no chat template"))
 }
 
 /// The gang of `--tp × --pp` ranks: threads per rank (0: this host's cores over its ranks,

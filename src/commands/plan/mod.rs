@@ -1,7 +1,7 @@
 //! `infer plan`: load the model spec and the cluster (the I/O edge), run the pure planner,
 //! print the plan or the reason it is infeasible.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
 use crate::cli::PlanArgs;
 use crate::plan::{Outcome, plan, render};
@@ -17,7 +17,16 @@ pub(crate) use settings::settings;
 pub(crate) fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let settings = settings(&args.settings)?;
     // Every argument is checked before the default model is fetched (93 MB on first use).
-    let cluster = calibrated_cluster(args)?;
+    let probed = match args.probe_hosts {
+        true => probe_hosts(&args.settings.cluster, args.ssh_accept_new)?,
+        false => Vec::new(),
+    };
+    let cluster = inventory::load_calibrated(
+        &args.settings.cluster,
+        &args.sysfs_root,
+        &probed,
+        &args.calibration,
+    )?;
     let spec = model::spec(args.model.as_deref(), &mut |line| printer.note(line))?;
     match plan(&spec, &cluster, &settings) {
         Outcome::Feasible(plan) => {
@@ -35,28 +44,6 @@ pub(crate) fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
             Ok(ExitStatus::No)
         }
     }
-}
-
-/// The cluster `--cluster` names, with every `--calibration` file's measurements applied.
-/// Errors: an unreadable cluster, a calibration that cannot be read or parsed or does not
-/// fit the cluster.
-fn calibrated_cluster(args: &PlanArgs) -> Result<crate::plan::cluster::Cluster> {
-    let mut cluster = inventory::load(&args.settings.cluster, &args.sysfs_root)?;
-    if args.probe_hosts {
-        let probed = probe_hosts(&args.settings.cluster, args.ssh_accept_new)?;
-        crate::plan::cluster::use_probed_cpus(&mut cluster, &probed)?;
-    }
-    for path in &args.calibration {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the calibration `{}`", path.display()))?;
-        let name = path.file_name().map_or_else(
-            || path.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        );
-        let measured = crate::plan::calibration::parse(&name, &text)?;
-        crate::plan::cluster::calibrate(&mut cluster, &name, measured)?;
-    }
-    Ok(cluster)
 }
 
 /// `--probe-hosts`: every host's CPU of the inventory `cluster`, probed there over SSH.

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::launch::events::{UpEvent, watch_signals};
-use crate::launch::serving::{NodeSettings, follow_node_zero, node_keys, start_node};
+use crate::launch::serving::{follow_node_zero, node_keys, start_node};
+use crate::launch::up_settings::NodeSettings;
 use crate::launch::{LaunchSpec, Progress};
 
 /// Where node 0's launcher writes the number of the gang's start (0 for the first) in each

@@ -37,7 +37,7 @@ pub(crate) struct Supervised<'a> {
     pub layout: String,
     /// Node 0 of `infer up --nnodes` (the other nodes follow its starts:
     /// [`super::nodes`]).
-    pub node: Option<crate::launch::serving::NodeSettings>,
+    pub node: Option<crate::launch::up_settings::NodeSettings>,
 }
 
 /// Serves `spec` (rank 0 on loopback, port 0) behind the front until Ctrl-C/SIGTERM, or

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, first_step_cache, sample};
 pub use crate::runtime::exec::executor::{FinishReason, Generation, Timings};
-use crate::runtime::model::chat::{ChatMessage, render};
+use crate::runtime::model::chat::{ChatMessage, render_for};
 use crate::runtime::model::kv::KvCache;
 use crate::runtime::model::kv::KvPool;
 use crate::runtime::model::llama::Llama;
@@ -87,18 +87,8 @@ impl Engine {
     /// The prompt for `messages` through the model's chat template. Errors: no template, or
     /// the template failed.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String> {
-        let template = self.tokenizer.chat_template.as_deref().ok_or_else(|| {
-            anyhow!("the model has no chat template; send a plain prompt instead")
-        })?;
-        let token_text =
-            |id: Option<u32>| id.and_then(|i| self.tokenizer.token(i)).unwrap_or_default();
-        render(
-            template,
-            messages,
-            true,
-            &token_text(self.tokenizer.bos_id),
-            &token_text(self.tokenizer.eos_ids.first().copied()),
-        )
+        render_for(&self.tokenizer, messages)?
+            .ok_or_else(|| anyhow!("the model has no chat template; send a plain prompt instead"))
     }
 
     /// Generates from `prompt_tokens`, calling `on_text` with each newly complete piece of text.

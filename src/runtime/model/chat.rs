@@ -4,12 +4,32 @@
 use anyhow::{Result, anyhow};
 use serde::{Deserialize, Serialize};
 
+use super::tokenizer::Tokenizer;
+
 /// One message of a conversation.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// `system`, `user` or `assistant`.
     pub role: String,
     pub content: String,
+}
+
+/// Renders `messages` through `tokenizer`'s chat template with the assistant's turn
+/// opening, its BOS and first EOS token as `bos_token`/`eos_token`; `None` when the model
+/// has no chat template. Errors: a template that does not parse or raises.
+pub fn render_for(tokenizer: &Tokenizer, messages: &[ChatMessage]) -> Result<Option<String>> {
+    let Some(template) = tokenizer.chat_template.as_deref() else {
+        return Ok(None);
+    };
+    let token_text = |id: Option<u32>| id.and_then(|i| tokenizer.token(i)).unwrap_or_default();
+    render(
+        template,
+        messages,
+        true,
+        &token_text(tokenizer.bos_id),
+        &token_text(tokenizer.eos_ids.first().copied()),
+    )
+    .map(Some)
 }
 
 /// Renders `messages` through `template`, ending with the assistant's turn opening when

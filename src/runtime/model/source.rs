@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::dummy::DummyModel;
 use super::llama::Llama;
 use super::tokenizer::Tokenizer;
-use crate::runtime::formats::gguf::GgufFile;
+use crate::runtime::formats::gguf::{GgufFile, Header};
 
 /// A model's weights, by where they come from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -61,5 +61,21 @@ impl ModelSource {
             }
             ModelSource::Dummy(dummy) => Ok((dummy.build()?, dummy.tokenizer()?)),
         }
+    }
+
+    /// Its tokenizer and context in tokens (`None` when a GGUF file gives none), without
+    /// loading the weights: a GGUF file's header, or the random model's shape.
+    ///
+    /// Errors: a header or tokenizer that does not read.
+    pub fn tokenizer_and_context(&self) -> Result<(Tokenizer, Option<usize>)> {
+        Ok(match self {
+            ModelSource::File(path) => {
+                let header = Header::read_file(path)?;
+                let arch = header.str("general.architecture")?;
+                let context = header.u64(&format!("{arch}.context_length")).ok();
+                (Tokenizer::from_gguf(&header)?, context.map(|c| c as usize))
+            }
+            ModelSource::Dummy(dummy) => (dummy.tokenizer()?, Some(dummy.max_context_tokens)),
+        })
     }
 }
