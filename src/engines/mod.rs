@@ -351,6 +351,66 @@ pub(crate) fn roce_gid_index(nics: &[Nic], hcas: &[String]) -> Option<u32> {
         .map(|gid| gid.index)
 }
 
+/// What `infer plan --engine E` launches: a feasible plan of `spec` on `cluster`, the
+/// model the engine loads (`None`: the plan's), and whether `--disaggregate` asks for the
+/// plan's prefill/decode deployment.
+pub(crate) struct PlanLaunch<'a> {
+    pub engine: EngineKind,
+    pub plan: &'a Plan,
+    pub spec: &'a ModelSpec,
+    pub cluster: &'a crate::plan::cluster::Cluster,
+    pub model: Option<&'a str>,
+    pub disaggregate: bool,
+}
+
+/// The launch of `launch.engine` for its plan (`infer plan --engine E`), on the ports given
+/// (`(http, dist)`; `None`: the engine's defaults).
+///
+/// Errors: vLLM or SGLang for a CPU plan, `--disaggregate` when no disaggregated deployment
+/// fits, a launch the engine cannot express.
+pub(crate) fn launch_for_plan(
+    launch: &PlanLaunch<'_>,
+    (http_port, dist_port): (Option<u16>, Option<u16>),
+) -> Result<EngineLaunch> {
+    let PlanLaunch {
+        engine,
+        plan,
+        spec,
+        cluster,
+        model,
+        disaggregate,
+    } = *launch;
+    if plan.device == crate::plan::cluster::Device::Cpu
+        && matches!(engine, EngineKind::Vllm | EngineKind::Sglang)
+    {
+        bail!(
+            "--engine {engine}: this plan runs CPU ranks (`{}` has no GPUs), and {engine} serves on GPUs\nhint: serve it with `infer up --plan` (this plan's `--json`), or `--engine infer`/`--engine llamacpp`",
+            plan.cluster
+        );
+    }
+    let mut request = request_from_plan(engine, plan, spec, cluster, model);
+    if let Some(port) = http_port {
+        request.ports.http = port;
+    }
+    if let Some(port) = dist_port {
+        request.ports.dist = port;
+    }
+    match (&plan.disaggregated, disaggregate) {
+        (Some(d), true) => {
+            disagg::use_every_gpu(&mut request, cluster);
+            let layout = disagg::PdLayout::of(d);
+            match engine {
+                EngineKind::Infer => infer::generate_disaggregated(&request, &layout),
+                _ => disagg::generate(&request, &layout),
+            }
+        }
+        (None, true) => bail!(
+            "--disaggregate --engine {engine}: no disaggregated deployment fits this cluster and these targets (see `--explain`); drop --disaggregate for the aggregated launch"
+        ),
+        _ => generate(&request),
+    }
+}
+
 /// Builds the request for `engine` from a feasible plan of `spec` on `cluster`: the nodes
 /// are the plan's hosts in rank order, their addresses the inventory's (else the host
 /// name), their interfaces and HCAs the plan's NCCL environment.

@@ -566,6 +566,22 @@ fn allreduce_probe(
 /// as failures, the others still answer.
 ///
 /// Errors: an unreadable inventory, the SSH runtime cannot start.
+/// `infer plan --probe-hosts`: every host's CPU of the inventory `cluster` (`--cluster`),
+/// probed there ([`probe_cpus`]).
+///
+/// Errors: `cluster` is not an inventory file, a host that cannot be reached or probed.
+pub(crate) fn probe_inventory_cpus(
+    cluster: &str,
+    ssh: SshOptions,
+) -> Result<Vec<(String, crate::topology::CpuProfile)>> {
+    if !crate::inventory::is_inventory(cluster) {
+        anyhow::bail!(
+            "--probe-hosts probes the hosts of an inventory; `--cluster {cluster}` is not one (give `--cluster hosts.toml`)"
+        );
+    }
+    probe_cpus(Path::new(cluster), ssh, &mut |_| {})
+}
+
 /// Every host's CPU of `inventory`, probed there over SSH by its agent: (host name,
 /// profile), in inventory order, each profile's `source` naming its host.
 ///

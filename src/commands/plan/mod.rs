@@ -18,7 +18,12 @@ pub(crate) fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     let settings = settings(&args.settings)?;
     // Every argument is checked before the default model is fetched (93 MB on first use).
     let probed = match args.probe_hosts {
-        true => probe_hosts(&args.settings.cluster, args.ssh_accept_new)?,
+        true => crate::launch::survey::probe_inventory_cpus(
+            &args.settings.cluster,
+            crate::launch::ssh::SshOptions {
+                accept_new: args.ssh_accept_new,
+            },
+        )?,
         false => Vec::new(),
     };
     let cluster = inventory::load_calibrated(
@@ -46,24 +51,6 @@ pub(crate) fn run(args: &PlanArgs, printer: &Printer) -> Result<ExitStatus> {
     }
 }
 
-/// `--probe-hosts`: every host's CPU of the inventory `cluster`, probed there over SSH.
-/// Errors: `cluster` is not an inventory file, a host that cannot be reached or probed.
-fn probe_hosts(
-    cluster: &str,
-    accept_new: bool,
-) -> Result<Vec<(String, crate::topology::CpuProfile)>> {
-    if !inventory::is_inventory(cluster) {
-        anyhow::bail!(
-            "--probe-hosts probes the hosts of an inventory; `--cluster {cluster}` is not one (give `--cluster hosts.toml`)"
-        );
-    }
-    crate::launch::survey::probe_cpus(
-        std::path::Path::new(cluster),
-        crate::launch::ssh::SshOptions { accept_new },
-        &mut |_| {},
-    )
-}
-
 /// The engine's launch for a feasible plan with `--engine` (or `--emit`), `None` without
 /// either. Errors: `--disaggregate` when no disaggregated deployment fits, or a launch the
 /// engine cannot express.
@@ -79,52 +66,23 @@ fn engine_launch(
         .or(args.emit.as_ref().map(|_| crate::cli::EngineArg::Infer));
     Ok(match engine {
         Some(engine) => {
-            let engine: engines::EngineKind = engine.into();
-            if plan.device == crate::plan::cluster::Device::Cpu
-                && matches!(
-                    engine,
-                    engines::EngineKind::Vllm | engines::EngineKind::Sglang
-                )
-            {
-                anyhow::bail!(
-                    "--engine {engine}: this plan runs CPU ranks (`{}` has no GPUs), and {engine} serves on GPUs\nhint: serve it with `infer up --plan` (this plan's `--json`), or `--engine infer`/`--engine llamacpp`",
-                    plan.cluster
-                );
-            }
             // infer's ranks load the GGUF file `--model` named, when it named one.
+            let engine: engines::EngineKind = engine.into();
             let model = args.engine_model.as_deref().or(args
                 .model
                 .as_deref()
                 .filter(|m| engine == engines::EngineKind::Infer && m.ends_with(".gguf")));
-            let mut request = engines::request_from_plan(engine, plan, spec, cluster, model);
-            if let Some(port) = args.engine_port {
-                request.ports.http = port;
-            }
-            if let Some(port) = args.dist_port {
-                request.ports.dist = port;
-            }
-            match (&plan.disaggregated, args.settings.disaggregate) {
-                (Some(d), true) if engine != engines::EngineKind::Infer => {
-                    engines::disagg::use_every_gpu(&mut request, cluster);
-                    Some(engines::disagg::generate(
-                        &request,
-                        &engines::disagg::PdLayout::of(d),
-                    )?)
-                }
-                (Some(d), true) => {
-                    engines::disagg::use_every_gpu(&mut request, cluster);
-                    Some(engines::infer::generate_disaggregated(
-                        &request,
-                        &engines::disagg::PdLayout::of(d),
-                    )?)
-                }
-                (None, true) => {
-                    anyhow::bail!(
-                        "--disaggregate --engine {engine}: no disaggregated deployment fits this cluster and these targets (see `--explain`); drop --disaggregate for the aggregated launch"
-                    )
-                }
-                _ => Some(engines::generate(&request)?),
-            }
+            Some(engines::launch_for_plan(
+                &engines::PlanLaunch {
+                    engine,
+                    plan,
+                    spec,
+                    cluster,
+                    model,
+                    disaggregate: args.settings.disaggregate,
+                },
+                (args.engine_port, args.dist_port),
+            )?)
         }
         None => None,
     })
