@@ -110,6 +110,8 @@ pub struct Gang {
     line_sender: std::sync::mpsc::Sender<(usize, String)>,
     /// Ranks started again alone, and when: their heartbeats count from then.
     restarted: HashMap<u64, Instant>,
+    /// Other nodes' launchers that follow this gang's starts (`--nnodes` node 0).
+    followers: usize,
 }
 
 impl Gang {
@@ -242,6 +244,7 @@ impl Gang {
             keys: keys.clone(),
             line_sender,
             restarted: HashMap::new(),
+            followers: 0,
         };
         gang.write_manifest(spec, None)?;
         Ok(gang)
@@ -526,6 +529,41 @@ impl Gang {
         }
         self.ranks.sort_by_key(|r| r.rank);
         Ok(())
+    }
+
+    /// `followers` other nodes' launchers follow this gang's starts (node 0 of `infer up
+    /// --nnodes --max-restarts`): [`Gang::tell_followers`] tells them when the run ends.
+    pub(crate) fn set_followers(&mut self, followers: usize) {
+        self.followers = followers;
+    }
+
+    /// The run ends with `error` and no restart left: tells the following nodes' launchers
+    /// through the store (`launcher/shutdown` = `failed: …`), waiting up to 3 s for each to
+    /// say it has seen it, so that they end now rather than wait for a next start.
+    pub(crate) fn tell_followers(&mut self, error: &anyhow::Error) {
+        if self.followers == 0 {
+            return;
+        }
+        let why = format!("{error:#}");
+        let why = why.lines().next().unwrap_or_default();
+        let value = format!("{}{why}", super::serving::FAILED_PREFIX);
+        if self
+            .client
+            .set(super::serving::SHUTDOWN_KEY, value.as_bytes())
+            .is_err()
+        {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline
+            && self
+                .client
+                .add(super::serving::SHUTDOWN_ACK_KEY, 0)
+                .unwrap_or(self.followers as i64)
+                < self.followers as i64
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Stops every live rank (SIGTERM to its process group, SIGKILL after

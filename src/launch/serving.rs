@@ -662,7 +662,23 @@ pub(super) fn drain(
 /// may take); the other nodes' launchers then let their ranks exit with rank 0.
 pub(super) const SHUTDOWN_KEY: &str = "launcher/shutdown";
 /// Counts the other nodes that have seen [`SHUTDOWN_KEY`].
-const SHUTDOWN_ACK_KEY: &str = "launcher/shutdown/acks";
+pub(super) const SHUTDOWN_ACK_KEY: &str = "launcher/shutdown/acks";
+/// How [`SHUTDOWN_KEY`]'s value begins when node 0's gang failed with no restart left
+/// (`--max-restarts`): the rest is the failure, and the other nodes end with it.
+pub(super) const FAILED_PREFIX: &str = "failed: ";
+
+/// Node 0 ended the run after a failure with no restart left (its failure, as it said it):
+/// what a node other than 0 ends with, at once.
+#[derive(Debug)]
+pub(crate) struct NodeZeroFailed(pub String);
+
+impl std::fmt::Display for NodeZeroFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "node 0 ended the run: {}", self.0)
+    }
+}
+
+impl std::error::Error for NodeZeroFailed {}
 
 /// A node other than 0 of `infer up --nnodes`, once serving: watches its ranks until node
 /// 0 stops the gang (its ranks exit with rank 0: a clean stop), a rank fails (the error), or
@@ -685,6 +701,12 @@ pub(super) fn follow_node_zero(
             .ok(),
     };
     match stopping {
+        Some(value) if value.starts_with(FAILED_PREFIX.as_bytes()) => {
+            let _ = gang.store().add(SHUTDOWN_ACK_KEY, 1);
+            gang.stop();
+            let why = String::from_utf8_lossy(&value[FAILED_PREFIX.len()..]).into_owned();
+            Err(anyhow::Error::new(NodeZeroFailed(why)))
+        }
         Some(value) => {
             let _ = gang.store().add(SHUTDOWN_ACK_KEY, 1);
             let grace: f64 = String::from_utf8_lossy(&value).parse().unwrap_or(8.0);

@@ -856,3 +856,57 @@ fn a_stalled_dp_replica_restarts_alone_after_the_grace() {
         1.0
     );
 }
+
+/// `--nnodes 2`, node 0 with `--max-restarts 1` (node 1 with 3): node 1's rank killed
+/// twice. The second failure finds no restart left on node 0: it exits non-zero with the
+/// cause, and node 1's launcher, told through the store, exits non-zero at once naming node
+/// 0's end (rather than waiting for a next start), with no rank left on either node.
+#[test]
+fn with_no_restart_left_every_node_of_an_nnodes_launch_ends() {
+    use std::process::Stdio;
+    infer::model::default::ensure(&mut |_| {}).expect("model");
+    let store_port = free_port().to_string();
+    let node_1_dir = tempfile::tempdir().expect("temp dir");
+    let run_1 = node_1_dir.path().join("run");
+    let layout = ["--pp", "2", "--max-restarts", "1"];
+    // Node 1 would restart more: only node 0's word ends it.
+    let mut second = nnodes_up("1", &store_port, &["--pp", "2", "--max-restarts", "3"]);
+    second.args(["--run-dir", &run_1.display().to_string()]);
+    let joining = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        second
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start node 1")
+    });
+    let mut head = Server::start_command(nnodes_up("0", &store_port, &layout));
+    let other = joining.join().expect("node 1 started");
+    let node_1_rank = || -> u32 {
+        let manifest = run_file(&run_1, "manifest.json");
+        manifest["ranks"][0]["pid"].as_u64().expect("pid") as u32
+    };
+    let first = node_1_rank();
+    signal(first, rustix::process::Signal::KILL);
+    until_serving_again(&head, Duration::from_secs(60));
+    let second = node_1_rank();
+    assert_ne!(second, first);
+    signal(second, rustix::process::Signal::KILL);
+    let (status, rest) = head.wait_exit(Duration::from_secs(30));
+    assert!(!status.success(), "{rest}");
+    assert!(
+        rest.contains("after 1 restart (--max-restarts 1)"),
+        "{rest}"
+    );
+    let ended = Instant::now();
+    let output = other.wait_with_output().expect("node 1 exits");
+    assert!(
+        ended.elapsed() < Duration::from_secs(20),
+        "node 1 waited {:?} for a start that never came",
+        ended.elapsed()
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("node 0 ended the run"), "{stderr}");
+    assert!(!alive(second));
+}

@@ -59,6 +59,9 @@ pub(super) trait Started {
     fn write_outcome(&mut self, error: Option<&anyhow::Error>);
     /// The run directory its files are in.
     fn run_dir(&self) -> &Path;
+    /// The run ends with `error` (no restart left), before its processes stop: tells
+    /// whoever follows its starts. Best effort; the default tells no one.
+    fn giving_up(&mut self, _error: &anyhow::Error) {}
 }
 
 /// How one start went: its processes (`None` when none started), how it ended, and how
@@ -238,8 +241,12 @@ pub(super) fn supervise<S: Supervisee>(
                 events,
             );
         }
+        let mut started = outcome.started;
+        if !restarting && let Some(started) = started.as_mut() {
+            started.giving_up(&error);
+        }
         let files = retire(
-            outcome.started,
+            started,
             &error,
             restarting.then_some(restart + 1),
             &mut run_dir,

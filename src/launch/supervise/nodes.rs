@@ -86,6 +86,12 @@ pub(crate) fn follow(
             Ok(()) => return Ok(()),
             Err(error) => error,
         };
+        let node_zero_ended = error
+            .downcast_ref::<crate::launch::serving::NodeZeroFailed>()
+            .is_some();
+        if node_zero_ended {
+            return Err(error);
+        }
         if is_stopped() || restarts >= max_restarts {
             return Err(super::gave_up("gang", error, restarts));
         }
@@ -96,6 +102,23 @@ pub(crate) fn follow(
         )));
         last = Some((round, run_dir));
     }
+}
+
+/// Whether node 0's store says the run ended (no restart left), and why; says it has seen
+/// it.
+fn node_zero_failed(node: &NodeSettings, keys: &crate::keyring::Keyring) -> Option<String> {
+    use crate::launch::serving::{FAILED_PREFIX, SHUTDOWN_ACK_KEY, SHUTDOWN_KEY};
+    let mut store = crate::rendezvous::StoreClient::connect(
+        &node.master.to_string(),
+        keys,
+        None,
+        Duration::from_secs(2),
+    )
+    .ok()?;
+    let value = store.get(SHUTDOWN_KEY, Duration::from_millis(20)).ok()?;
+    let why = value.strip_prefix(FAILED_PREFIX.as_bytes())?;
+    let _ = store.add(SHUTDOWN_ACK_KEY, 1);
+    Some(String::from_utf8_lossy(why).into_owned())
 }
 
 /// Waits until node 0's store answers with a start newer than `after` (any start when
@@ -127,6 +150,11 @@ fn next_round(
             Duration::from_secs(2),
         )
         .and_then(|mut store| store.get(ROUND_KEY, Duration::from_millis(500)));
+        if let Some(why) = node_zero_failed(node, &keys) {
+            return Err(anyhow::Error::new(crate::launch::serving::NodeZeroFailed(
+                why,
+            )));
+        }
         match asked {
             Ok(bytes) => {
                 let text = String::from_utf8_lossy(&bytes);

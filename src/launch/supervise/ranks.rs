@@ -95,6 +95,10 @@ impl Started for Gang {
     fn run_dir(&self) -> &Path {
         Gang::run_dir(self)
     }
+
+    fn giving_up(&mut self, error: &anyhow::Error) {
+        self.tell_followers(error);
+    }
 }
 
 impl Supervisee for Ranks<'_> {
@@ -320,6 +324,7 @@ impl Ranks<'_> {
         // number, so that the other nodes join this one and not a store that is gone.
         let world = spec.degrees.world_size();
         let mut gang = crate::launch::serving::start_node(&spec, node, world)?;
+        gang.set_followers(node.nnodes - 1);
         gang.store().set(
             super::nodes::ROUND_KEY,
             attempt.restart.to_string().as_bytes(),
