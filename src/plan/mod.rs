@@ -1499,10 +1499,19 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
             )
         })
         .collect();
+    let max_ranks = cluster.max_cpu_ranks_per_host();
+    let min_cores = profiles.iter().map(|p| p.n_cores).min().unwrap_or(1);
     lines.push(format!(
-        "the cluster has {n_hosts} CPU host{}, each taking 1 to {} ranks (one per core at most); `r` ranks on a host each get 1/r of its cores, memory, bandwidth and compute",
+        "the cluster has {n_hosts} CPU host{}, each taking 1 to {max_ranks} ranks ({}); `r` ranks on a host each get 1/r of its cores, memory, bandwidth and compute",
         if n_hosts == 1 { "" } else { "s" },
-        cluster.max_cpu_ranks_per_host()
+        if max_ranks <= min_cores {
+            "one per core at most".to_string()
+        } else {
+            // The inventory's `cpu-ranks` is trusted; say what the estimates leave out.
+            format!(
+                "its `cpu-ranks`, more than its {min_cores} cores: ranks beyond one per core take turns on them and wait on each other in every collective, which these estimates do not count"
+            )
+        }
     ));
     if let Some(best) = best {
         let ranks = best.parallel.world_size() / n_hosts;

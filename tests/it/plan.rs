@@ -1965,3 +1965,35 @@ fn ep_against_moe_tp_is_decided_by_cost_with_its_reasons() {
         }
     }
 }
+
+/// An inventory that gives a host more `cpu-ranks` than this host's probed cores (which
+/// stand for its CPU) is planned as given, and the plan says what its estimates leave out:
+/// ranks beyond one per core take turns on the cores. See: #40
+#[test]
+fn more_cpu_ranks_than_cores_are_said_to_take_turns() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("hosts.toml");
+    let ranks = cores + 1;
+    std::fs::write(
+        &path,
+        format!("[[hosts]]\nname = \"a\"\naddress = \"10.0.0.1\"\ncpu-ranks = {ranks}\n"),
+    )
+    .expect("write");
+    let inventory = path.to_str().expect("UTF-8");
+    let (code, plan) = plan_json(&["--cluster", inventory, "--dp", &ranks.to_string()]);
+    assert_eq!(code, 0, "{plan}");
+    let explain: Vec<&str> = plan["explain"]
+        .as_array()
+        .expect("explain")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        explain.iter().any(|l| l.contains(&format!(
+            "each taking 1 to {ranks} ranks (its `cpu-ranks`, more than its {cores} cores: ranks beyond one per core take turns"
+        ))),
+        "{explain:#?}"
+    );
+    assert!(!explain.iter().any(|l| l.contains("one per core at most")));
+}
