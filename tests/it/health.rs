@@ -232,7 +232,7 @@ fn dp_2_with_one_stalled_replica_is_degraded_and_the_other_keeps_serving() {
 }
 
 /// A saturated server is never stalled: idle past `--stall-timeout` first, then 16
-/// streams decoding while a 4,000-token prompt prefills in chunks on this host's cores,
+/// streams decoding while a 2,000-token prompt prefills in chunks on this host's cores,
 /// `/health` polled throughout answers 200 `ok`, and every request completes.
 #[test]
 fn sixteen_streams_and_a_long_prompt_in_chunks_never_look_stalled() {
@@ -252,7 +252,7 @@ fn sixteen_streams_and_a_long_prompt_in_chunks_never_look_stalled() {
     std::thread::sleep(Duration::from_secs(4));
     let short =
         json!({"prompt": "Tell me a story about a fox.", "max_tokens": 24, "stream": false});
-    let long = json!({"prompt": "one two three four ".repeat(1000), "max_tokens": 2});
+    let long = json!({"prompt": "one two three four ".repeat(500), "max_tokens": 2});
     let mut bodies = vec![short; 16];
     bodies.push(long);
     let done = std::sync::atomic::AtomicBool::new(false);
@@ -275,7 +275,7 @@ fn sixteen_streams_and_a_long_prompt_in_chunks_never_look_stalled() {
     let prompt_tokens = replies[16].1["usage"]["prompt_tokens"]
         .as_u64()
         .unwrap_or(0);
-    assert!(prompt_tokens >= 4000, "{}", replies[16].1);
+    assert!(prompt_tokens >= 2000, "{}", replies[16].1);
     assert!(polls.len() > 10, "{} polls", polls.len());
     for (status, body) in &polls {
         assert_eq!(

@@ -171,6 +171,9 @@ impl HostKernels {
         }
         let library = dir.join(LIBRARY);
         let mut command = Command::new(compiler);
+        // A process that preloads a sanitizer's runtime (to load the library this builds)
+        // must not hand it to the compiler, which it slows several times over.
+        command.env_remove("LD_PRELOAD");
         command.args(["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]);
         if let Some(sanitizer) = sanitizer {
             // Real threads a block, which the sanitizers follow (they do not follow the
