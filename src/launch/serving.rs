@@ -4,7 +4,7 @@
 //! rank fails. One rank and no inventory: the engine is served from this process.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -129,8 +129,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         // An inventory without pinned degrees: the plan for its hosts (their GPUs, or the
         // CPU ranks they take), each rank on the host the plan put it on.
         let spec = model::spec_of(&settings.model)?;
-        let cluster =
-            crate::inventory::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
+        let cluster = inventory_cluster(file, settings, events)?;
         match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
             crate::plan::Outcome::Feasible(plan) => {
                 let layout = Layout {
@@ -201,6 +200,30 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         );
     }
     Ok(layout)
+}
+
+/// The inventory `file` as the planner sees it, each CPU-rank host with its own CPU probed
+/// there over SSH by its agent (as `infer plan --probe-hosts` does): the hosts' processors,
+/// cores and memory bandwidth need not be this one's.
+///
+/// Errors: an unreadable or malformed inventory; a CPU-rank host that cannot be reached or
+/// probed (named).
+fn inventory_cluster(
+    file: &Path,
+    settings: &UpSettings,
+    events: &mut dyn FnMut(UpEvent),
+) -> Result<crate::plan::cluster::Cluster> {
+    let mut cluster =
+        crate::inventory::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
+    if cluster.hosts.iter().any(|h| h.cpu.is_some()) {
+        events(UpEvent::Note(format!(
+            "probing the CPU of each host of `{}` over SSH to plan for them",
+            file.display()
+        )));
+        let probed = super::survey::probe_cpus(file, settings.ssh, &mut |_| {})?;
+        crate::plan::cluster::use_probed_cpus(&mut cluster, &probed)?;
+    }
+    Ok(cluster)
 }
 
 /// `field` of each of `plan`'s ranks, indexed by rank (its host, its GPUs).

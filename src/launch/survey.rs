@@ -561,11 +561,6 @@ fn allreduce_probe(
     serde_json::from_slice(&bytes).context("rank 0 wrote a malformed all-reduce report")
 }
 
-/// Every host of the inventory as its own agent probes it (`infer topo --json` there), in
-/// parallel; each host named as in the inventory. Hosts that cannot be reached come back
-/// as failures, the others still answer.
-///
-/// Errors: an unreadable inventory, the SSH runtime cannot start.
 /// `infer plan --probe-hosts`: every host's CPU of the inventory `cluster` (`--cluster`),
 /// probed there ([`probe_cpus`]).
 ///
@@ -617,6 +612,11 @@ pub(crate) fn probe_cpus(
     probed
 }
 
+/// Every host of the inventory as its own agent probes it (`infer topo --json` there), in
+/// parallel; each host named as in the inventory. Hosts that cannot be reached come back
+/// as failures, the others still answer.
+///
+/// Errors: an unreadable inventory, the SSH runtime cannot start.
 pub(crate) fn probe_topologies(
     inventory: &Path,
     ssh: SshOptions,

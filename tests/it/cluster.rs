@@ -866,9 +866,10 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
     );
 }
 
-/// `infer up --cluster hosts.toml` without `--tp/--pp/--dp` on hosts of CPU ranks launches
-/// the plan `infer plan --cluster hosts.toml` makes for them: its layout, each rank on the
-/// host the plan put it on; and it answers as `infer generate` does. See: #40
+/// `infer up --cluster hosts.toml` without `--tp/--pp/--dp` on hosts of CPU ranks probes each
+/// host's CPU over SSH and launches the plan `infer plan --cluster hosts.toml --probe-hosts`
+/// makes for them: its layout, each rank on the host the plan put it on; and it answers as
+/// `infer generate` does. See: #40
 #[test]
 fn up_over_cpu_rank_hosts_launches_their_plan() {
     use crate::support::server::{Server, generate_counting};
@@ -879,7 +880,8 @@ fn up_over_cpu_rank_hosts_launches_their_plan() {
     };
     cluster.trust_hosts();
     let inventory = cluster.inventory.display().to_string();
-    let output = run(&["plan", "--cluster", &inventory, "--json"]);
+    // Both plan with each host's CPU as probed there over SSH.
+    let output = run(&["plan", "--cluster", &inventory, "--probe-hosts", "--json"]);
     assert!(output.status.success(), "{}", stderr(&output));
     let plan: Value = serde_json::from_slice(&output.stdout).expect("plan JSON");
     assert_eq!(plan["device"], "cpu", "{plan}");
@@ -890,6 +892,13 @@ fn up_over_cpu_rank_hosts_launches_their_plan() {
         .map(|r| &r["host"])
         .collect();
     let server = Server::start(&["--cluster", &inventory]);
+    assert!(
+        server.startup.contains(&format!(
+            "probing the CPU of each host of `{inventory}` over SSH"
+        )),
+        "{}",
+        server.startup
+    );
     let parallel = &plan["parallel"];
     assert!(
         server.startup.contains(&format!(
