@@ -122,26 +122,22 @@ impl<'a> CudaReport<'a> {
                 args.runs.max(1)
             ),
         ];
-        for (batch, speed) in rows {
-            let bandwidth = weight_bytes as f64 / speed.decode_step_secs;
-            let issuing = format!(
-                ", {:.2} of {:.2} ms a step issuing it",
-                speed.issue_step_secs * 1e3,
-                speed.decode_step_secs * 1e3
-            );
+        for speed in self.batch_speeds() {
             lines.push(format!(
-                "decode      {:.1} tok/s at batch {batch}: {:.0} GB/s of weights{}{}{}",
+                "decode      {:.1} tok/s at batch {}: {:.0} GB/s of weights{}{}, {:.2} of {:.2} ms a step issuing it",
                 speed.decode_tokens_per_sec,
-                bandwidth / 1e9,
-                hbm.map_or(String::new(), |hbm| format!(
+                speed.batch,
+                speed.weight_bytes_per_sec / 1e9,
+                hbm.zip(speed.hbm_fraction).map_or(String::new(), |(hbm, fraction)| format!(
                     " ({:.0}% of the datasheet's {:.0} GB/s)",
-                    100.0 * bandwidth / hbm,
+                    100.0 * fraction,
                     hbm / 1e9
                 )),
                 speed
                     .launches_per_step
                     .map_or(String::new(), |n| format!(", {n:.0} launches a step")),
-                issuing,
+                speed.issue_step_secs.unwrap_or(0.0) * 1e3,
+                speed.decode_step_secs * 1e3
             ));
         }
         lines.push(format!(
