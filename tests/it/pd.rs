@@ -8,7 +8,7 @@
 use serde_json::{Value, json};
 
 use crate::support::model::{KV_BYTES_PER_TOKEN, QUESTIONS, SMOLLM2_LAYERS, SYSTEM};
-use crate::support::process::{free_port, infer, nnodes_up, run, signal};
+use crate::support::process::{free_port, infer, join_later, nnodes_up, run, signal};
 use crate::support::server::{
     Server, bench_serve_stdout, bench_serve_tokens, generate_counting, metric, run_openai_client,
 };
@@ -336,15 +336,7 @@ fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
     let store_port = free_port().to_string();
     let node = |rank: &str| nnodes_up(rank, &store_port, &["--prefill", "1", "--decode", "1"]);
     // Node 0 first (it hosts the store); node 1 joins half a second later.
-    let mut second = node("1");
-    let joining = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(500));
-        second
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start node 1")
-    });
+    let joining = join_later(node("1"), Stdio::null());
     let mut head = Server::start_command(node("0"));
     let mut other = joining.join().expect("node 1 started");
     let reference = generate_counting();

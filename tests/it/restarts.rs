@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use crate::support::cluster::TestCluster;
 use crate::support::llamacpp::{complete, engine_processes, start_llamacpp};
-use crate::support::process::{alive, free_port, infer, nnodes_up, run_dir_of, signal};
+use crate::support::process::{alive, free_port, infer, join_later, nnodes_up, run_dir_of, signal};
 use crate::support::server::{Server, metric, retry_after};
 
 /// `GET path`: status, `Retry-After` and body.
@@ -697,14 +697,7 @@ fn a_node_restarts_its_share_with_node_zero_under_nnodes() {
         "--run-dir",
         &node_1_dir.path().join("run").display().to_string(),
     ]);
-    let joining = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(500));
-        second
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start node 1")
-    });
+    let joining = join_later(second, Stdio::null());
     let mut head = Server::start_command(node("0"));
     let mut other = joining.join().expect("node 1 started");
     let body = json!({"prompt": "Hello", "max_tokens": 8, "temperature": 0});
@@ -872,14 +865,7 @@ fn with_no_restart_left_every_node_of_an_nnodes_launch_ends() {
     // Node 1 would restart more: only node 0's word ends it.
     let mut second = nnodes_up("1", &store_port, &["--pp", "2", "--max-restarts", "3"]);
     second.args(["--run-dir", &run_1.display().to_string()]);
-    let joining = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(500));
-        second
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start node 1")
-    });
+    let joining = join_later(second, Stdio::piped());
     let mut head = Server::start_command(nnodes_up("0", &store_port, &layout));
     let other = joining.join().expect("node 1 started");
     let node_1_rank = || -> u32 {

@@ -158,3 +158,17 @@ pub fn nnodes_up(rank: &str, store_port: &str, layout: &[&str]) -> Command {
     }
     command
 }
+
+/// Starts the other node of a two-node `--nnodes` launch (`command`, from [`nnodes_up`])
+/// half a second from now, on a thread, so that node 0, started meanwhile, hosts the store
+/// it joins; stdout is dropped and stderr goes to `stderr`. Join the handle for the child.
+pub fn join_later(mut command: Command, stderr: Stdio) -> std::thread::JoinHandle<Child> {
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        command
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("start node 1")
+    })
+}
