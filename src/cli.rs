@@ -663,13 +663,13 @@ pub enum EngineArg {
     Llamacpp,
 }
 
-impl From<EngineArg> for crate::engines::EngineKind {
+impl From<EngineArg> for crate::serving_engines::EngineKind {
     fn from(engine: EngineArg) -> Self {
         match engine {
-            EngineArg::Infer => crate::engines::EngineKind::Infer,
-            EngineArg::Vllm => crate::engines::EngineKind::Vllm,
-            EngineArg::Sglang => crate::engines::EngineKind::Sglang,
-            EngineArg::Llamacpp => crate::engines::EngineKind::Llamacpp,
+            EngineArg::Infer => crate::serving_engines::EngineKind::Infer,
+            EngineArg::Vllm => crate::serving_engines::EngineKind::Vllm,
+            EngineArg::Sglang => crate::serving_engines::EngineKind::Sglang,
+            EngineArg::Llamacpp => crate::serving_engines::EngineKind::Llamacpp,
         }
     }
 }

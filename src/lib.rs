@@ -8,7 +8,6 @@ pub mod cli;
 pub(crate) mod commands;
 pub mod degrees;
 pub mod doctor;
-pub(crate) mod engines;
 pub(crate) mod envvars;
 pub mod handshake;
 pub mod inventory;
@@ -19,6 +18,7 @@ pub mod plan;
 pub mod rendezvous;
 pub mod runtime;
 pub mod serve;
+pub(crate) mod serving_engines;
 pub mod topology;
 pub mod ui;
 

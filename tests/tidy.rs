@@ -178,7 +178,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("runtime", &[]),
     ("model", &["plan", "runtime/formats", "runtime/model"]),
     ("inventory", &["topology", "plan"]),
-    ("engines", &["topology", "plan"]),
+    ("serving_engines", &["topology", "plan"]),
     ("doctor", &["topology", "plan", "runtime/collectives"]),
     (
         "serve",
@@ -206,12 +206,12 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime/collectives",
             "model",
             "inventory",
-            "engines",
+            "serving_engines",
             "doctor",
             "serve",
         ],
     ),
-    ("cli", &["runtime/cpu", "runtime/model", "engines"]),
+    ("cli", &["runtime/cpu", "runtime/model", "serving_engines"]),
     ("commands", &["*"]),
 ];
 

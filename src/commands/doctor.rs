@@ -23,7 +23,7 @@ pub(crate) fn run(args: &DoctorArgs, printer: &Printer) -> Result<ExitStatus> {
         return cluster(args, printer);
     }
     if let Some(engine) = args.engine {
-        let engine: crate::engines::EngineKind = engine.into();
+        let engine: crate::serving_engines::EngineKind = engine.into();
         bail!(
             "--engine {engine} checks the engine on an inventory's hosts: add `--cluster hosts.toml` (without `--model`)"
         );

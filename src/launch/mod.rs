@@ -11,7 +11,6 @@
 
 pub mod agent;
 pub(crate) mod bench;
-pub(crate) mod engines;
 pub(crate) mod events;
 pub(crate) mod gang;
 pub(crate) mod hosts;
@@ -23,6 +22,7 @@ pub(crate) mod protocol;
 pub mod remote;
 pub(crate) mod run_dir;
 pub(crate) mod serving;
+pub(crate) mod serving_engines;
 pub mod smoke;
 pub(crate) mod spawn;
 pub(crate) mod spec;

@@ -261,7 +261,7 @@ fn layout_of(
         // The planner's disaggregated deployment (it wins, or `--disaggregate` asked for
         // it): its workers become prefill and decode replicas. KV moves shard to shard, so
         // both roles need one shape.
-        let a = crate::engines::disagg::PdLayout::of(d)
+        let a = crate::serving_engines::disagg::PdLayout::of(d)
             .one_shape()
             .with_context(|| format!("{what} disaggregates"))?;
         let layout = Layout {

@@ -65,7 +65,7 @@ pub(crate) fn survey(
     inventory: &Path,
     ssh: SshOptions,
     bandwidth: bool,
-    engine: Option<(crate::engines::EngineKind, Option<&Path>)>,
+    engine: Option<(crate::serving_engines::EngineKind, Option<&Path>)>,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<crate::doctor::evidence::ClusterEvidence> {
     use crate::doctor::evidence::ClusterEvidence;
@@ -391,11 +391,11 @@ fn matrix_cells(
 }
 
 /// `engine` on every connected host, in parallel: its programs and versions
-/// ([`super::engines::probe_engine`]) and whether its usual ports are free. The first host
+/// ([`super::serving_engines::probe_engine`]) and whether its usual ports are free. The first host
 /// is taken as the head.
 fn engine_survey(
     remote: &RemoteCluster,
-    engine: crate::engines::EngineKind,
+    engine: crate::serving_engines::EngineKind,
     engine_bin: Option<&Path>,
 ) -> crate::doctor::evidence::EngineEvidence {
     use crate::doctor::evidence::{EngineEvidence, EngineHostEvidence};
@@ -426,14 +426,14 @@ fn engine_survey(
                         };
                     }
                     let head = index == 0;
-                    let probed = super::engines::probe_engine(
+                    let probed = super::serving_engines::probe_engine(
                         &|argv, timeout| remote.exec(index, argv, &[], timeout),
                         &host.name,
                         engine,
                         engine_bin,
                         head,
                     );
-                    let usual = super::engines::usual_ports(engine, head);
+                    let usual = super::serving_engines::usual_ports(engine, head);
                     let wanted: Vec<(String, u16)> =
                         usual.iter().map(|(p, _)| ("0.0.0.0".to_string(), *p)).collect();
                     let ports_taken = remote

@@ -1,6 +1,6 @@
 """Parse engine command lines with the engines' own argument parsers, without a GPU.
 
-Used by tests/it/engines.rs. Reads JSON from stdin: {"vllm": [argv, ...], "sglang": [argv,
+Used by tests/it/serving_engines.rs. Reads JSON from stdin: {"vllm": [argv, ...], "sglang": [argv,
 ...], "vllm_router": [...], "sglang_router": [...]} where each argv is what `infer`
 generated (`vllm serve MODEL ...`, `python3 -m sglang.launch_server ...`, `vllm-router ...`,
 `python3 -m sglang_router.launch_router ...`; the routers' parsed URLs are returned as

@@ -6,7 +6,7 @@ use anyhow::Result;
 use crate::cli::PlanArgs;
 use crate::plan::{Outcome, plan, render};
 use crate::ui::Printer;
-use crate::{ExitStatus, engines, inventory, model};
+use crate::{ExitStatus, inventory, model, serving_engines};
 
 mod settings;
 
@@ -59,7 +59,7 @@ fn engine_launch(
     plan: &crate::plan::Plan,
     spec: &crate::plan::model::ModelSpec,
     cluster: &crate::plan::cluster::Cluster,
-) -> Result<Option<engines::EngineLaunch>> {
+) -> Result<Option<serving_engines::EngineLaunch>> {
     // `--emit` alone writes infer's own engine's scripts.
     let engine = args
         .engine
@@ -67,13 +67,15 @@ fn engine_launch(
     Ok(match engine {
         Some(engine) => {
             // infer's ranks load the GGUF file `--model` named, when it named one.
-            let engine: engines::EngineKind = engine.into();
-            let model = args.engine_model.as_deref().or(args
-                .model
+            let engine: serving_engines::EngineKind = engine.into();
+            let model = args
+                .engine_model
                 .as_deref()
-                .filter(|m| engine == engines::EngineKind::Infer && m.ends_with(".gguf")));
-            Some(engines::launch_for_plan(
-                &engines::PlanLaunch {
+                .or(args.model.as_deref().filter(|m| {
+                    engine == serving_engines::EngineKind::Infer && m.ends_with(".gguf")
+                }));
+            Some(serving_engines::launch_for_plan(
+                &serving_engines::PlanLaunch {
                     engine,
                     plan,
                     spec,
@@ -94,7 +96,7 @@ fn engine_launch(
 fn print_plan(
     args: &PlanArgs,
     plan: &crate::plan::Plan,
-    launch: Option<&engines::EngineLaunch>,
+    launch: Option<&serving_engines::EngineLaunch>,
     printer: &Printer,
 ) -> Result<()> {
     if args.json {
@@ -111,7 +113,7 @@ fn print_plan(
                 text.truncate(cut + 1);
             }
             text.push('\n');
-            text.push_str(&engines::render(launch));
+            text.push_str(&serving_engines::render(launch));
         }
         printer.data(&text);
     }
@@ -122,11 +124,11 @@ fn print_plan(
 /// Errors: a file that cannot be written.
 fn emit_launch(
     args: &PlanArgs,
-    launch: Option<&engines::EngineLaunch>,
+    launch: Option<&serving_engines::EngineLaunch>,
     printer: &Printer,
 ) -> Result<()> {
     if let (Some(launch), Some(dir)) = (launch, &args.emit) {
-        let written = crate::launch::engines::emit(launch, dir)?;
+        let written = crate::launch::serving_engines::emit(launch, dir)?;
         printer.note(&format!(
             "wrote {} run script{} and launch.json into {}",
             written.len(),

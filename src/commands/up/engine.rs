@@ -1,22 +1,22 @@
 //! `infer up --engine E`: vLLM, SGLang, llama.cpp (or infer's own engine node by node) in
-//! a layout: the flags become [`crate::launch::engines::EngineUpSettings`], and
-//! [`crate::launch::engines::up`] checks the hosts, starts the engine and watches it.
+//! a layout: the flags become [`crate::launch::serving_engines::EngineUpSettings`], and
+//! [`crate::launch::serving_engines::up`] checks the hosts, starts the engine and watches it.
 
 use anyhow::{Result, bail};
 
 use super::report::report_progress_plain;
 use crate::cli::UpArgs;
-use crate::engines::EngineKind;
 use crate::launch::events::UpEvent;
 use crate::launch::up_settings;
+use crate::serving_engines::EngineKind;
 use crate::ui::Printer;
 use crate::{ExitStatus, model};
 
-/// `infer up --engine E`: the flags become [`crate::launch::engines::EngineUpSettings`], and
-/// [`crate::launch::engines::up`] checks the hosts, starts the engine and watches it.
+/// `infer up --engine E`: the flags become [`crate::launch::serving_engines::EngineUpSettings`], and
+/// [`crate::launch::serving_engines::up`] checks the hosts, starts the engine and watches it.
 pub(super) fn run(
     args: &UpArgs,
-    engine: crate::engines::EngineKind,
+    engine: crate::serving_engines::EngineKind,
     printer: &Printer,
 ) -> Result<ExitStatus> {
     if args.plan.is_some() {
@@ -75,7 +75,7 @@ pub(super) fn run(
         (None, EngineKind::Llamacpp) => Some(up_settings::model_id(std::path::Path::new(&model))),
         (None, _) => None,
     };
-    let settings = crate::launch::engines::EngineUpSettings {
+    let settings = crate::launch::serving_engines::EngineUpSettings {
         engine,
         model,
         served_model_name,
@@ -97,7 +97,7 @@ pub(super) fn run(
         max_restarts: args.max_restarts,
         api_key: up_settings::api_key(args.api_key.as_deref(), args.api_key_file.as_deref())?,
     };
-    crate::launch::engines::up(&settings, &mut |event| match event {
+    crate::launch::serving_engines::up(&settings, &mut |event| match event {
         UpEvent::Note(text) => printer.note_or_warn(&text),
         UpEvent::Listening(_) => {}
         UpEvent::Gang(event) => report_progress_plain(printer, &event),

@@ -10,7 +10,7 @@
 //! cause, as without `--max-restarts`.
 //!
 //! [`supervise`] is the loop; a [`Supervisee`] is what it starts again: infer's rank gang
-//! ([`ranks`]) or an engine's processes ([`engines`]).
+//! ([`ranks`]) or an engine's processes ([`serving_engines`]).
 
 use std::cell::RefCell;
 use std::net::SocketAddr;
@@ -23,9 +23,9 @@ use anyhow::{Context, Result};
 use super::events::UpEvent;
 use crate::serve::front::{Front, RestartCause};
 
-pub(crate) mod engines;
 pub(crate) mod nodes;
 pub(crate) mod ranks;
+pub(crate) mod serving_engines;
 
 /// How long what serves stays stalled (past `--stall-timeout`) before it is restarted: a
 /// step that was merely slow has had `--stall-timeout` plus this to finish.

@@ -1,4 +1,4 @@
-//! Running other serving engines (vLLM, SGLang, llama.cpp) from the launches `engines/`
+//! Running other serving engines (vLLM, SGLang, llama.cpp) from the launches `serving_engines/`
 //! writes: the scripts of `infer plan --engine E --emit DIR`, and `infer up --engine E`.
 
 use std::path::{Path, PathBuf};
@@ -11,8 +11,8 @@ use anyhow::{Context, Result, bail};
 use super::Progress;
 use super::events::UpEvent;
 use crate::degrees::{DegreePins, Degrees};
-use crate::engines::{self, EngineKind, EngineLaunch, EnginePorts, EngineRequest, NodeNet};
 use crate::serve::front::{Front, RestartCause};
+use crate::serving_engines::{self, EngineKind, EngineLaunch, EnginePorts, EngineRequest, NodeNet};
 
 /// Writes one executable run script per node into `dir` (created if needed) and
 /// `launch.json` (the whole launch), and returns the scripts' paths, head first.
@@ -24,8 +24,8 @@ pub(crate) fn emit(launch: &EngineLaunch, dir: &Path) -> Result<Vec<PathBuf>> {
         .with_context(|| format!("cannot create the directory `{}`", dir.display()))?;
     let mut written = Vec::with_capacity(launch.nodes.len());
     for node in &launch.nodes {
-        let path = dir.join(engines::script_name(node));
-        std::fs::write(&path, engines::script(launch, node))
+        let path = dir.join(serving_engines::script_name(node));
+        std::fs::write(&path, serving_engines::script(launch, node))
             .with_context(|| format!("cannot write `{}`", path.display()))?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
             .with_context(|| format!("cannot make `{}` executable", path.display()))?;
@@ -40,7 +40,7 @@ pub(crate) fn emit(launch: &EngineLaunch, dir: &Path) -> Result<Vec<PathBuf>> {
 /// Everything `infer up --engine E` was asked for, validated (no clap types).
 #[derive(Clone, Debug)]
 pub(crate) struct EngineUpSettings {
-    pub engine: engines::EngineKind,
+    pub engine: serving_engines::EngineKind,
     /// What the engine loads: a path present on the hosts that need it (llama.cpp: the
     /// head's GGUF file), or a Hugging Face id already in every host's cache.
     pub model: String,
@@ -165,7 +165,7 @@ impl Hosts {
                     host: names[index].clone(),
                     address: data[index].address.to_string(),
                     ifname: Some(data[index].name.clone()),
-                    ib_gid_index: engines::roce_gid_index(&hello.topology.nics, &hcas),
+                    ib_gid_index: serving_engines::roce_gid_index(&hello.topology.nics, &hcas),
                     ib_hcas: (!hcas.is_empty()).then(|| hcas.join(",")),
                     gpus_on_host: gpus.len(),
                     gpus,
@@ -352,7 +352,7 @@ pub(crate) fn probe_engine(
             found.version = text
                 .lines()
                 .map(str::trim)
-                .find(|l| engines::Version::parse(l).is_some())
+                .find(|l| serving_engines::Version::parse(l).is_some())
                 .map(|l| l.trim_start_matches("version:").trim().to_string());
         }
         if matches!(engine, EngineKind::Vllm | EngineKind::Sglang) && k == 0 {
@@ -564,7 +564,7 @@ fn http_get_within(
 /// `/health` and `/v1/models`, and keeps gang semantics until Ctrl-C/SIGTERM (every engine
 /// process stopped) or until one exits (the rest stopped, the error names it). With
 /// `--max-restarts N` the launcher's front holds `--host:--port`, the head serves behind it
-/// on loopback, and a failure restarts every process ([`super::supervise::engines`]).
+/// on loopback, and a failure restarts every process ([`super::supervise::serving_engines`]).
 ///
 /// Errors: a host that fails preflight (named), a layout the engine cannot express, an
 /// engine process that exits or never gets healthy (with `--max-restarts`: once no
@@ -611,7 +611,7 @@ pub(crate) fn up(settings: &EngineUpSettings, events: &mut dyn FnMut(UpEvent)) -
         members: Vec::new(),
     };
     match front {
-        Some(front) => super::supervise::engines::serve(&mut run, &front, started, events),
+        Some(front) => super::supervise::serving_engines::serve(&mut run, &front, started, events),
         None => run.serve(started, events),
     }
 }
@@ -803,7 +803,7 @@ struct EngineLayout {
     /// The degrees (a PD launch: its workers' until [`generate_launch`] sets the prefill's).
     parallel: crate::plan::Parallel,
     /// Prefill/decode disaggregation's workers, when asked for.
-    pd: Option<engines::disagg::PdLayout>,
+    pd: Option<serving_engines::disagg::PdLayout>,
     /// Whether the engine runs on GPUs (llama.cpp on CPU hosts does not).
     gpu: bool,
 }
@@ -834,7 +834,7 @@ fn engine_layout(settings: &EngineUpSettings, nodes: &mut [NodeNet]) -> Result<E
             dp: 1,
             ..settings.pins.or_one()
         });
-        engines::disagg::PdLayout {
+        serving_engines::disagg::PdLayout {
             prefill: worker,
             prefill_workers: prefill,
             decode: worker,
@@ -890,7 +890,7 @@ fn engine_request(
         version: found[0]
             .version
             .as_deref()
-            .and_then(engines::Version::parse),
+            .and_then(serving_engines::Version::parse),
         model: settings.model.clone(),
         served_model_name: settings.served_model_name.clone(),
         parallel,
@@ -927,10 +927,10 @@ fn engine_request(
 fn generate_launch(
     hosts: &Hosts,
     request: &mut EngineRequest,
-    pd: Option<&engines::disagg::PdLayout>,
+    pd: Option<&serving_engines::disagg::PdLayout>,
 ) -> Result<EngineLaunch> {
     Ok(match pd {
-        None => engines::generate(request)?,
+        None => serving_engines::generate(request)?,
         Some(layout) => {
             request.parallel = layout.prefill;
             // Across hosts the workers listen on every address (the router on the first
@@ -940,7 +940,7 @@ fn generate_launch(
             if matches!(hosts, Hosts::Remote { .. }) {
                 request.http_host = "0.0.0.0".into();
             }
-            engines::disagg::generate_with_router_bind(request, layout, &router_bind)?
+            serving_engines::disagg::generate_with_router_bind(request, layout, &router_bind)?
         }
     })
 }
@@ -1046,7 +1046,7 @@ fn member_labels(launch: &EngineLaunch) -> Vec<String> {
 /// The layout line of the ready event.
 fn ready_layout(
     settings: &EngineUpSettings,
-    pd: Option<&engines::disagg::PdLayout>,
+    pd: Option<&serving_engines::disagg::PdLayout>,
     launch: &EngineLaunch,
     request: &EngineRequest,
 ) -> String {
@@ -1296,7 +1296,7 @@ impl EngineRun<'_> {
 /// and the stall under way (since when, and its line), if any.
 struct StallWatch {
     /// `None` once the head turned out to have nothing to watch.
-    progress: Option<engines::progress::ProgressWatch>,
+    progress: Option<serving_engines::progress::ProgressWatch>,
     started: Instant,
     scraped: Instant,
     stalled: Option<(Instant, String)>,
@@ -1305,7 +1305,7 @@ struct StallWatch {
 impl StallWatch {
     fn new() -> StallWatch {
         StallWatch {
-            progress: Some(engines::progress::ProgressWatch::new(0.0)),
+            progress: Some(serving_engines::progress::ProgressWatch::new(0.0)),
             started: Instant::now(),
             scraped: Instant::now(),
             stalled: None,
@@ -1339,12 +1339,12 @@ impl StallWatch {
         };
         let line = run.describe_change(&change);
         match change {
-            engines::progress::Change::Stalled { .. } => {
+            serving_engines::progress::Change::Stalled { .. } => {
                 events(UpEvent::Note(format!("warning: {line}")));
                 on_stall(Some(&line));
                 self.stalled = Some((Instant::now(), line));
             }
-            engines::progress::Change::Resumed => {
+            serving_engines::progress::Change::Resumed => {
                 events(UpEvent::Note(line));
                 on_stall(None);
                 self.stalled = None;
@@ -1385,7 +1385,7 @@ impl EngineRun<'_> {
     /// Scrapes the head's `/metrics` at `address` for its requests running and tokens
     /// generated.
     fn scrape_progress(&self, address: std::net::SocketAddr) -> Scrape {
-        let (running, tokens) = engines::progress::progress_series(self.settings.engine);
+        let (running, tokens) = serving_engines::progress::progress_series(self.settings.engine);
         match http_get_within(
             address,
             "/metrics",
@@ -1393,8 +1393,8 @@ impl EngineRun<'_> {
             Duration::from_secs(2),
         ) {
             Some((200, text)) => match (
-                engines::progress::sum_series(&text, running),
-                engines::progress::sum_series(&text, tokens),
+                serving_engines::progress::sum_series(&text, running),
+                serving_engines::progress::sum_series(&text, tokens),
             ) {
                 (Some(running), Some(tokens)) => Scrape::Counts(running, tokens),
                 _ => Scrape::Unwatchable,
@@ -1406,12 +1406,12 @@ impl EngineRun<'_> {
 
     /// The line for a stall of the head (naming its process, its host and the other
     /// processes it depends on; without the `warning: ` it is reported with) or its end.
-    fn describe_change(&self, change: &engines::progress::Change) -> String {
+    fn describe_change(&self, change: &serving_engines::progress::Change) -> String {
         let head_index = self
             .launch
             .nodes
             .iter()
-            .position(|n| n.role == engines::NodeRole::Head)
+            .position(|n| n.role == serving_engines::NodeRole::Head)
             .unwrap_or(0);
         let head = self.labels.get(head_index).cloned().unwrap_or_default();
         let others: Vec<&str> = self
@@ -1422,7 +1422,7 @@ impl EngineRun<'_> {
             .map(|(_, label)| label.as_str())
             .collect();
         match change {
-            engines::progress::Change::Stalled {
+            serving_engines::progress::Change::Stalled {
                 running,
                 quiet_secs,
                 answered,
@@ -1443,7 +1443,7 @@ impl EngineRun<'_> {
                 },
                 self.settings.stall_timeout.as_secs_f64()
             ),
-            engines::progress::Change::Resumed => {
+            serving_engines::progress::Change::Resumed => {
                 format!("`{head}` generates tokens again")
             }
         }

@@ -1,6 +1,6 @@
 //! Other serving engines — vLLM, SGLang, llama.cpp — launched with a plan's layout: the
 //! command line and environment each node runs, or the reason an engine cannot express the
-//! layout. Pure: no I/O; `launch::engines` runs what this module writes, and `infer plan
+//! layout. Pure: no I/O; `launch::serving_engines` runs what this module writes, and `infer plan
 //! --engine E --emit DIR` writes it down as one script per node.
 //!
 //! Every flag is written under its full name (both Python parsers accept abbreviations;

@@ -5,7 +5,7 @@
 //! forward to the head's). When any engine process exits or is lost, or the head's forward
 //! progress stays stalled [`STALL_GRACE`] past `--stall-timeout`, every process is stopped
 //! on every host, the start's logs, manifest and outcome go to `restart-K/`, and the same
-//! launch starts again. Must not decide the launch: [`crate::launch::engines`] does, once.
+//! launch starts again. Must not decide the launch: [`crate::launch::serving_engines`] does, once.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -14,8 +14,8 @@ use anyhow::{Result, anyhow};
 
 use super::{Attempt, Ended, Limits, Outcome, STALL_GRACE, Started, Supervisee, supervise};
 use crate::launch::GRACE_PERIOD;
-use crate::launch::engines::{EngineRun, Member, Watched, stop_members, write_outcome};
 use crate::launch::events::UpEvent;
+use crate::launch::serving_engines::{EngineRun, Member, Watched, stop_members, write_outcome};
 use crate::serve::front::{Front, RestartCause};
 
 /// Serves `run` behind `front` (already listening) and starts every engine process again
