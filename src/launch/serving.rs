@@ -213,8 +213,7 @@ fn inventory_cluster(
     settings: &UpSettings,
     events: &mut dyn FnMut(UpEvent),
 ) -> Result<crate::plan::cluster::Cluster> {
-    let mut cluster =
-        crate::inventory::load(&file.display().to_string(), std::path::Path::new("/sys"))?;
+    let mut cluster = crate::inventory::load(&file.display().to_string(), Path::new("/sys"))?;
     if cluster.hosts.iter().any(|h| h.cpu.is_some()) {
         events(UpEvent::Note(format!(
             "probing the CPU of each host of `{}` over SSH to plan for them",
