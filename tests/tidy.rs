@@ -177,7 +177,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     ("runtime", &[]),
     ("model", &["plan", "runtime/formats", "runtime/model"]),
-    ("inventory", &["topology", "plan"]),
+    ("inventory", &["topology", "plan", "runtime/exec"]),
     ("serving_engines", &["topology", "plan"]),
     ("doctor", &["topology", "plan", "runtime/collectives"]),
     (

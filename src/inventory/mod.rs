@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
 use crate::plan::cluster::{Cluster, ClusterHost, HardwareSpec};
+use crate::topology::CpuProfile;
 use crate::topology::cpu::probe_cpu;
 use crate::topology::probe::{ProbeOptions, probe_host};
 use crate::topology::{Gpu, Host, LinkCode, Topology, nvlink_domains};
@@ -197,6 +198,25 @@ pub fn synthetic_topology(hostname: &str, n_gpus: usize, spec: &HardwareSpec) ->
     }
 }
 
+/// This host's CPU as the planner needs it: [`probe_cpu`]'s figures, and the rate at which
+/// the CPU engine reads its weights in a decode step
+/// ([`crate::runtime::exec::bench::engine_decode_bytes_per_sec`]), which bounds the steps
+/// the planner predicts. About a second of every core in all.
+///
+/// Errors: as [`probe_cpu`]; the engine probe cannot allocate its model or fails a step.
+pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
+    let started = std::time::Instant::now();
+    let mut profile = probe_cpu()?;
+    let decode = crate::runtime::exec::bench::engine_decode_bytes_per_sec()
+        .context("cannot measure the CPU engine's decode step")?;
+    profile.decode_bytes_per_sec = Some(decode);
+    profile.source = format!(
+        "probed on this host in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(profile)
+}
+
 /// This host, probed. The hardware profile is matched from the GPU name; a host without
 /// GPUs is planned on its CPU: one rank per core at most, its figures probed.
 fn local(sysfs_root: &Path) -> Result<Cluster> {
@@ -204,8 +224,8 @@ fn local(sysfs_root: &Path) -> Result<Cluster> {
         sysfs_root: sysfs_root.to_path_buf(),
     })?;
     let Some(gpu_name) = host.gpus.first().and_then(|g| g.name.clone()) else {
-        let profile =
-            probe_cpu().context("this host has no NVIDIA GPUs, and its CPU could not be probed")?;
+        let profile = probe_cpu_for_planning()
+            .context("this host has no NVIDIA GPUs, and its CPU could not be probed")?;
         let max_ranks = profile.n_cores;
         return Ok(Cluster {
             description: "local".to_string(),
@@ -497,7 +517,7 @@ fn inventory(path: &Path) -> Result<Cluster> {
             let profile = match &cpu_profile {
                 Some(profile) => profile.clone(),
                 None => {
-                    let mut probed = probe_cpu().context(
+                    let mut probed = probe_cpu_for_planning().context(
                         "cannot probe this host's CPU, which stands for the inventory's CPU-rank hosts",
                     )?;
                     probed.source = format!(

@@ -353,7 +353,7 @@ impl Agent {
     fn probe_cpu(&self) {
         let output = Arc::clone(&self.output);
         std::thread::spawn(move || {
-            let frame = match crate::topology::cpu::probe_cpu() {
+            let frame = match crate::inventory::probe_cpu_for_planning() {
                 Ok(profile) => FromAgent::Cpu { profile },
                 Err(error) => FromAgent::Error {
                     rank: None,

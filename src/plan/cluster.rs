@@ -51,7 +51,8 @@ pub struct CpuHost {
 pub(crate) const SHM_TRAFFIC_PER_BYTE: f64 = 4.0;
 
 /// The figures of one of `ranks` CPU ranks of a host with `profile`: `1/ranks` of its memory,
-/// memory bandwidth (`hbm_gb_per_sec`) and compute rate (`bf16_tflops` and `fp8_tflops`: the
+/// of the rate its engine reads weights at in a decode step (`hbm_gb_per_sec`:
+/// [`CpuProfile::weight_read_bytes_per_sec`]) and of its compute rate (`bf16_tflops` and `fp8_tflops`: the
 /// CPU engine computes quantized products in f32 whatever the dtype); no NVLink; its
 /// shared-memory link as `pcie_gb_per_sec` ([`SHM_TRAFFIC_PER_BYTE`]); TCP sockets between
 /// hosts (the CPU ranks' collectives use no RDMA) as `nic_gb_per_sec`.
@@ -60,7 +61,7 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
     HardwareSpec {
         name: profile.name.clone(),
         memory_bytes: (profile.memory_bytes as f64 / ranks) as u64,
-        hbm_gb_per_sec: profile.memory_bytes_per_sec / ranks / 1e9,
+        hbm_gb_per_sec: profile.weight_read_bytes_per_sec() / ranks / 1e9,
         bf16_tflops: profile.flops_per_sec / ranks / 1e12,
         fp8_tflops: profile.flops_per_sec / ranks / 1e12,
         nvlink_gb_per_sec: 0.0,
@@ -345,7 +346,8 @@ pub(crate) fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurem
 }
 
 /// A decode measured on a CPU, on a cluster of CPU hosts: every host with that CPU (by its
-/// `/proc/cpuinfo` name) reads memory at the weight bandwidth the engine achieved, and
+/// `/proc/cpuinfo` name) reads weights at the rate the engine achieved on the real model
+/// (its shared-memory links keep the probed memory bandwidth), and
 /// computes at the rate its prefill achieved (`prefill_flops_per_sec`, when the report has
 /// it), in place of the probe's peaks. The report stands for the whole host: `infer bench
 /// decode` runs one thread per core unless `--threads` says otherwise.
@@ -399,9 +401,9 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
             .cpu
             .as_mut()
             .expect("measured_here holds for CPU hosts");
-        probed_bytes_per_sec = cpu.profile.memory_bytes_per_sec;
+        probed_bytes_per_sec = cpu.profile.weight_read_bytes_per_sec();
         probed_flops_per_sec = cpu.profile.flops_per_sec;
-        cpu.profile.memory_bytes_per_sec = report.weight_bytes_per_sec;
+        cpu.profile.decode_bytes_per_sec = Some(report.weight_bytes_per_sec);
         if let Some(flops) = flops_per_sec {
             cpu.profile.flops_per_sec = flops;
         }
@@ -453,8 +455,9 @@ mod tests {
     use crate::plan::model::{Dtype, ModelSpec};
     use crate::plan::{Objective, Outcome, Parallel, Plan, Settings, plan};
 
-    /// A host of 8 cores and 32 GiB reading memory at 20 GB/s. Its compute rate, 10¹⁵
-    /// flops/s, keeps a small model's decode bound by memory.
+    /// A host of 8 cores and 32 GiB reading memory at 20 GB/s, whose engine reads weights
+    /// at 12 GB/s in a decode step. Its compute rate, 10¹⁵ flops/s, keeps a small model's
+    /// decode bound by memory.
     fn profile() -> CpuProfile {
         CpuProfile {
             name: "Test CPU".into(),
@@ -462,6 +465,7 @@ mod tests {
             memory_bytes: 32 << 30,
             memory_bytes_per_sec: 20e9,
             flops_per_sec: 1e15,
+            decode_bytes_per_sec: Some(12e9),
             source: "made up".into(),
         }
     }
@@ -521,7 +525,8 @@ mod tests {
             let rank = cpu_rank_hardware(&profile, ranks);
             let r = ranks as f64;
             assert_eq!(rank.memory_bytes, profile.memory_bytes / ranks);
-            assert!((rank.hbm_gb_per_sec * 1e9 * r - profile.memory_bytes_per_sec).abs() < 1.0);
+            // Weights are read at the engine's measured rate, not the memory's peak.
+            assert!((rank.hbm_gb_per_sec * 1e9 * r - 12e9).abs() < 1.0);
             assert!((rank.bf16_tflops * 1e12 * r - profile.flops_per_sec).abs() < 1e3);
             assert_eq!(rank.fp8_tflops, rank.bf16_tflops);
             // Shared memory between ranks is the host's memory, whatever their count.
@@ -538,6 +543,13 @@ mod tests {
         assert_eq!((view.n_gpus(), view.min_gpus_per_host()), (6, 3));
         assert_eq!(view.slowest_hardware(), &cpu_rank_hardware(&profile, 3));
         assert_eq!(cluster.with_cpu_ranks(20).min_gpus_per_host(), 8);
+        // A profile of the hardware alone (no engine rate) reads weights at the memory's.
+        let hardware_only = CpuProfile {
+            decode_bytes_per_sec: None,
+            ..profile
+        };
+        let rank = cpu_rank_hardware(&hardware_only, 2);
+        assert!((rank.hbm_gb_per_sec * 1e9 * 2.0 - 20e9).abs() < 1.0);
     }
 
     #[test]
@@ -598,7 +610,7 @@ mod tests {
         let stage = &one.memory[0];
         // Batch 1 at the typical context (2048 of 4096 tokens), all of the host's bandwidth.
         let read_bytes = stage.weights_bytes + 2048 * stage.kv_bytes_per_token;
-        let expected = read_bytes as f64 / profile.memory_bytes_per_sec;
+        let expected = read_bytes as f64 / 12e9;
         assert!(
             (one.estimate.tpot_secs - expected).abs() < 1e-9 * expected,
             "{} vs {expected}",
@@ -706,9 +718,11 @@ mod tests {
         )
         .expect("this cluster's CPU");
         let cpu = cluster.hosts[0].cpu.as_ref().expect("a CPU host");
-        assert_eq!(cpu.profile.memory_bytes_per_sec, 5e9);
+        assert_eq!(cpu.profile.decode_bytes_per_sec, Some(5e9));
+        // The shared-memory links keep the memory's probed bandwidth.
+        assert_eq!(cpu.profile.memory_bytes_per_sec, 20e9);
         assert_eq!(cpu.profile.flops_per_sec, 3e11);
-        assert_eq!(cluster.measured.decode[0].datasheet_bytes_per_sec, 20e9);
+        assert_eq!(cluster.measured.decode[0].datasheet_bytes_per_sec, 12e9);
         // Is the decode still bound by memory at the measured compute rate? Then its time
         // grows by the ratio of the bandwidths.
         let calibrated = feasible(&spec, &cluster, dp(1));
@@ -718,7 +732,7 @@ mod tests {
         let read_bytes = (stage.weights_bytes + 2048 * stage.kv_bytes_per_token) as f64;
         assert!(read_bytes / 5e9 > flops / 3e11);
         let ratio = calibrated.estimate.tpot_secs / probed.estimate.tpot_secs;
-        assert!((ratio - 20e9 / 5e9).abs() < 1e-9, "{ratio}");
+        assert!((ratio - 12e9 / 5e9).abs() < 1e-9, "{ratio}");
         assert!(
             calibrated
                 .explain

@@ -1488,8 +1488,14 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
     let mut lines: Vec<String> = profiles
         .iter()
         .map(|p| {
+            let engine = p.decode_bytes_per_sec.map_or(String::new(), |rate| {
+                format!(
+                    ", its engine's decode step reading weights at {:.1} GB/s",
+                    rate / 1e9
+                )
+            });
             format!(
-                "each host's CPU is one device its ranks share: {}, {} cores, {:.1} GiB of memory read at {:.1} GB/s, {:.1} GFLOP/s ({})",
+                "each host's CPU is one device its ranks share: {}, {} cores, {:.1} GiB of memory read at {:.1} GB/s{engine}, {:.1} GFLOP/s ({})",
                 p.name,
                 p.n_cores,
                 gib(p.memory_bytes),

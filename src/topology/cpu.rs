@@ -46,8 +46,25 @@ pub struct CpuProfile {
     /// two). Integer dot products (the CPU engine's quantized matrix products) run at up to
     /// twice this rate, and a calibration from the engine's prefill can exceed it.
     pub flops_per_sec: f64,
+    /// The rate at which the CPU engine reads its weights in a decode step on every core,
+    /// bytes/s: its kernels' rate, which is what bounds a decode step, and may be well
+    /// below `memory_bytes_per_sec` (a host whose kernels are compute-bound). Measured by
+    /// the planner's probe of a host (`crate::inventory::probe_cpu_for_planning`) or given by
+    /// a calibration; `None` where only the hardware was probed ([`probe_cpu`]), and then
+    /// the planner reads weights at `memory_bytes_per_sec`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_bytes_per_sec: Option<f64>,
     /// How the figures were obtained (`probed on this host in 0.41 s`).
     pub source: String,
+}
+
+impl CpuProfile {
+    /// The rate a decode step reads weights at, bytes/s: the engine's measured rate when
+    /// there is one, else the memory's.
+    pub fn weight_read_bytes_per_sec(&self) -> f64 {
+        self.decode_bytes_per_sec
+            .unwrap_or(self.memory_bytes_per_sec)
+    }
 }
 
 /// Probes this host's CPU: reads its name and memory, then measures its memory bandwidth and
@@ -73,6 +90,7 @@ pub fn probe_cpu() -> Result<CpuProfile> {
         memory_bytes,
         memory_bytes_per_sec,
         flops_per_sec,
+        decode_bytes_per_sec: None,
         source: format!(
             "probed on this host in {:.2} s",
             started.elapsed().as_secs_f64()

@@ -10,10 +10,13 @@ use super::engine::Engine;
 use super::forward::{BackendModel, DecodeSpeed};
 use super::kernel_executor::model_on;
 use crate::runtime::backend::Backend;
+use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::cuda::device::Gpu;
 use crate::runtime::cuda::gpu::GpuRunner;
+use crate::runtime::model::dummy::{DummyDtype, DummyModel};
 use crate::runtime::model::llama::SequenceInput;
 use crate::runtime::model::sampling::argmax;
+use crate::runtime::model::source::ModelSource;
 
 /// A prompt of ordinary text, `prompt_tokens` long (at least one token).
 ///
@@ -203,6 +206,51 @@ pub(crate) fn kernel_profile_table(rows: &[(String, u64, f64)]) -> String {
         ));
     }
     table.join("\n")
+}
+
+/// The shape of the random model [`engine_decode_bytes_per_sec`] decodes: Llama-family
+/// layers of a 1–3B model (hidden 2048, MLP 8192, 16 query and 8 KV heads of 128), three of
+/// them, and an LM head over 8192 tokens, all Q4_0: 116 MB of weights per step, more than
+/// the private caches of any CPU, few enough that generating them takes a fraction of a
+/// second. Q4_0 is the GGUF type the CPU kernels run most often; others read at a similar
+/// rate (Q8_0 models read at 1.0–1.3× Q4_0's on a 2-core AVX-512 Xeon).
+fn engine_probe_model() -> DummyModel {
+    DummyModel {
+        name: "the CPU engine probe".into(),
+        hidden_size: 2048,
+        intermediate_size: 8192,
+        n_layers: 3,
+        n_heads: 16,
+        n_kv_heads: 8,
+        head_dim: 128,
+        vocab_size: 8192,
+        max_context_tokens: 256,
+        dtype: DummyDtype::Q4_0,
+        seed: 0,
+    }
+}
+
+/// Decode steps [`engine_decode_bytes_per_sec`] times after its warm-up step.
+const ENGINE_PROBE_STEPS: usize = 8;
+
+/// The rate at which this host's CPU engine reads its weights in a decode step, bytes/s:
+/// one sequence of a random Q4_0 Llama-shaped model ([`engine_probe_model`]) decoded on one
+/// thread per core, its weight bytes per step over the best of two timed runs of
+/// [`ENGINE_PROBE_STEPS`] steps. This is what `infer bench decode --json` reports as
+/// `weight_bytes_per_sec` for a real model, on a shape the engine always has: the kernels'
+/// rate, not the memory's peak (a host whose kernels are compute-bound reads well below it).
+/// Takes 0.3–1 s.
+///
+/// Errors: the threads or the model's memory cannot be had, or a step fails.
+pub(crate) fn engine_decode_bytes_per_sec() -> Result<f64> {
+    let engine = Engine::from_source(
+        &ModelSource::Dummy(engine_probe_model()),
+        0,
+        Numerics::default(),
+    )
+    .context("cannot build the CPU engine probe's random model")?;
+    let speed = cpu_decode(&engine, &[1, 2, 3, 4], 1, ENGINE_PROBE_STEPS, 2)?;
+    Ok(engine.model.decode_weight_bytes() as f64 * speed.decode_tokens_per_sec)
 }
 
 /// The processor's name (`/proc/cpuinfo`'s first `model name`), `unknown CPU` without one.
