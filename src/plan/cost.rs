@@ -326,7 +326,8 @@ fn stage_secs(
     let layers = stage.n_layers as f64;
     let n_moe_layers_here = moe_layers_in(spec, stage);
     let experts = expert_layer(spec, parallel, dtype, hardware, batch);
-    // Everything but the routed experts: the stage's weights less the experts it holds.
+    // Everything but the routed experts: the weights the stage reads whole in a step
+    // (not the embedding table's rows it does not look up), less the experts it holds.
     let routed_here = match &spec.moe {
         Some(_) if n_moe_layers_here > 0.0 => {
             let split = if parallel.ep > 1 { parallel.ep } else { tp } as f64;
@@ -336,7 +337,7 @@ fn stage_secs(
         }
         _ => 0.0,
     };
-    let weight_bytes = (stage.weights_bytes as f64 - routed_here).max(0.0);
+    let weight_bytes = (stage.read_per_step_bytes as f64 - routed_here).max(0.0);
     let kv_bytes = (batch * context * stage.kv_bytes_per_token) as f64;
     let memory_secs = (weight_bytes + kv_bytes) / (hardware.hbm_gb_per_sec * 1e9);
     let tflops = tensor_tflops(hardware, dtype);
@@ -520,7 +521,8 @@ pub(crate) fn prefill_secs(
             let share = stage.n_layers as f64 / spec.n_layers.max(1) as f64 / tp as f64;
             let n_moe_layers_here = moe_layers_in(spec, stage);
             let compute_secs = dense_flops * share / (tflops * 1e12);
-            let memory_secs = (stage.weights_bytes as f64 - n_moe_layers_here * routed_layer_bytes)
+            let memory_secs = (stage.read_per_step_bytes as f64
+                - n_moe_layers_here * routed_layer_bytes)
                 .max(0.0)
                 / (hardware.hbm_gb_per_sec * 1e9);
             compute_secs.max(memory_secs)

@@ -62,6 +62,11 @@ pub struct StageMemory {
     pub usable_bytes: u64,
     /// Weights resident on each GPU of this stage, bytes.
     pub weights_bytes: u64,
+    /// Of those, what a forward pass reads whole, bytes: all but an embedding table that is
+    /// not also the LM head (a step looks up only its tokens' rows of it; a tied table on a
+    /// single stage is read whole as the head).
+    #[serde(default)]
+    pub read_per_step_bytes: u64,
     /// CUDA context + NCCL buffers + peak activations, bytes.
     pub reserve_bytes: u64,
     /// What remains for the KV cache, bytes (0 when weights and reserve do not fit).
@@ -147,8 +152,12 @@ pub(crate) fn stage_memory(
             }
             // Embedding (vocab-parallel) on the first stage; LM head on the last. A tied head
             // on another stage than the embedding needs its own copy there.
+            let mut looked_up = 0.0;
             if pp_rank == 0 {
                 weights += bytes.embedding as f64 / tp as f64;
+                if !(spec.tie_word_embeddings && pp == 1) {
+                    looked_up = bytes.embedding as f64 / tp as f64;
+                }
             }
             if pp_rank == pp - 1 {
                 let head = if spec.tie_word_embeddings {
@@ -169,6 +178,7 @@ pub(crate) fn stage_memory(
                 gpu_memory_bytes,
                 usable_bytes,
                 weights_bytes,
+                read_per_step_bytes: (weights - looked_up).max(0.0) as u64,
                 reserve_bytes,
                 kv_cache_bytes,
                 kv_bytes_per_token,
@@ -246,5 +256,43 @@ mod tests {
         assert_eq!(stage_layers(30, 4), vec![(0, 8), (8, 8), (16, 7), (23, 7)]);
         let total: u64 = stage_layers(61, 7).iter().map(|(_, n)| n).sum();
         assert_eq!(total, 61);
+    }
+
+    /// A step reads every weight but the rows of an embedding table it does not look up:
+    /// Llama-3.1-8B's untied table (128256 × 4096 in bf16, 1.05 GB) is held but not read,
+    /// SmolLM2's tied table is read whole as the LM head on one stage, and with PP its first
+    /// stage holds a table it only looks up while the last reads its own copy.
+    #[test]
+    fn a_step_reads_all_weights_but_an_embedding_table_it_only_looks_up() {
+        let stages = |model: &str, tp: u64, pp: u64| {
+            let spec = crate::model::load(model).expect("a shipped profile");
+            let parallel = Parallel {
+                tp,
+                pp,
+                dp: 1,
+                ep: 1,
+            };
+            let table_bytes = spec.weight_bytes_by_part(Dtype::Bf16).embedding;
+            let stages = stage_memory(
+                &spec,
+                &parallel,
+                Dtype::Bf16,
+                Dtype::Bf16,
+                80 << 30,
+                0.9,
+                Device::Gpu,
+            );
+            (table_bytes, stages)
+        };
+        let (table, llama) = stages("llama-3.1-8b", 2, 1);
+        assert_eq!(table, 128_256 * 4096 * 2);
+        let unread = llama[0].weights_bytes - llama[0].read_per_step_bytes;
+        assert!(unread.abs_diff(table / 2) <= 1, "{unread} vs {}", table / 2);
+        let (_, smollm2) = stages("smollm2-135m", 1, 1);
+        assert_eq!(smollm2[0].read_per_step_bytes, smollm2[0].weights_bytes);
+        let (table, split) = stages("smollm2-135m", 1, 2);
+        let unread = split[0].weights_bytes - split[0].read_per_step_bytes;
+        assert!(unread.abs_diff(table) <= 1, "{unread} vs {table}");
+        assert_eq!(split[1].read_per_step_bytes, split[1].weights_bytes);
     }
 }
