@@ -230,13 +230,17 @@ fn engine_probe_model() -> DummyModel {
     }
 }
 
-/// Decode steps [`engine_decode_bytes_per_sec`] times after its warm-up step.
-const ENGINE_PROBE_STEPS: usize = 8;
+/// Decode steps of each of [`engine_decode_bytes_per_sec`]'s runs.
+const ENGINE_PROBE_STEPS: usize = 16;
+
+/// Timed runs of [`engine_decode_bytes_per_sec`] after its warm-up run; the fastest counts
+/// (on a shared VM, one run in three or four can be 30% slow).
+const ENGINE_PROBE_RUNS: usize = 3;
 
 /// The rate at which this host's CPU engine reads its weights in a decode step, bytes/s:
 /// one sequence of a random Q4_0 Llama-shaped model ([`engine_probe_model`]) decoded on one
-/// thread per core, its weight bytes per step over the best of two timed runs of
-/// [`ENGINE_PROBE_STEPS`] steps. This is what `infer bench decode --json` reports as
+/// thread per core, its weight bytes per step over the best of [`ENGINE_PROBE_RUNS`] timed
+/// runs of [`ENGINE_PROBE_STEPS`] steps. This is what `infer bench decode --json` reports as
 /// `weight_bytes_per_sec` for a real model, on a shape the engine always has: the kernels'
 /// rate, not the memory's peak (a host whose kernels are compute-bound reads well below it).
 /// Takes 0.3–1 s.
@@ -249,7 +253,13 @@ pub(crate) fn engine_decode_bytes_per_sec() -> Result<f64> {
         Numerics::default(),
     )
     .context("cannot build the CPU engine probe's random model")?;
-    let speed = cpu_decode(&engine, &[1, 2, 3, 4], 1, ENGINE_PROBE_STEPS, 2)?;
+    let speed = cpu_decode(
+        &engine,
+        &[1, 2, 3, 4],
+        1,
+        ENGINE_PROBE_STEPS,
+        ENGINE_PROBE_RUNS,
+    )?;
     Ok(engine.model.decode_weight_bytes() as f64 * speed.decode_tokens_per_sec)
 }
 
