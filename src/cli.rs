@@ -248,6 +248,11 @@ pub struct BenchServeArgs {
     /// A `.gguf` file or model directory. Default: the embedded SmolLM2 model.
     #[arg(long, value_name = "M")]
     pub model: Option<String>,
+    /// How the server loads the model: `--load-format dummy` serves random weights of its
+    /// shape (with `--plan`, the plan's model, which may be a profile such as
+    /// `llama-3.1-8b`, in the weight type nearest the plan's dtype unless `--dtype` says).
+    #[command(flatten)]
+    pub load: LoadArgs,
     /// Concurrent streams to measure, one after another [default: 1,4,16; with `--plan`,
     /// every batch the plan predicts for its layout, of which this flag keeps some].
     #[arg(long, value_name = "N,..", value_delimiter = ',')]

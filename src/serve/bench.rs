@@ -17,6 +17,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::degrees::Degrees;
 use crate::runtime::cpu::quant::Numerics;
+use crate::runtime::model::dummy::DummyDtype;
 
 /// What `infer bench serve` runs: the server's settings and the load it is driven with.
 #[derive(Clone, Debug)]
@@ -45,6 +46,18 @@ pub(crate) struct ServeBench {
     pub(crate) prefill_decode: Option<(usize, usize)>,
     /// Every request asks for exactly `max_tokens` (`ignore_eos`), as a plan's traffic does.
     pub(crate) ignore_eos: bool,
+    /// `infer up --load-format dummy`: random weights of the model's shape; `None`: the
+    /// model's own.
+    pub(crate) dummy: Option<DummyLoad>,
+}
+
+/// Random weights for the server (`infer up --load-format dummy --dtype … --num-layers …`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DummyLoad {
+    /// `--dtype`.
+    pub(crate) dtype: DummyDtype,
+    /// `--num-layers`; `None`: the model's own.
+    pub(crate) num_layers: Option<usize>,
 }
 
 /// What the streams send.
@@ -56,8 +69,9 @@ pub(crate) enum Workload {
     Mixed,
     /// A ~500-token shared system text, then a short question.
     SharedPrefix,
-    /// Prompts of about this many tokens (one word each), every one different from its
-    /// first word on, so that no prefix cache serves them: a plan's `isl`.
+    /// Prompts of exactly this many token ids ([`ids_prompt`]), every one of a sweep
+    /// different from its first token on, so that no prefix cache serves them: a plan's
+    /// `isl`.
     Tokens(usize),
 }
 
@@ -96,36 +110,45 @@ fn long_prompt(streams: usize, stream: usize, round: usize) -> String {
     text
 }
 
-/// A prompt of about `tokens` tokens: a numbered opening (a handful of tokens, different for
-/// every request), then common words of one token each.
-fn words_prompt(tokens: usize, streams: usize, stream: usize, round: usize) -> String {
-    const WORDS: [&str; 8] = [
-        " the", " day", " was", " long", " and", " the", " sky", " grey",
-    ];
-    let mut text = format!("{streams}/{stream}-{round}:");
-    for word_idx in 0..tokens.saturating_sub(6) {
-        text.push_str(WORDS[word_idx % WORDS.len()]);
-    }
-    text
+/// First id of the tokens [`ids_prompt`] opens its prompts with; every vocabulary the bench
+/// serves (the engine's GGUF and `config.json` models, random weights of a profile's shape)
+/// has ordinary tokens from 300 to [`FIRST_OPENING_ID`] + [`OPENINGS`] − 1.
+const FIRST_OPENING_ID: u32 = 1000;
+
+/// Different opening tokens: requests of one sweep open differently up to this many.
+const OPENINGS: usize = 4096;
+
+/// A prompt of exactly `tokens` token ids (at least one), whatever the model's tokenizer
+/// (a byte-level one turns a word into several tokens): an opening id that differs for
+/// each of a sweep's requests (`stream` of `streams`, round `round` of `rounds`), then ids
+/// 300–307 over and over. The completions API takes token ids as its `prompt`.
+fn ids_prompt(tokens: usize, (stream, round, rounds): (usize, usize, usize)) -> Vec<u32> {
+    let opening = FIRST_OPENING_ID + ((stream * rounds + round) % OPENINGS) as u32;
+    std::iter::once(opening)
+        .chain((0..tokens.saturating_sub(1)).map(|i| 300 + (i % 8) as u32))
+        .collect()
 }
 
-/// The prompt stream `stream` of `streams` sends in round `round` of `rounds`, and whether
-/// it is a long one.
+/// The prompt stream `stream` of `streams` sends in round `round` of `rounds` (text, or
+/// token ids for [`Workload::Tokens`]), and whether it is a long one.
 fn prompt_for(
     workload: Workload,
     (streams, stream): (usize, usize),
     (rounds, round): (usize, usize),
-) -> (String, bool) {
+) -> (serde_json::Value, bool) {
     let short = PROMPTS[(stream + round) % PROMPTS.len()];
-    match workload {
+    let (text, long) = match workload {
         Workload::Chat => (short.to_string(), false),
         Workload::Mixed if (stream * rounds + round) % 8 == 7 => {
             (long_prompt(streams, stream, round), true)
         }
         Workload::Mixed => (short.to_string(), false),
         Workload::SharedPrefix => (format!("{}\n\nTask: {short}", SYSTEM_TEXT.repeat(6)), false),
-        Workload::Tokens(tokens) => (words_prompt(tokens, streams, stream, round), false),
-    }
+        Workload::Tokens(tokens) => {
+            return (ids_prompt(tokens, (stream, round, rounds)).into(), false);
+        }
+    };
+    (text.into(), long)
 }
 
 /// One finished request as the client saw it.
@@ -192,7 +215,7 @@ pub(crate) fn run(args: &ServeBench) -> Result<Report> {
         .context("cannot start the client runtime")?;
     // One warm-up request page-faults the weights in.
     client
-        .block_on(request(&address, PROMPTS[0], 8, false, false))
+        .block_on(request(&address, &PROMPTS[0].into(), 8, false, false))
         .context("warm-up request failed")?;
     let mut rows = header_rows(args, ready_secs, numerics, max_batch);
     let measured = measure(&client, &address, args)?;
@@ -262,6 +285,12 @@ fn start_server(
     command.args(["--numerics", numerics]);
     if let Some(model) = &args.model {
         command.args(["--model", model]);
+    }
+    if let Some(dummy) = args.dummy {
+        command.args(["--load-format", "dummy", "--dtype", dummy.dtype.name()]);
+        if let Some(layers) = dummy.num_layers {
+            command.args(["--num-layers", &layers.to_string()]);
+        }
     }
     command
         .env_remove(crate::envvars::API_KEY)
@@ -336,7 +365,7 @@ fn header_rows(
                 "mixed (every 8th request ~2k tokens; TTFT/TPOT of the short ones)".to_string(),
             Workload::SharedPrefix => "shared-prefix (~500-token system text)".to_string(),
             Workload::Tokens(tokens) => format!(
-                "~{tokens}-token prompts, {} tokens each{}",
+                "{tokens}-token prompts, {} tokens each{}",
                 args.max_tokens,
                 if args.ignore_eos { " (ignore_eos)" } else { "" }
             ),
@@ -511,7 +540,7 @@ fn percentile(values: &[f64], q: f64) -> f64 {
 /// connection, a non-200 answer, an error event, or no answer within 300 s.
 async fn request(
     address: &str,
-    prompt: &str,
+    prompt: &serde_json::Value,
     max_tokens: usize,
     long: bool,
     ignore_eos: bool,
@@ -552,7 +581,7 @@ async fn get_text(address: &str, path: &str) -> Result<String> {
 
 async fn stream_completion(
     address: &str,
-    prompt: &str,
+    prompt: &serde_json::Value,
     max_tokens: usize,
     long: bool,
     ignore_eos: bool,
@@ -619,4 +648,35 @@ async fn stream_completion(
         tpot_secs,
         completion_tokens,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plan's `isl` is the prompt's length in tokens whatever the tokenizer, and no two
+    /// requests of a sweep share their first token.
+    #[test]
+    fn token_prompts_have_the_exact_length_and_open_differently() {
+        for tokens in [1, 2, 24, 1000] {
+            assert_eq!(ids_prompt(tokens, (0, 0, 1)).len(), tokens);
+        }
+        assert_eq!(ids_prompt(0, (0, 0, 1)).len(), 1);
+        let (streams, rounds) = (64, 8);
+        let mut openings: Vec<u32> = (0..streams)
+            .flat_map(|stream| (0..rounds).map(move |round| (stream, round)))
+            .map(|(stream, round)| ids_prompt(16, (stream, round, rounds))[0])
+            .collect();
+        openings.sort_unstable();
+        openings.dedup();
+        assert_eq!(openings.len(), streams * rounds);
+        let ids = ids_prompt(100, (63, 7, rounds));
+        assert!(
+            ids.iter()
+                .all(|&id| (300..FIRST_OPENING_ID + OPENINGS as u32).contains(&id))
+        );
+        let (prompt, long) = prompt_for(Workload::Tokens(24), (4, 1), (2, 1));
+        assert!(!long);
+        assert_eq!(prompt.as_array().map(Vec::len), Some(24));
+    }
 }

@@ -152,3 +152,100 @@ fn bench_serve_plan_refuses_bad_input() {
         assert!(output.stdout.is_empty(), "{args:?}");
     }
 }
+
+/// `--load-format dummy` measures a plan for a profile, which has no weights to load: the
+/// server gets random weights of the plan's model in the type nearest its dtype (int8 →
+/// Q8_0), and the comparison comes out as for a file. The plans and flags it cannot
+/// measure exit 2 naming the problem. See: #40
+#[test]
+fn bench_serve_plan_measures_a_profile_with_random_weights() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let write = |name: &str, dtype: &str| {
+        let output = run(&[
+            "plan",
+            "--json",
+            "--model",
+            "smollm2-135m",
+            "--cluster",
+            "local",
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            "512",
+            "--isl",
+            "16",
+            "--osl",
+            "4",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--dp",
+            "1",
+        ]);
+        assert_eq!(
+            output.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let path = dir.path().join(name);
+        std::fs::write(&path, &output.stdout).expect("write the plan");
+        path.display().to_string()
+    };
+    let int8 = write("int8.json", "int8");
+    let fp8 = write("fp8.json", "fp8");
+    let cases: [(&[&str], &str); 5] = [
+        (&["--plan", &int8], "add --load-format dummy"),
+        (
+            &[
+                "--plan",
+                &int8,
+                "--load-format",
+                "dummy",
+                "--num-layers",
+                "2",
+            ],
+            "cuts the model the plan is for",
+        ),
+        (
+            &["--plan", &fp8, "--load-format", "dummy"],
+            "`fp8` has no random-weight type",
+        ),
+        (&["--load-format", "dummy"], "needs --model"),
+        (&["--dtype", "q8_0"], "add --load-format dummy"),
+    ];
+    for (extra, message) in cases {
+        let mut args = vec!["bench", "serve"];
+        args.extend_from_slice(extra);
+        let output = run(&args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+        assert!(output.stdout.is_empty(), "{args:?}");
+    }
+    let concurrency = smallest_concurrency(&int8).to_string();
+    let output = run(&[
+        "bench",
+        "serve",
+        "--plan",
+        &int8,
+        "--load-format",
+        "dummy",
+        "--json",
+        "--concurrency",
+        &concurrency,
+        "--rounds",
+        "1",
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let report: Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
+    assert_eq!(report["model"], "smollm2-135m", "{report}");
+    let rows = report["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 3, "{report}");
+    for row in rows {
+        let measured = row["measured"].as_f64().expect("measured");
+        assert!(measured.is_finite() && measured > 0.0, "{row}");
+    }
+}
