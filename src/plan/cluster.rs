@@ -66,6 +66,9 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
         fp8_tflops: profile.flops_per_sec / ranks / 1e12,
         nvlink_gb_per_sec: 0.0,
         nvlink_domain_size: 1,
+        bf16_weights_gb_per_sec: profile
+            .decode_bf16_bytes_per_sec
+            .map(|rate| rate / ranks / 1e9),
         pcie_gb_per_sec: profile.memory_bytes_per_sec / SHM_TRAFFIC_PER_BYTE / 1e9,
         nic_gb_per_sec: TCP_GB_PER_SEC,
         sources: vec![profile.source.clone()],
@@ -87,6 +90,11 @@ pub struct HardwareSpec {
     pub bf16_tflops: f64,
     /// Dense fp8 tensor throughput, TFLOP/s (the bf16 figure on GPUs without fp8 units).
     pub fp8_tflops: f64,
+    /// The rate bf16 and fp16 weights are read at in a decode step, GB/s, where it is not
+    /// `hbm_gb_per_sec`: a CPU rank's (the CPU engine's bf16 products are bound by compute,
+    /// not memory); absent for GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16_weights_gb_per_sec: Option<f64>,
     /// NVLink bandwidth per GPU, GB/s, both directions together; 0 when there is none.
     pub nvlink_gb_per_sec: f64,
     /// GPUs that share one NVLink domain in the standard server (8 on NVSwitch boards, 1 without NVLink).
@@ -346,8 +354,9 @@ pub(crate) fn calibrate(cluster: &mut Cluster, name: &str, measurement: Measurem
 }
 
 /// A decode measured on a CPU, on a cluster of CPU hosts: every host with that CPU (by its
-/// `/proc/cpuinfo` name) reads weights at the rate the engine achieved on the real model
-/// (its shared-memory links keep the probed memory bandwidth), and
+/// `/proc/cpuinfo` name) reads weights at the rate the engine achieved on the real model,
+/// whatever their type (calibrate with the model you plan; its shared-memory links keep the
+/// probed memory bandwidth), and
 /// computes at the rate its prefill achieved (`prefill_flops_per_sec`, when the report has
 /// it), in place of the probe's peaks. The report stands for the whole host: `infer bench
 /// decode` runs one thread per core unless `--threads` says otherwise.
@@ -404,6 +413,7 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
         probed_bytes_per_sec = cpu.profile.weight_read_bytes_per_sec();
         probed_flops_per_sec = cpu.profile.flops_per_sec;
         cpu.profile.decode_bytes_per_sec = Some(report.weight_bytes_per_sec);
+        cpu.profile.decode_bf16_bytes_per_sec = Some(report.weight_bytes_per_sec);
         if let Some(flops) = flops_per_sec {
             cpu.profile.flops_per_sec = flops;
         }
@@ -466,6 +476,7 @@ mod tests {
             memory_bytes_per_sec: 20e9,
             flops_per_sec: 1e15,
             decode_bytes_per_sec: Some(12e9),
+            decode_bf16_bytes_per_sec: Some(3e9),
             source: "made up".into(),
         }
     }
@@ -544,12 +555,16 @@ mod tests {
         assert_eq!(view.slowest_hardware(), &cpu_rank_hardware(&profile, 3));
         assert_eq!(cluster.with_cpu_ranks(20).min_gpus_per_host(), 8);
         // A profile of the hardware alone (no engine rate) reads weights at the memory's.
+        let rank = cpu_rank_hardware(&profile, 2);
+        assert_eq!(rank.bf16_weights_gb_per_sec, Some(1.5));
         let hardware_only = CpuProfile {
             decode_bytes_per_sec: None,
+            decode_bf16_bytes_per_sec: None,
             ..profile
         };
         let rank = cpu_rank_hardware(&hardware_only, 2);
         assert!((rank.hbm_gb_per_sec * 1e9 * 2.0 - 20e9).abs() < 1.0);
+        assert_eq!(rank.bf16_weights_gb_per_sec, None);
     }
 
     #[test]
@@ -608,9 +623,10 @@ mod tests {
         let one = feasible(&spec, &cluster, dp(1));
         assert_eq!(one.device, Device::Cpu);
         let stage = &one.memory[0];
-        // Batch 1 at the typical context (2048 of 4096 tokens), all of the host's bandwidth.
-        let read_bytes = stage.weights_bytes + 2048 * stage.kv_bytes_per_token;
-        let expected = read_bytes as f64 / 12e9;
+        // Batch 1 at the typical context (2048 of 4096 tokens), all of the host's bandwidth:
+        // the profile's bf16 weights at the engine's bf16 rate, the KV cache at its rate.
+        let expected =
+            stage.weights_bytes as f64 / 3e9 + (2048 * stage.kv_bytes_per_token) as f64 / 12e9;
         assert!(
             (one.estimate.tpot_secs - expected).abs() < 1e-9 * expected,
             "{} vs {expected}",
@@ -679,7 +695,6 @@ mod tests {
         let spec = smollm2();
         let profile = profile();
         let mut cluster = cpu_cluster(1, 8, &profile);
-        let probed = feasible(&spec, &cluster, dp(1));
         let report = DecodeReport {
             bench: "decode".into(),
             model: "m.gguf".into(),
@@ -719,20 +734,22 @@ mod tests {
         .expect("this cluster's CPU");
         let cpu = cluster.hosts[0].cpu.as_ref().expect("a CPU host");
         assert_eq!(cpu.profile.decode_bytes_per_sec, Some(5e9));
+        // The measured model stands for every weight type: bf16 too.
+        assert_eq!(cpu.profile.decode_bf16_bytes_per_sec, Some(5e9));
         // The shared-memory links keep the memory's probed bandwidth.
         assert_eq!(cpu.profile.memory_bytes_per_sec, 20e9);
         assert_eq!(cpu.profile.flops_per_sec, 3e11);
         assert_eq!(cluster.measured.decode[0].datasheet_bytes_per_sec, 12e9);
-        // Is the decode still bound by memory at the measured compute rate? Then its time
-        // grows by the ratio of the bandwidths.
+        // Is the decode still bound by memory at the measured compute rate? Then it reads
+        // weights and KV cache at the measured rate.
         let calibrated = feasible(&spec, &cluster, dp(1));
         let stage = &calibrated.memory[0];
         let flops = 2.0 * spec.active_params() as f64
             + 4.0 * 2048.0 * (spec.n_heads * spec.head_dim * spec.n_layers) as f64;
         let read_bytes = (stage.weights_bytes + 2048 * stage.kv_bytes_per_token) as f64;
         assert!(read_bytes / 5e9 > flops / 3e11);
-        let ratio = calibrated.estimate.tpot_secs / probed.estimate.tpot_secs;
-        assert!((ratio - 12e9 / 5e9).abs() < 1e-9, "{ratio}");
+        let tpot = calibrated.estimate.tpot_secs;
+        assert!((tpot - read_bytes / 5e9).abs() < 1e-9 * tpot, "{tpot}");
         assert!(
             calibrated
                 .explain

@@ -339,7 +339,8 @@ fn stage_secs(
     };
     let weight_bytes = (stage.read_per_step_bytes as f64 - routed_here).max(0.0);
     let kv_bytes = (batch * context * stage.kv_bytes_per_token) as f64;
-    let memory_secs = (weight_bytes + kv_bytes) / (hardware.hbm_gb_per_sec * 1e9);
+    let memory_secs = weight_bytes / (weight_read_gb_per_sec(hardware, dtype) * 1e9)
+        + kv_bytes / (hardware.hbm_gb_per_sec * 1e9);
     let tflops = tensor_tflops(hardware, dtype);
     let routed_active = match &spec.moe {
         Some(moe) => {
@@ -432,6 +433,15 @@ fn moe_collective_secs(
         moe_layers_in(spec, stage) * allreduce_call_secs(spec, parallel.tp, links, tokens)
     } else {
         0.0
+    }
+}
+
+/// The rate a decode step reads `dtype` weights at, GB/s: the HBM's, or a CPU rank's
+/// measured rate for bf16 and fp16 weights ([`HardwareSpec::bf16_weights_gb_per_sec`]).
+fn weight_read_gb_per_sec(hardware: &HardwareSpec, dtype: Dtype) -> f64 {
+    match (dtype, hardware.bf16_weights_gb_per_sec) {
+        (Dtype::Bf16 | Dtype::Fp16, Some(rate)) => rate,
+        _ => hardware.hbm_gb_per_sec,
     }
 }
 

@@ -1489,8 +1489,11 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
         .iter()
         .map(|p| {
             let engine = p.decode_bytes_per_sec.map_or(String::new(), |rate| {
+                let bf16 = p.decode_bf16_bytes_per_sec.map_or(String::new(), |bf16| {
+                    format!(" ({:.1} GB/s in bf16)", bf16 / 1e9)
+                });
                 format!(
-                    ", its engine's decode step reading weights at {:.1} GB/s",
+                    ", its engine's decode step reading weights at {:.1} GB/s{bf16}",
                     rate / 1e9
                 )
             });

@@ -54,6 +54,11 @@ pub struct CpuProfile {
     /// the planner reads weights at `memory_bytes_per_sec`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_bytes_per_sec: Option<f64>,
+    /// The same for bf16 weights, bytes/s: the engine converts each to f32 in its products,
+    /// so that these are bound by compute, not memory. `None` where not measured, and then
+    /// bf16 and fp16 weights are read at the quantized rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_bf16_bytes_per_sec: Option<f64>,
     /// How the figures were obtained (`probed on this host in 0.41 s`).
     pub source: String,
 }
@@ -91,6 +96,7 @@ pub fn probe_cpu() -> Result<CpuProfile> {
         memory_bytes_per_sec,
         flops_per_sec,
         decode_bytes_per_sec: None,
+        decode_bf16_bytes_per_sec: None,
         source: format!(
             "probed on this host in {:.2} s",
             started.elapsed().as_secs_f64()

@@ -208,58 +208,60 @@ pub(crate) fn kernel_profile_table(rows: &[(String, u64, f64)]) -> String {
     table.join("\n")
 }
 
-/// The shape of the random model [`engine_decode_bytes_per_sec`] decodes: Llama-family
-/// layers of a 1–3B model (hidden 2048, MLP 8192, 16 query and 8 KV heads of 128), three of
-/// them, and an LM head over 8192 tokens, all Q4_0: 116 MB of weights per step, more than
-/// the private caches of any CPU, few enough that generating them takes a fraction of a
-/// second. Q4_0 is the GGUF type the CPU kernels run most often; others read at a similar
-/// rate (Q8_0 models read at 1.0–1.3× Q4_0's on a 2-core AVX-512 Xeon).
-fn engine_probe_model() -> DummyModel {
+/// The shape of the random model [`engine_decode_bytes_per_sec`] decodes in `dtype`:
+/// Llama-family layers of a 1–3B model (hidden 2048, 16 query and 8 KV heads of 128): in
+/// Q4_0 three layers with an MLP of 8192 and an LM head over 8192 tokens (116 MB of weights
+/// per step), in bf16 one layer with an MLP of 4096 and a head over 4096 tokens (92 MB) —
+/// more than the private caches of most CPUs, few enough that generating them takes a
+/// fraction of a second. Q4_0 stands for the GGUF types, which
+/// read at similar rates (Q8_0 models at 1.0–1.3× Q4_0's on a 2-core AVX-512 Xeon); bf16
+/// products convert every weight and read at a quarter of that there.
+fn engine_probe_model(dtype: DummyDtype) -> DummyModel {
+    let quantized = dtype == DummyDtype::Q4_0;
     DummyModel {
         name: "the CPU engine probe".into(),
         hidden_size: 2048,
-        intermediate_size: 8192,
-        n_layers: 3,
+        intermediate_size: if quantized { 8192 } else { 4096 },
+        n_layers: if quantized { 3 } else { 1 },
         n_heads: 16,
         n_kv_heads: 8,
         head_dim: 128,
-        vocab_size: 8192,
+        vocab_size: if quantized { 8192 } else { 4096 },
         max_context_tokens: 256,
-        dtype: DummyDtype::Q4_0,
+        dtype,
         seed: 0,
     }
 }
 
-/// Decode steps of each of [`engine_decode_bytes_per_sec`]'s runs.
-const ENGINE_PROBE_STEPS: usize = 16;
+/// Decode steps and timed runs (after a warm-up run; the fastest counts) of
+/// [`engine_decode_bytes_per_sec`]: 3 runs of 16 steps in Q4_0 (on a shared VM, one run in
+/// three or four can be 30% slow), 2 of 4 in the slower unquantized types.
+fn engine_probe_steps_and_runs(dtype: DummyDtype) -> (usize, usize) {
+    if dtype == DummyDtype::Q4_0 {
+        (16, 3)
+    } else {
+        (4, 2)
+    }
+}
 
-/// Timed runs of [`engine_decode_bytes_per_sec`] after its warm-up run; the fastest counts
-/// (on a shared VM, one run in three or four can be 30% slow).
-const ENGINE_PROBE_RUNS: usize = 3;
-
-/// The rate at which this host's CPU engine reads its weights in a decode step, bytes/s:
-/// one sequence of a random Q4_0 Llama-shaped model ([`engine_probe_model`]) decoded on one
-/// thread per core, its weight bytes per step over the best of [`ENGINE_PROBE_RUNS`] timed
-/// runs of [`ENGINE_PROBE_STEPS`] steps. This is what `infer bench decode --json` reports as
-/// `weight_bytes_per_sec` for a real model, on a shape the engine always has: the kernels'
-/// rate, not the memory's peak (a host whose kernels are compute-bound reads well below it).
-/// Takes 0.3–1 s.
+/// The rate at which this host's CPU engine reads weights of `dtype` in a decode step,
+/// bytes/s: one sequence of a random Llama-shaped model ([`engine_probe_model`]) decoded on
+/// one thread per core, its weight bytes per step over the best of a few timed runs
+/// ([`engine_probe_steps_and_runs`]). This is what `infer bench decode --json`
+/// reports as `weight_bytes_per_sec` for a real model, on a shape the engine always has:
+/// the kernels' rate, not the memory's peak (a host whose kernels are compute-bound reads
+/// well below it). Takes 0.3–1 s.
 ///
 /// Errors: the threads or the model's memory cannot be had, or a step fails.
-pub(crate) fn engine_decode_bytes_per_sec() -> Result<f64> {
+pub(crate) fn engine_decode_bytes_per_sec(dtype: DummyDtype) -> Result<f64> {
     let engine = Engine::from_source(
-        &ModelSource::Dummy(engine_probe_model()),
+        &ModelSource::Dummy(engine_probe_model(dtype)),
         0,
         Numerics::default(),
     )
     .context("cannot build the CPU engine probe's random model")?;
-    let speed = cpu_decode(
-        &engine,
-        &[1, 2, 3, 4],
-        1,
-        ENGINE_PROBE_STEPS,
-        ENGINE_PROBE_RUNS,
-    )?;
+    let (steps, runs) = engine_probe_steps_and_runs(dtype);
+    let speed = cpu_decode(&engine, &[1, 2, 3, 4], 1, steps, runs)?;
     Ok(engine.model.decode_weight_bytes() as f64 * speed.decode_tokens_per_sec)
 }
 
