@@ -48,6 +48,20 @@ fn smallest_concurrency(plan_path: &str) -> u64 {
         .expect("a point of the plan's layout")
 }
 
+/// Each `infer bench serve` with the extra arguments of `cases` exits 2 before any server
+/// starts, its stderr naming the problem (the case's message), nothing on stdout.
+fn assert_refused(cases: &[(&[&str], &str)]) {
+    for (extra, message) in cases {
+        let mut args = vec!["bench", "serve"];
+        args.extend_from_slice(extra);
+        let output = run(&args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+        assert!(output.stdout.is_empty(), "{args:?}");
+    }
+}
+
 /// The JSON has TTFT p50, TPOT p50 and tokens/s at the concurrency asked for, each with a
 /// finite predicted and measured value and `relative_error = (measured − predicted) /
 /// predicted`; it says what each side ran on.
@@ -142,15 +156,7 @@ fn bench_serve_plan_refuses_bad_input() {
             "cannot be used with",
         ),
     ];
-    for (extra, message) in cases {
-        let mut args = vec!["bench", "serve"];
-        args.extend_from_slice(extra);
-        let output = run(&args);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(stderr.contains(message), "{args:?}: {stderr}");
-        assert!(output.stdout.is_empty(), "{args:?}");
-    }
+    assert_refused(&cases);
 }
 
 /// `--load-format dummy` measures a plan for a profile, which has no weights to load: the
@@ -215,15 +221,7 @@ fn bench_serve_plan_measures_a_profile_with_random_weights() {
         (&["--load-format", "dummy"], "needs --model"),
         (&["--dtype", "q8_0"], "add --load-format dummy"),
     ];
-    for (extra, message) in cases {
-        let mut args = vec!["bench", "serve"];
-        args.extend_from_slice(extra);
-        let output = run(&args);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(stderr.contains(message), "{args:?}: {stderr}");
-        assert!(output.stdout.is_empty(), "{args:?}");
-    }
+    assert_refused(&cases);
     let concurrency = smallest_concurrency(&int8).to_string();
     let output = run(&[
         "bench",
