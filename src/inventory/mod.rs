@@ -10,7 +10,6 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
 use crate::plan::cluster::{Cluster, ClusterHost, HardwareSpec};
-use crate::runtime::model::dummy::DummyDtype;
 use crate::topology::CpuProfile;
 use crate::topology::cpu::probe_cpu;
 use crate::topology::probe::{ProbeOptions, probe_host};
@@ -201,19 +200,17 @@ pub fn synthetic_topology(hostname: &str, n_gpus: usize, spec: &HardwareSpec) ->
 
 /// This host's CPU as the planner needs it: [`probe_cpu`]'s figures, and the rates at which
 /// the CPU engine reads quantized and bf16 weights in a decode step
-/// ([`crate::runtime::exec::bench::engine_decode_bytes_per_sec`]), which bound the steps
+/// ([`crate::runtime::exec::bench::engine_decode_rates`]), which bound the steps
 /// the planner predicts. One to two seconds of every core in all.
 ///
 /// Errors: as [`probe_cpu`]; the engine probe cannot allocate its model or fails a step.
 pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
     let started = std::time::Instant::now();
     let mut profile = probe_cpu()?;
-    let rate = |dtype| {
-        crate::runtime::exec::bench::engine_decode_bytes_per_sec(dtype)
-            .context("cannot measure the CPU engine's decode step")
-    };
-    profile.decode_bytes_per_sec = Some(rate(DummyDtype::Q4_0)?);
-    profile.decode_bf16_bytes_per_sec = Some(rate(DummyDtype::Bf16)?);
+    let (quantized, bf16) = crate::runtime::exec::bench::engine_decode_rates()
+        .context("cannot measure the CPU engine's decode step")?;
+    profile.decode_bytes_per_sec = Some(quantized);
+    profile.decode_bf16_bytes_per_sec = Some(bf16);
     profile.source = format!(
         "probed on this host in {:.2} s",
         started.elapsed().as_secs_f64()

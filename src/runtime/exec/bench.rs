@@ -253,7 +253,7 @@ fn engine_probe_steps_and_runs(dtype: DummyDtype) -> (usize, usize) {
 /// well below it). Takes 0.3–1 s.
 ///
 /// Errors: the threads or the model's memory cannot be had, or a step fails.
-pub(crate) fn engine_decode_bytes_per_sec(dtype: DummyDtype) -> Result<f64> {
+fn engine_decode_bytes_per_sec(dtype: DummyDtype) -> Result<f64> {
     let engine = Engine::from_source(
         &ModelSource::Dummy(engine_probe_model(dtype)),
         0,
@@ -263,6 +263,15 @@ pub(crate) fn engine_decode_bytes_per_sec(dtype: DummyDtype) -> Result<f64> {
     let (steps, runs) = engine_probe_steps_and_runs(dtype);
     let speed = cpu_decode(&engine, &[1, 2, 3, 4], 1, steps, runs)?;
     Ok(engine.model.decode_weight_bytes() as f64 * speed.decode_tokens_per_sec)
+}
+
+/// [`engine_decode_bytes_per_sec`] of the quantized (Q4_0) and the bf16 probe models, in
+/// that order, bytes/s. Errors: as [`engine_decode_bytes_per_sec`].
+pub(crate) fn engine_decode_rates() -> Result<(f64, f64)> {
+    Ok((
+        engine_decode_bytes_per_sec(DummyDtype::Q4_0)?,
+        engine_decode_bytes_per_sec(DummyDtype::Bf16)?,
+    ))
 }
 
 /// The processor's name (`/proc/cpuinfo`'s first `model name`), `unknown CPU` without one.
