@@ -396,6 +396,32 @@ pub struct LoadArgs {
     pub num_layers: Option<usize>,
 }
 
+impl LoadArgs {
+    /// With `--load-format dummy`, the random weights' type (default bf16) and layer count
+    /// (`None`: the model's own); `None` with `auto`.
+    ///
+    /// Errors: `--dtype` or `--num-layers` without `--load-format dummy`.
+    pub fn dummy(
+        &self,
+    ) -> anyhow::Result<Option<(crate::runtime::model::dummy::DummyDtype, Option<usize>)>> {
+        match self.load_format {
+            LoadFormatArg::Auto => {
+                if self.dtype.is_some() || self.num_layers.is_some() {
+                    anyhow::bail!(
+                        "--dtype and --num-layers shape random weights: add --load-format dummy (a model file's weights keep their own type and layers)"
+                    );
+                }
+                Ok(None)
+            }
+            LoadFormatArg::Dummy => Ok(Some((
+                self.dtype
+                    .map_or(crate::runtime::model::dummy::DummyDtype::Bf16, Into::into),
+                self.num_layers,
+            ))),
+        }
+    }
+}
+
 /// `--load-format`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum LoadFormatArg {

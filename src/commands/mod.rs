@@ -79,22 +79,11 @@ fn model_source(
     progress: &mut dyn FnMut(&str),
 ) -> anyhow::Result<crate::runtime::model::source::ModelSource> {
     use crate::runtime::model::source::ModelSource;
-    let (model, load) = (model_args.path.as_deref(), &model_args.load);
-    match load.load_format {
-        crate::cli::LoadFormatArg::Auto => {
-            if load.dtype.is_some() || load.num_layers.is_some() {
-                anyhow::bail!(
-                    "--dtype and --num-layers shape random weights: add --load-format dummy (a model file's weights keep their own type and layers)"
-                );
-            }
-            crate::model::weights_path(model, progress).map(ModelSource::File)
+    let model = model_args.path.as_deref();
+    match model_args.load.dummy()? {
+        None => crate::model::weights_path(model, progress).map(ModelSource::File),
+        Some((dtype, num_layers)) => {
+            crate::model::dummy(model, dtype, num_layers).map(ModelSource::Dummy)
         }
-        crate::cli::LoadFormatArg::Dummy => crate::model::dummy(
-            model,
-            load.dtype
-                .map_or(crate::runtime::model::dummy::DummyDtype::Bf16, Into::into),
-            load.num_layers,
-        )
-        .map(ModelSource::Dummy),
     }
 }

@@ -6,9 +6,8 @@
 use anyhow::{Result, bail};
 
 use crate::ExitStatus;
-use crate::cli::{BenchServeArgs, LoadFormatArg, Workload};
+use crate::cli::{BenchServeArgs, Workload};
 use crate::degrees::Degrees;
-use crate::runtime::model::dummy::DummyDtype;
 use crate::serve::bench::{self, DummyLoad, ServeBench};
 use crate::ui::Printer;
 
@@ -59,27 +58,15 @@ pub(super) fn common_settings(args: &BenchServeArgs) -> Result<ServeBench> {
             bail!("{flag} must be at least 1");
         }
     }
-    let dummy = match args.load.load_format {
-        LoadFormatArg::Auto => {
-            if args.load.dtype.is_some() || args.load.num_layers.is_some() {
-                bail!(
-                    "--dtype and --num-layers shape random weights: add --load-format dummy (a model file's weights keep their own type and layers)"
-                );
-            }
-            None
-        }
-        LoadFormatArg::Dummy => {
-            if args.model.is_none() && args.plan.is_none() {
-                bail!(
-                    "--load-format dummy needs --model (a profile name such as `llama-3.1-8b`, a `config.json` directory or a GGUF file) or --plan, whose shape the random weights take"
-                );
-            }
-            Some(DummyLoad {
-                dtype: args.load.dtype.map_or(DummyDtype::Bf16, Into::into),
-                num_layers: args.load.num_layers,
-            })
-        }
-    };
+    let dummy = args
+        .load
+        .dummy()?
+        .map(|(dtype, num_layers)| DummyLoad { dtype, num_layers });
+    if dummy.is_some() && args.model.is_none() && args.plan.is_none() {
+        bail!(
+            "--load-format dummy needs --model (a profile name such as `llama-3.1-8b`, a `config.json` directory or a GGUF file) or --plan, whose shape the random weights take"
+        );
+    }
     Ok(ServeBench {
         model: args.model.clone(),
         concurrency: vec![1],
