@@ -145,6 +145,15 @@ pub struct DecodeReport {
     pub decode_weight_bytes: u64,
     /// `decode_weight_bytes / decode_step_secs`, bytes/s (KV cache reads not counted).
     pub weight_bytes_per_sec: f64,
+    /// KV-cache bytes an average step of the timed loop reads: every sequence's keys and
+    /// values at `prompt_tokens + decode_tokens / 2` positions, bytes. Absent from older
+    /// reports and from GPU runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_kv_bytes: Option<u64>,
+    /// The model's KV heads: each layer's decode attention runs `batch · kv_heads` tasks on
+    /// the `threads`. Absent from older reports and from GPU runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<usize>,
     pub peak_rss_bytes: u64,
     /// GPU memory in use after the run (`--device cuda`), bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -511,6 +520,8 @@ mod tests {
             decode_step_secs: 0.01,
             decode_weight_bytes: 1_000_000_000,
             weight_bytes_per_sec: 2e11,
+            decode_kv_bytes: None,
+            kv_heads: None,
             peak_rss_bytes: 0,
             gpu_memory_used_bytes: None,
             hbm_bytes_per_sec: None,

@@ -340,7 +340,7 @@ fn stage_secs(
     let weight_bytes = (stage.read_per_step_bytes as f64 - routed_here).max(0.0);
     let kv_bytes = (batch * context * stage.kv_bytes_per_token) as f64;
     let memory_secs = weight_bytes / (weight_read_gb_per_sec(hardware, dtype) * 1e9)
-        + kv_bytes / (hardware.hbm_gb_per_sec * 1e9);
+        + kv_read_secs(spec, tp, hardware, batch, kv_bytes);
     let tflops = tensor_tflops(hardware, dtype);
     let routed_active = match &spec.moe {
         Some(moe) => {
@@ -442,6 +442,28 @@ fn weight_read_gb_per_sec(hardware: &HardwareSpec, dtype: Dtype) -> f64 {
     match (dtype, hardware.bf16_weights_gb_per_sec) {
         (Dtype::Bf16 | Dtype::Fp16, Some(rate)) => rate,
         _ => hardware.hbm_gb_per_sec,
+    }
+}
+
+/// Seconds a decode step of `batch` sequences per replica takes to read `kv_bytes` of KV
+/// cache on one rank: at `hbm_gb_per_sec` on a GPU; on a CPU rank at its attention's rate
+/// ([`CpuAttention`](super::cluster::CpuAttention)) times the share of its threads that
+/// `batch · kv_heads_per_rank(tp)` tasks keep busy
+/// ([`attention_occupancy`](crate::topology::cpu::attention_occupancy)).
+pub(crate) fn kv_read_secs(
+    spec: &ModelSpec,
+    tp: u64,
+    hardware: &HardwareSpec,
+    batch: u64,
+    kv_bytes: f64,
+) -> f64 {
+    match hardware.cpu_attention {
+        Some(attention) => {
+            let tasks = batch * spec.kv_heads_per_rank(tp);
+            let occupancy = crate::topology::cpu::attention_occupancy(tasks, attention.threads);
+            kv_bytes / (attention.kv_gb_per_sec * 1e9 * occupancy)
+        }
+        None => kv_bytes / (hardware.hbm_gb_per_sec * 1e9),
     }
 }
 

@@ -1492,8 +1492,14 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
                 let bf16 = p.decode_bf16_bytes_per_sec.map_or(String::new(), |bf16| {
                     format!(" ({:.1} GB/s in bf16)", bf16 / 1e9)
                 });
+                let kv = p.decode_kv_bytes_per_sec.map_or(String::new(), |kv| {
+                    format!(
+                        " and the KV cache at {:.1} GB/s (every thread busy with a (sequence, KV head))",
+                        kv / 1e9
+                    )
+                });
                 format!(
-                    ", its engine's decode step reading weights at {:.1} GB/s{bf16}",
+                    ", its engine's decode step reading weights at {:.1} GB/s{bf16}{kv}",
                     rate / 1e9
                 )
             });

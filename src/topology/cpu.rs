@@ -59,6 +59,13 @@ pub struct CpuProfile {
     /// bf16 and fp16 weights are read at the quantized rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_bf16_bytes_per_sec: Option<f64>,
+    /// The rate at which the CPU engine's decode attention reads the KV cache on every core,
+    /// bytes/s, with a task for every thread ([`attention_occupancy`] 1): it converts each f16
+    /// key and value and works one (sequence, KV head) per task, well below the weights'
+    /// rate. Measured by the planner's probe; `None` where not measured, and then the KV
+    /// cache is read at the weights' rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_kv_bytes_per_sec: Option<f64>,
     /// How the figures were obtained (`probed on this host in 0.41 s`).
     pub source: String,
 }
@@ -70,6 +77,16 @@ impl CpuProfile {
         self.decode_bytes_per_sec
             .unwrap_or(self.memory_bytes_per_sec)
     }
+}
+
+/// The busy share of `threads` threads over a layer's decode attention of `tasks` tasks,
+/// 0 to 1: the CPU engine runs one task per (sequence, KV head) of a layer
+/// (`runtime::model::llama::Llama::attend`), each on one thread, and the layer ends with its
+/// last round of `ceil(tasks / threads)`: `tasks / (rounds · threads)`. One sequence of a
+/// model with 3 KV heads on 2 threads keeps them busy 3/4 of the time.
+pub fn attention_occupancy(tasks: u64, threads: u64) -> f64 {
+    let (tasks, threads) = (tasks.max(1), threads.max(1));
+    tasks as f64 / (tasks.div_ceil(threads) * threads) as f64
 }
 
 /// Probes this host's CPU: reads its name and memory, then measures its memory bandwidth and
@@ -97,6 +114,7 @@ pub fn probe_cpu() -> Result<CpuProfile> {
         flops_per_sec,
         decode_bytes_per_sec: None,
         decode_bf16_bytes_per_sec: None,
+        decode_kv_bytes_per_sec: None,
         source: format!(
             "probed on this host in {:.2} s",
             started.elapsed().as_secs_f64()
@@ -296,5 +314,18 @@ mod tests {
             (fast - portable).abs() <= 1e-3 * portable.abs(),
             "{fast} vs {portable}"
         );
+    }
+
+    #[test]
+    fn attention_occupancy_counts_the_idle_threads_of_the_last_round() {
+        // SmolLM2 (3 KV heads), one sequence, 2 threads: two rounds, 3 of 4 slots busy.
+        assert_eq!(attention_occupancy(3, 2), 0.75);
+        // Four sequences: 12 tasks fill 6 rounds of 2.
+        assert_eq!(attention_occupancy(12, 2), 1.0);
+        // Llama's 8 KV heads on 64 threads: one round, 8 of 64 busy.
+        assert_eq!(attention_occupancy(8, 64), 0.125);
+        // One thread is always busy; no tasks count as one.
+        assert_eq!(attention_occupancy(5, 1), 1.0);
+        assert_eq!(attention_occupancy(0, 4), 0.25);
     }
 }

@@ -736,16 +736,22 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
     }
     if cores >= 2 {
         // Two replicas split the host: each reads its weights at half the bandwidth and
-        // computes at half the rate, so a step takes twice as long (TP 1: no collective).
+        // computes at half the rate (TP 1: no collective), so a step takes up to twice as
+        // long — less where one sequence's attention left threads idle (SmolLM2's 3 KV heads
+        // on 2 or more threads), which the second replica puts to work.
         let one = tpot_of(&plan, (1, 1, 1)).expect("DP 1 considered");
         let two = tpot_of(&plan, (1, 1, 2)).expect("DP 2 considered");
-        assert!((two / one - 2.0).abs() < 1e-9, "{two} vs {one}");
+        assert!(
+            two > one && two <= 2.0 * one * (1.0 + 1e-9),
+            "{two} vs {one}"
+        );
     }
     let text = stdout_ok(&run(&["plan", "--cluster", "local", "--explain"]));
     assert!(
         text.contains("each host's CPU is one device its ranks share")
             && text.contains("probed on this host")
             && text.contains("its engine's decode step reading weights at")
+            && text.contains("and the KV cache at")
             && text.contains("memory per rank")
             && text.contains("infer up --tp")
             && !text.contains("vllm serve")

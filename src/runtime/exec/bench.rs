@@ -14,6 +14,7 @@ use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::cuda::device::Gpu;
 use crate::runtime::cuda::gpu::GpuRunner;
 use crate::runtime::model::dummy::{DummyDtype, DummyModel};
+use crate::runtime::model::kv::KvTransfer;
 use crate::runtime::model::llama::SequenceInput;
 use crate::runtime::model::sampling::argmax;
 use crate::runtime::model::source::ModelSource;
@@ -209,13 +210,15 @@ pub(crate) fn kernel_profile_table(rows: &[(String, u64, f64)]) -> String {
 }
 
 /// The shape of the random model [`engine_decode_bytes_per_sec`] decodes in `dtype`:
-/// Llama-family layers of a 1–3B model (hidden 2048, 16 query and 8 KV heads of 128): in
-/// Q4_0 three layers with an MLP of 8192 and an LM head over 8192 tokens (116 MB of weights
-/// per step), in bf16 one layer with an MLP of 4096 and a head over 4096 tokens (92 MB) —
-/// more than the private caches of most CPUs, few enough that generating them takes a
-/// fraction of a second. Q4_0 stands for the GGUF types, which
-/// read at similar rates (Q8_0 models at 1.0–1.3× Q4_0's on a 2-core AVX-512 Xeon); bf16
-/// products convert every weight and read at a quarter of that there.
+/// Llama-family layers of a 1–3B model (hidden 2048, 16 query and 8 KV heads of 128, as
+/// Llama 3 8B–405B, Mistral and Qwen2.5 have them): in Q4_0 three layers with an MLP of 8192
+/// and an LM head over 8192 tokens (116 MB of weights per step), in bf16 one layer with an
+/// MLP of 4096 and a head over 4096 tokens (92 MB) — more than the private caches of most
+/// CPUs, few enough that generating them takes a fraction of a second. Q4_0 stands for the
+/// GGUF types, which read at similar rates (Q8_0 models at 1.0–1.3× Q4_0's on a 2-core
+/// AVX-512 Xeon); bf16 products convert every weight and read at a quarter of that there.
+/// The Q4_0 model holds [`KV_PROBE_CONTEXT`] tokens of context for
+/// [`engine_kv_read_bytes_per_sec`].
 fn engine_probe_model(dtype: DummyDtype) -> DummyModel {
     let quantized = dtype == DummyDtype::Q4_0;
     DummyModel {
@@ -227,7 +230,11 @@ fn engine_probe_model(dtype: DummyDtype) -> DummyModel {
         n_kv_heads: 8,
         head_dim: 128,
         vocab_size: if quantized { 8192 } else { 4096 },
-        max_context_tokens: 256,
+        max_context_tokens: if quantized {
+            KV_PROBE_CONTEXT + 64
+        } else {
+            256
+        },
         dtype,
         seed: 0,
     }
@@ -244,34 +251,155 @@ fn engine_probe_steps_and_runs(dtype: DummyDtype) -> (usize, usize) {
     }
 }
 
-/// The rate at which this host's CPU engine reads weights of `dtype` in a decode step,
-/// bytes/s: one sequence of a random Llama-shaped model ([`engine_probe_model`]) decoded on
-/// one thread per core, its weight bytes per step over the best of a few timed runs
-/// ([`engine_probe_steps_and_runs`]). This is what `infer bench decode --json`
-/// reports as `weight_bytes_per_sec` for a real model, on a shape the engine always has:
-/// the kernels' rate, not the memory's peak (a host whose kernels are compute-bound reads
-/// well below it). Takes 0.3–1 s.
+/// The CPU engine's probe model in `dtype` ([`engine_probe_model`]) on one thread per core.
 ///
-/// Errors: the threads or the model's memory cannot be had, or a step fails.
-fn engine_decode_bytes_per_sec(dtype: DummyDtype) -> Result<f64> {
-    let engine = Engine::from_source(
+/// Errors: the threads or the model's memory cannot be had.
+fn engine_probe(dtype: DummyDtype) -> Result<Engine> {
+    Engine::from_source(
         &ModelSource::Dummy(engine_probe_model(dtype)),
         0,
         Numerics::default(),
     )
-    .context("cannot build the CPU engine probe's random model")?;
-    let (steps, runs) = engine_probe_steps_and_runs(dtype);
-    let speed = cpu_decode(&engine, &[1, 2, 3, 4], 1, steps, runs)?;
-    Ok(engine.model.decode_weight_bytes() as f64 * speed.decode_tokens_per_sec)
+    .context("cannot build the CPU engine probe's random model")
 }
 
-/// [`engine_decode_bytes_per_sec`] of the quantized (Q4_0) and the bf16 probe models, in
-/// that order, bytes/s. Errors: as [`engine_decode_bytes_per_sec`].
-pub(crate) fn engine_decode_rates() -> Result<(f64, f64)> {
+/// The rate at which this host's CPU engine reads the weights of `engine` (an
+/// [`engine_probe`]) in a decode step, bytes/s, and the step's time in seconds: one sequence
+/// decoded after a 4-token prompt, its weight bytes per step over the best of a few timed
+/// runs ([`engine_probe_steps_and_runs`]). This is what `infer bench decode --json`
+/// reports as `weight_bytes_per_sec` for a real model, on a shape the engine always has:
+/// the kernels' rate, not the memory's peak (a host whose kernels are compute-bound reads
+/// well below it). Takes 0.3–1 s.
+///
+/// Errors: a step fails.
+fn engine_decode_bytes_per_sec(engine: &Engine, dtype: DummyDtype) -> Result<(f64, f64)> {
+    let (steps, runs) = engine_probe_steps_and_runs(dtype);
+    let speed = cpu_decode(engine, &[1, 2, 3, 4], 1, steps, runs)?;
+    let step_secs = 1.0 / speed.decode_tokens_per_sec;
     Ok((
-        engine_decode_bytes_per_sec(DummyDtype::Q4_0)?,
-        engine_decode_bytes_per_sec(DummyDtype::Bf16)?,
+        engine.model.decode_weight_bytes() as f64 / step_secs,
+        step_secs,
     ))
+}
+
+/// Tokens of context [`engine_kv_read_bytes_per_sec`] decodes after: 24 MiB of the probe
+/// model's KV cache, enough to take milliseconds to read at any CPU's rate.
+const KV_PROBE_CONTEXT: usize = 2048;
+
+/// What [`engine_kv_read_bytes_per_sec`] measured: the rate, and the parallelism it had.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct KvReadRate {
+    /// KV-cache bytes per second the decode attention read, bytes/s.
+    pub(crate) bytes_per_sec: f64,
+    /// Attention tasks of each layer: one per (sequence, KV head), which is how
+    /// `Llama::attend` splits its work.
+    pub(crate) tasks: usize,
+    /// Threads they ran on.
+    pub(crate) threads: usize,
+}
+
+/// The rate at which this host's CPU engine reads the KV cache in decode attention, bytes/s:
+/// one sequence of the Q4_0 [`engine_probe`] decoded 8 steps after [`KV_PROBE_CONTEXT`]
+/// tokens of random keys and values (imported, as a decode replica takes a prefill's, so
+/// that no prompt is computed), best of 2 runs; its extra KV bytes per step over its extra
+/// time per step against `short_step_secs`, the step of [`engine_decode_bytes_per_sec`]
+/// after 4 tokens. The weights stream through the caches between one layer's reads of its
+/// cache and the next step's, as in a real model. Attention converts each f16 key and value
+/// and splits one sequence's work only over its KV heads, so this is below the weights'
+/// rate. Takes 0.1–0.3 s.
+///
+/// Errors: a step fails; a host so busy that the long context's steps came out no slower.
+fn engine_kv_read_bytes_per_sec(engine: &Engine, short_step_secs: f64) -> Result<KvReadRate> {
+    let model = &engine.model;
+    let (n_layers, n_kv_heads, head_dim) = (
+        model.layers.len(),
+        model.kv_heads_held(),
+        model.config.head_dim,
+    );
+    // Keys and values of ±0.5 at most: softmax stays finite whatever the query.
+    let values: Vec<u16> = (0..n_layers * 2 * n_kv_heads * KV_PROBE_CONTEXT * head_dim)
+        .map(|i| {
+            let unit = (i.wrapping_mul(2_654_435_761) % 2001) as f32 / 2000.0 - 0.5;
+            half::f16::from_f32(unit).to_bits()
+        })
+        .collect();
+    let transfer = KvTransfer {
+        tokens: (0..KV_PROBE_CONTEXT as u32).map(|t| 1 + t % 1000).collect(),
+        first_position: 0,
+        prompt_tokens: KV_PROBE_CONTEXT,
+        layers: 0..n_layers,
+        n_kv_heads,
+        head_dim,
+        values,
+    };
+    let (steps, runs) = (8, 2);
+    let mut long_step_secs = f64::INFINITY;
+    for run in 0..=runs {
+        let secs = engine.install(|| -> Result<f64> {
+            let mut cache = model.new_cache();
+            cache.import(&transfer)?;
+            cache.finish_import();
+            let mut token = 1;
+            let start = Instant::now();
+            for _ in 0..steps {
+                let logits = model.forward(&mut [SequenceInput {
+                    tokens: std::slice::from_ref(&token),
+                    cache: &mut cache,
+                    all_logits: false,
+                }])?;
+                token = argmax(&logits[0]);
+            }
+            Ok(start.elapsed().as_secs_f64() / steps as f64)
+        })?;
+        if run > 0 {
+            long_step_secs = long_step_secs.min(secs);
+        }
+    }
+    // The short step attended to ~12 positions, the long one to ~2052.
+    let extra_bytes = (KV_PROBE_CONTEXT - 8) as f64 * model.kv_bytes_per_token() as f64;
+    let extra_secs = long_step_secs - short_step_secs;
+    anyhow::ensure!(
+        extra_secs > 0.0,
+        "the attention probe's steps over {KV_PROBE_CONTEXT} tokens of context were no slower than over 4 ({:.3} against {:.3} ms): the host was too busy to measure",
+        long_step_secs * 1e3,
+        short_step_secs * 1e3
+    );
+    Ok(KvReadRate {
+        bytes_per_sec: extra_bytes / extra_secs,
+        tasks: n_kv_heads,
+        threads: engine.threads(),
+    })
+}
+
+/// The CPU engine's rates in a decode step on this host: what the planner's CPU probe
+/// (`inventory::probe_cpu_for_planning`) adds to the hardware's figures.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct EngineRates {
+    /// [`engine_decode_bytes_per_sec`] of the Q4_0 probe model, bytes/s.
+    pub(crate) weights_bytes_per_sec: f64,
+    /// The same of the bf16 probe model, bytes/s.
+    pub(crate) bf16_weights_bytes_per_sec: f64,
+    /// [`engine_kv_read_bytes_per_sec`].
+    pub(crate) kv: KvReadRate,
+}
+
+/// [`EngineRates`] of this host: 1–2 s of every core.
+///
+/// Errors: as [`engine_probe`], [`engine_decode_bytes_per_sec`] and
+/// [`engine_kv_read_bytes_per_sec`].
+pub(crate) fn engine_decode_rates() -> Result<EngineRates> {
+    let quantized = engine_probe(DummyDtype::Q4_0)?;
+    let (weights_bytes_per_sec, short_step_secs) =
+        engine_decode_bytes_per_sec(&quantized, DummyDtype::Q4_0)?;
+    let kv = engine_kv_read_bytes_per_sec(&quantized, short_step_secs)?;
+    drop(quantized);
+    let (bf16_weights_bytes_per_sec, _) =
+        engine_decode_bytes_per_sec(&engine_probe(DummyDtype::Bf16)?, DummyDtype::Bf16)?;
+    Ok(EngineRates {
+        weights_bytes_per_sec,
+        bf16_weights_bytes_per_sec,
+        kv,
+    })
 }
 
 /// The processor's name (`/proc/cpuinfo`'s first `model name`), `unknown CPU` without one.

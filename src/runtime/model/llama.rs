@@ -473,6 +473,18 @@ impl Llama {
         self.output.set_numerics(numerics);
     }
 
+    /// KV-cache bytes one token of context takes in this shard: the f16 key and value of
+    /// each KV head it holds, in each of its layers. Bytes.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.layers.len() * self.kv_heads_held() * self.config.head_dim * 2 * 2
+    }
+
+    /// KV heads this shard holds: with the sequences of a step, the tasks of each layer's
+    /// decode attention.
+    pub fn kv_heads_held(&self) -> usize {
+        TpCut::new(&self.config, self.shard.tp_rank, self.shard.tp.max(1)).kv_heads
+    }
+
     /// Weight bytes one decode step of one sequence reads: every layer's attention
     /// matrices, its dense MLP or its router and `top_k` of its experts (the ones held),
     /// and the LM head; the token embedding only looks up a row. Bytes.
