@@ -133,7 +133,7 @@ fn resolve_layout(settings: &UpSettings, events: &mut dyn FnMut(UpEvent)) -> Res
         match crate::plan::plan(&spec, &cluster, &crate::plan::Settings::default()) {
             crate::plan::Outcome::Feasible(plan) => {
                 let layout = Layout {
-                    degrees: plan.parallel.degrees(),
+                    degrees: plan.parallel,
                     from: format!("the plan for `{}`", file.display()),
                     pd_prefill: None,
                     gpus: None,
@@ -266,7 +266,7 @@ fn layout_of(
         let layout = Layout {
             degrees: Degrees {
                 dp: (d.prefill_workers + d.decode_workers) as usize,
-                ..a.degrees()
+                ..a
             },
             from: format!("{what} (disaggregated)"),
             pd_prefill: Some(d.prefill_workers as usize),
@@ -285,7 +285,7 @@ fn layout_of(
         return Ok(layout);
     }
     let layout = Layout {
-        degrees: plan.parallel.degrees(),
+        degrees: plan.parallel,
         from: what.to_string(),
         pd_prefill: None,
         // A plan of CPU ranks names no GPU.

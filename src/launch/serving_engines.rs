@@ -801,7 +801,7 @@ fn probe_hosts(
 /// The layout of an engine launch, as [`engine_layout`] chose it.
 struct EngineLayout {
     /// The degrees (a PD launch: its workers' until [`generate_launch`] sets the prefill's).
-    parallel: crate::plan::Parallel,
+    parallel: Degrees,
     /// Prefill/decode disaggregation's workers, when asked for.
     pd: Option<serving_engines::disagg::PdLayout>,
     /// Whether the engine runs on GPUs (llama.cpp on CPU hosts does not).
@@ -830,10 +830,10 @@ fn engine_layout(settings: &EngineUpSettings, nodes: &mut [NodeNet]) -> Result<E
     // Disaggregated: each worker is `--tp × --pp` GPUs (1 × 1 unless given), placed by
     // `disagg::generate` on the hosts' GPUs in order.
     let pd = settings.pd.map(|(prefill, decode)| {
-        let worker = crate::plan::Parallel::from(Degrees {
+        let worker = Degrees {
             dp: 1,
             ..settings.pins.or_one()
-        });
+        };
         serving_engines::disagg::PdLayout {
             prefill: worker,
             prefill_workers: prefill,
@@ -853,7 +853,6 @@ fn engine_layout(settings: &EngineUpSettings, nodes: &mut [NodeNet]) -> Result<E
         pp: settings.pins.pp.unwrap_or(n_hosts),
         ..settings.pins.or_one()
     };
-    let parallel = crate::plan::Parallel::from(degrees);
     if gpu && pd.is_none() {
         let per_node = degrees.world_size() / n_hosts.max(1);
         if !degrees.world_size().is_multiple_of(n_hosts) || per_node > per_host {
@@ -871,7 +870,11 @@ fn engine_layout(settings: &EngineUpSettings, nodes: &mut [NodeNet]) -> Result<E
             node.gpus.truncate(per_node);
         }
     }
-    Ok(EngineLayout { parallel, pd, gpu })
+    Ok(EngineLayout {
+        parallel: degrees,
+        pd,
+        gpu,
+    })
 }
 
 /// What the engine generator is asked for: `layout` over `nodes`, the head's version
@@ -901,9 +904,7 @@ fn engine_request(
         max_model_len_tokens: settings.max_model_len_tokens.unwrap_or(0),
         gpu_memory_utilization: 0.9,
         objective: crate::plan::Objective::Throughput,
-        ep_crosses_hosts: parallel.ep > 1
-            && n_hosts > 1
-            && parallel.ep as usize > nodes[0].gpus.len(),
+        ep_crosses_hosts: parallel.ep > 1 && n_hosts > 1 && parallel.ep > nodes[0].gpus.len(),
         nodes,
         ports: EnginePorts::default_for(settings.engine),
         http_host: match hosts {

@@ -5,7 +5,8 @@
 
 use serde::Serialize;
 
-use super::{Parallel, Plan};
+use super::Plan;
+use crate::degrees::Degrees;
 
 /// What the plan predicts for its own layout at one batch: one of its `pareto[]` points.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,7 +61,7 @@ pub fn predictions(plan: &Plan) -> Vec<Prediction> {
         .filter(|p| p.parallel == plan.parallel)
         .map(|p| Prediction {
             batch_per_replica: p.batch_per_replica,
-            concurrency: p.batch_per_replica * plan.parallel.dp,
+            concurrency: p.batch_per_replica * plan.parallel.dp as u64,
             ttft_secs: p.ttft_secs,
             tpot_secs: p.tpot_secs,
             tokens_per_sec: p.tokens_per_sec_per_gpu * gpus,
@@ -79,7 +80,7 @@ pub fn unrunnable_here(plan: &Plan) -> Option<String> {
     let mut hosts: Vec<&str> = plan.ranks.iter().map(|r| r.host.as_str()).collect();
     hosts.sort_unstable();
     hosts.dedup();
-    let Parallel { tp, ep, .. } = plan.parallel;
+    let Degrees { tp, ep, .. } = plan.parallel;
     if hosts.len() > 1 {
         return Some(format!(
             "the plan's {} ranks span {} hosts ({}), and the bench starts ranks on this host only",

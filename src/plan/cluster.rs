@@ -522,13 +522,13 @@ pub fn hardware_for_gpu_name(name: &str) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::degrees::DegreePins;
+    use crate::degrees::{DegreePins, Degrees};
     use crate::plan::calibration::DecodeReport;
     use crate::plan::memory::{
         CPU_MAX_NUM_SEQS, CPU_PROCESS_BYTES, CPU_STEP_TOKENS, reserve_bytes, stage_memory,
     };
     use crate::plan::model::{Dtype, ModelSpec};
-    use crate::plan::{Objective, Outcome, Parallel, Plan, Settings, plan};
+    use crate::plan::{Objective, Outcome, Plan, Settings, plan};
 
     /// A host of 8 cores and 32 GiB reading memory at 20 GB/s, whose engine reads weights
     /// at 12 GB/s and the KV cache at 6 GB/s in a decode step. Its compute rate, 10¹⁵ flops/s, keeps a small model's
@@ -642,7 +642,7 @@ mod tests {
     #[test]
     fn a_cpu_rank_reserves_its_process_and_shared_memory_not_cuda() {
         let spec = smollm2();
-        let one = Parallel {
+        let one = Degrees {
             tp: 1,
             pp: 1,
             ep: 1,
@@ -659,7 +659,7 @@ mod tests {
             CPU_PROCESS_BYTES + activations
         );
         // Two replicas: one shared-memory segment of (2·2 + 2) 1-MiB slots.
-        let two = Parallel { dp: 2, ..one };
+        let two = Degrees { dp: 2, ..one };
         assert_eq!(
             reserve_bytes(&spec, &two, true, Device::Cpu),
             CPU_PROCESS_BYTES + activations + logits + (6 << 20)
@@ -739,7 +739,7 @@ mod tests {
         let mut worlds: Vec<u64> = plan
             .alternatives
             .iter()
-            .map(|a| a.parallel.world_size())
+            .map(|a| a.parallel.world_size() as u64)
             .chain([plan.world_size])
             .collect();
         worlds.sort_unstable();
@@ -883,7 +883,7 @@ mod tests {
         let Outcome::Infeasible(infeasible) = plan(&spec, &cluster, &settings) else {
             panic!("141 GB of weights in 32 GiB");
         };
-        let one = Parallel {
+        let one = Degrees {
             tp: 1,
             pp: 1,
             ep: 1,

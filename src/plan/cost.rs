@@ -4,11 +4,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::Parallel;
 use super::calibration::MeasuredLink;
 use super::cluster::HardwareSpec;
 use super::memory::StageMemory;
 use super::model::{Dtype, ModelSpec};
+use crate::degrees::Degrees;
 
 /// Small-message latency of one collective over NVLink, seconds (nccl-tests
 /// `all_reduce_perf` at 8 B–64 KiB on 8×H100 NVSwitch: ≈ 8–12 µs).
@@ -130,7 +130,7 @@ pub struct MoeStep {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn estimate(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     stages: &[StageMemory],
     dtype: Dtype,
     hardware: &HardwareSpec,
@@ -141,7 +141,7 @@ pub(crate) fn estimate(
     let context = TYPICAL_CONTEXT_TOKENS.min(max_model_len_tokens);
     let kv_tokens = stages.iter().map(|s| s.kv_tokens).min().unwrap_or(0);
     let batch = (kv_tokens / context.max(1)).clamp(1, max_batch.max(1));
-    let pp = parallel.pp;
+    let pp = parallel.pp as u64;
     let tpot =
         |b: u64| decode_step_secs(spec, parallel, stages, dtype, hardware, links, b, context);
     let tpot_secs = tpot(1);
@@ -187,7 +187,7 @@ pub(crate) fn estimate(
 /// The experts' share of a decode step of `batch` sequences per replica ([`MoeStep`]).
 fn moe_step(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     stages: &[StageMemory],
     dtype: Dtype,
     hardware: &HardwareSpec,
@@ -239,12 +239,12 @@ struct ExpertLayer {
 ///   (Williams et al. 2009, "Roofline").
 fn expert_layer(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     dtype: Dtype,
     hardware: &HardwareSpec,
     batch: u64,
 ) -> ExpertLayer {
-    let Parallel { tp, ep, .. } = *parallel;
+    let Degrees { tp, ep, .. } = *parallel;
     let Some(moe) = &spec.moe else {
         return ExpertLayer {
             group_tokens: 0,
@@ -260,7 +260,7 @@ fn expert_layer(
     let expert_bytes = spec.weight_bytes_by_part(dtype).routed_experts as f64 / layers / n_experts;
     let expert_params = spec.param_counts().routed_experts as f64 / layers / n_experts;
     let group_tokens = if ep > 1 {
-        batch * (ep / tp.max(1)).max(1)
+        batch * (ep / tp.max(1)).max(1) as u64
     } else {
         batch
     };
@@ -314,7 +314,7 @@ fn moe_layers_in(spec: &ModelSpec, stage: &StageMemory) -> f64 {
 #[allow(clippy::too_many_arguments)]
 fn stage_secs(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     stage: &StageMemory,
     dtype: Dtype,
     hardware: &HardwareSpec,
@@ -374,7 +374,7 @@ fn stage_secs(
 /// link's latency.
 fn collective_secs(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     stage: &StageMemory,
     links: &Links,
     tokens: u64,
@@ -391,7 +391,7 @@ fn collective_secs(
 }
 
 /// One ring all-reduce of `tokens` tokens' bf16 activations over the TP link, seconds.
-fn allreduce_call_secs(spec: &ModelSpec, tp: u64, links: &Links, tokens: u64) -> f64 {
+fn allreduce_call_secs(spec: &ModelSpec, tp: usize, links: &Links, tokens: u64) -> f64 {
     let message = (tokens * spec.hidden_size * 2) as f64;
     2.0 * (tp - 1) as f64 / tp as f64 * message / links.tp.bytes_per_sec + links.tp.latency_secs
 }
@@ -399,7 +399,7 @@ fn allreduce_call_secs(spec: &ModelSpec, tp: u64, links: &Links, tokens: u64) ->
 /// The EP dispatch and combine all-to-alls of the stage's MoE layers, seconds (0 without EP).
 fn all_to_all_secs(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     stage: &StageMemory,
     links: &Links,
     tokens: u64,
@@ -421,7 +421,7 @@ fn all_to_all_secs(
 /// The MoE layers' own collectives in a step of `tokens` tokens ([`MoeStep::collective_secs`]).
 fn moe_collective_secs(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     stage: &StageMemory,
     links: &Links,
     tokens: u64,
@@ -487,7 +487,7 @@ fn hop_secs(spec: &ModelSpec, links: &Links, batch: u64) -> f64 {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_step_secs(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     stages: &[StageMemory],
     dtype: Dtype,
     hardware: &HardwareSpec,
@@ -525,14 +525,14 @@ pub(crate) fn prefill_flops(spec: &ModelSpec, prompt_tokens: u64) -> f64 {
 /// calibration replaces it).
 pub(crate) fn prefill_secs(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     stages: &[StageMemory],
     dtype: Dtype,
     hardware: &HardwareSpec,
     links: &Links,
     prompt_tokens: u64,
 ) -> f64 {
-    let Parallel { tp, pp, .. } = *parallel;
+    let Degrees { tp, pp, .. } = *parallel;
     let tokens = prompt_tokens.max(1) as f64;
     let tflops = tensor_tflops(hardware, dtype);
     let experts = expert_layer(spec, parallel, dtype, hardware, prompt_tokens.max(1));

@@ -5,12 +5,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::Parallel;
 use super::cluster::{Cluster, Device};
 use super::cost::{
     Link, Links, NETWORK_LATENCY_SECS, NVLINK_LATENCY_SECS, PCIE_LATENCY_SECS, SHM_LATENCY_SECS,
     TCP_GB_PER_SEC, TCP_LATENCY_SECS,
 };
+use crate::degrees::Degrees;
 use crate::topology::LinkCode;
 
 /// One rank: where it runs and its coordinates in every group. `--json` `ranks[]`.
@@ -58,8 +58,8 @@ pub(crate) struct Layout {
 }
 
 /// The global rank of coordinates `(dp, pp, tp)`.
-fn rank_of(parallel: &Parallel, dp_rank: u64, pp_rank: u64, tp_rank: u64) -> u64 {
-    (dp_rank * parallel.pp + pp_rank) * parallel.tp + tp_rank
+fn rank_of(parallel: &Degrees, dp_rank: usize, pp_rank: usize, tp_rank: usize) -> u64 {
+    ((dp_rank * parallel.pp + pp_rank) * parallel.tp + tp_rank) as u64
 }
 
 /// GPU slots in placement order: hosts in cluster order; inside a host, NVLink domains
@@ -84,7 +84,7 @@ fn gpu_slots(cluster: &Cluster) -> Vec<(usize, usize)> {
 }
 
 /// Places `parallel` on the first `world_size` GPU slots of `cluster` and builds its groups.
-pub(crate) fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
+pub(crate) fn place(parallel: &Degrees, cluster: &Cluster) -> Layout {
     let ranks = place_ranks(parallel, cluster);
     let groups = groups(parallel);
     let worst = |group: &[u64]| worst_link(cluster, &ranks, group);
@@ -112,18 +112,19 @@ pub(crate) fn place(parallel: &Parallel, cluster: &Cluster) -> Layout {
 }
 
 /// Every rank of `parallel` on the GPU slots of `cluster` in order, with its coordinates.
-fn place_ranks(parallel: &Parallel, cluster: &Cluster) -> Vec<RankPlacement> {
+fn place_ranks(parallel: &Degrees, cluster: &Cluster) -> Vec<RankPlacement> {
     let slots = gpu_slots(cluster);
-    let world = parallel.world_size();
+    let (tp, pp, ep) = (parallel.tp as u64, parallel.pp as u64, parallel.ep as u64);
+    let world = parallel.world_size() as u64;
     let mut ranks = Vec::with_capacity(world as usize);
     let mut per_host = vec![0u64; cluster.hosts.len()];
     for rank in 0..world {
         let (host_idx, gpu) = slots[rank as usize];
-        let tp_rank = rank % parallel.tp;
-        let pp_rank = rank / parallel.tp % parallel.pp;
-        let dp_rank = rank / (parallel.tp * parallel.pp);
+        let tp_rank = rank % tp;
+        let pp_rank = rank / tp % pp;
+        let dp_rank = rank / (tp * pp);
         // EP groups cut the stage's ranks, ordered (dp, tp), into chunks of `ep`.
-        let index_in_stage = dp_rank * parallel.tp + tp_rank;
+        let index_in_stage = dp_rank * tp + tp_rank;
         ranks.push(RankPlacement {
             rank,
             host: cluster.hosts[host_idx].name.clone(),
@@ -132,7 +133,7 @@ fn place_ranks(parallel: &Parallel, cluster: &Cluster) -> Vec<RankPlacement> {
             tp_rank,
             pp_rank,
             dp_rank,
-            ep_rank: index_in_stage % parallel.ep,
+            ep_rank: index_in_stage % ep,
             cuda_visible_devices: match cluster.hosts[host_idx].cpu {
                 Some(_) => String::new(),
                 None => gpu.to_string(),
@@ -144,7 +145,7 @@ fn place_ranks(parallel: &Parallel, cluster: &Cluster) -> Vec<RankPlacement> {
 }
 
 /// The TP, PP, DP and EP process groups of `p`, as lists of global ranks.
-fn groups(p: &Parallel) -> Groups {
+fn groups(p: &Degrees) -> Groups {
     let tp_groups: Vec<Vec<u64>> = (0..p.dp)
         .flat_map(|d| (0..p.pp).map(move |s| (0..p.tp).map(|t| rank_of(p, d, s, t)).collect()))
         .collect();
@@ -159,10 +160,7 @@ fn groups(p: &Parallel) -> Groups {
             let stage: Vec<u64> = (0..p.dp)
                 .flat_map(|d| (0..p.tp).map(move |t| rank_of(p, d, s, t)))
                 .collect();
-            stage
-                .chunks(p.ep as usize)
-                .map(<[u64]>::to_vec)
-                .collect::<Vec<_>>()
+            stage.chunks(p.ep).map(<[u64]>::to_vec).collect::<Vec<_>>()
         })
         .collect();
     Groups {

@@ -6,9 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::Parallel;
 use super::cluster::Device;
 use super::model::{Dtype, ModelSpec};
+use crate::degrees::Degrees;
 
 /// CUDA context, cuBLAS workspaces and allocator slack per process, bytes. vLLM reports this
 /// "non-torch memory" at about 0.5 GiB per GPU on CUDA 12.
@@ -97,14 +97,14 @@ pub(crate) fn stage_layers(n_layers: u64, pp: u64) -> Vec<(u64, u64)> {
 /// `gpu_memory_bytes` (a CPU rank's share of its host's memory).
 pub(crate) fn stage_memory(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     dtype: Dtype,
     kv_dtype: Dtype,
     gpu_memory_bytes: u64,
     gpu_memory_utilization: f64,
     device: Device,
 ) -> Vec<StageMemory> {
-    let Parallel { tp, pp, ep, .. } = *parallel;
+    let (tp, pp, ep) = (parallel.tp as u64, parallel.pp as u64, parallel.ep as u64);
     let params = spec.param_counts();
     let bytes = spec.weight_bytes_by_part(dtype);
     // Bytes per parameter of each part (exact for GGUF, where bytes are spread by share).
@@ -198,11 +198,12 @@ pub(crate) fn stage_memory(
 /// CPU engine's) for a [`CPU_STEP_TOKENS`] step, and fp32 logits for [`CPU_MAX_NUM_SEQS`].
 pub(crate) fn reserve_bytes(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     last_stage: bool,
     device: Device,
 ) -> u64 {
-    let groups = [parallel.tp, parallel.pp, parallel.ep, parallel.dp];
+    let tp = parallel.tp as u64;
+    let groups = [parallel.tp, parallel.pp, parallel.ep, parallel.dp].map(|d| d as u64);
     let n_groups = groups.iter().filter(|&&d| d > 1).count() as u64;
     let mlp_width = match &spec.moe {
         Some(moe) => {
@@ -210,8 +211,8 @@ pub(crate) fn reserve_bytes(
         }
         None => spec.intermediate_size,
     };
-    let activations_per_token = 4 * spec.hidden_size + 2 * mlp_width / parallel.tp;
-    let logits_per_seq = spec.vocab_size / parallel.tp * 4;
+    let activations_per_token = 4 * spec.hidden_size + 2 * mlp_width / tp;
+    let logits_per_seq = spec.vocab_size / tp * 4;
     match device {
         Device::Gpu => {
             let logits = if last_stage {
@@ -264,9 +265,9 @@ mod tests {
     /// stage holds a table it only looks up while the last reads its own copy.
     #[test]
     fn a_step_reads_all_weights_but_an_embedding_table_it_only_looks_up() {
-        let stages = |model: &str, tp: u64, pp: u64| {
+        let stages = |model: &str, tp: usize, pp: usize| {
             let spec = crate::model::load(model).expect("a shipped profile");
-            let parallel = Parallel {
+            let parallel = Degrees {
                 tp,
                 pp,
                 dp: 1,

@@ -83,58 +83,10 @@ impl Default for Settings {
     }
 }
 
-/// Parallel degrees. `world_size = tp · pp · dp`; `ep` divides `tp · dp` and re-shards the
-/// experts of one PP stage (vLLM: EP = TP × DP with expert parallelism on).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Parallel {
-    pub tp: u64,
-    pub pp: u64,
-    pub ep: u64,
-    pub dp: u64,
-}
-
-impl From<Degrees> for Parallel {
-    fn from(d: Degrees) -> Parallel {
-        Parallel {
-            tp: d.tp as u64,
-            pp: d.pp as u64,
-            ep: d.ep as u64,
-            dp: d.dp as u64,
-        }
-    }
-}
-
-impl Parallel {
-    /// The same degrees as the launcher and the ranks take them.
-    pub fn degrees(&self) -> Degrees {
-        Degrees {
-            tp: self.tp as usize,
-            pp: self.pp as usize,
-            ep: self.ep as usize,
-            dp: self.dp as usize,
-        }
-    }
-
-    /// Ranks (GPUs) the layout uses.
-    pub fn world_size(&self) -> u64 {
-        self.tp * self.pp * self.dp
-    }
-}
-
-impl std::fmt::Display for Parallel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TP{} × PP{} × DP{}", self.tp, self.pp, self.dp)?;
-        if self.ep > 1 {
-            write!(f, " (EP{})", self.ep)?;
-        }
-        Ok(())
-    }
-}
-
 /// A layout that was considered, and how it fared. `--json` `alternatives[]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Alternative {
-    pub parallel: Parallel,
+    pub parallel: Degrees,
     pub feasible: bool,
     /// Why it was rejected, or how it compares with the chosen plan.
     pub reason: String,
@@ -167,7 +119,7 @@ pub struct Plan {
     pub active_params: u64,
     /// Whole-model weight bytes in `dtype`.
     pub weights_bytes: u64,
-    pub parallel: Parallel,
+    pub parallel: Degrees,
     pub world_size: u64,
     pub ranks: Vec<RankPlacement>,
     pub groups: Groups,
@@ -230,7 +182,7 @@ pub enum Outcome {
 
 /// One evaluated candidate.
 struct Candidate {
-    parallel: Parallel,
+    parallel: Degrees,
     verdict: Result<(Estimate, Vec<StageMemory>, layout::Layout), String>,
     warnings: Vec<String>,
     /// When the weights fit but the KV cache cannot hold `--max-model-len`: the tokens it
@@ -277,13 +229,12 @@ fn right_size(
         return plan;
     };
     let p = plan.parallel;
-    let replica = (p.tp * p.pp).max(1);
-    let dp = (gpus / replica).max(1);
+    let dp = (gpus as usize / p.replica_size().max(1)).max(1);
     if dp >= p.dp || p.ep > p.tp {
         return plan;
     }
     let pinned = Settings {
-        pins: Parallel { dp, ..p }.degrees().pins(),
+        pins: Degrees { dp, ..p }.pins(),
         max_model_len_tokens: Some(plan.max_model_len),
         workload: sla::Workload {
             requests_per_sec: None,
@@ -417,7 +368,7 @@ impl<'a> Run<'a> {
     }
 
     /// The `vllm serve` command line for `parallel` with this run's dtypes and context.
-    fn vllm_command(&self, parallel: &Parallel) -> String {
+    fn vllm_command(&self, parallel: &Degrees) -> String {
         render::vllm_command(
             self.spec,
             parallel,
@@ -514,7 +465,7 @@ fn plan_with_context(spec: &ModelSpec, cluster: &Cluster, settings: &Settings) -
         active_params: spec.active_params(),
         weights_bytes: spec.weight_bytes(run.dtype),
         parallel,
-        world_size: parallel.world_size(),
+        world_size: parallel.world_size() as u64,
         ranks: layout.ranks.clone(),
         groups: layout.groups.clone(),
         memory: stages.clone(),
@@ -652,7 +603,7 @@ fn notes(cluster: &Cluster, multi_host: bool) -> Vec<String> {
 fn uneven_stages_warning(
     spec: &ModelSpec,
     stages: &[StageMemory],
-    parallel: Parallel,
+    parallel: Degrees,
 ) -> Option<String> {
     if stages.iter().all(|s| s.n_layers == stages[0].n_layers) {
         return None;
@@ -671,12 +622,12 @@ fn uneven_stages_warning(
 fn best_disaggregated(run: &Run<'_>, ranked: &[&Candidate]) -> Option<sla::Disaggregated> {
     let (cluster, settings) = (run.cluster, run.settings);
     let hardware = cluster.slowest_hardware();
-    let mut shapes: Vec<Parallel> = Vec::new();
+    let mut shapes: Vec<Degrees> = Vec::new();
     let workers: Vec<sla::WorkerCosts<'_>> = ranked
         .iter()
         .filter(|c| c.parallel.ep == 1 || (c.parallel.ep == c.parallel.tp && c.parallel.dp == 1))
         .filter_map(|c| {
-            let worker = Parallel {
+            let worker = Degrees {
                 dp: 1,
                 ..c.parallel
             };
@@ -903,6 +854,7 @@ fn chosen_point_line(
 ) -> String {
     let settings = run.settings;
     let n_gpus = run.cluster.n_gpus();
+    let replica = point.parallel.replica_size().max(1) as u64;
     format!(
         "for {} prompt and {} output tokens per request{}: {} at {} sequences per replica gives TTFT {:.0} ms, TPOT {:.1} ms, {:.0} tokens/s per GPU{}, the {} of the {} layout-and-batch points that meet the targets",
         settings.workload.isl_tokens,
@@ -915,8 +867,8 @@ fn chosen_point_line(
         point.tokens_per_sec_per_gpu,
         point.gpus_for_rps.map_or(String::new(), |g| format!(
             ", and {g} of the cluster's {n_gpus} GPUs ({} replica{} of this layout) serve {} requests/s",
-            g / (point.parallel.tp * point.parallel.pp).max(1),
-            if g / (point.parallel.tp * point.parallel.pp).max(1) == 1 { "" } else { "s" },
+            g / replica,
+            if g / replica == 1 { "" } else { "s" },
             settings.workload.requests_per_sec.unwrap_or_default()
         )),
         match (settings.objective, point.gpus_for_rps) {
@@ -988,34 +940,35 @@ fn missed_targets(
 }
 
 /// Every (tp, pp, dp, ep) that uses all GPUs (or exactly the pinned degrees).
-fn enumerate(spec: &ModelSpec, n_gpus: u64, settings: &Settings) -> Vec<Parallel> {
-    let divisors = |n: u64| (1..=n).filter(move |d| n.is_multiple_of(*d));
+fn enumerate(spec: &ModelSpec, n_gpus: u64, settings: &Settings) -> Vec<Degrees> {
+    let n_gpus = n_gpus as usize;
+    let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
-    let pin = |degree: Option<usize>| degree.map(|d| d as u64);
-    let tps: Vec<u64> = match pin(settings.pins.tp) {
+    let pins = settings.pins;
+    let tps: Vec<usize> = match pins.tp {
         Some(tp) => vec![tp],
         None => divisors(n_gpus).collect(),
     };
     for tp in tps {
-        let pps: Vec<u64> = match pin(settings.pins.pp) {
+        let pps: Vec<usize> = match pins.pp {
             Some(pp) => vec![pp],
             None => divisors(n_gpus / tp.max(1))
-                .filter(|&pp| pp <= spec.n_layers)
+                .filter(|&pp| pp as u64 <= spec.n_layers)
                 .collect(),
         };
         for pp in pps {
-            let dp = match pin(settings.pins.dp) {
+            let dp = match pins.dp {
                 Some(dp) => dp,
                 None if tp * pp == 0 || !n_gpus.is_multiple_of(tp * pp) => continue,
                 None => n_gpus / (tp * pp),
             };
-            let eps: Vec<u64> = match (pin(settings.pins.ep), &spec.moe) {
+            let eps: Vec<usize> = match (pins.ep, &spec.moe) {
                 (Some(ep), _) => vec![ep],
                 (None, Some(_)) if tp * dp > 1 => vec![1, tp * dp],
                 _ => vec![1],
             };
             for ep in eps {
-                out.push(Parallel { tp, pp, ep, dp });
+                out.push(Degrees { tp, pp, ep, dp });
             }
         }
     }
@@ -1037,7 +990,7 @@ fn candidates(run: &Run<'_>) -> Vec<Candidate> {
     }
     let n_hosts = cluster.hosts.len().max(1) as u64;
     let max_ranks = cluster.max_cpu_ranks_per_host();
-    let mut layouts: Vec<Parallel> = Vec::new();
+    let mut layouts: Vec<Degrees> = Vec::new();
     for ranks in 1..=max_ranks {
         for parallel in enumerate(spec, ranks * n_hosts, settings) {
             if !layouts.contains(&parallel) {
@@ -1048,7 +1001,7 @@ fn candidates(run: &Run<'_>) -> Vec<Candidate> {
     layouts
         .into_iter()
         .map(|parallel| {
-            let world = parallel.world_size();
+            let world = parallel.world_size() as u64;
             let ranks = world / n_hosts;
             let refused = if world == 0 || !world.is_multiple_of(n_hosts) {
                 Some(format!(
@@ -1085,7 +1038,7 @@ fn candidates(run: &Run<'_>) -> Vec<Candidate> {
 }
 
 /// Checks one layout and, when it is valid and fits, estimates it.
-fn evaluate(run: &Run<'_>, parallel: Parallel) -> Candidate {
+fn evaluate(run: &Run<'_>, parallel: Degrees) -> Candidate {
     let mut warnings = Vec::new();
     let mut kv_tokens_that_fit = None;
     let device = run.cluster.device();
@@ -1139,8 +1092,8 @@ fn device_nouns(cluster: &Cluster) -> (&'static str, &'static str) {
 /// Errors: why the layout is invalid (a degree of 0, TP not dividing the heads, EP on a
 /// dense model or not dividing the experts or TP·DP, more stages than layers, more GPUs
 /// than the cluster has), as the alternative's reason.
-fn check_degrees(spec: &ModelSpec, cluster: &Cluster, parallel: Parallel) -> Result<(), String> {
-    let Parallel { tp, pp, ep, dp } = parallel;
+fn check_degrees(spec: &ModelSpec, cluster: &Cluster, parallel: Degrees) -> Result<(), String> {
+    let [tp, pp, ep, dp] = [parallel.tp, parallel.pp, parallel.ep, parallel.dp].map(|d| d as u64);
     if tp == 0 || pp == 0 || ep == 0 || dp == 0 {
         return Err("degrees must be at least 1".to_string());
     }
@@ -1179,7 +1132,7 @@ fn check_degrees(spec: &ModelSpec, cluster: &Cluster, parallel: Parallel) -> Res
     if pp > spec.n_layers {
         return Err(format!("pp={pp} exceeds {} layers", spec.n_layers));
     }
-    if parallel.world_size() > cluster.n_gpus() {
+    if parallel.world_size() as u64 > cluster.n_gpus() {
         return Err(format!(
             "needs {} {}; the cluster has {}",
             parallel.world_size(),
@@ -1197,11 +1150,11 @@ fn check_degrees(spec: &ModelSpec, cluster: &Cluster, parallel: Parallel) -> Res
 /// Errors: TP groups that would span hosts or cross a `SYS` path, unpinned.
 fn check_layout(
     run: &Run<'_>,
-    parallel: Parallel,
+    parallel: Degrees,
     layout: &layout::Layout,
     warnings: &mut Vec<String>,
 ) -> Result<(), String> {
-    let Parallel { tp, ep, .. } = parallel;
+    let Degrees { tp, ep, .. } = parallel;
     let (settings, cluster) = (run.settings, run.cluster);
     // The CPU ranks of one host share one device: no link inside a host to check.
     let cpu = cluster.device() == Device::Cpu;
@@ -1529,7 +1482,7 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
         }
     ));
     if let Some(best) = best {
-        let ranks = best.parallel.world_size() / n_hosts;
+        let ranks = best.parallel.world_size() as u64 / n_hosts;
         let rank = &best.hardware;
         let cores = cluster
             .hosts
@@ -1556,7 +1509,7 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
 fn decision(run: &Run<'_>, candidates: &[Candidate]) -> String {
     let (cluster, settings) = (run.cluster, run.settings);
     let (one, many) = device_nouns(cluster);
-    let fits = |pred: &dyn Fn(&Parallel) -> bool| {
+    let fits = |pred: &dyn Fn(&Degrees) -> bool| {
         candidates
             .iter()
             .any(|c| pred(&c.parallel) && c.verdict.is_ok())
@@ -1662,7 +1615,7 @@ fn cpu_memory_shortfall(run: &Run<'_>, alternatives: &[Alternative]) -> Option<I
     let host = cluster.with_cpu_ranks(1);
     let memory_bytes = host.min_memory_bytes();
     let usable = (memory_bytes as f64 * settings.gpu_memory_utilization) as u64;
-    let one = Parallel {
+    let one = Degrees {
         tp: 1,
         pp: 1,
         ep: 1,
@@ -1717,7 +1670,7 @@ fn infeasible(
     let weights = spec.weight_bytes(dtype);
     // Smallest GPU count whose share of weights, base reserve and one full-length sequence of
     // KV cache fits the usable memory of each GPU.
-    let one = Parallel {
+    let one = Degrees {
         tp: 1,
         pp: 1,
         ep: 1,

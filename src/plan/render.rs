@@ -9,7 +9,8 @@ use super::cluster::Device;
 use super::memory::gib;
 use super::model::{Dtype, ModelSpec};
 use super::sla::Disaggregated;
-use super::{Infeasible, Parallel, Plan};
+use super::{Infeasible, Plan};
+use crate::degrees::Degrees;
 
 /// Rank rows shown in text before "… N more"; `--json` always has all of them.
 const MAX_RANK_ROWS: usize = 32;
@@ -17,7 +18,7 @@ const MAX_RANK_ROWS: usize = 32;
 /// The `vllm serve` command line for the same placement.
 pub(crate) fn vllm_command(
     spec: &ModelSpec,
-    parallel: &Parallel,
+    parallel: &Degrees,
     dtype: Dtype,
     kv_dtype: Dtype,
     max_model_len: u64,
@@ -51,7 +52,7 @@ pub(crate) fn vllm_command(
 }
 
 /// The `infer up` command line that serves `parallel` with CPU ranks.
-fn infer_up_command(parallel: &Parallel) -> String {
+fn infer_up_command(parallel: &Degrees) -> String {
     let mut parts = vec![format!(
         "infer up --tp {} --pp {}",
         parallel.tp, parallel.pp

@@ -24,11 +24,12 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::Objective;
 use super::cluster::HardwareSpec;
 use super::cost::{self, Links};
 use super::memory::{MAX_NUM_SEQS, StageMemory};
 use super::model::{Dtype, ModelSpec};
-use super::{Objective, Parallel};
+use crate::degrees::Degrees;
 
 /// The traffic to plan for.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -71,7 +72,7 @@ impl Workload {
 /// One layout at one batch per replica. `--json` `pareto[]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ParetoPoint {
-    pub parallel: Parallel,
+    pub parallel: Degrees,
     /// Sequences decoded together per replica.
     pub batch_per_replica: u64,
     pub ttft_secs: f64,
@@ -93,7 +94,7 @@ pub struct ParetoPoint {
 
 /// The inputs [`points`] needs of one feasible layout.
 pub struct LayoutCosts<'a> {
-    pub parallel: Parallel,
+    pub parallel: Degrees,
     pub stages: &'a [StageMemory],
     pub links: &'a Links,
     /// The figures of each of its GPUs (or CPU ranks: their share of the host).
@@ -160,7 +161,7 @@ pub fn points(
                 && workload.tpot_target_secs.is_none_or(|t| tpot <= t);
             let gpus_for_rps = workload.requests_per_sec.map(|rps| {
                 let replica_rps = batch as f64 / cycle;
-                (rps / replica_rps).ceil() as u64 * (layout.parallel.tp * layout.parallel.pp)
+                (rps / replica_rps).ceil() as u64 * layout.parallel.replica_size() as u64
             });
             out.push(ParetoPoint {
                 parallel: layout.parallel,
@@ -231,9 +232,9 @@ pub fn choose(points: &[ParetoPoint], objective: Objective) -> Option<&ParetoPoi
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Disaggregated {
     /// One prefill worker's layout (TP × PP; DP counts the workers) and how many.
-    pub prefill: Parallel,
+    pub prefill: Degrees,
     pub prefill_workers: u64,
-    pub decode: Parallel,
+    pub decode: Degrees,
     pub decode_workers: u64,
     /// Sequences each decode worker decodes together.
     pub batch_per_decode_worker: u64,
@@ -256,7 +257,7 @@ pub struct Disaggregated {
 /// replicas) with its costs.
 pub struct WorkerCosts<'a> {
     /// TP × PP of one worker (`dp` and `ep` 1, or `ep = tp` inside it).
-    pub parallel: Parallel,
+    pub parallel: Degrees,
     pub stages: &'a [StageMemory],
     pub links: &'a Links,
 }
@@ -326,7 +327,7 @@ pub fn disaggregate(
 /// One prefill worker shape's costs for one prompt of `isl` tokens.
 #[derive(Clone, Copy)]
 struct PrefillCost {
-    parallel: Parallel,
+    parallel: Degrees,
     /// The prompt's prefill, seconds.
     prefill_secs: f64,
     /// Moving the prompt's KV cache to a decode worker, seconds.
@@ -336,7 +337,7 @@ struct PrefillCost {
 /// One decode worker shape at one batch.
 #[derive(Clone, Copy)]
 struct DecodeCost {
-    parallel: Parallel,
+    parallel: Degrees,
     /// Sequences decoded together.
     batch: u64,
     /// One decode step of the batch, seconds.
@@ -371,7 +372,7 @@ fn prefill_costs(
             let kv_per_token: u64 = w
                 .stages
                 .iter()
-                .map(|s| s.kv_bytes_per_token * w.parallel.tp)
+                .map(|s| s.kv_bytes_per_token * w.parallel.tp as u64)
                 .sum();
             let transfer_secs =
                 (isl_tokens * kv_per_token) as f64 / transfer.bytes_per_sec + transfer.latency_secs;
@@ -394,8 +395,8 @@ fn splits(
     workload: &Workload,
 ) -> Vec<Disaggregated> {
     let osl = workload.osl_tokens.max(1);
-    let g_d = decode.parallel.tp * decode.parallel.pp;
-    let g_p = prefill.parallel.tp * prefill.parallel.pp;
+    let g_d = decode.parallel.replica_size() as u64;
+    let g_p = prefill.parallel.replica_size() as u64;
     if g_p + g_d > n_gpus {
         return Vec::new();
     }
@@ -457,7 +458,7 @@ mod tests {
 
     fn point(gpu: f64, user: f64) -> ParetoPoint {
         ParetoPoint {
-            parallel: Parallel {
+            parallel: Degrees {
                 tp: 1,
                 pp: 1,
                 ep: 1,

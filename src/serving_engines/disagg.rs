@@ -30,7 +30,7 @@ use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
 use super::{EngineKind, EngineLaunch, EngineRequest, NodeLaunch, NodeNet, NodeRole, ReservedPort};
-use crate::plan::Parallel;
+use crate::degrees::Degrees;
 
 /// vLLM's NIXL side-channel port (`VLLM_NIXL_SIDE_CHANNEL_PORT`'s default).
 pub(crate) const NIXL_SIDE_CHANNEL_PORT: u16 = 5600;
@@ -67,9 +67,9 @@ impl PdPart {
 /// How many prefill and decode workers, each of which layout (`dp` 1: one server each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct PdLayout {
-    pub prefill: Parallel,
+    pub prefill: Degrees,
     pub prefill_workers: usize,
-    pub decode: Parallel,
+    pub decode: Degrees,
     pub decode_workers: usize,
 }
 
@@ -88,7 +88,7 @@ impl PdLayout {
     /// shard (prefill rank at (tp, pp) to the same decode rank).
     ///
     /// Errors: prefill and decode workers of different TP, PP or EP.
-    pub(crate) fn one_shape(&self) -> Result<Parallel> {
+    pub(crate) fn one_shape(&self) -> Result<Degrees> {
         let (a, b) = (self.prefill, self.decode);
         if (a.tp, a.pp, a.ep) != (b.tp, b.pp, b.ep) {
             bail!(
@@ -168,7 +168,7 @@ pub(crate) fn generate_with_router_bind(
     for (role, parallel, count) in roles {
         for k in 0..count {
             let number = workers.len();
-            let nodes = place(&base.nodes, &mut free, parallel.world_size() as usize)
+            let nodes = place(&base.nodes, &mut free, parallel.world_size())
                 .ok_or_else(|| {
                     anyhow::anyhow!(
                         "{} prefill worker{} of {} GPUs and {} decode worker{} of {} need more GPUs than the hosts give ({})",

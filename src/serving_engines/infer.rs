@@ -11,6 +11,7 @@
 use anyhow::{Result, bail};
 
 use super::{EngineLaunch, EngineRequest, NodeLaunch, NodeRole, ReservedPort, Version, common_env};
+use crate::degrees::Degrees;
 
 /// `infer up`'s default HTTP port, and torchrun's `--master-port` default for the store.
 pub(crate) const HTTP_PORT: u16 = 8000;
@@ -27,7 +28,10 @@ pub(crate) fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
 
 /// [`generate`], with `roles` (prefill, decode replicas, whose sum is `request.parallel.dp`)
 /// given as `--prefill/--decode` instead of `--dp`.
-fn generate_with_roles(request: &EngineRequest, roles: Option<(u64, u64)>) -> Result<EngineLaunch> {
+fn generate_with_roles(
+    request: &EngineRequest,
+    roles: Option<(usize, usize)>,
+) -> Result<EngineLaunch> {
     check_layout(request)?;
     let version = Version::parse(env!("CARGO_PKG_VERSION")).unwrap_or(Version(0, 0, 0));
     let nodes = (0..request.nodes.len())
@@ -63,7 +67,7 @@ fn check_layout(request: &EngineRequest) -> Result<()> {
         );
     }
     let nnodes = request.nodes.len();
-    let world = (p.dp * p.pp * p.tp) as usize;
+    let world = p.world_size();
     if !world.is_multiple_of(nnodes) {
         bail!(
             "`infer up --nnodes` runs the same number of ranks on every node; {world} ranks do not split over {nnodes} nodes"
@@ -75,7 +79,7 @@ fn check_layout(request: &EngineRequest) -> Result<()> {
 /// The `infer up` line of node `rank`: the layout's flags, HTTP on node 0, and
 /// `--nnodes/--node-rank/--master-*/--bind-addr` over several nodes (node 0 reserving the
 /// store's port).
-fn node_launch(request: &EngineRequest, roles: Option<(u64, u64)>, rank: usize) -> NodeLaunch {
+fn node_launch(request: &EngineRequest, roles: Option<(usize, usize)>, rank: usize) -> NodeLaunch {
     let nnodes = request.nodes.len();
     let head = &request.nodes[0];
     let node = &request.nodes[rank];
@@ -122,7 +126,7 @@ fn node_launch(request: &EngineRequest, roles: Option<(u64, u64)>, rank: usize) 
 /// The flags every node's `infer up` shares: the model, the degrees (`roles` as
 /// `--prefill/--decode`, else `--dp`), the device, the served name and the context in
 /// tokens.
-fn layout_argv(request: &EngineRequest, roles: Option<(u64, u64)>) -> Vec<String> {
+fn layout_argv(request: &EngineRequest, roles: Option<(usize, usize)>) -> Vec<String> {
     let p = request.parallel;
     let mut argv: Vec<String> = vec![
         "infer".into(),
@@ -196,16 +200,16 @@ pub(crate) fn generate_disaggregated(
     layout: &super::disagg::PdLayout,
 ) -> Result<EngineLaunch> {
     let a = layout.one_shape()?;
-    let (prefill, decode) = (layout.prefill_workers as u64, layout.decode_workers as u64);
-    let world = (prefill + decode) * a.tp * a.pp;
-    let per_host = request.nodes.first().map_or(0, |n| n.gpus_on_host as u64);
+    let (prefill, decode) = (layout.prefill_workers, layout.decode_workers);
+    let world = (prefill + decode) * a.replica_size();
+    let per_host = request.nodes.first().map_or(0, |n| n.gpus_on_host);
     let mut pd = request.clone();
-    pd.parallel = crate::plan::Parallel {
+    pd.parallel = Degrees {
         dp: prefill + decode,
         ..a
     };
     if request.gpu && per_host > 0 {
-        let hosts = world.div_ceil(per_host) as usize;
+        let hosts = world.div_ceil(per_host);
         if hosts > pd.nodes.len() {
             bail!(
                 "{world} ranks need {hosts} hosts of {per_host} GPUs; the cluster has {}",

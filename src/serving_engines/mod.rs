@@ -20,8 +20,9 @@ use std::fmt;
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::degrees::Degrees;
 use crate::plan::model::{Dtype, ModelSpec};
-use crate::plan::{Objective, Parallel, Plan};
+use crate::plan::{Objective, Plan};
 use crate::topology::{Nic, NicKind};
 
 /// The vLLM version whose parser the tests run (`vllm==0.33.0` from PyPI).
@@ -162,7 +163,7 @@ pub(crate) struct EngineRequest {
     pub model: String,
     /// The name `/v1/models` lists; `None`: the engine's default.
     pub served_model_name: Option<String>,
-    pub parallel: Parallel,
+    pub parallel: Degrees,
     /// Whether the model is a mixture of experts (EP and attention-DP apply).
     pub is_moe: bool,
     /// `--quantization` (vLLM/SGLang spelling) when the plan quantizes the checkpoint.
@@ -284,7 +285,7 @@ fn check_even_split(request: &EngineRequest) -> Result<()> {
     if !request.gpu || request.engine == EngineKind::Llamacpp {
         return Ok(());
     }
-    let world = request.parallel.world_size() as usize;
+    let world = request.parallel.world_size();
     let nodes = request.nodes.len();
     let uneven: Vec<String> = request
         .nodes
@@ -771,8 +772,8 @@ mod tests {
     }
 
     /// Two 8-GPU nodes at 10.0.0.1/2 on `eth1` with `mlx5_0`.
-    fn request(engine: EngineKind, parallel: Parallel, is_moe: bool) -> EngineRequest {
-        let per_node = (parallel.world_size() / 2) as usize;
+    fn request(engine: EngineKind, parallel: Degrees, is_moe: bool) -> EngineRequest {
+        let per_node = parallel.world_size() / 2;
         let node = |i: usize| NodeNet {
             host: format!("n{i}"),
             address: format!("10.0.0.{}", i + 1),
@@ -810,7 +811,7 @@ mod tests {
 
     #[test]
     fn every_node_gets_its_network_and_the_head_its_ports() {
-        let p = Parallel {
+        let p = Degrees {
             tp: 8,
             pp: 2,
             ep: 1,
@@ -836,7 +837,7 @@ mod tests {
         // DP 4 × TP 4 on two 8-GPU nodes: two local replicas per node.
         let dp = generate(&request(
             EngineKind::Vllm,
-            Parallel {
+            Degrees {
                 tp: 4,
                 pp: 1,
                 ep: 1,
@@ -851,7 +852,7 @@ mod tests {
         // DP 3 × TP 4 = 12 GPUs, 6 per node: a replica would straddle the nodes.
         let odd = request(
             EngineKind::Vllm,
-            Parallel {
+            Degrees {
                 tp: 4,
                 pp: 1,
                 ep: 1,
@@ -865,7 +866,7 @@ mod tests {
         assert!(error.contains("inside one node"), "{error}");
         let moe = request(
             EngineKind::Vllm,
-            Parallel {
+            Degrees {
                 tp: 4,
                 pp: 1,
                 ep: 2,
@@ -879,7 +880,7 @@ mod tests {
 
     #[test]
     fn sglang_spells_attention_dp_as_the_installed_version_does() {
-        let p = Parallel {
+        let p = Degrees {
             tp: 1,
             pp: 1,
             ep: 16,
@@ -902,7 +903,7 @@ mod tests {
     fn llamacpp_puts_rpc_servers_on_the_data_network() {
         let mut r = request(
             EngineKind::Llamacpp,
-            Parallel {
+            Degrees {
                 tp: 1,
                 pp: 2,
                 ep: 1,
@@ -934,7 +935,7 @@ mod tests {
     /// host get their own GPUs and ports.
     #[test]
     fn a_disaggregated_launch_binds_the_router_apart_from_the_workers() {
-        let worker = Parallel {
+        let worker = Degrees {
             tp: 4,
             pp: 1,
             ep: 1,

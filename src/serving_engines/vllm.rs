@@ -32,7 +32,7 @@ pub(crate) fn generate(request: &EngineRequest) -> Result<EngineLaunch> {
     let version = request.version.unwrap_or(tested);
     let p = request.parallel;
     check_layout(request)?;
-    let replica = (p.tp * p.pp) as usize;
+    let replica = p.replica_size();
     let per_node = request.nodes[0].gpus.len().max(1);
     let common = common_argv(request);
     let dp_local = if p.dp > 1 { per_node / replica } else { 0 };
@@ -62,7 +62,7 @@ fn check_layout(request: &EngineRequest) -> Result<()> {
             p.tp * p.dp
         );
     }
-    let replica = (p.tp * p.pp) as usize;
+    let replica = p.replica_size();
     let per_node = head.gpus.len().max(1);
     if p.dp > 1 && nodes > 1 && (replica > per_node || !per_node.is_multiple_of(replica)) {
         bail!(

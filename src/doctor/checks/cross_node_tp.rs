@@ -42,7 +42,7 @@ pub(crate) fn check(plan: &Plan) -> Vec<Finding> {
             hint: String::new(),
         }];
     }
-    let hosts_per_group = spans[0].1.len() as u64;
+    let hosts_per_group = spans[0].1.len();
     vec![Finding {
         check: ID,
         severity: Severity::Error,

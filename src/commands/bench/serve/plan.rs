@@ -94,7 +94,7 @@ fn plan_settings(args: &BenchServeArgs, plan: &Plan) -> Result<(ServeBench, Vec<
             plan.parallel
         );
     }
-    let degrees = plan.parallel.degrees();
+    let degrees = plan.parallel;
     for (flag, given, planned) in [
         ("--tp", args.stages.tp, degrees.tp),
         ("--pp", args.stages.pp, degrees.pp),

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::plan::Parallel;
+use crate::degrees::Degrees;
 use crate::plan::accuracy::Row;
 
 /// `--plan --json`: the layout measured, what each side ran on, and every row.
@@ -12,7 +12,7 @@ pub(super) struct PlanCheck<'a> {
     /// The plan's model.
     pub(super) model: &'a str,
     /// The plan's layout, the one measured.
-    pub(super) layout: Parallel,
+    pub(super) layout: Degrees,
     /// The cluster the plan's predictions are for (`infer plan`'s `cluster`).
     pub(super) predicted_for: &'a str,
     /// Where the measurements were taken.
