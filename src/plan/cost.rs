@@ -452,14 +452,14 @@ fn weight_read_gb_per_sec(hardware: &HardwareSpec, dtype: Dtype) -> f64 {
 /// ([`attention_occupancy`](crate::topology::cpu::attention_occupancy)).
 pub(crate) fn kv_read_secs(
     spec: &ModelSpec,
-    tp: u64,
+    tp: usize,
     hardware: &HardwareSpec,
     batch: u64,
     kv_bytes: f64,
 ) -> f64 {
     match hardware.cpu_attention {
         Some(attention) => {
-            let tasks = batch * spec.kv_heads_per_rank(tp);
+            let tasks = batch * spec.kv_heads_per_rank(tp as u64);
             let occupancy = crate::topology::cpu::attention_occupancy(tasks, attention.threads);
             kv_bytes / (attention.kv_gb_per_sec * 1e9 * occupancy)
         }
