@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The planner's prediction error on this host, for SmolLM2 at TP 1, TP 3, PP 2 and DP 2:
-# `infer plan` for this host as an inventory of that many CPU ranks, pinned to each layout, then `infer bench serve --plan` at the
-# plan's batches (TPOT p50, TTFT p50, tokens/s: predicted, measured, error); then the same
-# after `--calibration` with `infer bench decode --json` measured here. Prints one line per
-# layout, phase, batch and metric.
+# `infer plan` for this host as an inventory of that many CPU ranks, pinned to each layout,
+# then `infer bench serve --plan` at the plan's batches (TPOT p50, TTFT p50, tokens/s:
+# predicted, measured, error); then the same after `--calibration` with `infer bench decode
+# --json` measured here just before. Prints one line per layout, phase, batch and metric.
 #
 # A layout `MODEL:DTYPE` (`llama-3.1-8b:int4`) plans that model profile at TP 1 in that dtype
 # and measures it with random weights of its shape (`--load-format dummy`, int4 as Q4_0,
@@ -32,7 +32,6 @@ for row in check["rows"]:
           f'error {row["relative_error"] * 100:+6.0f}%')
 PY
 }
-"$bin" bench decode --json >"$dir/decode.json"
 for layout in "${layouts[@]}"; do
   if [[ $layout == *:* ]]; then
     "$bin" plan --cluster local --model "${layout%%:*}" --dtype "${layout##*:}" --tp 1 --pp 1 \
@@ -48,7 +47,12 @@ for layout in "${layouts[@]}"; do
     >"$dir/hosts.toml"
   for phase in probed calibrated; do
     calibration=()
-    [ "$phase" = calibrated ] && calibration=(--calibration "$dir/decode.json")
+    if [ "$phase" = calibrated ]; then
+      # Measured just before, as a user calibrates: a shared VM's speed drifts by a third
+      # within minutes.
+      "$bin" bench decode --json >"$dir/decode.json"
+      calibration=(--calibration "$dir/decode.json")
+    fi
     "$bin" plan --cluster "$dir/hosts.toml" "--$degree" "$n" --isl "$isl" --osl "$osl" \
       "${calibration[@]}" --json >"$dir/plan.json"
     "$bin" bench serve --plan "$dir/plan.json" --concurrency "$concurrency" --json \

@@ -199,10 +199,10 @@ pub fn synthetic_topology(hostname: &str, n_gpus: usize, spec: &HardwareSpec) ->
 }
 
 /// This host's CPU as the planner needs it: [`probe_cpu`]'s figures, and the rates at which
-/// the CPU engine reads quantized and bf16 weights and the KV cache in a decode step
-/// ([`crate::runtime::exec::bench::engine_decode_rates`]), which bound the steps the planner
-/// predicts. The KV rate is scaled to every thread busy ([`attention_occupancy`] of the
-/// probe's tasks), at most the memory's bandwidth. One to two seconds of every core in all.
+/// the CPU engine reads quantized and bf16 weights and attends over cached positions in a
+/// decode step ([`crate::runtime::exec::bench::engine_decode_rates`]), which bound the steps
+/// the planner predicts. The attention's rate is scaled to every thread busy
+/// ([`attention_occupancy`] of the probe's tasks). One to two seconds of every core in all.
 ///
 /// Errors: as [`probe_cpu`]; the engine probe cannot allocate its model or fails a step.
 pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
@@ -212,11 +212,9 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
         .context("cannot measure the CPU engine's decode step")?;
     profile.decode_bytes_per_sec = Some(rates.weights_bytes_per_sec);
     profile.decode_bf16_bytes_per_sec = Some(rates.bf16_weights_bytes_per_sec);
-    let kv = rates.kv;
-    let occupancy = attention_occupancy(kv.tasks as u64, kv.threads as u64);
-    profile.decode_kv_bytes_per_sec = Some(
-        (kv.bytes_per_sec / occupancy).min(profile.memory_bytes_per_sec.max(kv.bytes_per_sec)),
-    );
+    let attention = rates.attention;
+    let occupancy = attention_occupancy(attention.tasks as u64, attention.threads as u64);
+    profile.decode_attention_flops_per_sec = Some(attention.flops_per_sec / occupancy);
     profile.source = format!(
         "probed on this host in {:.2} s",
         started.elapsed().as_secs_f64()

@@ -145,11 +145,12 @@ pub struct DecodeReport {
     pub decode_weight_bytes: u64,
     /// `decode_weight_bytes / decode_step_secs`, bytes/s (KV cache reads not counted).
     pub weight_bytes_per_sec: f64,
-    /// KV-cache bytes an average step of the timed loop reads: every sequence's keys and
-    /// values at `prompt_tokens + decode_tokens / 2` positions, bytes. Absent from older
-    /// reports and from GPU runs.
+    /// Attention arithmetic of an average step of the timed loop: every sequence's
+    /// `prompt_tokens + decode_tokens / 2` cached positions, `4 · n_heads · head_dim` flops
+    /// each per layer (the planner's count). Flops. Absent from older reports and from GPU
+    /// runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub decode_kv_bytes: Option<u64>,
+    pub decode_attention_flops: Option<u64>,
     /// The model's KV heads: each layer's decode attention runs `batch · kv_heads` tasks on
     /// the `threads`. Absent from older reports and from GPU runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -520,7 +521,7 @@ mod tests {
             decode_step_secs: 0.01,
             decode_weight_bytes: 1_000_000_000,
             weight_bytes_per_sec: 2e11,
-            decode_kv_bytes: None,
+            decode_attention_flops: None,
             kv_heads: None,
             peak_rss_bytes: 0,
             gpu_memory_used_bytes: None,

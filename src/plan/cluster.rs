@@ -52,8 +52,8 @@ pub(crate) const SHM_TRAFFIC_PER_BYTE: f64 = 4.0;
 
 /// The figures of one of `ranks` CPU ranks of a host with `profile`: `1/ranks` of its memory,
 /// of the rate its engine reads weights at in a decode step (`hbm_gb_per_sec`:
-/// [`CpuProfile::weight_read_bytes_per_sec`]) and the KV cache at (with `cores / ranks`
-/// threads: [`CpuAttention`]) and of its compute rate (`bf16_tflops` and `fp8_tflops`: the
+/// [`CpuProfile::weight_read_bytes_per_sec`]) and of its attention's
+/// ([`CpuAttention`], on `cores / ranks` threads) and of its compute rate (`bf16_tflops` and `fp8_tflops`: the
 /// CPU engine computes quantized products in f32 whatever the dtype); no NVLink; its
 /// shared-memory link as `pcie_gb_per_sec` ([`SHM_TRAFFIC_PER_BYTE`]); TCP sockets between
 /// hosts (the CPU ranks' collectives use no RDMA) as `nic_gb_per_sec`.
@@ -71,10 +71,12 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
         bf16_weights_gb_per_sec: profile
             .decode_bf16_bytes_per_sec
             .map(|rate| rate / ranks / 1e9),
-        cpu_attention: profile.decode_kv_bytes_per_sec.map(|rate| CpuAttention {
-            kv_gb_per_sec: rate / ranks / 1e9,
-            threads,
-        }),
+        cpu_attention: profile
+            .decode_attention_flops_per_sec
+            .map(|rate| CpuAttention {
+                flops_per_sec: rate / ranks,
+                threads,
+            }),
         pcie_gb_per_sec: profile.memory_bytes_per_sec / SHM_TRAFFIC_PER_BYTE / 1e9,
         nic_gb_per_sec: TCP_GB_PER_SEC,
         sources: vec![profile.source.clone()],
@@ -101,8 +103,8 @@ pub struct HardwareSpec {
     /// not memory); absent for GPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16_weights_gb_per_sec: Option<f64>,
-    /// How a CPU rank's decode attention reads the KV cache; absent for GPUs, whose attention
-    /// reads it at `hbm_gb_per_sec`.
+    /// How fast a CPU rank's decode attention goes through the KV cache; absent for GPUs,
+    /// whose attention reads it at `hbm_gb_per_sec`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_attention: Option<CpuAttention>,
     /// NVLink bandwidth per GPU, GB/s, both directions together; 0 when there is none.
@@ -117,14 +119,15 @@ pub struct HardwareSpec {
     pub sources: Vec<String>,
 }
 
-/// A CPU rank's decode attention: the CPU engine reads each f16 key and value of the KV
-/// cache at a rate of its own, well below the weights', on the rank's threads.
+/// A CPU rank's decode attention: the CPU engine scores and weighs each cached position
+/// for each query head at a rate of its own ([`CpuProfile::decode_attention_flops_per_sec`]),
+/// a small fraction of its matrix products', on the rank's threads.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct CpuAttention {
-    /// KV-cache bytes the rank's attention reads per second with all its threads busy, GB/s
-    /// ([`CpuProfile::decode_kv_bytes_per_sec`] over the host's ranks).
-    pub kv_gb_per_sec: f64,
+    /// Attention flops per second with all its threads busy
+    /// ([`CpuProfile::decode_attention_flops_per_sec`] over the host's ranks).
+    pub flops_per_sec: f64,
     /// The rank's threads: a layer's attention runs one task per (sequence, KV head) on them
     /// ([`crate::topology::cpu::attention_occupancy`]).
     pub threads: u64,
@@ -458,7 +461,7 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
             report.threads,
             if kv_secs > 0.0 {
                 format!(
-                    ", its {:.2} ms step less {:.2} ms of KV-cache reads",
+                    ", its {:.2} ms step less {:.2} ms of attention",
                     report.decode_step_secs * 1e3,
                     kv_secs * 1e3
                 )
@@ -471,18 +474,18 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
 }
 
 /// The rate at which a CPU decode report's step read its weights, bytes/s, and the seconds of
-/// the step it counts as KV-cache reads: the step less its `decode_kv_bytes` read at the
-/// host's attention rate ([`CpuProfile::decode_kv_bytes_per_sec`] times the
+/// the step it counts as attention: the step less its `decode_attention_flops` at the host's
+/// attention rate ([`CpuProfile::decode_attention_flops_per_sec`] times the
 /// [`attention_occupancy`](crate::topology::cpu::attention_occupancy) of `batch · kv_heads`
-/// tasks on its `threads`), so that the planner, which adds the KV reads of its own context,
-/// does not count them twice. The report's `weight_bytes_per_sec` and 0 where the report or
-/// the profile lacks those figures, or they would take the whole step.
+/// tasks on its `threads`), so that the planner, which adds the attention of its own
+/// context, does not count it twice. The report's `weight_bytes_per_sec` and 0 where the
+/// report or the profile lacks those figures, or they would take the whole step.
 fn weight_read_of(report: &DecodeReport, profile: &CpuProfile) -> (f64, f64) {
     let whole_step = (report.weight_bytes_per_sec, 0.0);
-    let (Some(kv_bytes), Some(kv_heads), Some(rate)) = (
-        report.decode_kv_bytes,
+    let (Some(flops), Some(kv_heads), Some(rate)) = (
+        report.decode_attention_flops,
         report.kv_heads,
-        profile.decode_kv_bytes_per_sec,
+        profile.decode_attention_flops_per_sec,
     ) else {
         return whole_step;
     };
@@ -490,7 +493,7 @@ fn weight_read_of(report: &DecodeReport, profile: &CpuProfile) -> (f64, f64) {
         (report.batch * kv_heads) as u64,
         report.threads as u64,
     );
-    let kv_secs = kv_bytes as f64 / (rate * occupancy);
+    let kv_secs = flops as f64 / (rate * occupancy);
     let weights_secs = report.decode_step_secs - kv_secs;
     if rate > 0.0 && weights_secs > 0.0 && weights_secs.is_finite() {
         (report.decode_weight_bytes as f64 / weights_secs, kv_secs)
@@ -531,7 +534,7 @@ mod tests {
     use crate::plan::{Objective, Outcome, Plan, Settings, plan};
 
     /// A host of 8 cores and 32 GiB reading memory at 20 GB/s, whose engine reads weights
-    /// at 12 GB/s and the KV cache at 6 GB/s in a decode step. Its compute rate, 10¹⁵ flops/s, keeps a small model's
+    /// at 12 GB/s and attends at 20 GFLOP/s in a decode step. Its compute rate, 10¹⁵ flops/s, keeps a small model's
     /// decode bound by memory.
     fn profile() -> CpuProfile {
         CpuProfile {
@@ -542,7 +545,7 @@ mod tests {
             flops_per_sec: 1e15,
             decode_bytes_per_sec: Some(12e9),
             decode_bf16_bytes_per_sec: Some(3e9),
-            decode_kv_bytes_per_sec: Some(6e9),
+            decode_attention_flops_per_sec: Some(2e10),
             source: "made up".into(),
         }
     }
@@ -612,9 +615,9 @@ mod tests {
                 profile.memory_bytes_per_sec / SHM_TRAFFIC_PER_BYTE
             );
             assert_eq!(rank.nvlink_gb_per_sec, 0.0);
-            // The KV cache at the engine's attention rate, on the rank's share of the cores.
-            let attention = rank.cpu_attention.expect("a measured KV rate");
-            assert!((attention.kv_gb_per_sec * 1e9 * r - 6e9).abs() < 1.0);
+            // Attention at the engine's rate, on the rank's share of the cores.
+            let attention = rank.cpu_attention.expect("a measured attention rate");
+            assert!((attention.flops_per_sec * r - 2e10).abs() < 1e-3);
             assert_eq!(attention.threads, (8 / ranks).max(1));
         }
         let cluster = cpu_cluster(2, 8, &profile);
@@ -630,7 +633,7 @@ mod tests {
         let hardware_only = CpuProfile {
             decode_bytes_per_sec: None,
             decode_bf16_bytes_per_sec: None,
-            decode_kv_bytes_per_sec: None,
+            decode_attention_flops_per_sec: None,
             ..profile
         };
         let rank = cpu_rank_hardware(&hardware_only, 2);
@@ -696,20 +699,21 @@ mod tests {
         assert_eq!(one.device, Device::Cpu);
         let stage = &one.memory[0];
         // Batch 1 at the typical context (2048 of 4096 tokens), all of the host's bandwidth:
-        // the profile's bf16 weights at the engine's bf16 rate, the KV cache at the
-        // attention's, with SmolLM2's 3 KV heads keeping 3 of the 8 threads busy.
-        let kv_bytes = (2048 * stage.kv_bytes_per_token) as f64;
-        let expected = stage.weights_bytes as f64 / 3e9 + kv_bytes / (6e9 * 3.0 / 8.0);
+        // the profile's bf16 weights at the engine's bf16 rate, and attention over 2048
+        // positions (4 · n_heads · head_dim flops each per layer) at the engine's rate, with
+        // SmolLM2's 3 KV heads keeping 3 of the 8 threads busy.
+        let flops = (4 * 2048 * spec.n_heads * spec.head_dim * spec.n_layers) as f64;
+        let expected = stage.weights_bytes as f64 / 3e9 + flops / (2e10 * 3.0 / 8.0);
         assert!(
             (one.estimate.tpot_secs - expected).abs() < 1e-9 * expected,
             "{} vs {expected}",
             one.estimate.tpot_secs
         );
         // Two replicas on the host: each reads the same weights at half the bandwidth, and
-        // its KV cache at half the attention's rate with 3 of its 4 threads busy.
+        // attends at half the rate with 3 of its 4 threads busy.
         let two = feasible(&spec, &cluster, dp(2));
         assert_eq!(two.memory[0].weights_bytes, stage.weights_bytes);
-        let expected = stage.weights_bytes as f64 / 1.5e9 + kv_bytes / (3e9 * 3.0 / 4.0);
+        let expected = stage.weights_bytes as f64 / 1.5e9 + flops / (1e10 * 3.0 / 4.0);
         let tpot = two.estimate.tpot_secs;
         assert!(
             (tpot - expected).abs() < 1e-9 * expected,
@@ -789,8 +793,8 @@ mod tests {
             decode_step_secs: 0.1,
             decode_weight_bytes: 500_000_000,
             weight_bytes_per_sec: 5e9,
-            // 48 MB of KV cache over 3 KV heads: 3 tasks on 8 threads.
-            decode_kv_bytes: Some(48_000_000),
+            // 160 MFLOP of attention over 3 KV heads: 3 tasks on 8 threads.
+            decode_attention_flops: Some(160_000_000),
             kv_heads: Some(3),
             peak_rss_bytes: 0,
             gpu_memory_used_bytes: None,
@@ -814,9 +818,9 @@ mod tests {
         )
         .expect("this cluster's CPU");
         let cpu = cluster.hosts[0].cpu.as_ref().expect("a CPU host");
-        // The step less its KV reads at the probed attention rate (6 GB/s with every thread
+        // The step less its attention at the probed rate (20 GFLOP/s with every thread
         // busy, 3/8 of them here) read the weights.
-        let kv_secs = 48e6 / (6e9 * 3.0 / 8.0);
+        let kv_secs = 1.6e8 / (2e10 * 3.0 / 8.0);
         let rate = 500e6 / (0.1 - kv_secs);
         let measured = cpu.profile.decode_bytes_per_sec.expect("calibrated");
         assert!(
@@ -828,13 +832,13 @@ mod tests {
         assert!(
             cluster.measured.decode[0]
                 .source
-                .contains("its 100.00 ms step less 21.33 ms of KV-cache reads"),
+                .contains("its 100.00 ms step less 21.33 ms of attention"),
             "{}",
             cluster.measured.decode[0].source
         );
         // A report without its KV bytes counts its whole step as weight reads.
         let mut whole_step = report.clone();
-        whole_step.decode_kv_bytes = None;
+        whole_step.decode_attention_flops = None;
         assert_eq!(weight_read_of(&whole_step, &profile), (5e9, 0.0));
         // The shared-memory links keep the memory's probed bandwidth.
         assert_eq!(cpu.profile.memory_bytes_per_sec, 20e9);
@@ -848,7 +852,7 @@ mod tests {
         let flops = 2.0 * spec.active_params() as f64
             + 4.0 * 2048.0 * (spec.n_heads * spec.head_dim * spec.n_layers) as f64;
         let read_secs = stage.read_per_step_bytes as f64 / measured
-            + (2048 * stage.kv_bytes_per_token) as f64 / (6e9 * 3.0 / 8.0);
+            + (4 * 2048 * spec.n_heads * spec.head_dim * spec.n_layers) as f64 / (2e10 * 3.0 / 8.0);
         assert!(read_secs > flops / 3e11);
         let tpot = calibrated.estimate.tpot_secs;
         assert!(

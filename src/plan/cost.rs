@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::calibration::MeasuredLink;
-use super::cluster::HardwareSpec;
+use super::cluster::{CpuAttention, HardwareSpec};
 use super::memory::StageMemory;
 use super::model::{Dtype, ModelSpec};
 use crate::degrees::Degrees;
@@ -338,9 +338,21 @@ fn stage_secs(
         _ => 0.0,
     };
     let weight_bytes = (stage.read_per_step_bytes as f64 - routed_here).max(0.0);
-    let kv_bytes = (batch * context * stage.kv_bytes_per_token) as f64;
-    let memory_secs = weight_bytes / (weight_read_gb_per_sec(hardware, dtype) * 1e9)
-        + kv_read_secs(spec, tp, hardware, batch, kv_bytes);
+    let attention_flops =
+        4.0 * (batch * context) as f64 * (spec.n_heads * spec.head_dim) as f64 / tp as f64 * layers;
+    // The KV cache: read at the memory's rate on a GPU, its attention's arithmetic counted
+    // with the step's; on a CPU rank, the attention's own measured time.
+    let (kv_secs, compute_attention_flops) = match hardware.cpu_attention {
+        Some(attention) => (
+            cpu_attention_secs(spec, tp, attention, batch, attention_flops),
+            0.0,
+        ),
+        None => (
+            (batch * context * stage.kv_bytes_per_token) as f64 / (hardware.hbm_gb_per_sec * 1e9),
+            attention_flops,
+        ),
+    };
+    let memory_secs = weight_bytes / (weight_read_gb_per_sec(hardware, dtype) * 1e9) + kv_secs;
     let tflops = tensor_tflops(hardware, dtype);
     let routed_active = match &spec.moe {
         Some(moe) => {
@@ -350,9 +362,8 @@ fn stage_secs(
     };
     let dense_params_here =
         (spec.active_params() - routed_active) as f64 * layers / spec.n_layers as f64 / tp as f64;
-    let attention_flops =
-        4.0 * (batch * context) as f64 * (spec.n_heads * spec.head_dim) as f64 / tp as f64 * layers;
-    let compute_secs = (2.0 * dense_params_here * batch as f64 + attention_flops) / (tflops * 1e12);
+    let compute_secs =
+        (2.0 * dense_params_here * batch as f64 + compute_attention_flops) / (tflops * 1e12);
     memory_secs.max(compute_secs)
         + n_moe_layers_here * experts.secs
         + collective_secs(
@@ -445,26 +456,20 @@ fn weight_read_gb_per_sec(hardware: &HardwareSpec, dtype: Dtype) -> f64 {
     }
 }
 
-/// Seconds a decode step of `batch` sequences per replica takes to read `kv_bytes` of KV
-/// cache on one rank: at `hbm_gb_per_sec` on a GPU; on a CPU rank at its attention's rate
-/// ([`CpuAttention`](super::cluster::CpuAttention)) times the share of its threads that
-/// `batch · kv_heads_per_rank(tp)` tasks keep busy
-/// ([`attention_occupancy`](crate::topology::cpu::attention_occupancy)).
-pub(crate) fn kv_read_secs(
+/// Seconds a CPU rank's decode attention takes over `attention_flops` (the planner's count,
+/// `4 · batch · context · n_heads · head_dim / tp` per layer): at its measured rate
+/// ([`CpuAttention`]) times the share of its threads that `batch · kv_heads_per_rank(tp)`
+/// tasks keep busy ([`attention_occupancy`](crate::topology::cpu::attention_occupancy)).
+fn cpu_attention_secs(
     spec: &ModelSpec,
     tp: usize,
-    hardware: &HardwareSpec,
+    attention: CpuAttention,
     batch: u64,
-    kv_bytes: f64,
+    attention_flops: f64,
 ) -> f64 {
-    match hardware.cpu_attention {
-        Some(attention) => {
-            let tasks = batch * spec.kv_heads_per_rank(tp as u64);
-            let occupancy = crate::topology::cpu::attention_occupancy(tasks, attention.threads);
-            kv_bytes / (attention.kv_gb_per_sec * 1e9 * occupancy)
-        }
-        None => kv_bytes / (hardware.hbm_gb_per_sec * 1e9),
-    }
+    let tasks = batch * spec.kv_heads_per_rank(tp as u64);
+    let occupancy = crate::topology::cpu::attention_occupancy(tasks, attention.threads);
+    attention_flops / (attention.flops_per_sec * occupancy)
 }
 
 /// Dense tensor-core TFLOPS for `dtype`'s matrix products (FP8 and MXFP4 run on the FP8

@@ -1445,10 +1445,10 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
                 let bf16 = p.decode_bf16_bytes_per_sec.map_or(String::new(), |bf16| {
                     format!(" ({:.1} GB/s in bf16)", bf16 / 1e9)
                 });
-                let kv = p.decode_kv_bytes_per_sec.map_or(String::new(), |kv| {
+                let kv = p.decode_attention_flops_per_sec.map_or(String::new(), |flops| {
                     format!(
-                        " and the KV cache at {:.1} GB/s (every thread busy with a (sequence, KV head))",
-                        kv / 1e9
+                        ", its attention over the KV cache at {:.1} GFLOP/s (every thread busy)",
+                        flops / 1e9
                     )
                 });
                 format!(

@@ -59,13 +59,16 @@ pub struct CpuProfile {
     /// bf16 and fp16 weights are read at the quantized rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_bf16_bytes_per_sec: Option<f64>,
-    /// The rate at which the CPU engine's decode attention reads the KV cache on every core,
-    /// bytes/s, with a task for every thread ([`attention_occupancy`] 1): it converts each f16
-    /// key and value and works one (sequence, KV head) per task, well below the weights'
-    /// rate. Measured by the planner's probe; `None` where not measured, and then the KV
-    /// cache is read at the weights' rate.
+    /// The arithmetic rate of the CPU engine's decode attention on every core with a task for
+    /// every thread ([`attention_occupancy`] 1), flops/s of the planner's count
+    /// (`4 · n_heads · head_dim` per cached position and layer): each query head's score
+    /// against an f16 key, its softmax term and its share of the weighted sum of f16 values.
+    /// Its time goes with this arithmetic, not with the KV bytes (SmolLM2's 3 query heads of
+    /// 64 per KV head run at the rate of a probe's 2 of 128), at a small fraction of
+    /// `flops_per_sec`. Measured by the planner's probe; `None` where not measured, and then
+    /// the KV cache is read at the weights' rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub decode_kv_bytes_per_sec: Option<f64>,
+    pub decode_attention_flops_per_sec: Option<f64>,
     /// How the figures were obtained (`probed on this host in 0.41 s`).
     pub source: String,
 }
@@ -114,7 +117,7 @@ pub fn probe_cpu() -> Result<CpuProfile> {
         flops_per_sec,
         decode_bytes_per_sec: None,
         decode_bf16_bytes_per_sec: None,
-        decode_kv_bytes_per_sec: None,
+        decode_attention_flops_per_sec: None,
         source: format!(
             "probed on this host in {:.2} s",
             started.elapsed().as_secs_f64()

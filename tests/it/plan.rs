@@ -751,7 +751,7 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
         text.contains("each host's CPU is one device its ranks share")
             && text.contains("probed on this host")
             && text.contains("its engine's decode step reading weights at")
-            && text.contains("and the KV cache at")
+            && text.contains("its attention over the KV cache at")
             && text.contains("memory per rank")
             && text.contains("infer up --tp")
             && !text.contains("vllm serve")

@@ -217,8 +217,8 @@ pub(crate) fn kernel_profile_table(rows: &[(String, u64, f64)]) -> String {
 /// CPUs, few enough that generating them takes a fraction of a second. Q4_0 stands for the
 /// GGUF types, which read at similar rates (Q8_0 models at 1.0–1.3× Q4_0's on a 2-core
 /// AVX-512 Xeon); bf16 products convert every weight and read at a quarter of that there.
-/// The Q4_0 model holds [`KV_PROBE_CONTEXT`] tokens of context for
-/// [`engine_kv_read_bytes_per_sec`].
+/// The Q4_0 model holds [`ATTENTION_PROBE_CONTEXT`] tokens of context for
+/// [`engine_attention_flops_per_sec`].
 fn engine_probe_model(dtype: DummyDtype) -> DummyModel {
     let quantized = dtype == DummyDtype::Q4_0;
     DummyModel {
@@ -231,7 +231,7 @@ fn engine_probe_model(dtype: DummyDtype) -> DummyModel {
         head_dim: 128,
         vocab_size: if quantized { 8192 } else { 4096 },
         max_context_tokens: if quantized {
-            KV_PROBE_CONTEXT + 64
+            ATTENTION_PROBE_CONTEXT + 64
         } else {
             256
         },
@@ -282,15 +282,16 @@ fn engine_decode_bytes_per_sec(engine: &Engine, dtype: DummyDtype) -> Result<(f6
     ))
 }
 
-/// Tokens of context [`engine_kv_read_bytes_per_sec`] decodes after: 24 MiB of the probe
-/// model's KV cache, enough to take milliseconds to read at any CPU's rate.
-const KV_PROBE_CONTEXT: usize = 2048;
+/// Tokens of context [`engine_attention_flops_per_sec`] decodes after: 24 MiB of the probe
+/// model's KV cache, 50 MFLOP of attention per step, enough to take milliseconds on any CPU.
+const ATTENTION_PROBE_CONTEXT: usize = 2048;
 
-/// What [`engine_kv_read_bytes_per_sec`] measured: the rate, and the parallelism it had.
+/// What [`engine_attention_flops_per_sec`] measured: the rate, and the parallelism it had.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct KvReadRate {
-    /// KV-cache bytes per second the decode attention read, bytes/s.
-    pub(crate) bytes_per_sec: f64,
+pub(crate) struct AttentionRate {
+    /// The decode attention's flops per second (`4 · n_heads · head_dim` per cached
+    /// position and layer).
+    pub(crate) flops_per_sec: f64,
     /// Attention tasks of each layer: one per (sequence, KV head), which is how
     /// `Llama::attend` splits its work.
     pub(crate) tasks: usize,
@@ -298,35 +299,32 @@ pub(crate) struct KvReadRate {
     pub(crate) threads: usize,
 }
 
-/// The rate at which this host's CPU engine reads the KV cache in decode attention, bytes/s:
-/// one sequence of the Q4_0 [`engine_probe`] decoded 8 steps after [`KV_PROBE_CONTEXT`]
-/// tokens of random keys and values (imported, as a decode replica takes a prefill's, so
-/// that no prompt is computed), best of 2 runs; its extra KV bytes per step over its extra
-/// time per step against `short_step_secs`, the step of [`engine_decode_bytes_per_sec`]
-/// after 4 tokens. The weights stream through the caches between one layer's reads of its
-/// cache and the next step's, as in a real model. Attention converts each f16 key and value
-/// and splits one sequence's work only over its KV heads, so this is below the weights'
-/// rate. Takes 0.1–0.3 s.
+/// The arithmetic rate of this host's CPU engine's decode attention, flops/s: one sequence of the Q4_0 [`engine_probe`] decoded 8 steps after
+/// [`ATTENTION_PROBE_CONTEXT`] tokens of random keys and values (imported, as a decode
+/// replica takes a prefill's, so that no prompt is computed), best of 2 runs; its extra
+/// attention flops per step (`Llama::attention_flops_per_token`) over its extra time per step against `short_step_secs`, the step of
+/// [`engine_decode_bytes_per_sec`] after 4 tokens. The weights stream through the caches
+/// between one layer's reads of its cache and the next step's, as in a real model. Takes
+/// 0.1–0.3 s.
 ///
 /// Errors: a step fails; a host so busy that the long context's steps came out no slower.
-fn engine_kv_read_bytes_per_sec(engine: &Engine, short_step_secs: f64) -> Result<KvReadRate> {
+fn engine_attention_flops_per_sec(engine: &Engine, short_step_secs: f64) -> Result<AttentionRate> {
     let model = &engine.model;
-    let (n_layers, n_kv_heads, head_dim) = (
-        model.layers.len(),
-        model.kv_heads_held(),
-        model.config.head_dim,
-    );
+    let c = &model.config;
+    let (n_layers, n_kv_heads, head_dim) = (model.layers.len(), c.n_kv_heads, c.head_dim);
     // Keys and values of ±0.5 at most: softmax stays finite whatever the query.
-    let values: Vec<u16> = (0..n_layers * 2 * n_kv_heads * KV_PROBE_CONTEXT * head_dim)
+    let values: Vec<u16> = (0..n_layers * 2 * n_kv_heads * ATTENTION_PROBE_CONTEXT * head_dim)
         .map(|i| {
             let unit = (i.wrapping_mul(2_654_435_761) % 2001) as f32 / 2000.0 - 0.5;
             half::f16::from_f32(unit).to_bits()
         })
         .collect();
     let transfer = KvTransfer {
-        tokens: (0..KV_PROBE_CONTEXT as u32).map(|t| 1 + t % 1000).collect(),
+        tokens: (0..ATTENTION_PROBE_CONTEXT as u32)
+            .map(|t| 1 + t % 1000)
+            .collect(),
         first_position: 0,
-        prompt_tokens: KV_PROBE_CONTEXT,
+        prompt_tokens: ATTENTION_PROBE_CONTEXT,
         layers: 0..n_layers,
         n_kv_heads,
         head_dim,
@@ -356,16 +354,17 @@ fn engine_kv_read_bytes_per_sec(engine: &Engine, short_step_secs: f64) -> Result
         }
     }
     // The short step attended to ~12 positions, the long one to ~2052.
-    let extra_bytes = (KV_PROBE_CONTEXT - 8) as f64 * model.kv_bytes_per_token() as f64;
+    let extra_flops =
+        (ATTENTION_PROBE_CONTEXT - 8) as f64 * model.attention_flops_per_token() as f64;
     let extra_secs = long_step_secs - short_step_secs;
     anyhow::ensure!(
         extra_secs > 0.0,
-        "the attention probe's steps over {KV_PROBE_CONTEXT} tokens of context were no slower than over 4 ({:.3} against {:.3} ms): the host was too busy to measure",
+        "the attention probe's steps over {ATTENTION_PROBE_CONTEXT} tokens of context were no slower than over 4 ({:.3} against {:.3} ms): the host was too busy to measure",
         long_step_secs * 1e3,
         short_step_secs * 1e3
     );
-    Ok(KvReadRate {
-        bytes_per_sec: extra_bytes / extra_secs,
+    Ok(AttentionRate {
+        flops_per_sec: extra_flops / extra_secs,
         tasks: n_kv_heads,
         threads: engine.threads(),
     })
@@ -379,26 +378,26 @@ pub(crate) struct EngineRates {
     pub(crate) weights_bytes_per_sec: f64,
     /// The same of the bf16 probe model, bytes/s.
     pub(crate) bf16_weights_bytes_per_sec: f64,
-    /// [`engine_kv_read_bytes_per_sec`].
-    pub(crate) kv: KvReadRate,
+    /// [`engine_attention_flops_per_sec`].
+    pub(crate) attention: AttentionRate,
 }
 
 /// [`EngineRates`] of this host: 1–2 s of every core.
 ///
 /// Errors: as [`engine_probe`], [`engine_decode_bytes_per_sec`] and
-/// [`engine_kv_read_bytes_per_sec`].
+/// [`engine_attention_flops_per_sec`].
 pub(crate) fn engine_decode_rates() -> Result<EngineRates> {
     let quantized = engine_probe(DummyDtype::Q4_0)?;
     let (weights_bytes_per_sec, short_step_secs) =
         engine_decode_bytes_per_sec(&quantized, DummyDtype::Q4_0)?;
-    let kv = engine_kv_read_bytes_per_sec(&quantized, short_step_secs)?;
+    let attention = engine_attention_flops_per_sec(&quantized, short_step_secs)?;
     drop(quantized);
     let (bf16_weights_bytes_per_sec, _) =
         engine_decode_bytes_per_sec(&engine_probe(DummyDtype::Bf16)?, DummyDtype::Bf16)?;
     Ok(EngineRates {
         weights_bytes_per_sec,
         bf16_weights_bytes_per_sec,
-        kv,
+        attention,
     })
 }
 

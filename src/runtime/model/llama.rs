@@ -473,16 +473,13 @@ impl Llama {
         self.output.set_numerics(numerics);
     }
 
-    /// KV-cache bytes one token of context takes in this shard: the f16 key and value of
-    /// each KV head it holds, in each of its layers. Bytes.
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.layers.len() * self.kv_heads_held() * self.config.head_dim * 2 * 2
-    }
-
-    /// KV heads this shard holds: with the sequences of a step, the tasks of each layer's
-    /// decode attention.
-    pub fn kv_heads_held(&self) -> usize {
-        TpCut::new(&self.config, self.shard.tp_rank, self.shard.tp.max(1)).kv_heads
+    /// Attention arithmetic one token of context adds to a decode step of one sequence in
+    /// this shard: each query head's score against the cached key and its share of the
+    /// weighted sum of values, `2 · head_dim` multiply-adds, in each layer (a shard's
+    /// `config` holds its own heads) — `4 · n_heads · head_dim` flops per layer, the
+    /// planner's count. Flops.
+    pub fn attention_flops_per_token(&self) -> usize {
+        4 * self.layers.len() * self.config.n_heads * self.config.head_dim
     }
 
     /// Weight bytes one decode step of one sequence reads: every layer's attention

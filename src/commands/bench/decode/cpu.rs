@@ -66,11 +66,12 @@ pub(super) fn json(
         decode_step_secs,
         decode_weight_bytes,
         weight_bytes_per_sec: decode_weight_bytes as f64 / decode_step_secs,
-        decode_kv_bytes: Some(
-            (batch * (prompt_tokens + args.decode_tokens / 2) * engine.model.kv_bytes_per_token())
-                as u64,
+        decode_attention_flops: Some(
+            (batch
+                * (prompt_tokens + args.decode_tokens / 2)
+                * engine.model.attention_flops_per_token()) as u64,
         ),
-        kv_heads: Some(engine.model.kv_heads_held()),
+        kv_heads: Some(engine.model.config.n_kv_heads),
         peak_rss_bytes,
         gpu_memory_used_bytes: None,
         hbm_bytes_per_sec: None,

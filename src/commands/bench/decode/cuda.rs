@@ -91,7 +91,7 @@ impl<'a> CudaReport<'a> {
             decode_step_secs: speed.decode_step_secs,
             decode_weight_bytes: weight_bytes,
             weight_bytes_per_sec: weight_bytes as f64 / speed.decode_step_secs,
-            decode_kv_bytes: None,
+            decode_attention_flops: None,
             kv_heads: None,
             peak_rss_bytes: peak_rss_bytes()?,
             gpu_memory_used_bytes: Some(self.measured.memory_used_bytes),
