@@ -212,12 +212,18 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
         .context("cannot measure the CPU engine's decode step")?;
     profile.decode_bytes_per_sec = Some(rates.weights_bytes_per_sec);
     profile.decode_bf16_bytes_per_sec = Some(rates.bf16_weights_bytes_per_sec);
-    let attention = rates.attention;
-    let occupancy = attention_occupancy(attention.tasks as u64, attention.threads as u64);
-    profile.decode_attention_flops_per_sec = Some(attention.flops_per_sec / occupancy);
+    profile.decode_attention_flops_per_sec = rates.attention.map(|attention| {
+        attention.flops_per_sec
+            / attention_occupancy(attention.tasks as u64, attention.threads as u64)
+    });
     profile.source = format!(
-        "probed on this host in {:.2} s",
-        started.elapsed().as_secs_f64()
+        "probed on this host in {:.2} s{}",
+        started.elapsed().as_secs_f64(),
+        if rates.attention.is_none() {
+            "; its attention not measured (the host was too busy): the KV cache read at the weights' rate"
+        } else {
+            ""
+        }
     );
     Ok(profile)
 }

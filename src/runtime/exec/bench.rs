@@ -299,16 +299,21 @@ pub(crate) struct AttentionRate {
     pub(crate) threads: usize,
 }
 
-/// The arithmetic rate of this host's CPU engine's decode attention, flops/s: one sequence of the Q4_0 [`engine_probe`] decoded 8 steps after
-/// [`ATTENTION_PROBE_CONTEXT`] tokens of random keys and values (imported, as a decode
-/// replica takes a prefill's, so that no prompt is computed), best of 2 runs; its extra
-/// attention flops per step (`Llama::attention_flops_per_token`) over its extra time per step against `short_step_secs`, the step of
-/// [`engine_decode_bytes_per_sec`] after 4 tokens. The weights stream through the caches
-/// between one layer's reads of its cache and the next step's, as in a real model. Takes
-/// 0.1–0.3 s.
+/// The arithmetic rate of this host's CPU engine's decode attention, flops/s: one sequence
+/// of the Q4_0 [`engine_probe`] decoded 8 steps after [`ATTENTION_PROBE_CONTEXT`] tokens of
+/// random keys and values (imported, as a decode replica takes a prefill's, so that no
+/// prompt is computed), best of 2 runs; its extra attention flops per step
+/// (`Llama::attention_flops_per_token`) over its extra time per step against
+/// `short_step_secs`, the step of [`engine_decode_bytes_per_sec`] after 4 tokens. The
+/// weights stream through the caches between one layer's reads of its cache and the next
+/// step's, as in a real model. Takes 0.1–0.3 s. `None` when the long context's steps came
+/// out no slower: a host too busy to measure.
 ///
-/// Errors: a step fails; a host so busy that the long context's steps came out no slower.
-fn engine_attention_flops_per_sec(engine: &Engine, short_step_secs: f64) -> Result<AttentionRate> {
+/// Errors: a step fails.
+fn engine_attention_flops_per_sec(
+    engine: &Engine,
+    short_step_secs: f64,
+) -> Result<Option<AttentionRate>> {
     let model = &engine.model;
     let c = &model.config;
     let (n_layers, n_kv_heads, head_dim) = (model.layers.len(), c.n_kv_heads, c.head_dim);
@@ -357,17 +362,11 @@ fn engine_attention_flops_per_sec(engine: &Engine, short_step_secs: f64) -> Resu
     let extra_flops =
         (ATTENTION_PROBE_CONTEXT - 8) as f64 * model.attention_flops_per_token() as f64;
     let extra_secs = long_step_secs - short_step_secs;
-    anyhow::ensure!(
-        extra_secs > 0.0,
-        "the attention probe's steps over {ATTENTION_PROBE_CONTEXT} tokens of context were no slower than over 4 ({:.3} against {:.3} ms): the host was too busy to measure",
-        long_step_secs * 1e3,
-        short_step_secs * 1e3
-    );
-    Ok(AttentionRate {
+    Ok((extra_secs > 0.0).then(|| AttentionRate {
         flops_per_sec: extra_flops / extra_secs,
         tasks: n_kv_heads,
         threads: engine.threads(),
-    })
+    }))
 }
 
 /// The CPU engine's rates in a decode step on this host: what the planner's CPU probe
@@ -378,8 +377,8 @@ pub(crate) struct EngineRates {
     pub(crate) weights_bytes_per_sec: f64,
     /// The same of the bf16 probe model, bytes/s.
     pub(crate) bf16_weights_bytes_per_sec: f64,
-    /// [`engine_attention_flops_per_sec`].
-    pub(crate) attention: AttentionRate,
+    /// [`engine_attention_flops_per_sec`]; `None` on a host too busy to measure it.
+    pub(crate) attention: Option<AttentionRate>,
 }
 
 /// [`EngineRates`] of this host: 1–2 s of every core.
