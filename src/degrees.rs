@@ -1,6 +1,7 @@
 //! The parallel degrees of a layout (tp, pp, dp, ep): one type from the command line through
-//! the planner and the launcher to each rank, so a degree is never re-declared, re-typed or
-//! cast. Any layer may use it (it imports nothing of the crate).
+//! the planner and the launcher to each rank, so a degree is never re-declared or re-typed
+//! (the planner converts one to `u64` only where it meets byte counts). Any layer may use it
+//! (it imports nothing of the crate).
 
 use serde::{Deserialize, Serialize};
 
