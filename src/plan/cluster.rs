@@ -489,11 +489,12 @@ fn weight_read_of(report: &DecodeReport, profile: &CpuProfile) -> (f64, f64) {
     ) else {
         return whole_step;
     };
-    let occupancy = crate::topology::cpu::attention_occupancy(
+    let kv_secs = crate::topology::cpu::attention_secs(
+        flops as f64,
+        rate,
         (report.batch * kv_heads) as u64,
         report.threads as u64,
     );
-    let kv_secs = flops as f64 / (rate * occupancy);
     let weights_secs = report.decode_step_secs - kv_secs;
     if rate > 0.0 && weights_secs > 0.0 && weights_secs.is_finite() {
         (report.decode_weight_bytes as f64 / weights_secs, kv_secs)

@@ -467,9 +467,12 @@ fn cpu_attention_secs(
     batch: u64,
     attention_flops: f64,
 ) -> f64 {
-    let tasks = batch * spec.kv_heads_per_rank(tp as u64);
-    let occupancy = crate::topology::cpu::attention_occupancy(tasks, attention.threads);
-    attention_flops / (attention.flops_per_sec * occupancy)
+    crate::topology::cpu::attention_secs(
+        attention_flops,
+        attention.flops_per_sec,
+        batch * spec.kv_heads_per_rank(tp as u64),
+        attention.threads,
+    )
 }
 
 /// Dense tensor-core TFLOPS for `dtype`'s matrix products (FP8 and MXFP4 run on the FP8

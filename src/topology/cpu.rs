@@ -92,6 +92,13 @@ pub fn attention_occupancy(tasks: u64, threads: u64) -> f64 {
     tasks as f64 / (tasks.div_ceil(threads) * threads) as f64
 }
 
+/// Seconds the CPU engine's decode attention takes over `attention_flops` at
+/// `flops_per_sec` with every thread busy, when `tasks` tasks share `threads` threads
+/// ([`attention_occupancy`]).
+pub fn attention_secs(attention_flops: f64, flops_per_sec: f64, tasks: u64, threads: u64) -> f64 {
+    attention_flops / (flops_per_sec * attention_occupancy(tasks, threads))
+}
+
 /// Probes this host's CPU: reads its name and memory, then measures its memory bandwidth and
 /// compute rate on every core.
 ///

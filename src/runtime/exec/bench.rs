@@ -14,7 +14,7 @@ use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::cuda::device::Gpu;
 use crate::runtime::cuda::gpu::GpuRunner;
 use crate::runtime::model::dummy::{DummyDtype, DummyModel};
-use crate::runtime::model::kv::KvTransfer;
+use crate::runtime::model::kv::{KvCache, KvTransfer};
 use crate::runtime::model::llama::SequenceInput;
 use crate::runtime::model::sampling::argmax;
 use crate::runtime::model::source::ModelSource;
@@ -98,11 +98,28 @@ fn cpu_decode_run(
         caches.push(cache);
     }
     let mut next = vec![argmax(&logits[0]); batch];
+    let decode_secs = timed_decode_steps(engine, &mut caches, &mut next, decode_tokens)?;
+    Ok(CpuDecodeSpeed {
+        prefill_tokens_per_sec,
+        decode_tokens_per_sec: (batch * decode_tokens) as f64 / decode_secs,
+    })
+}
+
+/// Decodes `steps` greedy tokens for every sequence of `caches`, starting from `next` (one
+/// token per cache, the last token of each on return); the seconds it took.
+///
+/// Errors: a forward pass fails.
+fn timed_decode_steps(
+    engine: &Engine,
+    caches: &mut [KvCache],
+    next: &mut [u32],
+    steps: usize,
+) -> Result<f64> {
     let start = Instant::now();
-    for _ in 0..decode_tokens {
+    for _ in 0..steps {
         let mut inputs: Vec<SequenceInput> = caches
             .iter_mut()
-            .zip(&next)
+            .zip(next.iter())
             .map(|(cache, token)| SequenceInput {
                 tokens: std::slice::from_ref(token),
                 cache,
@@ -114,10 +131,7 @@ fn cpu_decode_run(
             *token = argmax(logits);
         }
     }
-    Ok(CpuDecodeSpeed {
-        prefill_tokens_per_sec,
-        decode_tokens_per_sec: (batch * decode_tokens) as f64 / start.elapsed().as_secs_f64(),
-    })
+    Ok(start.elapsed().as_secs_f64())
 }
 
 /// The best timed run (by decode tokens/s) at each of `batches`, in their order: `runs`
@@ -342,17 +356,8 @@ fn engine_attention_flops_per_sec(
             let mut cache = model.new_cache();
             cache.import(&transfer)?;
             cache.finish_import();
-            let mut token = 1;
-            let start = Instant::now();
-            for _ in 0..steps {
-                let logits = model.forward(&mut [SequenceInput {
-                    tokens: std::slice::from_ref(&token),
-                    cache: &mut cache,
-                    all_logits: false,
-                }])?;
-                token = argmax(&logits[0]);
-            }
-            Ok(start.elapsed().as_secs_f64() / steps as f64)
+            let mut caches = [cache];
+            Ok(timed_decode_steps(engine, &mut caches, &mut [1], steps)? / steps as f64)
         })?;
         if run > 0 {
             long_step_secs = long_step_secs.min(secs);
