@@ -171,14 +171,15 @@ fn misaligned_shards_are_refused() {
 #[test]
 fn synthetic_dense_model_agrees_at_tp_1_2_4() {
     use crate::support::synthetic::{Shape, weights, write_gguf};
-    // 8 heads and 2 KV heads: TP 4 replicates each KV head on two ranks.
+    // 8 heads and 2 KV heads: TP 4 replicates each KV head on two ranks. A vocabulary of
+    // 83 splits unevenly over the vocab-parallel LM head (41 + 42, 20 + 21 + 21 + 21).
     let shape = Shape {
         hidden: 64,
         intermediate: 96,
         n_layers: 2,
         n_heads: 8,
         n_kv_heads: 2,
-        vocab: 80,
+        vocab: 83,
         qkv_bias: false,
     };
     let dir = tempfile::tempdir().expect("temp dir");
@@ -187,6 +188,13 @@ fn synthetic_dense_model_agrees_at_tp_1_2_4() {
     let model = Llama::open_gguf(&path).expect("loads");
     let prompt = [3u32, 14, 15, 9, 26, 5];
     let (reference, reference_logits) = greedy(&model, 1, 1, &prompt, 8);
+    // Each TP rank of the last stage holds its rows of the LM head only.
+    let last = model.shard(1, 4, 1, 1).expect("a shard");
+    assert_eq!(
+        last.output.n_rows,
+        infer::runtime::model::llama::head_rows(1, 4, 83).len()
+    );
+    assert_eq!(last.output.n_rows, 21);
     for tp in [2, 4] {
         for pp in [1, 2] {
             let (tokens, logits) = greedy(&model, tp, pp, &prompt, 8);
@@ -197,6 +205,7 @@ fn synthetic_dense_model_agrees_at_tp_1_2_4() {
                 .zip(&reference_logits)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
+            assert_eq!(logits.len(), 83, "tp={tp} pp={pp}: whole rows of logits");
             assert!(worst < 1e-3, "tp={tp} pp={pp}: logits differ by {worst}");
         }
     }

@@ -23,7 +23,7 @@ use crate::runtime::collectives::Comm;
 use crate::runtime::exec::executor::{Executor, Sampled, StepEntry, first_step_cache, sample};
 use crate::runtime::model::config::LlamaConfig;
 use crate::runtime::model::kv::{KvCache, KvPool, KvTransfer};
-use crate::runtime::model::llama::{Layer, Llama};
+use crate::runtime::model::llama::{Layer, Llama, gather_vocab, head_rows};
 use crate::runtime::model::moe::top_k_experts;
 use crate::runtime::model::sampling::Sampler;
 use crate::runtime::model::tokenizer::Tokenizer;
@@ -679,7 +679,7 @@ impl<B: Backend> BackendModel<B> {
         for (sequence, new) in batch.iter_mut() {
             sequence.n_tokens += new.len();
         }
-        match self.head_logits(&x, &inputs.last_rows, batch.len())? {
+        match self.head_logits(&x, &inputs.last_rows, batch.len(), &mut tp)? {
             Some(logits) => Ok(StageOut::Logits(logits, batch.len())),
             None => Ok(StageOut::Hidden(x, n)),
         }
@@ -1009,13 +1009,17 @@ impl<B: Backend> BackendModel<B> {
 
     /// The last stage's head: each sequence's last row of `x` (`last_rows`, `(n_rows)` i32)
     /// normed and projected to `(n_rows, vocab_size)` f32 logits; `None` on an earlier stage.
+    /// A TP shard's head holds its rows of the vocabulary
+    /// ([`crate::runtime::model::llama::head_rows`]); the group all-gathers them through
+    /// host memory.
     ///
-    /// Errors: the backend's.
+    /// Errors: the backend's, a failed all-gather.
     fn head_logits(
         &self,
         x: &B::Buffer,
         last_rows: &B::Buffer,
         n_rows: usize,
+        tp: &mut Option<&mut dyn Comm>,
     ) -> Result<Option<B::Buffer>> {
         let (Some(output_norm), Some(output)) = (&self.output_norm, &self.output) else {
             return Ok(None);
@@ -1033,9 +1037,20 @@ impl<B: Backend> BackendModel<B> {
             hidden,
             c.rms_norm_eps,
         )?;
-        let logits = be.zeros(n_rows * c.vocab_size * 4)?;
-        be.matmul(&logits, output, &final_normed, n_rows)?;
-        Ok(Some(logits))
+        let Some(comm) = tp else {
+            let logits = be.zeros(n_rows * c.vocab_size * 4)?;
+            be.matmul(&logits, output, &final_normed, n_rows)?;
+            return Ok(Some(logits));
+        };
+        let slice = head_rows(self.tp_rank, self.tp, c.vocab_size).len();
+        let local = be.zeros(n_rows * slice * 4)?;
+        be.matmul(&local, output, &final_normed, n_rows)?;
+        let rows: Vec<Vec<f32>> = f32s_of(&be.download(&local, n_rows * slice * 4)?)
+            .chunks_exact(slice.max(1))
+            .map(<[f32]>::to_vec)
+            .collect();
+        let whole = gather_vocab(*comm, &rows, c.vocab_size)?;
+        Ok(Some(be.upload(&bytes_of(&whole.concat()))?))
     }
 }
 

@@ -18,6 +18,7 @@ use crate::runtime::cpu::attention::{
     weighted_sum_f16_heads, weighted_sum_f16_heads_decode,
 };
 use crate::runtime::cpu::mathfn::{multiversion, softmax, swiglu};
+use crate::runtime::cpu::packed::{GROUP_ROWS, GroupState};
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::cpu::team;
 use crate::runtime::formats::gguf::{GgufFile, Value};
@@ -25,7 +26,7 @@ pub use crate::runtime::model::config::{Llama3Scaling, LlamaConfig, RopeStyle};
 use crate::runtime::model::kv::KvCache;
 use crate::runtime::model::kv::KvPool;
 pub use crate::runtime::model::moe::{Expert, MoeFfn};
-use crate::runtime::model::weights::{Weight, matmul_many};
+use crate::runtime::model::weights::{Weight, finish_grouped, matmul_many};
 
 /// The sizes a parallel layout must divide, read from a GGUF header alone (no weights).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -357,7 +358,12 @@ impl Llama {
             token_embedding: self.token_embedding.clone(),
             layers,
             output_norm: self.output_norm.clone(),
-            output: self.output.clone(),
+            output: if tp > 1 && first_layer + n_layers == self.layers.len() {
+                let rows = head_rows(tp_rank, tp, c.vocab_size);
+                self.output.rows(rows.start, rows.len())?
+            } else {
+                self.output.clone()
+            },
             inv_freqs: self.inv_freqs.clone(),
             theta_scale: self.theta_scale,
             has_freq_factors: self.has_freq_factors,
@@ -607,7 +613,7 @@ impl Llama {
         if !self.shard.is_last {
             return Ok(StageOutput::Hidden(x));
         }
-        Ok(StageOutput::Logits(self.head_logits(&x, batch)))
+        Ok(StageOutput::Logits(self.head_logits(&x, batch, &mut tp)?))
     }
 
     /// Checks that every sequence brings new tokens that fit the context, then takes every
@@ -820,8 +826,17 @@ impl Llama {
 
     /// The last stage's logits for the rows each sequence asks for (every new token's with
     /// `all_logits`, else its last): those rows of `x` normed and through the LM head, the
-    /// largest matrix, so only them.
-    fn head_logits(&self, x: &[f32], batch: &[SequenceInput<'_>]) -> Vec<Vec<f32>> {
+    /// largest matrix, so only them. With `tp`, the head is vocab-parallel (Megatron's
+    /// parallel LM head): this shard computes its rows of the vocabulary ([`head_rows`]) and
+    /// the TP group all-gathers them, so every member returns whole rows.
+    ///
+    /// Errors: a failed all-gather.
+    fn head_logits(
+        &self,
+        x: &[f32],
+        batch: &[SequenceInput<'_>],
+        tp: &mut Option<&mut dyn Comm>,
+    ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let hidden = c.hidden_size;
         let mut rows = Vec::new();
@@ -847,9 +862,15 @@ impl Llama {
             &mut final_normed,
         );
         // (Not `vec![row; n]`, which would copy the first row into every other.)
-        let mut logits: Vec<Vec<f32>> = rows.iter().map(|_| vec![0f32; c.vocab_size]).collect();
+        let mut logits: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|_| vec![0f32; self.output.n_rows])
+            .collect();
         self.output.matmul_per_token(&final_normed, &mut logits);
-        logits
+        match tp {
+            Some(comm) if self.shard.tp > 1 => gather_vocab(*comm, &logits, c.vocab_size),
+            _ => Ok(logits),
+        }
     }
 
     /// Rotates every head of `x` (`(n_heads_in_x, head_dim)`) for `position`. Angles are
@@ -940,6 +961,38 @@ struct AttendScratch {
     scores: Vec<f32>,
 }
 
+/// The rows of the LM head (vocabulary entries) TP rank `tp_rank` of `tp` computes:
+/// contiguous, sizes differing by at most one.
+pub fn head_rows(tp_rank: usize, tp: usize, vocab_size: usize) -> std::ops::Range<usize> {
+    crate::runtime::collectives::chunk(tp_rank, tp, vocab_size)
+}
+
+/// Whole logits rows `(n_rows, vocab_size)` from every TP member's vocabulary slice
+/// (`local`: `(n_rows, head_rows(rank))`): one all-gather of the slices, each padded to the
+/// largest. Errors: the collective's.
+pub(crate) fn gather_vocab(
+    comm: &mut dyn Comm,
+    local: &[Vec<f32>],
+    vocab_size: usize,
+) -> Result<Vec<Vec<f32>>> {
+    let size = comm.size();
+    let widest = vocab_size.div_ceil(size);
+    let mut send = vec![0f32; local.len() * widest];
+    for (out, row) in send.chunks_exact_mut(widest).zip(local) {
+        out[..row.len()].copy_from_slice(row);
+    }
+    let mut gathered = vec![0f32; size * send.len()];
+    comm.all_gather(&send, &mut gathered)?;
+    let mut logits = vec![vec![0f32; vocab_size]; local.len()];
+    for (member, part) in gathered.chunks_exact(send.len()).enumerate() {
+        let columns = head_rows(member, size, vocab_size);
+        for (row, slice) in logits.iter_mut().zip(part.chunks_exact(widest)) {
+            row[columns.clone()].copy_from_slice(&slice[..columns.len()]);
+        }
+    }
+    Ok(logits)
+}
+
 /// A row-parallel projection `out = input · Wᵀ` (`input`: `(n_tokens, n_cols)` of this
 /// shard's columns; `out`: `(n_tokens, n_rows)`), summed over the TP group.
 ///
@@ -968,37 +1021,30 @@ fn row_parallel(
         return comm.all_reduce_sum(out);
     }
     let (rank, size) = (comm.rank(), comm.size());
-    let count = weight.n_rows * n_tokens;
-    const STATE_BYTES: usize = size_of::<crate::runtime::cpu::quant::DotState>();
-    let mut states: Vec<crate::runtime::cpu::quant::DotState> = if rank == 0 {
-        vec![[0.0; 9]; count]
+    let count = weight.n_rows.div_ceil(GROUP_ROWS) * n_tokens;
+    let mut states: Vec<GroupState> = if rank == 0 {
+        vec![[[0.0; GROUP_ROWS]; 9]; count]
     } else {
         let bytes = comm.recv(rank - 1)?;
-        if bytes.len() != count * STATE_BYTES {
+        if bytes.len() != count * size_of::<GroupState>() {
             bail!(
                 "tp rank {}: received {} bytes of partial sums, expected {}",
                 rank - 1,
                 bytes.len(),
-                count * STATE_BYTES
+                count * size_of::<GroupState>()
             );
         }
-        bytemuck::cast_slice::<u8, f32>(&bytes)
-            .chunks_exact(9)
-            .map(|c| std::array::from_fn(|k| c[k]))
-            .collect()
+        let mut states = vec![[[0.0; GROUP_ROWS]; 9]; count];
+        bytemuck::cast_slice_mut::<GroupState, u8>(&mut states).copy_from_slice(&bytes);
+        states
     };
-    weight.matmul_continue(input, n_tokens, &mut states)?;
+    weight.matmul_continue_grouped(input, n_tokens, &mut states)?;
     let last = size - 1;
     let mut result = Vec::new();
     if rank < last {
         comm.send(rank + 1, bytemuck::cast_slice(&states))?;
     } else {
-        // States are `(n_rows, n_tokens)`; `out` is `(n_tokens, n_rows)`.
-        for (r, per_token) in states.chunks_exact(n_tokens).enumerate() {
-            for (t, state) in per_token.iter().enumerate() {
-                out[t * weight.n_rows + r] = crate::runtime::cpu::quant::dot_state_finish(state);
-            }
-        }
+        finish_grouped(&states, weight.n_rows, n_tokens, out);
         result = bytemuck::cast_slice(out).to_vec();
     }
     comm.broadcast(&mut result, last)?;

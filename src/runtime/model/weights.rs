@@ -277,55 +277,57 @@ impl Weight {
         n_tokens: usize,
         states: &mut [DotState],
     ) -> anyhow::Result<()> {
+        let mut grouped = group_states(states, self.n_rows, n_tokens);
+        self.matmul_continue_grouped(x, n_tokens, &mut grouped)?;
+        ungroup_states(&grouped, self.n_rows, n_tokens, states);
+        Ok(())
+    }
+
+    /// [`Weight::matmul_continue`] on states kept in row groups, as the packed kernels hold
+    /// them: `states[g * n_tokens + t][k][r]` (`(n_groups, n_tokens)` of
+    /// `[lane k][row r of the group]`, `n_groups = ⌈n_rows / GROUP_ROWS⌉`, rows past `n_rows`
+    /// zero), so that a chain of ranks passes them on without regrouping
+    /// ([`finish_grouped`] ends them).
+    ///
+    /// Errors: a type without an integer kernel; `states` of another length.
+    pub fn matmul_continue_grouped(
+        &self,
+        x: &[f32],
+        n_tokens: usize,
+        states: &mut [GroupState],
+    ) -> anyhow::Result<()> {
         if !has_q8_kernel(self.ty) {
             anyhow::bail!("{:?} has no integer kernel to continue", self.ty);
         }
+        if states.len() != self.n_rows.div_ceil(GROUP_ROWS) * n_tokens {
+            anyhow::bail!(
+                "{} grouped states for {} rows and {n_tokens} tokens",
+                states.len(),
+                self.n_rows
+            );
+        }
         let quantized = quantize_tokens(x, self.n_cols);
         let numerics = self.numerics;
-        let Some(packed) = self.packed() else {
-            let chunk_rows = self.chunk_rows();
-            states
-                .par_chunks_mut(chunk_rows * n_tokens)
-                .enumerate()
-                .for_each(|(chunk, values)| {
-                    for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
-                        let row = self.row(chunk * chunk_rows + i);
-                        for (state, xq) in per_token.iter_mut().zip(&quantized) {
-                            crate::runtime::cpu::quant::dot_q8_continue(
-                                self.ty, row, xq, state, numerics,
-                            );
-                        }
-                    }
-                });
+        if let Some(packed) = self.packed() {
+            continue_groups(packed, &quantized, states, numerics);
             return Ok(());
-        };
-        // Each group's states gathered from `(n_rows, n_tokens)` rows, continued, scattered
-        // back: 2 values per row and token, `[k][row]` in the packed kernels.
-        let n_rows = self.n_rows;
-        let before: &[DotState] = states;
-        let gather = |g: usize, t: usize| -> GroupState {
-            std::array::from_fn(|k| {
-                std::array::from_fn(|r| {
-                    let row = g * GROUP_ROWS + r;
-                    if row < n_rows {
-                        before[row * n_tokens + t][k]
-                    } else {
-                        0.0
-                    }
-                })
-            })
-        };
-        let mut continued: Vec<GroupState> = (0..packed.n_groups() * n_tokens)
-            .map(|i| gather(i / n_tokens, i % n_tokens))
-            .collect();
-        continue_groups(packed, &quantized, &mut continued, numerics);
-        for (row, per_token) in states.chunks_exact_mut(n_tokens).enumerate() {
-            let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
-            for (t, state) in per_token.iter_mut().enumerate() {
-                let group = &continued[g * n_tokens + t];
-                *state = std::array::from_fn(|k| group[k][r]);
-            }
         }
+        let mut rows = vec![[0f32; 9]; self.n_rows * n_tokens];
+        ungroup_states(states, self.n_rows, n_tokens, &mut rows);
+        let chunk_rows = self.chunk_rows();
+        rows.par_chunks_mut(chunk_rows * n_tokens)
+            .enumerate()
+            .for_each(|(chunk, values)| {
+                for (i, per_token) in values.chunks_exact_mut(n_tokens).enumerate() {
+                    let row = self.row(chunk * chunk_rows + i);
+                    for (state, xq) in per_token.iter_mut().zip(&quantized) {
+                        crate::runtime::cpu::quant::dot_q8_continue(
+                            self.ty, row, xq, state, numerics,
+                        );
+                    }
+                }
+            });
+        states.copy_from_slice(&group_states(&rows, self.n_rows, n_tokens));
         Ok(())
     }
 
@@ -483,6 +485,49 @@ fn run_groups_into(
     });
 }
 
+/// Per-row states `(n_rows, n_tokens)` in row groups (`(n_groups, n_tokens)` of
+/// `[lane][row of the group]`, rows past `n_rows` zero): the layout of
+/// [`Weight::matmul_continue_grouped`].
+fn group_states(rows: &[DotState], n_rows: usize, n_tokens: usize) -> Vec<GroupState> {
+    let mut groups = vec![[[0f32; GROUP_ROWS]; 9]; n_rows.div_ceil(GROUP_ROWS) * n_tokens];
+    for (row, per_token) in rows.chunks_exact(n_tokens).enumerate() {
+        let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
+        for (t, state) in per_token.iter().enumerate() {
+            let group = &mut groups[g * n_tokens + t];
+            for (k, lane) in state.iter().enumerate() {
+                group[k][r] = *lane;
+            }
+        }
+    }
+    groups
+}
+
+/// The inverse of [`group_states`], into `rows` (`(n_rows, n_tokens)`).
+fn ungroup_states(groups: &[GroupState], n_rows: usize, n_tokens: usize, rows: &mut [DotState]) {
+    for (row, per_token) in rows.chunks_exact_mut(n_tokens).take(n_rows).enumerate() {
+        let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
+        for (t, state) in per_token.iter_mut().enumerate() {
+            let group = &groups[g * n_tokens + t];
+            *state = std::array::from_fn(|k| group[k][r]);
+        }
+    }
+}
+
+/// Finishes grouped states ([`Weight::matmul_continue_grouped`]) of a matrix of `n_rows`
+/// rows into `out` (`(n_tokens, n_rows)`): each dot product as
+/// [`crate::runtime::cpu::quant::dot_state_finish`] ends it.
+pub fn finish_grouped(groups: &[GroupState], n_rows: usize, n_tokens: usize, out: &mut [f32]) {
+    for (g, per_token) in groups.chunks_exact(n_tokens).enumerate() {
+        let rows = g * GROUP_ROWS..((g + 1) * GROUP_ROWS).min(n_rows);
+        for (t, group) in per_token.iter().enumerate() {
+            for (r, row) in rows.clone().enumerate() {
+                let state: DotState = std::array::from_fn(|k| group[k][r]);
+                out[t * n_rows + row] = crate::runtime::cpu::quant::dot_state_finish(&state);
+            }
+        }
+    }
+}
+
 /// Continues `states` (`(n_groups, n_tokens)`: each group's state for each token) with every
 /// token of `quantized`, `TILE` tokens at a time, the groups split over one parallel region.
 fn continue_groups(
@@ -618,5 +663,35 @@ mod tests {
                 );
             }
         }
+        // The same chain on grouped states (a partial group of 11 rows), the middle shard's
+        // rows packed and the others not, finished into `(n_tokens, n_rows)`.
+        let mut grouped = vec![[[0f32; GROUP_ROWS]; 9]; n_tokens];
+        for (first, width) in [(0, 32), (32, 64), (96, 32)] {
+            let shard = whole.cols(first, width).expect("block aligned");
+            if first == 32 {
+                shard.pack();
+            }
+            let x_shard: Vec<f32> = x
+                .chunks_exact(n_cols)
+                .flat_map(|token| token[first..first + width].to_vec())
+                .collect();
+            shard
+                .matmul_continue_grouped(&x_shard, n_tokens, &mut grouped)
+                .expect("integer type");
+        }
+        let mut finished = vec![0f32; n_tokens * n_rows];
+        finish_grouped(&grouped, n_rows, n_tokens, &mut finished);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(
+            bits(&finished),
+            bits(&expected),
+            "{numerics:?} {n_tokens} tokens"
+        );
+        let too_few = &mut grouped[..n_tokens - 1];
+        assert!(
+            whole
+                .matmul_continue_grouped(&x, n_tokens, too_few)
+                .is_err()
+        );
     }
 }
