@@ -50,36 +50,56 @@ pub struct CpuHost {
 /// --world 2` on a 2-core Xeon VM that reads memory at 10–12 GB/s measured 2.0–2.4 GB/s.
 pub(crate) const SHM_TRAFFIC_PER_BYTE: f64 = 4.0;
 
-/// The figures of one of `ranks` CPU ranks of a host with `profile`: `1/ranks` of its memory,
-/// of the rate its engine reads weights at in a decode step (`hbm_gb_per_sec`:
-/// [`CpuProfile::weight_read_bytes_per_sec`]) and of its attention's
-/// ([`CpuAttention`], on `cores / ranks` threads) and of its compute rate (`bf16_tflops` and `fp8_tflops`: the
-/// CPU engine computes quantized products in f32 whatever the dtype); no NVLink; its
+/// The figures of one of `ranks` CPU ranks of a host with `profile`: `1/ranks` of its memory;
+/// its share ([`rate_share`]) of the rate its engine reads weights at in a decode step
+/// (`hbm_gb_per_sec`: [`CpuProfile::weight_read_bytes_per_sec`]), of its attention's
+/// ([`CpuAttention`], on `cores / ranks` threads) and of its compute rate (`bf16_tflops` and
+/// `fp8_tflops`: the CPU engine computes quantized products in f32 whatever the dtype); how
+/// much faster a rank works while its TP group waits on it ([`CpuRowChain`]); no NVLink; its
 /// shared-memory link as `pcie_gb_per_sec` ([`SHM_TRAFFIC_PER_BYTE`]); TCP sockets between
 /// hosts (the CPU ranks' collectives use no RDMA) as `nic_gb_per_sec`.
 pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpec {
-    let threads = (profile.n_cores / ranks.max(1)).max(1);
-    let ranks = ranks.max(1) as f64;
+    let cores = profile.n_cores.max(1);
+    let threads = (cores / ranks.max(1)).max(1);
+    let ranks = ranks.max(1);
+    let share = rate_share(ranks, cores);
     HardwareSpec {
         name: profile.name.clone(),
-        memory_bytes: (profile.memory_bytes as f64 / ranks) as u64,
-        hbm_gb_per_sec: profile.weight_read_bytes_per_sec() / ranks / 1e9,
-        bf16_tflops: profile.flops_per_sec / ranks / 1e12,
-        fp8_tflops: profile.flops_per_sec / ranks / 1e12,
+        memory_bytes: (profile.memory_bytes as f64 / ranks as f64) as u64,
+        hbm_gb_per_sec: profile.weight_read_bytes_per_sec() / share / 1e9,
+        bf16_tflops: profile.flops_per_sec / share / 1e12,
+        fp8_tflops: profile.flops_per_sec / share / 1e12,
         nvlink_gb_per_sec: 0.0,
         nvlink_domain_size: 1,
         bf16_weights_gb_per_sec: profile
             .decode_bf16_bytes_per_sec
-            .map(|rate| rate / ranks / 1e9),
+            .map(|rate| rate / share / 1e9),
         cpu_attention: profile
             .decode_attention_flops_per_sec
             .map(|rate| CpuAttention {
-                flops_per_sec: rate / ranks,
+                flops_per_sec: rate / share,
                 threads,
             }),
+        cpu_row_chain: Some(CpuRowChain {
+            alone_speedup: (threads as f64 * share / cores as f64).max(1.0),
+        }),
         pcie_gb_per_sec: profile.memory_bytes_per_sec / SHM_TRAFFIC_PER_BYTE / 1e9,
         nic_gb_per_sec: TCP_GB_PER_SEC,
         sources: vec![profile.source.clone()],
+    }
+}
+
+/// What a CPU rank's rates are its host's divided by, with `ranks` ranks on `cores` cores:
+/// `ranks`, or, when ranks outnumber cores, `⌈ranks / cores⌉ · cores`: each rank has one
+/// thread, and a phase in which every rank computes (between two collectives, far shorter
+/// than a scheduler time slice) runs the ranks to completion in `⌈ranks / cores⌉` turns of
+/// the cores (3 ranks on 2 cores: two turns, each rank at a core's rate, 1/4 of the host's).
+pub(crate) fn rate_share(ranks: u64, cores: u64) -> f64 {
+    let (ranks, cores) = (ranks.max(1), cores.max(1));
+    if ranks > cores {
+        (ranks.div_ceil(cores) * cores) as f64
+    } else {
+        ranks as f64
     }
 }
 
@@ -107,6 +127,10 @@ pub struct HardwareSpec {
     /// whose attention reads it at `hbm_gb_per_sec`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_attention: Option<CpuAttention>,
+    /// How a CPU rank's tensor parallelism runs its row-parallel products; absent for GPUs,
+    /// whose TP all-reduces partial sums.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_row_chain: Option<CpuRowChain>,
     /// NVLink bandwidth per GPU, GB/s, both directions together; 0 when there is none.
     pub nvlink_gb_per_sec: f64,
     /// GPUs that share one NVLink domain in the standard server (8 on NVSwitch boards, 1 without NVLink).
@@ -131,6 +155,20 @@ pub struct CpuAttention {
     /// The rank's threads: a layer's attention runs one task per (sequence, KV head) on them
     /// ([`crate::topology::cpu::attention_occupancy`]).
     pub threads: u64,
+}
+
+/// The CPU engine's exact-order tensor parallelism: with integer-kernel weights (`Q4_0`,
+/// `Q4_1`, `Q8_0`), each row-parallel product (attention output, MLP down) runs on one TP
+/// rank after another, each continuing the previous rank's dot products, so that TP
+/// generates exactly the tokens of one process (`runtime::model::llama::row_parallel`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct CpuRowChain {
+    /// How much faster a rank reads and computes while the rest of its TP group waits on it
+    /// than while every rank of its host runs: its threads' share of the host's cores over
+    /// its share of the ranks, `threads · ranks / cores` (1 unless ranks outnumber cores,
+    /// when each rank has one thread and a waiting rank leaves its core to the one working).
+    pub alone_speedup: f64,
 }
 
 /// One host of a cluster.
@@ -909,5 +947,99 @@ mod tests {
             "{}",
             infeasible.message
         );
+    }
+
+    #[test]
+    fn ranks_beyond_the_cores_take_turns_and_work_faster_alone() {
+        let profile = profile();
+        assert_eq!(rate_share(3, 8), 3.0);
+        assert_eq!(rate_share(8, 8), 8.0);
+        // 12 ranks on 8 cores: two turns of the 8 cores, each rank at a core's rate.
+        assert_eq!(rate_share(12, 8), 16.0);
+        assert_eq!(rate_share(3, 2), 4.0);
+        let rank = cpu_rank_hardware(&profile, 12);
+        assert!((rank.hbm_gb_per_sec * 1e9 * 16.0 - 12e9).abs() < 1.0);
+        assert!((rank.bf16_tflops * 1e12 * 16.0 - profile.flops_per_sec).abs() < 1e3);
+        let attention = rank.cpu_attention.expect("a measured attention rate");
+        assert!((attention.flops_per_sec * 16.0 - 2e10).abs() < 1e-3);
+        assert_eq!(attention.threads, 1);
+        // Memory is still split by ranks.
+        assert_eq!(rank.memory_bytes, profile.memory_bytes / 12);
+        // A rank whose TP group waits on it has a whole core: twice its share.
+        let chain = |ranks| cpu_rank_hardware(&profile, ranks).cpu_row_chain;
+        assert_eq!(chain(12), Some(CpuRowChain { alone_speedup: 2.0 }));
+        // With cores to spare, a rank keeps its own threads whether the others work or wait.
+        assert_eq!(chain(2), Some(CpuRowChain { alone_speedup: 1.0 }));
+        assert_eq!(chain(8), Some(CpuRowChain { alone_speedup: 1.0 }));
+    }
+
+    #[test]
+    fn exact_order_tp_on_cpu_ranks_costs_its_turns_and_hops() {
+        use crate::plan::cost::{
+            Link, Links, chain_call_secs, chain_wait_secs, decode_step_secs, row_chain,
+        };
+        let spec = smollm2();
+        // SmolLM2: 30 layers of a 576 × 576 output projection and a 1536 → 576 down
+        // projection, counted by hand.
+        assert_eq!(spec.row_parallel_params(), 30 * (576 * 576 + 1536 * 576));
+        let tp2 = Degrees {
+            tp: 2,
+            pp: 1,
+            ep: 1,
+            dp: 1,
+        };
+        let rank = cpu_rank_hardware(&profile(), 2);
+        let link = Link {
+            bytes_per_sec: 2e9,
+            latency_secs: 50e-6,
+        };
+        let links = Links {
+            tp: link,
+            ep: link,
+            pp: link,
+        };
+        let step = |dtype: Dtype, hardware: &HardwareSpec| {
+            let stages = stage_memory(&spec, &tp2, dtype, dtype, 1 << 30, 0.9, Device::Cpu);
+            decode_step_secs(&spec, &tp2, &stages, dtype, hardware, &links, 1, 1024)
+        };
+        let all_reducing = HardwareSpec {
+            cpu_row_chain: None,
+            ..rank.clone()
+        };
+        // bf16 products are summed by an all-reduce: no chain.
+        assert_eq!(row_chain(&rank, Dtype::Bf16, 2), None);
+        assert_eq!(step(Dtype::Bf16, &rank), step(Dtype::Bf16, &all_reducing));
+        assert_eq!(row_chain(&rank, Dtype::Int8, 1), None);
+        // int8 runs as Q8_0 in exact order: one more turn of the row-parallel weights (the
+        // second rank's, at the same rate: 2 ranks on 8 cores), and each of the 60 sums is
+        // 2 messages of 36- then 4-byte outputs instead of one all-reduce of bf16.
+        let chain = row_chain(&rank, Dtype::Int8, 2).expect("a chain");
+        let turn_secs = spec.row_parallel_bytes(Dtype::Int8) / 2.0 / (rank.hbm_gb_per_sec * 1e9);
+        let stages = stage_memory(
+            &spec,
+            &tp2,
+            Dtype::Int8,
+            Dtype::Int8,
+            1 << 30,
+            0.9,
+            Device::Cpu,
+        );
+        let wait = chain_wait_secs(
+            &spec,
+            2,
+            &stages[0],
+            Dtype::Int8,
+            chain,
+            rank.hbm_gb_per_sec,
+            rank.bf16_tflops,
+            1,
+        );
+        assert!((wait - turn_secs).abs() < 1e-12, "{wait} vs {turn_secs}");
+        let hand_call = 576.0 * 40.0 / 2e9 + 2.0 * 50e-6;
+        assert!((chain_call_secs(&spec, 2, &links, 1) - hand_call).abs() < 1e-15);
+        let all_reduce_call = 576.0 * 2.0 / 2e9 + 50e-6;
+        let extra = step(Dtype::Int8, &rank) - step(Dtype::Int8, &all_reducing);
+        let expected = turn_secs + 60.0 * (hand_call - all_reduce_call);
+        assert!((extra - expected).abs() < 1e-9, "{extra} vs {expected}");
     }
 }

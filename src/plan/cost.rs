@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::calibration::MeasuredLink;
-use super::cluster::{CpuAttention, HardwareSpec};
+use super::cluster::{CpuAttention, CpuRowChain, HardwareSpec};
 use super::memory::StageMemory;
 use super::model::{Dtype, ModelSpec};
 use crate::degrees::Degrees;
@@ -364,7 +364,21 @@ fn stage_secs(
         (spec.active_params() - routed_active) as f64 * layers / spec.n_layers as f64 / tp as f64;
     let compute_secs =
         (2.0 * dense_params_here * batch as f64 + compute_attention_flops) / (tflops * 1e12);
+    let chain = row_chain(hardware, dtype, tp);
+    let chain_secs = chain.map_or(0.0, |chain| {
+        chain_wait_secs(
+            spec,
+            tp,
+            stage,
+            dtype,
+            chain,
+            weight_read_gb_per_sec(hardware, dtype),
+            tflops,
+            batch,
+        )
+    });
     memory_secs.max(compute_secs)
+        + chain_secs
         + n_moe_layers_here * experts.secs
         + collective_secs(
             spec,
@@ -373,7 +387,42 @@ fn stage_secs(
             links,
             batch,
             experts.busiest_gpu_load,
+            chain.is_some(),
         )
+}
+
+/// The exact-order TP of a CPU rank ([`CpuRowChain`]) when it applies: TP over CPU ranks
+/// with weights the integer kernels multiply (int4 and int8 run as `Q4_0` and `Q8_0`; a
+/// GGUF plan is taken as `Q4_0`/`Q4_1`/`Q8_0`, the types CPU checkpoints ship in). bf16 and
+/// fp16 products are summed with an all-reduce instead.
+pub(crate) fn row_chain(hardware: &HardwareSpec, dtype: Dtype, tp: usize) -> Option<CpuRowChain> {
+    match (hardware.cpu_row_chain, dtype) {
+        (Some(chain), Dtype::Int4 | Dtype::Int8 | Dtype::Gguf) if tp > 1 => Some(chain),
+        _ => None,
+    }
+}
+
+/// What a stage's exact-order row-parallel products add to a step of `tokens` tokens on a
+/// CPU rank, seconds: the roofline (weights at `weights_gb_per_sec`, flops at `tflops`) of
+/// its share of the row-parallel weights ([`ModelSpec::row_parallel_bytes`]) takes `tp`
+/// turns instead of one, each turn [`CpuRowChain::alone_speedup`] times faster than with
+/// every rank working; the stage's roofline already counts one turn.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn chain_wait_secs(
+    spec: &ModelSpec,
+    tp: usize,
+    stage: &StageMemory,
+    dtype: Dtype,
+    chain: CpuRowChain,
+    weights_gb_per_sec: f64,
+    tflops: f64,
+    tokens: u64,
+) -> f64 {
+    let share = stage.n_layers as f64 / spec.n_layers.max(1) as f64 / tp as f64;
+    let bytes = spec.row_parallel_bytes(dtype) * share;
+    let flops = 2.0 * spec.row_parallel_params() as f64 * share * tokens as f64;
+    let turn_secs = (bytes / (weights_gb_per_sec * 1e9)).max(flops / (tflops * 1e12));
+    turn_secs * (tp as f64 / chain.alone_speedup - 1.0).max(0.0)
 }
 
 /// The collectives of one stage over `tokens` tokens' activations (a decode batch or a
@@ -383,6 +432,9 @@ fn stage_secs(
 /// its top-k experts, (ep−1)/ep of them on other ranks; the busiest GPU receives
 /// `busiest_gpu_load` times the mean, and every GPU waits for it); each call also pays its
 /// link's latency.
+///
+/// With `exact_chain` ([`row_chain`]), each of a layer's two TP sums is a chain instead
+/// ([`chain_call_secs`]).
 fn collective_secs(
     spec: &ModelSpec,
     parallel: &Degrees,
@@ -390,13 +442,14 @@ fn collective_secs(
     links: &Links,
     tokens: u64,
     busiest_gpu_load: f64,
+    exact_chain: bool,
 ) -> f64 {
     let tp = parallel.tp;
     let layers = stage.n_layers as f64;
-    let allreduce_secs = if tp > 1 {
-        2.0 * layers * allreduce_call_secs(spec, tp, links, tokens)
-    } else {
-        0.0
+    let allreduce_secs = match (tp > 1, exact_chain) {
+        (false, _) => 0.0,
+        (true, false) => 2.0 * layers * allreduce_call_secs(spec, tp, links, tokens),
+        (true, true) => 2.0 * layers * chain_call_secs(spec, tp, links, tokens),
     };
     allreduce_secs + all_to_all_secs(spec, parallel, stage, links, tokens, busiest_gpu_load)
 }
@@ -405,6 +458,16 @@ fn collective_secs(
 fn allreduce_call_secs(spec: &ModelSpec, tp: usize, links: &Links, tokens: u64) -> f64 {
     let message = (tokens * spec.hidden_size * 2) as f64;
     2.0 * (tp - 1) as f64 / tp as f64 * message / links.tp.bytes_per_sec + links.tp.latency_secs
+}
+
+/// One exact-order TP sum of `tokens` tokens' `hidden`-wide outputs over the TP link,
+/// seconds: `tp − 1` hops of the running dot products (36 bytes per output: the engine's
+/// `DotState` of 9 f32), then the last rank sends the sums (4 bytes per output) to the
+/// `tp − 1` others; `tp` messages in a row, each paying the link's latency.
+pub(crate) fn chain_call_secs(spec: &ModelSpec, tp: usize, links: &Links, tokens: u64) -> f64 {
+    let outputs = (tokens * spec.hidden_size) as f64;
+    (tp - 1) as f64 * outputs * (36.0 + 4.0) / links.tp.bytes_per_sec
+        + tp as f64 * links.tp.latency_secs
 }
 
 /// The EP dispatch and combine all-to-alls of the stage's MoE layers, seconds (0 without EP).
@@ -565,7 +628,13 @@ pub(crate) fn prefill_secs(
                 - n_moe_layers_here * routed_layer_bytes)
                 .max(0.0)
                 / (hardware.hbm_gb_per_sec * 1e9);
+            let chain = row_chain(hardware, dtype, tp);
+            let chain_secs = chain.map_or(0.0, |chain| {
+                let rate = hardware.hbm_gb_per_sec;
+                chain_wait_secs(spec, tp, stage, dtype, chain, rate, tflops, prompt_tokens)
+            });
             compute_secs.max(memory_secs)
+                + chain_secs
                 + n_moe_layers_here * experts.secs
                 + collective_secs(
                     spec,
@@ -574,6 +643,7 @@ pub(crate) fn prefill_secs(
                     links,
                     prompt_tokens.max(1),
                     experts.busiest_gpu_load,
+                    chain.is_some(),
                 )
         })
         .sum();

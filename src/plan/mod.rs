@@ -1470,14 +1470,14 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
     let max_ranks = cluster.max_cpu_ranks_per_host();
     let min_cores = profiles.iter().map(|p| p.n_cores).min().unwrap_or(1);
     lines.push(format!(
-        "the cluster has {n_hosts} CPU host{}, each taking 1 to {max_ranks} ranks ({}); `r` ranks on a host each get 1/r of its cores, memory, bandwidth and compute",
+        "the cluster has {n_hosts} CPU host{}, each taking 1 to {max_ranks} ranks ({}); `r` ranks on a host each get 1/r of its memory and, up to one rank per core, of its cores, bandwidth and compute",
         if n_hosts == 1 { "" } else { "s" },
         if max_ranks <= min_cores {
             "one per core at most".to_string()
         } else {
             // The inventory's `cpu-ranks` is trusted; say what the estimates leave out.
             format!(
-                "its `cpu-ranks`, more than its {min_cores} cores: ranks beyond one per core take turns on them and wait on each other in every collective, which these estimates do not count"
+                "its `cpu-ranks`, more than its {min_cores} cores: ranks beyond one per core take turns on them: each rank has one thread and, between two collectives, the ranks run in ⌈ranks / cores⌉ turns of the cores, so each gets 1/(⌈ranks / cores⌉ · cores) of the host's rates"
             )
         }
     ));
@@ -1500,6 +1500,15 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
             rank.hbm_gb_per_sec,
             rank.bf16_tflops * 1e3
         ));
+        let tp = best.parallel.tp;
+        if let Some(chain) = cost::row_chain(rank, run.dtype, tp) {
+            lines.push(format!(
+                "TP {tp} runs in exact order, as one process would: each layer's two row-parallel products (attention output, MLP down) go from rank to rank, each continuing the previous one's dot products ({} turns of {:.1} MB instead of one, each {:.2}× as fast as with every rank working), then the last rank sends the sums to the others ({tp} messages per product instead of an all-reduce)",
+                tp,
+                run.spec.row_parallel_bytes(run.dtype) / (tp * best.parallel.pp) as f64 / 1e6,
+                chain.alone_speedup,
+            ));
+        }
     }
     lines
 }

@@ -324,6 +324,29 @@ impl ModelSpec {
         parts.total()
     }
 
+    /// Parameters of the row-parallel products of all layers: the attention output
+    /// projection (`n_heads · head_dim × hidden`, or MLA's `n_heads · v_head_dim × hidden`)
+    /// and the down projection of the dense MLPs and shared experts (a third of
+    /// [`ParamCounts::dense_mlp`]); Megatron-LM splits these by input columns and sums them
+    /// across TP, and the CPU engine runs them in exact order ([`crate::plan::cluster::CpuRowChain`]).
+    /// Routed experts are not counted.
+    pub fn row_parallel_params(&self) -> u64 {
+        let v_dim = match &self.mla {
+            Some(mla) => self.n_heads * mla.v_head_dim,
+            None => self.n_heads * self.head_dim,
+        };
+        v_dim * self.hidden_size * self.n_layers + self.param_counts().dense_mlp / 3
+    }
+
+    /// Bytes of [`ModelSpec::row_parallel_params`] in `dtype`, at the bytes per parameter of
+    /// the attention and dense MLP weights ([`ModelSpec::weight_bytes_by_part`]).
+    pub fn row_parallel_bytes(&self, dtype: Dtype) -> f64 {
+        let (params, bytes) = (self.param_counts(), self.weight_bytes_by_part(dtype));
+        let layer_params = (params.attention + params.dense_mlp).max(1) as f64;
+        self.row_parallel_params() as f64 * (bytes.attention + bytes.dense_mlp) as f64
+            / layer_params
+    }
+
     /// Weight bytes split like [`ParamCounts`]; each field is bytes instead of parameters.
     pub fn weight_bytes_by_part(&self, dtype: Dtype) -> ParamCounts {
         let counts = self.param_counts();
