@@ -1984,8 +1984,8 @@ fn ep_against_moe_tp_is_decided_by_cost_with_its_reasons() {
 }
 
 /// An inventory that gives a host more `cpu-ranks` than this host's probed cores (which
-/// stand for its CPU) is planned as given, and the plan says what its estimates leave out:
-/// ranks beyond one per core take turns on the cores. See: #40
+/// stand for its CPU) is planned as given, and the plan says how it counts them: ranks beyond
+/// one per core take turns on the cores. See: #40
 #[test]
 fn more_cpu_ranks_than_cores_are_said_to_take_turns() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -2013,4 +2013,73 @@ fn more_cpu_ranks_than_cores_are_said_to_take_turns() {
         "{explain:#?}"
     );
     assert!(!explain.iter().any(|l| l.contains("one per core at most")));
+}
+
+/// The number just before `unit` in `line`, after `after` (`"reading weights at"`, `"GB/s"`).
+fn number_before(line: &str, after: &str, unit: &str) -> f64 {
+    let rest = &line[line.find(after).expect("the phrase") + after.len()..];
+    let text = rest[..rest.find(unit).expect("the unit")].trim();
+    text.parse()
+        .unwrap_or_else(|_| panic!("`{text}` in `{line}`"))
+}
+
+/// TP over CPU ranks is planned as the engine runs it: ranks beyond one per core get
+/// `1/(⌈ranks / cores⌉ · cores)` of the host's rate, and the exact-order TP chain is said, with
+/// how much faster a rank works while the others wait on it. See: #40
+#[test]
+fn cpu_tp_is_planned_as_its_exact_order_chain_with_turns() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("hosts.toml");
+    std::fs::write(
+        &path,
+        "[[hosts]]\nname = \"a\"\naddress = \"10.0.0.1\"\ncpu-ranks = 3\n",
+    )
+    .expect("write");
+    let inventory = path.to_str().expect("UTF-8");
+    let explain_of = |degree: &str| -> Vec<String> {
+        let (code, plan) = plan_json(&["--cluster", inventory, degree, "3"]);
+        assert_eq!(code, 0, "{plan}");
+        plan["explain"]
+            .as_array()
+            .expect("explain")
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_string)
+            .collect()
+    };
+    let explain = explain_of("--tp");
+    let share = if cores < 3 {
+        3usize.div_ceil(cores) * cores
+    } else {
+        3
+    };
+    let host = explain
+        .iter()
+        .find(|l| l.contains("reading weights at"))
+        .expect("the host's line");
+    let rank = explain
+        .iter()
+        .find(|l| l.contains("with 3 ranks per host"))
+        .expect("the rank's line");
+    let host_rate = number_before(host, "reading weights at", "GB/s");
+    let rates = rank.split(", ").nth(3).expect("the rank's rates");
+    let rank_rate = number_before(rates, "", "GB/s");
+    assert!(
+        (rank_rate - host_rate / share as f64).abs() <= 0.1,
+        "{rank_rate} GB/s per rank, {host_rate} GB/s on the host shared {share} ways: {explain:#?}"
+    );
+    let alone = ((cores / 3).max(1) * share) as f64 / cores as f64;
+    let chain = "TP 3 runs in exact order, as one process would: each layer's two row-parallel products (attention output, MLP down) go from rank to rank";
+    let line = explain
+        .iter()
+        .find(|l| l.contains(chain))
+        .unwrap_or_else(|| panic!("{explain:#?}"));
+    assert!(
+        line.contains("(3 turns of")
+            && line.contains(&format!("each {:.2}× as fast", alone.max(1.0))),
+        "{line}"
+    );
+    // DP sums nothing: no chain.
+    assert!(!explain_of("--dp").iter().any(|l| l.contains("exact order")));
 }
