@@ -49,6 +49,12 @@ pub(crate) struct ServeBench {
     /// `infer up --load-format dummy`: random weights of the model's shape; `None`: the
     /// model's own.
     pub(crate) dummy: Option<DummyLoad>,
+    /// Per concurrency, how long one request is expected to take, seconds: the streams'
+    /// first requests are then spread evenly over that time (stream `i` of `b` starts after
+    /// `i/b` of it), so that every request arrives while the others decode — the steady
+    /// state a plan predicts — instead of all at once, which requests of equal lengths would
+    /// keep doing round after round. Empty: every stream starts at once.
+    pub(crate) request_secs: Vec<f64>,
 }
 
 /// Random weights for the server (`infer up --load-format dummy --dtype … --num-layers …`).
@@ -393,8 +399,11 @@ fn measure(
         .map(|_| (Vec::new(), Vec::new()))
         .collect();
     for _ in 0..args.repeat {
-        for (&streams, (rates, all_samples)) in args.concurrency.iter().zip(measured.iter_mut()) {
-            let (tokens_per_sec, samples) = sweep_point(client, address, streams, args)?;
+        for (point, (&streams, (rates, all_samples))) in
+            args.concurrency.iter().zip(measured.iter_mut()).enumerate()
+        {
+            let stagger = args.request_secs.get(point).copied().unwrap_or(0.0);
+            let (tokens_per_sec, samples) = sweep_point(client, address, streams, stagger, args)?;
             rates.push(tokens_per_sec);
             all_samples.extend(samples);
         }
@@ -488,41 +497,64 @@ fn cache_row(client: &tokio::runtime::Runtime, address: &str) -> Result<String> 
 }
 
 /// One concurrency of one sweep: `streams` client tasks, each sending `args.rounds`
-/// requests one after another. Returns the generated tokens per second of wall time and
-/// every request's sample.
+/// requests one after another, stream `i` first waiting `i/streams` of `stagger_secs`.
+/// Returns the generated tokens per second — of wall time when all start at once; with a
+/// stagger, the sum of every stream's own rate (its tokens over the time from its first
+/// request to its last answer), which leaves out the ramp before the last stream starts —
+/// and every request's sample.
 fn sweep_point(
     client: &tokio::runtime::Runtime,
     address: &str,
     streams: usize,
+    stagger_secs: f64,
     args: &ServeBench,
 ) -> Result<(f64, Vec<Sample>)> {
     let start = Instant::now();
-    let samples = client.block_on(async {
+    let per_stream = client.block_on(async {
         let handles: Vec<_> = (0..streams)
             .map(|i| {
                 let address = address.to_string();
                 let (max_tokens, rounds, workload) = (args.max_tokens, args.rounds, args.workload);
                 let ignore_eos = args.ignore_eos;
+                let delay = start_delay(i, streams, stagger_secs);
                 tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    let first = Instant::now();
                     let mut samples = Vec::with_capacity(rounds);
                     for round in 0..rounds {
                         let (prompt, long) = prompt_for(workload, (streams, i), (rounds, round));
                         samples
                             .push(request(&address, &prompt, max_tokens, long, ignore_eos).await?);
                     }
-                    anyhow::Ok(samples)
+                    anyhow::Ok((samples, first.elapsed().as_secs_f64()))
                 })
             })
             .collect();
-        let mut samples = Vec::new();
+        let mut per_stream = Vec::new();
         for handle in handles {
-            samples.extend(handle.await.context("a client task panicked")??);
+            per_stream.push(handle.await.context("a client task panicked")??);
         }
-        anyhow::Ok(samples)
+        anyhow::Ok(per_stream)
     })?;
     let wall_secs = start.elapsed().as_secs_f64();
-    let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
-    Ok((tokens as f64 / wall_secs, samples))
+    let tokens_of = |samples: &[Sample]| samples.iter().map(|s| s.completion_tokens).sum::<usize>();
+    let tokens_per_sec = if stagger_secs > 0.0 {
+        per_stream
+            .iter()
+            .map(|(samples, secs)| tokens_of(samples) as f64 / secs.max(1e-9))
+            .sum()
+    } else {
+        per_stream.iter().map(|(s, _)| tokens_of(s)).sum::<usize>() as f64 / wall_secs
+    };
+    let samples = per_stream.into_iter().flat_map(|(s, _)| s).collect();
+    Ok((tokens_per_sec, samples))
+}
+
+/// How long stream `i` of `streams` waits before its first request: `i/streams` of
+/// `stagger_secs` (0 or less: no wait), so the streams' requests are spread evenly over one
+/// request's duration.
+fn start_delay(i: usize, streams: usize, stagger_secs: f64) -> Duration {
+    Duration::from_secs_f64((stagger_secs * i as f64 / streams.max(1) as f64).max(0.0))
 }
 
 /// The `q` quantile (nearest rank) of `values`, 0 when empty.
@@ -656,6 +688,17 @@ mod tests {
 
     /// A plan's `isl` is the prompt's length in tokens whatever the tokenizer, and no two
     /// requests of a sweep share their first token.
+    #[test]
+    fn staggered_streams_start_evenly_over_one_request() {
+        let delays: Vec<f64> = (0..4)
+            .map(|i| start_delay(i, 4, 2.0).as_secs_f64())
+            .collect();
+        assert_eq!(delays, [0.0, 0.5, 1.0, 1.5]);
+        // No stagger (the plain benchmark): every stream at once.
+        assert!((0..4).all(|i| start_delay(i, 4, 0.0).is_zero()));
+        assert!(start_delay(3, 4, -1.0).is_zero());
+    }
+
     #[test]
     fn token_prompts_have_the_exact_length_and_open_differently() {
         for tokens in [1, 2, 24, 1000] {

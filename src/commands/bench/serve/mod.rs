@@ -86,5 +86,6 @@ pub(super) fn common_settings(args: &BenchServeArgs) -> Result<ServeBench> {
         prefill_decode: args.prefill.zip(args.decode),
         ignore_eos: false,
         dummy,
+        request_secs: Vec::new(),
     })
 }

@@ -141,6 +141,14 @@ fn plan_settings(args: &BenchServeArgs, plan: &Plan) -> Result<(ServeBench, Vec<
         prefill_decode: None,
         ignore_eos: true,
         degrees: Degrees { ep: 1, ..degrees },
+        // The plan predicts a steady state: each request arriving while the others decode.
+        request_secs: predictions
+            .iter()
+            .map(|p| {
+                let osl = plan.workload.osl_tokens.max(1) as f64;
+                p.ttft_secs + (osl - 1.0) * p.tpot_secs
+            })
+            .collect(),
         ..common
     };
     Ok((settings, predictions))
