@@ -195,6 +195,19 @@ fn synthetic_dense_model_agrees_at_tp_1_2_4() {
         infer::runtime::model::llama::head_rows(1, 4, 83).len()
     );
     assert_eq!(last.output.n_rows, 21);
+    // Without its TP group, a shard cannot give whole logits, and says so.
+    let shard = model.shard(0, 2, 0, 2).expect("a shard");
+    let mut cache = shard.new_cache();
+    let mut batch = [SequenceInput {
+        tokens: &prompt,
+        cache: &mut cache,
+        all_logits: false,
+    }];
+    let error = shard
+        .forward(&mut batch)
+        .expect_err("no TP group")
+        .to_string();
+    assert!(error.contains("its logits need its TP group"), "{error}");
     for tp in [2, 4] {
         for pp in [1, 2] {
             let (tokens, logits) = greedy(&model, tp, pp, &prompt, 8);

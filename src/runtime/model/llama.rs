@@ -869,6 +869,12 @@ impl Llama {
         self.output.matmul_per_token(&final_normed, &mut logits);
         match tp {
             Some(comm) if self.shard.tp > 1 => gather_vocab(*comm, &logits, c.vocab_size),
+            None if self.shard.tp > 1 => bail!(
+                "TP rank {} of {} holds rows {:?} of the LM head: its logits need its TP group",
+                self.shard.tp_rank,
+                self.shard.tp,
+                head_rows(self.shard.tp_rank, self.shard.tp, c.vocab_size)
+            ),
             _ => Ok(logits),
         }
     }
