@@ -643,15 +643,21 @@ mod tests {
         let x = activations(n_tokens, n_cols);
         let mut expected = vec![0f32; n_tokens * n_rows];
         whole.matmul(&x, n_tokens, &mut expected);
+        // Three column shards at block boundaries, each with its slice of every token.
+        let shards: Vec<(Weight, Vec<f32>)> = [(0, 32), (32, 64), (96, 32)]
+            .into_iter()
+            .map(|(first, width)| {
+                let x_shard = x
+                    .chunks_exact(n_cols)
+                    .flat_map(|token| token[first..first + width].to_vec())
+                    .collect();
+                (whole.cols(first, width).expect("block aligned"), x_shard)
+            })
+            .collect();
         let mut states: Vec<DotState> = vec![[0.0; 9]; n_rows * n_tokens];
-        for (first, width) in [(0, 32), (32, 64), (96, 32)] {
-            let shard = whole.cols(first, width).expect("block aligned");
-            let x_shard: Vec<f32> = x
-                .chunks_exact(n_cols)
-                .flat_map(|token| token[first..first + width].to_vec())
-                .collect();
+        for (shard, x_shard) in &shards {
             shard
-                .matmul_continue(&x_shard, n_tokens, &mut states)
+                .matmul_continue(x_shard, n_tokens, &mut states)
                 .expect("integer type");
         }
         for r in 0..n_rows {
@@ -663,20 +669,12 @@ mod tests {
                 );
             }
         }
-        // The same chain on grouped states (a partial group of 11 rows), the middle shard's
-        // rows packed and the others not, finished into `(n_tokens, n_rows)`.
+        // The same chain on grouped states (one partial group of 11 rows), finished into
+        // `(n_tokens, n_rows)`.
         let mut grouped = vec![[[0f32; GROUP_ROWS]; 9]; n_tokens];
-        for (first, width) in [(0, 32), (32, 64), (96, 32)] {
-            let shard = whole.cols(first, width).expect("block aligned");
-            if first == 32 {
-                shard.pack();
-            }
-            let x_shard: Vec<f32> = x
-                .chunks_exact(n_cols)
-                .flat_map(|token| token[first..first + width].to_vec())
-                .collect();
+        for (shard, x_shard) in &shards {
             shard
-                .matmul_continue_grouped(&x_shard, n_tokens, &mut grouped)
+                .matmul_continue_grouped(x_shard, n_tokens, &mut grouped)
                 .expect("integer type");
         }
         let mut finished = vec![0f32; n_tokens * n_rows];
