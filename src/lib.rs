@@ -6,21 +6,20 @@
 
 pub mod cli;
 pub(crate) mod commands;
-pub mod degrees;
 pub mod doctor;
-pub(crate) mod envvars;
-pub mod handshake;
 pub mod inventory;
-pub mod keyring;
 pub mod launch;
 pub mod model;
 pub mod plan;
-pub mod rendezvous;
-pub mod runtime;
 pub mod serve;
 pub(crate) mod serving_engines;
 pub mod topology;
 pub mod ui;
+
+// The engine core and the pieces every layer shares live in the `infer-runtime` crate, below
+// this one; re-exported here so each keeps its path (`infer::runtime::…`, `crate::keyring::…`).
+pub(crate) use infer_runtime::envvars;
+pub use infer_runtime::{degrees, handshake, keyring, rendezvous, runtime};
 
 /// How a command that ran to completion answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

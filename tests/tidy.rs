@@ -20,10 +20,25 @@ fn rust_files(dir: &Path, files: &mut Vec<PathBuf>) {
     }
 }
 
+/// The source folders of the workspace's two crates: `infer` (`src/`) and `infer-runtime`
+/// (`crates/runtime/src/`). `infer` re-exports each module of `infer-runtime` at its root, so
+/// a file's path under its folder is its `crate::` path in either crate, and the checks below
+/// read both folders as one tree.
+const SOURCE_ROOTS: [&str; 2] = ["src", "crates/runtime/src"];
+
+/// The source folder `path` is under, if any.
+fn source_root_of(path: &Path) -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    SOURCE_ROOTS
+        .iter()
+        .map(|dir| root.join(dir))
+        .find(|dir| path.starts_with(dir))
+}
+
 fn all_files() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    for dir in ["src", "tests", "benches"] {
+    for dir in SOURCE_ROOTS.into_iter().chain(["tests", "benches"]) {
         if root.join(dir).exists() {
             rust_files(&root.join(dir), &mut files);
         }
@@ -53,7 +68,7 @@ fn no_stubs_in_src() {
     let stub_markers = [concat!("todo", "!("), concat!("unimplemented", "!(")];
     let stubs: Vec<String> = all_files()
         .into_iter()
-        .filter(|path| path.components().any(|c| c.as_os_str() == "src"))
+        .filter(|path| source_root_of(path).is_some())
         .filter(|path| {
             let text = fs::read_to_string(path).expect("readable source");
             stub_markers.iter().any(|m| text.contains(m))
@@ -73,7 +88,7 @@ fn nvrtc_and_cublas_never_go_through_cudarc() {
     let mut offenders = Vec::new();
     for path in all_files()
         .into_iter()
-        .filter(|path| path.starts_with(root.join("src")))
+        .filter(|path| source_root_of(path).is_some())
     {
         let text = fs::read_to_string(&path).expect("readable source");
         for (number, line) in text.lines().enumerate() {
@@ -86,12 +101,14 @@ fn nvrtc_and_cublas_never_go_through_cudarc() {
         }
     }
     assert!(offenders.is_empty(), "{offenders:#?}");
-    let manifest = fs::read_to_string(root.join("Cargo.toml")).expect("Cargo.toml");
-    let cudarc = manifest
-        .lines()
-        .find(|line| line.starts_with("cudarc"))
-        .expect("cudarc is a dependency");
-    assert!(!cudarc.contains("\"cublas\""), "{cudarc}");
+    for manifest in ["Cargo.toml", "crates/runtime/Cargo.toml"] {
+        let text = fs::read_to_string(root.join(manifest)).expect("a manifest");
+        let cudarc = text
+            .lines()
+            .find(|line| line.starts_with("cudarc"))
+            .expect("cudarc is a dependency");
+        assert!(!cudarc.contains("\"cublas\""), "{manifest}: {cudarc}");
+    }
 }
 
 #[test]
@@ -100,7 +117,7 @@ fn documents_cited_in_src_exist() {
     let mut missing = Vec::new();
     for path in all_files()
         .into_iter()
-        .filter(|path| path.starts_with(root.join("src")))
+        .filter(|path| source_root_of(path).is_some())
     {
         let text = fs::read_to_string(&path).expect("readable source");
         for (number, line) in text.lines().enumerate() {
@@ -130,9 +147,11 @@ fn documents_cited_in_src_exist() {
     );
 }
 
-/// The layers of `src/`, bottom first: each unit (a folder of `src/`, a folder or file of
-/// `src/runtime/`, or a top-level file) with the units it may import. A unit may only name
-/// units listed before it, so the list is a DAG by construction; ARCHITECTURE.md draws it.
+/// The layers of `src/` and `crates/runtime/src/`, bottom first: each unit (a folder of
+/// `src/`, a folder or file of `runtime/`, or a top-level file) with the units it may import.
+/// `rendezvous`, `runtime/*` and the leaves are the crate `infer-runtime`, below the rest. A
+/// unit may only name units listed before it, so the list is a DAG by construction;
+/// ARCHITECTURE.md draws it.
 /// `lib` is the crate root (`ExitStatus`, `run`).
 const LAYERS: &[(&str, &[&str])] = &[
     ("topology", &[]),
@@ -348,11 +367,15 @@ fn the_layers_only_import_downwards() {
             );
         }
     }
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let repository = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut offenders = Vec::new();
     let mut units_seen = std::collections::BTreeSet::new();
-    for path in all_files().into_iter().filter(|p| p.starts_with(&src)) {
-        let relative = path.strip_prefix(&src).expect("under src");
+    for path in all_files() {
+        let Some(src) = source_root_of(&path) else {
+            continue;
+        };
+        let relative = path.strip_prefix(&src).expect("under its source folder");
+        let shown = path.strip_prefix(repository).expect("in the repository");
         let mut module: Vec<&str> = relative
             .iter()
             .map(|c| c.to_str().expect("UTF-8 path"))
@@ -374,8 +397,8 @@ fn the_layers_only_import_downwards() {
                     continue;
                 }
                 offenders.push(format!(
-                    "src/{}: `{unit}` is a leaf but imports `crate::{}`",
-                    relative.display(),
+                    "{}: `{unit}` is a leaf but imports `crate::{}`",
+                    shown.display(),
                     imported.join("::")
                 ));
             }
@@ -385,7 +408,7 @@ fn the_layers_only_import_downwards() {
         let Some((_, allowed)) = LAYERS.iter().find(|(u, _)| *u == unit) else {
             offenders.push(format!(
                 "{}: unit `{unit}` is not in LAYERS",
-                relative.display()
+                shown.display()
             ));
             continue;
         };
@@ -402,8 +425,8 @@ fn the_layers_only_import_downwards() {
                 && !allowed.contains(&target.as_str())
             {
                 offenders.push(format!(
-                    "src/{}: `{unit}` imports `crate::{}` of `{target}`",
-                    relative.display(),
+                    "{}: `{unit}` imports `crate::{}` of `{target}`",
+                    shown.display(),
                     imported.join("::")
                 ));
             }
@@ -424,6 +447,51 @@ fn the_layers_only_import_downwards() {
             "LAYERS lists `{unit}`, which has no file"
         );
     }
+}
+
+/// The bottom of the layers is its own crate, `infer-runtime` (`runtime/*`, `rendezvous` and
+/// the leaves), so Cargo refuses any import from it up into `infer`; and its manifest names
+/// none of the crates of the layers above (command line, TOML, SSH, HTTP, async runtime,
+/// NVML), so "the runtime knows nothing of clap, TOML or SSH" is a build fact.
+#[test]
+fn the_runtime_crate_depends_on_nothing_above_it() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let manifest =
+        fs::read_to_string(root.join("crates/runtime/Cargo.toml")).expect("its manifest");
+    let mut section = "";
+    let mut dependencies = Vec::new();
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            section = line;
+        } else if section.contains("dependencies")
+            && let Some((name, _)) = line.split_once('=')
+        {
+            dependencies.push(name.trim().to_string());
+        }
+    }
+    assert!(dependencies.len() > 5, "{dependencies:?}");
+    let above = [
+        "infer",
+        "clap",
+        "toml",
+        "russh",
+        "tokio",
+        "axum",
+        "hyper",
+        "hyper-util",
+        "ureq",
+        "nvml-wrapper",
+        "indicatif",
+        "comfy-table",
+    ];
+    let offenders: Vec<&String> = dependencies
+        .iter()
+        .filter(|d| above.contains(&d.as_str()))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "crates/runtime/Cargo.toml depends on crates of the layers above it: {offenders:?}"
+    );
 }
 
 /// The parser of the layer test sees what a `use` tree names.
@@ -520,10 +588,13 @@ fn test_modules_import_only_support() {
 /// spells an `INFER_` name, so every reader and writer goes through a constant.
 #[test]
 fn infer_variables_are_named_only_in_envvars() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/runtime/src");
     let allowed = [src.join("envvars.rs"), src.join("runtime/exec/rank_env.rs")];
     let mut offenders = Vec::new();
-    for path in all_files().into_iter().filter(|p| p.starts_with(&src)) {
+    for path in all_files()
+        .into_iter()
+        .filter(|p| source_root_of(p).is_some())
+    {
         if allowed.contains(&path) {
             continue;
         }
@@ -547,7 +618,7 @@ fn infer_variables_are_named_only_in_envvars() {
     }
     assert!(
         offenders.is_empty(),
-        "`INFER_*` names spelled outside src/envvars.rs (use its constants):\n{}",
+        "`INFER_*` names spelled outside envvars.rs (use its constants):\n{}",
         offenders.join("\n")
     );
 }

@@ -71,7 +71,7 @@ const GREEDY_STEPS: usize = 32;
 /// SmolLM2 in `infer smoke`).
 ///
 /// Errors: no driver or no GPU (then there is nothing to check: exit 2).
-pub(crate) fn run(
+pub fn run(
     cache_dir: &std::path::Path,
     dirs: &[PathBuf],
     model: &std::path::Path,

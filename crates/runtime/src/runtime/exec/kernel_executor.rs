@@ -35,7 +35,7 @@ pub enum KernelDevice {
 
 /// The groups of a rank's shard ([`load_executor`]); `None`: no such parallelism.
 #[derive(Default)]
-pub(crate) struct Groups {
+pub struct Groups {
     /// The TP group (members in TP rank order).
     pub tp: Option<Box<dyn Comm>>,
     /// The pipeline (members in stage order).
@@ -46,7 +46,7 @@ pub(crate) struct Groups {
 }
 
 /// What [`load_executor`] put where.
-pub(crate) struct Loaded {
+pub struct Loaded {
     pub executor: Box<dyn Executor>,
     /// The device, for messages ("cuda:0 (NVIDIA H100 80GB HBM3, sm_90)").
     pub device: String,
@@ -63,7 +63,7 @@ pub(crate) struct Loaded {
 /// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), no
 /// C++ compiler for the harness, a kernel that does not compile or load, what the backend
 /// does not run (named), device memory.
-pub(crate) fn load_executor(
+pub fn load_executor(
     device: &KernelDevice,
     model: &Llama,
     kv_cache_tokens: usize,

@@ -50,7 +50,7 @@ pub struct Driver {
 ///
 /// Errors: no driver on this host ("use --device cpu"), a driver that fails to initialise
 /// (its error), no GPU visible.
-pub(crate) fn probe(dirs: &[std::path::PathBuf]) -> Result<Driver> {
+pub fn probe(dirs: &[std::path::PathBuf]) -> Result<Driver> {
     let library = crate::runtime::libraries::open_driver(dirs)?;
     let check = |what: &str, outcome: std::result::Result<(), result::DriverError>| -> Result<()> {
         outcome.map_err(|e| anyhow::anyhow!("the NVIDIA driver failed at {what}: {e:?}"))

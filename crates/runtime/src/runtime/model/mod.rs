@@ -2,13 +2,13 @@
 
 pub mod chat;
 pub mod config;
-pub(crate) mod dummy;
+pub mod dummy;
 pub mod export;
 pub mod kv;
 pub mod llama;
 pub mod moe;
 pub mod safetensors;
 pub mod sampling;
-pub(crate) mod source;
+pub mod source;
 pub mod tokenizer;
 pub mod weights;

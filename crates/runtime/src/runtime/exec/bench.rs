@@ -22,7 +22,7 @@ use crate::runtime::model::source::ModelSource;
 /// A prompt of ordinary text, `prompt_tokens` long (at least one token).
 ///
 /// Errors: the tokenizer fails.
-pub(crate) fn prompt(engine: &Engine, prompt_tokens: usize) -> Result<Vec<u32>> {
+pub fn prompt(engine: &Engine, prompt_tokens: usize) -> Result<Vec<u32>> {
     let text = "The quick brown fox jumps over the lazy dog while the engine measures its speed. "
         .repeat(64);
     let mut prompt = engine.tokenizer.encode(&text, false)?;
@@ -32,11 +32,11 @@ pub(crate) fn prompt(engine: &Engine, prompt_tokens: usize) -> Result<Vec<u32>> 
 
 /// The best prefill and decode speed of the CPU engine over the timed runs.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct CpuDecodeSpeed {
+pub struct CpuDecodeSpeed {
     /// Prompt tokens per second of one sequence's prefill.
-    pub(crate) prefill_tokens_per_sec: f64,
+    pub prefill_tokens_per_sec: f64,
     /// Tokens per second over the whole batch.
-    pub(crate) decode_tokens_per_sec: f64,
+    pub decode_tokens_per_sec: f64,
 }
 
 /// Prefills `prompt` and decodes `decode_tokens` at `batch` (at least 1) sequences, `runs`
@@ -44,7 +44,7 @@ pub(crate) struct CpuDecodeSpeed {
 /// engine's own thread pool; the best of each figure.
 ///
 /// Errors: a forward pass fails.
-pub(crate) fn cpu_decode(
+pub fn cpu_decode(
     engine: &Engine,
     prompt: &[u32],
     batch: usize,
@@ -162,16 +162,16 @@ pub(crate) fn device_decode<B: Backend>(
 }
 
 /// What [`cuda_decode`] measured on one GPU.
-pub(crate) struct CudaDecode {
+pub struct CudaDecode {
     /// The best timed run at each batch, smallest batch first.
-    pub(crate) rows: Vec<(usize, DecodeSpeed)>,
+    pub rows: Vec<(usize, DecodeSpeed)>,
     /// Weight bytes a decode step reads.
-    pub(crate) weight_bytes: u64,
+    pub weight_bytes: u64,
     /// GPU memory in use after the runs, bytes.
-    pub(crate) memory_used_bytes: u64,
+    pub memory_used_bytes: u64,
     /// GPU time per kernel over every run (name, launches, milliseconds), when
     /// [`crate::envvars::CUDA_PROFILE`] asked for it; `None` otherwise.
-    pub(crate) kernel_profile: Option<Vec<(String, u64, f64)>>,
+    pub kernel_profile: Option<Vec<(String, u64, f64)>>,
 }
 
 /// `infer bench decode --device cuda`'s measurement: `engine`'s model on the opened GPU
@@ -180,7 +180,7 @@ pub(crate) struct CudaDecode {
 ///
 /// Errors: the model does not fit on the GPU, a step fails, the memory in use or the
 /// profile cannot be read.
-pub(crate) fn cuda_decode(
+pub fn cuda_decode(
     engine: &Engine,
     (runner, gpu): (GpuRunner, Gpu),
     prompt: &[u32],
@@ -207,7 +207,7 @@ pub(crate) fn cuda_decode(
 
 /// [`crate::envvars::CUDA_PROFILE`]'s table for stderr: GPU time per kernel (`rows`: name,
 /// launches, milliseconds) over every run.
-pub(crate) fn kernel_profile_table(rows: &[(String, u64, f64)]) -> String {
+pub fn kernel_profile_table(rows: &[(String, u64, f64)]) -> String {
     let total_ms: f64 = rows.iter().map(|r| r.2).sum();
     let mut table = vec![format!(
         "GPU time per kernel ({}), every run: {total_ms:.1} ms",
@@ -302,15 +302,15 @@ const ATTENTION_PROBE_CONTEXT: usize = 2048;
 
 /// What [`engine_attention_flops_per_sec`] measured: the rate, and the parallelism it had.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct AttentionRate {
+pub struct AttentionRate {
     /// The decode attention's flops per second (`4 · n_heads · head_dim` per cached
     /// position and layer).
-    pub(crate) flops_per_sec: f64,
+    pub flops_per_sec: f64,
     /// Attention tasks of each layer: one per (sequence, KV head), which is how
     /// `Llama::attend` splits its work.
-    pub(crate) tasks: usize,
+    pub tasks: usize,
     /// Threads they ran on.
-    pub(crate) threads: usize,
+    pub threads: usize,
 }
 
 /// The arithmetic rate of this host's CPU engine's decode attention, flops/s: one sequence
@@ -377,20 +377,20 @@ fn engine_attention_flops_per_sec(
 /// The CPU engine's rates in a decode step on this host: what the planner's CPU probe
 /// (`inventory::probe_cpu_for_planning`) adds to the hardware's figures.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct EngineRates {
+pub struct EngineRates {
     /// [`engine_decode_bytes_per_sec`] of the Q4_0 probe model, bytes/s.
-    pub(crate) weights_bytes_per_sec: f64,
+    pub weights_bytes_per_sec: f64,
     /// The same of the bf16 probe model, bytes/s.
-    pub(crate) bf16_weights_bytes_per_sec: f64,
+    pub bf16_weights_bytes_per_sec: f64,
     /// [`engine_attention_flops_per_sec`]; `None` on a host too busy to measure it.
-    pub(crate) attention: Option<AttentionRate>,
+    pub attention: Option<AttentionRate>,
 }
 
 /// [`EngineRates`] of this host: 1–2 s of every core.
 ///
 /// Errors: as [`engine_probe`], [`engine_decode_bytes_per_sec`] and
 /// [`engine_attention_flops_per_sec`].
-pub(crate) fn engine_decode_rates() -> Result<EngineRates> {
+pub fn engine_decode_rates() -> Result<EngineRates> {
     let quantized = engine_probe(DummyDtype::Q4_0)?;
     let (weights_bytes_per_sec, short_step_secs) =
         engine_decode_bytes_per_sec(&quantized, DummyDtype::Q4_0)?;
@@ -406,7 +406,7 @@ pub(crate) fn engine_decode_rates() -> Result<EngineRates> {
 }
 
 /// The processor's name (`/proc/cpuinfo`'s first `model name`), `unknown CPU` without one.
-pub(crate) fn cpu_name() -> String {
+pub fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {
@@ -421,7 +421,7 @@ pub(crate) fn cpu_name() -> String {
 /// Peak resident set size of this process (`VmHWM` in `/proc/self/status`), bytes.
 ///
 /// Errors: the file cannot be read or has no well-formed `VmHWM`.
-pub(crate) fn peak_rss_bytes() -> Result<u64> {
+pub fn peak_rss_bytes() -> Result<u64> {
     let status = std::fs::read_to_string("/proc/self/status")
         .context("failed to read `/proc/self/status`")?;
     let line = status

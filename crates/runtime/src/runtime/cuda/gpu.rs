@@ -18,7 +18,7 @@ use super::kernels::FAMILIES;
 use super::nvrtc::Nvrtc;
 
 /// Every kernel loaded on one GPU.
-pub(crate) struct GpuRunner {
+pub struct GpuRunner {
     _context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
@@ -585,7 +585,7 @@ impl super::backend::Device for GpuRunner {
 ///
 /// Errors: no driver or GPU (the probe's message), no NVRTC (naming the pip package), a
 /// kernel that does not compile or load.
-pub(crate) fn open_first(
+pub fn open_first(
     dirs: &[std::path::PathBuf],
     cache_dir: &Path,
 ) -> Result<(GpuRunner, super::device::Gpu)> {

@@ -11,8 +11,8 @@
 pub mod backend;
 pub mod checks;
 pub mod cublas;
-pub(crate) mod device;
-pub(crate) mod gpu;
+pub mod device;
+pub mod gpu;
 pub mod host;
 pub mod kernels;
 pub mod nvrtc;

@@ -40,7 +40,7 @@ pub(crate) const GLOO_SOCKET_IFNAME: &str = "GLOO_SOCKET_IFNAME";
 /// The HCAs NCCL may use (`=mlx5_0,mlx5_1`: exact names).
 pub(crate) const NCCL_IB_HCA: &str = "NCCL_IB_HCA";
 /// The C++ compiler the host harness builds the kernels with.
-pub(crate) const CXX: &str = "CXX";
+pub const CXX: &str = "CXX";
 
 /// What a rank process is told by its launcher.
 #[derive(Clone, Debug, PartialEq)]
@@ -202,7 +202,7 @@ pub struct ServingEnv {
 pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// The process environment as a [`Lookup`] (`None` for unset or non-UTF-8 values).
-pub(crate) fn process_env(name: &str) -> Option<String> {
+pub fn process_env(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
@@ -236,7 +236,7 @@ fn flag(lookup: Lookup, name: &str) -> bool {
 /// The keys of its host a launcher gives a rank ([`var::RUN_KEYS`], [`crate::keyring`]).
 ///
 /// Errors: unset or malformed.
-pub(crate) fn run_keys(lookup: Lookup) -> Result<crate::keyring::Keyring> {
+pub fn run_keys(lookup: Lookup) -> Result<crate::keyring::Keyring> {
     crate::keyring::Keyring::from_text(&required(lookup, var::RUN_KEYS)?)
         .with_context(|| format!("`{}` is malformed", var::RUN_KEYS))
 }
@@ -244,7 +244,7 @@ pub(crate) fn run_keys(lookup: Lookup) -> Result<crate::keyring::Keyring> {
 /// Removes the secrets a launcher passed in the environment ([`var::RUN_KEYS`],
 /// [`var::API_KEY`]) from this process's environment once read, so that no process it
 /// starts (a compiler, a helper) inherits them. Call it before any other thread starts.
-pub(crate) fn forget_secrets() {
+pub fn forget_secrets() {
     for name in [var::RUN_KEYS, var::API_KEY] {
         // SAFETY: called at the start of `infer rank` and `infer bench` workers, while the
         // process has one thread: nothing reads the environment concurrently.
