@@ -12,6 +12,7 @@ use crate::serve::bench::{self, DummyLoad, ServeBench};
 use crate::ui::Printer;
 
 mod plan;
+mod plan_model;
 mod report;
 
 /// Concurrencies measured without `--concurrency` or `--plan`.
