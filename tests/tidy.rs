@@ -38,7 +38,10 @@ fn source_root_of(path: &Path) -> Option<PathBuf> {
 fn all_files() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    for dir in SOURCE_ROOTS.into_iter().chain(["tests", "benches"]) {
+    for dir in SOURCE_ROOTS
+        .into_iter()
+        .chain(["tests", "benches", "crates/runtime/tests"])
+    {
         if root.join(dir).exists() {
             rust_files(&root.join(dir), &mut files);
         }

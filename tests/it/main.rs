@@ -17,7 +17,6 @@ mod doctor;
 mod dummy;
 mod engine;
 mod health;
-mod kernels;
 mod model;
 mod pd;
 mod plan;

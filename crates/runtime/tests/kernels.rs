@@ -1,16 +1,18 @@
 //! Kernels against llama.cpp's Python reference (`gguf` 0.19.0 on PyPI): every supported
-//! type dequantizes to the reference values (`tests/fixtures/quant_reference.json`, made by
-//! `scripts/gen_quant_fixtures.py`), and the integer dot kernels agree with them.
+//! type dequantizes to the reference values (the repository's
+//! `tests/fixtures/quant_reference.json`, made by `scripts/gen_quant_fixtures.py`), and the
+//! integer dot kernels agree with them. Here, beside the kernels, so that
+//! `cargo test -p infer-runtime` checks a kernel edit against the reference.
 
-use infer::runtime::cpu::quant::{Numerics, dequantize_row, dot_q8, quantize_row_q8};
-use infer::runtime::formats::ggml::GgmlType;
-use infer::runtime::model::weights::Weight;
+use infer_runtime::runtime::cpu::quant::{Numerics, dequantize_row, dot_q8, quantize_row_q8};
+use infer_runtime::runtime::formats::ggml::GgmlType;
+use infer_runtime::runtime::model::weights::Weight;
 use serde_json::Value;
 
 fn reference() -> Vec<(GgmlType, Vec<u8>, Vec<f32>)> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/quant_reference.json"
+        "/../../tests/fixtures/quant_reference.json"
     );
     let json: Value =
         serde_json::from_str(&std::fs::read_to_string(path).expect("fixture")).expect("JSON");
