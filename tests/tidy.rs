@@ -1,8 +1,8 @@
 //! Tidy checks over the source tree (after rust-analyzer's `tidy.rs`): every Rust file
-//! opens with a `//!` module doc saying what it owns, `src/` holds no `todo!()` stubs, and
-//! every document a comment in `src/` cites by a bare name (`ARCHITECTURE.md`) is in the
-//! repository, and the integration tests' modules share helpers only through
-//! `tests/it/support/`.
+//! opens with a `//!` module doc saying what it owns, the source folders ([`SOURCE_ROOTS`])
+//! hold no `todo!()` stubs, every document a comment in them cites by a bare name
+//! (`ARCHITECTURE.md`) is in the repository, and the integration tests' modules share
+//! helpers only through `tests/it/support/`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -83,8 +83,8 @@ fn no_stubs_in_src() {
 
 /// NVRTC and cuBLAS are bound by our own code (`runtime/cuda/{nvrtc,cublas}.rs`), never
 /// through cudarc, whose loader for them knows only CUDA 12 names and panics when none loads:
-/// `src/` names no `cudarc::cublas` and nothing of `cudarc::nvrtc` but its `Ptx` type (which
-/// carries a CUBIN to the driver), and cudarc's `cublas` feature is off.
+/// no source folder names `cudarc::cublas`, nor anything of `cudarc::nvrtc` but its `Ptx`
+/// type (which carries a CUBIN to the driver), and cudarc's `cublas` feature is off.
 #[test]
 fn nvrtc_and_cublas_never_go_through_cudarc() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -355,7 +355,7 @@ fn rooted_paths(code: &str, root: &str) -> Vec<Vec<String>> {
     paths
 }
 
-/// No unit of `src/` imports a unit its layer does not list ([`LAYERS`]), and the list
+/// No unit of the source folders imports a unit its layer does not list ([`LAYERS`]), and the list
 /// itself only points down: the folders form a DAG, and `use crate::…` or an inline
 /// `crate::…` path that closes a circle fails here.
 #[test]
@@ -585,8 +585,8 @@ fn test_modules_import_only_support() {
 }
 
 /// The launcher→rank contract and every other `INFER_*` variable are named once: no code in
-/// `src/` outside `envvars.rs` (the names) and `runtime/exec/rank_env.rs` (the typed contract)
-/// spells an `INFER_` name, so every reader and writer goes through a constant.
+/// the source folders outside `envvars.rs` (the names) and `runtime/exec/rank_env.rs` (the
+/// typed contract) spells an `INFER_` name, so every reader and writer goes through a constant.
 #[test]
 fn infer_variables_are_named_only_in_envvars() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/runtime/src");
