@@ -2,7 +2,7 @@
 //! opens with a `//!` module doc saying what it owns, the source folders ([`SOURCE_ROOTS`])
 //! hold no `todo!()` stubs, every document a comment in them cites by a bare name
 //! (`ARCHITECTURE.md`) is in the repository, and the integration tests' modules share
-//! helpers only through `tests/it/support/`.
+//! helpers only through their tree's `support/` (`tests/it/`, `crates/runtime/tests/it/`).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -533,44 +533,51 @@ fn the_layer_parser_expands_use_trees_and_inline_paths() {
 }
 
 /// The integration tests' modules never import each other: what two of them share lives in
-/// `tests/it/support/`. In `tests/it/*.rs` (but `main.rs`), a `crate::X` or `super::X` path
-/// (in a `use` tree or inline) whose `X` is another test module fails here.
+/// their tree's `support/`. In `tests/it/*.rs` and `crates/runtime/tests/it/*.rs` (but
+/// `main.rs`), a `crate::X` or `super::X` path (in a `use` tree or inline) whose `X` is another
+/// test module of the same tree fails here.
 #[test]
 fn test_modules_import_only_support() {
-    let it = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it");
-    let mut modules = Vec::new();
-    let mut files = Vec::new();
-    for entry in fs::read_dir(&it).unwrap_or_else(|e| panic!("cannot list `{}`: {e}", it.display()))
-    {
-        let path = entry.expect("directory entry").path();
-        let name = path
-            .file_stem()
-            .and_then(|n| n.to_str())
-            .expect("a UTF-8 name")
-            .to_string();
-        if path.is_dir() {
-            modules.push(name);
-        } else if path.extension().is_some_and(|e| e == "rs") && name != "main" {
-            modules.push(name.clone());
-            files.push((name, path));
-        }
-    }
-    modules.retain(|m| m != "support" && m != "snapshots");
-    assert!(files.len() > 5, "found too few test modules: {files:?}");
     let mut offenders = Vec::new();
-    for (own, path) in &files {
-        let text = fs::read_to_string(path).expect("readable source");
-        let code = code_of(&text);
-        for root in ["crate", "super"] {
-            for imported in rooted_paths(&code, root) {
-                let Some(first) = imported.first() else {
-                    continue;
-                };
-                if first != own && modules.contains(first) {
-                    offenders.push(format!(
-                        "tests/it/{own}.rs: `{root}::{}` imports the test module `{first}`",
-                        imported.join("::")
-                    ));
+    for tree in ["tests/it", "crates/runtime/tests/it"] {
+        let it = Path::new(env!("CARGO_MANIFEST_DIR")).join(tree);
+        let mut modules = Vec::new();
+        let mut files = Vec::new();
+        for entry in
+            fs::read_dir(&it).unwrap_or_else(|e| panic!("cannot list `{}`: {e}", it.display()))
+        {
+            let path = entry.expect("directory entry").path();
+            let name = path
+                .file_stem()
+                .and_then(|n| n.to_str())
+                .expect("a UTF-8 name")
+                .to_string();
+            if path.is_dir() {
+                modules.push(name);
+            } else if path.extension().is_some_and(|e| e == "rs") && name != "main" {
+                modules.push(name.clone());
+                files.push((name, path));
+            }
+        }
+        modules.retain(|m| m != "support" && m != "snapshots");
+        assert!(
+            files.len() > 2,
+            "found too few test modules in {tree}: {files:?}"
+        );
+        for (own, path) in &files {
+            let text = fs::read_to_string(path).expect("readable source");
+            let code = code_of(&text);
+            for root in ["crate", "super"] {
+                for imported in rooted_paths(&code, root) {
+                    let Some(first) = imported.first() else {
+                        continue;
+                    };
+                    if first != own && modules.contains(first) {
+                        offenders.push(format!(
+                            "{tree}/{own}.rs: `{root}::{}` imports the test module `{first}`",
+                            imported.join("::")
+                        ));
+                    }
                 }
             }
         }
@@ -579,7 +586,7 @@ fn test_modules_import_only_support() {
     offenders.dedup();
     assert!(
         offenders.is_empty(),
-        "test modules importing each other (move what they share to tests/it/support/):\n{}",
+        "test modules importing each other (move what they share to the tree's support/):\n{}",
         offenders.join("\n")
     );
 }

@@ -49,7 +49,7 @@ fn stderr(output: &Output) -> String {
 
 #[test]
 fn generation_over_two_hosts_gives_the_single_process_tokens() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 3) else {
         return;
     };
@@ -119,7 +119,7 @@ fn generation_over_two_hosts_gives_the_single_process_tokens() {
 
 #[test]
 fn host_keys_auth_and_addresses_are_checked_before_anything_starts() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     // The host says it is an `aarch64` machine (`uname -m`); our own binary is visible to
     // it at the launcher's path, so only staging asks.
     let Some(cluster) = TestCluster::start_with(1, 1, Some("aarch64")) else {
@@ -246,7 +246,7 @@ fn host_keys_auth_and_addresses_are_checked_before_anything_starts() {
 
 #[test]
 fn a_host_known_under_a_key_of_another_algorithm_is_refused_even_with_accept_new() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(1, 1) else {
         return;
     };
@@ -318,7 +318,7 @@ fn a_host_known_under_a_key_of_another_algorithm_is_refused_even_with_accept_new
 
 #[test]
 fn a_remote_binary_others_could_write_or_of_another_build_is_never_run() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(1, 1) else {
         return;
     };
@@ -411,7 +411,7 @@ fn a_remote_binary_others_could_write_or_of_another_build_is_never_run() {
 
 #[test]
 fn twelve_ranks_on_one_host_with_a_staged_binary_and_a_pushed_model() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(1, 12) else {
         return;
     };
@@ -425,11 +425,7 @@ fn twelve_ranks_on_one_host_with_a_staged_binary_and_a_pushed_model() {
     });
     // The model at a path the host does not have (its own empty tmpfs there).
     let model = cluster.dir.join("private/model.gguf");
-    std::fs::copy(
-        infer::model::default::ensure(&mut |_| {}).expect("model"),
-        &model,
-    )
-    .expect("copy");
+    std::fs::copy(crate::support::model::smollm2(), &model).expect("copy");
     let model_arg = model.display().to_string();
     let args = [
         "--prompt",
@@ -569,7 +565,7 @@ fn wait_gone(pids: &[(String, u32)], within: Duration) -> Option<Vec<(String, u3
 
 #[test]
 fn a_killed_launcher_leaves_no_remote_rank_and_another_run_keeps_going() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 2) else {
         return;
     };
@@ -632,7 +628,7 @@ fn a_killed_launcher_leaves_no_remote_rank_and_another_run_keeps_going() {
 
 #[test]
 fn a_killed_remote_rank_or_a_partitioned_host_takes_the_gang_down_naming_it() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 1) else {
         return;
     };
@@ -713,7 +709,7 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
         Server, assert_every_replica_routed, generate_counting, run_openai_client,
     };
     use serde_json::json;
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 2) else {
         return;
     };
@@ -874,7 +870,7 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
 fn up_over_cpu_rank_hosts_launches_their_plan() {
     use crate::support::server::{Server, generate_counting};
     use serde_json::json;
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 2) else {
         return;
     };
@@ -930,7 +926,7 @@ fn up_over_cpu_rank_hosts_launches_their_plan() {
 /// identity file.
 #[test]
 fn proxy_jump_through_a_bastion_and_ssh_agent_keys_work() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 1) else {
         return;
     };
@@ -1615,7 +1611,7 @@ fn disaggregation_across_two_hosts_moves_kv_over_the_data_network_and_survives_a
     use crate::support::model::KV_BYTES_PER_TOKEN;
     use crate::support::server::{Server, generate_counting, metric};
     use serde_json::json;
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 1) else {
         return;
     };

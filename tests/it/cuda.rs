@@ -615,7 +615,7 @@ fn venv_with(dir: &Path, wheels: &[&Path]) -> PathBuf {
 /// The real SmolLM2 cut to its first 8 layers by `scripts/cut_gguf.py` (what the GPU check
 /// carries), once per test cache.
 fn cut_smollm2() -> PathBuf {
-    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let model = crate::support::model::smollm2();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/cut_gguf.py");
     let recipe = std::fs::read(&script).expect("the cut script");
     let dir = cached_dir(
@@ -908,7 +908,7 @@ fn the_gpu_check_script_runs_every_step_within_its_budget_and_writes_what_it_pro
 fn the_prepare_script_ships_a_running_binary_and_a_cut_model_within_64_mib() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dest = tempfile::tempdir().expect("tempdir");
-    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let model = crate::support::model::smollm2();
     let output = Command::new("bash")
         .arg(root.join("scripts/prepare-gpu-check.sh"))
         .env("BIN", env!("CARGO_BIN_EXE_infer"))
@@ -1292,7 +1292,7 @@ fn the_smoke_serving_row_starts_asks_and_stops_the_real_server() {
     use infer::launch::smoke::chat_check;
     use std::time::Duration;
     let exe = Path::new(env!("CARGO_BIN_EXE_infer"));
-    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let model = crate::support::model::smollm2();
     let row = chat_check(exe, &model, "cpu", Duration::from_secs(120));
     assert!(row.passed, "{row:?}");
     assert!(row.detail.contains("answered \""), "{row:?}");

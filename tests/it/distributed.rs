@@ -32,7 +32,7 @@ fn tokens(args: &[&str]) -> Vec<u64> {
 
 #[test]
 fn every_layout_generates_the_single_process_tokens() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     // The two prompts of the llama.cpp fixture. Pipeline stages run the very same
     // operations, and tensor parallelism continues each row-parallel dot product across the
     // ranks in the single-process order, so every layout must match all 32 tokens — even
@@ -54,7 +54,7 @@ fn every_layout_generates_the_single_process_tokens() {
 /// 0.11 at position 13) the other way, so a rank left on the exact order would show.
 #[test]
 fn fast_numerics_generate_the_same_tokens_on_every_layout() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let prompt = "def fibonacci(n):";
     let exact = tokens(&["--prompt", prompt]);
     let fast = tokens(&["--prompt", prompt, "--numerics", "fast"]);
@@ -79,7 +79,7 @@ fn fast_numerics_generate_the_same_tokens_on_every_layout() {
 
 #[test]
 fn a_killed_rank_takes_the_gang_down_within_5_seconds() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let mut child = infer()
         .args([
             "generate",
@@ -230,7 +230,7 @@ fn a_rank_that_exits_fails_a_serving_gang_through_any_spawner() {
 /// the user says and refuses a directory that holds another run.
 #[test]
 fn run_directories_are_kept_under_the_cache_and_pruned() {
-    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let model = crate::support::model::smollm2();
     let cache = tempfile::tempdir().expect("tempdir");
     let runs = cache.path().join("runs");
     std::fs::create_dir_all(&runs).expect("runs");

@@ -18,8 +18,7 @@ use crate::support::synthetic::{Shape, weights, write_gguf, write_gguf_tensors, 
 fn smollm2() -> &'static Engine {
     static ENGINE: OnceLock<Engine> = OnceLock::new();
     ENGINE.get_or_init(|| {
-        let path =
-            infer::model::default::ensure(&mut |_| {}).expect("the default model can be fetched");
+        let path = crate::support::model::smollm2();
         Engine::load(&path, 2, Numerics::Exact).expect("SmolLM2 loads")
     })
 }
@@ -649,7 +648,7 @@ fn tokenizer_json_directory_matches_the_gguf_tokenizer() {
 /// flips seen are at margins 0.03–0.23). A broken kernel misses either by far.
 #[test]
 fn fast_numerics_stay_close_to_llama_cpp() {
-    let path = infer::model::default::ensure(&mut |_| {}).expect("the default model");
+    let path = crate::support::model::smollm2();
     let engine = Engine::load(&path, 2, Numerics::Fast).expect("SmolLM2 loads");
     engine.install(|| {
         for case in reference_cases() {

@@ -299,7 +299,7 @@ fn sixteen_streams_and_a_long_prompt_in_chunks_never_look_stalled() {
 /// each other: a link, not a rank.
 #[test]
 fn a_black_holed_link_between_two_hosts_turns_health_503_naming_both_ranks() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 1) else {
         return;
     };

@@ -6,10 +6,8 @@
 // A test binary has no API: its helpers are `pub` for the other test modules.
 #![allow(unreachable_pub)]
 
-mod backend;
 mod clients;
 mod cluster;
-mod collectives;
 mod cuda;
 mod device_ranks;
 mod distributed;

@@ -332,7 +332,7 @@ fn bench_serve_measures_a_disaggregated_server() {
 #[test]
 fn two_nodes_started_with_nnodes_disaggregate_prefill_and_decode() {
     use std::process::Stdio;
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let store_port = free_port().to_string();
     let node = |rank: &str| nnodes_up(rank, &store_port, &["--prefill", "1", "--decode", "1"]);
     // Node 0 first (it hosts the store); node 1 joins half a second later.
@@ -394,7 +394,7 @@ fn a_chunked_prompt_streams_its_kv_chunk_by_chunk() {
 /// differ in shape is refused with the reason.
 #[test]
 fn a_disaggregated_plan_runs_as_prefill_and_decode_replicas() {
-    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let model = crate::support::model::smollm2();
     let model = model.display().to_string();
     let dir = tempfile::tempdir().expect("temp dir");
     let plan_args = [

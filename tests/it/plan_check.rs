@@ -67,7 +67,7 @@ fn assert_refused(cases: &[(&[&str], &str)]) {
 /// predicted`; it says what each side ran on.
 #[test]
 fn bench_serve_plan_reports_predicted_measured_and_error() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let dir = tempfile::tempdir().expect("temp dir");
     let plan = write_plan(dir.path());
     let concurrency = smallest_concurrency(&plan).to_string();
@@ -130,7 +130,7 @@ fn bench_serve_plan_reports_predicted_measured_and_error() {
 /// before any server starts.
 #[test]
 fn bench_serve_plan_refuses_bad_input() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let dir = tempfile::tempdir().expect("temp dir");
     let plan = write_plan(dir.path());
     let malformed = dir.path().join("malformed.json");

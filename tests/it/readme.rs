@@ -8,7 +8,7 @@ use std::process::Command;
 #[test]
 fn readme_examples_run_as_written() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
     let examples = readme
         .split("## Examples")

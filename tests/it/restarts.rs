@@ -239,7 +239,7 @@ fn a_stalled_replica_restarts_after_the_grace_and_the_request_in_flight_is_told_
 /// ports, out of the rule's way), and the server answers again.
 #[test]
 fn a_black_holed_link_between_two_hosts_restarts_the_gang_through_the_agents() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 1) else {
         return;
     };
@@ -648,7 +648,7 @@ fn a_failed_dp_replica_restarts_alone_while_the_other_serves() {
 /// agent while rank 0 on h0 serves on; then both replicas answer again.
 #[test]
 fn a_dp_replica_on_another_host_restarts_alone_through_its_agent() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let Some(cluster) = TestCluster::start(2, 1) else {
         return;
     };
@@ -688,7 +688,7 @@ fn a_dp_replica_on_another_host_restarts_alone_through_its_agent() {
 #[test]
 fn a_node_restarts_its_share_with_node_zero_under_nnodes() {
     use std::process::Stdio;
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let store_port = free_port().to_string();
     let node_1_dir = tempfile::tempdir().expect("temp dir");
     let node = |rank: &str| nnodes_up(rank, &store_port, &["--pp", "2", "--max-restarts", "1"]);
@@ -857,7 +857,7 @@ fn a_stalled_dp_replica_restarts_alone_after_the_grace() {
 #[test]
 fn with_no_restart_left_every_node_of_an_nnodes_launch_ends() {
     use std::process::Stdio;
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let store_port = free_port().to_string();
     let node_1_dir = tempfile::tempdir().expect("temp dir");
     let run_1 = node_1_dir.path().join("run");

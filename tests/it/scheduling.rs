@@ -20,8 +20,7 @@ use crate::support::model::{QUESTIONS, SYSTEM};
 /// A fresh SmolLM2 engine (2 threads) with a KV pool of `capacity_tokens`, leaked so an
 /// executor can borrow it for the scheduler thread's lifetime.
 fn engine(capacity_tokens: Option<usize>) -> &'static Engine {
-    let path =
-        infer::model::default::ensure(&mut |_| {}).expect("the default model can be fetched");
+    let path = crate::support::model::smollm2();
     let mut engine = Engine::load(&path, 2, Numerics::Exact).expect("SmolLM2 loads");
     engine.model.set_kv_capacity(capacity_tokens);
     Box::leak(Box::new(engine))

@@ -476,7 +476,7 @@ fn api_key_is_required_when_set() {
 /// with its range over the sweeps.
 #[test]
 fn bench_serve_prints_a_row_per_concurrency() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let output = run(&[
         "bench",
         "serve",
@@ -674,7 +674,7 @@ fn the_official_openai_python_client_works() {
 /// A port already in use and a missing model file are bad input: exit 2, a clear message.
 #[test]
 fn bad_up_arguments_exit_2_with_a_clear_error() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     // Every error's whole text, in the snapshot (the taken port redacted), but the name
     // that does not resolve: the resolver's own words differ between machines.
     let mut transcript = String::new();
@@ -861,7 +861,7 @@ fn data_parallel_replicas_share_the_load() {
 /// launches exactly that layout (two replicas, as CPU ranks here) and serves.
 #[test]
 fn up_launches_the_layout_of_a_saved_plan() {
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let output = run(&["plan", "--cluster", "1x2xh100-sxm", "--json"]);
     assert!(
         output.status.success(),
@@ -927,7 +927,7 @@ fn up_serves_the_plan_for_this_hosts_cpu() {
     if std::path::Path::new("/proc/driver/nvidia/version").exists() {
         return;
     }
-    infer::model::default::ensure(&mut |_| {}).expect("model");
+    crate::support::model::smollm2();
     let dir = tempfile::tempdir().expect("tempdir");
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     // Two ranks need two cores: at most one rank per core.
@@ -1242,7 +1242,7 @@ fn openai_request_shapes_clients_send() {
 /// batch, the served name and the context cap take effect.
 #[test]
 fn vllm_flag_names_take_effect() {
-    let model = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let model = crate::support::model::smollm2();
     let model = model.to_str().expect("utf-8 path");
     let server = Server::start(&[
         "-m",

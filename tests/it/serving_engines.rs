@@ -769,10 +769,7 @@ fn up_engine_llamacpp_across_hosts_splits_layers_over_rpc_and_a_killed_server_ta
 
 #[test]
 fn llama_server_lines_pass_llama_servers_own_parser() {
-    let model = infer::model::default::ensure(&mut |_| {})
-        .expect("model")
-        .display()
-        .to_string();
+    let model = crate::support::model::smollm2().display().to_string();
     // TP 3 inside one GPU host: llama.cpp's row split, three GPUs of four visible.
     let nodes = launch_nodes(
         &[
@@ -826,7 +823,7 @@ fn emitted_infer_scripts_run_one_node_each_across_hosts() {
     let Some(cluster) = TestCluster::start(2, 1) else {
         return;
     };
-    let model = infer::model::default::ensure(&mut |_| {}).expect("the default model");
+    let model = crate::support::model::smollm2();
     let inventory = cluster.dir.join("plan-hosts.toml");
     let mut text = String::new();
     for host in &cluster.hosts {

@@ -11,7 +11,7 @@ use infer::runtime::model::llama::{Llama, SequenceInput, StageOutput};
 use infer::runtime::model::sampling::argmax;
 
 fn smollm2() -> Llama {
-    let path = infer::model::default::ensure(&mut |_| {}).expect("model");
+    let path = crate::support::model::smollm2();
     Llama::open_gguf(&path).expect("loads")
 }
 

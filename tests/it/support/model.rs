@@ -1,6 +1,13 @@
-//! The real model the serving tests run (SmolLM2-135M-Instruct, Q4_1, fetched by
-//! `infer::model::default::ensure`): the facts tests compute expected numbers from, and the
-//! prompts several tests ask of it.
+//! The real model the serving tests run (SmolLM2-135M-Instruct, Q4_1): where it is, the facts
+//! tests compute expected numbers from, and the prompts several tests ask of it.
+
+use std::path::PathBuf;
+
+/// The real SmolLM2 GGUF file, fetched and checked against its sha256 the first time (the same
+/// cache `infer up` uses without `--model`); panics when it cannot be fetched.
+pub fn smollm2() -> PathBuf {
+    infer::model::default::ensure(&mut |_| {}).expect("the default model can be fetched")
+}
 
 /// SmolLM2-135M's layers.
 pub const SMOLLM2_LAYERS: u64 = 30;

@@ -45,7 +45,7 @@ impl Server {
     /// Starts `command` (an `infer up` line) and waits until it serves (the default model
     /// fetched first); panics with its stderr if it exits before.
     pub fn start_command(mut command: Command) -> Server {
-        infer::model::default::ensure(&mut |_| {}).expect("model");
+        crate::support::model::smollm2();
         let mut child = command
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -5,18 +5,20 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use infer::rendezvous::{StoreClient, StoreServer, random_token};
-use infer::runtime::collectives::shm::ShmComm;
-use infer::runtime::collectives::{Comm, TcpComm};
+use infer_runtime::rendezvous::{StoreClient, StoreServer, random_token};
+use infer_runtime::runtime::collectives::shm::ShmComm;
+use infer_runtime::runtime::collectives::{Comm, TcpComm};
 
 /// The kernels built for the host once per test process.
-pub fn host() -> &'static infer::runtime::cuda::host::HostKernels {
-    static HOST: OnceLock<(tempfile::TempDir, infer::runtime::cuda::host::HostKernels)> =
-        OnceLock::new();
+pub fn host() -> &'static infer_runtime::runtime::cuda::host::HostKernels {
+    static HOST: OnceLock<(
+        tempfile::TempDir,
+        infer_runtime::runtime::cuda::host::HostKernels,
+    )> = OnceLock::new();
     &HOST
         .get_or_init(|| {
             let dir = tempfile::tempdir().expect("tempdir");
-            let kernels = infer::runtime::cuda::host::HostKernels::build(
+            let kernels = infer_runtime::runtime::cuda::host::HostKernels::build(
                 dir.path(),
                 &std::env::var("CXX").unwrap_or_else(|_| "c++".into()),
             )
@@ -43,8 +45,11 @@ pub fn with_group<T: Send>(
     body: impl Fn(&mut dyn Comm) -> T + Sync,
 ) -> Vec<T> {
     // Every member on one host (host 0); the store holds the run's keys.
-    let run =
-        infer::keyring::Keyring::master(&random_token(), infer::keyring::LAUNCHER_HOST, vec![0; n]);
+    let run = infer_runtime::keyring::Keyring::master(
+        &random_token(),
+        infer_runtime::keyring::LAUNCHER_HOST,
+        vec![0; n],
+    );
     let server = StoreServer::start("127.0.0.1:0", &run).expect("store");
     let token = run.on_host(0);
     let address = server.address().to_string();

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use infer::runtime::formats::gguf::{TensorInfo, Value, encode_header};
+use infer_runtime::runtime::formats::gguf::{TensorInfo, Value, encode_header};
 
 /// Shape of a synthetic model.
 #[derive(Clone, Copy)]

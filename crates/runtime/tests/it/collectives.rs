@@ -182,13 +182,13 @@ fn a_vanished_peer_is_named_in_the_error() {
 /// is refused in its handshake. The members then form the group and sum correctly.
 #[test]
 fn strangers_on_a_members_port_take_no_slot_and_hold_nobody_up() {
-    use infer::rendezvous::{StoreClient, StoreServer, random_token};
-    use infer::runtime::collectives::{Comm, TcpComm};
+    use infer_runtime::rendezvous::{StoreClient, StoreServer, random_token};
+    use infer_runtime::runtime::collectives::{Comm, TcpComm};
     use std::io::Write;
     // Three ranks on one host: the launcher holds the run's keys, ranks their host's.
-    let run = infer::keyring::Keyring::master(
+    let run = infer_runtime::keyring::Keyring::master(
         &random_token(),
-        infer::keyring::LAUNCHER_HOST,
+        infer_runtime::keyring::LAUNCHER_HOST,
         vec![0, 0, 0],
     );
     let token = run.on_host(0);
@@ -212,15 +212,15 @@ fn strangers_on_a_members_port_take_no_slot_and_hold_nobody_up() {
             garbage.write_all(&[0xff; 16]).expect("garbage");
             let idle = std::net::TcpStream::connect(&port).expect("connect");
             let mut impostor = std::net::TcpStream::connect(&port).expect("connect");
-            let another_run = infer::keyring::Keyring::master(
+            let another_run = infer_runtime::keyring::Keyring::master(
                 "another run's secret",
-                infer::keyring::LAUNCHER_HOST,
+                infer_runtime::keyring::LAUNCHER_HOST,
                 vec![0, 0, 0],
             );
-            let refused = infer::handshake::client(
+            let refused = infer_runtime::handshake::client(
                 &mut impostor,
                 &another_run.on_host(0).pair_key(0).expect("key"),
-                infer::handshake::Claim {
+                infer_runtime::handshake::Claim {
                     channel: "comm/test",
                     client: 0,
                     server: 2,
@@ -273,7 +273,7 @@ fn strangers_on_a_members_port_take_no_slot_and_hold_nobody_up() {
         assert_eq!(sum, expected);
     }
     assert!(
-        started.elapsed() < infer::handshake::HELLO_TIMEOUT,
+        started.elapsed() < infer_runtime::handshake::HELLO_TIMEOUT,
         "the idle stranger held the group up: {:?}",
         started.elapsed()
     );

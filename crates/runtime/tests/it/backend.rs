@@ -3,16 +3,16 @@
 //! harness (and through the CPU backend), step by step against the CPU engine.
 
 use half::{bf16, f16};
-use infer::runtime::backend::cpu::CpuBackend;
-use infer::runtime::backend::{Backend, nmse};
-use infer::runtime::cuda::backend::KernelBackend;
-use infer::runtime::exec::forward::{BackendModel, DeviceSequence, compare_with_cpu};
-use infer::runtime::formats::ggml::GgmlType;
-use infer::runtime::model::config::{LlamaConfig, RopeStyle};
-use infer::runtime::model::llama::{Layer, Llama, SequenceInput};
-use infer::runtime::model::moe::{Expert, MoeFfn};
-use infer::runtime::model::sampling::argmax;
-use infer::runtime::model::weights::Weight;
+use infer_runtime::runtime::backend::cpu::CpuBackend;
+use infer_runtime::runtime::backend::{Backend, nmse};
+use infer_runtime::runtime::cuda::backend::KernelBackend;
+use infer_runtime::runtime::exec::forward::{BackendModel, DeviceSequence, compare_with_cpu};
+use infer_runtime::runtime::formats::ggml::GgmlType;
+use infer_runtime::runtime::model::config::{LlamaConfig, RopeStyle};
+use infer_runtime::runtime::model::llama::{Layer, Llama, SequenceInput};
+use infer_runtime::runtime::model::moe::{Expert, MoeFfn};
+use infer_runtime::runtime::model::sampling::argmax;
+use infer_runtime::runtime::model::weights::Weight;
 
 use crate::support::runtime::{Transport, host, with_group};
 use crate::support::synthetic::{Shape, tokenizer_metadata, weights, write_gguf_with};
@@ -169,7 +169,7 @@ fn synthetic(moe: Option<(usize, usize)>, rope_style: RopeStyle) -> Llama {
 fn cpu_step(
     model: &Llama,
     tokens: &[u32],
-    cache: &mut infer::runtime::model::kv::KvCache,
+    cache: &mut infer_runtime::runtime::model::kv::KvCache,
 ) -> Vec<f32> {
     model
         .forward(&mut [SequenceInput {
@@ -382,7 +382,7 @@ fn the_device_model_refuses_what_it_does_not_run_and_a_full_cache_takes_nothing(
 /// it does not do says so.
 #[test]
 fn two_device_pipeline_stages_give_the_whole_models_logits() {
-    use infer::runtime::exec::forward::StageOut;
+    use infer_runtime::runtime::exec::forward::StageOut;
     fn check<B: Backend>(make: &dyn Fn() -> B) {
         let model = synthetic(None, RopeStyle::Interleaved);
         let mut whole = BackendModel::new(make(), &model, 64).expect("whole");
@@ -474,7 +474,7 @@ fn the_cpu_engines_decode_step_equals_the_prompt_run_whole_with_16_dimension_hea
 
 /// A servable synthetic model (f32 weights, a tokenizer of single characters) written into
 /// `dir` and loaded: what `infer generate --device cuda` and `infer up --device cuda` run.
-fn servable_engine(dir: &std::path::Path) -> infer::runtime::exec::engine::Engine {
+fn servable_engine(dir: &std::path::Path) -> infer_runtime::runtime::exec::engine::Engine {
     let shape = Shape {
         hidden: 64,
         intermediate: 96,
@@ -487,14 +487,14 @@ fn servable_engine(dir: &std::path::Path) -> infer::runtime::exec::engine::Engin
     let path = dir.join("servable.gguf");
     let weights = weights(&shape, 7);
     write_gguf_with(&path, &shape, &weights, &tokenizer_metadata(shape.vocab));
-    infer::runtime::exec::engine::Engine::load(&path, 1, Default::default())
+    infer_runtime::runtime::exec::engine::Engine::load(&path, 1, Default::default())
         .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 #[test]
 fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines() {
-    use infer::runtime::exec::forward::BackendExecutor;
-    use infer::runtime::model::sampling::SamplingParams;
+    use infer_runtime::runtime::exec::forward::BackendExecutor;
+    use infer_runtime::runtime::model::sampling::SamplingParams;
     // What `infer generate --device cuda` runs, with the harness standing in for the GPU.
     let dir = tempfile::tempdir().expect("tempdir");
     let engine = servable_engine(dir.path());
@@ -508,17 +508,19 @@ fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines
         .unwrap_or_else(|e| panic!("{e:#}"));
     let mut executor = BackendExecutor::new(model, engine.tokenizer.clone());
     let mut streamed = String::new();
-    let device =
-        infer::runtime::exec::executor::generate(&mut executor, &prompt, &params, &mut |t| {
-            streamed.push_str(t)
-        })
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let device = infer_runtime::runtime::exec::executor::generate(
+        &mut executor,
+        &prompt,
+        &params,
+        &mut |t| streamed.push_str(t),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
     assert_eq!(device.tokens, cpu.tokens, "{} vs {}", device.text, cpu.text);
     assert_eq!(device.text, cpu.text);
     assert_eq!(streamed, cpu.text);
     assert_eq!(device.tokens.len(), 6);
     // The sequence's blocks went back: the ledger the scheduler reads is empty again.
-    use infer::runtime::exec::executor::Executor;
+    use infer_runtime::runtime::exec::executor::Executor;
     assert_eq!(executor.kv_pool().used_blocks(), 0);
 }
 
@@ -529,9 +531,9 @@ fn generation_through_the_backend_executor_on_the_harness_equals_the_cpu_engines
 /// with the prefix cache off, and the CPU engine's. A small cache evicts and stays correct.
 #[test]
 fn the_device_prefix_cache_reuses_blocks_and_gives_the_uncached_tokens() {
-    use infer::runtime::exec::executor::{Executor, StepEntry};
-    use infer::runtime::exec::forward::BackendExecutor;
-    use infer::runtime::model::sampling::SamplingParams;
+    use infer_runtime::runtime::exec::executor::{Executor, StepEntry};
+    use infer_runtime::runtime::exec::forward::BackendExecutor;
+    use infer_runtime::runtime::model::sampling::SamplingParams;
     let dir = tempfile::tempdir().expect("tempdir");
     let engine = servable_engine(dir.path());
     let system = "THE SHARED SYSTEM TEXT OF THIRTY TWO CHARS!";
@@ -629,9 +631,9 @@ fn the_device_prefix_cache_reuses_blocks_and_gives_the_uncached_tokens() {
 /// an import that never came is refused.
 #[test]
 fn kv_exported_by_one_device_executor_lets_another_decode_the_same_tokens() {
-    use infer::runtime::exec::executor::{Executor, StepEntry};
-    use infer::runtime::exec::forward::BackendExecutor;
-    use infer::runtime::model::sampling::SamplingParams;
+    use infer_runtime::runtime::exec::executor::{Executor, StepEntry};
+    use infer_runtime::runtime::exec::forward::BackendExecutor;
+    use infer_runtime::runtime::model::sampling::SamplingParams;
     let dir = tempfile::tempdir().expect("tempdir");
     let engine = servable_engine(dir.path());
     let prompt = engine
@@ -757,7 +759,7 @@ fn kv_exported_by_one_device_executor_lets_another_decode_the_same_tokens() {
 
 #[test]
 fn the_decode_benchmark_on_the_harness_measures_and_gives_every_block_back() {
-    use infer::runtime::exec::forward::bench_decode;
+    use infer_runtime::runtime::exec::forward::bench_decode;
     let model = synthetic(None, RopeStyle::Interleaved);
     let mut device = BackendModel::new(KernelBackend::new(host()), &model, 64)
         .unwrap_or_else(|e| panic!("{e:#}"));
