@@ -4,6 +4,7 @@
 //! (`ARCHITECTURE.md`) is in the repository, and the integration tests' modules share
 //! helpers only through their tree's `support/` (`tests/it/`, `crates/runtime/tests/it/`).
 
+use std::collections::HashSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -492,6 +493,100 @@ fn the_runtime_crate_depends_on_nothing_above_it() {
     assert!(
         offenders.is_empty(),
         "crates/runtime/Cargo.toml depends on crates of the layers above it: {offenders:?}"
+    );
+}
+
+/// The identifiers `code` names (maximal runs of letters, digits and `_`).
+fn identifiers(code: &str) -> HashSet<&str> {
+    code.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .filter(|word| !word.is_empty())
+        .collect()
+}
+
+/// Whether `name` appears in `code` inside a public signature: a `pub` item's or field's text
+/// since the last `;`, `{` or `}` (a `pub fn`'s parameters and return type, a `pub` field's
+/// type), or a trait impl's `type X = …`.
+fn named_in_a_public_signature(code: &str, name: &str) -> bool {
+    let is_ident = |c: char| c.is_alphanumeric() || c == '_';
+    code.match_indices(name).any(|(at, _)| {
+        let whole_word =
+            !code[..at].ends_with(is_ident) && !code[at + name.len()..].starts_with(is_ident);
+        let start = code[..at].rfind([';', '{', '}']).map_or(0, |i| i + 1);
+        let fragment = code[start..at].trim_start();
+        let declares = ["struct ", "enum ", "trait ", "type "]
+            .iter()
+            .any(|kind| fragment.ends_with(kind));
+        whole_word
+            && !declares
+            && (fragment.starts_with("pub ")
+                || fragment.contains("\npub ")
+                || fragment.contains(" pub ")
+                || fragment.starts_with("type "))
+    })
+}
+
+/// The engine core's crate boundary keeps dead-code detection: rustc never calls a `pub` item
+/// of a library dead, so every `pub` item of `crates/runtime/src` is named outside its own
+/// file (by `infer`, another runtime file, a test, bench or fuzz target) or, for a type, in a
+/// public signature of its own file. Anything else is `pub(crate)` or private, where the
+/// compiler reports it when it falls out of use.
+#[test]
+fn every_public_item_of_the_runtime_is_used_outside_its_file() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = all_files();
+    rust_files(&root.join("fuzz/fuzz_targets"), &mut files);
+    let codes: Vec<(PathBuf, String)> = files
+        .into_iter()
+        .map(|path| {
+            let text = fs::read_to_string(&path).expect("readable source");
+            let code = code_of(&text);
+            (path, code)
+        })
+        .collect();
+    let runtime = root.join("crates/runtime/src");
+    let mut offenders = Vec::new();
+    let mut checked = 0;
+    for (path, code) in codes.iter().filter(|(path, _)| path.starts_with(&runtime)) {
+        let elsewhere: HashSet<&str> = codes
+            .iter()
+            .filter(|(other, _)| other != path)
+            .flat_map(|(_, other)| identifiers(other))
+            .collect();
+        for line in code.lines() {
+            let Some(rest) = line.trim_start().strip_prefix("pub ") else {
+                continue;
+            };
+            let rest = rest.strip_prefix("unsafe ").unwrap_or(rest);
+            let rest = rest.strip_prefix("const fn ").unwrap_or(rest);
+            let Some((kind, rest)) = [
+                "fn ", "struct ", "enum ", "trait ", "type ", "const ", "static ",
+            ]
+            .into_iter()
+            .find_map(|kind| rest.strip_prefix(kind).map(|rest| (kind, rest))) else {
+                continue;
+            };
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            checked += 1;
+            let a_type = matches!(kind, "struct " | "enum " | "trait " | "type ");
+            let used = elsewhere.contains(name.as_str())
+                || (a_type && named_in_a_public_signature(code, &name));
+            if !used {
+                offenders.push(format!(
+                    "{}: `pub {kind}{name}`",
+                    path.strip_prefix(root).unwrap_or(path).display()
+                ));
+            }
+        }
+    }
+    assert!(checked > 300, "found too few public items: {checked}");
+    assert!(
+        offenders.is_empty(),
+        "public items of the runtime crate named nowhere outside their file (make them \
+         pub(crate) or private, so the compiler sees when they fall out of use, or remove them):\n{}",
+        offenders.join("\n")
     );
 }
 

@@ -34,7 +34,7 @@ use crate::keyring::Key;
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The most bytes a hello may take (a channel name of up to 1 KiB and fixed fields).
-pub const MAX_HELLO_BYTES: usize = 4096;
+pub(crate) const MAX_HELLO_BYTES: usize = 4096;
 
 /// The hello's first 8 bytes: the protocol and its version.
 const MAGIC: &[u8; 8] = b"infer\x00h1";

@@ -308,7 +308,7 @@ pub fn open_driver(dirs: &[PathBuf]) -> Result<Option<PathBuf>> {
 
 /// The pip package that provides a library of CUDA major `major` (`nvidia-cuda-nvrtc` for
 /// 13, `nvidia-cuda-nvrtc-cu12` for 12), from its CUDA 12 name `cu12_package`.
-pub fn pip_package(cu12_package: &str, major: i32) -> String {
+pub(crate) fn pip_package(cu12_package: &str, major: i32) -> String {
     if major >= 13 {
         cu12_package.trim_end_matches("-cu12").to_string()
     } else {
@@ -320,7 +320,7 @@ pub fn pip_package(cu12_package: &str, major: i32) -> String {
 /// CUDA `driver_cuda` (`None`: not known): what to install (`cu12_package`, or its CUDA 13
 /// name on a CUDA 13 driver; both when the driver is not known), and why CUDA 13's soname
 /// was not tried on an older driver.
-pub fn not_installed(
+pub(crate) fn not_installed(
     what: &str,
     cu12_package: &str,
     tried: &[&str],

@@ -19,7 +19,7 @@ use crate::rendezvous::StoreClient;
 
 /// A wait is published once it has lasted this long (shorter ones are a step's normal
 /// synchronisation).
-pub const REPORT_AFTER: Duration = Duration::from_secs(1);
+pub(crate) const REPORT_AFTER: Duration = Duration::from_secs(1);
 
 /// How often the reporter looks at this rank's wait.
 const REPORT_INTERVAL: Duration = Duration::from_millis(500);

@@ -22,7 +22,7 @@ pub struct Check {
 /// NMSE limit of matrix products (test-backend-ops).
 pub const NMSE_PRODUCTS: f64 = 5e-4;
 /// NMSE limit of every other op (test-backend-ops).
-pub const NMSE_OTHERS: f64 = 1e-7;
+pub(crate) const NMSE_OTHERS: f64 = 1e-7;
 
 /// One kernel argument: a buffer the kernel reads, one it writes (or both), or a value.
 pub enum Arg<'a> {

@@ -29,9 +29,9 @@ pub const R_16F: c_int = 2;
 /// `CUDA_R_16BF`.
 pub const R_16BF: c_int = 14;
 /// `cublasComputeType_t`: `CUBLAS_COMPUTE_32F`.
-pub const COMPUTE_32F: c_int = 68;
+pub(crate) const COMPUTE_32F: c_int = 68;
 /// `cublasGemmAlgo_t`: `CUBLAS_GEMM_DEFAULT`.
-pub const GEMM_DEFAULT: c_int = -1;
+pub(crate) const GEMM_DEFAULT: c_int = -1;
 
 /// `cublasGemmEx`'s signature (cublas_api.h).
 type GemmEx = unsafe extern "C" fn(

@@ -343,7 +343,7 @@ pub struct HostBuffer {
 
 impl HostBuffer {
     /// A zeroed buffer of `len_bytes` (at least one byte is allocated).
-    pub fn zeroed(len_bytes: usize) -> Result<HostBuffer> {
+    pub(crate) fn zeroed(len_bytes: usize) -> Result<HostBuffer> {
         let layout = std::alloc::Layout::from_size_align(len_bytes.max(1), 64)
             .with_context(|| format!("cannot lay out {len_bytes} bytes"))?;
         // SAFETY: the layout has a non-zero size.

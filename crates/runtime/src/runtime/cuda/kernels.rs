@@ -54,7 +54,7 @@ impl Family {
 
 /// The device helpers every family shares (`kernels/common.cuh`: f16 bits to float,
 /// unaligned loads), prepended to each family's source.
-pub const COMMON: &str = include_str!("kernels/common.cuh");
+pub(crate) const COMMON: &str = include_str!("kernels/common.cuh");
 
 use Param::{F32, Ptr, U32};
 

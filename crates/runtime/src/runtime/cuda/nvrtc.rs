@@ -14,7 +14,7 @@ use crate::runtime::libraries::{self, Found};
 
 /// Options every kernel is compiled with (besides the architecture): ptxas reports each
 /// kernel's registers, spills and shared memory in the log.
-pub const OPTIONS: &[&str] = &["--ptxas-options=--verbose", "--std=c++17"];
+pub(crate) const OPTIONS: &[&str] = &["--ptxas-options=--verbose", "--std=c++17"];
 
 /// `nvrtcResult` (nvrtc.h): 0 is `NVRTC_SUCCESS`.
 type NvrtcResult = c_int;
@@ -293,7 +293,7 @@ impl Nvrtc {
 }
 
 /// The cache key of `source` compiled by NVRTC `version` for `sm_<arch>` with [`OPTIONS`].
-pub fn cache_key(source: &str, version: (i32, i32), arch: u32) -> String {
+pub(crate) fn cache_key(source: &str, version: (i32, i32), arch: u32) -> String {
     let mut hash = Sha256::new();
     hash.update(source.as_bytes());
     hash.update(format!(
@@ -345,7 +345,7 @@ fn open_builtins(nvrtc: Option<&Path>, version: (i32, i32)) -> Result<Option<Pat
 /// Each kernel's resources from ptxas' verbose lines:
 /// `Compiling entry function 'NAME' for 'sm_80'`, `N bytes stack frame, N bytes spill
 /// stores, N bytes spill loads`, `Used N registers, … N bytes smem, …`.
-pub fn parse_ptxas_log(log: &str) -> HashMap<String, Resources> {
+pub(crate) fn parse_ptxas_log(log: &str) -> HashMap<String, Resources> {
     let mut out: HashMap<String, Resources> = HashMap::new();
     let mut current: Option<String> = None;
     let number_before = |line: &str, unit: &str| -> Option<u32> {

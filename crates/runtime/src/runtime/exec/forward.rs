@@ -401,7 +401,7 @@ impl<B: Backend> BackendModel<B> {
     /// token ids come back).
     ///
     /// Errors: those of [`BackendModel::step`].
-    pub fn forward_greedy(
+    pub(crate) fn forward_greedy(
         &mut self,
         batch: &mut [(&mut DeviceSequence, &[u32])],
     ) -> Result<Vec<u32>> {
@@ -458,7 +458,7 @@ impl<B: Backend> BackendModel<B> {
     /// and downloaded, and the positions picked on the host.
     ///
     /// Errors: positions not stored, the backend's.
-    pub fn read_kv(
+    pub(crate) fn read_kv(
         &self,
         sequence: &DeviceSequence,
         positions: std::ops::Range<usize>,
@@ -516,7 +516,7 @@ impl<B: Backend> BackendModel<B> {
     ///
     /// Errors: a sequence with positions stored already, or without the blocks for
     /// `n_positions`; `values` of another length; the backend's.
-    pub fn write_kv(
+    pub(crate) fn write_kv(
         &mut self,
         sequence: &mut DeviceSequence,
         n_positions: usize,

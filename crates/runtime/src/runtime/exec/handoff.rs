@@ -48,7 +48,7 @@ const STALE_AFTER: Duration = Duration::from_secs(120);
 /// How long a send may take to connect, and to hand each write to the kernel, before it
 /// fails (a decode host that went away or a link that drops everything): the prefill
 /// replica fails that request and goes on.
-pub const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest header accepted, bytes.
 const MAX_HEADER_BYTES: usize = 64 << 20;
 /// The inbox's channel in the handshake.
@@ -64,7 +64,7 @@ const SEGMENT_PREFIX: &str = "infer-kv";
 /// holds a 2,048-token chunk's KV of 8 SmolLM2 layers (6 KiB a token) and fits Docker's
 /// default 64 MiB `/dev/shm` with room to spare; a part larger than a quarter of the ring
 /// is split ([`KvTransfer::split`]) so several are in flight.
-pub const RING_BYTES: usize = 16 << 20;
+pub(crate) const RING_BYTES: usize = 16 << 20;
 /// Every part starts on a cache line of the ring.
 const RING_ALIGN: u64 = 64;
 /// The sender reads the inbox's answers when this many are unread, so they never fill the
@@ -518,7 +518,7 @@ impl Outbox {
     /// An outbox whose shared rings hold `ring_bytes` each (at least 4 KiB).
     ///
     /// Errors: the sending thread cannot start.
-    pub fn with_ring_bytes(keys: &Keyring, rank: u64, ring_bytes: usize) -> Result<Outbox> {
+    pub(crate) fn with_ring_bytes(keys: &Keyring, rank: u64, ring_bytes: usize) -> Result<Outbox> {
         let ring_bytes = ring_bytes.max(4096);
         let (jobs, queue) = std::sync::mpsc::channel::<Job>();
         let state: SendShared = Arc::default();

@@ -87,7 +87,7 @@ pub struct RankConfig {
 
 /// A device rank's KV cache when the launcher gives none (`infer generate`): the model's
 /// context, at most this many positions.
-pub const DEVICE_DEFAULT_KV_TOKENS: usize = 32_768;
+pub(crate) const DEVICE_DEFAULT_KV_TOKENS: usize = 32_768;
 
 /// The job the launcher publishes under `job`.
 #[derive(Clone, Debug, Serialize, Deserialize)]

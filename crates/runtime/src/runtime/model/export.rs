@@ -12,7 +12,7 @@ use crate::runtime::formats::gguf::{Header, Value};
 
 /// One file of a tokenizer directory: its name in the directory and its text (JSON).
 #[derive(Clone, Debug)]
-pub struct DirFile {
+pub(crate) struct DirFile {
     pub name: &'static str,
     pub text: String,
 }
@@ -78,7 +78,7 @@ pub fn export_tokenizer(model: &Path, dir: &Path, overwrite: bool) -> Result<Vec
 ///
 /// Errors: an architecture other than llama, mistral, qwen2, qwen3 (named), missing shape
 /// keys, a special-token id outside the vocabulary.
-pub fn tokenizer_files(header: &Header, tokenizer: &Tokenizer) -> Result<Vec<DirFile>> {
+pub(crate) fn tokenizer_files(header: &Header, tokenizer: &Tokenizer) -> Result<Vec<DirFile>> {
     let specials = SpecialTokens::of(header, tokenizer)?;
     let context_tokens = context_tokens(header)?;
     let mut tokenizer_config = specials.by_role();

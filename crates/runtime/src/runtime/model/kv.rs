@@ -36,7 +36,7 @@ pub fn blocks_for(n_tokens: usize) -> usize {
 
 /// The error when the pool has no free block: the scheduler preempts a sequence and retries.
 #[derive(Debug)]
-pub struct KvExhausted {
+pub(crate) struct KvExhausted {
     pub capacity_blocks: usize,
 }
 

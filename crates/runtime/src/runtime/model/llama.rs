@@ -66,7 +66,7 @@ impl LayoutLimits {
     /// Whether `tp` ranks can split the model: `tp` divides the heads and the MLP width, and
     /// either divides the KV heads or is a multiple of them (each KV head then replicated on
     /// `tp / n_kv_heads` ranks, as vLLM does).
-    pub fn tp_fits(&self, tp: usize) -> bool {
+    pub(crate) fn tp_fits(&self, tp: usize) -> bool {
         tp > 0
             && self.n_heads.is_multiple_of(tp)
             && self.intermediate_size.is_multiple_of(tp)

@@ -182,7 +182,7 @@ fn take_layer(tensors: &mut Tensors, c: &LlamaConfig, i: usize) -> Result<Layer>
 }
 
 /// `config.json` → [`LlamaConfig`] (NeoX RoPE; Llama 3 `rope_scaling` when present).
-pub fn config_from_json(json: &Value) -> Result<LlamaConfig> {
+pub(crate) fn config_from_json(json: &Value) -> Result<LlamaConfig> {
     let model_type = json["model_type"].as_str().unwrap_or("");
     if !matches!(model_type, "llama" | "mistral" | "qwen2" | "qwen3") {
         bail!(

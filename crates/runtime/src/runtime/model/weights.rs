@@ -271,7 +271,11 @@ impl Weight {
     /// (`(n_rows, n_tokens)`) continues with `W[r] · x[t]` over this shard's columns.
     ///
     /// Errors: a type without an integer kernel (`Q4_0`, `Q4_1`, `Q8_0` have one).
-    pub fn matmul_continue(
+    ///
+    /// The chain itself keeps its states grouped ([`Weight::matmul_continue_grouped`]); this
+    /// row-major form is the tests' reference for it.
+    #[cfg(test)]
+    fn matmul_continue(
         &self,
         x: &[f32],
         n_tokens: usize,
@@ -283,11 +287,12 @@ impl Weight {
         Ok(())
     }
 
-    /// [`Weight::matmul_continue`] on states kept in row groups, as the packed kernels hold
-    /// them: `states[g * n_tokens + t][k][r]` (`(n_groups, n_tokens)` of
-    /// `[lane k][row r of the group]`, `n_groups = ⌈n_rows / GROUP_ROWS⌉`, rows past `n_rows`
-    /// zero), so that a chain of ranks passes them on without regrouping
-    /// ([`finish_grouped`] ends them).
+    /// Continues dot products split over ranks at block boundaries (the row-parallel half of
+    /// tensor parallelism, see [`crate::runtime::cpu::quant::DotState`]) on states kept in row
+    /// groups, as the packed kernels hold them: `states[g * n_tokens + t][k][r]`
+    /// (`(n_groups, n_tokens)` of `[lane k][row r of the group]`,
+    /// `n_groups = ⌈n_rows / GROUP_ROWS⌉`, rows past `n_rows` zero), so that a chain of ranks
+    /// passes them on without regrouping ([`finish_grouped`] ends them).
     ///
     /// Errors: a type without an integer kernel; `states` of another length.
     pub fn matmul_continue_grouped(
