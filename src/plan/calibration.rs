@@ -273,7 +273,7 @@ fn link_from_report(name: &str, report: &AllreduceReport) -> Result<MeasuredLink
 /// Reads one all-reduce table (`name` names it in the plan and in errors).
 ///
 /// Errors: no data rows, or no way to tell whether it ran inside one host or across hosts.
-pub fn parse_allreduce_table(name: &str, text: &str) -> Result<MeasuredLink> {
+pub(crate) fn parse_allreduce_table(name: &str, text: &str) -> Result<MeasuredLink> {
     let mut hosts: Vec<String> = Vec::new();
     let mut ranks = 0usize;
     let mut header_scope = None;

@@ -215,7 +215,7 @@ impl ClusterHost {
     }
 
     /// Rank slots: its GPUs, or the CPU ranks of this view.
-    pub fn n_slots(&self) -> u64 {
+    pub(crate) fn n_slots(&self) -> u64 {
         match &self.cpu {
             Some(cpu) => cpu.ranks,
             None => self.topology.gpus.len() as u64,

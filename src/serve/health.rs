@@ -135,7 +135,7 @@ impl ProgressSnapshot {
 
     /// The seconds without progress past which this replica is stalled: `stall_timeout`
     /// or [`STEP_FACTOR`] × its slowest recent step, whichever is longer.
-    pub fn threshold_secs(&self, stall_timeout: Duration) -> f64 {
+    pub(crate) fn threshold_secs(&self, stall_timeout: Duration) -> f64 {
         stall_timeout
             .as_secs_f64()
             .max(STEP_FACTOR * self.recent_step_secs)
@@ -260,7 +260,7 @@ impl RankWaits {
     }
 
     /// The diagnosis of replica `replica`'s ranks, or why there is none.
-    pub fn diagnose_replica(&self, replica: usize) -> String {
+    pub(crate) fn diagnose_replica(&self, replica: usize) -> String {
         let first = replica as u64 * self.replica_size;
         match self.read(first..first + self.replica_size) {
             Ok(waits) => diagnose(&waits),

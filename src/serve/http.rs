@@ -57,9 +57,6 @@ pub struct GpuSettings {
     pub gpus: usize,
 }
 
-/// `--shutdown-timeout`'s default: requests in flight get 5 s after Ctrl-C.
-pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// What [`serve_one_process`] reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum OneProcessEvent {
@@ -313,7 +310,7 @@ pub const MAX_CONNECTIONS: usize = 1024;
 
 /// How long a client may take to send a request's head (line and headers): a half-sent
 /// request is closed after it, instead of holding its connection open.
-pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+pub(crate) const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Whether a `Host` header's value names this machine's loopback interface: `localhost`
 /// (or a name under `.localhost`, RFC 6761), an address of 127.0.0.0/8 or `[::1]`, with or
@@ -439,7 +436,7 @@ impl HttpServer {
     /// server answer only loopback `Host` names.
     ///
     /// Errors: the address cannot be bound.
-    pub fn bind_for(host: &str, port: u16, clients_at: &str) -> Result<HttpServer> {
+    pub(crate) fn bind_for(host: &str, port: u16, clients_at: &str) -> Result<HttpServer> {
         let guard_host = names_loopback(clients_at);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)

@@ -376,7 +376,7 @@ pub struct Limits {
 /// with whole prompts), short prompts' TTFT p99 stays ~0.4 s (29 s behind whole 2k-token
 /// prefills), and tokens/s is unchanged. Larger CPUs (and GPUs, where vLLM uses 2048 and
 /// more) amortise bigger chunks.
-pub const MAX_BATCHED_TOKENS_PER_CORE: usize = 32;
+pub(crate) const MAX_BATCHED_TOKENS_PER_CORE: usize = 32;
 
 impl Limits {
     /// `max_batch` sequences and the default token budget for a host with `cores` cores:

@@ -209,7 +209,7 @@ impl Host {
     /// `X` exactly on its diagonal, symmetric codes, NIC `gpu_links` of length 0 or `n_gpus`.
     ///
     /// Errors name the host and the offending cell, for imported JSON that was edited by hand.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         let n_gpus = self.gpus.len();
         let host = &self.hostname;
         if self.gpu_links.len() != n_gpus {

@@ -233,7 +233,7 @@ pub fn sysfs_bus_id(nvml_bus_id: &str) -> String {
 /// otherwise); sharing only the root complex is `PHB`; sharing bridges with each device at
 /// most two levels below the shared one (device → downstream port → switch) is `PIX`, one
 /// PCIe switch; deeper is `PXB`.
-pub fn pci_link_code(
+pub(crate) fn pci_link_code(
     a: &[String],
     b: &[String],
     numa_a: Option<u32>,
@@ -263,7 +263,7 @@ pub fn pci_link_code(
 
 /// The PCI part of a canonical sysfs device path: the root complex (`pci0000:3a`) followed by
 /// every bus/device/function (`0000:3b:00.0`) down to the device. Empty for virtual devices.
-pub fn pci_chain(path: &Path) -> Vec<String> {
+pub(crate) fn pci_chain(path: &Path) -> Vec<String> {
     let mut chain = Vec::new();
     for component in path.components() {
         let part = component.as_os_str().to_string_lossy();
