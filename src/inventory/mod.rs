@@ -212,6 +212,7 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
         .context("cannot measure the CPU engine's decode step")?;
     profile.decode_bytes_per_sec = Some(rates.weights_bytes_per_sec);
     profile.decode_bf16_bytes_per_sec = Some(rates.bf16_weights_bytes_per_sec);
+    profile.decode_layer_secs = rates.layer_secs;
     profile.decode_attention_flops_per_sec = rates.attention.map(|attention| {
         attention.flops_per_sec
             / attention_occupancy(attention.tasks as u64, attention.threads as u64)

@@ -74,6 +74,9 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
         bf16_weights_gb_per_sec: profile
             .decode_bf16_bytes_per_sec
             .map(|rate| rate / share / 1e9),
+        cpu_layer_secs: profile
+            .decode_layer_secs
+            .map(|secs| layer_handoff_secs(secs, threads, cores) * share),
         cpu_attention: profile
             .decode_attention_flops_per_sec
             .map(|rate| CpuAttention {
@@ -87,6 +90,18 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
         nic_gb_per_sec: TCP_GB_PER_SEC,
         sources: vec![profile.source.clone()],
     }
+}
+
+/// A rank's fixed cost per decoder layer on `threads` of the host's `cores` threads, seconds,
+/// from `host_layer_secs` measured on all of them: the threads' hand-offs between a layer's
+/// operations, taken to grow linearly from none on one thread to the measured cost on
+/// `cores` (a 2-core EPYC measured 22 µs a layer on 2 threads and 7 on one, the latter
+/// within the bytes term's noise and left out).
+pub(crate) fn layer_handoff_secs(host_layer_secs: f64, threads: u64, cores: u64) -> f64 {
+    if cores <= 1 {
+        return host_layer_secs;
+    }
+    host_layer_secs * threads.saturating_sub(1) as f64 / (cores - 1) as f64
 }
 
 /// What a CPU rank's rates are its host's divided by, with `ranks` ranks on `cores` cores:
@@ -123,6 +138,11 @@ pub struct HardwareSpec {
     /// not memory); absent for GPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16_weights_gb_per_sec: Option<f64>,
+    /// Seconds each decoder layer of a one-sequence decode step costs a CPU rank beyond its
+    /// weights' bytes ([`layer_handoff_secs`] of [`CpuProfile::decode_layer_secs`]); absent
+    /// for GPUs, and for CPU ranks after a calibration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_layer_secs: Option<f64>,
     /// How fast a CPU rank's decode attention goes through the KV cache; absent for GPUs,
     /// whose attention reads it at `hbm_gb_per_sec`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -480,6 +500,8 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
         (weights_bytes_per_sec, kv_secs) = weight_read_of(report, &cpu.profile);
         cpu.profile.decode_bytes_per_sec = Some(weights_bytes_per_sec);
         cpu.profile.decode_bf16_bytes_per_sec = Some(weights_bytes_per_sec);
+        // The measured step's rate counts its model's layers already.
+        cpu.profile.decode_layer_secs = None;
         if let Some(flops) = flops_per_sec {
             cpu.profile.flops_per_sec = flops;
         }
@@ -584,6 +606,7 @@ mod tests {
             flops_per_sec: 1e15,
             decode_bytes_per_sec: Some(12e9),
             decode_bf16_bytes_per_sec: Some(3e9),
+            decode_layer_secs: Some(20e-6),
             decode_attention_flops_per_sec: Some(2e10),
             source: "made up".into(),
         }
@@ -658,6 +681,11 @@ mod tests {
             let attention = rank.cpu_attention.expect("a measured attention rate");
             assert!((attention.flops_per_sec * r - 2e10).abs() < 1e-3);
             assert_eq!(attention.threads, (8 / ranks).max(1));
+            // A layer's hand-offs: all of the host's 20 µs on its 8 threads, none on one
+            // thread, 3/7 of it on 4 (then at half the host's rate).
+            let threads = (8 / ranks) as f64;
+            let layer_secs = rank.cpu_layer_secs.expect("a measured layer cost");
+            assert!((layer_secs - 20e-6 * (threads - 1.0) / 7.0 * r).abs() < 1e-12);
         }
         let cluster = cpu_cluster(2, 8, &profile);
         assert_eq!(cluster.device(), Device::Cpu);
@@ -672,6 +700,7 @@ mod tests {
         let hardware_only = CpuProfile {
             decode_bytes_per_sec: None,
             decode_bf16_bytes_per_sec: None,
+            decode_layer_secs: None,
             decode_attention_flops_per_sec: None,
             ..profile
         };
@@ -679,6 +708,7 @@ mod tests {
         assert!((rank.hbm_gb_per_sec * 1e9 * 2.0 - 20e9).abs() < 1.0);
         assert_eq!(rank.bf16_weights_gb_per_sec, None);
         assert_eq!(rank.cpu_attention, None);
+        assert_eq!(rank.cpu_layer_secs, None);
     }
 
     #[test]
@@ -740,19 +770,25 @@ mod tests {
         // Batch 1 at the typical context (2048 of 4096 tokens), all of the host's bandwidth:
         // the profile's bf16 weights at the engine's bf16 rate, and attention over 2048
         // positions (4 · n_heads · head_dim flops each per layer) at the engine's rate, with
-        // SmolLM2's 3 KV heads keeping 3 of the 8 threads busy.
+        // SmolLM2's 3 KV heads keeping 3 of the 8 threads busy; and each of its 30 layers'
+        // fixed 20 µs.
         let flops = (4 * 2048 * spec.n_heads * spec.head_dim * spec.n_layers) as f64;
-        let expected = stage.weights_bytes as f64 / 3e9 + flops / (2e10 * 3.0 / 8.0);
+        let layers = spec.n_layers as f64;
+        let expected =
+            stage.weights_bytes as f64 / 3e9 + flops / (2e10 * 3.0 / 8.0) + layers * 20e-6;
         assert!(
             (one.estimate.tpot_secs - expected).abs() < 1e-9 * expected,
             "{} vs {expected}",
             one.estimate.tpot_secs
         );
-        // Two replicas on the host: each reads the same weights at half the bandwidth, and
-        // attends at half the rate with 3 of its 4 threads busy.
+        // Two replicas on the host: each reads the same weights at half the bandwidth,
+        // attends at half the rate with 3 of its 4 threads busy, and hands a layer's work
+        // between 4 threads (3/7 of the 8 threads' cost) at half the rate.
         let two = feasible(&spec, &cluster, dp(2));
         assert_eq!(two.memory[0].weights_bytes, stage.weights_bytes);
-        let expected = stage.weights_bytes as f64 / 1.5e9 + flops / (1e10 * 3.0 / 4.0);
+        let expected = stage.weights_bytes as f64 / 1.5e9
+            + flops / (1e10 * 3.0 / 4.0)
+            + layers * 20e-6 * 3.0 / 7.0 * 2.0;
         let tpot = two.estimate.tpot_secs;
         assert!(
             (tpot - expected).abs() < 1e-9 * expected,
@@ -866,8 +902,12 @@ mod tests {
             (measured - rate).abs() < 1e-6 * rate,
             "{measured} vs {rate}"
         );
-        // The measured model stands for every weight type: bf16 too.
+        // The measured model stands for every weight type: bf16 too. Its step counted its
+        // layers' fixed cost already: no probed layer cost is added to it.
         assert_eq!(cpu.profile.decode_bf16_bytes_per_sec, Some(measured));
+        assert_eq!(profile.decode_layer_secs, Some(20e-6));
+        assert_eq!(cpu.profile.decode_layer_secs, None);
+        assert_eq!(cluster.hosts[0].hardware.cpu_layer_secs, None);
         assert!(
             cluster.measured.decode[0]
                 .source

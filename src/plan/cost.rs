@@ -352,7 +352,10 @@ fn stage_secs(
             attention_flops,
         ),
     };
-    let memory_secs = weight_bytes / (weight_read_gb_per_sec(hardware, dtype) * 1e9) + kv_secs;
+    // A CPU rank's fixed cost per layer beyond its weights' bytes.
+    let layers_secs = hardware.cpu_layer_secs.map_or(0.0, |secs| layers * secs);
+    let memory_secs =
+        weight_bytes / (weight_read_gb_per_sec(hardware, dtype) * 1e9) + layers_secs + kv_secs;
     let tflops = tensor_tflops(hardware, dtype);
     let routed_active = match &spec.moe {
         Some(moe) => {

@@ -1451,8 +1451,11 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
                         flops / 1e9
                     )
                 });
+                let layers = p.decode_layer_secs.map_or(String::new(), |secs| {
+                    format!(" plus {:.0} µs a layer on every core", secs * 1e6)
+                });
                 format!(
-                    ", its engine's decode step reading weights at {:.1} GB/s{bf16}{kv}",
+                    ", its engine's decode step reading weights at {:.1} GB/s{layers}{bf16}{kv}",
                     rate / 1e9
                 )
             });

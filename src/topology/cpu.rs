@@ -59,6 +59,16 @@ pub struct CpuProfile {
     /// bf16 and fp16 weights are read at the quantized rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_bf16_bytes_per_sec: Option<f64>,
+    /// Seconds each decoder layer of a one-sequence decode step costs on every core beyond
+    /// its weights' bytes: mostly the threads' hand-offs between the layer's operations,
+    /// which make a model of many thin layers read slower than one of a few wide ones
+    /// (SmolLM2's 30 layers of 576 at three quarters of the rate). With it,
+    /// `decode_bytes_per_sec` is the bytes term alone. Both come from the planner's probe of
+    /// two models of equal bytes in 3 and 64 layers
+    /// (`runtime::exec::bench::engine_decode_rates`); `None` where not measured, or after a
+    /// calibration, whose measured rate already counts its model's layers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_layer_secs: Option<f64>,
     /// The arithmetic rate of the CPU engine's decode attention on every core with a task for
     /// every thread ([`attention_occupancy`] 1), flops/s of the planner's count
     /// (`4 · n_heads · head_dim` per cached position and layer): each query head's score
@@ -124,6 +134,7 @@ pub fn probe_cpu() -> Result<CpuProfile> {
         flops_per_sec,
         decode_bytes_per_sec: None,
         decode_bf16_bytes_per_sec: None,
+        decode_layer_secs: None,
         decode_attention_flops_per_sec: None,
         source: format!(
             "probed on this host in {:.2} s",
