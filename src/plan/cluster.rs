@@ -76,7 +76,7 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
             .map(|rate| rate / share / 1e9),
         cpu_layer_secs: profile
             .decode_layer_secs
-            .map(|secs| layer_handoff_secs(secs, threads, cores) * share),
+            .map(|secs| rank_layer_secs(secs, ranks, cores)),
         cpu_attention: profile
             .decode_attention_flops_per_sec
             .map(|rate| CpuAttention {
@@ -92,16 +92,12 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
     }
 }
 
-/// A rank's fixed cost per decoder layer on `threads` of the host's `cores` threads, seconds,
-/// from `host_layer_secs` measured on all of them: the threads' hand-offs between a layer's
-/// operations, taken to grow linearly from none on one thread to the measured cost on
-/// `cores` (a 2-core EPYC measured 22 µs a layer on 2 threads and 7 on one, the latter
-/// within the bytes term's noise and left out).
-pub(crate) fn layer_handoff_secs(host_layer_secs: f64, threads: u64, cores: u64) -> f64 {
-    if cores <= 1 {
-        return host_layer_secs;
-    }
-    host_layer_secs * threads.saturating_sub(1) as f64 / (cores - 1) as f64
+/// A rank's fixed cost per decoder layer, seconds, from `host_layer_secs` measured on the
+/// whole host: the same on however many threads (the layer probe's 32 tiny layers took
+/// 13–15 µs each on 2 threads of a 2-core EPYC and 10–14 on one), and `⌈ranks / cores⌉`
+/// times it when ranks outnumber cores and take turns of them ([`rate_share`]).
+pub(crate) fn rank_layer_secs(host_layer_secs: f64, ranks: u64, cores: u64) -> f64 {
+    host_layer_secs * ranks.max(1).div_ceil(cores.max(1)) as f64
 }
 
 /// What a CPU rank's rates are its host's divided by, with `ranks` ranks on `cores` cores:
@@ -139,7 +135,7 @@ pub struct HardwareSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16_weights_gb_per_sec: Option<f64>,
     /// Seconds each decoder layer of a one-sequence decode step costs a CPU rank beyond its
-    /// weights' bytes ([`layer_handoff_secs`] of [`CpuProfile::decode_layer_secs`]); absent
+    /// weights' bytes ([`rank_layer_secs`] of [`CpuProfile::decode_layer_secs`]); absent
     /// for GPUs, and for CPU ranks after a calibration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_layer_secs: Option<f64>,
@@ -681,12 +677,12 @@ mod tests {
             let attention = rank.cpu_attention.expect("a measured attention rate");
             assert!((attention.flops_per_sec * r - 2e10).abs() < 1e-3);
             assert_eq!(attention.threads, (8 / ranks).max(1));
-            // A layer's hand-offs: all of the host's 20 µs on its 8 threads, none on one
-            // thread, 3/7 of it on 4 (then at half the host's rate).
-            let threads = (8 / ranks) as f64;
-            let layer_secs = rank.cpu_layer_secs.expect("a measured layer cost");
-            assert!((layer_secs - 20e-6 * (threads - 1.0) / 7.0 * r).abs() < 1e-12);
+            // A layer's fixed cost: the host's 20 µs on however many threads.
+            assert_eq!(rank.cpu_layer_secs, Some(20e-6));
         }
+        // 20 ranks on 8 cores take 3 turns of them.
+        let crowded = cpu_rank_hardware(&profile, 20);
+        assert!((crowded.cpu_layer_secs.expect("a layer cost") - 60e-6).abs() < 1e-15);
         let cluster = cpu_cluster(2, 8, &profile);
         assert_eq!(cluster.device(), Device::Cpu);
         assert_eq!(cluster.n_gpus(), 16);
@@ -782,13 +778,12 @@ mod tests {
             one.estimate.tpot_secs
         );
         // Two replicas on the host: each reads the same weights at half the bandwidth,
-        // attends at half the rate with 3 of its 4 threads busy, and hands a layer's work
-        // between 4 threads (3/7 of the 8 threads' cost) at half the rate.
+        // attends at half the rate with 3 of its 4 threads busy, and pays each layer's
+        // fixed cost on its own cores.
         let two = feasible(&spec, &cluster, dp(2));
         assert_eq!(two.memory[0].weights_bytes, stage.weights_bytes);
-        let expected = stage.weights_bytes as f64 / 1.5e9
-            + flops / (1e10 * 3.0 / 4.0)
-            + layers * 20e-6 * 3.0 / 7.0 * 2.0;
+        let expected =
+            stage.weights_bytes as f64 / 1.5e9 + flops / (1e10 * 3.0 / 4.0) + layers * 20e-6;
         let tpot = two.estimate.tpot_secs;
         assert!(
             (tpot - expected).abs() < 1e-9 * expected,

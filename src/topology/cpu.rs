@@ -59,14 +59,14 @@ pub struct CpuProfile {
     /// bf16 and fp16 weights are read at the quantized rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_bf16_bytes_per_sec: Option<f64>,
-    /// Seconds each decoder layer of a one-sequence decode step costs on every core beyond
-    /// its weights' bytes: mostly the threads' hand-offs between the layer's operations,
-    /// which make a model of many thin layers read slower than one of a few wide ones
-    /// (SmolLM2's 30 layers of 576 at three quarters of the rate). With it,
-    /// `decode_bytes_per_sec` is the bytes term alone. Both come from the planner's probe of
-    /// two models of equal bytes in 3 and 64 layers
-    /// (`runtime::exec::bench::engine_decode_rates`); `None` where not measured, or after a
-    /// calibration, whose measured rate already counts its model's layers.
+    /// Seconds each decoder layer of a one-sequence decode step costs beyond its weights'
+    /// bytes: the layer's fixed work and its threads' hand-offs between operations, which
+    /// make a model of many thin layers read slower than one of a few wide ones (SmolLM2's 30
+    /// layers of 576 at three quarters of the rate). With it, `decode_bytes_per_sec` is the
+    /// wide probe's step less its layers' cost. Measured by the planner's probe on a model of
+    /// 32 tiny layers that the caches hold (`runtime::exec::bench::engine_decode_rates`);
+    /// `None` where not measured, or after a calibration, whose measured rate already counts
+    /// its model's layers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_layer_secs: Option<f64>,
     /// The arithmetic rate of the CPU engine's decode attention on every core with a task for

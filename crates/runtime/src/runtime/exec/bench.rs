@@ -254,46 +254,28 @@ fn engine_probe_model(dtype: DummyDtype) -> DummyModel {
     }
 }
 
-/// The Q4_0 model of [`engine_decode_rates`]' second point: nearly the wide probe's bytes
-/// (110 MB against 116) in 64 thin layers (hidden 512, 8 query and 2 KV heads of 64, an MLP
-/// of 1536) instead of 3. The two steps' difference is the fixed cost of a layer
-/// ([`split_layer_cost`]): the threads' hand-offs between its operations, which make
-/// SmolLM2's 30 layers of 576 read at three quarters of the rate of a few wide ones
-/// (measured on a 2-core EPYC: a 70-layer model of hidden 512 read at 23–24 GB/s, a 16-layer
-/// one of the same bytes and hidden, with a wider MLP, at 28–32, as wide models do).
-fn thin_probe_model() -> DummyModel {
+/// The Q4_0 model [`engine_decode_rates`] times a decoder layer's fixed cost on: 32 tiny
+/// layers (hidden 128, 2 query and 1 KV head of 64, an MLP of 384; 3.6 MB in all, which any
+/// CPU's caches hold), so that a step is almost all the layers' fixed work — norms, RoPE,
+/// attention, the threads' hand-offs between operations — and its bytes, read from the
+/// caches, add under a microsecond a layer. Timed directly rather than as the difference of two
+/// memory-bound steps, whose noise the difference would multiply. The cost is what makes
+/// SmolLM2's 30 layers of 576 read at three quarters of the rate of a few wide ones (2-core
+/// EPYC: a 70-layer model of hidden 512 read at 23–24 GB/s, a 16-layer one of the same
+/// bytes and hidden, with a wider MLP, at 28–32, as wide models do).
+fn layer_probe_model() -> DummyModel {
     DummyModel {
-        name: "the CPU engine's thin-layer probe".into(),
-        hidden_size: 512,
-        intermediate_size: 1536,
-        n_layers: 64,
-        n_heads: 8,
-        n_kv_heads: 2,
+        name: "the CPU engine's layer probe".into(),
+        hidden_size: 128,
+        intermediate_size: 384,
+        n_layers: 32,
+        n_heads: 2,
+        n_kv_heads: 1,
         head_dim: 64,
-        vocab_size: 8192,
+        vocab_size: 256,
         max_context_tokens: 256,
         dtype: DummyDtype::Q4_0,
         seed: 0,
-    }
-}
-
-/// A decode step's weight cost as two terms, from two steps of one sequence that read
-/// `(bytes, layers, secs)` each: `secs = bytes / bytes_per_sec + layers · layer_secs` solved
-/// for both. Returns `(bytes_per_sec, Some(layer_secs))`, or the first step's plain rate and
-/// `None` when the two do not give positive terms (a noisy host, or a thin model that
-/// stayed in a large cache).
-pub(crate) fn split_layer_cost(
-    first: (f64, f64, f64),
-    second: (f64, f64, f64),
-) -> (f64, Option<f64>) {
-    let ((b1, l1, t1), (b2, l2, t2)) = (first, second);
-    let det = b1 * l2 - b2 * l1;
-    let secs_per_byte = (t1 * l2 - t2 * l1) / det;
-    let layer_secs = (b1 * t2 - b2 * t1) / det;
-    if det != 0.0 && secs_per_byte > 0.0 && layer_secs > 0.0 && layer_secs.is_finite() {
-        (1.0 / secs_per_byte, Some(layer_secs))
-    } else {
-        (b1 / t1, None)
     }
 }
 
@@ -421,13 +403,14 @@ fn engine_attention_flops_per_sec(
 /// (`inventory::probe_cpu_for_planning`) adds to the hardware's figures.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EngineRates {
-    /// The rate of a Q4_0 decode step's weight bytes, bytes/s: with `layer_secs`, the bytes
-    /// term of the two probe models' fit ([`split_layer_cost`]); without, the wide probe's
-    /// whole step ([`engine_decode_bytes_per_sec`]).
+    /// The rate of a Q4_0 decode step's weight bytes, bytes/s: the wide probe's step
+    /// ([`engine_decode_bytes_per_sec`]) less its layers' `layer_secs`.
     pub weights_bytes_per_sec: f64,
     /// Seconds each decoder layer of a one-sequence decode step costs beyond its weights'
-    /// bytes, on every core: mostly the threads' hand-offs between its operations (2-core
-    /// EPYC: 22 µs a layer on 2 threads, 7 on one). `None` when the fit gave no positive term.
+    /// bytes, on every core: its fixed work and the threads' hand-offs between its
+    /// operations (2-core EPYC: 13–15 µs a layer on 2 threads, 10–14 on one);
+    /// [`layer_probe_model`]'s step over its layers. `None` when it came out longer than the wide probe's whole step allows (a
+    /// host too busy to measure).
     pub layer_secs: Option<f64>,
     /// [`engine_decode_bytes_per_sec`] of the bf16 probe model, bytes/s.
     pub bf16_weights_bytes_per_sec: f64,
@@ -440,27 +423,32 @@ pub struct EngineRates {
 /// Errors: as [`engine_probe`], [`engine_decode_bytes_per_sec`] and
 /// [`engine_attention_flops_per_sec`].
 pub fn engine_decode_rates() -> Result<EngineRates> {
-    let point = |engine: &Engine, secs: f64| {
-        (
-            engine.model.decode_weight_bytes() as f64,
-            engine.model.layers.len() as f64,
-            secs,
-        )
-    };
     let quantized = engine_probe(DummyDtype::Q4_0)?;
-    let (_, short_step_secs) = engine_decode_bytes_per_sec(&quantized, DummyDtype::Q4_0)?;
-    let wide = point(&quantized, short_step_secs);
+    let (plain_bytes_per_sec, short_step_secs) =
+        engine_decode_bytes_per_sec(&quantized, DummyDtype::Q4_0)?;
     let attention = engine_attention_flops_per_sec(&quantized, short_step_secs)?;
+    let (wide_bytes, wide_layers) = (
+        quantized.model.decode_weight_bytes() as f64,
+        quantized.model.layers.len() as f64,
+    );
     drop(quantized);
-    let thin = Engine::from_source(
-        &ModelSource::Dummy(thin_probe_model()),
+    let layers = Engine::from_source(
+        &ModelSource::Dummy(layer_probe_model()),
         0,
         Numerics::default(),
     )
-    .context("cannot build the CPU engine's thin-layer probe model")?;
-    let (_, thin_step_secs) = engine_decode_bytes_per_sec(&thin, DummyDtype::Q4_0)?;
-    let (weights_bytes_per_sec, layer_secs) = split_layer_cost(wide, point(&thin, thin_step_secs));
-    drop(thin);
+    .context("cannot build the CPU engine's layer probe model")?;
+    let (steps, runs) = engine_probe_steps_and_runs(DummyDtype::Q4_0);
+    let speed = cpu_decode(&layers, &[1, 2, 3, 4], 1, steps, runs + 2)?;
+    let layer_secs = 1.0 / speed.decode_tokens_per_sec / layers.model.layers.len() as f64;
+    drop(layers);
+    // The wide step less its layers' fixed cost read the bytes.
+    let bytes_secs = short_step_secs - wide_layers * layer_secs;
+    let (weights_bytes_per_sec, layer_secs) = if bytes_secs > 0.5 * short_step_secs {
+        (wide_bytes / bytes_secs, Some(layer_secs))
+    } else {
+        (plain_bytes_per_sec, None)
+    };
     let (bf16_weights_bytes_per_sec, _) =
         engine_decode_bytes_per_sec(&engine_probe(DummyDtype::Bf16)?, DummyDtype::Bf16)?;
     Ok(EngineRates {
@@ -507,31 +495,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn two_steps_split_into_a_rate_and_a_cost_per_layer() {
-        // 30 GB/s and 22 µs a layer, at the probes' sizes: both terms come back.
-        let step = |bytes: f64, layers: f64| (bytes, layers, bytes / 30e9 + layers * 22e-6);
-        let (rate, layer_secs) = split_layer_cost(step(116e6, 3.0), step(110e6, 64.0));
-        assert!((rate / 30e9 - 1.0).abs() < 1e-9, "{rate}");
-        assert!((layer_secs.expect("a layer cost") / 22e-6 - 1.0).abs() < 1e-9);
-        // The thin model came out faster than its bytes allow (a cache held it): no layer
-        // term, and the wide step's plain rate.
-        let (rate, layer_secs) = split_layer_cost((116e6, 3.0, 5e-3), (110e6, 64.0, 3e-3));
-        assert_eq!((rate, layer_secs), (116e6 / 5e-3, None));
-    }
-
-    #[test]
-    fn the_thin_probe_reads_the_bytes_of_the_wide_one_in_many_more_layers() {
-        let bytes = |model: DummyModel| {
-            let engine = Engine::from_source(&ModelSource::Dummy(model), 1, Numerics::default())
-                .expect("builds");
-            engine.model.decode_weight_bytes() as f64
-        };
-        let (wide, thin) = (engine_probe_model(DummyDtype::Q4_0), thin_probe_model());
-        assert!(thin.n_layers >= 16 * engine_probe_model(DummyDtype::Q4_0).n_layers);
-        let (wide_bytes, thin_bytes) = (bytes(wide), bytes(thin));
-        assert!(
-            (thin_bytes / wide_bytes - 1.0).abs() < 0.1,
-            "{thin_bytes} {wide_bytes}"
-        );
+    fn the_layer_probe_is_layers_and_next_to_no_bytes() {
+        let engine = Engine::from_source(
+            &ModelSource::Dummy(layer_probe_model()),
+            1,
+            Numerics::default(),
+        )
+        .expect("builds");
+        // Small enough for any CPU's caches, many layers for its fixed costs.
+        assert!(engine.model.decode_weight_bytes() < 4 << 20);
+        assert_eq!(engine.model.layers.len(), 32);
+        // Its step is timed like the wide probe's.
+        let speed = cpu_decode(&engine, &[1, 2, 3, 4], 1, 4, 1).expect("decodes");
+        assert!(speed.decode_tokens_per_sec.is_finite() && speed.decode_tokens_per_sec > 0.0);
     }
 }
