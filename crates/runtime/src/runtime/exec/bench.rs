@@ -409,8 +409,8 @@ pub struct EngineRates {
     /// Seconds each decoder layer of a one-sequence decode step costs beyond its weights'
     /// bytes, on every core: its fixed work and the threads' hand-offs between its
     /// operations (2-core EPYC: 13–15 µs a layer on 2 threads, 10–14 on one);
-    /// [`layer_probe_model`]'s step over its layers. `None` when it came out longer than the wide probe's whole step allows (a
-    /// host too busy to measure).
+    /// [`layer_probe_model`]'s step over its layers. `None` when it came out longer than the
+    /// wide probe's whole step allows (a host too busy to measure).
     pub layer_secs: Option<f64>,
     /// [`engine_decode_bytes_per_sec`] of the bf16 probe model, bytes/s.
     pub bf16_weights_bytes_per_sec: f64,
@@ -418,7 +418,7 @@ pub struct EngineRates {
     pub attention: Option<AttentionRate>,
 }
 
-/// [`EngineRates`] of this host: 1.5–3 s of every core.
+/// [`EngineRates`] of this host: 1–2 s of every core.
 ///
 /// Errors: as [`engine_probe`], [`engine_decode_bytes_per_sec`] and
 /// [`engine_attention_flops_per_sec`].
