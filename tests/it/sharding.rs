@@ -69,7 +69,7 @@ fn greedy(
                                 "127.0.0.1",
                                 Duration::from_secs(30),
                             )
-                            .map(ShmComm::new)
+                            .and_then(ShmComm::new)
                             .expect("tp group")
                         })
                         .collect();
@@ -271,7 +271,7 @@ fn moe_greedy(
                         "127.0.0.1",
                         Duration::from_secs(30),
                     )
-                    .map(ShmComm::new)
+                    .and_then(ShmComm::new)
                     .expect("tp");
                     let mut ep_comm = TcpComm::connect(
                         &mut store,
@@ -281,7 +281,7 @@ fn moe_greedy(
                         "127.0.0.1",
                         Duration::from_secs(30),
                     )
-                    .map(ShmComm::new)
+                    .and_then(ShmComm::new)
                     .expect("ep");
                     let mut cache = shard.new_cache();
                     let (mut tokens, mut first_logits) = (Vec::new(), Vec::new());

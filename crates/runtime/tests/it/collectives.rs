@@ -1,7 +1,8 @@
 //! Collectives against serial references, over real sockets (and a real shared-memory
 //! segment) between threads that each join the group through a real rendezvous store: group
 //! sizes 1–6, lengths that do not divide evenly, and a peer that disappears. Every test runs
-//! over both transports: the TCP ring and the shared-memory all-reduce.
+//! over both transports: TCP, and the shared-memory segment (all-reduce, send/recv and
+//! broadcast through it).
 
 use std::time::Duration;
 
@@ -167,6 +168,111 @@ fn a_vanished_peer_is_named_in_the_error() {
                 error.contains("group `test`") && error.contains("rank 1"),
                 "{transport:?}: {error}"
             );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{transport:?}: {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+/// The bytes member `from` sends as its message of `len` bytes.
+fn message(from: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 31 + from * 7 + len) as u8).collect()
+}
+
+/// Lengths around and beyond a shared-memory ring (1 MiB for up to 4 members, 512 KiB for
+/// 5): empty, odd, one short of a ring, and three rings and a bit.
+const LENGTHS: [usize; 5] = [0, 1, 7, (1 << 20) - 3, (3 << 20) + 5];
+
+#[test]
+fn messages_larger_than_a_ring_pass_whole_and_in_order() {
+    for (transport, n) in TRANSPORTS
+        .into_iter()
+        .flat_map(|t| [2usize, 3, 5].map(move |n| (t, n)))
+    {
+        let results = with_group(n, transport, |comm| {
+            let (rank, size) = (comm.rank(), comm.size());
+            // Down the chain with `recv`: each member passes every message on, so a message
+            // is read while the next member's ring is still being filled.
+            let mut forward = Vec::new();
+            for len in LENGTHS {
+                let bytes = if rank == 0 {
+                    message(0, len)
+                } else {
+                    comm.recv(rank - 1).expect("recv")
+                };
+                if rank + 1 < size {
+                    comm.send(rank + 1, &bytes).expect("send");
+                }
+                forward.push(bytes);
+            }
+            // Back up it with `recv_into`, each member sending its own.
+            let mut backward = Vec::new();
+            for len in LENGTHS {
+                if rank + 1 < size {
+                    let mut bytes = vec![0u8; len];
+                    comm.recv_into(rank + 1, &mut bytes).expect("recv_into");
+                    backward.push(bytes);
+                }
+                if rank > 0 {
+                    comm.send(rank - 1, &message(rank, len)).expect("send");
+                }
+            }
+            let mut broadcast = if rank == 1 {
+                message(1, LENGTHS[4])
+            } else {
+                Vec::new()
+            };
+            comm.broadcast(&mut broadcast, 1).expect("broadcast");
+            (forward, backward, broadcast)
+        });
+        for (rank, (forward, backward, broadcast)) in results.iter().enumerate() {
+            for (i, len) in LENGTHS.into_iter().enumerate() {
+                assert!(
+                    forward[i] == message(0, len),
+                    "{transport:?} n={n} rank {rank} forward {len}"
+                );
+                if rank + 1 < n {
+                    assert!(
+                        backward[i] == message(rank + 1, len),
+                        "{transport:?} n={n} rank {rank} backward {len}"
+                    );
+                }
+            }
+            assert!(
+                *broadcast == message(1, LENGTHS[4]),
+                "{transport:?} n={n} rank {rank}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_peer_that_vanishes_mid_message_is_named() {
+    for transport in TRANSPORTS {
+        let started = std::time::Instant::now();
+        let results = with_group(3, transport, |comm| match comm.rank() {
+            // Gone without reading or writing a byte.
+            1 => None,
+            // Waits for a message that never comes.
+            0 => Some(comm.recv(1).map(drop).map_err(|e| format!("{e:#}"))),
+            // Sends more than a ring (and a socket buffer) holds to a reader that is gone.
+            _ => Some(
+                comm.send(1, &message(2, 64 << 20))
+                    .map_err(|e| format!("{e:#}")),
+            ),
+        });
+        for result in results.into_iter().flatten() {
+            let error = result.expect_err("the group lost a member");
+            assert!(
+                error.contains("group `test`") && error.contains("rank 1"),
+                "{transport:?}: {error}"
+            );
+            if matches!(transport, Transport::Shm) {
+                assert!(error.contains("(shared memory)"), "{error}");
+            }
         }
         assert!(
             started.elapsed() < Duration::from_secs(5),

@@ -111,7 +111,7 @@ pub fn local_worker(
     let mut group = if shm_disable {
         ShmComm::tcp_only(tcp, &format!("{}=1", crate::envvars::SHM_DISABLE))
     } else {
-        ShmComm::new(tcp)
+        ShmComm::new(tcp)?
     };
     let sweep = AllreduceSweep {
         max_bytes,

@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod nccl;
 pub mod shm;
+mod shm_ring;
 pub mod waits;
 
 use std::io::{Read, Write};
@@ -38,6 +39,23 @@ pub trait Comm: Send {
     fn send(&mut self, peer: usize, data: &[u8]) -> Result<()>;
     /// Receives the bytes `peer` sent.
     fn recv(&mut self, peer: usize) -> Result<Vec<u8>>;
+    /// Receives the bytes `peer` sent straight into `buffer`, whose length must be the
+    /// message's (no allocation where the transport allows it).
+    ///
+    /// Errors: as [`Comm::recv`], and a message of another length (the stream is then out
+    /// of step: the group is unusable).
+    fn recv_into(&mut self, peer: usize, buffer: &mut [u8]) -> Result<()> {
+        let bytes = self.recv(peer)?;
+        if bytes.len() != buffer.len() {
+            bail!(
+                "recv from member {peer}: expected {} bytes, the peer sent {}",
+                buffer.len(),
+                bytes.len()
+            );
+        }
+        buffer.copy_from_slice(&bytes);
+        Ok(())
+    }
     /// Personalised exchange: `send[j]` goes to member `j` (lengths may differ); returns what
     /// each member sent to this one, indexed by sender.
     fn all_to_all_v(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>>;
@@ -635,6 +653,16 @@ impl Comm for TcpComm {
 
     fn recv(&mut self, peer: usize) -> Result<Vec<u8>> {
         self.read_from("recv", peer)
+    }
+
+    fn recv_into(&mut self, peer: usize, buffer: &mut [u8]) -> Result<()> {
+        let context = self.context("recv", "receiving from", peer);
+        let _wait = self.waiting("recv", "receiving from", peer, Some(buffer.len()));
+        let timeout = self.timeout;
+        let stream = self.readers[peer].as_mut().context("no connection")?;
+        read_frame_into(stream, buffer)
+            .map_err(|e| explain(e, timeout))
+            .context(context)
     }
 
     fn all_to_all_v(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {

@@ -1,33 +1,40 @@
 //! Shared-memory transport for a group whose members share one host, like NCCL's SHM
 //! transport: NCCL never sends intra-node traffic through loopback TCP, and neither do we.
 //!
-//! [`ShmComm`] keeps the group's TCP connections ([`TcpComm`]) for everything else and
-//! moves all-reduce through one shared segment: every member publishes its data into its
-//! own slot, reduces its `1/n` chunk straight out of the other slots (summing in member
-//! order, so every member ends with the same bits), and copies the other reduced chunks
-//! back. That moves each byte through memory a few times instead of through the kernel's
-//! socket buffers twice per hop, which is what bounds a TCP ring when ranks outnumber cores.
+//! [`ShmComm`] maps one shared segment per group and moves all-reduce, send/recv and
+//! broadcast through it; the group's TCP connections ([`TcpComm`]) carry the rest (all-gather,
+//! all-to-all, barrier) and tell a sleeping member that a peer died.
 //!
-//! The segment is created on the first all-reduce (a collective call, so the members agree
-//! on it over TCP): member 0 creates a file in `/dev/shm`, every member maps it, and the
-//! file is unlinked as soon as all have, so nothing is left behind even if a rank is killed
-//! later. When the segment cannot be made, the group falls back to TCP for good, and says
-//! why ([`ShmComm::transport`]); [`ShmComm::tcp_only`] never tries (the launcher forwards
-//! `INFER_SHM_DISABLE=1`, NCCL's `NCCL_SHM_DISABLE`, for that).
+//! - **All-reduce**: every member publishes its data into its own slot, reduces its `1/n`
+//!   chunk straight out of the other slots (summing in member order, so every member ends
+//!   with the same bits), and copies the other reduced chunks back.
+//! - **Send/recv**: a byte ring per ordered pair of members (`shm_ring`), which the writer
+//!   fills while the reader empties it; broadcast is the root's send to each member. CPU
+//!   tensor parallelism's exact-order chain passes every layer's running dot products this
+//!   way (36 bytes per output and token).
 //!
-//! Waiting spins briefly, then sleeps on a futex on the peer's sequence word; every 100 ms a
+//! That moves each byte through memory a few times instead of through the kernel's socket
+//! buffers twice per hop, which is what bounds TCP when ranks outnumber cores.
+//!
+//! The segment is made when the group is ([`ShmComm::new`], a collective call, so the
+//! members agree on it over TCP): member 0 creates a file in `/dev/shm`, every member maps
+//! it, and the file is unlinked as soon as all have, so nothing is left behind even if a
+//! rank is killed later. When the segment cannot be made, the group uses TCP for good, and
+//! says why ([`ShmComm::transport`]); [`ShmComm::tcp_only`] never tries (the launcher
+//! forwards `INFER_SHM_DISABLE=1`, NCCL's `NCCL_SHM_DISABLE`, for that).
+//!
+//! Waiting spins briefly, then sleeps on a futex on the peer's word; every 100 ms a
 //! sleeping member checks the peer's TCP connection, so a peer that exits or is killed is
 //! named within that time instead of at the timeout.
 
 use std::fs::{File, OpenOptions};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use memmap2::MmapMut;
-use rustix::thread::futex;
 
+use super::shm_ring::{Ring, SPIN_ITERATIONS, Word};
 use crate::runtime::collectives::{Comm, TcpComm, chunk};
 
 /// Bytes of one member's slot: an all-reduce moves through the segment in pieces of this
@@ -39,11 +46,14 @@ const SLOT_BYTES: usize = 1 << 20;
 /// lines in pairs on x86).
 const LINE_BYTES: usize = 128;
 
-/// Busy-wait iterations (`pause` each, ~20 ns on current x86) before sleeping on a futex.
-const SPIN_ITERATIONS: u32 = 2000;
-
-/// How often a sleeping member wakes to check that the peer it waits for is still alive.
-const LIVENESS_POLL: Duration = Duration::from_millis(100);
+/// Bytes of the rings of one group's segment together: each of the `n · (n − 1)` rings gets
+/// the largest power of two that fits, between [`MIN_RING_BYTES`] and [`MAX_RING_BYTES`]
+/// (1 MiB each up to 4 members; 256 KiB at 8). Docker's default `/dev/shm` is 64 MiB.
+const RING_BUDGET_BYTES: usize = 16 << 20;
+/// Largest ring: holds a 256-token prefill's hidden states of a 1024-wide model whole.
+const MAX_RING_BYTES: usize = 1 << 20;
+/// Smallest ring: 4 of the writer's publications.
+const MIN_RING_BYTES: usize = 64 << 10;
 
 /// The three phases of one piece, each a per-member sequence word in the segment header.
 #[derive(Clone, Copy, Debug)]
@@ -56,29 +66,37 @@ enum Phase {
     Done = 2,
 }
 
-/// A group of processes on one host: TCP for all operations but all-reduce, which goes
-/// through shared memory once the members have mapped a common segment.
+/// A group of processes on one host: all-reduce, send/recv and broadcast through shared
+/// memory once the members have mapped a common segment, TCP for the rest.
 pub struct ShmComm {
     tcp: TcpComm,
     state: State,
 }
 
 enum State {
-    /// No all-reduce yet; the segment is made on the first one.
-    Pending,
+    /// A group of one member: nothing to carry.
+    Alone,
     Ready(Segment),
     /// Shared memory is off for this group, for the reason given.
     Tcp(String),
 }
 
 impl ShmComm {
-    /// Wraps a connected TCP group whose members all run on this host. The shared segment
-    /// is made on the first all-reduce (a one-member group never needs one).
-    pub fn new(tcp: TcpComm) -> ShmComm {
-        ShmComm {
+    /// Wraps a connected TCP group whose members all run on this host and makes its shared
+    /// segment: a collective call, which every member makes right after joining the group
+    /// (a one-member group needs no segment). When the segment cannot be made or mapped,
+    /// the group uses TCP ([`ShmComm::transport`] says why).
+    ///
+    /// Errors: only a failed TCP collective while the members agree on the segment.
+    pub fn new(tcp: TcpComm) -> Result<ShmComm> {
+        let mut comm = ShmComm {
             tcp,
-            state: State::Pending,
+            state: State::Alone,
+        };
+        if comm.tcp.size() > 1 {
+            comm.set_up()?;
         }
+        Ok(comm)
     }
 
     /// Wraps a TCP group that must not use shared memory, for the reason given (members
@@ -95,16 +113,25 @@ impl ShmComm {
         &mut self.tcp
     }
 
-    /// Whether all-reduce goes through the shared segment (decided on the first one).
+    /// Tells the group how many ranks run on this host in all (its members and the other
+    /// groups' ranks): a wait spins before it sleeps only when every one has a core
+    /// ([`SPIN_ITERATIONS`]). Until told, the group assumes its own members are all.
+    pub fn set_ranks_on_host(&mut self, ranks: usize) {
+        if let State::Ready(segment) = &mut self.state {
+            segment.spin = spin_iterations(ranks);
+        }
+    }
+
+    /// Whether all-reduce, send/recv and broadcast go through the shared segment.
     pub fn uses_shared_memory(&self) -> bool {
         matches!(self.state, State::Ready(_))
     }
 
-    /// What carries all-reduce now: `"shared memory (/dev/shm)"`, `"TCP: <why>"`, or
-    /// `"not decided yet"` before the first all-reduce.
+    /// What carries all-reduce, send/recv and broadcast: `"shared memory (/dev/shm)"`,
+    /// `"TCP: <why>"`, or `"none (one member)"`.
     pub fn transport(&self) -> String {
         match &self.state {
-            State::Pending => "not decided yet".into(),
+            State::Alone => "none (one member)".into(),
             State::Ready(segment) => format!("shared memory ({})", segment.directory.display()),
             State::Tcp(why) => format!("TCP: {why}"),
         }
@@ -170,6 +197,13 @@ impl ShmComm {
     }
 }
 
+/// How long a wait spins when `ranks` processes share this host's cores: not at all when
+/// they outnumber the cores this process may run on.
+fn spin_iterations(ranks: usize) -> u32 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if ranks <= cores { SPIN_ITERATIONS } else { 0 }
+}
+
 /// Where shared segments live: `/dev/shm` (tmpfs), or the temporary directory when there
 /// is none.
 pub(crate) fn segment_directory() -> PathBuf {
@@ -216,8 +250,10 @@ pub(crate) fn create_segment_file(prefix: &str, bytes: usize) -> Result<PathBuf>
 /// One member's view of the mapped segment.
 ///
 /// Layout: a header of `3 · n` lines (one per member and [`Phase`], each holding the
-/// sequence word, a sleeper count and the piece length), then `2 · n` input slots (member
-/// `m`, buffer `b` at `m · 2 + b`) and 2 output slots, each [`SLOT_BYTES`].
+/// sequence word, a sleeper count and the piece length) and `2 · n · (n − 1)` lines (the
+/// written and read counts of each ring, with their sleeper counts); then `2 · n` input
+/// slots (member `m`, buffer `b` at `m · 2 + b`) and 2 output slots, each [`SLOT_BYTES`];
+/// then the `n · (n − 1)` rings, each [`Segment::ring_bytes`].
 struct Segment {
     _map: MmapMut,
     base: *mut u8,
@@ -226,6 +262,8 @@ struct Segment {
     position: usize,
     /// Sequence number of the next piece (wrapping; compared by signed difference).
     piece: u32,
+    /// Spin iterations before a wait sleeps ([`ShmComm::set_ranks_on_host`]).
+    spin: u32,
 }
 
 // SAFETY: `base` points into `_map`, which the segment owns and which stays mapped at the
@@ -236,12 +274,23 @@ impl Segment {
     const SLOT_FLOATS: usize = SLOT_BYTES / 4;
 
     fn header_bytes(n: usize) -> usize {
-        (3 * n * LINE_BYTES).next_multiple_of(4096)
+        ((3 * n + 2 * Self::rings(n)) * LINE_BYTES).next_multiple_of(4096)
+    }
+
+    /// Number of rings: one per ordered pair of members.
+    fn rings(n: usize) -> usize {
+        n * n.saturating_sub(1)
+    }
+
+    /// Bytes of each ring for `n` members (a power of two; see [`RING_BUDGET_BYTES`]).
+    fn ring_bytes(n: usize) -> usize {
+        let share = RING_BUDGET_BYTES / Self::rings(n).max(1);
+        (1usize << share.ilog2()).clamp(MIN_RING_BYTES, MAX_RING_BYTES)
     }
 
     /// Total segment size for `n` members.
     fn bytes(n: usize) -> usize {
-        Self::header_bytes(n) + (2 * n + 2) * SLOT_BYTES
+        Self::header_bytes(n) + (2 * n + 2) * SLOT_BYTES + Self::rings(n) * Self::ring_bytes(n)
     }
 
     fn map(path: &std::path::Path, n: usize, position: usize) -> Result<Segment> {
@@ -261,6 +310,7 @@ impl Segment {
             n,
             position,
             piece: 0,
+            spin: spin_iterations(n),
         })
     }
 
@@ -289,60 +339,94 @@ impl Segment {
         unsafe { self.base.add(offset) as *mut f32 }
     }
 
+    /// The sequence word of `member`'s `phase`, with its sleeper count.
+    fn phase_word(&self, member: usize, phase: Phase) -> Word<'_> {
+        Word {
+            value: self.word(member, phase, 0),
+            sleepers: self.word(member, phase, 1),
+        }
+    }
+
     /// Publishes this member's `phase` as `value` and wakes members sleeping on it.
     fn signal(&self, phase: Phase, value: u32) {
-        let word = self.word(self.position, phase, 0);
-        word.store(value, Ordering::SeqCst);
-        if self.word(self.position, phase, 1).load(Ordering::SeqCst) > 0 {
-            let _ = futex::wake(word, futex::Flags::empty(), i32::MAX as u32);
-        }
+        self.phase_word(self.position, phase).publish(value);
     }
 
     /// Blocks until every other member's `phase` has reached `target`. Errors: a member
     /// whose process exited, or the group's timeout (both name the global rank).
     fn wait_for(&self, tcp: &TcpComm, phase: Phase, target: u32) -> Result<()> {
         let reached = |seen: u32| seen.wrapping_sub(target) as i32 >= 0;
-        'members: for member in (0..self.n).filter(|&m| m != self.position) {
-            let word = self.word(member, phase, 0);
-            for _ in 0..SPIN_ITERATIONS {
-                if reached(word.load(Ordering::Acquire)) {
-                    continue 'members;
-                }
-                std::hint::spin_loop();
-            }
-            let _wait = tcp.waiting("all-reduce (shared memory)", "waiting for", member, None);
-            let sleepers = self.word(member, phase, 1);
-            let deadline = Instant::now() + tcp.timeout();
-            let poll = futex::Timespec {
-                tv_sec: 0,
-                tv_nsec: LIVENESS_POLL.as_nanos() as _,
-            };
-            loop {
-                // Dekker with `signal`: either it sees our sleeper count, or we see its value.
-                sleepers.fetch_add(1, Ordering::SeqCst);
-                let seen = word.load(Ordering::SeqCst);
-                if !reached(seen) {
-                    // EAGAIN (the word moved), EINTR and ETIMEDOUT all mean: look again.
-                    let _ = futex::wait(word, futex::Flags::empty(), seen, Some(&poll));
-                }
-                sleepers.fetch_sub(1, Ordering::SeqCst);
-                if reached(word.load(Ordering::Acquire)) {
-                    continue 'members;
-                }
-                if tcp.peer_closed(member) {
-                    bail!(
-                        "{}: the peer exited",
-                        tcp.context("all-reduce (shared memory)", "waiting for", member)
-                    );
-                }
-                if Instant::now() > deadline {
-                    bail!(
-                        "{}: timed out after {:?}",
-                        tcp.context("all-reduce (shared memory)", "waiting for", member),
-                        tcp.timeout()
-                    );
+        for member in (0..self.n).filter(|&m| m != self.position) {
+            self.phase_word(member, phase).wait_until(
+                tcp,
+                ("all-reduce (shared memory)", "waiting for"),
+                member,
+                self.spin,
+                reached,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The ring from member `from` to member `to` (`from ≠ to`, both `< n`).
+    fn ring(&self, from: usize, to: usize) -> Ring<'_> {
+        let index = from * (self.n - 1) + to - usize::from(to > from);
+        let line = |k: usize| -> Word<'_> {
+            let offset = (3 * self.n + 2 * index + k) * LINE_BYTES;
+            // SAFETY: inside the header; 4-byte aligned (lines are 128-byte aligned in a
+            // page-aligned mapping); only ever accessed atomically.
+            unsafe {
+                Word {
+                    value: &*(self.base.add(offset) as *const AtomicU32),
+                    sleepers: &*(self.base.add(offset + 4) as *const AtomicU32),
                 }
             }
+        };
+        let ring_bytes = Self::ring_bytes(self.n);
+        let offset =
+            Self::header_bytes(self.n) + (2 * self.n + 2) * SLOT_BYTES + index * ring_bytes;
+        Ring {
+            written: line(0),
+            read: line(1),
+            // SAFETY: the ring lies inside the mapping (`Segment::bytes`).
+            data: unsafe { self.base.add(offset) },
+            capacity: ring_bytes as u32,
+            spin: self.spin,
+        }
+    }
+
+    /// Sends `data` to member `peer` through this member's ring to it.
+    ///
+    /// Errors: `peer` is this member or not in the group; the peer exited or stopped
+    /// receiving for the group's timeout.
+    fn send(&self, tcp: &TcpComm, peer: usize, data: &[u8]) -> Result<()> {
+        self.check_peer("send", peer)?;
+        self.ring(self.position, peer).send(tcp, peer, data)
+    }
+
+    /// Receives what member `peer` sent to this one.
+    ///
+    /// Errors: as [`Segment::send`], and a message over the frame limit.
+    fn recv(&self, tcp: &TcpComm, peer: usize) -> Result<Vec<u8>> {
+        self.check_peer("recv", peer)?;
+        self.ring(peer, self.position).recv(tcp, peer)
+    }
+
+    /// Receives what member `peer` sent to this one into `buffer`, which must be as long.
+    ///
+    /// Errors: as [`Segment::send`], and a message of another length.
+    fn recv_into(&self, tcp: &TcpComm, peer: usize, buffer: &mut [u8]) -> Result<()> {
+        self.check_peer("recv", peer)?;
+        self.ring(peer, self.position).recv_into(tcp, peer, buffer)
+    }
+
+    /// Errors when `peer` is this member or not in the group.
+    fn check_peer(&self, operation: &str, peer: usize) -> Result<()> {
+        if peer == self.position || peer >= self.n {
+            bail!(
+                "{operation} in a group of {}: member {peer} is this one or not a member",
+                self.n
+            );
         }
         Ok(())
     }
@@ -455,9 +539,6 @@ impl Comm for ShmComm {
         if self.tcp.size() == 1 {
             return Ok(());
         }
-        if matches!(self.state, State::Pending) {
-            self.set_up()?;
-        }
         match &mut self.state {
             State::Ready(segment) => segment.all_reduce(&self.tcp, data),
             _ => self.tcp.all_reduce_sum(data),
@@ -469,15 +550,38 @@ impl Comm for ShmComm {
     }
 
     fn broadcast(&mut self, data: &mut Vec<u8>, root: usize) -> Result<()> {
-        self.tcp.broadcast(data, root)
+        let State::Ready(segment) = &self.state else {
+            return self.tcp.broadcast(data, root);
+        };
+        if self.tcp.rank() == root {
+            for peer in (0..segment.n).filter(|&p| p != root) {
+                segment.send(&self.tcp, peer, data)?;
+            }
+        } else {
+            *data = segment.recv(&self.tcp, root)?;
+        }
+        Ok(())
     }
 
     fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
-        self.tcp.send(peer, data)
+        match &self.state {
+            State::Ready(segment) => segment.send(&self.tcp, peer, data),
+            _ => self.tcp.send(peer, data),
+        }
     }
 
     fn recv(&mut self, peer: usize) -> Result<Vec<u8>> {
-        self.tcp.recv(peer)
+        match &self.state {
+            State::Ready(segment) => segment.recv(&self.tcp, peer),
+            _ => self.tcp.recv(peer),
+        }
+    }
+
+    fn recv_into(&mut self, peer: usize, buffer: &mut [u8]) -> Result<()> {
+        match &self.state {
+            State::Ready(segment) => segment.recv_into(&self.tcp, peer, buffer),
+            _ => self.tcp.recv_into(peer, buffer),
+        }
     }
 
     fn all_to_all_v(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {

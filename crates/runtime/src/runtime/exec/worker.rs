@@ -232,10 +232,11 @@ fn describe_kv_routes(peers: &HashMap<usize, String>, local: &[usize]) -> String
 }
 
 /// Connects this rank to `group` of `members` (global ranks). Groups inside this host
-/// all-reduce through shared memory; groups spanning hosts use TCP over the data network
-/// (as NCCL uses SHM inside a node, NET across).
+/// all-reduce, send and receive through shared memory; groups spanning hosts use TCP over
+/// the data network (as NCCL uses SHM inside a node, NET across).
 ///
-/// Errors: a member that does not join within the timeout, a store that cannot be reached.
+/// Errors: a member that does not join within the timeout, a store that cannot be reached,
+/// the members failing to agree on the shared segment.
 fn connect_group(
     config: &RankConfig,
     store: &mut StoreClient,
@@ -252,7 +253,11 @@ fn connect_group(
         config.timeout,
     )?;
     Ok(match (config.shm, on_this_host) {
-        (true, true) => ShmComm::new(tcp),
+        (true, true) => {
+            let mut comm = ShmComm::new(tcp)?;
+            comm.set_ranks_on_host((config.host_ranks.end - config.host_ranks.start) as usize);
+            comm
+        }
         (false, _) => ShmComm::tcp_only(tcp, &format!("{}=1", crate::envvars::SHM_DISABLE)),
         (true, false) => ShmComm::tcp_only(tcp, "the group spans hosts"),
     })

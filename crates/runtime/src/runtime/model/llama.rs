@@ -1028,22 +1028,11 @@ fn row_parallel(
     }
     let (rank, size) = (comm.rank(), comm.size());
     let count = weight.n_rows.div_ceil(GROUP_ROWS) * n_tokens;
-    let mut states: Vec<GroupState> = if rank == 0 {
-        vec![[[0.0; GROUP_ROWS]; 9]; count]
-    } else {
-        let bytes = comm.recv(rank - 1)?;
-        if bytes.len() != count * size_of::<GroupState>() {
-            bail!(
-                "tp rank {}: received {} bytes of partial sums, expected {}",
-                rank - 1,
-                bytes.len(),
-                count * size_of::<GroupState>()
-            );
-        }
-        let mut states = vec![[[0.0; GROUP_ROWS]; 9]; count];
-        bytemuck::cast_slice_mut::<GroupState, u8>(&mut states).copy_from_slice(&bytes);
-        states
-    };
+    let mut states: Vec<GroupState> = vec![[[0.0; GROUP_ROWS]; 9]; count];
+    if rank > 0 {
+        comm.recv_into(rank - 1, bytemuck::cast_slice_mut(&mut states))
+            .with_context(|| format!("tp rank {rank}: receiving the partial sums"))?;
+    }
     weight.matmul_continue_grouped(input, n_tokens, &mut states)?;
     let last = size - 1;
     let mut result = Vec::new();
