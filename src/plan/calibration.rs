@@ -39,6 +39,10 @@ pub struct MeasuredLink {
     pub bytes_per_sec: f64,
     /// Time of the smallest all-reduce, seconds.
     pub latency_secs: f64,
+    /// One 8-byte send/recv over the same transport, seconds, where the report has it
+    /// (`infer bench allreduce --json` from this version on; not nccl-tests' tables).
+    #[serde(default)]
+    pub message_latency_secs: Option<f64>,
     /// Where it came from (the file name) and what it measured (`8 ranks on 1 host`).
     pub source: String,
 }
@@ -96,6 +100,10 @@ pub struct AllreduceTable {
     pub world_size: usize,
     /// The hosts they ran on (empty: this host).
     pub hosts: Vec<String>,
+    /// One 8-byte send/recv between two of the processes, seconds (half a ping-pong round
+    /// trip); absent from reports of earlier versions.
+    #[serde(default)]
+    pub message_secs: Option<f64>,
     pub rows: Vec<AllreduceJsonRow>,
 }
 
@@ -259,7 +267,7 @@ fn link_from_report(name: &str, report: &AllreduceReport) -> Result<MeasuredLink
         .iter()
         .map(|r| (r.bytes, r.time_secs, r.busbw_bytes_per_sec))
         .collect();
-    link_from_rows(
+    let mut link = link_from_rows(
         name,
         table.scope,
         &rows,
@@ -267,7 +275,11 @@ fn link_from_report(name: &str, report: &AllreduceReport) -> Result<MeasuredLink
             "`{name}`, {} ranks on {place} ({})",
             table.world_size, table.transport
         ),
-    )
+    )?;
+    link.message_latency_secs = table
+        .message_secs
+        .filter(|secs| *secs > 0.0 && secs.is_finite());
+    Ok(link)
 }
 
 /// Reads one all-reduce table (`name` names it in the plan and in errors).
@@ -372,6 +384,7 @@ fn link_from_rows(
         scope,
         bytes_per_sec: peak,
         latency_secs: smallest.1,
+        message_latency_secs: None,
         source,
     })
 }
@@ -472,6 +485,7 @@ mod tests {
                     scope: Scope::IntraHost,
                     world_size: 2,
                     hosts: Vec::new(),
+                    message_secs: Some(30e-6),
                     rows: vec![row(8, 50e-6, 1e5), row(1 << 20, 1e-3, 1e9)],
                 },
                 AllreduceTable {
@@ -479,6 +493,7 @@ mod tests {
                     scope: Scope::IntraHost,
                     world_size: 2,
                     hosts: Vec::new(),
+                    message_secs: Some(0.5e-6),
                     rows: vec![row(8, 2e-6, 4e6), row(1 << 20, 1e-4, 9e9)],
                 },
             ],
@@ -492,6 +507,24 @@ mod tests {
         assert_eq!(link.scope, Scope::IntraHost);
         assert_eq!(link.bytes_per_sec, 9e9);
         assert_eq!(link.latency_secs, 2e-6);
+        // Its own transport's message latency, which the chain's hops pay.
+        assert_eq!(link.message_latency_secs, Some(0.5e-6));
+        assert_eq!(link.link().message_latency_secs, 0.5e-6);
+        // A report of an earlier version has none: a message costs the all-reduce floor.
+        let mut earlier: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        for table in earlier["tables"].as_array_mut().expect("tables") {
+            table
+                .as_object_mut()
+                .expect("a table")
+                .remove("message_secs")
+                .expect("measured");
+        }
+        let earlier = earlier.to_string();
+        let Measurement::Link(link) = parse("ar.json", &earlier).expect("parses") else {
+            panic!("a link");
+        };
+        assert_eq!(link.message_latency_secs, None);
+        assert_eq!(link.link().message_latency_secs, 2e-6);
         assert_eq!(
             link.source,
             "`ar.json`, 2 ranks on this host (shared memory)"

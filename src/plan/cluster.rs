@@ -85,6 +85,7 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
             }),
         cpu_row_chain: Some(CpuRowChain {
             alone_speedup: (threads as f64 * share / cores as f64).max(1.0),
+            ranks_outnumber_cores: ranks > cores,
         }),
         pcie_gb_per_sec: profile.memory_bytes_per_sec / SHM_TRAFFIC_PER_BYTE / 1e9,
         nic_gb_per_sec: TCP_GB_PER_SEC,
@@ -185,6 +186,11 @@ pub struct CpuRowChain {
     /// its share of the ranks, `threads · ranks / cores` (1 unless ranks outnumber cores,
     /// when each rank has one thread and a waiting rank leaves its core to the one working).
     pub alone_speedup: f64,
+    /// Whether the host's ranks outnumber its cores: its ranks' waits then sleep at once
+    /// instead of spinning, and each hop of the chain costs a wake-up
+    /// ([`SHM_SLEEPING_MESSAGE_SECS`](super::cost::SHM_SLEEPING_MESSAGE_SECS)).
+    #[serde(default)]
+    pub ranks_outnumber_cores: bool,
 }
 
 /// One host of a cluster.
@@ -1001,11 +1007,26 @@ mod tests {
         // Memory is still split by ranks.
         assert_eq!(rank.memory_bytes, profile.memory_bytes / 12);
         // A rank whose TP group waits on it has a whole core: twice its share.
+        // Its waits sleep: the ranks outnumber the cores.
         let chain = |ranks| cpu_rank_hardware(&profile, ranks).cpu_row_chain;
-        assert_eq!(chain(12), Some(CpuRowChain { alone_speedup: 2.0 }));
-        // With cores to spare, a rank keeps its own threads whether the others work or wait.
-        assert_eq!(chain(2), Some(CpuRowChain { alone_speedup: 1.0 }));
-        assert_eq!(chain(8), Some(CpuRowChain { alone_speedup: 1.0 }));
+        assert_eq!(
+            chain(12),
+            Some(CpuRowChain {
+                alone_speedup: 2.0,
+                ranks_outnumber_cores: true
+            })
+        );
+        // With cores to spare, a rank keeps its own threads whether the others work or wait,
+        // and waits spin.
+        for ranks in [2, 8] {
+            assert_eq!(
+                chain(ranks),
+                Some(CpuRowChain {
+                    alone_speedup: 1.0,
+                    ranks_outnumber_cores: false
+                })
+            );
+        }
     }
 
     #[test]
@@ -1027,6 +1048,7 @@ mod tests {
         let link = Link {
             bytes_per_sec: 2e9,
             latency_secs: 50e-6,
+            message_latency_secs: 20e-6,
         };
         let links = Links {
             tp: link,
@@ -1070,7 +1092,8 @@ mod tests {
             1,
         );
         assert!((wait - turn_secs).abs() < 1e-12, "{wait} vs {turn_secs}");
-        let hand_call = 576.0 * 40.0 / 2e9 + 2.0 * 50e-6;
+        // Each of the 2 messages pays the link's message latency, not an all-reduce's.
+        let hand_call = 576.0 * 40.0 / 2e9 + 2.0 * 20e-6;
         assert!((chain_call_secs(&spec, 2, &links, 1) - hand_call).abs() < 1e-15);
         let all_reduce_call = 576.0 * 2.0 / 2e9 + 50e-6;
         let extra = step(Dtype::Int8, &rank) - step(Dtype::Int8, &all_reducing);

@@ -34,6 +34,14 @@ pub(crate) const TCP_LATENCY_SECS: f64 = 50e-6;
 /// Xeon VM measured 49–78 µs for 8 B to 16 KiB, each rank on its own core; a host with cores
 /// to spare for the spin-waits answers faster (`--calibration` replaces it with its own).
 pub(crate) const SHM_LATENCY_SECS: f64 = 50e-6;
+/// Latency of one message between CPU ranks of one host through shared memory
+/// (`runtime/collectives/shm_ring.rs`) when every rank of the host has a core, so the
+/// receiver spins: `infer bench allreduce --world 2` on a 2-core EPYC VM measured 0.2 µs
+/// (half a ping-pong round trip), three runs.
+pub(crate) const SHM_SPINNING_MESSAGE_SECS: f64 = 0.2e-6;
+/// The same when ranks outnumber cores, so the receiver sleeps on a futex and is woken:
+/// `infer bench allreduce --world 3` on that VM measured 15.5–21.1 µs, three runs.
+pub(crate) const SHM_SLEEPING_MESSAGE_SECS: f64 = 18e-6;
 /// Bandwidth of TCP sockets across hosts when no RDMA is known, bytes/s per direction:
 /// a 100 GbE port's line rate, 12.5 GB/s (the Ethernet rung of DESIGN's bandwidth ladder);
 /// the hardware profile's RDMA NIC rate applies only when its HCAs are known.
@@ -46,15 +54,20 @@ pub(crate) const TYPICAL_CONTEXT_TOKENS: u64 = 2048;
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Link {
     pub bytes_per_sec: f64,
+    /// The floor of one collective call (its smallest all-reduce).
     pub latency_secs: f64,
+    /// The floor of one point-to-point message (a send and its receive), which CPU TP's
+    /// exact-order chain pays per hop; the collective floor where nothing better is known.
+    pub message_latency_secs: f64,
 }
 
 impl MeasuredLink {
-    /// The cost model's link.
+    /// The cost model's link (a report without a message latency gives the collective's).
     pub fn link(&self) -> Link {
         Link {
             bytes_per_sec: self.bytes_per_sec,
             latency_secs: self.latency_secs,
+            message_latency_secs: self.message_latency_secs.unwrap_or(self.latency_secs),
         }
     }
 }
@@ -466,11 +479,11 @@ fn allreduce_call_secs(spec: &ModelSpec, tp: usize, links: &Links, tokens: u64) 
 /// One exact-order TP sum of `tokens` tokens' `hidden`-wide outputs over the TP link,
 /// seconds: `tp − 1` hops of the running dot products (36 bytes per output: the engine's
 /// `DotState` of 9 f32), then the last rank sends the sums (4 bytes per output) to the
-/// `tp − 1` others; `tp` messages in a row, each paying the link's latency.
+/// `tp − 1` others; `tp` messages in a row, each paying the link's message latency.
 pub(crate) fn chain_call_secs(spec: &ModelSpec, tp: usize, links: &Links, tokens: u64) -> f64 {
     let outputs = (tokens * spec.hidden_size) as f64;
     (tp - 1) as f64 * outputs * (36.0 + 4.0) / links.tp.bytes_per_sec
-        + tp as f64 * links.tp.latency_secs
+        + tp as f64 * links.tp.message_latency_secs
 }
 
 /// The EP dispatch and combine all-to-alls of the stage's MoE layers, seconds (0 without EP).
@@ -551,9 +564,9 @@ fn tensor_tflops(hardware: &HardwareSpec, dtype: Dtype) -> f64 {
     }
 }
 
-/// Sending one micro-batch's activations to the next stage.
+/// Sending one micro-batch's activations to the next stage (one message).
 fn hop_secs(spec: &ModelSpec, links: &Links, batch: u64) -> f64 {
-    (batch * spec.hidden_size * 2) as f64 / links.pp.bytes_per_sec + links.pp.latency_secs
+    (batch * spec.hidden_size * 2) as f64 / links.pp.bytes_per_sec + links.pp.message_latency_secs
 }
 
 /// Time of one decode step of `batch` sequences with `context` tokens each: every stage's
@@ -651,6 +664,7 @@ pub(crate) fn prefill_secs(
         })
         .sum();
     let hops = (pp - 1) as f64
-        * (tokens * (spec.hidden_size * 2) as f64 / links.pp.bytes_per_sec + links.pp.latency_secs);
+        * (tokens * (spec.hidden_size * 2) as f64 / links.pp.bytes_per_sec
+            + links.pp.message_latency_secs);
     stage_times + hops
 }

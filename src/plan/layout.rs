@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::cluster::{Cluster, Device};
 use super::cost::{
     Link, Links, NETWORK_LATENCY_SECS, NVLINK_LATENCY_SECS, PCIE_LATENCY_SECS, SHM_LATENCY_SECS,
-    TCP_GB_PER_SEC, TCP_LATENCY_SECS,
+    SHM_SLEEPING_MESSAGE_SECS, SHM_SPINNING_MESSAGE_SECS, TCP_GB_PER_SEC, TCP_LATENCY_SECS,
 };
 use crate::degrees::Degrees;
 use crate::topology::LinkCode;
@@ -212,18 +212,30 @@ fn group_links(
     let nvlink = Link {
         bytes_per_sec: hardware.nvlink_gb_per_sec / 2.0 * 1e9,
         latency_secs: NVLINK_LATENCY_SECS,
+        message_latency_secs: NVLINK_LATENCY_SECS,
     };
     let pcie = Link {
         bytes_per_sec: hardware.pcie_gb_per_sec * 1e9,
         latency_secs: PCIE_LATENCY_SECS,
+        message_latency_secs: PCIE_LATENCY_SECS,
     };
     let sys = Link {
         bytes_per_sec: hardware.pcie_gb_per_sec / 2.0 * 1e9,
         latency_secs: PCIE_LATENCY_SECS,
+        message_latency_secs: PCIE_LATENCY_SECS,
     };
+    // A waiting rank spins only when every rank of its host has a core (`shm.rs`).
+    let outnumbered = hardware
+        .cpu_row_chain
+        .is_some_and(|chain| chain.ranks_outnumber_cores);
     let shared_memory = Link {
         bytes_per_sec: hardware.pcie_gb_per_sec * 1e9,
         latency_secs: SHM_LATENCY_SECS,
+        message_latency_secs: if outnumbered {
+            SHM_SLEEPING_MESSAGE_SECS
+        } else {
+            SHM_SPINNING_MESSAGE_SECS
+        },
     };
     let network = network_link(cluster);
     let measured_intra = cluster.measured.intra_host.as_ref().map(|m| m.link());
@@ -277,11 +289,13 @@ pub(crate) fn network_link(cluster: &Cluster) -> Link {
         Link {
             bytes_per_sec: hardware.nic_gb_per_sec * 1e9,
             latency_secs: NETWORK_LATENCY_SECS,
+            message_latency_secs: NETWORK_LATENCY_SECS,
         }
     } else {
         Link {
             bytes_per_sec: hardware.nic_gb_per_sec.min(TCP_GB_PER_SEC) * 1e9,
             latency_secs: TCP_LATENCY_SECS,
+            message_latency_secs: TCP_LATENCY_SECS,
         }
     }
 }

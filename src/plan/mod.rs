@@ -668,11 +668,13 @@ fn kv_transfer_link(cluster: &Cluster) -> cost::Link {
         cost::Link {
             bytes_per_sec: hardware.nvlink_gb_per_sec / 2.0 * 1e9,
             latency_secs: cost::NVLINK_LATENCY_SECS,
+            message_latency_secs: cost::NVLINK_LATENCY_SECS,
         }
     } else {
         cost::Link {
             bytes_per_sec: hardware.pcie_gb_per_sec * 1e9,
             latency_secs: cost::PCIE_LATENCY_SECS,
+            message_latency_secs: cost::PCIE_LATENCY_SECS,
         }
     }
 }

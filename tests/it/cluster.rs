@@ -104,6 +104,10 @@ fn generation_over_two_hosts_gives_the_single_process_tokens() {
         table.contains("4 processes on hosts h0, h1 over the data network"),
         "{table}"
     );
+    assert!(
+        table.contains("# one 8-byte send/recv, rank 0 to rank 1"),
+        "{table}"
+    );
     let rows: Vec<&str> = table
         .lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())

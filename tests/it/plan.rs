@@ -1813,6 +1813,11 @@ fn bench_json_reports_calibrate_the_plan() {
     let report: Value =
         serde_json::from_slice(&std::fs::read(&allreduce).expect("read")).expect("json");
     assert_eq!(report["bench"], "allreduce");
+    // Each transport's table has its one-message latency (TCP and shared memory).
+    for table in report["tables"].as_array().expect("tables") {
+        let secs = table["message_secs"].as_f64().expect("message_secs");
+        assert!(secs > 0.0 && secs < 0.1, "{table}");
+    }
     let peak = report["tables"]
         .as_array()
         .expect("tables")

@@ -13,7 +13,7 @@ pub(super) fn local_json(world: usize, report: &AllreduceBench) -> AllreduceRepo
         Scope::IntraHost,
         world,
         Vec::new(),
-        &report.tcp_rows,
+        (&report.tcp_rows, report.tcp_message_secs),
     )];
     if !report.rows.is_empty() {
         tables.push(json_table(
@@ -21,7 +21,7 @@ pub(super) fn local_json(world: usize, report: &AllreduceBench) -> AllreduceRepo
             Scope::IntraHost,
             world,
             Vec::new(),
-            &report.rows,
+            (&report.rows, report.message_secs),
         ));
     }
     AllreduceReport {
@@ -41,6 +41,7 @@ pub(super) fn local_text(world: usize, report: &AllreduceBench) -> String {
         world,
         stream,
     );
+    table.push_str(&message_line(report.tcp_message_secs));
     table.push('\n');
     if report.rows.is_empty() {
         table.push_str(&format!(
@@ -54,6 +55,7 @@ pub(super) fn local_text(world: usize, report: &AllreduceBench) -> String {
             world,
             stream,
         ));
+        table.push_str(&message_line(report.message_secs));
     }
     table.push_str(&format!(
         "\n# one plain TCP stream between two processes: {stream:.3} GB/s\n"
@@ -80,7 +82,7 @@ pub(super) fn cluster_json(
             scope,
             world,
             hosts,
-            &report.rows,
+            (&report.rows, report.message_secs),
         )],
         stream_bytes_per_sec: report.stream_bytes_per_sec,
     }
@@ -99,25 +101,27 @@ pub(super) fn cluster_text(world: usize, report: &AllreduceBench, hosts: &[Strin
         world,
         stream,
     );
+    table.push_str(&message_line(report.message_secs));
     table.push_str(&format!(
         "\n# one plain TCP stream from the last rank to rank 0: {stream:.3} GB/s\n"
     ));
     table
 }
 
-/// One transport's rows as `infer bench allreduce --json` prints them.
+/// One transport's rows and message latency as `infer bench allreduce --json` prints them.
 fn json_table(
     transport: &str,
     scope: Scope,
     world: usize,
     hosts: Vec<String>,
-    rows: &[AllreduceRow],
+    (rows, message_secs): (&[AllreduceRow], Option<f64>),
 ) -> AllreduceTable {
     AllreduceTable {
         transport: transport.to_string(),
         scope,
         world_size: world,
         hosts,
+        message_secs,
         rows: rows
             .iter()
             .map(|r| AllreduceJsonRow {
@@ -128,6 +132,16 @@ fn json_table(
             })
             .collect(),
     }
+}
+
+/// The line under a table that gives its transport's message latency, when measured.
+fn message_line(message_secs: Option<f64>) -> String {
+    message_secs.map_or(String::new(), |secs| {
+        format!(
+            "# one 8-byte send/recv, rank 0 to rank 1 (half a ping-pong round trip): {:.1} us\n",
+            secs * 1e6
+        )
+    })
 }
 
 /// One nccl-tests style table (size, count, type, time, algbw, busbw) with its busbw at

@@ -1,8 +1,9 @@
 //! The one all-reduce bench: what `infer bench allreduce` measures, in its local worker
 //! processes and in collectives-only ranks ([`crate::runtime::exec::worker`]'s
 //! `Job::AllReduce`) alike. It sweeps sizes as nccl-tests' `all_reduce_perf` does
-//! ([`time_all_reduce`]) and times one plain TCP stream as the baseline; the reports live
-//! with the callers.
+//! ([`time_all_reduce`]), times one message's latency as nccl-tests' `sendrecv_perf` does at
+//! its smallest size ([`time_message`]), and one plain TCP stream as the baseline; the
+//! reports live with the callers.
 
 use std::time::Duration;
 
@@ -26,6 +27,13 @@ pub struct AllreduceBench {
     pub rows: Vec<AllreduceRow>,
     /// What carried `rows` (`ShmComm::transport`).
     pub transport: String,
+    /// One 8-byte message between the first two members over the TCP connections alone,
+    /// seconds (half a ping-pong round trip); measured with `tcp_rows`.
+    #[serde(default)]
+    pub tcp_message_secs: Option<f64>,
+    /// The same over the group's own transport (`rows`'); `None` when `rows` is empty.
+    #[serde(default)]
+    pub message_secs: Option<f64>,
     /// One plain TCP stream, rank [`AllreduceSweep::stream_from`] → rank 0, bytes/s.
     pub stream_bytes_per_sec: f64,
 }
@@ -45,9 +53,9 @@ pub struct AllreduceSweep<'a> {
     pub timeout: Duration,
 }
 
-/// Runs the bench over `group`: with `tcp_first`, the sweep over its TCP ring, then one
-/// tiny all-reduce that decides its transport; the sweep over its own transport (skipped
-/// when `tcp_first` found no transport but TCP); one plain TCP stream; a barrier. Every
+/// Runs the bench over `group`: with `tcp_first`, the sweep over its TCP ring and one
+/// message's latency over TCP; the same over its own transport (skipped when `tcp_first`
+/// found no transport but TCP); one plain TCP stream; a barrier. Every
 /// member of `group` (global rank `rank`, its store client `store`) must call it with the
 /// same `sweep`; it blocks until all are done. Rank 0 returns the result, the others
 /// `None`.
@@ -59,18 +67,17 @@ pub fn bench_all_reduce(
     rank: u64,
     sweep: &AllreduceSweep,
 ) -> Result<Option<AllreduceBench>> {
-    let tcp_rows = if sweep.tcp_first {
+    let (tcp_rows, tcp_message_secs) = if sweep.tcp_first {
         let rows = time_all_reduce(group.tcp_mut(), sweep.max_bytes)?;
-        // The first all-reduce decides the transport (a tiny one, collectively).
-        group.all_reduce_sum(&mut [0f32])?;
-        rows
+        (rows, time_message(group.tcp_mut())?)
     } else {
-        Vec::new()
+        (Vec::new(), None)
     };
-    let rows = if sweep.tcp_first && !group.uses_shared_memory() {
-        Vec::new()
+    let (rows, message_secs) = if sweep.tcp_first && !group.uses_shared_memory() {
+        (Vec::new(), None)
     } else {
-        time_all_reduce(group, sweep.max_bytes)?
+        let rows = time_all_reduce(group, sweep.max_bytes)?;
+        (rows, time_message(group)?)
     };
     let transport = group.transport();
     let stream_bytes_per_sec = tcp_stream_bytes_per_sec(
@@ -85,8 +92,51 @@ pub fn bench_all_reduce(
         tcp_rows,
         rows,
         transport,
+        tcp_message_secs,
+        message_secs,
         stream_bytes_per_sec,
     }))
+}
+
+/// The latency of one 8-byte message between the group's first two members, seconds:
+/// half the median round trip of a ping-pong (200 round trips after 20 to warm up), while
+/// the other members wait in a barrier, as a TP chain's other ranks wait for their turn.
+/// Every member must call it; `None` in a group of one.
+///
+/// Errors: a send, receive or the barrier failing.
+fn time_message(comm: &mut dyn Comm) -> Result<Option<f64>> {
+    const WARM_UP: usize = 20;
+    const ROUND_TRIPS: usize = 200;
+    if comm.size() < 2 {
+        return Ok(None);
+    }
+    comm.barrier()?;
+    let mut round_trips = Vec::with_capacity(ROUND_TRIPS);
+    let ping = [0u8; 8];
+    match comm.rank() {
+        0 => {
+            for i in 0..WARM_UP + ROUND_TRIPS {
+                let start = std::time::Instant::now();
+                comm.send(1, &ping)?;
+                comm.recv(1)?;
+                if i >= WARM_UP {
+                    round_trips.push(start.elapsed().as_secs_f64());
+                }
+            }
+        }
+        1 => {
+            for _ in 0..WARM_UP + ROUND_TRIPS {
+                let message = comm.recv(0)?;
+                comm.send(0, &message)?;
+            }
+        }
+        _ => {}
+    }
+    comm.barrier()?;
+    round_trips.sort_by(f64::total_cmp);
+    Ok(round_trips
+        .get(round_trips.len() / 2)
+        .map(|round_trip| round_trip / 2.0))
 }
 
 /// One process of the local all-reduce bench (`infer bench allreduce-worker`): joins the
