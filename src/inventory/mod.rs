@@ -202,7 +202,8 @@ pub(crate) fn synthetic_topology(hostname: &str, n_gpus: usize, spec: &HardwareS
 /// the CPU engine reads quantized and bf16 weights and attends over cached positions in a
 /// decode step ([`crate::runtime::exec::bench::engine_decode_rates`]), which bound the steps
 /// the planner predicts. The attention's rate is scaled to every thread busy
-/// ([`attention_occupancy`] of the probe's tasks). One to two seconds of every core in all.
+/// ([`attention_occupancy`] of the probe's tasks), and the same on one thread alone. About two
+/// seconds of the host in all.
 ///
 /// Errors: as [`probe_cpu`]; the engine probe cannot allocate its model or fails a step.
 pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
@@ -213,6 +214,12 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
     profile.decode_bytes_per_sec = Some(rates.weights_bytes_per_sec);
     profile.decode_bf16_bytes_per_sec = Some(rates.bf16_weights_bytes_per_sec);
     profile.decode_layer_secs = rates.layer_secs;
+    if let Some(alone) = rates.one_thread {
+        profile.decode_one_thread_bytes_per_sec = Some(alone.weights_bytes_per_sec);
+        profile.decode_one_thread_attention_flops_per_sec =
+            alone.attention.map(|attention| attention.flops_per_sec);
+        profile.one_thread_flops_per_sec = Some(profile.flops_per_sec * alone.prefill_share);
+    }
     profile.decode_attention_flops_per_sec = rates.attention.map(|attention| {
         attention.flops_per_sec
             / attention_occupancy(attention.tasks as u64, attention.threads as u64)

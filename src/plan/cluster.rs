@@ -51,10 +51,13 @@ pub struct CpuHost {
 pub(crate) const SHM_TRAFFIC_PER_BYTE: f64 = 4.0;
 
 /// The figures of one of `ranks` CPU ranks of a host with `profile`: `1/ranks` of its memory;
-/// its share ([`rate_share`]) of the rate its engine reads weights at in a decode step
-/// (`hbm_gb_per_sec`: [`CpuProfile::weight_read_bytes_per_sec`]), of its attention's
-/// ([`CpuAttention`], on `cores / ranks` threads) and of its compute rate (`bf16_tflops` and
-/// `fp8_tflops`: the CPU engine computes quantized products in f32 whatever the dtype); how
+/// of the rate its engine reads weights at in a decode step (`hbm_gb_per_sec`:
+/// [`CpuProfile::weight_read_bytes_per_sec`]), of its attention's ([`CpuAttention`], on
+/// `cores / ranks` threads) and of its compute rate (`bf16_tflops` and `fp8_tflops`: the CPU
+/// engine computes quantized products in f32 whatever the dtype), up to one rank per core,
+/// what its threads do ([`rank_rate`] with the profile's one-thread figures; the weights
+/// within `1/ranks` of the memory's bandwidth), and beyond, its turns' share
+/// ([`rate_share`]); how
 /// much faster a rank works while its TP group waits on it ([`CpuRowChain`]); no NVLink; its
 /// shared-memory link as `pcie_gb_per_sec` ([`SHM_TRAFFIC_PER_BYTE`]); TCP sockets between
 /// hosts (the CPU ranks' collectives use no RDMA) as `nic_gb_per_sec`.
@@ -63,12 +66,33 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
     let threads = (cores / ranks.max(1)).max(1);
     let ranks = ranks.max(1);
     let share = rate_share(ranks, cores);
+    let flops_per_sec = if ranks <= cores {
+        rank_rate(
+            profile.flops_per_sec,
+            profile.one_thread_flops_per_sec,
+            threads,
+            cores,
+            f64::INFINITY,
+        )
+    } else {
+        profile.flops_per_sec / share
+    };
     HardwareSpec {
         name: profile.name.clone(),
         memory_bytes: (profile.memory_bytes as f64 / ranks as f64) as u64,
-        hbm_gb_per_sec: profile.weight_read_bytes_per_sec() / share / 1e9,
-        bf16_tflops: profile.flops_per_sec / share / 1e12,
-        fp8_tflops: profile.flops_per_sec / share / 1e12,
+        hbm_gb_per_sec: if ranks <= cores {
+            rank_rate(
+                profile.weight_read_bytes_per_sec(),
+                profile.decode_one_thread_bytes_per_sec,
+                threads,
+                cores,
+                profile.memory_bytes_per_sec / ranks as f64,
+            )
+        } else {
+            profile.weight_read_bytes_per_sec() / share
+        } / 1e9,
+        bf16_tflops: flops_per_sec / 1e12,
+        fp8_tflops: flops_per_sec / 1e12,
         nvlink_gb_per_sec: 0.0,
         nvlink_domain_size: 1,
         bf16_weights_gb_per_sec: profile
@@ -80,7 +104,17 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
         cpu_attention: profile
             .decode_attention_flops_per_sec
             .map(|rate| CpuAttention {
-                flops_per_sec: rate / share,
+                flops_per_sec: if ranks <= cores {
+                    rank_rate(
+                        rate,
+                        profile.decode_one_thread_attention_flops_per_sec,
+                        threads,
+                        cores,
+                        f64::INFINITY,
+                    )
+                } else {
+                    rate / share
+                },
                 threads,
             }),
         cpu_row_chain: Some(CpuRowChain {
@@ -90,6 +124,27 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
         pcie_gb_per_sec: profile.memory_bytes_per_sec / SHM_TRAFFIC_PER_BYTE / 1e9,
         nic_gb_per_sec: TCP_GB_PER_SEC,
         sources: vec![profile.source.clone()],
+    }
+}
+
+/// A rank's rate of `threads` threads out of `cores`, from a rate measured on all cores
+/// (`all`) and, where measured, on one thread alone (`alone`): `threads` times a per-thread
+/// rate that runs linearly from `alone` at one thread to `all / cores` at all of them (a
+/// team pays hand-offs between its threads that a thread alone does not), at most `cap` (the
+/// rank's share of what the memory delivers to every core at once), never below the fair
+/// share `all · threads / cores`, and never above `all` (a noisy one-thread figure cannot
+/// make a part of the host faster than all of it). Without `alone`, the fair share.
+pub(crate) fn rank_rate(all: f64, alone: Option<f64>, threads: u64, cores: u64, cap: f64) -> f64 {
+    let cores = cores.max(1);
+    let threads = threads.clamp(1, cores);
+    let fair = all * threads as f64 / cores as f64;
+    match alone {
+        Some(alone) if cores > 1 => {
+            let along = (threads - 1) as f64 / (cores - 1) as f64;
+            let per_thread = alone + along * (all / cores as f64 - alone);
+            (threads as f64 * per_thread).min(cap).max(fair).min(all)
+        }
+        _ => fair,
     }
 }
 
@@ -500,11 +555,20 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
         probed_bytes_per_sec = cpu.profile.weight_read_bytes_per_sec();
         probed_flops_per_sec = cpu.profile.flops_per_sec;
         (weights_bytes_per_sec, kv_secs) = weight_read_of(report, &cpu.profile);
+        // A thread alone keeps its probed advantage over the all-core rate.
+        cpu.profile.decode_one_thread_bytes_per_sec = cpu
+            .profile
+            .decode_one_thread_bytes_per_sec
+            .map(|alone| alone * weights_bytes_per_sec / probed_bytes_per_sec);
         cpu.profile.decode_bytes_per_sec = Some(weights_bytes_per_sec);
         cpu.profile.decode_bf16_bytes_per_sec = Some(weights_bytes_per_sec);
         // The measured step's rate counts its model's layers already.
         cpu.profile.decode_layer_secs = None;
         if let Some(flops) = flops_per_sec {
+            cpu.profile.one_thread_flops_per_sec = cpu
+                .profile
+                .one_thread_flops_per_sec
+                .map(|alone| alone * flops / cpu.profile.flops_per_sec);
             cpu.profile.flops_per_sec = flops;
         }
         host.hardware = cpu_rank_hardware(&cpu.profile, cpu.ranks);
@@ -609,6 +673,9 @@ mod tests {
             decode_bytes_per_sec: Some(12e9),
             decode_bf16_bytes_per_sec: Some(3e9),
             decode_layer_secs: Some(20e-6),
+            decode_one_thread_bytes_per_sec: None,
+            decode_one_thread_attention_flops_per_sec: None,
+            one_thread_flops_per_sec: None,
             decode_attention_flops_per_sec: Some(2e10),
             source: "made up".into(),
         }
@@ -703,6 +770,9 @@ mod tests {
             decode_bytes_per_sec: None,
             decode_bf16_bytes_per_sec: None,
             decode_layer_secs: None,
+            decode_one_thread_bytes_per_sec: None,
+            decode_one_thread_attention_flops_per_sec: None,
+            one_thread_flops_per_sec: None,
             decode_attention_flops_per_sec: None,
             ..profile
         };
@@ -909,6 +979,26 @@ mod tests {
         assert_eq!(profile.decode_layer_secs, Some(20e-6));
         assert_eq!(cpu.profile.decode_layer_secs, None);
         assert_eq!(cluster.hosts[0].hardware.cpu_layer_secs, None);
+        // A thread alone keeps its probed advantage over the all-core rates: 1.5 of the
+        // probed 8 cores' 12 GB/s and 1/4 of their 10^15 flops/s.
+        let mut advantaged = profile.clone();
+        advantaged.decode_one_thread_bytes_per_sec = Some(1.5 * 12e9 / 8.0);
+        advantaged.one_thread_flops_per_sec = Some(0.25e15);
+        let mut with_alone = cpu_cluster(1, 8, &advantaged);
+        calibrate(
+            &mut with_alone,
+            "cpu.json",
+            Measurement::Decode(Box::new(report.clone())),
+        )
+        .expect("this cluster's CPU");
+        let calibrated = &with_alone.hosts[0].cpu.as_ref().expect("CPU").profile;
+        let alone = calibrated.decode_one_thread_bytes_per_sec.expect("kept");
+        assert!(
+            (alone - 1.5 * measured / 8.0).abs() < 1e-6 * alone,
+            "{alone}"
+        );
+        let flops = calibrated.one_thread_flops_per_sec.expect("kept");
+        assert!((flops - 0.25 * 3e11).abs() < 1e-3, "{flops}");
         assert!(
             cluster.measured.decode[0]
                 .source
@@ -988,6 +1078,59 @@ mod tests {
             "{}",
             infeasible.message
         );
+    }
+
+    #[test]
+    fn a_rank_of_few_threads_gets_what_they_do_alone_within_the_memorys_share() {
+        // 8 cores read 12 GB/s together, one thread alone 3 GB/s (twice its 1.5 share).
+        let (all, alone) = (12e9, Some(3e9));
+        // Without a one-thread figure: the threads' share.
+        assert_eq!(rank_rate(all, None, 2, 8, f64::INFINITY), 3e9);
+        // One thread: what it does alone; all 8: the all-core rate itself.
+        assert_eq!(rank_rate(all, alone, 1, 8, f64::INFINITY), 3e9);
+        assert_eq!(rank_rate(all, alone, 8, 8, f64::INFINITY), all);
+        // 4 threads: per thread 3 GB/s less 3/7 of the way down to 1.5.
+        let four = 4.0 * (3e9 + 3.0 / 7.0 * (1.5e9 - 3e9));
+        assert!((rank_rate(all, alone, 4, 8, f64::INFINITY) - four).abs() < 1.0);
+        // At most the rank's share of what the memory delivers, never below the fair share.
+        assert_eq!(rank_rate(all, alone, 1, 8, 2e9), 2e9);
+        assert_eq!(rank_rate(all, alone, 1, 8, 1e9), 1.5e9);
+        assert_eq!(rank_rate(all, Some(0.5e9), 1, 8, f64::INFINITY), 1.5e9);
+        // A one-thread figure above the all-core rate (a noisy probe) gives the all-core rate.
+        assert_eq!(rank_rate(all, Some(20e9), 1, 8, f64::INFINITY), all);
+        // One core: nothing to interpolate.
+        assert_eq!(rank_rate(all, alone, 1, 1, f64::INFINITY), all);
+        // Through a host's profile: 8 ranks of one thread, 4 of two, 12 taking turns.
+        let mut profile = profile();
+        profile.decode_one_thread_bytes_per_sec = Some(3e9);
+        profile.one_thread_flops_per_sec = Some(0.25e15);
+        profile.decode_one_thread_attention_flops_per_sec = Some(5e9);
+        let one = cpu_rank_hardware(&profile, 8);
+        // 20 GB/s of memory over 8 ranks caps the 3 GB/s at 2.5.
+        assert!(
+            (one.hbm_gb_per_sec - 2.5).abs() < 1e-9,
+            "{}",
+            one.hbm_gb_per_sec
+        );
+        assert!(
+            (one.bf16_tflops - 250.0).abs() < 1e-9,
+            "{}",
+            one.bf16_tflops
+        );
+        let attention = one.cpu_attention.expect("attention");
+        assert!((attention.flops_per_sec - 5e9).abs() < 1e-3);
+        // Two threads would read 2 · (3 − 1.5/7) = 5.57 GB/s; 20 GB/s over 4 ranks caps it.
+        assert!((cpu_rank_hardware(&profile, 4).hbm_gb_per_sec - 5.0).abs() < 1e-9);
+        profile.memory_bytes_per_sec = 40e9;
+        let two = cpu_rank_hardware(&profile, 4);
+        let expected = 2.0 * (3e9 + (1.5e9 - 3e9) / 7.0) / 1e9;
+        assert!(
+            (two.hbm_gb_per_sec - expected).abs() < 1e-9,
+            "{}",
+            two.hbm_gb_per_sec
+        );
+        // Ranks beyond the cores take turns at their share, as without the figure.
+        assert_eq!(cpu_rank_hardware(&profile, 12).hbm_gb_per_sec * 16.0, 12.0);
     }
 
     #[test]

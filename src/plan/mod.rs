@@ -1456,8 +1456,13 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
                 let layers = p.decode_layer_secs.map_or(String::new(), |secs| {
                     format!(" plus {:.0} µs a layer on every core", secs * 1e6)
                 });
+                let alone = p
+                    .decode_one_thread_bytes_per_sec
+                    .map_or(String::new(), |alone| {
+                        format!(" ({:.1} GB/s on one thread alone)", alone / 1e9)
+                    });
                 format!(
-                    ", its engine's decode step reading weights at {:.1} GB/s{layers}{bf16}{kv}",
+                    ", its engine's decode step reading weights at {:.1} GB/s{alone}{layers}{bf16}{kv}",
                     rate / 1e9
                 )
             });
@@ -1475,7 +1480,7 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
     let max_ranks = cluster.max_cpu_ranks_per_host();
     let min_cores = profiles.iter().map(|p| p.n_cores).min().unwrap_or(1);
     lines.push(format!(
-        "the cluster has {n_hosts} CPU host{}, each taking 1 to {max_ranks} ranks ({}); `r` ranks on a host each get 1/r of its memory and, up to one rank per core, of its cores, bandwidth and compute",
+        "the cluster has {n_hosts} CPU host{}, each taking 1 to {max_ranks} ranks ({}); `r` ranks on a host each get 1/r of its memory and, up to one rank per core, of its cores and compute, and of its engine's rates at least their threads' share and at most what those threads do alone (a team's hand-offs cost what a thread alone does not pay)",
         if n_hosts == 1 { "" } else { "s" },
         if max_ranks <= min_cores {
             "one per core at most".to_string()

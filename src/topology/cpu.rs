@@ -69,6 +69,20 @@ pub struct CpuProfile {
     /// its model's layers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_layer_secs: Option<f64>,
+    /// `decode_bytes_per_sec` of one thread alone, bytes/s: a one-thread engine's step on
+    /// the same probe, which pays no hand-offs between threads, so that it reads more than
+    /// its share of the all-core rate (a 2-core EPYC VM: SmolLM2's step took 6.3 ms on one
+    /// thread and 4.0–4.4 ms on both). `None` on one core or where not measured, and then a
+    /// rank gets its threads' share of the all-core rates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_one_thread_bytes_per_sec: Option<f64>,
+    /// `decode_attention_flops_per_sec` of one thread alone, flops/s; `None` as above.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_one_thread_attention_flops_per_sec: Option<f64>,
+    /// `flops_per_sec` of one thread alone, flops/s: the all-core rate times the engine's
+    /// one-thread prefill over its all-core prefill on the same probe. `None` as above.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub one_thread_flops_per_sec: Option<f64>,
     /// The arithmetic rate of the CPU engine's decode attention on every core with a task for
     /// every thread ([`attention_occupancy`] 1), flops/s of the planner's count
     /// (`4 · n_heads · head_dim` per cached position and layer): each query head's score
@@ -135,6 +149,9 @@ pub fn probe_cpu() -> Result<CpuProfile> {
         decode_bytes_per_sec: None,
         decode_bf16_bytes_per_sec: None,
         decode_layer_secs: None,
+        decode_one_thread_bytes_per_sec: None,
+        decode_one_thread_attention_flops_per_sec: None,
+        one_thread_flops_per_sec: None,
         decode_attention_flops_per_sec: None,
         source: format!(
             "probed on this host in {:.2} s",

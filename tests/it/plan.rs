@@ -735,14 +735,15 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
         assert!(n <= cores, "{alternative}");
     }
     if cores >= 2 {
-        // Two replicas split the host: each reads its weights at half the bandwidth and
-        // computes at half the rate (TP 1: no collective), so a step takes up to twice as
-        // long — less where one sequence's attention left threads idle (SmolLM2's 3 KV heads
-        // on 2 or more threads), which the second replica puts to work.
+        // Two replicas split the host: each reads its weights and computes at least at half
+        // the host's rates (more where a thread alone beats half a team of all cores; TP 1:
+        // no collective), so a step takes at most twice as long; and no replica is faster
+        // than the whole host, except in attention, where one sequence left threads idle
+        // (SmolLM2's 3 KV heads on 2 threads: 3/4 busy), which the second replica puts to work.
         let one = tpot_of(&plan, (1, 1, 1)).expect("DP 1 considered");
         let two = tpot_of(&plan, (1, 1, 2)).expect("DP 2 considered");
         assert!(
-            two > one && two <= 2.0 * one * (1.0 + 1e-9),
+            two >= 0.75 * one && two <= 2.0 * one * (1.0 + 1e-9),
             "{two} vs {one}"
         );
     }

@@ -412,13 +412,42 @@ pub struct EngineRates {
     /// [`layer_probe_model`]'s step over its layers. `None` when it came out longer than the
     /// wide probe's whole step allows (a host too busy to measure).
     pub layer_secs: Option<f64>,
+    /// The same rates on one thread alone; `None` on a host of one core.
+    pub one_thread: Option<OneThreadRates>,
     /// [`engine_decode_bytes_per_sec`] of the bf16 probe model, bytes/s.
     pub bf16_weights_bytes_per_sec: f64,
     /// [`engine_attention_flops_per_sec`]; `None` on a host too busy to measure it.
     pub attention: Option<AttentionRate>,
 }
 
-/// [`EngineRates`] of this host: 1–2 s of every core.
+/// What [`engine_decode_rates`] measures again on a one-thread engine, where the team's
+/// hand-offs between threads cost nothing: a one-thread rank's rates.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OneThreadRates {
+    /// The Q4_0 probe's weight bytes over its step less its layers' cost, bytes/s.
+    pub weights_bytes_per_sec: f64,
+    /// [`engine_attention_flops_per_sec`] on the one thread; `None` on a host too busy.
+    pub attention: Option<AttentionRate>,
+    /// The one thread's prefill tokens/s over every core's ([`prefill_tokens_per_sec`] of
+    /// the Q4_0 probe): the share of the all-core compute rate a thread alone gets (2-core
+    /// EPYC VM: 547 tokens/s of SmolLM2 on one thread, 876–993 on both).
+    pub prefill_share: f64,
+}
+
+/// Tokens of the prompt [`prefill_tokens_per_sec`] prefills: 64, so that the Q4_0 probe's
+/// products are bound by compute, not by reading its weights (29 GFLOP, tens of ms).
+const PREFILL_PROBE_TOKENS: u32 = 64;
+
+/// Prefill tokens/s of `engine` on a [`PREFILL_PROBE_TOKENS`]-token prompt, best of 2 runs
+/// after a warm-up.
+///
+/// Errors: a forward pass fails.
+fn prefill_tokens_per_sec(engine: &Engine) -> Result<f64> {
+    let prompt: Vec<u32> = (1..=PREFILL_PROBE_TOKENS).collect();
+    Ok(cpu_decode(engine, &prompt, 1, 1, 2)?.prefill_tokens_per_sec)
+}
+
+/// [`EngineRates`] of this host: 1.5–3 s of every core.
 ///
 /// Errors: as [`engine_probe`], [`engine_decode_bytes_per_sec`] and
 /// [`engine_attention_flops_per_sec`].
@@ -431,7 +460,6 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
         quantized.model.decode_weight_bytes() as f64,
         quantized.model.layers.len() as f64,
     );
-    drop(quantized);
     let layers = Engine::from_source(
         &ModelSource::Dummy(layer_probe_model()),
         0,
@@ -442,6 +470,20 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
     let speed = cpu_decode(&layers, &[1, 2, 3, 4], 1, steps, runs + 2)?;
     let layer_secs = 1.0 / speed.decode_tokens_per_sec / layers.model.layers.len() as f64;
     drop(layers);
+    // Last, so that the layer probe runs on the same threads as the wide step before it.
+    let one_thread = if quantized.threads() > 1 {
+        let prefill = prefill_tokens_per_sec(&quantized)?;
+        let alone = quantized.with_threads(1)?;
+        let step_secs = engine_decode_bytes_per_sec(&alone, DummyDtype::Q4_0)?.1;
+        Some((
+            step_secs,
+            engine_attention_flops_per_sec(&alone, step_secs)?,
+            prefill_tokens_per_sec(&alone)? / prefill,
+        ))
+    } else {
+        drop(quantized);
+        None
+    };
     // The wide step less its layers' fixed cost read the bytes.
     let bytes_secs = short_step_secs - wide_layers * layer_secs;
     let (weights_bytes_per_sec, layer_secs) = if bytes_secs > 0.5 * short_step_secs {
@@ -449,11 +491,18 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
     } else {
         (plain_bytes_per_sec, None)
     };
+    let one_thread = one_thread.map(|(step, attention, prefill_share)| OneThreadRates {
+        weights_bytes_per_sec: wide_bytes
+            / (step - wide_layers * layer_secs.unwrap_or(0.0)).max(step / 2.0),
+        attention,
+        prefill_share,
+    });
     let (bf16_weights_bytes_per_sec, _) =
         engine_decode_bytes_per_sec(&engine_probe(DummyDtype::Bf16)?, DummyDtype::Bf16)?;
     Ok(EngineRates {
         weights_bytes_per_sec,
         layer_secs,
+        one_thread,
         bf16_weights_bytes_per_sec,
         attention,
     })

@@ -73,6 +73,20 @@ impl Engine {
         })
     }
 
+    /// The same model on a new pool and team of `threads` threads (0: one per core).
+    ///
+    /// Errors: the threads cannot be started.
+    pub(crate) fn with_threads(self, threads: usize) -> Result<Engine> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("infer-worker-{i}"))
+            .build()
+            .map_err(|e| anyhow!("failed to start the thread pool: {e}"))?;
+        let team = Team::new(pool.current_num_threads())
+            .map_err(|e| anyhow!("failed to start the thread team: {e}"))?;
+        Ok(Engine { pool, team, ..self })
+    }
+
     /// Threads of the pool.
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
