@@ -218,7 +218,6 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
         profile.decode_one_thread_bytes_per_sec = Some(alone.weights_bytes_per_sec);
         profile.decode_one_thread_attention_flops_per_sec =
             alone.attention.map(|attention| attention.flops_per_sec);
-        profile.one_thread_flops_per_sec = Some(profile.flops_per_sec * alone.prefill_share);
     }
     profile.decode_attention_flops_per_sec = rates.attention.map(|attention| {
         attention.flops_per_sec

@@ -66,17 +66,6 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
     let threads = (cores / ranks.max(1)).max(1);
     let ranks = ranks.max(1);
     let share = rate_share(ranks, cores);
-    let flops_per_sec = if ranks <= cores {
-        rank_rate(
-            profile.flops_per_sec,
-            profile.one_thread_flops_per_sec,
-            threads,
-            cores,
-            f64::INFINITY,
-        )
-    } else {
-        profile.flops_per_sec / share
-    };
     HardwareSpec {
         name: profile.name.clone(),
         memory_bytes: (profile.memory_bytes as f64 / ranks as f64) as u64,
@@ -91,8 +80,8 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
         } else {
             profile.weight_read_bytes_per_sec() / share
         } / 1e9,
-        bf16_tflops: flops_per_sec / 1e12,
-        fp8_tflops: flops_per_sec / 1e12,
+        bf16_tflops: profile.flops_per_sec / share / 1e12,
+        fp8_tflops: profile.flops_per_sec / share / 1e12,
         nvlink_gb_per_sec: 0.0,
         nvlink_domain_size: 1,
         bf16_weights_gb_per_sec: profile
@@ -565,10 +554,6 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
         // The measured step's rate counts its model's layers already.
         cpu.profile.decode_layer_secs = None;
         if let Some(flops) = flops_per_sec {
-            cpu.profile.one_thread_flops_per_sec = cpu
-                .profile
-                .one_thread_flops_per_sec
-                .map(|alone| alone * flops / cpu.profile.flops_per_sec);
             cpu.profile.flops_per_sec = flops;
         }
         host.hardware = cpu_rank_hardware(&cpu.profile, cpu.ranks);
@@ -675,7 +660,6 @@ mod tests {
             decode_layer_secs: Some(20e-6),
             decode_one_thread_bytes_per_sec: None,
             decode_one_thread_attention_flops_per_sec: None,
-            one_thread_flops_per_sec: None,
             decode_attention_flops_per_sec: Some(2e10),
             source: "made up".into(),
         }
@@ -772,7 +756,6 @@ mod tests {
             decode_layer_secs: None,
             decode_one_thread_bytes_per_sec: None,
             decode_one_thread_attention_flops_per_sec: None,
-            one_thread_flops_per_sec: None,
             decode_attention_flops_per_sec: None,
             ..profile
         };
@@ -979,11 +962,10 @@ mod tests {
         assert_eq!(profile.decode_layer_secs, Some(20e-6));
         assert_eq!(cpu.profile.decode_layer_secs, None);
         assert_eq!(cluster.hosts[0].hardware.cpu_layer_secs, None);
-        // A thread alone keeps its probed advantage over the all-core rates: 1.5 of the
-        // probed 8 cores' 12 GB/s and 1/4 of their 10^15 flops/s.
+        // A thread alone keeps its probed advantage over the all-core rate: 1.5 of the
+        // probed 8 cores' 12 GB/s.
         let mut advantaged = profile.clone();
         advantaged.decode_one_thread_bytes_per_sec = Some(1.5 * 12e9 / 8.0);
-        advantaged.one_thread_flops_per_sec = Some(0.25e15);
         let mut with_alone = cpu_cluster(1, 8, &advantaged);
         calibrate(
             &mut with_alone,
@@ -997,8 +979,6 @@ mod tests {
             (alone - 1.5 * measured / 8.0).abs() < 1e-6 * alone,
             "{alone}"
         );
-        let flops = calibrated.one_thread_flops_per_sec.expect("kept");
-        assert!((flops - 0.25 * 3e11).abs() < 1e-3, "{flops}");
         assert!(
             cluster.measured.decode[0]
                 .source
@@ -1103,7 +1083,6 @@ mod tests {
         // Through a host's profile: 8 ranks of one thread, 4 of two, 12 taking turns.
         let mut profile = profile();
         profile.decode_one_thread_bytes_per_sec = Some(3e9);
-        profile.one_thread_flops_per_sec = Some(0.25e15);
         profile.decode_one_thread_attention_flops_per_sec = Some(5e9);
         let one = cpu_rank_hardware(&profile, 8);
         // 20 GB/s of memory over 8 ranks caps the 3 GB/s at 2.5.
@@ -1112,8 +1091,9 @@ mod tests {
             "{}",
             one.hbm_gb_per_sec
         );
+        // Compute stays the threads' share: the probe measures no one-thread compute rate.
         assert!(
-            (one.bf16_tflops - 250.0).abs() < 1e-9,
+            (one.bf16_tflops - 125.0).abs() < 1e-9,
             "{}",
             one.bf16_tflops
         );

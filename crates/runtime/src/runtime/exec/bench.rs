@@ -428,23 +428,6 @@ pub struct OneThreadRates {
     pub weights_bytes_per_sec: f64,
     /// [`engine_attention_flops_per_sec`] on the one thread; `None` on a host too busy.
     pub attention: Option<AttentionRate>,
-    /// The one thread's prefill tokens/s over every core's ([`prefill_tokens_per_sec`] of
-    /// the Q4_0 probe): the share of the all-core compute rate a thread alone gets (2-core
-    /// EPYC VM: 547 tokens/s of SmolLM2 on one thread, 876–993 on both).
-    pub prefill_share: f64,
-}
-
-/// Tokens of the prompt [`prefill_tokens_per_sec`] prefills: 64, so that the Q4_0 probe's
-/// products are bound by compute, not by reading its weights (29 GFLOP, tens of ms).
-const PREFILL_PROBE_TOKENS: u32 = 64;
-
-/// Prefill tokens/s of `engine` on a [`PREFILL_PROBE_TOKENS`]-token prompt, best of 2 runs
-/// after a warm-up.
-///
-/// Errors: a forward pass fails.
-fn prefill_tokens_per_sec(engine: &Engine) -> Result<f64> {
-    let prompt: Vec<u32> = (1..=PREFILL_PROBE_TOKENS).collect();
-    Ok(cpu_decode(engine, &prompt, 1, 1, 2)?.prefill_tokens_per_sec)
 }
 
 /// [`EngineRates`] of this host: 1.5–3 s of every core.
@@ -472,13 +455,11 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
     drop(layers);
     // Last, so that the layer probe runs on the same threads as the wide step before it.
     let one_thread = if quantized.threads() > 1 {
-        let prefill = prefill_tokens_per_sec(&quantized)?;
         let alone = quantized.with_threads(1)?;
         let step_secs = engine_decode_bytes_per_sec(&alone, DummyDtype::Q4_0)?.1;
         Some((
             step_secs,
             engine_attention_flops_per_sec(&alone, step_secs)?,
-            prefill_tokens_per_sec(&alone)? / prefill,
         ))
     } else {
         drop(quantized);
@@ -491,11 +472,10 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
     } else {
         (plain_bytes_per_sec, None)
     };
-    let one_thread = one_thread.map(|(step, attention, prefill_share)| OneThreadRates {
+    let one_thread = one_thread.map(|(step, attention)| OneThreadRates {
         weights_bytes_per_sec: wide_bytes
             / (step - wide_layers * layer_secs.unwrap_or(0.0)).max(step / 2.0),
         attention,
-        prefill_share,
     });
     let (bf16_weights_bytes_per_sec, _) =
         engine_decode_bytes_per_sec(&engine_probe(DummyDtype::Bf16)?, DummyDtype::Bf16)?;
