@@ -145,33 +145,44 @@ fn all_gather_broadcast_send_recv_all_to_all_and_barrier() {
     }
 }
 
+/// Rank 1 returns at once and drops its sockets (and, over shared memory, stops taking
+/// part); the others fail naming it and the group, well before the 10 s timeout: in an
+/// all-reduce, or waiting for its message (rank 0) and sending it more than a ring and a
+/// socket buffer hold (rank 2).
 #[test]
 fn a_vanished_peer_is_named_in_the_error() {
-    for transport in TRANSPORTS {
+    for (transport, case) in TRANSPORTS
+        .into_iter()
+        .flat_map(|t| ["all-reduce", "send/recv"].map(move |c| (t, c)))
+    {
         let started = std::time::Instant::now();
         let results = with_group(3, transport, |comm| {
             if comm.rank() == 1 {
                 return None;
             }
-            std::thread::sleep(Duration::from_millis(100));
-            let mut values = vec![1f32; 10];
-            Some(
-                comm.all_reduce_sum(&mut values)
-                    .map_err(|e| format!("{e:#}")),
-            )
+            let outcome = match case {
+                "all-reduce" => {
+                    std::thread::sleep(Duration::from_millis(100));
+                    comm.all_reduce_sum(&mut [1f32; 10])
+                }
+                _ if comm.rank() == 0 => comm.recv(1).map(drop),
+                _ => comm.send(1, &message(2, 64 << 20)),
+            };
+            Some(outcome.map_err(|e| format!("{e:#}")))
         });
-        // Rank 1 returned and dropped its sockets (and, over shared memory, stopped taking
-        // part); the others fail naming a peer and the group, well before the 10 s timeout.
         for result in results.into_iter().flatten() {
             let error = result.expect_err("the group lost a member");
             assert!(
                 error.contains("group `test`") && error.contains("rank 1"),
-                "{transport:?}: {error}"
+                "{transport:?} {case}: {error}"
             );
+            if matches!(transport, Transport::Shm) {
+                assert!(error.contains("(shared memory)"), "{case}: {error}");
+            }
         }
         assert!(
             started.elapsed() < Duration::from_secs(5),
-            "{transport:?}: {:?}",
+            "{transport:?} {case}: {:?}",
             started.elapsed()
         );
     }
@@ -246,39 +257,6 @@ fn messages_larger_than_a_ring_pass_whole_and_in_order() {
                 "{transport:?} n={n} rank {rank}"
             );
         }
-    }
-}
-
-#[test]
-fn a_peer_that_vanishes_mid_message_is_named() {
-    for transport in TRANSPORTS {
-        let started = std::time::Instant::now();
-        let results = with_group(3, transport, |comm| match comm.rank() {
-            // Gone without reading or writing a byte.
-            1 => None,
-            // Waits for a message that never comes.
-            0 => Some(comm.recv(1).map(drop).map_err(|e| format!("{e:#}"))),
-            // Sends more than a ring (and a socket buffer) holds to a reader that is gone.
-            _ => Some(
-                comm.send(1, &message(2, 64 << 20))
-                    .map_err(|e| format!("{e:#}")),
-            ),
-        });
-        for result in results.into_iter().flatten() {
-            let error = result.expect_err("the group lost a member");
-            assert!(
-                error.contains("group `test`") && error.contains("rank 1"),
-                "{transport:?}: {error}"
-            );
-            if matches!(transport, Transport::Shm) {
-                assert!(error.contains("(shared memory)"), "{error}");
-            }
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "{transport:?}: {:?}",
-            started.elapsed()
-        );
     }
 }
 

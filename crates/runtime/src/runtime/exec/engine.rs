@@ -32,6 +32,20 @@ pub struct Engine {
     team: Team,
 }
 
+/// A rayon pool and a forward-pass team of `threads` threads each (0: one per core).
+///
+/// Errors: the threads cannot be started.
+fn threads_of(threads: usize) -> Result<(rayon::ThreadPool, Team)> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("infer-worker-{i}"))
+        .build()
+        .map_err(|e| anyhow!("failed to start the thread pool: {e}"))?;
+    let team = Team::new(pool.current_num_threads())
+        .map_err(|e| anyhow!("failed to start the thread team: {e}"))?;
+    Ok((pool, team))
+}
+
 impl Engine {
     /// Loads a `.gguf` file or a Hugging Face directory and builds a pool of `threads`
     /// threads (0: one per available core); the matrix products round as `numerics` says.
@@ -54,13 +68,7 @@ impl Engine {
         threads: usize,
         numerics: Numerics,
     ) -> Result<Engine> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("infer-worker-{i}"))
-            .build()
-            .map_err(|e| anyhow!("failed to start the thread pool: {e}"))?;
-        let team = Team::new(pool.current_num_threads())
-            .map_err(|e| anyhow!("failed to start the thread team: {e}"))?;
+        let (pool, team) = threads_of(threads)?;
         let (mut model, tokenizer) = pool.install(|| source.load())?;
         model.set_numerics(numerics);
         pool.install(|| model.pack_weights());
@@ -77,13 +85,7 @@ impl Engine {
     ///
     /// Errors: the threads cannot be started.
     pub(crate) fn with_threads(self, threads: usize) -> Result<Engine> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("infer-worker-{i}"))
-            .build()
-            .map_err(|e| anyhow!("failed to start the thread pool: {e}"))?;
-        let team = Team::new(pool.current_num_threads())
-            .map_err(|e| anyhow!("failed to start the thread team: {e}"))?;
+        let (pool, team) = threads_of(threads)?;
         Ok(Engine { pool, team, ..self })
     }
 
