@@ -453,18 +453,6 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
     let speed = cpu_decode(&layers, &[1, 2, 3, 4], 1, steps, runs + 2)?;
     let layer_secs = 1.0 / speed.decode_tokens_per_sec / layers.model.layers.len() as f64;
     drop(layers);
-    // Last, so that the layer probe runs on the same threads as the wide step before it.
-    let one_thread = if quantized.threads() > 1 {
-        let alone = quantized.with_threads(1)?;
-        let step_secs = engine_decode_bytes_per_sec(&alone, DummyDtype::Q4_0)?.1;
-        Some((
-            step_secs,
-            engine_attention_flops_per_sec(&alone, step_secs)?,
-        ))
-    } else {
-        drop(quantized);
-        None
-    };
     // The wide step less its layers' fixed cost read the bytes.
     let bytes_secs = short_step_secs - wide_layers * layer_secs;
     let (weights_bytes_per_sec, layer_secs) = if bytes_secs > 0.5 * short_step_secs {
@@ -472,11 +460,20 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
     } else {
         (plain_bytes_per_sec, None)
     };
-    let one_thread = one_thread.map(|(step, attention)| OneThreadRates {
-        weights_bytes_per_sec: wide_bytes
-            / (step - wide_layers * layer_secs.unwrap_or(0.0)).max(step / 2.0),
-        attention,
-    });
+    // After the layer probe: run before it, the one-thread engine left the layer cost
+    // measured at twice its figure.
+    let one_thread = if quantized.threads() > 1 {
+        let alone = quantized.with_threads(1)?;
+        let step = engine_decode_bytes_per_sec(&alone, DummyDtype::Q4_0)?.1;
+        Some(OneThreadRates {
+            weights_bytes_per_sec: wide_bytes
+                / (step - wide_layers * layer_secs.unwrap_or(0.0)).max(step / 2.0),
+            attention: engine_attention_flops_per_sec(&alone, step)?,
+        })
+    } else {
+        drop(quantized);
+        None
+    };
     let (bf16_weights_bytes_per_sec, _) =
         engine_decode_bytes_per_sec(&engine_probe(DummyDtype::Bf16)?, DummyDtype::Bf16)?;
     Ok(EngineRates {
