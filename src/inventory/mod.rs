@@ -214,6 +214,7 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
     profile.decode_bytes_per_sec = Some(rates.weights_bytes_per_sec);
     profile.decode_bf16_bytes_per_sec = Some(rates.bf16_weights_bytes_per_sec);
     profile.decode_layer_secs = rates.layer_secs;
+    profile.prefill_attention_flops_per_sec = rates.prefill_attention_flops_per_sec;
     if let Some(alone) = rates.one_thread {
         profile.decode_one_thread_bytes_per_sec = Some(alone.weights_bytes_per_sec);
         profile.decode_one_thread_attention_flops_per_sec =
@@ -224,10 +225,15 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
             / attention_occupancy(attention.tasks as u64, attention.threads as u64)
     });
     profile.source = format!(
-        "probed on this host in {:.2} s{}",
+        "probed on this host in {:.2} s{}{}",
         started.elapsed().as_secs_f64(),
         if rates.attention.is_none() {
             "; its attention not measured (the host was too busy): the KV cache read at the weights' rate"
+        } else {
+            ""
+        },
+        if rates.prefill_attention_flops_per_sec.is_none() {
+            "; a prompt's attention not measured (the host was too busy): computed at the products' rate"
         } else {
             ""
         }

@@ -144,6 +144,18 @@ pub struct DecodeReport {
     /// replaces the probed compute rate. Absent from older reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_flops_per_sec: Option<f64>,
+    /// The causal attention part of the prompt's arithmetic, flops (`2 · tokens² · n_heads ·
+    /// head_dim` per layer, as `cost::prefill_attention_flops`). Absent from older reports
+    /// and from GPU runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_attention_flops: Option<f64>,
+    /// The model's own prefill attention rate on this CPU, flops/s
+    /// (`runtime::exec::bench::engine_prefill_attention_flops_per_sec`): with
+    /// `prefill_attention_flops` it splits the prefill's time between its products and its
+    /// attention, which a plan costs apart. Absent from older reports, from GPU runs and
+    /// where not measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_attention_flops_per_sec: Option<f64>,
     /// Tokens of all sequences per second.
     pub decode_tokens_per_sec: f64,
     /// Time of one decode step of the whole batch, seconds.
@@ -550,6 +562,8 @@ mod tests {
             decode_tokens: 8,
             prefill_tokens_per_sec: 1.0,
             prefill_flops_per_sec: None,
+            prefill_attention_flops: None,
+            prefill_attention_flops_per_sec: None,
             decode_tokens_per_sec: 100.0,
             decode_step_secs: 0.01,
             decode_weight_bytes: 1_000_000_000,

@@ -106,6 +106,9 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
                 },
                 threads,
             }),
+        cpu_prefill_attention_flops_per_sec: profile
+            .prefill_attention_flops_per_sec
+            .map(|rate| rate / share),
         cpu_row_chain: Some(CpuRowChain {
             alone_speedup: (threads as f64 * share / cores as f64).max(1.0),
             ranks_outnumber_cores: ranks > cores,
@@ -188,6 +191,11 @@ pub struct HardwareSpec {
     /// whose attention reads it at `hbm_gb_per_sec`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_attention: Option<CpuAttention>,
+    /// A CPU rank's prefill attention rate, flops/s: its share of
+    /// [`CpuProfile::prefill_attention_flops_per_sec`], as of its compute rate; absent for
+    /// GPUs, whose prompts attend at `bf16_tflops`, and where not measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_prefill_attention_flops_per_sec: Option<f64>,
     /// How a CPU rank's tensor parallelism runs its row-parallel products; absent for GPUs,
     /// whose TP all-reduces partial sums.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -554,7 +562,10 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
         // The measured step's rate counts its model's layers already.
         cpu.profile.decode_layer_secs = None;
         if let Some(flops) = flops_per_sec {
-            cpu.profile.flops_per_sec = flops;
+            let (products, attention) = prefill_rates_of(report, flops);
+            cpu.profile.flops_per_sec = products;
+            cpu.profile.prefill_attention_flops_per_sec =
+                attention.or(cpu.profile.prefill_attention_flops_per_sec);
         }
         host.hardware = cpu_rank_hardware(&cpu.profile, cpu.ranks);
     }
@@ -582,6 +593,33 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
         ),
     });
     Ok(())
+}
+
+/// The rates of a CPU decode report's prefill, flops/s: of its products, and of its
+/// attention where the report measured it on its model. Its prompt took `prompt_tokens /
+/// prefill_tokens_per_sec` seconds for `flops` flops a second of the planner's count; its
+/// `prefill_attention_flops` at the measured `prefill_attention_flops_per_sec` took their
+/// part, and the rest of the arithmetic the rest of the time, so that a plan's prompt of
+/// another length costs each part at its own rate. `(flops, None)` where the report lacks
+/// those figures or its attention would take more than half of the prompt's time (a
+/// measurement too noisy to split).
+fn prefill_rates_of(report: &DecodeReport, flops: f64) -> (f64, Option<f64>) {
+    let whole = (flops, None);
+    let (Some(attention_flops), Some(rate)) = (
+        report.prefill_attention_flops,
+        report.prefill_attention_flops_per_sec,
+    ) else {
+        return whole;
+    };
+    let prompt_secs = report.prompt_tokens.max(1) as f64 / report.prefill_tokens_per_sec;
+    let attention_secs = attention_flops / rate;
+    let products_flops = flops * prompt_secs - attention_flops;
+    if !(rate > 0.0 && prompt_secs.is_finite() && attention_secs < prompt_secs / 2.0)
+        || products_flops <= 0.0
+    {
+        return whole;
+    }
+    (products_flops / (prompt_secs - attention_secs), Some(rate))
 }
 
 /// The rate at which a CPU decode report's step read its weights, bytes/s, and the seconds of
@@ -660,6 +698,7 @@ mod tests {
             decode_layer_secs: Some(20e-6),
             decode_one_thread_bytes_per_sec: None,
             decode_one_thread_attention_flops_per_sec: None,
+            prefill_attention_flops_per_sec: None,
             decode_attention_flops_per_sec: Some(2e10),
             source: "made up".into(),
         }
@@ -756,6 +795,7 @@ mod tests {
             decode_layer_secs: None,
             decode_one_thread_bytes_per_sec: None,
             decode_one_thread_attention_flops_per_sec: None,
+            prefill_attention_flops_per_sec: None,
             decode_attention_flops_per_sec: None,
             ..profile
         };
@@ -918,6 +958,8 @@ mod tests {
             decode_tokens: 128,
             prefill_tokens_per_sec: 100.0,
             prefill_flops_per_sec: Some(3e11),
+            prefill_attention_flops: None,
+            prefill_attention_flops_per_sec: None,
             decode_tokens_per_sec: 10.0,
             decode_step_secs: 0.1,
             decode_weight_bytes: 500_000_000,
@@ -1150,6 +1192,141 @@ mod tests {
                 })
             );
         }
+    }
+
+    #[test]
+    fn a_prompts_attention_costs_its_own_rate_and_a_calibration_splits_it_off() {
+        use crate::plan::cost::{
+            Link, Links, prefill_attention_flops, prefill_flops, prefill_secs,
+        };
+        let spec = smollm2();
+        // 200 GFLOP/s of products keep the prompt bound by compute (its ~100 MB of weights
+        // take 8 ms at 12 GB/s); its attention runs at 40 GFLOP/s.
+        let probed = CpuProfile {
+            flops_per_sec: 2e11,
+            prefill_attention_flops_per_sec: Some(4e10),
+            ..profile()
+        };
+        let one = Degrees {
+            tp: 1,
+            pp: 1,
+            ep: 1,
+            dp: 1,
+        };
+        let link = Link {
+            bytes_per_sec: 2e9,
+            latency_secs: 50e-6,
+            message_latency_secs: 20e-6,
+        };
+        let links = Links {
+            tp: link,
+            ep: link,
+            pp: link,
+        };
+        let stages = stage_memory(
+            &spec,
+            &one,
+            Dtype::Int4,
+            Dtype::Bf16,
+            1 << 30,
+            0.9,
+            Device::Cpu,
+        );
+        let prefill = |profile: &CpuProfile, ranks: u64, tokens: u64| {
+            let hardware = cpu_rank_hardware(profile, ranks);
+            prefill_secs(&spec, &one, &stages, Dtype::Int4, &hardware, &links, tokens)
+        };
+        // By hand: the products at 200 GFLOP/s, the causal attention (2 · 1024² · 9 · 64 ·
+        // 30 flops) at 40; a rank of 2 on the host gets half of each rate.
+        let attention = 2.0 * 1024.0 * 1024.0 * 576.0 * 30.0;
+        assert_eq!(prefill_attention_flops(&spec, 1024), attention);
+        let by_hand = (prefill_flops(&spec, 1024) - attention) / 2e11 + attention / 4e10;
+        let alone = prefill(&probed, 1, 1024);
+        assert!(
+            (alone - by_hand).abs() < 1e-9 * by_hand,
+            "{alone} vs {by_hand}"
+        );
+        let half = prefill(&probed, 2, 1024);
+        assert!((half - 2.0 * by_hand).abs() < 1e-9 * by_hand, "{half}");
+        // Without the rate, the attention runs at the products' rate: less time.
+        let unmeasured = CpuProfile {
+            prefill_attention_flops_per_sec: None,
+            ..probed.clone()
+        };
+        let lumped = prefill_flops(&spec, 1024) / 2e11;
+        let secs = prefill(&unmeasured, 1, 1024);
+        assert!(
+            (secs - lumped).abs() < 1e-9 * lumped && secs < alone,
+            "{secs}"
+        );
+
+        // A report of a 128-token prompt of the model in 0.128 s (its flops by the
+        // planner's count over that time), whose attention (2 · 128² · 576 · 30 flops) ran
+        // at 35 GFLOP/s on the model: the products take the rest of the time.
+        let measured_flops = prefill_flops(&spec, 128) / 0.128;
+        let report = DecodeReport {
+            bench: "decode".into(),
+            model: "m.gguf".into(),
+            device: "cpu".into(),
+            device_name: probed.name.clone(),
+            threads: 8,
+            numerics: "exact".into(),
+            batch: 1,
+            prompt_tokens: 128,
+            decode_tokens: 128,
+            prefill_tokens_per_sec: 1000.0,
+            prefill_flops_per_sec: Some(measured_flops),
+            prefill_attention_flops: Some(prefill_attention_flops(&spec, 128)),
+            prefill_attention_flops_per_sec: Some(3.5e10),
+            decode_tokens_per_sec: 10.0,
+            decode_step_secs: 0.1,
+            decode_weight_bytes: 500_000_000,
+            weight_bytes_per_sec: 5e9,
+            decode_attention_flops: None,
+            kv_heads: None,
+            peak_rss_bytes: 0,
+            gpu_memory_used_bytes: None,
+            hbm_bytes_per_sec: None,
+            batches: Vec::new(),
+        };
+        let calibrated = |report: &DecodeReport| {
+            let mut cluster = cpu_cluster(1, 8, &probed);
+            calibrate(
+                &mut cluster,
+                "cpu.json",
+                Measurement::Decode(Box::new(report.clone())),
+            )
+            .expect("this cluster's CPU");
+            cluster.hosts[0].cpu.clone().expect("a CPU host").profile
+        };
+        let split = calibrated(&report);
+        let attention_128 = 2.0 * 128.0 * 128.0 * 576.0 * 30.0;
+        let products = (measured_flops * 0.128 - attention_128) / (0.128 - attention_128 / 3.5e10);
+        assert!(
+            (split.flops_per_sec - products).abs() < 1e-6 * products,
+            "{} vs {products}",
+            split.flops_per_sec
+        );
+        assert_eq!(split.prefill_attention_flops_per_sec, Some(3.5e10));
+        // So the same prompt costs what it measured: 0.128 s.
+        let again = prefill(&split, 1, 128);
+        assert!((again - 0.128).abs() < 1e-9, "{again}");
+        // An attention that would take more than half of the prompt's time is not split
+        // off (a measurement too noisy for it): the lumped rate, the probed attention rate.
+        let noisy = DecodeReport {
+            prefill_attention_flops_per_sec: Some(1e9),
+            ..report.clone()
+        };
+        let lumped = calibrated(&noisy);
+        assert_eq!(lumped.flops_per_sec, measured_flops);
+        assert_eq!(lumped.prefill_attention_flops_per_sec, Some(4e10));
+        // A report from before the split: the same.
+        let older = DecodeReport {
+            prefill_attention_flops: None,
+            prefill_attention_flops_per_sec: None,
+            ..report
+        };
+        assert_eq!(calibrated(&older).flops_per_sec, measured_flops);
     }
 
     #[test]

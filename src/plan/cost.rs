@@ -596,14 +596,23 @@ pub(crate) fn decode_step_secs(
 /// and what `infer bench decode --json` divides by its prefill time (`prefill_flops_per_sec`).
 pub(crate) fn prefill_flops(spec: &ModelSpec, prompt_tokens: u64) -> f64 {
     let tokens = prompt_tokens.max(1) as f64;
-    2.0 * spec.active_params() as f64 * tokens
-        + 2.0 * tokens * tokens * (spec.n_heads * spec.head_dim) as f64 * spec.n_layers as f64
+    2.0 * spec.active_params() as f64 * tokens + prefill_attention_flops(spec, prompt_tokens)
+}
+
+/// The causal attention part of [`prefill_flops`], flops: `2 · tokens² · heads · head_dim`
+/// per layer (QKᵀ and PV, each `2 · tokens² · heads · head_dim` over the full square, over
+/// half of it). What a CPU rank computes at its prefill attention's own rate
+/// ([`HardwareSpec::cpu_prefill_attention_flops_per_sec`]).
+pub(crate) fn prefill_attention_flops(spec: &ModelSpec, prompt_tokens: u64) -> f64 {
+    let tokens = prompt_tokens.max(1) as f64;
+    2.0 * tokens * tokens * (spec.n_heads * spec.head_dim) as f64 * spec.n_layers as f64
 }
 
 /// Time to prefill one prompt of `prompt_tokens` on one replica, seconds: per stage, the
 /// larger of its tensor-core time for everything but the routed experts (`2 · params ·
 /// tokens` for the projections plus `2 · tokens² · heads · head_dim` for causal attention —
-/// QKᵀ and PV over half the square — over TP) and reading those weights once from HBM; then
+/// QKᵀ and PV over half the square — over TP; a CPU rank's attention at its own measured
+/// rate) and reading those weights once from HBM; then
 /// the routed experts of its MoE layers with the prompt's tokens as the GEMM rows
 /// ([`expert_layer`]: with EP the busiest GPU's share of them); plus two ring all-reduces
 /// per layer of `tokens × hidden` bf16 activations over TP, the EP dispatch/combine of
@@ -630,6 +639,7 @@ pub(crate) fn prefill_secs(
         None => 0,
     };
     let dense_flops = prefill_flops(spec, prompt_tokens) - 2.0 * routed_active as f64 * tokens;
+    let attention_flops = prefill_attention_flops(spec, prompt_tokens);
     let split = if parallel.ep > 1 { parallel.ep } else { tp } as f64;
     let routed_layer_bytes = spec.weight_bytes_by_part(dtype).routed_experts as f64
         / spec.n_moe_layers().max(1) as f64
@@ -639,7 +649,13 @@ pub(crate) fn prefill_secs(
         .map(|stage| {
             let share = stage.n_layers as f64 / spec.n_layers.max(1) as f64 / tp as f64;
             let n_moe_layers_here = moe_layers_in(spec, stage);
-            let compute_secs = dense_flops * share / (tflops * 1e12);
+            let compute_secs = match hardware.cpu_prefill_attention_flops_per_sec {
+                Some(rate) => {
+                    (dense_flops - attention_flops) * share / (tflops * 1e12)
+                        + attention_flops * share / rate
+                }
+                None => dense_flops * share / (tflops * 1e12),
+            };
             let memory_secs = (stage.read_per_step_bytes as f64
                 - n_moe_layers_here * routed_layer_bytes)
                 .max(0.0)

@@ -1466,8 +1466,13 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
                     rate / 1e9
                 )
             });
+            let prompt = p
+                .prefill_attention_flops_per_sec
+                .map_or(String::new(), |flops| {
+                    format!(", a prompt's attention at {:.1} GFLOP/s", flops / 1e9)
+                });
             format!(
-                "each host's CPU is one device its ranks share: {}, {} cores, {:.1} GiB of memory read at {:.1} GB/s{engine}, {:.1} GFLOP/s ({})",
+                "each host's CPU is one device its ranks share: {}, {} cores, {:.1} GiB of memory read at {:.1} GB/s{engine}, {:.1} GFLOP/s{prompt} ({})",
                 p.name,
                 p.n_cores,
                 gib(p.memory_bytes),

@@ -89,6 +89,16 @@ pub struct CpuProfile {
     /// the KV cache is read at the weights' rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_attention_flops_per_sec: Option<f64>,
+    /// The arithmetic rate of the CPU engine's prefill attention on every core, flops/s of
+    /// the planner's count (`2 · tokens² · n_heads · head_dim` per layer for a prompt): a
+    /// prompt's tokens attend in one task per (token, KV head) with the prompt's kernels,
+    /// well below the rate of its products (2-core EPYC: 38–46 GFLOP/s for SmolLM2, against
+    /// ~220 for its products), so that a long prompt's time grows with its square. Measured
+    /// by the planner's probe (`runtime::exec::bench::engine_prefill_attention_flops_per_sec`)
+    /// or on the real model by a calibration; `None` where not measured, and then a prompt's
+    /// attention is computed at `flops_per_sec`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_attention_flops_per_sec: Option<f64>,
     /// How the figures were obtained (`probed on this host in 0.41 s`).
     pub source: String,
 }
@@ -148,6 +158,7 @@ pub fn probe_cpu() -> Result<CpuProfile> {
         decode_one_thread_bytes_per_sec: None,
         decode_one_thread_attention_flops_per_sec: None,
         decode_attention_flops_per_sec: None,
+        prefill_attention_flops_per_sec: None,
         source: format!(
             "probed on this host in {:.2} s",
             started.elapsed().as_secs_f64()

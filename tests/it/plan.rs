@@ -754,6 +754,8 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
             && text.contains("its engine's decode step reading weights at")
             && (text.contains("its attention over the KV cache at")
                 || text.contains("its attention not measured (the host was too busy)"))
+            && (text.contains("a prompt's attention at")
+                || text.contains("a prompt's attention not measured (the host was too busy)"))
             && text.contains("memory per rank")
             && text.contains("infer up --tp")
             && !text.contains("vllm serve")
@@ -1874,6 +1876,17 @@ fn bench_json_reports_calibrate_the_plan() {
     // SmolLM2-135M Q4_1: 30 layers of 576-wide attention and 1536-wide MLP plus the tied
     // 49152 × 576 head, ~5 bits a weight: 60–130 MB.
     assert!((60e6..130e6).contains(&weights), "{weights}");
+    // The prompt's causal attention, 2 · 16² · (9 heads · 64) · 30 layers flops, and the
+    // model's own rate for it, which a calibration splits the prefill's time by.
+    assert_eq!(
+        report["prefill_attention_flops"],
+        2.0 * 256.0 * 576.0 * 30.0,
+        "{report}"
+    );
+    // (Absent only when a busy host made the chunk no slower after its context.)
+    if let Some(rate) = report.get("prefill_attention_flops_per_sec") {
+        assert!(rate.as_f64().is_some_and(|r| r > 1e8), "{report}");
+    }
     let one_gpu = [
         "--model",
         "llama-3.1-8b",

@@ -3,7 +3,7 @@
 
 use crate::cli::BenchDecodeArgs;
 use crate::plan::calibration::DecodeReport;
-use crate::plan::cost::prefill_flops;
+use crate::plan::cost::{prefill_attention_flops, prefill_flops};
 use crate::plan::model::ModelSpec;
 use crate::runtime::cpu::quant::Numerics;
 use crate::runtime::exec::bench::{self, CpuDecodeSpeed};
@@ -33,23 +33,29 @@ pub(super) fn text(
     )
 }
 
-/// The JSON report from the best tokens/s and the peak RSS in bytes; with the model's
-/// `spec`, the prefill's compute rate by the planner's count of the prompt's arithmetic.
+/// The JSON report from the best tokens/s, the model's prefill attention rate in flops/s
+/// (`prefill_attention_flops_per_sec`, where measured) and the peak RSS in bytes; with the
+/// model's `spec`, the prefill's compute rate and its attention's arithmetic by the
+/// planner's count.
 pub(super) fn json(
     args: &BenchDecodeArgs,
     engine: &Engine,
     spec: Option<ModelSpec>,
     prompt_tokens: usize,
     speed: CpuDecodeSpeed,
+    prefill_attention_flops_per_sec: Option<f64>,
     peak_rss_bytes: u64,
 ) -> DecodeReport {
     let (best_prefill, best_decode) = (speed.prefill_tokens_per_sec, speed.decode_tokens_per_sec);
     let batch = args.batch.max(1);
     let decode_step_secs = batch as f64 / best_decode;
     let decode_weight_bytes = engine.model.decode_weight_bytes() as u64;
-    let prefill_flops_per_sec = spec.map(|spec| {
-        prefill_flops(&spec, prompt_tokens as u64) * best_prefill / prompt_tokens.max(1) as f64
+    let prefill_flops_per_sec = spec.as_ref().map(|spec| {
+        prefill_flops(spec, prompt_tokens as u64) * best_prefill / prompt_tokens.max(1) as f64
     });
+    let prefill_attention_flops = spec
+        .as_ref()
+        .map(|spec| prefill_attention_flops(spec, prompt_tokens as u64));
     DecodeReport {
         bench: "decode".into(),
         model: model_file_name(engine),
@@ -62,6 +68,8 @@ pub(super) fn json(
         decode_tokens: args.decode_tokens,
         prefill_tokens_per_sec: best_prefill,
         prefill_flops_per_sec,
+        prefill_attention_flops,
+        prefill_attention_flops_per_sec,
         decode_tokens_per_sec: best_decode,
         decode_step_secs,
         decode_weight_bytes,

@@ -87,6 +87,8 @@ impl<'a> CudaReport<'a> {
             decode_tokens: args.decode_tokens,
             prefill_tokens_per_sec: speed.prefill_tokens_per_sec,
             prefill_flops_per_sec: None,
+            prefill_attention_flops: None,
+            prefill_attention_flops_per_sec: None,
             decode_tokens_per_sec: speed.decode_tokens_per_sec,
             decode_step_secs: speed.decode_step_secs,
             decode_weight_bytes: weight_bytes,

@@ -33,7 +33,17 @@ pub(super) fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitSt
             // The planner's count of the prompt's arithmetic, for a calibration of the
             // CPU's compute rate.
             let spec = model::spec_of(&source).ok();
-            let report = cpu::json(args, &engine, spec, prompt.len(), speed, peak_rss_bytes);
+            // Its attention's own rate, which splits the prefill's time for the planner.
+            let attention = bench::engine_prefill_attention_flops_per_sec(&engine)?;
+            let report = cpu::json(
+                args,
+                &engine,
+                spec,
+                prompt.len(),
+                speed,
+                attention,
+                peak_rss_bytes,
+            );
             return printer.json(&report).map(|()| ExitStatus::Success);
         }
         printer.data(&cpu::text(

@@ -15,7 +15,7 @@ use crate::runtime::cuda::device::Gpu;
 use crate::runtime::cuda::gpu::GpuRunner;
 use crate::runtime::model::dummy::{DummyDtype, DummyModel};
 use crate::runtime::model::kv::{KvCache, KvTransfer};
-use crate::runtime::model::llama::SequenceInput;
+use crate::runtime::model::llama::{Llama, SequenceInput};
 use crate::runtime::model::sampling::argmax;
 use crate::runtime::model::source::ModelSource;
 
@@ -354,26 +354,7 @@ fn engine_attention_flops_per_sec(
     short_step_secs: f64,
 ) -> Result<Option<AttentionRate>> {
     let model = &engine.model;
-    let c = &model.config;
-    let (n_layers, n_kv_heads, head_dim) = (model.layers.len(), c.n_kv_heads, c.head_dim);
-    // Keys and values of ±0.5 at most: softmax stays finite whatever the query.
-    let values: Vec<u16> = (0..n_layers * 2 * n_kv_heads * ATTENTION_PROBE_CONTEXT * head_dim)
-        .map(|i| {
-            let unit = (i.wrapping_mul(2_654_435_761) % 2001) as f32 / 2000.0 - 0.5;
-            half::f16::from_f32(unit).to_bits()
-        })
-        .collect();
-    let transfer = KvTransfer {
-        tokens: (0..ATTENTION_PROBE_CONTEXT as u32)
-            .map(|t| 1 + t % 1000)
-            .collect(),
-        first_position: 0,
-        prompt_tokens: ATTENTION_PROBE_CONTEXT,
-        layers: 0..n_layers,
-        n_kv_heads,
-        head_dim,
-        values,
-    };
+    let transfer = probe_context(model, ATTENTION_PROBE_CONTEXT);
     let (steps, runs) = (8, 2);
     let mut long_step_secs = f64::INFINITY;
     for run in 0..=runs {
@@ -394,9 +375,95 @@ fn engine_attention_flops_per_sec(
     let extra_secs = long_step_secs - short_step_secs;
     Ok((extra_secs > 0.0).then(|| AttentionRate {
         flops_per_sec: extra_flops / extra_secs,
-        tasks: n_kv_heads,
+        tasks: model.config.n_kv_heads,
         threads: engine.threads(),
     }))
+}
+
+/// `context_tokens` tokens of random keys and values for every layer of `model` (±0.5 at
+/// most: softmax stays finite whatever the query), as a decode replica imports a prefill's.
+fn probe_context(model: &Llama, context_tokens: usize) -> KvTransfer {
+    let c = &model.config;
+    let (n_layers, n_kv_heads, head_dim) = (model.layers.len(), c.n_kv_heads, c.head_dim);
+    let values: Vec<u16> = (0..n_layers * 2 * n_kv_heads * context_tokens * head_dim)
+        .map(|i| {
+            let unit = (i.wrapping_mul(2_654_435_761) % 2001) as f32 / 2000.0 - 0.5;
+            half::f16::from_f32(unit).to_bits()
+        })
+        .collect();
+    KvTransfer {
+        tokens: (0..context_tokens as u32).map(|t| 1 + t % 1000).collect(),
+        first_position: 0,
+        prompt_tokens: context_tokens,
+        layers: 0..n_layers,
+        n_kv_heads,
+        head_dim,
+        values,
+    }
+}
+
+/// Prompt tokens of the chunk [`engine_prefill_attention_flops_per_sec`] prefills.
+const PREFILL_PROBE_CHUNK: usize = 16;
+
+/// The arithmetic rate of this host's CPU engine's prefill attention on `engine`'s model,
+/// flops/s of the planner's count: a chunk of [`PREFILL_PROBE_CHUNK`] prompt tokens
+/// prefilled after up to [`ATTENTION_PROBE_CONTEXT`] imported tokens of random context,
+/// against the same chunk as a whole prompt, best of 2 runs each; the extra attention flops
+/// (each token attends to the context's positions, `Llama::attention_flops_per_token`
+/// each) over the extra time. A prompt's tokens are one task per (token, KV head) and run
+/// the prompt's kernels, not a decode step's (`Llama::attend`): the rate of a long prompt's
+/// quadratic part, which a plan costs apart from its products. Its rate depends on the
+/// shape (2-core EPYC: 38–46 GFLOP/s for SmolLM2's 3 query heads of 64 per KV head, 20–30
+/// for the probe's 2 of 128). Takes 0.2–0.4 s on the planner's probe model. `None` when the
+/// chunk came out no slower after the context (a host too busy to measure), or the model
+/// holds fewer than 256 tokens of context beside the chunk.
+///
+/// Errors: a forward pass fails.
+pub fn engine_prefill_attention_flops_per_sec(engine: &Engine) -> Result<Option<f64>> {
+    let model = &engine.model;
+    let context_tokens = ATTENTION_PROBE_CONTEXT.min(
+        model
+            .config
+            .max_context_tokens
+            .saturating_sub(PREFILL_PROBE_CHUNK),
+    );
+    if context_tokens < 256 {
+        return Ok(None);
+    }
+    let transfer = probe_context(model, context_tokens);
+    let chunk: Vec<u32> = (0..PREFILL_PROBE_CHUNK as u32).map(|t| 7 + t).collect();
+    let runs = 2;
+    let (mut alone_secs, mut after_secs) = (f64::INFINITY, f64::INFINITY);
+    for run in 0..=runs {
+        let (alone, after) = engine.install(|| -> Result<(f64, f64)> {
+            let mut cache = model.new_cache();
+            let start = Instant::now();
+            model.forward(&mut [SequenceInput {
+                tokens: &chunk,
+                cache: &mut cache,
+                all_logits: false,
+            }])?;
+            let alone = start.elapsed().as_secs_f64();
+            let mut cache = model.new_cache();
+            cache.import(&transfer)?;
+            cache.finish_import();
+            let start = Instant::now();
+            model.forward(&mut [SequenceInput {
+                tokens: &chunk,
+                cache: &mut cache,
+                all_logits: false,
+            }])?;
+            Ok((alone, start.elapsed().as_secs_f64()))
+        })?;
+        if run > 0 {
+            alone_secs = alone_secs.min(alone);
+            after_secs = after_secs.min(after);
+        }
+    }
+    let extra_flops =
+        (PREFILL_PROBE_CHUNK * context_tokens) as f64 * model.attention_flops_per_token() as f64;
+    let extra_secs = after_secs - alone_secs;
+    Ok((extra_secs > 0.0).then(|| extra_flops / extra_secs))
 }
 
 /// The CPU engine's rates in a decode step on this host: what the planner's CPU probe
@@ -418,6 +485,9 @@ pub struct EngineRates {
     pub bf16_weights_bytes_per_sec: f64,
     /// [`engine_attention_flops_per_sec`]; `None` on a host too busy to measure it.
     pub attention: Option<AttentionRate>,
+    /// [`engine_prefill_attention_flops_per_sec`] on every core, flops/s; `None` on a host
+    /// too busy to measure it.
+    pub prefill_attention_flops_per_sec: Option<f64>,
 }
 
 /// What [`engine_decode_rates`] measures again on a one-thread engine, where the team's
@@ -439,6 +509,7 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
     let (plain_bytes_per_sec, short_step_secs) =
         engine_decode_bytes_per_sec(&quantized, DummyDtype::Q4_0)?;
     let attention = engine_attention_flops_per_sec(&quantized, short_step_secs)?;
+    let prefill_attention_flops_per_sec = engine_prefill_attention_flops_per_sec(&quantized)?;
     let (wide_bytes, wide_layers) = (
         quantized.model.decode_weight_bytes() as f64,
         quantized.model.layers.len() as f64,
@@ -482,6 +553,7 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
         one_thread,
         bf16_weights_bytes_per_sec,
         attention,
+        prefill_attention_flops_per_sec,
     })
 }
 
@@ -519,6 +591,37 @@ pub fn peak_rss_bytes() -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prompts_attention_is_timed_after_the_context_the_model_holds() {
+        let model = |max_context_tokens| DummyModel {
+            name: "prefill attention".into(),
+            max_context_tokens,
+            n_layers: 2,
+            ..layer_probe_model()
+        };
+        let engine = |max_context_tokens| {
+            Engine::from_source(
+                &ModelSource::Dummy(model(max_context_tokens)),
+                1,
+                Numerics::default(),
+            )
+            .expect("builds")
+        };
+        // No room for 256 tokens of context beside the chunk: nothing to time.
+        let short = engine(256 + PREFILL_PROBE_CHUNK - 1);
+        assert_eq!(
+            engine_prefill_attention_flops_per_sec(&short).expect("runs"),
+            None
+        );
+        // Room for 1024: 16 tokens attending to 1024 more positions each take longer (a
+        // busy host may hide it once; not three times).
+        let long = engine(1024 + PREFILL_PROBE_CHUNK);
+        let rate = (0..3)
+            .find_map(|_| engine_prefill_attention_flops_per_sec(&long).expect("runs"))
+            .expect("measured in one of three tries");
+        assert!(rate.is_finite() && rate > 0.0, "{rate}");
+    }
 
     #[test]
     fn the_layer_probe_is_layers_and_next_to_no_bytes() {
