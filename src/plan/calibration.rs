@@ -139,8 +139,8 @@ pub struct DecodeReport {
     pub decode_tokens: usize,
     pub prefill_tokens_per_sec: f64,
     /// The prefill's arithmetic per second, flops/s: the planner's count of a prompt of
-    /// `prompt_tokens` (`2 · active params · tokens` plus causal attention, as
-    /// `cost::prefill_flops`) times `prefill_tokens_per_sec / prompt_tokens`. On a CPU it
+    /// `prompt_tokens` (the layers' products, the last token's logits and causal attention,
+    /// as `cost::prefill_flops`) times `prefill_tokens_per_sec / prompt_tokens`. On a CPU it
     /// replaces the probed compute rate. Absent from older reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_flops_per_sec: Option<f64>,

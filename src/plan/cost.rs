@@ -590,13 +590,21 @@ pub(crate) fn decode_step_secs(
 }
 
 /// The arithmetic of prefilling one prompt of `prompt_tokens` on the whole model, flops:
-/// `2 · active params · tokens` for the projections plus `2 · tokens² · heads · head_dim` per
+/// `2 · layer params · tokens` for the layers' projections (the active parameters but the
+/// embedding and the LM head), `2 · vocab · hidden` for the last token's logits, plus
+/// `2 · tokens² · heads · head_dim` per
 /// layer for causal attention (QKᵀ and PV, each `2 · tokens² · heads · head_dim` over the
 /// full square, over half of it). What [`prefill_secs`] divides among the stages and TP ranks,
 /// and what `infer bench decode --json` divides by its prefill time (`prefill_flops_per_sec`).
 pub(crate) fn prefill_flops(spec: &ModelSpec, prompt_tokens: u64) -> f64 {
     let tokens = prompt_tokens.max(1) as f64;
-    2.0 * spec.active_params() as f64 * tokens + prefill_attention_flops(spec, prompt_tokens)
+    let counts = spec.param_counts();
+    // The embedding is looked up, not multiplied; the LM head (the tied embedding or its
+    // own) gives logits for the prompt's last token only, as vLLM and the CPU engine compute.
+    let per_token = spec.active_params() - counts.embedding - counts.lm_head;
+    2.0 * per_token as f64 * tokens
+        + 2.0 * (spec.vocab_size * spec.hidden_size) as f64
+        + prefill_attention_flops(spec, prompt_tokens)
 }
 
 /// The causal attention part of [`prefill_flops`], flops: `2 · tokens² · heads · head_dim`
