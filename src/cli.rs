@@ -601,7 +601,8 @@ pub struct PlanSettingsArgs {
     #[arg(long, value_enum, default_value_t = ObjectiveArg::Throughput)]
     pub objective: ObjectiveArg,
 
-    /// Weight dtype: bf16, fp16, fp8, int8, int4 (awq), mxfp4. Default: the checkpoint's own.
+    /// Weight dtype: bf16, fp16, fp8, int8, int4 (awq), mxfp4, or the CPU engine's q4_0 and
+    /// q8_0 (what CPU ranks run int4 and int8 as). Default: the checkpoint's own.
     #[arg(long, value_name = "D")]
     pub dtype: Option<String>,
 

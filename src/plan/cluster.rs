@@ -704,6 +704,52 @@ mod tests {
         }
     }
 
+    /// Links of 2 GB/s, 50 µs a collective and 20 µs a message for every group.
+    fn shm_links() -> crate::plan::cost::Links {
+        let link = crate::plan::cost::Link {
+            bytes_per_sec: 2e9,
+            latency_secs: 50e-6,
+            message_latency_secs: 20e-6,
+        };
+        crate::plan::cost::Links {
+            tp: link,
+            ep: link,
+            pp: link,
+        }
+    }
+
+    /// `infer bench decode --json` on `device_name`: a 128-token prompt at 100 tokens/s
+    /// (300 GFLOP/s), a 0.1 s step of one sequence reading 500 MB, with 160 MFLOP of
+    /// attention over 3 KV heads.
+    fn cpu_report(device_name: &str) -> DecodeReport {
+        DecodeReport {
+            bench: "decode".into(),
+            model: "m.gguf".into(),
+            device: "cpu".into(),
+            device_name: device_name.into(),
+            threads: 8,
+            numerics: "exact".into(),
+            batch: 1,
+            prompt_tokens: 128,
+            decode_tokens: 128,
+            prefill_tokens_per_sec: 100.0,
+            prefill_flops_per_sec: Some(3e11),
+            prefill_attention_flops: None,
+            prefill_attention_flops_per_sec: None,
+            decode_tokens_per_sec: 10.0,
+            decode_step_secs: 0.1,
+            decode_weight_bytes: 500_000_000,
+            weight_bytes_per_sec: 5e9,
+            // 160 MFLOP of attention over 3 KV heads: 3 tasks on 8 threads.
+            decode_attention_flops: Some(160_000_000),
+            kv_heads: Some(3),
+            peak_rss_bytes: 0,
+            gpu_memory_used_bytes: None,
+            hbm_bytes_per_sec: None,
+            batches: Vec::new(),
+        }
+    }
+
     fn cpu_cluster(n_hosts: usize, max_ranks: u64, profile: &CpuProfile) -> Cluster {
         let hosts = (0..n_hosts)
             .map(|i| {
@@ -946,32 +992,7 @@ mod tests {
         let spec = smollm2();
         let profile = profile();
         let mut cluster = cpu_cluster(1, 8, &profile);
-        let report = DecodeReport {
-            bench: "decode".into(),
-            model: "m.gguf".into(),
-            device: "cpu".into(),
-            device_name: profile.name.clone(),
-            threads: 8,
-            numerics: "exact".into(),
-            batch: 1,
-            prompt_tokens: 128,
-            decode_tokens: 128,
-            prefill_tokens_per_sec: 100.0,
-            prefill_flops_per_sec: Some(3e11),
-            prefill_attention_flops: None,
-            prefill_attention_flops_per_sec: None,
-            decode_tokens_per_sec: 10.0,
-            decode_step_secs: 0.1,
-            decode_weight_bytes: 500_000_000,
-            weight_bytes_per_sec: 5e9,
-            // 160 MFLOP of attention over 3 KV heads: 3 tasks on 8 threads.
-            decode_attention_flops: Some(160_000_000),
-            kv_heads: Some(3),
-            peak_rss_bytes: 0,
-            gpu_memory_used_bytes: None,
-            hbm_bytes_per_sec: None,
-            batches: Vec::new(),
-        };
+        let report = cpu_report(&profile.name);
         let mut gpu_report = report.clone();
         gpu_report.device = "cuda".into();
         gpu_report.device_name = "NVIDIA L4".into();
@@ -1195,10 +1216,57 @@ mod tests {
     }
 
     #[test]
-    fn a_prompts_attention_costs_its_own_rate_and_a_calibration_splits_it_off() {
-        use crate::plan::cost::{
-            Link, Links, prefill_attention_flops, prefill_flops, prefill_secs,
+    fn cpu_ranks_plan_int4_and_int8_as_the_engines_q4_0_and_q8_0() {
+        assert_eq!(Dtype::Int4.on_cpu(), Dtype::Q4_0);
+        assert_eq!(Dtype::Int8.on_cpu(), Dtype::Q8_0);
+        assert_eq!(Dtype::Bf16.on_cpu(), Dtype::Bf16);
+        // Llama-3.1-8B: its 128256 × 4096 embedding and LM head in 18 bytes per 32 weights
+        // (Q4_0), as every matrix; in int4 (AWQ) they stay bf16 and the matrices take 4 bits
+        // and a 32-bit scale and zero per 128.
+        let spec = crate::model::load("llama-3.1-8b").expect("a shipped profile");
+        let params = spec.param_counts();
+        let table = 128_256 * 4096;
+        let q4_0 = spec.weight_bytes_by_part(Dtype::Q4_0);
+        assert_eq!(q4_0.embedding, table * 18 / 32);
+        assert_eq!(q4_0.lm_head, table * 18 / 32);
+        assert_eq!(q4_0.attention, params.attention * 18 / 32);
+        assert_eq!(q4_0.dense_mlp, params.dense_mlp * 18 / 32);
+        let awq = spec.weight_bytes_by_part(Dtype::Int4);
+        assert_eq!(awq.lm_head, table * 2);
+        assert_eq!(awq.attention, params.attention * 17 / 32);
+        assert_eq!(
+            spec.weight_bytes_by_part(Dtype::Q8_0).lm_head,
+            table * 34 / 32
+        );
+        // On CPU ranks `--dtype int4` plans Q4_0, and says so.
+        let cluster = cpu_cluster(1, 8, &profile());
+        let settings = Settings {
+            objective: Objective::Latency,
+            max_model_len_tokens: Some(4096),
+            dtype: Some(Dtype::Int4),
+            pins: dp(1),
+            ..Settings::default()
         };
+        let Outcome::Feasible(plan) = plan(&spec, &cluster, &settings) else {
+            panic!("8B in Q4_0 fits 32 GiB");
+        };
+        assert_eq!(plan.dtype, Dtype::Q4_0);
+        assert_eq!(plan.memory[0].read_per_step_bytes, {
+            let q4_0 = spec.weight_bytes_by_part(Dtype::Q4_0);
+            q4_0.total() - q4_0.embedding
+        });
+        assert!(
+            plan.explain
+                .iter()
+                .any(|l| l.starts_with("--dtype int4 on CPU ranks is planned as q4_0")),
+            "{:#?}",
+            plan.explain
+        );
+    }
+
+    #[test]
+    fn a_prompts_attention_costs_its_own_rate_and_a_calibration_splits_it_off() {
+        use crate::plan::cost::{prefill_attention_flops, prefill_flops, prefill_secs};
         let spec = smollm2();
         // 200 GFLOP/s of products keep the prompt bound by compute (its ~100 MB of weights
         // take 8 ms at 12 GB/s); its attention runs at 40 GFLOP/s.
@@ -1213,16 +1281,7 @@ mod tests {
             ep: 1,
             dp: 1,
         };
-        let link = Link {
-            bytes_per_sec: 2e9,
-            latency_secs: 50e-6,
-            message_latency_secs: 20e-6,
-        };
-        let links = Links {
-            tp: link,
-            ep: link,
-            pp: link,
-        };
+        let links = shm_links();
         let stages = stage_memory(
             &spec,
             &one,
@@ -1265,29 +1324,11 @@ mod tests {
         // at 35 GFLOP/s on the model: the products take the rest of the time.
         let measured_flops = prefill_flops(&spec, 128) / 0.128;
         let report = DecodeReport {
-            bench: "decode".into(),
-            model: "m.gguf".into(),
-            device: "cpu".into(),
-            device_name: probed.name.clone(),
-            threads: 8,
-            numerics: "exact".into(),
-            batch: 1,
-            prompt_tokens: 128,
-            decode_tokens: 128,
             prefill_tokens_per_sec: 1000.0,
             prefill_flops_per_sec: Some(measured_flops),
             prefill_attention_flops: Some(prefill_attention_flops(&spec, 128)),
             prefill_attention_flops_per_sec: Some(3.5e10),
-            decode_tokens_per_sec: 10.0,
-            decode_step_secs: 0.1,
-            decode_weight_bytes: 500_000_000,
-            weight_bytes_per_sec: 5e9,
-            decode_attention_flops: None,
-            kv_heads: None,
-            peak_rss_bytes: 0,
-            gpu_memory_used_bytes: None,
-            hbm_bytes_per_sec: None,
-            batches: Vec::new(),
+            ..cpu_report(&probed.name)
         };
         let calibrated = |report: &DecodeReport| {
             let mut cluster = cpu_cluster(1, 8, &probed);
@@ -1331,9 +1372,7 @@ mod tests {
 
     #[test]
     fn exact_order_tp_on_cpu_ranks_costs_its_turns_and_hops() {
-        use crate::plan::cost::{
-            Link, Links, chain_call_secs, chain_wait_secs, decode_step_secs, row_chain,
-        };
+        use crate::plan::cost::{chain_call_secs, chain_wait_secs, decode_step_secs, row_chain};
         let spec = smollm2();
         // SmolLM2: 30 layers of a 576 × 576 output projection and a 1536 → 576 down
         // projection, counted by hand.
@@ -1345,16 +1384,7 @@ mod tests {
             dp: 1,
         };
         let rank = cpu_rank_hardware(&profile(), 2);
-        let link = Link {
-            bytes_per_sec: 2e9,
-            latency_secs: 50e-6,
-            message_latency_secs: 20e-6,
-        };
-        let links = Links {
-            tp: link,
-            ep: link,
-            pp: link,
-        };
+        let links = shm_links();
         let step = |dtype: Dtype, hardware: &HardwareSpec| {
             let stages = stage_memory(&spec, &tp2, dtype, dtype, 1 << 30, 0.9, Device::Cpu);
             decode_step_secs(&spec, &tp2, &stages, dtype, hardware, &links, 1, 1024)

@@ -413,7 +413,11 @@ fn stage_secs(
 /// fp16 products are summed with an all-reduce instead.
 pub(crate) fn row_chain(hardware: &HardwareSpec, dtype: Dtype, tp: usize) -> Option<CpuRowChain> {
     match (hardware.cpu_row_chain, dtype) {
-        (Some(chain), Dtype::Int4 | Dtype::Int8 | Dtype::Gguf) if tp > 1 => Some(chain),
+        (Some(chain), Dtype::Int4 | Dtype::Int8 | Dtype::Q4_0 | Dtype::Q8_0 | Dtype::Gguf)
+            if tp > 1 =>
+        {
+            Some(chain)
+        }
         _ => None,
     }
 }

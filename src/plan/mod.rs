@@ -328,7 +328,13 @@ impl<'a> Run<'a> {
         let dtype = if spec.native_dtype == Dtype::Gguf {
             Dtype::Gguf
         } else {
-            settings.dtype.unwrap_or(spec.native_dtype)
+            let dtype = settings.dtype.unwrap_or(spec.native_dtype);
+            // CPU ranks run int4 and int8 as the CPU engine's Q4_0 and Q8_0.
+            if cluster.device() == Device::Cpu {
+                dtype.on_cpu()
+            } else {
+                dtype
+            }
         };
         let kv_dtype = settings.kv_dtype.unwrap_or(if dtype == Dtype::Fp16 {
             Dtype::Fp16
@@ -1524,6 +1530,16 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
                 chain.alone_speedup,
             ));
         }
+    }
+    if let Some(asked) = run.settings.dtype
+        && asked != run.dtype
+        && run.spec.native_dtype != Dtype::Gguf
+    {
+        lines.push(format!(
+            "--dtype {asked} on CPU ranks is planned as {}: the CPU engine runs no AWQ, GPTQ or W8A8 kernels but ggml's blocks of 32 weights with an f16 scale, in every matrix and the LM head ({:.1} GiB of weights)",
+            run.dtype,
+            gib(run.spec.weight_bytes(run.dtype))
+        ));
     }
     lines
 }

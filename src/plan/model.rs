@@ -73,6 +73,15 @@ pub enum Dtype {
     Mxfp4,
     /// Exact bytes from the file (GGUF): the per-parameter figure is an average.
     Gguf,
+    /// ggml's Q4_0: blocks of 32 4-bit weights with one f16 scale, 18 bytes per 32, in every
+    /// matrix and the LM head (llama.cpp's `--pure` quantization, the CPU engine's random
+    /// weights): what the CPU engine runs int4 as.
+    #[serde(rename = "q4_0")]
+    Q4_0,
+    /// ggml's Q8_0: blocks of 32 8-bit weights with one f16 scale, 34 bytes per 32, as Q4_0:
+    /// what the CPU engine runs int8 as.
+    #[serde(rename = "q8_0")]
+    Q8_0,
 }
 
 impl Dtype {
@@ -85,7 +94,26 @@ impl Dtype {
             Dtype::Int4 => 0.5 + 4.0 / 128.0,
             Dtype::Mxfp4 => 0.5 + 1.0 / 32.0,
             Dtype::Gguf => 2.0,
+            Dtype::Q4_0 => 18.0 / 32.0,
+            Dtype::Q8_0 => 34.0 / 32.0,
         }
+    }
+
+    /// The type the CPU engine runs this weight dtype in: int4 as [`Dtype::Q4_0`] and int8
+    /// as [`Dtype::Q8_0`] (it runs no AWQ, GPTQ or W8A8 kernels); every other as it is.
+    pub fn on_cpu(self) -> Dtype {
+        match self {
+            Dtype::Int4 => Dtype::Q4_0,
+            Dtype::Int8 => Dtype::Q8_0,
+            other => other,
+        }
+    }
+
+    /// Whether every matrix, the LM head and the embedding are in this type (ggml's block
+    /// types), rather than the linear layers only, with the tables in 16 bits (vLLM's
+    /// quantized checkpoints).
+    fn quantizes_tables(self) -> bool {
+        matches!(self, Dtype::Q4_0 | Dtype::Q8_0)
     }
 
     /// The name vLLM's `--quantization` uses, or `None` for unquantized dtypes.
@@ -110,6 +138,8 @@ impl fmt::Display for Dtype {
             Dtype::Int4 => "int4",
             Dtype::Mxfp4 => "mxfp4",
             Dtype::Gguf => "gguf",
+            Dtype::Q4_0 => "q4_0",
+            Dtype::Q8_0 => "q8_0",
         })
     }
 }
@@ -125,9 +155,11 @@ impl FromStr for Dtype {
             "int8" | "w8a8" => Dtype::Int8,
             "int4" | "awq" | "gptq" => Dtype::Int4,
             "mxfp4" => Dtype::Mxfp4,
+            "q4_0" => Dtype::Q4_0,
+            "q8_0" => Dtype::Q8_0,
             _ => {
                 return Err(format!(
-                    "unknown dtype `{text}`; expected bf16, fp16, fp8, int8, int4 (awq) or mxfp4"
+                    "unknown dtype `{text}`; expected bf16, fp16, fp8, int8, int4 (awq), mxfp4, q4_0 or q8_0"
                 ));
             }
         })
@@ -318,7 +350,8 @@ impl ModelSpec {
     }
 
     /// Whole-model weight bytes in `dtype` (linear layers; embeddings, LM head and norms stay
-    /// 16-bit as vLLM keeps them), or the file's exact bytes when `dtype` is the checkpoint's own.
+    /// 16-bit as vLLM keeps them, but for ggml's block types, which hold the tables too), or
+    /// the file's exact bytes when `dtype` is the checkpoint's own.
     pub fn weight_bytes(&self, dtype: Dtype) -> u64 {
         let parts = self.weight_bytes_by_part(dtype);
         parts.total()
@@ -371,9 +404,16 @@ impl ModelSpec {
             (Some(expert), true) => expert,
             _ => dtype,
         };
+        let table = |params: u64| {
+            if dtype.quantizes_tables() {
+                linear(params, dtype)
+            } else {
+                params * 2
+            }
+        };
         ParamCounts {
-            embedding: counts.embedding * 2,
-            lm_head: counts.lm_head * 2,
+            embedding: table(counts.embedding),
+            lm_head: table(counts.lm_head),
             attention: linear(counts.attention, dtype),
             dense_mlp: linear(counts.dense_mlp, dtype),
             routed_experts: linear(counts.routed_experts, expert_dtype),

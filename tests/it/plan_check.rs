@@ -160,8 +160,8 @@ fn bench_serve_plan_refuses_bad_input() {
 }
 
 /// `--load-format dummy` measures a plan for a profile, which has no weights to load: the
-/// server gets random weights of the plan's model in the type nearest its dtype (int8 →
-/// Q8_0), and the comparison comes out as for a file. The plans and flags it cannot
+/// server gets random weights of the plan's model in its dtype (int8, planned on CPU ranks
+/// as Q8_0), and the comparison comes out as for a file. The plans and flags it cannot
 /// measure exit 2 naming the problem. See: #40
 #[test]
 fn bench_serve_plan_measures_a_profile_with_random_weights() {
@@ -200,6 +200,11 @@ fn bench_serve_plan_measures_a_profile_with_random_weights() {
         path.display().to_string()
     };
     let int8 = write("int8.json", "int8");
+    // CPU ranks run int8 as the engine's Q8_0, the LM head in it too: the plan says so, and
+    // the random weights are what it planned.
+    let planned: Value =
+        serde_json::from_slice(&std::fs::read(&int8).expect("read the plan")).expect("JSON");
+    assert_eq!(planned["dtype"], "q8_0", "{planned}");
     let fp8 = write("fp8.json", "fp8");
     let cases: [(&[&str], &str); 5] = [
         (&["--plan", &int8], "add --load-format dummy"),

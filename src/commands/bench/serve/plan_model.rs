@@ -58,17 +58,18 @@ pub(super) fn plan_model(
     ))
 }
 
-/// The random-weight type nearest a plan's dtype: bf16 and fp16 as they are, int8 as Q8_0
-/// and int4 as Q4_0 (GGUF's blocks of 32 carry 6% more bytes than the plan's count of
-/// int8, and of int4 with group-128 scales).
+/// The random-weight type nearest a plan's dtype: bf16, fp16, Q4_0 and Q8_0 as they are
+/// (a plan for CPU ranks is in Q4_0 or Q8_0, as the CPU engine runs int4 and int8), int8
+/// as Q8_0 and int4 as Q4_0 (GGUF's blocks of 32 carry 6% more bytes than a GPU plan's
+/// count of int8, and of int4 with group-128 scales, and the LM head is in it too).
 ///
 /// Errors: fp8, MXFP4 and GGUF plans (no such random type; `--dtype` chooses one).
 fn dummy_dtype_of(dtype: Dtype) -> Result<DummyDtype> {
     Ok(match dtype {
         Dtype::Bf16 => DummyDtype::Bf16,
         Dtype::Fp16 => DummyDtype::F16,
-        Dtype::Int8 => DummyDtype::Q8_0,
-        Dtype::Int4 => DummyDtype::Q4_0,
+        Dtype::Int8 | Dtype::Q8_0 => DummyDtype::Q8_0,
+        Dtype::Int4 | Dtype::Q4_0 => DummyDtype::Q4_0,
         Dtype::Fp8 | Dtype::Mxfp4 | Dtype::Gguf => bail!(
             "the plan's dtype `{dtype}` has no random-weight type: give --dtype (q4_0, q8_0, q4_k, f16 or bf16)"
         ),

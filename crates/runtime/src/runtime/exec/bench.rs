@@ -436,24 +436,21 @@ pub fn engine_prefill_attention_flops_per_sec(engine: &Engine) -> Result<Option<
     let (mut alone_secs, mut after_secs) = (f64::INFINITY, f64::INFINITY);
     for run in 0..=runs {
         let (alone, after) = engine.install(|| -> Result<(f64, f64)> {
-            let mut cache = model.new_cache();
-            let start = Instant::now();
-            model.forward(&mut [SequenceInput {
-                tokens: &chunk,
-                cache: &mut cache,
-                all_logits: false,
-            }])?;
-            let alone = start.elapsed().as_secs_f64();
+            // The chunk's prefill into `cache`, seconds.
+            let prefill = |cache: &mut KvCache| -> Result<f64> {
+                let start = Instant::now();
+                model.forward(&mut [SequenceInput {
+                    tokens: &chunk,
+                    cache,
+                    all_logits: false,
+                }])?;
+                Ok(start.elapsed().as_secs_f64())
+            };
+            let alone = prefill(&mut model.new_cache())?;
             let mut cache = model.new_cache();
             cache.import(&transfer)?;
             cache.finish_import();
-            let start = Instant::now();
-            model.forward(&mut [SequenceInput {
-                tokens: &chunk,
-                cache: &mut cache,
-                all_logits: false,
-            }])?;
-            Ok((alone, start.elapsed().as_secs_f64()))
+            Ok((alone, prefill(&mut cache)?))
         })?;
         if run > 0 {
             alone_secs = alone_secs.min(alone);
