@@ -213,6 +213,7 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
         .context("cannot measure the CPU engine's decode step")?;
     profile.decode_bytes_per_sec = Some(rates.weights_bytes_per_sec);
     profile.decode_bf16_bytes_per_sec = Some(rates.bf16_weights_bytes_per_sec);
+    profile.prefill_bf16_flops_per_sec = Some(rates.bf16_prefill_flops_per_sec);
     profile.decode_layer_secs = rates.layer_secs;
     profile.prefill_attention_flops_per_sec = rates.prefill_attention_flops_per_sec;
     if let Some(alone) = rates.one_thread {

@@ -87,6 +87,9 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
         bf16_weights_gb_per_sec: profile
             .decode_bf16_bytes_per_sec
             .map(|rate| rate / share / 1e9),
+        bf16_products_tflops: profile
+            .prefill_bf16_flops_per_sec
+            .map(|rate| rate / share / 1e12),
         cpu_layer_secs: profile
             .decode_layer_secs
             .map(|secs| rank_layer_secs(secs, ranks, cores)),
@@ -182,6 +185,11 @@ pub struct HardwareSpec {
     /// not memory); absent for GPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16_weights_gb_per_sec: Option<f64>,
+    /// The rate bf16 and fp16 products compute at, TFLOP/s, where it is not `bf16_tflops`: a
+    /// CPU rank's share of [`CpuProfile::prefill_bf16_flops_per_sec`] (the CPU engine
+    /// converts each weight to f32); absent for GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16_products_tflops: Option<f64>,
     /// Seconds each decoder layer of a one-sequence decode step costs a CPU rank beyond its
     /// weights' bytes ([`rank_layer_secs`] of [`CpuProfile::decode_layer_secs`]); absent
     /// for GPUs, and for CPU ranks after a calibration.
@@ -564,6 +572,8 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
         if let Some(flops) = flops_per_sec {
             let (products, attention) = prefill_rates_of(report, flops);
             cpu.profile.flops_per_sec = products;
+            // The measured model stands for every weight type, as its decode does.
+            cpu.profile.prefill_bf16_flops_per_sec = Some(products);
             cpu.profile.prefill_attention_flops_per_sec =
                 attention.or(cpu.profile.prefill_attention_flops_per_sec);
         }
@@ -699,6 +709,7 @@ mod tests {
             decode_one_thread_bytes_per_sec: None,
             decode_one_thread_attention_flops_per_sec: None,
             prefill_attention_flops_per_sec: None,
+            prefill_bf16_flops_per_sec: None,
             decode_attention_flops_per_sec: Some(2e10),
             source: "made up".into(),
         }
@@ -1307,6 +1318,37 @@ mod tests {
         );
         let half = prefill(&probed, 2, 1024);
         assert!((half - 2.0 * by_hand).abs() < 1e-9 * by_hand, "{half}");
+        // A bf16 prompt's products run at the engine's bf16 rate (each weight converted to
+        // f32): 10 GFLOP/s here; a quantized one's are unchanged.
+        let bf16 = CpuProfile {
+            prefill_bf16_flops_per_sec: Some(1e10),
+            ..probed.clone()
+        };
+        let bf16_stages = stage_memory(
+            &spec,
+            &one,
+            Dtype::Bf16,
+            Dtype::Bf16,
+            1 << 30,
+            0.9,
+            Device::Cpu,
+        );
+        let hardware = cpu_rank_hardware(&bf16, 1);
+        let secs = prefill_secs(
+            &spec,
+            &one,
+            &bf16_stages,
+            Dtype::Bf16,
+            &hardware,
+            &links,
+            1024,
+        );
+        let by_hand = (prefill_flops(&spec, 1024) - attention) / 1e10 + attention / 4e10;
+        assert!(
+            (secs - by_hand).abs() < 1e-9 * by_hand,
+            "{secs} vs {by_hand}"
+        );
+        assert_eq!(prefill(&bf16, 1, 1024), alone);
         // Without the rate, the attention runs at the products' rate: less time.
         let unmeasured = CpuProfile {
             prefill_attention_flops_per_sec: None,
@@ -1349,6 +1391,8 @@ mod tests {
             split.flops_per_sec
         );
         assert_eq!(split.prefill_attention_flops_per_sec, Some(3.5e10));
+        // The measured model stands for every weight type: bf16 prompts too.
+        assert_eq!(split.prefill_bf16_flops_per_sec, Some(split.flops_per_sec));
         // So the same prompt costs what it measured: 0.128 s.
         let again = prefill(&split, 1, 128);
         assert!((again - 0.128).abs() < 1e-9, "{again}");

@@ -559,12 +559,13 @@ fn cpu_attention_secs(
 }
 
 /// Dense tensor-core TFLOPS for `dtype`'s matrix products (FP8 and MXFP4 run on the FP8
-/// units, everything else at bf16 rate).
+/// units, everything else at bf16 rate; a CPU rank's bf16 and fp16 products at their own
+/// measured rate, [`HardwareSpec::bf16_products_tflops`]).
 fn tensor_tflops(hardware: &HardwareSpec, dtype: Dtype) -> f64 {
-    if matches!(dtype, Dtype::Fp8 | Dtype::Mxfp4) {
-        hardware.fp8_tflops
-    } else {
-        hardware.bf16_tflops
+    match (dtype, hardware.bf16_products_tflops) {
+        (Dtype::Fp8 | Dtype::Mxfp4, _) => hardware.fp8_tflops,
+        (Dtype::Bf16 | Dtype::Fp16, Some(tflops)) => tflops,
+        _ => hardware.bf16_tflops,
     }
 }
 

@@ -1451,7 +1451,12 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
         .map(|p| {
             let engine = p.decode_bytes_per_sec.map_or(String::new(), |rate| {
                 let bf16 = p.decode_bf16_bytes_per_sec.map_or(String::new(), |bf16| {
-                    format!(" ({:.1} GB/s in bf16)", bf16 / 1e9)
+                    let prompt = p
+                        .prefill_bf16_flops_per_sec
+                        .map_or(String::new(), |flops| {
+                            format!(", its prompts' products at {:.1} GFLOP/s", flops / 1e9)
+                        });
+                    format!(" ({:.1} GB/s in bf16{prompt})", bf16 / 1e9)
                 });
                 let kv = p.decode_attention_flops_per_sec.map_or(String::new(), |flops| {
                     format!(

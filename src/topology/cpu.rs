@@ -59,6 +59,13 @@ pub struct CpuProfile {
     /// bf16 and fp16 weights are read at the quantized rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_bf16_bytes_per_sec: Option<f64>,
+    /// The rate of the CPU engine's bf16 products in a prompt, flops/s: each weight is
+    /// converted to f32, so that they run at a fraction of `flops_per_sec` (a 2-core EPYC:
+    /// 4–10 GFLOP/s against 230). Measured by the planner's probe
+    /// (`runtime::exec::bench::engine_decode_rates`), or a calibration's prompt rate; `None`
+    /// where not measured, and then bf16 and fp16 prompts compute at `flops_per_sec`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_bf16_flops_per_sec: Option<f64>,
     /// Seconds each decoder layer of a one-sequence decode step costs beyond its weights'
     /// bytes: the layer's fixed work and its threads' hand-offs between operations, which
     /// make a model of many thin layers read slower than one of a few wide ones (SmolLM2's 30
@@ -159,6 +166,7 @@ pub fn probe_cpu() -> Result<CpuProfile> {
         decode_one_thread_attention_flops_per_sec: None,
         decode_attention_flops_per_sec: None,
         prefill_attention_flops_per_sec: None,
+        prefill_bf16_flops_per_sec: None,
         source: format!(
             "probed on this host in {:.2} s",
             started.elapsed().as_secs_f64()

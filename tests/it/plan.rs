@@ -752,6 +752,7 @@ fn local_cluster_without_gpus_plans_its_cpu_ranks() {
         text.contains("each host's CPU is one device its ranks share")
             && text.contains("probed on this host")
             && text.contains("its engine's decode step reading weights at")
+            && text.contains("its prompts' products at")
             && (text.contains("its attention over the KV cache at")
                 || text.contains("its attention not measured (the host was too busy)"))
             && (text.contains("a prompt's attention at")

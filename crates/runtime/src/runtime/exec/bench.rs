@@ -463,6 +463,34 @@ pub fn engine_prefill_attention_flops_per_sec(engine: &Engine) -> Result<Option<
     Ok((extra_secs > 0.0).then(|| extra_flops / extra_secs))
 }
 
+/// Prompt tokens of [`engine_bf16_prefill_flops_per_sec`]'s prompt.
+const BF16_PROBE_PROMPT: usize = 8;
+
+/// The rate of this host's CPU engine's bf16 products in a prompt, flops/s: a
+/// [`BF16_PROBE_PROMPT`]-token prompt of the bf16 [`engine_probe`], best of 2 runs after a
+/// warm-up, its products (`2 · layer weights` a token, the LM head once for the last
+/// token's logits; its attention is negligible) over its time. The engine converts every
+/// bf16 weight to f32 in its products, so that these run at a fraction of the FMA rate
+/// (2-core EPYC: SmolLM2's shape at 3.7 GFLOP/s for 8 tokens, 5.4 for 128, both cores
+/// shared with a build; its Q4_0 products near 270): a short prompt underrates a long one
+/// by a third. Takes 0.2–0.3 s.
+///
+/// Errors: a forward pass fails.
+fn engine_bf16_prefill_flops_per_sec(engine: &Engine) -> Result<f64> {
+    let c = &engine.model.config;
+    let (hidden, q_dim, kv_dim) = (
+        c.hidden_size,
+        c.n_heads * c.head_dim,
+        c.n_kv_heads * c.head_dim,
+    );
+    let layer_params = engine.model.layers.len()
+        * (hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * c.intermediate_size);
+    let flops = 2.0 * (layer_params * BF16_PROBE_PROMPT + c.vocab_size * hidden) as f64;
+    let prompt: Vec<u32> = (0..BF16_PROBE_PROMPT as u32).map(|t| 1 + t).collect();
+    let speed = cpu_decode(engine, &prompt, 1, 1, 2)?;
+    Ok(flops * speed.prefill_tokens_per_sec / BF16_PROBE_PROMPT as f64)
+}
+
 /// The CPU engine's rates in a decode step on this host: what the planner's CPU probe
 /// (`inventory::probe_cpu_for_planning`) adds to the hardware's figures.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -480,6 +508,8 @@ pub struct EngineRates {
     pub one_thread: Option<OneThreadRates>,
     /// [`engine_decode_bytes_per_sec`] of the bf16 probe model, bytes/s.
     pub bf16_weights_bytes_per_sec: f64,
+    /// [`engine_bf16_prefill_flops_per_sec`], flops/s.
+    pub bf16_prefill_flops_per_sec: f64,
     /// [`engine_attention_flops_per_sec`]; `None` on a host too busy to measure it.
     pub attention: Option<AttentionRate>,
     /// [`engine_prefill_attention_flops_per_sec`] on every core, flops/s; `None` on a host
@@ -542,13 +572,15 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
         drop(quantized);
         None
     };
-    let (bf16_weights_bytes_per_sec, _) =
-        engine_decode_bytes_per_sec(&engine_probe(DummyDtype::Bf16)?, DummyDtype::Bf16)?;
+    let bf16 = engine_probe(DummyDtype::Bf16)?;
+    let (bf16_weights_bytes_per_sec, _) = engine_decode_bytes_per_sec(&bf16, DummyDtype::Bf16)?;
+    let bf16_prefill_flops_per_sec = engine_bf16_prefill_flops_per_sec(&bf16)?;
     Ok(EngineRates {
         weights_bytes_per_sec,
         layer_secs,
         one_thread,
         bf16_weights_bytes_per_sec,
+        bf16_prefill_flops_per_sec,
         attention,
         prefill_attention_flops_per_sec,
     })
