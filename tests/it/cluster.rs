@@ -911,11 +911,14 @@ fn up_over_cpu_rank_hosts_launches_their_plan() {
                 .unwrap_or_else(|| panic!("no {k} in `{launched}`"))
         })
         .collect();
-    let parallel = &plan["parallel"];
-    let same = ["tp", "pp", "dp"]
-        .iter()
-        .zip(&degrees)
-        .all(|(k, d)| parallel[*k].as_u64() == Some(*d));
+    // Whether a JSON `parallel` is `infer up`'s layout.
+    let is_launched = |parallel: &Value| {
+        ["tp", "pp", "dp"]
+            .iter()
+            .zip(&degrees)
+            .all(|(k, d)| parallel[*k].as_u64() == Some(*d))
+    };
+    let same = is_launched(&plan["parallel"]);
     // Each probe times the hosts anew: two layouts of nearly the same throughput may swap
     // between the two plans. Then `infer up`'s must be one `infer plan` costed within 15% of
     // its choice, placed as `infer plan` pinned to it places it.
@@ -929,12 +932,7 @@ fn up_over_cpu_rank_hosts_launches_their_plan() {
             .as_array()
             .expect("alternatives")
             .iter()
-            .find(|a| {
-                ["tp", "pp", "dp"]
-                    .iter()
-                    .zip(&degrees)
-                    .all(|(k, d)| a["parallel"][*k].as_u64() == Some(*d))
-            })
+            .find(|a| is_launched(&a["parallel"]))
             .unwrap_or_else(|| panic!("`{launched}` is not among {plan}"));
         let tokens = alternative["tokens_per_sec"].as_f64().unwrap_or(0.0);
         assert!(
