@@ -216,6 +216,7 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
     profile.prefill_bf16_flops_per_sec = Some(rates.bf16_prefill_flops_per_sec);
     profile.decode_layer_secs = rates.layer_secs;
     profile.prefill_attention_flops_per_sec = rates.prefill_attention_flops_per_sec;
+    profile.prefill_one_thread_share = rates.prefill_one_thread_share;
     if let Some(alone) = rates.one_thread {
         profile.decode_one_thread_bytes_per_sec = Some(alone.weights_bytes_per_sec);
         profile.decode_one_thread_attention_flops_per_sec =

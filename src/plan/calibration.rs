@@ -175,6 +175,19 @@ pub struct DecodeReport {
     /// the `threads`. Absent from older reports and from GPU runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_heads: Option<usize>,
+    /// The model's own decode attention rate on this CPU, flops/s of the planner's count
+    /// (`runtime::exec::bench::engine_decode_attention_rate`): one sequence on `threads`
+    /// threads, `kv_heads` tasks a layer. With it a calibration costs a plan's attention at
+    /// the model's rate rather than the planner's probe's, whose shape differs. Absent from
+    /// older reports, from GPU runs and where not measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_attention_flops_per_sec: Option<f64>,
+    /// The share of the prompt rate on `threads` threads that one thread of the model
+    /// computes while every one of them runs one, side by side
+    /// (`runtime::exec::bench::engine_one_thread_prefill_share`): what a one-thread rank of
+    /// this model gets. Absent from older reports, from GPU runs and on one thread.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_one_thread_share: Option<f64>,
     pub peak_rss_bytes: u64,
     /// GPU memory in use after the run (`--device cuda`), bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -570,6 +583,8 @@ mod tests {
             weight_bytes_per_sec: 2e11,
             decode_attention_flops: None,
             kv_heads: None,
+            decode_attention_flops_per_sec: None,
+            prefill_one_thread_share: None,
             peak_rss_bytes: 0,
             gpu_memory_used_bytes: None,
             hbm_bytes_per_sec: None,

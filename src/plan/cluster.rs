@@ -55,8 +55,9 @@ pub(crate) const SHM_TRAFFIC_PER_BYTE: f64 = 4.0;
 /// [`CpuProfile::weight_read_bytes_per_sec`]), of its attention's ([`CpuAttention`], on
 /// `cores / ranks` threads) and of its compute rate (`bf16_tflops` and `fp8_tflops`: the CPU
 /// engine computes quantized products in f32 whatever the dtype), up to one rank per core,
-/// what its threads do ([`rank_rate`] with the profile's one-thread figures; the weights
-/// within `1/ranks` of the memory's bandwidth), and beyond, its turns' share
+/// what its threads do ([`rank_rate`] with the profile's one-thread figures, the prompt
+/// rates' from [`CpuProfile::prefill_one_thread_share`]; the weights within `1/ranks` of
+/// the memory's bandwidth), and beyond, its turns' share
 /// ([`rate_share`]); how
 /// much faster a rank works while its TP group waits on it ([`CpuRowChain`]); no NVLink; its
 /// shared-memory link as `pcie_gb_per_sec` ([`SHM_TRAFFIC_PER_BYTE`]); TCP sockets between
@@ -66,6 +67,15 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
     let threads = (cores / ranks.max(1)).max(1);
     let ranks = ranks.max(1);
     let share = rate_share(ranks, cores);
+    // A prompt rate of the whole host, as one rank computes it.
+    let prompt_rate = |all: f64| {
+        if ranks <= cores {
+            let alone = profile.prefill_one_thread_share.map(|part| part * all);
+            rank_rate(all, alone, threads, cores, f64::INFINITY)
+        } else {
+            all / share
+        }
+    };
     HardwareSpec {
         name: profile.name.clone(),
         memory_bytes: (profile.memory_bytes as f64 / ranks as f64) as u64,
@@ -80,8 +90,8 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
         } else {
             profile.weight_read_bytes_per_sec() / share
         } / 1e9,
-        bf16_tflops: profile.flops_per_sec / share / 1e12,
-        fp8_tflops: profile.flops_per_sec / share / 1e12,
+        bf16_tflops: prompt_rate(profile.flops_per_sec) / 1e12,
+        fp8_tflops: prompt_rate(profile.flops_per_sec) / 1e12,
         nvlink_gb_per_sec: 0.0,
         nvlink_domain_size: 1,
         bf16_weights_gb_per_sec: profile
@@ -89,7 +99,7 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
             .map(|rate| rate / share / 1e9),
         bf16_products_tflops: profile
             .prefill_bf16_flops_per_sec
-            .map(|rate| rate / share / 1e12),
+            .map(|rate| prompt_rate(rate) / 1e12),
         cpu_layer_secs: profile
             .decode_layer_secs
             .map(|secs| rank_layer_secs(secs, ranks, cores)),
@@ -111,7 +121,7 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
             }),
         cpu_prefill_attention_flops_per_sec: profile
             .prefill_attention_flops_per_sec
-            .map(|rate| rate / share),
+            .map(prompt_rate),
         cpu_row_chain: Some(CpuRowChain {
             alone_speedup: (threads as f64 * share / cores as f64).max(1.0),
             ranks_outnumber_cores: ranks > cores,
@@ -559,6 +569,7 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
             .expect("measured_here holds for CPU hosts");
         probed_bytes_per_sec = cpu.profile.weight_read_bytes_per_sec();
         probed_flops_per_sec = cpu.profile.flops_per_sec;
+        calibrate_attention(&mut cpu.profile, report);
         (weights_bytes_per_sec, kv_secs) = weight_read_of(report, &cpu.profile);
         // A thread alone keeps its probed advantage over the all-core rate.
         cpu.profile.decode_one_thread_bytes_per_sec = cpu
@@ -569,6 +580,13 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
         cpu.profile.decode_bf16_bytes_per_sec = Some(weights_bytes_per_sec);
         // The measured step's rate counts its model's layers already.
         cpu.profile.decode_layer_secs = None;
+        // The model's own share: it depends on the shape and the prompt.
+        if let Some(part) = report
+            .prefill_one_thread_share
+            .filter(|part| *part > 0.0 && *part <= 1.0)
+        {
+            cpu.profile.prefill_one_thread_share = Some(part);
+        }
         if let Some(flops) = flops_per_sec {
             let (products, attention) = prefill_rates_of(report, flops);
             cpu.profile.flops_per_sec = products;
@@ -603,6 +621,32 @@ fn calibrate_cpu(cluster: &mut Cluster, name: &str, report: &DecodeReport) -> Re
         ),
     });
     Ok(())
+}
+
+/// Puts a CPU decode report's decode attention rate, measured on its model
+/// ([`DecodeReport::decode_attention_flops_per_sec`]: one sequence, `kv_heads` tasks on
+/// `threads`), in `profile` in place of the probe's, whose shape differs (2-core EPYC:
+/// SmolLM2's at 19–20 GFLOP/s with every thread busy, the probe's 13–16): scaled to every
+/// thread busy ([`attention_occupancy`](crate::topology::cpu::attention_occupancy)), and the
+/// one-thread rate by the same factor (a thread alone keeps its probed advantage). Nothing
+/// where the report lacks the figure.
+fn calibrate_attention(profile: &mut CpuProfile, report: &DecodeReport) {
+    let (Some(measured), Some(kv_heads)) = (
+        report
+            .decode_attention_flops_per_sec
+            .filter(|rate| rate.is_finite() && *rate > 0.0),
+        report.kv_heads,
+    ) else {
+        return;
+    };
+    let busy = measured
+        / crate::topology::cpu::attention_occupancy(kv_heads as u64, report.threads as u64);
+    if let Some(probed) = profile.decode_attention_flops_per_sec {
+        profile.decode_one_thread_attention_flops_per_sec = profile
+            .decode_one_thread_attention_flops_per_sec
+            .map(|alone| alone * busy / probed);
+    }
+    profile.decode_attention_flops_per_sec = Some(busy);
 }
 
 /// The rates of a CPU decode report's prefill, flops/s: of its products, and of its
@@ -710,6 +754,7 @@ mod tests {
             decode_one_thread_attention_flops_per_sec: None,
             prefill_attention_flops_per_sec: None,
             prefill_bf16_flops_per_sec: None,
+            prefill_one_thread_share: None,
             decode_attention_flops_per_sec: Some(2e10),
             source: "made up".into(),
         }
@@ -754,6 +799,8 @@ mod tests {
             // 160 MFLOP of attention over 3 KV heads: 3 tasks on 8 threads.
             decode_attention_flops: Some(160_000_000),
             kv_heads: Some(3),
+            decode_attention_flops_per_sec: None,
+            prefill_one_thread_share: None,
             peak_rss_bytes: 0,
             gpu_memory_used_bytes: None,
             hbm_bytes_per_sec: None,
@@ -996,6 +1043,53 @@ mod tests {
             "{}",
             too_many.message
         );
+    }
+
+    #[test]
+    fn a_cpu_decode_reports_own_attention_rate_replaces_the_probes() {
+        let mut profile = profile();
+        profile.decode_one_thread_attention_flops_per_sec = Some(4e9);
+        let mut cluster = cpu_cluster(1, 8, &profile);
+        let mut report = cpu_report(&profile.name);
+        // SmolLM2's shape measured 15 GFLOP/s with its 3 KV heads' tasks on the 8 threads.
+        report.decode_attention_flops_per_sec = Some(1.5e10);
+        calibrate(
+            &mut cluster,
+            "cpu.json",
+            Measurement::Decode(Box::new(report)),
+        )
+        .expect("this cluster's CPU");
+        let calibrated = &cluster.hosts[0].cpu.as_ref().expect("a CPU host").profile;
+        // 3 of 8 threads busy: 40 GFLOP/s with every thread busy, against the probe's 20;
+        // a thread alone keeps its advantage: twice its probed 4.
+        let busy = 1.5e10 / (3.0 / 8.0);
+        assert_eq!(calibrated.decode_attention_flops_per_sec, Some(busy));
+        assert_eq!(
+            calibrated.decode_one_thread_attention_flops_per_sec,
+            Some(4e9 * busy / 2e10)
+        );
+        // The step less its attention at the model's own rate read the weights.
+        let kv_secs = 1.6e8 / (busy * 3.0 / 8.0);
+        let rate = 500e6 / (0.1 - kv_secs);
+        let measured = calibrated.decode_bytes_per_sec.expect("calibrated");
+        assert!(
+            (measured - rate).abs() < 1e-6 * rate,
+            "{measured} vs {rate}"
+        );
+        // One rank on the host attends at that rate, one of 8 at its thread's.
+        let attention = |ranks| {
+            let rank = cpu_rank_hardware(calibrated, ranks).cpu_attention;
+            let attention = rank.expect("a CPU rank's attention");
+            (attention.flops_per_sec, attention.threads)
+        };
+        assert_eq!(attention(1), (busy, 8));
+        assert_eq!(attention(8), (4e9 * busy / 2e10, 1));
+        // A report of a GPU's run, or one without the figure, leaves the probe's rate.
+        let mut unmeasured = profile.clone();
+        let mut without = cpu_report(&profile.name);
+        without.decode_attention_flops_per_sec = None;
+        calibrate_attention(&mut unmeasured, &without);
+        assert_eq!(unmeasured, profile);
     }
 
     #[test]
@@ -1409,9 +1503,46 @@ mod tests {
         let older = DecodeReport {
             prefill_attention_flops: None,
             prefill_attention_flops_per_sec: None,
-            ..report
+            ..report.clone()
         };
         assert_eq!(calibrated(&older).flops_per_sec, measured_flops);
+
+        // A thread computing 0.2 of the host's prompt rates while each of the 8 cores runs
+        // one: a one-thread rank (8 ranks) gets 0.2 of every rate, not 1/8; a rank of 4
+        // threads (2 ranks) 4 times a per-thread share that runs from 0.2 at one thread to
+        // 1/8 at 8 (3/7 of the way at 4): 4 · (0.2 − 3/7 · 0.075) of them.
+        let shared = CpuProfile {
+            prefill_one_thread_share: Some(0.2),
+            ..probed.clone()
+        };
+        for (ranks, part) in [(8, 0.2), (2, 4.0 * (0.2 - 3.0 / 7.0 * 0.075)), (1, 1.0)] {
+            let secs = prefill(&shared, ranks, 1024);
+            let by_hand = alone / part;
+            assert!(
+                (secs - by_hand).abs() < 1e-9 * by_hand,
+                "{ranks} ranks: {secs} vs {by_hand}"
+            );
+            let bf16 = cpu_rank_hardware(
+                &CpuProfile {
+                    prefill_bf16_flops_per_sec: Some(1e10),
+                    ..shared.clone()
+                },
+                ranks,
+            );
+            let products = bf16.bf16_products_tflops.expect("measured") * 1e12;
+            assert!((products - 1e10 * part).abs() < 1e-3, "{products}");
+        }
+        // Ranks beyond one per core take turns: their share is unchanged by it (16 ranks on 8
+        // cores: 1/16 of the host's rates).
+        let turns = prefill(&shared, 16, 1024);
+        assert!((turns - 16.0 * alone).abs() < 1e-9 * turns, "{turns}");
+        // A calibration takes the measured model's own share.
+        let with_share = DecodeReport {
+            prefill_one_thread_share: Some(0.3),
+            ..report.clone()
+        };
+        assert_eq!(calibrated(&with_share).prefill_one_thread_share, Some(0.3));
+        assert_eq!(calibrated(&report).prefill_one_thread_share, None);
     }
 
     #[test]

@@ -1459,8 +1459,13 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
                     format!(" ({:.1} GB/s in bf16{prompt})", bf16 / 1e9)
                 });
                 let kv = p.decode_attention_flops_per_sec.map_or(String::new(), |flops| {
+                    let alone = p
+                        .decode_one_thread_attention_flops_per_sec
+                        .map_or(String::new(), |alone| {
+                            format!(", {:.1} on one thread alone", alone / 1e9)
+                        });
                     format!(
-                        ", its attention over the KV cache at {:.1} GFLOP/s (every thread busy)",
+                        ", its attention over the KV cache at {:.1} GFLOP/s (every thread busy{alone})",
                         flops / 1e9
                     )
                 });
@@ -1482,8 +1487,13 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
                 .map_or(String::new(), |flops| {
                     format!(", a prompt's attention at {:.1} GFLOP/s", flops / 1e9)
                 });
+            let one_thread = p.prefill_one_thread_share.map_or(String::new(), |part| {
+                format!(
+                    ", one thread computing {part:.2} of its prompt rates while every core runs one"
+                )
+            });
             format!(
-                "each host's CPU is one device its ranks share: {}, {} cores, {:.1} GiB of memory read at {:.1} GB/s{engine}, {:.1} GFLOP/s{prompt} ({})",
+                "each host's CPU is one device its ranks share: {}, {} cores, {:.1} GiB of memory read at {:.1} GB/s{engine}, {:.1} GFLOP/s{prompt}{one_thread} ({})",
                 p.name,
                 p.n_cores,
                 gib(p.memory_bytes),

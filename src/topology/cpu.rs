@@ -90,10 +90,11 @@ pub struct CpuProfile {
     /// every thread ([`attention_occupancy`] 1), flops/s of the planner's count
     /// (`4 · n_heads · head_dim` per cached position and layer): each query head's score
     /// against an f16 key, its softmax term and its share of the weighted sum of f16 values.
-    /// Its time goes with this arithmetic, not with the KV bytes (SmolLM2's 3 query heads of
-    /// 64 per KV head run at the rate of a probe's 2 of 128), at a small fraction of
-    /// `flops_per_sec`. Measured by the planner's probe; `None` where not measured, and then
-    /// the KV cache is read at the weights' rate.
+    /// Its time goes with this arithmetic, not with the KV bytes, at a small fraction of
+    /// `flops_per_sec`, and its rate with the shape (2-core EPYC: SmolLM2's 3 query heads of
+    /// 64 per KV head at 19–20 GFLOP/s, the probe's 2 of 128 at 13–16). Measured by the
+    /// planner's probe, or on the real model by a calibration; `None` where not measured,
+    /// and then the KV cache is read at the weights' rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_attention_flops_per_sec: Option<f64>,
     /// The arithmetic rate of the CPU engine's prefill attention on every core, flops/s of
@@ -106,6 +107,14 @@ pub struct CpuProfile {
     /// attention is computed at `flops_per_sec`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_attention_flops_per_sec: Option<f64>,
+    /// The share of the host's prompt rates (`flops_per_sec`, `prefill_bf16_flops_per_sec`,
+    /// `prefill_attention_flops_per_sec`) that one thread computes while every core runs
+    /// one, 0 to 1: above `1 / n_cores`, since a team of threads pays hand-offs between them
+    /// that a thread alone does not (2-core EPYC: 0.55–0.57). Measured side by side by the
+    /// planner's probe (`runtime::exec::bench::engine_decode_rates`); `None` on one core or
+    /// where not measured, and then a rank gets its threads' share of the prompt rates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_one_thread_share: Option<f64>,
     /// How the figures were obtained (`probed on this host in 0.41 s`).
     pub source: String,
 }
@@ -167,6 +176,7 @@ pub fn probe_cpu() -> Result<CpuProfile> {
         decode_attention_flops_per_sec: None,
         prefill_attention_flops_per_sec: None,
         prefill_bf16_flops_per_sec: None,
+        prefill_one_thread_share: None,
         source: format!(
             "probed on this host in {:.2} s",
             started.elapsed().as_secs_f64()

@@ -1894,6 +1894,22 @@ fn bench_json_reports_calibrate_the_plan() {
     if let Some(rate) = report.get("prefill_attention_flops_per_sec") {
         assert!(rate.as_f64().is_some_and(|r| r > 1e8), "{report}");
     }
+    // And its decode attention's own rate, which a calibration costs a plan's KV reads at.
+    if let Some(rate) = report.get("decode_attention_flops_per_sec") {
+        assert!(rate.as_f64().is_some_and(|r| r > 1e8), "{report}");
+    }
+    // And the share of the prompt rate one thread computes beside the others: a one-thread
+    // rank's (none on one thread).
+    let threads = report["threads"].as_f64().expect("threads");
+    match report.get("prefill_one_thread_share") {
+        Some(share) => assert!(
+            share
+                .as_f64()
+                .is_some_and(|s| s >= 1.0 / threads && s <= 1.0),
+            "{report}"
+        ),
+        None => assert_eq!(threads, 1.0, "{report}"),
+    }
     let one_gpu = [
         "--model",
         "llama-3.1-8b",

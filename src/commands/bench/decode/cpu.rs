@@ -33,17 +33,27 @@ pub(super) fn text(
     )
 }
 
-/// The JSON report from the best tokens/s, the model's prefill attention rate in flops/s
-/// (`prefill_attention_flops_per_sec`, where measured) and the peak RSS in bytes; with the
-/// model's `spec`, the prefill's compute rate and its attention's arithmetic by the
-/// planner's count.
+/// The model's own attention rates on this CPU, flops/s, where measured: a prompt's
+/// (`runtime::exec::bench::engine_prefill_attention_flops_per_sec`) and a decode step's
+/// (`runtime::exec::bench::engine_decode_attention_rate`, one sequence).
+pub(super) struct AttentionRates {
+    pub prefill_flops_per_sec: Option<f64>,
+    pub decode_flops_per_sec: Option<f64>,
+    /// The prompt rate's share one thread computes while every thread runs one
+    /// (`runtime::exec::bench::engine_one_thread_prefill_share`).
+    pub one_thread_share: Option<f64>,
+}
+
+/// The JSON report from the best tokens/s, the model's `attention` rates and the peak RSS
+/// in bytes; with the model's `spec`, the prefill's compute rate and its attention's
+/// arithmetic by the planner's count.
 pub(super) fn json(
     args: &BenchDecodeArgs,
     engine: &Engine,
     spec: Option<ModelSpec>,
     prompt_tokens: usize,
     speed: CpuDecodeSpeed,
-    prefill_attention_flops_per_sec: Option<f64>,
+    attention: AttentionRates,
     peak_rss_bytes: u64,
 ) -> DecodeReport {
     let (best_prefill, best_decode) = (speed.prefill_tokens_per_sec, speed.decode_tokens_per_sec);
@@ -69,7 +79,7 @@ pub(super) fn json(
         prefill_tokens_per_sec: best_prefill,
         prefill_flops_per_sec,
         prefill_attention_flops,
-        prefill_attention_flops_per_sec,
+        prefill_attention_flops_per_sec: attention.prefill_flops_per_sec,
         decode_tokens_per_sec: best_decode,
         decode_step_secs,
         decode_weight_bytes,
@@ -80,6 +90,8 @@ pub(super) fn json(
                 * engine.model.attention_flops_per_token()) as u64,
         ),
         kv_heads: Some(engine.model.config.n_kv_heads),
+        decode_attention_flops_per_sec: attention.decode_flops_per_sec,
+        prefill_one_thread_share: attention.one_thread_share,
         peak_rss_bytes,
         gpu_memory_used_bytes: None,
         hbm_bytes_per_sec: None,

@@ -95,6 +95,8 @@ impl<'a> CudaReport<'a> {
             weight_bytes_per_sec: weight_bytes as f64 / speed.decode_step_secs,
             decode_attention_flops: None,
             kv_heads: None,
+            decode_attention_flops_per_sec: None,
+            prefill_one_thread_share: None,
             peak_rss_bytes: peak_rss_bytes()?,
             gpu_memory_used_bytes: Some(self.measured.memory_used_bytes),
             hbm_bytes_per_sec: self.hbm_bytes_per_sec,

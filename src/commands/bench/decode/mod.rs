@@ -33,8 +33,14 @@ pub(super) fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitSt
             // The planner's count of the prompt's arithmetic, for a calibration of the
             // CPU's compute rate.
             let spec = model::spec_of(&source).ok();
-            // Its attention's own rate, which splits the prefill's time for the planner.
-            let attention = bench::engine_prefill_attention_flops_per_sec(&engine)?;
+            // Its attention's own rates, which split the prefill's and the decode step's
+            // time for the planner.
+            let attention = cpu::AttentionRates {
+                prefill_flops_per_sec: bench::engine_prefill_attention_flops_per_sec(&engine)?,
+                decode_flops_per_sec: bench::engine_decode_attention_rate(&engine)?
+                    .map(|rate| rate.flops_per_sec),
+                one_thread_share: bench::engine_one_thread_prefill_share(&engine, &prompt)?,
+            };
             let report = cpu::json(
                 args,
                 &engine,

@@ -339,14 +339,15 @@ pub struct AttentionRate {
 }
 
 /// The arithmetic rate of this host's CPU engine's decode attention, flops/s: one sequence
-/// of the Q4_0 [`engine_probe`] decoded 8 steps after [`ATTENTION_PROBE_CONTEXT`] tokens of
+/// of `engine`'s model decoded 8 steps after up to [`ATTENTION_PROBE_CONTEXT`] tokens of
 /// random keys and values (imported, as a decode replica takes a prefill's, so that no
 /// prompt is computed), best of 2 runs; its extra attention flops per step
 /// (`Llama::attention_flops_per_token`) over its extra time per step against
-/// `short_step_secs`, the step of [`engine_decode_bytes_per_sec`] after 4 tokens. The
+/// `short_step_secs`, the step after a 4-token prompt ([`engine_decode_bytes_per_sec`]). The
 /// weights stream through the caches between one layer's reads of its cache and the next
-/// step's, as in a real model. Takes 0.1–0.3 s. `None` when the long context's steps came
-/// out no slower: a host too busy to measure.
+/// step's, as in a real model. Takes 0.1–0.3 s on the planner's probe model. `None` when the
+/// long context's steps came out no slower (a host too busy to measure), or the model holds
+/// fewer than 256 tokens of context beside the steps.
 ///
 /// Errors: a step fails.
 fn engine_attention_flops_per_sec(
@@ -354,8 +355,14 @@ fn engine_attention_flops_per_sec(
     short_step_secs: f64,
 ) -> Result<Option<AttentionRate>> {
     let model = &engine.model;
-    let transfer = probe_context(model, ATTENTION_PROBE_CONTEXT);
-    let (steps, runs) = (8, 2);
+    let steps = 8;
+    let context_tokens =
+        ATTENTION_PROBE_CONTEXT.min(model.config.max_context_tokens.saturating_sub(2 * steps));
+    if context_tokens < 256 {
+        return Ok(None);
+    }
+    let transfer = probe_context(model, context_tokens);
+    let runs = 2;
     let mut long_step_secs = f64::INFINITY;
     for run in 0..=runs {
         let secs = engine.install(|| -> Result<f64> {
@@ -369,15 +376,27 @@ fn engine_attention_flops_per_sec(
             long_step_secs = long_step_secs.min(secs);
         }
     }
-    // The short step attended to ~12 positions, the long one to ~2052.
-    let extra_flops =
-        (ATTENTION_PROBE_CONTEXT - 8) as f64 * model.attention_flops_per_token() as f64;
+    // The short step attended to ~12 positions, the long one to `context_tokens + 4`.
+    let extra_flops = (context_tokens - 8) as f64 * model.attention_flops_per_token() as f64;
     let extra_secs = long_step_secs - short_step_secs;
     Ok((extra_secs > 0.0).then(|| AttentionRate {
         flops_per_sec: extra_flops / extra_secs,
         tasks: model.config.n_kv_heads,
         threads: engine.threads(),
     }))
+}
+
+/// [`engine_attention_flops_per_sec`] of `engine`'s own model, on its threads: what `infer
+/// bench decode --json` reports for a calibration, since the rate depends on the shape
+/// (2-core EPYC: SmolLM2's 3 query heads of 64 per KV head at 14–15 GFLOP/s on two
+/// threads, whose 3 tasks keep them 3/4 busy, so 19–20 with every thread busy; the
+/// planner's probe's 2 of 128 at 13–16 with every thread busy). Its short step is the best
+/// of 3 runs of 16 steps after a 4-token prompt. Takes about 0.5 s for SmolLM2.
+///
+/// Errors: a step fails.
+pub fn engine_decode_attention_rate(engine: &Engine) -> Result<Option<AttentionRate>> {
+    let speed = cpu_decode(engine, &[1, 2, 3, 4], 1, 16, 3)?;
+    engine_attention_flops_per_sec(engine, 1.0 / speed.decode_tokens_per_sec)
 }
 
 /// `context_tokens` tokens of random keys and values for every layer of `model` (±0.5 at
@@ -491,6 +510,58 @@ fn engine_bf16_prefill_flops_per_sec(engine: &Engine) -> Result<f64> {
     Ok(flops * speed.prefill_tokens_per_sec / BF16_PROBE_PROMPT as f64)
 }
 
+/// Prompt tokens of the planner's probe's [`engine_one_thread_prefill_share`].
+const SHARE_PROBE_PROMPT: usize = 32;
+
+/// The share of the host's prompt rate that one thread computes while every core runs one,
+/// 0 to 1: `prompt` on all of `engine`'s threads, against the same prompt on one-thread
+/// engines, one per thread, side by side at once (as one-thread ranks of a host run;
+/// [`Engine::side_by_side`]), best of 2 runs after a warm-up, their mean. Measured side by
+/// side, not alone: on a shared VM two threads can share one physical core in some minutes
+/// and not in others, and a thread alone does not see it (2-core EPYC: one thread alone
+/// prefilled SmolLM2 at 0.55 of both threads' rate in some minutes and 0.78 in others). A
+/// team of threads pays hand-offs that a thread alone does not, the more so the smaller
+/// the products, so the share is above `1 / threads` and depends on the shape and the
+/// prompt (2-core EPYC: the planner's probe model 0.50–0.51 at 32 tokens; SmolLM2 0.82 at
+/// 32, 0.55–0.57 at 128). Takes 0.3–0.5 s on the probe model's 32 tokens. `None` on one
+/// thread.
+///
+/// Errors: a forward pass fails, or the one-thread engines cannot be started.
+pub fn engine_one_thread_prefill_share(engine: &Engine, prompt: &[u32]) -> Result<Option<f64>> {
+    let threads = engine.threads();
+    if threads < 2 {
+        return Ok(None);
+    }
+    // The prompt's prefill on `model` with the current thread's team, seconds.
+    let prefill = |model: &Llama| -> Result<f64> {
+        let mut cache = model.new_cache();
+        let start = Instant::now();
+        model.forward(&mut [SequenceInput {
+            tokens: prompt,
+            cache: &mut cache,
+            all_logits: false,
+        }])?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    let (mut team_secs, mut side_secs) = (f64::INFINITY, f64::INFINITY);
+    for run in 0..=2 {
+        let team = engine.install(|| prefill(&engine.model))?;
+        let start = std::sync::Barrier::new(threads);
+        let side = engine
+            .side_by_side(threads, |model| {
+                start.wait();
+                prefill(model)
+            })?
+            .into_iter()
+            .collect::<Result<Vec<f64>>>()?;
+        if run > 0 {
+            team_secs = team_secs.min(team);
+            side_secs = side_secs.min(side.iter().sum::<f64>() / threads as f64);
+        }
+    }
+    Ok((side_secs > 0.0).then(|| (team_secs / side_secs).clamp(1.0 / threads as f64, 1.0)))
+}
+
 /// The CPU engine's rates in a decode step on this host: what the planner's CPU probe
 /// (`inventory::probe_cpu_for_planning`) adds to the hardware's figures.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -515,6 +586,8 @@ pub struct EngineRates {
     /// [`engine_prefill_attention_flops_per_sec`] on every core, flops/s; `None` on a host
     /// too busy to measure it.
     pub prefill_attention_flops_per_sec: Option<f64>,
+    /// [`engine_one_thread_prefill_share`]; `None` on a host of one core.
+    pub prefill_one_thread_share: Option<f64>,
 }
 
 /// What [`engine_decode_rates`] measures again on a one-thread engine, where the team's
@@ -537,6 +610,8 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
         engine_decode_bytes_per_sec(&quantized, DummyDtype::Q4_0)?;
     let attention = engine_attention_flops_per_sec(&quantized, short_step_secs)?;
     let prefill_attention_flops_per_sec = engine_prefill_attention_flops_per_sec(&quantized)?;
+    let share_prompt: Vec<u32> = (1..=SHARE_PROBE_PROMPT as u32).collect();
+    let prefill_one_thread_share = engine_one_thread_prefill_share(&quantized, &share_prompt)?;
     let (wide_bytes, wide_layers) = (
         quantized.model.decode_weight_bytes() as f64,
         quantized.model.layers.len() as f64,
@@ -583,6 +658,7 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
         bf16_prefill_flops_per_sec,
         attention,
         prefill_attention_flops_per_sec,
+        prefill_one_thread_share,
     })
 }
 
@@ -650,6 +726,74 @@ mod tests {
             .find_map(|_| engine_prefill_attention_flops_per_sec(&long).expect("runs"))
             .expect("measured in one of three tries");
         assert!(rate.is_finite() && rate > 0.0, "{rate}");
+    }
+
+    #[test]
+    fn a_models_decode_attention_is_timed_after_the_context_it_holds() {
+        let engine = |max_context_tokens, threads| {
+            let model = DummyModel {
+                name: "decode attention".into(),
+                max_context_tokens,
+                n_layers: 2,
+                n_kv_heads: 2,
+                n_heads: 4,
+                ..layer_probe_model()
+            };
+            Engine::from_source(&ModelSource::Dummy(model), threads, Numerics::default())
+                .expect("builds")
+        };
+        // No room for 256 tokens of context beside the 8 steps and the short run's 20.
+        let short = engine(256 + 15, 1);
+        assert_eq!(engine_decode_attention_rate(&short).expect("runs"), None);
+        // Room for 1024: steps attending to 1000 more positions each take longer (a busy
+        // host may hide it once; not three times); the rate says its tasks and threads.
+        let long = engine(1024 + 16, 2);
+        let rate = (0..3)
+            .find_map(|_| engine_decode_attention_rate(&long).expect("runs"))
+            .expect("measured in one of three tries");
+        assert!(
+            rate.flops_per_sec.is_finite() && rate.flops_per_sec > 0.0,
+            "{rate:?}"
+        );
+        assert_eq!((rate.tasks, rate.threads), (2, 2));
+    }
+
+    #[test]
+    fn one_threads_share_of_a_prompt_is_timed_beside_the_others() {
+        let engine = |threads| {
+            let model = DummyModel {
+                name: "one thread's share".into(),
+                n_layers: 2,
+                ..layer_probe_model()
+            };
+            Engine::from_source(&ModelSource::Dummy(model), threads, Numerics::default())
+                .expect("builds")
+        };
+        let prompt: Vec<u32> = (1..=16).collect();
+        // One thread has no others to share with.
+        assert_eq!(
+            engine_one_thread_prefill_share(&engine(1), &prompt).expect("runs"),
+            None
+        );
+        // Two: each one-thread engine runs the prompt on its own thread at once, and the
+        // same model's logits come out of each.
+        let two = engine(2);
+        let logits = two
+            .side_by_side(2, |model| {
+                let mut cache = model.new_cache();
+                model.forward(&mut [SequenceInput {
+                    tokens: &prompt,
+                    cache: &mut cache,
+                    all_logits: false,
+                }])
+            })
+            .expect("runs");
+        let logits: Vec<_> = logits.into_iter().map(|l| l.expect("forward")).collect();
+        assert_eq!(logits[0], logits[1]);
+        let share = engine_one_thread_prefill_share(&two, &prompt)
+            .expect("runs")
+            .expect("two threads");
+        assert!((0.5..=1.0).contains(&share), "{share}");
     }
 
     #[test]

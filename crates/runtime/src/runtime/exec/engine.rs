@@ -89,6 +89,33 @@ impl Engine {
         Ok(Engine { pool, team, ..self })
     }
 
+    /// Runs `f` on `n` one-thread pools and teams at once, one OS thread each, all on this
+    /// engine's model (as `n` one-thread ranks of a host run side by side); each call's
+    /// result, in order.
+    ///
+    /// Errors: the threads cannot be started, or one of them panicked.
+    pub(crate) fn side_by_side<T: Send>(
+        &self,
+        n: usize,
+        f: impl Fn(&Llama) -> T + Sync,
+    ) -> Result<Vec<T>> {
+        let lanes = (0..n).map(|_| threads_of(1)).collect::<Result<Vec<_>>>()?;
+        let (model, f) = (&self.model, &f);
+        std::thread::scope(|scope| {
+            let running: Vec<_> = lanes
+                .iter()
+                .map(|(pool, team)| scope.spawn(move || pool.install(|| team.enter(|| f(model)))))
+                .collect();
+            running
+                .into_iter()
+                .map(|lane| {
+                    lane.join()
+                        .map_err(|_| anyhow!("a one-thread run beside the others panicked"))
+                })
+                .collect()
+        })
+    }
+
     /// Threads of the pool.
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
