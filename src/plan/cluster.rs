@@ -57,8 +57,8 @@ pub(crate) const SHM_TRAFFIC_PER_BYTE: f64 = 4.0;
 /// engine computes quantized products in f32 whatever the dtype), up to one rank per core,
 /// what its threads do ([`rank_rate`] with the profile's one-thread figures, the prompt
 /// rates' from [`CpuProfile::prefill_one_thread_share`]; the weights within `1/ranks` of
-/// the memory's bandwidth), and beyond, its turns' share
-/// ([`rate_share`]); how
+/// the memory's bandwidth), and beyond, what one thread does for one of its `⌈ranks /
+/// cores⌉` turns of the cores ([`rate_share`] without one-thread figures); how
 /// much faster a rank works while its TP group waits on it ([`CpuRowChain`]); no NVLink; its
 /// shared-memory link as `pcie_gb_per_sec` ([`SHM_TRAFFIC_PER_BYTE`]); TCP sockets between
 /// hosts (the CPU ranks' collectives use no RDMA) as `nic_gb_per_sec`.
@@ -67,56 +67,45 @@ pub(crate) fn cpu_rank_hardware(profile: &CpuProfile, ranks: u64) -> HardwareSpe
     let threads = (cores / ranks.max(1)).max(1);
     let ranks = ranks.max(1);
     let share = rate_share(ranks, cores);
+    // A rate of the whole host (`all`; `alone` on one thread) as one rank gets it: what its
+    // threads do, within `cap`, for one of its turns of the cores.
+    let turns = ranks.div_ceil(cores) as f64;
+    let rate =
+        |all: f64, alone: Option<f64>, cap: f64| rank_rate(all, alone, threads, cores, cap) / turns;
     // A prompt rate of the whole host, as one rank computes it.
     let prompt_rate = |all: f64| {
-        if ranks <= cores {
-            let alone = profile.prefill_one_thread_share.map(|part| part * all);
-            rank_rate(all, alone, threads, cores, f64::INFINITY)
-        } else {
-            all / share
-        }
+        let alone = profile.prefill_one_thread_share.map(|part| part * all);
+        rate(all, alone, f64::INFINITY)
     };
     HardwareSpec {
         name: profile.name.clone(),
         memory_bytes: (profile.memory_bytes as f64 / ranks as f64) as u64,
-        hbm_gb_per_sec: if ranks <= cores {
-            rank_rate(
-                profile.weight_read_bytes_per_sec(),
-                profile.decode_one_thread_bytes_per_sec,
-                threads,
-                cores,
-                profile.memory_bytes_per_sec / ranks as f64,
-            )
-        } else {
-            profile.weight_read_bytes_per_sec() / share
-        } / 1e9,
+        hbm_gb_per_sec: rate(
+            profile.weight_read_bytes_per_sec(),
+            profile.decode_one_thread_bytes_per_sec,
+            profile.memory_bytes_per_sec / ranks.min(cores) as f64,
+        ) / 1e9,
         bf16_tflops: prompt_rate(profile.flops_per_sec) / 1e12,
         fp8_tflops: prompt_rate(profile.flops_per_sec) / 1e12,
         nvlink_gb_per_sec: 0.0,
         nvlink_domain_size: 1,
         bf16_weights_gb_per_sec: profile
             .decode_bf16_bytes_per_sec
-            .map(|rate| rate / share / 1e9),
+            .map(|all| rate(all, None, f64::INFINITY) / 1e9),
         bf16_products_tflops: profile
             .prefill_bf16_flops_per_sec
-            .map(|rate| prompt_rate(rate) / 1e12),
+            .map(|all| prompt_rate(all) / 1e12),
         cpu_layer_secs: profile
             .decode_layer_secs
             .map(|secs| rank_layer_secs(secs, ranks, cores)),
         cpu_attention: profile
             .decode_attention_flops_per_sec
-            .map(|rate| CpuAttention {
-                flops_per_sec: if ranks <= cores {
-                    rank_rate(
-                        rate,
-                        profile.decode_one_thread_attention_flops_per_sec,
-                        threads,
-                        cores,
-                        f64::INFINITY,
-                    )
-                } else {
-                    rate / share
-                },
+            .map(|all| CpuAttention {
+                flops_per_sec: rate(
+                    all,
+                    profile.decode_one_thread_attention_flops_per_sec,
+                    f64::INFINITY,
+                ),
                 threads,
             }),
         cpu_prefill_attention_flops_per_sec: profile
@@ -1259,7 +1248,7 @@ mod tests {
             "{}",
             one.hbm_gb_per_sec
         );
-        // Compute stays the threads' share: the probe measures no one-thread compute rate.
+        // Compute stays the threads' share without a measured one-thread share of it.
         assert!(
             (one.bf16_tflops - 125.0).abs() < 1e-9,
             "{}",
@@ -1277,7 +1266,10 @@ mod tests {
             "{}",
             two.hbm_gb_per_sec
         );
-        // Ranks beyond the cores take turns at their share, as without the figure.
+        // Ranks beyond the cores take turns: one thread's 3 GB/s (within 40 GB/s over the 8
+        // ranks running at once) for one of 2 turns; its share without the figure.
+        assert!((cpu_rank_hardware(&profile, 12).hbm_gb_per_sec - 1.5).abs() < 1e-9);
+        profile.decode_one_thread_bytes_per_sec = None;
         assert_eq!(cpu_rank_hardware(&profile, 12).hbm_gb_per_sec * 16.0, 12.0);
     }
 
@@ -1532,10 +1524,10 @@ mod tests {
             let products = bf16.bf16_products_tflops.expect("measured") * 1e12;
             assert!((products - 1e10 * part).abs() < 1e-3, "{products}");
         }
-        // Ranks beyond one per core take turns: their share is unchanged by it (16 ranks on 8
-        // cores: 1/16 of the host's rates).
+        // Ranks beyond one per core take turns: 16 ranks on 8 cores each compute at one
+        // thread's 0.2 for one of 2 turns.
         let turns = prefill(&shared, 16, 1024);
-        assert!((turns - 16.0 * alone).abs() < 1e-9 * turns, "{turns}");
+        assert!((turns - alone / 0.1).abs() < 1e-9 * turns, "{turns}");
         // A calibration takes the measured model's own share.
         let with_share = DecodeReport {
             prefill_one_thread_share: Some(0.3),
