@@ -217,6 +217,10 @@ pub fn probe_cpu_for_planning() -> Result<CpuProfile> {
     profile.decode_layer_secs = rates.layer_secs;
     profile.prefill_attention_flops_per_sec = rates.prefill_attention_flops_per_sec;
     profile.prefill_one_thread_share = rates.prefill_one_thread_share;
+    // The engine's quantized products outrun the f32 FMA peak: its own rate.
+    if rates.prefill_flops_per_sec.is_finite() && rates.prefill_flops_per_sec > 0.0 {
+        profile.flops_per_sec = rates.prefill_flops_per_sec;
+    }
     if let Some(alone) = rates.one_thread {
         profile.decode_one_thread_bytes_per_sec = Some(alone.weights_bytes_per_sec);
         profile.decode_one_thread_attention_flops_per_sec =

@@ -184,7 +184,7 @@ pub struct DecodeReport {
     pub decode_attention_flops_per_sec: Option<f64>,
     /// The share of the prompt rate on `threads` threads that one thread of the model
     /// computes while every one of them runs one, side by side
-    /// (`runtime::exec::bench::engine_one_thread_prefill_share`): what a one-thread rank of
+    /// (`runtime::exec::bench::engine_prompt_run`): what a one-thread rank of
     /// this model gets. Absent from older reports, from GPU runs and on one thread.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_one_thread_share: Option<f64>,

@@ -1493,7 +1493,7 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
                 )
             });
             format!(
-                "each host's CPU is one device its ranks share: {}, {} cores, {:.1} GiB of memory read at {:.1} GB/s{engine}, {:.1} GFLOP/s{prompt}{one_thread} ({})",
+                "each host's CPU is one device its ranks share: {}, {} cores, {:.1} GiB of memory read at {:.1} GB/s{engine}, computing {:.1} GFLOP/s{prompt}{one_thread} ({})",
                 p.name,
                 p.n_cores,
                 gib(p.memory_bytes),
@@ -1513,7 +1513,7 @@ fn cpu_lines(run: &Run<'_>, best: Option<&Candidate>) -> Vec<String> {
         } else {
             // The inventory's `cpu-ranks` is trusted; say what the estimates leave out.
             format!(
-                "its `cpu-ranks`, more than its {min_cores} cores: ranks beyond one per core take turns on them: each rank has one thread and, between two collectives, the ranks run in ⌈ranks / cores⌉ turns of the cores, so each gets 1/(⌈ranks / cores⌉ · cores) of the host's rates"
+                "its `cpu-ranks`, more than its {min_cores} cores: ranks beyond one per core take turns on them: each rank has one thread and, between two collectives, the ranks run in ⌈ranks / cores⌉ turns of the cores, so each gets what one thread does alone for one of its turns (without a one-thread figure, 1/(⌈ranks / cores⌉ · cores) of the host's rates)"
             )
         }
     ));

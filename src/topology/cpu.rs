@@ -42,9 +42,11 @@ pub struct CpuProfile {
     pub memory_bytes: u64,
     /// Memory read bandwidth of all cores together, bytes/s.
     pub memory_bytes_per_sec: f64,
-    /// Fused multiply-add throughput of all cores together, f32 flops/s (a multiply-add is
-    /// two). Integer dot products (the CPU engine's quantized matrix products) run at up to
-    /// twice this rate, and a calibration from the engine's prefill can exceed it.
+    /// The compute rate of all cores together, flops/s: [`probe_cpu`]'s f32 fused
+    /// multiply-add throughput (a multiply-add is two), which the planner's probe replaces
+    /// with the CPU engine's own quantized products in a prompt (its integer dot products
+    /// outrun the FMA peak: 2-core EPYC, 250–260 GFLOP/s against 229), and a calibration
+    /// with the real model's.
     pub flops_per_sec: f64,
     /// The rate at which the CPU engine reads its weights in a decode step on every core,
     /// bytes/s: its kernels' rate, which is what bounds a decode step, and may be well

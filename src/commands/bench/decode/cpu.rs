@@ -40,7 +40,7 @@ pub(super) struct AttentionRates {
     pub prefill_flops_per_sec: Option<f64>,
     pub decode_flops_per_sec: Option<f64>,
     /// The prompt rate's share one thread computes while every thread runs one
-    /// (`runtime::exec::bench::engine_one_thread_prefill_share`).
+    /// (`runtime::exec::bench::engine_prompt_run`).
     pub one_thread_share: Option<f64>,
 }
 

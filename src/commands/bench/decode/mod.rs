@@ -39,7 +39,7 @@ pub(super) fn decode(args: &BenchDecodeArgs, printer: &Printer) -> Result<ExitSt
                 prefill_flops_per_sec: bench::engine_prefill_attention_flops_per_sec(&engine)?,
                 decode_flops_per_sec: bench::engine_decode_attention_rate(&engine)?
                     .map(|rate| rate.flops_per_sec),
-                one_thread_share: bench::engine_one_thread_prefill_share(&engine, &prompt)?,
+                one_thread_share: bench::engine_prompt_run(&engine, &prompt)?.one_thread_share,
             };
             let report = cpu::json(
                 args,

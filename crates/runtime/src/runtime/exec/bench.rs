@@ -496,42 +496,55 @@ const BF16_PROBE_PROMPT: usize = 8;
 ///
 /// Errors: a forward pass fails.
 fn engine_bf16_prefill_flops_per_sec(engine: &Engine) -> Result<f64> {
-    let c = &engine.model.config;
-    let (hidden, q_dim, kv_dim) = (
-        c.hidden_size,
-        c.n_heads * c.head_dim,
-        c.n_kv_heads * c.head_dim,
-    );
-    let layer_params = engine.model.layers.len()
-        * (hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * c.intermediate_size);
-    let flops = 2.0 * (layer_params * BF16_PROBE_PROMPT + c.vocab_size * hidden) as f64;
+    let flops = prompt_products_flops(&engine.model, BF16_PROBE_PROMPT);
     let prompt: Vec<u32> = (0..BF16_PROBE_PROMPT as u32).map(|t| 1 + t).collect();
     let speed = cpu_decode(engine, &prompt, 1, 1, 2)?;
     Ok(flops * speed.prefill_tokens_per_sec / BF16_PROBE_PROMPT as f64)
 }
 
-/// Prompt tokens of the planner's probe's [`engine_one_thread_prefill_share`].
+/// The products of a prompt of `tokens` tokens of `model`, flops, as the planner counts
+/// them: `2 · layer weights` a token (the attention's and the MLP's projections), and the LM
+/// head once, for the last token's logits.
+fn prompt_products_flops(model: &Llama, tokens: usize) -> f64 {
+    let c = &model.config;
+    let (hidden, q_dim, kv_dim) = (
+        c.hidden_size,
+        c.n_heads * c.head_dim,
+        c.n_kv_heads * c.head_dim,
+    );
+    let layer_params =
+        model.layers.len() * (hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * c.intermediate_size);
+    2.0 * (layer_params * tokens + c.vocab_size * hidden) as f64
+}
+
+/// Prompt tokens of the planner's probe's [`engine_prompt_run`].
 const SHARE_PROBE_PROMPT: usize = 32;
 
-/// The share of the host's prompt rate that one thread computes while every core runs one,
-/// 0 to 1: `prompt` on all of `engine`'s threads, against the same prompt on one-thread
+/// What [`engine_prompt_run`] measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PromptRun {
+    /// The prompt's prefill on all of the engine's threads, best of 2, seconds.
+    pub secs: f64,
+    /// The share of that rate one thread computes while every one of them runs one, 0 to 1;
+    /// `None` on one thread.
+    pub one_thread_share: Option<f64>,
+}
+
+/// `prompt` prefilled on all of `engine`'s threads and, on more than one, on one-thread
 /// engines, one per thread, side by side at once (as one-thread ranks of a host run;
-/// [`Engine::side_by_side`]), best of 2 runs after a warm-up, their mean. Measured side by
-/// side, not alone: on a shared VM two threads can share one physical core in some minutes
-/// and not in others, and a thread alone does not see it (2-core EPYC: one thread alone
-/// prefilled SmolLM2 at 0.55 of both threads' rate in some minutes and 0.78 in others). A
-/// team of threads pays hand-offs that a thread alone does not, the more so the smaller
-/// the products, so the share is above `1 / threads` and depends on the shape and the
-/// prompt (2-core EPYC: the planner's probe model 0.50–0.51 at 32 tokens; SmolLM2 0.82 at
-/// 32, 0.55–0.57 at 128). Takes 0.3–0.5 s on the probe model's 32 tokens. `None` on one
-/// thread.
+/// [`Engine::side_by_side`]), best of 2 runs after a warm-up; the share is the team's time
+/// over the one-thread engines' mean. Measured side by side, not alone: on a shared VM two
+/// threads can share one physical core in some minutes and not in others, and a thread
+/// alone does not see it (2-core EPYC: one thread alone prefilled SmolLM2 at 0.55 of both
+/// threads' rate in some minutes and 0.78 in others). A team of threads pays hand-offs that
+/// a thread alone does not, the more so the smaller the products, so the share is above
+/// `1 / threads` and depends on the shape and the prompt (2-core EPYC: the planner's probe
+/// model 0.50–0.51 at 32 tokens; SmolLM2 0.82 at 32, 0.55–0.57 at 128). Takes 0.3–0.5 s on
+/// the probe model's 32 tokens.
 ///
 /// Errors: a forward pass fails, or the one-thread engines cannot be started.
-pub fn engine_one_thread_prefill_share(engine: &Engine, prompt: &[u32]) -> Result<Option<f64>> {
+pub fn engine_prompt_run(engine: &Engine, prompt: &[u32]) -> Result<PromptRun> {
     let threads = engine.threads();
-    if threads < 2 {
-        return Ok(None);
-    }
     // The prompt's prefill on `model` with the current thread's team, seconds.
     let prefill = |model: &Llama| -> Result<f64> {
         let mut cache = model.new_cache();
@@ -546,20 +559,29 @@ pub fn engine_one_thread_prefill_share(engine: &Engine, prompt: &[u32]) -> Resul
     let (mut team_secs, mut side_secs) = (f64::INFINITY, f64::INFINITY);
     for run in 0..=2 {
         let team = engine.install(|| prefill(&engine.model))?;
-        let start = std::sync::Barrier::new(threads);
-        let side = engine
-            .side_by_side(threads, |model| {
-                start.wait();
-                prefill(model)
-            })?
-            .into_iter()
-            .collect::<Result<Vec<f64>>>()?;
+        let side = if threads > 1 {
+            let start = std::sync::Barrier::new(threads);
+            let side = engine
+                .side_by_side(threads, |model| {
+                    start.wait();
+                    prefill(model)
+                })?
+                .into_iter()
+                .collect::<Result<Vec<f64>>>()?;
+            side.iter().sum::<f64>() / threads as f64
+        } else {
+            f64::INFINITY
+        };
         if run > 0 {
             team_secs = team_secs.min(team);
-            side_secs = side_secs.min(side.iter().sum::<f64>() / threads as f64);
+            side_secs = side_secs.min(side);
         }
     }
-    Ok((side_secs > 0.0).then(|| (team_secs / side_secs).clamp(1.0 / threads as f64, 1.0)))
+    Ok(PromptRun {
+        secs: team_secs,
+        one_thread_share: (threads > 1 && side_secs > 0.0)
+            .then(|| (team_secs / side_secs).clamp(1.0 / threads as f64, 1.0)),
+    })
 }
 
 /// The CPU engine's rates in a decode step on this host: what the planner's CPU probe
@@ -586,7 +608,11 @@ pub struct EngineRates {
     /// [`engine_prefill_attention_flops_per_sec`] on every core, flops/s; `None` on a host
     /// too busy to measure it.
     pub prefill_attention_flops_per_sec: Option<f64>,
-    /// [`engine_one_thread_prefill_share`]; `None` on a host of one core.
+    /// The products rate of the Q4_0 probe's 32-token prompt on every core, flops/s of the
+    /// planner's count ([`engine_prompt_run`]): the engine's integer dot products, which
+    /// outrun the f32 FMA peak (2-core EPYC: 250–260 GFLOP/s against 229).
+    pub prefill_flops_per_sec: f64,
+    /// [`engine_prompt_run`]'s one-thread share; `None` on a host of one core.
     pub prefill_one_thread_share: Option<f64>,
 }
 
@@ -611,7 +637,9 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
     let attention = engine_attention_flops_per_sec(&quantized, short_step_secs)?;
     let prefill_attention_flops_per_sec = engine_prefill_attention_flops_per_sec(&quantized)?;
     let share_prompt: Vec<u32> = (1..=SHARE_PROBE_PROMPT as u32).collect();
-    let prefill_one_thread_share = engine_one_thread_prefill_share(&quantized, &share_prompt)?;
+    let prompt_run = engine_prompt_run(&quantized, &share_prompt)?;
+    let prefill_flops_per_sec =
+        prompt_products_flops(&quantized.model, SHARE_PROBE_PROMPT) / prompt_run.secs;
     let (wide_bytes, wide_layers) = (
         quantized.model.decode_weight_bytes() as f64,
         quantized.model.layers.len() as f64,
@@ -658,7 +686,8 @@ pub fn engine_decode_rates() -> Result<EngineRates> {
         bf16_prefill_flops_per_sec,
         attention,
         prefill_attention_flops_per_sec,
-        prefill_one_thread_share,
+        prefill_flops_per_sec,
+        prefill_one_thread_share: prompt_run.one_thread_share,
     })
 }
 
@@ -771,10 +800,9 @@ mod tests {
         };
         let prompt: Vec<u32> = (1..=16).collect();
         // One thread has no others to share with.
-        assert_eq!(
-            engine_one_thread_prefill_share(&engine(1), &prompt).expect("runs"),
-            None
-        );
+        let one = engine_prompt_run(&engine(1), &prompt).expect("runs");
+        assert_eq!(one.one_thread_share, None);
+        assert!(one.secs > 0.0 && one.secs.is_finite(), "{one:?}");
         // Two: each one-thread engine runs the prompt on its own thread at once, and the
         // same model's logits come out of each.
         let two = engine(2);
@@ -790,8 +818,9 @@ mod tests {
             .expect("runs");
         let logits: Vec<_> = logits.into_iter().map(|l| l.expect("forward")).collect();
         assert_eq!(logits[0], logits[1]);
-        let share = engine_one_thread_prefill_share(&two, &prompt)
+        let share = engine_prompt_run(&two, &prompt)
             .expect("runs")
+            .one_thread_share
             .expect("two threads");
         assert!((0.5..=1.0).contains(&share), "{share}");
     }
