@@ -112,9 +112,11 @@ pub struct CpuProfile {
     /// The share of the host's prompt rates (`flops_per_sec`, `prefill_bf16_flops_per_sec`,
     /// `prefill_attention_flops_per_sec`) that one thread computes while every core runs
     /// one, 0 to 1: above `1 / n_cores`, since a team of threads pays hand-offs between them
-    /// that a thread alone does not (2-core EPYC: 0.55–0.57). Measured side by side by the
-    /// planner's probe (`runtime::exec::bench::engine_decode_rates`); `None` on one core or
-    /// where not measured, and then a rank gets its threads' share of the prompt rates.
+    /// that a thread alone does not, the more so the narrower the model (2-core EPYC: 0.50–0.51
+    /// for the probe's wide model, 0.54–0.56 for SmolLM2's 128-token prompt). Measured side
+    /// by side by the planner's probe (`runtime::exec::bench::engine_decode_rates`), or on the
+    /// real model by a calibration; `None` on one core or where not measured, and then a rank
+    /// gets its threads' share of the prompt rates.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_one_thread_share: Option<f64>,
     /// How the figures were obtained (`probed on this host in 0.41 s`).
