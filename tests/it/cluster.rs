@@ -866,6 +866,16 @@ fn up_over_two_hosts_serves_routes_to_both_and_answers_the_openai_client() {
     );
 }
 
+/// The host of each of `ranks[]` in a plan's or a run manifest's JSON, in rank order.
+fn rank_hosts(value: &Value) -> Vec<&Value> {
+    value["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| &r["host"])
+        .collect()
+}
+
 /// `infer up --cluster hosts.toml` without `--tp/--pp/--dp` on hosts of CPU ranks probes each
 /// host's CPU over SSH and launches the plan `infer plan --cluster hosts.toml --probe-hosts`
 /// makes for them: its layout, each rank on the host the plan put it on; and it answers as
@@ -956,19 +966,9 @@ fn up_over_cpu_rank_hosts_launches_their_plan() {
         assert!(pinned.status.success(), "{}", stderr(&pinned));
         serde_json::from_slice(&pinned.stdout).expect("plan JSON")
     };
-    let planned_hosts: Vec<&Value> = placed["ranks"]
-        .as_array()
-        .expect("ranks")
-        .iter()
-        .map(|r| &r["host"])
-        .collect();
+    let planned_hosts = rank_hosts(&placed);
     let manifest = run_manifest(&server.startup);
-    let launched_hosts: Vec<&Value> = manifest["ranks"]
-        .as_array()
-        .expect("ranks")
-        .iter()
-        .map(|r| &r["host"])
-        .collect();
+    let launched_hosts = rank_hosts(&manifest);
     assert_eq!(launched_hosts, planned_hosts, "{manifest}");
     let (status, body) = server.post(
         "/v1/completions",
